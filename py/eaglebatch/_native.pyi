@@ -1,0 +1,116 @@
+"""Typed surface of the Rust extension (`rust/`). The contract between the two sides.
+
+Rust owns everything that is not tensor math: reading Parquet, rendering chat templates,
+tokenizing, admission, batching, the paged-KV block manager, stop conditions, incremental
+detokenization, timing and writing Parquet. Every method below releases the GIL while it works.
+
+Invariants:
+- Request slots are small stable integers in [0, max_batch_size): a running request keeps its slot
+  until it finishes or is preempted, so the worker may keep per-slot state.
+- KV slot index = block_id * block_size + offset_in_block; block ids are in [0, num_blocks).
+- A plan's rows are in a fixed order; `commit` takes results in that same order.
+"""
+
+import numpy as np
+import numpy.typing as npt
+
+__version__: str
+
+class NativeError(Exception):
+    """Any error raised by the Rust side (bad input file, missing column, tokenizer, I/O)."""
+
+class UserInputError(NativeError):
+    """An error the user can fix (missing file / column, wrong column type): message names it."""
+
+class StepPlan:
+    """One forward step. B = num_seqs, T = num_tokens (sum of query lengths)."""
+
+    kind: str  # "prefill" (query covers a whole sequence from position 0) | "decode"
+    num_seqs: int
+    num_tokens: int
+    slots: npt.NDArray[np.int32]  # [B] request slots
+    input_ids: npt.NDArray[np.int64]  # [T]
+    positions: npt.NDArray[np.int64]  # [T] absolute positions
+    cu_seqlens_q: npt.NDArray[np.int32]  # [B+1] query offsets into input_ids
+    seq_lens: npt.NDArray[np.int32]  # [B] kv length after this step (context incl. query)
+    block_tables: npt.NDArray[np.int32]  # [B, M] block ids; entries past a row's need are 0
+    slot_mapping: npt.NDArray[np.int64]  # [T] kv slot each query token's K/V is written to
+    temperature: npt.NDArray[np.float32]  # [B] 0 = greedy
+    top_p: npt.NDArray[np.float32]  # [B] 1.0 = off
+    top_k: npt.NDArray[np.int32]  # [B] 0 = off
+    seeds: npt.NDArray[np.int64]  # [B] per-request seed (job seed mixed with the row index)
+    num_generated: npt.NDArray[np.int32]  # [B] output tokens committed so far (sampling key)
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        input_files: list[str],
+        prompt_column: str | None,
+        messages_column: str | None,
+        id_column: str | None,
+        limit: int | None,
+        apply_chat_template: bool,
+        tokenizer_file: str,
+        chat_template: str | None,
+        bos_token: str | None,
+        eos_token: str | None,
+        eos_token_ids: list[int],
+        output_dir: str,
+        part_rows: int,
+        file_metadata: dict[str, str],
+        include_token_ids: bool,
+        max_new_tokens: int,
+        stop: list[str],
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        seed: int,
+        num_blocks: int,
+        block_size: int,
+        max_batch_size: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        read_batch_rows: int = 1024,
+        queue_rows: int = 4096,
+    ) -> None:
+        """Validates the input (files exist, are Parquet, columns exist with usable types) and
+        starts the reader/tokenizer and writer threads. Raises UserInputError naming the file or
+        column. Rows are not all loaded: memory is bounded by `queue_rows`."""
+
+    def next_plan(self) -> StepPlan | None:
+        """The next step, or None when every input row has been written. Blocks (GIL released)
+        while waiting for input. Error rows (null / empty prompt, prompt >= max_model_len or
+        needing more than num_blocks blocks, template / tokenizer failure) never reach a plan:
+        they are written with finish_reason = "error" and a specific `error` message."""
+
+    def commit(
+        self,
+        tokens: npt.NDArray[np.int32],
+        num_tokens: npt.NDArray[np.int32],
+        num_accepted: npt.NDArray[np.int32] | None = None,
+    ) -> None:
+        """Results of the last plan, rows in plan order: row i produced
+        tokens[sum(num_tokens[:i]) : sum(num_tokens[:i+1])]. The scheduler truncates at EOS,
+        stop strings, max_new_tokens and max_model_len, frees finished requests' blocks and hands
+        finished rows to the writer. `num_accepted` (speculative decoding) is accumulated."""
+
+    def progress(self) -> dict[str, int]:
+        """requests_total (from Parquet footers, capped by limit), requests_done, requests_error,
+        running, waiting, prompt_tokens, output_tokens, preemptions, free_blocks."""
+
+    def finish(self) -> dict[str, object]:
+        """Waits for the writer, checks no KV block leaked (raises NativeError if one did) and
+        returns the summary: requests, errors, prompt_tokens, output_tokens, preemptions,
+        latency_p50/p90/p99, ttft_p50/p99, tpot_p50/p99 (seconds), part_files."""
+
+def render_chat_template(
+    template: str,
+    messages: list[dict[str, str]],
+    add_generation_prompt: bool,
+    bos_token: str | None,
+    eos_token: str | None,
+) -> str:
+    """Renders a Hugging Face chat template (minijinja); exposed for parity tests."""
