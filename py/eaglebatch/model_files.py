@@ -1,0 +1,104 @@
+"""A model folder on disk: where its weights, tokenizer and chat template are, checked up front.
+
+A model is either a builtin name (materialised by `defaults`) or a Hugging Face-style folder:
+config.json, *.safetensors (or model.safetensors.index.json shards), tokenizer.json, and a chat
+template in chat_template.jinja or tokenizer_config.json.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import JobError
+from . import defaults
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    dir: Path
+    tokenizer_file: Path
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    eos_token_ids: tuple[int, ...]
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):  # older tokenizer_config format: {"content": "...", ...}
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _ids(value) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int)]
+    return []
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise JobError(f"model: cannot read {path}: {e}") from None
+
+
+def _chat_template(d: Path, tok_cfg: dict) -> str | None:
+    jinja = d / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    tmpl = tok_cfg.get("chat_template")
+    if isinstance(tmpl, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in tmpl if isinstance(t, dict)}
+        tmpl = named.get("default")
+    return tmpl if isinstance(tmpl, str) else None
+
+
+def resolve_model_dir(model: str) -> Path:
+    if defaults.is_builtin_model(model):
+        return defaults.builtin_model_dir()
+    d = Path(model)
+    if not d.is_dir():
+        raise JobError(
+            f"model: '{model}' is neither a folder nor a builtin model "
+            f"(builtin: {defaults.BUILTIN_MODEL})"
+        )
+    return d
+
+
+def check_model_dir(d: Path) -> ModelFiles:
+    """Checks the folder has everything a run needs; raises JobError naming what is missing."""
+    if not (d / "config.json").is_file():
+        raise JobError(f"model: {d} has no config.json")
+    if not (any(d.glob("*.safetensors")) or (d / "model.safetensors.index.json").is_file()):
+        raise JobError(f"model: {d} has no *.safetensors weights")
+    tokenizer_file = d / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise JobError(f"model: {d} has no tokenizer.json")
+    cfg = _read_json(d / "config.json")
+    tok_cfg = _read_json(d / "tokenizer_config.json") if (d / "tokenizer_config.json").is_file() else {}
+    gen_cfg = (
+        _read_json(d / "generation_config.json")
+        if (d / "generation_config.json").is_file()
+        else {}
+    )
+    bos, eos = _token_text(tok_cfg.get("bos_token")), _token_text(tok_cfg.get("eos_token"))
+    eos_ids = _ids(gen_cfg.get("eos_token_id")) or _ids(cfg.get("eos_token_id"))
+    if eos is not None:
+        added = _read_json(tokenizer_file).get("added_tokens", [])
+        eos_ids += [t["id"] for t in added if t.get("content") == eos]
+    return ModelFiles(
+        dir=d,
+        tokenizer_file=tokenizer_file,
+        chat_template=_chat_template(d, tok_cfg),
+        bos_token=bos,
+        eos_token=eos,
+        eos_token_ids=tuple(sorted(set(eos_ids))),
+    )
+
+
+def model_files(model: str) -> ModelFiles:
+    return check_model_dir(resolve_model_dir(model))

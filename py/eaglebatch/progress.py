@@ -1,0 +1,95 @@
+"""What the user sees: a live progress bar on a terminal, periodic log lines otherwise, and a
+summary table at the end. Reads only the scheduler's counters; never slows the step loop."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+
+class ProgressView:
+    """Call with `scheduler.progress()` dicts; use as a context manager."""
+
+    def __init__(self, total: int, console: Console | None = None, log_every_s: float = 30.0):
+        self.console = console or Console(stderr=True)
+        self.total = total
+        self.start = time.monotonic()
+        self.log_every_s = log_every_s
+        self._last_log = self.start
+        self._bar: Progress | None = None
+        if self.console.is_terminal:
+            self._bar = Progress(
+                TextColumn("[bold]generating"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[tok_s]:>8.1f} tok/s"),
+                TextColumn("run {task.fields[running]} wait {task.fields[waiting]}"),
+                TimeRemainingColumn(),
+                console=self.console,
+                transient=False,
+            )
+            self._task = self._bar.add_task("gen", total=total, tok_s=0.0, running=0, waiting=0)
+
+    def __enter__(self) -> ProgressView:
+        if self._bar is not None:
+            self._bar.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+    def __call__(self, p: dict) -> None:
+        now = time.monotonic()
+        tok_s = p["output_tokens"] / max(now - self.start, 1e-9)
+        if self._bar is not None:
+            self._bar.update(
+                self._task,
+                completed=p["requests_done"],
+                total=max(p["requests_total"], self.total),
+                tok_s=tok_s,
+                running=p["running"],
+                waiting=p["waiting"],
+            )
+        elif now - self._last_log >= self.log_every_s:
+            self._last_log = now
+            done, total = p["requests_done"], max(p["requests_total"], 1)
+            eta = (now - self.start) / max(done, 1) * (total - done)
+            print(
+                f"[eaglebatch] {done}/{total} requests, {tok_s:.1f} output tok/s, "
+                f"ETA {eta:.0f}s",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def _f(x, unit: str = "s") -> str:
+    return "-" if x is None else f"{x:.3f}{unit}"
+
+
+def summary_table(stats: dict, wall_s: float, title: str = "eaglebatch summary") -> Table:
+    t = Table(title=title, show_header=False)
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    out = stats["output_tokens"]
+    rows = [
+        ("requests", f"{stats['requests']} ({stats['errors']} errors)"),
+        ("prompt tokens", f"{stats['prompt_tokens']}"),
+        ("output tokens", f"{out}"),
+        ("wall time", f"{wall_s:.1f}s"),
+        ("output tok/s", f"{out / wall_s:.1f}" if wall_s > 0 else "-"),
+        (
+            "latency p50 / p90 / p99",
+            " / ".join(_f(stats.get(k)) for k in ("latency_p50", "latency_p90", "latency_p99")),
+        ),
+        ("TTFT p50 / p99", " / ".join(_f(stats.get(k)) for k in ("ttft_p50", "ttft_p99"))),
+        ("TPOT p50 / p99", " / ".join(_f(stats.get(k)) for k in ("tpot_p50", "tpot_p99"))),
+        ("preemptions", f"{stats.get('preemptions', 0)}"),
+    ]
+    for k, v in rows:
+        t.add_row(k, v)
+    return t
