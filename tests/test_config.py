@@ -83,7 +83,9 @@ def test_override_syntax(tmp_path):
 
 
 def test_prompt_and_messages_are_exclusive(tmp_path):
-    text = BASE.replace("path: data/in.parquet", "path: a\n  prompt_column: p\n  messages_column: m")
+    text = BASE.replace(
+        "path: data/in.parquet", "path: a\n  prompt_column: p\n  messages_column: m"
+    )
     with pytest.raises(JobError, match="only one of input.prompt_column"):
         load_job(write(tmp_path, text))
 

@@ -78,9 +78,8 @@ def check_input(cfg: InputConfig) -> tuple[list[Path], int]:
             if column is None:
                 continue
             if column not in schema.names:
-                raise JobError(
-                    f"{key}: column '{column}' not found in {f} (columns: {', '.join(schema.names)})"
-                )
+                names = ", ".join(schema.names)
+                raise JobError(f"{key}: column '{column}' not found in {f} (columns: {names})")
             typ = schema.field(column).type
             if not ok(typ):
                 raise JobError(f"{key}: column '{column}' in {f} has type {typ}, expected {want}")

@@ -11,8 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import JobError
 from . import defaults
+from .config import JobError
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,8 @@ def check_model_dir(d: Path) -> ModelFiles:
     if not tokenizer_file.is_file():
         raise JobError(f"model: {d} has no tokenizer.json")
     cfg = _read_json(d / "config.json")
-    tok_cfg = _read_json(d / "tokenizer_config.json") if (d / "tokenizer_config.json").is_file() else {}
+    tok_cfg_path = d / "tokenizer_config.json"
+    tok_cfg = _read_json(tok_cfg_path) if tok_cfg_path.is_file() else {}
     gen_cfg = (
         _read_json(d / "generation_config.json")
         if (d / "generation_config.json").is_file()

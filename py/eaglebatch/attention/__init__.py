@@ -1,0 +1,55 @@
+"""Paged attention backends. Backends are imported lazily by name: `get_backend("torch")` works
+everywhere; GPU-only backends (e.g. "flashinfer") are imported only when asked for."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from eaglebatch.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    allocate_kv_cache,
+    kv_cache_bytes_per_block,
+    write_kv_cache,
+)
+
+# name -> (module, class). A module is imported on first use only.
+_BACKENDS: dict[str, tuple[str, str]] = {
+    "torch": ("eaglebatch.attention.torch_backend", "TorchAttentionBackend"),
+    "flashinfer": ("eaglebatch.attention.flashinfer_backend", "FlashInferAttentionBackend"),
+}
+
+
+def register_backend(name: str, module: str, class_name: str) -> None:
+    _BACKENDS[name] = (module, class_name)
+
+
+def available_backends() -> list[str]:
+    """Registered names; a listed backend may still fail to import (e.g. no GPU libraries)."""
+    return sorted(_BACKENDS)
+
+
+def get_backend(name: str, **kwargs: Any) -> AttentionBackend:
+    """Instantiates the backend registered as `name` with `kwargs`."""
+    if name not in _BACKENDS:
+        known = ", ".join(sorted(_BACKENDS))
+        raise ValueError(f"unknown attention backend {name!r}; known: {known}")
+    module_name, class_name = _BACKENDS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ImportError(f"attention backend {name!r} is unavailable: {e}") from e
+    return getattr(module, class_name)(**kwargs)
+
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionMetadata",
+    "allocate_kv_cache",
+    "available_backends",
+    "get_backend",
+    "kv_cache_bytes_per_block",
+    "register_backend",
+    "write_kv_cache",
+]

@@ -1,0 +1,150 @@
+"""The paged-KV attention contract shared by every backend.
+
+Vocabulary (as in vLLM): a step packs B sequences' query tokens into T rows, no padding.
+Sequence i owns rows cu_seqlens_q[i] : cu_seqlens_q[i+1] (q_i of them) and, after this step, has
+k_i = seq_lens[i] tokens of context. Its queries are the LAST q_i tokens of that context, so query
+row j of sequence i sits at absolute position k_i - q_i + j and attends to keys at positions
+<= its own. This one rule covers prefill from 0 (q_i == k_i), decode (q_i == 1), speculative
+verification and recompute (1 < q_i < k_i).
+
+KV cache layout, one tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
+(index 0 = K, 1 = V). The K/V of a sequence's token at position p lives in block
+block_tables[i, p // block_size] at offset p % block_size; slot = block * block_size + offset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:  # the model package imports this module
+    from eaglebatch.model.config import ModelConfig
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, as tensors on the model's device."""
+
+    cu_seqlens_q: torch.Tensor  # int32 [B+1], cu_seqlens_q[0] == 0, cu_seqlens_q[B] == T
+    seq_lens: torch.Tensor  # int32 [B] kv length after this step (context incl. the query)
+    block_tables: torch.Tensor  # int32 [B, M] block ids; entries past a row's need are ignored
+    slot_mapping: torch.Tensor  # int64 [T] kv slot each query token's K/V is written to
+    block_size: int
+    max_seqlen_q: int  # max_i q_i
+    max_seqlen_k: int  # max_i k_i
+    is_prefill: bool  # True iff q_i == k_i for every sequence (all queries start at position 0)
+    # Host (CPU) copies of cu_seqlens_q / seq_lens for planning without a device sync; optional.
+    cu_seqlens_q_cpu: torch.Tensor | None = None
+    seq_lens_cpu: torch.Tensor | None = None
+    # Filled by AttentionBackend.prepare(): whatever the backend precomputes once per step and
+    # reuses in every layer (gather indices, masks, planner state).
+    backend_state: Any = None
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    @classmethod
+    def from_numpy(
+        cls,
+        cu_seqlens_q: np.ndarray,
+        seq_lens: np.ndarray,
+        block_tables: np.ndarray,
+        slot_mapping: np.ndarray,
+        block_size: int,
+        device: torch.device | str,
+    ) -> AttentionMetadata:
+        """Builds metadata from host arrays (e.g. a StepPlan's), deriving the max lengths and
+        `is_prefill` on the host so that no device synchronisation is ever needed."""
+        cu = np.asarray(cu_seqlens_q, dtype=np.int32)
+        lens = np.asarray(seq_lens, dtype=np.int32)
+        q_lens = cu[1:] - cu[:-1]
+        if len(lens) == 0 or (q_lens <= 0).any() or (q_lens > lens).any():
+            raise ValueError("every sequence needs 1 <= q_i <= seq_lens[i]")
+        if np.ndim(block_tables) != 2 or len(block_tables) != len(lens):
+            raise ValueError("block_tables must be [num_seqs, max_blocks]")
+        if len(slot_mapping) != cu[-1] or cu[0] != 0:
+            raise ValueError("slot_mapping must have cu_seqlens_q[-1] entries, cu_seqlens_q[0] = 0")
+        device = torch.device(device)
+
+        def put(a: np.ndarray, dtype: type) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)).to(device)
+
+        cu_cpu = torch.from_numpy(cu.copy())
+        lens_cpu = torch.from_numpy(lens.copy())
+        return cls(
+            cu_seqlens_q=cu_cpu.to(device),
+            seq_lens=lens_cpu.to(device),
+            block_tables=put(block_tables, np.int32),
+            slot_mapping=put(slot_mapping, np.int64),
+            block_size=int(block_size),
+            max_seqlen_q=int(q_lens.max()),
+            max_seqlen_k=int(lens.max()),
+            is_prefill=bool((q_lens == lens).all()),
+            cu_seqlens_q_cpu=cu_cpu,
+            seq_lens_cpu=lens_cpu,
+        )
+
+
+class AttentionBackend:
+    """Paged attention. `prepare` runs once per step outside any CUDA graph; `forward` runs once
+    per layer and must not synchronise with the host."""
+
+    name: str = "base"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Precomputes `meta.backend_state` for this step; called before the model's forward."""
+        raise NotImplementedError
+
+    def forward(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        """Writes k, v into `kv_cache` at `meta.slot_mapping`, then attends."""
+        raise NotImplementedError
+
+
+def write_kv_cache(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # int64 [T], every entry a valid slot
+) -> None:
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    flat = kv_cache.view(2, -1, num_kv_heads, head_dim)  # [2, num_blocks * block_size, Hkv, D]
+    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers (K and V)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_layer = 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
+    return per_layer * cfg.num_hidden_layers
+
+
+def allocate_kv_cache(
+    cfg: ModelConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[torch.Tensor]:
+    """One zeroed [2, num_blocks, block_size, Hkv, D] tensor per layer."""
+    if num_blocks <= 0 or block_size <= 0:
+        raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be > 0")
+    shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]

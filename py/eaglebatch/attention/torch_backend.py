@@ -1,0 +1,217 @@
+"""Paged attention in plain PyTorch (CPU and any device): the reference and the CPU backend.
+
+`prepare` splits the step's sequences into chunks (sequences sorted by context length, so each
+chunk pads to a similar length) and precomputes, per chunk:
+  * `tok_index` / `pad_index`: where the chunk's packed query rows come from and where they sit
+    in the padded [C, max_q] layout;
+  * `block_index`: the chunk's block ids; K/V are gathered from the cache a whole block at a time
+    into a reused workspace [2, C, Lk, Hkv, D] (a fresh buffer per layer costs more in page faults
+    than the copy itself on CPU), small enough to stay in cache while attention reads it;
+  * `mask` [C, 1, max_q, max_k] (True = visible):
+        key t visible to query row j of sequence i  <=>  t <= k_i - q_i + j
+    i.e. keys up to the query's own absolute position. Padded query rows (j >= q_i) still see
+    key 0, so no softmax row is empty; their output is dropped. `mask` is None where it would be
+    all-visible (decode at equal lengths) or plain causal (prefill at equal lengths).
+Prefill steps (q_i == k_i for all i) attend over the fresh k/v directly and skip the gather.
+Attention itself is `scaled_dot_product_attention` with grouped-query heads (enable_gqa).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from eaglebatch.attention.base import AttentionBackend, AttentionMetadata, write_kv_cache
+
+
+@dataclass
+class _Chunk:
+    num_seqs: int  # C
+    max_q: int
+    max_k: int
+    tok_index: torch.Tensor | None  # int64 [Tc] packed rows of the chunk; None: all T, in order
+    pad_index: torch.Tensor | None  # int64 [Tc] row in flat [C * max_q]; None: no padding
+    block_index: torch.Tensor | None  # int64 [C * Mk] blocks to gather; None: prefill
+    mask: torch.Tensor | None  # bool [C, 1, max_q, max_k]
+    causal: bool  # with mask None: plain causal (prefill) vs all keys visible (decode)
+
+
+@dataclass
+class _Plan:
+    prefill: bool
+    chunks: list[_Chunk]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def __init__(self, chunk_tokens: int = 4096) -> None:
+        """`chunk_tokens` bounds a chunk's padded size, C * max(max_k, max_q), i.e. how many
+        K/V rows one gather holds (4096 rows = 6 MiB for 3 KV heads of 64 in float32)."""
+        if chunk_tokens <= 0:
+            raise ValueError("chunk_tokens must be > 0")
+        self.chunk_tokens = chunk_tokens
+        self._workspace: torch.Tensor | None = None
+
+    # ---- planning (once per step) -------------------------------------------------------------
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        cu = meta.cu_seqlens_q if meta.cu_seqlens_q_cpu is None else meta.cu_seqlens_q_cpu
+        lens = meta.seq_lens if meta.seq_lens_cpu is None else meta.seq_lens_cpu
+        cu_np = cu.cpu().numpy().astype(np.int64)  # [B+1] (no sync when host copies are given)
+        k_np = lens.cpu().numpy().astype(np.int64)  # [B]
+        q_np = cu_np[1:] - cu_np[:-1]  # [B]
+        prefill = meta.is_prefill
+        num_seqs = len(k_np)
+
+        order = np.argsort(k_np, kind="stable")  # group similar lengths
+        groups: list[np.ndarray] = []
+        start = 0
+        while start < num_seqs:
+            end = start + 1
+            # sorted ascending, so the chunk's padded length is that of its last sequence
+            while end < num_seqs and (end + 1 - start) * k_np[order[end]] <= self.chunk_tokens:
+                end += 1
+            groups.append(order[start:end])
+            start = end
+        if len(groups) == 1:
+            groups = [np.arange(num_seqs)]  # keep plan order: no reordering of rows needed
+        chunks = [
+            self._plan_chunk(meta, seqs, cu_np, q_np, k_np, prefill, single=len(groups) == 1)
+            for seqs in groups
+        ]
+        meta.backend_state = _Plan(prefill, chunks)
+
+    def _plan_chunk(
+        self,
+        meta: AttentionMetadata,
+        seqs: np.ndarray,  # [C] sequence indices of this chunk
+        cu: np.ndarray,
+        q_lens: np.ndarray,
+        k_lens: np.ndarray,
+        prefill: bool,
+        single: bool,
+    ) -> _Chunk:
+        device = meta.seq_lens.device
+        q, k = q_lens[seqs], k_lens[seqs]  # [C]
+        max_q, max_k = int(q.max()), int(k.max())
+        num = len(seqs)
+
+        def dev(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
+
+        tok = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in seqs])  # [Tc]
+        local = np.repeat(np.arange(num), q) * max_q  # chunk-local sequence * max_q
+        within = tok - np.repeat(cu[seqs], q)  # query row j inside its sequence
+        padded = bool((q != max_q).any())
+
+        block_index = None
+        if not prefill:
+            blocks = -(-max_k // meta.block_size)
+            rows = meta.block_tables[:, :blocks].index_select(0, dev(seqs))  # [C, Mk]
+            block_index = rows.reshape(-1).long()
+
+        mask = None
+        causal = prefill
+        if (prefill and padded) or (not prefill and ((k != max_k).any() or max_q > 1)):
+            q_pos = (k - q)[:, None] + np.arange(max_q)[None, :]  # [C, max_q] absolute position
+            key_len = max_q if prefill else max_k
+            visible = np.arange(key_len)[None, None, :] <= q_pos[:, :, None]  # [C, max_q, Lk]
+            mask = torch.from_numpy(visible[:, None]).to(device)
+            causal = False
+
+        return _Chunk(
+            num_seqs=num,
+            max_q=max_q,
+            max_k=max_k,
+            tok_index=None if single else dev(tok),
+            pad_index=dev(local + within) if padded else None,
+            block_index=block_index,
+            mask=mask,
+            causal=causal,
+        )
+
+    # ---- per layer ----------------------------------------------------------------------------
+
+    def forward(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        plan = meta.backend_state
+        if not isinstance(plan, _Plan):
+            raise RuntimeError("TorchAttentionBackend.prepare(meta) was not called for this step")
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        if len(plan.chunks) == 1:
+            return self._attend(plan.chunks[0], plan.prefill, q, k, v, kv_cache, scale)
+        out = torch.empty_like(q)
+        for chunk in plan.chunks:
+            out.index_copy_(
+                0, chunk.tok_index, self._attend(chunk, plan.prefill, q, k, v, kv_cache, scale)
+            )
+        return out
+
+    def _attend(
+        self,
+        chunk: _Chunk,
+        prefill: bool,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:  # [Tc, Hq, D] for the chunk's tokens in tok_index order
+        num, head_dim = chunk.num_seqs, q.shape[-1]
+        q_pad = self._pad(q, chunk)  # [C, max_q, Hq, D]
+        if prefill:
+            k_pad = self._pad(k, chunk)  # [C, max_q, Hkv, D]
+            v_pad = self._pad(v, chunk)
+        else:
+            assert chunk.block_index is not None
+            # [2, C * Mk, block_size, Hkv, D] -> K, V each [C, Lk, Hkv, D], Lk = Mk * block_size
+            shape = (2, chunk.block_index.shape[0], *kv_cache.shape[2:])
+            gathered = self._buffer(shape, kv_cache)
+            torch.index_select(kv_cache, 1, chunk.block_index, out=gathered)
+            k_pad, v_pad = gathered.view(2, num, -1, *kv_cache.shape[3:]).unbind(0)
+            k_pad, v_pad = k_pad[:, : chunk.max_k], v_pad[:, : chunk.max_k]  # [C, max_k, Hkv, D]
+
+        out = F.scaled_dot_product_attention(
+            q_pad.transpose(1, 2),  # [C, Hq, max_q, D]
+            k_pad.to(q.dtype).transpose(1, 2),  # [C, Hkv, Lk, D]
+            v_pad.to(q.dtype).transpose(1, 2),
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None and chunk.causal,
+            scale=scale,
+            enable_gqa=True,
+        )  # [C, Hq, max_q, D]
+        out = out.transpose(1, 2).reshape(num * chunk.max_q, -1, head_dim)  # [C * max_q, Hq, D]
+        return out if chunk.pad_index is None else out.index_select(0, chunk.pad_index)
+
+    @staticmethod
+    def _pad(x: torch.Tensor, chunk: _Chunk) -> torch.Tensor:
+        """Packed [T, H, D] -> the chunk's padded [C, max_q, H, D] (padding rows are zero)."""
+        if chunk.tok_index is not None:
+            x = x.index_select(0, chunk.tok_index)  # [Tc, H, D]
+        if chunk.pad_index is None:
+            return x.view(chunk.num_seqs, chunk.max_q, *x.shape[1:])
+        padded = x.new_zeros(chunk.num_seqs * chunk.max_q, *x.shape[1:])
+        padded.index_copy_(0, chunk.pad_index, x)
+        return padded.view(chunk.num_seqs, chunk.max_q, *x.shape[1:])
+
+    def _buffer(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A `shape` view of the workspace (contents undefined), with `like`'s dtype and device.
+        Valid until the next call: each layer's gather overwrites the previous one."""
+        numel = int(np.prod(shape))
+        ws = self._workspace
+        if ws is None or ws.numel() < numel or ws.dtype != like.dtype or ws.device != like.device:
+            ws = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self._workspace = ws
+        return ws[:numel].view(shape)

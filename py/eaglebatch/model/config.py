@@ -1,0 +1,218 @@
+"""`ModelConfig`: the subset of a Hugging Face `config.json` that the tensor side needs.
+
+Supported architectures: Llama (`llama`), Mistral (`mistral`) and Qwen2 (`qwen2`). All three are
+the same decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU MLP); they differ only in
+projection biases, the default of `tie_word_embeddings` and sliding-window attention.
+
+Sliding window (Mistral, Qwen2 with `use_sliding_window`): we do not implement windowed attention.
+Instead `max_model_len` is capped at the window size, so no query ever sees a key further away
+than the window and full attention is exactly windowed attention. Longer requests are rejected by
+the scheduler (prompt >= max_model_len) or stopped at max_model_len.
+
+Both the transformers<5 layout (`rope_theta` + `rope_scaling`) and the transformers>=5 layout
+(`rope_parameters`) are read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+# RoPE scaling types we implement. "dynamic" (NTK) is refused on purpose: it rescales the
+# frequencies with the *current* batch's length, so a token's logits would depend on which other
+# requests share its batch.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A non-default RoPE frequency scaling. `rope_type` is "linear" or "llama3"."""
+
+    rope_type: str
+    factor: float
+    # llama3 only.
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on the q/k/v projections
+    o_proj_bias: bool  # bias on o_proj (Llama's `attention_bias` sets both; Qwen2 has q/k/v only)
+    mlp_bias: bool
+    sliding_window: int | None  # only set when the checkpoint really uses it
+    eos_token_id: tuple[int, ...]
+    bos_token_id: int | None
+    torch_dtype: str | None  # e.g. "bfloat16"; None when the checkpoint does not say
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence (prompt + output) the model serves; see the module doc on windows."""
+        if self.sliding_window is not None:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike[str]) -> ModelConfig:
+        file = os.path.join(os.fspath(path), "config.json")
+        try:
+            with open(file, encoding="utf-8") as f:
+                raw = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"model config not found: {file}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"model config {file} is not valid JSON: {e}") from None
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r} (only 'silu' is implemented)")
+
+        hidden = _int(raw, "hidden_size")
+        heads = _int(raw, "num_attention_heads")
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        if heads % kv_heads != 0:
+            raise ValueError(
+                f"num_attention_heads ({heads}) is not a multiple of "
+                f"num_key_value_heads ({kv_heads})"
+            )
+        if head_dim % 2 != 0:
+            raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
+        max_pos = _int(raw, "max_position_embeddings")
+        rope_theta, rope_scaling = _parse_rope(raw, max_pos)
+
+        archs = raw.get("architectures") or []
+        default_arch = {
+            "llama": "LlamaForCausalLM",
+            "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+        }[model_type]
+        arch = archs[0] if archs else default_arch
+        if arch != default_arch:
+            raise ValueError(f"unsupported architecture {arch!r} for model_type {model_type!r}")
+
+        if model_type == "qwen2":
+            attention_bias, o_proj_bias = True, False  # Qwen2 always has q/k/v biases
+            window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
+        elif model_type == "llama":
+            attention_bias = o_proj_bias = bool(raw.get("attention_bias", False))
+            window = None
+        else:  # mistral: no biases
+            attention_bias = o_proj_bias = False
+            window = raw.get("sliding_window")
+        eos = raw.get("eos_token_id")
+        if eos is None:
+            eos_ids: tuple[int, ...] = ()
+        elif isinstance(eos, list):
+            eos_ids = tuple(int(e) for e in eos)
+        else:
+            eos_ids = (int(eos),)
+        bos = raw.get("bos_token_id")
+        if isinstance(bos, list):  # seen in the wild; the first one is the one prepended
+            bos = bos[0] if bos else None
+        dtype = raw.get("torch_dtype") or raw.get("dtype")
+
+        return cls(
+            model_type=model_type,
+            architecture=arch,
+            hidden_size=hidden,
+            intermediate_size=_int(raw, "intermediate_size"),
+            num_hidden_layers=_int(raw, "num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            vocab_size=_int(raw, "vocab_size"),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_pos,
+            # All three configs default to untied embeddings.
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            o_proj_bias=o_proj_bias,
+            mlp_bias=bool(raw.get("mlp_bias", False)),
+            sliding_window=int(window) if window else None,
+            eos_token_id=eos_ids,
+            bos_token_id=None if bos is None else int(bos),
+            torch_dtype=str(dtype) if dtype else None,
+        )
+
+
+def _int(raw: dict[str, Any], key: str) -> int:
+    if raw.get(key) is None:
+        raise ValueError(f"model config is missing {key!r}")
+    return int(raw[key])
+
+
+def _parse_rope(raw: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling | None]:
+    """(rope_theta, scaling) from `rope_theta`/`rope_scaling` or `rope_parameters`."""
+    params = raw.get("rope_parameters")
+    scaling = raw.get("rope_scaling")
+    if isinstance(params, dict) and "full_attention" in params:  # per-layer-type layout
+        params = params["full_attention"]
+    theta = raw.get("rope_theta")
+    if theta is None and isinstance(params, dict):
+        theta = params.get("rope_theta")
+    theta = float(theta if theta is not None else 10000.0)
+
+    spec = scaling if scaling else params
+    if not spec:
+        return theta, None
+    key = "rope_type" if "rope_type" in spec else "type"
+    rope_type = spec.get(key, "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported RoPE scaling {key}={rope_type!r}; supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return theta, None
+    if "factor" not in spec:
+        raise ValueError(f"RoPE scaling {rope_type!r} is missing 'factor'")
+    factor = float(spec["factor"])
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", factor)
+    missing = [k for k in ("low_freq_factor", "high_freq_factor") if k not in spec]
+    if missing:
+        raise ValueError(f"RoPE scaling 'llama3' is missing {', '.join(missing)}")
+    return theta, RopeScaling(
+        "llama3",
+        factor,
+        low_freq_factor=float(spec["low_freq_factor"]),
+        high_freq_factor=float(spec["high_freq_factor"]),
+        original_max_position_embeddings=int(
+            spec.get("original_max_position_embeddings") or max_pos
+        ),
+    )

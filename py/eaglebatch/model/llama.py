@@ -1,0 +1,217 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2) over packed tokens and a paged KV cache.
+
+Parameter names equal those of Hugging Face checkpoints (model.embed_tokens.weight,
+model.layers.{i}.self_attn.q_proj.weight, ..., model.norm.weight, lm_head.weight), so weights
+load by name. Activations are packed: T tokens of B sequences in one [T, H] tensor, no padding;
+where each sequence starts and what it attends to is in `AttentionMetadata`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eaglebatch.attention.base import AttentionBackend, AttentionMetadata
+from eaglebatch.model.config import ModelConfig
+from eaglebatch.model.rotary import RotaryEmbedding, apply_rotary
+from eaglebatch.model.weights import iter_tensors, load_named_tensors
+
+# Checkpoint tensors that are not parameters of ours: old checkpoints store RoPE buffers.
+_IGNORED_TENSORS = ("rotary_emb.inv_freq",)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, **factory) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, **factory))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        # Normalise in float32, cast back, then scale (the HF order of operations).
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, **factory) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        hidden, q_size = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
+        kv_size = cfg.num_key_value_heads * cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(hidden, q_size, bias=bias, **factory)
+        self.k_proj = nn.Linear(hidden, kv_size, bias=bias, **factory)
+        self.v_proj = nn.Linear(hidden, kv_size, bias=bias, **factory)
+        self.o_proj = nn.Linear(q_size, hidden, bias=cfg.o_proj_bias, **factory)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        cos: torch.Tensor,  # [T, 1, D]
+        sin: torch.Tensor,  # [T, 1, D]
+        attn: AttentionMetadata,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        backend: AttentionBackend,
+    ) -> torch.Tensor:  # [T, H]
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = backend.forward(self.layer_idx, q, k, v, kv_cache, attn, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig, **factory) -> None:
+        super().__init__()
+        hidden, inner, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias, **factory)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias, **factory)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, **factory) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
+        self.self_attn = Attention(cfg, layer_idx, **factory)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
+        self.mlp = MLP(cfg, **factory)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H] residual stream
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:  # [T, H]
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache, backend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None, **factory) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **factory)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, **factory) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
+        self.rotary_emb = RotaryEmbedding(cfg, max_positions, device=factory.get("device"))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder + LM head. `forward` returns final-normed hidden states; `compute_logits` maps the
+    rows you need (e.g. each sequence's last token) to float32 logits."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        backend: AttentionBackend | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        max_positions: int | None = None,
+    ) -> None:
+        """`max_positions` bounds the RoPE table (default: cfg.max_model_len)."""
+        super().__init__()
+        if backend is None:
+            from eaglebatch.attention.torch_backend import TorchAttentionBackend
+
+            backend = TorchAttentionBackend()
+        self.config = cfg
+        self.backend = backend
+        factory = {"dtype": dtype, "device": device}
+        self.model = LlamaModel(cfg, max_positions, **factory)
+        # Tied: the LM head is the embedding matrix and there is no lm_head parameter.
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **factory)
+        )
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        backend: AttentionBackend | None = None,
+        max_positions: int | None = None,
+    ) -> LlamaForCausalLM:
+        """Config + weights from a Hugging Face checkpoint directory, without random init."""
+        cfg = ModelConfig.from_dir(path)
+        with torch.device("meta"):
+            model = cls(cfg, backend=backend, dtype=dtype, max_positions=max_positions)
+        model.to_empty(device=device)
+        model.model.rotary_emb.rebuild()
+        model.load_weights(path)
+        return model.eval()
+
+    def load_weights(self, path: str | os.PathLike[str]) -> None:
+        """Loads every parameter from the *.safetensors files in `path` (raises on missing or
+        unexpected tensors). A tied checkpoint may or may not contain lm_head.weight."""
+        ignore = _IGNORED_TENSORS + (("lm_head.weight",) if self.lm_head is None else ())
+        load_named_tensors(self, iter_tensors(path), ignore=ignore, source=f"checkpoint {path}")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # int64 [T]
+        positions: torch.Tensor,  # int64 [T]
+        attn: AttentionMetadata,  # prepared by self.backend.prepare
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
+        capture_layers: tuple[int, ...] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Final-normed hidden states [T, H].
+
+        With `capture_layers`, returns (hidden, captured) where captured[i] [T, H] is the hidden
+        state with Hugging Face `output_hidden_states` indexing: the input of decoder layer i
+        (0 = the embeddings) for i < num_hidden_layers, and for i == num_hidden_layers the
+        final-normed output (the same tensor as `hidden`). Capturing costs no copies.
+        """
+        h = self.model.embed_tokens(input_ids)  # [T, H]
+        cos, sin = self.model.rotary_emb(positions, h.dtype)  # [T, 1, D] each
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            if i in capture_layers:
+                captured[i] = h
+            h = layer(h, cos, sin, attn, kv_caches[i], self.backend)
+        h = self.model.norm(h)  # [T, H]
+        if not capture_layers:
+            return h
+        if len(self.model.layers) in capture_layers:
+            captured[len(self.model.layers)] = h
+        bad = set(capture_layers) - set(captured)
+        if bad:
+            raise ValueError(f"capture_layers {sorted(bad)} outside [0, {len(self.model.layers)}]")
+        return h, captured
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> float32 [N, V]
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,142 @@
+"""Token sampling: greedy, temperature, top-k, top-p, reproducible per request.
+
+Reproducibility: a row's randomness is one uniform number derived by a counter-based hash
+(splitmix64) from (seed, num_generated) of that row only, so a request's output does not depend on
+which other requests share its batch, on row order, or on how many steps it was preempted for.
+The token is drawn by inverse-CDF: the first token whose cumulative probability (float64, in
+vocabulary order, or in descending-probability order when top-k/top-p filter) exceeds u * total.
+
+Filtering order (as in Hugging Face / vLLM): temperature, then top-k, then top-p on the
+renormalised top-k distribution. top_p keeps the smallest set of most likely tokens whose mass
+reaches top_p (the most likely token is always kept).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(c: int) -> int:
+    """A uint64 constant as the int64 with the same bits (torch has no uint64 arithmetic)."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_MUL1 = _signed(0xBF58476D1CE4E5B9)
+_MUL2 = _signed(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 bit patterns (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finaliser on int64 tensors; multiplication wraps modulo 2**64."""
+    z = x + _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MUL1
+    z = (z ^ _shr(z, 27)) * _MUL2
+    return z ^ _shr(z, 31)
+
+
+def uniform_from_counter(
+    seeds: torch.Tensor,  # int64 [B]
+    counters: torch.Tensor,  # int [B]
+    stream: int = 0,
+) -> torch.Tensor:  # float64 [B] in [0, 1)
+    """Deterministic uniform numbers: a pure function of (seed, counter, stream) per row.
+    Different `stream`s give independent numbers for the same (seed, counter), e.g. for the
+    several random draws speculative decoding needs per step."""
+    key = _splitmix64(seeds.long() ^ _signed((stream * 0xD1B54A32D192ED03) & _MASK64))
+    h = _splitmix64(key + counters.long())
+    return _shr(h, 11).double() * (1.0 / (1 << 53))
+
+
+def sample(
+    logits: torch.Tensor,  # float32 [B, V]
+    temperature: torch.Tensor,  # float32 [B]; 0 = greedy
+    top_p: torch.Tensor,  # float32 [B]; 1.0 = off
+    top_k: torch.Tensor,  # int32 [B]; 0 = off
+    seeds: torch.Tensor,  # int64 [B]
+    num_generated: torch.Tensor,  # int32 [B]; tokens already generated (the sampling counter)
+) -> torch.Tensor:  # int64 [B]
+    """One token per row. Greedy rows (temperature <= 0) and top_k == 1 rows take the argmax of
+    the raw logits (the first index among equal maxima)."""
+    argmax = logits.argmax(dim=-1)  # [B]
+    deterministic = (temperature <= 0) | (top_k == 1)  # [B]
+    if bool(deterministic.all()):
+        return argmax
+
+    vocab = logits.shape[-1]
+    temp = torch.where(deterministic, torch.ones_like(temperature), temperature).float()
+    probs = torch.softmax(logits.float() / temp[:, None], dim=-1)  # [B, V]
+    u = uniform_from_counter(seeds, num_generated)  # float64 [B]
+    k_on = (top_k > 0) & (top_k < vocab)
+    filtered = ~deterministic & (k_on | (top_p < 1))  # [B]
+    plain = ~deterministic & ~filtered  # [B] sampled from the whole distribution
+
+    token = argmax.clone()
+    if bool(plain.any()):
+        rows = plain.nonzero().squeeze(1)
+        token[rows] = _inverse_cdf(probs[rows], u[rows])
+    if bool(filtered.any()):
+        rows = filtered.nonzero().squeeze(1)
+        k_cap = torch.where(k_on[rows], top_k[rows].long(), vocab)  # [b] vocab = no top-k
+        token[rows] = _sample_filtered(probs[rows], u[rows], k_cap, top_p[rows].float())
+    return token
+
+
+def _sample_filtered(
+    probs: torch.Tensor,  # float32 [b, V]
+    u: torch.Tensor,  # float64 [b]
+    k_cap: torch.Tensor,  # int64 [b] top-k (V when off)
+    top_p: torch.Tensor,  # float32 [b] (>= 1 when off)
+) -> torch.Tensor:  # int64 [b]
+    """Top-k then top-p, then inverse-CDF over the kept tokens in descending-probability order.
+
+    A full sort of the vocabulary is slow on CPU, so candidates come from `topk(K)` with K grown
+    until the result is provably the same as with a full sort: for each row either all of its
+    top-k tokens are candidates, or (no top-k) the candidates already hold top_p of the mass, so
+    every later token would be cut by top-p anyway.
+    """
+    vocab = probs.shape[-1]
+    limit = min(vocab, int(k_cap.max()))
+    p_on = top_p < 1
+    size = min(limit, 256) if bool(p_on.any()) else limit
+    total = probs.sum(dim=-1)  # [b] (1 up to rounding)
+    while True:
+        if size == vocab:  # a full sort is faster than topk(V)
+            values, order = probs.sort(dim=-1, descending=True)  # [b, V]
+        else:
+            values, order = probs.topk(size, dim=-1)  # [b, K] descending
+        rank = torch.arange(size, device=probs.device)  # [K]
+        in_top_k = rank[None, :] < k_cap[:, None]  # [b, K]
+        values = values * in_top_k
+        kept_mass = values.sum(dim=-1)  # [b]
+        # mass the top-p threshold applies to: the renormalised top-k set
+        mass = torch.where(k_cap <= size, kept_mass, total)  # [b]
+        # exact: all of the row's top-k are candidates, or it has no top-k and the candidates
+        # already reach top_p of the whole distribution
+        exact = (k_cap <= size) | ((k_cap >= vocab) & (kept_mass >= top_p * total))
+        if size == limit or bool(exact.all()):
+            break
+        size = min(limit, size * 16)
+    mass_before = torch.cumsum(values, dim=-1) - values  # [b, K] exclusive prefix sums
+    keep = in_top_k & ((mass_before < (top_p * mass)[:, None]) | (rank[None, :] == 0))
+    index = _inverse_cdf(values * keep, u)  # [b] into the candidates
+    return order.gather(1, index[:, None]).squeeze(1)
+
+
+def _inverse_cdf(
+    probs: torch.Tensor,  # [B, V], rows non-negative with a positive sum (need not be 1)
+    u: torch.Tensor,  # float64 [B] in [0, 1)
+) -> torch.Tensor:  # int64 [B]
+    """Index i with cdf[i-1] <= u * total < cdf[i]; never a zero-probability entry."""
+    cdf = torch.cumsum(probs.double(), dim=-1)  # [B, V], non-decreasing
+    total = cdf[:, -1:]  # [B, 1]
+    # Strictly below total even where u * total rounds up to it, so cdf[index] > target >=
+    # cdf[index - 1] exists and that step (the token's probability) is positive.
+    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)

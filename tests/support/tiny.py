@@ -1,0 +1,89 @@
+"""Tiny random checkpoints with a real byte-level BPE tokenizer, for fast end-to-end tests.
+
+The tokenizer has no merges: every byte is one token (ids 0..255), plus special tokens, so any
+text round-trips and every id is < the tiny vocabulary. The model is a random Hugging Face
+LlamaForCausalLM saved as safetensors: the same weights drive eaglebatch and the reference.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def byte_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()  # the 256 printable stand-ins for bytes
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)  # ids 256, 257, 258
+    return tok
+
+
+def make_tiny_model(
+    out: Path,
+    *,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    vocab_size: int = 320,
+    eos_token_id: int = 258,
+    max_position_embeddings: int = 512,
+    tie_word_embeddings: bool = False,
+    init_std: float = 0.2,
+) -> Path:
+    """Writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json and a chat
+    template into `out`. A larger `init_std` gives peakier logits (fewer near-ties)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=257,
+        eos_token_id=eos_token_id,
+        initializer_range=init_std,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(str(out))
+    byte_tokenizer().save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|im_start|>", "eos_token": "<|im_end|>"})
+    )
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    return out
+
+
+def write_prompts(path: Path, prompts: list, ids: list | None = None, column: str = "prompt"):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    cols = {column: prompts}
+    if ids is not None:
+        cols = {"id": ids, **cols}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(cols), path)
+    return path

@@ -1,0 +1,86 @@
+"""The command line: exit codes and messages a user sees."""
+
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from eaglebatch.cli import main
+from support.tiny import write_prompts
+
+
+def job(tmp_path, model, inp, extra=""):
+    p = tmp_path / "job.yaml"
+    p.write_text(
+        f"model: {model}\ninput:\n  path: {inp}\noutput:\n  path: {tmp_path / 'out'}\n"
+        f"sampling:\n  max_new_tokens: 4\nengine:\n  device: cpu\n  kv_cache_tokens: 1024\n"
+        + extra
+    )
+    return p
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, list(args))
+
+
+def test_validate_ok(tmp_path, tiny_model_dir):
+    inp = write_prompts(tmp_path / "in.parquet", ["a", "b"])
+    r = invoke("validate", str(job(tmp_path, tiny_model_dir, inp)))
+    assert r.exit_code == 0, r.output
+    assert "2 rows" in r.output
+
+
+def test_validate_misspelled_key(tmp_path, tiny_model_dir):
+    inp = write_prompts(tmp_path / "in.parquet", ["a"])
+    r = invoke("validate", str(job(tmp_path, tiny_model_dir, inp, "sampling:\n  temprature: 1\n")))
+    assert r.exit_code == 2
+    assert "sampling.temprature" in r.output
+    assert "Traceback" not in r.output
+
+
+def test_validate_missing_column(tmp_path, tiny_model_dir):
+    inp = write_prompts(tmp_path / "in.parquet", ["a"], column="text")
+    r = invoke("validate", str(job(tmp_path, tiny_model_dir, inp)))
+    assert r.exit_code == 2
+    assert "input.prompt_column" in r.output and "'prompt'" in r.output
+
+
+def test_validate_missing_input(tmp_path, tiny_model_dir):
+    r = invoke("validate", str(job(tmp_path, tiny_model_dir, tmp_path / "nope.parquet")))
+    assert r.exit_code == 2 and "input.path" in r.output
+
+
+def test_validate_not_parquet(tmp_path, tiny_model_dir):
+    bad = tmp_path / "in.parquet"
+    bad.write_text("id,prompt\n1,hi\n")
+    r = invoke("validate", str(job(tmp_path, tiny_model_dir, bad)))
+    assert r.exit_code == 2 and "not a readable Parquet file" in r.output
+
+
+def test_validate_missing_model_files(tmp_path):
+    inp = write_prompts(tmp_path / "in.parquet", ["a"])
+    (tmp_path / "m").mkdir()
+    r = invoke("validate", str(job(tmp_path, tmp_path / "m", inp)))
+    assert r.exit_code == 2 and "config.json" in r.output
+
+
+def test_set_override_error(tmp_path, tiny_model_dir):
+    inp = write_prompts(tmp_path / "in.parquet", ["a"])
+    r = invoke("validate", str(job(tmp_path, tiny_model_dir, inp)), "--set", "engine.bogus=1")
+    assert r.exit_code == 2 and "engine.bogus" in r.output
+
+
+def test_run_writes_rows_and_refuses_to_overwrite(tmp_path, tiny_model_dir):
+    pytest.importorskip("eaglebatch._native")
+    inp = write_prompts(tmp_path / "in.parquet", ["hello", "world", "again"])
+    j = str(job(tmp_path, tiny_model_dir, inp))
+    r = invoke("run", j)
+    assert r.exit_code == 0, r.output
+    assert "output tok/s" in r.output
+    assert pq.read_table(tmp_path / "out").num_rows == 3
+    r = invoke("run", j)
+    assert r.exit_code == 2 and "--restart" in r.output
+    r = invoke("run", j, "--restart")
+    assert r.exit_code == 0, r.output
+    assert pq.read_table(tmp_path / "out").num_rows == 3
