@@ -1,0 +1,574 @@
+//! Hugging Face chat templates rendered with minijinja, configured like transformers'
+//! `apply_chat_template` (Jinja2 `ImmutableSandboxedEnvironment(trim_blocks=True,
+//! lstrip_blocks=True)` with loop controls, `raise_exception`, `strftime_now` and transformers'
+//! own `tojson`, i.e. `json.dumps(x, ensure_ascii=False)` with Python's separators).
+//!
+//! Context: `messages`, `add_generation_prompt`, and `bos_token` / `eos_token` when known
+//! (transformers passes only the special tokens the tokenizer has, so unknown ones stay
+//! undefined and render as "").
+
+use std::fmt::Write as _;
+
+use minijinja::value::{Kwargs, Value, ValueKind};
+use minijinja::{Environment, ErrorKind};
+
+use crate::error::{Error, Result};
+
+/// One chat message: its fields in order (`role`, `content`, ...). `None` is Python's `None`.
+pub type Message = Vec<(String, Option<String>)>;
+
+/// A compiled chat template.
+pub struct ChatTemplate {
+    env: Environment<'static>,
+}
+
+const TEMPLATE_NAME: &str = "chat_template";
+
+impl ChatTemplate {
+    /// Compiles `source`; a syntax error is a `Template` error.
+    pub fn new(source: &str) -> Result<Self> {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        // Jinja2's default: a single trailing newline of the template source is dropped.
+        env.set_keep_trailing_newline(false);
+        minijinja_contrib::add_to_environment(&mut env);
+        // Python string / dict / list methods: .strip(), .startswith(), .items(), ...
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", tojson);
+        env.add_template_owned(TEMPLATE_NAME, rewrite_generation_tags(source))
+            .map_err(|e| Error::Template(format_minijinja_error(&e)))?;
+        Ok(ChatTemplate { env })
+    }
+
+    pub fn render(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+        bos_token: Option<&str>,
+        eos_token: Option<&str>,
+    ) -> Result<String> {
+        let messages: Vec<Value> = messages
+            .iter()
+            .map(|m| {
+                m.iter()
+                    .map(|(k, v)| {
+                        let v = match v {
+                            Some(s) => Value::from(s.as_str()),
+                            None => Value::from(()),
+                        };
+                        (Value::from(k.as_str()), v)
+                    })
+                    .collect::<Value>()
+            })
+            .collect();
+        let mut ctx: Vec<(&str, Value)> = vec![
+            ("messages", Value::from(messages)),
+            ("add_generation_prompt", Value::from(add_generation_prompt)),
+        ];
+        if let Some(bos) = bos_token {
+            ctx.push(("bos_token", Value::from(bos)));
+        }
+        if let Some(eos) = eos_token {
+            ctx.push(("eos_token", Value::from(eos)));
+        }
+        let ctx: Value = ctx.into_iter().collect();
+        let tmpl = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| Error::Template(format_minijinja_error(&e)))?;
+        tmpl.render(ctx)
+            .map_err(|e| Error::Template(format_minijinja_error(&e)))
+    }
+}
+
+/// One-shot render (compiles the template each call); used by the Python parity helper.
+pub fn render_chat_template(
+    template: &str,
+    messages: &[Message],
+    add_generation_prompt: bool,
+    bos_token: Option<&str>,
+    eos_token: Option<&str>,
+) -> Result<String> {
+    ChatTemplate::new(template)?.render(messages, add_generation_prompt, bos_token, eos_token)
+}
+
+fn format_minijinja_error(e: &minijinja::Error) -> String {
+    // `raise_exception` messages are shown verbatim (like transformers' TemplateError).
+    if e.kind() == ErrorKind::InvalidOperation {
+        if let Some(detail) = e.detail() {
+            if let Some(msg) = detail.strip_prefix(RAISED_PREFIX) {
+                return msg.to_string();
+            }
+        }
+    }
+    let mut msg = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        let _ = write!(msg, ": {s}");
+        source = s.source();
+    }
+    msg
+}
+
+const RAISED_PREFIX: &str = "raise_exception: ";
+
+fn raise_exception(msg: String) -> std::result::Result<Value, minijinja::Error> {
+    Err(minijinja::Error::new(
+        ErrorKind::InvalidOperation,
+        format!("{RAISED_PREFIX}{msg}"),
+    ))
+}
+
+/// transformers' `{% generation %}` / `{% endgeneration %}` tags only mark assistant tokens for
+/// training masks; for rendering they are a no-op block, so they become `{% if true %}` /
+/// `{% endif %}` (same whitespace-control markers, so trimming behaves identically).
+fn rewrite_generation_tags(source: &str) -> String {
+    let mut out = String::with_capacity(source.len());
+    let mut rest = source;
+    while let Some(start) = rest.find("{%") {
+        out.push_str(&rest[..start]);
+        let tag = &rest[start..];
+        let Some(end) = tag.find("%}") else {
+            out.push_str(tag);
+            return out;
+        };
+        let inner = &tag[2..end];
+        let left = if inner.starts_with(['-', '+']) {
+            &inner[..1]
+        } else {
+            ""
+        };
+        let right = if inner.len() > left.len() && inner.ends_with(['-', '+']) {
+            &inner[inner.len() - 1..]
+        } else {
+            ""
+        };
+        let body = inner[left.len()..inner.len() - right.len()].trim();
+        match body {
+            "generation" => out.push_str(&format!("{{%{left} if true {right}%}}")),
+            "endgeneration" => out.push_str(&format!("{{%{left} endif {right}%}}")),
+            _ => out.push_str(&tag[..end + 2]),
+        }
+        rest = &tag[end + 2..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// transformers' `tojson`: `json.dumps(x, ensure_ascii=False, indent=None, separators=None,
+/// sort_keys=False)`, with Python's default separators (", " and ": "; "," with an indent).
+fn tojson(value: &Value, kwargs: Kwargs) -> std::result::Result<Value, minijinja::Error> {
+    let indent: Option<Value> = kwargs.get("indent")?;
+    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    kwargs.assert_all_used()?;
+    let indent = match indent {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) => match v.as_str() {
+            Some(s) => Some(s.to_string()),
+            None => Some(" ".repeat(usize::try_from(v).map_err(|_| {
+                minijinja::Error::new(ErrorKind::InvalidOperation, "tojson: bad indent")
+            })?)),
+        },
+    };
+    let (item_sep, key_sep) = match separators {
+        Some(s) if s.len() == 2 => (s[0].clone(), s[1].clone()),
+        Some(_) => {
+            return Err(minijinja::Error::new(
+                ErrorKind::InvalidOperation,
+                "tojson: separators must be a pair",
+            ))
+        }
+        None if indent.is_some() => (",".to_string(), ": ".to_string()),
+        None => (", ".to_string(), ": ".to_string()),
+    };
+    let opts = JsonOpts {
+        indent,
+        item_sep,
+        key_sep,
+        ensure_ascii: ensure_ascii.unwrap_or(false),
+        sort_keys: sort_keys.unwrap_or(false),
+    };
+    let mut out = String::new();
+    write_json(&mut out, value, &opts, 0)?;
+    Ok(Value::from(out))
+}
+
+struct JsonOpts {
+    indent: Option<String>,
+    item_sep: String,
+    key_sep: String,
+    ensure_ascii: bool,
+    sort_keys: bool,
+}
+
+fn write_json(
+    out: &mut String,
+    v: &Value,
+    o: &JsonOpts,
+    depth: usize,
+) -> std::result::Result<(), minijinja::Error> {
+    match v.kind() {
+        ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+        ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
+        ValueKind::Number => {
+            if v.is_integer() {
+                out.push_str(&v.to_string());
+            } else {
+                out.push_str(&python_float_repr(
+                    f64::try_from(v.clone()).unwrap_or(f64::NAN),
+                ));
+            }
+        }
+        ValueKind::String => write_json_str(out, v.as_str().unwrap_or_default(), o.ensure_ascii),
+        ValueKind::Map => {
+            let mut keys: Vec<Value> = v.try_iter()?.collect();
+            if keys.is_empty() {
+                out.push_str("{}");
+                return Ok(());
+            }
+            if o.sort_keys {
+                keys.sort();
+            }
+            out.push('{');
+            for (i, k) in keys.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(&o.item_sep);
+                }
+                newline_indent(out, o, depth + 1);
+                match k.as_str() {
+                    Some(s) => write_json_str(out, s, o.ensure_ascii),
+                    None => write_json_str(out, &k.to_string(), o.ensure_ascii),
+                }
+                out.push_str(&o.key_sep);
+                write_json(out, &v.get_item(k)?, o, depth + 1)?;
+            }
+            newline_indent(out, o, depth);
+            out.push('}');
+        }
+        ValueKind::Seq | ValueKind::Iterable => {
+            let items: Vec<Value> = v.try_iter()?.collect();
+            if items.is_empty() {
+                out.push_str("[]");
+                return Ok(());
+            }
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(&o.item_sep);
+                }
+                newline_indent(out, o, depth + 1);
+                write_json(out, item, o, depth + 1)?;
+            }
+            newline_indent(out, o, depth);
+            out.push(']');
+        }
+        _ => write_json_str(out, &v.to_string(), o.ensure_ascii),
+    }
+    Ok(())
+}
+
+fn newline_indent(out: &mut String, o: &JsonOpts, depth: usize) {
+    if let Some(ind) = &o.indent {
+        out.push('\n');
+        for _ in 0..depth {
+            out.push_str(ind);
+        }
+    }
+}
+
+/// A JSON string literal exactly as Python's `json.dumps` writes it.
+fn write_json_str(out: &mut String, s: &str, ensure_ascii: bool) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{08}' => out.push_str("\\b"),
+            '\u{0c}' => out.push_str("\\f"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", c as u32);
+            }
+            c if ensure_ascii && (c as u32) > 0x7e => {
+                let mut buf = [0u16; 2];
+                for unit in c.encode_utf16(&mut buf) {
+                    let _ = write!(out, "\\u{unit:04x}");
+                }
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+/// Python's `repr(float)` (as used by `json.dumps`).
+fn python_float_repr(f: f64) -> String {
+    if f.is_nan() {
+        return "NaN".into();
+    }
+    if f.is_infinite() {
+        return if f > 0.0 {
+            "Infinity".into()
+        } else {
+            "-Infinity".into()
+        };
+    }
+    let a = f.abs();
+    if a != 0.0 && !(1e-4..1e16).contains(&a) {
+        // Shortest round-trip digits in exponent form: 1e+20, 1.5e-05.
+        let s = format!("{f:e}");
+        let (mant, exp) = s.split_once('e').expect("exponent form");
+        let exp: i32 = exp.parse().expect("exponent");
+        let sign = if exp < 0 { '-' } else { '+' };
+        return format!("{mant}e{sign}{:02}", exp.abs());
+    }
+    let s = format!("{f}");
+    if s.contains('.') {
+        s
+    } else {
+        format!("{s}.0")
+    }
+}
+
+/// `strftime_now(fmt)` (Llama 3.x templates): the current UTC time formatted with the common
+/// strftime directives (%d %m %Y %y %b %B %a %A %H %M %S %j %%).
+fn strftime_now(fmt: String) -> std::result::Result<Value, minijinja::Error> {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0);
+    strftime(&fmt, secs).map(Value::from)
+}
+
+fn strftime(fmt: &str, unix_secs: i64) -> std::result::Result<String, minijinja::Error> {
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] = [
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+    ];
+    let days = unix_secs.div_euclid(86_400);
+    let secs_of_day = unix_secs.rem_euclid(86_400);
+    let (y, m, d) = civil_from_days(days);
+    // 1970-01-01 was a Thursday (index 3 with Monday = 0).
+    let weekday = (days + 3).rem_euclid(7) as usize;
+    let yday = days - days_from_civil(y, 1, 1) + 1;
+    let mut out = String::new();
+    let mut chars = fmt.chars();
+    while let Some(c) = chars.next() {
+        if c != '%' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('d') => write!(out, "{d:02}"),
+            Some('m') => write!(out, "{m:02}"),
+            Some('Y') => write!(out, "{y}"),
+            Some('y') => write!(out, "{:02}", y.rem_euclid(100)),
+            Some('b') => write!(out, "{}", &MONTHS[m as usize - 1][..3]),
+            Some('B') => write!(out, "{}", MONTHS[m as usize - 1]),
+            Some('a') => write!(out, "{}", &DAYS[weekday][..3]),
+            Some('A') => write!(out, "{}", DAYS[weekday]),
+            Some('H') => write!(out, "{:02}", secs_of_day / 3600),
+            Some('M') => write!(out, "{:02}", secs_of_day / 60 % 60),
+            Some('S') => write!(out, "{:02}", secs_of_day % 60),
+            Some('j') => write!(out, "{yday:03}"),
+            Some('%') => write!(out, "%"),
+            other => {
+                return Err(minijinja::Error::new(
+                    ErrorKind::InvalidOperation,
+                    format!(
+                        "strftime_now: unsupported directive %{}",
+                        other.unwrap_or(' ')
+                    ),
+                ))
+            }
+        }
+        .expect("writing to a String cannot fail");
+    }
+    Ok(out)
+}
+
+/// Days since 1970-01-01 -> (year, month 1..=12, day 1..=31), proleptic Gregorian.
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y, m, d)
+}
+
+fn days_from_civil(y: i64, m: u32, d: u32) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y.rem_euclid(400);
+    let m = i64::from(m);
+    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + i64::from(d) - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn msg(role: &str, content: &str) -> Message {
+        vec![
+            ("role".to_string(), Some(role.to_string())),
+            ("content".to_string(), Some(content.to_string())),
+        ]
+    }
+
+    /// SmolLM2's template (ChatML with a default system prompt).
+    pub const SMOLLM2: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+    /// Llama-3 (8B-Instruct) template.
+    pub const LLAMA3: &str = "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}";
+
+    #[test]
+    fn smollm2_matches_transformers() {
+        let out =
+            render_chat_template(SMOLLM2, &[msg("user", "Hi there")], true, None, None).unwrap();
+        assert_eq!(
+            out,
+            "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+        );
+    }
+
+    #[test]
+    fn llama3_uses_bos_and_trims() {
+        let out = render_chat_template(
+            LLAMA3,
+            &[msg("system", "  Be brief. "), msg("user", "Hello")],
+            true,
+            Some("<|begin_of_text|>"),
+            Some("<|eot_id|>"),
+        )
+        .unwrap();
+        assert_eq!(
+            out,
+            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHello<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+        );
+    }
+
+    #[test]
+    fn trim_and_lstrip_blocks_like_transformers() {
+        // With trim_blocks the newline after a block tag goes; with lstrip_blocks the indentation
+        // before a block tag goes.
+        let tmpl = "{% for m in messages %}\n    {% if m.role == 'user' %}\nU:{{ m.content }}\n    {% endif %}\n{% endfor %}\n";
+        let out = render_chat_template(
+            tmpl,
+            &[msg("user", "a"), msg("user", "b")],
+            false,
+            None,
+            None,
+        )
+        .unwrap();
+        assert_eq!(out, "U:a\nU:b\n");
+    }
+
+    #[test]
+    fn raise_exception_message_is_kept() {
+        let tmpl = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversation must start with user') }}{% endif %}ok";
+        let err =
+            render_chat_template(tmpl, &[msg("assistant", "x")], false, None, None).unwrap_err();
+        assert!(
+            matches!(err, Error::Template(ref m) if m == "Conversation must start with user"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn python_string_methods_and_loop_controls() {
+        let tmpl = "{% for m in messages %}{% if m.content.startswith('skip') %}{% continue %}{% endif %}[{{ m.content.strip().upper() }}]{% endfor %}";
+        let out = render_chat_template(
+            tmpl,
+            &[msg("user", " a "), msg("user", "skip me"), msg("user", "b")],
+            false,
+            None,
+            None,
+        )
+        .unwrap();
+        assert_eq!(out, "[A][B]");
+    }
+
+    #[test]
+    fn tojson_like_python_json_dumps() {
+        let tmpl = "{{ messages[0] | tojson }}|{{ [1, 2.5, none, true, 'é\"\\n'] | tojson }}|{{ messages[0] | tojson(indent=2) }}";
+        let out = render_chat_template(tmpl, &[msg("user", "<b>&")], false, None, None).unwrap();
+        assert_eq!(
+            out,
+            "{\"role\": \"user\", \"content\": \"<b>&\"}|[1, 2.5, null, true, \"é\\\"\\n\"]|{\n  \"role\": \"user\",\n  \"content\": \"<b>&\"\n}"
+        );
+    }
+
+    #[test]
+    fn undefined_tokens_render_empty() {
+        let out = render_chat_template("{{ bos_token }}x{{ eos_token }}", &[], false, None, None)
+            .unwrap();
+        assert_eq!(out, "x");
+    }
+
+    #[test]
+    fn generation_tags_are_transparent() {
+        let tmpl = "{% for m in messages %}{%- generation -%}\n{{ m.content }}{% endgeneration %}{% endfor %}";
+        let out = render_chat_template(tmpl, &[msg("assistant", "x")], false, None, None).unwrap();
+        assert_eq!(out, "x");
+    }
+
+    #[test]
+    fn syntax_error_is_template_error() {
+        let err = ChatTemplate::new("{% for %}").err().unwrap();
+        assert!(matches!(err, Error::Template(_)));
+    }
+
+    #[test]
+    fn strftime_known_dates() {
+        // 2024-07-23 13:05:09 UTC was a Tuesday.
+        let t = 1_721_739_909;
+        assert_eq!(strftime("%d %b %Y", t).unwrap(), "23 Jul 2024");
+        assert_eq!(
+            strftime("%A %B %H:%M:%S %j %%", t).unwrap(),
+            "Tuesday July 13:05:09 205 %"
+        );
+        assert_eq!(strftime("%d %m %y", 0).unwrap(), "01 01 70");
+    }
+
+    #[test]
+    fn float_repr() {
+        assert_eq!(python_float_repr(1.0), "1.0");
+        assert_eq!(python_float_repr(0.1), "0.1");
+        assert_eq!(python_float_repr(1e20), "1e+20");
+        assert_eq!(python_float_repr(1.5e-5), "1.5e-05");
+    }
+}

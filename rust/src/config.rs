@@ -1,0 +1,162 @@
+//! `SchedulerConfig`: every constructor argument of `eaglebatch._native.Scheduler`.
+//!
+//! Plain data; `validate` checks the numeric options once, up front, so the rest of the crate can
+//! rely on them (e.g. `block_size >= 1`, `max_batch_size >= 1`).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use crate::error::{Error, Result};
+
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    // Input.
+    pub input_files: Vec<PathBuf>,
+    pub prompt_column: Option<String>,
+    pub messages_column: Option<String>,
+    pub id_column: Option<String>,
+    pub limit: Option<u64>,
+    // Prompt construction / tokenization.
+    pub apply_chat_template: bool,
+    pub tokenizer_file: PathBuf,
+    pub chat_template: Option<String>,
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+    pub eos_token_ids: Vec<u32>,
+    // Output.
+    pub output_dir: PathBuf,
+    pub part_rows: usize,
+    pub file_metadata: BTreeMap<String, String>,
+    pub include_token_ids: bool,
+    // Sampling / stopping.
+    pub max_new_tokens: usize,
+    pub stop: Vec<String>,
+    pub temperature: f32,
+    pub top_p: f32,
+    pub top_k: i32,
+    pub seed: i64,
+    // Paged KV cache and batching.
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub max_batch_size: usize,
+    pub max_num_batched_tokens: usize,
+    pub max_model_len: usize,
+    pub read_batch_rows: usize,
+    pub queue_rows: usize,
+}
+
+impl SchedulerConfig {
+    /// A config with the given input/tokenizer/output and conservative defaults for the rest.
+    pub fn new(
+        input_files: Vec<PathBuf>,
+        prompt_column: &str,
+        tokenizer_file: PathBuf,
+        output_dir: PathBuf,
+    ) -> Self {
+        SchedulerConfig {
+            input_files,
+            prompt_column: Some(prompt_column.to_string()),
+            messages_column: None,
+            id_column: None,
+            limit: None,
+            apply_chat_template: false,
+            tokenizer_file,
+            chat_template: None,
+            bos_token: None,
+            eos_token: None,
+            eos_token_ids: Vec::new(),
+            output_dir,
+            part_rows: 10_000,
+            file_metadata: BTreeMap::new(),
+            include_token_ids: false,
+            max_new_tokens: 16,
+            stop: Vec::new(),
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: 0,
+            num_blocks: 1024,
+            block_size: 16,
+            max_batch_size: 64,
+            max_num_batched_tokens: 8192,
+            max_model_len: 4096,
+            read_batch_rows: 1024,
+            queue_rows: 4096,
+        }
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        let positive = [
+            ("part_rows", self.part_rows),
+            ("max_new_tokens", self.max_new_tokens),
+            ("num_blocks", self.num_blocks),
+            ("block_size", self.block_size),
+            ("max_batch_size", self.max_batch_size),
+            ("max_num_batched_tokens", self.max_num_batched_tokens),
+            ("max_model_len", self.max_model_len),
+            ("read_batch_rows", self.read_batch_rows),
+            ("queue_rows", self.queue_rows),
+        ];
+        for (name, value) in positive {
+            if value == 0 {
+                return Err(Error::user(format!("{name} must be >= 1, got 0")));
+            }
+        }
+        if self.max_model_len < 2 {
+            return Err(Error::user(format!(
+                "max_model_len must be >= 2 (one prompt token and one generated token), got {}",
+                self.max_model_len
+            )));
+        }
+        if self.num_blocks > i32::MAX as usize || self.block_size > (1 << 20) {
+            return Err(Error::user(format!(
+                "num_blocks ({}) or block_size ({}) out of range",
+                self.num_blocks, self.block_size
+            )));
+        }
+        if self.max_model_len > i32::MAX as usize {
+            return Err(Error::user("max_model_len must fit in int32"));
+        }
+        if self.input_files.is_empty() {
+            return Err(Error::user(
+                "input_files is empty: give at least one Parquet file",
+            ));
+        }
+        if self.prompt_column.is_none() && self.messages_column.is_none() {
+            return Err(Error::user(
+                "neither prompt_column nor messages_column is set: one of them is required",
+            ));
+        }
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return Err(Error::user(format!(
+                "temperature must be a finite number >= 0, got {}",
+                self.temperature
+            )));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(Error::user(format!(
+                "top_p must be in (0, 1], got {}",
+                self.top_p
+            )));
+        }
+        if self.top_k < 0 {
+            return Err(Error::user(format!(
+                "top_k must be >= 0 (0 = off), got {}",
+                self.top_k
+            )));
+        }
+        let needs_template = self.messages_column.is_some() || self.apply_chat_template;
+        if needs_template && self.chat_template.as_deref().is_none_or(str::is_empty) {
+            return Err(Error::user(
+                "a chat template is required (messages_column is set or apply_chat_template is \
+                 true) but chat_template is empty: the tokenizer has no chat template; pass one",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Maximum sequence length actually reachable: the model limit, capped by the KV capacity.
+    pub fn effective_max_len(&self) -> usize {
+        self.max_model_len.min(self.num_blocks * self.block_size)
+    }
+}

@@ -1,0 +1,29 @@
+//! eaglebatch's Rust core: everything that is not tensor math.
+//!
+//! Data flow: `reader` (Parquet -> chat template -> tokens, background thread) -> `scheduler`
+//! (continuous batching over the paged KV cache of `block_manager`; the Python worker runs each
+//! `StepPlan` and `commit`s sampled tokens; `detokenizer` + stop conditions) -> `writer`
+//! (Parquet part files, background thread). `python` (feature "python") is the thin PyO3 layer.
+
+pub mod block_manager;
+pub mod chat_template;
+pub mod config;
+pub mod detokenizer;
+pub mod error;
+pub mod reader;
+pub mod scheduler;
+pub mod sequence;
+pub mod stats;
+pub mod writer;
+
+#[cfg(feature = "python")]
+mod python;
+
+#[cfg(test)]
+pub(crate) mod testutil;
+
+pub use chat_template::{render_chat_template, ChatTemplate, Message};
+pub use config::SchedulerConfig;
+pub use error::{Error, Result};
+pub use scheduler::{Scheduler, StepKind, StepPlan};
+pub use stats::{Summary, SummaryValue};

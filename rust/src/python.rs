@@ -1,0 +1,357 @@
+//! PyO3 bindings: module `eaglebatch._native` (contract: `py/eaglebatch/_native.pyi`).
+//!
+//! Thin by design: argument conversion, GIL release around every call into the core, numpy
+//! arrays out, and the one place where `Error` becomes a Python exception
+//! (`UserInput` -> `UserInputError`, everything else -> `NativeError`).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
+use pyo3::create_exception;
+use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyString};
+
+use crate::chat_template::{self, Message};
+use crate::config::SchedulerConfig;
+use crate::error::Error;
+use crate::scheduler::{Scheduler, StepPlan};
+use crate::stats::SummaryValue;
+
+create_exception!(
+    eaglebatch._native,
+    NativeError,
+    PyException,
+    "Any error raised by the Rust side (bad input file, missing column, tokenizer, I/O)."
+);
+create_exception!(
+    eaglebatch._native,
+    UserInputError,
+    NativeError,
+    "An error the user can fix (missing file / column, wrong column type): message names it."
+);
+
+fn to_py(e: Error) -> PyErr {
+    match e {
+        Error::UserInput(msg) => UserInputError::new_err(msg),
+        other => NativeError::new_err(other.to_string()),
+    }
+}
+
+/// One forward step (see the .pyi for every field).
+#[pyclass(module = "eaglebatch._native", name = "StepPlan", frozen)]
+pub struct PyStepPlan {
+    #[pyo3(get)]
+    kind: &'static str,
+    #[pyo3(get)]
+    num_seqs: usize,
+    #[pyo3(get)]
+    num_tokens: usize,
+    #[pyo3(get)]
+    slots: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    input_ids: Py<PyArray1<i64>>,
+    #[pyo3(get)]
+    positions: Py<PyArray1<i64>>,
+    #[pyo3(get)]
+    cu_seqlens_q: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    seq_lens: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    block_tables: Py<PyArray2<i32>>,
+    #[pyo3(get)]
+    slot_mapping: Py<PyArray1<i64>>,
+    #[pyo3(get)]
+    temperature: Py<PyArray1<f32>>,
+    #[pyo3(get)]
+    top_p: Py<PyArray1<f32>>,
+    #[pyo3(get)]
+    top_k: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    seeds: Py<PyArray1<i64>>,
+    #[pyo3(get)]
+    num_generated: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    max_seqlen_q: usize,
+    #[pyo3(get)]
+    max_seqlen_k: usize,
+}
+
+#[pymethods]
+impl PyStepPlan {
+    fn __repr__(&self) -> String {
+        format!(
+            "StepPlan(kind={:?}, num_seqs={}, num_tokens={}, max_seqlen_q={}, max_seqlen_k={})",
+            self.kind, self.num_seqs, self.num_tokens, self.max_seqlen_q, self.max_seqlen_k
+        )
+    }
+}
+
+impl PyStepPlan {
+    fn new(py: Python<'_>, p: StepPlan) -> PyResult<Self> {
+        let b = p.num_seqs();
+        let num_tokens = p.num_tokens();
+        let block_tables = p
+            .block_tables
+            .into_pyarray(py)
+            .reshape([b, p.block_table_width])?;
+        Ok(PyStepPlan {
+            kind: p.kind.as_str(),
+            num_seqs: b,
+            num_tokens,
+            slots: p.slots.into_pyarray(py).unbind(),
+            input_ids: p.input_ids.into_pyarray(py).unbind(),
+            positions: p.positions.into_pyarray(py).unbind(),
+            cu_seqlens_q: p.cu_seqlens_q.into_pyarray(py).unbind(),
+            seq_lens: p.seq_lens.into_pyarray(py).unbind(),
+            block_tables: block_tables.unbind(),
+            slot_mapping: p.slot_mapping.into_pyarray(py).unbind(),
+            temperature: p.temperature.into_pyarray(py).unbind(),
+            top_p: p.top_p.into_pyarray(py).unbind(),
+            top_k: p.top_k.into_pyarray(py).unbind(),
+            seeds: p.seeds.into_pyarray(py).unbind(),
+            num_generated: p.num_generated.into_pyarray(py).unbind(),
+            max_seqlen_q: p.max_seqlen_q,
+            max_seqlen_k: p.max_seqlen_k,
+        })
+    }
+}
+
+/// A 1-D integer array (numpy int32 preferred; int64 numpy arrays and Python sequences of ints
+/// are accepted and range-checked).
+fn int32_vec(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i32>> {
+    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
+        return Ok(a.as_array().iter().copied().collect());
+    }
+    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
+        return a
+            .as_array()
+            .iter()
+            .map(|&v| {
+                i32::try_from(v)
+                    .map_err(|_| PyValueError::new_err(format!("{name}: value {v} out of int32")))
+            })
+            .collect();
+    }
+    obj.extract::<Vec<i32>>()
+        .map_err(|_| PyTypeError::new_err(format!("{name} must be a 1-D int32 numpy array")))
+}
+
+#[pyclass(module = "eaglebatch._native", name = "Scheduler")]
+pub struct PyScheduler {
+    inner: Scheduler,
+}
+
+#[pymethods]
+impl PyScheduler {
+    #[new]
+    #[pyo3(signature = (
+        *,
+        input_files,
+        prompt_column,
+        messages_column,
+        id_column,
+        limit,
+        apply_chat_template,
+        tokenizer_file,
+        chat_template,
+        bos_token,
+        eos_token,
+        eos_token_ids,
+        output_dir,
+        part_rows,
+        file_metadata,
+        include_token_ids,
+        max_new_tokens,
+        stop,
+        temperature,
+        top_p,
+        top_k,
+        seed,
+        num_blocks,
+        block_size,
+        max_batch_size,
+        max_num_batched_tokens,
+        max_model_len,
+        read_batch_rows = 1024,
+        queue_rows = 4096,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        input_files: Vec<PathBuf>,
+        prompt_column: Option<String>,
+        messages_column: Option<String>,
+        id_column: Option<String>,
+        limit: Option<u64>,
+        apply_chat_template: bool,
+        tokenizer_file: PathBuf,
+        chat_template: Option<String>,
+        bos_token: Option<String>,
+        eos_token: Option<String>,
+        eos_token_ids: Vec<i64>,
+        output_dir: PathBuf,
+        part_rows: usize,
+        file_metadata: BTreeMap<String, String>,
+        include_token_ids: bool,
+        max_new_tokens: usize,
+        stop: Vec<String>,
+        temperature: f32,
+        top_p: f32,
+        top_k: i32,
+        seed: i64,
+        num_blocks: usize,
+        block_size: usize,
+        max_batch_size: usize,
+        max_num_batched_tokens: usize,
+        max_model_len: usize,
+        read_batch_rows: usize,
+        queue_rows: usize,
+    ) -> PyResult<Self> {
+        let eos_token_ids = eos_token_ids
+            .into_iter()
+            .map(|id| {
+                u32::try_from(id).map_err(|_| {
+                    UserInputError::new_err(format!("eos_token_ids: invalid token id {id}"))
+                })
+            })
+            .collect::<PyResult<Vec<u32>>>()?;
+        let cfg = SchedulerConfig {
+            input_files,
+            prompt_column,
+            messages_column,
+            id_column,
+            limit,
+            apply_chat_template,
+            tokenizer_file,
+            chat_template,
+            bos_token,
+            eos_token,
+            eos_token_ids,
+            output_dir,
+            part_rows,
+            file_metadata,
+            include_token_ids,
+            max_new_tokens,
+            stop,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            num_blocks,
+            block_size,
+            max_batch_size,
+            max_num_batched_tokens,
+            max_model_len,
+            read_batch_rows,
+            queue_rows,
+        };
+        let inner = py.detach(|| Scheduler::new(cfg)).map_err(to_py)?;
+        Ok(PyScheduler { inner })
+    }
+
+    fn next_plan(&mut self, py: Python<'_>) -> PyResult<Option<PyStepPlan>> {
+        let inner = &mut self.inner;
+        match py.detach(|| inner.next_plan()).map_err(to_py)? {
+            Some(plan) => Ok(Some(PyStepPlan::new(py, plan)?)),
+            None => Ok(None),
+        }
+    }
+
+    #[pyo3(signature = (tokens, num_tokens, num_accepted = None))]
+    fn commit(
+        &mut self,
+        py: Python<'_>,
+        tokens: &Bound<'_, PyAny>,
+        num_tokens: &Bound<'_, PyAny>,
+        num_accepted: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let tokens = int32_vec(tokens, "tokens")?;
+        let num_tokens = int32_vec(num_tokens, "num_tokens")?;
+        let num_accepted = match num_accepted {
+            Some(a) if !a.is_none() => Some(int32_vec(a, "num_accepted")?),
+            _ => None,
+        };
+        let inner = &mut self.inner;
+        py.detach(|| inner.commit(&tokens, &num_tokens, num_accepted.as_deref()))
+            .map_err(to_py)
+    }
+
+    fn progress<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (k, v) in self.inner.progress() {
+            d.set_item(k, v)?;
+        }
+        Ok(d)
+    }
+
+    fn finish<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let inner = &mut self.inner;
+        let summary = py.detach(|| inner.finish()).map_err(to_py)?;
+        let d = PyDict::new(py);
+        for (k, v) in summary {
+            match v {
+                SummaryValue::Int(i) => d.set_item(k, i)?,
+                SummaryValue::Float(f) => d.set_item(k, f)?,
+                SummaryValue::Paths(p) => d.set_item(k, PyList::new(py, p)?)?,
+            }
+        }
+        Ok(d)
+    }
+}
+
+/// Renders a Hugging Face chat template (minijinja); exposed for parity tests.
+#[pyfunction]
+#[pyo3(signature = (template, messages, add_generation_prompt, bos_token, eos_token))]
+fn render_chat_template(
+    py: Python<'_>,
+    template: String,
+    messages: Vec<Bound<'_, PyDict>>,
+    add_generation_prompt: bool,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+) -> PyResult<String> {
+    let mut msgs: Vec<Message> = Vec::with_capacity(messages.len());
+    for (i, m) in messages.iter().enumerate() {
+        let mut fields = Vec::with_capacity(m.len());
+        for (k, v) in m.iter() {
+            let key: String = k
+                .extract()
+                .map_err(|_| PyTypeError::new_err(format!("messages[{i}]: keys must be str")))?;
+            let value = if v.is_none() {
+                None
+            } else if let Ok(s) = v.cast::<PyString>() {
+                Some(s.to_str()?.to_string())
+            } else {
+                return Err(PyTypeError::new_err(format!(
+                    "messages[{i}][{key:?}]: values must be str or None"
+                )));
+            };
+            fields.push((key, value));
+        }
+        msgs.push(fields);
+    }
+    py.detach(|| {
+        chat_template::render_chat_template(
+            &template,
+            &msgs,
+            add_generation_prompt,
+            bos_token.as_deref(),
+            eos_token.as_deref(),
+        )
+    })
+    .map_err(to_py)
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("NativeError", py.get_type::<NativeError>())?;
+    m.add("UserInputError", py.get_type::<UserInputError>())?;
+    m.add_class::<PyScheduler>()?;
+    m.add_class::<PyStepPlan>()?;
+    m.add_function(wrap_pyfunction!(render_chat_template, m)?)?;
+    Ok(())
+}

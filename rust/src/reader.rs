@@ -1,0 +1,844 @@
+//! Input side: validate the Parquet files up front, then stream requests from a background
+//! thread.
+//!
+//! The reader thread reads `read_batch_rows` rows at a time (only the needed columns), renders
+//! the chat template where needed, tokenizes the batch and sends one `Request` per row into a
+//! bounded channel of capacity `queue_rows`, so at most about `queue_rows + read_batch_rows`
+//! rows are in memory on this side regardless of input size.
+//!
+//! Invariants:
+//! - requests are sent in input order with `row_index` = 0, 1, 2, ... across all files, and at
+//!   most `limit` of them;
+//! - a row that cannot be generated is still sent, with `error` set (never silently dropped);
+//! - a failure of the input itself (I/O, corrupt page) is sent as `ReaderMsg::Failed` and ends
+//!   the stream.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use arrow_array::cast::AsArray;
+use arrow_array::{Array, ArrayRef, Int64Array, RecordBatch, StructArray};
+use arrow_schema::{DataType, Field, Schema};
+use crossbeam_channel::{Receiver, Sender};
+use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use parquet::arrow::ProjectionMask;
+use tokenizers::Tokenizer;
+
+use crate::chat_template::{ChatTemplate, Message};
+use crate::config::SchedulerConfig;
+use crate::error::{Error, Result};
+use crate::sequence::Request;
+
+/// What the reader thread sends.
+#[derive(Debug)]
+pub enum ReaderMsg {
+    Request(Request),
+    /// The input could not be read; no more messages follow.
+    Failed(Error),
+}
+
+/// One validated input file.
+#[derive(Debug, Clone)]
+pub struct InputFile {
+    pub path: PathBuf,
+    pub num_rows: u64,
+}
+
+/// The validated input: files in order, the column names and the id type.
+#[derive(Debug, Clone)]
+pub struct InputSpec {
+    pub files: Vec<InputFile>,
+    pub prompt_column: Option<String>,
+    pub messages_column: Option<String>,
+    pub id_column: Option<String>,
+    /// Arrow type of the output `id` column (the input id column's type, or Int64).
+    pub id_type: DataType,
+    /// Rows that will be read: the footers' row counts summed, capped by `limit`.
+    pub total_rows: u64,
+}
+
+/// Expands directories to their (sorted, non-hidden) `*.parquet` files.
+fn expand_inputs(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    for path in paths {
+        let meta = std::fs::metadata(path).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                Error::user(format!("input file not found: {}", path.display()))
+            } else {
+                Error::io("cannot access input", path, e)
+            }
+        })?;
+        if meta.is_dir() {
+            let mut files: Vec<PathBuf> = std::fs::read_dir(path)
+                .map_err(|e| Error::io("cannot list input directory", path, e))?
+                .filter_map(|entry| entry.ok().map(|e| e.path()))
+                .filter(|p| {
+                    let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+                    p.is_file()
+                        && name.ends_with(".parquet")
+                        && !name.starts_with('.')
+                        && !name.starts_with('_')
+                })
+                .collect();
+            files.sort();
+            if files.is_empty() {
+                return Err(Error::user(format!(
+                    "input directory {} contains no .parquet files",
+                    path.display()
+                )));
+            }
+            out.extend(files);
+        } else {
+            out.push(path.clone());
+        }
+    }
+    Ok(out)
+}
+
+fn is_string(dt: &DataType) -> bool {
+    matches!(
+        dt,
+        DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View
+    )
+}
+
+/// The struct fields of a `list<struct<role: string, content: string>>` type, if it is one.
+fn messages_struct_ok(dt: &DataType) -> bool {
+    let item = match dt {
+        DataType::List(f) | DataType::LargeList(f) => f,
+        _ => return false,
+    };
+    let DataType::Struct(fields) = item.data_type() else {
+        return false;
+    };
+    ["role", "content"].iter().all(|name| {
+        fields
+            .iter()
+            .any(|f| f.name() == name && is_string(f.data_type()))
+    })
+}
+
+fn id_type_ok(dt: &DataType) -> bool {
+    dt.is_primitive()
+        || is_string(dt)
+        || matches!(
+            dt,
+            DataType::Boolean | DataType::Binary | DataType::LargeBinary | DataType::BinaryView
+        )
+}
+
+fn find_column<'a>(schema: &'a Schema, path: &Path, role: &str, name: &str) -> Result<&'a Field> {
+    schema.field_with_name(name).map_err(|_| {
+        let available: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
+        Error::user(format!(
+            "{}: {role} column '{name}' not found (columns: {})",
+            path.display(),
+            available.join(", ")
+        ))
+    })
+}
+
+/// Compression codecs this build can decode.
+fn codec_supported(c: parquet::basic::Compression) -> bool {
+    use parquet::basic::Compression as C;
+    matches!(
+        c,
+        C::UNCOMPRESSED | C::SNAPPY | C::GZIP(_) | C::LZ4 | C::LZ4_RAW | C::ZSTD(_)
+    )
+}
+
+/// Fails early (naming file and column) if a column we read uses an unsupported codec.
+fn check_codecs(
+    builder: &ParquetRecordBatchReaderBuilder<File>,
+    path: &Path,
+    cfg: &SchedulerConfig,
+) -> Result<()> {
+    let wanted: Vec<&str> = [&cfg.prompt_column, &cfg.messages_column, &cfg.id_column]
+        .into_iter()
+        .flatten()
+        .map(String::as_str)
+        .collect();
+    for rg in builder.metadata().row_groups() {
+        for col in rg.columns() {
+            let root = col.column_path().parts().first().map(String::as_str);
+            if root.is_some_and(|r| wanted.contains(&r)) && !codec_supported(col.compression()) {
+                return Err(Error::user(format!(
+                    "{}: column '{}' is compressed with {}, which eaglebatch cannot read \
+                     (supported: snappy, zstd, gzip, lz4, uncompressed); rewrite the file",
+                    path.display(),
+                    root.unwrap_or_default(),
+                    col.compression()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks every input file (exists, is Parquet, has usable columns) and counts rows from the
+/// footers. Errors are `UserInput` and name the file and column.
+pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
+    let paths = expand_inputs(&cfg.input_files)?;
+    let mut files = Vec::with_capacity(paths.len());
+    let mut id_type: Option<(DataType, PathBuf)> = None;
+    let mut total: u64 = 0;
+    for path in paths {
+        let file = File::open(&path).map_err(|e| Error::io("cannot open input", &path, e))?;
+        let builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| {
+            Error::user(format!(
+                "{}: not a readable Parquet file ({e})",
+                path.display()
+            ))
+        })?;
+        let schema = builder.schema().clone();
+        if let Some(col) = &cfg.prompt_column {
+            let f = find_column(&schema, &path, "prompt", col)?;
+            if !is_string(f.data_type()) {
+                return Err(Error::user(format!(
+                    "{}: prompt column '{col}' has type {}; expected a string column",
+                    path.display(),
+                    f.data_type()
+                )));
+            }
+        }
+        if let Some(col) = &cfg.messages_column {
+            let f = find_column(&schema, &path, "messages", col)?;
+            if !messages_struct_ok(f.data_type()) {
+                return Err(Error::user(format!(
+                    "{}: messages column '{col}' has type {}; expected \
+                     list<struct<role: string, content: string>>",
+                    path.display(),
+                    f.data_type()
+                )));
+            }
+        }
+        if let Some(col) = &cfg.id_column {
+            let f = find_column(&schema, &path, "id", col)?;
+            let dt = f.data_type();
+            if !id_type_ok(dt) {
+                return Err(Error::user(format!(
+                    "{}: id column '{col}' has type {dt}; expected a primitive or string column",
+                    path.display()
+                )));
+            }
+            match &id_type {
+                None => id_type = Some((dt.clone(), path.clone())),
+                Some((first, first_path)) if first != dt => {
+                    return Err(Error::user(format!(
+                        "id column '{col}' has type {first} in {} but {dt} in {}; all input \
+                         files must use the same id type",
+                        first_path.display(),
+                        path.display()
+                    )));
+                }
+                Some(_) => {}
+            }
+        }
+        check_codecs(&builder, &path, cfg)?;
+        let num_rows = builder.metadata().file_metadata().num_rows().max(0) as u64;
+        total += num_rows;
+        files.push(InputFile { path, num_rows });
+    }
+    let total_rows = match cfg.limit {
+        Some(limit) => total.min(limit),
+        None => total,
+    };
+    Ok(InputSpec {
+        files,
+        prompt_column: cfg.prompt_column.clone(),
+        messages_column: cfg.messages_column.clone(),
+        id_column: cfg.id_column.clone(),
+        id_type: id_type.map(|(t, _)| t).unwrap_or(DataType::Int64),
+        total_rows,
+    })
+}
+
+/// Everything the reader thread needs besides the spec.
+pub struct ReaderOptions {
+    pub tokenizer: Arc<Tokenizer>,
+    /// Compiled chat template (required for messages and for `apply_chat_template`).
+    pub template: Option<Arc<ChatTemplate>>,
+    pub apply_chat_template: bool,
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+    pub read_batch_rows: usize,
+    pub queue_rows: usize,
+}
+
+/// Starts the reader thread; it stops early (quietly) when the receiver is dropped.
+pub fn spawn_reader(
+    spec: InputSpec,
+    opts: ReaderOptions,
+) -> Result<(Receiver<ReaderMsg>, JoinHandle<()>)> {
+    let (tx, rx) = crossbeam_channel::bounded(opts.queue_rows.max(1));
+    let handle = std::thread::Builder::new()
+        .name("eaglebatch-reader".into())
+        .spawn(move || {
+            let mut worker = ReaderThread {
+                spec,
+                opts,
+                tx,
+                next_row: 0,
+            };
+            if let Err(e) = worker.run() {
+                // A send failure means the scheduler is gone: nobody to tell.
+                let _ = worker.tx.send(ReaderMsg::Failed(e));
+            }
+        })
+        .map_err(|e| Error::internal(format!("cannot start reader thread: {e}")))?;
+    Ok((rx, handle))
+}
+
+/// Why a batch stopped being processed early.
+enum Stop {
+    /// The receiver hung up (scheduler dropped).
+    Disconnected,
+    Failed(Error),
+}
+
+impl From<Error> for Stop {
+    fn from(e: Error) -> Self {
+        Stop::Failed(e)
+    }
+}
+
+struct ReaderThread {
+    spec: InputSpec,
+    opts: ReaderOptions,
+    tx: Sender<ReaderMsg>,
+    next_row: u64,
+}
+
+/// A row between reading and tokenization: its id and either (text, add_special_tokens) or
+/// an error message.
+struct PendingRow {
+    row_index: i64,
+    id: ArrayRef,
+    input: std::result::Result<(String, bool), String>,
+}
+
+impl ReaderThread {
+    fn run(&mut self) -> Result<()> {
+        let files = self.spec.files.clone();
+        for file in &files {
+            if self.next_row >= self.spec.total_rows {
+                break;
+            }
+            match self.read_file(&file.path) {
+                Ok(()) => {}
+                Err(Stop::Disconnected) => return Ok(()),
+                Err(Stop::Failed(e)) => return Err(e.context(&file.path.display().to_string())),
+            }
+        }
+        Ok(())
+    }
+
+    fn read_file(&mut self, path: &Path) -> std::result::Result<(), Stop> {
+        let file = File::open(path).map_err(|e| Error::io("cannot open input", path, e))?;
+        let builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(Error::from)?;
+        let schema = builder.schema().clone();
+        let mut roots = Vec::new();
+        for col in [
+            &self.spec.prompt_column,
+            &self.spec.messages_column,
+            &self.spec.id_column,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            let idx = schema.index_of(col).map_err(Error::from)?;
+            if !roots.contains(&idx) {
+                roots.push(idx);
+            }
+        }
+        let mask = ProjectionMask::roots(builder.parquet_schema(), roots);
+        let remaining = (self.spec.total_rows - self.next_row) as usize;
+        let reader = builder
+            .with_projection(mask)
+            .with_batch_size(self.opts.read_batch_rows)
+            .with_limit(remaining)
+            .build()
+            .map_err(Error::from)?;
+        for batch in reader {
+            let batch = batch.map_err(Error::from)?;
+            let remaining = (self.spec.total_rows - self.next_row) as usize;
+            let batch = if batch.num_rows() > remaining {
+                batch.slice(0, remaining)
+            } else {
+                batch
+            };
+            self.process_batch(&batch)?;
+            if self.next_row >= self.spec.total_rows {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    fn process_batch(&mut self, batch: &RecordBatch) -> std::result::Result<(), Stop> {
+        let read_at = Instant::now();
+        let column = |name: &Option<String>| name.as_ref().and_then(|n| batch.column_by_name(n));
+        let prompts = column(&self.spec.prompt_column);
+        let messages = column(&self.spec.messages_column);
+        let ids = column(&self.spec.id_column);
+        let mut rows = Vec::with_capacity(batch.num_rows());
+        for i in 0..batch.num_rows() {
+            let row_index = self.next_row as i64;
+            self.next_row += 1;
+            let id: ArrayRef = match ids {
+                Some(a) => a.slice(i, 1),
+                None => Arc::new(Int64Array::from(vec![row_index])),
+            };
+            let input = self.row_input(prompts, messages, i);
+            rows.push(PendingRow {
+                row_index,
+                id,
+                input,
+            });
+        }
+        let token_ids = self.tokenize(&rows);
+        for (row, ids) in rows.into_iter().zip(token_ids) {
+            let (prompt_ids, error) = match ids {
+                Ok(ids) => (ids, None),
+                Err(msg) => (Vec::new(), Some(msg)),
+            };
+            let req = Request {
+                row_index: row.row_index,
+                id: row.id,
+                prompt_ids,
+                read_at,
+                error,
+            };
+            self.tx
+                .send(ReaderMsg::Request(req))
+                .map_err(|_| Stop::Disconnected)?;
+        }
+        Ok(())
+    }
+
+    /// The text to tokenize for row `i` (and whether to add special tokens), or why there is
+    /// none. Messages win over the prompt when both columns are configured and non-null.
+    fn row_input(
+        &self,
+        prompts: Option<&ArrayRef>,
+        messages: Option<&ArrayRef>,
+        i: usize,
+    ) -> std::result::Result<(String, bool), String> {
+        let col_name = |c: &Option<String>| c.clone().unwrap_or_default();
+        if let Some(m) = messages {
+            if m.is_valid(i) {
+                let msgs = parse_messages(m.as_ref(), i)
+                    .map_err(|e| format!("malformed messages: {e}"))?;
+                return self.render(&msgs).map(|text| (text, false));
+            }
+            if prompts.is_none() {
+                return Err(format!(
+                    "messages column '{}' is null",
+                    col_name(&self.spec.messages_column)
+                ));
+            }
+        }
+        let p = prompts.ok_or_else(|| "no prompt".to_string())?;
+        let name = col_name(&self.spec.prompt_column);
+        let Some(text) = str_value(p.as_ref(), i) else {
+            return Err(format!("prompt column '{name}' is null"));
+        };
+        if text.is_empty() {
+            return Err(format!("prompt column '{name}' is empty"));
+        }
+        if self.opts.apply_chat_template {
+            let msgs = vec![vec![
+                ("role".to_string(), Some("user".to_string())),
+                ("content".to_string(), Some(text.to_string())),
+            ]];
+            self.render(&msgs).map(|t| (t, false))
+        } else {
+            Ok((text.to_string(), true))
+        }
+    }
+
+    fn render(&self, messages: &[Message]) -> std::result::Result<String, String> {
+        let template = self
+            .opts
+            .template
+            .as_ref()
+            .ok_or_else(|| "no chat template available".to_string())?;
+        template
+            .render(
+                messages,
+                true,
+                self.opts.bos_token.as_deref(),
+                self.opts.eos_token.as_deref(),
+            )
+            .map_err(|e| e.to_string())
+    }
+
+    /// Token ids per row (or the row's error). Rendered chats are encoded without special
+    /// tokens (like transformers' `apply_chat_template(tokenize=True)`), raw prompts with them.
+    fn tokenize(&self, rows: &[PendingRow]) -> Vec<std::result::Result<Vec<u32>, String>> {
+        let mut out: Vec<std::result::Result<Vec<u32>, String>> = rows
+            .iter()
+            .map(|r| match &r.input {
+                Ok(_) => Ok(Vec::new()),
+                Err(e) => Err(e.clone()),
+            })
+            .collect();
+        for add_special in [true, false] {
+            let idx: Vec<usize> = rows
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| matches!(&r.input, Ok((_, a)) if *a == add_special))
+                .map(|(i, _)| i)
+                .collect();
+            if idx.is_empty() {
+                continue;
+            }
+            let texts: Vec<&str> = idx
+                .iter()
+                .map(|&i| match &rows[i].input {
+                    Ok((t, _)) => t.as_str(),
+                    Err(_) => unreachable!("filtered above"),
+                })
+                .collect();
+            let tok = &self.opts.tokenizer;
+            match tok.encode_batch_fast(texts.clone(), add_special) {
+                Ok(encodings) => {
+                    for (&i, enc) in idx.iter().zip(encodings) {
+                        out[i] = Ok(enc.get_ids().to_vec());
+                    }
+                }
+                // One bad row fails the whole batch: redo row by row to find it.
+                Err(_) => {
+                    for (&i, text) in idx.iter().zip(texts) {
+                        out[i] = tok
+                            .encode_fast(text, add_special)
+                            .map(|enc| enc.get_ids().to_vec())
+                            .map_err(|e| format!("tokenizer error: {e}"));
+                    }
+                }
+            }
+        }
+        for ids in out.iter_mut() {
+            if matches!(ids, Ok(v) if v.is_empty()) {
+                *ids = Err("prompt tokenized to 0 tokens".to_string());
+            }
+        }
+        out
+    }
+}
+
+/// String value at `i` of a Utf8 / LargeUtf8 / Utf8View array (None when null or not a string).
+pub fn str_value(a: &dyn Array, i: usize) -> Option<&str> {
+    if a.is_null(i) {
+        return None;
+    }
+    match a.data_type() {
+        DataType::Utf8 => Some(a.as_string::<i32>().value(i)),
+        DataType::LargeUtf8 => Some(a.as_string::<i64>().value(i)),
+        DataType::Utf8View => Some(a.as_string_view().value(i)),
+        _ => None,
+    }
+}
+
+/// Messages of row `i` of a `list<struct<role, content>>` column.
+fn parse_messages(col: &dyn Array, i: usize) -> std::result::Result<Vec<Message>, String> {
+    let list: ArrayRef = match col.data_type() {
+        DataType::List(_) => col.as_list::<i32>().value(i),
+        DataType::LargeList(_) => col.as_list::<i64>().value(i),
+        other => return Err(format!("unsupported type {other}")),
+    };
+    if list.is_empty() {
+        return Err("empty list".into());
+    }
+    let items: &StructArray = list
+        .as_struct_opt()
+        .ok_or_else(|| "list items are not structs".to_string())?;
+    let role = items
+        .column_by_name("role")
+        .ok_or_else(|| "no 'role' field".to_string())?;
+    let content = items
+        .column_by_name("content")
+        .ok_or_else(|| "no 'content' field".to_string())?;
+    let mut out = Vec::with_capacity(items.len());
+    for j in 0..items.len() {
+        if items.is_null(j) {
+            return Err(format!("message {j} is null"));
+        }
+        let r = str_value(role.as_ref(), j).ok_or_else(|| format!("message {j} has no role"))?;
+        let c = str_value(content.as_ref(), j)
+            .ok_or_else(|| format!("message {j} has null content"))?;
+        out.push(vec![
+            ("role".to_string(), Some(r.to_string())),
+            ("content".to_string(), Some(c.to_string())),
+        ]);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::{word_level_tokenizer, write_parquet, TempDir};
+    use arrow_array::builder::{ListBuilder, StringBuilder, StructBuilder};
+    use arrow_array::{Int32Array, StringArray};
+    use arrow_schema::Fields;
+
+    fn cfg(files: Vec<PathBuf>) -> SchedulerConfig {
+        SchedulerConfig::new(
+            files,
+            "prompt",
+            PathBuf::from("unused"),
+            PathBuf::from("unused"),
+        )
+    }
+
+    fn collect(spec: InputSpec, template: Option<&str>, apply: bool, queue: usize) -> Vec<Request> {
+        let opts = ReaderOptions {
+            tokenizer: Arc::new(word_level_tokenizer(64)),
+            template: template.map(|t| Arc::new(ChatTemplate::new(t).unwrap())),
+            apply_chat_template: apply,
+            bos_token: Some("<bos>".into()),
+            eos_token: None,
+            read_batch_rows: 2,
+            queue_rows: queue,
+        };
+        let (rx, handle) = spawn_reader(spec, opts).unwrap();
+        let out: Vec<Request> = rx
+            .iter()
+            .map(|m| match m {
+                ReaderMsg::Request(r) => r,
+                ReaderMsg::Failed(e) => panic!("reader failed: {e}"),
+            })
+            .collect();
+        handle.join().unwrap();
+        out
+    }
+
+    #[test]
+    fn missing_file_and_column_are_user_errors() {
+        let dir = TempDir::new("reader-missing");
+        let err = validate_inputs(&cfg(vec![dir.path().join("nope.parquet")])).unwrap_err();
+        assert!(
+            matches!(&err, Error::UserInput(m) if m.contains("nope.parquet")),
+            "{err}"
+        );
+
+        let f = dir.path().join("a.parquet");
+        write_parquet(
+            &f,
+            vec![("text", Arc::new(StringArray::from(vec!["w4"])) as ArrayRef)],
+            10,
+        );
+        let err = validate_inputs(&cfg(vec![f.clone()])).unwrap_err();
+        assert!(
+            matches!(&err, Error::UserInput(m) if m.contains("a.parquet") && m.contains("'prompt'") && m.contains("text")),
+            "{err}"
+        );
+
+        let g = dir.path().join("b.parquet");
+        write_parquet(
+            &g,
+            vec![("prompt", Arc::new(Int32Array::from(vec![1])) as ArrayRef)],
+            10,
+        );
+        let err = validate_inputs(&cfg(vec![g])).unwrap_err();
+        assert!(
+            matches!(&err, Error::UserInput(m) if m.contains("expected a string")),
+            "{err}"
+        );
+
+        let h = dir.path().join("c.parquet");
+        std::fs::write(&h, b"not parquet at all").unwrap();
+        let err = validate_inputs(&cfg(vec![h])).unwrap_err();
+        assert!(
+            matches!(&err, Error::UserInput(m) if m.contains("c.parquet")),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn id_type_must_match_across_files() {
+        let dir = TempDir::new("reader-idtype");
+        let a = dir.path().join("a.parquet");
+        let b = dir.path().join("b.parquet");
+        let p = || Arc::new(StringArray::from(vec!["w4"])) as ArrayRef;
+        write_parquet(
+            &a,
+            vec![("prompt", p()), ("id", Arc::new(Int32Array::from(vec![1])))],
+            10,
+        );
+        write_parquet(
+            &b,
+            vec![
+                ("prompt", p()),
+                ("id", Arc::new(StringArray::from(vec!["x"]))),
+            ],
+            10,
+        );
+        let mut c = cfg(vec![a, b]);
+        c.id_column = Some("id".into());
+        let err = validate_inputs(&c).unwrap_err();
+        assert!(
+            matches!(&err, Error::UserInput(m) if m.contains("same id type")),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn streams_rows_in_order_with_limit_errors_and_ids() {
+        let dir = TempDir::new("reader-stream");
+        let a = dir.path().join("a.parquet");
+        let b = dir.path().join("b.parquet");
+        write_parquet(
+            &a,
+            vec![
+                (
+                    "prompt",
+                    Arc::new(StringArray::from(vec![Some("w4 w5"), None, Some("")])) as ArrayRef,
+                ),
+                ("id", Arc::new(StringArray::from(vec!["a0", "a1", "a2"]))),
+            ],
+            2,
+        );
+        write_parquet(
+            &b,
+            vec![
+                (
+                    "prompt",
+                    Arc::new(StringArray::from(vec!["w6", "w7", "w8"])) as ArrayRef,
+                ),
+                ("id", Arc::new(StringArray::from(vec!["b0", "b1", "b2"]))),
+            ],
+            2,
+        );
+        let mut c = cfg(vec![a, b]);
+        c.id_column = Some("id".into());
+        c.limit = Some(5);
+        let spec = validate_inputs(&c).unwrap();
+        assert_eq!(spec.total_rows, 5);
+        assert_eq!(spec.id_type, DataType::Utf8);
+        let reqs = collect(spec, None, false, 1);
+        assert_eq!(reqs.len(), 5);
+        let idx: Vec<i64> = reqs.iter().map(|r| r.row_index).collect();
+        assert_eq!(idx, vec![0, 1, 2, 3, 4]);
+        let ids: Vec<String> = reqs
+            .iter()
+            .map(|r| r.id.as_string::<i32>().value(0).to_string())
+            .collect();
+        assert_eq!(ids, vec!["a0", "a1", "a2", "b0", "b1"]);
+        // Raw prompts get special tokens (<bos> = 1) from the post-processor.
+        assert_eq!(reqs[0].prompt_ids, vec![1, 4, 5]);
+        assert!(reqs[1].error.as_deref().unwrap().contains("null"));
+        assert!(reqs[2].error.as_deref().unwrap().contains("empty"));
+        assert_eq!(reqs[4].prompt_ids, vec![1, 7]);
+    }
+
+    /// (role, content) pairs per row; `None` = null list.
+    type MessageRows<'a> = Vec<Option<Vec<(Option<&'a str>, Option<&'a str>)>>>;
+
+    fn messages_array(rows: MessageRows<'_>) -> ArrayRef {
+        let fields = Fields::from(vec![
+            Field::new("role", DataType::Utf8, true),
+            Field::new("content", DataType::Utf8, true),
+        ]);
+        let sb = StructBuilder::from_fields(fields, 0);
+        let mut lb = ListBuilder::new(sb);
+        for row in rows {
+            match row {
+                None => lb.append(false),
+                Some(msgs) => {
+                    for (role, content) in msgs {
+                        let s = lb.values();
+                        s.field_builder::<StringBuilder>(0)
+                            .unwrap()
+                            .append_option(role);
+                        s.field_builder::<StringBuilder>(1)
+                            .unwrap()
+                            .append_option(content);
+                        s.append(true);
+                    }
+                    lb.append(true);
+                }
+            }
+        }
+        Arc::new(lb.finish())
+    }
+
+    #[test]
+    fn messages_are_rendered_without_special_tokens() {
+        let dir = TempDir::new("reader-msgs");
+        let a = dir.path().join("m.parquet");
+        let col = messages_array(vec![
+            Some(vec![(Some("user"), Some("w5 w6"))]),
+            None,
+            Some(vec![(Some("user"), None)]),
+            Some(vec![]),
+        ]);
+        write_parquet(&a, vec![("messages", col)], 10);
+        let mut c = cfg(vec![a]);
+        c.prompt_column = None;
+        c.messages_column = Some("messages".into());
+        let spec = validate_inputs(&c).unwrap();
+        assert_eq!(spec.id_type, DataType::Int64);
+        let tmpl = "{{ bos_token }}{% for m in messages %}{{ m.content }} {% endfor %}{% if add_generation_prompt %}w9{% endif %}";
+        let reqs = collect(spec, Some(tmpl), false, 16);
+        assert_eq!(reqs.len(), 4);
+        // "<bos>w5 w6 w9": bos from the template, none added by the tokenizer.
+        assert_eq!(reqs[0].prompt_ids, vec![1, 5, 6, 9]);
+        assert_eq!(
+            reqs[0]
+                .id
+                .as_primitive::<arrow_array::types::Int64Type>()
+                .value(0),
+            0
+        );
+        assert!(reqs[1].error.as_deref().unwrap().contains("null"));
+        assert!(reqs[2]
+            .error
+            .as_deref()
+            .unwrap()
+            .contains("malformed messages"));
+        assert!(reqs[3].error.as_deref().unwrap().contains("empty list"));
+    }
+
+    #[test]
+    fn apply_chat_template_to_prompts() {
+        let dir = TempDir::new("reader-apply");
+        let a = dir.path().join("p.parquet");
+        write_parquet(
+            &a,
+            vec![(
+                "prompt",
+                Arc::new(StringArray::from(vec!["w7"])) as ArrayRef,
+            )],
+            10,
+        );
+        let spec = validate_inputs(&cfg(vec![a])).unwrap();
+        let tmpl = "{% for m in messages %}{% if m.role == 'user' %}w10{% endif %} {{ m.content }} {% endfor %}";
+        let reqs = collect(spec, Some(tmpl), true, 16);
+        assert_eq!(reqs[0].prompt_ids, vec![10, 7]);
+    }
+
+    #[test]
+    fn directory_input_expands_to_parquet_files() {
+        let dir = TempDir::new("reader-dir");
+        for name in ["b.parquet", "a.parquet"] {
+            write_parquet(
+                &dir.path().join(name),
+                vec![(
+                    "prompt",
+                    Arc::new(StringArray::from(vec!["w4", "w5"])) as ArrayRef,
+                )],
+                10,
+            );
+        }
+        std::fs::write(dir.path().join("notes.txt"), "x").unwrap();
+        let spec = validate_inputs(&cfg(vec![dir.path().to_path_buf()])).unwrap();
+        assert_eq!(spec.files.len(), 2);
+        assert!(spec.files[0].path.ends_with("a.parquet"));
+        assert_eq!(spec.total_rows, 4);
+    }
+}

@@ -1,0 +1,795 @@
+//! Continuous batching (nano-vllm / vLLM style) over a paged KV cache.
+//!
+//! Each step is either a PREFILL step (admit waiting requests FIFO; every admitted request's
+//! query covers its whole sequence from position 0) or, when nothing can be admitted, a DECODE
+//! step over all running requests (query = the tokens not yet in the KV cache, normally one).
+//! When a decode step lacks KV blocks, the most recently admitted running request is preempted
+//! by recomputation: its blocks and slot are freed and it goes back to the FRONT of the waiting
+//! queue keeping its output tokens; its next prefill covers prompt + generated tokens.
+//!
+//! Invariants:
+//! - `running` is in admission order; each running request holds a distinct slot in
+//!   `[0, max_batch_size)` and enough blocks for all of its tokens that are in a plan;
+//! - a plan's rows are `running[start..start + rows]` (prefill: the newly admitted tail;
+//!   decode: everyone), and `commit` must come before the next `next_plan`;
+//! - every request read from the input leaves through the writer exactly once (finished or
+//!   error row); `next_plan` returns `None` only after the input is exhausted and nothing is
+//!   waiting or running.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashSet, VecDeque};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use crossbeam_channel::{Receiver, TryRecvError};
+use tokenizers::Tokenizer;
+
+use crate::block_manager::BlockManager;
+use crate::chat_template::ChatTemplate;
+use crate::config::SchedulerConfig;
+use crate::error::{Error, Result};
+use crate::reader::{spawn_reader, validate_inputs, ReaderMsg, ReaderOptions};
+use crate::sequence::{FinishReason, Request, Sequence, Status};
+use crate::stats::{Stats, Summary};
+use crate::writer::{OutputRow, Writer, WriterConfig};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StepKind {
+    Prefill,
+    Decode,
+}
+
+impl StepKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StepKind::Prefill => "prefill",
+            StepKind::Decode => "decode",
+        }
+    }
+}
+
+/// One forward step; B = rows, T = query tokens. See `_native.pyi` for the meaning of each
+/// array. `block_tables` is row-major `[B, block_table_width]`, padded with 0.
+#[derive(Debug, Clone)]
+pub struct StepPlan {
+    pub kind: StepKind,
+    pub slots: Vec<i32>,
+    pub input_ids: Vec<i64>,
+    pub positions: Vec<i64>,
+    pub cu_seqlens_q: Vec<i32>,
+    pub seq_lens: Vec<i32>,
+    pub block_tables: Vec<i32>,
+    pub block_table_width: usize,
+    pub slot_mapping: Vec<i64>,
+    pub temperature: Vec<f32>,
+    pub top_p: Vec<f32>,
+    pub top_k: Vec<i32>,
+    pub seeds: Vec<i64>,
+    pub num_generated: Vec<i32>,
+    pub max_seqlen_q: usize,
+    pub max_seqlen_k: usize,
+}
+
+impl StepPlan {
+    pub fn num_seqs(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub fn num_tokens(&self) -> usize {
+        self.input_ids.len()
+    }
+}
+
+/// The plan handed out and not yet committed.
+#[derive(Debug, Clone, Copy)]
+struct PendingPlan {
+    start: usize,
+    rows: usize,
+}
+
+/// Stop conditions shared by all requests.
+struct StopCriteria {
+    eos: HashSet<u32>,
+    stop: Vec<String>,
+    max_stop_len: usize,
+    max_new_tokens: usize,
+    /// min(max_model_len, KV capacity).
+    max_len: usize,
+}
+
+/// Per-request sampling seed: the job seed mixed with the row index (SplitMix64 finalizer),
+/// kept non-negative so it fits any int64 seed API.
+pub fn request_seed(seed: i64, row_index: i64) -> i64 {
+    let mut z = (seed as u64) ^ (row_index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z & (i64::MAX as u64)) as i64
+}
+
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    tokenizer: Arc<Tokenizer>,
+    input: Receiver<ReaderMsg>,
+    input_done: bool,
+    /// Set when the reader failed: every later `next_plan` reports it.
+    input_failed: Option<String>,
+    _reader: JoinHandle<()>,
+    writer: Writer,
+    bm: BlockManager,
+    waiting: VecDeque<Sequence>,
+    running: Vec<Sequence>,
+    free_slots: BinaryHeap<Reverse<u32>>,
+    pending: Option<PendingPlan>,
+    criteria: StopCriteria,
+    /// Blocks kept free when admitting next to running requests (vLLM's 1% watermark).
+    watermark: usize,
+    stats: Stats,
+    finished: bool,
+}
+
+impl Scheduler {
+    /// Loads the tokenizer from `cfg.tokenizer_file`, then see `with_tokenizer`.
+    pub fn new(cfg: SchedulerConfig) -> Result<Self> {
+        cfg.validate()?;
+        let path = &cfg.tokenizer_file;
+        if !path.is_file() {
+            return Err(Error::user(format!(
+                "tokenizer file not found: {}",
+                path.display()
+            )));
+        }
+        let tokenizer = Tokenizer::from_file(path)
+            .map_err(|e| Error::user(format!("cannot load tokenizer {}: {e}", path.display())))?;
+        Self::with_tokenizer(cfg, tokenizer)
+    }
+
+    /// Validates the input files, then starts the reader and writer threads.
+    pub fn with_tokenizer(cfg: SchedulerConfig, mut tokenizer: Tokenizer) -> Result<Self> {
+        cfg.validate()?;
+        // Like transformers: never truncate or pad prompts behind the user's back.
+        tokenizer
+            .with_truncation(None)
+            .map_err(|e| Error::Tokenizer(e.to_string()))?;
+        tokenizer.with_padding(None);
+        let tokenizer = Arc::new(tokenizer);
+        let needs_template = cfg.messages_column.is_some() || cfg.apply_chat_template;
+        let template =
+            match (&cfg.chat_template, needs_template) {
+                (Some(src), true) => Some(Arc::new(ChatTemplate::new(src).map_err(|e| {
+                    Error::user(format!("the chat template does not compile: {e}"))
+                })?)),
+                _ => None,
+            };
+        let spec = validate_inputs(&cfg)?;
+        let stats = Stats::new(spec.total_rows);
+        let writer = Writer::start(WriterConfig {
+            output_dir: cfg.output_dir.clone(),
+            part_rows: cfg.part_rows,
+            file_metadata: cfg.file_metadata.clone(),
+            include_token_ids: cfg.include_token_ids,
+            id_type: spec.id_type.clone(),
+        })?;
+        let (input, reader) = spawn_reader(
+            spec,
+            ReaderOptions {
+                tokenizer: tokenizer.clone(),
+                template,
+                apply_chat_template: cfg.apply_chat_template,
+                bos_token: cfg.bos_token.clone(),
+                eos_token: cfg.eos_token.clone(),
+                read_batch_rows: cfg.read_batch_rows,
+                queue_rows: cfg.queue_rows,
+            },
+        )?;
+        let stop: Vec<String> = cfg.stop.iter().filter(|s| !s.is_empty()).cloned().collect();
+        let criteria = StopCriteria {
+            eos: cfg.eos_token_ids.iter().copied().collect(),
+            max_stop_len: stop.iter().map(String::len).max().unwrap_or(0),
+            stop,
+            max_new_tokens: cfg.max_new_tokens,
+            max_len: cfg.effective_max_len(),
+        };
+        Ok(Scheduler {
+            bm: BlockManager::new(cfg.num_blocks, cfg.block_size),
+            free_slots: (0..cfg.max_batch_size as u32).map(Reverse).collect(),
+            watermark: cfg.num_blocks / 100,
+            cfg,
+            tokenizer,
+            input,
+            input_done: false,
+            input_failed: None,
+            _reader: reader,
+            writer,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            pending: None,
+            criteria,
+            stats,
+            finished: false,
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    pub fn stats(&self) -> &Stats {
+        &self.stats
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn num_free_blocks(&self) -> usize {
+        self.bm.num_free_blocks()
+    }
+
+    /// `progress()` of the Python API.
+    pub fn progress(&self) -> Vec<(&'static str, i64)> {
+        let s = &self.stats;
+        vec![
+            ("requests_total", s.requests_total as i64),
+            ("requests_done", s.requests_done as i64),
+            ("requests_error", s.requests_error as i64),
+            ("running", self.running.len() as i64),
+            ("waiting", self.waiting.len() as i64),
+            ("prompt_tokens", s.prompt_tokens as i64),
+            ("output_tokens", s.output_tokens as i64),
+            ("preemptions", s.preemptions as i64),
+            ("free_blocks", self.bm.num_free_blocks() as i64),
+        ]
+    }
+
+    /// The next step, or `None` once every input row has been written. Blocks while waiting
+    /// for input when nothing is runnable.
+    pub fn next_plan(&mut self) -> Result<Option<StepPlan>> {
+        if self.finished {
+            return Err(Error::internal("next_plan() after finish()"));
+        }
+        if self.pending.is_some() {
+            return Err(Error::internal(
+                "next_plan() called again before commit() of the previous plan",
+            ));
+        }
+        loop {
+            self.pull_input(false)?;
+            if let Some(plan) = self.schedule()? {
+                return Ok(Some(plan));
+            }
+            // Nothing waiting or running.
+            if self.input_done {
+                return Ok(None);
+            }
+            self.pull_input(true)?;
+        }
+    }
+
+    /// Moves requests from the reader into `waiting` (error rows straight to the writer) until
+    /// `waiting` holds `max_batch_size` requests. With `block`, waits while nothing is
+    /// runnable.
+    fn pull_input(&mut self, block: bool) -> Result<()> {
+        if let Some(msg) = &self.input_failed {
+            return Err(Error::internal(format!(
+                "reading the input failed earlier: {msg}"
+            )));
+        }
+        while !self.input_done && self.waiting.len() < self.cfg.max_batch_size {
+            let idle = self.waiting.is_empty() && self.running.is_empty();
+            let msg = if block && idle {
+                match self.input.recv() {
+                    Ok(m) => m,
+                    Err(_) => {
+                        self.input_done = true;
+                        break;
+                    }
+                }
+            } else {
+                match self.input.try_recv() {
+                    Ok(m) => m,
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        self.input_done = true;
+                        break;
+                    }
+                }
+            };
+            match msg {
+                ReaderMsg::Request(req) => self.accept(req)?,
+                ReaderMsg::Failed(e) => {
+                    self.input_failed = Some(e.to_string());
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Queues a request, or writes it as an error row when it can never run.
+    fn accept(&mut self, req: Request) -> Result<()> {
+        let n = req.prompt_ids.len();
+        let error = if let Some(e) = &req.error {
+            Some(e.clone())
+        } else if n >= self.cfg.max_model_len {
+            Some(format!(
+                "prompt has {n} tokens; it must be shorter than max_model_len ({})",
+                self.cfg.max_model_len
+            ))
+        } else if self.bm.blocks_needed(n) > self.cfg.num_blocks {
+            Some(format!(
+                "prompt has {n} tokens and needs {} KV blocks of {} tokens, but the cache has \
+                 only num_blocks = {}",
+                self.bm.blocks_needed(n),
+                self.cfg.block_size,
+                self.cfg.num_blocks
+            ))
+        } else {
+            None
+        };
+        match error {
+            Some(msg) => self.write_error_row(req, msg),
+            None => {
+                self.waiting.push_back(Sequence::new(req));
+                Ok(())
+            }
+        }
+    }
+
+    fn write_error_row(&mut self, req: Request, msg: String) -> Result<()> {
+        self.stats.requests_done += 1;
+        self.stats.requests_error += 1;
+        self.writer.send(OutputRow {
+            id: req.id,
+            row_index: req.row_index,
+            output_text: String::new(),
+            finish_reason: FinishReason::Error,
+            prompt_tokens: 0,
+            output_tokens: 0,
+            queue_s: None,
+            ttft_s: None,
+            latency_s: None,
+            tpot_s: None,
+            error: Some(msg),
+            spec_steps: None,
+            accepted_tokens: None,
+            accept_length: None,
+            output_token_ids: Vec::new(),
+        })
+    }
+
+    /// Builds the next plan from `waiting` / `running`, or `None` if both are empty.
+    fn schedule(&mut self) -> Result<Option<StepPlan>> {
+        let now = Instant::now();
+        // PREFILL: admit FIFO while a slot, the token budget and the KV blocks allow.
+        let mut admitted = 0usize;
+        let mut budget_used = 0usize;
+        while let Some(seq) = self.waiting.front() {
+            if self.running.len() >= self.cfg.max_batch_size || self.free_slots.is_empty() {
+                break;
+            }
+            let n = seq.len();
+            if admitted > 0 && budget_used + n > self.cfg.max_num_batched_tokens {
+                break;
+            }
+            let reserve = if self.running.is_empty() {
+                0
+            } else {
+                self.watermark
+            };
+            if !self.bm.can_allocate(n, reserve) {
+                break;
+            }
+            let mut seq = self.waiting.pop_front().expect("front exists");
+            self.bm.allocate(&mut seq.block_table, n)?;
+            let Reverse(slot) = self.free_slots.pop().expect("checked non-empty");
+            seq.slot = Some(slot);
+            seq.status = Status::Running;
+            seq.num_computed = 0;
+            if seq.timing.first_scheduled.is_none() {
+                seq.timing.first_scheduled = Some(now);
+                self.stats.prompt_tokens += seq.prompt_len() as u64;
+            }
+            budget_used += n;
+            admitted += 1;
+            self.running.push(seq);
+        }
+        if admitted > 0 {
+            let start = self.running.len() - admitted;
+            return self.build_plan(StepKind::Prefill, start).map(Some);
+        }
+        if self.running.is_empty() {
+            if !self.waiting.is_empty() {
+                return Err(Error::internal(format!(
+                    "cannot admit the next waiting request ({} tokens) into an empty cache of \
+                     {} free blocks",
+                    self.waiting[0].len(),
+                    self.bm.num_free_blocks()
+                )));
+            }
+            return Ok(None);
+        }
+        // DECODE: every running request needs room for its new tokens; preempt the most
+        // recently admitted ones until it fits.
+        let mut i = 0;
+        while i < self.running.len() {
+            let need = self
+                .bm
+                .blocks_to_grow(&self.running[i].block_table, self.running[i].len());
+            while need > self.bm.num_free_blocks() && self.running.len() > i + 1 {
+                let victim = self.running.pop().expect("len > i + 1");
+                self.preempt(victim)?;
+            }
+            if need > self.bm.num_free_blocks() {
+                // Only this request is left to give blocks back; it is the most recent one.
+                let victim = self.running.pop().expect("i < len");
+                self.preempt(victim)?;
+                break;
+            }
+            let seq = &mut self.running[i];
+            let len = seq.len();
+            self.bm.grow(&mut seq.block_table, len)?;
+            i += 1;
+        }
+        if self.running.is_empty() {
+            return Err(Error::internal(
+                "decode step preempted every running request",
+            ));
+        }
+        self.build_plan(StepKind::Decode, 0).map(Some)
+    }
+
+    /// Preemption by recomputation: free the KV blocks and slot, requeue at the front.
+    fn preempt(&mut self, mut seq: Sequence) -> Result<()> {
+        self.bm.free(&mut seq.block_table)?;
+        if let Some(slot) = seq.slot.take() {
+            self.free_slots.push(Reverse(slot));
+        }
+        seq.num_computed = 0;
+        seq.status = Status::Waiting;
+        seq.preemptions += 1;
+        self.stats.preemptions += 1;
+        self.waiting.push_front(seq);
+        Ok(())
+    }
+
+    /// Plan over `running[start..]`; marks the query tokens as computed.
+    fn build_plan(&mut self, kind: StepKind, start: usize) -> Result<StepPlan> {
+        let rows = &mut self.running[start..];
+        let b = rows.len();
+        let width = rows.iter().map(|s| s.block_table.len()).max().unwrap_or(0);
+        let t: usize = rows.iter().map(|s| s.len() - s.num_computed).sum();
+        let mut p = StepPlan {
+            kind,
+            slots: Vec::with_capacity(b),
+            input_ids: Vec::with_capacity(t),
+            positions: Vec::with_capacity(t),
+            cu_seqlens_q: Vec::with_capacity(b + 1),
+            seq_lens: Vec::with_capacity(b),
+            block_tables: vec![0; b * width],
+            block_table_width: width,
+            slot_mapping: Vec::with_capacity(t),
+            temperature: vec![self.cfg.temperature; b],
+            top_p: vec![self.cfg.top_p; b],
+            top_k: vec![self.cfg.top_k; b],
+            seeds: Vec::with_capacity(b),
+            num_generated: Vec::with_capacity(b),
+            max_seqlen_q: 0,
+            max_seqlen_k: 0,
+        };
+        p.cu_seqlens_q.push(0);
+        for (r, seq) in rows.iter_mut().enumerate() {
+            let len = seq.len();
+            let q = len - seq.num_computed;
+            if q == 0 {
+                return Err(Error::internal(format!(
+                    "row {} has no new tokens to compute",
+                    seq.row_index
+                )));
+            }
+            if kind == StepKind::Prefill && seq.num_computed != 0 {
+                return Err(Error::internal("prefill of a partially computed sequence"));
+            }
+            debug_assert!(seq.block_table.len() >= self.bm.blocks_needed(len));
+            for pos in seq.num_computed..len {
+                p.input_ids.push(seq.token(pos) as i64);
+                p.positions.push(pos as i64);
+                p.slot_mapping.push(self.bm.slot(&seq.block_table, pos));
+            }
+            p.cu_seqlens_q.push(p.input_ids.len() as i32);
+            p.seq_lens.push(len as i32);
+            for (j, &blk) in seq.block_table.iter().enumerate() {
+                p.block_tables[r * width + j] = blk as i32;
+            }
+            p.slots
+                .push(seq.slot.expect("running request has a slot") as i32);
+            p.seeds.push(request_seed(self.cfg.seed, seq.row_index));
+            p.num_generated.push(seq.num_output() as i32);
+            p.max_seqlen_q = p.max_seqlen_q.max(q);
+            p.max_seqlen_k = p.max_seqlen_k.max(len);
+            // The worker writes K/V for every query token during this step.
+            seq.num_computed = len;
+        }
+        self.pending = Some(PendingPlan { start, rows: b });
+        Ok(p)
+    }
+
+    /// Results of the last plan, rows in plan order (see `_native.pyi`).
+    pub fn commit(
+        &mut self,
+        tokens: &[i32],
+        num_tokens: &[i32],
+        num_accepted: Option<&[i32]>,
+    ) -> Result<()> {
+        let plan = self
+            .pending
+            .ok_or_else(|| Error::internal("commit() without a plan from next_plan()"))?;
+        if num_tokens.len() != plan.rows {
+            return Err(Error::internal(format!(
+                "commit() got {} rows but the plan has {}",
+                num_tokens.len(),
+                plan.rows
+            )));
+        }
+        if let Some(acc) = num_accepted {
+            if acc.len() != plan.rows {
+                return Err(Error::internal(format!(
+                    "commit() got num_accepted for {} rows but the plan has {}",
+                    acc.len(),
+                    plan.rows
+                )));
+            }
+            if acc.iter().any(|&a| a < 0) {
+                return Err(Error::internal("commit(): negative num_accepted"));
+            }
+        }
+        if num_tokens.iter().any(|&n| n < 1) {
+            return Err(Error::internal(
+                "commit(): every row must produce at least one token",
+            ));
+        }
+        let total: i64 = num_tokens.iter().map(|&n| n as i64).sum();
+        if total != tokens.len() as i64 {
+            return Err(Error::internal(format!(
+                "commit(): num_tokens sums to {total} but {} tokens were given",
+                tokens.len()
+            )));
+        }
+        if let Some(t) = tokens.iter().find(|&&t| t < 0) {
+            return Err(Error::internal(format!("commit(): negative token id {t}")));
+        }
+        self.pending = None;
+        let now = Instant::now();
+        let mut offset = 0usize;
+        for (r, &n) in num_tokens.iter().enumerate() {
+            let seq = &mut self.running[plan.start + r];
+            let toks = &tokens[offset..offset + n as usize];
+            offset += n as usize;
+            let appended = append_tokens(seq, toks, now, &self.tokenizer, &self.criteria);
+            self.stats.output_tokens += appended as u64;
+            if let Some(acc) = num_accepted {
+                *seq.spec_steps.get_or_insert(0) += 1;
+                *seq.accepted_tokens.get_or_insert(0) += acc[r];
+            }
+        }
+        // Retire finished requests (order of the others is kept).
+        if self.running.iter().any(Sequence::is_finished) {
+            let running = std::mem::take(&mut self.running);
+            for mut seq in running {
+                if !seq.is_finished() {
+                    self.running.push(seq);
+                    continue;
+                }
+                self.bm.free(&mut seq.block_table)?;
+                if let Some(slot) = seq.slot.take() {
+                    self.free_slots.push(Reverse(slot));
+                }
+                let row = self.output_row(seq);
+                self.writer.send(row)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Turns a finished sequence into its output row (and records its statistics).
+    fn output_row(&mut self, mut seq: Sequence) -> OutputRow {
+        let reason = seq.finish_reason.unwrap_or(FinishReason::Error);
+        if reason != FinishReason::Error && !seq.stopped_on_string {
+            // Exactly `decode(output_ids without EOS, skip_special_tokens=True)`.
+            match self.tokenizer.decode(seq.text_ids(), true) {
+                Ok(text) => seq.output_text = text,
+                Err(e) => {
+                    seq.error = Some(format!("decode failed: {e}"));
+                }
+            }
+        }
+        let t = seq.timing;
+        let secs = |a: Option<Instant>, b: Option<Instant>| match (a, b) {
+            (Some(a), Some(b)) => Some(b.saturating_duration_since(a).as_secs_f64()),
+            _ => None,
+        };
+        let error = seq.error.is_some() || reason == FinishReason::Error;
+        let n = seq.num_output();
+        self.stats.requests_done += 1;
+        let (queue_s, ttft_s, latency_s, tpot_s) = if error {
+            self.stats.requests_error += 1;
+            (None, None, None, None)
+        } else {
+            let queue = secs(t.read_at, t.first_scheduled);
+            let ttft = secs(t.first_scheduled, t.first_token);
+            let latency = secs(t.first_scheduled, t.finished);
+            let tpot = match (ttft, latency) {
+                (Some(tt), Some(l)) if n >= 2 => Some((l - tt).max(0.0) / (n - 1) as f64),
+                _ => None,
+            };
+            if let Some(l) = latency {
+                self.stats.latency.push(l);
+            }
+            if let Some(tt) = ttft {
+                self.stats.ttft.push(tt);
+            }
+            if let Some(tp) = tpot {
+                self.stats.tpot.push(tp);
+            }
+            (queue, ttft, latency, tpot)
+        };
+        let accept_length = match seq.spec_steps {
+            Some(steps) if steps > 0 => Some(n as f64 / steps as f64),
+            _ => None,
+        };
+        OutputRow {
+            id: seq.id,
+            row_index: seq.row_index,
+            output_text: if error {
+                String::new()
+            } else {
+                seq.output_text
+            },
+            finish_reason: if error { FinishReason::Error } else { reason },
+            prompt_tokens: if error {
+                0
+            } else {
+                seq.prompt_ids.len() as i32
+            },
+            output_tokens: if error { 0 } else { n as i32 },
+            queue_s,
+            ttft_s,
+            latency_s,
+            tpot_s,
+            error: seq.error,
+            spec_steps: seq.spec_steps,
+            accepted_tokens: seq.accepted_tokens,
+            accept_length,
+            output_token_ids: if self.cfg.include_token_ids && !error {
+                seq.output_ids
+            } else {
+                Vec::new()
+            },
+        }
+    }
+
+    /// Waits for the writer, checks that no KV block or slot leaked and returns the summary.
+    /// Calling it before `next_plan` returned `None` flushes the rows finished so far and then
+    /// reports the unfinished work as an error.
+    pub fn finish(&mut self) -> Result<Summary> {
+        if self.finished {
+            return Err(Error::internal("finish() called twice"));
+        }
+        self.finished = true;
+        let unfinished = self.running.len() + self.waiting.len();
+        let input_left = !self.input_done;
+        let written = self.writer.finish()?;
+        if let Some(msg) = &self.input_failed {
+            return Err(Error::internal(format!("reading the input failed: {msg}")));
+        }
+        if unfinished > 0 || input_left || self.pending.is_some() {
+            return Err(Error::internal(format!(
+                "finish() before the input was exhausted ({} running, {} waiting, input {}); \
+                 call next_plan() until it returns None",
+                self.running.len(),
+                self.waiting.len(),
+                if input_left {
+                    "not fully read"
+                } else {
+                    "fully read"
+                }
+            )));
+        }
+        self.bm.check_no_leak()?;
+        if self.free_slots.len() != self.cfg.max_batch_size {
+            return Err(Error::internal(format!(
+                "request slot leak: {} of {} free",
+                self.free_slots.len(),
+                self.cfg.max_batch_size
+            )));
+        }
+        if written.rows_written != self.stats.requests_done {
+            return Err(Error::internal(format!(
+                "writer wrote {} rows but {} were finished",
+                written.rows_written, self.stats.requests_done
+            )));
+        }
+        let parts = written
+            .part_files
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect();
+        Ok(self.stats.summary(parts))
+    }
+}
+
+/// Appends `toks` to a running sequence, stopping at the first stop condition (EOS, stop
+/// string, max_new_tokens, max length); tokens after it are dropped. Returns how many tokens
+/// were appended.
+fn append_tokens(
+    seq: &mut Sequence,
+    toks: &[i32],
+    now: Instant,
+    tokenizer: &Tokenizer,
+    c: &StopCriteria,
+) -> usize {
+    let mut appended = 0;
+    for &t in toks {
+        if seq.is_finished() {
+            break;
+        }
+        let t = t as u32;
+        seq.output_ids.push(t);
+        appended += 1;
+        seq.timing.first_token.get_or_insert(now);
+        if c.eos.contains(&t) {
+            // vLLM: the EOS token counts as an output token but is not part of the text.
+            seq.stopped_on_eos = true;
+            seq.finish(FinishReason::Stop, now);
+            break;
+        }
+        match seq.detok.step(tokenizer, &seq.output_ids) {
+            Ok(delta) if !delta.is_empty() => {
+                let old_len = seq.output_text.len();
+                seq.output_text.push_str(&delta);
+                if let Some(pos) = find_stop(&seq.output_text, old_len, &c.stop, c.max_stop_len) {
+                    seq.output_text.truncate(pos);
+                    seq.stopped_on_string = true;
+                    seq.finish(FinishReason::Stop, now);
+                    break;
+                }
+            }
+            Ok(_) => {}
+            Err(e) => {
+                seq.error = Some(e.to_string());
+                seq.finish(FinishReason::Error, now);
+                break;
+            }
+        }
+        if seq.num_output() >= c.max_new_tokens || seq.len() >= c.max_len {
+            seq.finish(FinishReason::Length, now);
+            break;
+        }
+    }
+    appended
+}
+
+/// Earliest occurrence of a stop string that ends in the text appended after `old_len`. Only
+/// the tail that could contain such a match is searched, so the cost is O(new text).
+fn find_stop(text: &str, old_len: usize, stop: &[String], max_stop_len: usize) -> Option<usize> {
+    if stop.is_empty() {
+        return None;
+    }
+    let mut start = old_len.saturating_sub(max_stop_len.saturating_sub(1));
+    while !text.is_char_boundary(start) {
+        start -= 1;
+    }
+    let tail = &text[start..];
+    stop.iter()
+        .filter_map(|s| tail.find(s.as_str()))
+        .min()
+        .map(|p| start + p)
+}
+
+#[cfg(test)]
+mod tests;

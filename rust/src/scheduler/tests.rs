@@ -1,0 +1,507 @@
+//! Scheduler tests: a fake "model" drives the scheduler end to end (next token = last query
+//! token + 1 mod vocab) over Parquet written in a temp dir; outputs are read back.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::PathBuf;
+
+use arrow_array::cast::AsArray;
+use arrow_array::types::{Int32Type, Int64Type};
+use arrow_array::{Array, ArrayRef, RecordBatch, StringArray};
+use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+
+use super::*;
+use crate::stats::SummaryValue;
+use crate::testutil::{save_tokenizer, word_level_tokenizer, write_parquet, TempDir};
+
+const VOCAB: usize = 64;
+
+struct Fixture {
+    dir: TempDir,
+    cfg: SchedulerConfig,
+}
+
+/// Prompts as word lists ("w5 w6"); `None` = null prompt.
+fn fixture(tag: &str, prompts: &[Option<&str>]) -> Fixture {
+    let dir = TempDir::new(tag);
+    let input = dir.path().join("in.parquet");
+    let ids: Vec<String> = (0..prompts.len()).map(|i| format!("r{i}")).collect();
+    write_parquet(
+        &input,
+        vec![
+            (
+                "prompt",
+                std::sync::Arc::new(StringArray::from(prompts.to_vec())) as ArrayRef,
+            ),
+            ("id", std::sync::Arc::new(StringArray::from(ids))),
+        ],
+        3,
+    );
+    let tok = save_tokenizer(&word_level_tokenizer(VOCAB), dir.path());
+    let mut cfg = SchedulerConfig::new(vec![input], "prompt", tok, dir.path().join("out"));
+    cfg.id_column = Some("id".into());
+    cfg.eos_token_ids = vec![2];
+    cfg.max_new_tokens = 8;
+    cfg.num_blocks = 64;
+    cfg.block_size = 4;
+    cfg.max_batch_size = 4;
+    cfg.max_num_batched_tokens = 64;
+    cfg.max_model_len = 64;
+    cfg.read_batch_rows = 2;
+    cfg.queue_rows = 2;
+    cfg.part_rows = 3;
+    cfg.include_token_ids = true;
+    Fixture { dir, cfg }
+}
+
+/// Checks a plan's internal consistency against the block tables.
+fn check_plan(p: &StepPlan, cfg: &SchedulerConfig) {
+    let b = p.num_seqs();
+    assert!(b >= 1);
+    assert_eq!(p.cu_seqlens_q.len(), b + 1);
+    assert_eq!(*p.cu_seqlens_q.last().unwrap() as usize, p.num_tokens());
+    assert_eq!(p.positions.len(), p.num_tokens());
+    assert_eq!(p.slot_mapping.len(), p.num_tokens());
+    assert_eq!(p.block_tables.len(), b * p.block_table_width);
+    let mut slots = p.slots.clone();
+    slots.sort();
+    slots.dedup();
+    assert_eq!(slots.len(), b, "duplicate request slots");
+    assert!(p.slots.iter().all(|&s| (s as usize) < cfg.max_batch_size));
+    if p.kind == StepKind::Prefill {
+        assert!(p.num_tokens() <= cfg.max_num_batched_tokens || b == 1);
+    }
+    let mut kv_slots = std::collections::HashSet::new();
+    for r in 0..b {
+        let (q0, q1) = (p.cu_seqlens_q[r] as usize, p.cu_seqlens_q[r + 1] as usize);
+        let seq_len = p.seq_lens[r] as usize;
+        assert!(q1 > q0);
+        if p.kind == StepKind::Prefill {
+            assert_eq!(p.positions[q0], 0);
+            assert_eq!(q1 - q0, seq_len);
+        }
+        assert_eq!(p.positions[q1 - 1] as usize, seq_len - 1);
+        let table = &p.block_tables[r * p.block_table_width..(r + 1) * p.block_table_width];
+        for t in q0..q1 {
+            let pos = p.positions[t] as usize;
+            let block = table[pos / cfg.block_size] as i64;
+            assert!((block as usize) < cfg.num_blocks);
+            assert_eq!(
+                p.slot_mapping[t],
+                block * cfg.block_size as i64 + (pos % cfg.block_size) as i64
+            );
+            assert!(
+                kv_slots.insert(p.slot_mapping[t]),
+                "two tokens write one KV slot"
+            );
+        }
+    }
+}
+
+/// Waits until the reader thread has queued everything (makes admission deterministic).
+fn wait_for_reader(s: &Scheduler) {
+    while !s._reader.is_finished() {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}
+
+/// Runs the fake model to the end; `k` tokens per row per commit (speculative-style) when > 1.
+fn drive(s: &mut Scheduler, k: usize) -> usize {
+    let cfg = s.config().clone();
+    let mut steps = 0;
+    while let Some(p) = s.next_plan().unwrap() {
+        check_plan(&p, &cfg);
+        let mut tokens = Vec::new();
+        let mut counts = Vec::new();
+        for r in 0..p.num_seqs() {
+            let last = p.input_ids[p.cu_seqlens_q[r + 1] as usize - 1];
+            for j in 1..=k {
+                tokens.push(((last + j as i64) % VOCAB as i64) as i32);
+            }
+            counts.push(k as i32);
+        }
+        s.commit(&tokens, &counts, None).unwrap();
+        steps += 1;
+        assert!(steps < 100_000, "no progress");
+    }
+    steps
+}
+
+#[derive(Debug, Clone, PartialEq)]
+struct Row {
+    id: String,
+    row_index: i64,
+    text: String,
+    reason: String,
+    prompt_tokens: i32,
+    output_tokens: i32,
+    error: Option<String>,
+    token_ids: Vec<i32>,
+}
+
+fn read_output(dir: &std::path::Path) -> Vec<Row> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    let mut rows = Vec::new();
+    for f in files {
+        assert!(f.extension().unwrap() == "parquet", "stray file {f:?}");
+        let reader = ParquetRecordBatchReaderBuilder::try_new(File::open(&f).unwrap())
+            .unwrap()
+            .build()
+            .unwrap();
+        for b in reader {
+            let b: RecordBatch = b.unwrap();
+            for i in 0..b.num_rows() {
+                let col = |n: &str| b.column_by_name(n).unwrap().clone();
+                rows.push(Row {
+                    id: col("id").as_string::<i32>().value(i).to_string(),
+                    row_index: col("row_index").as_primitive::<Int64Type>().value(i),
+                    text: col("output_text").as_string::<i32>().value(i).to_string(),
+                    reason: col("finish_reason").as_string::<i32>().value(i).to_string(),
+                    prompt_tokens: col("prompt_tokens").as_primitive::<Int32Type>().value(i),
+                    output_tokens: col("output_tokens").as_primitive::<Int32Type>().value(i),
+                    error: {
+                        let e = col("error");
+                        e.is_valid(i)
+                            .then(|| e.as_string::<i32>().value(i).to_string())
+                    },
+                    token_ids: col("output_token_ids")
+                        .as_list::<i32>()
+                        .value(i)
+                        .as_primitive::<Int32Type>()
+                        .values()
+                        .to_vec(),
+                });
+            }
+        }
+    }
+    rows.sort_by_key(|r| r.row_index);
+    rows
+}
+
+fn words(ids: std::ops::Range<usize>) -> String {
+    ids.map(|i| format!("w{i}")).collect::<Vec<_>>().join(" ")
+}
+
+#[test]
+fn every_row_written_once_with_expected_outputs() {
+    let f = fixture(
+        "sched-basic",
+        &[
+            Some("w5 w6"),
+            None,
+            Some("w10"),
+            Some(""),
+            Some("w60"),
+            Some("w20 w21 w22"),
+        ],
+    );
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    drive(&mut s, 1);
+    let summary = s.finish().unwrap();
+    assert_eq!(summary["requests"], SummaryValue::Int(6));
+    assert_eq!(summary["errors"], SummaryValue::Int(2));
+    let rows = read_output(&f.cfg.output_dir);
+    assert_eq!(rows.len(), 6);
+    assert_eq!(
+        rows.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
+        ["r0", "r1", "r2", "r3", "r4", "r5"]
+    );
+    // Prompt "<bos> w5 w6": continues w7.. for max_new_tokens = 8.
+    assert_eq!(rows[0].text, words(7..15));
+    assert_eq!(rows[0].reason, "length");
+    assert_eq!(rows[0].prompt_tokens, 3);
+    assert_eq!(rows[0].output_tokens, 8);
+    assert_eq!(rows[0].token_ids, (7..15).collect::<Vec<i32>>());
+    assert_eq!(rows[1].reason, "error");
+    assert!(rows[1].error.as_deref().unwrap().contains("null"));
+    assert_eq!(rows[1].output_tokens, 0);
+    assert!(rows[3].error.as_deref().unwrap().contains("empty"));
+    // "w60" -> w61 w62 w63 <unk>(0, special) <bos>(1, special) <eos>(2): stop on EOS. The EOS
+    // token is counted but not in the text; special tokens are skipped in the text.
+    assert_eq!(rows[4].reason, "stop");
+    assert_eq!(rows[4].text, "w61 w62 w63");
+    assert_eq!(rows[4].output_tokens, 6);
+    assert_eq!(rows[4].token_ids, vec![61, 62, 63, 0, 1, 2]);
+    assert!(rows[4].error.is_none());
+}
+
+#[test]
+fn stop_strings_truncate_and_drop_later_tokens_of_the_same_commit() {
+    let mut f = fixture("sched-stop", &[Some("w5"), Some("w30")]);
+    f.cfg.stop = vec!["w9".into(), "w33 w3".into()];
+    f.cfg.max_new_tokens = 20;
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    drive(&mut s, 3); // three tokens per row per commit
+    let summary = s.finish().unwrap();
+    let rows = read_output(&f.cfg.output_dir);
+    // w6 w7 w8 w9 -> cut before "w9"; the commit that produced w9 also gave w10 (dropped).
+    assert_eq!(rows[0].text, "w6 w7 w8 ");
+    assert_eq!(rows[0].reason, "stop");
+    assert_eq!(rows[0].output_tokens, 4);
+    // "w31 w32 w33 w34": "w33 w3" matches inside "w33 w34".
+    assert_eq!(rows[1].text, "w31 w32 ");
+    assert_eq!(rows[1].output_tokens, 4);
+    assert_eq!(summary["output_tokens"], SummaryValue::Int(8));
+}
+
+#[test]
+fn max_model_len_and_num_blocks_errors_and_length_cap() {
+    let mut f = fixture(
+        "sched-len",
+        &[
+            Some("w4 w5 w6 w7 w8 w9 w10 w11 w12 w13"),
+            Some("w4 w5 w6 w7 w8"),
+            Some("w4 w5"),
+        ],
+    );
+    f.cfg.max_model_len = 10;
+    f.cfg.max_new_tokens = 100;
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    drive(&mut s, 1);
+    s.finish().unwrap();
+    let rows = read_output(&f.cfg.output_dir);
+    assert_eq!(rows[0].reason, "error");
+    assert!(
+        rows[0].error.as_deref().unwrap().contains("max_model_len"),
+        "{:?}",
+        rows[0].error
+    );
+    // 6 prompt tokens (with <bos>) + 4 generated = max_model_len.
+    assert_eq!(rows[1].reason, "length");
+    assert_eq!(rows[1].output_tokens, 4);
+    assert_eq!(rows[2].output_tokens, 7);
+
+    let mut f = fixture(
+        "sched-blocks",
+        &[Some("w4 w5 w6 w7 w8 w9 w10 w11 w12"), Some("w4")],
+    );
+    f.cfg.num_blocks = 2; // capacity 8 tokens
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    drive(&mut s, 1);
+    s.finish().unwrap();
+    let rows = read_output(&f.cfg.output_dir);
+    assert_eq!(rows[0].reason, "error");
+    assert!(
+        rows[0].error.as_deref().unwrap().contains("num_blocks"),
+        "{:?}",
+        rows[0].error
+    );
+    // KV capacity caps the length: 2 prompt tokens + 6 generated = 8.
+    assert_eq!(rows[1].reason, "length");
+    assert_eq!(rows[1].output_tokens, 6);
+}
+
+#[test]
+fn preemption_gives_same_outputs_as_a_large_cache() {
+    let prompts: Vec<String> = (0..9)
+        .map(|i| words(4 + i * 5..4 + i * 5 + 1 + i % 4))
+        .collect();
+    let prompts: Vec<Option<&str>> = prompts.iter().map(|s| Some(s.as_str())).collect();
+    let mut outputs = Vec::new();
+    for (tag, blocks) in [("sched-big", 256), ("sched-tiny", 8)] {
+        let mut f = fixture(tag, &prompts);
+        f.cfg.num_blocks = blocks;
+        f.cfg.block_size = 2;
+        f.cfg.max_new_tokens = 9;
+        f.cfg.eos_token_ids = vec![]; // run to the length limit
+        let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+        drive(&mut s, 1);
+        let preemptions = s.stats().preemptions;
+        let summary = s.finish().unwrap();
+        if blocks == 8 {
+            assert!(preemptions > 0, "expected preemptions with a tiny cache");
+            assert_eq!(
+                summary["preemptions"],
+                SummaryValue::Int(preemptions as i64)
+            );
+        } else {
+            assert_eq!(preemptions, 0);
+        }
+        let rows = read_output(&f.cfg.output_dir);
+        assert_eq!(rows.len(), 9);
+        outputs.push(
+            rows.into_iter()
+                .map(|r| (r.id, r.text, r.token_ids, r.reason))
+                .collect::<Vec<_>>(),
+        );
+        drop(f.dir);
+    }
+    assert_eq!(outputs[0], outputs[1]);
+}
+
+#[test]
+fn admission_respects_batch_size_and_token_budget() {
+    let prompts: Vec<Option<&str>> = vec![Some("w4 w5 w6 w7 w8 w9 w10"); 6];
+    let mut f = fixture("sched-admit", &prompts);
+    f.cfg.max_batch_size = 3;
+    f.cfg.max_num_batched_tokens = 17; // two 8-token prompts per prefill step
+    f.cfg.max_new_tokens = 3;
+    f.cfg.queue_rows = 64;
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    wait_for_reader(&s);
+    let p = s.next_plan().unwrap().unwrap();
+    assert_eq!(p.kind, StepKind::Prefill);
+    assert_eq!(p.num_seqs(), 2);
+    assert_eq!(p.slots, vec![0, 1]);
+    assert_eq!(p.num_tokens(), 16);
+    assert_eq!(p.max_seqlen_q, 8);
+    s.commit(&[11, 11], &[1, 1], None).unwrap();
+    // Prefill is preferred: the third request is admitted before anyone decodes.
+    let p = s.next_plan().unwrap().unwrap();
+    assert_eq!(
+        (p.kind, p.num_seqs(), p.slots.clone()),
+        (StepKind::Prefill, 1, vec![2])
+    );
+    s.commit(&[11], &[1], None).unwrap();
+    // Batch full: decode over all three, one query token each at position 8.
+    let p = s.next_plan().unwrap().unwrap();
+    assert_eq!(p.kind, StepKind::Decode);
+    assert_eq!(p.slots, vec![0, 1, 2]);
+    assert_eq!(p.input_ids, vec![11, 11, 11]);
+    assert_eq!(p.positions, vec![8, 8, 8]);
+    assert_eq!(p.seq_lens, vec![9, 9, 9]);
+    assert_eq!(p.cu_seqlens_q, vec![0, 1, 2, 3]);
+    assert_eq!(p.num_generated, vec![1, 1, 1]);
+    assert_eq!(p.block_table_width, 3);
+    assert_eq!(p.max_seqlen_k, 9);
+    // Commit mismatches are errors and leave the plan pending.
+    assert!(s.commit(&[1, 2], &[1, 1], None).is_err());
+    assert!(s.commit(&[1, 2], &[1, 2], None).is_err());
+    assert!(s.next_plan().is_err());
+    s.commit(&[12, 12, 12], &[1, 1, 1], Some(&[0, 1, 0]))
+        .unwrap();
+    drive(&mut s, 1);
+    s.finish().unwrap();
+    assert_eq!(read_output(&f.cfg.output_dir).len(), 6);
+}
+
+#[test]
+fn commit_without_plan_and_early_finish_are_errors() {
+    let f = fixture("sched-misuse", &[Some("w5")]);
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    assert!(s.commit(&[1], &[1], None).is_err());
+    let _ = s.next_plan().unwrap().unwrap();
+    let err = s.finish().unwrap_err();
+    assert!(err.to_string().contains("next_plan"), "{err}");
+}
+
+#[test]
+fn spec_counters_and_seeds() {
+    let mut f = fixture("sched-spec", &[Some("w5")]);
+    f.cfg.max_new_tokens = 4;
+    f.cfg.seed = 7;
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let p = s.next_plan().unwrap().unwrap();
+    assert_eq!(p.seeds, vec![request_seed(7, 0)]);
+    assert!(p.seeds[0] >= 0);
+    s.commit(&[6], &[1], Some(&[0])).unwrap();
+    let p = s.next_plan().unwrap().unwrap();
+    assert_eq!(p.kind, StepKind::Decode);
+    s.commit(&[7, 8, 9], &[3], Some(&[2])).unwrap();
+    assert!(s.next_plan().unwrap().is_none());
+    s.finish().unwrap();
+    let out = f.cfg.output_dir.clone();
+    let file = std::fs::read_dir(&out)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let b = ParquetRecordBatchReaderBuilder::try_new(File::open(file).unwrap())
+        .unwrap()
+        .build()
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        b.column_by_name("spec_steps")
+            .unwrap()
+            .as_primitive::<Int32Type>()
+            .value(0),
+        2
+    );
+    assert_eq!(
+        b.column_by_name("accepted_tokens")
+            .unwrap()
+            .as_primitive::<Int32Type>()
+            .value(0),
+        2
+    );
+    let al = b
+        .column_by_name("accept_length")
+        .unwrap()
+        .as_primitive::<arrow_array::types::Float64Type>()
+        .value(0);
+    assert_eq!(al, 2.0);
+    assert_ne!(request_seed(7, 0), request_seed(7, 1));
+    assert_ne!(request_seed(7, 0), request_seed(8, 0));
+}
+
+#[test]
+fn empty_input_finishes_with_a_readable_empty_part() {
+    let f = fixture("sched-empty", &[]);
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    assert!(s.next_plan().unwrap().is_none());
+    let summary = s.finish().unwrap();
+    match &summary["part_files"] {
+        SummaryValue::Paths(p) => assert_eq!(p.len(), 1),
+        other => panic!("{other:?}"),
+    }
+    assert!(read_output(&f.cfg.output_dir).is_empty());
+}
+
+#[test]
+fn progress_counts() {
+    let f = fixture("sched-progress", &[Some("w5"), None]);
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let prog: BTreeMap<_, _> = s.progress().into_iter().collect();
+    assert_eq!(prog["requests_total"], 2);
+    assert_eq!(prog["free_blocks"], 64);
+    drive(&mut s, 1);
+    let prog: BTreeMap<_, _> = s.progress().into_iter().collect();
+    assert_eq!(prog["requests_done"], 2);
+    assert_eq!(prog["requests_error"], 1);
+    assert_eq!(prog["prompt_tokens"], 2);
+    assert_eq!(prog["output_tokens"], 8);
+    assert_eq!(prog["running"] + prog["waiting"], 0);
+    s.finish().unwrap();
+}
+
+#[test]
+fn corrupt_data_page_is_reported_not_silently_truncated() {
+    let f = fixture("sched-corrupt", &[Some("w5 w6 w7"); 12]);
+    let path = f.cfg.input_files[0].clone();
+    let mut bytes = std::fs::read(&path).unwrap();
+    // Footer intact (validation passes), data pages garbage.
+    let footer_len =
+        u32::from_le_bytes(bytes[bytes.len() - 8..bytes.len() - 4].try_into().unwrap());
+    let data_end = bytes.len() - 8 - footer_len as usize;
+    for b in &mut bytes[4..data_end] {
+        *b = 0xA5;
+    }
+    std::fs::write(&path, bytes).unwrap();
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut failed = false;
+    for _ in 0..100 {
+        match s.next_plan() {
+            Ok(Some(p)) => {
+                let toks = vec![9; p.num_seqs()];
+                s.commit(&toks, &vec![1; p.num_seqs()], None).unwrap();
+            }
+            Ok(None) => break,
+            Err(e) => {
+                assert!(e.to_string().contains("in.parquet"), "{e}");
+                failed = true;
+                break;
+            }
+        }
+    }
+    assert!(failed, "the corrupt input must surface as an error");
+    assert!(s.next_plan().is_err());
+    assert!(s.finish().is_err());
+}

@@ -1,0 +1,170 @@
+//! Per-request state: what the reader produced (`Request`) and what the scheduler tracks while
+//! the request waits, runs and finishes (`Sequence`).
+//!
+//! Invariants:
+//! - `tokens()` = prompt ids followed by output ids; `num_computed` of them have K/V in the
+//!   cache (0 while waiting, including after a preemption);
+//! - `slot` is `Some` and `block_table` holds `ceil(num_computed / block_size)` or more blocks
+//!   exactly while `status == Running`;
+//! - `output_text` only grows until the request finishes (then it is final).
+
+use std::time::Instant;
+
+use arrow_array::ArrayRef;
+
+use crate::detokenizer::IncrementalDetokenizer;
+
+/// One input row after reading, templating and tokenization.
+#[derive(Debug, Clone)]
+pub struct Request {
+    /// Global row number over all input files, in order (0-based).
+    pub row_index: i64,
+    /// The row's id as a length-1 Arrow array of the input id column's type (or the row index
+    /// as int64 when there is no id column); concatenated by the writer.
+    pub id: ArrayRef,
+    pub prompt_ids: Vec<u32>,
+    /// When the reader produced the request (start of `queue_s`).
+    pub read_at: Instant,
+    /// Set when the row cannot be generated (null prompt, template/tokenizer failure, ...):
+    /// it is written as an error row and never scheduled.
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    Waiting,
+    Running,
+    Finished,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS token or stop string.
+    Stop,
+    /// max_new_tokens or max_model_len (or KV capacity) reached.
+    Length,
+    Error,
+}
+
+impl FinishReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Error => "error",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Timing {
+    pub read_at: Option<Instant>,
+    pub first_scheduled: Option<Instant>,
+    pub first_token: Option<Instant>,
+    pub finished: Option<Instant>,
+}
+
+#[derive(Debug)]
+pub struct Sequence {
+    pub row_index: i64,
+    pub id: ArrayRef,
+    pub prompt_ids: Vec<u32>,
+    /// Generated ids, including a final EOS token if generation stopped on one.
+    pub output_ids: Vec<u32>,
+    /// Number of tokens (prompt + output) whose K/V is in the cache.
+    pub num_computed: usize,
+    pub status: Status,
+    /// Request slot in `[0, max_batch_size)` while running.
+    pub slot: Option<u32>,
+    pub block_table: Vec<u32>,
+    pub timing: Timing,
+    pub detok: IncrementalDetokenizer,
+    /// Text of the output so far (final once finished).
+    pub output_text: String,
+    pub finish_reason: Option<FinishReason>,
+    pub error: Option<String>,
+    /// True once generation stopped on an EOS token (which stays in `output_ids`).
+    pub stopped_on_eos: bool,
+    /// True once a stop string truncated `output_text`.
+    pub stopped_on_string: bool,
+    /// Speculative-decoding counters: `Some` once a commit carried `num_accepted` for us.
+    pub spec_steps: Option<i32>,
+    pub accepted_tokens: Option<i32>,
+    /// Times this request was preempted (its K/V dropped and recomputed later).
+    pub preemptions: u32,
+}
+
+impl Sequence {
+    pub fn new(req: Request) -> Self {
+        Sequence {
+            row_index: req.row_index,
+            id: req.id,
+            prompt_ids: req.prompt_ids,
+            output_ids: Vec::new(),
+            num_computed: 0,
+            status: Status::Waiting,
+            slot: None,
+            block_table: Vec::new(),
+            timing: Timing {
+                read_at: Some(req.read_at),
+                ..Timing::default()
+            },
+            detok: IncrementalDetokenizer::new(),
+            output_text: String::new(),
+            finish_reason: None,
+            error: req.error,
+            stopped_on_eos: false,
+            stopped_on_string: false,
+            spec_steps: None,
+            accepted_tokens: None,
+            preemptions: 0,
+        }
+    }
+
+    pub fn prompt_len(&self) -> usize {
+        self.prompt_ids.len()
+    }
+
+    pub fn num_output(&self) -> usize {
+        self.output_ids.len()
+    }
+
+    /// Prompt + output length.
+    pub fn len(&self) -> usize {
+        self.prompt_ids.len() + self.output_ids.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Token at absolute position `pos` (prompt first, then output).
+    pub fn token(&self, pos: usize) -> u32 {
+        let p = self.prompt_ids.len();
+        if pos < p {
+            self.prompt_ids[pos]
+        } else {
+            self.output_ids[pos - p]
+        }
+    }
+
+    /// Output ids that make up the text (the trailing EOS, if any, excluded).
+    pub fn text_ids(&self) -> &[u32] {
+        if self.stopped_on_eos {
+            &self.output_ids[..self.output_ids.len() - 1]
+        } else {
+            &self.output_ids
+        }
+    }
+
+    pub fn is_finished(&self) -> bool {
+        self.status == Status::Finished
+    }
+
+    /// Marks the sequence finished now (timing, status, reason).
+    pub fn finish(&mut self, reason: FinishReason, now: Instant) {
+        self.status = Status::Finished;
+        self.finish_reason = Some(reason);
+        self.timing.finished = Some(now);
+    }
+}

@@ -1,0 +1,174 @@
+//! Progress counters and the end-of-run summary.
+//!
+//! Latency samples are kept in fixed-size reservoirs (exact up to `RESERVOIR` rows, a uniform
+//! sample beyond), so memory stays bounded however many rows a job has.
+
+use std::collections::BTreeMap;
+
+/// Samples kept per metric for percentiles.
+const RESERVOIR: usize = 1 << 20;
+
+/// Uniform reservoir sample of f64 values (Algorithm R with a deterministic xorshift RNG).
+#[derive(Debug, Clone)]
+pub struct Reservoir {
+    samples: Vec<f64>,
+    seen: u64,
+    capacity: usize,
+    rng: u64,
+}
+
+impl Reservoir {
+    pub fn new(capacity: usize) -> Self {
+        Reservoir {
+            samples: Vec::new(),
+            seen: 0,
+            capacity: capacity.max(1),
+            rng: 0x9E37_79B9_7F4A_7C15,
+        }
+    }
+
+    pub fn push(&mut self, v: f64) {
+        self.seen += 1;
+        if self.samples.len() < self.capacity {
+            self.samples.push(v);
+            return;
+        }
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        let j = self.rng % self.seen;
+        if (j as usize) < self.capacity {
+            self.samples[j as usize] = v;
+        }
+    }
+
+    /// Percentile `q` in [0, 100] with linear interpolation (numpy's default); None if empty.
+    pub fn percentile(&self, q: f64) -> Option<f64> {
+        if self.samples.is_empty() {
+            return None;
+        }
+        let mut s = self.samples.clone();
+        s.sort_by(f64::total_cmp);
+        let pos = (q / 100.0).clamp(0.0, 1.0) * (s.len() - 1) as f64;
+        let lo = pos.floor() as usize;
+        let hi = pos.ceil() as usize;
+        Some(s[lo] + (s[hi] - s[lo]) * (pos - lo as f64))
+    }
+}
+
+/// Counters maintained by the scheduler (single-threaded: no atomics needed).
+#[derive(Debug, Clone)]
+pub struct Stats {
+    pub requests_total: u64,
+    /// Rows handed to the writer (finished or failed).
+    pub requests_done: u64,
+    pub requests_error: u64,
+    /// Prompt tokens of requests admitted for the first time.
+    pub prompt_tokens: u64,
+    /// Output tokens committed (including EOS tokens).
+    pub output_tokens: u64,
+    pub preemptions: u64,
+    pub latency: Reservoir,
+    pub ttft: Reservoir,
+    pub tpot: Reservoir,
+}
+
+impl Stats {
+    pub fn new(requests_total: u64) -> Self {
+        Stats {
+            requests_total,
+            requests_done: 0,
+            requests_error: 0,
+            prompt_tokens: 0,
+            output_tokens: 0,
+            preemptions: 0,
+            latency: Reservoir::new(RESERVOIR),
+            ttft: Reservoir::new(RESERVOIR),
+            tpot: Reservoir::new(RESERVOIR),
+        }
+    }
+}
+
+/// A summary value: the Python side turns these into int / float / None / list[str].
+#[derive(Debug, Clone, PartialEq)]
+pub enum SummaryValue {
+    Int(i64),
+    Float(Option<f64>),
+    Paths(Vec<String>),
+}
+
+pub type Summary = BTreeMap<String, SummaryValue>;
+
+impl Stats {
+    pub fn summary(&self, part_files: Vec<String>) -> Summary {
+        let mut s = Summary::new();
+        let int = |v: u64| SummaryValue::Int(v as i64);
+        s.insert("requests".into(), int(self.requests_done));
+        s.insert("errors".into(), int(self.requests_error));
+        s.insert("prompt_tokens".into(), int(self.prompt_tokens));
+        s.insert("output_tokens".into(), int(self.output_tokens));
+        s.insert("preemptions".into(), int(self.preemptions));
+        for (name, r, qs) in [
+            ("latency", &self.latency, &[50.0, 90.0, 99.0][..]),
+            ("ttft", &self.ttft, &[50.0, 99.0][..]),
+            ("tpot", &self.tpot, &[50.0, 99.0][..]),
+        ] {
+            for &q in qs {
+                s.insert(format!("{name}_p{q}"), SummaryValue::Float(r.percentile(q)));
+            }
+        }
+        s.insert("part_files".into(), SummaryValue::Paths(part_files));
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_match_numpy_linear() {
+        let mut r = Reservoir::new(100);
+        for v in [4.0, 1.0, 3.0, 2.0] {
+            r.push(v);
+        }
+        assert_eq!(r.percentile(50.0), Some(2.5));
+        assert_eq!(r.percentile(0.0), Some(1.0));
+        assert_eq!(r.percentile(100.0), Some(4.0));
+        assert!((r.percentile(90.0).unwrap() - 3.7).abs() < 1e-12);
+        assert_eq!(Reservoir::new(4).percentile(50.0), None);
+    }
+
+    #[test]
+    fn reservoir_is_bounded() {
+        let mut r = Reservoir::new(10);
+        for i in 0..1000 {
+            r.push(i as f64);
+        }
+        assert_eq!(r.samples.len(), 10);
+        assert_eq!(r.seen, 1000);
+    }
+
+    #[test]
+    fn summary_keys() {
+        let s = Stats::new(3).summary(vec!["a".into()]);
+        for k in [
+            "requests",
+            "errors",
+            "prompt_tokens",
+            "output_tokens",
+            "preemptions",
+            "latency_p50",
+            "latency_p90",
+            "latency_p99",
+            "ttft_p50",
+            "ttft_p99",
+            "tpot_p50",
+            "tpot_p99",
+            "part_files",
+        ] {
+            assert!(s.contains_key(k), "missing {k}");
+        }
+        assert_eq!(s["latency_p50"], SummaryValue::Float(None));
+    }
+}

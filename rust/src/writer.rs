@@ -1,0 +1,517 @@
+//! Output side: a background thread that buffers finished rows and writes ZSTD Parquet part
+//! files `part-NNNNN.parquet` into the output directory.
+//!
+//! Invariants:
+//! - each row handed to `Writer::send` is written exactly once, in the order received;
+//! - a part file becomes visible only complete: it is written as `.part-NNNNN.parquet.tmp`,
+//!   closed (footer), fsynced, renamed, and the directory is fsynced;
+//! - numbering starts after the highest existing `part-N.parquet`, so earlier results in the
+//!   same directory are never overwritten;
+//! - after `finish`, the directory holds at least one part file (an empty one if no rows), so
+//!   `pyarrow.parquet.read_table(output_dir)` always works.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use arrow_array::builder::{
+    Float64Builder, Int32Builder, Int64Builder, ListBuilder, StringBuilder,
+};
+use arrow_array::{ArrayRef, RecordBatch};
+use arrow_schema::{DataType, Field, Schema, SchemaRef};
+use crossbeam_channel::{Receiver, Sender};
+use parquet::arrow::ArrowWriter;
+use parquet::basic::{Compression, ZstdLevel};
+use parquet::file::metadata::KeyValue;
+use parquet::file::properties::WriterProperties;
+
+use crate::error::{Error, Result};
+use crate::sequence::FinishReason;
+
+/// One output row (a finished or failed request).
+#[derive(Debug, Clone)]
+pub struct OutputRow {
+    /// Length-1 array of the output id type.
+    pub id: ArrayRef,
+    pub row_index: i64,
+    /// Generated text ("" for error rows).
+    pub output_text: String,
+    pub finish_reason: FinishReason,
+    pub prompt_tokens: i32,
+    pub output_tokens: i32,
+    pub queue_s: Option<f64>,
+    pub ttft_s: Option<f64>,
+    pub latency_s: Option<f64>,
+    pub tpot_s: Option<f64>,
+    pub error: Option<String>,
+    pub spec_steps: Option<i32>,
+    pub accepted_tokens: Option<i32>,
+    pub accept_length: Option<f64>,
+    /// All generated ids (including a final EOS); written only with `include_token_ids`.
+    pub output_token_ids: Vec<u32>,
+}
+
+#[derive(Debug, Clone)]
+pub struct WriterConfig {
+    pub output_dir: PathBuf,
+    pub part_rows: usize,
+    pub file_metadata: BTreeMap<String, String>,
+    pub include_token_ids: bool,
+    pub id_type: DataType,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct WriterSummary {
+    pub part_files: Vec<PathBuf>,
+    pub rows_written: u64,
+}
+
+/// Output schema (column order is part of the contract).
+pub fn output_schema(id_type: &DataType, include_token_ids: bool) -> SchemaRef {
+    let mut fields = vec![
+        Field::new("id", id_type.clone(), true),
+        Field::new("row_index", DataType::Int64, false),
+        Field::new("output_text", DataType::Utf8, false),
+        Field::new("finish_reason", DataType::Utf8, false),
+        Field::new("prompt_tokens", DataType::Int32, false),
+        Field::new("output_tokens", DataType::Int32, false),
+        Field::new("queue_s", DataType::Float64, true),
+        Field::new("ttft_s", DataType::Float64, true),
+        Field::new("latency_s", DataType::Float64, true),
+        Field::new("tpot_s", DataType::Float64, true),
+        Field::new("error", DataType::Utf8, true),
+        Field::new("spec_steps", DataType::Int32, true),
+        Field::new("accepted_tokens", DataType::Int32, true),
+        Field::new("accept_length", DataType::Float64, true),
+    ];
+    if include_token_ids {
+        fields.push(Field::new(
+            "output_token_ids",
+            DataType::List(Arc::new(Field::new("item", DataType::Int32, true))),
+            false,
+        ));
+    }
+    Arc::new(Schema::new(fields))
+}
+
+/// Highest N among `part-N.parquet` files in `dir` (None if there are none).
+fn highest_part_number(dir: &Path) -> Result<Option<u64>> {
+    let mut max = None;
+    let entries = std::fs::read_dir(dir).map_err(|e| Error::io("cannot list", dir, e))?;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let Some(num) = name
+            .strip_prefix("part-")
+            .and_then(|s| s.strip_suffix(".parquet"))
+        else {
+            continue;
+        };
+        if let Ok(n) = num.parse::<u64>() {
+            max = Some(max.map_or(n, |m: u64| m.max(n)));
+        }
+    }
+    Ok(max)
+}
+
+/// Handle to the writer thread.
+pub struct Writer {
+    tx: Option<Sender<OutputRow>>,
+    handle: Option<JoinHandle<Result<WriterSummary>>>,
+}
+
+impl Writer {
+    /// Creates the output directory if needed and starts the writer thread.
+    pub fn start(cfg: WriterConfig) -> Result<Writer> {
+        std::fs::create_dir_all(&cfg.output_dir).map_err(|e| {
+            Error::user(format!(
+                "cannot create output directory {}: {e}",
+                cfg.output_dir.display()
+            ))
+        })?;
+        let next_part = highest_part_number(&cfg.output_dir)?.map_or(0, |n| n + 1);
+        let (tx, rx) = crossbeam_channel::bounded(cfg.part_rows.clamp(1, 4096));
+        let handle = std::thread::Builder::new()
+            .name("eaglebatch-writer".into())
+            .spawn(move || {
+                let mut state = WriterThread::new(cfg, next_part);
+                state.run(rx)
+            })
+            .map_err(|e| Error::internal(format!("cannot start writer thread: {e}")))?;
+        Ok(Writer {
+            tx: Some(tx),
+            handle: Some(handle),
+        })
+    }
+
+    /// Hands a row to the writer (blocks when its queue is full). If the writer thread failed,
+    /// returns its error.
+    pub fn send(&mut self, row: OutputRow) -> Result<()> {
+        let tx = self
+            .tx
+            .as_ref()
+            .ok_or_else(|| Error::internal("writer already finished"))?;
+        if tx.send(row).is_err() {
+            // The thread exited early, which only happens on an error: report it.
+            return Err(match self.join() {
+                Err(e) => e,
+                Ok(_) => Error::internal("writer thread exited early"),
+            });
+        }
+        Ok(())
+    }
+
+    /// Flushes the remaining rows, waits for the thread and returns what was written.
+    pub fn finish(&mut self) -> Result<WriterSummary> {
+        self.tx = None;
+        self.join()
+    }
+
+    fn join(&mut self) -> Result<WriterSummary> {
+        self.tx = None;
+        let handle = self
+            .handle
+            .take()
+            .ok_or_else(|| Error::internal("writer already finished"))?;
+        handle
+            .join()
+            .map_err(|_| Error::internal("writer thread panicked"))?
+    }
+}
+
+impl Drop for Writer {
+    fn drop(&mut self) {
+        // Flush what was finished; errors here have nowhere to go.
+        if self.handle.is_some() {
+            let _ = self.join();
+        }
+    }
+}
+
+struct WriterThread {
+    cfg: WriterConfig,
+    schema: SchemaRef,
+    props: WriterProperties,
+    next_part: u64,
+    buffer: Vec<OutputRow>,
+    summary: WriterSummary,
+}
+
+impl WriterThread {
+    fn new(cfg: WriterConfig, next_part: u64) -> Self {
+        let schema = output_schema(&cfg.id_type, cfg.include_token_ids);
+        let kv: Vec<KeyValue> = cfg
+            .file_metadata
+            .iter()
+            .map(|(k, v)| KeyValue::new(k.clone(), v.clone()))
+            .collect();
+        let props = WriterProperties::builder()
+            .set_compression(Compression::ZSTD(
+                ZstdLevel::try_new(3).expect("valid level"),
+            ))
+            .set_key_value_metadata(if kv.is_empty() { None } else { Some(kv) })
+            .build();
+        WriterThread {
+            buffer: Vec::with_capacity(cfg.part_rows.min(65_536)),
+            cfg,
+            schema,
+            props,
+            next_part,
+            summary: WriterSummary::default(),
+        }
+    }
+
+    fn run(&mut self, rx: Receiver<OutputRow>) -> Result<WriterSummary> {
+        for row in rx.iter() {
+            self.buffer.push(row);
+            if self.buffer.len() >= self.cfg.part_rows {
+                self.flush()?;
+            }
+        }
+        if !self.buffer.is_empty() || self.summary.part_files.is_empty() {
+            self.flush()?;
+        }
+        Ok(std::mem::take(&mut self.summary))
+    }
+
+    /// Writes the buffered rows (possibly none) as the next part file.
+    fn flush(&mut self) -> Result<()> {
+        let rows = std::mem::take(&mut self.buffer);
+        let batch = build_batch(&self.schema, &rows, self.cfg.include_token_ids)?;
+        let name = format!("part-{:05}.parquet", self.next_part);
+        self.next_part += 1;
+        let dir = &self.cfg.output_dir;
+        let tmp = dir.join(format!(".{name}.tmp"));
+        let dst = dir.join(&name);
+        let file = File::create(&tmp).map_err(|e| Error::io("cannot create", &tmp, e))?;
+        let mut w = ArrowWriter::try_new(file, self.schema.clone(), Some(self.props.clone()))?;
+        w.write(&batch)?;
+        let file = w.into_inner()?;
+        file.sync_all()
+            .map_err(|e| Error::io("cannot fsync", &tmp, e))?;
+        drop(file);
+        std::fs::rename(&tmp, &dst).map_err(|e| Error::io("cannot rename to", &dst, e))?;
+        // Make the rename durable. Not every filesystem allows fsync on a directory.
+        if let Ok(d) = File::open(dir) {
+            let _ = d.sync_all();
+        }
+        self.summary.rows_written += rows.len() as u64;
+        self.summary.part_files.push(dst);
+        Ok(())
+    }
+}
+
+fn build_batch(schema: &SchemaRef, rows: &[OutputRow], include_ids: bool) -> Result<RecordBatch> {
+    let n = rows.len();
+    let id: ArrayRef = if rows.is_empty() {
+        arrow_array::new_empty_array(schema.field(0).data_type())
+    } else {
+        let parts: Vec<&dyn arrow_array::Array> = rows.iter().map(|r| r.id.as_ref()).collect();
+        arrow_select::concat::concat(&parts)?
+    };
+    let mut row_index = Int64Builder::with_capacity(n);
+    let mut text = StringBuilder::with_capacity(n, rows.iter().map(|r| r.output_text.len()).sum());
+    let mut reason = StringBuilder::with_capacity(n, n * 6);
+    let mut prompt_tokens = Int32Builder::with_capacity(n);
+    let mut output_tokens = Int32Builder::with_capacity(n);
+    let mut queue = Float64Builder::with_capacity(n);
+    let mut ttft = Float64Builder::with_capacity(n);
+    let mut latency = Float64Builder::with_capacity(n);
+    let mut tpot = Float64Builder::with_capacity(n);
+    let mut error = StringBuilder::new();
+    let mut spec_steps = Int32Builder::with_capacity(n);
+    let mut accepted = Int32Builder::with_capacity(n);
+    let mut accept_len = Float64Builder::with_capacity(n);
+    let mut token_ids = ListBuilder::new(Int32Builder::new()).with_field(Arc::new(Field::new(
+        "item",
+        DataType::Int32,
+        true,
+    )));
+    for r in rows {
+        row_index.append_value(r.row_index);
+        text.append_value(&r.output_text);
+        reason.append_value(r.finish_reason.as_str());
+        prompt_tokens.append_value(r.prompt_tokens);
+        output_tokens.append_value(r.output_tokens);
+        queue.append_option(r.queue_s);
+        ttft.append_option(r.ttft_s);
+        latency.append_option(r.latency_s);
+        tpot.append_option(r.tpot_s);
+        error.append_option(r.error.as_deref());
+        spec_steps.append_option(r.spec_steps);
+        accepted.append_option(r.accepted_tokens);
+        accept_len.append_option(r.accept_length);
+        if include_ids {
+            token_ids.values().append_slice(
+                &r.output_token_ids
+                    .iter()
+                    .map(|&t| t as i32)
+                    .collect::<Vec<_>>(),
+            );
+            token_ids.append(true);
+        }
+    }
+    let mut columns: Vec<ArrayRef> = vec![
+        id,
+        Arc::new(row_index.finish()),
+        Arc::new(text.finish()),
+        Arc::new(reason.finish()),
+        Arc::new(prompt_tokens.finish()),
+        Arc::new(output_tokens.finish()),
+        Arc::new(queue.finish()),
+        Arc::new(ttft.finish()),
+        Arc::new(latency.finish()),
+        Arc::new(tpot.finish()),
+        Arc::new(error.finish()),
+        Arc::new(spec_steps.finish()),
+        Arc::new(accepted.finish()),
+        Arc::new(accept_len.finish()),
+    ];
+    if include_ids {
+        columns.push(Arc::new(token_ids.finish()));
+    }
+    Ok(RecordBatch::try_new(schema.clone(), columns)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::TempDir;
+    use arrow_array::cast::AsArray;
+    use arrow_array::types::{Float64Type, Int32Type, Int64Type};
+    use arrow_array::{Array, StringArray};
+    use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+
+    fn row(i: i64, id: &str, reason: FinishReason) -> OutputRow {
+        let err = reason == FinishReason::Error;
+        OutputRow {
+            id: Arc::new(StringArray::from(vec![id])),
+            row_index: i,
+            output_text: if err {
+                String::new()
+            } else {
+                format!("text {i}")
+            },
+            finish_reason: reason,
+            prompt_tokens: if err { 0 } else { 3 },
+            output_tokens: if err { 0 } else { 2 },
+            queue_s: (!err).then_some(0.5),
+            ttft_s: (!err).then_some(0.25),
+            latency_s: (!err).then_some(1.0),
+            tpot_s: (!err).then_some(0.75),
+            error: err.then(|| "bad row".to_string()),
+            spec_steps: None,
+            accepted_tokens: None,
+            accept_length: None,
+            output_token_ids: if err { vec![] } else { vec![7, 2] },
+        }
+    }
+
+    fn read_all(dir: &Path) -> Vec<RecordBatch> {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        files.sort();
+        let mut out = Vec::new();
+        for f in files {
+            let name = f.file_name().unwrap().to_str().unwrap().to_string();
+            assert!(
+                name.starts_with("part-") && name.ends_with(".parquet"),
+                "stray file {name}"
+            );
+            let b = ParquetRecordBatchReaderBuilder::try_new(File::open(&f).unwrap())
+                .unwrap()
+                .build()
+                .unwrap();
+            for batch in b {
+                out.push(batch.unwrap());
+            }
+        }
+        out
+    }
+
+    fn cfg(dir: &Path, part_rows: usize) -> WriterConfig {
+        WriterConfig {
+            output_dir: dir.to_path_buf(),
+            part_rows,
+            file_metadata: BTreeMap::from([(
+                "eaglebatch.job".to_string(),
+                "{\"a\": 1}".to_string(),
+            )]),
+            include_token_ids: true,
+            id_type: DataType::Utf8,
+        }
+    }
+
+    #[test]
+    fn round_trip_parts_schema_and_metadata() {
+        let dir = TempDir::new("writer-rt");
+        let mut w = Writer::start(cfg(dir.path(), 2)).unwrap();
+        for i in 0..5 {
+            let reason = if i == 3 {
+                FinishReason::Error
+            } else {
+                FinishReason::Length
+            };
+            w.send(row(i, &format!("id{i}"), reason)).unwrap();
+        }
+        let summary = w.finish().unwrap();
+        assert_eq!(summary.rows_written, 5);
+        assert_eq!(summary.part_files.len(), 3);
+        assert!(summary.part_files[0].ends_with("part-00000.parquet"));
+
+        let batches = read_all(dir.path());
+        let total: usize = batches.iter().map(|b| b.num_rows()).sum();
+        assert_eq!(total, 5);
+        let b = &batches[1];
+        let names: Vec<&str> = b
+            .schema_ref()
+            .fields()
+            .iter()
+            .map(|f| f.name().as_str())
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "id",
+                "row_index",
+                "output_text",
+                "finish_reason",
+                "prompt_tokens",
+                "output_tokens",
+                "queue_s",
+                "ttft_s",
+                "latency_s",
+                "tpot_s",
+                "error",
+                "spec_steps",
+                "accepted_tokens",
+                "accept_length",
+                "output_token_ids"
+            ]
+        );
+        assert_eq!(b.column(0).as_string::<i32>().value(1), "id3");
+        assert_eq!(b.column(1).as_primitive::<Int64Type>().value(1), 3);
+        assert_eq!(b.column(3).as_string::<i32>().value(1), "error");
+        assert_eq!(b.column(10).as_string::<i32>().value(1), "bad row");
+        assert!(b.column(7).is_null(1));
+        assert_eq!(b.column(2).as_string::<i32>().value(0), "text 2");
+        assert_eq!(b.column(9).as_primitive::<Float64Type>().value(0), 0.75);
+        assert!(b.column(11).is_null(0));
+        let ids = b.column(14).as_list::<i32>().value(0);
+        assert_eq!(ids.as_primitive::<Int32Type>().values(), &[7, 2]);
+
+        let reader =
+            SerializedFileReader::new(File::open(&summary.part_files[0]).unwrap()).unwrap();
+        let kv = reader
+            .metadata()
+            .file_metadata()
+            .key_value_metadata()
+            .unwrap();
+        assert!(kv
+            .iter()
+            .any(|k| k.key == "eaglebatch.job" && k.value.as_deref() == Some("{\"a\": 1}")));
+        let codec = reader.metadata().row_group(0).column(0).compression();
+        assert!(matches!(codec, Compression::ZSTD(_)), "{codec:?}");
+    }
+
+    #[test]
+    fn numbering_continues_after_existing_parts() {
+        let dir = TempDir::new("writer-num");
+        let mut w = Writer::start(cfg(dir.path(), 10)).unwrap();
+        w.send(row(0, "a", FinishReason::Stop)).unwrap();
+        w.finish().unwrap();
+        std::fs::rename(
+            dir.path().join("part-00000.parquet"),
+            dir.path().join("part-00007.parquet"),
+        )
+        .unwrap();
+        let mut w = Writer::start(cfg(dir.path(), 10)).unwrap();
+        w.send(row(1, "b", FinishReason::Stop)).unwrap();
+        let s = w.finish().unwrap();
+        assert!(s.part_files[0].ends_with("part-00008.parquet"));
+        assert_eq!(
+            read_all(dir.path())
+                .iter()
+                .map(|b| b.num_rows())
+                .sum::<usize>(),
+            2
+        );
+    }
+
+    #[test]
+    fn no_rows_still_writes_a_readable_empty_part() {
+        let dir = TempDir::new("writer-empty");
+        let mut w = Writer::start(cfg(dir.path(), 10)).unwrap();
+        let s = w.finish().unwrap();
+        assert_eq!(s.part_files.len(), 1);
+        assert_eq!(s.rows_written, 0);
+        let b = ParquetRecordBatchReaderBuilder::try_new(File::open(&s.part_files[0]).unwrap())
+            .unwrap();
+        assert_eq!(b.schema().fields().len(), 15);
+    }
+}
