@@ -1,0 +1,186 @@
+"""`DraftConfig`: what an EAGLE draft folder says about its shape, checked against the target.
+
+Two published formats (names as in the checkpoints):
+
+EAGLE-1/2 ("eagle1", e.g. yuhuili/EAGLE-llama2-chat-7B): `fc` Linear(2h -> h, bias by default)
+over cat[token embedding, target feature], then one Llama decoder layer `layers.0.*` whose
+`input_layernorm` is absent (identity), then the TARGET's lm_head applied to the layer output
+with no final norm. The target feature is the target's final-normed last hidden state.
+
+EAGLE-3 ("eagle3", e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B): `fc` Linear(n*ht -> h, no bias)
+over the concatenated hidden states of n (= 3) target layers, one decoder layer `midlayer.*`
+whose attention reads cat[input_layernorm(embedding), hidden_norm(hidden)] (2h wide), with the
+hidden as residual; then its own `norm` and `lm_head` over `draft_vocab_size` tokens, mapped to
+target ids by `d2t` (target_id = draft_id + d2t[draft_id]).
+
+Which target hidden states EAGLE-3 reads ("aux layer ids", Hugging Face `output_hidden_states`
+indexing: index i = the input of decoder layer i, 0 = the embeddings):
+  * default (EAGLE reference, SGLang, vLLM): (2, L // 2, L - 3) for an L-layer target;
+  * top-level `eagle_aux_hidden_state_layer_ids` (vLLM / speculators format): used as is;
+  * `eagle_config.eagle_aux_hidden_state_layer_ids` (SpecForge / SGLang format) counts layer
+    OUTPUTS, so id j means index j + 1 (SGLang adds 1 the same way).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from eaglebatch.model.config import ModelConfig
+
+EAGLE1 = "eagle1"
+EAGLE3 = "eagle3"
+KINDS = (EAGLE1, EAGLE3)
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    kind: str  # "eagle1" | "eagle3"
+    # The draft decoder layer: hidden_size h, heads, head_dim, intermediate_size, eps, RoPE,
+    # biases (taken from which tensors the checkpoint has). vocab_size = the target's.
+    layer: ModelConfig
+    draft_vocab_size: int  # rows of the draft's lm_head (EAGLE-1: the target vocabulary)
+    target_hidden_size: int  # ht: width of each target hidden state the draft reads
+    aux_layer_ids: tuple[int, ...]  # target hidden states read (HF output_hidden_states indices)
+    fc_bias: bool  # config "bias" (EAGLE-1 default True, EAGLE-3 default False)
+    has_input_layernorm: bool  # EAGLE-1: published heads have none (identity)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.layer.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.layer.vocab_size
+
+
+def detect_kind(names: set[str]) -> str:
+    """ "eagle3" if the checkpoint has `midlayer.*`, "eagle1" if it has `fc.weight` and
+    `layers.0.*`; otherwise a ValueError saying what was expected."""
+    if any(n.startswith("midlayer.") for n in names):
+        return EAGLE3
+    if "fc.weight" in names and any(n.startswith("layers.0.") for n in names):
+        return EAGLE1
+    sample = ", ".join(sorted(names)[:6]) or "no tensors"
+    raise ValueError(
+        "not an EAGLE draft checkpoint: expected `fc.weight` with `layers.0.*` (EAGLE-1/2) "
+        f"or `midlayer.*` (EAGLE-3); found {sample}"
+    )
+
+
+def read_raw_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    file = os.path.join(os.fspath(path), "config.json")
+    try:
+        with open(file, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"draft config not found: {file}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"draft config {file} is not valid JSON: {e}") from None
+
+
+def default_aux_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
+    """The EAGLE-3 reference choice: inputs of layers 2, L // 2 and L - 3 (low, middle, high)."""
+    n = num_target_layers
+    return (2, n // 2, n - 3)
+
+
+def resolve_aux_layer_ids(raw: Mapping[str, Any], num_target_layers: int) -> tuple[int, ...]:
+    """EAGLE-3 aux layer ids in HF hidden_states indexing (see the module doc); validated to lie
+    in [0, L] and be distinct."""
+    top = raw.get("eagle_aux_hidden_state_layer_ids")
+    nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if top:
+        ids, source = tuple(int(i) for i in top), "eagle_aux_hidden_state_layer_ids"
+    elif nested:
+        ids = tuple(int(i) + 1 for i in nested)
+        source = "eagle_config.eagle_aux_hidden_state_layer_ids (+1: layer outputs)"
+    else:
+        ids, source = default_aux_layer_ids(num_target_layers), "the default (2, L//2, L-3)"
+    bad = [i for i in ids if not 0 <= i <= num_target_layers]
+    if bad or len(set(ids)) != len(ids):
+        raise ValueError(
+            f"EAGLE-3 target layers {list(ids)} from {source} are invalid for a target with "
+            f"{num_target_layers} layers (need distinct indices in [0, {num_target_layers}]); "
+            "set eagle_config.eagle_aux_hidden_state_layer_ids in the draft's config.json"
+        )
+    return ids
+
+
+def parse_draft_config(
+    raw: Mapping[str, Any],
+    kind: str,
+    target: ModelConfig,
+    tensor_names: set[str],
+) -> DraftConfig:
+    """Builds the draft's config from its config.json (`raw`) and checks it against the target:
+    same vocabulary, EAGLE-1 hidden size = the target's, a single draft layer."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown draft kind {kind!r}; known: {', '.join(KINDS)}")
+    layer_raw = dict(raw)
+    layer_raw.setdefault("model_type", "llama")
+    # The draft's architecture name (e.g. LlamaForCausalLMEagle3) is not a target architecture;
+    # everything else (sizes, eps, RoPE) parses like a Llama config.
+    layer_raw.pop("architectures", None)
+    layer_raw.setdefault("intermediate_size", target.intermediate_size)
+    layer_raw.setdefault("max_position_embeddings", target.max_position_embeddings)
+    try:
+        layer = ModelConfig.from_dict(layer_raw)
+    except ValueError as e:
+        raise ValueError(f"draft config: {e}") from None
+
+    num_layers = int(raw.get("num_hidden_layers", 1))
+    if num_layers != 1:
+        raise ValueError(f"draft config: num_hidden_layers = {num_layers}; only 1 is supported")
+    if layer.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"draft vocab_size {layer.vocab_size} does not match the target's {target.vocab_size}"
+        )
+    prefix = "layers.0." if kind == EAGLE1 else "midlayer."
+    # Biases: whatever the checkpoint holds (published heads have none on q/k/v/o/MLP).
+    layer = dataclasses.replace(
+        layer,
+        attention_bias=f"{prefix}self_attn.q_proj.bias" in tensor_names,
+        o_proj_bias=f"{prefix}self_attn.o_proj.bias" in tensor_names,
+        mlp_bias=f"{prefix}mlp.gate_proj.bias" in tensor_names,
+    )
+    if kind == EAGLE1:
+        if layer.hidden_size != target.hidden_size:
+            raise ValueError(
+                f"EAGLE-1 draft hidden_size {layer.hidden_size} does not match the target's "
+                f"{target.hidden_size}"
+            )
+        return DraftConfig(
+            kind=kind,
+            layer=layer,
+            draft_vocab_size=target.vocab_size,
+            target_hidden_size=target.hidden_size,
+            aux_layer_ids=(target.num_hidden_layers,),  # the final-normed hidden state
+            fc_bias=bool(raw.get("bias", True)),  # the EAGLE reference's default
+            has_input_layernorm="layers.0.input_layernorm.weight" in tensor_names,
+        )
+
+    target_hidden = int(raw.get("target_hidden_size") or layer.hidden_size)
+    if target_hidden != target.hidden_size:
+        raise ValueError(
+            f"EAGLE-3 draft target_hidden_size {target_hidden} does not match the target's "
+            f"hidden_size {target.hidden_size}"
+        )
+    draft_vocab = int(raw.get("draft_vocab_size") or layer.vocab_size)
+    if not 0 < draft_vocab <= layer.vocab_size:
+        raise ValueError(
+            f"draft_vocab_size {draft_vocab} must be in [1, vocab_size = {layer.vocab_size}]"
+        )
+    return DraftConfig(
+        kind=kind,
+        layer=layer,
+        draft_vocab_size=draft_vocab,
+        target_hidden_size=target_hidden,
+        aux_layer_ids=resolve_aux_layer_ids(raw, target.num_hidden_layers),
+        fc_bias=bool(raw.get("bias", False)),  # as SGLang reads EAGLE-3 configs
+        has_input_layernorm=True,
+    )

@@ -1,0 +1,324 @@
+"""`SpecWorker`: EAGLE speculative decoding (chain drafts, topk == 1) on top of the plain Worker.
+
+Plans (see _native.pyi and the speculative plan contract):
+  * "prefill": row i is a whole sequence x_0..x_{n-1} from position 0. The target runs it
+    (capturing what the draft reads), samples x_n, then the draft EXTENDS over the sequence:
+    draft input at p = (f_p, x_{p+1}) for p = 0..n-1, writing draft K/V at positions 0..n-1.
+  * "verify": row i has L committed tokens (target K/V valid for 0..L-2) and a query of K+1
+    tokens at positions L-1..L-1+K: x_{L-1} then K placeholders. A round with k <= K drafts:
+      1. draft d_1 = argmax head(h^d_{L-2}) (slot state), then for j = 1..k-1 one draft step at
+         p = L-2+j with input (h^d_{p-1}, d_j) -> h^d_p, d_{j+1} (writes draft K/V at p);
+      2. the target verifies [x_{L-1}, d_1..d_k] at positions L-1..L-1+k;
+      3. verify.py accepts a <= k drafts and adds one target token;
+      4. the draft extends over positions L-1..L-1+k with (target feature at p, x_{p+1}),
+         overwriting what drafting wrote. Only rows p <= L-1+a are meaningful; later rows
+         write draft K/V that is stale but never read before it is rewritten (a query at
+         position q only attends to positions <= q, and every round rewrites its positions
+         before reading them). This keeps the step free of host synchronisation until the end.
+    "decode" plans (1 query token per row) run as rounds with k = 0.
+Invariant between steps, per running slot s: the draft's K/V is valid for positions 0..L-2
+(like the target's) and hidden[s] = h^d_{L-2}, the draft output at the last extended position.
+K/V slots are the plan's: the draft's K/V of position p sits at the target's slot of p.
+
+Output per plan row: accepted drafts then the target's token (1..k+1 tokens), num_accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from eaglebatch.attention.base import AttentionMetadata
+from eaglebatch.sampling import sample
+from eaglebatch.speculative.adaptive import AdaptiveDraftLength
+from eaglebatch.speculative.eagle import EagleDraft, load_draft
+from eaglebatch.speculative.verify import verify
+from eaglebatch.worker import Worker
+
+TREE_UNSUPPORTED = "speculative.topk > 1 (tree drafting) is not supported yet"
+
+
+@dataclass
+class SpecStats:
+    prefill_steps: int = 0
+    verify_rounds: int = 0  # target verify forwards
+    draft_steps: int = 0  # autoregressive draft forwards (excluding extends)
+    drafted: int = 0  # draft tokens proposed (rows x k)
+    accepted: int = 0  # draft tokens accepted
+    emitted: int = 0  # tokens returned by verify rounds
+
+
+class _Clock:
+    """Wall-clock marks; CUDA events on GPU so that timing adds no synchronisation (the marks
+    are read after the step's final device-to-host copy)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        if not self.cuda:
+            return end - start
+        end.synchronize()
+        return start.elapsed_time(end) / 1000.0
+
+
+class SpecWorker:
+    def __init__(
+        self,
+        target: Worker,
+        draft: EagleDraft,
+        *,
+        num_speculative_tokens: int,
+        max_batch_size: int,
+        adaptive: bool = True,
+        topk: int = 1,
+        draft_kv_cache: torch.Tensor | None = None,
+    ) -> None:
+        """Shares the target Worker's model, KV caches and budget; allocates the draft's one-layer
+        cache over the same blocks unless given. adaptive=False drafts K tokens every round."""
+        if topk > 1:
+            raise ValueError(TREE_UNSUPPORTED)
+        if topk < 1 or num_speculative_tokens < 1:
+            raise ValueError("speculative: topk and num_speculative_tokens must be >= 1")
+        self.target = target
+        self.model = target.model
+        self.kv_caches = target.kv_caches
+        self.budget = target.budget
+        self.device = target.device
+        self.max_model_len = target.max_model_len
+        self.num_speculative_tokens = num_speculative_tokens
+        self.draft = draft
+        self.draft_kv = (
+            draft_kv_cache
+            if draft_kv_cache is not None
+            else draft.allocate_kv_cache(self.budget.num_blocks, self.budget.block_size)
+        )
+        # verify queries reach position max_model_len - 1 + K
+        for rotary in (self.model.model.rotary_emb, draft.rotary_emb):
+            if rotary.max_positions < self.max_model_len + num_speculative_tokens:
+                rotary.max_positions = self.max_model_len + num_speculative_tokens
+                rotary.rebuild()
+        # per-slot draft state: h^d at the last extended position (see the module doc)
+        self.hidden = torch.zeros(
+            max_batch_size, draft.config.hidden_size, dtype=draft.dtype, device=self.device
+        )
+        self.ready = np.zeros(max_batch_size, dtype=bool)  # slot has been prefilled
+        self.policy = AdaptiveDraftLength(num_speculative_tokens) if adaptive else None
+        self.stats = SpecStats()
+        self._clock = _Clock(self.device)
+
+    @classmethod
+    def from_target(
+        cls,
+        target: Worker,
+        draft_path: str | os.PathLike[str],
+        *,
+        num_speculative_tokens: int,
+        max_batch_size: int,
+        topk: int = 1,
+        adaptive: bool = True,
+    ) -> SpecWorker:
+        if topk > 1:
+            raise ValueError(TREE_UNSUPPORTED)
+        draft = load_draft(
+            draft_path,
+            target.model.config,
+            target.model,
+            max_positions=target.max_model_len + num_speculative_tokens,
+        )
+        return cls(
+            target,
+            draft,
+            num_speculative_tokens=num_speculative_tokens,
+            max_batch_size=max_batch_size,
+            adaptive=adaptive,
+            topk=topk,
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.budget.num_blocks
+
+    @torch.inference_mode()
+    def step(self, plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens int32 [N], num_tokens int32 [B], num_accepted int32 [B]) in plan row order."""
+        if plan.kind == "prefill":
+            return self._prefill(plan)
+        if plan.kind in ("verify", "decode"):
+            return self._verify(plan)
+        raise ValueError(f"unknown plan kind {plan.kind!r}")
+
+    # ---- helpers -------------------------------------------------------------------------------
+
+    def _dev(self, a: np.ndarray, dtype=np.int64) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)).to(self.device)
+
+    def _sampling(self, plan) -> tuple[torch.Tensor, ...]:
+        """temperature, top_p, top_k, seeds, num_generated as device tensors."""
+        return (
+            self._dev(plan.temperature, np.float32),
+            self._dev(plan.top_p, np.float32),
+            self._dev(plan.top_k, np.int32),
+            self._dev(plan.seeds, np.int64),
+            self._dev(plan.num_generated, np.int32),
+        )
+
+    def _meta(
+        self,
+        cu: np.ndarray,  # [B+1] query offsets
+        seq_lens: np.ndarray,  # [B] context incl. the query
+        block_tables: torch.Tensor,  # int32 [B, M] on the device (the plan's)
+        slot_mapping: np.ndarray,  # [T]
+    ) -> AttentionMetadata:
+        """Metadata for a query the plan did not spell out (draft steps, shorter verifies): same
+        block tables, host-side lengths, no device synchronisation."""
+        cu_cpu = torch.from_numpy(np.ascontiguousarray(cu, dtype=np.int32))
+        lens_cpu = torch.from_numpy(np.ascontiguousarray(seq_lens, dtype=np.int32))
+        q = cu[1:] - cu[:-1]
+        return AttentionMetadata(
+            cu_seqlens_q=cu_cpu.to(self.device),
+            seq_lens=lens_cpu.to(self.device),
+            block_tables=block_tables,
+            slot_mapping=self._dev(slot_mapping),
+            block_size=self.budget.block_size,
+            max_seqlen_q=int(q.max()),
+            max_seqlen_k=int(seq_lens.max()),
+            is_prefill=bool((q == seq_lens).all()),
+            cu_seqlens_q_cpu=cu_cpu,
+            seq_lens_cpu=lens_cpu,
+        )
+
+    def _draft_forward(self, ids, features, positions, meta, select=None) -> torch.Tensor:
+        """The draft over `meta`'s query (a copy is prepared for the draft's own backend)."""
+        dmeta = dataclasses.replace(meta, backend_state=None)
+        self.draft.backend.prepare(dmeta)
+        return self.draft(ids, features, positions, dmeta, self.draft_kv, select=select)
+
+    # ---- prefill -------------------------------------------------------------------------------
+
+    def _prefill(self, plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        meta = AttentionMetadata.from_numpy(
+            plan.cu_seqlens_q,
+            plan.seq_lens,
+            plan.block_tables,
+            plan.slot_mapping,
+            self.budget.block_size,
+            self.device,
+        )
+        self.model.backend.prepare(meta)
+        ids = self._dev(plan.input_ids)  # [T]
+        positions = self._dev(plan.positions)  # [T]
+        hidden, captured = self.model(
+            ids, positions, meta, self.kv_caches, capture_layers=self.draft.capture_layers
+        )  # [T, H]
+        last = self._dev(plan.cu_seqlens_q[1:].astype(np.int64) - 1)  # [B]
+        logits = self.model.compute_logits(hidden.index_select(0, last))  # [B, V]
+        tokens = sample(logits, *self._sampling(plan))  # [B]
+        # draft extend over p = 0..n-1: token x_{p+1} is the next prompt token, or the new one
+        next_ids = torch.roll(ids, -1)
+        next_ids[last] = tokens
+        h = self._draft_forward(
+            next_ids, self.draft.target_features(captured), positions, meta, select=last
+        )  # [B, h]
+        self.hidden.index_copy_(0, self._dev(plan.slots), h)
+        self.ready[plan.slots] = True
+        self.stats.prefill_steps += 1
+        out = tokens.to(torch.int32).cpu().numpy()
+        n = len(out)
+        return out, np.ones(n, dtype=np.int32), np.zeros(n, dtype=np.int32)
+
+    # ---- verify round --------------------------------------------------------------------------
+
+    def _verify(self, plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        b = plan.num_seqs
+        cu = plan.cu_seqlens_q.astype(np.int64)
+        q_lens = cu[1:] - cu[:-1]
+        k_plan = int(q_lens[0]) - 1
+        if (q_lens != q_lens[0]).any() or not 0 <= k_plan <= self.num_speculative_tokens:
+            raise ValueError(
+                f"verify plan: every row needs the same query length in 1..K+1 "
+                f"(K = {self.num_speculative_tokens}), got {sorted(set(q_lens.tolist()))}"
+            )
+        if not self.ready[plan.slots].all():
+            bad = plan.slots[~self.ready[plan.slots]].tolist()
+            raise RuntimeError(f"verify plan uses slots {bad} that were never prefilled")
+        k = k_plan if self.policy is None else min(k_plan, self.policy.choose(b))
+        start = plan.positions[cu[:-1]].astype(np.int64)  # [B] L-1
+        plan_slots = plan.slot_mapping.reshape(b, k_plan + 1)  # [B, K+1] slots of L-1..L-1+K
+        block_tables = self._dev(plan.block_tables, np.int32)
+        slots = self._dev(plan.slots)
+        per_row = np.arange(b + 1, dtype=np.int64)
+
+        t0 = self._clock.mark()
+        # 1. drafting: argmax only (topk == 1)
+        draft_ids = torch.empty(b, k, dtype=torch.long, device=self.device)  # [B, k] target ids
+        if k > 0:
+            h = self.hidden.index_select(0, slots)  # [B, h] h^d_{L-2}
+            d = self.draft.argmax_tokens(h)
+            draft_ids[:, 0] = d
+            for j in range(1, k):
+                p = start + j - 1  # this step's position L-2+j
+                meta = self._meta(per_row, p + 1, block_tables, plan_slots[:, j - 1])
+                h = self._draft_forward(d, h, self._dev(p), meta)  # [B, h] h^d_p
+                d = self.draft.argmax_tokens(h)
+                draft_ids[:, j] = d
+            self.stats.draft_steps += k - 1
+        t1 = self._clock.mark()
+
+        # 2. target verify over [x_{L-1}, d_1..d_k] at L-1..L-1+k
+        first = self._dev(plan.input_ids[cu[:-1]])  # [B] x_{L-1}
+        ids = torch.cat((first[:, None], draft_ids), dim=1).reshape(-1)  # [B*(k+1)]
+        pos_np = (start[:, None] + np.arange(k + 1)).reshape(-1)  # [B*(k+1)]
+        positions = self._dev(pos_np)
+        meta = self._meta(
+            per_row * (k + 1), start + k + 1, block_tables, plan_slots[:, : k + 1].reshape(-1)
+        )
+        self.model.backend.prepare(meta)
+        hidden, captured = self.model(
+            ids, positions, meta, self.kv_caches, capture_layers=self.draft.capture_layers
+        )  # [B*(k+1), H]
+        logits = self.model.compute_logits(hidden).view(b, k + 1, -1)  # [B, k+1, V]
+        tokens, accepted = verify(logits, draft_ids, *self._sampling(plan))
+
+        # 4. draft extend over L-1..L-1+k; keep h^d at L-1+a
+        select = torch.arange(b, device=self.device) * (k + 1) + accepted  # [B]
+        h = self._draft_forward(
+            tokens.reshape(-1), self.draft.target_features(captured), positions, meta, select
+        )
+        self.hidden.index_copy_(0, slots, h)
+
+        tokens_np = tokens.cpu().numpy()  # the step's only synchronisation
+        accepted_np = accepted.cpu().numpy()
+        t2 = self._clock.mark()
+        num_tokens = accepted_np + 1
+        keep = np.arange(k + 1)[None, :] < num_tokens[:, None]  # [B, k+1]
+        self.stats.verify_rounds += 1
+        self.stats.drafted += b * k
+        self.stats.accepted += int(accepted_np.sum())
+        self.stats.emitted += int(num_tokens.sum())
+        if self.policy is not None:
+            drafting = self._clock.seconds(t0, t1)
+            self.policy.record(
+                b,
+                k,
+                drafting / k if k > 0 else None,
+                self._clock.seconds(t1, t2),
+                accepted_np.tolist(),
+            )
+        return (
+            tokens_np[keep].astype(np.int32),
+            num_tokens.astype(np.int32),
+            accepted_np.astype(np.int32),
+        )

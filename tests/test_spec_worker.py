@@ -1,0 +1,434 @@
+"""SpecWorker end to end with a fake scheduler: speculative greedy == plain greedy for both draft
+formats, several K and batch sizes, EOS / length stops, preemption; perfect and noisy drafts;
+the draft state against a recomputation from scratch; no vocabulary softmax when greedy; the
+sampled distribution; adaptive draft length."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from eaglebatch.attention import allocate_kv_cache
+from eaglebatch.speculative import (
+    TREE_UNSUPPORTED,
+    AdaptiveDraftLength,
+    SpecWorker,
+    expected_tokens,
+    load_draft,
+)
+from paged_kv import PagedSequences
+from support.fake_scheduler import FakeRequest, FakeScheduler
+from support.spec_models import make_draft_dir, make_target_dir, target_worker
+from test_verify import chi2_critical_001, chi_square
+
+KINDS = ["eagle1", "eagle3"]
+VOCAB = 320
+MAX_LEN = 128
+
+
+@dataclass(frozen=True)
+class Req:
+    prompt: tuple[int, ...]
+    max_new: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+
+def fake_requests(reqs: list[Req], extra_new: int = 0) -> list[FakeRequest]:
+    return [
+        FakeRequest(list(r.prompt), r.max_new + extra_new, r.temperature, r.top_p, r.top_k, r.seed)
+        for r in reqs
+    ]
+
+
+def run(worker, reqs, *, k=0, max_batch=8, num_blocks=512, eos=(), preempt_at=None, extra=0):
+    sched = FakeScheduler(
+        fake_requests(reqs, extra),
+        num_blocks=num_blocks,
+        block_size=4,
+        max_batch_size=max_batch,
+        max_model_len=MAX_LEN,
+        eos_token_ids=eos,
+        num_speculative_tokens=k,
+        preempt_at=preempt_at,
+    )
+    return sched.run(worker), sched
+
+
+def spec_worker(env, kind, k, *, max_batch=8, num_blocks=512, adaptive=False, draft=None):
+    target = target_worker(env.target, num_blocks=num_blocks, max_model_len=MAX_LEN)
+    return SpecWorker.from_target(
+        target,
+        draft or env.drafts[kind],
+        num_speculative_tokens=k,
+        max_batch_size=max_batch,
+        adaptive=adaptive,
+    )
+
+
+@dataclass
+class Env:
+    target: object
+    drafts: dict
+    reqs: list[Req]
+    eos: tuple[int, ...]
+    plain: list[list[int]]  # plain greedy with EOS
+    finishes: Counter
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory) -> Env:
+    root = tmp_path_factory.mktemp("spec")
+    target = make_target_dir(root / "target")
+    drafts = {kind: make_draft_dir(root / kind, target, kind) for kind in KINDS}
+    gen = torch.Generator().manual_seed(0)
+    reqs = []
+    for _ in range(32):
+        n = int(torch.randint(1, 41, (1,), generator=gen))
+        prompt = tuple(torch.randint(VOCAB, (n,), generator=gen).tolist())
+        reqs.append(Req(prompt, int(torch.randint(1, 25, (1,), generator=gen))))
+    no_eos, _ = run(target_worker(target), reqs)
+    # EOS: the most frequent token generated after the first one, so that some requests stop
+    eos = Counter(t for out in no_eos for t in out[1:]).most_common(1)[0][0]
+    plain, sched = run(target_worker(target), reqs, eos=(eos,))
+    finishes = Counter(r.finish for r in sched.requests)
+    assert finishes["stop"] >= 2 and finishes["length"] >= 2
+    return Env(target, drafts, reqs, (eos,), plain, finishes)
+
+
+# ---- lossless greedy ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_equals_plain(env, kind, k) -> None:
+    worker = spec_worker(env, kind, k)
+    out, sched = run(worker, env.reqs[:16], k=k, eos=env.eos)
+    assert out == env.plain[:16]
+    assert sched.verify_plans == worker.stats.verify_rounds > 0
+    assert worker.stats.drafted == k * sum(len(a) for a in sched.accept_log)
+
+
+@pytest.mark.parametrize(
+    "max_batch,kind,k", [(1, "eagle3", 3), (32, "eagle1", 2), (32, "eagle3", 4)]
+)
+def test_greedy_equals_plain_across_batch_sizes(env, max_batch, kind, k) -> None:
+    worker = spec_worker(env, kind, k, max_batch=max_batch)
+    out, sched = run(worker, env.reqs, k=k, max_batch=max_batch, eos=env.eos)
+    assert out == env.plain
+    if max_batch == 32:
+        assert max(len(a) for a in sched.accept_log) >= 28  # (max_new == 1 ends at prefill)
+
+
+def test_preemption_and_reprefill_in_another_slot(env) -> None:
+    worker = spec_worker(env, "eagle3", 2, num_blocks=40)
+    out, sched = run(worker, env.reqs, k=2, num_blocks=40, eos=env.eos, preempt_at={0: 3, 4: 1})
+    assert out == env.plain
+    assert sum(r.preemptions for r in sched.requests) >= 3  # 2 forced + block shortage
+    moved = [r for r in sched.requests if len(set(r.slots_used)) > 1]
+    assert moved and all(r.outputs == env.plain[i] for i, r in enumerate(sched.requests))
+
+
+def test_decode_plans_run_as_rounds_without_drafts(env) -> None:
+    worker = spec_worker(env, "eagle1", 2)
+    out, _ = run(worker, env.reqs[:8], k=0, eos=env.eos)  # plain "decode" plans
+    assert out == env.plain[:8] and worker.stats.drafted == 0
+
+
+def test_adaptive_draft_length_is_lossless(env) -> None:
+    worker = spec_worker(env, "eagle3", 4, adaptive=True)
+    out, sched = run(worker, env.reqs, k=4, eos=env.eos)
+    assert out == env.plain
+    ks = {k for b in worker.policy.buckets.values() for k in b.t_verify}
+    assert {0, 4} <= ks  # starts at K, then measures k = 0
+
+
+# ---- oracle drafts: full and partial acceptance ------------------------------------------------
+
+
+class Oracle:
+    """Replaces the draft's argmax with the plain-greedy continuation of each request, wrong
+    (token + 1) at fixed pseudo-random positions with probability `error_rate`."""
+
+    def __init__(self, worker: SpecWorker, sched: FakeScheduler, continuation, error_rate=0.0):
+        self.sched, self.continuation, self.error_rate = sched, continuation, error_rate
+        self.rows: list[tuple[int, int]] = []
+        self.j = 0
+        verify = worker._verify
+
+        def hooked(plan):
+            by_slot = {r.slot: i for i, r in enumerate(sched.requests) if r.slot is not None}
+            pairs = zip(plan.slots, plan.num_generated, strict=True)
+            self.rows = [(by_slot[int(s)], int(g)) for s, g in pairs]
+            self.j = 0
+            return verify(plan)
+
+        worker._verify = hooked
+        worker.draft.argmax_tokens = self.argmax_tokens
+
+    def wrong(self, i: int, n: int) -> bool:
+        return (i * 7919 + n * 104729) % 1000 < 1000 * self.error_rate
+
+    def argmax_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = []
+        for i, g in self.rows:
+            t = self.continuation[i][g + self.j]
+            out.append((t + 1) % VOCAB if self.wrong(i, g + self.j) else t)
+        self.j += 1
+        return torch.tensor(out, dtype=torch.long)
+
+
+@pytest.mark.parametrize("error_rate", [0.0, 0.3])
+def test_oracle_drafts(env, error_rate) -> None:
+    k = 3
+    reqs = env.reqs[:12]
+    long, _ = run(target_worker(env.target), reqs, extra=k + 1)  # greedy continuation, no EOS
+    plain, plain_sched = run(target_worker(env.target), reqs)
+    worker = spec_worker(env, "eagle1", k)
+    sched = FakeScheduler(
+        fake_requests(reqs), num_blocks=512, block_size=4, max_batch_size=8,
+        max_model_len=MAX_LEN, num_speculative_tokens=k,
+    )  # fmt: skip
+    Oracle(worker, sched, long, error_rate)
+    assert sched.run(worker) == plain
+    accepted = np.concatenate(sched.accept_log)
+    decode_steps = plain_sched.plan_kinds["decode"]  # target forwards of plain decoding
+    if error_rate == 0:
+        assert bool((accepted == k).all())  # every draft of every round accepted
+        # a request needs ceil(n / (k+1)) rounds where plain decoding needs n steps
+        assert worker.stats.verify_rounds * 2 < decode_steps
+    else:
+        assert set(np.unique(accepted).tolist()) == set(range(k + 1))
+        assert worker.stats.verify_rounds < decode_steps
+
+
+# ---- the draft state against a recomputation from scratch --------------------------------------
+
+
+@pytest.mark.parametrize("oracle", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+def test_draft_state_matches_recomputation(env, kind, oracle) -> None:
+    """Before every round, each row's slot state h^d_{L-2} equals a fresh draft pass over the
+    whole committed sequence with the target's features ((f_p, x_{p+1}) for p = 0..L-2); without
+    the oracle, the round's drafts equal a fresh autoregressive chain from that state."""
+    k = 3
+    reqs = env.reqs[:3]
+    worker = spec_worker(env, kind, k)
+    sched = FakeScheduler(
+        fake_requests(reqs), num_blocks=512, block_size=4, max_batch_size=8,
+        max_model_len=MAX_LEN, num_speculative_tokens=k,
+    )  # fmt: skip
+    model, draft = worker.model, worker.draft
+    real = draft.argmax_tokens
+    recorded: list[torch.Tensor] = []
+    if oracle:
+        long, _ = run(target_worker(env.target), reqs, extra=k + 1)
+        Oracle(worker, sched, long, error_rate=0.4)
+    else:
+        draft.argmax_tokens = lambda h: recorded.append(real(h)) or recorded[-1]
+    verify = worker._verify
+    checked = [0]
+
+    def hooked(plan):
+        expected_chains = []
+        for slot in plan.slots:
+            seq = next(r.seq for r in sched.requests if r.slot == int(slot))
+            h, chain = recompute(model, draft, real, seq, k)
+            torch.testing.assert_close(worker.hidden[int(slot)], h, atol=1e-4, rtol=1e-4)
+            expected_chains.append(chain)
+            checked[0] += 1
+        recorded.clear()
+        out = verify(plan)
+        if not oracle:
+            got = torch.stack(recorded, dim=1)  # [B, k]
+            assert got.tolist() == expected_chains
+        return out
+
+    worker._verify = hooked
+    sched.run(worker)
+    assert checked[0] > 10
+
+
+@torch.inference_mode()
+def recompute(model, draft, argmax, seq: list[int], k: int) -> tuple[torch.Tensor, list[int]]:
+    """(h^d_{L-2}, the k-token draft chain from it) from scratch for x_0..x_{L-1} = seq."""
+    length = len(seq)
+    pages = PagedSequences(64, 4, seed=1)
+    kv_t = allocate_kv_cache(model.config, 64, 4, model.dtype, "cpu")
+    kv_d = draft.allocate_kv_cache(64, 4)
+    ids, pos, meta = pages.step([(0, seq[: length - 1])])  # target over x_0..x_{L-2}
+    model.backend.prepare(meta)
+    _, captured = model(ids, pos, meta, kv_t, capture_layers=draft.capture_layers)
+    dmeta = dataclasses.replace(meta, backend_state=None)
+    draft.backend.prepare(dmeta)
+    h = draft(torch.tensor(seq[1:]), draft.target_features(captured), pos, dmeta, kv_d)[-1:]
+    state = h[0].clone()
+    chain = [int(argmax(h))]
+    for _ in range(k - 1):  # draft steps at L-1, L, ...
+        ids, pos, meta = pages.step([(0, [chain[-1]])])
+        draft.backend.prepare(meta)
+        h = draft(ids, h, pos, meta, kv_d)
+        chain.append(int(argmax(h)))
+    return state, chain
+
+
+# ---- greedy computes no softmax over the vocabulary --------------------------------------------
+
+
+def vocab_softmaxes(prof, vocab_sizes) -> list:
+    return [
+        (e.name, e.input_shapes)
+        for e in prof.events()
+        if "softmax" in e.name and e.input_shapes and e.input_shapes[0]
+        and e.input_shapes[0][-1] in vocab_sizes
+    ]  # fmt: skip
+
+
+def test_greedy_run_computes_no_vocabulary_softmax(env, tmp_path) -> None:
+    draft_dir = make_draft_dir(tmp_path, env.target, "eagle3", draft_vocab_size=200)
+    sizes = (VOCAB, 200)  # attention softmaxes are over <= MAX_LEN keys: no clash
+
+    def profile():
+        cpu = [torch.profiler.ProfilerActivity.CPU]
+        return torch.profiler.profile(activities=cpu, record_shapes=True)
+
+    worker = spec_worker(env, "eagle3", 3, draft=draft_dir)
+    with profile() as prof:
+        out, _ = run(worker, env.reqs[:3], k=3, eos=env.eos)
+    assert out == env.plain[:3]
+    assert vocab_softmaxes(prof, sizes) == []
+    # the probe sees vocabulary-wide ops: the draft head [200, 64] and the target head [320, 64]
+    shapes = {tuple(s) for e in prof.events() for s in (e.input_shapes or []) if s}
+    assert (200, 64) in shapes and (VOCAB, 64) in shapes
+    # and a sampled run does show a vocabulary softmax
+    sampled = [dataclasses.replace(r, temperature=1.0, seed=i) for i, r in enumerate(env.reqs[:2])]
+    worker = spec_worker(env, "eagle3", 3, draft=draft_dir)
+    with profile() as prof:
+        run(worker, sampled, k=3)
+    assert vocab_softmaxes(prof, sizes)
+
+
+# ---- sampling ----------------------------------------------------------------------------------
+
+
+def reference_distribution(logits: torch.Tensor, temperature, top_k, top_p) -> torch.Tensor:
+    """The target's own sampling distribution, written out plainly (one row)."""
+    probs = torch.softmax(logits.double() / temperature, -1)
+    order = sorted(range(len(probs)), key=lambda i: -float(probs[i]))
+    kept = order[:top_k] if top_k > 0 else order
+    mass = sum(float(probs[i]) for i in kept)
+    out, acc = torch.zeros_like(probs), 0.0
+    for rank, i in enumerate(kept):
+        if rank > 0 and acc >= top_p * mass:
+            break
+        out[i] = probs[i]
+        acc += float(probs[i])
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (1.3, 6, 0.9)])
+def test_sampled_tokens_follow_the_target_distribution(tmp_path, temperature, top_k, top_p):
+    """Thousands of rows with different seeds: the joint distribution of the first three output
+    tokens (prefill token, then the first verify round's) is the target's own."""
+    import transformers
+
+    vocab, n, k, prompt = 8, 3000, 2, [1, 5, 2]
+    target = make_target_dir(tmp_path / "t", num_layers=2, hidden=32, vocab=vocab, max_positions=64)
+    draft = make_draft_dir(tmp_path / "d", target, "eagle1")
+    blocks = 2 * n + 8
+    worker = SpecWorker.from_target(
+        target_worker(target, num_blocks=blocks, max_model_len=32),
+        draft,
+        num_speculative_tokens=k,
+        max_batch_size=n,
+        adaptive=False,
+    )
+    reqs = [FakeRequest(list(prompt), 3, temperature, top_p, top_k, seed) for seed in range(n)]
+    sched = FakeScheduler(
+        reqs, num_blocks=blocks, block_size=4, max_batch_size=n, max_model_len=32,
+        num_speculative_tokens=k, max_prefill_tokens=10**6,
+    )  # fmt: skip
+    out = torch.tensor(sched.run(worker))  # [n, 3]
+    accepted = np.concatenate(sched.accept_log)
+    assert 0 < accepted.sum() and (accepted < k).any()  # both outcomes occur
+
+    hf = transformers.LlamaForCausalLM.from_pretrained(target).eval()
+    with torch.inference_mode():
+
+        def dist(prefixes: list[list[int]]) -> torch.Tensor:  # [len, V]
+            logits = hf(torch.tensor(prefixes)).logits[:, -1].float()
+            return torch.stack([reference_distribution(x, temperature, top_k, top_p)
+                                for x in logits])  # fmt: skip
+
+        p1 = dist([prompt])[0]  # [V]
+        p2 = dist([prompt + [a] for a in range(vocab)])  # [V, V]
+        p3 = dist([prompt + [a, b] for a in range(vocab) for b in range(vocab)]).view(
+            vocab, vocab, -1
+        )
+    joint = (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
+    cells = out[:, 0] * vocab * vocab + out[:, 1] * vocab + out[:, 2]
+    stat, dof = chi_square(torch.bincount(cells, minlength=vocab**3), joint)
+    assert dof >= 10 and stat < chi2_critical_001(dof), (stat, dof)
+
+
+def test_sampled_outputs_do_not_depend_on_the_batch(env) -> None:
+    reqs = [
+        dataclasses.replace(r, temperature=0.9, top_p=0.95, seed=100 + i)
+        for i, r in enumerate(env.reqs[:5])
+    ]
+    worker = spec_worker(env, "eagle3", 3)
+    together, _ = run(worker, reqs, k=3)
+    alone = [run(worker, [r], k=3)[0][0] for r in reqs[::-1]][::-1]  # one by one, slot 0
+    assert together == alone
+
+
+# ---- construction and the adaptive policy ------------------------------------------------------
+
+
+def test_tree_drafting_is_refused(env) -> None:
+    with pytest.raises(ValueError, match=r"speculative.topk > 1 \(tree drafting\)"):
+        SpecWorker.from_target(
+            target_worker(env.target), env.drafts["eagle1"], num_speculative_tokens=2,
+            max_batch_size=4, topk=4,
+        )  # fmt: skip
+    assert "not supported yet" in TREE_UNSUPPORTED
+
+
+def test_rope_tables_cover_max_model_len_plus_k(env) -> None:
+    worker = spec_worker(env, "eagle1", 4)
+    assert worker.model.model.rotary_emb.cos_table.shape[0] >= MAX_LEN + 4
+    assert worker.draft.rotary_emb.cos_table.shape[0] >= MAX_LEN + 4
+    target = target_worker(env.target)
+    draft = load_draft(env.drafts["eagle3"], target.model.config, target.model)
+    assert draft.rotary_emb.max_positions == MAX_LEN
+
+
+def test_adaptive_policy_choices() -> None:
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(1.0, 3) == 4.0
+    policy = AdaptiveDraftLength(4)
+    assert policy.choose(8) == 4  # new bucket: K first
+    policy.record(8, 4, 0.001, 0.010, [4] * 8)
+    assert policy.choose(7) == 0  # same bucket (8): then k = 0
+    policy.record(7, 0, None, 0.008, [0] * 7)
+    assert policy.acceptance > 0.95
+    assert policy.choose(8) == 4  # drafts nearly always accepted: draft all K
+    assert policy.cost(8, 2) == pytest.approx(2 * 0.001 + 0.008 + 0.0005 * 2)
+
+    low = AdaptiveDraftLength(4)
+    low.record(8, 4, 0.001, 0.010, [0] * 8)
+    low.record(8, 0, None, 0.008, [0] * 8)
+    assert low.acceptance < 0.15
+    choices = [low.choose(8) for _ in range(3)]
+    assert choices == [0, 0, 0]  # drafts never accepted: plain decoding is cheaper
+    for _ in range(13):
+        low.record(8, 0, None, 0.008, [0] * 8)
+    assert low.choose(8) == 1  # every 16th round of a bucket probes one more draft
+    assert AdaptiveDraftLength(4).choose(100) == 4 and AdaptiveDraftLength.bucket_of(100) == 128
