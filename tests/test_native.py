@@ -90,7 +90,7 @@ def make(tok_file: Path, inputs, out: Path, **kw) -> native.Scheduler:
 
 def check_plan(p) -> None:
     b, t = p.num_seqs, p.num_tokens
-    assert p.kind in ("prefill", "decode")
+    assert p.kind in ("prefill", "decode", "verify")
     for name, dtype, shape in [
         ("slots", np.int32, (b,)),
         ("input_ids", np.int64, (t,)),
@@ -271,13 +271,25 @@ def test_preemption_matches_large_cache(tmp_path, tok_file):
 def test_spec_decoding_counters(tmp_path, tok_file):
     inp = write_input(tmp_path / "in.parquet", ["w4", "w30"])
     out = tmp_path / "out"
-    s = make(tok_file, [inp], out, max_new_tokens=9, eos_token_ids=[])
-    drive(s, k=3, accepted=True)
+    s = make(tok_file, [inp], out, max_new_tokens=9, eos_token_ids=[], num_speculative_tokens=2)
+    while (p := s.next_plan()) is not None:
+        check_plan(p)
+        cu = p.cu_seqlens_q
+        if p.kind == "verify":
+            # query = last committed token + 2 placeholders; accept both drafts + 1 bonus
+            assert (np.diff(cu) == 3).all()
+            last, k = p.input_ids[cu[:-1]], 3
+        else:
+            last, k = p.input_ids[cu[1:] - 1], 1
+        toks = ((last[:, None] + np.arange(1, k + 1)[None, :]) % VOCAB).astype(np.int32)
+        s.commit(toks.reshape(-1), np.full(p.num_seqs, k, np.int32),
+                 np.full(p.num_seqs, k - 1, np.int32))
     s.finish()
     for r in pq.read_table(out).to_pylist():
+        # 1 token from the prefill, then verify rounds of 3, 3 and 3 cut to 2 by max_new_tokens
         assert r["output_tokens"] == 9
         assert r["spec_steps"] == 3 and r["accepted_tokens"] == 6
-        assert r["accept_length"] == pytest.approx(3.0)
+        assert r["accept_length"] == pytest.approx(8 / 3)
 
 
 def test_commit_misuse_raises(tmp_path, tok_file):

@@ -25,7 +25,12 @@ class UserInputError(NativeError):
 class StepPlan:
     """One forward step. B = num_seqs, T = num_tokens (sum of query lengths)."""
 
-    kind: str  # "prefill" (query covers a whole sequence from position 0) | "decode"
+    # "prefill": each row's query is its whole sequence from position 0;
+    # "decode": the tokens not yet in the KV cache (normally one);
+    # "verify" (num_speculative_tokens = K > 0): the last committed token at position L-1 then K
+    #   placeholders (0) at L..L+K-1 that the worker overwrites with draft tokens; seq_lens = L+K
+    #   and slot_mapping / block_tables cover all K+1 positions.
+    kind: str
     num_seqs: int
     num_tokens: int
     slots: npt.NDArray[np.int32]  # [B] request slots
@@ -73,6 +78,7 @@ class Scheduler:
         max_batch_size: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        num_speculative_tokens: int = 0,
         read_batch_rows: int = 1024,
         queue_rows: int = 4096,
     ) -> None:
@@ -95,7 +101,9 @@ class Scheduler:
         """Results of the last plan, rows in plan order: row i produced
         tokens[sum(num_tokens[:i]) : sum(num_tokens[:i+1])]. The scheduler truncates at EOS,
         stop strings, max_new_tokens and max_model_len, frees finished requests' blocks and hands
-        finished rows to the writer. `num_accepted` (speculative decoding) is accumulated."""
+        finished rows to the writer. A verify row yields 1..K+1 tokens (accepted drafts, then
+        the target's token); its K/V is then valid for every appended token but the last.
+        `num_accepted` (accepted drafts per row) is accumulated for verify rows."""
 
     def progress(self) -> dict[str, int]:
         """requests_total (from Parquet footers, capped by limit), requests_done, requests_error,
@@ -104,6 +112,7 @@ class Scheduler:
     def finish(self) -> dict[str, object]:
         """Waits for the writer, checks no KV block leaked (raises NativeError if one did) and
         returns the summary: requests, errors, prompt_tokens, output_tokens, preemptions,
+        spec_steps, accepted_tokens, spec_tokens (tokens produced by verify rounds),
         latency_p50/p90/p99, ttft_p50/p99, tpot_p50/p99 (seconds), part_files."""
 
 def render_chat_template(

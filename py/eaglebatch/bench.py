@@ -1,9 +1,10 @@
 """`eaglebatch bench`: figures a user can trust, measured side by side in one process.
 
-Runs the job's prompts through eaglebatch at one or more max batch sizes and, optionally,
-through Hugging Face transformers' `generate` (same weights, same prompts, greedy, same
-max_new_tokens) at the requested batch sizes. Output tokens are counted the same way for both:
-generated tokens up to and including the first EOS.
+Runs the job's prompts through eaglebatch at one or more max batch sizes -- plain decoding and,
+when the job names a draft head, speculative decoding over the same loaded target -- and,
+optionally, through Hugging Face transformers' `generate` (same weights, same prompts, greedy,
+same max_new_tokens) at the requested batch sizes. Output tokens are counted the same way for
+all: generated tokens up to and including the first EOS.
 """
 
 from __future__ import annotations
@@ -19,21 +20,25 @@ from rich.table import Table
 
 from .config import JobConfig
 from .engine import prepare, run_prepared
+from .progress import accept_length
 
 
-def _eaglebatch_row(job: JobConfig, batch_size: int, worker, tmp: Path) -> dict:
+def _eaglebatch_row(job: JobConfig, batch_size: int, worker, tmp: Path, spec: bool) -> dict:
+    name = "eaglebatch+eagle" if spec else "eaglebatch"
     job_b = job.model_copy(
         update={
             "engine": job.engine.model_copy(update={"max_batch_size": batch_size}),
-            "output": job.output.model_copy(update={"path": str(tmp / f"eb-{batch_size}")}),
+            "output": job.output.model_copy(update={"path": str(tmp / f"{name}-{batch_size}")}),
+            "draft": job.draft if spec else None,
         }
     )
     prep = prepare(job_b)
     res = run_prepared(prep, worker=worker, restart=True)
     s = res.stats
     return {
-        "engine": "eaglebatch",
+        "engine": name,
         "batch_size": batch_size,
+        "accept_length": accept_length(s),
         "requests": s["requests"],
         "output_tokens": s["output_tokens"],
         "wall_s": res.wall_s,
@@ -41,7 +46,9 @@ def _eaglebatch_row(job: JobConfig, batch_size: int, worker, tmp: Path) -> dict:
         "latency_p50": s.get("latency_p50"),
         "latency_p99": s.get("latency_p99"),
         "ttft_p50": s.get("ttft_p50"),
+        "ttft_p99": s.get("ttft_p99"),
         "tpot_p50": s.get("tpot_p50"),
+        "tpot_p99": s.get("tpot_p99"),
     }
 
 
@@ -100,6 +107,7 @@ def _hf_row(job: JobConfig, prep, batch_size: int) -> dict:
     return {
         "engine": "transformers",
         "batch_size": batch_size,
+        "accept_length": None,
         "requests": len(texts),
         "output_tokens": out_tokens,
         "wall_s": wall,
@@ -107,7 +115,9 @@ def _hf_row(job: JobConfig, prep, batch_size: int) -> dict:
         "latency_p50": latencies[len(latencies) // 2],
         "latency_p99": latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
         "ttft_p50": None,
+        "ttft_p99": None,
         "tpot_p50": None,
+        "tpot_p99": None,
     }
 
 
@@ -126,33 +136,63 @@ def run_bench(
     biggest = job.model_copy(
         update={"engine": job.engine.model_copy(update={"max_batch_size": max(batch_sizes)})}
     )
-    worker = Worker.from_job(biggest, prep.model)
+    spec = prep.draft_dir is not None
+    target = Worker.from_job(biggest, prep.model, extra_kv_layers=1 if spec else 0)
     rows = []
     with tempfile.TemporaryDirectory(prefix="eaglebatch-bench-") as tmp:
         for b in batch_sizes:
-            console.print(f"eaglebatch, max batch size {b} ...")
-            rows.append(_eaglebatch_row(job, b, worker, Path(tmp)))
-    del worker
+            console.print(f"eaglebatch, plain decoding, max batch size {b} ...")
+            rows.append(_eaglebatch_row(job, b, target, Path(tmp), spec=False))
+            if spec:
+                from .speculative.worker import SpecWorker
+
+                console.print(f"eaglebatch, EAGLE (K={job.speculative.num_steps}), "
+                              f"max batch size {b} ...")
+                worker = SpecWorker.from_target(
+                    target,
+                    prep.draft_dir,
+                    num_speculative_tokens=job.speculative.num_steps,
+                    max_batch_size=max(batch_sizes),
+                    topk=job.speculative.topk,
+                    adaptive=job.speculative.adaptive,
+                )
+                rows.append(_eaglebatch_row(job, b, worker, Path(tmp), spec=True))
+                del worker
+    del target
     for b in hf_batch_sizes:
         console.print(f"transformers generate, batch size {b} ...")
         rows.append(_hf_row(job, prep, b))
 
     ref = next((r for r in rows if r["engine"] == "transformers"), None)
-    table = Table(title=f"{prep.total_rows} prompts, {job.sampling.max_new_tokens} new tokens")
+    ref = ref or rows[0]
+    title = f"{prep.total_rows} prompts, {job.sampling.max_new_tokens} new tokens"
+    table = Table(title=title)
     for col in ("engine", "batch", "requests", "out tokens", "wall s", "out tok/s",
-                f"vs {ref['engine']} b{ref['batch_size']}" if ref else "speedup",
-                "latency p50", "latency p99", "TTFT p50", "TPOT p50"):
+                f"vs {ref['engine']} b{ref['batch_size']}", "accept len", "latency p50",
+                "latency p99", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99"):
         table.add_column(col, justify="right")
     for r in rows:
-        r["speedup"] = r["output_tok_s"] / ref["output_tok_s"] if ref else None
+        r["speedup_vs_ref"] = r["output_tok_s"] / ref["output_tok_s"]
         table.add_row(
             r["engine"], str(r["batch_size"]), str(r["requests"]), str(r["output_tokens"]),
-            f"{r['wall_s']:.1f}", f"{r['output_tok_s']:.1f}", _fmt(r["speedup"], ".2f"),
+            f"{r['wall_s']:.1f}", f"{r['output_tok_s']:.1f}", _fmt(r["speedup_vs_ref"], ".2f"),
+            _fmt(r["accept_length"], ".2f"),
             _fmt(r["latency_p50"], ".2f"), _fmt(r["latency_p99"], ".2f"),
-            _fmt(r["ttft_p50"], ".3f"), _fmt(r["tpot_p50"], ".4f"),
+            _fmt(r["ttft_p50"], ".3f"), _fmt(r["ttft_p99"], ".3f"),
+            _fmt(r["tpot_p50"], ".4f"), _fmt(r["tpot_p99"], ".4f"),
         )
     console.print(table)
-    result = {"job": job.model_dump(mode="json"), "rows": rows}
+    result: dict = {"job": job.model_dump(mode="json"), "rows": rows}
+    plain = next(r for r in rows if r["engine"] == "eaglebatch")
+    result["plain"] = plain
+    if spec:
+        sp = next(r for r in rows if r["engine"] == "eaglebatch+eagle")
+        result["spec"] = sp
+        result["speedup"] = sp["output_tok_s"] / plain["output_tok_s"]
+        console.print(
+            f"speculative speedup at batch {plain['batch_size']}: {result['speedup']:.2f}x "
+            f"(acceptance length {_fmt(sp['accept_length'], '.2f')})"
+        )
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
     return result

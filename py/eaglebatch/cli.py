@@ -59,7 +59,7 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     """Check a job (schema, input files and columns, model files) without generating."""
     from . import defaults
     from .inputs import check_input
-    from .model_files import check_model_dir
+    from .model_files import check_model_dir, resolve_draft_dir
 
     job = load_job(job_file, overrides)
     files, total = check_input(job.input)
@@ -70,7 +70,8 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
         from pathlib import Path
 
         model = str(check_model_dir(Path(job.model)).dir)
-    click.echo(f"ok: {job_file}: {len(files)} input file(s), {total} rows, model {model}")
+    draft = f", draft {resolve_draft_dir(job.draft)}" if job.draft is not None else ""
+    click.echo(f"ok: {job_file}: {len(files)} input file(s), {total} rows, model {model}{draft}")
 
 
 @main.command()

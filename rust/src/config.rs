@@ -41,6 +41,9 @@ pub struct SchedulerConfig {
     pub max_batch_size: usize,
     pub max_num_batched_tokens: usize,
     pub max_model_len: usize,
+    /// K, the most draft tokens a verify step checks (0 = plain decoding). With K > 0 decode
+    /// steps are "verify" steps whose per-row query is the last token plus K placeholders.
+    pub num_speculative_tokens: usize,
     pub read_batch_rows: usize,
     pub queue_rows: usize,
 }
@@ -80,6 +83,7 @@ impl SchedulerConfig {
             max_batch_size: 64,
             max_num_batched_tokens: 8192,
             max_model_len: 4096,
+            num_speculative_tokens: 0,
             read_batch_rows: 1024,
             queue_rows: 4096,
         }
@@ -112,6 +116,12 @@ impl SchedulerConfig {
             return Err(Error::user(format!(
                 "num_blocks ({}) or block_size ({}) out of range",
                 self.num_blocks, self.block_size
+            )));
+        }
+        if self.num_speculative_tokens > 64 {
+            return Err(Error::user(format!(
+                "num_speculative_tokens must be <= 64, got {}",
+                self.num_speculative_tokens
             )));
         }
         if self.max_model_len > i32::MAX as usize {
@@ -155,8 +165,12 @@ impl SchedulerConfig {
         Ok(())
     }
 
-    /// Maximum sequence length actually reachable: the model limit, capped by the KV capacity.
+    /// Maximum sequence length actually reachable: the model limit, capped by the KV capacity
+    /// less the K lookahead slots a verify step needs beyond the sequence.
     pub fn effective_max_len(&self) -> usize {
-        self.max_model_len.min(self.num_blocks * self.block_size)
+        let capacity = self.num_blocks * self.block_size;
+        self.max_model_len
+            .min(capacity.saturating_sub(self.num_speculative_tokens))
+            .max(1)
     }
 }

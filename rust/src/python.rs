@@ -174,6 +174,7 @@ impl PyScheduler {
         max_batch_size,
         max_num_batched_tokens,
         max_model_len,
+        num_speculative_tokens = 0,
         read_batch_rows = 1024,
         queue_rows = 4096,
     ))]
@@ -206,6 +207,7 @@ impl PyScheduler {
         max_batch_size: usize,
         max_num_batched_tokens: usize,
         max_model_len: usize,
+        num_speculative_tokens: usize,
         read_batch_rows: usize,
         queue_rows: usize,
     ) -> PyResult<Self> {
@@ -244,6 +246,7 @@ impl PyScheduler {
             max_batch_size,
             max_num_batched_tokens,
             max_model_len,
+            num_speculative_tokens,
             read_batch_rows,
             queue_rows,
         };

@@ -38,6 +38,8 @@ use crate::writer::{OutputRow, Writer, WriterConfig};
 pub enum StepKind {
     Prefill,
     Decode,
+    /// Speculative decoding: per row the last committed token plus K draft placeholders.
+    Verify,
 }
 
 impl StepKind {
@@ -45,6 +47,7 @@ impl StepKind {
         match self {
             StepKind::Prefill => "prefill",
             StepKind::Decode => "decode",
+            StepKind::Verify => "verify",
         }
     }
 }
@@ -84,6 +87,7 @@ impl StepPlan {
 /// The plan handed out and not yet committed.
 #[derive(Debug, Clone, Copy)]
 struct PendingPlan {
+    kind: StepKind,
     start: usize,
     rows: usize,
 }
@@ -414,13 +418,15 @@ impl Scheduler {
             }
             return Ok(None);
         }
-        // DECODE: every running request needs room for its new tokens; preempt the most
-        // recently admitted ones until it fits.
+        // DECODE / VERIFY: every running request needs room for its new tokens (and, when
+        // speculating, K lookahead slots); preempt the most recently admitted ones until it fits.
+        let lookahead = self.cfg.num_speculative_tokens;
         let mut i = 0;
         while i < self.running.len() {
-            let need = self
-                .bm
-                .blocks_to_grow(&self.running[i].block_table, self.running[i].len());
+            let need = self.bm.blocks_to_grow(
+                &self.running[i].block_table,
+                self.running[i].len() + lookahead,
+            );
             while need > self.bm.num_free_blocks() && self.running.len() > i + 1 {
                 let victim = self.running.pop().expect("len > i + 1");
                 self.preempt(victim)?;
@@ -432,7 +438,7 @@ impl Scheduler {
                 break;
             }
             let seq = &mut self.running[i];
-            let len = seq.len();
+            let len = seq.len() + lookahead;
             self.bm.grow(&mut seq.block_table, len)?;
             i += 1;
         }
@@ -441,7 +447,12 @@ impl Scheduler {
                 "decode step preempted every running request",
             ));
         }
-        self.build_plan(StepKind::Decode, 0).map(Some)
+        let kind = if lookahead > 0 {
+            StepKind::Verify
+        } else {
+            StepKind::Decode
+        };
+        self.build_plan(kind, 0).map(Some)
     }
 
     /// Preemption by recomputation: free the KV blocks and slot, requeue at the front.
@@ -458,12 +469,22 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Plan over `running[start..]`; marks the query tokens as computed.
+    /// Plan over `running[start..]`; marks the query tokens as computed. A verify row's query
+    /// is its uncomputed token at position L-1 followed by K placeholders (0) at L..L+K-1; the
+    /// worker fills them with draft tokens and the commit decides how many became real.
     fn build_plan(&mut self, kind: StepKind, start: usize) -> Result<StepPlan> {
+        let lookahead = if kind == StepKind::Verify {
+            self.cfg.num_speculative_tokens
+        } else {
+            0
+        };
         let rows = &mut self.running[start..];
         let b = rows.len();
         let width = rows.iter().map(|s| s.block_table.len()).max().unwrap_or(0);
-        let t: usize = rows.iter().map(|s| s.len() - s.num_computed).sum();
+        let t: usize = rows
+            .iter()
+            .map(|s| s.len() - s.num_computed + lookahead)
+            .sum();
         let mut p = StepPlan {
             kind,
             slots: Vec::with_capacity(b),
@@ -495,14 +516,21 @@ impl Scheduler {
             if kind == StepKind::Prefill && seq.num_computed != 0 {
                 return Err(Error::internal("prefill of a partially computed sequence"));
             }
-            debug_assert!(seq.block_table.len() >= self.bm.blocks_needed(len));
-            for pos in seq.num_computed..len {
-                p.input_ids.push(seq.token(pos) as i64);
+            if kind == StepKind::Verify && q != 1 {
+                return Err(Error::internal(
+                    "verify row with more than one uncomputed token",
+                ));
+            }
+            let end = len + lookahead;
+            debug_assert!(seq.block_table.len() >= self.bm.blocks_needed(end));
+            for pos in seq.num_computed..end {
+                let id = if pos < len { seq.token(pos) as i64 } else { 0 };
+                p.input_ids.push(id);
                 p.positions.push(pos as i64);
                 p.slot_mapping.push(self.bm.slot(&seq.block_table, pos));
             }
             p.cu_seqlens_q.push(p.input_ids.len() as i32);
-            p.seq_lens.push(len as i32);
+            p.seq_lens.push(end as i32);
             for (j, &blk) in seq.block_table.iter().enumerate() {
                 p.block_tables[r * width + j] = blk as i32;
             }
@@ -510,12 +538,17 @@ impl Scheduler {
                 .push(seq.slot.expect("running request has a slot") as i32);
             p.seeds.push(request_seed(self.cfg.seed, seq.row_index));
             p.num_generated.push(seq.num_output() as i32);
-            p.max_seqlen_q = p.max_seqlen_q.max(q);
-            p.max_seqlen_k = p.max_seqlen_k.max(len);
-            // The worker writes K/V for every query token during this step.
+            p.max_seqlen_q = p.max_seqlen_q.max(q + lookahead);
+            p.max_seqlen_k = p.max_seqlen_k.max(end);
+            // The worker writes K/V for every query token during this step (for a verify row,
+            // `commit` settles how many of them hold accepted tokens).
             seq.num_computed = len;
         }
-        self.pending = Some(PendingPlan { start, rows: b });
+        self.pending = Some(PendingPlan {
+            kind,
+            start,
+            rows: b,
+        });
         Ok(p)
     }
 
@@ -560,6 +593,16 @@ impl Scheduler {
                 tokens.len()
             )));
         }
+        // A verify row yields at most K accepted drafts plus one target token. (Prefill and
+        // decode rows may yield several tokens; the next decode query then covers them all.)
+        let most = self.cfg.num_speculative_tokens as i32 + 1;
+        if plan.kind == StepKind::Verify {
+            if let Some(n) = num_tokens.iter().find(|&&n| n > most) {
+                return Err(Error::internal(format!(
+                    "commit(): a verify row produced {n} tokens; at most K + 1 = {most}"
+                )));
+            }
+        }
         if let Some(t) = tokens.iter().find(|&&t| t < 0) {
             return Err(Error::internal(format!("commit(): negative token id {t}")));
         }
@@ -571,10 +614,20 @@ impl Scheduler {
             let toks = &tokens[offset..offset + n as usize];
             offset += n as usize;
             let appended = append_tokens(seq, toks, now, &self.tokenizer, &self.criteria);
+            if plan.kind == StepKind::Verify {
+                // K/V is valid for the query's real token and the accepted drafts: every
+                // appended token but the last (the target's own, computed next step).
+                seq.num_computed = seq.len() - 1;
+            }
             self.stats.output_tokens += appended as u64;
-            if let Some(acc) = num_accepted {
+            // Speculative counters count verify rounds only (a prefill yields one target token).
+            if let (Some(acc), StepKind::Verify) = (num_accepted, plan.kind) {
                 *seq.spec_steps.get_or_insert(0) += 1;
                 *seq.accepted_tokens.get_or_insert(0) += acc[r];
+                *seq.spec_tokens.get_or_insert(0) += appended as i32;
+                self.stats.spec_steps += 1;
+                self.stats.accepted_tokens += acc[r] as u64;
+                self.stats.spec_tokens += appended as u64;
             }
         }
         // Retire finished requests (order of the others is kept).
@@ -638,8 +691,9 @@ impl Scheduler {
             }
             (queue, ttft, latency, tpot)
         };
-        let accept_length = match seq.spec_steps {
-            Some(steps) if steps > 0 => Some(n as f64 / steps as f64),
+        // Mean tokens per verify round (accepted drafts + the target's token, after truncation).
+        let accept_length = match (seq.spec_steps, seq.spec_tokens) {
+            (Some(steps), Some(toks)) if steps > 0 => Some(toks as f64 / steps as f64),
             _ => None,
         };
         OutputRow {

@@ -90,6 +90,8 @@ pub struct Sequence {
     /// Speculative-decoding counters: `Some` once a commit carried `num_accepted` for us.
     pub spec_steps: Option<i32>,
     pub accepted_tokens: Option<i32>,
+    /// Tokens appended by verify rounds.
+    pub spec_tokens: Option<i32>,
     /// Times this request was preempted (its K/V dropped and recomputed later).
     pub preemptions: u32,
 }
@@ -117,6 +119,7 @@ impl Sequence {
             stopped_on_string: false,
             spec_steps: None,
             accepted_tokens: None,
+            spec_tokens: None,
             preemptions: 0,
         }
     }

@@ -68,6 +68,10 @@ pub struct Stats {
     /// Output tokens committed (including EOS tokens).
     pub output_tokens: u64,
     pub preemptions: u64,
+    /// Speculative decoding: verify rounds, accepted draft tokens, tokens from verify rounds.
+    pub spec_steps: u64,
+    pub accepted_tokens: u64,
+    pub spec_tokens: u64,
     pub latency: Reservoir,
     pub ttft: Reservoir,
     pub tpot: Reservoir,
@@ -82,6 +86,9 @@ impl Stats {
             prompt_tokens: 0,
             output_tokens: 0,
             preemptions: 0,
+            spec_steps: 0,
+            accepted_tokens: 0,
+            spec_tokens: 0,
             latency: Reservoir::new(RESERVOIR),
             ttft: Reservoir::new(RESERVOIR),
             tpot: Reservoir::new(RESERVOIR),
@@ -108,6 +115,9 @@ impl Stats {
         s.insert("prompt_tokens".into(), int(self.prompt_tokens));
         s.insert("output_tokens".into(), int(self.output_tokens));
         s.insert("preemptions".into(), int(self.preemptions));
+        s.insert("spec_steps".into(), int(self.spec_steps));
+        s.insert("accepted_tokens".into(), int(self.accepted_tokens));
+        s.insert("spec_tokens".into(), int(self.spec_tokens));
         for (name, r, qs) in [
             ("latency", &self.latency, &[50.0, 90.0, 99.0][..]),
             ("ttft", &self.ttft, &[50.0, 99.0][..]),

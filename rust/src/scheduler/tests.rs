@@ -394,13 +394,14 @@ fn spec_counters_and_seeds() {
     let mut f = fixture("sched-spec", &[Some("w5")]);
     f.cfg.max_new_tokens = 4;
     f.cfg.seed = 7;
+    f.cfg.num_speculative_tokens = 2;
     let mut s = Scheduler::new(f.cfg.clone()).unwrap();
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!(p.seeds, vec![request_seed(7, 0)]);
     assert!(p.seeds[0] >= 0);
     s.commit(&[6], &[1], Some(&[0])).unwrap();
     let p = s.next_plan().unwrap().unwrap();
-    assert_eq!(p.kind, StepKind::Decode);
+    assert_eq!(p.kind, StepKind::Verify);
     s.commit(&[7, 8, 9], &[3], Some(&[2])).unwrap();
     assert!(s.next_plan().unwrap().is_none());
     s.finish().unwrap();
@@ -423,7 +424,7 @@ fn spec_counters_and_seeds() {
             .unwrap()
             .as_primitive::<Int32Type>()
             .value(0),
-        2
+        1
     );
     assert_eq!(
         b.column_by_name("accepted_tokens")
@@ -437,7 +438,8 @@ fn spec_counters_and_seeds() {
         .unwrap()
         .as_primitive::<arrow_array::types::Float64Type>()
         .value(0);
-    assert_eq!(al, 2.0);
+    // One verify round that produced 3 tokens (the prefill's token is not a verify round).
+    assert_eq!(al, 3.0);
     assert_ne!(request_seed(7, 0), request_seed(7, 1));
     assert_ne!(request_seed(7, 0), request_seed(8, 0));
 }
@@ -504,4 +506,80 @@ fn corrupt_data_page_is_reported_not_silently_truncated() {
     assert!(failed, "the corrupt input must surface as an error");
     assert!(s.next_plan().is_err());
     assert!(s.finish().is_err());
+}
+
+/// Verify steps (K > 0): each row's query is its last token plus K placeholders, and a
+/// commit of n tokens advances the sequence by n (accepted drafts + the target's token). A
+/// fake speculative model accepts a varying number of drafts per row; outputs must equal
+/// plain decoding, also under preemption with a tiny cache.
+#[test]
+fn verify_steps_with_partial_acceptance_equal_plain_decoding() {
+    let prompts = [
+        Some("w5 w6"),
+        Some("w10"),
+        Some("w60"),
+        Some("w20 w21 w22"),
+        Some("w30 w31"),
+    ];
+    let plain = fixture("sched-verify-plain", &prompts);
+    let mut s = Scheduler::new(plain.cfg.clone()).unwrap();
+    drive(&mut s, 1);
+    s.finish().unwrap();
+    let want = read_output(&plain.cfg.output_dir);
+
+    for (tag, num_blocks) in [("sched-verify", 64), ("sched-verify-small", 7)] {
+        let mut f = fixture(tag, &prompts);
+        f.cfg.num_speculative_tokens = 3;
+        f.cfg.num_blocks = num_blocks;
+        let k = f.cfg.num_speculative_tokens;
+        let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+        let mut step = 0usize;
+        while let Some(p) = s.next_plan().unwrap() {
+            check_plan(&p, &f.cfg);
+            let mut tokens = Vec::new();
+            let mut counts = Vec::new();
+            for r in 0..p.num_seqs() {
+                let (q0, q1) = (p.cu_seqlens_q[r] as usize, p.cu_seqlens_q[r + 1] as usize);
+                let n = if p.kind == StepKind::Verify {
+                    assert_eq!(q1 - q0, k + 1);
+                    assert!(p.input_ids[q0 + 1..q1].iter().all(|&t| t == 0));
+                    1 + (step + r) % (k + 1)
+                } else {
+                    1
+                };
+                let last = p.input_ids[q0];
+                let last = if p.kind == StepKind::Verify {
+                    last
+                } else {
+                    p.input_ids[q1 - 1]
+                };
+                for j in 1..=n {
+                    tokens.push(((last + j as i64) % VOCAB as i64) as i32);
+                }
+                counts.push(n as i32);
+            }
+            let accepted: Vec<i32> = counts.iter().map(|&c| c - 1).collect();
+            s.commit(&tokens, &counts, Some(&accepted)).unwrap();
+            step += 1;
+            assert!(step < 10_000, "no progress");
+        }
+        s.finish().unwrap();
+        assert_eq!(read_output(&f.cfg.output_dir), want, "{tag}");
+    }
+}
+
+#[test]
+fn verify_commit_with_too_many_tokens_is_an_error() {
+    let mut f = fixture("sched-verify-err", &[Some("w5")]);
+    f.cfg.num_speculative_tokens = 2;
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let p = s.next_plan().unwrap().unwrap();
+    assert_eq!(p.kind, StepKind::Prefill);
+    s.commit(&[6], &[1], None).unwrap();
+    let p = s.next_plan().unwrap().unwrap();
+    assert_eq!(p.kind, StepKind::Verify);
+    assert_eq!(p.positions, vec![2, 3, 4]);
+    assert_eq!(p.seq_lens, vec![5]);
+    assert_eq!(p.input_ids, vec![6, 0, 0]);
+    assert!(s.commit(&[7, 8, 9, 10], &[4], Some(&[3])).is_err());
 }
