@@ -131,5 +131,20 @@ def bench(
     run_bench(job, list(batch_sizes), list(hf_batch_sizes), json_path)
 
 
+@main.command("train-draft")
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@_set_option
+@_user_errors
+def train_draft(job_file: str, overrides: tuple[str, ...]) -> None:
+    """Train an EAGLE-3 draft head for the job's model (self-distillation); resumable."""
+    from rich.console import Console
+
+    from .train.job import load_train_job
+    from .train.trainer import train_draft as run_training
+
+    job = load_train_job(job_file, list(overrides))
+    run_training(job, Console(stderr=True))
+
+
 if __name__ == "__main__":
     main()

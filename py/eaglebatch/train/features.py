@@ -1,0 +1,114 @@
+"""Stage 2: the target's hidden states at the draft's aux layers over prompt + answer.
+
+Shards `work/features/shard-NNNNN.safetensors` (each written under a temporary name, then
+renamed: a shard that exists is complete):
+    tokens  int32 [N]          prompt + answer of every sequence, packed
+    cu      int64 [S+1]        sequence offsets
+    prompt  int32 [S]          prompt length (labels inside the answer only)
+    feats   bfloat16 [N, 3h]   hidden states of the aux layers (HF output_hidden_states indices)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from safetensors.torch import save_file
+
+from eaglebatch.attention import AttentionMetadata, allocate_kv_cache
+from eaglebatch.model.llama import LlamaForCausalLM
+
+from .data import PromptEncoder
+
+SHARD_SEQS = 64
+
+
+def training_sequences(prompts: Path, gen_dir: Path, enc: PromptEncoder) -> list[tuple]:
+    """(prompt_ids, answer_ids) for every successfully generated row, in prompt order."""
+    ptab = pq.read_table(prompts)
+    by_id = dict(zip(ptab.column("id").to_pylist(), ptab.column(enc.column).to_pylist()))
+    gen = pq.read_table(gen_dir, columns=["id", "output_token_ids", "finish_reason"])
+    rows = sorted(zip(*(gen.column(i).to_pylist() for i in range(3))))
+    seqs = []
+    for rid, out, reason in rows:
+        if reason == "error" or not out:
+            continue
+        prompt = enc(by_id[rid])
+        if prompt:
+            seqs.append((prompt, out))
+    return seqs
+
+
+@torch.inference_mode()
+def capture(
+    target: LlamaForCausalLM,
+    seqs: list[tuple[list[int], list[int]]],
+    aux_layers: tuple[int, ...],
+    out_dir: Path,
+    console,
+    batch_tokens: int = 4096,
+) -> list[Path]:
+    """Writes missing shards; returns all shard paths. A prefill-only forward per batch over a
+    scratch paged KV cache (block size 16, blocks handed out contiguously)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = target.config
+    bs = 16
+    longest = max(len(p) + len(a) for p, a in seqs)
+    blocks = (max(batch_tokens, longest) // bs) + 2 * SHARD_SEQS + 8
+    kv = allocate_kv_cache(cfg, blocks, bs, target.dtype, target.device)
+    paths = []
+    for s0 in range(0, len(seqs), SHARD_SEQS):
+        path = out_dir / f"shard-{s0 // SHARD_SEQS:05d}.safetensors"
+        paths.append(path)
+        if path.is_file():
+            continue
+        shard = seqs[s0 : s0 + SHARD_SEQS]
+        toks = [np.asarray(p + a, dtype=np.int64) for p, a in shard]
+        feats = []
+        i = 0
+        while i < len(toks):  # pack sequences up to batch_tokens per forward
+            j, n = i, 0
+            while j < len(toks) and (j == i or n + len(toks[j]) <= batch_tokens):
+                n += len(toks[j])
+                j += 1
+            feats.extend(_forward(target, toks[i:j], aux_layers, kv, bs))
+            i = j
+        cu = np.cumsum([0] + [len(t) for t in toks])
+        tmp = path.with_suffix(".tmp")
+        save_file(
+            {
+                "tokens": torch.from_numpy(np.concatenate(toks).astype(np.int32)),
+                "cu": torch.from_numpy(cu.astype(np.int64)),
+                "prompt": torch.tensor([len(p) for p, _ in shard], dtype=torch.int32),
+                "feats": torch.cat(feats).to(torch.bfloat16).contiguous(),
+            },
+            str(tmp),
+        )
+        os.replace(tmp, path)
+        console.print(f"  features: {min(s0 + SHARD_SEQS, len(seqs))}/{len(seqs)} sequences")
+    return paths
+
+
+def _forward(target, toks: list[np.ndarray], aux_layers, kv, bs: int) -> list[torch.Tensor]:
+    lens = np.array([len(t) for t in toks])
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    nblk = -(-lens // bs)
+    starts = np.concatenate([[0], np.cumsum(nblk)[:-1]])
+    width = int(nblk.max())
+    tables = np.zeros((len(toks), width), dtype=np.int32)
+    slots = []
+    for r, (s, nb, n) in enumerate(zip(starts, nblk, lens, strict=False)):
+        tables[r, :nb] = np.arange(s, s + nb)
+        slots.append(s * bs + np.arange(n))
+    meta = AttentionMetadata.from_numpy(
+        cu, lens, tables, np.concatenate(slots), bs, target.device
+    )
+    target.backend.prepare(meta)
+    ids = torch.from_numpy(np.concatenate(toks)).to(target.device)
+    pos = torch.from_numpy(np.concatenate([np.arange(n) for n in lens])).to(target.device)
+    _, captured = target(ids, pos, meta, kv, capture_layers=tuple(aux_layers))
+    f = torch.cat([captured[i] for i in aux_layers], dim=-1)  # [N, n_aux * h]
+    return [f[cu[r] : cu[r + 1]].float() for r in range(len(toks))]

@@ -1,0 +1,115 @@
+"""Training-time test (EAGLE-3): the draft head unrolled over its own outputs, dense and
+differentiable, over a padded batch of whole sequences.
+
+Positions p = 0..T-2 of a sequence x_0..x_{T-1}. Step 1 is teacher-forced: the draft input at p is
+(fc(target features at p), token x_{p+1}) and its output out_1[p] predicts x_{p+2}. Step j > 1
+mirrors inference, where the j-th draft token is produced from the draft's own previous output:
+input at p is (out_{j-1}[p-1], x_{p+1}) and it attends to
+    step-1 keys at positions <= p-j+1   (what draft-extend wrote from target features)
+    step-i keys at position p-j+i, i = 2..j   (the draft's own earlier steps of this chain),
+exactly the keys the paged draft cache holds when the j-th draft token is produced at inference.
+Every step predicts x_{p+2}; step j is only defined for p >= j-1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from eaglebatch.model.rotary import apply_rotary
+from eaglebatch.speculative.eagle import EagleDraft
+
+
+def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x[:, p] -> x[:, p - n] along dim 1 (zeros where p < n). x: [B, T, ...]."""
+    if n == 0:
+        return x
+    out = torch.zeros_like(x)
+    out[:, n:] = x[:, :-n]
+    return out
+
+
+def ttt_forward(
+    draft: EagleDraft,
+    tokens: torch.Tensor,  # int64 [B, T] x_0..x_{T-1} (padding: any id)
+    features: torch.Tensor,  # [B, T, n_aux * h] target hidden states at the aux layers
+    lengths: torch.Tensor,  # int64 [B] real length of each row
+    labels: torch.Tensor,  # int64 [B, T-1] draft-vocab id of x_{p+2} at p, -100 = no loss
+    unroll: int,
+    outputs: list[torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """Returns (loss, per-step CE [unroll], per-step top-1 accuracy [unroll]); appends each
+    step's pre-norm draft output [B, T-1, h] to `outputs` when given (tests)."""
+    layer = draft.midlayer
+    attn = layer.self_attn
+    bsz, t_full = tokens.shape
+    t = t_full - 1  # positions p = 0..T-2
+    hq, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    group = hq // hkv
+
+    emb = draft.target.model.embed_tokens(tokens[:, 1:]).to(draft.dtype)  # [B, t, h] x_{p+1}
+    emb_n = layer.input_layernorm(emb)
+    pos = torch.arange(t, device=tokens.device)
+    cos, sin = draft.rotary_emb(pos, emb.dtype)  # [t, 1, D]
+    p_idx = pos[:, None]  # [t, 1] query position
+    k_idx = pos[None, :]  # [1, t] key position
+    key_ok = k_idx < (lengths[:, None, None] - 1)  # [B, 1, t] real keys
+
+    hidden = draft.fc(features[:, :-1].to(draft.dtype))  # [B, t, h] step-1 input
+    ks: list[torch.Tensor] = []
+    vs: list[torch.Tensor] = []
+    losses, accs = [], []
+    total = hidden.new_zeros(())
+    out = hidden
+    for j in range(1, unroll + 1):
+        if j > 1:
+            hidden = _shift(out, 1)  # out_{j-1}[p-1]
+        x = torch.cat((emb_n, layer.hidden_norm(hidden)), dim=-1)  # [B, t, 2h]
+        q = attn.q_proj(x).view(bsz, t, hq, d)
+        k = attn.k_proj(x).view(bsz, t, hkv, d)
+        v = attn.v_proj(x).view(bsz, t, hkv, d)
+        q = apply_rotary(q.reshape(bsz * t, hq, d), cos.repeat(bsz, 1, 1), sin.repeat(bsz, 1, 1))
+        k = apply_rotary(k.reshape(bsz * t, hkv, d), cos.repeat(bsz, 1, 1), sin.repeat(bsz, 1, 1))
+        q = q.view(bsz, t, hq, d).transpose(1, 2)  # [B, Hq, t, D]
+        k = k.view(bsz, t, hkv, d)
+        ks.append(k)
+        vs.append(v)
+        # keys of step 1 (full causal block, shifted by j-1) -> [B, Hq, t, t]
+        k1 = ks[0].transpose(1, 2).repeat_interleave(group, dim=1)  # [B, Hq, t, D]
+        v1 = vs[0].transpose(1, 2).repeat_interleave(group, dim=1)
+        scores = torch.matmul(q, k1.transpose(-1, -2)) * attn.scale  # [B, Hq, t, t]
+        mask1 = (k_idx <= p_idx - (j - 1)) & key_ok  # [B, t, t]
+        scores = scores.masked_fill(~mask1[:, None], float("-inf"))
+        parts_s, parts_v = [scores], [v1]
+        for i in range(2, j + 1):  # the chain's own keys: step i at position p-j+i
+            ki = _shift(ks[i - 1], j - i).transpose(1, 2).repeat_interleave(group, dim=1)
+            vi = _shift(vs[i - 1], j - i).transpose(1, 2).repeat_interleave(group, dim=1)
+            s = (q * ki).sum(-1, keepdim=True) * attn.scale  # [B, Hq, t, 1]
+            parts_s.append(s)
+            parts_v.append(vi)
+        all_s = torch.cat(parts_s, dim=-1)  # [B, Hq, t, t + j - 1]
+        # rows with no visible key (p < j-1) are outside the loss; keep softmax finite there
+        all_s = torch.nan_to_num(all_s, neginf=-1e30)
+        w = torch.softmax(all_s.float(), dim=-1).to(q.dtype)
+        o = torch.matmul(w[..., :t], v1)  # [B, Hq, t, D]
+        for i, vi in enumerate(parts_v[1:]):
+            o = o + w[..., t + i : t + i + 1] * vi
+        o = o.transpose(1, 2).reshape(bsz, t, hq * d)
+        h = hidden + attn.o_proj(o)
+        out = h + layer.mlp(layer.post_attention_layernorm(h))  # [B, t, h]
+        if outputs is not None:
+            outputs.append(out)
+
+        lab = labels.clone()
+        lab[:, : j - 1] = -100  # step j is defined for p >= j-1
+        sel = lab >= 0
+        if bool(sel.any()):
+            logits = draft.compute_logits(out[sel])  # [N, Vd]
+            ce = F.cross_entropy(logits, lab[sel])
+            acc = (logits.argmax(-1) == lab[sel]).float().mean()
+        else:
+            ce = acc = out.new_zeros(())
+        losses.append(ce.detach())
+        accs.append(acc.detach())
+        total = total + ce * (0.8 ** (j - 1))  # later steps weigh less (they matter less)
+    return total, losses, accs

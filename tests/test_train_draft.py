@@ -1,0 +1,104 @@
+"""train-draft: the training-time-test unroll equals the inference draft chain, and the whole
+command (generate -> capture -> train -> export) produces a head that loads and stays lossless."""
+
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from rich.console import Console
+
+from eaglebatch.config import load_job
+from eaglebatch.engine import prepare, run_prepared
+from eaglebatch.model.llama import LlamaForCausalLM
+from eaglebatch.speculative import init_random_draft
+from eaglebatch.speculative.eagle import load_draft
+from eaglebatch.train.job import load_train_job
+from eaglebatch.train.trainer import train_draft
+from eaglebatch.train.ttt import ttt_forward
+from paged_kv import PagedSequences
+from support.tiny import write_prompts
+from test_engine import random_prompts
+
+
+def _extend(draft, kv, pk, x, feats):
+    """Draft-extend over positions 0..T-2 with (fc(f_p), x_{p+1}); returns out_1 [T-1, h]."""
+    if 0 in pk.lengths:
+        pk.truncate(0, 0)
+    ids, pos, meta = pk.step([(0, x[1:].tolist())])
+    draft.backend.prepare(meta)
+    return draft(ids, draft.fc(feats[:-1]), pos, meta, kv)
+
+
+@torch.no_grad()
+def test_ttt_unroll_equals_inference_chain(tiny_model_dir, tmp_path):
+    target = LlamaForCausalLM.from_pretrained(tiny_model_dir)
+    d = init_random_draft(tmp_path / "d", tiny_model_dir, kind="eagle3", draft_vocab_size=100,
+                          aux_layer_ids=(0, 1, 2), seed=3)
+    draft = load_draft(d, target.config, target)
+    torch.manual_seed(0)
+    t = 14
+    x = torch.randint(0, 256, (t,))
+    feats = torch.randn(t, 3 * target.config.hidden_size)
+    outs: list[torch.Tensor] = []
+    labels = torch.full((1, t - 1), -100)
+    ttt_forward(draft, x[None], feats[None], torch.tensor([t]), labels, 3, outputs=outs)
+
+    pk = PagedSequences(num_blocks=16, block_size=4)
+    kv = draft.allocate_kv_cache(16, 4)
+    out1 = _extend(draft, kv, pk, x, feats)
+    torch.testing.assert_close(out1, outs[0][0], atol=1e-4, rtol=1e-4)
+    for p in (1, 4, 9, t - 4):
+        out1 = _extend(draft, kv, pk, x, feats)
+        pk.truncate(0, p)  # draft K/V from the extend is valid for positions < p
+        ids, pos, meta = pk.step([(0, [int(x[p + 1])])])  # 2nd draft step at p
+        draft.backend.prepare(meta)
+        h2 = draft(ids, out1[p - 1 : p], pos, meta, kv)
+        torch.testing.assert_close(h2[0], outs[1][0, p], atol=1e-4, rtol=1e-4)
+        ids, pos, meta = pk.step([(0, [int(x[p + 2])])])  # 3rd draft step at p+1
+        draft.backend.prepare(meta)
+        h3 = draft(ids, h2, pos, meta, kv)
+        torch.testing.assert_close(h3[0], outs[2][0, p + 1], atol=1e-4, rtol=1e-4)
+
+
+def test_train_draft_end_to_end_and_resume(tiny_model_dir, tmp_path):
+    pytest.importorskip("eaglebatch._native")
+    prompts = random_prompts(40, seed=11)
+    inp = write_prompts(tmp_path / "prompts.parquet", prompts)
+    job_file = tmp_path / "train.yaml"
+    job_file.write_text(
+        f"model: {tiny_model_dir}\ninput:\n  path: {inp}\n  apply_chat_template: true\n"
+        f"output:\n  path: {tmp_path / 'head'}\n"
+        "data:\n  holdout_rows: 8\n  num_prompts: 24\n  max_prompt_tokens: 200\n"
+        "  max_new_tokens: 12\n  max_batch_size: 8\n"
+        "head:\n  draft_vocab_size: 64\n  aux_layer_ids: [0, 1, 2]\n"
+        "train:\n  epochs: 2\n  batch_tokens: 512\n  unroll: 2\n  checkpoint_every: 2\n"
+        "  warmup_steps: 1\n"
+    )
+    console = Console(stderr=True)
+    job = load_train_job(job_file)
+    out = train_draft(job, console)
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    held_out = pq.read_table(tmp_path / "head" / "work" / "prompts.parquet")
+    assert min(held_out.column("id").to_pylist()) >= 8  # the first 8 rows are never trained on
+    ckpt = torch.load(tmp_path / "head" / "work" / "ckpt" / "latest.pt", weights_only=False)
+    # a second run resumes from the last checkpoint and has nothing left to do
+    train_draft(job, console)
+    again = torch.load(tmp_path / "head" / "work" / "ckpt" / "latest.pt", weights_only=False)
+    assert again["step"] == ckpt["step"]
+
+    # the exported head loads and speculative greedy output equals plain greedy output
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(
+        f"model: {tiny_model_dir}\ninput:\n  path: {inp}\n  apply_chat_template: true\n"
+        "  limit: 8\n"
+        f"output:\n  path: {tmp_path / 'plain'}\n  include_token_ids: true\n"
+        "sampling:\n  max_new_tokens: 12\nengine:\n  device: cpu\n  kv_cache_tokens: 4096\n"
+    )
+    run_prepared(prepare(load_job(run_file)))
+    run_prepared(prepare(load_job(run_file, [f"draft={out}", f"output.path={tmp_path / 'spec'}",
+                                             "speculative.num_steps=3"])))
+    plain = pq.read_table(tmp_path / "plain").sort_by("row_index")
+    spec = pq.read_table(tmp_path / "spec").sort_by("row_index")
+    assert plain.column("output_token_ids").to_pylist() == \
+        spec.column("output_token_ids").to_pylist()
