@@ -71,7 +71,7 @@ def test_set_override_error(tmp_path, tiny_model_dir):
     assert r.exit_code == 2 and "engine.bogus" in r.output
 
 
-def test_run_writes_rows_and_refuses_to_overwrite(tmp_path, tiny_model_dir):
+def test_run_writes_rows_resumes_and_restarts(tmp_path, tiny_model_dir):
     pytest.importorskip("eaglebatch._native")
     inp = write_prompts(tmp_path / "in.parquet", ["hello", "world", "again"])
     j = str(job(tmp_path, tiny_model_dir, inp))
@@ -79,8 +79,20 @@ def test_run_writes_rows_and_refuses_to_overwrite(tmp_path, tiny_model_dir):
     assert r.exit_code == 0, r.output
     assert "output tok/s" in r.output
     assert pq.read_table(tmp_path / "out").num_rows == 3
+    parts = sorted((tmp_path / "out").iterdir())
+    # A second run resumes: nothing left to do, nothing written twice.
     r = invoke("run", j)
-    assert r.exit_code == 2 and "--restart" in r.output
-    r = invoke("run", j, "--restart")
+    assert r.exit_code == 0, r.output
+    assert "3 of 3 rows already done" in r.output
+    assert sorted((tmp_path / "out").iterdir()) == parts
+    # A changed output-affecting setting is refused, naming the key and the ways out.
+    r = invoke("run", j, "--set", "sampling.max_new_tokens=5")
+    assert r.exit_code == 2, r.output
+    assert "sampling.max_new_tokens: 4 -> 5" in r.output
+    assert "--restart" in r.output and "output.path" in r.output
+    # Speed-only settings do not change the job.
+    r = invoke("run", j, "--set", "engine.max_batch_size=2", "--set", "output.part_rows=1")
+    assert r.exit_code == 0, r.output
+    r = invoke("run", j, "--restart", "--set", "sampling.max_new_tokens=5")
     assert r.exit_code == 0, r.output
     assert pq.read_table(tmp_path / "out").num_rows == 3

@@ -81,10 +81,19 @@ class Scheduler:
         num_speculative_tokens: int = 0,
         read_batch_rows: int = 1024,
         queue_rows: int = 4096,
+        skip_rows: npt.NDArray[np.int64] | None = None,
+        flush_interval_s: float | None = None,
     ) -> None:
         """Validates the input (files exist, are Parquet, columns exist with usable types) and
         starts the reader/tokenizer and writer threads. Raises UserInputError naming the file or
-        column. Rows are not all loaded: memory is bounded by `queue_rows`."""
+        column. Rows are not all loaded: memory is bounded by `queue_rows`.
+
+        `skip_rows`: row indices an earlier run of the same job already wrote (resume); they are
+        read but never tokenized, scheduled or written, and not counted in requests_total.
+        `flush_interval_s`: also close a part file once its oldest row has waited this long.
+        Part numbering continues after the highest existing `part-N.parquet`.
+        With `id_column`, a null id or an id equal to an earlier row's (compared by 64-bit hash,
+        skipped rows included) makes an error row."""
 
     def next_plan(self) -> StepPlan | None:
         """The next step, or None when every input row has been written. Blocks (GIL released)
@@ -106,14 +115,21 @@ class Scheduler:
         `num_accepted` (accepted drafts per row) is accumulated for verify rows."""
 
     def progress(self) -> dict[str, int]:
-        """requests_total (from Parquet footers, capped by limit), requests_done, requests_error,
+        """requests_total (from Parquet footers, capped by limit, less skipped rows),
+        requests_skipped, requests_done, requests_error,
         running, waiting, prompt_tokens, output_tokens, preemptions, free_blocks."""
 
     def finish(self) -> dict[str, object]:
         """Waits for the writer, checks no KV block leaked (raises NativeError if one did) and
-        returns the summary: requests, errors, prompt_tokens, output_tokens, preemptions,
+        returns the summary: requests, errors, skipped, prompt_tokens, output_tokens, preemptions,
         spec_steps, accepted_tokens, spec_tokens (tokens produced by verify rounds),
         latency_p50/p90/p99, ttft_p50/p99, tpot_p50/p99 (seconds), part_files."""
+
+    def abort(self) -> dict[str, object]:
+        """Stops early (an interrupt): stops reading, drops the pending plan and every waiting
+        or running request unwritten, closes the writer (the rows already finished go into a
+        last part file) and returns {"rows_written": int, "part_files": list[str]} for this run.
+        No leak check; the scheduler cannot be used afterwards."""
 
 def render_chat_template(
     template: str,

@@ -80,21 +80,43 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
 @click.option("--restart", is_flag=True, help="Delete results of an earlier run and start over.")
 @_user_errors
 def run(job_file: str, overrides: tuple[str, ...], restart: bool) -> None:
-    """Run a job: generate every prompt of the input and write Parquet part files."""
+    """Run a job: generate every prompt of the input and write Parquet part files.
+
+    Running it again continues after the rows earlier runs finished (resume)."""
     from rich.console import Console
 
-    from .engine import prepare, run_prepared
+    from .engine import open_output, prepare, run_prepared
+    from .interrupt import Interrupted
     from .progress import ProgressView, summary_table
 
     job = load_job(job_file, overrides)
-    prep = prepare(job)
     console = Console(stderr=True)
-    console.print(
-        f"eaglebatch {__version__}: {prep.total_rows} rows from {len(prep.input_files)} "
-        f"file(s) -> {job.output.path}"
-    )
-    with ProgressView(prep.total_rows, console) as view:
-        result = run_prepared(prep, progress=view, restart=restart)
+    try:
+        prep = prepare(job)
+        resume = open_output(prep, restart=restart)
+        done = resume.rows_done(prep.total_rows)
+        console.print(
+            f"eaglebatch {__version__}: {prep.total_rows} rows from {len(prep.input_files)} "
+            f"file(s) -> {job.output.path}"
+        )
+        if resume.part_files:
+            console.print(
+                f"resuming: {done} of {prep.total_rows} rows already done in "
+                f"{resume.part_files} part file(s); generating the other {prep.total_rows - done}"
+            )
+        with ProgressView(prep.total_rows - done, console) as view:
+            result = run_prepared(prep, progress=view, resume=resume)
+    except Interrupted as e:
+        in_all = done + e.rows_written
+        console.print(f"{e} ({in_all} of {prep.total_rows} rows done in all)", markup=False)
+        sys.exit(e.exit_status)
+    except KeyboardInterrupt:
+        # Before or after the step loop (which handles signals itself): nothing half-written.
+        console.print(
+            f"interrupted; rows finished so far are in {job.output.path}; "
+            f"run the same command again to resume"
+        )
+        sys.exit(130)
     console.print(summary_table(result.stats, result.wall_s))
 
 

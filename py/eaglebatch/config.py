@@ -49,12 +49,14 @@ class InputConfig(_Section):
 class OutputConfig(_Section):
     path: str
     part_rows: int = Field(default=1024, ge=1)
+    # Also close a part once its oldest row has waited this long: bounds the work a crash loses.
+    flush_interval_s: float = Field(default=30.0, gt=0.0, allow_inf_nan=False)
     include_token_ids: bool = False
 
 
 class SamplingConfig(_Section):
     max_new_tokens: int = Field(default=256, ge=1)
-    temperature: float = Field(default=0.0, ge=0.0)
+    temperature: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
     seed: int = Field(default=0, ge=0, lt=2**63)

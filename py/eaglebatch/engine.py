@@ -18,8 +18,10 @@ from pathlib import Path
 from . import __version__
 from .config import JobConfig, JobError, job_to_dict
 from .inputs import check_input
+from .interrupt import Interrupted, StopSignals
 from .model_files import ModelFiles, model_files, resolve_draft_dir
 from .output_dir import prepare_output_dir
+from .resume import HASH_KEY, IDENTITY_KEY, ResumeState, identity_hash, job_identity, scan_output
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,31 @@ class PreparedJob:
     total_rows: int
     model: ModelFiles
     draft_dir: Path | None
+    # What decides the outputs (resume.py); recorded in every part file.
+    identity: dict
+
+    @property
+    def job_hash(self) -> str:
+        return identity_hash(self.identity)
+
+
+def _check_model_config(job: JobConfig, mf: ModelFiles) -> str:
+    """Checks config.json and engine.max_model_len without loading weights; returns the dtype
+    the worker will use."""
+    from .model.config import ModelConfig
+    from .worker import resolve_device, resolve_dtype
+
+    try:
+        cfg = ModelConfig.from_dir(mf.dir)
+    except (ValueError, OSError) as e:
+        raise JobError(f"model: {mf.dir}: {e}") from None
+    if job.engine.max_model_len is not None and job.engine.max_model_len > cfg.max_model_len:
+        raise JobError(
+            f"engine.max_model_len: {job.engine.max_model_len} exceeds the model's "
+            f"{cfg.max_model_len} positions"
+        )
+    dtype = resolve_dtype(job.engine.dtype, resolve_device(job.engine.device))
+    return str(dtype).removeprefix("torch.")
 
 
 def prepare(job: JobConfig) -> PreparedJob:
@@ -42,7 +69,19 @@ def prepare(job: JobConfig) -> PreparedJob:
                 f"input: chat messages need a chat template, and model {mf.dir} has none"
             )
     draft = resolve_draft_dir(job.draft) if job.draft is not None else None
-    return PreparedJob(job=job, input_files=files, total_rows=total, model=mf, draft_dir=draft)
+    dtype = _check_model_config(job, mf)
+    identity = job_identity(job, files, mf.dir, draft, dtype)
+    return PreparedJob(
+        job=job, input_files=files, total_rows=total, model=mf, draft_dir=draft, identity=identity
+    )
+
+
+def open_output(prep: PreparedJob, restart: bool = False) -> ResumeState:
+    """Prepares the output directory and reads what earlier runs of this job finished there.
+    Fails (JobError) before any model is loaded if it holds another job's results."""
+    out = Path(prep.job.output.path)
+    prepare_output_dir(out, restart=restart)
+    return scan_output(out, prep.identity)
 
 
 @dataclass
@@ -58,17 +97,19 @@ class RunSummary:
 ProgressFn = Callable[[dict], None]
 
 
-def file_metadata(job: JobConfig) -> dict[str, str]:
+def file_metadata(prep: PreparedJob) -> dict[str, str]:
     import torch
 
     return {
-        "eaglebatch.job": json.dumps(job_to_dict(job), sort_keys=True),
+        "eaglebatch.job": json.dumps(job_to_dict(prep.job), sort_keys=True),
+        HASH_KEY: prep.job_hash,
+        IDENTITY_KEY: json.dumps(prep.identity, sort_keys=True),
         "eaglebatch.version": __version__,
         "torch.version": torch.__version__,
     }
 
 
-def build_scheduler(prep: PreparedJob, worker, metadata: dict[str, str]):
+def build_scheduler(prep: PreparedJob, worker, metadata: dict[str, str], skip_rows=None):
     from ._native import Scheduler
 
     job, mf = prep.job, prep.model
@@ -80,6 +121,7 @@ def build_scheduler(prep: PreparedJob, worker, metadata: dict[str, str]):
         messages_column=job.input.messages_column,
         id_column=job.input.id_column,
         limit=job.input.limit,
+        skip_rows=skip_rows,
         apply_chat_template=job.input.apply_chat_template,
         tokenizer_file=str(mf.tokenizer_file),
         chat_template=mf.chat_template,
@@ -88,6 +130,7 @@ def build_scheduler(prep: PreparedJob, worker, metadata: dict[str, str]):
         eos_token_ids=list(mf.eos_token_ids),
         output_dir=job.output.path,
         part_rows=job.output.part_rows,
+        flush_interval_s=job.output.flush_interval_s,
         file_metadata=metadata,
         include_token_ids=job.output.include_token_ids,
         max_new_tokens=smp.max_new_tokens,
@@ -133,23 +176,33 @@ def run_prepared(
     worker=None,
     progress: ProgressFn | None = None,
     restart: bool = False,
+    resume: ResumeState | None = None,
 ) -> RunSummary:
-    """Runs a prepared job to completion. `worker` may be passed in to reuse loaded weights
-    (benchmarks); its KV cache must be sized for this job's engine settings."""
-    prepare_output_dir(Path(prep.job.output.path), restart=restart)
+    """Runs a prepared job to completion, continuing after the rows earlier runs of the same job
+    wrote (`resume`, from `open_output`; read here when not given). `worker` may be passed in to
+    reuse loaded weights (benchmarks); its KV cache must be sized for this job's engine settings.
+
+    On SIGINT / SIGTERM it stops between two steps, writes the finished rows and raises
+    `Interrupted` (see interrupt.py)."""
+    if resume is None:
+        resume = open_output(prep, restart=restart)
     if worker is None:
         worker = build_worker(prep)
-    scheduler = build_scheduler(prep, worker, file_metadata(prep.job))
+    scheduler = build_scheduler(prep, worker, file_metadata(prep), skip_rows=resume.done_rows)
     start = time.monotonic()
     last_report = 0.0
-    while (plan := scheduler.next_plan()) is not None:
-        # (tokens, num_tokens) or, speculating, (tokens, num_tokens, num_accepted)
-        scheduler.commit(*worker.step(plan))
-        now = time.monotonic()
-        if progress is not None and now - last_report > 0.2:
-            last_report = now
-            progress(scheduler.progress())
-    stats = dict(scheduler.finish())
+    with StopSignals() as stop:
+        while (plan := scheduler.next_plan()) is not None:
+            # (tokens, num_tokens) or, speculating, (tokens, num_tokens, num_accepted)
+            scheduler.commit(*worker.step(plan))
+            if stop.signum is not None:
+                written = scheduler.abort()
+                raise Interrupted(stop.signum, written["rows_written"], prep.job.output.path)
+            now = time.monotonic()
+            if progress is not None and now - last_report > 0.2:
+                last_report = now
+                progress(scheduler.progress())
+        stats = dict(scheduler.finish())
     wall = time.monotonic() - start
     if progress is not None:
         progress(scheduler.progress())

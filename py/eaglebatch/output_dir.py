@@ -1,8 +1,9 @@
 """The output directory: Parquet part files written by the Rust writer.
 
 Invariant: every `part-*.parquet` in the directory is complete (the writer writes a hidden
-temporary name, closes the footer, fsyncs and renames). Hidden `.part-*.tmp` files are
-leftovers of a killed run and are always safe to delete.
+temporary name, closes the footer, fsyncs it, renames it and fsyncs the directory). Hidden
+`.part-*.tmp` files are leftovers of a killed run and are always safe to delete. Whether the
+parts belong to this job (resume) or another one is decided in resume.py.
 """
 
 from __future__ import annotations
@@ -19,16 +20,19 @@ def part_files(path: Path) -> list[Path]:
 
 
 def prepare_output_dir(path: Path, restart: bool) -> None:
+    """Creates the directory, deletes a killed run's temporary files and, with `restart`, every
+    earlier result. Earlier part files are otherwise kept: the run resumes after them."""
     if path.exists() and not path.is_dir():
         raise JobError(f"output.path: {path} exists and is not a directory")
-    path.mkdir(parents=True, exist_ok=True)
-    for tmp in path.glob(".part-*.tmp"):
-        tmp.unlink(missing_ok=True)
-    parts = part_files(path)
-    if parts and not restart:
-        raise JobError(
-            f"output.path: {path} already holds {len(parts)} part file(s) from an earlier run; "
-            f"pass --restart to delete them and start over"
-        )
-    for p in parts:
-        p.unlink()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        for tmp in path.glob(".part-*.tmp"):
+            tmp.unlink(missing_ok=True)
+        probe = path / ".part-write-check.tmp"  # fail now, not at the first part file
+        probe.write_bytes(b"")
+        probe.unlink()
+        if restart:
+            for p in part_files(path):
+                p.unlink()
+    except OSError as e:
+        raise JobError(f"output.path: cannot prepare {path}: {e.strerror or e}") from None

@@ -16,6 +16,9 @@ pub struct SchedulerConfig {
     pub messages_column: Option<String>,
     pub id_column: Option<String>,
     pub limit: Option<u64>,
+    /// Resume: row indices already written by an earlier run of the same job (any order,
+    /// duplicates allowed). The reader skips them without tokenizing; they are never written.
+    pub skip_rows: Vec<i64>,
     // Prompt construction / tokenization.
     pub apply_chat_template: bool,
     pub tokenizer_file: PathBuf,
@@ -28,6 +31,9 @@ pub struct SchedulerConfig {
     pub part_rows: usize,
     pub file_metadata: BTreeMap<String, String>,
     pub include_token_ids: bool,
+    /// Close the current part file once its oldest row has waited this long (None = only by
+    /// `part_rows`), so a crash of a slow job loses at most about this much finished work.
+    pub flush_interval_s: Option<f64>,
     // Sampling / stopping.
     pub max_new_tokens: usize,
     pub stop: Vec<String>,
@@ -62,6 +68,7 @@ impl SchedulerConfig {
             messages_column: None,
             id_column: None,
             limit: None,
+            skip_rows: Vec::new(),
             apply_chat_template: false,
             tokenizer_file,
             chat_template: None,
@@ -72,6 +79,7 @@ impl SchedulerConfig {
             part_rows: 10_000,
             file_metadata: BTreeMap::new(),
             include_token_ids: false,
+            flush_interval_s: None,
             max_new_tokens: 16,
             stop: Vec::new(),
             temperature: 0.0,
@@ -126,6 +134,16 @@ impl SchedulerConfig {
         }
         if self.max_model_len > i32::MAX as usize {
             return Err(Error::user("max_model_len must fit in int32"));
+        }
+        if let Some(s) = self.flush_interval_s {
+            if !(s > 0.0 && s.is_finite()) {
+                return Err(Error::user(format!(
+                    "flush_interval_s must be a finite number > 0, got {s}"
+                )));
+            }
+        }
+        if self.skip_rows.iter().any(|&r| r < 0) {
+            return Err(Error::user("skip_rows: row indices must be >= 0"));
         }
         if self.input_files.is_empty() {
             return Err(Error::user(

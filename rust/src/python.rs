@@ -138,6 +138,19 @@ fn int32_vec(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i32>> {
         .map_err(|_| PyTypeError::new_err(format!("{name} must be a 1-D int32 numpy array")))
 }
 
+/// A 1-D int64 array (numpy int64 preferred; other integer numpy arrays and Python sequences
+/// of ints are accepted).
+fn int64_vec(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i64>> {
+    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
+        return Ok(a.as_array().to_vec());
+    }
+    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
+        return Ok(a.as_array().iter().map(|&v| v as i64).collect());
+    }
+    obj.extract::<Vec<i64>>()
+        .map_err(|_| PyTypeError::new_err(format!("{name} must be a 1-D int64 numpy array")))
+}
+
 #[pyclass(module = "eaglebatch._native", name = "Scheduler")]
 pub struct PyScheduler {
     inner: Scheduler,
@@ -177,6 +190,8 @@ impl PyScheduler {
         num_speculative_tokens = 0,
         read_batch_rows = 1024,
         queue_rows = 4096,
+        skip_rows = None,
+        flush_interval_s = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -210,7 +225,13 @@ impl PyScheduler {
         num_speculative_tokens: usize,
         read_batch_rows: usize,
         queue_rows: usize,
+        skip_rows: Option<&Bound<'_, PyAny>>,
+        flush_interval_s: Option<f64>,
     ) -> PyResult<Self> {
+        let skip_rows = match skip_rows {
+            Some(a) if !a.is_none() => int64_vec(a, "skip_rows")?,
+            _ => Vec::new(),
+        };
         let eos_token_ids = eos_token_ids
             .into_iter()
             .map(|id| {
@@ -225,6 +246,7 @@ impl PyScheduler {
             messages_column,
             id_column,
             limit,
+            skip_rows,
             apply_chat_template,
             tokenizer_file,
             chat_template,
@@ -235,6 +257,7 @@ impl PyScheduler {
             part_rows,
             file_metadata,
             include_token_ids,
+            flush_interval_s,
             max_new_tokens,
             stop,
             temperature,
@@ -286,6 +309,20 @@ impl PyScheduler {
         for (k, v) in self.inner.progress() {
             d.set_item(k, v)?;
         }
+        Ok(d)
+    }
+
+    fn abort<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let inner = &mut self.inner;
+        let written = py.detach(|| inner.abort()).map_err(to_py)?;
+        let d = PyDict::new(py);
+        d.set_item("rows_written", written.rows_written)?;
+        let parts: Vec<String> = written
+            .part_files
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect();
+        d.set_item("part_files", PyList::new(py, parts)?)?;
         Ok(d)
     }
 

@@ -8,12 +8,18 @@
 //!
 //! Invariants:
 //! - requests are sent in input order with `row_index` = 0, 1, 2, ... across all files, and at
-//!   most `limit` of them;
+//!   most `limit` of them, except the rows listed in `skip_rows` (done by an earlier run of the
+//!   same job), which are read but neither tokenized nor sent;
 //! - a row that cannot be generated is still sent, with `error` set (never silently dropped);
+//! - with an id column, a null id and an id equal to an earlier row's (skipped rows included,
+//!   so the verdict does not depend on where a run was resumed) make error rows. Ids are
+//!   compared by 64-bit hash: memory is one `u64` set entry per row read.
 //! - a failure of the input itself (I/O, corrupt page) is sent as `ReaderMsg::Failed` and ends
 //!   the stream.
 
+use std::collections::HashSet;
 use std::fs::File;
+use std::hash::{Hash, Hasher};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -266,6 +272,8 @@ pub struct ReaderOptions {
     pub eos_token: Option<String>,
     pub read_batch_rows: usize,
     pub queue_rows: usize,
+    /// Row indices not to send, sorted ascending without duplicates.
+    pub skip_rows: Vec<i64>,
 }
 
 /// Starts the reader thread; it stops early (quietly) when the receiver is dropped.
@@ -282,6 +290,8 @@ pub fn spawn_reader(
                 opts,
                 tx,
                 next_row: 0,
+                next_skip: 0,
+                seen_ids: HashSet::new(),
             };
             if let Err(e) = worker.run() {
                 // A send failure means the scheduler is gone: nobody to tell.
@@ -310,6 +320,10 @@ struct ReaderThread {
     opts: ReaderOptions,
     tx: Sender<ReaderMsg>,
     next_row: u64,
+    /// Position in `opts.skip_rows` of the first entry >= `next_row`.
+    next_skip: usize,
+    /// Hashes of the ids read so far (only with an id column).
+    seen_ids: HashSet<u64>,
 }
 
 /// A row between reading and tokenization: its id and either (text, add_special_tokens) or
@@ -388,11 +402,18 @@ impl ReaderThread {
         for i in 0..batch.num_rows() {
             let row_index = self.next_row as i64;
             self.next_row += 1;
+            let id_error = ids.and_then(|a| self.check_id(a.as_ref(), i));
+            if self.is_skipped(row_index) {
+                continue;
+            }
             let id: ArrayRef = match ids {
                 Some(a) => a.slice(i, 1),
                 None => Arc::new(Int64Array::from(vec![row_index])),
             };
-            let input = self.row_input(prompts, messages, i);
+            let input = match id_error {
+                Some(e) => Err(e),
+                None => self.row_input(prompts, messages, i),
+            };
             rows.push(PendingRow {
                 row_index,
                 id,
@@ -417,6 +438,31 @@ impl ReaderThread {
                 .map_err(|_| Stop::Disconnected)?;
         }
         Ok(())
+    }
+
+    /// Whether `row_index` was done by an earlier run. Called with increasing row indices.
+    fn is_skipped(&mut self, row_index: i64) -> bool {
+        let skip = &self.opts.skip_rows;
+        while self.next_skip < skip.len() && skip[self.next_skip] < row_index {
+            self.next_skip += 1;
+        }
+        skip.get(self.next_skip) == Some(&row_index)
+    }
+
+    /// Records row `i`'s id; the error if it is null or an earlier row had the same id.
+    fn check_id(&mut self, ids: &dyn Array, i: usize) -> Option<String> {
+        let name = self.spec.id_column.as_deref().unwrap_or_default();
+        let Some(h) = id_hash(ids, i) else {
+            return Some(format!("id column '{name}' is null"));
+        };
+        if self.seen_ids.insert(h) {
+            None
+        } else {
+            Some(format!(
+                "duplicate id: an earlier row has the same value in id column '{name}' \
+                 (only the first row with an id is generated)"
+            ))
+        }
     }
 
     /// The text to tokenize for row `i` (and whether to add special tokens), or why there is
@@ -543,6 +589,30 @@ pub fn str_value(a: &dyn Array, i: usize) -> Option<&str> {
     }
 }
 
+/// A 64-bit hash of the id at `i` (None when null). Equal values hash equally; distinct ids
+/// collide with probability about n^2 / 2^65 over n rows.
+fn id_hash(a: &dyn Array, i: usize) -> Option<u64> {
+    if a.is_null(i) {
+        return None;
+    }
+    let mut h = std::hash::DefaultHasher::new();
+    match a.data_type() {
+        DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View => str_value(a, i)?.hash(&mut h),
+        DataType::Binary => a.as_binary::<i32>().value(i).hash(&mut h),
+        DataType::LargeBinary => a.as_binary::<i64>().value(i).hash(&mut h),
+        DataType::BinaryView => a.as_binary_view().value(i).hash(&mut h),
+        DataType::Boolean => a.as_boolean().value(i).hash(&mut h),
+        dt => {
+            // Fixed-width primitives: the value's bytes.
+            let width = dt.primitive_width()?;
+            let data = a.to_data();
+            let start = (data.offset() + i) * width;
+            data.buffers().first()?.as_slice()[start..start + width].hash(&mut h)
+        }
+    }
+    Some(h.finish())
+}
+
 /// Messages of row `i` of a `list<struct<role, content>>` column.
 fn parse_messages(col: &dyn Array, i: usize) -> std::result::Result<Vec<Message>, String> {
     let list: ArrayRef = match col.data_type() {
@@ -596,6 +666,16 @@ mod tests {
     }
 
     fn collect(spec: InputSpec, template: Option<&str>, apply: bool, queue: usize) -> Vec<Request> {
+        collect_skipping(spec, template, apply, queue, Vec::new())
+    }
+
+    fn collect_skipping(
+        spec: InputSpec,
+        template: Option<&str>,
+        apply: bool,
+        queue: usize,
+        skip_rows: Vec<i64>,
+    ) -> Vec<Request> {
         let opts = ReaderOptions {
             tokenizer: Arc::new(word_level_tokenizer(64)),
             template: template.map(|t| Arc::new(ChatTemplate::new(t).unwrap())),
@@ -604,6 +684,7 @@ mod tests {
             eos_token: None,
             read_batch_rows: 2,
             queue_rows: queue,
+            skip_rows,
         };
         let (rx, handle) = spawn_reader(spec, opts).unwrap();
         let out: Vec<Request> = rx
@@ -734,6 +815,39 @@ mod tests {
         assert!(reqs[1].error.as_deref().unwrap().contains("null"));
         assert!(reqs[2].error.as_deref().unwrap().contains("empty"));
         assert_eq!(reqs[4].prompt_ids, vec![1, 7]);
+    }
+
+    #[test]
+    fn skipped_rows_and_duplicate_or_null_ids() {
+        let dir = TempDir::new("reader-skip");
+        let a = dir.path().join("a.parquet");
+        let ids = Int32Array::from(vec![Some(7), Some(8), Some(7), None, Some(9), Some(8)]);
+        write_parquet(
+            &a,
+            vec![
+                (
+                    "prompt",
+                    Arc::new(StringArray::from(vec!["w4"; 6])) as ArrayRef,
+                ),
+                ("id", Arc::new(ids)),
+            ],
+            4,
+        );
+        let mut c = cfg(vec![a]);
+        c.id_column = Some("id".into());
+        let spec = validate_inputs(&c).unwrap();
+        let all = collect(spec.clone(), None, false, 16);
+        let errors: Vec<Option<&str>> = all.iter().map(|r| r.error.as_deref()).collect();
+        assert!(errors[0].is_none() && errors[1].is_none() && errors[4].is_none());
+        assert!(errors[2].unwrap().contains("duplicate id"), "{errors:?}");
+        assert!(errors[5].unwrap().contains("duplicate id"));
+        assert!(errors[3].unwrap().contains("'id' is null"));
+        // Skipping rows 0 and 1 (done earlier) still counts their ids as seen.
+        let rest = collect_skipping(spec, None, false, 16, vec![0, 1, 4]);
+        let idx: Vec<i64> = rest.iter().map(|r| r.row_index).collect();
+        assert_eq!(idx, vec![2, 3, 5]);
+        assert!(rest[0].error.as_deref().unwrap().contains("duplicate id"));
+        assert!(rest[2].error.as_deref().unwrap().contains("duplicate id"));
     }
 
     /// (role, content) pairs per row; `None` = null list.

@@ -14,7 +14,10 @@
 //!   decode: everyone), and `commit` must come before the next `next_plan`;
 //! - every request read from the input leaves through the writer exactly once (finished or
 //!   error row); `next_plan` returns `None` only after the input is exhausted and nothing is
-//!   waiting or running.
+//!   waiting or running. Rows in `skip_rows` (written by an earlier run) are never read as
+//!   requests, so a resumed job writes each input row once over all its runs;
+//! - `abort` writes every row already handed to the writer and nothing else: requests still
+//!   waiting or running are dropped unwritten (a resumed run generates them).
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashSet, VecDeque};
@@ -32,7 +35,7 @@ use crate::error::{Error, Result};
 use crate::reader::{spawn_reader, validate_inputs, ReaderMsg, ReaderOptions};
 use crate::sequence::{FinishReason, Request, Sequence, Status};
 use crate::stats::{Stats, Summary};
-use crate::writer::{OutputRow, Writer, WriterConfig};
+use crate::writer::{OutputRow, Writer, WriterConfig, WriterSummary};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StepKind {
@@ -167,13 +170,22 @@ impl Scheduler {
                 _ => None,
             };
         let spec = validate_inputs(&cfg)?;
-        let stats = Stats::new(spec.total_rows);
+        let mut skip_rows = cfg.skip_rows.clone();
+        skip_rows.sort_unstable();
+        skip_rows.dedup();
+        let skipped = skip_rows
+            .iter()
+            .filter(|&&r| (r as u64) < spec.total_rows)
+            .count() as u64;
+        let mut stats = Stats::new(spec.total_rows - skipped);
+        stats.requests_skipped = skipped;
         let writer = Writer::start(WriterConfig {
             output_dir: cfg.output_dir.clone(),
             part_rows: cfg.part_rows,
             file_metadata: cfg.file_metadata.clone(),
             include_token_ids: cfg.include_token_ids,
             id_type: spec.id_type.clone(),
+            flush_interval: cfg.flush_interval_s.map(std::time::Duration::from_secs_f64),
         })?;
         let (input, reader) = spawn_reader(
             spec,
@@ -185,6 +197,7 @@ impl Scheduler {
                 eos_token: cfg.eos_token.clone(),
                 read_batch_rows: cfg.read_batch_rows,
                 queue_rows: cfg.queue_rows,
+                skip_rows,
             },
         )?;
         let stop: Vec<String> = cfg.stop.iter().filter(|s| !s.is_empty()).cloned().collect();
@@ -240,6 +253,7 @@ impl Scheduler {
         let s = &self.stats;
         vec![
             ("requests_total", s.requests_total as i64),
+            ("requests_skipped", s.requests_skipped as i64),
             ("requests_done", s.requests_done as i64),
             ("requests_error", s.requests_error as i64),
             ("running", self.running.len() as i64),
@@ -774,6 +788,26 @@ impl Scheduler {
             .map(|p| p.display().to_string())
             .collect();
         Ok(self.stats.summary(parts))
+    }
+}
+
+impl Scheduler {
+    /// Stops the job early (an interrupt): stops reading the input, drops the pending plan and
+    /// every waiting or running request unwritten, and closes the writer, which writes the rows
+    /// already finished into a last part file. Returns the rows this run wrote. No leak check:
+    /// the KV blocks of the dropped requests are simply forgotten with the scheduler.
+    pub fn abort(&mut self) -> Result<WriterSummary> {
+        if self.finished {
+            return Err(Error::internal("abort() after finish()"));
+        }
+        self.finished = true;
+        // Dropping the receiver ends the reader thread at its next send.
+        self.input = crossbeam_channel::never();
+        self.input_done = true;
+        self.pending = None;
+        self.waiting.clear();
+        self.running.clear();
+        self.writer.finish()
     }
 }
 

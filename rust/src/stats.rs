@@ -59,7 +59,10 @@ impl Reservoir {
 /// Counters maintained by the scheduler (single-threaded: no atomics needed).
 #[derive(Debug, Clone)]
 pub struct Stats {
+    /// Rows this run generates: the input rows less those done by an earlier run.
     pub requests_total: u64,
+    /// Input rows skipped because an earlier run of the job already wrote them.
+    pub requests_skipped: u64,
     /// Rows handed to the writer (finished or failed).
     pub requests_done: u64,
     pub requests_error: u64,
@@ -81,6 +84,7 @@ impl Stats {
     pub fn new(requests_total: u64) -> Self {
         Stats {
             requests_total,
+            requests_skipped: 0,
             requests_done: 0,
             requests_error: 0,
             prompt_tokens: 0,
@@ -112,6 +116,7 @@ impl Stats {
         let int = |v: u64| SummaryValue::Int(v as i64);
         s.insert("requests".into(), int(self.requests_done));
         s.insert("errors".into(), int(self.requests_error));
+        s.insert("skipped".into(), int(self.requests_skipped));
         s.insert("prompt_tokens".into(), int(self.prompt_tokens));
         s.insert("output_tokens".into(), int(self.output_tokens));
         s.insert("preemptions".into(), int(self.preemptions));

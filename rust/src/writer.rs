@@ -7,21 +7,25 @@
 //!   closed (footer), fsynced, renamed, and the directory is fsynced;
 //! - numbering starts after the highest existing `part-N.parquet`, so earlier results in the
 //!   same directory are never overwritten;
-//! - after `finish`, the directory holds at least one part file (an empty one if no rows), so
-//!   `pyarrow.parquet.read_table(output_dir)` always works.
+//! - a part is closed when it has `part_rows` rows, when its oldest row has waited
+//!   `flush_interval` (if set), and at `finish`: rows are lost only in a crash, and only those
+//!   not yet in a closed part;
+//! - after `finish`, the directory holds at least one part file (an empty one if no rows and no
+//!   earlier part), so `pyarrow.parquet.read_table(output_dir)` always works.
 
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use arrow_array::builder::{
     Float64Builder, Int32Builder, Int64Builder, ListBuilder, StringBuilder,
 };
 use arrow_array::{ArrayRef, RecordBatch};
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
-use crossbeam_channel::{Receiver, Sender};
+use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parquet::arrow::ArrowWriter;
 use parquet::basic::{Compression, ZstdLevel};
 use parquet::file::metadata::KeyValue;
@@ -60,6 +64,8 @@ pub struct WriterConfig {
     pub file_metadata: BTreeMap<String, String>,
     pub include_token_ids: bool,
     pub id_type: DataType,
+    /// Close a part once its oldest row is this old (None: only by `part_rows`).
+    pub flush_interval: Option<Duration>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -136,7 +142,7 @@ impl Writer {
         let handle = std::thread::Builder::new()
             .name("eaglebatch-writer".into())
             .spawn(move || {
-                let mut state = WriterThread::new(cfg, next_part);
+                let mut state = WriterThread::new(cfg, next_part, next_part > 0);
                 state.run(rx)
             })
             .map_err(|e| Error::internal(format!("cannot start writer thread: {e}")))?;
@@ -195,12 +201,14 @@ struct WriterThread {
     schema: SchemaRef,
     props: WriterProperties,
     next_part: u64,
+    /// The directory already held part files when the writer started (a resumed job).
+    had_parts: bool,
     buffer: Vec<OutputRow>,
     summary: WriterSummary,
 }
 
 impl WriterThread {
-    fn new(cfg: WriterConfig, next_part: u64) -> Self {
+    fn new(cfg: WriterConfig, next_part: u64, had_parts: bool) -> Self {
         let schema = output_schema(&cfg.id_type, cfg.include_token_ids);
         let kv: Vec<KeyValue> = cfg
             .file_metadata
@@ -219,18 +227,40 @@ impl WriterThread {
             schema,
             props,
             next_part,
+            had_parts,
             summary: WriterSummary::default(),
         }
     }
 
     fn run(&mut self, rx: Receiver<OutputRow>) -> Result<WriterSummary> {
-        for row in rx.iter() {
+        // When the oldest buffered row must be on disk (None: buffer empty or no interval).
+        let mut deadline: Option<Instant> = None;
+        loop {
+            let row = match deadline {
+                Some(d) => match rx.recv_deadline(d) {
+                    Ok(row) => row,
+                    Err(RecvTimeoutError::Timeout) => {
+                        self.flush()?;
+                        deadline = None;
+                        continue;
+                    }
+                    Err(RecvTimeoutError::Disconnected) => break,
+                },
+                None => match rx.recv() {
+                    Ok(row) => row,
+                    Err(_) => break,
+                },
+            };
+            if self.buffer.is_empty() {
+                deadline = self.cfg.flush_interval.map(|iv| Instant::now() + iv);
+            }
             self.buffer.push(row);
             if self.buffer.len() >= self.cfg.part_rows {
                 self.flush()?;
+                deadline = None;
             }
         }
-        if !self.buffer.is_empty() || self.summary.part_files.is_empty() {
+        if !self.buffer.is_empty() || (self.summary.part_files.is_empty() && !self.had_parts) {
             self.flush()?;
         }
         Ok(std::mem::take(&mut self.summary))
@@ -404,6 +434,7 @@ mod tests {
             )]),
             include_token_ids: true,
             id_type: DataType::Utf8,
+            flush_interval: None,
         }
     }
 
@@ -501,6 +532,37 @@ mod tests {
                 .sum::<usize>(),
             2
         );
+    }
+
+    #[test]
+    fn flush_interval_closes_a_part_before_it_is_full() {
+        let dir = TempDir::new("writer-interval");
+        let mut c = cfg(dir.path(), 1000);
+        c.flush_interval = Some(Duration::from_millis(50));
+        let mut w = Writer::start(c).unwrap();
+        w.send(row(0, "a", FinishReason::Stop)).unwrap();
+        let t0 = Instant::now();
+        while !dir.path().join("part-00000.parquet").exists() {
+            assert!(t0.elapsed() < Duration::from_secs(10), "part not flushed");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        w.send(row(1, "b", FinishReason::Stop)).unwrap();
+        let s = w.finish().unwrap();
+        assert_eq!(s.part_files.len(), 2);
+        assert_eq!(s.rows_written, 2);
+    }
+
+    #[test]
+    fn no_empty_part_when_earlier_parts_exist() {
+        let dir = TempDir::new("writer-resume");
+        let mut w = Writer::start(cfg(dir.path(), 10)).unwrap();
+        w.send(row(0, "a", FinishReason::Stop)).unwrap();
+        w.finish().unwrap();
+        // A resumed run with nothing left to do adds no file.
+        let mut w = Writer::start(cfg(dir.path(), 10)).unwrap();
+        let s = w.finish().unwrap();
+        assert!(s.part_files.is_empty());
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
     }
 
     #[test]

@@ -583,3 +583,56 @@ fn verify_commit_with_too_many_tokens_is_an_error() {
     assert_eq!(p.input_ids, vec![6, 0, 0]);
     assert!(s.commit(&[7, 8, 9, 10], &[4], Some(&[3])).is_err());
 }
+
+#[test]
+fn skip_rows_resume_writes_only_the_rest() {
+    let prompts: Vec<Option<&str>> = vec![Some("w5"), Some("w6"), None, Some("w8"), Some("w9")];
+    let full = fixture("sched-skip-full", &prompts);
+    let mut s = Scheduler::new(full.cfg.clone()).unwrap();
+    drive(&mut s, 1);
+    s.finish().unwrap();
+    let want = read_output(&full.cfg.output_dir);
+
+    let mut f = fixture("sched-skip", &prompts);
+    f.cfg.skip_rows = vec![3, 0, 3, 2, 99];
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let prog: BTreeMap<_, _> = s.progress().into_iter().collect();
+    assert_eq!(prog["requests_total"], 2);
+    assert_eq!(prog["requests_skipped"], 3);
+    drive(&mut s, 1);
+    let summary = s.finish().unwrap();
+    assert_eq!(summary["requests"], SummaryValue::Int(2));
+    assert_eq!(summary["skipped"], SummaryValue::Int(3));
+    let rows = read_output(&f.cfg.output_dir);
+    assert_eq!(rows.iter().map(|r| r.row_index).collect::<Vec<_>>(), [1, 4]);
+    assert_eq!(rows[0], want[1]);
+    assert_eq!(rows[1], want[4]);
+}
+
+#[test]
+fn abort_writes_finished_rows_and_drops_the_rest() {
+    let prompts: Vec<Option<&str>> = vec![Some("w5"), None, Some("w7 w8"), Some("w9")];
+    let mut f = fixture("sched-abort", &prompts);
+    f.cfg.max_new_tokens = 3;
+    f.cfg.max_batch_size = 1;
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    // Finish row 0 (prefill + 2 decodes); row 1 (null) is written as an error when read.
+    for _ in 0..3 {
+        let p = s.next_plan().unwrap().unwrap();
+        let last = *p.input_ids.last().unwrap() as i32;
+        s.commit(&[(last + 1) % VOCAB as i32], &[1], None).unwrap();
+    }
+    // Row 2 is planned but never committed.
+    let _ = s.next_plan().unwrap().unwrap();
+    let written = s.abort().unwrap();
+    let rows = read_output(&f.cfg.output_dir);
+    assert_eq!(written.rows_written as usize, rows.len());
+    let idx: Vec<i64> = rows.iter().map(|r| r.row_index).collect();
+    assert!(
+        idx.starts_with(&[0]) && !idx.contains(&2) && !idx.contains(&3),
+        "{idx:?}"
+    );
+    assert_eq!(rows[0].text, "w6 w7 w8");
+    assert!(s.finish().is_err());
+    assert!(s.abort().is_err());
+}
