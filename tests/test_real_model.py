@@ -91,3 +91,29 @@ def test_greedy_equals_transformers_on_sharegpt(tmp_path, model_dir, sharegpt_me
         assert row["output_token_ids"] == want, r["id"]
         assert row["output_text"] == tok.decode([t for t in want if t != eos],
                                                 skip_special_tokens=True)
+
+
+def test_speculative_with_random_eagle1_head_is_lossless(tmp_path, model_dir, sharegpt_messages):
+    """The default model with a randomly initialised head in the published EAGLE-1 folder format:
+    speculative greedy output equals plain greedy output token for token."""
+    import pyarrow as pa
+
+    from eaglebatch.speculative import init_random_draft
+
+    head = init_random_draft(tmp_path / "eagle1", model_dir, kind="eagle1", seed=0)
+    inp = tmp_path / "in.parquet"
+    rows = [{"id": r["id"], "messages": r["messages"]} for r in sharegpt_messages[:4]]
+    pq.write_table(pa.Table.from_pylist(rows), inp)
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(
+        f"model: smollm2-135m-instruct\ninput:\n  path: {inp}\n  messages_column: messages\n"
+        f"  id_column: id\noutput:\n  path: {tmp_path / 'plain'}\n  include_token_ids: true\n"
+        "sampling:\n  max_new_tokens: 48\nengine:\n  device: cpu\n  kv_cache_tokens: 8192\n"
+    )
+    run_prepared(prepare(load_job(job_file)))
+    run_prepared(prepare(load_job(job_file, [f"draft={head}", f"output.path={tmp_path / 'spec'}",
+                                             "speculative.num_steps=3"])))
+    plain = pq.read_table(tmp_path / "plain").sort_by("row_index").to_pylist()
+    spec = pq.read_table(tmp_path / "spec").sort_by("row_index").to_pylist()
+    assert [r["output_token_ids"] for r in spec] == [r["output_token_ids"] for r in plain]
+    assert all(r["spec_steps"] >= 1 for r in spec)
