@@ -102,19 +102,24 @@ def run(job_file: str, overrides: tuple[str, ...], restart: bool) -> None:
         if resume.part_files:
             console.print(
                 f"resuming: {done} of {prep.total_rows} rows already done in "
-                f"{resume.part_files} part file(s); generating the other {prep.total_rows - done}"
+                f"{resume.part_files} part file(s); generating the other {prep.total_rows - done}",
+                soft_wrap=True,
             )
         with ProgressView(prep.total_rows - done, console) as view:
             result = run_prepared(prep, progress=view, resume=resume)
     except Interrupted as e:
         in_all = done + e.rows_written
-        console.print(f"{e} ({in_all} of {prep.total_rows} rows done in all)", markup=False)
+        console.print(
+            f"{e} ({in_all} of {prep.total_rows} rows done in all)", markup=False, soft_wrap=True
+        )
         sys.exit(e.exit_status)
     except KeyboardInterrupt:
         # Before or after the step loop (which handles signals itself): nothing half-written.
         console.print(
             f"interrupted; rows finished so far are in {job.output.path}; "
-            f"run the same command again to resume"
+            f"run the same command again to resume",
+            markup=False,
+            soft_wrap=True,
         )
         sys.exit(130)
     console.print(summary_table(result.stats, result.wall_s))
