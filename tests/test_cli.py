@@ -96,3 +96,14 @@ def test_run_writes_rows_resumes_and_restarts(tmp_path, tiny_model_dir):
     r = invoke("run", j, "--restart", "--set", "sampling.max_new_tokens=5")
     assert r.exit_code == 0, r.output
     assert pq.read_table(tmp_path / "out").num_rows == 3
+
+
+def test_validate_reports_resume_state_and_other_jobs_output(tmp_path, tiny_model_dir):
+    pytest.importorskip("eaglebatch._native")
+    inp = write_prompts(tmp_path / "in.parquet", ["hello", "world"])
+    j = str(job(tmp_path, tiny_model_dir, inp))
+    assert invoke("run", j).exit_code == 0
+    r = invoke("validate", j)
+    assert r.exit_code == 0 and "2 rows already done" in r.output, r.output
+    r = invoke("validate", j, "--set", "sampling.temperature=0.5")
+    assert r.exit_code == 2 and "different job" in r.output and "sampling.temperature" in r.output

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from functools import wraps
+from pathlib import Path
 
 import click
 
@@ -67,11 +68,20 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
         defaults.require_builtin_model_package()
         model = f"{job.model} (builtin)"
     else:
-        from pathlib import Path
-
         model = str(check_model_dir(Path(job.model)).dir)
     draft = f", draft {resolve_draft_dir(job.draft)}" if job.draft is not None else ""
-    click.echo(f"ok: {job_file}: {len(files)} input file(s), {total} rows, model {model}{draft}")
+    output = ""
+    if not defaults.is_builtin_model(job.model):  # a builtin would be materialised first
+        from .engine import prepare
+        from .resume import scan_output
+
+        prep = prepare(job)  # the output directory must hold this job's results, if any
+        state = scan_output(Path(job.output.path), prep.identity)
+        if state.part_files:
+            output = f", output: {state.rows_done(total)} rows already done (run resumes)"
+    click.echo(
+        f"ok: {job_file}: {len(files)} input file(s), {total} rows, model {model}{draft}{output}"
+    )
 
 
 @main.command()

@@ -96,6 +96,8 @@ def summary_table(stats: dict, wall_s: float, title: str = "eaglebatch summary")
         ("TPOT p50 / p99", " / ".join(_f(stats.get(k)) for k in ("tpot_p50", "tpot_p99"))),
         ("preemptions", f"{stats.get('preemptions', 0)}"),
     ]
+    if stats.get("skipped"):
+        rows.insert(1, ("skipped (done by an earlier run)", f"{stats['skipped']}"))
     if stats.get("spec_steps"):
         rows.append(("acceptance length", f"{accept_length(stats):.2f}"))
         rows.append(("verify rounds", f"{stats['spec_steps']}"))
