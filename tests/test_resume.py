@@ -16,6 +16,7 @@ import pytest
 
 from eaglebatch.config import JobError, load_job
 from eaglebatch.engine import prepare, run_prepared
+from eaglebatch.output_dir import LOCK_NAME
 from support.tiny import make_tiny_model, write_prompts
 
 pytest.importorskip("eaglebatch._native")
@@ -74,11 +75,17 @@ def check_readable(out: Path) -> int:
     """Every visible file is a complete Parquet file; returns the rows in them."""
     rows = 0
     for f in out.iterdir():
+        if f.name == LOCK_NAME:
+            continue
         if f.name.startswith("."):
             assert f.name.endswith(".tmp"), f  # a killed writer's temporary file
             continue
         rows += pq.read_metadata(f).num_rows
     return rows
+
+
+def temporary_files(out: Path) -> list[Path]:
+    return [f for f in out.iterdir() if f.name.startswith(".") and f.name != LOCK_NAME]
 
 
 def outputs(out: Path) -> dict:
@@ -118,7 +125,7 @@ def test_sigkill_at_random_moments_then_resume(tmp_path, small_model):
 
     # Every input id exactly once, every file readable, no temporary file left.
     assert check_readable(out) == ROWS
-    assert not [f for f in out.iterdir() if f.name.startswith(".")]
+    assert temporary_files(out) == []
     ids = pq.read_table(out, columns=["id"]).column("id").to_pylist()
     assert sorted(ids) == sorted(f"r{i}" for i in range(ROWS))
     # Greedy outputs equal an uninterrupted run's.
@@ -141,7 +148,7 @@ def test_signal_stops_cleanly_and_resume_completes(tmp_path, small_model, sig):
     written = check_readable(out)
     assert 0 < written < 600
     # A clean stop leaves only complete part files.
-    assert not [f for f in out.iterdir() if f.name.startswith(".")]
+    assert temporary_files(out) == []
     run_prepared(prepare(load_job(job)))
     ids = pq.read_table(out, columns=["id"]).column("id").to_pylist()
     assert sorted(ids) == sorted(f"r{i}" for i in range(600))
@@ -185,3 +192,28 @@ def test_resume_refuses_another_jobs_output_and_unreadable_parts(tmp_path, small
     res = run_prepared(prepare(load_job(job, ["sampling.max_new_tokens=2"])), restart=True)
     assert res.stats["requests"] == 30
     assert pq.read_table(tmp_path / "out").num_rows == 30
+
+
+def test_a_second_concurrent_run_is_refused(tmp_path, small_model):
+    job = write_job(tmp_path, small_model, 10, batch=4)
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time; "
+         f"fd = os.open({str(out / LOCK_NAME)!r}, os.O_RDWR | os.O_CREAT); "
+         "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        (out / ".part-00000.parquet.tmp").write_bytes(b"being written by the other run")
+        with pytest.raises(JobError, match="in use by another running eaglebatch job"):
+            run_prepared(prepare(load_job(job)))
+        # The other run's temporary file was left alone.
+        assert (out / ".part-00000.parquet.tmp").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    run_prepared(prepare(load_job(job)))  # the lock died with its process
+    assert pq.read_table(out).num_rows == 10
+    assert temporary_files(out) == []

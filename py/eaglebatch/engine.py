@@ -20,7 +20,7 @@ from .config import JobConfig, JobError, job_to_dict
 from .inputs import check_input
 from .interrupt import Interrupted, StopSignals
 from .model_files import ModelFiles, model_files, resolve_draft_dir
-from .output_dir import prepare_output_dir
+from .output_dir import prepare_output_dir, release_output_dir
 from .resume import HASH_KEY, IDENTITY_KEY, ResumeState, identity_hash, job_identity, scan_output
 
 
@@ -77,8 +77,9 @@ def prepare(job: JobConfig) -> PreparedJob:
 
 
 def open_output(prep: PreparedJob, restart: bool = False) -> ResumeState:
-    """Prepares the output directory and reads what earlier runs of this job finished there.
-    Fails (JobError) before any model is loaded if it holds another job's results."""
+    """Locks and prepares the output directory and reads what earlier runs of this job finished
+    there. Fails (JobError) before any model is loaded if it holds another job's results or
+    another run is writing it. `run_prepared` releases the lock."""
     out = Path(prep.job.output.path)
     prepare_output_dir(out, restart=restart)
     return scan_output(out, prep.identity)
@@ -184,8 +185,16 @@ def run_prepared(
 
     On SIGINT / SIGTERM it stops between two steps, writes the finished rows and raises
     `Interrupted` (see interrupt.py)."""
-    if resume is None:
-        resume = open_output(prep, restart=restart)
+    out = Path(prep.job.output.path)
+    try:
+        if resume is None:
+            resume = open_output(prep, restart=restart)
+        return _run(prep, worker, progress, resume)
+    finally:
+        release_output_dir(out)
+
+
+def _run(prep: PreparedJob, worker, progress: ProgressFn | None, resume: ResumeState):
     if worker is None:
         worker = build_worker(prep)
     scheduler = build_scheduler(prep, worker, file_metadata(prep), skip_rows=resume.done_rows)
