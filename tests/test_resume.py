@@ -14,6 +14,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+import eaglebatch
 from eaglebatch.config import JobError, load_job
 from eaglebatch.engine import prepare, run_prepared
 from eaglebatch.output_dir import LOCK_NAME
@@ -21,7 +22,6 @@ from support.tiny import make_tiny_model, write_prompts
 
 pytest.importorskip("eaglebatch._native")
 
-ROOT = Path(__file__).resolve().parents[1]
 ROWS = 2000
 
 
@@ -52,7 +52,9 @@ def write_job(tmp: Path, model: Path, rows: int, *, batch: int = 1, part_rows: i
 
 
 def start_run(job: Path, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "py")}
+    # the same eaglebatch this test imported: the checkout's py/ in development, site-packages
+    # after `pip install .` (CI), where py/ has no compiled extension
+    env = {**os.environ, "PYTHONPATH": str(Path(eaglebatch.__file__).resolve().parent.parent)}
     return subprocess.Popen(
         [sys.executable, "-m", "eaglebatch.cli", "run", str(job), *args],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -177,7 +177,7 @@ def train_draft(job: TrainJob, console) -> Path:
     console.print(f"[3/3] training: {len(data.seqs)} sequences, {per_epoch} steps per epoch, "
                   f"{total} steps, unroll {job.train.unroll}")
     init_dir = job.work_dir / "init"
-    t0, last = time.monotonic(), time.monotonic()
+    t0, last, first = time.monotonic(), time.monotonic(), step
     while step < total:
         epoch, i = divmod(step, per_epoch)
         batch = data.batches(job.train.batch_tokens, job.train.seed + epoch)[i]
@@ -193,7 +193,7 @@ def train_draft(job: TrainJob, console) -> Path:
         now = time.monotonic()
         if now - last > 10 or step == total:
             last = now
-            rate = step / max(now - t0, 1e-9)
+            rate = (step - first) / max(now - t0, 1e-9)  # steps/s of this run
             console.print(
                 f"  step {step}/{total} epoch {epoch} loss {loss.item():.3f} "
                 f"acc/step {' '.join(f'{a.item():.2f}' for a in accs)} "
