@@ -131,6 +131,8 @@ def run_bench(
     from .worker import Worker
 
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)  # logs and files: never truncate the figures
     batch_sizes = batch_sizes or [job.engine.max_batch_size]
     prep = prepare(job)
     biggest = job.model_copy(
