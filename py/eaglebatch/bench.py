@@ -121,6 +121,16 @@ def _hf_row(job: JobConfig, prep, batch_size: int) -> dict:
     }
 
 
+def _report(console: Console, r: dict) -> None:
+    """One line per finished measurement, so a long run's figures survive an interruption."""
+    console.print(
+        f"  {r['engine']} batch {r['batch_size']}: {r['output_tokens']} tokens in "
+        f"{r['wall_s']:.1f}s = {r['output_tok_s']:.1f} tok/s"
+        + (f", acceptance length {r['accept_length']:.2f}" if r["accept_length"] else ""),
+        highlight=False,
+    )
+
+
 def _fmt(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -145,6 +155,7 @@ def run_bench(
         for b in batch_sizes:
             console.print(f"eaglebatch, plain decoding, max batch size {b} ...")
             rows.append(_eaglebatch_row(job, b, target, Path(tmp), spec=False))
+            _report(console, rows[-1])
             if spec:
                 from .speculative.worker import SpecWorker
 
@@ -159,11 +170,13 @@ def run_bench(
                     adaptive=job.speculative.adaptive,
                 )
                 rows.append(_eaglebatch_row(job, b, worker, Path(tmp), spec=True))
+                _report(console, rows[-1])
                 del worker
     del target
     for b in hf_batch_sizes:
         console.print(f"transformers generate, batch size {b} ...")
         rows.append(_hf_row(job, prep, b))
+        _report(console, rows[-1])
 
     ref = next((r for r in rows if r["engine"] == "transformers"), None)
     ref = ref or rows[0]
