@@ -7,10 +7,12 @@ names the key path (`sampling.temperature`) so a user can fix the file without a
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+_M = TypeVar("_M", bound=BaseModel)
 
 
 class JobError(Exception):
@@ -115,24 +117,32 @@ class JobConfig(_Section):
     def resolved(self, base_dir: Path) -> JobConfig:
         """Relative paths in the job file are relative to the job file's directory."""
 
-        def fix(p: str) -> str:
-            if p.startswith("builtin:") or Path(p).is_absolute():
-                return p
-            return str((base_dir / p).resolve())
-
-        def fix_model(m: str | None) -> str | None:
-            if m is not None and ("/" in m or m.startswith(".") or (base_dir / m).exists()):
-                return fix(m)
-            return m
-
         return self.model_copy(
             update={
-                "model": fix_model(self.model),
-                "draft": fix_model(self.draft),
-                "input": self.input.model_copy(update={"path": fix(self.input.path)}),
-                "output": self.output.model_copy(update={"path": fix(self.output.path)}),
+                "model": resolve_model_ref(self.model, base_dir),
+                "draft": resolve_model_ref(self.draft, base_dir),
+                "input": self.input.model_copy(
+                    update={"path": resolve_path(self.input.path, base_dir)}
+                ),
+                "output": self.output.model_copy(
+                    update={"path": resolve_path(self.output.path, base_dir)}
+                ),
             }
         )
+
+
+def resolve_path(p: str, base_dir: Path) -> str:
+    """A job-file path: builtin names and absolute paths as they are, others under base_dir."""
+    if p.startswith("builtin:") or Path(p).is_absolute():
+        return p
+    return str((base_dir / p).resolve())
+
+
+def resolve_model_ref(m: str | None, base_dir: Path) -> str | None:
+    """A model / draft reference: a path when it looks like one or exists, else a builtin name."""
+    if m is not None and ("/" in m or m.startswith(".") or (base_dir / m).exists()):
+        return resolve_path(m, base_dir)
+    return m
 
 
 def _format_error(err: ValidationError, source: str) -> str:
@@ -179,9 +189,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def load_job(path: str | Path, overrides: list[str] = ()) -> JobConfig:
-    """Reads, overrides, validates and resolves a job file. Raises JobError on any problem."""
-    path = Path(path)
+def load_validated(path: Path, overrides: list[str], cls: type[_M]) -> _M:
+    """Reads a YAML job file, applies `--set` overrides and validates it as `cls`. Raises
+    JobError naming the file and key on any problem."""
     try:
         text = path.read_text()
     except OSError as e:
@@ -196,10 +206,15 @@ def load_job(path: str | Path, overrides: list[str] = ()) -> JobConfig:
         raise JobError(f"{path}: the job must be a mapping of keys (model, input, output, ...)")
     data = apply_overrides(data, list(overrides))
     try:
-        job = JobConfig.model_validate(data)
+        return cls.model_validate(data)
     except ValidationError as e:
         raise JobError(_format_error(e, str(path))) from None
-    return job.resolved(path.parent.resolve())
+
+
+def load_job(path: str | Path, overrides: list[str] = ()) -> JobConfig:
+    """Reads, overrides, validates and resolves a job file. Raises JobError on any problem."""
+    path = Path(path)
+    return load_validated(path, list(overrides), JobConfig).resolved(path.parent.resolve())
 
 
 def job_to_dict(job: JobConfig) -> dict:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field
 
 from eaglebatch.config import (
     InputConfig,
     JobError,
-    _format_error,
     _Section,
-    apply_overrides,
+    load_validated,
+    resolve_model_ref,
+    resolve_path,
 )
 
 
@@ -63,33 +63,14 @@ class TrainJob(_Section):
 
 def load_train_job(path: str | Path, overrides: list[str] = ()) -> TrainJob:
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except OSError as e:
-        raise JobError(f"cannot read job file {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise JobError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise JobError(f"{path}: the job must be a mapping of keys")
-    data = apply_overrides(data, list(overrides))
-    try:
-        job = TrainJob.model_validate(data)
-    except ValidationError as e:
-        raise JobError(_format_error(e, str(path))) from None
+    job = load_validated(path, list(overrides), TrainJob)
     if set(job.output) != {"path"}:
         raise JobError(f"{path}: output takes exactly one key, 'path'")
     base = path.parent.resolve()
-
-    def fix(p: str) -> str:
-        return p if p.startswith("builtin:") or Path(p).is_absolute() else str(base / p)
-
-    model = job.model
-    if "/" in model or model.startswith("."):
-        model = fix(model)
     return job.model_copy(
         update={
-            "model": model,
-            "input": job.input.model_copy(update={"path": fix(job.input.path)}),
-            "output": {"path": fix(job.output["path"])},
+            "model": resolve_model_ref(job.model, base),
+            "input": job.input.model_copy(update={"path": resolve_path(job.input.path, base)}),
+            "output": {"path": resolve_path(job.output["path"], base)},
         }
     )
