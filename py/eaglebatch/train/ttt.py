@@ -51,6 +51,7 @@ def ttt_forward(
     emb_n = layer.input_layernorm(emb)
     pos = torch.arange(t, device=tokens.device)
     cos, sin = draft.rotary_emb(pos, emb.dtype)  # [t, 1, D]
+    cos, sin = cos.repeat(bsz, 1, 1), sin.repeat(bsz, 1, 1)  # [B * t, 1, D], every step's rows
     p_idx = pos[:, None]  # [t, 1] query position
     k_idx = pos[None, :]  # [1, t] key position
     key_ok = k_idx < (lengths[:, None, None] - 1)  # [B, 1, t] real keys
@@ -68,15 +69,16 @@ def ttt_forward(
         q = attn.q_proj(x).view(bsz, t, hq, d)
         k = attn.k_proj(x).view(bsz, t, hkv, d)
         v = attn.v_proj(x).view(bsz, t, hkv, d)
-        q = apply_rotary(q.reshape(bsz * t, hq, d), cos.repeat(bsz, 1, 1), sin.repeat(bsz, 1, 1))
-        k = apply_rotary(k.reshape(bsz * t, hkv, d), cos.repeat(bsz, 1, 1), sin.repeat(bsz, 1, 1))
+        q = apply_rotary(q.reshape(bsz * t, hq, d), cos, sin)
+        k = apply_rotary(k.reshape(bsz * t, hkv, d), cos, sin)
         q = q.view(bsz, t, hq, d).transpose(1, 2)  # [B, Hq, t, D]
         k = k.view(bsz, t, hkv, d)
         ks.append(k)
         vs.append(v)
-        # keys of step 1 (full causal block, shifted by j-1) -> [B, Hq, t, t]
-        k1 = ks[0].transpose(1, 2).repeat_interleave(group, dim=1)  # [B, Hq, t, D]
-        v1 = vs[0].transpose(1, 2).repeat_interleave(group, dim=1)
+        if j == 1:  # step-1 keys serve every later step: expand to the query heads once
+            k1 = ks[0].transpose(1, 2).repeat_interleave(group, dim=1)  # [B, Hq, t, D]
+            v1 = vs[0].transpose(1, 2).repeat_interleave(group, dim=1)
+        # scores against the step-1 keys (the causal block, shifted by j-1) -> [B, Hq, t, t]
         scores = torch.matmul(q, k1.transpose(-1, -2)) * attn.scale  # [B, Hq, t, t]
         mask1 = (k_idx <= p_idx - (j - 1)) & key_ok  # [B, t, t]
         scores = scores.masked_fill(~mask1[:, None], float("-inf"))
