@@ -33,10 +33,12 @@ def test_sharegpt_parquet_first_turns(tmp_path, monkeypatch):
     path = defaults.sharegpt_parquet()
     f = pq.ParquetFile(path)
     assert f.metadata.num_rows > 10_000
-    assert f.schema_arrow.names == ["id", "prompt", "messages"]
+    assert f.schema_arrow.names == ["id", "prompt", "messages", "response"]
     first = next(f.iter_batches(batch_size=8)).to_pylist()
     for row in first:
         assert row["prompt"].strip()
         assert row["messages"] == [{"role": "user", "content": row["prompt"]}]
+    responses = pq.read_table(path, columns=["response"]).column(0)
+    assert responses.null_count < len(responses) // 10  # nearly every first turn has a reply
     ids = pq.read_table(path, columns=["id"]).column(0).to_pylist()
     assert len(ids) == len(set(ids))

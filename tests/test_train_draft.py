@@ -6,9 +6,11 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 import torch
+import transformers
 from rich.console import Console
+from safetensors.torch import load_file
 
-from eaglebatch.config import load_job
+from eaglebatch.config import JobError, load_job
 from eaglebatch.engine import prepare, run_prepared
 from eaglebatch.model.llama import LlamaForCausalLM
 from eaglebatch.speculative import init_random_draft
@@ -17,7 +19,6 @@ from eaglebatch.train.job import load_train_job
 from eaglebatch.train.trainer import train_draft
 from eaglebatch.train.ttt import ttt_forward
 from paged_kv import PagedSequences
-from support.tiny import write_prompts
 from test_engine import random_prompts
 
 
@@ -63,29 +64,51 @@ def test_ttt_unroll_equals_inference_chain(tiny_model_dir, tmp_path):
 
 def test_train_draft_end_to_end_and_resume(tiny_model_dir, tmp_path):
     pytest.importorskip("eaglebatch._native")
-    prompts = random_prompts(40, seed=11)
-    inp = write_prompts(tmp_path / "prompts.parquet", prompts)
+    import pyarrow as pa
+
+    prompts = random_prompts(60, seed=11)
+    answers = [None if i % 7 == 0 else f"answer {i}: " + p[::-1] for i, p in enumerate(prompts)]
+    inp = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"prompt": prompts, "response": answers}), inp)
     job_file = tmp_path / "train.yaml"
     job_file.write_text(
         f"model: {tiny_model_dir}\ninput:\n  path: {inp}\n  apply_chat_template: true\n"
         f"output:\n  path: {tmp_path / 'head'}\n"
         "data:\n  holdout_rows: 8\n  num_prompts: 24\n  max_prompt_tokens: 200\n"
         "  max_new_tokens: 12\n  max_batch_size: 8\n"
+        "  answer_column: response\n  num_reference: 16\n  max_answer_tokens: 20\n"
         "head:\n  draft_vocab_size: 64\n  aux_layer_ids: [0, 1, 2]\n"
         "train:\n  epochs: 2\n  batch_tokens: 512\n  unroll: 2\n  checkpoint_every: 2\n"
-        "  warmup_steps: 1\n"
+        "  warmup_steps: 1\n  val_sequences: 6\n"
     )
     console = Console(stderr=True)
     job = load_train_job(job_file)
     out = train_draft(job, console)
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
-    held_out = pq.read_table(tmp_path / "head" / "work" / "prompts.parquet")
-    assert min(held_out.column("id").to_pylist()) >= 8  # the first 8 rows are never trained on
-    ckpt = torch.load(tmp_path / "head" / "work" / "ckpt" / "latest.pt", weights_only=False)
+    work = tmp_path / "head" / "work"
+    distilled = pq.read_table(work / "prompts.parquet").column("id").to_pylist()
+    reference = pq.read_table(work / "reference.parquet").column("id").to_pylist()
+    assert min(distilled) >= 8  # the first 8 rows are never trained on
+    assert min(reference) > max(distilled) and len(reference) == 16
+    assert all(answers[i] is not None for i in reference)  # rows without an answer skipped
+    # reference shards carry the target's own greedy predictions as labels
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    shard = load_file(str(work / "features-reference" / "shard-00000.safetensors"))
+    cu = shard["cu"].tolist()
+    assert shard["labels"].shape == shard["tokens"].shape and len(cu) == 17
+    for a, b in zip(cu[:3], cu[1:4]):
+        with torch.no_grad():
+            logits = hf(shard["tokens"][a:b].long()[None]).logits[0]
+        assert torch.equal(logits.argmax(-1).int(), shard["labels"][a:b])
+    ckpt = torch.load(work / "ckpt" / "latest.pt", weights_only=False)
+    assert ckpt["best"]["step"] <= ckpt["step"] and len(ckpt["best"]["val_acc"]) == 2
     # a second run resumes from the last checkpoint and has nothing left to do
     train_draft(job, console)
-    again = torch.load(tmp_path / "head" / "work" / "ckpt" / "latest.pt", weights_only=False)
+    again = torch.load(work / "ckpt" / "latest.pt", weights_only=False)
     assert again["step"] == ckpt["step"]
+    # a checkpoint trained with other settings is refused, not silently mixed
+    with pytest.raises(JobError, match="other data or settings"):
+        train_draft(load_train_job(job_file, ["train.epochs=3"]), console)
 
     # the exported head loads and speculative greedy output equals plain greedy output
     run_file = tmp_path / "run.yaml"

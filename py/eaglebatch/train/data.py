@@ -1,8 +1,12 @@
-"""Stage 1: training prompts and the target's own answers (self-distillation).
+"""Stage 1: training prompts and their answers.
 
 Prompts come from the job's input after the first `holdout_rows` rows (kept for evaluation),
-limited to `max_prompt_tokens` tokens. Answers are generated greedily by eaglebatch itself, as an
-ordinary batch job whose output (with token ids) lands in `work/gen/`.
+limited to `max_prompt_tokens` tokens. Two sources of answers:
+- self-distillation: the first `num_prompts` such rows, answered greedily by eaglebatch itself as an
+  ordinary batch job whose output (with token ids) lands in `work/gen/`;
+- reference answers: the next `num_reference` rows with a non-empty `answer_column`, tokenized
+  as written (`work/reference.parquet`); their labels are the target's own predictions
+  (stage 2), so both sources teach the head the target's greedy choice.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eaglebatch.config import EngineConfig, JobConfig, OutputConfig, SamplingConfig
+from eaglebatch.config import EngineConfig, JobConfig, JobError, OutputConfig, SamplingConfig
 from eaglebatch.inputs import check_input
 from eaglebatch.model_files import ModelFiles
 
@@ -49,33 +53,95 @@ class PromptEncoder:
         return self.tok.encode(text, add_special_tokens=False).ids
 
 
-def select_prompts(job: TrainJob, mf: ModelFiles, out: Path) -> int:
-    """Writes `out` (columns: id = input row index, the prompt column) with up to num_prompts
-    rows after the held-out ones whose prompts fit max_prompt_tokens. Returns the row count."""
-    if out.is_file():
-        return pq.read_metadata(out).num_rows
+def _select(job: TrainJob, enc: PromptEncoder, start_row: int, count: int,
+            answer_column: str | None) -> dict[str, list]:
+    """Up to `count` input rows at or after `start_row` whose prompt fits max_prompt_tokens (and
+    that have a non-empty answer when `answer_column` is given), in input order."""
     files, _ = check_input(job.input)
-    enc = PromptEncoder(job, mf)
-    ids, values = [], []
+    columns = [enc.column] + ([answer_column] if answer_column else [])
+    out: dict[str, list] = {"id": [], enc.column: []}
+    if answer_column:
+        out[answer_column] = []
     row = 0
     for f in files:
-        for batch in pq.ParquetFile(f).iter_batches(columns=[enc.column], batch_size=1024):
-            for value in batch.column(0).to_pylist():
-                if row >= job.data.holdout_rows and len(ids) < job.data.num_prompts:
-                    toks = enc(value)
+        pf = pq.ParquetFile(f)
+        missing = [c for c in columns if c not in pf.schema_arrow.names]
+        if missing:
+            raise JobError(f"{f}: no column {missing[0]!r} (data.answer_column / input)")
+        for batch in pf.iter_batches(columns=columns, batch_size=1024):
+            cols = [batch.column(i).to_pylist() for i in range(len(columns))]
+            for values in zip(*cols):
+                if row >= start_row and len(out["id"]) < count:
+                    answer = values[1] if answer_column else None
+                    ok = not answer_column or (isinstance(answer, str) and answer.strip())
+                    toks = enc(values[0]) if ok else None
                     if toks is not None and len(toks) <= job.data.max_prompt_tokens:
-                        ids.append(row)
-                        values.append(value)
+                        out["id"].append(row)
+                        out[enc.column].append(values[0])
+                        if answer_column:
+                            out[answer_column].append(answer)
                 row += 1
-            if len(ids) >= job.data.num_prompts:
-                break
-        if len(ids) >= job.data.num_prompts:
-            break
-    table = pa.table({"id": pa.array(ids, pa.int64()), enc.column: values})
+            if len(out["id"]) >= count:
+                return out
+    return out
+
+
+def _write(out: Path, columns: dict[str, list], requested: int) -> None:
+    table = pa.table({k: pa.array(v, pa.int64()) if k == "id" else v for k, v in columns.items()})
+    table = table.replace_schema_metadata({"eaglebatch.requested": str(requested)})
     tmp = out.with_suffix(".tmp")
     pq.write_table(table, tmp)
     os.replace(tmp, out)
-    return len(ids)
+
+
+def _selected(out: Path, requested: int) -> bool:
+    """True if `out` holds the selection for `requested` rows. Selection is deterministic (input
+    order), so a larger request extends a smaller one: shards of earlier rows stay valid."""
+    if not out.is_file():
+        return False
+    meta = pq.read_schema(out).metadata or {}
+    return meta.get(b"eaglebatch.requested") == str(requested).encode()
+
+
+def select_prompts(job: TrainJob, mf: ModelFiles, out: Path) -> int:
+    """Writes `out` (columns: id = input row index, the prompt column) with up to num_prompts
+    rows after the held-out ones whose prompts fit max_prompt_tokens. Returns the row count."""
+    if out.is_file():  # answers are generated for it once; growing it is not supported
+        return pq.read_metadata(out).num_rows
+    _write(out, _select(job, PromptEncoder(job, mf), job.data.holdout_rows,
+                        job.data.num_prompts, None), job.data.num_prompts)
+    return pq.read_metadata(out).num_rows
+
+
+def select_reference(job: TrainJob, mf: ModelFiles, prompts: Path, out: Path) -> int:
+    """Writes `out` (id, prompt column, answer column) with up to num_reference rows after the
+    held-out and the self-distillation rows. Returns the row count."""
+    if _selected(out, job.data.num_reference):
+        return pq.read_metadata(out).num_rows
+    start = job.data.holdout_rows
+    if prompts.is_file():
+        ids = pq.read_table(prompts, columns=["id"]).column(0).to_pylist()
+        start = max([start] + [i + 1 for i in ids])
+    _write(out, _select(job, PromptEncoder(job, mf), start, job.data.num_reference,
+                        job.data.answer_column), job.data.num_reference)
+    return pq.read_metadata(out).num_rows
+
+
+def reference_sequences(job: TrainJob, mf: ModelFiles, path: Path) -> list[tuple]:
+    """(prompt_ids, answer_ids) per reference row: the answer tokenized as written, cut at
+    max_answer_tokens; an answer that fits ends with the model's EOS, as a finished turn does."""
+    enc = PromptEncoder(job, mf)
+    tab = pq.read_table(path)
+    seqs = []
+    for prompt, answer in zip(tab.column(enc.column).to_pylist(),
+                              tab.column(job.data.answer_column).to_pylist()):
+        ids = enc.tok.encode(answer, add_special_tokens=False).ids
+        if len(ids) >= job.data.max_answer_tokens:
+            ids = ids[: job.data.max_answer_tokens]
+        elif mf.eos_token_ids:
+            ids = ids + [mf.eos_token_ids[0]]
+        seqs.append((enc(prompt), ids))
+    return seqs
 
 
 def generation_job(job: TrainJob, prompts: Path, gen_dir: Path) -> JobConfig:
@@ -101,6 +167,9 @@ def generate_answers(job: TrainJob, mf: ModelFiles, console) -> Path:
         return gen_dir
     prompts = work / "prompts.parquet"
     n = select_prompts(job, mf, prompts)
+    if n == 0:
+        done.write_text(json.dumps({"rows": 0}) + "\n")
+        return gen_dir
     console.print(f"[1/3] generating answers for {n} training prompts with the target ...")
     prep = prepare(generation_job(job, prompts, gen_dir))
     with ProgressView(prep.total_rows, console) as view:

@@ -1,11 +1,15 @@
 """Stage 2: the target's hidden states at the draft's aux layers over prompt + answer.
 
-Shards `work/features/shard-NNNNN.safetensors` (each written under a temporary name, then
-renamed: a shard that exists is complete):
+Shards `work/features/shard-NNNNN.safetensors` of SHARD_SEQS sequences (each written under a
+temporary name, then renamed: a shard that exists is complete; one holding fewer sequences than
+its slot now has, after the data set grew, is rewritten):
     tokens  int32 [N]          prompt + answer of every sequence, packed
     cu      int64 [S+1]        sequence offsets
     prompt  int32 [S]          prompt length (labels inside the answer only)
     feats   bfloat16 [N, 3h]   hidden states of the aux layers (HF output_hidden_states indices)
+    labels  int32 [N]          the target's greedy next token after each position
+Shards written before `labels` existed are read with labels = the next token of the sequence
+(identical for self-distilled answers, which are the target's greedy output).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eaglebatch.attention import AttentionMetadata, allocate_kv_cache
@@ -54,6 +59,8 @@ def capture(
     """Writes missing shards; returns all shard paths. A prefill-only forward per batch over a
     scratch paged KV cache (block size 16, blocks handed out contiguously)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    if not seqs:
+        return []
     cfg = target.config
     bs = 16
     longest = max(len(p) + len(a) for p, a in seqs)
@@ -63,18 +70,20 @@ def capture(
     for s0 in range(0, len(seqs), SHARD_SEQS):
         path = out_dir / f"shard-{s0 // SHARD_SEQS:05d}.safetensors"
         paths.append(path)
-        if path.is_file():
-            continue
         shard = seqs[s0 : s0 + SHARD_SEQS]
+        if path.is_file() and _num_seqs(path) == len(shard):
+            continue
         toks = [np.asarray(p + a, dtype=np.int64) for p, a in shard]
-        feats = []
+        feats, labels = [], []
         i = 0
         while i < len(toks):  # pack sequences up to batch_tokens per forward
             j, n = i, 0
             while j < len(toks) and (j == i or n + len(toks[j]) <= batch_tokens):
                 n += len(toks[j])
                 j += 1
-            feats.extend(_forward(target, toks[i:j], aux_layers, kv, bs))
+            f, lab = _forward(target, toks[i:j], aux_layers, kv, bs)
+            feats.extend(f)
+            labels.extend(lab)
             i = j
         cu = np.cumsum([0] + [len(t) for t in toks])
         tmp = path.with_suffix(".tmp")
@@ -84,6 +93,7 @@ def capture(
                 "cu": torch.from_numpy(cu.astype(np.int64)),
                 "prompt": torch.tensor([len(p) for p, _ in shard], dtype=torch.int32),
                 "feats": torch.cat(feats).to(torch.bfloat16).contiguous(),
+                "labels": torch.cat(labels).to(torch.int32),
             },
             str(tmp),
         )
@@ -92,7 +102,13 @@ def capture(
     return paths
 
 
-def _forward(target, toks: list[np.ndarray], aux_layers, kv, bs: int) -> list[torch.Tensor]:
+def _num_seqs(path: Path) -> int:
+    with safe_open(str(path), "pt") as f:
+        return f.get_slice("prompt").get_shape()[0]
+
+
+def _forward(target, toks: list[np.ndarray], aux_layers, kv, bs: int):
+    """Per sequence: (aux features [n, n_aux * h] float32, greedy next-token ids [n])."""
     lens = np.array([len(t) for t in toks])
     cu = np.concatenate([[0], np.cumsum(lens)])
     nblk = -(-lens // bs)
@@ -109,6 +125,10 @@ def _forward(target, toks: list[np.ndarray], aux_layers, kv, bs: int) -> list[to
     target.backend.prepare(meta)
     ids = torch.from_numpy(np.concatenate(toks)).to(target.device)
     pos = torch.from_numpy(np.concatenate([np.arange(n) for n in lens])).to(target.device)
-    _, captured = target(ids, pos, meta, kv, capture_layers=tuple(aux_layers))
+    hidden, captured = target(ids, pos, meta, kv, capture_layers=tuple(aux_layers))
     f = torch.cat([captured[i] for i in aux_layers], dim=-1)  # [N, n_aux * h]
-    return [f[cu[r] : cu[r + 1]].float() for r in range(len(toks))]
+    # argmax over the full vocabulary, 1024 rows at a time ([1024, V] float32 logits)
+    greedy = torch.cat([target.compute_logits(hidden[a : a + 1024]).argmax(-1)
+                        for a in range(0, hidden.shape[0], 1024)])
+    feats = [f[cu[r] : cu[r + 1]].float() for r in range(len(toks))]
+    return feats, [greedy[cu[r] : cu[r + 1]] for r in range(len(toks))]

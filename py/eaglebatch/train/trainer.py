@@ -1,13 +1,17 @@
 """Stage 3: train the EAGLE-3 head on the captured features; checkpoints; export.
 
-Resumable: `work/ckpt/latest.pt` holds the head, the optimizer, the step and the data order, and
-is replaced atomically every `checkpoint_every` steps; a restarted run continues from it. The
-exported head (`output.path/config.json` + `model.safetensors`, bfloat16, EAGLE-3 format with a
-reduced draft vocabulary mapped back through d2t) is rewritten at every checkpoint.
+Resumable: `work/ckpt/` holds the draft vocabulary, the initial head and `latest.pt` (the head,
+the optimizer, the step, the best validation result and a fingerprint of the data and settings),
+replaced atomically every `checkpoint_every` steps; a restarted run continues from it and refuses
+a checkpoint trained on other data (delete `work/ckpt/` to start over). At every checkpoint the
+head is measured on `val_sequences` held-out training sequences; the exported head
+(`output.path/config.json` + `model.safetensors`, bfloat16, EAGLE-3 format with a reduced draft
+vocabulary mapped back through d2t) is the best one so far.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -16,27 +20,28 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import torch
 from safetensors.torch import load_file, save_file
 
+from eaglebatch.config import JobError
 from eaglebatch.model.llama import LlamaForCausalLM
 from eaglebatch.model_files import model_files
 from eaglebatch.speculative import init_random_draft
 from eaglebatch.speculative.draft_config import default_aux_layer_ids
 from eaglebatch.speculative.eagle import EagleDraft, load_draft
 
-from .data import PromptEncoder, generate_answers
+from .data import PromptEncoder, generate_answers, reference_sequences, select_reference
 from .features import capture, training_sequences
 from .job import TrainJob
 from .ttt import ttt_forward
 
 
-def draft_vocabulary(gen_dir: Path, size: int, eos_ids: tuple[int, ...]) -> list[int]:
-    """The `size` most frequent tokens of the target's own answers (EOS always included)."""
+def draft_vocabulary(data: ShardData, size: int, eos_ids: tuple[int, ...]) -> list[int]:
+    """The `size` tokens the target predicts most often inside the answers (EOS always in)."""
     counts: Counter[int] = Counter()
-    for ids in pq.read_table(gen_dir, columns=["output_token_ids"]).column(0).to_pylist():
-        counts.update(ids or [])
+    for _, _, labels, prompt in data.seqs:
+        counts.update(labels[max(0, prompt - 1) :].tolist())
+    counts.pop(-1, None)
     top = [t for t, _ in counts.most_common(size)]
     for e in eos_ids:
         if e not in top:
@@ -48,7 +53,7 @@ def init_head(job: TrainJob, target: LlamaForCausalLM, model_dir: Path, vocab: l
               aux: tuple[int, ...]) -> EagleDraft:
     """A fresh head: random layer, lm_head rows and final norm copied from the target (tied
     embedding) and fc starting as the identity on the highest aux layer."""
-    init_dir = job.work_dir / "init"
+    init_dir = job.work_dir / "ckpt" / "init"
     if not (init_dir / "model.safetensors").is_file():
         init_random_draft(init_dir, model_dir, kind="eagle3", draft_vocab_size=len(vocab),
                           seed=job.train.seed, aux_layer_ids=aux, draft_token_ids=vocab)
@@ -66,22 +71,39 @@ def init_head(job: TrainJob, target: LlamaForCausalLM, model_dir: Path, vocab: l
 
 
 class ShardData:
-    """All shards in memory (bf16 features: ~3.5 KB per token for a 576-wide target)."""
+    """All shards in memory (bf16 features: ~3.5 KB per token for a 576-wide target). Each
+    sequence: (tokens [n], features [n, n_aux * h], greedy next-token labels [n], prompt length)."""
 
-    def __init__(self, paths: list[Path], vocab: list[int], vocab_size: int) -> None:
-        self.t2d = torch.full((vocab_size,), -100, dtype=torch.int64)
-        self.t2d[torch.tensor(vocab)] = torch.arange(len(vocab))
-        self.seqs: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+    def __init__(self, paths: list[Path]) -> None:
+        self.seqs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
         for p in paths:
             s = load_file(str(p))
             cu = s["cu"].tolist()
             for i in range(len(cu) - 1):
                 a, b = cu[i], cu[i + 1]
-                self.seqs.append((s["tokens"][a:b].long(), s["feats"][a:b], int(s["prompt"][i])))
+                tok = s["tokens"][a:b].long()
+                if "labels" in s:
+                    lab = s["labels"][a:b].long()
+                else:  # older shards: self-distilled answers are the greedy continuation
+                    lab = torch.cat([tok[1:], tok.new_full((1,), -1)])
+                self.seqs.append((tok, s["feats"][a:b], lab, int(s["prompt"][i])))
+        self.t2d = torch.empty(0, dtype=torch.int64)
 
-    def batches(self, batch_tokens: int, seed: int) -> list[list[int]]:
-        """Length-bucketed batches (padded size <= batch_tokens) in a seeded random order."""
-        order = sorted(range(len(self.seqs)), key=lambda i: len(self.seqs[i][0]))
+    def set_vocab(self, vocab: list[int], vocab_size: int) -> None:
+        # index vocab_size maps label -1 (no label) to -100 as well
+        self.t2d = torch.full((vocab_size + 1,), -100, dtype=torch.int64)
+        self.t2d[torch.tensor(vocab)] = torch.arange(len(vocab))
+
+    def split(self, n_val: int, seed: int) -> tuple[list[int], list[int]]:
+        """(train, validation) sequence indices: a seeded random `n_val` sequences held out."""
+        order = list(range(len(self.seqs)))
+        random.Random(seed).shuffle(order)
+        n_val = min(n_val, len(order) // 4)
+        return sorted(order[n_val:]), sorted(order[:n_val])
+
+    def batches(self, idx: list[int], batch_tokens: int, seed: int) -> list[list[int]]:
+        """Length-bucketed batches of `idx` (padded size <= batch_tokens) in a seeded order."""
+        order = sorted(idx, key=lambda i: len(self.seqs[i][0]))
         out, cur, longest = [], [], 0
         for i in order:
             n = len(self.seqs[i][0])
@@ -103,14 +125,44 @@ class ShardData:
         feats = torch.zeros(bsz, t, seqs[0][1].shape[1], dtype=torch.float32)
         labels = torch.full((bsz, t - 1), -100, dtype=torch.int64)
         lengths = torch.zeros(bsz, dtype=torch.int64)
-        for r, (tok, f, prompt) in enumerate(seqs):
+        vocab_size = len(self.t2d) - 1
+        for r, (tok, f, greedy, prompt) in enumerate(seqs):
             n = len(tok)
             tokens[r, :n], feats[r, :n], lengths[r] = tok, f.float(), n
-            # position p predicts x_{p+2}; train where x_{p+2} is an answer token
-            lab = self.t2d[tok[2:]]
+            # position p predicts the target's greedy token after x_{p+1}; train inside the
+            # answer: from the prediction of its first token (p + 1 = prompt - 1) on
+            lab = self.t2d[greedy[1:].where(greedy[1:] >= 0, vocab_size)]
             lab[: max(0, prompt - 2)] = -100
-            labels[r, : n - 2] = lab
+            labels[r, : n - 1] = lab
         return tokens, feats, lengths, labels
+
+
+def acceptance_estimate(accs: list[float]) -> float:
+    """Expected accepted tokens per verify round for a chain of len(accs) drafts, treating
+    step j's top-1 accuracy (its inputs follow a correct chain) as the chance it is accepted
+    given the steps before were: 1 + a1 + a1 a2 + ..."""
+    total, run = 1.0, 1.0
+    for a in accs:
+        run *= a
+        total += run
+    return total
+
+
+@torch.no_grad()
+def evaluate(draft: EagleDraft, data: ShardData, idx: list[int], job: TrainJob) -> list[float]:
+    """Token-weighted top-1 accuracy per unroll step over the sequences `idx`."""
+    draft.eval()
+    hits = [0.0] * job.train.unroll
+    count = [0] * job.train.unroll
+    for batch in data.batches(idx, job.train.batch_tokens, 0):
+        tokens, feats, lengths, labels = data.collate(batch)
+        _, _, accs = ttt_forward(draft, tokens, feats, lengths, labels, job.train.unroll)
+        for j, a in enumerate(accs):
+            n = int((labels[:, j:] >= 0).sum())
+            hits[j] += a.item() * n
+            count[j] += n
+    draft.train()
+    return [h / max(c, 1) for h, c in zip(hits, count)]
 
 
 def export_head(draft: EagleDraft, init_dir: Path, out: Path, meta: dict) -> None:
@@ -137,50 +189,89 @@ def _lr(step: int, total: int, job: TrainJob) -> float:
     return job.train.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
+def _fingerprint(job: TrainJob, vocab: list[int], n_seqs: int) -> dict:
+    """What a checkpoint was trained on; resuming with anything else would mix two runs."""
+    return {"sequences": n_seqs, "vocab": hashlib.sha256(json.dumps(vocab).encode()).hexdigest(),
+            "aux": list(job.head.aux_layer_ids or ()), "unroll": job.train.unroll,
+            "batch_tokens": job.train.batch_tokens, "epochs": job.train.epochs,
+            "val_sequences": job.train.val_sequences, "seed": job.train.seed}
+
+
+def collect_sequences(job: TrainJob, mf, target: LlamaForCausalLM, aux, console) -> list[Path]:
+    """Stages 1-2: self-distilled answers and reference answers -> feature shards."""
+    enc = PromptEncoder(job, mf)
+    gen_dir = generate_answers(job, mf, console)
+    shards: list[Path] = []
+    if json.loads((job.work_dir / "gen.done").read_text())["rows"]:
+        seqs = training_sequences(job.work_dir / "prompts.parquet", gen_dir, enc)
+        console.print(f"[2/3] capturing target features of {len(seqs)} self-distilled "
+                      f"sequences at layers {aux} ...")
+        shards += capture(target, seqs, aux, job.work_dir / "features", console)
+    if job.data.num_reference:
+        ref = job.work_dir / "reference.parquet"
+        n = select_reference(job, mf, job.work_dir / "prompts.parquet", ref)
+        seqs = reference_sequences(job, mf, ref)
+        console.print(f"[2/3] capturing target features and greedy labels of {n} reference "
+                      f"answers at layers {aux} ...")
+        shards += capture(target, seqs, aux, job.work_dir / "features-reference", console)
+    return shards
+
+
 def train_draft(job: TrainJob, console) -> Path:
     if job.train.num_threads:
         torch.set_num_threads(job.train.num_threads)
     torch.manual_seed(job.train.seed)
     mf = model_files(job.model)
-    gen_dir = generate_answers(job, mf, console)
-
+    job.work_dir.mkdir(parents=True, exist_ok=True)
     target = LlamaForCausalLM.from_pretrained(mf.dir, dtype=torch.float32)
     for p in target.parameters():
         p.requires_grad_(False)
     aux = job.head.aux_layer_ids or default_aux_layer_ids(target.config.num_hidden_layers)
-    enc = PromptEncoder(job, mf)
-    seqs = training_sequences(job.work_dir / "prompts.parquet", gen_dir, enc)
-    console.print(f"[2/3] capturing target features of {len(seqs)} sequences at layers {aux} ...")
-    shards = capture(target, seqs, aux, job.work_dir / "features", console)
+    data = ShardData(collect_sequences(job, mf, target, aux, console))
+    if not data.seqs:
+        raise JobError("train-draft: no training sequences (every answer was empty or failed)")
 
-    vocab_file = job.work_dir / "draft_vocab.json"
+    # the vocabulary, the initial head and the checkpoint live together in work/ckpt: deleting
+    # that folder starts training over on the current data
+    vocab_file = job.work_dir / "ckpt" / "draft_vocab.json"
+    vocab_file.parent.mkdir(parents=True, exist_ok=True)
     if not vocab_file.is_file():
-        vocab = draft_vocabulary(gen_dir, job.head.draft_vocab_size, mf.eos_token_ids)
+        vocab = draft_vocabulary(data, job.head.draft_vocab_size, mf.eos_token_ids)
         vocab_file.write_text(json.dumps(vocab))
     vocab = json.loads(vocab_file.read_text())
+    data.set_vocab(vocab, target.config.vocab_size)
     draft = init_head(job, target, mf.dir, vocab, tuple(aux))
     draft.train()
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=job.train.lr, weight_decay=job.train.weight_decay)
 
-    data = ShardData(shards, vocab, target.config.vocab_size)
-    per_epoch = len(data.batches(job.train.batch_tokens, 0))
+    train_idx, val_idx = data.split(job.train.val_sequences, job.train.seed)
+    per_epoch = len(data.batches(train_idx, job.train.batch_tokens, 0))
     total = max(1, int(job.train.epochs * per_epoch))
+    fingerprint = _fingerprint(job, vocab, len(data.seqs))
     ckpt = job.work_dir / "ckpt" / "latest.pt"
-    step = 0
+    step, best = 0, None
     if ckpt.is_file():
         state = torch.load(ckpt, weights_only=False)
+        if state.get("fingerprint") != fingerprint:
+            raise JobError(
+                f"{ckpt} was trained on other data or settings (saved: "
+                f"{state.get('fingerprint')}, now: {fingerprint}); delete {ckpt.parent} to "
+                "start training over"
+            )
         draft.load_state_dict(state["draft"])
         opt.load_state_dict(state["opt"])
-        step = state["step"]
+        step, best = state["step"], state.get("best")
         console.print(f"  resuming from step {step}/{total}")
-    console.print(f"[3/3] training: {len(data.seqs)} sequences, {per_epoch} steps per epoch, "
-                  f"{total} steps, unroll {job.train.unroll}")
-    init_dir = job.work_dir / "init"
+    answer_tokens = sum(len(data.seqs[i][0]) - data.seqs[i][3] for i in train_idx)
+    console.print(f"[3/3] training: {len(train_idx)} sequences ({answer_tokens} answer tokens, "
+                  f"{len(val_idx)} more held out for validation), {per_epoch} steps per epoch, "
+                  f"{total} steps, unroll {job.train.unroll}, draft vocabulary {len(vocab)}")
+    init_dir = job.work_dir / "ckpt" / "init"
     t0, last, first = time.monotonic(), time.monotonic(), step
     while step < total:
         epoch, i = divmod(step, per_epoch)
-        batch = data.batches(job.train.batch_tokens, job.train.seed + epoch)[i]
+        batch = data.batches(train_idx, job.train.batch_tokens, job.train.seed + epoch)[i]
         tokens, feats, lengths, labels = data.collate(batch)
         for g in opt.param_groups:
             g["lr"] = _lr(step, total, job)
@@ -200,14 +291,26 @@ def train_draft(job: TrainJob, console) -> Path:
                 f"ETA {(total - step) / max(rate, 1e-9):.0f}s", highlight=False
             )
         if step % job.train.checkpoint_every == 0 or step == total:
+            val = evaluate(draft, data, val_idx, job) if val_idx else [a.item() for a in accs]
+            tau = acceptance_estimate(val)
+            improved = best is None or tau > best["tau"]
+            if improved:
+                best = {"step": step, "tau": round(tau, 4), "val_acc": [round(a, 4) for a in val]}
             ckpt.parent.mkdir(parents=True, exist_ok=True)
             tmp = ckpt.with_suffix(".tmp")
-            torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
+            torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "step": step,
+                        "best": best, "fingerprint": fingerprint}, tmp)
             os.replace(tmp, ckpt)
-            meta = {"step": step, "total_steps": total, "sequences": len(data.seqs),
-                    "unroll": job.train.unroll, "acc_per_step": [round(a.item(), 4) for a in accs]}
-            export_head(draft, init_dir, job.output_path, meta)
-    console.print(f"exported the head to {job.output_path}")
+            console.print(
+                f"  checkpoint {step}: validation acc/step {' '.join(f'{a:.3f}' for a in val)} "
+                f"-> expected acceptance length {tau:.2f} at k={len(val)}"
+                + (" (best: exported)" if improved else f" (best {best['tau']:.2f} at step "
+                   f"{best['step']})"), highlight=False)
+            if improved:
+                meta = {"step": step, "total_steps": total, "sequences": len(train_idx),
+                        "answer_tokens": answer_tokens, "unroll": job.train.unroll,
+                        "validation": best}
+                export_head(draft, init_dir, job.output_path, meta)
+    console.print(f"exported the head to {job.output_path} (step {best['step']}, validation "
+                  f"expected acceptance length {best['tau']:.2f})")
     return job.output_path
-
-

@@ -8,7 +8,8 @@ input at p is (out_{j-1}[p-1], x_{p+1}) and it attends to
     step-1 keys at positions <= p-j+1   (what draft-extend wrote from target features)
     step-i keys at position p-j+i, i = 2..j   (the draft's own earlier steps of this chain),
 exactly the keys the paged draft cache holds when the j-th draft token is produced at inference.
-Every step predicts x_{p+2}; step j is only defined for p >= j-1.
+Every step predicts the token after x_{p+1}: the target's greedy choice there (labels), which is
+x_{p+2} in self-distilled text. Step j is only defined for p >= j-1.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def ttt_forward(
     tokens: torch.Tensor,  # int64 [B, T] x_0..x_{T-1} (padding: any id)
     features: torch.Tensor,  # [B, T, n_aux * h] target hidden states at the aux layers
     lengths: torch.Tensor,  # int64 [B] real length of each row
-    labels: torch.Tensor,  # int64 [B, T-1] draft-vocab id of x_{p+2} at p, -100 = no loss
+    labels: torch.Tensor,  # int64 [B, T-1] draft-vocab id of the target's greedy token after
+    #                           x_{p+1} (x_{p+2} in self-distilled text) at p, -100 = no loss
     unroll: int,
     outputs: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
