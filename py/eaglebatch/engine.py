@@ -45,7 +45,7 @@ def _check_model_config(job: JobConfig, mf: ModelFiles) -> str:
     """Checks config.json and engine.max_model_len without loading weights; returns the dtype
     the worker will use."""
     from .model.config import ModelConfig
-    from .worker import resolve_device, resolve_dtype
+    from .worker import resolve_backend, resolve_device, resolve_dtype, resolve_graph_mode
 
     try:
         cfg = ModelConfig.from_dir(mf.dir)
@@ -56,7 +56,10 @@ def _check_model_config(job: JobConfig, mf: ModelFiles) -> str:
             f"engine.max_model_len: {job.engine.max_model_len} exceeds the model's "
             f"{cfg.max_model_len} positions"
         )
-    dtype = resolve_dtype(job.engine.dtype, resolve_device(job.engine.device))
+    device = resolve_device(job.engine.device)
+    resolve_backend(job.engine.attention_backend, device)
+    resolve_graph_mode(job.engine.cuda_graph, device)
+    dtype = resolve_dtype(job.engine.dtype, device)
     return str(dtype).removeprefix("torch.")
 
 
@@ -149,18 +152,27 @@ def build_scheduler(prep: PreparedJob, worker, metadata: dict[str, str], skip_ro
     )
 
 
-def build_worker(prep: PreparedJob):
-    """The plain Worker, or a SpecWorker around it when the job names a draft head."""
-    from .worker import Worker
+def build_worker(prep: PreparedJob, graph_mode: str | None = None):
+    """The plain Worker, or a SpecWorker around it when the job names a draft head, with its
+    graph steps captured (`graph_mode`: "cuda" | "eager" | "off"; default from engine.cuda_graph
+    and the device)."""
+    from .worker import Worker, resolve_device, resolve_graph_mode
 
     job = prep.job
+    eng = job.engine
+    mode = graph_mode or resolve_graph_mode(eng.cuda_graph, resolve_device(eng.device))
+    rows = 0 if mode == "off" else eng.max_batch_size  # the largest capture bucket
     if prep.draft_dir is None:
-        return Worker.from_job(job, prep.model)
+        worker = Worker.from_job(job, prep.model, graph_tokens=rows)
+        worker.enable_graphs(mode, eng.max_batch_size)
+        return worker
     from .speculative.worker import SpecWorker
 
-    target = Worker.from_job(job, prep.model, extra_kv_layers=1)
+    target = Worker.from_job(
+        job, prep.model, extra_kv_layers=1, graph_tokens=rows * (job.num_speculative_tokens + 1)
+    )
     try:
-        return SpecWorker.from_target(
+        worker = SpecWorker.from_target(
             target,
             prep.draft_dir,
             num_speculative_tokens=job.speculative.num_steps,
@@ -170,6 +182,8 @@ def build_worker(prep: PreparedJob):
         )
     except ValueError as e:
         raise JobError(f"draft: {prep.draft_dir}: {e}") from None
+    worker.enable_graphs(mode, eng.max_batch_size)
+    return worker
 
 
 def run_prepared(
@@ -213,6 +227,9 @@ def _run(prep: PreparedJob, worker, progress: ProgressFn | None, resume: ResumeS
                 progress(scheduler.progress())
         stats = dict(scheduler.finish())
     wall = time.monotonic() - start
+    graphs = worker.graph_stats() if hasattr(worker, "graph_stats") else None
+    if graphs is not None:
+        stats["cuda_graphs"] = graphs
     if progress is not None:
         progress(scheduler.progress())
     return RunSummary(stats=stats, wall_s=wall)

@@ -77,6 +77,16 @@ def accept_length(stats: dict) -> float | None:
     return stats["spec_tokens"] / steps if steps else None
 
 
+def graph_line(g: dict | None) -> str:
+    """Whether graphs were used, and how much (engine stats["cuda_graphs"])."""
+    if not g or g["mode"] == "off":
+        return "off"
+    used = "used" if g["mode"] == "cuda" else "eager (static steps, no capture)"
+    return (f"{used}: {g['graphs']} graphs for batch {g['sizes'][0]}-{g['sizes'][-1]}, "
+            f"{g['replays']} replays, {g['eager_steps']} larger steps eager, "
+            f"{g['memory_mib']} MiB (reserved {g['reserved_mib']})")
+
+
 def summary_table(stats: dict, wall_s: float, title: str = "eaglebatch summary") -> Table:
     t = Table(title=title, show_header=False)
     t.add_column("metric")
@@ -101,6 +111,7 @@ def summary_table(stats: dict, wall_s: float, title: str = "eaglebatch summary")
     if stats.get("spec_steps"):
         rows.append(("acceptance length", f"{accept_length(stats):.2f}"))
         rows.append(("verify rounds", f"{stats['spec_steps']}"))
+    rows.append(("CUDA graphs", graph_line(stats.get("cuda_graphs"))))
     for k, v in rows:
         t.add_row(k, v)
     return t

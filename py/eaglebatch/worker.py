@@ -14,6 +14,7 @@ import torch
 
 from .attention import AttentionMetadata, allocate_kv_cache, get_backend, kv_cache_bytes_per_block
 from .config import EngineConfig, JobConfig, JobError
+from .graphs import GraphPool, StaticMeta, bucket_for, capture_sizes, fill_rows, graph_reserve_bytes
 from .model.config import ModelConfig
 from .model.llama import LlamaForCausalLM
 from .model_files import ModelFiles
@@ -36,12 +37,35 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return _DTYPES[name]
 
 
+def flashinfer_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flashinfer") is not None
+
+
 def resolve_backend(name: str, device: torch.device) -> str:
+    """auto: flashinfer on CUDA when it is installed, else torch. flashinfer is never imported
+    on CPU, and asking for it where it cannot run is an error naming the key."""
     if name == "auto":
-        return "torch"  # flashinfer joins the registry in its own module (GPU issue)
-    if name == "flashinfer" and device.type != "cuda":
-        raise JobError("engine.attention_backend: 'flashinfer' needs engine.device cuda")
+        return "flashinfer" if device.type == "cuda" and flashinfer_importable() else "torch"
+    if name == "flashinfer":
+        if device.type != "cuda":
+            raise JobError("engine.attention_backend: 'flashinfer' needs engine.device cuda")
+        if not flashinfer_importable():
+            raise JobError(
+                "engine.attention_backend: 'flashinfer' is not installed "
+                "(pip install 'eaglebatch[flashinfer]'), or use 'auto' / 'torch'"
+            )
     return name
+
+
+def resolve_graph_mode(flag: bool | None, device: torch.device) -> str:
+    """engine.cuda_graph -> "cuda" | "off" (default: on when running on CUDA)."""
+    if flag is None:
+        return "cuda" if device.type == "cuda" else "off"
+    if flag and device.type != "cuda":
+        raise JobError("engine.cuda_graph: true needs engine.device cuda (graphs are CUDA-only)")
+    return "cuda" if flag else "off"
 
 
 @dataclass(frozen=True)
@@ -62,10 +86,12 @@ def plan_kv_budget(
     dtype: torch.dtype,
     device,
     extra_kv_layers: int = 0,
+    reserve_bytes: int = 0,
 ) -> KvBudget:
-    """Blocks for the KV cache: `kv_cache_tokens` if set, else a fraction of free memory, never
-    more than max_batch_size full-length sequences can use. `extra_kv_layers` (a draft head's
-    layers over the same blocks) count in the bytes per block."""
+    """Blocks for the KV cache: `kv_cache_tokens` if set, else a fraction of free memory (less
+    `reserve_bytes`, the CUDA graph pool), never more than max_batch_size full-length sequences
+    can use. `extra_kv_layers` (a draft head's layers over the same blocks) count in the bytes
+    per block. The cache itself gets one block more: the pad block of graph steps."""
     per_layer = kv_cache_bytes_per_block(cfg, eng.block_size, dtype) // cfg.num_hidden_layers
     per_block = per_layer * (cfg.num_hidden_layers + extra_kv_layers)
     useful = eng.max_batch_size * math.ceil(max_model_len / eng.block_size)
@@ -78,13 +104,28 @@ def plan_kv_budget(
             import psutil
 
             free = psutil.virtual_memory().available
-        blocks = min(int(free * eng.kv_cache_memory_fraction) // per_block, useful)
+        usable = int(free * eng.kv_cache_memory_fraction) - reserve_bytes
+        blocks = min(usable // per_block, useful)
     if blocks < 1:
         raise JobError("engine.kv_cache_tokens: the KV budget is smaller than one block")
     return KvBudget(num_blocks=blocks, block_size=eng.block_size, bytes_per_block=per_block)
 
 
+def check_graph_support(worker, mode: str) -> None:
+    """Graphs need a backend that says it can run inside them and a KV cache with a pad block."""
+    if mode == "off":
+        return
+    backend = worker.model.backend
+    if not backend.supports_cuda_graphs:
+        raise JobError(f"engine.cuda_graph: attention backend {backend.name!r} cannot run "
+                       "inside CUDA graphs; set engine.cuda_graph: false")
+    if worker.kv_caches[0].shape[1] <= worker.budget.num_blocks:
+        raise ValueError("graph steps need a KV cache with one block beyond the budget")
+
+
 class Worker:
+    graph_reserve_bytes = 0
+
     def __init__(
         self,
         model: LlamaForCausalLM,
@@ -97,13 +138,70 @@ class Worker:
         self.budget = budget
         self.max_model_len = max_model_len
         self.device = model.device
+        self.graphs: GraphPool | None = None  # enable_graphs
+        self._decode: dict[int, tuple] = {}  # padded batch -> (backend state, CapturedStep)
 
     @property
     def num_blocks(self) -> int:
         return self.budget.num_blocks
 
+    @property
+    def pad_block(self) -> int:
+        """The block after the scheduler's: padding rows of graph steps write only there."""
+        return self.budget.num_blocks
+
+    def graph_stats(self) -> dict | None:
+        return None if self.graphs is None else self.graphs.stats.as_dict()
+
+    def enable_graphs(self, mode: str, max_batch_size: int) -> None:
+        """Captures plain decode (1 token per row) per padded batch size. mode: "cuda" (CUDA
+        graphs), "eager" (the same static-buffer steps, run eagerly: CPU tests) or "off"."""
+        check_graph_support(self, mode)
+        if mode == "off":
+            return
+        backend = self.model.backend
+        sizes = capture_sizes(max_batch_size)
+        max_blocks = math.ceil(self.max_model_len / self.budget.block_size)
+        self._meta = StaticMeta(max(sizes), 1, max_blocks, self.budget.block_size,
+                                self.pad_block, self.device)
+        self._ids = torch.zeros(max(sizes), dtype=torch.long, device=self.device)  # [B]
+        self._pos = torch.zeros(max(sizes), dtype=torch.long, device=self.device)  # [B]
+        self.graphs = GraphPool(mode, sizes, self.device)
+        self.graphs.stats.reserved_bytes = self.graph_reserve_bytes
+        with torch.inference_mode(), self.graphs as pool:
+            for bp in reversed(sizes):  # largest first: smaller graphs reuse its pool memory
+                meta = self._meta.view(bp)
+                state = backend.make_graph_state(bp, 1, max_blocks, self.device)
+                backend.prepare_graph(meta, state)
+                self._decode[bp] = (state, pool.capture(lambda bp=bp, m=meta: self._logits(bp, m)))
+
+    def _logits(self, bp: int, meta: AttentionMetadata) -> torch.Tensor:  # [bp, V]
+        hidden = self.model(self._ids[:bp], self._pos[:bp], meta, self.kv_caches)
+        return self.model.compute_logits(hidden)
+
+    def _decode_logits(self, plan) -> torch.Tensor | None:
+        """Logits [B, V] of a decode plan through its graph, or None (not a graph step)."""
+        b = plan.num_seqs
+        if self.graphs is None or int(plan.cu_seqlens_q[-1]) != b:
+            return None
+        bp = bucket_for(b, self.graphs.sizes)
+        if bp is None:
+            self.graphs.stats.eager_steps += 1
+            return None
+        meta = self._meta.fill(bp, plan.seq_lens, plan.block_tables, plan.slot_mapping)
+        fill_rows(self._ids, plan.input_ids.astype(np.int64), bp)
+        fill_rows(self._pos, plan.positions.astype(np.int64), bp)
+        state, step = self._decode[bp]
+        self.model.backend.prepare_graph(meta, state)
+        self.graphs.stats.replays += 1
+        return step()[:b]
+
     @classmethod
-    def from_job(cls, job: JobConfig, mf: ModelFiles, extra_kv_layers: int = 0) -> Worker:
+    def from_job(
+        cls, job: JobConfig, mf: ModelFiles, extra_kv_layers: int = 0, graph_tokens: int = 0
+    ) -> Worker:
+        """`graph_tokens`: query rows of the largest CUDA-graph step that will be captured (its
+        pool is reserved out of the KV budget); 0 = no graphs."""
         eng = job.engine
         if eng.num_threads is not None:
             torch.set_num_threads(eng.num_threads)
@@ -123,28 +221,37 @@ class Worker:
         model = LlamaForCausalLM.from_pretrained(
             mf.dir, dtype=dtype, device=device, backend=backend, max_positions=max_model_len
         )
-        budget = plan_kv_budget(eng, cfg, max_model_len, dtype, device, extra_kv_layers)
-        kv = allocate_kv_cache(cfg, budget.num_blocks, budget.block_size, dtype, device)
-        return cls(model, kv, budget, max_model_len)
+        reserve = 0
+        if graph_tokens and device.type == "cuda":
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            reserve = graph_reserve_bytes(graph_tokens, cfg.hidden_size, cfg.intermediate_size,
+                                          cfg.vocab_size, itemsize)
+        budget = plan_kv_budget(eng, cfg, max_model_len, dtype, device, extra_kv_layers, reserve)
+        kv = allocate_kv_cache(cfg, budget.num_blocks + 1, budget.block_size, dtype, device)
+        worker = cls(model, kv, budget, max_model_len)
+        worker.graph_reserve_bytes = reserve
+        return worker
 
     @torch.inference_mode()
     def step(self, plan) -> tuple[np.ndarray, np.ndarray]:
         """Runs one plan; returns (tokens int32 [B], num_tokens int32 [B]) — one token per row."""
         dev = self.device
-        meta = AttentionMetadata.from_numpy(
-            plan.cu_seqlens_q,
-            plan.seq_lens,
-            plan.block_tables,
-            plan.slot_mapping,
-            self.budget.block_size,
-            dev,
-        )
-        self.model.backend.prepare(meta)
-        input_ids = torch.from_numpy(plan.input_ids).to(dev)  # [T]
-        positions = torch.from_numpy(plan.positions).to(dev)  # [T]
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)  # [T, H]
-        last = torch.from_numpy(plan.cu_seqlens_q[1:].astype(np.int64) - 1).to(dev)  # [B]
-        logits = self.model.compute_logits(hidden.index_select(0, last))  # [B, V]
+        logits = self._decode_logits(plan)  # [B, V] or None
+        if logits is None:
+            meta = AttentionMetadata.from_numpy(
+                plan.cu_seqlens_q,
+                plan.seq_lens,
+                plan.block_tables,
+                plan.slot_mapping,
+                self.budget.block_size,
+                dev,
+            )
+            self.model.backend.prepare(meta)
+            input_ids = torch.from_numpy(plan.input_ids).to(dev)  # [T]
+            positions = torch.from_numpy(plan.positions).to(dev)  # [T]
+            hidden = self.model(input_ids, positions, meta, self.kv_caches)  # [T, H]
+            last = torch.from_numpy(plan.cu_seqlens_q[1:].astype(np.int64) - 1).to(dev)  # [B]
+            logits = self.model.compute_logits(hidden.index_select(0, last))  # [B, V]
         tokens = sample(
             logits,
             torch.from_numpy(plan.temperature).to(dev),

@@ -95,9 +95,16 @@ class AttentionMetadata:
 
 class AttentionBackend:
     """Paged attention. `prepare` runs once per step outside any CUDA graph; `forward` runs once
-    per layer and must not synchronise with the host."""
+    per layer and must not synchronise with the host.
+
+    CUDA graphs (see eaglebatch/graphs.py) replay UNIFORM steps: num_seqs rows of exactly q_len
+    query tokens each, with block_tables [num_seqs, max_blocks] and every metadata tensor a
+    persistent buffer whose contents change between replays but whose shape and address do not.
+    A backend that can run such a step inside a graph sets `supports_cuda_graphs` and implements
+    `make_graph_state` / `prepare_graph`; the graph runner asks this flag (no allow-list)."""
 
     name: str = "base"
+    supports_cuda_graphs: bool = False
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Precomputes `meta.backend_state` for this step; called before the model's forward."""
@@ -115,6 +122,18 @@ class AttentionBackend:
     ) -> torch.Tensor:  # [T, Hq, D]
         """Writes k, v into `kv_cache` at `meta.slot_mapping`, then attends."""
         raise NotImplementedError
+
+    def make_graph_state(
+        self, num_seqs: int, q_len: int, max_blocks: int, device: torch.device
+    ) -> Any:
+        """Persistent state for one captured uniform step shape (called once, before capture)."""
+        raise NotImplementedError(f"attention backend {self.name!r} does not support CUDA graphs")
+
+    def prepare_graph(self, meta: AttentionMetadata, state: Any) -> None:
+        """`prepare` for a uniform step replayed from a graph: updates `state` IN PLACE (the graph
+        holds its addresses; never reallocate) from `meta`'s buffers and host copies, and sets
+        meta.backend_state = state. Runs outside the graph, before capture and every replay."""
+        raise NotImplementedError(f"attention backend {self.name!r} does not support CUDA graphs")
 
 
 def write_kv_cache(

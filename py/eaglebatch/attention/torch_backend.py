@@ -14,6 +14,11 @@ chunk pads to a similar length) and precomputes, per chunk:
     all-visible (decode at equal lengths) or plain causal (prefill at equal lengths).
 Prefill steps (q_i == k_i for all i) attend over the fresh k/v directly and skip the gather.
 Attention itself is `scaled_dot_product_attention` with grouped-query heads (enable_gqa).
+
+Uniform steps replayed from CUDA graphs (`prepare_graph`) cannot depend on host-side lengths:
+every row gathers all max_blocks columns of its block table (Lk = max_blocks * block_size keys)
+and the mask is computed on the device from seq_lens into a persistent buffer, so the captured
+per-layer work has fixed shapes. It costs O(max_model_len) per row: flashinfer is the fast path.
 """
 
 from __future__ import annotations
@@ -45,8 +50,21 @@ class _Plan:
     chunks: list[_Chunk]
 
 
+@dataclass
+class _Uniform:
+    """Graph-step state (one per captured shape); tensors are updated in place by prepare_graph."""
+
+    num_seqs: int  # B
+    q_len: int  # q, the same for every row
+    block_index: torch.Tensor  # int64 [B * M] block ids to gather, row-major
+    offsets: torch.Tensor  # int64 [q] 0..q-1
+    mask: torch.Tensor | None = None  # bool [B, 1, q, Lk] (allocated at the first prepare_graph)
+    key_pos: torch.Tensor | None = None  # int64 [Lk] 0..Lk-1
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    supports_cuda_graphs = True
 
     def __init__(self, chunk_tokens: int = 4096) -> None:
         """`chunk_tokens` bounds a chunk's padded size, C * max(max_k, max_q), i.e. how many
@@ -134,6 +152,48 @@ class TorchAttentionBackend(AttentionBackend):
             causal=causal,
         )
 
+    # ---- uniform steps (CUDA graphs) ------------------------------------------------------------
+
+    def make_graph_state(
+        self, num_seqs: int, q_len: int, max_blocks: int, device: torch.device
+    ) -> _Uniform:
+        return _Uniform(
+            num_seqs=num_seqs,
+            q_len=q_len,
+            block_index=torch.zeros(num_seqs * max_blocks, dtype=torch.int64, device=device),
+            offsets=torch.arange(q_len, device=device),
+        )
+
+    def prepare_graph(self, meta: AttentionMetadata, state: _Uniform) -> None:
+        b, m = meta.block_tables.shape
+        if b != state.num_seqs or meta.num_tokens != b * state.q_len:
+            raise ValueError(f"graph step shape {b}x{meta.num_tokens // b} != the state's "
+                             f"{state.num_seqs}x{state.q_len}")
+        lk = m * meta.block_size
+        if state.mask is None:  # first call: before capture, so the graph sees this buffer
+            state.mask = torch.zeros(b, 1, state.q_len, lk, dtype=torch.bool,
+                                     device=meta.seq_lens.device)
+            state.key_pos = torch.arange(lk, device=meta.seq_lens.device)
+        state.block_index.copy_(meta.block_tables.reshape(-1))
+        # key t visible to query j of row i  <=>  t <= seq_lens[i] - q + j
+        q_pos = meta.seq_lens[:, None].long() - state.q_len + state.offsets  # [B, q]
+        torch.le(state.key_pos[None, None, :], q_pos[:, :, None], out=state.mask[:, 0])
+        meta.backend_state = state
+
+    def _attend_uniform(self, st: _Uniform, q, kv_cache, scale: float) -> torch.Tensor:
+        b, hkv, d = st.num_seqs, kv_cache.shape[-2], kv_cache.shape[-1]
+        gathered = kv_cache.index_select(1, st.block_index)  # [2, B * M, block_size, Hkv, D]
+        k_pad, v_pad = gathered.view(2, b, -1, hkv, d).unbind(0)  # [B, Lk, Hkv, D] each
+        out = F.scaled_dot_product_attention(
+            q.view(b, st.q_len, -1, d).transpose(1, 2),  # [B, Hq, q, D]
+            k_pad.to(q.dtype).transpose(1, 2),
+            v_pad.to(q.dtype).transpose(1, 2),
+            attn_mask=st.mask,
+            scale=scale,
+            enable_gqa=True,
+        )  # [B, Hq, q, D]
+        return out.transpose(1, 2).reshape(b * st.q_len, -1, d)
+
     # ---- per layer ----------------------------------------------------------------------------
 
     def forward(
@@ -147,6 +207,9 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]
         plan = meta.backend_state
+        if isinstance(plan, _Uniform):
+            write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+            return self._attend_uniform(plan, q, kv_cache, scale)
         if not isinstance(plan, _Plan):
             raise RuntimeError("TorchAttentionBackend.prepare(meta) was not called for this step")
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)

@@ -37,8 +37,9 @@ from eaglebatch.attention.base import AttentionMetadata
 from eaglebatch.sampling import sample
 from eaglebatch.speculative.adaptive import AdaptiveDraftLength
 from eaglebatch.speculative.eagle import EagleDraft, load_draft
+from eaglebatch.speculative.graphs import SpecGraphs
 from eaglebatch.speculative.verify import verify
-from eaglebatch.worker import Worker
+from eaglebatch.worker import Worker, check_graph_support
 
 TREE_UNSUPPORTED = "speculative.topk > 1 (tree drafting) is not supported yet"
 
@@ -103,8 +104,8 @@ class SpecWorker:
         self.draft_kv = (
             draft_kv_cache
             if draft_kv_cache is not None
-            else draft.allocate_kv_cache(self.budget.num_blocks, self.budget.block_size)
-        )
+            else draft.allocate_kv_cache(self.budget.num_blocks + 1, self.budget.block_size)
+        )  # + the pad block of graph steps
         # verify queries reach position max_model_len - 1 + K
         for rotary in (self.model.model.rotary_emb, draft.rotary_emb):
             if rotary.max_positions < self.max_model_len + num_speculative_tokens:
@@ -118,6 +119,21 @@ class SpecWorker:
         self.policy = AdaptiveDraftLength(num_speculative_tokens) if adaptive else None
         self.stats = SpecStats()
         self._clock = _Clock(self.device)
+        self.graphs: SpecGraphs | None = None  # enable_graphs
+
+    def enable_graphs(self, mode: str, max_batch_size: int) -> None:
+        """Captures the draft loop, verify and draft-extend per padded batch size and draft
+        length (speculative/graphs.py). mode: "cuda", "eager" (CPU tests) or "off"."""
+        check_graph_support(self.target, mode)
+        if mode == "off":
+            return
+        if not self.draft.backend.supports_cuda_graphs or self.draft_kv.shape[1] <= self.num_blocks:
+            raise ValueError("the draft's backend or KV cache cannot run graph steps")
+        self.graphs = SpecGraphs(self, mode, max_batch_size)
+        self.graphs.stats.reserved_bytes = self.target.graph_reserve_bytes
+
+    def graph_stats(self) -> dict | None:
+        return None if self.graphs is None else self.graphs.stats.as_dict()
 
     @classmethod
     def from_target(
@@ -261,10 +277,15 @@ class SpecWorker:
         slots = self._dev(plan.slots)
         per_row = np.arange(b + 1, dtype=np.int64)
 
+        bp = None if self.graphs is None else self.graphs.bucket(b)  # None: eager
         t0 = self._clock.mark()
         # 1. drafting: argmax only (topk == 1)
         draft_ids = torch.empty(b, k, dtype=torch.long, device=self.device)  # [B, k] target ids
-        if k > 0:
+        if k > 0 and bp is not None:
+            h = self.hidden.index_select(0, slots)  # [B, h] h^d_{L-2}
+            draft_ids = self.graphs.draft_chain(bp, k, h, start, plan.block_tables, plan_slots)
+            self.stats.draft_steps += k - 1
+        elif k > 0:
             h = self.hidden.index_select(0, slots)  # [B, h] h^d_{L-2}
             d = self.draft.argmax_tokens(h)
             draft_ids[:, 0] = d
@@ -279,24 +300,32 @@ class SpecWorker:
 
         # 2. target verify over [x_{L-1}, d_1..d_k] at L-1..L-1+k
         first = self._dev(plan.input_ids[cu[:-1]])  # [B] x_{L-1}
-        ids = torch.cat((first[:, None], draft_ids), dim=1).reshape(-1)  # [B*(k+1)]
-        pos_np = (start[:, None] + np.arange(k + 1)).reshape(-1)  # [B*(k+1)]
-        positions = self._dev(pos_np)
-        meta = self._meta(
-            per_row * (k + 1), start + k + 1, block_tables, plan_slots[:, : k + 1].reshape(-1)
-        )
-        self.model.backend.prepare(meta)
-        hidden, captured = self.model(
-            ids, positions, meta, self.kv_caches, capture_layers=self.draft.capture_layers
-        )  # [B*(k+1), H]
-        logits = self.model.compute_logits(hidden).view(b, k + 1, -1)  # [B, k+1, V]
+        if bp is not None:
+            logits = self.graphs.target_verify(
+                bp, k, first, draft_ids, start, plan.block_tables, plan_slots
+            )  # [B, k+1, V]
+        else:
+            ids = torch.cat((first[:, None], draft_ids), dim=1).reshape(-1)  # [B*(k+1)]
+            pos_np = (start[:, None] + np.arange(k + 1)).reshape(-1)  # [B*(k+1)]
+            positions = self._dev(pos_np)
+            meta = self._meta(
+                per_row * (k + 1), start + k + 1, block_tables, plan_slots[:, : k + 1].reshape(-1)
+            )
+            self.model.backend.prepare(meta)
+            hidden, captured = self.model(
+                ids, positions, meta, self.kv_caches, capture_layers=self.draft.capture_layers
+            )  # [B*(k+1), H]
+            logits = self.model.compute_logits(hidden).view(b, k + 1, -1)  # [B, k+1, V]
         tokens, accepted = verify(logits, draft_ids, *self._sampling(plan))
 
         # 4. draft extend over L-1..L-1+k; keep h^d at L-1+a
-        select = torch.arange(b, device=self.device) * (k + 1) + accepted  # [B]
-        h = self._draft_forward(
-            tokens.reshape(-1), self.draft.target_features(captured), positions, meta, select
-        )
+        if bp is not None:
+            h = self.graphs.draft_extend(bp, k, tokens, accepted)
+        else:
+            select = torch.arange(b, device=self.device) * (k + 1) + accepted  # [B]
+            h = self._draft_forward(
+                tokens.reshape(-1), self.draft.target_features(captured), positions, meta, select
+            )
         self.hidden.index_copy_(0, slots, h)
 
         tokens_np = tokens.cpu().numpy()  # the step's only synchronisation
