@@ -199,3 +199,24 @@ def test_cuda_graph_run_equals_eager(tmp_path, tiny_model_dir, graph_prompts, ea
     prep = _job(tmp_path, tiny_model_dir, graph_prompts, "cuda", over)
     got, res = _outputs(prep, build_worker(prep, graph_mode="cuda"))
     assert got == ref and res.stats["cuda_graphs"]["replays"] > 0
+
+
+def test_backend_and_graph_mode_selection(monkeypatch):
+    from eaglebatch import worker as w
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(w, "flashinfer_importable", lambda: True)
+    assert w.resolve_backend("auto", cpu) == "torch"  # flashinfer is never picked on CPU
+    assert w.resolve_backend("auto", cuda) == "flashinfer"
+    assert w.resolve_backend("torch", cuda) == "torch"
+    with pytest.raises(JobError, match="needs engine.device cuda"):
+        w.resolve_backend("flashinfer", cpu)
+    monkeypatch.setattr(w, "flashinfer_importable", lambda: False)
+    assert w.resolve_backend("auto", cuda) == "torch"
+    with pytest.raises(JobError, match="not installed"):
+        w.resolve_backend("flashinfer", cuda)
+    assert w.resolve_graph_mode(None, cpu) == "off"
+    assert w.resolve_graph_mode(None, cuda) == "cuda"
+    assert w.resolve_graph_mode(False, cuda) == "off"
+    with pytest.raises(JobError, match="engine.cuda_graph"):
+        w.resolve_graph_mode(True, cpu)
