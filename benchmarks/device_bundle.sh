@@ -4,8 +4,9 @@
 #   py/eaglebatch/_native.abi3.so  the Rust extension (abi3), out of a release wheel; the Python
 #          package itself runs from the carried tree (PYTHONPATH=py), so the ~17 MB builtin head
 #          travels once, not twice;
-#   .whl/  the wheels the device image lacks (pydantic and its parts), and flashinfer's when
-#          FLASHINFER="flashinfer-python==X ..." names them.
+#   .whl/  the wheels the device image lacks: pydantic and its parts, and flashinfer-python 0.6.13
+#          with apache-tvm-ffi (pure-source kernels JIT-compiled by the device's nvcc; 17 MiB);
+#          FLASHINFER="" leaves them out (the check then times the torch backend).
 # Then run with carry [".whl", "py/eaglebatch/_native.abi3.so"], from the repository root:
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && PYTHONPATH=/tmp/site:py PYTHONUNBUFFERED=1 python3 benchmarks/gpu_check.py \
@@ -24,7 +25,8 @@ dl() {
         --platform manylinux2014_x86_64 --platform any -d .whl "$@"
 }
 dl pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2
-if [ -n "${FLASHINFER:-}" ]; then
+FLASHINFER="${FLASHINFER-flashinfer-python==0.6.13 apache-tvm-ffi==0.1.15.post2}"
+if [ -n "$FLASHINFER" ]; then
     # shellcheck disable=SC2086
     dl $FLASHINFER
 fi
