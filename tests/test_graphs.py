@@ -220,3 +220,17 @@ def test_backend_and_graph_mode_selection(monkeypatch):
     assert w.resolve_graph_mode(False, cuda) == "off"
     with pytest.raises(JobError, match="engine.cuda_graph"):
         w.resolve_graph_mode(True, cpu)
+
+
+def test_graph_reserve_grows_with_batch_queries_and_context():
+    from eaglebatch.graphs import graph_reserve_bytes
+
+    class Cfg:  # SmolLM2-135M's shape
+        vocab_size, hidden_size, intermediate_size = 49152, 576, 1536
+        num_key_value_heads, num_attention_heads, head_dim = 3, 9, 64
+
+    base = graph_reserve_bytes(Cfg, 64, 4, 8192, 2)
+    assert base > 2 * 64 * 4 * 49152 * 4  # at least the float32 verify logits, twice
+    assert graph_reserve_bytes(Cfg, 64, 1, 8192, 2) < base
+    assert graph_reserve_bytes(Cfg, 8, 4, 8192, 2) < base
+    assert graph_reserve_bytes(Cfg, 64, 4, 1024, 2) < base

@@ -163,13 +163,13 @@ def build_worker(prep: PreparedJob, graph_mode: str | None = None):
     mode = graph_mode or resolve_graph_mode(eng.cuda_graph, resolve_device(eng.device))
     rows = 0 if mode == "off" else eng.max_batch_size  # the largest capture bucket
     if prep.draft_dir is None:
-        worker = Worker.from_job(job, prep.model, graph_tokens=rows)
+        worker = Worker.from_job(job, prep.model, graph_rows=rows)
         worker.enable_graphs(mode, eng.max_batch_size)
         return worker
     from .speculative.worker import SpecWorker
 
     target = Worker.from_job(
-        job, prep.model, extra_kv_layers=1, graph_tokens=rows * (job.num_speculative_tokens + 1)
+        job, prep.model, extra_kv_layers=1, graph_rows=rows, graph_q=job.num_speculative_tokens + 1
     )
     try:
         worker = SpecWorker.from_target(

@@ -216,12 +216,15 @@ class GraphPool:
         return CapturedStep(fn, self.mode, self.pool)
 
 
-def graph_reserve_bytes(
-    num_tokens: int, hidden: int, intermediate: int, vocab: int, itemsize: int
-) -> int:
-    """A bound on a captured step's pool: its largest live activations (float32 logits over the
-    vocabulary plus a few layer-wide intermediates) for `num_tokens` rows, times two for the
-    allocator's rounding and the warm-up buffers that stay in the pool."""
-    logits = num_tokens * vocab * 4
-    layer = num_tokens * (3 * intermediate + 8 * hidden) * itemsize
-    return 2 * (logits + layer) + (64 << 20)
+def graph_reserve_bytes(cfg, rows: int, q_len: int, max_model_len: int, itemsize: int) -> int:
+    """A bound on the graph pool: the largest captured step's live activations for `rows`
+    sequences of `q_len` tokens (float32 logits over the vocabulary, a few layer-wide
+    intermediates, and the torch backend's per-row K/V gather, mask and scores over
+    max_model_len keys), times two for the allocator's rounding and the warm-up buffers."""
+    t = rows * q_len
+    logits = t * cfg.vocab_size * 4
+    layer = t * (3 * cfg.intermediate_size + 8 * cfg.hidden_size) * itemsize
+    keys = rows * max_model_len
+    attn = keys * (2 * cfg.num_key_value_heads * cfg.head_dim * itemsize
+                   + q_len * (cfg.num_attention_heads * 4 + 1))
+    return 2 * (logits + layer + attn) + (64 << 20)

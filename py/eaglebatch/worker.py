@@ -198,10 +198,11 @@ class Worker:
 
     @classmethod
     def from_job(
-        cls, job: JobConfig, mf: ModelFiles, extra_kv_layers: int = 0, graph_tokens: int = 0
+        cls, job: JobConfig, mf: ModelFiles, extra_kv_layers: int = 0, graph_rows: int = 0,
+        graph_q: int = 1,
     ) -> Worker:
-        """`graph_tokens`: query rows of the largest CUDA-graph step that will be captured (its
-        pool is reserved out of the KV budget); 0 = no graphs."""
+        """`graph_rows` x `graph_q`: sequences x query tokens of the largest CUDA-graph step that
+        will be captured (its pool is reserved out of the KV budget); 0 rows = no graphs."""
         eng = job.engine
         if eng.num_threads is not None:
             torch.set_num_threads(eng.num_threads)
@@ -222,10 +223,9 @@ class Worker:
             mf.dir, dtype=dtype, device=device, backend=backend, max_positions=max_model_len
         )
         reserve = 0
-        if graph_tokens and device.type == "cuda":
+        if graph_rows and device.type == "cuda":
             itemsize = torch.empty((), dtype=dtype).element_size()
-            reserve = graph_reserve_bytes(graph_tokens, cfg.hidden_size, cfg.intermediate_size,
-                                          cfg.vocab_size, itemsize)
+            reserve = graph_reserve_bytes(cfg, graph_rows, graph_q, max_model_len, itemsize)
         budget = plan_kv_budget(eng, cfg, max_model_len, dtype, device, extra_kv_layers, reserve)
         kv = allocate_kv_cache(cfg, budget.num_blocks + 1, budget.block_size, dtype, device)
         worker = cls(model, kv, budget, max_model_len)
