@@ -25,7 +25,7 @@ def test_gpu_check_runs_on_cpu(tmp_path):
         checks = report["checks"]["float32_torch"][b]
         assert all(checks[n]["pass"] for n in ("plain_graph", "spec_eager", "spec_graph"))
         assert checks["graphs"]["replays"] > 0
-        t = report["timings"][b]["eager"]
+        t = report["timings"]["torch"][b]["eager"]
         assert t["spec_round_ms"] > 0 and t["plain_decode_ms"] > 0
         assert report["transformers_generate"][b]["output_tok_s"] > 0
     assert "skipped" in report["checks"]["flashinfer"]
