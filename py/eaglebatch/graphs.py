@@ -218,13 +218,15 @@ class GraphPool:
 
 def graph_reserve_bytes(cfg, rows: int, q_len: int, max_model_len: int, itemsize: int) -> int:
     """A bound on the graph pool: the largest captured step's live activations for `rows`
-    sequences of `q_len` tokens (float32 logits over the vocabulary, a few layer-wide
-    intermediates, and the torch backend's per-row K/V gather, mask and scores over
-    max_model_len keys), times two for the allocator's rounding and the warm-up buffers."""
+    sequences of `q_len` tokens (a few layer-wide intermediates, and the torch backend's per-row
+    K/V gather, mask and scores over max_model_len keys), times two for the allocator's rounding
+    and the warm-up buffers, plus every graph's output (hidden states, at most [rows * q_len,
+    H] per bucket and draft length: bounded by 16x the largest). Logits are computed outside the
+    graphs."""
     t = rows * q_len
-    logits = t * cfg.vocab_size * 4
     layer = t * (3 * cfg.intermediate_size + 8 * cfg.hidden_size) * itemsize
     keys = rows * max_model_len
     attn = keys * (2 * cfg.num_key_value_heads * cfg.head_dim * itemsize
                    + q_len * (cfg.num_attention_heads * 4 + 1))
-    return 2 * (logits + layer + attn) + (64 << 20)
+    outputs = 16 * t * cfg.hidden_size * itemsize
+    return 2 * (layer + attn) + outputs + (64 << 20)

@@ -173,11 +173,12 @@ class Worker:
                 meta = self._meta.view(bp)
                 state = backend.make_graph_state(bp, 1, max_blocks, self.device)
                 backend.prepare_graph(meta, state)
-                self._decode[bp] = (state, pool.capture(lambda bp=bp, m=meta: self._logits(bp, m)))
+                self._decode[bp] = (state, pool.capture(lambda bp=bp, m=meta: self._hidden(bp, m)))
 
-    def _logits(self, bp: int, meta: AttentionMetadata) -> torch.Tensor:  # [bp, V]
-        hidden = self.model(self._ids[:bp], self._pos[:bp], meta, self.kv_caches)
-        return self.model.compute_logits(hidden)
+    def _hidden(self, bp: int, meta: AttentionMetadata) -> torch.Tensor:  # [bp, H]
+        # the graph ends at the hidden states: every graph keeps its output alive, and [bp, V]
+        # float32 logits per bucket would add up; the LM head runs eagerly on the real rows
+        return self.model(self._ids[:bp], self._pos[:bp], meta, self.kv_caches)
 
     def _decode_logits(self, plan) -> torch.Tensor | None:
         """Logits [B, V] of a decode plan through its graph, or None (not a graph step)."""
@@ -194,7 +195,7 @@ class Worker:
         state, step = self._decode[bp]
         self.model.backend.prepare_graph(meta, state)
         self.graphs.stats.replays += 1
-        return step()[:b]
+        return self.model.compute_logits(step()[:b])
 
     @classmethod
     def from_job(

@@ -2,8 +2,10 @@
 
   loop[k, bp]    the whole draft chain: d_1 = argmax head(h0), then k-1 draft forwards, each
                  followed by an argmax -> draft ids [bp, k]          (k >= 1)
-  verify[k, bp]  the target over [x_{L-1}, d_1..d_k] -> logits [bp*(k+1), V], and the draft
-                 features of those rows into `feats[k]`              (k >= 0; k = 0: decode)
+  verify[k, bp]  the target over [x_{L-1}, d_1..d_k] -> final hidden states [bp*(k+1), H] (the LM
+                 head runs eagerly on the real rows: graph outputs stay alive, and logits for
+                 every bucket and k would not fit), and the draft features of those rows into
+                 `feats[k]`                                          (k >= 0; k = 0: decode)
   extend[k, bp]  the draft over (feats[k], tokens[k]) at the verify positions, keeping the row of
                  each sequence's last accepted token -> h [bp, h]    (k >= 0)
 
@@ -104,7 +106,7 @@ class SpecGraphs:
             out.append(d)
         return torch.stack(out, dim=1)
 
-    def _verify(self, k: int, bp: int) -> torch.Tensor:  # float32 [bp * (k+1), V]
+    def _verify(self, k: int, bp: int) -> torch.Tensor:  # [bp * (k+1), H]
         sw = self.sw
         n = bp * (k + 1)
         hidden, captured = sw.model(
@@ -112,7 +114,7 @@ class SpecGraphs:
             capture_layers=sw.draft.capture_layers,
         )
         self.feats[k][:n].copy_(sw.draft.target_features(captured))
-        return sw.model.compute_logits(hidden)
+        return hidden
 
     def _extend(self, k: int, bp: int) -> torch.Tensor:  # [bp, h]
         sw = self.sw
@@ -148,7 +150,8 @@ class SpecGraphs:
         fill_rows(self.pos[k], (start[:, None] + np.arange(k + 1)).reshape(-1), bp * (k + 1))
         self.sw.model.backend.prepare_graph(meta, self._states["verify", k, bp])
         self.stats.replays += 1
-        return self.verify[k, bp]()[: b * (k + 1)].view(b, k + 1, -1)
+        hidden = self.verify[k, bp]()[: b * (k + 1)]
+        return self.sw.model.compute_logits(hidden).view(b, k + 1, -1)
 
     def draft_extend(self, bp, k, tokens, accepted) -> torch.Tensor:
         """h^d [b, h] at each row's last accepted position; tokens [b, k+1], accepted [b]."""
