@@ -21,6 +21,8 @@ Invariant between steps, per running slot s: the draft's K/V is valid for positi
 K/V slots are the plan's: the draft's K/V of position p sits at the target's slot of p.
 
 Output per plan row: accepted drafts then the target's token (1..k+1 tokens), num_accepted.
+With `enable_graphs`, stages 1, 2 and 4 of a round run as captured steps per padded batch size
+(speculative/graphs.py); prefill, and batches above the largest bucket, stay eager.
 """
 
 from __future__ import annotations
