@@ -108,7 +108,11 @@ def test_train_draft_end_to_end_and_resume(tiny_model_dir, tmp_path):
     assert again["step"] == ckpt["step"]
     # a checkpoint trained with other settings is refused, not silently mixed
     with pytest.raises(JobError, match="other data or settings"):
-        train_draft(load_train_job(job_file, ["train.epochs=3"]), console)
+        train_draft(load_train_job(job_file, ["train.unroll=3"]), console)
+    # more epochs continue from the checkpoint
+    train_draft(load_train_job(job_file, ["train.epochs=3"]), console)
+    more = torch.load(work / "ckpt" / "latest.pt", weights_only=False)
+    assert more["step"] > ckpt["step"]
 
     # the exported head loads and speculative greedy output equals plain greedy output
     run_file = tmp_path / "run.yaml"

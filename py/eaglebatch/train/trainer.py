@@ -190,10 +190,12 @@ def _lr(step: int, total: int, job: TrainJob) -> float:
 
 
 def _fingerprint(job: TrainJob, vocab: list[int], n_seqs: int) -> dict:
-    """What a checkpoint was trained on; resuming with anything else would mix two runs."""
+    """What a checkpoint was trained on; resuming with anything else would mix two runs.
+    `train.epochs` is not part of it: raising it continues training (the data order of every
+    epoch is fixed by the seed; the learning-rate schedule stretches to the new total)."""
     return {"sequences": n_seqs, "vocab": hashlib.sha256(json.dumps(vocab).encode()).hexdigest(),
             "aux": list(job.head.aux_layer_ids or ()), "unroll": job.train.unroll,
-            "batch_tokens": job.train.batch_tokens, "epochs": job.train.epochs,
+            "batch_tokens": job.train.batch_tokens,
             "val_sequences": job.train.val_sequences, "seed": job.train.seed}
 
 
@@ -253,10 +255,12 @@ def train_draft(job: TrainJob, console) -> Path:
     step, best = 0, None
     if ckpt.is_file():
         state = torch.load(ckpt, weights_only=False)
-        if state.get("fingerprint") != fingerprint:
+        saved = dict(state.get("fingerprint") or {})
+        saved.pop("epochs", None)  # recorded by checkpoints of 2026-11-30; no longer binding
+        if saved != fingerprint:
             raise JobError(
                 f"{ckpt} was trained on other data or settings (saved: "
-                f"{state.get('fingerprint')}, now: {fingerprint}); delete {ckpt.parent} to "
+                f"{saved}, now: {fingerprint}); delete {ckpt.parent} to "
                 "start training over"
             )
         draft.load_state_dict(state["draft"])
