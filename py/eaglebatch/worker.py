@@ -111,6 +111,13 @@ def plan_kv_budget(
     return KvBudget(num_blocks=blocks, block_size=eng.block_size, bytes_per_block=per_block)
 
 
+def plan_metadata(plan, block_size: int, device: torch.device) -> AttentionMetadata:
+    """Attention metadata for the query a scheduler plan spells out."""
+    return AttentionMetadata.from_numpy(
+        plan.cu_seqlens_q, plan.seq_lens, plan.block_tables, plan.slot_mapping, block_size, device
+    )
+
+
 def check_graph_support(worker, mode: str) -> None:
     """Graphs need a backend that says it can run inside them and a KV cache with a pad block."""
     if mode == "off":
@@ -239,14 +246,7 @@ class Worker:
         dev = self.device
         logits = self._decode_logits(plan)  # [B, V] or None
         if logits is None:
-            meta = AttentionMetadata.from_numpy(
-                plan.cu_seqlens_q,
-                plan.seq_lens,
-                plan.block_tables,
-                plan.slot_mapping,
-                self.budget.block_size,
-                dev,
-            )
+            meta = plan_metadata(plan, self.budget.block_size, dev)
             self.model.backend.prepare(meta)
             input_ids = torch.from_numpy(plan.input_ids).to(dev)  # [T]
             positions = torch.from_numpy(plan.positions).to(dev)  # [T]

@@ -51,6 +51,13 @@ class AttentionMetadata:
     def num_tokens(self) -> int:
         return self.slot_mapping.shape[0]
 
+    def host_lengths(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cu_seqlens_q [B+1], seq_lens [B]) on the host, for planning: the host copies when
+        given (no device sync), else copies of the device tensors."""
+        cu = self.cu_seqlens_q if self.cu_seqlens_q_cpu is None else self.cu_seqlens_q_cpu
+        lens = self.seq_lens if self.seq_lens_cpu is None else self.seq_lens_cpu
+        return cu.cpu(), lens.cpu()
+
     @classmethod
     def from_numpy(
         cls,

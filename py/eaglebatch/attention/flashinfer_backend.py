@@ -205,10 +205,9 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def _lay_out(self, step: _Step, meta: AttentionMetadata) -> None:
         """Host layout + device page indices for `meta`; forgets any plan made for `step`."""
-        cu = meta.cu_seqlens_q if meta.cu_seqlens_q_cpu is None else meta.cu_seqlens_q_cpu
-        lens = meta.seq_lens if meta.seq_lens_cpu is None else meta.seq_lens_cpu
-        step.qo_indptr = cu.cpu().to(torch.int32)  # host copies given: no sync
-        step.layout = paged_layout(lens.cpu().numpy(), meta.block_size, meta.block_tables.shape[1])
+        cu, lens = meta.host_lengths()
+        step.qo_indptr = cu.to(torch.int32)
+        step.layout = paged_layout(lens.numpy(), meta.block_size, meta.block_tables.shape[1])
         step.indices = gather_page_indices(meta.block_tables, step.layout.gather)
         step.heads = None
 

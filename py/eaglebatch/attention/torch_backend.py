@@ -77,10 +77,9 @@ class TorchAttentionBackend(AttentionBackend):
     # ---- planning (once per step) -------------------------------------------------------------
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        cu = meta.cu_seqlens_q if meta.cu_seqlens_q_cpu is None else meta.cu_seqlens_q_cpu
-        lens = meta.seq_lens if meta.seq_lens_cpu is None else meta.seq_lens_cpu
-        cu_np = cu.cpu().numpy().astype(np.int64)  # [B+1] (no sync when host copies are given)
-        k_np = lens.cpu().numpy().astype(np.int64)  # [B]
+        cu, lens = meta.host_lengths()
+        cu_np = cu.numpy().astype(np.int64)  # [B+1]
+        k_np = lens.numpy().astype(np.int64)  # [B]
         q_np = cu_np[1:] - cu_np[:-1]  # [B]
         prefill = meta.is_prefill
         num_seqs = len(k_np)

@@ -41,7 +41,7 @@ from eaglebatch.speculative.adaptive import AdaptiveDraftLength
 from eaglebatch.speculative.eagle import EagleDraft, load_draft
 from eaglebatch.speculative.graphs import SpecGraphs
 from eaglebatch.speculative.verify import verify
-from eaglebatch.worker import Worker, check_graph_support
+from eaglebatch.worker import Worker, check_graph_support, plan_metadata
 
 TREE_UNSUPPORTED = "speculative.topk > 1 (tree drafting) is not supported yet"
 
@@ -227,14 +227,7 @@ class SpecWorker:
     # ---- prefill -------------------------------------------------------------------------------
 
     def _prefill(self, plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        meta = AttentionMetadata.from_numpy(
-            plan.cu_seqlens_q,
-            plan.seq_lens,
-            plan.block_tables,
-            plan.slot_mapping,
-            self.budget.block_size,
-            self.device,
-        )
+        meta = plan_metadata(plan, self.budget.block_size, self.device)
         self.model.backend.prepare(meta)
         ids = self._dev(plan.input_ids)  # [T]
         positions = self._dev(plan.positions)  # [T]
