@@ -284,3 +284,27 @@ def test_init_random_draft_rejects_bad_arguments(tmp_path, target_dir) -> None:
         init_random_draft(tmp_path, target_dir, "eagle1", draft_vocab_size=10)
     with pytest.raises(ValueError, match="draft_vocab_size 999"):
         init_random_draft(tmp_path, target_dir, "eagle3", draft_vocab_size=999)
+
+
+def test_models_configure_their_attention_backends(tmp_path, target_dir) -> None:
+    """Target and draft pass their head config to their backends when built, so a planning
+    backend (flashinfer) can plan before any forward, graph captures included."""
+    from eaglebatch.attention.torch_backend import TorchAttentionBackend
+
+    class Recording(TorchAttentionBackend):
+        def configure(self, *args) -> None:
+            self.config = args
+
+    tgt = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16,
+                                           backend=Recording())
+    cfg = tgt.config
+    assert tgt.backend.config == (cfg.num_attention_heads, cfg.num_key_value_heads,
+                                  cfg.head_dim, torch.bfloat16, torch.bfloat16,
+                                  cfg.head_dim**-0.5)
+    head = make_draft_dir(tmp_path / "e3", target_dir, "eagle3")
+    draft = load_draft(head, cfg, tgt, dtype=torch.float32)
+    lc = draft.config.layer
+    draft_backend = Recording()
+    EagleDraft(draft.config, tgt, backend=draft_backend, dtype=torch.float32)
+    assert draft_backend.config == (lc.num_attention_heads, lc.num_key_value_heads,
+                                    lc.head_dim, torch.float32, torch.float32, lc.head_dim**-0.5)

@@ -113,6 +113,19 @@ class AttentionBackend:
     name: str = "base"
     supports_cuda_graphs: bool = False
 
+    def configure(
+        self,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        kv_dtype: torch.dtype,
+        q_dtype: torch.dtype,
+        sm_scale: float | None = None,
+    ) -> None:
+        """The head config of the attention this backend serves; the model calls it once, when
+        it is built, so that planning (prepare, prepare_graph) can happen before any forward.
+        Backends that do not plan per head config ignore it."""
+
     def prepare(self, meta: AttentionMetadata) -> None:
         """Precomputes `meta.backend_state` for this step; called before the model's forward."""
         raise NotImplementedError

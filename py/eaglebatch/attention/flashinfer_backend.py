@@ -4,10 +4,10 @@ layer).
 
 Design
   * Head config (num_qo_heads, num_kv_heads, head_dim, q/kv dtypes, softmax scale) is needed by
-    plan() but prepare() never sees q. It is LEARNT from the first forward() of the first step
-    (the backend is built by name before the model exists, so nothing can configure it earlier),
-    or set ahead with `configure(...)`. Once known, prepare()/prepare_graph() plan right away;
-    before that, the first forward() of a step plans (outside any graph capture; see below).
+    plan() but prepare() never sees q. The models pass it to `configure(...)` when they are
+    built (AttentionBackend.configure), so prepare()/prepare_graph() plan right away. A backend
+    used without a model learns it from the first forward() of the first step, which then plans
+    (outside any graph capture; see below); a forward() whose q/KV differ re-plans.
   * One step = one plan, then `run` per layer with that plan (the model calls forward() for every
     layer with the same metadata). A step with every q_i == 1 uses the decode wrapper (if the
     GQA group size has decode kernels), any other step the prefill wrapper with causal=True.

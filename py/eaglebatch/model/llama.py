@@ -138,6 +138,9 @@ class LlamaForCausalLM(nn.Module):
             backend = TorchAttentionBackend()
         self.config = cfg
         self.backend = backend
+        # activations and the KV cache are in the model's dtype
+        backend.configure(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, dtype,
+                          dtype, cfg.head_dim**-0.5)
         factory = {"dtype": dtype, "device": device}
         self.model = LlamaModel(cfg, max_positions, **factory)
         # Tied: the LM head is the embedding matrix and there is no lm_head parameter.

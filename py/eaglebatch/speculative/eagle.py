@@ -118,6 +118,9 @@ class EagleDraft(nn.Module):
         self.config = cfg
         self._target = (target,)  # a tuple: not a submodule, its parameters are not ours
         self.backend = backend if backend is not None else get_backend(target.backend.name)
+        lc = cfg.layer  # the draft's attention: activations and its KV cache in `dtype`
+        self.backend.configure(lc.num_attention_heads, lc.num_key_value_heads, lc.head_dim, dtype,
+                               dtype, lc.head_dim**-0.5)
         self.eagle3 = cfg.kind != EAGLE1
         h = cfg.hidden_size
         fc_in = 2 * h if not self.eagle3 else len(cfg.aux_layer_ids) * cfg.target_hidden_size
