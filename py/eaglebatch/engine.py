@@ -227,7 +227,7 @@ def _run(prep: PreparedJob, worker, progress: ProgressFn | None, resume: ResumeS
                 progress(scheduler.progress())
         stats = dict(scheduler.finish())
     wall = time.monotonic() - start
-    graphs = worker.graph_stats() if hasattr(worker, "graph_stats") else None
+    graphs = worker.graph_stats()  # Worker and SpecWorker: None when graphs are off
     if graphs is not None:
         stats["cuda_graphs"] = graphs
     if progress is not None:
