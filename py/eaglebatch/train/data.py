@@ -113,7 +113,7 @@ def select_prompts(job: TrainJob, mf: ModelFiles, out: Path) -> int:
     return pq.read_metadata(out).num_rows
 
 
-def select_reference(job: TrainJob, mf: ModelFiles, prompts: Path, out: Path) -> int:
+def select_reference(job: TrainJob, enc: PromptEncoder, prompts: Path, out: Path) -> int:
     """Writes `out` (id, prompt column, answer column) with up to num_reference rows after the
     held-out and the self-distillation rows. Returns the row count."""
     if _selected(out, job.data.num_reference):
@@ -122,15 +122,15 @@ def select_reference(job: TrainJob, mf: ModelFiles, prompts: Path, out: Path) ->
     if prompts.is_file():
         ids = pq.read_table(prompts, columns=["id"]).column(0).to_pylist()
         start = max([start] + [i + 1 for i in ids])
-    _write(out, _select(job, PromptEncoder(job, mf), start, job.data.num_reference,
-                        job.data.answer_column), job.data.num_reference)
+    _write(out, _select(job, enc, start, job.data.num_reference, job.data.answer_column),
+           job.data.num_reference)
     return pq.read_metadata(out).num_rows
 
 
-def reference_sequences(job: TrainJob, mf: ModelFiles, path: Path) -> list[tuple]:
+def reference_sequences(job: TrainJob, enc: PromptEncoder, path: Path) -> list[tuple]:
     """(prompt_ids, answer_ids) per reference row: the answer tokenized as written, cut at
     max_answer_tokens; an answer that fits ends with the model's EOS, as a finished turn does."""
-    enc = PromptEncoder(job, mf)
+    eos = enc.mf.eos_token_ids
     tab = pq.read_table(path)
     seqs = []
     for prompt, answer in zip(tab.column(enc.column).to_pylist(),
@@ -138,8 +138,8 @@ def reference_sequences(job: TrainJob, mf: ModelFiles, path: Path) -> list[tuple
         ids = enc.tok.encode(answer, add_special_tokens=False).ids
         if len(ids) >= job.data.max_answer_tokens:
             ids = ids[: job.data.max_answer_tokens]
-        elif mf.eos_token_ids:
-            ids = ids + [mf.eos_token_ids[0]]
+        elif eos:
+            ids = ids + [eos[0]]
         seqs.append((enc(prompt), ids))
     return seqs
 

@@ -211,8 +211,8 @@ def collect_sequences(job: TrainJob, mf, target: LlamaForCausalLM, aux, console)
         shards += capture(target, seqs, aux, job.work_dir / "features", console)
     if job.data.num_reference:
         ref = job.work_dir / "reference.parquet"
-        n = select_reference(job, mf, job.work_dir / "prompts.parquet", ref)
-        seqs = reference_sequences(job, mf, ref)
+        n = select_reference(job, enc, job.work_dir / "prompts.parquet", ref)
+        seqs = reference_sequences(job, enc, ref)
         console.print(f"[2/3] capturing target features and greedy labels of {n} reference "
                       f"answers at layers {aux} ...")
         shards += capture(target, seqs, aux, job.work_dir / "features-reference", console)
