@@ -18,6 +18,7 @@ from eaglebatch.speculative import (
     TREE_UNSUPPORTED,
     AdaptiveDraftLength,
     SpecWorker,
+    chain_expected_tokens,
     expected_tokens,
     load_draft,
 )
@@ -146,8 +147,8 @@ def test_adaptive_draft_length_is_lossless(env) -> None:
     worker = spec_worker(env, "eagle3", 4, adaptive=True)
     out, sched = run(worker, env.reqs, k=4, eos=env.eos)
     assert out == env.plain
-    ks = {k for b in worker.policy.buckets.values() for k in b.t_verify}
-    assert {0, 4} <= ks  # starts at K, then measures k = 0
+    ks = {k for b in worker.policy.buckets.values() for k in b.t_round}
+    assert ks == {0, 1, 2, 3, 4}  # every k was measured (the sweep) and gave the same tokens
 
 
 # ---- oracle drafts: full and partial acceptance ------------------------------------------------
@@ -413,22 +414,61 @@ def test_rope_tables_cover_max_model_len_plus_k(env) -> None:
 def test_adaptive_policy_choices() -> None:
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
     assert expected_tokens(1.0, 3) == 4.0
+    assert chain_expected_tokens([0.8, 0.5, 0.25], 3) == pytest.approx(1 + 0.8 + 0.4 + 0.1)
+    assert chain_expected_tokens([0.8, 0.5], 0) == 1.0
     policy = AdaptiveDraftLength(4)
-    assert policy.choose(8) == 4  # new bucket: K first
-    policy.record(8, 4, 0.001, 0.010, [4] * 8)
-    assert policy.choose(7) == 0  # same bucket (8): then k = 0
-    policy.record(7, 0, None, 0.008, [0] * 7)
-    assert policy.acceptance > 0.95
+    sweep = []
+    for _ in range(5):  # a new bucket measures every k once: K first, then 0, 1, ..., K-1
+        k = policy.choose(7)
+        sweep.append(k)
+        policy.record(8, k, 0.001 if k else None, 0.008 + 0.0005 * k, [k] * 8)
+    assert sweep == [4, 0, 1, 2, 3]
+    assert policy.acceptance > 0.95 and min(policy.rates()) > 0.9
     assert policy.choose(8) == 4  # drafts nearly always accepted: draft all K
     assert policy.cost(8, 2) == pytest.approx(2 * 0.001 + 0.008 + 0.0005 * 2)
-
-    low = AdaptiveDraftLength(4)
-    low.record(8, 4, 0.001, 0.010, [0] * 8)
-    low.record(8, 0, None, 0.008, [0] * 8)
-    assert low.acceptance < 0.15
-    choices = [low.choose(8) for _ in range(3)]
-    assert choices == [0, 0, 0]  # drafts never accepted: plain decoding is cheaper
-    for _ in range(13):
-        low.record(8, 0, None, 0.008, [0] * 8)
-    assert low.choose(8) == 1  # every 16th round of a bucket probes one more draft
+    assert policy.cost(16, 2) is None  # another bucket: nothing measured yet
     assert AdaptiveDraftLength(4).choose(100) == 4 and AdaptiveDraftLength.bucket_of(100) == 128
+
+
+def _swept(policy: AdaptiveDraftLength, round_seconds, accepted) -> None:
+    """Runs the sweep of bucket 1 with the given round time per k and accepted drafts per k."""
+    for _ in range(policy.max_k + 1):
+        k = policy.choose(1)
+        policy.record(1, k, 0.001 if k else None, round_seconds[k] - 0.001 * k, [accepted(k)])
+
+
+def test_adaptive_policy_never_drafts_what_is_never_accepted() -> None:
+    low = AdaptiveDraftLength(4)
+    _swept(low, [0.008, 0.010, 0.011, 0.012, 0.013], lambda k: 0)
+    assert low.acceptance < 0.2 and low.rates()[0] < 0.2  # 4 rejections, smoothed
+    assert [low.choose(1) for _ in range(3)] == [0, 0, 0]  # plain decoding is cheaper
+    for _ in range(15 - 5):
+        low.record(1, 0, None, 0.008, [0])
+    assert low.choose(1) == 1  # the 16th round of a bucket probes a neighbour (k + 1)
+    for _ in range(16):
+        low.record(1, 0, None, 0.008, [0])
+    assert low.choose(1) == 1  # no k - 1 below 0: k + 1 again
+
+
+def test_adaptive_policy_follows_a_step_in_verify_cost() -> None:
+    """A CPU GEMM's cost jumps between 3 and 4 query tokens (k = 2 -> 3). With every draft
+    accepted, a line fitted through the per-k costs would price k = 3 too cheaply and pick it;
+    the measured per-k costs pick k = 2."""
+    policy = AdaptiveDraftLength(3)
+    cost = [0.035, 0.036, 0.037, 0.060]  # seconds per round, k = 0..3
+    _swept(policy, cost, lambda k: k)
+    assert policy.choose(1) == 2
+    assert policy.cost(1, 3) == pytest.approx(0.060)
+
+
+def test_adaptive_policy_prices_each_draft_position() -> None:
+    """Drafts 1 and 2 always pass, draft 3 never: the chain estimate stops paying for k = 3
+    where a single pooled rate (25 passes in 36 tries) would still pick k = 3."""
+    policy = AdaptiveDraftLength(3)
+    cost = [0.035, 0.036, 0.037, 0.040]
+    _swept(policy, cost, lambda k: min(k, 2))
+    for _ in range(10):
+        policy.record(1, 3, 0.001, cost[3] - 0.003, [2])
+    rates = policy.rates()
+    assert rates[0] > 0.9 and rates[1] > 0.9 and rates[2] < 0.2
+    assert policy.choose(1) == 2

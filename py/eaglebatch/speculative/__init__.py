@@ -4,7 +4,11 @@ Only chain drafting (topk == 1) is implemented: each round drafts k <= K tokens 
 verifies them with one target forward and emits the accepted prefix plus one target token.
 """
 
-from eaglebatch.speculative.adaptive import AdaptiveDraftLength, expected_tokens
+from eaglebatch.speculative.adaptive import (
+    AdaptiveDraftLength,
+    chain_expected_tokens,
+    expected_tokens,
+)
 from eaglebatch.speculative.checkpoint import init_random_draft, read_draft_tensors
 from eaglebatch.speculative.draft_config import DraftConfig, default_aux_layer_ids
 from eaglebatch.speculative.eagle import EagleDraft, load_draft
@@ -19,6 +23,7 @@ __all__ = [
     "SpecStats",
     "SpecWorker",
     "default_aux_layer_ids",
+    "chain_expected_tokens",
     "expected_tokens",
     "init_random_draft",
     "load_draft",

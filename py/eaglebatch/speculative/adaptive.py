@@ -1,23 +1,25 @@
 """Adaptive draft length: pick k in 0..K each verify round to maximise expected tokens per second.
 
-Model (per batch-size bucket, i.e. the batch size rounded up to a power of two):
-  * a round with k drafts costs  cost(k) = k * t_draft + t_verify(k)
-    - t_draft: drafting time per draft token (the first token's lm_head argmax plus k - 1
-      autoregressive draft steps, divided by k; EMA of measured times);
-    - t_verify(k) = c0 + c1 * k: the target's verify forward over k+1 query tokens plus the
-      draft-extend and bookkeeping of the round, a straight line through the EMAs measured at
-      each k used so far (flat, i.e. c1 = 0, while only one k has been measured);
-  * with per-token acceptance a (each draft accepted with probability a given its predecessors
-    were), a round emits  E(k) = 1 + a + ... + a^k = (1 - a^(k+1)) / (1 - a)  tokens per row;
-  * choose k = argmax E(k) / cost(k) (ties: the smaller k).
+Per batch-size bucket (the batch size rounded up to a power of two):
+  * cost(k): seconds of a whole round with k drafts (drafting, the target's verify forward over
+    k+1 query tokens, draft-extend, bookkeeping), an EMA per k of the rounds measured at that k.
+    Measured, not modelled as a line: verify cost is a step function of the query length where
+    GEMM kernels change strategy (on a 2-core x86 CPU, a SmolLM2 forward over 3 tokens per row
+    costs about what 1 token costs, over 4 tokens about 1.3x; GPUs have tile boundaries).
+    A k not measured yet is estimated as k * t_draft + the rest of the nearest measured round.
+  * acceptance per draft position: a_j = P(draft j accepted | drafts 1..j-1 were), from decayed
+    counts over all rounds (a row with k drafts and x accepted tried positions 1..min(x+1, k)
+    and passed 1..x), smoothed towards a_{j-1} (a_0 = 1/2) with a pseudo-count of 2. Later
+    drafts are usually accepted less often than earlier ones; a single geometric rate would
+    overrate long chains.
+  * a round emits E(k) = 1 + a_1 + a_1 a_2 + ... + a_1...a_k tokens per row;
+    choose k = argmax E(k) / cost(k) (ties: the smaller k).
 
-`a` is estimated from all rounds (decayed counts): accepted / (accepted + rejections), where a
-row that stopped short of its k drafts counts one rejection; with Laplace smoothing (+1 / +2).
-
-Exploration, deterministic: a new bucket starts at k = K, then measures k = 0 once, so both ends
-of the line are known; after that every `probe_every`-th round of a bucket uses k + 1 (or 1 when
-the choice is 0) so that acceptance and costs keep being measured where the choice would move.
-Nothing here is random: given the same timings and acceptances the choices are the same.
+Exploration, deterministic: a new bucket measures k = K, 0, 1, ..., K-1 once each (K + 1 rounds),
+so every cost is measured, not guessed; after that every `probe_every`-th round of a bucket uses a
+neighbour of the choice, alternately k + 1 and k - 1, so neighbouring costs and the acceptance of
+one more draft keep being measured. Nothing here is random: the same timings and acceptances give
+the same choices.
 """
 
 from __future__ import annotations
@@ -26,17 +28,29 @@ from dataclasses import dataclass, field
 
 
 def expected_tokens(a: float, k: int) -> float:
-    """(1 - a^(k+1)) / (1 - a): tokens one round emits per row with k drafts."""
+    """(1 - a^(k+1)) / (1 - a): tokens one round emits per row with k drafts accepted each with
+    probability a."""
     if a >= 1.0:
         return float(k + 1)
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
+def chain_expected_tokens(rates: list[float], k: int) -> float:
+    """1 + a_1 + a_1 a_2 + ... + a_1...a_k: tokens one round emits per row with k drafts, where
+    rates[j-1] = a_j is the chance draft j is accepted given drafts 1..j-1 were."""
+    total, run = 1.0, 1.0
+    for a in rates[:k]:
+        run *= a
+        total += run
+    return total
+
+
 @dataclass
 class _Bucket:
-    t_draft: float | None = None  # EMA seconds of one draft step
-    t_verify: dict[int, float] = field(default_factory=dict)  # k -> EMA seconds of the rest
+    t_draft: float | None = None  # EMA seconds of drafting per draft token
+    t_round: dict[int, float] = field(default_factory=dict)  # k -> EMA seconds of a whole round
     rounds: int = 0
+    probes: int = 0
 
 
 class AdaptiveDraftLength:
@@ -54,51 +68,57 @@ class AdaptiveDraftLength:
         self.ema = ema
         self.decay = decay
         self.probe_every = probe_every
-        self.accepted = 0.0  # decayed counts for the acceptance estimate
-        self.rejected = 0.0
+        # decayed counts per draft position j = 1..K (index j - 1)
+        self.tried = [0.0] * max_k
+        self.passed = [0.0] * max_k
         self.buckets: dict[int, _Bucket] = {}
 
     @staticmethod
     def bucket_of(batch_size: int) -> int:
         return 1 << max(0, (batch_size - 1).bit_length())
 
+    def rates(self) -> list[float]:
+        """[a_1..a_K]: smoothed acceptance of draft j given drafts 1..j-1 were accepted."""
+        out, prior = [], 0.5
+        for tried, passed in zip(self.tried, self.passed):
+            prior = (passed + 2.0 * prior) / (tried + 2.0)
+            out.append(prior)
+        return out
+
     @property
     def acceptance(self) -> float:
-        return (self.accepted + 1.0) / (self.accepted + self.rejected + 2.0)
+        """Pooled per-draft acceptance (every position together), Laplace-smoothed."""
+        return (sum(self.passed) + 1.0) / (sum(self.tried) + 2.0)
 
     def cost(self, batch_size: int, k: int) -> float | None:
         """Estimated seconds of a round with k drafts; None before any measurement."""
         b = self.buckets.get(self.bucket_of(batch_size))
-        if b is None or not b.t_verify:
+        if b is None or not b.t_round:
             return None
-        ks = sorted(b.t_verify)
-        if len(ks) == 1:
-            verify = b.t_verify[ks[0]]
-        else:  # least-squares line through the per-k EMAs
-            n = len(ks)
-            mean_k = sum(ks) / n
-            mean_t = sum(b.t_verify[x] for x in ks) / n
-            var = sum((x - mean_k) ** 2 for x in ks)
-            slope = sum((x - mean_k) * (b.t_verify[x] - mean_t) for x in ks) / var
-            verify = max(mean_t + slope * (k - mean_k), 1e-9)
-        return k * (b.t_draft or 0.0) + verify
+        if k in b.t_round:
+            return b.t_round[k]
+        near = min(b.t_round, key=lambda x: (abs(x - k), x))
+        return max(b.t_round[near] + (k - near) * (b.t_draft or 0.0), 1e-9)
 
     def choose(self, batch_size: int) -> int:
         if self.max_k == 0:
             return 0
         b = self.buckets.setdefault(self.bucket_of(batch_size), _Bucket())
-        if not b.t_verify:
-            return self.max_k
-        if 0 not in b.t_verify:
-            return 0
-        a = self.acceptance
+        for k in (self.max_k, *range(self.max_k)):  # the sweep: K, 0, 1, ..., K-1
+            if k not in b.t_round:
+                return k
+        rates = self.rates()
         best, best_rate = 0, -1.0
         for k in range(self.max_k + 1):
-            rate = expected_tokens(a, k) / self.cost(batch_size, k)
+            rate = chain_expected_tokens(rates, k) / self.cost(batch_size, k)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = k, rate
         if b.rounds % self.probe_every == self.probe_every - 1:
-            best = min(self.max_k, best + 1)
+            b.probes += 1
+            step = 1 if b.probes % 2 else -1
+            if not 0 <= best + step <= self.max_k:
+                step = -step
+            best = min(self.max_k, max(0, best + step))
         return best
 
     def record(
@@ -113,12 +133,20 @@ class AdaptiveDraftLength:
         the rest of the round, and the accepted drafts of each row."""
         b = self.buckets.setdefault(self.bucket_of(batch_size), _Bucket())
         b.rounds += 1
-        if draft_seconds_per_token is not None:
+        drafting = 0.0
+        if draft_seconds_per_token is not None and k > 0:
             b.t_draft = _ema(b.t_draft, draft_seconds_per_token, self.ema)
-        b.t_verify[k] = _ema(b.t_verify.get(k), verify_seconds, self.ema)
-        if k > 0:
-            self.accepted = self.accepted * self.decay + sum(accepted)
-            self.rejected = self.rejected * self.decay + sum(1 for x in accepted if x < k)
+            drafting = draft_seconds_per_token * k
+        b.t_round[k] = _ema(b.t_round.get(k), drafting + verify_seconds, self.ema)
+        if k == 0:
+            return
+        self.tried = [t * self.decay for t in self.tried]
+        self.passed = [p * self.decay for p in self.passed]
+        for x in accepted:
+            for j in range(min(x + 1, k)):
+                self.tried[j] += 1.0
+            for j in range(min(x, k)):
+                self.passed[j] += 1.0
 
 
 def _ema(old: float | None, new: float, weight: float) -> float:
