@@ -131,20 +131,21 @@ def check_graph_support(worker, mode: str) -> None:
 
 
 class Worker:
-    graph_reserve_bytes = 0
-
     def __init__(
         self,
         model: LlamaForCausalLM,
         kv_caches: list[torch.Tensor],
         budget: KvBudget,
         max_model_len: int,
+        graph_reserve_bytes: int = 0,
     ) -> None:
+        """graph_reserve_bytes: what the KV budget set aside for CUDA-graph pools (reported)."""
         self.model = model
         self.kv_caches = kv_caches
         self.budget = budget
         self.max_model_len = max_model_len
         self.device = model.device
+        self.graph_reserve_bytes = graph_reserve_bytes
         self.graphs: GraphPool | None = None  # enable_graphs
         self._decode: dict[int, tuple] = {}  # padded batch -> (backend state, CapturedStep)
 
@@ -236,9 +237,7 @@ class Worker:
             reserve = graph_reserve_bytes(cfg, graph_rows, graph_q, max_model_len, itemsize)
         budget = plan_kv_budget(eng, cfg, max_model_len, dtype, device, extra_kv_layers, reserve)
         kv = allocate_kv_cache(cfg, budget.num_blocks + 1, budget.block_size, dtype, device)
-        worker = cls(model, kv, budget, max_model_len)
-        worker.graph_reserve_bytes = reserve
-        return worker
+        return cls(model, kv, budget, max_model_len, graph_reserve_bytes=reserve)
 
     @torch.inference_mode()
     def step(self, plan) -> tuple[np.ndarray, np.ndarray]:
