@@ -4,11 +4,14 @@ Runs the job's prompts through eaglebatch at one or more max batch sizes -- plai
 when the job names a draft head, speculative decoding over the same loaded target -- and,
 optionally, through Hugging Face transformers' `generate` (same weights, same prompts, greedy,
 same max_new_tokens) at the requested batch sizes. Output tokens are counted the same way for
-all: generated tokens up to and including the first EOS.
+all: generated tokens up to and including the first EOS. With greedy sampling, every speculative
+run is also checked token for token against the plain run at the same batch size (a digest per
+request, so the check costs 16 bytes a request whatever the output length).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import tempfile
 import time
@@ -28,7 +31,9 @@ def _eaglebatch_row(job: JobConfig, batch_size: int, worker, tmp: Path, spec: bo
     job_b = job.model_copy(
         update={
             "engine": job.engine.model_copy(update={"max_batch_size": batch_size}),
-            "output": job.output.model_copy(update={"path": str(tmp / f"{name}-{batch_size}")}),
+            "output": job.output.model_copy(
+                update={"path": str(tmp / f"{name}-{batch_size}"), "include_token_ids": True}
+            ),
             "draft": job.draft if spec else None,
         }
     )
@@ -36,6 +41,7 @@ def _eaglebatch_row(job: JobConfig, batch_size: int, worker, tmp: Path, spec: bo
     res = run_prepared(prep, worker=worker, restart=True)
     s = res.stats
     return {
+        "digests": _token_digests(Path(job_b.output.path)),
         "engine": name,
         "batch_size": batch_size,
         "accept_length": accept_length(s),
@@ -50,6 +56,21 @@ def _eaglebatch_row(job: JobConfig, batch_size: int, worker, tmp: Path, spec: bo
         "tpot_p50": s.get("tpot_p50"),
         "tpot_p99": s.get("tpot_p99"),
     }
+
+
+def _token_digests(out_dir: Path) -> dict[int, bytes]:
+    """row_index -> digest of its output token ids, read back from a run's part files."""
+    digests: dict[int, bytes] = {}
+    for f in sorted(out_dir.glob("*.parquet")):
+        for batch in pq.ParquetFile(f).iter_batches(columns=["row_index", "output_token_ids"]):
+            for row, ids in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist()):
+                digests[row] = hashlib.blake2b(repr(ids).encode(), digest_size=16).digest()
+    return digests
+
+
+def _same_tokens(a: dict[int, bytes], b: dict[int, bytes]) -> int:
+    """How many requests produced exactly the same output tokens in both runs."""
+    return sum(1 for row, d in a.items() if b.get(row) == d)
 
 
 def _read_prompts(job: JobConfig, files: list[Path], limit: int) -> list:
@@ -129,6 +150,13 @@ def _report(console: Console, r: dict) -> None:
         + (f", acceptance length {r['accept_length']:.2f}" if r["accept_length"] else ""),
         highlight=False,
     )
+    if "identical_requests" in r:
+        same, total = r["identical_requests"], r["requests"]
+        console.print(
+            f"  output tokens identical to plain decoding: {same}/{total} requests"
+            + ("" if same == total else f" ({total - same} differ)"),
+            highlight=False,
+        )
 
 
 def _fmt(x, spec: str) -> str:
@@ -170,6 +198,10 @@ def run_bench(
                     adaptive=job.speculative.adaptive,
                 )
                 rows.append(_eaglebatch_row(job, b, worker, Path(tmp), spec=True))
+                if job.sampling.temperature == 0:
+                    plain_row = rows[-2]
+                    same = _same_tokens(plain_row["digests"], rows[-1]["digests"])
+                    rows[-1]["identical_requests"] = same
                 _report(console, rows[-1])
                 del worker
     del target
@@ -197,6 +229,8 @@ def run_bench(
             _fmt(r["tpot_p50"], ".4f"), _fmt(r["tpot_p99"], ".4f"),
         )
     console.print(table)
+    for r in rows:
+        r.pop("digests", None)
     result: dict = {"job": job.model_dump(mode="json"), "rows": rows}
     plain = next(r for r in rows if r["engine"] == "eaglebatch")
     result["plain"] = plain
@@ -207,6 +241,8 @@ def run_bench(
         console.print(
             f"speculative speedup at batch {plain['batch_size']}: {result['speedup']:.2f}x "
             f"(acceptance length {_fmt(sp['accept_length'], '.2f')})"
+            + (f", identical output tokens in {sp['identical_requests']}/{sp['requests']} "
+               "requests" if "identical_requests" in sp else "")
         )
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
