@@ -50,7 +50,6 @@ class _Bucket:
     t_draft: float | None = None  # EMA seconds of drafting per draft token
     t_round: dict[int, float] = field(default_factory=dict)  # k -> EMA seconds of a whole round
     rounds: int = 0
-    probes: int = 0
 
 
 class AdaptiveDraftLength:
@@ -114,8 +113,7 @@ class AdaptiveDraftLength:
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = k, rate
         if b.rounds % self.probe_every == self.probe_every - 1:
-            b.probes += 1
-            step = 1 if b.probes % 2 else -1
+            step = -1 if (b.rounds // self.probe_every) % 2 else 1  # probes alternate +1, -1
             if not 0 <= best + step <= self.max_k:
                 step = -step
             best = min(self.max_k, max(0, best + step))
