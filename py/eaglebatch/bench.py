@@ -26,13 +26,19 @@ from .engine import prepare, run_prepared
 from .progress import accept_length
 
 
-def _eaglebatch_row(job: JobConfig, batch_size: int, worker, tmp: Path, spec: bool) -> dict:
+def _eaglebatch_row(
+    job: JobConfig, batch_size: int, worker, tmp: Path, spec: bool, compare: bool
+) -> dict:
+    """One measured run; with `compare`, also the digests of its output tokens per request."""
     name = "eaglebatch+eagle" if spec else "eaglebatch"
     job_b = job.model_copy(
         update={
             "engine": job.engine.model_copy(update={"max_batch_size": batch_size}),
             "output": job.output.model_copy(
-                update={"path": str(tmp / f"{name}-{batch_size}"), "include_token_ids": True}
+                update={
+                    "path": str(tmp / f"{name}-{batch_size}"),
+                    "include_token_ids": compare or job.output.include_token_ids,
+                }
             ),
             "draft": job.draft if spec else None,
         }
@@ -41,7 +47,7 @@ def _eaglebatch_row(job: JobConfig, batch_size: int, worker, tmp: Path, spec: bo
     res = run_prepared(prep, worker=worker, restart=True)
     s = res.stats
     return {
-        "digests": _token_digests(Path(job_b.output.path)),
+        "digests": _token_digests(Path(job_b.output.path)) if compare else None,
         "engine": name,
         "batch_size": batch_size,
         "accept_length": accept_length(s),
@@ -178,11 +184,12 @@ def run_bench(
     )
     spec = prep.draft_dir is not None
     target = Worker.from_job(biggest, prep.model, extra_kv_layers=1 if spec else 0)
+    compare = spec and job.sampling.temperature == 0  # greedy: the tokens must be identical
     rows = []
     with tempfile.TemporaryDirectory(prefix="eaglebatch-bench-") as tmp:
         for b in batch_sizes:
             console.print(f"eaglebatch, plain decoding, max batch size {b} ...")
-            rows.append(_eaglebatch_row(job, b, target, Path(tmp), spec=False))
+            rows.append(_eaglebatch_row(job, b, target, Path(tmp), spec=False, compare=compare))
             _report(console, rows[-1])
             if spec:
                 from .speculative.worker import SpecWorker
@@ -197,10 +204,9 @@ def run_bench(
                     topk=job.speculative.topk,
                     adaptive=job.speculative.adaptive,
                 )
-                rows.append(_eaglebatch_row(job, b, worker, Path(tmp), spec=True))
-                if job.sampling.temperature == 0:
-                    plain_row = rows[-2]
-                    same = _same_tokens(plain_row["digests"], rows[-1]["digests"])
+                rows.append(_eaglebatch_row(job, b, worker, Path(tmp), spec=True, compare=compare))
+                if compare:
+                    same = _same_tokens(rows[-2]["digests"], rows[-1]["digests"])
                     rows[-1]["identical_requests"] = same
                 _report(console, rows[-1])
                 del worker
