@@ -137,7 +137,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         q_dtype: torch.dtype,
         sm_scale: float | None = None,
     ) -> None:
-        """Optional: the head config, so that prepare() can plan before the first forward()."""
+        """The head config (the models call this when built), so prepare() can plan before the
+        first forward()."""
         scale = head_dim**-0.5 if sm_scale is None else float(sm_scale)
         self._heads = _Heads(num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, scale)
 
