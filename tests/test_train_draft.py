@@ -17,7 +17,7 @@ from eaglebatch.speculative import init_random_draft
 from eaglebatch.speculative.eagle import load_draft
 from eaglebatch.train.job import load_train_job
 from eaglebatch.train.trainer import train_draft
-from eaglebatch.train.ttt import ttt_forward
+from eaglebatch.train.ttt import step_mask, ttt_forward
 from paged_kv import PagedSequences
 from test_engine import random_prompts
 
@@ -129,3 +129,60 @@ def test_train_draft_end_to_end_and_resume(tiny_model_dir, tmp_path):
     spec = pq.read_table(tmp_path / "spec").sort_by("row_index")
     assert plain.column("output_token_ids").to_pylist() == \
         spec.column("output_token_ids").to_pylist()
+
+
+def test_step_mask_follows_only_target_chosen_chains():
+    labels = torch.zeros(1, 8, dtype=torch.int64)
+    labels[0, 0] = -100
+    chain_ok = torch.ones(1, 8, dtype=torch.bool)
+    chain_ok[0, 4] = False  # x_5 is not the target's greedy choice at 4
+    m = [step_mask(labels, chain_ok, j)[0].tolist() for j in (1, 2, 3)]
+    # step 1 trains on every labelled position: its token is the verified one, whatever it is
+    assert m[0] == [False] + [True] * 7
+    # step j at p is fed x_{q+1} for q = p-j+2 .. p: p = 4 for step 2, p = 4 and 5 for step 3
+    assert m[1] == [False, True, True, True, False, True, True, True]
+    assert m[2] == [False, False, True, True, False, False, True, True]
+    assert step_mask(labels, None, 3)[0].tolist() == [False, False] + [True] * 6
+
+
+def test_collate_marks_where_the_answer_is_the_targets_choice():
+    from eaglebatch.train.trainer import ShardData
+
+    data = ShardData([])
+    tok = torch.tensor([5, 6, 7, 8, 9, 10])
+    greedy = torch.tensor([6, 7, 3, 9, 10, 11])  # the target would have said 3, not 8, at p = 2
+    data.seqs = [(tok, torch.zeros(6, 4), greedy, 2),
+                 (tok[:4], torch.zeros(4, 4), torch.cat([tok[1:4], tok.new_full((1,), -1)]), 1)]
+    data.set_vocab(list(range(12)), 12)
+    tokens, _, lengths, labels, chain_ok = data.collate([0, 1])
+    assert chain_ok[0].tolist() == [True, True, False, True, True]
+    assert chain_ok[1].tolist() == [True, True, True, False, False]  # padding past length 4
+    assert labels[0].tolist() == [7, 3, 9, 10, 11]
+    assert lengths.tolist() == [6, 4]
+
+
+@torch.no_grad()
+def test_ttt_chain_mask_drops_only_later_steps(tiny_model_dir, tmp_path):
+    target = LlamaForCausalLM.from_pretrained(tiny_model_dir)
+    d = init_random_draft(tmp_path / "d", tiny_model_dir, kind="eagle3", draft_vocab_size=100,
+                          aux_layer_ids=(0, 1, 2), seed=4)
+    draft = load_draft(d, target.config, target)
+    torch.manual_seed(1)
+    t = 12
+    x = torch.randint(0, 256, (1, t))
+    feats = torch.randn(1, t, 3 * target.config.hidden_size)
+    labels = torch.randint(0, 100, (1, t - 1))
+    args = (draft, x, feats, torch.tensor([t]), labels, 3)
+    loss, ces, accs = ttt_forward(*args)
+    loss_ok, ces_ok, _ = ttt_forward(*args, torch.ones(1, t - 1, dtype=torch.bool))
+    torch.testing.assert_close(loss, loss_ok)
+    chain_ok = torch.rand(1, t - 1) < 0.5
+    _, ces_m, _ = ttt_forward(*args, chain_ok)
+    torch.testing.assert_close(ces_m[0], ces[0])  # step 1 is never masked
+    # step 2 over the masked positions only: the mean CE of those positions
+    outs: list[torch.Tensor] = []
+    ttt_forward(*args, chain_ok, outputs=outs)
+    sel = step_mask(labels, chain_ok, 2)
+    ref = torch.nn.functional.cross_entropy(draft.compute_logits(outs[1][sel]), labels[sel])
+    torch.testing.assert_close(ces_m[1], ref)
+    assert not torch.allclose(ces_m[1], ces[1])

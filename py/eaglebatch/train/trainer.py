@@ -33,7 +33,7 @@ from eaglebatch.speculative.eagle import EagleDraft, load_draft
 from .data import PromptEncoder, generate_answers, reference_sequences, select_reference
 from .features import capture, training_sequences
 from .job import TrainJob
-from .ttt import ttt_forward
+from .ttt import step_mask, ttt_forward
 
 
 def draft_vocabulary(data: ShardData, size: int, eos_ids: tuple[int, ...]) -> list[int]:
@@ -124,6 +124,7 @@ class ShardData:
         tokens = torch.zeros(bsz, t, dtype=torch.int64)
         feats = torch.zeros(bsz, t, seqs[0][1].shape[1], dtype=torch.float32)
         labels = torch.full((bsz, t - 1), -100, dtype=torch.int64)
+        chain_ok = torch.zeros(bsz, t - 1, dtype=torch.bool)
         lengths = torch.zeros(bsz, dtype=torch.int64)
         vocab_size = len(self.t2d) - 1
         for r, (tok, f, greedy, prompt) in enumerate(seqs):
@@ -134,7 +135,10 @@ class ShardData:
             lab = self.t2d[greedy[1:].where(greedy[1:] >= 0, vocab_size)]
             lab[: max(0, prompt - 2)] = -100
             labels[r, : n - 1] = lab
-        return tokens, feats, lengths, labels
+            # x_{p+1} is the target's own greedy choice at p: always so in self-distilled
+            # answers, about 60% of the time in recorded ones (ttt_forward's chain mask)
+            chain_ok[r, : n - 1] = tok[1:] == greedy[:-1]
+        return tokens, feats, lengths, labels, chain_ok
 
 
 def acceptance_estimate(accs: list[float]) -> float:
@@ -155,10 +159,11 @@ def evaluate(draft: EagleDraft, data: ShardData, idx: list[int], job: TrainJob) 
     hits = [0.0] * job.train.unroll
     count = [0] * job.train.unroll
     for batch in data.batches(idx, job.train.batch_tokens, 0):
-        tokens, feats, lengths, labels = data.collate(batch)
-        _, _, accs = ttt_forward(draft, tokens, feats, lengths, labels, job.train.unroll)
+        tokens, feats, lengths, labels, chain_ok = data.collate(batch)
+        _, _, accs = ttt_forward(draft, tokens, feats, lengths, labels, job.train.unroll,
+                                 chain_ok)
         for j, a in enumerate(accs):
-            n = int((labels[:, j:] >= 0).sum())
+            n = int(step_mask(labels, chain_ok, j + 1).sum())
             hits[j] += a.item() * n
             count[j] += n
     draft.train()
@@ -196,7 +201,8 @@ def _fingerprint(job: TrainJob, vocab: list[int], n_seqs: int) -> dict:
     return {"sequences": n_seqs, "vocab": hashlib.sha256(json.dumps(vocab).encode()).hexdigest(),
             "aux": list(job.head.aux_layer_ids or ()), "unroll": job.train.unroll,
             "batch_tokens": job.train.batch_tokens,
-            "val_sequences": job.train.val_sequences, "seed": job.train.seed}
+            "val_sequences": job.train.val_sequences, "seed": job.train.seed,
+            "objective": "chain-masked"}  # since 2026-11-30 (ttt.step_mask)
 
 
 def collect_sequences(job: TrainJob, mf, target: LlamaForCausalLM, aux, console) -> list[Path]:
@@ -276,10 +282,11 @@ def train_draft(job: TrainJob, console) -> Path:
     while step < total:
         epoch, i = divmod(step, per_epoch)
         batch = data.batches(train_idx, job.train.batch_tokens, job.train.seed + epoch)[i]
-        tokens, feats, lengths, labels = data.collate(batch)
+        tokens, feats, lengths, labels, chain_ok = data.collate(batch)
         for g in opt.param_groups:
             g["lr"] = _lr(step, total, job)
-        loss, ces, accs = ttt_forward(draft, tokens, feats, lengths, labels, job.train.unroll)
+        loss, ces, accs = ttt_forward(draft, tokens, feats, lengths, labels, job.train.unroll,
+                                      chain_ok)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, job.train.grad_clip)

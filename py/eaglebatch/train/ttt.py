@@ -10,6 +10,13 @@ input at p is (out_{j-1}[p-1], x_{p+1}) and it attends to
 exactly the keys the paged draft cache holds when the j-th draft token is produced at inference.
 Every step predicts the token after x_{p+1}: the target's greedy choice there (labels), which is
 x_{p+2} in self-distilled text. Step j is only defined for p >= j-1.
+
+At inference a chain only goes on from accepted drafts: the token fed to step j > 1 is the draft's
+previous output, and it equals the target's greedy choice. In recorded (reference) answers x_{p+1}
+is often not the target's choice at p; a step-j example at p is therefore trained and measured only
+where x_{q+1} is the target's greedy choice at q for every q = p-j+2 .. p (`chain_ok`), so the
+per-step accuracies are the conditional acceptance rates the chain sees. Step 1 trains on every
+position: its input token is the verified (bonus) token, which under sampling is any token.
 """
 
 from __future__ import annotations
@@ -30,6 +37,17 @@ def _shift(x: torch.Tensor, n: int) -> torch.Tensor:
     return out
 
 
+def step_mask(labels: torch.Tensor, chain_ok: torch.Tensor | None, j: int) -> torch.Tensor:
+    """bool [B, T-1]: positions where step j (1-based) is trained: a label, p >= j-1, and a chain
+    of target-chosen tokens x_{q+1}, q = p-j+2 .. p, fed to steps 2..j."""
+    sel = labels >= 0
+    sel[:, : j - 1] = False
+    if chain_ok is not None:
+        for i in range(j - 1):  # x_{p-i+1} fed to step j-i
+            sel &= _shift(chain_ok, i)
+    return sel
+
+
 def ttt_forward(
     draft: EagleDraft,
     tokens: torch.Tensor,  # int64 [B, T] x_0..x_{T-1} (padding: any id)
@@ -38,10 +56,12 @@ def ttt_forward(
     labels: torch.Tensor,  # int64 [B, T-1] draft-vocab id of the target's greedy token after
     #                           x_{p+1} (x_{p+2} in self-distilled text) at p, -100 = no loss
     unroll: int,
+    chain_ok: torch.Tensor | None = None,  # bool [B, T-1] x_{p+1} is the target's greedy at p
     outputs: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    """Returns (loss, per-step CE [unroll], per-step top-1 accuracy [unroll]); appends each
-    step's pre-norm draft output [B, T-1, h] to `outputs` when given (tests)."""
+    """Returns (loss, per-step CE [unroll], per-step top-1 accuracy [unroll]) over the positions
+    of `step_mask`; appends each step's pre-norm draft output [B, T-1, h] to `outputs` when
+    given (tests). chain_ok None: every chain counts (self-distilled text)."""
     layer = draft.midlayer
     attn = layer.self_attn
     bsz, t_full = tokens.shape
@@ -104,13 +124,11 @@ def ttt_forward(
         if outputs is not None:
             outputs.append(out)
 
-        lab = labels.clone()
-        lab[:, : j - 1] = -100  # step j is defined for p >= j-1
-        sel = lab >= 0
+        sel = step_mask(labels, chain_ok, j)
         if bool(sel.any()):
             logits = draft.compute_logits(out[sel])  # [N, Vd]
-            ce = F.cross_entropy(logits, lab[sel])
-            acc = (logits.argmax(-1) == lab[sel]).float().mean()
+            ce = F.cross_entropy(logits, labels[sel])
+            acc = (logits.argmax(-1) == labels[sel]).float().mean()
         else:
             ce = acc = out.new_zeros(())
         losses.append(ce.detach())
