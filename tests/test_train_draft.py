@@ -186,3 +186,16 @@ def test_ttt_chain_mask_drops_only_later_steps(tiny_model_dir, tmp_path):
     ref = torch.nn.functional.cross_entropy(draft.compute_logits(outs[1][sel]), labels[sel])
     torch.testing.assert_close(ces_m[1], ref)
     assert not torch.allclose(ces_m[1], ces[1])
+
+
+def test_verify_rounds_replays_chain_decoding():
+    from eaglebatch.train.trainer import verify_rounds
+
+    labels = torch.tensor([[-100, 5, 5, -100, 5, 5, 5, -100]])  # span 1..6; 3: outside vocab
+    step1 = torch.tensor([[False, True, True, False, False, True, True, False]])
+    step2 = torch.tensor([[False, False, True, False, False, True, False, False]])
+    # p=1: steps 1, 2 right -> 3 tokens; p=4: rejected -> 1; p=5: step 1 right, 2 wrong at 6 -> 2
+    assert verify_rounds([step1, step2], labels) == (6, 3)
+    # one draft step: p=1 ok (2), p=3 outside the vocabulary (1), p=4 (1), p=5 ok (2)
+    assert verify_rounds([step1], labels) == (6, 4)
+    assert verify_rounds([step1], torch.full((1, 8), -100)) == (0, 0)

@@ -152,22 +152,54 @@ def acceptance_estimate(accs: list[float]) -> float:
     return total
 
 
+def verify_rounds(hits: list[torch.Tensor], labels: torch.Tensor) -> tuple[int, int]:
+    """(tokens, rounds) of greedy chain decoding replayed over each row's labelled span: a round
+    whose first draft step sits at p accepts drafts while step j is right at p + j - 1 and yields
+    them plus the target's own token; the next round starts after those. hits: per step, bool
+    [B, T-1] as ttt_forward fills it. A position inside the span without a label (the target's
+    token is outside the draft vocabulary) is a rejection, as at inference."""
+    tokens = rounds = 0
+    k = len(hits)
+    right = torch.stack(hits, 0).tolist()  # [K][B][T-1]
+    for r, row in enumerate((labels >= 0).tolist()):
+        span = [p for p, ok in enumerate(row) if ok]
+        if not span:
+            continue
+        p, end = span[0], span[-1]
+        while p <= end:
+            m = 0
+            while m < k and p + m <= end and right[m][r][p + m]:
+                m += 1
+            tokens += m + 1
+            rounds += 1
+            p += m + 1
+    return tokens, rounds
+
+
 @torch.no_grad()
-def evaluate(draft: EagleDraft, data: ShardData, idx: list[int], job: TrainJob) -> list[float]:
-    """Token-weighted top-1 accuracy per unroll step over the sequences `idx`."""
+def evaluate(draft: EagleDraft, data: ShardData, idx: list[int],
+             job: TrainJob) -> tuple[list[float], float]:
+    """Token-weighted top-1 accuracy per unroll step over the sequences `idx`, and the
+    acceptance length of chain decoding replayed over them (`verify_rounds`). The second is what
+    inference sees: rounds crowd where drafts fail, so it is below 1 + a1 + a1 a2 + ... whenever
+    accuracy varies along a text."""
     draft.eval()
     hits = [0.0] * job.train.unroll
     count = [0] * job.train.unroll
+    tokens = rounds = 0
     for batch in data.batches(idx, job.train.batch_tokens, 0):
-        tokens, feats, lengths, labels, chain_ok = data.collate(batch)
-        _, _, accs = ttt_forward(draft, tokens, feats, lengths, labels, job.train.unroll,
-                                 chain_ok)
+        tokens_in, feats, lengths, labels, chain_ok = data.collate(batch)
+        right: list[torch.Tensor] = []
+        _, _, accs = ttt_forward(draft, tokens_in, feats, lengths, labels, job.train.unroll,
+                                 chain_ok, hits=right)
         for j, a in enumerate(accs):
             n = int(step_mask(labels, chain_ok, j + 1).sum())
             hits[j] += a.item() * n
             count[j] += n
+        t, r = verify_rounds(right, labels)
+        tokens, rounds = tokens + t, rounds + r
     draft.train()
-    return [h / max(c, 1) for h, c in zip(hits, count)]
+    return [h / max(c, 1) for h, c in zip(hits, count)], tokens / max(rounds, 1)
 
 
 def export_head(draft: EagleDraft, init_dir: Path, out: Path, meta: dict) -> None:
@@ -302,11 +334,16 @@ def train_draft(job: TrainJob, console) -> Path:
                 f"ETA {(total - step) / max(rate, 1e-9):.0f}s", highlight=False
             )
         if step % job.train.checkpoint_every == 0 or step == total:
-            val = evaluate(draft, data, val_idx, job) if val_idx else [a.item() for a in accs]
+            if val_idx:
+                val, replayed = evaluate(draft, data, val_idx, job)
+            else:
+                val, replayed = [a.item() for a in accs], None
             tau = acceptance_estimate(val)
             improved = best is None or tau > best["tau"]
             if improved:
                 best = {"step": step, "tau": round(tau, 4), "val_acc": [round(a, 4) for a in val]}
+                if replayed is not None:
+                    best["replayed_acceptance"] = round(replayed, 4)
             ckpt.parent.mkdir(parents=True, exist_ok=True)
             tmp = ckpt.with_suffix(".tmp")
             torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "step": step,
@@ -315,6 +352,7 @@ def train_draft(job: TrainJob, console) -> Path:
             console.print(
                 f"  checkpoint {step}: validation acc/step {' '.join(f'{a:.3f}' for a in val)} "
                 f"-> expected acceptance length {tau:.2f} at k={len(val)}"
+                + (f", replayed {replayed:.2f}" if replayed is not None else "")
                 + (" (best: exported)" if improved else f" (best {best['tau']:.2f} at step "
                    f"{best['step']})"), highlight=False)
             if improved:

@@ -58,10 +58,12 @@ def ttt_forward(
     unroll: int,
     chain_ok: torch.Tensor | None = None,  # bool [B, T-1] x_{p+1} is the target's greedy at p
     outputs: list[torch.Tensor] | None = None,
+    hits: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
     """Returns (loss, per-step CE [unroll], per-step top-1 accuracy [unroll]) over the positions
     of `step_mask`; appends each step's pre-norm draft output [B, T-1, h] to `outputs` when
-    given (tests). chain_ok None: every chain counts (self-distilled text)."""
+    given (tests), and each step's bool [B, T-1] "top-1 right at a position of `step_mask`" to
+    `hits` (evaluation). chain_ok None: every chain counts (self-distilled text)."""
     layer = draft.midlayer
     attn = layer.self_attn
     bsz, t_full = tokens.shape
@@ -125,6 +127,8 @@ def ttt_forward(
             outputs.append(out)
 
         sel = step_mask(labels, chain_ok, j)
+        if hits is not None:  # evaluation only: logits at every position [B, T-1, Vd]
+            hits.append((draft.compute_logits(out).argmax(-1) == labels) & sel)
         if bool(sel.any()):
             logits = draft.compute_logits(out[sel])  # [N, Vd]
             ce = F.cross_entropy(logits, labels[sel])
