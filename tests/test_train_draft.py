@@ -31,12 +31,17 @@ def _extend(draft, kv, pk, x, feats):
     return draft(ids, draft.fc(feats[:-1]), pos, meta, kv)
 
 
-@torch.no_grad()
-def test_ttt_unroll_equals_inference_chain(tiny_model_dir, tmp_path):
+def _random_head(tiny_model_dir, tmp_path, seed: int):
+    """(tiny target, random EAGLE-3 head over a 100-token draft vocabulary, aux layers 0-2)."""
     target = LlamaForCausalLM.from_pretrained(tiny_model_dir)
     d = init_random_draft(tmp_path / "d", tiny_model_dir, kind="eagle3", draft_vocab_size=100,
-                          aux_layer_ids=(0, 1, 2), seed=3)
-    draft = load_draft(d, target.config, target)
+                          aux_layer_ids=(0, 1, 2), seed=seed)
+    return target, load_draft(d, target.config, target)
+
+
+@torch.no_grad()
+def test_ttt_unroll_equals_inference_chain(tiny_model_dir, tmp_path):
+    target, draft = _random_head(tiny_model_dir, tmp_path, seed=3)
     torch.manual_seed(0)
     t = 14
     x = torch.randint(0, 256, (t,))
@@ -163,10 +168,7 @@ def test_collate_marks_where_the_answer_is_the_targets_choice():
 
 @torch.no_grad()
 def test_ttt_chain_mask_drops_only_later_steps(tiny_model_dir, tmp_path):
-    target = LlamaForCausalLM.from_pretrained(tiny_model_dir)
-    d = init_random_draft(tmp_path / "d", tiny_model_dir, kind="eagle3", draft_vocab_size=100,
-                          aux_layer_ids=(0, 1, 2), seed=4)
-    draft = load_draft(d, target.config, target)
+    target, draft = _random_head(tiny_model_dir, tmp_path, seed=4)
     torch.manual_seed(1)
     t = 12
     x = torch.randint(0, 256, (1, t))
