@@ -157,7 +157,9 @@ def verify_rounds(hits: list[torch.Tensor], labels: torch.Tensor) -> tuple[int, 
     whose first draft step sits at p accepts drafts while step j is right at p + j - 1 and yields
     them plus the target's own token; the next round starts after those. hits: per step, bool
     [B, T-1] as ttt_forward fills it. A position inside the span without a label (the target's
-    token is outside the draft vocabulary) is a rejection, as at inference."""
+    token is outside the draft vocabulary) is a rejection, as at inference. Exact for
+    self-distilled answers; in recorded ones a chain also stops where the text leaves the
+    target's choices (step_mask), so there it errs low."""
     tokens = rounds = 0
     k = len(hits)
     right = torch.stack(hits, 0).tolist()  # [K][B][T-1]
