@@ -127,10 +127,12 @@ def ttt_forward(
             outputs.append(out)
 
         sel = step_mask(labels, chain_ok, j)
-        if hits is not None:  # evaluation only: logits at every position [B, T-1, Vd]
-            hits.append((draft.compute_logits(out).argmax(-1) == labels) & sel)
+        # evaluation needs logits at every position [B, T-1, Vd]; training only at sel [N, Vd]
+        full = draft.compute_logits(out) if hits is not None else None
+        if full is not None:
+            hits.append((full.argmax(-1) == labels) & sel)
         if bool(sel.any()):
-            logits = draft.compute_logits(out[sel])  # [N, Vd]
+            logits = full[sel] if full is not None else draft.compute_logits(out[sel])
             ce = F.cross_entropy(logits, labels[sel])
             acc = (logits.argmax(-1) == labels[sel]).float().mean()
         else:
