@@ -3,6 +3,8 @@ command (generate -> capture -> train -> export) produces a head that loads and 
 
 from __future__ import annotations
 
+import json
+
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -105,8 +107,13 @@ def test_train_draft_end_to_end_and_resume(tiny_model_dir, tmp_path):
         with torch.no_grad():
             logits = hf(shard["tokens"][a:b].long()[None]).logits[0]
         assert torch.equal(logits.argmax(-1).int(), shard["labels"][a:b])
+    # self-distilled answers are the target's greedy output: their shards skip the LM head
+    assert "labels" not in load_file(str(work / "features" / "shard-00000.safetensors"))
     ckpt = torch.load(work / "ckpt" / "latest.pt", weights_only=False)
     assert ckpt["best"]["step"] <= ckpt["step"] and len(ckpt["best"]["val_acc"]) == 2
+    # another prompt selection is refused before any work: its answers were generated already
+    with pytest.raises(JobError, match="another prompt selection"):
+        train_draft(load_train_job(job_file, ["data.num_prompts=30"]), console)
     # a second run resumes from the last checkpoint and has nothing left to do
     train_draft(job, console)
     again = torch.load(work / "ckpt" / "latest.pt", weights_only=False)
@@ -134,6 +141,28 @@ def test_train_draft_end_to_end_and_resume(tiny_model_dir, tmp_path):
     spec = pq.read_table(tmp_path / "spec").sort_by("row_index")
     assert plain.column("output_token_ids").to_pylist() == \
         spec.column("output_token_ids").to_pylist()
+
+    # head.init_from fine-tunes that head: same vocabulary and aux layers, its weights as the
+    # start (a vanishing learning rate leaves them as they were), its lineage in the metadata
+    tuned = tmp_path / "tuned"
+    overrides = [f"output.path={tuned}", f"head.init_from={out}", "data.num_prompts=0",
+                 "train.lr=1e-30", "train.warmup_steps=0"]
+    with pytest.raises(JobError, match="head: aux_layer_ids cannot be set with init_from"):
+        load_train_job(job_file, overrides)
+    base_job = job_file.read_text().replace("head:\n  draft_vocab_size: 64\n"
+                                            "  aux_layer_ids: [0, 1, 2]\n", "")
+    job_file.write_text(base_job)
+    with pytest.raises(JobError, match="head.init_from: .*neither a folder"):
+        train_draft(load_train_job(job_file, overrides[:1] + ["head.init_from=nohead"]),
+                    console)
+    assert not (tuned / "work" / "features-reference").exists()  # failed before any work
+    train_draft(load_train_job(job_file, overrides), console)
+    a, b = load_file(str(out / "model.safetensors")), load_file(str(tuned / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    meta = json.loads((tuned / "config.json").read_text())["eaglebatch_training"]
+    assert meta["init_from"]["training"]["step"] == more["best"]["step"]
+    assert json.loads((tuned / "config.json").read_text())[
+        "eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [-1, 0, 1]
 
 
 def test_step_mask_follows_only_target_chosen_chains():
@@ -201,3 +230,23 @@ def test_verify_rounds_replays_chain_decoding():
     # one draft step: p=1 ok (2), p=3 outside the vocabulary (1), p=4 (1), p=5 ok (2)
     assert verify_rounds([step1], labels) == (6, 4)
     assert verify_rounds([step1], torch.full((1, 8), -100)) == (0, 0)
+
+
+def test_capture_keeps_only_shards_that_hold_the_same_sequences(tiny_model_dir, tmp_path):
+    from eaglebatch.train.features import capture
+
+    target = LlamaForCausalLM.from_pretrained(tiny_model_dir)
+    console = Console(quiet=True)
+    first = [([1, 2, 3], [4, 5]), ([6, 7], [8, 9, 10])]
+    (path,) = capture(target, first, (0, 1, 2), tmp_path, console, greedy_labels=False)
+    assert "labels" not in load_file(str(path))
+    stamp = path.stat().st_mtime_ns
+    capture(target, first, (0, 1, 2), tmp_path, console, greedy_labels=False)
+    assert path.stat().st_mtime_ns == stamp  # complete and current: kept
+    # same count and lengths, other tokens (a re-selected data set): rewritten
+    second = [([1, 2, 3], [4, 6]), ([6, 7], [8, 9, 10])]
+    capture(target, second, (0, 1, 2), tmp_path, console, greedy_labels=False)
+    assert load_file(str(path))["tokens"].tolist() == [1, 2, 3, 4, 6, 6, 7, 8, 9, 10]
+    # labels asked for where the shard has none: rewritten with them
+    capture(target, second, (0, 1, 2), tmp_path, console)
+    assert load_file(str(path))["labels"].shape == (10,)

@@ -105,18 +105,19 @@ def model_files(model: str) -> ModelFiles:
     return check_model_dir(resolve_model_dir(model))
 
 
-def resolve_draft_dir(draft: str) -> Path:
-    """A draft head folder (config.json + weights), or a builtin draft name."""
+def resolve_draft_dir(draft: str, key: str = "draft") -> Path:
+    """A draft head folder (config.json + weights), or a builtin draft name. Errors name `key`,
+    the job key that gave `draft`."""
     d = defaults.builtin_draft_dir(draft)
     if d is None:
         d = Path(draft)
         if not d.is_dir():
             raise JobError(
-                f"draft: '{draft}' is neither a folder nor a builtin draft "
+                f"{key}: '{draft}' is neither a folder nor a builtin draft "
                 f"(builtin: {', '.join(defaults.BUILTIN_DRAFTS) or 'none'})"
             )
     if not (d / "config.json").is_file():
-        raise JobError(f"draft: {d} has no config.json")
+        raise JobError(f"{key}: {d} has no config.json")
     if not (any(d.glob("*.safetensors")) or any(d.glob("*.bin"))):
-        raise JobError(f"draft: {d} has no *.safetensors or pytorch_model.bin weights")
+        raise JobError(f"{key}: {d} has no *.safetensors or pytorch_model.bin weights")
     return d

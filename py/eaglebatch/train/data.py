@@ -86,44 +86,72 @@ def _select(job: TrainJob, enc: PromptEncoder, start_row: int, count: int,
     return out
 
 
-def _write(out: Path, columns: dict[str, list], requested: int) -> None:
+def _write(out: Path, columns: dict[str, list], key: dict) -> None:
     table = pa.table({k: pa.array(v, pa.int64()) if k == "id" else v for k, v in columns.items()})
-    table = table.replace_schema_metadata({"eaglebatch.requested": str(requested)})
+    table = table.replace_schema_metadata({"eaglebatch.selection": json.dumps(key, sort_keys=True)})
     tmp = out.with_suffix(".tmp")
     pq.write_table(table, tmp)
     os.replace(tmp, out)
 
 
-def _selected(out: Path, requested: int) -> bool:
-    """True if `out` holds the selection for `requested` rows. Selection is deterministic (input
-    order), so a larger request extends a smaller one: shards of earlier rows stay valid."""
+def _saved_key(out: Path) -> dict | None:
+    """The selection key `out` was written with; {} for a file of an older version (before
+    2026-11-30 it recorded only the requested count); None if there is no file."""
     if not out.is_file():
-        return False
+        return None
     meta = pq.read_schema(out).metadata or {}
-    return meta.get(b"eaglebatch.requested") == str(requested).encode()
+    if b"eaglebatch.selection" in meta:
+        return json.loads(meta[b"eaglebatch.selection"])
+    legacy = meta.get(b"eaglebatch.requested")
+    return {"requested": int(legacy)} if legacy else {}
+
+
+def _selection_key(job: TrainJob, count: int, start_row: int) -> dict:
+    """Everything the selected rows depend on."""
+    return {"input": str(job.input.path), "column": job.input.messages_column
+            or job.input.text_column, "max_prompt_tokens": job.data.max_prompt_tokens,
+            "start_row": start_row, "requested": count}
 
 
 def select_prompts(job: TrainJob, mf: ModelFiles, out: Path) -> int:
     """Writes `out` (columns: id = input row index, the prompt column) with up to num_prompts
-    rows after the held-out ones whose prompts fit max_prompt_tokens. Returns the row count."""
-    if out.is_file():  # answers are generated for it once; growing it is not supported
-        return pq.read_metadata(out).num_rows
+    rows after the held-out ones whose prompts fit max_prompt_tokens. Returns the row count.
+    Answers are generated for the selection once: a job that selects differently (another
+    num_prompts, holdout_rows, max_prompt_tokens or input) is refused, not silently given the
+    old selection."""
+    key = _selection_key(job, job.data.num_prompts, job.data.holdout_rows)
+    saved = _saved_key(out)
+    if saved is not None:
+        if saved and saved.get("requested") == key["requested"] and all(
+            saved.get(k, key[k]) == key[k] for k in key
+        ):
+            return pq.read_metadata(out).num_rows
+        raise JobError(
+            f"data: {out.parent} holds answers generated for another prompt selection "
+            f"({saved or 'unrecorded'}; this job: {key}); use another output.path, or delete "
+            f"{out.name}, gen/, gen.done, features/ and ckpt/ there to regenerate"
+        )
     _write(out, _select(job, PromptEncoder(job, mf), job.data.holdout_rows,
-                        job.data.num_prompts, None), job.data.num_prompts)
+                        job.data.num_prompts, None), key)
     return pq.read_metadata(out).num_rows
 
 
 def select_reference(job: TrainJob, enc: PromptEncoder, prompts: Path, out: Path) -> int:
     """Writes `out` (id, prompt column, answer column) with up to num_reference rows after the
-    held-out and the self-distillation rows. Returns the row count."""
-    if _selected(out, job.data.num_reference):
-        return pq.read_metadata(out).num_rows
+    held-out and the self-distillation rows. Returns the row count. Re-selected whenever what it
+    depends on changed; selection is in input order, so a larger num_reference extends a
+    smaller one and the feature shards of the rows both share stay valid."""
     start = job.data.holdout_rows
     if prompts.is_file():
         ids = pq.read_table(prompts, columns=["id"]).column(0).to_pylist()
         start = max([start] + [i + 1 for i in ids])
-    _write(out, _select(job, enc, start, job.data.num_reference, job.data.answer_column),
-           job.data.num_reference)
+    key = _selection_key(job, job.data.num_reference, start)
+    key["answer_column"] = job.data.answer_column
+    saved = _saved_key(out)
+    # a file of an older version recorded only the count: it was selected after the prompts
+    if saved == key or saved == {"requested": key["requested"]}:
+        return pq.read_metadata(out).num_rows
+    _write(out, _select(job, enc, start, job.data.num_reference, job.data.answer_column), key)
     return pq.read_metadata(out).num_rows
 
 
@@ -163,10 +191,10 @@ def generate_answers(job: TrainJob, mf: ModelFiles, console) -> Path:
     work = job.work_dir
     work.mkdir(parents=True, exist_ok=True)
     gen_dir, done = work / "gen", work / "gen.done"
+    prompts = work / "prompts.parquet"
+    n = select_prompts(job, mf, prompts)  # refuses a work folder of another selection
     if done.is_file():
         return gen_dir
-    prompts = work / "prompts.parquet"
-    n = select_prompts(job, mf, prompts)
     if n == 0:
         done.write_text(json.dumps({"rows": 0}) + "\n")
         return gen_dir

@@ -1,15 +1,16 @@
 """Stage 2: the target's hidden states at the draft's aux layers over prompt + answer.
 
 Shards `work/features/shard-NNNNN.safetensors` of SHARD_SEQS sequences (each written under a
-temporary name, then renamed: a shard that exists is complete; one holding fewer sequences than
-its slot now has, after the data set grew, is rewritten):
+temporary name, then renamed: a shard that exists is complete; one whose tokens are not those of
+its slot's sequences now, after the data set grew or was selected anew, is rewritten):
     tokens  int32 [N]          prompt + answer of every sequence, packed
     cu      int64 [S+1]        sequence offsets
     prompt  int32 [S]          prompt length (labels inside the answer only)
     feats   bfloat16 [N, 3h]   hidden states of the aux layers (HF output_hidden_states indices)
     labels  int32 [N]          the target's greedy next token after each position
-Shards written before `labels` existed are read with labels = the next token of the sequence
-(identical for self-distilled answers, which are the target's greedy output).
+Shards without `labels` (self-distilled answers, and shards older than it) are read with labels =
+the next token of the sequence: a self-distilled answer is the target's greedy output, so the
+LM-head pass that computes the labels is skipped for them.
 """
 
 from __future__ import annotations
@@ -55,9 +56,11 @@ def capture(
     out_dir: Path,
     console,
     batch_tokens: int = 4096,
+    greedy_labels: bool = True,
 ) -> list[Path]:
     """Writes missing shards; returns all shard paths. A prefill-only forward per batch over a
-    scratch paged KV cache (block size 16, blocks handed out contiguously)."""
+    scratch paged KV cache (block size 16, blocks handed out contiguously). `greedy_labels`:
+    store the target's argmax after every position (answers not written by the target)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     if not seqs:
         return []
@@ -71,9 +74,9 @@ def capture(
         path = out_dir / f"shard-{s0 // SHARD_SEQS:05d}.safetensors"
         paths.append(path)
         shard = seqs[s0 : s0 + SHARD_SEQS]
-        if path.is_file() and _num_seqs(path) == len(shard):
-            continue
         toks = [np.asarray(p + a, dtype=np.int64) for p, a in shard]
+        if path.is_file() and _holds(path, toks, [len(p) for p, _ in shard], greedy_labels):
+            continue
         feats, labels = [], []
         i = 0
         while i < len(toks):  # pack sequences up to batch_tokens per forward
@@ -81,34 +84,43 @@ def capture(
             while j < len(toks) and (j == i or n + len(toks[j]) <= batch_tokens):
                 n += len(toks[j])
                 j += 1
-            f, lab = _forward(target, toks[i:j], aux_layers, kv, bs)
+            f, lab = _forward(target, toks[i:j], aux_layers, kv, bs, greedy_labels)
             feats.extend(f)
             labels.extend(lab)
             i = j
         cu = np.cumsum([0] + [len(t) for t in toks])
         tmp = path.with_suffix(".tmp")
-        save_file(
-            {
-                "tokens": torch.from_numpy(np.concatenate(toks).astype(np.int32)),
-                "cu": torch.from_numpy(cu.astype(np.int64)),
-                "prompt": torch.tensor([len(p) for p, _ in shard], dtype=torch.int32),
-                "feats": torch.cat(feats).to(torch.bfloat16).contiguous(),
-                "labels": torch.cat(labels).to(torch.int32),
-            },
-            str(tmp),
-        )
+        tensors = {
+            "tokens": torch.from_numpy(np.concatenate(toks).astype(np.int32)),
+            "cu": torch.from_numpy(cu.astype(np.int64)),
+            "prompt": torch.tensor([len(p) for p, _ in shard], dtype=torch.int32),
+            "feats": torch.cat(feats).to(torch.bfloat16).contiguous(),
+        }
+        if greedy_labels:
+            tensors["labels"] = torch.cat(labels).to(torch.int32)
+        save_file(tensors, str(tmp))
         os.replace(tmp, path)
         console.print(f"  features: {min(s0 + SHARD_SEQS, len(seqs))}/{len(seqs)} sequences")
     return paths
 
 
-def _num_seqs(path: Path) -> int:
+def _holds(path: Path, toks: list[np.ndarray], prompt_lens: list[int], labels: bool) -> bool:
+    """True if the shard at `path` holds exactly these sequences (tokens and prompt lengths),
+    with greedy labels if `labels` (a shard may hold labels it does not need)."""
     with safe_open(str(path), "pt") as f:
-        return f.get_slice("prompt").get_shape()[0]
+        if labels and "labels" not in f.keys():
+            return False
+        prompt = f.get_tensor("prompt")
+        if prompt.tolist() != prompt_lens:
+            return False
+        stored = f.get_tensor("tokens").numpy()
+    want = np.concatenate(toks)
+    return stored.shape == want.shape and bool((stored == want).all())
 
 
-def _forward(target, toks: list[np.ndarray], aux_layers, kv, bs: int):
-    """Per sequence: (aux features [n, n_aux * h] float32, greedy next-token ids [n])."""
+def _forward(target, toks: list[np.ndarray], aux_layers, kv, bs: int, greedy_labels: bool):
+    """Per sequence: (aux features [n, n_aux * h] float32, greedy next-token ids [n] or None
+    when not `greedy_labels`)."""
     lens = np.array([len(t) for t in toks])
     cu = np.concatenate([[0], np.cumsum(lens)])
     nblk = -(-lens // bs)
@@ -127,8 +139,10 @@ def _forward(target, toks: list[np.ndarray], aux_layers, kv, bs: int):
     pos = torch.from_numpy(np.concatenate([np.arange(n) for n in lens])).to(target.device)
     hidden, captured = target(ids, pos, meta, kv, capture_layers=tuple(aux_layers))
     f = torch.cat([captured[i] for i in aux_layers], dim=-1)  # [N, n_aux * h]
+    feats = [f[cu[r] : cu[r + 1]].float() for r in range(len(toks))]
+    if not greedy_labels:
+        return feats, [None] * len(toks)
     # argmax over the full vocabulary, 1024 rows at a time ([1024, V] float32 logits)
     greedy = torch.cat([target.compute_logits(hidden[a : a + 1024]).argmax(-1)
                         for a in range(0, hidden.shape[0], 1024)])
-    feats = [f[cu[r] : cu[r + 1]].float() for r in range(len(toks))]
     return feats, [greedy[cu[r] : cu[r + 1]] for r in range(len(toks))]

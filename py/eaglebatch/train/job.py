@@ -44,6 +44,18 @@ class HeadConfig(_Section):
     draft_vocab_size: int = Field(default=8192, ge=16)
     # Target hidden-state indices (HF output_hidden_states) read by fc; default (2, L//2, L-3).
     aux_layer_ids: tuple[int, int, int] | None = None
+    # Fine-tune an existing EAGLE-3 head (folder or builtin draft name) instead of starting from
+    # a fresh one: its weights, draft vocabulary and aux layers are the start, so the two keys
+    # above must not be given with it.
+    init_from: str | None = None
+
+    @model_validator(mode="after")
+    def _check_init(self):
+        given = {"draft_vocab_size", "aux_layer_ids"} & self.model_fields_set
+        if self.init_from is not None and given:
+            raise ValueError(f"{sorted(given)[0]} cannot be set with init_from: the head being "
+                             "fine-tuned fixes it")
+        return self
 
 
 class OptimConfig(_Section):
@@ -90,5 +102,8 @@ def load_train_job(path: str | Path, overrides: list[str] = ()) -> TrainJob:
             "model": resolve_model_ref(job.model, base),
             "input": job.input.model_copy(update={"path": resolve_path(job.input.path, base)}),
             "output": {"path": resolve_path(job.output["path"], base)},
+            "head": job.head.model_copy(
+                update={"init_from": resolve_model_ref(job.head.init_from, base)}
+            ),
         }
     )

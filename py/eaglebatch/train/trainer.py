@@ -16,6 +16,7 @@ import json
 import math
 import os
 import random
+import shutil
 import time
 from collections import Counter
 from pathlib import Path
@@ -25,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from eaglebatch.config import JobError
 from eaglebatch.model.llama import LlamaForCausalLM
-from eaglebatch.model_files import model_files
+from eaglebatch.model_files import model_files, resolve_draft_dir
 from eaglebatch.speculative import init_random_draft
 from eaglebatch.speculative.draft_config import default_aux_layer_ids
 from eaglebatch.speculative.eagle import EagleDraft, load_draft
@@ -51,9 +52,13 @@ def draft_vocabulary(data: ShardData, size: int, eos_ids: tuple[int, ...]) -> li
 
 def init_head(job: TrainJob, target: LlamaForCausalLM, model_dir: Path, vocab: list[int],
               aux: tuple[int, ...]) -> EagleDraft:
-    """A fresh head: random layer, lm_head rows and final norm copied from the target (tied
-    embedding) and fc starting as the identity on the highest aux layer."""
+    """The head training starts from, as written in work/ckpt/init. With head.init_from: that
+    head (copied there by `copy_init_head`). Otherwise a fresh head: random layer, lm_head rows
+    and final norm copied from the target (tied embedding), fc the identity on the highest aux
+    layer."""
     init_dir = job.work_dir / "ckpt" / "init"
+    if job.head.init_from is not None:
+        return load_draft(init_dir, target.config, target, dtype=torch.float32)
     if not (init_dir / "model.safetensors").is_file():
         init_random_draft(init_dir, model_dir, kind="eagle3", draft_vocab_size=len(vocab),
                           seed=job.train.seed, aux_layer_ids=aux, draft_token_ids=vocab)
@@ -68,6 +73,45 @@ def init_head(job: TrainJob, target: LlamaForCausalLM, model_dir: Path, vocab: l
         draft.midlayer.self_attn.o_proj.weight.mul_(0.1)
         draft.midlayer.mlp.down_proj.weight.mul_(0.1)
     return draft
+
+
+def copy_init_head(job: TrainJob, target: LlamaForCausalLM) -> tuple[tuple[int, ...], list[int],
+                                                                       str]:
+    """head.init_from: copies the head into work/ckpt/init (unless that copy is already of the
+    same weights) and returns its (aux layer ids, draft vocabulary as target ids, weights
+    sha256). Fails with a JobError naming head.init_from if it is not an EAGLE-3 head of this
+    target."""
+    src = resolve_draft_dir(job.head.init_from, "head.init_from")
+    weights = src / "model.safetensors"
+    if not weights.is_file():
+        raise JobError(f"head.init_from: {src} has no model.safetensors")
+    digest = _sha256(weights)
+    init_dir = job.work_dir / "ckpt" / "init"
+    if not (init_dir / "model.safetensors").is_file() or _sha256(
+        init_dir / "model.safetensors"
+    ) != digest:
+        init_dir.mkdir(parents=True, exist_ok=True)
+        for name in ("config.json", "model.safetensors"):
+            shutil.copyfile(src / name, init_dir / f".{name}.tmp")
+            os.replace(init_dir / f".{name}.tmp", init_dir / name)
+    try:
+        draft = load_draft(init_dir, target.config, target, dtype=torch.float32)
+    except (ValueError, FileNotFoundError) as e:
+        raise JobError(f"head.init_from: {e}") from None
+    if not draft.eagle3:
+        raise JobError(f"head.init_from: {src} is an EAGLE-1 head; train-draft trains EAGLE-3 "
+                       "heads (reduced vocabulary, aux-layer features)")
+    n = draft.lm_head.weight.shape[0]
+    ids = torch.arange(n) if draft.d2t is None else torch.arange(n) + draft.d2t.cpu()
+    return tuple(draft.config.aux_layer_ids), ids.tolist(), digest
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 class ShardData:
@@ -228,7 +272,7 @@ def _lr(step: int, total: int, job: TrainJob) -> float:
     return job.train.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
-def _fingerprint(job: TrainJob, vocab: list[int], n_seqs: int) -> dict:
+def _fingerprint(job: TrainJob, vocab: list[int], n_seqs: int, init: str | None) -> dict:
     """What a checkpoint was trained on; resuming with anything else would mix two runs.
     `train.epochs` is not part of it: raising it continues training (the data order of every
     epoch is fixed by the seed; the learning-rate schedule stretches to the new total)."""
@@ -236,7 +280,8 @@ def _fingerprint(job: TrainJob, vocab: list[int], n_seqs: int) -> dict:
             "aux": list(job.head.aux_layer_ids or ()), "unroll": job.train.unroll,
             "batch_tokens": job.train.batch_tokens,
             "val_sequences": job.train.val_sequences, "seed": job.train.seed,
-            "objective": "chain-masked"}  # since 2026-11-30 (ttt.step_mask)
+            "objective": "chain-masked",  # since 2026-11-30 (ttt.step_mask)
+            **({"init_from": init} if init else {})}
 
 
 def collect_sequences(job: TrainJob, mf, target: LlamaForCausalLM, aux, console) -> list[Path]:
@@ -248,7 +293,8 @@ def collect_sequences(job: TrainJob, mf, target: LlamaForCausalLM, aux, console)
         seqs = training_sequences(job.work_dir / "prompts.parquet", gen_dir, enc)
         console.print(f"[2/3] capturing target features of {len(seqs)} self-distilled "
                       f"sequences at layers {aux} ...")
-        shards += capture(target, seqs, aux, job.work_dir / "features", console)
+        shards += capture(target, seqs, aux, job.work_dir / "features", console,
+                          greedy_labels=False)  # the answers are the target's greedy output
     if job.data.num_reference:
         ref = job.work_dir / "reference.parquet"
         n = select_reference(job, enc, job.work_dir / "prompts.parquet", ref)
@@ -268,7 +314,11 @@ def train_draft(job: TrainJob, console) -> Path:
     target = LlamaForCausalLM.from_pretrained(mf.dir, dtype=torch.float32)
     for p in target.parameters():
         p.requires_grad_(False)
-    aux = job.head.aux_layer_ids or default_aux_layer_ids(target.config.num_hidden_layers)
+    init_vocab = init_digest = None
+    if job.head.init_from is not None:  # before any work: a bad head fails the job here
+        aux, init_vocab, init_digest = copy_init_head(job, target)
+    else:
+        aux = job.head.aux_layer_ids or default_aux_layer_ids(target.config.num_hidden_layers)
     data = ShardData(collect_sequences(job, mf, target, aux, console))
     if not data.seqs:
         raise JobError("train-draft: no training sequences (every answer was empty or failed)")
@@ -277,7 +327,9 @@ def train_draft(job: TrainJob, console) -> Path:
     # that folder starts training over on the current data
     vocab_file = job.work_dir / "ckpt" / "draft_vocab.json"
     vocab_file.parent.mkdir(parents=True, exist_ok=True)
-    if not vocab_file.is_file():
+    if init_vocab is not None:
+        vocab_file.write_text(json.dumps(init_vocab))
+    elif not vocab_file.is_file():
         vocab = draft_vocabulary(data, job.head.draft_vocab_size, mf.eos_token_ids)
         vocab_file.write_text(json.dumps(vocab))
     vocab = json.loads(vocab_file.read_text())
@@ -290,7 +342,7 @@ def train_draft(job: TrainJob, console) -> Path:
     train_idx, val_idx = data.split(job.train.val_sequences, job.train.seed)
     per_epoch = len(data.batches(train_idx, job.train.batch_tokens, 0))
     total = max(1, int(job.train.epochs * per_epoch))
-    fingerprint = _fingerprint(job, vocab, len(data.seqs))
+    fingerprint = _fingerprint(job, vocab, len(data.seqs), init_digest)
     ckpt = job.work_dir / "ckpt" / "latest.pt"
     step, best = 0, None
     if ckpt.is_file():
@@ -361,6 +413,11 @@ def train_draft(job: TrainJob, console) -> Path:
                 meta = {"step": step, "total_steps": total, "sequences": len(train_idx),
                         "answer_tokens": answer_tokens, "unroll": job.train.unroll,
                         "validation": best}
+                if init_digest:  # the lineage: what the fine-tuned head was trained on
+                    base = json.loads((init_dir / "config.json").read_text())
+                    meta["init_from"] = {"head": Path(job.head.init_from).name,
+                                         "sha256": init_digest,
+                                         "training": base.get("eaglebatch_training")}
                 export_head(draft, init_dir, job.output_path, meta)
     console.print(f"exported the head to {job.output_path} (step {best['step']}, validation "
                   f"expected acceptance length {best['tau']:.2f})")
