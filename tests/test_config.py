@@ -98,3 +98,20 @@ def test_not_a_mapping(tmp_path):
 def test_missing_job_file(tmp_path):
     with pytest.raises(JobError, match="cannot read job file"):
         load_job(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "jobs").glob("*.yaml")),
+                         ids=lambda p: p.name)
+def test_example_jobs_are_valid(path):
+    """Every job in jobs/ parses: train-draft jobs (they have a `train` or `data` section) as
+    TrainJob, the others as run jobs."""
+    import yaml
+
+    from eaglebatch.train.job import load_train_job
+
+    raw = yaml.safe_load(path.read_text())
+    if {"train", "data"} & raw.keys():
+        job = load_train_job(path)
+        assert job.work_dir.parent == job.output_path
+    else:
+        load_job(path)
