@@ -12,7 +12,6 @@ from safetensors.torch import load_file, save_file
 
 from eaglebatch.attention import allocate_kv_cache
 from eaglebatch.model import LlamaForCausalLM
-from eaglebatch.model.linear import Linear, tune_row_layouts
 from paged_kv import PagedSequences
 
 SMALL = dict(
@@ -114,22 +113,7 @@ def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
 PROMPTS = [[3, 17, 99, 5, 200], [42], list(range(100, 130)), [7, 7, 7, 8, 9, 10, 11, 250, 1]]
 
 
-@pytest.fixture(params=["weight", "transposed"])
-def layout(request, pair):
-    """The model of `pair` with its projections computed from `weight` ([out, in], F.linear), or
-    from the transposed copy `tune_row_layouts` installs for the row counts where it is faster
-    (here every row count)."""
-    _, ours = pair
-    linears = [m for m in ours.modules() if isinstance(m, Linear)]
-    if request.param == "transposed":
-        for m in linears:
-            m.weight_t, m.small_rows = m.weight.detach().t().contiguous(), frozenset(range(1, 512))
-    yield request.param
-    for m in linears:
-        m.weight_t, m.small_rows = None, frozenset()
-
-
-def test_prefill_decode_verify_logits(pair, layout) -> None:
+def test_prefill_decode_verify_logits(pair) -> None:
     hf, ours = pair
     run = Runner(ours)
     got = run.step(list(enumerate(PROMPTS)))
@@ -249,20 +233,3 @@ def test_bfloat16_load_casts(tmp_path) -> None:
     run = Runner(ours)
     got = run.step([(0, PROMPTS[0]), (1, PROMPTS[1])])
     assert got[0].dtype == torch.float32 and torch.isfinite(got[0]).all()
-
-
-def test_tune_row_layouts_installs_what_it_measured(pair) -> None:
-    _, ours = pair
-    layers = list(ours.model.layers)
-    linears = [m for m in ours.modules() if isinstance(m, Linear)]
-    assert linears and tune_row_layouts(layers) == []  # tiny model: left as nn.Linear
-    assert all(m.weight_t is None and not m.small_rows for m in linears)
-    try:
-        rows = tune_row_layouts(layers, max_rows=6, reps=2, min_bytes=0, min_gain=-1.0)
-        assert rows == list(range(1, 7))  # min_gain -1: every row count "wins"
-        for m in linears:
-            assert m.small_rows == frozenset(rows) and torch.equal(m.weight_t, m.weight.t())
-            assert m.weight_t.is_contiguous()
-    finally:
-        for m in linears:
-            m.weight_t, m.small_rows = None, frozenset()

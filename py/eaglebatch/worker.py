@@ -16,7 +16,6 @@ from .attention import AttentionMetadata, allocate_kv_cache, get_backend, kv_cac
 from .config import EngineConfig, JobConfig, JobError
 from .graphs import GraphPool, StaticMeta, bucket_for, capture_sizes, fill_rows, graph_reserve_bytes
 from .model.config import ModelConfig
-from .model.linear import tune_row_layouts
 from .model.llama import LlamaForCausalLM
 from .model_files import ModelFiles
 from .sampling import sample
@@ -232,7 +231,6 @@ class Worker:
         model = LlamaForCausalLM.from_pretrained(
             mf.dir, dtype=dtype, device=device, backend=backend, max_positions=max_model_len
         )
-        tune_row_layouts(list(model.model.layers))  # CPU: a faster GEMM layout at some row counts
         reserve = 0
         if graph_rows and device.type == "cuda":
             itemsize = torch.empty((), dtype=dtype).element_size()
