@@ -45,7 +45,7 @@ _MODEL_TEXT_FILES = (
 )
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -57,7 +57,7 @@ def folder_fingerprint(d: Path) -> dict:
     """Content hashes of the small files; name, size and mtime of the weight files (hashing
     gigabytes of weights on every start would be too slow; an in-place overwrite changes the
     mtime)."""
-    texts = {n: _sha256_file(d / n) for n in _MODEL_TEXT_FILES if (d / n).is_file()}
+    texts = {n: sha256_file(d / n) for n in _MODEL_TEXT_FILES if (d / n).is_file()}
     weights = sorted(
         [f.name, f.stat().st_size, f.stat().st_mtime_ns // 1_000_000_000]
         for pattern in ("*.safetensors", "*.bin")

@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 from eaglebatch.config import JobError
 from eaglebatch.model.llama import LlamaForCausalLM
 from eaglebatch.model_files import model_files, resolve_draft_dir
+from eaglebatch.resume import sha256_file
 from eaglebatch.speculative import init_random_draft
 from eaglebatch.speculative.draft_config import default_aux_layer_ids
 from eaglebatch.speculative.eagle import EagleDraft, load_draft
@@ -52,13 +53,9 @@ def draft_vocabulary(data: ShardData, size: int, eos_ids: tuple[int, ...]) -> li
 
 def init_head(job: TrainJob, target: LlamaForCausalLM, model_dir: Path, vocab: list[int],
               aux: tuple[int, ...]) -> EagleDraft:
-    """The head training starts from, as written in work/ckpt/init. With head.init_from: that
-    head (copied there by `copy_init_head`). Otherwise a fresh head: random layer, lm_head rows
-    and final norm copied from the target (tied embedding), fc the identity on the highest aux
-    layer."""
+    """A fresh head, written to work/ckpt/init: random layer, lm_head rows and final norm copied
+    from the target (tied embedding), fc the identity on the highest aux layer."""
     init_dir = job.work_dir / "ckpt" / "init"
-    if job.head.init_from is not None:
-        return load_draft(init_dir, target.config, target, dtype=torch.float32)
     if not (init_dir / "model.safetensors").is_file():
         init_random_draft(init_dir, model_dir, kind="eagle3", draft_vocab_size=len(vocab),
                           seed=job.train.seed, aux_layer_ids=aux, draft_token_ids=vocab)
@@ -75,19 +72,18 @@ def init_head(job: TrainJob, target: LlamaForCausalLM, model_dir: Path, vocab: l
     return draft
 
 
-def copy_init_head(job: TrainJob, target: LlamaForCausalLM) -> tuple[tuple[int, ...], list[int],
-                                                                       str]:
+def copy_init_head(job: TrainJob, target: LlamaForCausalLM) -> tuple[EagleDraft, list[int], str]:
     """head.init_from: copies the head into work/ckpt/init (unless that copy is already of the
-    same weights) and returns its (aux layer ids, draft vocabulary as target ids, weights
-    sha256). Fails with a JobError naming head.init_from if it is not an EAGLE-3 head of this
-    target."""
+    same weights) and returns (the head loaded from it in float32, its draft vocabulary as
+    target ids, its weights' sha256). Fails with a JobError naming head.init_from if it is not
+    an EAGLE-3 head of this target."""
     src = resolve_draft_dir(job.head.init_from, "head.init_from")
     weights = src / "model.safetensors"
     if not weights.is_file():
         raise JobError(f"head.init_from: {src} has no model.safetensors")
-    digest = _sha256(weights)
+    digest = sha256_file(weights)
     init_dir = job.work_dir / "ckpt" / "init"
-    if not (init_dir / "model.safetensors").is_file() or _sha256(
+    if not (init_dir / "model.safetensors").is_file() or sha256_file(
         init_dir / "model.safetensors"
     ) != digest:
         init_dir.mkdir(parents=True, exist_ok=True)
@@ -103,15 +99,7 @@ def copy_init_head(job: TrainJob, target: LlamaForCausalLM) -> tuple[tuple[int, 
                        "heads (reduced vocabulary, aux-layer features)")
     n = draft.lm_head.weight.shape[0]
     ids = torch.arange(n) if draft.d2t is None else torch.arange(n) + draft.d2t.cpu()
-    return tuple(draft.config.aux_layer_ids), ids.tolist(), digest
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return draft, ids.tolist(), digest
 
 
 class ShardData:
@@ -314,9 +302,10 @@ def train_draft(job: TrainJob, console) -> Path:
     target = LlamaForCausalLM.from_pretrained(mf.dir, dtype=torch.float32)
     for p in target.parameters():
         p.requires_grad_(False)
-    init_vocab = init_digest = None
+    init_draft = init_vocab = init_digest = None
     if job.head.init_from is not None:  # before any work: a bad head fails the job here
-        aux, init_vocab, init_digest = copy_init_head(job, target)
+        init_draft, init_vocab, init_digest = copy_init_head(job, target)
+        aux = tuple(init_draft.config.aux_layer_ids)
     else:
         aux = job.head.aux_layer_ids or default_aux_layer_ids(target.config.num_hidden_layers)
     data = ShardData(collect_sequences(job, mf, target, aux, console))
@@ -334,7 +323,10 @@ def train_draft(job: TrainJob, console) -> Path:
         vocab_file.write_text(json.dumps(vocab))
     vocab = json.loads(vocab_file.read_text())
     data.set_vocab(vocab, target.config.vocab_size)
-    draft = init_head(job, target, mf.dir, vocab, tuple(aux))
+    if init_draft is not None:
+        draft = init_draft
+    else:
+        draft = init_head(job, target, mf.dir, vocab, tuple(aux))
     draft.train()
     params = [p for p in draft.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=job.train.lr, weight_decay=job.train.weight_decay)
