@@ -285,9 +285,11 @@ def fake_fi(monkeypatch: pytest.MonkeyPatch) -> Any:
     fake.BatchDecodeWithPagedKVCacheWrapper = _FakeDecode
     fake.BatchPrefillWithPagedKVCacheWrapper = _FakePrefill
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
-    monkeypatch.delitem(sys.modules, MODULE, raising=False)
+    monkeypatch.delitem(sys.modules, MODULE, raising=False)  # restored at teardown if it was there
     module = importlib.import_module(MODULE)
-    monkeypatch.delitem(sys.modules, MODULE)  # later imports get the real one again
+    # Not through monkeypatch: its undo would put this fake-bound module back into sys.modules,
+    # where the real-kernel tests below would then get the fake.
+    del sys.modules[MODULE]
     monkeypatch.setattr(module, "_require_cuda", lambda meta: None)
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -436,12 +438,22 @@ def test_fake_graph_state_replans_into_fixed_buffers(fake_fi: Any, q_len: int) -
 # ---- the real kernels (GPU) -----------------------------------------------------------------
 
 
+def _real_backend() -> Any:
+    backend = get_backend("flashinfer")
+    # the real kernels, not the fake module of the CPU tests above
+    assert getattr(sys.modules[type(backend).__module__].flashinfer, "__file__", None)
+    return backend
+
+
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_gpu_matches_torch_backend(dtype: torch.dtype, block_size: int) -> None:
-    backend = get_backend("flashinfer")
-    h = Harness(backend, "cuda", dtype, block_size=block_size, tol={"atol": 2e-2, "rtol": 2e-2})
+@pytest.mark.parametrize("hq", [HQ, 3 * HKV])  # GQA groups of 2 and of 3 (SmolLM2's)
+def test_gpu_matches_torch_backend(dtype: torch.dtype, block_size: int, hq: int) -> None:
+    backend = _real_backend()
+    h = Harness(
+        backend, "cuda", dtype, block_size=block_size, hq=hq, tol={"atol": 2e-2, "rtol": 2e-2}
+    )
     for batch in STEPS:
         h.step(batch)
 
@@ -449,7 +461,7 @@ def test_gpu_matches_torch_backend(dtype: torch.dtype, block_size: int) -> None:
 @needs_gpu
 @pytest.mark.parametrize("q_len", [1, 4])
 def test_gpu_graph_replay_matches_torch_backend(q_len: int) -> None:
-    backend = get_backend("flashinfer")
+    backend = _real_backend()
     h = Harness(backend, "cuda", torch.bfloat16, layers=1, tol={"atol": 2e-2, "rtol": 2e-2})
     num_seqs, max_blocks = 4, 8
     h.step([(s, 7 + 11 * s) for s in range(num_seqs)])  # eager prefill: the head config is learnt

@@ -29,3 +29,8 @@ def test_gpu_check_runs_on_cpu(tmp_path):
         assert t["spec_round_ms"] > 0 and t["plain_decode_ms"] > 0
         assert report["transformers_generate"][b]["output_tok_s"] > 0
     assert "skipped" in report["checks"]["flashinfer"]
+    for b in ("1", "3"):  # the teacher-forced kernel comparison (torch bf16 only, on CPU)
+        k = report["checks"]["bfloat16_kernels_vs_float32"][b]
+        assert k["positions"] >= 4 and k["torch"]["finite"]
+        assert k["reference_reproduces_run"] >= 0.9  # teacher forcing replays the fp32 run
+        assert k["torch"]["argmax_agree"] > 0.5 and "flashinfer" not in k

@@ -201,13 +201,17 @@ class GraphPool:
     def __enter__(self) -> GraphPool:
         self._t0 = time.perf_counter()
         if self.mode == "cuda":
+            # cached-but-free blocks would skew the difference: torch.cuda.graph() empties the
+            # cache itself, so without this the pool could even come out negative
             torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
             self._mem0 = torch.cuda.memory_reserved(self.device)
         return self
 
     def __exit__(self, *exc) -> None:
         if self.mode == "cuda":
             torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # the warm-up runs' activations; the graphs' pool stays
             self.stats.memory_bytes += torch.cuda.memory_reserved(self.device) - self._mem0
         self.stats.capture_s += time.perf_counter() - self._t0
 
