@@ -250,3 +250,43 @@ def test_capture_keeps_only_shards_that_hold_the_same_sequences(tiny_model_dir, 
     # labels asked for where the shard has none: rewritten with them
     capture(target, second, (0, 1, 2), tmp_path, console)
     assert load_file(str(path))["labels"].shape == (10,)
+
+
+def test_prompt_selection_by_length_and_its_key(tiny_model_dir, tmp_path):
+    pytest.importorskip("eaglebatch._native")
+    import pyarrow as pa
+
+    from eaglebatch.model_files import model_files
+    from eaglebatch.train.data import PromptEncoder, select_prompts
+
+    prompts = random_prompts(40, seed=5)
+    inp = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"prompt": prompts}), inp)
+    job_file = tmp_path / "train.yaml"
+    job_file.write_text(
+        f"model: {tiny_model_dir}\ninput:\n  path: {inp}\noutput:\n  path: {tmp_path / 'h'}\n"
+        "data:\n  holdout_rows: 4\n  num_prompts: 6\n  min_prompt_tokens: 12\n"
+        "  max_prompt_tokens: 30\n"
+    )
+    job, mf = load_train_job(job_file), model_files(str(tiny_model_dir))
+    lengths = [len(PromptEncoder(job, mf)(p)) for p in prompts]
+    want = [i for i, n in enumerate(lengths) if i >= 4 and 12 <= n <= 30][:6]
+    assert len(want) == 6 and any(n < 12 for n in lengths[4:]) and any(n > 30 for n in lengths)
+    out = tmp_path / "sel.parquet"
+    assert select_prompts(job, mf, out) == 6
+    assert pq.read_table(out).column("id").to_pylist() == want
+    # the length bounds are part of the selection: other bounds are another selection
+    with pytest.raises(JobError, match="another prompt selection"):
+        select_prompts(load_train_job(job_file, ["data.min_prompt_tokens=0"]), mf, out)
+    # a file written before min_prompt_tokens existed was selected with 0
+    job0 = load_train_job(job_file, ["data.min_prompt_tokens=0"])
+    select_prompts(job0, mf, old := tmp_path / "old.parquet")
+    table = pq.read_table(old)
+    key = json.loads(table.schema.metadata[b"eaglebatch.selection"])
+    del key["min_prompt_tokens"]
+    pq.write_table(table.replace_schema_metadata({"eaglebatch.selection": json.dumps(key)}), old)
+    assert select_prompts(job0, mf, old) == 6
+    with pytest.raises(JobError, match="another prompt selection"):
+        select_prompts(job, mf, old)
+    with pytest.raises(JobError, match="min_prompt_tokens"):
+        load_train_job(job_file, ["data.min_prompt_tokens=31"])

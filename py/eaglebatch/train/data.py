@@ -1,7 +1,7 @@
 """Stage 1: training prompts and their answers.
 
 Prompts come from the job's input after the first `holdout_rows` rows (kept for evaluation),
-limited to `max_prompt_tokens` tokens. Two sources of answers:
+of `min_prompt_tokens` to `max_prompt_tokens` tokens. Two sources of answers:
 - self-distillation: the first `num_prompts` such rows, answered greedily by eaglebatch itself as an
   ordinary batch job whose output (with token ids) lands in `work/gen/`;
 - reference answers: the next `num_reference` rows with a non-empty `answer_column`, tokenized
@@ -55,7 +55,8 @@ class PromptEncoder:
 
 def _select(job: TrainJob, enc: PromptEncoder, start_row: int, count: int,
             answer_column: str | None) -> dict[str, list]:
-    """Up to `count` input rows at or after `start_row` whose prompt fits max_prompt_tokens (and
+    """Up to `count` input rows at or after `start_row` whose prompt has min_prompt_tokens to
+    max_prompt_tokens tokens (and
     that have a non-empty answer when `answer_column` is given), in input order."""
     files, _ = check_input(job.input)
     columns = [enc.column] + ([answer_column] if answer_column else [])
@@ -75,7 +76,8 @@ def _select(job: TrainJob, enc: PromptEncoder, start_row: int, count: int,
                     answer = values[1] if answer_column else None
                     ok = not answer_column or (isinstance(answer, str) and answer.strip())
                     toks = enc(values[0]) if ok else None
-                    if toks is not None and len(toks) <= job.data.max_prompt_tokens:
+                    if toks is not None and (job.data.min_prompt_tokens <= len(toks)
+                                             <= job.data.max_prompt_tokens):
                         out["id"].append(row)
                         out[enc.column].append(values[0])
                         if answer_column:
@@ -106,24 +108,36 @@ def _saved_key(out: Path) -> dict | None:
     return {"requested": int(legacy)} if legacy else {}
 
 
+# Keys added to the selection key after files were first written, with the value every older
+# file was selected with.
+_KEY_DEFAULTS = {"min_prompt_tokens": 0}
+
+
 def _selection_key(job: TrainJob, count: int, start_row: int) -> dict:
     """Everything the selected rows depend on."""
     return {"input": str(job.input.path), "column": job.input.messages_column
             or job.input.text_column, "max_prompt_tokens": job.data.max_prompt_tokens,
-            "start_row": start_row, "requested": count}
+            "min_prompt_tokens": job.data.min_prompt_tokens, "start_row": start_row,
+            "requested": count}
+
+
+def _recorded(saved: dict) -> dict:
+    """A saved key with the keys it predates filled in with the values it was selected with."""
+    return {**_KEY_DEFAULTS, **saved}
 
 
 def select_prompts(job: TrainJob, mf: ModelFiles, out: Path) -> int:
     """Writes `out` (columns: id = input row index, the prompt column) with up to num_prompts
-    rows after the held-out ones whose prompts fit max_prompt_tokens. Returns the row count.
-    Answers are generated for the selection once: a job that selects differently (another
-    num_prompts, holdout_rows, max_prompt_tokens or input) is refused, not silently given the
-    old selection."""
+    rows after the held-out ones whose prompts have min_prompt_tokens to max_prompt_tokens
+    tokens. Returns the row count. Answers are generated for the selection once: a job that
+    selects differently (another num_prompts, holdout_rows, min/max_prompt_tokens or input) is
+    refused, not silently given the old selection."""
     key = _selection_key(job, job.data.num_prompts, job.data.holdout_rows)
     saved = _saved_key(out)
     if saved is not None:
+        recorded = _recorded(saved)  # the oldest files record only `requested`: trusted
         if saved and saved.get("requested") == key["requested"] and all(
-            saved.get(k, key[k]) == key[k] for k in key
+            recorded.get(k, v) == v for k, v in key.items()
         ):
             return pq.read_metadata(out).num_rows
         raise JobError(
@@ -149,7 +163,7 @@ def select_reference(job: TrainJob, enc: PromptEncoder, prompts: Path, out: Path
     key["answer_column"] = job.data.answer_column
     saved = _saved_key(out)
     # a file of an older version recorded only the count: it was selected after the prompts
-    if saved == key or saved == {"requested": key["requested"]}:
+    if saved is not None and (_recorded(saved) == key or saved == {"requested": key["requested"]}):
         return pq.read_metadata(out).num_rows
     _write(out, _select(job, enc, start, job.data.num_reference, job.data.answer_column), key)
     return pq.read_metadata(out).num_rows

@@ -22,6 +22,8 @@ class DataConfig(_Section):
     # Self-distillation: prompts whose answers the target regenerates (greedy).
     num_prompts: int = Field(default=1000, ge=0)
     max_prompt_tokens: int = Field(default=256, ge=1)
+    # Only prompts of at least this many tokens (e.g. to fine-tune on long contexts).
+    min_prompt_tokens: int = Field(default=0, ge=0)
     max_new_tokens: int = Field(default=128, ge=1)
     max_batch_size: int = Field(default=64, ge=1)
     # Reference answers: the next `num_reference` rows' recorded answers (`answer_column`),
@@ -35,6 +37,9 @@ class DataConfig(_Section):
     def _check_sources(self):
         if self.num_reference and not self.answer_column:
             raise ValueError("data.answer_column is required when data.num_reference > 0")
+        if self.min_prompt_tokens > self.max_prompt_tokens:
+            raise ValueError(f"min_prompt_tokens ({self.min_prompt_tokens}) exceeds "
+                             f"max_prompt_tokens ({self.max_prompt_tokens}): no prompt fits")
         if self.num_prompts + self.num_reference == 0:
             raise ValueError("data.num_prompts and data.num_reference are both 0: no training data")
         return self
