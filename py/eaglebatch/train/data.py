@@ -56,8 +56,8 @@ class PromptEncoder:
 def _select(job: TrainJob, enc: PromptEncoder, start_row: int, count: int,
             answer_column: str | None) -> dict[str, list]:
     """Up to `count` input rows at or after `start_row` whose prompt has min_prompt_tokens to
-    max_prompt_tokens tokens (and
-    that have a non-empty answer when `answer_column` is given), in input order."""
+    max_prompt_tokens tokens (and that have a non-empty answer when `answer_column` is given),
+    in input order."""
     files, _ = check_input(job.input)
     columns = [enc.column] + ([answer_column] if answer_column else [])
     out: dict[str, list] = {"id": [], enc.column: []}

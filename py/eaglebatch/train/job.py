@@ -38,8 +38,8 @@ class DataConfig(_Section):
         if self.num_reference and not self.answer_column:
             raise ValueError("data.answer_column is required when data.num_reference > 0")
         if self.min_prompt_tokens > self.max_prompt_tokens:
-            raise ValueError(f"min_prompt_tokens ({self.min_prompt_tokens}) exceeds "
-                             f"max_prompt_tokens ({self.max_prompt_tokens}): no prompt fits")
+            raise ValueError(f"data.min_prompt_tokens ({self.min_prompt_tokens}) exceeds "
+                             f"data.max_prompt_tokens ({self.max_prompt_tokens}): no prompt fits")
         if self.num_prompts + self.num_reference == 0:
             raise ValueError("data.num_prompts and data.num_reference are both 0: no training data")
         return self
