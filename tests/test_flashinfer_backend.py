@@ -281,6 +281,10 @@ class _FakeEvent:
 @pytest.fixture
 def fake_fi(monkeypatch: pytest.MonkeyPatch) -> Any:
     """The backend module imported against the fake flashinfer, allowed to run on CPU."""
+    return _import_against_fake(monkeypatch)
+
+
+def _import_against_fake(monkeypatch: pytest.MonkeyPatch) -> Any:
     fake = types.ModuleType("flashinfer")
     fake.BatchDecodeWithPagedKVCacheWrapper = _FakeDecode
     fake.BatchPrefillWithPagedKVCacheWrapper = _FakePrefill
@@ -294,6 +298,13 @@ def fake_fi(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     return module
+
+
+def test_fake_bound_module_does_not_outlive_its_patches() -> None:
+    before = sys.modules.get(MODULE)
+    with pytest.MonkeyPatch.context() as mp:
+        module = _import_against_fake(mp)
+    assert sys.modules.get(MODULE) is before and module is not before  # later imports: real
 
 
 class Harness:
