@@ -450,12 +450,27 @@ def main(argv=None) -> int:
         draft_dir = make_draft_dir(tmp / "draft", model_dir)
         vocab = SHAPES[args.shape]["vocab_size"]
         common = dict(max_new=args.max_new, device=args.device)
+        fp32_refs: dict[int, dict] = {}
+
+        def prompts_for(b: int) -> Path:
+            """The prompts of batch size b (the same file for every section)."""
+            path = tmp / f"p{b}.parquet"
+            return path if path.is_file() else write_prompts(path, max(2 * b, 4), vocab, 16, 200, b)
+
+        def fp32_reference(b: int) -> dict:
+            """Plain eager float32 decoding with the torch backend, run once per batch size: what
+            the engine checks and the kernel check compare with."""
+            if b not in fp32_refs:
+                fp32_refs[b] = run_job(tmp, model_dir, prompts_for(b), f"plain-eager-{b}",
+                                       batch=b, dtype="float32", backend="torch", graphs="off",
+                                       **common)
+            return fp32_refs[b]
 
         def correctness():
             for b in batches:
-                prompts = write_prompts(tmp / f"p{b}.parquet", max(2 * b, 4), vocab, 16, 200, b)
+                prompts = prompts_for(b)
                 kw = dict(common, batch=b, dtype="float32", backend="torch")
-                ref = run_job(tmp, model_dir, prompts, f"plain-eager-{b}", graphs="off", **kw)
+                ref = fp32_reference(b)
                 runs = {
                     "plain_graph": run_job(tmp, model_dir, prompts, f"plain-graph-{b}",
                                            graphs=graphs, **kw),
@@ -480,11 +495,8 @@ def main(argv=None) -> int:
             low = "bfloat16"
             cands = ["torch"] + (["flashinfer"] if fast_backend == "flashinfer" else [])
             for b in batches[:2]:
-                prompts = write_prompts(tmp / f"p{b}.parquet", max(2 * b, 4), vocab, 16, 200, b)
-                kw = dict(common, batch=b, dtype="float32", graphs="off")
-                ref_run = run_job(tmp, model_dir, prompts, f"tf-ref-{b}", backend="torch",
-                                  **kw)
-                ids = read_prompt_ids(prompts)
+                ref_run = fp32_reference(b)
+                ids = read_prompt_ids(prompts_for(b))
                 tf = dict(device=args.device)
                 ref, where = teacher_forced(model_dir, ids, ref_run["tokens"], dtype="float32",
                                             backend="torch", **tf)
@@ -511,7 +523,7 @@ def main(argv=None) -> int:
                 report["checks"]["flashinfer"] = "flashinfer not importable: skipped"
                 return
             for b in batches:
-                prompts = write_prompts(tmp / f"p{b}.parquet", max(2 * b, 4), vocab, 16, 200, b)
+                prompts = prompts_for(b)
                 kw = dict(common, batch=b, dtype="bfloat16", graphs=graphs)
                 t = run_job(tmp, model_dir, prompts, f"bf16-torch-{b}", backend="torch", **kw)
                 f = run_job(tmp, model_dir, prompts, f"bf16-fi-{b}", backend="flashinfer", **kw)
@@ -537,7 +549,7 @@ def main(argv=None) -> int:
 
         def hf():
             for b in batches:
-                prompts = write_prompts(tmp / f"p{b}.parquet", max(2 * b, 4), vocab, 16, 200, b)
+                prompts = prompts_for(b)
                 report.setdefault("transformers_generate", {})[str(b)] = hf_baseline(
                     model_dir, prompts, b, args.max_new, args.device)
 
