@@ -290,3 +290,60 @@ def test_prompt_selection_by_length_and_its_key(tiny_model_dir, tmp_path):
         select_prompts(job, mf, old)
     with pytest.raises(JobError, match="min_prompt_tokens"):
         load_train_job(job_file, ["data.min_prompt_tokens=31"])
+
+
+def test_bf16_answers_are_relabelled_and_max_minutes_ends_the_schedule(tiny_model_dir,
+                                                                          tmp_path):
+    pytest.importorskip("eaglebatch._native")
+    import pyarrow as pa
+
+    from eaglebatch.train.trainer import _fit_steps
+
+    inp = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"prompt": random_prompts(20, seed=5)}), inp)
+    job_file = tmp_path / "train.yaml"
+    job_file.write_text(
+        f"model: {tiny_model_dir}\ninput:\n  path: {inp}\n  apply_chat_template: true\n"
+        f"output:\n  path: {tmp_path / 'head'}\n"
+        "data:\n  holdout_rows: 4\n  num_prompts: 10\n  max_new_tokens: 10\n"
+        "head:\n  draft_vocab_size: 64\n  aux_layer_ids: [0, 1, 2]\n"
+        "train:\n  epochs: 60\n  batch_tokens: 256\n  unroll: 2\n  checkpoint_every: 50\n"
+        "  warmup_steps: 1\n  val_sequences: 2\n  max_minutes: 0.0001\n"
+    )
+    console = Console(stderr=True)
+    work = tmp_path / "head" / "work"
+    if not torch.cuda.is_available():
+        with pytest.raises(JobError, match="train.device"):
+            train_draft(load_train_job(job_file, ["train.device=cuda"]), console)
+    train_draft(load_train_job(job_file), console)
+    # 6 ms of training: the schedule ends at the first estimate (step 21), far short of the
+    # planned steps, with a final checkpoint and an exported head
+    ckpt = torch.load(work / "ckpt" / "latest.pt", weights_only=False)
+    meta = json.loads((tmp_path / "head" / "config.json").read_text())["eaglebatch_training"]
+    assert ckpt["step"] == 21 == meta["total_steps"] and ckpt["best"]["step"] == 21
+    # float32 answers (CPU) are their own labels; answers recorded as generated in bfloat16
+    # get the float32 target's argmax as labels, since they may part from it at near-ties
+    done = json.loads((work / "gen.done").read_text())
+    assert done["dtype"] == "float32"
+    assert "labels" not in load_file(str(work / "features" / "shard-00000.safetensors"))
+    (work / "gen.done").write_text(json.dumps({**done, "dtype": "bfloat16"}))
+    for name in ("features", "ckpt"):
+        for f in sorted((work / name).rglob("*"), reverse=True):
+            f.unlink() if f.is_file() else f.rmdir()
+    train_draft(load_train_job(job_file), console)
+    shard = load_file(str(work / "features" / "shard-00000.safetensors"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    cu = shard["cu"].tolist()
+    with torch.no_grad():
+        logits = hf(shard["tokens"][cu[0] : cu[1]].long()[None]).logits[0]
+    assert torch.equal(logits.argmax(-1).int(), shard["labels"][cu[0] : cu[1]])
+
+    # the estimate: steps that fit in the time left at the rate so far, within [step+1, planned]
+    job = load_train_job(job_file, ["train.max_minutes=1"])
+    assert _fit_steps(job, step=100, first=0, elapsed=20.0, planned=10_000) == 100 + int(
+        40 * 5 * 0.97)
+    assert _fit_steps(job, step=100, first=0, elapsed=20.0, planned=150) == 150
+    assert _fit_steps(job, step=100, first=0, elapsed=90.0, planned=10_000) == 101
+    assert _fit_steps(job, step=100, first=0, elapsed=90.0, planned=100) == 100
+    assert _fit_steps(load_train_job(job_file, ["train.max_minutes=null"]), 100, 0, 90.0,
+                      500) == 500

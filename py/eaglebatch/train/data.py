@@ -212,9 +212,19 @@ def generate_answers(job: TrainJob, mf: ModelFiles, console) -> Path:
     if n == 0:
         done.write_text(json.dumps({"rows": 0}) + "\n")
         return gen_dir
-    console.print(f"[1/3] generating answers for {n} training prompts with the target ...")
     prep = prepare(generation_job(job, prompts, gen_dir))
+    dtype = prep.identity["engine"]["dtype"]
+    console.print(f"[1/3] generating answers for {n} training prompts with the target "
+                  f"({dtype}) ...")
     with ProgressView(prep.total_rows, console) as view:
         res = run_prepared(prep, progress=view, restart=True)
-    done.write_text(json.dumps({"rows": res.stats["requests"]}) + "\n")
+    done.write_text(json.dumps({"rows": res.stats["requests"], "dtype": dtype}) + "\n")
     return gen_dir
+
+
+def answers_are_greedy(work: Path) -> bool:
+    """True if the self-distilled answers in `work/gen` are the float32 target's greedy text, so
+    their next tokens are its greedy labels. Answers generated in bf16/fp16 (the CUDA default) can
+    part from it at near-ties: their labels must come from a float32 forward. gen.done files
+    written before the dtype was recorded come from float32 runs (CPU-only then)."""
+    return json.loads((work / "gen.done").read_text()).get("dtype", "float32") == "float32"

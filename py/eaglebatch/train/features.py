@@ -94,10 +94,10 @@ def capture(
             "tokens": torch.from_numpy(np.concatenate(toks).astype(np.int32)),
             "cu": torch.from_numpy(cu.astype(np.int64)),
             "prompt": torch.tensor([len(p) for p, _ in shard], dtype=torch.int32),
-            "feats": torch.cat(feats).to(torch.bfloat16).contiguous(),
+            "feats": torch.cat(feats).to(torch.bfloat16).cpu().contiguous(),
         }
         if greedy_labels:
-            tensors["labels"] = torch.cat(labels).to(torch.int32)
+            tensors["labels"] = torch.cat(labels).to(torch.int32).cpu()
         save_file(tensors, str(tmp))
         os.replace(tmp, path)
         console.print(f"  features: {min(s0 + SHARD_SEQS, len(seqs))}/{len(seqs)} sequences")

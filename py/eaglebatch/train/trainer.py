@@ -19,6 +19,7 @@ import random
 import shutil
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,8 +32,15 @@ from eaglebatch.resume import sha256_file
 from eaglebatch.speculative import init_random_draft
 from eaglebatch.speculative.draft_config import default_aux_layer_ids
 from eaglebatch.speculative.eagle import EagleDraft, load_draft
+from eaglebatch.worker import resolve_device
 
-from .data import PromptEncoder, generate_answers, reference_sequences, select_reference
+from .data import (
+    PromptEncoder,
+    answers_are_greedy,
+    generate_answers,
+    reference_sequences,
+    select_reference,
+)
 from .features import capture, training_sequences
 from .job import TrainJob
 from .ttt import step_mask, ttt_forward
@@ -62,11 +70,11 @@ def init_head(job: TrainJob, target: LlamaForCausalLM, model_dir: Path, vocab: l
     draft = load_draft(init_dir, target.config, target, dtype=torch.float32)
     with torch.no_grad():
         head = target.model.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
-        draft.lm_head.weight.copy_(head[torch.tensor(vocab)].float())
+        draft.lm_head.weight.copy_(head[torch.tensor(vocab, device=head.device)].float())
         draft.norm.weight.copy_(target.model.norm.weight.float())
         h = draft.config.hidden_size
         draft.fc.weight.zero_()
-        draft.fc.weight[:, -h:] = torch.eye(h)
+        draft.fc.weight[:, -h:] = torch.eye(h, device=draft.fc.weight.device)
         draft.midlayer.self_attn.o_proj.weight.mul_(0.1)
         draft.midlayer.mlp.down_proj.weight.mul_(0.1)
     return draft
@@ -149,7 +157,10 @@ class ShardData:
         random.Random(seed).shuffle(out)
         return out
 
-    def collate(self, idx: list[int]):
+    def collate(self, idx: list[int], device: torch.device | str = "cpu"):
+        """The padded batch of sequences `idx`, on `device`: tokens int64 [B, T], features
+        float32 [B, T, n_aux * h], lengths int64 [B], draft-vocab labels int64 [B, T-1] (-100 =
+        no loss), chain_ok bool [B, T-1] (see ttt_forward)."""
         seqs = [self.seqs[i] for i in idx]
         t = max(len(s[0]) for s in seqs)
         bsz = len(seqs)
@@ -170,7 +181,8 @@ class ShardData:
             # x_{p+1} is the target's own greedy choice at p: always so in self-distilled
             # answers, about 60% of the time in recorded ones (ttt_forward's chain mask)
             chain_ok[r, : n - 1] = tok[1:] == greedy[:-1]
-        return tokens, feats, lengths, labels, chain_ok
+        out = (tokens, feats, lengths, labels, chain_ok)
+        return tuple(x.to(device, non_blocking=True) for x in out)
 
 
 def acceptance_estimate(accs: list[float]) -> float:
@@ -222,7 +234,7 @@ def evaluate(draft: EagleDraft, data: ShardData, idx: list[int],
     count = [0] * job.train.unroll
     tokens = rounds = 0
     for batch in data.batches(idx, job.train.batch_tokens, 0):
-        tokens_in, feats, lengths, labels, chain_ok = data.collate(batch)
+        tokens_in, feats, lengths, labels, chain_ok = data.collate(batch, draft.device)
         right: list[torch.Tensor] = []
         _, _, accs = ttt_forward(draft, tokens_in, feats, lengths, labels, job.train.unroll,
                                  chain_ok, hits=right)
@@ -243,7 +255,7 @@ def export_head(draft: EagleDraft, init_dir: Path, out: Path, meta: dict) -> Non
     cfg["torch_dtype"] = "bfloat16"
     cfg["eaglebatch_training"] = meta
     init = load_file(str(init_dir / "model.safetensors"))
-    tensors = {k: v.detach().to(torch.bfloat16).contiguous()
+    tensors = {k: v.detach().to(torch.bfloat16).cpu().contiguous()
                for k, v in draft.state_dict().items() if k != "d2t" and "rotary" not in k}
     tensors["d2t"], tensors["t2d"] = init["d2t"], init["t2d"]
     tmp = out / ".model.safetensors.tmp"
@@ -281,8 +293,9 @@ def collect_sequences(job: TrainJob, mf, target: LlamaForCausalLM, aux, console)
         seqs = training_sequences(job.work_dir / "prompts.parquet", gen_dir, enc)
         console.print(f"[2/3] capturing target features of {len(seqs)} self-distilled "
                       f"sequences at layers {aux} ...")
+        # float32 answers are the target's greedy output: their labels are their next tokens
         shards += capture(target, seqs, aux, job.work_dir / "features", console,
-                          greedy_labels=False)  # the answers are the target's greedy output
+                          greedy_labels=not answers_are_greedy(job.work_dir))
     if job.data.num_reference:
         ref = job.work_dir / "reference.parquet"
         n = select_reference(job, enc, job.work_dir / "prompts.parquet", ref)
@@ -298,8 +311,13 @@ def train_draft(job: TrainJob, console) -> Path:
         torch.set_num_threads(job.train.num_threads)
     torch.manual_seed(job.train.seed)
     mf = model_files(job.model)
+    try:
+        device = resolve_device(job.train.device)
+    except JobError as e:
+        raise JobError(str(e).replace("engine.device", "train.device")) from None
     job.work_dir.mkdir(parents=True, exist_ok=True)
-    target = LlamaForCausalLM.from_pretrained(mf.dir, dtype=torch.float32)
+    # float32 wherever it runs: the features and labels are those of the float32 target
+    target = LlamaForCausalLM.from_pretrained(mf.dir, dtype=torch.float32, device=device)
     for p in target.parameters():
         p.requires_grad_(False)
     init_draft = init_vocab = init_digest = None
@@ -338,7 +356,7 @@ def train_draft(job: TrainJob, console) -> Path:
     ckpt = job.work_dir / "ckpt" / "latest.pt"
     step, best = 0, None
     if ckpt.is_file():
-        state = torch.load(ckpt, weights_only=False)
+        state = torch.load(ckpt, weights_only=False, map_location=device)
         saved = dict(state.get("fingerprint") or {})
         saved.pop("epochs", None)  # recorded by checkpoints of 2026-11-30; no longer binding
         if saved != fingerprint:
@@ -356,11 +374,66 @@ def train_draft(job: TrainJob, console) -> Path:
                   f"{len(val_idx)} more held out for validation), {per_epoch} steps per epoch, "
                   f"{total} steps, unroll {job.train.unroll}, draft vocabulary {len(vocab)}")
     init_dir = job.work_dir / "ckpt" / "init"
+    run = _Run(job, data, draft, opt, params, train_idx, val_idx, per_epoch, fingerprint,
+               init_dir, init_digest, answer_tokens, planned=total)
+    precision = torch.get_float32_matmul_precision()
+    if device.type == "cuda":  # TF32 tensor cores for the head's matmuls (features: float32)
+        torch.set_float32_matmul_precision("high")
+    try:
+        _train_loop(run, step, best, console)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    best = json.loads((job.output_path / "config.json").read_text())["eaglebatch_training"]
+    console.print(f"exported the head to {job.output_path} (step {best['step']}, validation "
+                  f"expected acceptance length {best['validation']['tau']:.2f})")
+    return job.output_path
+
+
+def _fit_steps(job: TrainJob, step: int, first: int, elapsed: float, planned: int) -> int:
+    """The step count of this run under train.max_minutes at its step rate so far (wall time,
+    so checkpoint evaluations count): at least one more step while `planned` is not reached,
+    never more than `planned`."""
+    if job.train.max_minutes is None or step == first:
+        return planned
+    rate = (step - first) / max(elapsed, 1e-9)
+    fit = step + int((job.train.max_minutes * 60 - elapsed) * rate * 0.97)
+    return min(planned, max(step + 1, fit))
+
+
+@dataclass
+class _Run:
+    """What the training loop works with, set up by train_draft."""
+
+    job: TrainJob
+    data: ShardData
+    draft: EagleDraft
+    opt: torch.optim.Optimizer
+    params: list[torch.nn.Parameter]
+    train_idx: list[int]
+    val_idx: list[int]
+    per_epoch: int
+    fingerprint: dict
+    init_dir: Path
+    init_digest: str | None
+    answer_tokens: int
+    planned: int  # train.epochs' step count; train.max_minutes may end the run before it
+
+
+def _train_loop(run: _Run, step: int, best: dict | None, console) -> None:
+    """Optimizer steps from `step` to the planned count (or what fits in train.max_minutes);
+    every checkpoint_every steps and at the end: validation, latest.pt, and the head exported if
+    it is the best so far."""
+    job, data, draft, opt, params = run.job, run.data, run.draft, run.opt, run.params
+    train_idx, val_idx, per_epoch, planned = run.train_idx, run.val_idx, run.per_epoch, run.planned
+    init_dir, init_digest, answer_tokens = run.init_dir, run.init_digest, run.answer_tokens
+    device = draft.device
+    ckpt = job.work_dir / "ckpt" / "latest.pt"
+    total = planned
     t0, last, first = time.monotonic(), time.monotonic(), step
     while step < total:
         epoch, i = divmod(step, per_epoch)
         batch = data.batches(train_idx, job.train.batch_tokens, job.train.seed + epoch)[i]
-        tokens, feats, lengths, labels, chain_ok = data.collate(batch)
+        tokens, feats, lengths, labels, chain_ok = data.collate(batch, device)
         for g in opt.param_groups:
             g["lr"] = _lr(step, total, job)
         loss, ces, accs = ttt_forward(draft, tokens, feats, lengths, labels, job.train.unroll,
@@ -371,6 +444,14 @@ def train_draft(job: TrainJob, console) -> Path:
         opt.step()
         step += 1
         now = time.monotonic()
+        if job.train.max_minutes is not None and (
+            step - first == 20 or step % job.train.checkpoint_every == 0
+        ):
+            fit = _fit_steps(job, step, first, now - t0, planned)
+            if fit != total:
+                console.print(f"  train.max_minutes: {fit} steps fit ({planned} planned)",
+                              highlight=False)
+                total = fit
         if now - last > 10 or step == total:
             last = now
             rate = (step - first) / max(now - t0, 1e-9)  # steps/s of this run
@@ -393,7 +474,7 @@ def train_draft(job: TrainJob, console) -> Path:
             ckpt.parent.mkdir(parents=True, exist_ok=True)
             tmp = ckpt.with_suffix(".tmp")
             torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "step": step,
-                        "best": best, "fingerprint": fingerprint}, tmp)
+                        "best": best, "fingerprint": run.fingerprint}, tmp)
             os.replace(tmp, ckpt)
             console.print(
                 f"  checkpoint {step}: validation acc/step {' '.join(f'{a:.3f}' for a in val)} "
@@ -411,6 +492,3 @@ def train_draft(job: TrainJob, console) -> Path:
                                          "sha256": init_digest,
                                          "training": base.get("eaglebatch_training")}
                 export_head(draft, init_dir, job.output_path, meta)
-    console.print(f"exported the head to {job.output_path} (step {best['step']}, validation "
-                  f"expected acceptance length {best['tau']:.2f})")
-    return job.output_path
