@@ -1,5 +1,8 @@
 """Stage 3: train the EAGLE-3 head on the captured features; checkpoints; export.
 
+Runs where `train.device` says (CUDA when there is one): the float32 target and the head live
+there; the features wait in host memory and travel one batch at a time.
+
 Resumable: `work/ckpt/` holds the draft vocabulary, the initial head and `latest.pt` (the head,
 the optimizer, the step, the best validation result and a fingerprint of the data and settings),
 replaced atomically every `checkpoint_every` steps; a restarted run continues from it and refuses
@@ -311,10 +314,9 @@ def train_draft(job: TrainJob, console) -> Path:
         torch.set_num_threads(job.train.num_threads)
     torch.manual_seed(job.train.seed)
     mf = model_files(job.model)
-    try:
-        device = resolve_device(job.train.device)
-    except JobError as e:
-        raise JobError(str(e).replace("engine.device", "train.device")) from None
+    if job.train.device == "cuda" and not torch.cuda.is_available():
+        raise JobError("train.device: 'cuda' requested but no CUDA device is available")
+    device = resolve_device(job.train.device)
     job.work_dir.mkdir(parents=True, exist_ok=True)
     # float32 wherever it runs: the features and labels are those of the float32 target
     target = LlamaForCausalLM.from_pretrained(mf.dir, dtype=torch.float32, device=device)
@@ -377,7 +379,7 @@ def train_draft(job: TrainJob, console) -> Path:
     run = _Run(job, data, draft, opt, params, train_idx, val_idx, per_epoch, fingerprint,
                init_dir, init_digest, answer_tokens, planned=total)
     precision = torch.get_float32_matmul_precision()
-    if device.type == "cuda":  # TF32 tensor cores for the head's matmuls (features: float32)
+    if device.type == "cuda":  # TF32 tensor cores for the head's float32 training matmuls
         torch.set_float32_matmul_precision("high")
     try:
         _train_loop(run, step, best, console)
