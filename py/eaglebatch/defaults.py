@@ -24,8 +24,8 @@ BUILTIN_SHAREGPT = "builtin:sharegpt"
 # Draft heads shipped inside the package (py/eaglebatch/drafts/<name>/), trained for a builtin
 # target model.
 BUILTIN_DRAFTS: dict[str, str] = {
-    # EAGLE-3 head for smollm2-135m-instruct, trained by jobs/train-smollm2-eagle-base.yaml
-    # and then jobs/train-smollm2-eagle.yaml
+    # EAGLE-3 head for smollm2-135m-instruct, trained by jobs/train-smollm2-eagle-base.yaml,
+    # jobs/train-smollm2-eagle.yaml and then jobs/train-smollm2-eagle-gpu.yaml
     "smollm2-135m-instruct-eagle": "smollm2-135m-instruct-eagle",
 }
 
