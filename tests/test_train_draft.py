@@ -347,3 +347,38 @@ def test_bf16_answers_are_relabelled_and_max_minutes_ends_the_schedule(tiny_mode
     assert _fit_steps(job, step=100, first=0, elapsed=90.0, planned=100) == 100
     assert _fit_steps(load_train_job(job_file, ["train.max_minutes=null"]), 100, 0, 90.0,
                       500) == 500
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_train_draft_on_cuda(tiny_model_dir, tmp_path):
+    """On a GPU the answers are generated in bfloat16 (the engine's CUDA default), relabelled by
+    the float32 target there, and the head trains there; the exported head loads on the CPU."""
+    pytest.importorskip("eaglebatch._native")
+    import pyarrow as pa
+
+    inp = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"prompt": random_prompts(24, seed=9)}), inp)
+    job_file = tmp_path / "train.yaml"
+    job_file.write_text(
+        f"model: {tiny_model_dir}\ninput:\n  path: {inp}\n  apply_chat_template: true\n"
+        f"output:\n  path: {tmp_path / 'head'}\n"
+        "data:\n  holdout_rows: 4\n  num_prompts: 16\n  max_new_tokens: 12\n"
+        "head:\n  draft_vocab_size: 64\n  aux_layer_ids: [0, 1, 2]\n"
+        "train:\n  device: cuda\n  epochs: 3\n  batch_tokens: 512\n  unroll: 2\n"
+        "  checkpoint_every: 4\n  warmup_steps: 1\n  val_sequences: 4\n"
+    )
+    out = train_draft(load_train_job(job_file), Console(stderr=True))
+    work = tmp_path / "head" / "work"
+    assert json.loads((work / "gen.done").read_text())["dtype"] == "bfloat16"
+    shard = load_file(str(work / "features" / "shard-00000.safetensors"))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    cu = shard["cu"].tolist()
+    same = total = 0
+    for a, b in zip(cu[:-1], cu[1:]):
+        with torch.no_grad():
+            greedy = hf(shard["tokens"][a:b].long()[None]).logits[0].argmax(-1).int()
+        same += int((greedy == shard["labels"][a:b]).sum())
+        total += b - a
+    assert same / total > 0.99  # float32 on both sides; only summation order differs
+    target = LlamaForCausalLM.from_pretrained(tiny_model_dir)
+    assert load_draft(out, target.config, target).eagle3
