@@ -292,24 +292,33 @@ def test_prompt_selection_by_length_and_its_key(tiny_model_dir, tmp_path):
         load_train_job(job_file, ["data.min_prompt_tokens=31"])
 
 
+def _self_distill_job(model_dir, tmp_path, *, prompts: int, num_prompts: int, train: str):
+    """A train-draft job over `prompts` random chat prompts (the first 4 held out), answered by
+    the target (10 new tokens), a 64-token draft vocabulary, `train` as a YAML flow mapping."""
+    import pyarrow as pa
+
+    inp = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"prompt": random_prompts(prompts, seed=5)}), inp)
+    job_file = tmp_path / "train.yaml"
+    job_file.write_text(
+        f"model: {model_dir}\ninput:\n  path: {inp}\n  apply_chat_template: true\n"
+        f"output:\n  path: {tmp_path / 'head'}\n"
+        f"data:\n  holdout_rows: 4\n  num_prompts: {num_prompts}\n  max_new_tokens: 10\n"
+        "head:\n  draft_vocab_size: 64\n  aux_layer_ids: [0, 1, 2]\n"
+        f"train: {{{train}}}\n"
+    )
+    return job_file
+
+
 def test_bf16_answers_are_relabelled_and_max_minutes_ends_the_schedule(tiny_model_dir,
                                                                           tmp_path):
     pytest.importorskip("eaglebatch._native")
-    import pyarrow as pa
-
     from eaglebatch.train.trainer import _fit_steps
 
-    inp = tmp_path / "prompts.parquet"
-    pq.write_table(pa.table({"prompt": random_prompts(20, seed=5)}), inp)
-    job_file = tmp_path / "train.yaml"
-    job_file.write_text(
-        f"model: {tiny_model_dir}\ninput:\n  path: {inp}\n  apply_chat_template: true\n"
-        f"output:\n  path: {tmp_path / 'head'}\n"
-        "data:\n  holdout_rows: 4\n  num_prompts: 10\n  max_new_tokens: 10\n"
-        "head:\n  draft_vocab_size: 64\n  aux_layer_ids: [0, 1, 2]\n"
-        "train:\n  epochs: 60\n  batch_tokens: 256\n  unroll: 2\n  checkpoint_every: 50\n"
-        "  warmup_steps: 1\n  val_sequences: 2\n  max_minutes: 0.0001\n"
-    )
+    job_file = _self_distill_job(
+        tiny_model_dir, tmp_path, prompts=20, num_prompts=10,
+        train="epochs: 60, batch_tokens: 256, unroll: 2, checkpoint_every: 50, "
+              "warmup_steps: 1, val_sequences: 2, max_minutes: 0.0001")
     console = Console(stderr=True)
     work = tmp_path / "head" / "work"
     if not torch.cuda.is_available():
@@ -354,19 +363,10 @@ def test_train_draft_on_cuda(tiny_model_dir, tmp_path):
     """On a GPU the answers are generated in bfloat16 (the engine's CUDA default), relabelled by
     the float32 target there, and the head trains there; the exported head loads on the CPU."""
     pytest.importorskip("eaglebatch._native")
-    import pyarrow as pa
-
-    inp = tmp_path / "prompts.parquet"
-    pq.write_table(pa.table({"prompt": random_prompts(24, seed=9)}), inp)
-    job_file = tmp_path / "train.yaml"
-    job_file.write_text(
-        f"model: {tiny_model_dir}\ninput:\n  path: {inp}\n  apply_chat_template: true\n"
-        f"output:\n  path: {tmp_path / 'head'}\n"
-        "data:\n  holdout_rows: 4\n  num_prompts: 16\n  max_new_tokens: 12\n"
-        "head:\n  draft_vocab_size: 64\n  aux_layer_ids: [0, 1, 2]\n"
-        "train:\n  device: cuda\n  epochs: 3\n  batch_tokens: 512\n  unroll: 2\n"
-        "  checkpoint_every: 4\n  warmup_steps: 1\n  val_sequences: 4\n"
-    )
+    job_file = _self_distill_job(
+        tiny_model_dir, tmp_path, prompts=24, num_prompts=16,
+        train="device: cuda, epochs: 3, batch_tokens: 512, unroll: 2, checkpoint_every: 4, "
+              "warmup_steps: 1, val_sequences: 4")
     out = train_draft(load_train_job(job_file), Console(stderr=True))
     work = tmp_path / "head" / "work"
     assert json.loads((work / "gen.done").read_text())["dtype"] == "bfloat16"
