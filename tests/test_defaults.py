@@ -1,10 +1,14 @@
-"""Embedded defaults: ShareGPT streaming over a truncated JSON array, and the cached Parquet."""
+"""Embedded defaults: ShareGPT streaming over a truncated JSON array, and the cached Parquet
+files (first turns, later turns)."""
 
 import json
 
 import pyarrow.parquet as pq
+import pytest
 
 from eaglebatch import defaults
+from eaglebatch.config import JobError
+from eaglebatch.inputs import resolve_input_files
 
 
 def test_iter_sharegpt_survives_truncation_and_chunk_boundaries(tmp_path):
@@ -42,3 +46,57 @@ def test_sharegpt_parquet_first_turns(tmp_path, monkeypatch):
     assert responses.null_count < len(responses) // 10  # nearly every first turn has a reply
     ids = pq.read_table(path, columns=["id"]).column(0).to_pylist()
     assert len(ids) == len(set(ids))
+
+
+def test_sharegpt_turns_rows(tmp_path, monkeypatch):
+    """One row per later user turn, its recorded history as chat messages, the first
+    SHAREGPT_EVAL_ROWS conversations left out, a conversation cut at its first irregular turn."""
+    def turns(*pairs):
+        return [{"from": f, "value": v} for f, v in pairs]
+
+    records = [
+        {"id": "held", "conversations": turns(("human", "q1"), ("gpt", "a1"), ("human", "q2"))},
+        {"id": "dup", "conversations": turns(("gpt", "not a human first turn"))},
+        {"id": "c", "conversations": turns(("human", "x1"), ("gpt", "y1"), ("human", "x2"),
+                                           ("gpt", "y2"), ("human", "x3"))},
+        {"id": "c", "conversations": turns(("human", "again"), ("gpt", "r"), ("human", "s"))},
+        {"id": "d", "conversations": turns(("human", "u1"), ("gpt", " "), ("human", "u2"))},
+        {"id": "e", "conversations": turns(("human", "v1"), ("gpt", "w1"), ("human", "v2"),
+                                           ("human", "v3"), ("gpt", "w3"), ("human", "v4"))},
+    ]
+    monkeypatch.setenv("EAGLEBATCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(defaults, "iter_sharegpt", lambda: iter(records))
+    monkeypatch.setattr(defaults, "SHAREGPT_EVAL_ROWS", 1)
+    first = pq.read_table(defaults.sharegpt_parquet()).column("id").to_pylist()
+    assert first == ["held", "c", "d", "e"]
+    rows = pq.read_table(defaults.sharegpt_turns_parquet()).to_pylist()
+    user, bot = "user", "assistant"
+    assert rows == [
+        {"id": "c:2", "conversation": "c", "turn": 2, "response": "y2",
+         "messages": [{"role": user, "content": "x1"}, {"role": bot, "content": "y1"},
+                      {"role": user, "content": "x2"}]},
+        {"id": "c:3", "conversation": "c", "turn": 3, "response": None,
+         "messages": [{"role": user, "content": "x1"}, {"role": bot, "content": "y1"},
+                      {"role": user, "content": "x2"}, {"role": bot, "content": "y2"},
+                      {"role": user, "content": "x3"}]},
+        {"id": "e:2", "conversation": "e", "turn": 2, "response": None,
+         "messages": [{"role": user, "content": "v1"}, {"role": bot, "content": "w1"},
+                      {"role": user, "content": "v2"}]},
+    ]
+
+
+def test_sharegpt_turns_leave_out_the_evaluation_conversations(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLEBATCH_CACHE", str(tmp_path))
+    (path,) = resolve_input_files("builtin:sharegpt-turns")
+    table = pq.read_table(path)
+    assert table.num_rows > 20_000
+    held = pq.read_table(defaults.sharegpt_parquet(), columns=["id"]).column(0).to_pylist()
+    held = held[: defaults.SHAREGPT_EVAL_ROWS]
+    assert not set(held) & set(table.column("conversation").to_pylist())
+    ids = table.column("id").to_pylist()
+    assert len(ids) == len(set(ids))
+    for row in table.slice(0, 50).to_pylist():
+        roles = [m["role"] for m in row["messages"]]
+        assert roles == ["user", "assistant"] * (row["turn"] - 1) + ["user"]
+    with pytest.raises(JobError, match="builtin:sharegpt-turns"):
+        resolve_input_files("builtin:nothing")

@@ -21,6 +21,10 @@ from .config import JobError
 
 BUILTIN_MODEL = "smollm2-135m-instruct"
 BUILTIN_SHAREGPT = "builtin:sharegpt"
+BUILTIN_SHAREGPT_TURNS = "builtin:sharegpt-turns"
+# The first rows of builtin:sharegpt are the evaluation prompts (jobs/eval-eagle.yaml; the
+# train-draft jobs hold them out): builtin:sharegpt-turns leaves their conversations out.
+SHAREGPT_EVAL_ROWS = 200
 # Draft heads shipped inside the package (py/eaglebatch/drafts/<name>/), trained for a builtin
 # target model.
 BUILTIN_DRAFTS: dict[str, str] = {
@@ -36,6 +40,7 @@ _SHAREGPT_JSON = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 # Bump when a materialised format changes, so stale caches are rebuilt.
 _FORMAT_VERSION = "1"  # the converted model folder
 _SHAREGPT_VERSION = "2"  # the ShareGPT Parquet file (v2 added `response`)
+_SHAREGPT_TURNS_VERSION = "1"  # the later-turns Parquet file
 
 
 def cache_dir() -> Path:
@@ -134,65 +139,115 @@ def iter_sharegpt(path: Path | None = None, chunk_chars: int = 1 << 20) -> Itera
             buf = buf[end:]
 
 
+def _conversations() -> Iterator[tuple[str, list[dict]]]:
+    """(id, turns) of every conversation that `builtin:sharegpt` has a row for, in its row order:
+    the first record of each id whose first turn is a non-empty human message."""
+    seen: set[str] = set()
+    for record in iter_sharegpt():
+        turns = record.get("conversations") or []
+        rid = record.get("id")
+        if not turns or not isinstance(rid, str) or rid in seen:
+            continue
+        first = turns[0]
+        text = first.get("value")
+        if first.get("from") != "human" or not isinstance(text, str) or not text.strip():
+            continue
+        seen.add(rid)
+        yield rid, turns
+
+
+def _reply(turns: list[dict], i: int) -> str | None:
+    """The assistant's recorded reply at turns[i], if that is one."""
+    t = turns[i] if i < len(turns) else {}
+    value = t.get("value")
+    return value if t.get("from") == "gpt" and isinstance(value, str) else None
+
+
+def _write_rows(final: Path, fields: list[tuple], rows: Iterator[dict]) -> Path:
+    """Streams `rows` into the Parquet file `final` (schema `fields`, `messages` a chat list),
+    2,048 rows per row group, written under a temporary name and renamed when complete."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    chat = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+    schema = pa.schema([(name, chat if name == "messages" else typ) for name, typ in fields])
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{final.stem}-", suffix=".tmp", dir=final.parent)
+    os.close(fd)
+    batch: list[dict] = []
+    try:
+        with pq.ParquetWriter(tmp_name, schema, compression="zstd") as writer:
+            for row in rows:
+                batch.append(row)
+                if len(batch) == 2048:
+                    writer.write_table(pa.Table.from_pylist(batch, schema=schema))
+                    batch.clear()
+            if batch:
+                writer.write_table(pa.Table.from_pylist(batch, schema=schema))
+        os.replace(tmp_name, final)
+    finally:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+    return final
+
+
 def sharegpt_parquet() -> Path:
     """First-turn ShareGPT prompts as Parquet: `id` (string), `prompt` (string), `messages`
     (list<struct<role, content>>, a single user turn) and `response` (string or null: the
     assistant's reply to that turn in the recorded conversation). Built once from the shipped
     JSON; the row order (and so every row index) is the order of the JSON file."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     final = cache_dir() / "datasets" / f"sharegpt-first-turn-v{_SHAREGPT_VERSION}.parquet"
     if final.is_file():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    schema = pa.schema(
-        [
-            ("id", pa.string()),
-            ("prompt", pa.string()),
-            (
-                "messages",
-                pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())])),
-            ),
-            ("response", pa.string()),
-        ]
-    )
-    fd, tmp_name = tempfile.mkstemp(prefix=".sharegpt-", suffix=".tmp", dir=final.parent)
-    os.close(fd)
-    seen: set[str] = set()
-    rows: list[dict] = []
-    try:
-        with pq.ParquetWriter(tmp_name, schema, compression="zstd") as writer:
-            for record in iter_sharegpt():
-                turns = record.get("conversations") or []
-                rid = record.get("id")
-                if not turns or not isinstance(rid, str) or rid in seen:
-                    continue
-                first = turns[0]
-                text = first.get("value")
-                if first.get("from") != "human" or not isinstance(text, str) or not text.strip():
-                    continue
-                seen.add(rid)
-                reply = turns[1] if len(turns) > 1 else {}
-                response = reply.get("value") if reply.get("from") == "gpt" else None
-                rows.append(
-                    {
-                        "id": rid,
-                        "prompt": text,
-                        "messages": [{"role": "user", "content": text}],
-                        "response": response if isinstance(response, str) else None,
-                    }
-                )
-                if len(rows) == 2048:
-                    writer.write_table(pa.Table.from_pylist(rows, schema=schema))
-                    rows.clear()
-            if rows:
-                writer.write_table(pa.Table.from_pylist(rows, schema=schema))
-        os.replace(tmp_name, final)
-    finally:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
-    return final
+
+    def rows() -> Iterator[dict]:
+        for rid, turns in _conversations():
+            text = turns[0]["value"]
+            yield {"id": rid, "prompt": text, "messages": [{"role": "user", "content": text}],
+                   "response": _reply(turns, 1)}
+
+    fields = [("id", pa.string()), ("prompt", pa.string()), ("messages", None),
+              ("response", pa.string())]
+    return _write_rows(final, fields, rows())
+
+
+def sharegpt_turns_parquet() -> Path:
+    """The later user turns of the ShareGPT conversations (`builtin:sharegpt-turns`), one row
+    each: `id` ("<conversation>:<turn>"), `conversation` (the id of its `builtin:sharegpt` row),
+    `turn` (2, 3, ...), `messages` (the recorded conversation up to and including that user turn)
+    and `response` (the recorded reply, or null). A conversation stops at its first turn out of
+    the user/assistant alternation or without text. The conversations of the first
+    SHAREGPT_EVAL_ROWS rows of `builtin:sharegpt`, the evaluation prompts of jobs/eval-eagle.yaml,
+    are left out, so none of them appears in a context trained on. Rows follow the order of
+    `builtin:sharegpt`; built once, like it."""
+    import pyarrow as pa
+
+    final = cache_dir() / "datasets" / f"sharegpt-later-turns-v{_SHAREGPT_TURNS_VERSION}.parquet"
+    if final.is_file():
+        return final
+
+    def rows() -> Iterator[dict]:
+        for row, (rid, turns) in enumerate(_conversations()):
+            if row < SHAREGPT_EVAL_ROWS:
+                continue
+            messages: list[dict] = []
+            for i, t in enumerate(turns):
+                user = i % 2 == 0
+                text = t.get("value")
+                if t.get("from") != ("human" if user else "gpt") or not isinstance(text, str) \
+                        or not text.strip():
+                    break
+                messages.append({"role": "user" if user else "assistant", "content": text})
+                if user and i >= 2:
+                    turn = i // 2 + 1
+                    yield {"id": f"{rid}:{turn}", "conversation": rid, "turn": turn,
+                           "messages": list(messages), "response": _reply(turns, i + 1)}
+
+    fields = [("id", pa.string()), ("conversation", pa.string()), ("turn", pa.int32()),
+              ("messages", None), ("response", pa.string())]
+    return _write_rows(final, fields, rows())
 
 
 def require_builtin_model_package() -> Path:

@@ -17,10 +17,12 @@ from .config import InputConfig, JobError
 
 
 def resolve_input_files(path: str) -> list[Path]:
-    if path == defaults.BUILTIN_SHAREGPT:
-        return [defaults.sharegpt_parquet()]
+    builtins = {defaults.BUILTIN_SHAREGPT: defaults.sharegpt_parquet,
+                defaults.BUILTIN_SHAREGPT_TURNS: defaults.sharegpt_turns_parquet}
+    if path in builtins:
+        return [builtins[path]()]
     if path.startswith("builtin:"):
-        raise JobError(f"input.path: unknown builtin '{path}' (known: {defaults.BUILTIN_SHAREGPT})")
+        raise JobError(f"input.path: unknown builtin '{path}' (known: {', '.join(builtins)})")
     p = Path(path)
     if p.is_dir():
         files = sorted(f for f in p.rglob("*.parquet") if not f.name.startswith((".", "_")))
