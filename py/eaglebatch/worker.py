@@ -23,11 +23,12 @@ from .sampling import sample
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, key: str = "engine.device") -> torch.device:
+    """auto = CUDA when there is one; 'cuda' without one is a JobError naming `key`."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise JobError("engine.device: 'cuda' requested but no CUDA device is available")
+        raise JobError(f"{key}: 'cuda' requested but no CUDA device is available")
     return torch.device(name)
 
 

@@ -14,6 +14,7 @@ vocabulary mapped back through d2t) is the best one so far.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -22,7 +23,6 @@ import random
 import shutil
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -314,9 +314,7 @@ def train_draft(job: TrainJob, console) -> Path:
         torch.set_num_threads(job.train.num_threads)
     torch.manual_seed(job.train.seed)
     mf = model_files(job.model)
-    if job.train.device == "cuda" and not torch.cuda.is_available():
-        raise JobError("train.device: 'cuda' requested but no CUDA device is available")
-    device = resolve_device(job.train.device)
+    device = resolve_device(job.train.device, "train.device")
     job.work_dir.mkdir(parents=True, exist_ok=True)
     # float32 wherever it runs: the features and labels are those of the float32 target
     target = LlamaForCausalLM.from_pretrained(mf.dir, dtype=torch.float32, device=device)
@@ -376,19 +374,88 @@ def train_draft(job: TrainJob, console) -> Path:
                   f"{len(val_idx)} more held out for validation), {per_epoch} steps per epoch, "
                   f"{total} steps, unroll {job.train.unroll}, draft vocabulary {len(vocab)}")
     init_dir = job.work_dir / "ckpt" / "init"
-    run = _Run(job, data, draft, opt, params, train_idx, val_idx, per_epoch, fingerprint,
-               init_dir, init_digest, answer_tokens, planned=total)
+    planned = total  # train.epochs' step count; train.max_minutes may end the run before it
+    t0, last, first = time.monotonic(), time.monotonic(), step
+    with _tf32_on_cuda(device):
+        while step < total:
+            epoch, i = divmod(step, per_epoch)
+            batch = data.batches(train_idx, job.train.batch_tokens, job.train.seed + epoch)[i]
+            tokens, feats, lengths, labels, chain_ok = data.collate(batch, device)
+            for g in opt.param_groups:
+                g["lr"] = _lr(step, total, job)
+            loss, ces, accs = ttt_forward(draft, tokens, feats, lengths, labels, job.train.unroll,
+                                          chain_ok)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, job.train.grad_clip)
+            opt.step()
+            step += 1
+            now = time.monotonic()
+            if job.train.max_minutes is not None and (
+                step - first == 20 or step % job.train.checkpoint_every == 0
+            ):
+                fit = _fit_steps(job, step, first, now - t0, planned)
+                if fit != total:
+                    console.print(f"  train.max_minutes: {fit} steps fit ({planned} planned)",
+                                  highlight=False)
+                    total = fit
+            if now - last > 10 or step == total:
+                last = now
+                rate = (step - first) / max(now - t0, 1e-9)  # steps/s of this run
+                console.print(
+                    f"  step {step}/{total} epoch {epoch} loss {loss.item():.3f} "
+                    f"acc/step {' '.join(f'{a.item():.2f}' for a in accs)} "
+                    f"ETA {(total - step) / max(rate, 1e-9):.0f}s", highlight=False
+                )
+            if step % job.train.checkpoint_every == 0 or step == total:
+                if val_idx:
+                    val, replayed = evaluate(draft, data, val_idx, job)
+                else:
+                    val, replayed = [a.item() for a in accs], None
+                tau = acceptance_estimate(val)
+                improved = best is None or tau > best["tau"]
+                if improved:
+                    best = {"step": step, "tau": round(tau, 4),
+                            "val_acc": [round(a, 4) for a in val]}
+                    if replayed is not None:
+                        best["replayed_acceptance"] = round(replayed, 4)
+                ckpt.parent.mkdir(parents=True, exist_ok=True)
+                tmp = ckpt.with_suffix(".tmp")
+                torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "step": step,
+                            "best": best, "fingerprint": fingerprint}, tmp)
+                os.replace(tmp, ckpt)
+                console.print(
+                    f"  checkpoint {step}: validation acc/step {' '.join(f'{a:.3f}' for a in val)} "
+                    f"-> expected acceptance length {tau:.2f} at k={len(val)}"
+                    + (f", replayed {replayed:.2f}" if replayed is not None else "")
+                    + (" (best: exported)" if improved else f" (best {best['tau']:.2f} at step "
+                       f"{best['step']})"), highlight=False)
+                if improved:
+                    meta = {"step": step, "total_steps": total, "sequences": len(train_idx),
+                            "answer_tokens": answer_tokens, "unroll": job.train.unroll,
+                            "validation": best}
+                    if init_digest:  # the lineage: what the fine-tuned head was trained on
+                        base = json.loads((init_dir / "config.json").read_text())
+                        meta["init_from"] = {"head": Path(job.head.init_from).name,
+                                             "sha256": init_digest,
+                                             "training": base.get("eaglebatch_training")}
+                    export_head(draft, init_dir, job.output_path, meta)
+    console.print(f"exported the head to {job.output_path} (step {best['step']}, validation "
+                  f"expected acceptance length {best['tau']:.2f})")
+    return job.output_path
+
+
+@contextlib.contextmanager
+def _tf32_on_cuda(device: torch.device):
+    """TF32 tensor cores for the head's float32 training matmuls on CUDA; the previous setting
+    is restored after (the capture before training stays full float32)."""
     precision = torch.get_float32_matmul_precision()
-    if device.type == "cuda":  # TF32 tensor cores for the head's float32 training matmuls
+    if device.type == "cuda":
         torch.set_float32_matmul_precision("high")
     try:
-        _train_loop(run, step, best, console)
+        yield
     finally:
         torch.set_float32_matmul_precision(precision)
-    best = json.loads((job.output_path / "config.json").read_text())["eaglebatch_training"]
-    console.print(f"exported the head to {job.output_path} (step {best['step']}, validation "
-                  f"expected acceptance length {best['validation']['tau']:.2f})")
-    return job.output_path
 
 
 def _fit_steps(job: TrainJob, step: int, first: int, elapsed: float, planned: int) -> int:
@@ -400,97 +467,3 @@ def _fit_steps(job: TrainJob, step: int, first: int, elapsed: float, planned: in
     rate = (step - first) / max(elapsed, 1e-9)
     fit = step + int((job.train.max_minutes * 60 - elapsed) * rate * 0.97)
     return min(planned, max(step + 1, fit))
-
-
-@dataclass
-class _Run:
-    """What the training loop works with, set up by train_draft."""
-
-    job: TrainJob
-    data: ShardData
-    draft: EagleDraft
-    opt: torch.optim.Optimizer
-    params: list[torch.nn.Parameter]
-    train_idx: list[int]
-    val_idx: list[int]
-    per_epoch: int
-    fingerprint: dict
-    init_dir: Path
-    init_digest: str | None
-    answer_tokens: int
-    planned: int  # train.epochs' step count; train.max_minutes may end the run before it
-
-
-def _train_loop(run: _Run, step: int, best: dict | None, console) -> None:
-    """Optimizer steps from `step` to the planned count (or what fits in train.max_minutes);
-    every checkpoint_every steps and at the end: validation, latest.pt, and the head exported if
-    it is the best so far."""
-    job, data, draft, opt, params = run.job, run.data, run.draft, run.opt, run.params
-    train_idx, val_idx, per_epoch, planned = run.train_idx, run.val_idx, run.per_epoch, run.planned
-    init_dir, init_digest, answer_tokens = run.init_dir, run.init_digest, run.answer_tokens
-    device = draft.device
-    ckpt = job.work_dir / "ckpt" / "latest.pt"
-    total = planned
-    t0, last, first = time.monotonic(), time.monotonic(), step
-    while step < total:
-        epoch, i = divmod(step, per_epoch)
-        batch = data.batches(train_idx, job.train.batch_tokens, job.train.seed + epoch)[i]
-        tokens, feats, lengths, labels, chain_ok = data.collate(batch, device)
-        for g in opt.param_groups:
-            g["lr"] = _lr(step, total, job)
-        loss, ces, accs = ttt_forward(draft, tokens, feats, lengths, labels, job.train.unroll,
-                                      chain_ok)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, job.train.grad_clip)
-        opt.step()
-        step += 1
-        now = time.monotonic()
-        if job.train.max_minutes is not None and (
-            step - first == 20 or step % job.train.checkpoint_every == 0
-        ):
-            fit = _fit_steps(job, step, first, now - t0, planned)
-            if fit != total:
-                console.print(f"  train.max_minutes: {fit} steps fit ({planned} planned)",
-                              highlight=False)
-                total = fit
-        if now - last > 10 or step == total:
-            last = now
-            rate = (step - first) / max(now - t0, 1e-9)  # steps/s of this run
-            console.print(
-                f"  step {step}/{total} epoch {epoch} loss {loss.item():.3f} "
-                f"acc/step {' '.join(f'{a.item():.2f}' for a in accs)} "
-                f"ETA {(total - step) / max(rate, 1e-9):.0f}s", highlight=False
-            )
-        if step % job.train.checkpoint_every == 0 or step == total:
-            if val_idx:
-                val, replayed = evaluate(draft, data, val_idx, job)
-            else:
-                val, replayed = [a.item() for a in accs], None
-            tau = acceptance_estimate(val)
-            improved = best is None or tau > best["tau"]
-            if improved:
-                best = {"step": step, "tau": round(tau, 4), "val_acc": [round(a, 4) for a in val]}
-                if replayed is not None:
-                    best["replayed_acceptance"] = round(replayed, 4)
-            ckpt.parent.mkdir(parents=True, exist_ok=True)
-            tmp = ckpt.with_suffix(".tmp")
-            torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "step": step,
-                        "best": best, "fingerprint": run.fingerprint}, tmp)
-            os.replace(tmp, ckpt)
-            console.print(
-                f"  checkpoint {step}: validation acc/step {' '.join(f'{a:.3f}' for a in val)} "
-                f"-> expected acceptance length {tau:.2f} at k={len(val)}"
-                + (f", replayed {replayed:.2f}" if replayed is not None else "")
-                + (" (best: exported)" if improved else f" (best {best['tau']:.2f} at step "
-                   f"{best['step']})"), highlight=False)
-            if improved:
-                meta = {"step": step, "total_steps": total, "sequences": len(train_idx),
-                        "answer_tokens": answer_tokens, "unroll": job.train.unroll,
-                        "validation": best}
-                if init_digest:  # the lineage: what the fine-tuned head was trained on
-                    base = json.loads((init_dir / "config.json").read_text())
-                    meta["init_from"] = {"head": Path(job.head.init_from).name,
-                                         "sha256": init_digest,
-                                         "training": base.get("eaglebatch_training")}
-                export_head(draft, init_dir, job.output_path, meta)
