@@ -163,14 +163,19 @@ def _reply(turns: list[dict], i: int) -> str | None:
     return value if t.get("from") == "gpt" and isinstance(value, str) else None
 
 
-def _write_rows(final: Path, fields: list[tuple], rows: Iterator[dict]) -> Path:
-    """Streams `rows` into the Parquet file `final` (schema `fields`, `messages` a chat list),
-    2,048 rows per row group, written under a temporary name and renamed when complete."""
+def _chat_type():
+    """The `messages` column type: list<struct<role: string, content: string>>."""
+    import pyarrow as pa
+
+    return pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+
+
+def _write_rows(final: Path, schema, rows: Iterator[dict]) -> Path:
+    """Streams `rows` into the Parquet file `final` (a pyarrow `schema`), 2,048 rows per row
+    group, written under a temporary name and renamed when complete."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    chat = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
-    schema = pa.schema([(name, chat if name == "messages" else typ) for name, typ in fields])
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{final.stem}-", suffix=".tmp", dir=final.parent)
     os.close(fd)
@@ -208,9 +213,9 @@ def sharegpt_parquet() -> Path:
             yield {"id": rid, "prompt": text, "messages": [{"role": "user", "content": text}],
                    "response": _reply(turns, 1)}
 
-    fields = [("id", pa.string()), ("prompt", pa.string()), ("messages", None),
-              ("response", pa.string())]
-    return _write_rows(final, fields, rows())
+    schema = pa.schema([("id", pa.string()), ("prompt", pa.string()),
+                        ("messages", _chat_type()), ("response", pa.string())])
+    return _write_rows(final, schema, rows())
 
 
 def sharegpt_turns_parquet() -> Path:
@@ -245,9 +250,10 @@ def sharegpt_turns_parquet() -> Path:
                     yield {"id": f"{rid}:{turn}", "conversation": rid, "turn": turn,
                            "messages": list(messages), "response": _reply(turns, i + 1)}
 
-    fields = [("id", pa.string()), ("conversation", pa.string()), ("turn", pa.int32()),
-              ("messages", None), ("response", pa.string())]
-    return _write_rows(final, fields, rows())
+    schema = pa.schema([("id", pa.string()), ("conversation", pa.string()),
+                        ("turn", pa.int32()), ("messages", _chat_type()),
+                        ("response", pa.string())])
+    return _write_rows(final, schema, rows())
 
 
 def require_builtin_model_package() -> Path:
