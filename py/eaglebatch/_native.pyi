@@ -139,3 +139,16 @@ def render_chat_template(
     eos_token: str | None,
 ) -> str:
     """Renders a Hugging Face chat template (minijinja); exposed for parity tests."""
+
+SMALL_GEMM_AVAILABLE: bool
+"""Whether this CPU can run `small_gemm` (x86-64 with AVX-512F)."""
+
+SMALL_GEMM_MAX_ROWS: int
+"""The most rows of x one `small_gemm` call takes (16)."""
+
+def small_gemm(x: int, w: int, out: int, m: int, n: int, k: int, threads: int) -> None:
+    """out = x @ w.T in float32 by raw addresses (tensor.data_ptr()): x [m, k], w [n, k],
+    out [m, n], all C-contiguous float32 CPU buffers that stay alive for the call, out not
+    overlapping the others; 1 <= m <= SMALL_GEMM_MAX_ROWS. Runs on up to `threads` threads of
+    the OpenMP team torch uses. Each output is computed in the same order whatever m and the
+    thread count. Unsafe by contract: `model/linear.py::linear` is the caller that checks it."""

@@ -16,6 +16,7 @@ from .attention import AttentionMetadata, allocate_kv_cache, get_backend, kv_cac
 from .config import EngineConfig, JobConfig, JobError
 from .graphs import GraphPool, StaticMeta, bucket_for, capture_sizes, fill_rows, graph_reserve_bytes
 from .model.config import ModelConfig
+from .model.linear import SMALL_GEMM_AVAILABLE, use_small_gemm
 from .model.llama import LlamaForCausalLM
 from .model_files import ModelFiles
 from .sampling import sample
@@ -36,6 +37,20 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
+
+
+def resolve_small_gemm(name: str, device: torch.device, dtype: torch.dtype) -> int:
+    """Threads for the native small GEMM (0 = off, F.linear everywhere): see engine.cpu_gemm.
+    'native' where the kernel cannot run is a JobError naming the key."""
+    fits = device.type == "cpu" and dtype == torch.float32
+    if name == "native":
+        if not fits:
+            raise JobError("engine.cpu_gemm: 'native' needs engine.device cpu and float32")
+        if not SMALL_GEMM_AVAILABLE:
+            raise JobError("engine.cpu_gemm: 'native' needs a CPU with AVX-512F; use 'torch'")
+    if name == "torch" or not fits or not SMALL_GEMM_AVAILABLE:
+        return 0
+    return torch.get_num_threads()
 
 
 def flashinfer_importable() -> bool:
@@ -229,9 +244,11 @@ class Worker:
                 f"{cfg.max_model_len} positions"
             )
         backend = get_backend(resolve_backend(eng.attention_backend, device))
+        gemm_threads = resolve_small_gemm(eng.cpu_gemm, device, dtype)
         model = LlamaForCausalLM.from_pretrained(
             mf.dir, dtype=dtype, device=device, backend=backend, max_positions=max_model_len
         )
+        use_small_gemm(model, gemm_threads)
         reserve = 0
         if graph_rows and device.type == "cuda":
             itemsize = torch.empty((), dtype=dtype).element_size()

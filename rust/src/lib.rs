@@ -1,4 +1,5 @@
-//! eaglebatch's Rust core: everything that is not tensor math.
+//! eaglebatch's Rust core: everything that is not tensor math, plus one CPU kernel
+//! (`small_gemm`, the few-row float32 GEMM of CPU decode steps; see its header for why).
 //!
 //! Data flow: `reader` (Parquet -> chat template -> tokens, background thread) -> `scheduler`
 //! (continuous batching over the paged KV cache of `block_manager`; the Python worker runs each
@@ -10,9 +11,11 @@ pub mod chat_template;
 pub mod config;
 pub mod detokenizer;
 pub mod error;
+pub mod omp;
 pub mod reader;
 pub mod scheduler;
 pub mod sequence;
+pub mod small_gemm;
 pub mod stats;
 pub mod writer;
 

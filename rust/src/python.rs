@@ -17,6 +17,7 @@ use crate::chat_template::{self, Message};
 use crate::config::SchedulerConfig;
 use crate::error::Error;
 use crate::scheduler::{Scheduler, StepPlan};
+use crate::small_gemm as gemm;
 use crate::stats::SummaryValue;
 
 create_exception!(
@@ -384,6 +385,46 @@ fn render_chat_template(
     .map_err(to_py)
 }
 
+/// out = x @ w.T (see `small_gemm`) over raw addresses, because converting three torch tensors
+/// to numpy arrays costs more (~5 µs) than a small GEMM call's whole budget. The caller
+/// (`model/linear.py`, the only one) guarantees: x, w and out are live, C-contiguous float32
+/// CPU buffers of m x k, n x k and m x n elements, and out does not overlap x or w.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn small_gemm(
+    py: Python<'_>,
+    x: usize,
+    w: usize,
+    out: usize,
+    m: usize,
+    n: usize,
+    k: usize,
+    threads: usize,
+) -> PyResult<()> {
+    if !gemm::available() {
+        return Err(NativeError::new_err("small_gemm: this CPU has no AVX-512F"));
+    }
+    if !(1..=gemm::MAX_ROWS).contains(&m) || n == 0 || k == 0 || x == 0 || w == 0 || out == 0 {
+        return Err(PyValueError::new_err(format!(
+            "small_gemm: {m} x {k} @ ({n} x {k})^T: need 1 <= m <= {}, n, k >= 1, non-null \
+             buffers",
+            gemm::MAX_ROWS
+        )));
+    }
+    py.detach(|| {
+        // SAFETY: the caller's guarantee above (documented in the .pyi as well).
+        let (x, w, out) = unsafe {
+            (
+                std::slice::from_raw_parts(x as *const f32, m * k),
+                std::slice::from_raw_parts(w as *const f32, n * k),
+                std::slice::from_raw_parts_mut(out as *mut f32, m * n),
+            )
+        };
+        gemm::linear(x, w, out, m, n, k, threads)
+    });
+    Ok(())
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -393,5 +434,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyScheduler>()?;
     m.add_class::<PyStepPlan>()?;
     m.add_function(wrap_pyfunction!(render_chat_template, m)?)?;
+    m.add_function(wrap_pyfunction!(small_gemm, m)?)?;
+    m.add("SMALL_GEMM_AVAILABLE", gemm::available())?;
+    m.add("SMALL_GEMM_MAX_ROWS", gemm::MAX_ROWS)?;
     Ok(())
 }

@@ -16,6 +16,7 @@ from torch import nn
 
 from eaglebatch.attention.base import AttentionBackend, AttentionMetadata
 from eaglebatch.model.config import ModelConfig
+from eaglebatch.model.linear import Linear, linear
 from eaglebatch.model.rotary import RotaryEmbedding, apply_rotary
 from eaglebatch.model.weights import iter_tensors, load_named_tensors
 
@@ -47,10 +48,10 @@ class Attention(nn.Module):
         hidden, q_size = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
         kv_size = cfg.num_key_value_heads * cfg.head_dim
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(hidden, q_size, bias=bias, **factory)
-        self.k_proj = nn.Linear(hidden, kv_size, bias=bias, **factory)
-        self.v_proj = nn.Linear(hidden, kv_size, bias=bias, **factory)
-        self.o_proj = nn.Linear(q_size, hidden, bias=cfg.o_proj_bias, **factory)
+        self.q_proj = Linear(hidden, q_size, bias=bias, **factory)
+        self.k_proj = Linear(hidden, kv_size, bias=bias, **factory)
+        self.v_proj = Linear(hidden, kv_size, bias=bias, **factory)
+        self.o_proj = Linear(q_size, hidden, bias=cfg.o_proj_bias, **factory)
 
     def forward(
         self,
@@ -77,9 +78,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, **factory) -> None:
         super().__init__()
         hidden, inner, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inner, bias=bias, **factory)
-        self.up_proj = nn.Linear(hidden, inner, bias=bias, **factory)
-        self.down_proj = nn.Linear(inner, hidden, bias=bias, **factory)
+        self.gate_proj = Linear(hidden, inner, bias=bias, **factory)
+        self.up_proj = Linear(hidden, inner, bias=bias, **factory)
+        self.down_proj = Linear(inner, hidden, bias=bias, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -121,6 +122,8 @@ class LlamaForCausalLM(nn.Module):
     """Decoder + LM head. `forward` returns final-normed hidden states; `compute_logits` maps the
     rows you need (e.g. each sequence's last token) to float32 logits."""
 
+    small_gemm_threads: int = 0  # the LM head's switch (model/linear.py: use_small_gemm)
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -147,7 +150,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
-            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **factory)
+            else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **factory)
         )
 
     @classmethod
@@ -217,4 +220,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> float32 [N, V]
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight, threads=self.small_gemm_threads).float()

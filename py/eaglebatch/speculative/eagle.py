@@ -21,12 +21,12 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from eaglebatch.attention import get_backend
 from eaglebatch.attention.base import AttentionBackend, AttentionMetadata
 from eaglebatch.model.config import ModelConfig
+from eaglebatch.model.linear import Linear, linear
 from eaglebatch.model.llama import MLP, LlamaForCausalLM, RMSNorm
 from eaglebatch.model.rotary import RotaryEmbedding, apply_rotary
 from eaglebatch.model.weights import load_named_tensors
@@ -55,10 +55,10 @@ class DraftAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(in_features, q_size, bias=cfg.attention_bias, **factory)
-        self.k_proj = nn.Linear(in_features, kv_size, bias=cfg.attention_bias, **factory)
-        self.v_proj = nn.Linear(in_features, kv_size, bias=cfg.attention_bias, **factory)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_proj_bias, **factory)
+        self.q_proj = Linear(in_features, q_size, bias=cfg.attention_bias, **factory)
+        self.k_proj = Linear(in_features, kv_size, bias=cfg.attention_bias, **factory)
+        self.v_proj = Linear(in_features, kv_size, bias=cfg.attention_bias, **factory)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_proj_bias, **factory)
 
     def forward(
         self,
@@ -102,6 +102,8 @@ class EagleDraft(nn.Module):
     """One EAGLE draft head bound to its target (whose embedding, and for EAGLE-1 lm_head, it
     shares; the target is referenced, not registered as a submodule)."""
 
+    small_gemm_threads: int = 0  # the LM head's switch (model/linear.py: use_small_gemm)
+
     def __init__(
         self,
         cfg: DraftConfig,
@@ -124,13 +126,13 @@ class EagleDraft(nn.Module):
         self.eagle3 = cfg.kind != EAGLE1
         h = cfg.hidden_size
         fc_in = 2 * h if not self.eagle3 else len(cfg.aux_layer_ids) * cfg.target_hidden_size
-        self.fc = nn.Linear(fc_in, h, bias=cfg.fc_bias, **factory)
+        self.fc = Linear(fc_in, h, bias=cfg.fc_bias, **factory)
         layer = DraftLayer(cfg, **factory)
         if self.eagle3:
             self.midlayer = layer
             self.norm = RMSNorm(h, cfg.layer.rms_norm_eps, **factory)
             # None: a full-vocabulary head that uses the target's lm_head (see load_draft)
-            self.lm_head: nn.Linear | None = nn.Linear(
+            self.lm_head: Linear | None = Linear(
                 h, cfg.draft_vocab_size, bias=False, **factory
             )
             self.register_buffer("d2t", None)  # int64 [Vd] or None (identity)
@@ -215,7 +217,8 @@ class EagleDraft(nn.Module):
         """The draft's greedy token for each row, as TARGET ids. Only an argmax over the raw
         logits: no softmax, no probabilities (topk == 1 drafting)."""
         x = self.norm(hidden) if self.eagle3 else hidden
-        ids = F.linear(x, self._head_weight()).argmax(dim=-1)  # [N] draft ids
+        logits = linear(x, self._head_weight(), threads=self.small_gemm_threads)  # [N, Vd]
+        ids = logits.argmax(dim=-1)  # [N] draft ids
         if self.eagle3 and self.d2t is not None:
             ids = ids + self.d2t.index_select(0, ids)
         return ids
@@ -223,7 +226,7 @@ class EagleDraft(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, h] -> f32 [N, Vd]
         """Draft-vocabulary logits (for tests and training; drafting uses argmax_tokens)."""
         x = self.norm(hidden) if self.eagle3 else hidden
-        return F.linear(x, self._head_weight()).float()
+        return linear(x, self._head_weight(), threads=self.small_gemm_threads).float()
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
         """The draft's zeroed paged cache, one layer: [2, num_blocks, block_size, Hkv, D]."""

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from eaglebatch.attention.base import AttentionMetadata
+from eaglebatch.model.linear import use_small_gemm
 from eaglebatch.sampling import sample
 from eaglebatch.speculative.adaptive import AdaptiveDraftLength
 from eaglebatch.speculative.eagle import EagleDraft, load_draft
@@ -156,6 +157,7 @@ class SpecWorker:
             target.model,
             max_positions=target.max_model_len + num_speculative_tokens,
         )
+        use_small_gemm(draft, target.model.small_gemm_threads)  # as the target runs
         return cls(
             target,
             draft,

@@ -1,0 +1,255 @@
+//! `out = x @ w^T` in float32 for the few rows of a CPU decode or verify step.
+//!
+//! The one piece of tensor math on the Rust side, and why: at batch 1 a plain decode step
+//! multiplies 1 row and a K = 3 verify step 4 rows by every weight matrix. The work is memory
+//! bound (each weight is read once per step), but MKL, which `F.linear` calls, changes strategy
+//! at 4 rows and takes ~1.9x the 1-row time (benchmarks/cpu_small_gemm.py). This kernel reads
+//! each weight row once for all rows of `x` (up to `MAX_ROWS`), so 4 rows cost ~1.1x one, and
+//! the extension is the only native code a CPU user has (PyTorch cannot build kernels without
+//! a compiler at run time).
+//!
+//! Shapes: x [m, k], w [n, k] (a torch Linear weight, row-major), out [m, n], all contiguous.
+//! Numerics: every output is the same sum in the same order whatever m, the thread count and
+//! the row blocking (16 lanes over k in steps of 16, fused multiply-add, then one fixed lane
+//! reduction), so a row's result does not depend on which other rows share the call: a verify
+//! step computes bit for bit what a 1-row decode step would for the same inputs.
+
+use crate::omp;
+
+/// Rows of `x` one call takes; callers use `F.linear` above it (MKL wins on larger batches).
+pub const MAX_ROWS: usize = 16;
+
+/// True when this CPU can run the kernel (x86-64 with AVX-512F).
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// out[i, j] = sum_t x[i, t] * w[j, t] on up to `threads` threads of libgomp's team (`omp`).
+/// Panics on a shape mismatch, `m > MAX_ROWS` or a CPU without AVX-512F (check `available`).
+pub fn linear(x: &[f32], w: &[f32], out: &mut [f32], m: usize, n: usize, k: usize, threads: usize) {
+    assert!(available(), "small_gemm needs AVX-512F");
+    assert!(
+        (1..=MAX_ROWS).contains(&m),
+        "small_gemm takes 1..={MAX_ROWS} rows, got {m}"
+    );
+    assert!(
+        k > 0 && x.len() == m * k && w.len() == n * k && out.len() == m * n,
+        "shape mismatch"
+    );
+    // Threads split the weight rows in multiples of BLOCK; small matrices stay on fewer threads
+    // so each part keeps >= MIN_PART_ROWS rows (handing out a part costs ~1 µs).
+    const MIN_PART_ROWS: usize = 64;
+    let parts = threads.clamp(1, (n / MIN_PART_ROWS).max(1));
+    let per_part = n.div_ceil(parts).div_ceil(BLOCK) * BLOCK;
+    let (xp, wp, op) = (
+        x.as_ptr() as usize,
+        w.as_ptr() as usize,
+        out.as_mut_ptr() as usize,
+    );
+    omp::run(parts, &|part| {
+        let start = (part * per_part).min(n);
+        let end = ((part + 1) * per_part).min(n);
+        // SAFETY: the slices above outlive `run`; parts write disjoint output columns
+        // [start, end) of every row, and all indices stay inside the asserted shapes.
+        #[cfg(target_arch = "x86_64")]
+        unsafe {
+            avx512::rows(
+                xp as *const f32,
+                wp as *const f32,
+                op as *mut f32,
+                (m, n, k),
+                start..end,
+            );
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = (xp, wp, op, start, end);
+    });
+}
+
+/// Weight rows computed together (their loads share each x load).
+const BLOCK: usize = 2;
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::BLOCK;
+    use std::arch::x86_64::*;
+
+    /// x rows per register tile: GROUP x BLOCK accumulators + BLOCK weights + 1 x register
+    /// fit in the 32 zmm registers.
+    const GROUP: usize = 8;
+    /// Software prefetch distance along a weight row, in floats (8 KiB).
+    const PREFETCH: usize = 2048;
+
+    /// Output columns `cols` of all m rows.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn rows(
+        x: *const f32,
+        w: *const f32,
+        out: *mut f32,
+        (m, n, k): (usize, usize, usize),
+        cols: std::ops::Range<usize>,
+    ) {
+        let (mut j, end) = (cols.start, cols.end);
+        while j < end {
+            let width = BLOCK.min(end - j);
+            let mut i = 0;
+            while i < m {
+                let rows = GROUP.min(m - i);
+                let xi = x.add(i * k);
+                let oi = out.add(i * n + j);
+                match (rows, width) {
+                    (8, 2) => tile::<8, 2>(xi, w.add(j * k), oi, n, k),
+                    (7, 2) => tile::<7, 2>(xi, w.add(j * k), oi, n, k),
+                    (6, 2) => tile::<6, 2>(xi, w.add(j * k), oi, n, k),
+                    (5, 2) => tile::<5, 2>(xi, w.add(j * k), oi, n, k),
+                    (4, 2) => tile::<4, 2>(xi, w.add(j * k), oi, n, k),
+                    (3, 2) => tile::<3, 2>(xi, w.add(j * k), oi, n, k),
+                    (2, 2) => tile::<2, 2>(xi, w.add(j * k), oi, n, k),
+                    (1, 2) => tile::<1, 2>(xi, w.add(j * k), oi, n, k),
+                    (8, _) => tile::<8, 1>(xi, w.add(j * k), oi, n, k),
+                    (7, _) => tile::<7, 1>(xi, w.add(j * k), oi, n, k),
+                    (6, _) => tile::<6, 1>(xi, w.add(j * k), oi, n, k),
+                    (5, _) => tile::<5, 1>(xi, w.add(j * k), oi, n, k),
+                    (4, _) => tile::<4, 1>(xi, w.add(j * k), oi, n, k),
+                    (3, _) => tile::<3, 1>(xi, w.add(j * k), oi, n, k),
+                    (2, _) => tile::<2, 1>(xi, w.add(j * k), oi, n, k),
+                    _ => tile::<1, 1>(xi, w.add(j * k), oi, n, k),
+                }
+                i += rows;
+            }
+            j += width;
+        }
+    }
+
+    /// out[r, c] (row stride n) = dot(x[r], w[c]) for R x rows and C consecutive weight rows.
+    /// The k loop runs in steps of 16 with a masked last step, so the sum for one output is
+    /// the same sequence of operations whatever R and C are.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn tile<const R: usize, const C: usize>(
+        x: *const f32,
+        w: *const f32,
+        out: *mut f32,
+        n: usize,
+        k: usize,
+    ) {
+        let mut acc = [[_mm512_setzero_ps(); C]; R];
+        let mut t = 0;
+        while t + 16 <= k {
+            let mut wv = [_mm512_setzero_ps(); C];
+            for (c, v) in wv.iter_mut().enumerate() {
+                let row = w.add(c * k + t);
+                _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(PREFETCH) as *const i8);
+                *v = _mm512_loadu_ps(row);
+            }
+            for (r, a) in acc.iter_mut().enumerate() {
+                let xv = _mm512_loadu_ps(x.add(r * k + t));
+                for c in 0..C {
+                    a[c] = _mm512_fmadd_ps(xv, wv[c], a[c]);
+                }
+            }
+            t += 16;
+        }
+        if t < k {
+            let mask: __mmask16 = (1u16 << (k - t)) - 1;
+            let mut wv = [_mm512_setzero_ps(); C];
+            for (c, v) in wv.iter_mut().enumerate() {
+                *v = _mm512_maskz_loadu_ps(mask, w.add(c * k + t));
+            }
+            for (r, a) in acc.iter_mut().enumerate() {
+                let xv = _mm512_maskz_loadu_ps(mask, x.add(r * k + t));
+                for c in 0..C {
+                    a[c] = _mm512_fmadd_ps(xv, wv[c], a[c]);
+                }
+            }
+        }
+        for (r, a) in acc.iter().enumerate() {
+            for (c, v) in a.iter().enumerate() {
+                *out.add(r * n + c) = _mm512_reduce_add_ps(*v);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(len: usize, seed: u64) -> Vec<f32> {
+        // xorshift: deterministic, no dependency
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..len)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+            })
+            .collect()
+    }
+
+    fn reference(x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f64> {
+        let mut out = vec![0.0; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                out[i * n + j] = (0..k)
+                    .map(|t| x[i * k + t] as f64 * w[j * k + t] as f64)
+                    .sum::<f64>();
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn matches_a_float64_reference_for_odd_shapes() {
+        if !available() {
+            return;
+        }
+        // k with and without a masked tail, n odd and smaller than a thread part, m across
+        // a group boundary
+        for &(m, n, k) in &[
+            (1, 5, 16),
+            (3, 129, 37),
+            (4, 576, 576),
+            (9, 200, 1536),
+            (16, 67, 3),
+        ] {
+            let (x, w) = (values(m * k, 1), values(n * k, 2));
+            for threads in [1, 2, 3] {
+                let mut out = vec![f32::NAN; m * n];
+                linear(&x, &w, &mut out, m, n, k, threads);
+                let want = reference(&x, &w, m, n, k);
+                for (got, want) in out.iter().zip(&want) {
+                    assert!(
+                        (*got as f64 - want).abs() < 1e-4 * (k as f64).sqrt(),
+                        "{m}x{n}x{k}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_is_bitwise_the_same_whatever_shares_the_call() {
+        if !available() {
+            return;
+        }
+        let (n, k) = (300, 200);
+        let x = values(MAX_ROWS * k, 3);
+        let w = values(n * k, 4);
+        let mut all = vec![0.0; MAX_ROWS * n];
+        linear(&x, &w, &mut all, MAX_ROWS, n, k, 2);
+        for i in 0..MAX_ROWS {
+            let mut one = vec![0.0; n];
+            linear(&x[i * k..(i + 1) * k], &w, &mut one, 1, n, k, 1);
+            assert_eq!(one, all[i * n..(i + 1) * n], "row {i}");
+        }
+    }
+}
