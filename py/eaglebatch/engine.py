@@ -45,7 +45,13 @@ def _check_model_config(job: JobConfig, mf: ModelFiles) -> str:
     """Checks config.json and engine.max_model_len without loading weights; returns the dtype
     the worker will use."""
     from .model.config import ModelConfig
-    from .worker import resolve_backend, resolve_device, resolve_dtype, resolve_graph_mode
+    from .worker import (
+        resolve_backend,
+        resolve_device,
+        resolve_dtype,
+        resolve_graph_mode,
+        resolve_small_gemm,
+    )
 
     try:
         cfg = ModelConfig.from_dir(mf.dir)
@@ -60,6 +66,7 @@ def _check_model_config(job: JobConfig, mf: ModelFiles) -> str:
     resolve_backend(job.engine.attention_backend, device)
     resolve_graph_mode(job.engine.cuda_graph, device)
     dtype = resolve_dtype(job.engine.dtype, device)
+    resolve_small_gemm(job.engine.cpu_gemm, device, dtype)
     return str(dtype).removeprefix("torch.")
 
 
