@@ -3,8 +3,9 @@ costs ~2 plain decode steps here, and what a compiled GEMM would change.
 
 For 1..5 rows it times the target's weights as SmolLM2-135M has them (30 layers of q, k, v, o,
 gate, up and down projections, and the 49152 x 576 LM head: 540 MB in float32), once with
-eager `F.linear` (MKL; what the engine runs) and once compiled by torch.compile with inductor's
-frozen-weight CPP GEMM templates (max-autotune; compile time printed). Random weights: only
+eager `F.linear` (MKL; the engine's path with `engine.cpu_gemm: torch`) and once compiled by
+torch.compile with inductor's frozen-weight CPP GEMM templates (max-autotune; compile time
+printed). Random weights: only
 the shapes matter. Prints one line per row count:
 
     python benchmarks/cpu_small_gemm.py [--rows 1 2 3 4 5] [--threads N] [--no-compile]
