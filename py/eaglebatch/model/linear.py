@@ -64,9 +64,9 @@ class Linear(nn.Linear):
 
 
 def use_small_gemm(module: nn.Module, threads: int) -> bool:
-    """Turns the native small GEMM on (`threads` > 0: the caller's thread plus threads - 1
-    helpers) or off (0) for every submodule that has the `small_gemm_threads` switch. Returns
-    whether it is on, which needs the kernel to be available on this CPU."""
+    """Turns the native small GEMM on (`threads` > 0: up to that many threads of torch's
+    OpenMP team per call) or off (0) for every submodule that has the `small_gemm_threads`
+    switch. Returns whether it is on, which needs the kernel to be available on this CPU."""
     threads = threads if SMALL_GEMM_AVAILABLE else 0
     for m in module.modules():
         if hasattr(m, "small_gemm_threads"):
