@@ -1,4 +1,4 @@
-"""The torch paged-attention backend against dense causal attention per sequence."""
+"""The torch and cpu paged-attention backends against dense causal attention per sequence."""
 
 from __future__ import annotations
 
@@ -29,8 +29,12 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
 class Harness:
     """Runs steps through the backend while keeping every sequence's full K/V for reference."""
 
-    def __init__(self, block_size: int, chunk_tokens: int = 4096, num_blocks: int = 256) -> None:
-        self.backend = get_backend("torch", chunk_tokens=chunk_tokens)
+    def __init__(
+        self, block_size: int, chunk_tokens: int = 4096, num_blocks: int = 256,
+        backend: str = "torch",
+    ) -> None:
+        self.backend = get_backend(backend, chunk_tokens=chunk_tokens)
+        self.backend.configure(HQ, HKV, D, torch.float32, torch.float32)
         self.seqs = PagedSequences(num_blocks, block_size, seed=block_size)
         self.cache = torch.randn(2, num_blocks, block_size, HKV, D)  # garbage where unwritten
         self.k: dict[int, torch.Tensor] = {}
@@ -62,10 +66,11 @@ class Harness:
         self.v[seq] = self.v[seq][:length]
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("chunk_tokens", [4096, 8])
-def test_prefill_decode_and_verify(block_size: int, chunk_tokens: int) -> None:
-    h = Harness(block_size, chunk_tokens)
+def test_prefill_decode_and_verify(block_size: int, chunk_tokens: int, backend: str) -> None:
+    h = Harness(block_size, chunk_tokens, backend=backend)
     h.step([(0, 5), (1, 1), (2, 17), (3, 9)])  # prefill, mixed lengths
     for _ in range(3):
         h.step([(0, 1), (1, 1), (2, 1), (3, 1)])  # decode
@@ -75,20 +80,25 @@ def test_prefill_decode_and_verify(block_size: int, chunk_tokens: int) -> None:
     h.step([(2, 3), (4, 6), (0, 1)])  # mixed with a new prefill
 
 
-def test_single_sequence_prefill_is_causal() -> None:
-    h = Harness(4)
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_single_sequence_prefill_is_causal(backend: str) -> None:
+    h = Harness(4, backend=backend)
     h.step([(0, 23)])
     h.step([(0, 1)])
+    h.step([(0, 12)])  # a short prefill-like step on top of a prefix (cpu: native)
 
 
-def test_equal_lengths_use_unmasked_paths() -> None:
-    h = Harness(4)
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_equal_lengths_use_unmasked_paths(backend: str) -> None:
+    h = Harness(4, backend=backend)
     h.step([(0, 8), (1, 8)])  # equal-length prefill: plain causal
     h.step([(0, 1), (1, 1)])  # equal-length decode: no mask
 
 
-def test_kv_written_at_slot_mapping() -> None:
-    backend = get_backend("torch")
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+def test_kv_written_at_slot_mapping(backend_name: str) -> None:
+    backend = get_backend(backend_name)
+    backend.configure(HQ, HKV, D, torch.float32, torch.float32)
     seqs = PagedSequences(num_blocks=8, block_size=4, seed=3)
     _, _, meta = seqs.step([(0, [0] * 6)])
     cache = torch.zeros(2, 8, 4, HKV, D)
@@ -132,3 +142,75 @@ def test_forward_without_prepare_fails() -> None:
             meta,
             1.0,
         )
+
+
+def _cpu_step(seqs: PagedSequences, batch, cache, gen, qkv=None):
+    """One step through the cpu backend on random q/k/v (or `qkv`):
+    (backend, out [T, HQ, D], (q, k, v), metadata)."""
+    from eaglebatch.attention.cpu_backend import CpuAttentionBackend
+
+    backend = CpuAttentionBackend()
+    backend.configure(HQ, HKV, D, torch.float32, torch.float32)
+    _, _, meta = seqs.step(batch)
+    t = meta.num_tokens
+    q = torch.randn(t, HQ, D, generator=gen)
+    k, v = torch.randn(t, HKV, D, generator=gen), torch.randn(t, HKV, D, generator=gen)
+    q, k, v = qkv if qkv is not None else (q, k, v)
+    backend.prepare(meta)
+    return backend, backend.forward(0, q, k, v, cache, meta, D**-0.5), (q, k, v), meta
+
+
+def test_cpu_backend_runs_decode_and_verify_natively_and_prefill_on_torch() -> None:
+    from eaglebatch.attention.cpu_backend import MAX_NATIVE_QUERY, _Native
+
+    seqs = PagedSequences(num_blocks=64, block_size=4, seed=5)
+    cache, gen = torch.randn(2, 64, 4, HKV, D), torch.Generator().manual_seed(1)
+    _, _, _, meta = _cpu_step(seqs, [(0, [0] * (MAX_NATIVE_QUERY + 1))], cache, gen)
+    assert not isinstance(meta.backend_state, _Native)  # prefill-sized: SDPA
+    _, _, _, meta = _cpu_step(seqs, [(0, [0] * 4)], cache, gen)
+    assert isinstance(meta.backend_state, _Native)
+    backend = get_backend("cpu")
+    backend.configure(HQ, HKV, D, torch.bfloat16, torch.bfloat16)
+    meta = seqs.step([(0, [0])])[2]
+    backend.prepare(meta)
+    assert not isinstance(meta.backend_state, _Native)  # bf16: torch's path
+
+
+def test_cpu_backend_verify_rows_equal_decode_rows_bit_for_bit() -> None:
+    # A 4-row verify query and a 1-row decode query at the same position give the same bits,
+    # whatever else is in the step: greedy speculative decoding reproduces plain decoding.
+    seqs = PagedSequences(num_blocks=64, block_size=4, seed=6)
+    cache, gen = torch.randn(2, 64, 4, HKV, D), torch.Generator().manual_seed(2)
+    _cpu_step(seqs, [(0, [0] * 13), (1, [0] * 7)], cache, gen)
+    _, verify, (q, k, v), _ = _cpu_step(seqs, [(1, [0] * 2), (0, [0] * 4)], cache, gen)
+    seqs.truncate(0, seqs.lengths[0] - 1)  # decode the verify step's last row of sequence 0 again
+    last = (q[-1:], k[-1:], v[-1:])
+    _, decode, _, meta = _cpu_step(seqs, [(0, [0])], cache, gen, qkv=last)
+    assert torch.equal(decode[0], verify[-1])
+
+
+def test_cpu_backend_rejects_block_ids_outside_the_cache() -> None:
+    from eaglebatch.attention.cpu_backend import CpuAttentionBackend
+
+    backend = CpuAttentionBackend()
+    backend.configure(HQ, HKV, D, torch.float32, torch.float32)
+    seqs = PagedSequences(num_blocks=8, block_size=4, seed=3)
+    _, _, meta = seqs.step([(0, [0] * 6)])
+    meta.block_tables[0, 1] = 99
+    backend.prepare(meta)
+    with pytest.raises(ValueError, match="block id 99"):
+        backend.forward(0, torch.randn(6, HQ, D), torch.randn(6, HKV, D),
+                        torch.randn(6, HKV, D), torch.zeros(2, 8, 4, HKV, D), meta, 1.0)
+
+
+def test_cpu_backend_keeps_autograd_on_torch() -> None:
+    seqs = PagedSequences(num_blocks=8, block_size=4, seed=3)
+    _, _, meta = seqs.step([(0, [0] * 3)])
+    backend = get_backend("cpu")
+    backend.configure(HQ, HKV, D, torch.float32, torch.float32)
+    backend.prepare(meta)
+    q = torch.randn(3, HQ, D, requires_grad=True)
+    out = backend.forward(0, q, torch.randn(3, HKV, D), torch.randn(3, HKV, D),
+                          torch.zeros(2, 8, 4, HKV, D), meta, 1.0)
+    out.sum().backward()
+    assert q.grad is not None and q.grad.abs().sum() > 0

@@ -215,7 +215,10 @@ def test_backend_and_graph_mode_selection(monkeypatch):
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setattr(w, "flashinfer_importable", lambda: True)
-    assert w.resolve_backend("auto", cpu) == "torch"  # flashinfer is never picked on CPU
+    assert w.resolve_backend("auto", cpu) == "cpu"  # flashinfer is never picked on CPU
+    assert w.resolve_backend("torch", cpu) == "torch"
+    with pytest.raises(JobError, match="'cpu' needs engine.device cpu"):
+        w.resolve_backend("cpu", cuda)
     assert w.resolve_backend("auto", cuda) == "flashinfer"
     assert w.resolve_backend("torch", cuda) == "torch"
     with pytest.raises(JobError, match="needs engine.device cuda"):

@@ -152,3 +152,27 @@ def small_gemm(x: int, w: int, out: int, m: int, n: int, k: int, threads: int) -
     overlapping the others; 1 <= m <= SMALL_GEMM_MAX_ROWS. Runs on up to `threads` threads of
     the OpenMP team torch uses. Each output is computed in the same order whatever m and the
     thread count. Unsafe by contract: `model/linear.py::linear` is the caller that checks it."""
+
+def paged_attention(
+    q: int,
+    kv_cache: int,
+    out: int,
+    num_tokens: int,
+    cu_seqlens_q: npt.NDArray[np.int32],
+    seq_lens: npt.NDArray[np.int32],
+    block_tables: npt.NDArray[np.int32],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    num_blocks: int,
+    scale: float,
+    threads: int,
+) -> None:
+    """Paged attention of a decode or verify step, in float32, straight from the cache: q and
+    out [num_tokens, num_heads, head_dim], kv_cache [2, num_blocks, block_size, num_kv_heads,
+    head_dim], given by raw address (tensor.data_ptr()) as live C-contiguous float32 CPU
+    buffers, out not overlapping the others; cu_seqlens_q [B+1], seq_lens [B] and block_tables
+    [B, M] as C-contiguous int32 arrays. Query row j of sequence i attends to keys
+    0..=seq_lens[i] - q_i + j. Every index is checked first (ValueError). Unsafe by contract:
+    `attention/cpu_backend.py` is the caller that checks the buffers."""

@@ -60,10 +60,15 @@ def flashinfer_importable() -> bool:
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
-    """auto: flashinfer on CUDA when it is installed, else torch. flashinfer is never imported
-    on CPU, and asking for it where it cannot run is an error naming the key."""
+    """auto: cpu on the CPU; on CUDA flashinfer when it is installed, else torch. flashinfer is
+    never imported on CPU, and asking for a backend where it cannot run is an error naming the
+    key."""
     if name == "auto":
+        if device.type == "cpu":
+            return "cpu"
         return "flashinfer" if device.type == "cuda" and flashinfer_importable() else "torch"
+    if name == "cpu" and device.type != "cpu":
+        raise JobError("engine.attention_backend: 'cpu' needs engine.device cpu")
     if name == "flashinfer":
         if device.type != "cuda":
             raise JobError("engine.attention_backend: 'flashinfer' needs engine.device cuda")

@@ -1,5 +1,6 @@
-//! eaglebatch's Rust core: everything that is not tensor math, plus one CPU kernel
-//! (`small_gemm`, the few-row float32 GEMM of CPU decode steps; see its header for why).
+//! eaglebatch's Rust core: everything that is not tensor math, plus two CPU kernels for the few
+//! query rows of CPU decode steps (`small_gemm`, the float32 GEMM, and `paged_attention`;
+//! their headers say why).
 //!
 //! Data flow: `reader` (Parquet -> chat template -> tokens, background thread) -> `scheduler`
 //! (continuous batching over the paged KV cache of `block_manager`; the Python worker runs each
@@ -12,6 +13,7 @@ pub mod config;
 pub mod detokenizer;
 pub mod error;
 pub mod omp;
+pub mod paged_attention;
 pub mod reader;
 pub mod scheduler;
 pub mod sequence;

@@ -7,7 +7,10 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
+use numpy::{
+    IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2,
+    PyUntypedArrayMethods,
+};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -16,6 +19,7 @@ use pyo3::types::{PyDict, PyList, PyString};
 use crate::chat_template::{self, Message};
 use crate::config::SchedulerConfig;
 use crate::error::Error;
+use crate::paged_attention as attn;
 use crate::scheduler::{Scheduler, StepPlan};
 use crate::small_gemm as gemm;
 use crate::stats::SummaryValue;
@@ -425,6 +429,69 @@ fn small_gemm(
     Ok(())
 }
 
+/// Paged attention of a decode or verify step (see `paged_attention`). q, kv_cache and out are
+/// raw addresses (tensor.data_ptr()) for the same reason as `small_gemm`; the caller
+/// (`attention/cpu_backend.py`) guarantees live, C-contiguous float32 CPU buffers of
+/// [num_tokens, num_heads, head_dim] (q, out; out not overlapping the others) and
+/// [2, num_blocks, block_size, num_kv_heads, head_dim] (kv_cache). The index arrays are numpy
+/// and every index is checked before anything is read.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn paged_attention(
+    py: Python<'_>,
+    q: usize,
+    kv_cache: usize,
+    out: usize,
+    num_tokens: usize,
+    cu_seqlens_q: PyReadonlyArray1<'_, i32>,
+    seq_lens: PyReadonlyArray1<'_, i32>,
+    block_tables: PyReadonlyArray2<'_, i32>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    block_size: usize,
+    num_blocks: usize,
+    scale: f32,
+    threads: usize,
+) -> PyResult<()> {
+    if q == 0 || kv_cache == 0 || out == 0 {
+        return Err(PyValueError::new_err("paged_attention: null buffer"));
+    }
+    let layout = attn::Layout {
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        num_blocks,
+        max_blocks: block_tables.shape()[1],
+    };
+    let contiguous =
+        |name: &str| PyValueError::new_err(format!("paged_attention: {name} must be C-contiguous"));
+    let step = attn::Step {
+        cu_seqlens_q: cu_seqlens_q
+            .as_slice()
+            .map_err(|_| contiguous("cu_seqlens_q"))?,
+        seq_lens: seq_lens.as_slice().map_err(|_| contiguous("seq_lens"))?,
+        block_tables: block_tables
+            .as_slice()
+            .map_err(|_| contiguous("block_tables"))?,
+    };
+    let q_len = num_tokens * num_heads * head_dim;
+    let cache_len = 2 * num_blocks * block_size * num_kv_heads * head_dim;
+    py.detach(|| {
+        // SAFETY: the caller's guarantee above (documented in the .pyi as well).
+        let (q, kv_cache, out) = unsafe {
+            (
+                std::slice::from_raw_parts(q as *const f32, q_len),
+                std::slice::from_raw_parts(kv_cache as *const f32, cache_len),
+                std::slice::from_raw_parts_mut(out as *mut f32, q_len),
+            )
+        };
+        attn::attend(q, kv_cache, out, &layout, &step, scale, threads)
+    })
+    .map_err(|e| PyValueError::new_err(format!("paged_attention: {e}")))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -435,6 +502,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyStepPlan>()?;
     m.add_function(wrap_pyfunction!(render_chat_template, m)?)?;
     m.add_function(wrap_pyfunction!(small_gemm, m)?)?;
+    m.add_function(wrap_pyfunction!(paged_attention, m)?)?;
     m.add("SMALL_GEMM_AVAILABLE", gemm::available())?;
     m.add("SMALL_GEMM_MAX_ROWS", gemm::MAX_ROWS)?;
     Ok(())

@@ -1,5 +1,6 @@
 """Paged attention backends. Backends are imported lazily by name: `get_backend("torch")` works
-everywhere; GPU-only backends (e.g. "flashinfer") are imported only when asked for."""
+everywhere, "cpu" is torch's plus the extension's decode kernel, and GPU-only backends (e.g.
+"flashinfer") are imported only when asked for."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from eaglebatch.attention.base import (
 # name -> (module, class). A module is imported on first use only.
 _BACKENDS: dict[str, tuple[str, str]] = {
     "torch": ("eaglebatch.attention.torch_backend", "TorchAttentionBackend"),
+    "cpu": ("eaglebatch.attention.cpu_backend", "CpuAttentionBackend"),
     "flashinfer": ("eaglebatch.attention.flashinfer_backend", "FlashInferAttentionBackend"),
 }
 

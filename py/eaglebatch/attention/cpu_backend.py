@@ -1,0 +1,113 @@
+"""Paged attention for CPU runs: the extension's kernel (`rust/src/paged_attention.rs`) for
+decode and verify steps, the torch backend for everything else.
+
+A step whose sequences all have at most MAX_NATIVE_QUERY rows, with a float32 cache and float32
+queries, attends straight from the paged cache through the block table: no gather into a
+padded buffer, no mask, one pass of online softmax per query row. Prefill-sized steps, other
+dtypes, CUDA-graph steps (`prepare_graph`) and anything that needs autograd take
+TorchAttentionBackend's path, which this class inherits.
+
+Each query row's result depends only on its own query and keys, so a verify step's rows equal
+the decode steps' bit for bit (with the native GEMM, so do the logits at batch 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from eaglebatch import _native
+from eaglebatch.attention.base import AttentionMetadata, write_kv_cache
+from eaglebatch.attention.torch_backend import TorchAttentionBackend
+
+# Query rows per sequence up to which a step runs natively: decode (1), verify (k + 1) and
+# short prefills. Above it SDPA's blocked GEMMs are faster than one pass per row.
+MAX_NATIVE_QUERY = 16
+
+
+@dataclass
+class _Native:
+    """A step planned for the native kernel: host index arrays, made once per step."""
+
+    cu_seqlens_q: np.ndarray  # int32 [B+1]
+    seq_lens: np.ndarray  # int32 [B]
+    block_tables: np.ndarray  # int32 [B, M], C-contiguous
+    threads: int
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+
+    def __init__(self, chunk_tokens: int = 4096) -> None:
+        super().__init__(chunk_tokens)
+        self._native_dtypes = False  # configure: float32 queries and cache
+
+    def configure(
+        self,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        kv_dtype: torch.dtype,
+        q_dtype: torch.dtype,
+        sm_scale: float | None = None,
+    ) -> None:
+        self._native_dtypes = kv_dtype == torch.float32 and q_dtype == torch.float32
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        if (
+            not self._native_dtypes
+            or meta.max_seqlen_q > MAX_NATIVE_QUERY
+            or meta.seq_lens.device.type != "cpu"
+        ):
+            super().prepare(meta)
+            return
+        cu, lens = meta.host_lengths()
+        meta.backend_state = _Native(
+            cu_seqlens_q=np.ascontiguousarray(cu.numpy(), dtype=np.int32),
+            seq_lens=np.ascontiguousarray(lens.numpy(), dtype=np.int32),
+            block_tables=np.ascontiguousarray(meta.block_tables.numpy(), dtype=np.int32),
+            threads=torch.get_num_threads(),
+        )
+
+    def forward(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        plan = meta.backend_state
+        if isinstance(plan, _Native) and torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad
+        ):
+            super().prepare(meta)  # the kernel has no backward: torch's path for this step
+            plan = meta.backend_state
+        if not isinstance(plan, _Native):
+            return super().forward(layer_idx, q, k, v, kv_cache, meta, scale)
+        if (
+            q.dtype != torch.float32
+            or kv_cache.dtype != torch.float32
+            or not q.is_cpu
+            or not kv_cache.is_cpu
+            or q.shape[-1] != kv_cache.shape[-1]
+        ):
+            raise ValueError("CpuAttentionBackend: the native path needs float32 CPU q and "
+                             "cache of the same head_dim")
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        q = q.contiguous()
+        kv_cache = kv_cache.contiguous()  # a no-op for caches from allocate_kv_cache
+        out = torch.empty_like(q)
+        _, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        # by address: q [T, Hq, D], kv_cache and out are live, contiguous float32 CPU tensors
+        # (checked above); the Rust side checks every index before reading
+        _native.paged_attention(
+            q.data_ptr(), kv_cache.data_ptr(), out.data_ptr(), q.shape[0],
+            plan.cu_seqlens_q, plan.seq_lens, plan.block_tables,
+            q.shape[1], num_kv_heads, head_dim, block_size, num_blocks, scale, plan.threads,
+        )  # fmt: skip
+        return out

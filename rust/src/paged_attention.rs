@@ -1,0 +1,731 @@
+//! Paged attention in float32 for the few query rows per sequence of CPU decode and verify
+//! steps, read straight from the paged KV cache.
+//!
+//! Why native: the torch backend gathers every sequence's K/V blocks into a padded buffer,
+//! builds a mask and calls SDPA, ~125 µs per layer at batch 1 (~50 µs of it the gather) and
+//! more for a verify step's mask. Reading the cache through the block table costs only the
+//! dot products. Prefill-sized queries stay on SDPA, whose blocked GEMMs win there.
+//!
+//! Shapes (vLLM's vocabulary, see `attention/base.py`):
+//!   q, out        [T, Hq, D]  T packed query rows; sequence i owns rows cu_seqlens_q[i]..[i+1]
+//!   kv_cache      [2, num_blocks, block_size, Hkv, D]  (0 = K, 1 = V)
+//!   block_tables  [B, max_blocks], seq_lens [B] (context after this step, queries included)
+//! Query row j of sequence i (q_i rows, k_i = seq_lens[i]) sits at position k_i - q_i + j and
+//! attends to keys 0..=that position; head h reads KV head h / (Hq / Hkv).
+//!
+//! Numerics: one pass of online softmax per query row, keys in position order, each score a
+//! 16-lane dot product with a fixed lane reduction. A row's result depends only on its own
+//! query and keys, not on the other rows, sequences or threads of the call, so a verify step
+//! reproduces a decode step bit for bit. All CPU variants compute the same operations (Rust
+//! never fuses or reorders float arithmetic); only the vector width differs.
+
+use crate::omp;
+
+/// The largest head_dim the kernel takes (its accumulator lives on the stack).
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// Below this many multiply-adds a call runs on the calling thread: handing out parts costs
+/// a few µs, the whole of a batch-1 call at short contexts.
+const PARALLEL_MIN_MACS: usize = 1 << 18;
+
+const LANES: usize = 16;
+
+/// The sizes of a layer's cache and of its heads.
+#[derive(Clone, Copy, Debug)]
+pub struct Layout {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+    pub num_blocks: usize,
+    /// Columns of `block_tables`.
+    pub max_blocks: usize,
+}
+
+/// Which query rows belong to which sequence, and where each sequence's keys are.
+#[derive(Clone, Copy, Debug)]
+pub struct Step<'a> {
+    pub cu_seqlens_q: &'a [i32],
+    pub seq_lens: &'a [i32],
+    pub block_tables: &'a [i32],
+}
+
+impl Step<'_> {
+    fn num_seqs(&self) -> usize {
+        self.seq_lens.len()
+    }
+
+    /// (first query row, q_i, k_i) of sequence i; valid after `check`.
+    fn seq(&self, i: usize) -> (usize, usize, usize) {
+        let start = self.cu_seqlens_q[i] as usize;
+        let end = self.cu_seqlens_q[i + 1] as usize;
+        (start, end - start, self.seq_lens[i] as usize)
+    }
+}
+
+/// Checks that every index the kernel will follow stays inside the buffers of `layout`
+/// holding `num_tokens` query rows.
+pub fn check(layout: &Layout, step: &Step, num_tokens: usize) -> Result<(), String> {
+    let l = layout;
+    if l.num_heads == 0 || l.num_kv_heads == 0 || !l.num_heads.is_multiple_of(l.num_kv_heads) {
+        return Err(format!(
+            "num_heads {} must be a positive multiple of num_kv_heads {}",
+            l.num_heads, l.num_kv_heads
+        ));
+    }
+    if !(1..=MAX_HEAD_DIM).contains(&l.head_dim) || l.block_size == 0 {
+        return Err(format!(
+            "head_dim {} must be in 1..={MAX_HEAD_DIM}, block_size {} > 0",
+            l.head_dim, l.block_size
+        ));
+    }
+    let b = step.num_seqs();
+    if step.cu_seqlens_q.len() != b + 1 || step.block_tables.len() != b * l.max_blocks {
+        return Err(format!(
+            "{b} sequences need cu_seqlens_q [{}] and block_tables [{b}, {}]",
+            b + 1,
+            l.max_blocks
+        ));
+    }
+    if step.cu_seqlens_q[0] != 0 || step.cu_seqlens_q[b] as i64 != num_tokens as i64 {
+        return Err(format!(
+            "cu_seqlens_q must run from 0 to the {num_tokens} query rows"
+        ));
+    }
+    for i in 0..b {
+        let (start, end) = (step.cu_seqlens_q[i], step.cu_seqlens_q[i + 1]);
+        let k = step.seq_lens[i] as i64;
+        let q = end as i64 - start as i64;
+        if q < 1 || q > k || k > (l.max_blocks * l.block_size) as i64 {
+            return Err(format!(
+                "sequence {i}: needs 1 <= q ({q}) <= seq_len ({k}) <= max_blocks * block_size"
+            ));
+        }
+        let used = (k as usize).div_ceil(l.block_size);
+        let row = &step.block_tables[i * l.max_blocks..][..used];
+        if let Some(bad) = row
+            .iter()
+            .find(|&&blk| blk < 0 || blk as usize >= l.num_blocks)
+        {
+            return Err(format!(
+                "sequence {i}: block id {bad} outside the cache's {} blocks",
+                l.num_blocks
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// out = softmax(q K^T * scale) V per (sequence, head, query row), on up to `threads` threads
+/// of libgomp's team (`omp`). Errors on inconsistent shapes or indices (see `check`).
+pub fn attend(
+    q: &[f32],
+    kv_cache: &[f32],
+    out: &mut [f32],
+    layout: &Layout,
+    step: &Step,
+    scale: f32,
+    threads: usize,
+) -> Result<(), String> {
+    attend_split(
+        q,
+        kv_cache,
+        out,
+        layout,
+        step,
+        scale,
+        threads,
+        PARALLEL_MIN_MACS,
+    )
+}
+
+/// `attend`, splitting the work only from `min_macs` multiply-adds on (tests split tiny calls).
+#[allow(clippy::too_many_arguments)]
+fn attend_split(
+    q: &[f32],
+    kv_cache: &[f32],
+    out: &mut [f32],
+    layout: &Layout,
+    step: &Step,
+    scale: f32,
+    threads: usize,
+    min_macs: usize,
+) -> Result<(), String> {
+    let l = *layout;
+    let row_len = l.num_heads * l.head_dim;
+    let num_tokens = q.len() / row_len.max(1);
+    check(&l, step, num_tokens)?;
+    let cache_len = 2 * l.num_blocks * l.block_size * l.num_kv_heads * l.head_dim;
+    if q.len() != num_tokens * row_len || out.len() != q.len() || kv_cache.len() != cache_len {
+        return Err(format!(
+            "buffer sizes: q {}, out {}, kv_cache {} (want {cache_len})",
+            q.len(),
+            out.len(),
+            kv_cache.len()
+        ));
+    }
+
+    // Work items are (sequence, head) pairs, split into contiguous runs of about equal cost.
+    let items = step.num_seqs() * l.num_heads;
+    let cost = |item: usize| {
+        let (_, q_len, k_len) = step.seq(item / l.num_heads);
+        q_len * k_len
+    };
+    let total: usize = (0..items).map(cost).sum();
+    let parts = if total * l.head_dim < min_macs {
+        1
+    } else {
+        threads.clamp(1, items)
+    };
+    let mut bounds = Vec::with_capacity(parts + 1);
+    bounds.push(0);
+    let mut done = 0;
+    for item in 0..items {
+        done += cost(item);
+        // close a part once it holds its share of the total
+        if bounds.len() < parts && done * parts >= total * bounds.len() {
+            bounds.push(item + 1);
+        }
+    }
+    while bounds.len() <= parts {
+        bounds.push(items);
+    }
+
+    let kernel = select();
+    let out_addr = out.as_mut_ptr() as usize;
+    omp::run(parts, &|part| {
+        for item in bounds[part]..bounds[part + 1] {
+            let (seq, head) = (item / l.num_heads, item % l.num_heads);
+            let (start, q_len, k_len) = step.seq(seq);
+            let table = &step.block_tables[seq * l.max_blocks..][..k_len.div_ceil(l.block_size)];
+            let job = Head {
+                q: &q[start * row_len + head * l.head_dim..],
+                row_stride: row_len,
+                kv_cache,
+                kv_head: head / (l.num_heads / l.num_kv_heads),
+                table,
+                q_len,
+                k_len,
+                layout: l,
+                scale,
+            };
+            // SAFETY: items write disjoint (row, head) slices of `out`, which outlives `run`;
+            // the offsets stay inside the checked sizes. `kernel` suits this CPU (`select`).
+            unsafe {
+                let dst = (out_addr as *mut f32).add(start * row_len + head * l.head_dim);
+                kernel(&job, dst);
+            }
+        }
+    });
+    Ok(())
+}
+
+/// One (sequence, head): its q_len query rows and the keys of its block table.
+struct Head<'a> {
+    q: &'a [f32],
+    row_stride: usize,
+    kv_cache: &'a [f32],
+    kv_head: usize,
+    table: &'a [i32],
+    q_len: usize,
+    k_len: usize,
+    layout: Layout,
+    scale: f32,
+}
+
+type Kernel = unsafe fn(&Head, *mut f32);
+
+/// The widest variant this CPU runs; all compute the same operations.
+fn select() -> Kernel {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return head_avx512;
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            return head_avx2;
+        }
+    }
+    head_portable
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn head_avx512(job: &Head, out: *mut f32) {
+    match job.layout.head_dim {
+        64 => avx512::head::<4>(job, out),
+        128 => avx512::head::<8>(job, out),
+        _ => by_head_dim(job, out),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn head_avx2(job: &Head, out: *mut f32) {
+    by_head_dim(job, out)
+}
+
+unsafe fn head_portable(job: &Head, out: *mut f32) {
+    by_head_dim(job, out)
+}
+
+/// Common head sizes get a copy compiled for their size (the accumulator stays in registers);
+/// the arithmetic is the same in every copy.
+#[inline(always)]
+unsafe fn by_head_dim(job: &Head, out: *mut f32) {
+    match job.layout.head_dim {
+        64 => head::<64>(job, out),
+        128 => head::<128>(job, out),
+        _ => head::<0>(job, out),
+    }
+}
+
+/// Online softmax over the keys of each query row of one (sequence, head).
+///
+/// Keys go in runs of up to LANES consecutive positions inside one cache block; a run's
+/// scores are exponentiated together against the running maximum. Runs start at fixed
+/// positions (multiples of LANES and of block_size), whichever row is being computed.
+/// SAFETY (caller): `out` points at row 0 of this head, with `row_stride` floats between rows,
+/// and `q_len` rows of `head_dim` floats are writable there.
+/// DIM: the head_dim this copy is compiled for, 0 = any (read from the layout).
+#[inline(always)]
+unsafe fn head<const DIM: usize>(job: &Head, out: *mut f32) {
+    let l = &job.layout;
+    let (d, bs) = (if DIM == 0 { l.head_dim } else { DIM }, l.block_size);
+    let token_stride = l.num_kv_heads * d; // floats between consecutive slots
+    let v_offset = l.num_blocks * bs * token_stride; // V half of the cache
+    let mut acc = [0f32; MAX_HEAD_DIM];
+    let mut scores = [0f32; LANES];
+    for j in 0..job.q_len {
+        let query = &job.q[j * job.row_stride..][..d];
+        let keys = job.k_len - job.q_len + j + 1; // positions 0..=k - q + j
+        let acc = &mut acc[..d];
+        acc.fill(0.0);
+        let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
+        let mut t = 0;
+        while t < keys {
+            let offset = t % bs;
+            let n = (bs - offset).min(keys - t).min(LANES - t % LANES);
+            let first = (job.table[t / bs] as usize * bs + offset) * token_stride + job.kv_head * d;
+            for (i, score) in scores[..n].iter_mut().enumerate() {
+                let key = &job.kv_cache[first + i * token_stride..][..d];
+                *score = dot(query, key) * job.scale;
+            }
+            let run_max = scores[..n].iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+            if run_max > max {
+                if sum > 0.0 {
+                    // rescale what was summed against the old maximum
+                    let shrink = exp_nonpositive(max - run_max);
+                    sum *= shrink;
+                    acc.iter_mut().for_each(|a| *a *= shrink);
+                }
+                max = run_max;
+            }
+            // all lanes at once (vectorised); lanes >= n hold stale scores and are not read
+            let mut weights = [0f32; LANES];
+            for (w, s) in weights.iter_mut().zip(&scores) {
+                *w = exp_nonpositive(s - max);
+            }
+            for (i, &w) in weights[..n].iter().enumerate() {
+                let value = &job.kv_cache[v_offset + first + i * token_stride..][..d];
+                sum += w;
+                acc.iter_mut().zip(value).for_each(|(a, v)| *a += w * v);
+            }
+            t += n;
+        }
+        let dst = std::slice::from_raw_parts_mut(out.add(j * job.row_stride), d);
+        dst.iter_mut()
+            .zip(acc.iter())
+            .for_each(|(o, a)| *o = a / sum);
+    }
+}
+
+/// e^x for x <= 0 with a relative error of a few 1e-7 (0 below -87.3), as plain arithmetic that
+/// vectorises: x = n ln2 + r, |r| <= ln2 / 2, e^x = 2^n * P(r) with the Cephes expf polynomial.
+#[inline(always)]
+fn exp_nonpositive(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4; // ln 2 split so that n * LN2_HI is exact
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
+    let clamped = x.clamp(-87.0, 0.0);
+    let n = (clamped * LOG2E + ROUND) - ROUND;
+    let r = clamped - n * LN2_HI - n * LN2_LO;
+    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
+        + 1.666_666_5e-1)
+        * r
+        + 5.000_000_1e-1;
+    let e = p * r * r + r + 1.0;
+    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23); // 2^n, n in [-126, 0]
+    if x < -87.0 {
+        0.0
+    } else {
+        e * scale
+    }
+}
+
+/// `head` written with AVX-512 intrinsics for head_dim = 16 * NV (the compiler keeps the
+/// generic version's accumulator in memory). Every operation mirrors the generic one, in the
+/// same order: mul then add (never fused), the same lane reduction and the same `exp`.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{exp_nonpositive, Head, LANES};
+    use std::arch::x86_64::*;
+
+    /// lanes i + (i + 8), then + 4, then (0 + 2) + (1 + 3): `dot`'s reduction.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn reduce(v: __m512) -> f32 {
+        let half = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps::<1>(v));
+        let quarter = _mm_add_ps(
+            _mm256_castps256_ps128(half),
+            _mm256_extractf128_ps::<1>(half),
+        );
+        let pairs = _mm_add_ps(quarter, _mm_movehl_ps(quarter, quarter)); // [q0+q2, q1+q3, ..]
+        _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps::<1>(pairs, pairs)))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn head<const NV: usize>(job: &Head, out: *mut f32) {
+        let l = &job.layout;
+        let (d, bs) = (NV * LANES, l.block_size);
+        debug_assert_eq!(d, l.head_dim);
+        let token_stride = l.num_kv_heads * d;
+        let v_offset = l.num_blocks * bs * token_stride;
+        let cache = job.kv_cache.as_ptr();
+        let mut scores = [0f32; LANES];
+        for j in 0..job.q_len {
+            let query = job.q[j * job.row_stride..][..d].as_ptr();
+            let mut qv = [_mm512_setzero_ps(); NV];
+            for (c, v) in qv.iter_mut().enumerate() {
+                *v = _mm512_loadu_ps(query.add(c * LANES));
+            }
+            let keys = job.k_len - job.q_len + j + 1;
+            let mut acc = [_mm512_setzero_ps(); NV];
+            let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
+            let mut t = 0;
+            while t < keys {
+                let offset = t % bs;
+                let n = (bs - offset).min(keys - t).min(LANES - t % LANES);
+                let first =
+                    (job.table[t / bs] as usize * bs + offset) * token_stride + job.kv_head * d;
+                // in bounds: `check` validated the block id and the cache size
+                for (i, score) in scores[..n].iter_mut().enumerate() {
+                    let key = cache.add(first + i * token_stride);
+                    let mut lanes = _mm512_setzero_ps();
+                    for (c, q) in qv.iter().enumerate() {
+                        let k = _mm512_loadu_ps(key.add(c * LANES));
+                        lanes = _mm512_add_ps(lanes, _mm512_mul_ps(*q, k));
+                    }
+                    *score = reduce(lanes) * job.scale;
+                }
+                let run_max = scores[..n].iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                if run_max > max {
+                    if sum > 0.0 {
+                        let shrink = exp_nonpositive(max - run_max);
+                        sum *= shrink;
+                        let s = _mm512_set1_ps(shrink);
+                        acc.iter_mut().for_each(|a| *a = _mm512_mul_ps(*a, s));
+                    }
+                    max = run_max;
+                }
+                let mut weights = [0f32; LANES];
+                for (w, s) in weights.iter_mut().zip(&scores) {
+                    *w = exp_nonpositive(s - max);
+                }
+                for (i, &w) in weights[..n].iter().enumerate() {
+                    let value = cache.add(v_offset + first + i * token_stride);
+                    sum += w;
+                    let wv = _mm512_set1_ps(w);
+                    for (c, a) in acc.iter_mut().enumerate() {
+                        let v = _mm512_loadu_ps(value.add(c * LANES));
+                        *a = _mm512_add_ps(*a, _mm512_mul_ps(wv, v));
+                    }
+                }
+                t += n;
+            }
+            let total = _mm512_set1_ps(sum);
+            let dst = out.add(j * job.row_stride);
+            for (c, a) in acc.iter().enumerate() {
+                _mm512_storeu_ps(dst.add(c * LANES), _mm512_div_ps(*a, total));
+            }
+        }
+    }
+}
+
+/// sum_t a[t] * b[t] over LANES partial sums, reduced in a fixed order.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0f32; LANES];
+    let full = a.len() / LANES * LANES;
+    for (x, y) in a[..full]
+        .chunks_exact(LANES)
+        .zip(b[..full].chunks_exact(LANES))
+    {
+        let (x, y): (&[f32; LANES], &[f32; LANES]) = (x.try_into().unwrap(), y.try_into().unwrap());
+        for i in 0..LANES {
+            lanes[i] += x[i] * y[i];
+        }
+    }
+    if full < a.len() {
+        // the tail as one zero-padded chunk: the same operations as a full one
+        let (mut x, mut y) = ([0f32; LANES], [0f32; LANES]);
+        x[..a.len() - full].copy_from_slice(&a[full..]);
+        y[..a.len() - full].copy_from_slice(&b[full..]);
+        for i in 0..LANES {
+            lanes[i] += x[i] * y[i];
+        }
+    }
+    // pairwise: lane i + lane i + 8, then + 4, + 2, + 1
+    let mut half = [0f32; 8];
+    for i in 0..8 {
+        half[i] = lanes[i] + lanes[i + 8];
+    }
+    let quarter = [
+        half[0] + half[4],
+        half[1] + half[5],
+        half[2] + half[6],
+        half[3] + half[7],
+    ];
+    (quarter[0] + quarter[2]) + (quarter[1] + quarter[3])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(len: usize, seed: u64) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..len)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+            })
+            .collect()
+    }
+
+    /// Dense float64 attention of one query row against explicit key/value rows.
+    fn reference(query: &[f32], keys: &[&[f32]], values: &[&[f32]], scale: f64) -> Vec<f64> {
+        let scores: Vec<f64> = keys
+            .iter()
+            .map(|k| {
+                query
+                    .iter()
+                    .zip(*k)
+                    .map(|(a, b)| *a as f64 * *b as f64)
+                    .sum::<f64>()
+                    * scale
+            })
+            .collect();
+        let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+        let total: f64 = weights.iter().sum();
+        (0..query.len())
+            .map(|c| {
+                weights
+                    .iter()
+                    .zip(values)
+                    .map(|(w, v)| w * v[c] as f64)
+                    .sum::<f64>()
+                    / total
+            })
+            .collect()
+    }
+
+    struct Case {
+        layout: Layout,
+        cu: Vec<i32>,
+        lens: Vec<i32>,
+        tables: Vec<i32>,
+        cache: Vec<f32>,
+        q: Vec<f32>,
+    }
+
+    /// Sequences with `(q_len, k_len)`, their blocks scattered over the cache in reverse.
+    fn case(seqs: &[(usize, usize)], hq: usize, hkv: usize, d: usize, bs: usize) -> Case {
+        let max_blocks = seqs.iter().map(|s| s.1.div_ceil(bs)).max().unwrap() + 1;
+        let num_blocks = seqs.len() * max_blocks + 3;
+        let mut tables = vec![0; seqs.len() * max_blocks];
+        let mut next = num_blocks as i32;
+        for (i, _) in seqs.iter().enumerate() {
+            for c in 0..max_blocks {
+                next -= 1;
+                tables[i * max_blocks + c] = next;
+            }
+        }
+        let mut cu = vec![0];
+        for s in seqs {
+            cu.push(cu.last().unwrap() + s.0 as i32);
+        }
+        let layout = Layout {
+            num_heads: hq,
+            num_kv_heads: hkv,
+            head_dim: d,
+            block_size: bs,
+            num_blocks,
+            max_blocks,
+        };
+        Case {
+            layout,
+            lens: seqs.iter().map(|s| s.1 as i32).collect(),
+            cache: values(2 * num_blocks * bs * hkv * d, 7),
+            q: values(*cu.last().unwrap() as usize * hq * d, 8)
+                .iter()
+                .map(|v| v * 4.0)
+                .collect(),
+            cu,
+            tables,
+        }
+    }
+
+    impl Case {
+        fn step(&self) -> Step<'_> {
+            Step {
+                cu_seqlens_q: &self.cu,
+                seq_lens: &self.lens,
+                block_tables: &self.tables,
+            }
+        }
+
+        fn run(&self, threads: usize) -> Vec<f32> {
+            let mut out = vec![f32::NAN; self.q.len()];
+            // min_macs 0: every call is split into `threads` parts
+            attend_split(
+                &self.q,
+                &self.cache,
+                &mut out,
+                &self.layout,
+                &self.step(),
+                0.125,
+                threads,
+                0,
+            )
+            .unwrap();
+            out
+        }
+
+        fn key(&self, seq: usize, pos: usize, kv_head: usize, half: usize) -> &[f32] {
+            let l = &self.layout;
+            let block = self.tables[seq * l.max_blocks + pos / l.block_size] as usize;
+            let slot =
+                half * l.num_blocks * l.block_size + block * l.block_size + pos % l.block_size;
+            let at = (slot * l.num_kv_heads + kv_head) * l.head_dim;
+            &self.cache[at..at + l.head_dim]
+        }
+    }
+
+    #[test]
+    fn matches_dense_float64_attention() {
+        // decode, verify, a short prefill and GQA; head_dim with and without a lane tail
+        for &(hq, hkv, d, bs) in &[(4, 2, 64, 16), (3, 3, 20, 4), (6, 1, 7, 5)] {
+            let c = case(&[(1, 37), (4, 4), (3, 50), (1, 1)], hq, hkv, d, bs);
+            for threads in [1, 2, 3] {
+                let out = c.run(threads);
+                for (seq, (&start, &k)) in c.cu.iter().zip(&c.lens).enumerate() {
+                    let q_len = (c.cu[seq + 1] - start) as usize;
+                    for j in 0..q_len {
+                        let pos = k as usize - q_len + j;
+                        for h in 0..hq {
+                            let kvh = h / (hq / hkv);
+                            let keys: Vec<&[f32]> =
+                                (0..=pos).map(|t| c.key(seq, t, kvh, 0)).collect();
+                            let vals: Vec<&[f32]> =
+                                (0..=pos).map(|t| c.key(seq, t, kvh, 1)).collect();
+                            let at = ((start as usize + j) * hq + h) * d;
+                            let want = reference(&c.q[at..at + d], &keys, &vals, 0.125);
+                            for (got, want) in out[at..at + d].iter().zip(&want) {
+                                assert!((*got as f64 - want).abs() < 1e-5, "{hq}/{hkv}/{d}/{bs}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_verify_row_equals_the_decode_row_bit_for_bit() {
+        // the last row of a 4-row verify query equals a 1-row decode query at the same position
+        let verify = case(&[(4, 40), (2, 9)], 4, 2, 64, 16);
+        let mut decode = case(&[(1, 40), (1, 9)], 4, 2, 64, 16);
+        let row = 4 * 64;
+        decode.q.clear();
+        decode.q.extend_from_slice(&verify.q[3 * row..4 * row]);
+        decode.q.extend_from_slice(&verify.q[5 * row..6 * row]);
+        let (v, dcd) = (verify.run(2), decode.run(1));
+        assert_eq!(v[3 * row..4 * row], dcd[..row]);
+        assert_eq!(v[5 * row..6 * row], dcd[row..]);
+    }
+
+    #[test]
+    fn every_cpu_variant_computes_the_same_bits() {
+        let c = case(&[(3, 45)], 2, 1, 40, 16);
+        let job = Head {
+            q: &c.q,
+            row_stride: 2 * 40,
+            kv_cache: &c.cache,
+            kv_head: 0,
+            table: &c.tables[..3],
+            q_len: 3,
+            k_len: 45,
+            layout: c.layout,
+            scale: 0.3,
+        };
+        let run = |kernel: Kernel| {
+            let mut out = vec![0.0; c.q.len()];
+            // SAFETY: out holds q_len rows of row_stride floats
+            unsafe { kernel(&job, out.as_mut_ptr()) };
+            out
+        };
+        let portable = run(head_portable);
+        #[cfg(target_arch = "x86_64")]
+        {
+            if std::arch::is_x86_feature_detected!("avx2") {
+                assert_eq!(run(head_avx2), portable);
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                assert_eq!(run(head_avx512), portable);
+            }
+        }
+    }
+
+    #[test]
+    fn exp_is_accurate_on_the_nonpositive_half_line() {
+        let mut x = 0.0f32;
+        while x > -87.0 {
+            let (got, want) = (exp_nonpositive(x) as f64, (x as f64).exp());
+            assert!(
+                (got - want).abs() <= 3e-7 * want,
+                "exp({x}) = {got}, want {want}"
+            );
+            x -= 0.0137;
+        }
+        assert_eq!(exp_nonpositive(f32::NEG_INFINITY), 0.0);
+        assert_eq!(exp_nonpositive(0.0), 1.0);
+    }
+
+    #[test]
+    fn bad_indices_are_errors_not_reads() {
+        let c = case(&[(1, 20)], 2, 1, 8, 4);
+        let mut out = vec![0.0; c.q.len()];
+        let mut tables = c.tables.clone();
+        tables[1] = c.layout.num_blocks as i32;
+        let step = Step {
+            block_tables: &tables,
+            ..c.step()
+        };
+        let err = attend(&c.q, &c.cache, &mut out, &c.layout, &step, 1.0, 1).unwrap_err();
+        assert!(err.contains("block id"), "{err}");
+        let lens = [c.layout.max_blocks as i32 * 4 + 1];
+        let step = Step {
+            seq_lens: &lens,
+            ..c.step()
+        };
+        assert!(attend(&c.q, &c.cache, &mut out, &c.layout, &step, 1.0, 1).is_err());
+        let short = &c.cache[1..];
+        assert!(attend(&c.q, short, &mut out, &c.layout, &c.step(), 1.0, 1).is_err());
+    }
+}
