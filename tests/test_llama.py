@@ -233,3 +233,18 @@ def test_bfloat16_load_casts(tmp_path) -> None:
     run = Runner(ours)
     got = run.step([(0, PROMPTS[0]), (1, PROMPTS[1])])
     assert got[0].dtype == torch.float32 and torch.isfinite(got[0]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_the_hf_formula(dtype) -> None:
+    from eaglebatch.model.llama import RMSNorm
+
+    norm = RMSNorm(576, 1e-5, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = (torch.randn(7, 576) * 3).to(dtype)
+    x32 = x.float()
+    want = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    torch.testing.assert_close(norm(x), want, atol=1e-6, rtol=1e-6)
+    # rows are independent: one row alone gives the bits it gets in a batch
+    assert torch.equal(norm(x[3:4])[0], norm(x)[3])
