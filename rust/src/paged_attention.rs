@@ -620,7 +620,7 @@ mod tests {
     #[test]
     fn matches_dense_float64_attention() {
         // decode, verify, a short prefill and GQA; head_dim with and without a lane tail
-        for &(hq, hkv, d, bs) in &[(4, 2, 64, 16), (3, 3, 20, 4), (6, 1, 7, 5)] {
+        for &(hq, hkv, d, bs) in &[(4, 2, 64, 16), (8, 2, 128, 16), (3, 3, 20, 4), (6, 1, 7, 5)] {
             let c = case(&[(1, 37), (4, 4), (3, 50), (1, 1)], hq, hkv, d, bs);
             for threads in [1, 2, 3] {
                 let out = c.run(threads);
@@ -662,32 +662,36 @@ mod tests {
 
     #[test]
     fn every_cpu_variant_computes_the_same_bits() {
-        let c = case(&[(3, 45)], 2, 1, 40, 16);
-        let job = Head {
-            q: &c.q,
-            row_stride: 2 * 40,
-            kv_cache: &c.cache,
-            kv_head: 0,
-            table: &c.tables[..3],
-            q_len: 3,
-            k_len: 45,
-            layout: c.layout,
-            scale: 0.3,
-        };
-        let run = |kernel: Kernel| {
-            let mut out = vec![0.0; c.q.len()];
-            // SAFETY: out holds q_len rows of row_stride floats
-            unsafe { kernel(&job, out.as_mut_ptr()) };
-            out
-        };
-        let portable = run(head_portable);
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2") {
-                assert_eq!(run(head_avx2), portable);
-            }
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                assert_eq!(run(head_avx512), portable);
+        // head_dim 64 and 128 take the AVX-512 intrinsics, 40 the generic code everywhere
+        for d in [64, 128, 40] {
+            let c = case(&[(3, 45)], 2, 1, d, 16);
+            let job = Head {
+                q: &c.q,
+                row_stride: 2 * d,
+                kv_cache: &c.cache,
+                kv_head: 0,
+                table: &c.tables[..3],
+                q_len: 3,
+                k_len: 45,
+                layout: c.layout,
+                scale: 0.3,
+            };
+            let run = |kernel: Kernel| {
+                let mut out = vec![0.0; c.q.len()];
+                // SAFETY: out holds q_len rows of row_stride floats
+                unsafe { kernel(&job, out.as_mut_ptr()) };
+                out
+            };
+            let portable = run(head_portable);
+            assert!(portable.iter().any(|v| *v != 0.0));
+            #[cfg(target_arch = "x86_64")]
+            {
+                if std::arch::is_x86_feature_detected!("avx2") {
+                    assert_eq!(run(head_avx2), portable, "avx2, head_dim {d}");
+                }
+                if std::arch::is_x86_feature_detected!("avx512f") {
+                    assert_eq!(run(head_avx512), portable, "avx512, head_dim {d}");
+                }
             }
         }
     }

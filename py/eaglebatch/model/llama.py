@@ -111,10 +111,19 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def _embedding(num: int, dim: int, **factory) -> nn.Embedding:
+    """nn.Embedding, without its random init when built on the meta device (weights are loaded
+    afterwards): normal_ on meta runs a Python decomposition whose first call costs ~1.1 s."""
+    weight = torch.empty(num, dim, **factory)
+    if weight.device.type != "meta":
+        return nn.Embedding(num, dim, **factory)
+    return nn.Embedding(num, dim, _weight=weight)
+
+
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int | None, **factory) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **factory)
+        self.embed_tokens = _embedding(cfg.vocab_size, cfg.hidden_size, **factory)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, **factory) for i in range(cfg.num_hidden_layers)
         )
