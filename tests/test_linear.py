@@ -104,3 +104,54 @@ def test_engine_cpu_gemm_setting():
         resolve_small_gemm("native", cpu, torch.bfloat16)
     auto = resolve_small_gemm("auto", cpu, torch.float32)
     assert auto == (torch.get_num_threads() if linear_mod.SMALL_GEMM_AVAILABLE else 0)
+
+
+@native
+@pytest.mark.parametrize("k", [576, 37])
+def test_bf16_weights_give_the_float32_bits(monkeypatch, k):
+    """A weight holding bf16 values read from its exact bf16 copy: the same bits, any m."""
+    g = torch.Generator().manual_seed(k)
+    w = torch.randn(131, k, generator=g).bfloat16().float()  # bf16 values in float32
+    bias = torch.randn(131, generator=g)
+    w16 = linear_mod.exact_bf16(w)
+    assert w16 is not None and w16.dtype == torch.bfloat16
+    real, narrow = linear_mod._native.small_gemm, []
+
+    def spy(*args):
+        narrow.append(args[-1])  # the bf16_weights flag
+        return real(*args)
+
+    for m in (1, 4, SMALL_GEMM_MAX_ROWS):
+        x = torch.randn(m, k, generator=g)
+        want = linear(x, w, bias, threads=2)
+        monkeypatch.setattr(linear_mod._native, "small_gemm", spy)
+        got = linear(x, w, bias, threads=2, weight_bf16=w16)
+        monkeypatch.undo()
+        assert narrow.pop() is True  # the kernel read the bf16 copy
+        assert torch.equal(got, want)
+
+
+def test_exact_bf16_refuses_weights_that_are_not_bf16_values():
+    w = torch.randn(8, 8).bfloat16().float()
+    assert linear_mod.exact_bf16(w) is not None
+    w[3, 3] += 1e-4  # one value off the bf16 grid
+    assert linear_mod.exact_bf16(w) is None
+    assert linear_mod.exact_bf16(w.bfloat16()) is None  # only float32 weights get a copy
+
+
+@native
+def test_use_small_gemm_keeps_bf16_copies_only_where_exact():
+    net = torch.nn.Sequential(Linear(8, 16), Linear(16, 4))
+    with torch.no_grad():
+        net[0].weight.copy_(net[0].weight.bfloat16().float())
+    use_small_gemm(net, 2, bf16_weights=True)
+    assert net[0].weight_bf16 is not None and net[1].weight_bf16 is None
+    x = torch.randn(3, 8)
+    with torch.inference_mode():
+        got = net(x)
+    use_small_gemm(net, 2)  # without the flag: copies dropped
+    assert net[0].weight_bf16 is None
+    with torch.inference_mode():
+        assert torch.equal(net(x), got)
+    use_small_gemm(net, 0, bf16_weights=True)  # off: no copies either
+    assert net[0].weight_bf16 is None

@@ -146,9 +146,12 @@ SMALL_GEMM_AVAILABLE: bool
 SMALL_GEMM_MAX_ROWS: int
 """The most rows of x one `small_gemm` call takes (16)."""
 
-def small_gemm(x: int, w: int, out: int, m: int, n: int, k: int, threads: int) -> None:
+def small_gemm(
+    x: int, w: int, out: int, m: int, n: int, k: int, threads: int, bf16_weights: bool = False
+) -> None:
     """out = x @ w.T in float32 by raw addresses (tensor.data_ptr()): x [m, k], w [n, k],
-    out [m, n], all C-contiguous float32 CPU buffers that stay alive for the call, out not
+    out [m, n], all C-contiguous float32 CPU buffers (w bfloat16 when `bf16_weights`: widened
+    exactly, so the result is that of w.float()) that stay alive for the call, out not
     overlapping the others; 1 <= m <= SMALL_GEMM_MAX_ROWS. Runs on up to `threads` threads of
     the OpenMP team torch uses. Each output is computed in the same order whatever m and the
     thread count. Unsafe by contract: `model/linear.py::linear` is the caller that checks it."""

@@ -391,9 +391,11 @@ fn render_chat_template(
 
 /// out = x @ w.T (see `small_gemm`) over raw addresses, because converting three torch tensors
 /// to numpy arrays costs more (~5 µs) than a small GEMM call's whole budget. The caller
-/// (`model/linear.py`, the only one) guarantees: x, w and out are live, C-contiguous float32
-/// CPU buffers of m x k, n x k and m x n elements, and out does not overlap x or w.
+/// (`model/linear.py`, the only one) guarantees: x, w and out are live, C-contiguous CPU
+/// buffers of m x k float32, n x k float32 (bfloat16 when `bf16_weights`) and m x n float32
+/// elements, and out does not overlap x or w.
 #[pyfunction]
+#[pyo3(signature = (x, w, out, m, n, k, threads, bf16_weights = false))]
 #[allow(clippy::too_many_arguments)]
 fn small_gemm(
     py: Python<'_>,
@@ -404,6 +406,7 @@ fn small_gemm(
     n: usize,
     k: usize,
     threads: usize,
+    bf16_weights: bool,
 ) -> PyResult<()> {
     if !gemm::available() {
         return Err(NativeError::new_err("small_gemm: this CPU has no AVX-512F"));
@@ -417,14 +420,19 @@ fn small_gemm(
     }
     py.detach(|| {
         // SAFETY: the caller's guarantee above (documented in the .pyi as well).
-        let (x, w, out) = unsafe {
+        let (x, out) = unsafe {
             (
                 std::slice::from_raw_parts(x as *const f32, m * k),
-                std::slice::from_raw_parts(w as *const f32, n * k),
                 std::slice::from_raw_parts_mut(out as *mut f32, m * n),
             )
         };
-        gemm::linear(x, w, out, m, n, k, threads)
+        if bf16_weights {
+            let w = unsafe { std::slice::from_raw_parts(w as *const u16, n * k) };
+            gemm::linear_bf16_weights(x, w, out, m, n, k, threads)
+        } else {
+            let w = unsafe { std::slice::from_raw_parts(w as *const f32, n * k) };
+            gemm::linear(x, w, out, m, n, k, threads)
+        }
     });
     Ok(())
 }

@@ -34,6 +34,31 @@ pub fn available() -> bool {
 /// out[i, j] = sum_t x[i, t] * w[j, t] on up to `threads` threads of libgomp's team (`omp`).
 /// Panics on a shape mismatch, `m > MAX_ROWS` or a CPU without AVX-512F (check `available`).
 pub fn linear(x: &[f32], w: &[f32], out: &mut [f32], m: usize, n: usize, k: usize, threads: usize) {
+    run::<f32>(x, w, out, (m, n, k), threads)
+}
+
+/// `linear` with bfloat16 weights (raw u16 bits) widened to float32 as they are loaded. The
+/// widening is exact, so the result is bit for bit `linear` of the float32 copy of `w`, from
+/// half the bytes: for weights that are bfloat16 originals (e.g. a draft head shipped in bf16).
+pub fn linear_bf16_weights(
+    x: &[f32],
+    w: &[u16],
+    out: &mut [f32],
+    m: usize,
+    n: usize,
+    k: usize,
+    threads: usize,
+) {
+    run::<u16>(x, w, out, (m, n, k), threads)
+}
+
+fn run<W: avx512::Weight>(
+    x: &[f32],
+    w: &[W],
+    out: &mut [f32],
+    (m, n, k): (usize, usize, usize),
+    threads: usize,
+) {
     assert!(available(), "small_gemm needs AVX-512F");
     assert!(
         (1..=MAX_ROWS).contains(&m),
@@ -62,7 +87,7 @@ pub fn linear(x: &[f32], w: &[f32], out: &mut [f32], m: usize, n: usize, k: usiz
         unsafe {
             avx512::rows(
                 xp as *const f32,
-                wp as *const f32,
+                wp as *const W,
                 op as *mut f32,
                 (m, n, k),
                 start..end,
@@ -76,22 +101,69 @@ pub fn linear(x: &[f32], w: &[f32], out: &mut [f32], m: usize, n: usize, k: usiz
 /// Weight rows computed together (their loads share each x load).
 const BLOCK: usize = 2;
 
+#[cfg(not(target_arch = "x86_64"))]
+mod avx512 {
+    pub trait Weight {}
+    impl Weight for f32 {}
+    impl Weight for u16 {}
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::BLOCK;
     use std::arch::x86_64::*;
 
+    /// A weight element the kernel loads as 16 float32 lanes.
+    pub trait Weight: Copy + Sync {
+        /// w[0..16] as float32.
+        unsafe fn load(w: *const Self) -> __m512;
+        /// w[0..len] as float32, zeros above (len < 16).
+        unsafe fn load_tail(w: *const Self, len: usize) -> __m512;
+    }
+
+    impl Weight for f32 {
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        unsafe fn load(w: *const f32) -> __m512 {
+            _mm512_loadu_ps(w)
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        unsafe fn load_tail(w: *const f32, len: usize) -> __m512 {
+            _mm512_maskz_loadu_ps((1u16 << len) - 1, w)
+        }
+    }
+
+    /// bfloat16 bits: a float32 with the low 16 bits zero, so widening is exact.
+    impl Weight for u16 {
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        unsafe fn load(w: *const u16) -> __m512 {
+            let bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(w as *const __m256i));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(bits))
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        unsafe fn load_tail(w: *const u16, len: usize) -> __m512 {
+            let mut padded = [0u16; 16];
+            std::ptr::copy_nonoverlapping(w, padded.as_mut_ptr(), len);
+            Self::load(padded.as_ptr())
+        }
+    }
+
     /// x rows per register tile: GROUP x BLOCK accumulators + BLOCK weights + 1 x register
     /// fit in the 32 zmm registers.
     const GROUP: usize = 8;
-    /// Software prefetch distance along a weight row, in floats (8 KiB).
+    /// Software prefetch distance along a weight row, in elements (8 KiB of float32 weights).
     const PREFETCH: usize = 2048;
 
     /// Output columns `cols` of all m rows.
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn rows(
+    pub(super) unsafe fn rows<W: Weight>(
         x: *const f32,
-        w: *const f32,
+        w: *const W,
         out: *mut f32,
         (m, n, k): (usize, usize, usize),
         cols: std::ops::Range<usize>,
@@ -105,22 +177,22 @@ mod avx512 {
                 let xi = x.add(i * k);
                 let oi = out.add(i * n + j);
                 match (rows, width) {
-                    (8, 2) => tile::<8, 2>(xi, w.add(j * k), oi, n, k),
-                    (7, 2) => tile::<7, 2>(xi, w.add(j * k), oi, n, k),
-                    (6, 2) => tile::<6, 2>(xi, w.add(j * k), oi, n, k),
-                    (5, 2) => tile::<5, 2>(xi, w.add(j * k), oi, n, k),
-                    (4, 2) => tile::<4, 2>(xi, w.add(j * k), oi, n, k),
-                    (3, 2) => tile::<3, 2>(xi, w.add(j * k), oi, n, k),
-                    (2, 2) => tile::<2, 2>(xi, w.add(j * k), oi, n, k),
-                    (1, 2) => tile::<1, 2>(xi, w.add(j * k), oi, n, k),
-                    (8, _) => tile::<8, 1>(xi, w.add(j * k), oi, n, k),
-                    (7, _) => tile::<7, 1>(xi, w.add(j * k), oi, n, k),
-                    (6, _) => tile::<6, 1>(xi, w.add(j * k), oi, n, k),
-                    (5, _) => tile::<5, 1>(xi, w.add(j * k), oi, n, k),
-                    (4, _) => tile::<4, 1>(xi, w.add(j * k), oi, n, k),
-                    (3, _) => tile::<3, 1>(xi, w.add(j * k), oi, n, k),
-                    (2, _) => tile::<2, 1>(xi, w.add(j * k), oi, n, k),
-                    _ => tile::<1, 1>(xi, w.add(j * k), oi, n, k),
+                    (8, 2) => tile::<W, 8, 2>(xi, w.add(j * k), oi, n, k),
+                    (7, 2) => tile::<W, 7, 2>(xi, w.add(j * k), oi, n, k),
+                    (6, 2) => tile::<W, 6, 2>(xi, w.add(j * k), oi, n, k),
+                    (5, 2) => tile::<W, 5, 2>(xi, w.add(j * k), oi, n, k),
+                    (4, 2) => tile::<W, 4, 2>(xi, w.add(j * k), oi, n, k),
+                    (3, 2) => tile::<W, 3, 2>(xi, w.add(j * k), oi, n, k),
+                    (2, 2) => tile::<W, 2, 2>(xi, w.add(j * k), oi, n, k),
+                    (1, 2) => tile::<W, 1, 2>(xi, w.add(j * k), oi, n, k),
+                    (8, _) => tile::<W, 8, 1>(xi, w.add(j * k), oi, n, k),
+                    (7, _) => tile::<W, 7, 1>(xi, w.add(j * k), oi, n, k),
+                    (6, _) => tile::<W, 6, 1>(xi, w.add(j * k), oi, n, k),
+                    (5, _) => tile::<W, 5, 1>(xi, w.add(j * k), oi, n, k),
+                    (4, _) => tile::<W, 4, 1>(xi, w.add(j * k), oi, n, k),
+                    (3, _) => tile::<W, 3, 1>(xi, w.add(j * k), oi, n, k),
+                    (2, _) => tile::<W, 2, 1>(xi, w.add(j * k), oi, n, k),
+                    _ => tile::<W, 1, 1>(xi, w.add(j * k), oi, n, k),
                 }
                 i += rows;
             }
@@ -133,9 +205,9 @@ mod avx512 {
     /// the same sequence of operations whatever R and C are.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn tile<const R: usize, const C: usize>(
+    unsafe fn tile<W: Weight, const R: usize, const C: usize>(
         x: *const f32,
-        w: *const f32,
+        w: *const W,
         out: *mut f32,
         n: usize,
         k: usize,
@@ -147,7 +219,7 @@ mod avx512 {
             for (c, v) in wv.iter_mut().enumerate() {
                 let row = w.add(c * k + t);
                 _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(PREFETCH) as *const i8);
-                *v = _mm512_loadu_ps(row);
+                *v = W::load(row);
             }
             for (r, a) in acc.iter_mut().enumerate() {
                 let xv = _mm512_loadu_ps(x.add(r * k + t));
@@ -161,7 +233,7 @@ mod avx512 {
             let mask: __mmask16 = (1u16 << (k - t)) - 1;
             let mut wv = [_mm512_setzero_ps(); C];
             for (c, v) in wv.iter_mut().enumerate() {
-                *v = _mm512_maskz_loadu_ps(mask, w.add(c * k + t));
+                *v = W::load_tail(w.add(c * k + t), k - t);
             }
             for (r, a) in acc.iter_mut().enumerate() {
                 let xv = _mm512_maskz_loadu_ps(mask, x.add(r * k + t));
@@ -232,6 +304,31 @@ mod tests {
                         "{m}x{n}x{k}"
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_weights_give_the_float32_results_bit_for_bit() {
+        if !available() {
+            return;
+        }
+        for &(m, n, k) in &[(1, 130, 576), (4, 67, 37), (16, 9, 1152)] {
+            let x = values(m * k, 5);
+            // bf16 values: float32 bits with the low half cleared
+            let bits: Vec<u16> = values(n * k, 6)
+                .iter()
+                .map(|v| (v.to_bits() >> 16) as u16)
+                .collect();
+            let wide: Vec<f32> = bits
+                .iter()
+                .map(|b| f32::from_bits((*b as u32) << 16))
+                .collect();
+            for threads in [1, 2] {
+                let (mut a, mut b) = (vec![0.0; m * n], vec![0.0; m * n]);
+                linear(&x, &wide, &mut a, m, n, k, threads);
+                linear_bf16_weights(&x, &bits, &mut b, m, n, k, threads);
+                assert_eq!(a, b, "{m}x{n}x{k}");
             }
         }
     }

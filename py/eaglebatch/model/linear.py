@@ -9,7 +9,10 @@ row's result does not depend on the other rows of the call, so a verify step rep
 `F.linear`, as does anything that needs autograd.
 
 The switch is per module (`small_gemm_threads`, 0 = off), set by `use_small_gemm`; nothing is
-global, so a model built for training or for CUDA is untouched.
+global, so a model built for training or for CUDA is untouched. A module whose float32 weight
+holds bfloat16 values exactly (a draft head shipped in bf16) can also keep a bf16 copy
+(`weight_bf16`): the kernel widens it exactly while loading, so the result is the same bits
+from half the memory traffic.
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ def linear(
     weight: torch.Tensor,  # [n, k]
     bias: torch.Tensor | None = None,  # [n]
     threads: int = 0,
+    weight_bf16: torch.Tensor | None = None,  # bfloat16 [n, k] holding exactly `weight`'s values
 ) -> torch.Tensor:  # [m, n]
     """`F.linear(x, weight, bias)`; with `threads` > 0, a float32 CPU product of at most
-    SMALL_GEMM_MAX_ROWS rows that needs no gradient runs on the native kernel instead."""
+    SMALL_GEMM_MAX_ROWS rows that needs no gradient runs on the native kernel instead, reading
+    `weight_bf16` when given (same result: see the module docstring)."""
     if (
         threads <= 0
         or x.dim() != 2
@@ -48,27 +53,52 @@ def linear(
     x = x.contiguous()
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty((m, n), dtype=torch.float32)
-    # the native side reads x [m, k] and weight [n, k] and writes out [m, n] by address: all
-    # three are float32, C-contiguous, on the CPU and alive for the call (checked above)
-    _native.small_gemm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), m, n, k, threads)
+    narrow = (
+        weight_bf16 is not None
+        and weight_bf16.dtype == torch.bfloat16
+        and weight_bf16.is_cpu
+        and weight_bf16.is_contiguous()
+        and weight_bf16.shape == weight.shape
+    )
+    w = weight_bf16 if narrow else weight
+    # the native side reads x [m, k] (float32) and w [n, k] (float32, or bfloat16 when narrow)
+    # and writes out [m, n] by address: all C-contiguous, on the CPU and alive for the call
+    # (checked above)
+    _native.small_gemm(x.data_ptr(), w.data_ptr(), out.data_ptr(), m, n, k, threads, narrow)
     return out if bias is None else out.add_(bias)
+
+
+def exact_bf16(weight: torch.Tensor) -> torch.Tensor | None:
+    """A bfloat16 copy of a float32 `weight` when every value is a bfloat16 value (the copy is
+    then exact), else None."""
+    if weight.dtype != torch.float32:
+        return None
+    w = weight.detach()
+    if bool((w.view(torch.int32) & 0xFFFF).any()):
+        return None
+    return w.to(torch.bfloat16).contiguous()
 
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters and state-dict names) that calls `linear` above."""
 
     small_gemm_threads: int = 0
+    weight_bf16: torch.Tensor | None = None  # exact bf16 copy of weight (use_small_gemm)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.small_gemm_threads)
+        return linear(x, self.weight, self.bias, self.small_gemm_threads, self.weight_bf16)
 
 
-def use_small_gemm(module: nn.Module, threads: int) -> bool:
+def use_small_gemm(module: nn.Module, threads: int, bf16_weights: bool = False) -> bool:
     """Turns the native small GEMM on (`threads` > 0: up to that many threads of torch's
     OpenMP team per call) or off (0) for every submodule that has the `small_gemm_threads`
-    switch. Returns whether it is on, which needs the kernel to be available on this CPU."""
+    switch. With `bf16_weights`, each `Linear` whose weight holds bfloat16 values exactly also
+    gets its bf16 copy (`weight_bf16`; call this again if the weights change). Returns whether
+    the kernel is on, which needs it to be available on this CPU."""
     threads = threads if SMALL_GEMM_AVAILABLE else 0
     for m in module.modules():
         if hasattr(m, "small_gemm_threads"):
             m.small_gemm_threads = threads
+        if isinstance(m, Linear):
+            m.weight_bf16 = exact_bf16(m.weight) if threads > 0 and bf16_weights else None
     return threads > 0

@@ -171,6 +171,12 @@ class EagleDraft(nn.Module):
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, h]
         return self.target.model.embed_tokens(input_ids).to(self.dtype)
 
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, h] -> [N, Vd] logits
+        if self.eagle3 and self.lm_head is not None:
+            return self.lm_head(self.norm(hidden))  # a Linear: its bf16 copy when it has one
+        x = self.norm(hidden) if self.eagle3 else hidden
+        return linear(x, self._head_weight(), threads=self.small_gemm_threads)
+
     def _head_weight(self) -> torch.Tensor:  # [Vd, h]
         if self.eagle3 and self.lm_head is not None:
             return self.lm_head.weight
@@ -216,8 +222,7 @@ class EagleDraft(nn.Module):
     def argmax_tokens(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, h] -> int64 [N]
         """The draft's greedy token for each row, as TARGET ids. Only an argmax over the raw
         logits: no softmax, no probabilities (topk == 1 drafting)."""
-        x = self.norm(hidden) if self.eagle3 else hidden
-        logits = linear(x, self._head_weight(), threads=self.small_gemm_threads)  # [N, Vd]
+        logits = self._head(hidden)  # [N, Vd]
         ids = logits.argmax(dim=-1)  # [N] draft ids
         if self.eagle3 and self.d2t is not None:
             ids = ids + self.d2t.index_select(0, ids)
@@ -225,8 +230,7 @@ class EagleDraft(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, h] -> f32 [N, Vd]
         """Draft-vocabulary logits (for tests and training; drafting uses argmax_tokens)."""
-        x = self.norm(hidden) if self.eagle3 else hidden
-        return linear(x, self._head_weight(), threads=self.small_gemm_threads).float()
+        return self._head(hidden).float()
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> torch.Tensor:
         """The draft's zeroed paged cache, one layer: [2, num_blocks, block_size, Hkv, D]."""

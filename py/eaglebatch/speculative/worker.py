@@ -157,7 +157,8 @@ class SpecWorker:
             target.model,
             max_positions=target.max_model_len + num_speculative_tokens,
         )
-        use_small_gemm(draft, target.model.small_gemm_threads)  # as the target runs
+        # as the target runs; a head shipped in bf16 is read from exact bf16 copies (same bits)
+        use_small_gemm(draft, target.model.small_gemm_threads, bf16_weights=True)
         return cls(
             target,
             draft,
