@@ -68,3 +68,21 @@ def test_token_digests_tell_runs_apart(tmp_path):
     c = write("c", [[1, 2, 3]])
     assert _same_tokens(a, a) == 3 and _same_tokens(a, b) == 2
     assert _same_tokens(a, c) == 1  # a request missing from the other run is not the same
+
+
+def test_bench_repeat_alternates_runs_and_takes_the_median_pair(tmp_path, tiny_model_dir,
+                                                                 capsys):
+    result = run_bench(_job(tmp_path, tiny_model_dir), [2], [], None, repeat=3)
+    printed = capsys.readouterr().out
+    order = [line.split(",")[1].strip() for line in printed.splitlines()
+             if line.startswith("eaglebatch,") and "(run " in line]
+    assert order == ["plain decoding", "EAGLE (K=2)"] * 3  # alternating
+    pairs = result["pair_speedups"]
+    assert len(pairs) == 3 and result["speedup"] == sorted(pairs)[1]
+    plain, spec = result["plain"], result["spec"]
+    assert len(plain["runs_tok_s"]) == 3 and len(spec["runs_tok_s"]) == 3
+    assert plain["output_tok_s"] == sorted(plain["runs_tok_s"])[1]  # the median run
+    assert spec["identical_requests"] == 6
+    assert "median of the pairs" in printed
+    with pytest.raises(ValueError, match="repeat"):
+        run_bench(_job(tmp_path, tiny_model_dir), [2], [], None, repeat=0)

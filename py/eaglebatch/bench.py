@@ -7,6 +7,11 @@ same max_new_tokens) at the requested batch sizes. Output tokens are counted the
 all: generated tokens up to and including the first EOS. With greedy sampling, every speculative
 run is also checked token for token against the plain run at the same batch size (a digest per
 request, so the check costs 16 bytes a request whatever the output length).
+
+With `repeat` > 1, plain and speculative runs alternate (plain, EAGLE, plain, EAGLE, ...): on a
+shared machine whose speed drifts over minutes, each speculative run is compared with the plain
+run just before it, and the speedup is the median of those pairs. The table shows, per engine,
+the run with the median output tok/s.
 """
 
 from __future__ import annotations
@@ -169,11 +174,29 @@ def _fmt(x, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median output tok/s (the lower middle one for an even count)."""
+    ranked = sorted(runs, key=lambda r: r["output_tok_s"])
+    return ranked[(len(ranked) - 1) // 2]
+
+
+def _median(xs: list[float]) -> float:
+    ranked = sorted(xs)
+    mid = len(ranked) // 2
+    return ranked[mid] if len(ranked) % 2 else (ranked[mid - 1] + ranked[mid]) / 2
+
+
 def run_bench(
-    job: JobConfig, batch_sizes: list[int], hf_batch_sizes: list[int], json_path: str | None
+    job: JobConfig,
+    batch_sizes: list[int],
+    hf_batch_sizes: list[int],
+    json_path: str | None,
+    repeat: int = 1,
 ) -> dict:
     from .worker import Worker
 
+    if repeat < 1:
+        raise ValueError("repeat must be >= 1")
     console = Console()
     if not console.is_terminal:
         console = Console(width=200)  # logs and files: never truncate the figures
@@ -186,16 +209,24 @@ def run_bench(
     target = Worker.from_job(biggest, prep.model, extra_kv_layers=1 if spec else 0)
     compare = spec and job.sampling.temperature == 0  # greedy: the tokens must be identical
     rows = []
+    pair_speedups: dict[int, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="eaglebatch-bench-") as tmp:
         for b in batch_sizes:
-            console.print(f"eaglebatch, plain decoding, max batch size {b} ...")
-            rows.append(_eaglebatch_row(job, b, target, Path(tmp), spec=False, compare=compare))
-            _report(console, rows[-1])
-            if spec:
+            plain_runs, spec_runs = [], []
+            for rep in range(repeat):
+                tag = f" (run {rep + 1}/{repeat})" if repeat > 1 else ""
+                console.print(f"eaglebatch, plain decoding, max batch size {b}{tag} ...")
+                plain_runs.append(
+                    _eaglebatch_row(job, b, target, Path(tmp), spec=False, compare=compare)
+                )
+                _report(console, plain_runs[-1])
+                if not spec:
+                    continue
                 from .speculative.worker import SpecWorker
 
                 console.print(f"eaglebatch, EAGLE (K={job.speculative.num_steps}), "
-                              f"max batch size {b} ...")
+                              f"max batch size {b}{tag} ...")
+                # a fresh worker per run: the adaptive policy starts from nothing every time
                 worker = SpecWorker.from_target(
                     target,
                     prep.draft_dir,
@@ -204,12 +235,27 @@ def run_bench(
                     topk=job.speculative.topk,
                     adaptive=job.speculative.adaptive,
                 )
-                rows.append(_eaglebatch_row(job, b, worker, Path(tmp), spec=True, compare=compare))
+                row = _eaglebatch_row(job, b, worker, Path(tmp), spec=True, compare=compare)
                 if compare:
-                    same = _same_tokens(rows[-2]["digests"], rows[-1]["digests"])
-                    rows[-1]["identical_requests"] = same
-                _report(console, rows[-1])
+                    row["identical_requests"] = _same_tokens(plain_runs[-1]["digests"],
+                                                             row["digests"])
+                spec_runs.append(row)
+                _report(console, row)
+                pair_speedups.setdefault(b, []).append(
+                    row["output_tok_s"] / plain_runs[-1]["output_tok_s"]
+                )
                 del worker
+            rows.append(_median_run(plain_runs))
+            if spec:
+                rows.append(_median_run(spec_runs))
+                if compare:  # every run must have matched, not only the median one
+                    rows[-1]["identical_requests"] = min(
+                        r["identical_requests"] for r in spec_runs
+                    )
+            if repeat > 1:
+                for r in rows[-2 if spec else -1:]:
+                    runs = plain_runs if r["engine"] == "eaglebatch" else spec_runs
+                    r["runs_tok_s"] = [x["output_tok_s"] for x in runs]
     del target
     for b in hf_batch_sizes:
         console.print(f"transformers generate, batch size {b} ...")
@@ -243,10 +289,19 @@ def run_bench(
     if spec:
         sp = next(r for r in rows if r["engine"] == "eaglebatch+eagle")
         result["spec"] = sp
-        result["speedup"] = sp["output_tok_s"] / plain["output_tok_s"]
+        pairs = pair_speedups[plain["batch_size"]]
+        result["speedup"] = _median(pairs)
+        if repeat > 1:
+            result["pair_speedups"] = pairs
+            console.print(
+                "speedup of each EAGLE run over the plain run before it: "
+                + ", ".join(f"{x:.2f}x" for x in pairs),
+                highlight=False,
+            )
         console.print(
-            f"speculative speedup at batch {plain['batch_size']}: {result['speedup']:.2f}x "
-            f"(acceptance length {_fmt(sp['accept_length'], '.2f')})"
+            f"speculative speedup at batch {plain['batch_size']}: {result['speedup']:.2f}x"
+            + (" (median of the pairs)" if repeat > 1 else "")
+            + f" (acceptance length {_fmt(sp['accept_length'], '.2f')})"
             + (f", identical output tokens in {sp['identical_requests']}/{sp['requests']} "
                "requests" if "identical_requests" in sp else "")
         )

@@ -153,6 +153,14 @@ def run(job_file: str, overrides: tuple[str, ...], restart: bool) -> None:
     help="Also time transformers' generate at this batch size (repeatable).",
 )
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Write figures here.")
+@click.option(
+    "--repeat",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Runs per engine, plain and speculative alternating; the speedup is the median of "
+    "each speculative run over the plain run before it.",
+)
 @_user_errors
 def bench(
     job_file: str,
@@ -160,12 +168,13 @@ def bench(
     batch_sizes: tuple[int, ...],
     hf_batch_sizes: tuple[int, ...],
     json_path: str | None,
+    repeat: int,
 ) -> None:
     """Measure output tok/s and latency on the job's prompts, side by side with baselines."""
     from .bench import run_bench
 
     job = load_job(job_file, overrides)
-    run_bench(job, list(batch_sizes), list(hf_batch_sizes), json_path)
+    run_bench(job, list(batch_sizes), list(hf_batch_sizes), json_path, repeat=repeat)
 
 
 @main.command("train-draft")
