@@ -494,18 +494,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn values(len: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..len)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-            })
-            .collect()
-    }
+    use crate::testutil::values;
 
     /// Dense float64 attention of one query row against explicit key/value rows.
     fn reference(query: &[f32], keys: &[&[f32]], values: &[&[f32]], scale: f64) -> Vec<f64> {

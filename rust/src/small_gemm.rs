@@ -253,19 +253,7 @@ mod avx512 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn values(len: usize, seed: u64) -> Vec<f32> {
-        // xorshift: deterministic, no dependency
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..len)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-            })
-            .collect()
-    }
+    use crate::testutil::values;
 
     fn reference(x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f64> {
         let mut out = vec![0.0; m * n];

@@ -161,3 +161,16 @@ pub fn save_tokenizer(tok: &Tokenizer, dir: &Path) -> PathBuf {
     tok.save(&path, false).unwrap();
     path
 }
+
+/// `len` deterministic floats in [-0.5, 0.5) from `seed` (xorshift), for kernel tests.
+pub fn values(len: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+        })
+        .collect()
+}
