@@ -245,17 +245,13 @@ def run_bench(
                     row["output_tok_s"] / plain_runs[-1]["output_tok_s"]
                 )
                 del worker
-            rows.append(_median_run(plain_runs))
-            if spec:
-                rows.append(_median_run(spec_runs))
-                if compare:  # every run must have matched, not only the median one
-                    rows[-1]["identical_requests"] = min(
-                        r["identical_requests"] for r in spec_runs
-                    )
-            if repeat > 1:
-                for r in rows[-2 if spec else -1:]:
-                    runs = plain_runs if r["engine"] == "eaglebatch" else spec_runs
-                    r["runs_tok_s"] = [x["output_tok_s"] for x in runs]
+            for runs in (plain_runs, spec_runs) if spec else (plain_runs,):
+                row = _median_run(runs)
+                if repeat > 1:
+                    row["runs_tok_s"] = [r["output_tok_s"] for r in runs]
+                if runs is spec_runs and compare:  # every run must match, not only the median
+                    row["identical_requests"] = min(r["identical_requests"] for r in runs)
+                rows.append(row)
     del target
     for b in hf_batch_sizes:
         console.print(f"transformers generate, batch size {b} ...")

@@ -81,8 +81,8 @@ class EngineConfig(_Section):
     block_size: int = Field(default=16, ge=1, le=1024)
     max_num_batched_tokens: int = Field(default=4096, ge=1)
     max_model_len: int | None = Field(default=None, ge=2)
-    # auto: flashinfer on CUDA when installed, else torch; on the CPU, cpu (torch's backend with
-    # the extension's kernel for decode and verify steps, attention/cpu_backend.py).
+    # auto: cpu on the CPU (torch's backend with the extension's kernel for decode and verify
+    # steps, attention/cpu_backend.py); on CUDA flashinfer when installed, else torch.
     attention_backend: Literal["auto", "torch", "cpu", "flashinfer"] = "auto"
     # CUDA graphs for decode / speculative rounds; unset = on when running on CUDA.
     cuda_graph: bool | None = None

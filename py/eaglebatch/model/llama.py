@@ -199,6 +199,11 @@ class LlamaForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
+    @property
+    def lm_head_weight(self) -> torch.Tensor:  # [V, H]
+        """The LM head's weight: the embedding matrix when tied."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def forward(
         self,
         input_ids: torch.Tensor,  # int64 [T]
@@ -232,5 +237,4 @@ class LlamaForCausalLM(nn.Module):
         return h, captured
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> float32 [N, V]
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, threads=self.small_gemm_threads).float()
+        return linear(hidden, self.lm_head_weight, threads=self.small_gemm_threads).float()

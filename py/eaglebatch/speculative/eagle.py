@@ -174,14 +174,9 @@ class EagleDraft(nn.Module):
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, h] -> [N, Vd] logits
         if self.eagle3 and self.lm_head is not None:
             return self.lm_head(self.norm(hidden))  # a Linear: its bf16 copy when it has one
+        # EAGLE-1, or a full-vocabulary EAGLE-3 head without its own: the target's LM head
         x = self.norm(hidden) if self.eagle3 else hidden
-        return linear(x, self._head_weight(), threads=self.small_gemm_threads)
-
-    def _head_weight(self) -> torch.Tensor:  # [Vd, h]
-        if self.eagle3 and self.lm_head is not None:
-            return self.lm_head.weight
-        t = self.target
-        return t.model.embed_tokens.weight if t.lm_head is None else t.lm_head.weight
+        return linear(x, self.target.lm_head_weight, threads=self.small_gemm_threads)
 
     # ---- forward -------------------------------------------------------------------------------
 

@@ -72,7 +72,7 @@ def init_head(job: TrainJob, target: LlamaForCausalLM, model_dir: Path, vocab: l
                           seed=job.train.seed, aux_layer_ids=aux, draft_token_ids=vocab)
     draft = load_draft(init_dir, target.config, target, dtype=torch.float32)
     with torch.no_grad():
-        head = target.model.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
+        head = target.lm_head_weight
         draft.lm_head.weight.copy_(head[torch.tensor(vocab, device=head.device)].float())
         draft.norm.weight.copy_(target.model.norm.weight.float())
         h = draft.config.hidden_size
