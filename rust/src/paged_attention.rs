@@ -18,6 +18,12 @@
 //! query and keys, not on the other rows, sequences or threads of the call, so a verify step
 //! reproduces a decode step bit for bit. All CPU variants compute the same operations (Rust
 //! never fuses or reorders float arithmetic); only the vector width differs.
+//!
+//! Work: a thread takes a run of (sequence, head) items and hands the kernel each stretch of
+//! consecutive heads that read one KV head. The AVX-512 kernel computes up to R of that
+//! stretch's rows (query rows x heads) together: each key and value vector loaded serves all
+//! of them, and 16 keys' lane reductions share their shuffles. Per row, the operations and
+//! their order are still those of the generic `head`.
 
 use crate::omp;
 
@@ -192,45 +198,65 @@ fn attend_split(
     }
 
     let kernel = select();
+    let group = l.num_heads / l.num_kv_heads;
     let out_addr = out.as_mut_ptr() as usize;
     omp::run(parts, &|part| {
-        for item in bounds[part]..bounds[part + 1] {
+        let (mut item, end) = (bounds[part], bounds[part + 1]);
+        while item < end {
             let (seq, head) = (item / l.num_heads, item % l.num_heads);
+            // this part's consecutive heads of the sequence that read the same KV head
+            let heads = (group - head % group).min(end - item);
             let (start, q_len, k_len) = step.seq(seq);
             let table = &step.block_tables[seq * l.max_blocks..][..k_len.div_ceil(l.block_size)];
             let job = Head {
                 q: &q[start * row_len + head * l.head_dim..],
                 row_stride: row_len,
                 kv_cache,
-                kv_head: head / (l.num_heads / l.num_kv_heads),
+                kv_head: head / group,
+                heads,
                 table,
                 q_len,
                 k_len,
                 layout: l,
                 scale,
             };
-            // SAFETY: items write disjoint (row, head) slices of `out`, which outlives `run`;
+            // SAFETY: jobs write disjoint (row, head) slices of `out`, which outlives `run`;
             // the offsets stay inside the checked sizes. `kernel` suits this CPU (`select`).
             unsafe {
                 let dst = (out_addr as *mut f32).add(start * row_len + head * l.head_dim);
                 kernel(&job, dst);
             }
+            item += heads;
         }
     });
     Ok(())
 }
 
-/// One (sequence, head): its q_len query rows and the keys of its block table.
+/// One sequence's consecutive heads `heads` that read KV head `kv_head`: q_len query rows each.
+/// `q` starts at row 0 of the first head; head m's row j is at m * head_dim + j * row_stride.
+#[derive(Clone, Copy)]
 struct Head<'a> {
     q: &'a [f32],
     row_stride: usize,
     kv_cache: &'a [f32],
     kv_head: usize,
+    heads: usize,
     table: &'a [i32],
     q_len: usize,
     k_len: usize,
     layout: Layout,
     scale: f32,
+}
+
+impl<'a> Head<'a> {
+    /// The job of head m alone.
+    fn one(&self, m: usize) -> Head<'a> {
+        Head {
+            q: &self.q[m * self.layout.head_dim..],
+            heads: 1,
+            ..*self
+        }
+    }
 }
 
 type Kernel = unsafe fn(&Head, *mut f32);
@@ -252,9 +278,10 @@ fn select() -> Kernel {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn head_avx512(job: &Head, out: *mut f32) {
+    // R rows at a time: R * head_dim / 16 accumulators stay in registers (16 of 32)
     match job.layout.head_dim {
-        64 => avx512::head::<4>(job, out),
-        128 => avx512::head::<8>(job, out),
+        64 => avx512::heads::<4, 4>(job, out),
+        128 => avx512::heads::<8, 2>(job, out),
         _ => by_head_dim(job, out),
     }
 }
@@ -273,14 +300,17 @@ unsafe fn head_portable(job: &Head, out: *mut f32) {
 /// the arithmetic is the same in every copy.
 #[inline(always)]
 unsafe fn by_head_dim(job: &Head, out: *mut f32) {
-    match job.layout.head_dim {
-        64 => head::<64>(job, out),
-        128 => head::<128>(job, out),
-        _ => head::<0>(job, out),
+    for m in 0..job.heads {
+        let (one, out) = (job.one(m), out.add(m * job.layout.head_dim));
+        match job.layout.head_dim {
+            64 => head::<64>(&one, out),
+            128 => head::<128>(&one, out),
+            _ => head::<0>(&one, out),
+        }
     }
 }
 
-/// Online softmax over the keys of each query row of one (sequence, head).
+/// Online softmax over the keys of each query row of one (sequence, head): `job.heads` is 1.
 ///
 /// Keys go in runs of up to LANES consecutive positions inside one cache block; a run's
 /// scores are exponentiated together against the running maximum. Runs start at fixed
@@ -364,92 +394,199 @@ fn exp_nonpositive(x: f32) -> f32 {
     }
 }
 
-/// `head` written with AVX-512 intrinsics for head_dim = 16 * NV (the compiler keeps the
-/// generic version's accumulator in memory). Every operation mirrors the generic one, in the
-/// same order: mul then add (never fused), the same lane reduction and the same `exp`.
+/// `head` written with AVX-512 intrinsics for head_dim = 16 * NV, R rows of a job at a time
+/// (see the module doc). Every operation of a row mirrors the generic one, in the same order:
+/// mul then add (never fused), `dot`'s lane reduction and `exp_nonpositive`.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::{exp_nonpositive, Head, LANES};
     use std::arch::x86_64::*;
 
-    /// lanes i + (i + 8), then + 4, then (0 + 2) + (1 + 3): `dot`'s reduction.
+    /// Levels 1-2 of `dot`'s reduction for the 16-lane products of keys a, b, c, d: 128-bit
+    /// chunk c of the result holds key c's four sums h[i] + h[i + 4], h[i] = x[i] + x[i + 8].
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn reduce(v: __m512) -> f32 {
-        let half = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps::<1>(v));
-        let quarter = _mm_add_ps(
-            _mm256_castps256_ps128(half),
-            _mm256_extractf128_ps::<1>(half),
+    unsafe fn reduce4(a: __m512, b: __m512, c: __m512, d: __m512) -> __m512 {
+        // [a0..7 + a8..15, b0..7 + b8..15]
+        let ab = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b01_00_01_00>(a, b),
+            _mm512_shuffle_f32x4::<0b11_10_11_10>(a, b),
         );
-        let pairs = _mm_add_ps(quarter, _mm_movehl_ps(quarter, quarter)); // [q0+q2, q1+q3, ..]
-        _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps::<1>(pairs, pairs)))
+        let cd = _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b01_00_01_00>(c, d),
+            _mm512_shuffle_f32x4::<0b11_10_11_10>(c, d),
+        );
+        // chunks [a, b, c, d] of ab, cd's low halves + their high halves
+        _mm512_add_ps(
+            _mm512_shuffle_f32x4::<0b10_00_10_00>(ab, cd),
+            _mm512_shuffle_f32x4::<0b11_01_11_01>(ab, cd),
+        )
     }
 
+    /// Levels 3-4: 16 keys' scores (q0 + q2) + (q1 + q3) from four `reduce4` results (keys
+    /// 4p..4p+3 in z[p]); lane s of the result is key s.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn head<const NV: usize>(job: &Head, out: *mut f32) {
+    unsafe fn reduce16(z: &[__m512; 4]) -> __m512 {
+        // chunk c: [q0 + q2, q1 + q3] of key c (of 8r + c), then of key 4 + c (of 8r + 4 + c)
+        let w0 = _mm512_add_ps(
+            _mm512_shuffle_ps::<0x44>(z[0], z[1]),
+            _mm512_shuffle_ps::<0xEE>(z[0], z[1]),
+        );
+        let w1 = _mm512_add_ps(
+            _mm512_shuffle_ps::<0x44>(z[2], z[3]),
+            _mm512_shuffle_ps::<0xEE>(z[2], z[3]),
+        );
+        // lane 4c + m holds key 4m + c: transpose back
+        let v = _mm512_add_ps(
+            _mm512_shuffle_ps::<0x88>(w0, w1),
+            _mm512_shuffle_ps::<0xDD>(w0, w1),
+        );
+        let order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+        _mm512_permutexvar_ps(order, v)
+    }
+
+    /// `exp_nonpositive` on 16 lanes, operation for operation (the clamp as compare + move).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn exp16(x: __m512) -> __m512 {
+        let c = _mm512_set1_ps;
+        let (low, zero, round) = (c(-87.0), _mm512_setzero_ps(), c(12_582_912.0));
+        let below = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, low);
+        let clamped = _mm512_mask_mov_ps(x, below, low);
+        let clamped = _mm512_mask_mov_ps(
+            clamped,
+            _mm512_cmp_ps_mask::<_CMP_GT_OQ>(clamped, zero),
+            zero,
+        );
+        let scaled = _mm512_mul_ps(clamped, c(std::f32::consts::LOG2_E));
+        let n = _mm512_sub_ps(_mm512_add_ps(scaled, round), round);
+        let r = _mm512_sub_ps(
+            _mm512_sub_ps(clamped, _mm512_mul_ps(n, c(0.693_359_4))),
+            _mm512_mul_ps(n, c(-2.121_944_4e-4)),
+        );
+        let mut p = _mm512_add_ps(_mm512_mul_ps(c(1.987_569_1e-4), r), c(1.398_199_9e-3));
+        for k in [8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5] {
+            p = _mm512_add_ps(_mm512_mul_ps(p, r), c(k));
+        }
+        let e = _mm512_add_ps(
+            _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r),
+            c(1.0),
+        );
+        let exponent = _mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127));
+        let two_n = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(exponent));
+        _mm512_mask_mov_ps(_mm512_mul_ps(e, two_n), below, zero)
+    }
+
+    /// The rows of `job` (its heads' query rows), R at a time. A pass walks the keys of its
+    /// longest row in `head`'s runs; a row's own runs are the same ones, cut at its own last key.
+    /// SAFETY (caller): as for `head`, for each of the job's heads at `out` + m * head_dim.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn heads<const NV: usize, const R: usize>(job: &Head, out: *mut f32) {
         let l = &job.layout;
         let (d, bs) = (NV * LANES, l.block_size);
         debug_assert_eq!(d, l.head_dim);
         let token_stride = l.num_kv_heads * d;
         let v_offset = l.num_blocks * bs * token_stride;
         let cache = job.kv_cache.as_ptr();
-        let mut scores = [0f32; LANES];
-        for j in 0..job.q_len {
-            let query = job.q[j * job.row_stride..][..d].as_ptr();
-            let mut qv = [_mm512_setzero_ps(); NV];
-            for (c, v) in qv.iter_mut().enumerate() {
-                *v = _mm512_loadu_ps(query.add(c * LANES));
+        let scale = _mm512_set1_ps(job.scale);
+        let rows_total = job.heads * job.q_len;
+        let mut first_row = 0;
+        while first_row < rows_total {
+            let rows = R.min(rows_total - first_row);
+            // row x = (query row j, head m); rows of one j share their keys
+            let mut keys = [0usize; R]; // keys of row r: positions 0..keys[r]
+            let mut at = [0usize; R]; // offset of row r in q and out
+            for r in 0..rows {
+                let (j, m) = ((first_row + r) / job.heads, (first_row + r) % job.heads);
+                keys[r] = job.k_len - job.q_len + j + 1;
+                at[r] = m * d + j * job.row_stride;
             }
-            let keys = job.k_len - job.q_len + j + 1;
-            let mut acc = [_mm512_setzero_ps(); NV];
-            let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
+            let longest = keys[..rows].iter().copied().max().unwrap_or(0);
+            let mut acc = [[_mm512_setzero_ps(); NV]; R];
+            let mut max = [f32::NEG_INFINITY; R];
+            let mut sum = [0f32; R];
+            let mut weights = [[0f32; LANES]; R];
             let mut t = 0;
-            while t < keys {
+            while t < longest {
                 let offset = t % bs;
-                let n = (bs - offset).min(keys - t).min(LANES - t % LANES);
+                let n = (bs - offset).min(longest - t).min(LANES - t % LANES);
                 let first =
                     (job.table[t / bs] as usize * bs + offset) * token_stride + job.kv_head * d;
                 // in bounds: `check` validated the block id and the cache size
-                for (i, score) in scores[..n].iter_mut().enumerate() {
-                    let key = cache.add(first + i * token_stride);
-                    let mut lanes = _mm512_setzero_ps();
-                    for (c, q) in qv.iter().enumerate() {
-                        let k = _mm512_loadu_ps(key.add(c * LANES));
-                        lanes = _mm512_add_ps(lanes, _mm512_mul_ps(*q, k));
+                let mut count = [0usize; R]; // keys of this run that row r sees
+                for r in 0..rows {
+                    count[r] = n.min(keys[r].saturating_sub(t));
+                    let seen = count[r];
+                    if seen == 0 {
+                        continue;
                     }
-                    *score = reduce(lanes) * job.scale;
-                }
-                let run_max = scores[..n].iter().fold(f32::NEG_INFINITY, |m, &s| m.max(s));
-                if run_max > max {
-                    if sum > 0.0 {
-                        let shrink = exp_nonpositive(max - run_max);
-                        sum *= shrink;
-                        let s = _mm512_set1_ps(shrink);
-                        acc.iter_mut().for_each(|a| *a = _mm512_mul_ps(*a, s));
+                    let query = job.q[at[r]..][..d].as_ptr();
+                    let mut qv = [_mm512_setzero_ps(); NV];
+                    for (c, v) in qv.iter_mut().enumerate() {
+                        *v = _mm512_loadu_ps(query.add(c * LANES));
                     }
-                    max = run_max;
+                    // lane products of each key, 0 for keys past `seen` (never read)
+                    let mut z = [_mm512_setzero_ps(); 4];
+                    for (p, zp) in z.iter_mut().enumerate().take(seen.div_ceil(4)) {
+                        let mut prod = [_mm512_setzero_ps(); 4];
+                        for (i, lanes) in prod.iter_mut().enumerate() {
+                            if 4 * p + i < seen {
+                                let key = cache.add(first + (4 * p + i) * token_stride);
+                                for (c, q) in qv.iter().enumerate() {
+                                    let k = _mm512_loadu_ps(key.add(c * LANES));
+                                    *lanes = _mm512_add_ps(*lanes, _mm512_mul_ps(*q, k));
+                                }
+                            }
+                        }
+                        *zp = reduce4(prod[0], prod[1], prod[2], prod[3]);
+                    }
+                    let scores = _mm512_mul_ps(reduce16(&z), scale);
+                    let valid = (u32::MAX >> (32 - seen)) as __mmask16;
+                    let run_max = _mm512_mask_reduce_max_ps(valid, scores);
+                    if run_max > max[r] {
+                        if sum[r] > 0.0 {
+                            // rescale what was summed against the old maximum
+                            let shrink = exp_nonpositive(max[r] - run_max);
+                            sum[r] *= shrink;
+                            let s = _mm512_set1_ps(shrink);
+                            acc[r].iter_mut().for_each(|a| *a = _mm512_mul_ps(*a, s));
+                        }
+                        max[r] = run_max;
+                    }
+                    let w = exp16(_mm512_sub_ps(scores, _mm512_set1_ps(max[r])));
+                    _mm512_storeu_ps(weights[r].as_mut_ptr(), w);
                 }
-                let mut weights = [0f32; LANES];
-                for (w, s) in weights.iter_mut().zip(&scores) {
-                    *w = exp_nonpositive(s - max);
-                }
-                for (i, &w) in weights[..n].iter().enumerate() {
+                // i indexes the value rows and every row's weights
+                #[allow(clippy::needless_range_loop)]
+                for i in 0..n {
                     let value = cache.add(v_offset + first + i * token_stride);
-                    sum += w;
-                    let wv = _mm512_set1_ps(w);
-                    for (c, a) in acc.iter_mut().enumerate() {
-                        let v = _mm512_loadu_ps(value.add(c * LANES));
-                        *a = _mm512_add_ps(*a, _mm512_mul_ps(wv, v));
+                    let mut v = [_mm512_setzero_ps(); NV];
+                    for (c, vc) in v.iter_mut().enumerate() {
+                        *vc = _mm512_loadu_ps(value.add(c * LANES));
+                    }
+                    for r in 0..rows {
+                        if i < count[r] {
+                            let w = weights[r][i];
+                            sum[r] += w;
+                            let wv = _mm512_set1_ps(w);
+                            for (a, vc) in acc[r].iter_mut().zip(&v) {
+                                *a = _mm512_add_ps(*a, _mm512_mul_ps(wv, *vc));
+                            }
+                        }
                     }
                 }
                 t += n;
             }
-            let total = _mm512_set1_ps(sum);
-            let dst = out.add(j * job.row_stride);
-            for (c, a) in acc.iter().enumerate() {
-                _mm512_storeu_ps(dst.add(c * LANES), _mm512_div_ps(*a, total));
+            for r in 0..rows {
+                let total = _mm512_set1_ps(sum[r]);
+                let dst = out.add(at[r]);
+                for (c, a) in acc[r].iter().enumerate() {
+                    _mm512_storeu_ps(dst.add(c * LANES), _mm512_div_ps(*a, total));
+                }
             }
+            first_row += rows;
         }
     }
 }
@@ -651,37 +788,62 @@ mod tests {
 
     #[test]
     fn every_cpu_variant_computes_the_same_bits() {
-        // head_dim 64 and 128 take the AVX-512 intrinsics, 40 the generic code everywhere
+        // head_dim 64 and 128 take the AVX-512 intrinsics, 40 the generic code everywhere. Jobs
+        // of 1-3 heads of a GQA group, decode to 16-row verify, runs cut by blocks of 8, 16, 32
+        // and by short contexts
+        let jobs = [
+            (3, 1, 45, 16),
+            (2, 3, 45, 16),
+            (1, 16, 70, 16),
+            (3, 7, 33, 8),
+            (3, 4, 100, 32),
+            (2, 1, 1, 16),
+            (3, 5, 5, 16),
+        ];
         for d in [64, 128, 40] {
-            let c = case(&[(3, 45)], 2, 1, d, 16);
-            let job = Head {
-                q: &c.q,
-                row_stride: 2 * d,
-                kv_cache: &c.cache,
-                kv_head: 0,
-                table: &c.tables[..3],
-                q_len: 3,
-                k_len: 45,
-                layout: c.layout,
-                scale: 0.3,
-            };
-            let run = |kernel: Kernel| {
-                let mut out = vec![0.0; c.q.len()];
-                // SAFETY: out holds q_len rows of row_stride floats
-                unsafe { kernel(&job, out.as_mut_ptr()) };
-                out
-            };
-            let portable = run(head_portable);
-            assert!(portable.iter().any(|v| *v != 0.0));
-            #[cfg(target_arch = "x86_64")]
-            {
-                if std::arch::is_x86_feature_detected!("avx2") {
-                    assert_eq!(run(head_avx2), portable, "avx2, head_dim {d}");
-                }
-                if std::arch::is_x86_feature_detected!("avx512f") {
-                    assert_eq!(run(head_avx512), portable, "avx512, head_dim {d}");
+            for &(heads, q_len, k_len, bs) in &jobs {
+                let c = case(&[(q_len, k_len)], 3, 1, d, bs);
+                let job = Head {
+                    q: &c.q,
+                    row_stride: 3 * d,
+                    kv_cache: &c.cache,
+                    kv_head: 0,
+                    heads,
+                    table: &c.tables[..k_len.div_ceil(bs)],
+                    q_len,
+                    k_len,
+                    layout: c.layout,
+                    scale: 0.3,
+                };
+                let run = |kernel: Kernel| {
+                    let mut out = vec![0.0; c.q.len()];
+                    // SAFETY: out holds q_len rows of row_stride floats, heads <= 3 of them
+                    unsafe { kernel(&job, out.as_mut_ptr()) };
+                    out
+                };
+                let portable = run(head_portable);
+                assert!(portable.iter().any(|v| *v != 0.0));
+                let what = format!("head_dim {d}, job {:?}", (heads, q_len, k_len, bs));
+                #[cfg(target_arch = "x86_64")]
+                {
+                    if std::arch::is_x86_feature_detected!("avx2") {
+                        assert_eq!(run(head_avx2), portable, "avx2, {what}");
+                    }
+                    if std::arch::is_x86_feature_detected!("avx512f") {
+                        assert_eq!(run(head_avx512), portable, "avx512, {what}");
+                    }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn results_do_not_depend_on_how_the_call_is_split() {
+        // 9 heads over 3 KV heads: 2 or 4 parts cut KV groups, so jobs hold 1-3 heads
+        let c = case(&[(1, 300), (4, 77), (2, 16), (1, 1)], 9, 3, 64, 16);
+        let whole = c.run(1);
+        for threads in [2, 3, 4, 7] {
+            assert_eq!(c.run(threads), whole, "{threads} parts");
         }
     }
 
