@@ -50,6 +50,11 @@ def test_unknown_top_level_key(tmp_path):
         ("engine:\n  device: tpu\n", "engine.device"),
         ("engine:\n  attention_backend: magic\n", "engine.attention_backend"),
         ("engine:\n  max_batch_size: 0\n", "engine.max_batch_size"),
+        ("speculative:\n  prompt_lookup_min: -1\n", "speculative.prompt_lookup_min"),
+        (
+            "speculative:\n  prompt_lookup_min: 4\n  prompt_lookup_max: 2\n",
+            "speculative.prompt_lookup_max",
+        ),
     ],
 )
 def test_bad_values_name_the_key(tmp_path, extra, key):

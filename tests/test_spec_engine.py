@@ -92,6 +92,29 @@ def test_adaptive_draft_length_is_still_lossless(tmp_path, tiny_model_dir, draft
     assert [r["output_token_ids"] for r in rows] == [r["output_token_ids"] for r in plain]
 
 
+@pytest.mark.parametrize("batch", [1, 2])
+def test_prompt_lookup_is_lossless_and_counted(tmp_path, tiny_model_dir, drafts, prompts, plain,
+                                               batch):
+    rows, res = run(
+        tmp_path, tiny_model_dir, prompts, "spec",
+        [f"draft={drafts['eagle3']}", "speculative.num_steps=3", f"engine.max_batch_size={batch}",
+         "speculative.prompt_lookup_min=1"],
+    )
+    assert [r["output_token_ids"] for r in rows] == [r["output_token_ids"] for r in plain]
+    drafts_stats = res.stats["drafts"]
+    assert 0 < drafts_stats["lookup_rounds"] < res.stats["spec_steps"]
+    assert drafts_stats["accepted"] == sum(r["accepted_tokens"] for r in rows)
+
+
+def test_prompt_lookup_off(tmp_path, tiny_model_dir, drafts, prompts, plain):
+    rows, res = run(
+        tmp_path, tiny_model_dir, prompts, "spec",
+        [f"draft={drafts['eagle3']}", "engine.max_batch_size=1", "speculative.prompt_lookup_min=0"],
+    )
+    assert [r["output_token_ids"] for r in rows] == [r["output_token_ids"] for r in plain]
+    assert res.stats["drafts"]["lookup_rounds"] == 0
+
+
 def test_sampling_reproducible_across_batch_sizes(tmp_path, tiny_model_dir, drafts, prompts):
     common = [f"draft={drafts['eagle1']}", "speculative.num_steps=2", "speculative.adaptive=false",
               "sampling.temperature=0.9", "sampling.seed=3"]

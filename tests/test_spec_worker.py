@@ -63,7 +63,9 @@ def run(worker, reqs, *, k=0, max_batch=8, num_blocks=512, eos=(), preempt_at=No
     return sched.run(worker), sched
 
 
-def spec_worker(env, kind, k, *, max_batch=8, num_blocks=512, adaptive=False, draft=None):
+def spec_worker(
+    env, kind, k, *, max_batch=8, num_blocks=512, adaptive=False, draft=None, prompt_lookup=None
+):
     target = target_worker(env.target, num_blocks=num_blocks, max_model_len=MAX_LEN)
     return SpecWorker.from_target(
         target,
@@ -71,6 +73,7 @@ def spec_worker(env, kind, k, *, max_batch=8, num_blocks=512, adaptive=False, dr
         num_speculative_tokens=k,
         max_batch_size=max_batch,
         adaptive=adaptive,
+        prompt_lookup=prompt_lookup,
     )
 
 
@@ -149,6 +152,45 @@ def test_adaptive_draft_length_is_lossless(env) -> None:
     assert out == env.plain
     ks = {k for b in worker.policy.buckets.values() for k in b.t_round}
     assert ks == {0, 1, 2, 3, 4}  # every k was measured (the sweep) and gave the same tokens
+
+
+# ---- prompt lookup ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("max_batch,adaptive", [(1, False), (1, True), (8, False)])
+def test_prompt_lookup_is_lossless(env, max_batch, adaptive) -> None:
+    # min_n 1: the tiny random model repeats itself, so lookups fire often, right or wrong
+    worker = spec_worker(env, "eagle3", 3, max_batch=max_batch, adaptive=adaptive,
+                         prompt_lookup=(1, 3))
+    out, sched = run(worker, env.reqs, k=3, max_batch=max_batch, eos=env.eos)
+    assert out == env.plain
+    st = worker.stats
+    assert 0 < st.lookup_rounds < st.verify_rounds  # batch 8: rounds where all 8 rows had one
+    assert st.lookup_accepted < st.lookup_drafted
+    if max_batch == 1:
+        assert st.lookup_accepted > 0
+    assert st.accepted == sum(sum(a) for a in sched.accept_log)
+
+
+def test_prompt_lookup_survives_preemption(env) -> None:
+    # a preempted sequence is prefilled again (often in another slot): its history restarts
+    worker = spec_worker(env, "eagle1", 2, num_blocks=40, prompt_lookup=(1, 4))
+    out, sched = run(worker, env.reqs, k=2, num_blocks=40, eos=env.eos, preempt_at={0: 3, 4: 1})
+    assert out == env.plain
+    assert sum(r.preemptions for r in sched.requests) >= 3 and worker.stats.lookup_rounds > 0
+
+
+def test_prompt_lookup_history_is_the_committed_sequence(env) -> None:
+    worker = spec_worker(env, "eagle3", 3, max_batch=4, prompt_lookup=(2, 4))
+    reqs = [Req(r.prompt, r.max_new) for r in env.reqs[:4]]  # no EOS: every token is kept
+    out, sched = run(worker, reqs, k=3, max_batch=4)
+    for r, tokens in zip(sched.requests, out):
+        slot = r.slots_used[-1]
+        n = int(worker.lookup.lengths[slot])
+        # the last round may emit past max_new; what was kept is a prefix of what was seen
+        assert n >= len(r.prompt) + len(tokens)
+        assert worker.lookup.tokens[slot, : len(r.prompt) + len(tokens)].tolist() == list(
+            r.prompt) + tokens
 
 
 # ---- oracle drafts: full and partial acceptance ------------------------------------------------

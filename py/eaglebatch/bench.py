@@ -28,7 +28,7 @@ from rich.table import Table
 
 from .config import JobConfig
 from .engine import prepare, run_prepared
-from .progress import accept_length
+from .progress import accept_length, lookup_line
 
 
 def _eaglebatch_row(
@@ -56,6 +56,7 @@ def _eaglebatch_row(
         "engine": name,
         "batch_size": batch_size,
         "accept_length": accept_length(s),
+        "drafts": s.get("drafts"),  # speculative runs: head and prompt-lookup counts
         "requests": s["requests"],
         "output_tokens": s["output_tokens"],
         "wall_s": res.wall_s,
@@ -158,7 +159,9 @@ def _report(console: Console, r: dict) -> None:
     console.print(
         f"  {r['engine']} batch {r['batch_size']}: {r['output_tokens']} tokens in "
         f"{r['wall_s']:.1f}s = {r['output_tok_s']:.1f} tok/s"
-        + (f", acceptance length {r['accept_length']:.2f}" if r["accept_length"] else ""),
+        + (f", acceptance length {r['accept_length']:.2f}" if r["accept_length"] else "")
+        + (f" (prompt lookup: {lookup_line(r['drafts'])})"
+           if (r.get("drafts") or {}).get("lookup_rounds") else ""),
         highlight=False,
     )
     if "identical_requests" in r:
@@ -234,6 +237,7 @@ def run_bench(
                     max_batch_size=max(batch_sizes),
                     topk=job.speculative.topk,
                     adaptive=job.speculative.adaptive,
+                    prompt_lookup=job.speculative.prompt_lookup,
                 )
                 row = _eaglebatch_row(job, b, worker, Path(tmp), spec=True, compare=compare)
                 if compare:

@@ -98,6 +98,11 @@ class SpeculativeConfig(_Section):
     topk: int = Field(default=1, ge=1)
     # Pick the number of draft steps (0..num_steps) per step from measured costs and acceptance.
     adaptive: bool = True
+    # Prompt lookup (speculative/ngram.py): in a round where every sequence's last n tokens
+    # (n = prompt_lookup_max down to prompt_lookup_min) occurred earlier in it, the drafts are
+    # the tokens that followed there and the head does not run. prompt_lookup_min 0 = off.
+    prompt_lookup_min: int = Field(default=3, ge=0)
+    prompt_lookup_max: int = Field(default=5, ge=1)
 
     @model_validator(mode="after")
     def _chain_only(self) -> SpeculativeConfig:
@@ -105,7 +110,19 @@ class SpeculativeConfig(_Section):
             raise ValueError(
                 "speculative.topk > 1 (tree drafting) is not supported; use topk: 1 (chain)"
             )
+        if 0 < self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(
+                f"speculative.prompt_lookup_max ({self.prompt_lookup_max}) must be >= "
+                f"speculative.prompt_lookup_min ({self.prompt_lookup_min})"
+            )
         return self
+
+    @property
+    def prompt_lookup(self) -> tuple[int, int] | None:
+        """(min_n, max_n) for SpecWorker, None when off."""
+        if self.prompt_lookup_min == 0:
+            return None
+        return self.prompt_lookup_min, self.prompt_lookup_max
 
 
 class JobConfig(_Section):

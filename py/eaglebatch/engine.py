@@ -186,6 +186,7 @@ def build_worker(prep: PreparedJob, graph_mode: str | None = None):
             max_batch_size=job.engine.max_batch_size,
             topk=job.speculative.topk,
             adaptive=job.speculative.adaptive,
+            prompt_lookup=job.speculative.prompt_lookup,
         )
     except ValueError as e:
         raise JobError(f"draft: {prep.draft_dir}: {e}") from None
@@ -237,6 +238,9 @@ def _run(prep: PreparedJob, worker, progress: ProgressFn | None, resume: ResumeS
     graphs = worker.graph_stats()  # Worker and SpecWorker: None when graphs are off
     if graphs is not None:
         stats["cuda_graphs"] = graphs
+    drafts = worker.draft_stats()  # SpecWorker: where the drafts came from; Worker: None
+    if drafts is not None:
+        stats["drafts"] = drafts
     if progress is not None:
         progress(scheduler.progress())
     return RunSummary(stats=stats, wall_s=wall)

@@ -87,6 +87,13 @@ def graph_line(g: dict | None) -> str:
             f"{g['memory_mib']} MiB (reserved {g['reserved_mib']})")
 
 
+def lookup_line(drafts: dict) -> str:
+    """Prompt-lookup rounds and their acceptance, from SpecWorker's stats."""
+    rounds, drafted, accepted = (drafts[k] for k in ("lookup_rounds", "lookup_drafted",
+                                                     "lookup_accepted"))
+    return f"{rounds} rounds, {accepted}/{drafted} drafts accepted"
+
+
 def summary_table(stats: dict, wall_s: float, title: str = "eaglebatch summary") -> Table:
     t = Table(title=title, show_header=False)
     t.add_column("metric")
@@ -111,6 +118,9 @@ def summary_table(stats: dict, wall_s: float, title: str = "eaglebatch summary")
     if stats.get("spec_steps"):
         rows.append(("acceptance length", f"{accept_length(stats):.2f}"))
         rows.append(("verify rounds", f"{stats['spec_steps']}"))
+        drafts = stats.get("drafts") or {}
+        if drafts.get("lookup_rounds"):
+            rows.append(("  drafted by prompt lookup", lookup_line(drafts)))
     rows.append(("CUDA graphs", graph_line(stats.get("cuda_graphs"))))
     for k, v in rows:
         t.add_row(k, v)

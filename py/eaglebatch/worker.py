@@ -182,6 +182,9 @@ class Worker:
     def graph_stats(self) -> dict | None:
         return None if self.graphs is None else self.graphs.stats.as_dict()
 
+    def draft_stats(self) -> dict | None:
+        return None  # plain decoding drafts nothing
+
     def enable_graphs(self, mode: str, max_batch_size: int) -> None:
         """Captures plain decode (1 token per row) per padded batch size. mode: "cuda" (CUDA
         graphs), "eager" (the same static-buffer steps, run eagerly: CPU tests) or "off"."""

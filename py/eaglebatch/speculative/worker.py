@@ -16,6 +16,10 @@ Plans (see _native.pyi and the speculative plan contract):
          position q only attends to positions <= q, and every round rewrites its positions
          before reading them). This keeps the step free of host synchronisation until the end.
     "decode" plans (1 query token per row) run as rounds with k = 0.
+  * prompt lookup (`prompt_lookup`, speculative/ngram.py): when every row's latest tokens recur
+    earlier in its sequence, the round's drafts are the tokens that followed there (k = the
+    shortest proposal) and step 1 is skipped; steps 2-4 are unchanged, so the draft's state
+    stays as the invariant below says.
 Invariant between steps, per running slot s: the draft's K/V is valid for positions 0..L-2
 (like the target's) and hidden[s] = h^d_{L-2}, the draft output at the last extended position.
 K/V slots are the plan's: the draft's K/V of position p sits at the target's slot of p.
@@ -41,6 +45,7 @@ from eaglebatch.sampling import sample
 from eaglebatch.speculative.adaptive import AdaptiveDraftLength
 from eaglebatch.speculative.eagle import EagleDraft, load_draft
 from eaglebatch.speculative.graphs import SpecGraphs
+from eaglebatch.speculative.ngram import NgramLookup
 from eaglebatch.speculative.verify import verify
 from eaglebatch.worker import Worker, check_graph_support, plan_metadata
 
@@ -52,9 +57,15 @@ class SpecStats:
     prefill_steps: int = 0
     verify_rounds: int = 0  # target verify forwards
     draft_steps: int = 0  # autoregressive draft forwards (excluding extends)
-    drafted: int = 0  # draft tokens proposed (rows x k)
+    drafted: int = 0  # draft tokens proposed (rows x k), by the head or by prompt lookup
     accepted: int = 0  # draft tokens accepted
     emitted: int = 0  # tokens returned by verify rounds
+    lookup_rounds: int = 0  # rounds whose drafts came from prompt lookup
+    lookup_drafted: int = 0
+    lookup_accepted: int = 0
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 class _Clock:
@@ -89,9 +100,11 @@ class SpecWorker:
         adaptive: bool = True,
         topk: int = 1,
         draft_kv_cache: torch.Tensor | None = None,
+        prompt_lookup: tuple[int, int] | None = None,
     ) -> None:
         """Shares the target Worker's model, KV caches and budget; allocates the draft's one-layer
-        cache over the same blocks unless given. adaptive=False drafts K tokens every round."""
+        cache over the same blocks unless given. adaptive=False drafts K tokens every round.
+        prompt_lookup: (min_n, max_n) n-gram sizes of prompt-lookup drafts, None = off."""
         if topk > 1:
             raise ValueError(TREE_UNSUPPORTED)
         if topk < 1 or num_speculative_tokens < 1:
@@ -120,6 +133,13 @@ class SpecWorker:
         )
         self.ready = np.zeros(max_batch_size, dtype=bool)  # slot has been prefilled
         self.policy = AdaptiveDraftLength(num_speculative_tokens) if adaptive else None
+        self.lookup = (
+            None
+            if prompt_lookup is None
+            else NgramLookup(
+                max_batch_size, self.max_model_len + num_speculative_tokens + 1, *prompt_lookup
+            )
+        )
         self.stats = SpecStats()
         self._clock = _Clock(self.device)
         self.graphs: SpecGraphs | None = None  # enable_graphs
@@ -138,6 +158,9 @@ class SpecWorker:
     def graph_stats(self) -> dict | None:
         return None if self.graphs is None else self.graphs.stats.as_dict()
 
+    def draft_stats(self) -> dict:
+        return self.stats.as_dict()
+
     @classmethod
     def from_target(
         cls,
@@ -148,6 +171,7 @@ class SpecWorker:
         max_batch_size: int,
         topk: int = 1,
         adaptive: bool = True,
+        prompt_lookup: tuple[int, int] | None = None,
     ) -> SpecWorker:
         if topk > 1:
             raise ValueError(TREE_UNSUPPORTED)
@@ -166,6 +190,7 @@ class SpecWorker:
             max_batch_size=max_batch_size,
             adaptive=adaptive,
             topk=topk,
+            prompt_lookup=prompt_lookup,
         )
 
     @property
@@ -251,9 +276,28 @@ class SpecWorker:
         self.stats.prefill_steps += 1
         out = tokens.to(torch.int32).cpu().numpy()
         n = len(out)
+        if self.lookup is not None:
+            cu = plan.cu_seqlens_q
+            for i, slot in enumerate(plan.slots):
+                seq = np.append(plan.input_ids[cu[i] : cu[i + 1]], out[i])
+                self.lookup.reset(int(slot), seq)
         return out, np.ones(n, dtype=np.int32), np.zeros(n, dtype=np.int32)
 
     # ---- verify round --------------------------------------------------------------------------
+
+    def _lookup(self, slots: np.ndarray, k_plan: int) -> np.ndarray | None:
+        """int64 [B, k] prompt-lookup drafts when every row has one (k: the shortest, <= k_plan),
+        else None."""
+        if self.lookup is None or k_plan == 0:
+            return None
+        proposals = []
+        for slot in slots:
+            p = self.lookup.propose(int(slot), k_plan)
+            if len(p) == 0:
+                return None
+            proposals.append(p)
+        k = min(len(p) for p in proposals)
+        return np.stack([p[:k] for p in proposals]).astype(np.int64)
 
     def _verify(self, plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         b = plan.num_seqs
@@ -268,7 +312,11 @@ class SpecWorker:
         if not self.ready[plan.slots].all():
             bad = plan.slots[~self.ready[plan.slots]].tolist()
             raise RuntimeError(f"verify plan uses slots {bad} that were never prefilled")
-        k = k_plan if self.policy is None else min(k_plan, self.policy.choose(b))
+        lookup_ids = self._lookup(plan.slots, k_plan)  # [B, k'] int64 or None
+        if lookup_ids is not None:
+            k = lookup_ids.shape[1]
+        else:
+            k = k_plan if self.policy is None else min(k_plan, self.policy.choose(b))
         start = plan.positions[cu[:-1]].astype(np.int64)  # [B] L-1
         plan_slots = plan.slot_mapping.reshape(b, k_plan + 1)  # [B, K+1] slots of L-1..L-1+K
         block_tables = self._dev(plan.block_tables, np.int32)
@@ -279,7 +327,9 @@ class SpecWorker:
         t0 = self._clock.mark()
         # 1. drafting: argmax only (topk == 1)
         draft_ids = torch.empty(b, k, dtype=torch.long, device=self.device)  # [B, k] target ids
-        if k > 0 and bp is not None:
+        if lookup_ids is not None:
+            draft_ids = torch.from_numpy(lookup_ids).to(self.device)
+        elif k > 0 and bp is not None:
             h = self.hidden.index_select(0, slots)  # [B, h] h^d_{L-2}
             draft_ids = self.graphs.draft_chain(bp, k, h, start, plan.block_tables, plan_slots)
             self.stats.draft_steps += k - 1
@@ -335,7 +385,15 @@ class SpecWorker:
         self.stats.drafted += b * k
         self.stats.accepted += int(accepted_np.sum())
         self.stats.emitted += int(num_tokens.sum())
-        if self.policy is not None:
+        if self.lookup is not None:
+            for i, slot in enumerate(plan.slots):
+                self.lookup.extend(int(slot), tokens_np[i, : num_tokens[i]])
+        if lookup_ids is not None:
+            # the head's cost and acceptance model only learns from the head's own rounds
+            self.stats.lookup_rounds += 1
+            self.stats.lookup_drafted += b * k
+            self.stats.lookup_accepted += int(accepted_np.sum())
+        elif self.policy is not None:
             drafting = self._clock.seconds(t0, t1)
             self.policy.record(
                 b,
