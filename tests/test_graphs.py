@@ -138,23 +138,30 @@ def test_plain_decode_through_graph_steps_equals_eager(tmp_path, tiny_model_dir,
     assert g["graphs"] == len(capture_sizes(batch))
 
 
-@pytest.mark.parametrize("k, batch, adaptive", [(3, 8, False), (2, 5, True), (1, 4, False)])
+@pytest.mark.parametrize(
+    "k, batch, adaptive, lookup", [(3, 8, False, 3), (2, 5, True, 3), (1, 4, False, 3),
+                                   (3, 2, False, 1)]
+)
 def test_speculative_through_graph_steps_equals_plain(tmp_path, tiny_model_dir, graph_prompts,
-                                                      eagle3_dir, k, batch, adaptive):
+                                                      eagle3_dir, k, batch, adaptive, lookup):
     """Draft loop, verify and draft-extend through their graph steps, batches shrinking as
-    requests finish (every bucket edge on the way), against plain eager greedy."""
+    requests finish (every bucket edge on the way), against plain eager greedy; with lookup
+    1, prompt-lookup rounds go through the verify and extend graphs too."""
     pytest.importorskip("eaglebatch._native")
     prep = _job(tmp_path, tiny_model_dir, graph_prompts, "plain",
                 [f"engine.max_batch_size={batch}"])
     ref, _ = _outputs(prep, build_worker(prep, graph_mode="off"))
     over = [f"draft={eagle3_dir}", f"speculative.num_steps={k}",
-            f"speculative.adaptive={str(adaptive).lower()}", f"engine.max_batch_size={batch}"]
+            f"speculative.adaptive={str(adaptive).lower()}", f"engine.max_batch_size={batch}",
+            f"speculative.prompt_lookup_min={lookup}"]
     prep = _job(tmp_path, tiny_model_dir, graph_prompts, "spec", over)
     worker = build_worker(prep, graph_mode="eager")
     got, res = _outputs(prep, worker)
     assert got == ref
     g = res.stats["cuda_graphs"]
     assert g["replays"] > 0 and res.stats["spec_steps"] > 0
+    if lookup == 1:
+        assert res.stats["drafts"]["lookup_rounds"] > 0
     # per bucket: verify + extend for k = 0..K, the draft loop for k = 1..K
     assert g["graphs"] == len(capture_sizes(batch)) * (3 * k + 2)
 
