@@ -161,7 +161,7 @@ def test_speculative_through_graph_steps_equals_plain(tmp_path, tiny_model_dir, 
     g = res.stats["cuda_graphs"]
     assert g["replays"] > 0 and res.stats["spec_steps"] > 0
     if lookup == 1:
-        assert res.stats["drafts"]["lookup_rounds"] > 0
+        assert res.stats["drafts"]["lookup_rows"] > 0
     # per bucket: verify + extend for k = 0..K, the draft loop for k = 1..K
     assert g["graphs"] == len(capture_sizes(batch)) * (3 * k + 2)
 

@@ -9,12 +9,15 @@ from eaglebatch.speculative.ngram import NgramLookup
 
 
 def brute_force(seq: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """The longest suffix (max_n..min_n tokens) seen before, its latest occurrence."""
+    """The longest suffix (max_n..min_n tokens) seen before: its latest occurrence followed by k
+    tokens, else its earliest (followed by the most)."""
     for n in range(min(max_n, len(seq) - 1), min_n - 1, -1):
         suffix = seq[len(seq) - n :]
-        for start in range(len(seq) - n - 1, -1, -1):  # followed by at least one token
-            if seq[start : start + n] == suffix:
-                return seq[start + n : start + n + k]
+        starts = [s for s in range(len(seq) - n) if seq[s : s + n] == suffix]
+        if starts:
+            full = [s for s in starts if s + n + k <= len(seq)]
+            start = full[-1] if full else starts[0]
+            return seq[start + n : start + n + k]
     return []
 
 
@@ -42,6 +45,13 @@ def test_no_proposal_below_min_n_or_without_recurrence() -> None:
     assert lookup_of([1, 2, 9, 3, 2]).propose(1, 3).tolist() == []  # "3 2" never seen before
     assert lookup_of([1, 2, 9, 3, 2], min_n=1).propose(1, 3).tolist() == [9, 3, 2]
     assert lookup_of([7]).propose(1, 3).tolist() == []
+
+
+def test_a_short_period_loop_proposes_k_tokens() -> None:
+    # the latest "4 4 4 4" is followed by one token only, the one before by two
+    assert lookup_of([4] * 8).propose(1, 3).tolist() == [4, 4, 4]
+    assert lookup_of([1, 2] * 4).propose(1, 3).tolist() == [1, 2, 1]
+    assert lookup_of([4] * 5).propose(1, 3).tolist() == [4]  # the only "4 4 4 4" before
 
 
 def test_extend_and_reset_and_the_capacity_bound() -> None:

@@ -92,17 +92,17 @@ def test_adaptive_draft_length_is_still_lossless(tmp_path, tiny_model_dir, draft
     assert [r["output_token_ids"] for r in rows] == [r["output_token_ids"] for r in plain]
 
 
-@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("batch", [1, 4])
 def test_prompt_lookup_is_lossless_and_counted(tmp_path, tiny_model_dir, drafts, prompts, plain,
                                                batch):
     rows, res = run(
         tmp_path, tiny_model_dir, prompts, "spec",
         [f"draft={drafts['eagle3']}", "speculative.num_steps=3", f"engine.max_batch_size={batch}",
-         "speculative.prompt_lookup_min=1"],
+         "speculative.prompt_lookup_min=1", "speculative.adaptive=false"],
     )
     assert [r["output_token_ids"] for r in rows] == [r["output_token_ids"] for r in plain]
     drafts_stats = res.stats["drafts"]
-    assert 0 < drafts_stats["lookup_rounds"] < res.stats["spec_steps"]
+    assert drafts_stats["lookup_rows"] > 0  # (right or wrong: this model is random)
     assert drafts_stats["accepted"] == sum(r["accepted_tokens"] for r in rows)
 
 
@@ -112,7 +112,7 @@ def test_prompt_lookup_off(tmp_path, tiny_model_dir, drafts, prompts, plain):
         [f"draft={drafts['eagle3']}", "engine.max_batch_size=1", "speculative.prompt_lookup_min=0"],
     )
     assert [r["output_token_ids"] for r in rows] == [r["output_token_ids"] for r in plain]
-    assert res.stats["drafts"]["lookup_rounds"] == 0
+    assert res.stats["drafts"]["lookup_rows"] == 0
 
 
 def test_sampling_reproducible_across_batch_sizes(tmp_path, tiny_model_dir, drafts, prompts):

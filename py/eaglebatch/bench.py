@@ -161,7 +161,7 @@ def _report(console: Console, r: dict) -> None:
         f"{r['wall_s']:.1f}s = {r['output_tok_s']:.1f} tok/s"
         + (f", acceptance length {r['accept_length']:.2f}" if r["accept_length"] else "")
         + (f" (prompt lookup: {lookup_line(r['drafts'])})"
-           if (r.get("drafts") or {}).get("lookup_rounds") else ""),
+           if (r.get("drafts") or {}).get("lookup_rows") else ""),
         highlight=False,
     )
     if "identical_requests" in r:

@@ -89,9 +89,9 @@ def graph_line(g: dict | None) -> str:
 
 def lookup_line(drafts: dict) -> str:
     """Prompt-lookup rounds and their acceptance, from SpecWorker's stats."""
-    rounds, drafted, accepted = (drafts[k] for k in ("lookup_rounds", "lookup_drafted",
-                                                     "lookup_accepted"))
-    return f"{rounds} rounds, {accepted}/{drafted} drafts accepted"
+    rows, drafted, accepted = (drafts[k] for k in ("lookup_rows", "lookup_drafted",
+                                                   "lookup_accepted"))
+    return f"{rows} rows of rounds, {accepted}/{drafted} drafts accepted"
 
 
 def summary_table(stats: dict, wall_s: float, title: str = "eaglebatch summary") -> Table:
@@ -119,7 +119,7 @@ def summary_table(stats: dict, wall_s: float, title: str = "eaglebatch summary")
         rows.append(("acceptance length", f"{accept_length(stats):.2f}"))
         rows.append(("verify rounds", f"{stats['spec_steps']}"))
         drafts = stats.get("drafts") or {}
-        if drafts.get("lookup_rounds"):
+        if drafts.get("lookup_rows"):
             rows.append(("  drafted by prompt lookup", lookup_line(drafts)))
     rows.append(("CUDA graphs", graph_line(stats.get("cuda_graphs"))))
     for k, v in rows:

@@ -3,12 +3,14 @@
 Outputs often repeat their own context: code that edits the prompt's code, quoted passages,
 lists whose items share a stem, and the loops small models fall into under greedy decoding. Where
 the last n tokens of a sequence (n = max_n down to min_n) occurred before, the tokens that followed
-their latest earlier occurrence are a free draft: no draft-model forward, only a search of the
+an earlier occurrence (the latest one followed by k tokens, else the one followed by the most)
+are a free draft: no draft-model forward, only a search of the
 sequence's own tokens. The target verifies them like any draft, so output is unchanged.
 
 State: per slot, the sequence's committed tokens x_0..x_{L-1} (prompt, then every token the
 rounds emitted), in one preallocated int32 array [slots, capacity]; memory does not grow with
-the input size. `reset` at prefill, `extend` after each round.
+the input size (np.zeros pages are only backed once written, so resident memory follows the
+sequences' actual lengths). `reset` at prefill, `extend` after each round.
 """
 
 from __future__ import annotations
@@ -39,8 +41,10 @@ class NgramLookup:
         self.lengths[slot] = start + n
 
     def propose(self, slot: int, k: int) -> np.ndarray:
-        """Up to k tokens that followed the latest earlier occurrence of the sequence's longest
-        recurring suffix of max_n down to min_n tokens; empty when none recurs."""
+        """Up to k tokens that followed an earlier occurrence of the sequence's longest recurring
+        suffix of max_n down to min_n tokens: the latest occurrence followed by k tokens, else the
+        one followed by the most (in a loop of period < k the latest is followed by fewer than k).
+        Empty when no suffix recurs. Depends on this slot's tokens only."""
         length = int(self.lengths[slot])
         seq = self.tokens[slot, :length]
         if length <= self.min_n or k <= 0:
@@ -59,7 +63,8 @@ class NgramLookup:
         best = np.flatnonzero(matched >= self.min_n)
         if len(best) == 0:
             return seq[:0].copy()
-        # the longest match, the latest among equals (ends are ascending)
-        top = best[matched[best] == matched[best].max()][-1]
+        best = best[matched[best] == matched[best].max()]  # the longest; ends ascending
+        full = best[ends[best] + k < length]  # followed by k tokens
+        top = full[-1] if len(full) else best[0]
         start = int(ends[top]) + 1
         return seq[start : start + k].copy()

@@ -16,10 +16,11 @@ Plans (see _native.pyi and the speculative plan contract):
          position q only attends to positions <= q, and every round rewrites its positions
          before reading them). This keeps the step free of host synchronisation until the end.
     "decode" plans (1 query token per row) run as rounds with k = 0.
-  * prompt lookup (`prompt_lookup`, speculative/ngram.py): when every row's latest tokens recur
-    earlier in its sequence, the round's drafts are the tokens that followed there (k = the
-    shortest proposal) and step 1 is skipped; steps 2-4 are unchanged, so the draft's state
-    stays as the invariant below says.
+  * prompt lookup (`prompt_lookup`, speculative/ngram.py): a row whose latest tokens recur
+    earlier in its sequence, followed there by k tokens, takes those as its k drafts instead of
+    the head's; when every row has K of them the round has k = K and step 1 is skipped. A
+    row's drafts depend only on its own sequence (and k), as the head's do. Steps 2-4 are
+    unchanged, so the draft's state stays as the invariant below says.
 Invariant between steps, per running slot s: the draft's K/V is valid for positions 0..L-2
 (like the target's) and hidden[s] = h^d_{L-2}, the draft output at the last extended position.
 K/V slots are the plan's: the draft's K/V of position p sits at the target's slot of p.
@@ -60,7 +61,7 @@ class SpecStats:
     drafted: int = 0  # draft tokens proposed (rows x k), by the head or by prompt lookup
     accepted: int = 0  # draft tokens accepted
     emitted: int = 0  # tokens returned by verify rounds
-    lookup_rounds: int = 0  # rounds whose drafts came from prompt lookup
+    lookup_rows: int = 0  # rows of rounds whose drafts came from prompt lookup
     lookup_drafted: int = 0
     lookup_accepted: int = 0
 
@@ -285,19 +286,11 @@ class SpecWorker:
 
     # ---- verify round --------------------------------------------------------------------------
 
-    def _lookup(self, slots: np.ndarray, k_plan: int) -> np.ndarray | None:
-        """int64 [B, k] prompt-lookup drafts when every row has one (k: the shortest, <= k_plan),
-        else None."""
+    def _proposals(self, slots: np.ndarray, k_plan: int) -> list[np.ndarray] | None:
+        """Each row's prompt-lookup proposal (up to k_plan tokens, maybe none); None when off."""
         if self.lookup is None or k_plan == 0:
             return None
-        proposals = []
-        for slot in slots:
-            p = self.lookup.propose(int(slot), k_plan)
-            if len(p) == 0:
-                return None
-            proposals.append(p)
-        k = min(len(p) for p in proposals)
-        return np.stack([p[:k] for p in proposals]).astype(np.int64)
+        return [self.lookup.propose(int(slot), k_plan) for slot in slots]
 
     def _verify(self, plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         b = plan.num_seqs
@@ -312,11 +305,19 @@ class SpecWorker:
         if not self.ready[plan.slots].all():
             bad = plan.slots[~self.ready[plan.slots]].tolist()
             raise RuntimeError(f"verify plan uses slots {bad} that were never prefilled")
-        lookup_ids = self._lookup(plan.slots, k_plan)  # [B, k'] int64 or None
-        if lookup_ids is not None:
-            k = lookup_ids.shape[1]
+        proposals = self._proposals(plan.slots, k_plan)
+        if proposals is not None and all(len(p) == k_plan for p in proposals):
+            k = k_plan  # every row drafts by lookup: the head does not run
         else:
             k = k_plan if self.policy is None else min(k_plan, self.policy.choose(b))
+        # rows drafting by lookup: [B] bool, and their drafts int64 [B, k] (0 elsewhere)
+        by_lookup = np.array(
+            [k > 0 and len(p) >= k for p in proposals or ()] or np.zeros(b), dtype=bool
+        )
+        lookup_ids = np.zeros((b, k), dtype=np.int64)
+        for i in np.flatnonzero(by_lookup):
+            lookup_ids[i] = proposals[i][:k]
+        head_drafts = k > 0 and not by_lookup.all()
         start = plan.positions[cu[:-1]].astype(np.int64)  # [B] L-1
         plan_slots = plan.slot_mapping.reshape(b, k_plan + 1)  # [B, K+1] slots of L-1..L-1+K
         block_tables = self._dev(plan.block_tables, np.int32)
@@ -327,13 +328,13 @@ class SpecWorker:
         t0 = self._clock.mark()
         # 1. drafting: argmax only (topk == 1)
         draft_ids = torch.empty(b, k, dtype=torch.long, device=self.device)  # [B, k] target ids
-        if lookup_ids is not None:
-            draft_ids = torch.from_numpy(lookup_ids).to(self.device)
-        elif k > 0 and bp is not None:
+        if not head_drafts:
+            pass  # k == 0, or every row drafts by lookup (below)
+        elif bp is not None:
             h = self.hidden.index_select(0, slots)  # [B, h] h^d_{L-2}
             draft_ids = self.graphs.draft_chain(bp, k, h, start, plan.block_tables, plan_slots)
             self.stats.draft_steps += k - 1
-        elif k > 0:
+        else:
             h = self.hidden.index_select(0, slots)  # [B, h] h^d_{L-2}
             d = self.draft.argmax_tokens(h)
             draft_ids[:, 0] = d
@@ -344,6 +345,9 @@ class SpecWorker:
                 d = self.draft.argmax_tokens(h)
                 draft_ids[:, j] = d
             self.stats.draft_steps += k - 1
+        if by_lookup.any():
+            use = torch.from_numpy(by_lookup).to(self.device)[:, None]  # [B, 1]
+            draft_ids = torch.where(use, torch.from_numpy(lookup_ids).to(self.device), draft_ids)
         t1 = self._clock.mark()
 
         # 2. target verify over [x_{L-1}, d_1..d_k] at L-1..L-1+k
@@ -388,19 +392,19 @@ class SpecWorker:
         if self.lookup is not None:
             for i, slot in enumerate(plan.slots):
                 self.lookup.extend(int(slot), tokens_np[i, : num_tokens[i]])
-        if lookup_ids is not None:
-            # the head's cost and acceptance model only learns from the head's own rounds
-            self.stats.lookup_rounds += 1
-            self.stats.lookup_drafted += b * k
-            self.stats.lookup_accepted += int(accepted_np.sum())
-        elif self.policy is not None:
+        if by_lookup.any():
+            self.stats.lookup_rows += int(by_lookup.sum())
+            self.stats.lookup_drafted += int(by_lookup.sum()) * k
+            self.stats.lookup_accepted += int(accepted_np[by_lookup].sum())
+        if self.policy is not None and (k == 0 or head_drafts):
+            # the head's cost and acceptance model learns from the head's drafts only
             drafting = self._clock.seconds(t0, t1)
             self.policy.record(
                 b,
                 k,
                 drafting / k if k > 0 else None,
                 self._clock.seconds(t1, t2),
-                accepted_np.tolist(),
+                accepted_np[~by_lookup].tolist(),
             )
         return (
             tokens_np[keep].astype(np.int32),
