@@ -311,9 +311,9 @@ class SpecWorker:
         else:
             k = k_plan if self.policy is None else min(k_plan, self.policy.choose(b))
         # rows drafting by lookup: [B] bool, and their drafts int64 [B, k] (0 elsewhere)
-        by_lookup = np.array(
-            [k > 0 and len(p) >= k for p in proposals or ()] or np.zeros(b), dtype=bool
-        )
+        by_lookup = np.zeros(b, dtype=bool)
+        if proposals is not None and k > 0:
+            by_lookup[:] = [len(p) >= k for p in proposals]
         lookup_ids = np.zeros((b, k), dtype=np.int64)
         for i in np.flatnonzero(by_lookup):
             lookup_ids[i] = proposals[i][:k]
