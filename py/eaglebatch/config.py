@@ -98,9 +98,9 @@ class SpeculativeConfig(_Section):
     topk: int = Field(default=1, ge=1)
     # Pick the number of draft steps (0..num_steps) per step from measured costs and acceptance.
     adaptive: bool = True
-    # Prompt lookup (speculative/ngram.py): in a round where every sequence's last n tokens
-    # (n = prompt_lookup_max down to prompt_lookup_min) occurred earlier in it, the drafts are
-    # the tokens that followed there and the head does not run. prompt_lookup_min 0 = off.
+    # Prompt lookup (speculative/ngram.py): a sequence whose last n tokens (n = prompt_lookup_max
+    # down to prompt_lookup_min) occurred earlier in it drafts the k tokens that followed there
+    # instead of the head's; when every sequence does, the head does not run. 0 = off.
     prompt_lookup_min: int = Field(default=3, ge=0)
     prompt_lookup_max: int = Field(default=5, ge=1)
 
