@@ -370,24 +370,35 @@ unsafe fn head<const DIM: usize>(job: &Head, out: *mut f32) {
     }
 }
 
+// The constants of `exp_nonpositive`, shared with its 16-lane copy `avx512::exp16`.
+const EXP_MIN: f32 = -87.0; // below: 0
+const LN2_HI: f32 = 0.693_359_4; // ln 2 split so that n * LN2_HI is exact
+const LN2_LO: f32 = -2.121_944_4e-4;
+const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
+/// P(r) = ((((c0 r + c1) r + c2) r + c3) r + c4) r + c5, Cephes expf's polynomial.
+const EXP_POLY: [f32; 6] = [
+    1.987_569_1e-4,
+    1.398_199_9e-3,
+    8.333_452e-3,
+    4.166_579_6e-2,
+    1.666_666_5e-1,
+    0.5,
+];
+
 /// e^x for x <= 0 with a relative error of a few 1e-7 (0 below -87.3), as plain arithmetic that
-/// vectorises: x = n ln2 + r, |r| <= ln2 / 2, e^x = 2^n * P(r) with the Cephes expf polynomial.
+/// vectorises: x = n ln2 + r, |r| <= ln2 / 2, e^x = 2^n * (P(r) r^2 + r + 1).
 #[inline(always)]
 fn exp_nonpositive(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4; // ln 2 split so that n * LN2_HI is exact
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    const ROUND: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
-    let clamped = x.clamp(-87.0, 0.0);
-    let n = (clamped * LOG2E + ROUND) - ROUND;
+    let clamped = x.clamp(EXP_MIN, 0.0);
+    let n = (clamped * std::f32::consts::LOG2_E + ROUND) - ROUND;
     let r = clamped - n * LN2_HI - n * LN2_LO;
-    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r
-        + 1.666_666_5e-1)
-        * r
-        + 0.5;
+    let mut p = EXP_POLY[0] * r + EXP_POLY[1];
+    for c in &EXP_POLY[2..] {
+        p = p * r + c;
+    }
     let e = p * r * r + r + 1.0;
     let scale = f32::from_bits(((n as i32 + 127) as u32) << 23); // 2^n, n in [-126, 0]
-    if x < -87.0 {
+    if x < EXP_MIN {
         0.0
     } else {
         e * scale
@@ -399,7 +410,7 @@ fn exp_nonpositive(x: f32) -> f32 {
 /// mul then add (never fused), `dot`'s lane reduction and `exp_nonpositive`.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{exp_nonpositive, Head, LANES};
+    use super::{exp_nonpositive, Head, EXP_MIN, EXP_POLY, LANES, LN2_HI, LN2_LO, ROUND};
     use std::arch::x86_64::*;
 
     /// Levels 1-2 of `dot`'s reduction for the 16-lane products of keys a, b, c, d: 128-bit
@@ -451,7 +462,7 @@ mod avx512 {
     #[target_feature(enable = "avx512f")]
     unsafe fn exp16(x: __m512) -> __m512 {
         let c = _mm512_set1_ps;
-        let (low, zero, round) = (c(-87.0), _mm512_setzero_ps(), c(12_582_912.0));
+        let (low, zero, round) = (c(EXP_MIN), _mm512_setzero_ps(), c(ROUND));
         let below = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, low);
         let clamped = _mm512_mask_mov_ps(x, below, low);
         let clamped = _mm512_mask_mov_ps(
@@ -462,11 +473,11 @@ mod avx512 {
         let scaled = _mm512_mul_ps(clamped, c(std::f32::consts::LOG2_E));
         let n = _mm512_sub_ps(_mm512_add_ps(scaled, round), round);
         let r = _mm512_sub_ps(
-            _mm512_sub_ps(clamped, _mm512_mul_ps(n, c(0.693_359_4))),
-            _mm512_mul_ps(n, c(-2.121_944_4e-4)),
+            _mm512_sub_ps(clamped, _mm512_mul_ps(n, c(LN2_HI))),
+            _mm512_mul_ps(n, c(LN2_LO)),
         );
-        let mut p = _mm512_add_ps(_mm512_mul_ps(c(1.987_569_1e-4), r), c(1.398_199_9e-3));
-        for k in [8.333_452e-3, 4.166_579_6e-2, 1.666_666_5e-1, 0.5] {
+        let mut p = _mm512_add_ps(_mm512_mul_ps(c(EXP_POLY[0]), r), c(EXP_POLY[1]));
+        for &k in &EXP_POLY[2..] {
             p = _mm512_add_ps(_mm512_mul_ps(p, r), c(k));
         }
         let e = _mm512_add_ps(
