@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -160,8 +161,7 @@ def _report(console: Console, r: dict) -> None:
         f"  {r['engine']} batch {r['batch_size']}: {r['output_tokens']} tokens in "
         f"{r['wall_s']:.1f}s = {r['output_tok_s']:.1f} tok/s"
         + (f", acceptance length {r['accept_length']:.2f}" if r["accept_length"] else "")
-        + (f" (prompt lookup: {lookup_line(r['drafts'])})"
-           if (r.get("drafts") or {}).get("lookup_rows") else ""),
+        + (f" (prompt lookup: {line})" if (line := lookup_line(r.get("drafts"))) else ""),
         highlight=False,
     )
     if "identical_requests" in r:
@@ -181,12 +181,6 @@ def _median_run(runs: list[dict]) -> dict:
     """The run with the median output tok/s (the lower middle one for an even count)."""
     ranked = sorted(runs, key=lambda r: r["output_tok_s"])
     return ranked[(len(ranked) - 1) // 2]
-
-
-def _median(xs: list[float]) -> float:
-    ranked = sorted(xs)
-    mid = len(ranked) // 2
-    return ranked[mid] if len(ranked) % 2 else (ranked[mid - 1] + ranked[mid]) / 2
 
 
 def run_bench(
@@ -290,7 +284,7 @@ def run_bench(
         sp = next(r for r in rows if r["engine"] == "eaglebatch+eagle")
         result["spec"] = sp
         pairs = pair_speedups[plain["batch_size"]]
-        result["speedup"] = _median(pairs)
+        result["speedup"] = statistics.median(pairs)
         if repeat > 1:
             result["pair_speedups"] = pairs
             console.print(

@@ -87,8 +87,10 @@ def graph_line(g: dict | None) -> str:
             f"{g['memory_mib']} MiB (reserved {g['reserved_mib']})")
 
 
-def lookup_line(drafts: dict) -> str:
-    """Prompt-lookup rounds and their acceptance, from SpecWorker's stats."""
+def lookup_line(drafts: dict | None) -> str | None:
+    """Prompt-lookup rows and their acceptance, from SpecWorker's stats; None when none."""
+    if not drafts or not drafts.get("lookup_rows"):
+        return None
     rows, drafted, accepted = (drafts[k] for k in ("lookup_rows", "lookup_drafted",
                                                    "lookup_accepted"))
     return f"{rows} rows of rounds, {accepted}/{drafted} drafts accepted"
@@ -118,9 +120,8 @@ def summary_table(stats: dict, wall_s: float, title: str = "eaglebatch summary")
     if stats.get("spec_steps"):
         rows.append(("acceptance length", f"{accept_length(stats):.2f}"))
         rows.append(("verify rounds", f"{stats['spec_steps']}"))
-        drafts = stats.get("drafts") or {}
-        if drafts.get("lookup_rows"):
-            rows.append(("  drafted by prompt lookup", lookup_line(drafts)))
+        if line := lookup_line(stats.get("drafts")):
+            rows.append(("  drafted by prompt lookup", line))
     rows.append(("CUDA graphs", graph_line(stats.get("cuda_graphs"))))
     for k, v in rows:
         t.add_row(k, v)
