@@ -55,11 +55,27 @@ def test_unknown_top_level_key(tmp_path):
             "speculative:\n  prompt_lookup_min: 4\n  prompt_lookup_max: 2\n",
             "speculative.prompt_lookup_max",
         ),
+        ("speculative:\n  prompt_lookup_tokens: 0\n", "speculative.prompt_lookup_tokens"),
+        ("speculative:\n  prompt_lookup_tokens: 33\n", "speculative.prompt_lookup_tokens"),
     ],
 )
 def test_bad_values_name_the_key(tmp_path, extra, key):
     with pytest.raises(JobError, match=key.replace(".", r"\.")):
         load_job(write(tmp_path, BASE + extra))
+
+
+@pytest.mark.parametrize(
+    "overrides, lookahead",
+    [
+        ([], 0),  # no draft: plain decoding
+        (["draft=head"], 8),  # the default prompt_lookup_tokens
+        (["draft=head", "speculative.num_steps=10"], 10),
+        (["draft=head", "speculative.prompt_lookup_tokens=2"], 3),
+        (["draft=head", "speculative.prompt_lookup_min=0"], 3),  # lookup off: the head's K
+    ],
+)
+def test_the_schedulers_lookahead_is_the_widest_round(tmp_path, overrides, lookahead):
+    assert load_job(write(tmp_path, BASE), overrides).num_speculative_tokens == lookahead
 
 
 def test_missing_required_key(tmp_path):

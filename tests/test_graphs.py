@@ -139,21 +139,25 @@ def test_plain_decode_through_graph_steps_equals_eager(tmp_path, tiny_model_dir,
 
 
 @pytest.mark.parametrize(
-    "k, batch, adaptive, lookup", [(3, 8, False, 3), (2, 5, True, 3), (1, 4, False, 3),
-                                   (3, 2, False, 1)]
+    "k, batch, adaptive, lookup, lookup_tokens",
+    [(3, 8, False, 3, 3), (2, 5, True, 3, 8), (1, 4, False, 3, 1), (3, 2, False, 1, 6),
+     (2, 4, True, 1, 5)],
 )
 def test_speculative_through_graph_steps_equals_plain(tmp_path, tiny_model_dir, graph_prompts,
-                                                      eagle3_dir, k, batch, adaptive, lookup):
+                                                      eagle3_dir, k, batch, adaptive, lookup,
+                                                      lookup_tokens):
     """Draft loop, verify and draft-extend through their graph steps, batches shrinking as
     requests finish (every bucket edge on the way), against plain eager greedy; with lookup
-    1, prompt-lookup rounds go through the verify and extend graphs too."""
+    1, prompt-lookup rounds (up to lookup_tokens wide) go through the verify and extend graphs
+    too."""
     pytest.importorskip("eaglebatch._native")
     prep = _job(tmp_path, tiny_model_dir, graph_prompts, "plain",
                 [f"engine.max_batch_size={batch}"])
     ref, _ = _outputs(prep, build_worker(prep, graph_mode="off"))
     over = [f"draft={eagle3_dir}", f"speculative.num_steps={k}",
             f"speculative.adaptive={str(adaptive).lower()}", f"engine.max_batch_size={batch}",
-            f"speculative.prompt_lookup_min={lookup}"]
+            f"speculative.prompt_lookup_min={lookup}",
+            f"speculative.prompt_lookup_tokens={lookup_tokens}"]
     prep = _job(tmp_path, tiny_model_dir, graph_prompts, "spec", over)
     worker = build_worker(prep, graph_mode="eager")
     got, res = _outputs(prep, worker)
@@ -162,8 +166,8 @@ def test_speculative_through_graph_steps_equals_plain(tmp_path, tiny_model_dir, 
     assert g["replays"] > 0 and res.stats["spec_steps"] > 0
     if lookup == 1:
         assert res.stats["drafts"]["lookup_rows"] > 0
-    # per bucket: verify + extend for k = 0..K, the draft loop for k = 1..K
-    assert g["graphs"] == len(capture_sizes(batch)) * (3 * k + 2)
+    # per bucket: verify + extend for k = 0..W (W = max(K, lookup_tokens)), the loop for 1..K
+    assert g["graphs"] == len(capture_sizes(batch)) * (2 * (max(k, lookup_tokens) + 1) + k)
 
 
 def test_batches_above_the_largest_bucket_run_eagerly(tmp_path, tiny_model_dir, graph_prompts,

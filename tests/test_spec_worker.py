@@ -64,7 +64,8 @@ def run(worker, reqs, *, k=0, max_batch=8, num_blocks=512, eos=(), preempt_at=No
 
 
 def spec_worker(
-    env, kind, k, *, max_batch=8, num_blocks=512, adaptive=False, draft=None, prompt_lookup=None
+    env, kind, k, *, max_batch=8, num_blocks=512, adaptive=False, draft=None, prompt_lookup=None,
+    lookup_tokens=None,
 ):
     target = target_worker(env.target, num_blocks=num_blocks, max_model_len=MAX_LEN)
     return SpecWorker.from_target(
@@ -74,6 +75,7 @@ def spec_worker(
         max_batch_size=max_batch,
         adaptive=adaptive,
         prompt_lookup=prompt_lookup,
+        lookup_tokens=lookup_tokens,
     )
 
 
@@ -171,6 +173,21 @@ def test_prompt_lookup_is_lossless(env, max_batch, adaptive) -> None:
     assert st.accepted == sum(sum(a) for a in sched.accept_log)
 
 
+@pytest.mark.parametrize("max_batch,adaptive", [(1, False), (1, True), (8, False), (8, True)])
+def test_long_lookup_drafts_are_lossless(env, max_batch, adaptive) -> None:
+    # rounds where every row drafts by lookup may be up to 7 wide (K = 3): rows draft their own
+    # n_i <= 7 copied tokens, shorter rows are padded; plans carry 7 placeholders
+    worker = spec_worker(env, "eagle3", 3, max_batch=max_batch, adaptive=adaptive,
+                         prompt_lookup=(1, 3), lookup_tokens=7)
+    assert worker.max_draft_tokens == 7
+    out, sched = run(worker, env.reqs, k=7, max_batch=max_batch, eos=env.eos)
+    assert out == env.plain
+    st = worker.stats
+    assert st.accepted == sum(sum(a) for a in sched.accept_log)
+    if not adaptive:  # without the policy a lookup row drafts its whole proposal (up to 7)
+        assert st.lookup_drafted > 3 * st.lookup_rows > 0
+
+
 def test_prompt_lookup_survives_preemption(env) -> None:
     # a preempted sequence is prefilled again (often in another slot): its history restarts
     worker = spec_worker(env, "eagle1", 2, num_blocks=40, prompt_lookup=(1, 4))
@@ -249,6 +266,51 @@ def test_oracle_drafts(env, error_rate) -> None:
     else:
         assert set(np.unique(accepted).tolist()) == set(range(k + 1))
         assert worker.stats.verify_rounds < decode_steps
+
+
+class LookupOracle:
+    """Replaces prompt lookup's proposals with the plain-greedy continuation of each request:
+    a pseudo-random 0..7 tokens per (request, position), so that the rows of a round differ in
+    width and some draft by the head, wrong (token + 1) with probability `error_rate`."""
+
+    def __init__(self, worker: SpecWorker, sched: FakeScheduler, continuation, error_rate=0.0):
+        self.sched, self.continuation, self.error_rate = sched, continuation, error_rate
+        worker.lookup.propose = self.propose
+
+    def propose(self, slot: int, k: int) -> np.ndarray:
+        i, req = next((i, r) for i, r in enumerate(self.sched.requests) if r.slot == slot)
+        g = len(req.outputs)  # tokens committed so far: the continuation starts there
+        out = []
+        for j in range(min(k, (i * 31 + g * 17) % 8)):
+            t = self.continuation[i][g + j]
+            wrong = ((i * 7919 + (g + j) * 104729) % 1000) < 1000 * self.error_rate
+            out.append((t + 1) % VOCAB if wrong else t)
+        return np.array(out, dtype=np.int32)
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+@pytest.mark.parametrize("error_rate", [0.0, 0.3])
+def test_lookup_oracle_rounds_of_mixed_width(env, adaptive, error_rate) -> None:
+    k, width = 3, 7
+    reqs = env.reqs[:12]
+    long, _ = run(target_worker(env.target), reqs, extra=width + 1)  # no EOS
+    plain, _ = run(target_worker(env.target), reqs)
+    worker = spec_worker(env, "eagle3", k, adaptive=adaptive, prompt_lookup=(1, 3),
+                         lookup_tokens=width)
+    sched = FakeScheduler(
+        fake_requests(reqs), num_blocks=512, block_size=4, max_batch_size=8,
+        max_model_len=MAX_LEN, num_speculative_tokens=width,
+    )  # fmt: skip
+    LookupOracle(worker, sched, long, error_rate)
+    assert sched.run(worker) == plain
+    st = worker.stats
+    assert st.lookup_rows > 0 and st.accepted == sum(sum(a) for a in sched.accept_log)
+    if error_rate > 0:
+        assert 0 < st.lookup_accepted < st.lookup_drafted
+    else:
+        assert st.lookup_accepted == st.lookup_drafted  # every copied token was right
+        if not adaptive:  # rows draft their whole proposal: runs past K
+            assert max(max(a) for a in sched.accept_log if len(a)) > k
 
 
 # ---- the draft state against a recomputation from scratch --------------------------------------
@@ -420,16 +482,18 @@ def test_sampled_tokens_follow_the_target_distribution(tmp_path, temperature, to
     assert dof >= 10 and stat < chi2_critical_001(dof), (stat, dof)
 
 
-@pytest.mark.parametrize("lookup", [None, (1, 3)])
-def test_sampled_outputs_do_not_depend_on_the_batch(env, lookup) -> None:
-    # with prompt lookup a row drafts by lookup or by the head from its own sequence only
+@pytest.mark.parametrize("lookup,lookup_tokens", [(None, None), ((1, 3), None), ((1, 3), 6)])
+def test_sampled_outputs_do_not_depend_on_the_batch(env, lookup, lookup_tokens) -> None:
+    # with prompt lookup a row drafts by lookup or by the head from its own sequence only, and
+    # (without the adaptive policy) as many tokens as its own proposal has, up to lookup_tokens
     reqs = [
         dataclasses.replace(r, temperature=0.9, top_p=0.95, seed=100 + i)
         for i, r in enumerate(env.reqs[:5])
     ]
-    worker = spec_worker(env, "eagle3", 3, prompt_lookup=lookup)
-    together, _ = run(worker, reqs, k=3)
-    alone = [run(worker, [r], k=3)[0][0] for r in reqs[::-1]][::-1]  # one by one, slot 0
+    worker = spec_worker(env, "eagle3", 3, prompt_lookup=lookup, lookup_tokens=lookup_tokens)
+    k = worker.max_draft_tokens
+    together, _ = run(worker, reqs, k=k)
+    alone = [run(worker, [r], k=k)[0][0] for r in reqs[::-1]][::-1]  # one by one, slot 0
     assert together == alone
     if lookup is not None:
         assert worker.stats.lookup_rows > 0
@@ -517,3 +581,12 @@ def test_adaptive_policy_prices_each_draft_position() -> None:
     rates = policy.rates()
     assert rates[0] > 0.9 and rates[1] > 0.9 and rates[2] < 0.2
     assert policy.choose(1) == 2
+
+
+def test_adaptive_policy_counts_each_rows_own_drafts() -> None:
+    """A row that drafted n < k tokens and passed all n tried positions 1..n only: it says
+    nothing about position n + 1 (prompt-lookup rounds of mixed width)."""
+    policy = AdaptiveDraftLength(4)
+    policy.record(2, 4, None, 0.03, accepted=[2, 1], drafted=[2, 4])
+    assert policy.tried == [2.0, 2.0, 0.0, 0.0]  # row 0 tried 1..2 (all it had), row 1 1..2
+    assert policy.passed == [2.0, 1.0, 0.0, 0.0]

@@ -167,3 +167,25 @@ def test_mixed_batch_routes_rows() -> None:
         ng[1::2],
     )
     assert torch.equal(accepted[1::2], sampled[1])
+
+
+def test_rows_with_fewer_drafts_emit_what_a_round_of_their_own_width_would() -> None:
+    # num_drafts: row i carries n_i <= k drafts, then padding that must never be accepted (the
+    # padding here equals the target's argmax, so a greedy row would otherwise accept it)
+    gen = torch.Generator().manual_seed(3)
+    b, k, vocab = 12, 5, 24
+    logits = 4.0 * torch.randn(b, k + 1, vocab, generator=gen)  # peaked: drafts often accepted
+    draft = logits[:, :k].argmax(-1)
+    draft[::3, 2] = (draft[::3, 2] + 1) % vocab  # some rejections too
+    n = torch.tensor([0, 1, 2, 3, 4, 5] * 2)
+    temperature, top_p, top_k, seeds, ng = cols(b, 0.8, 0.9, 0, seed0=40, num_generated=3)
+    temperature[6:] = 0.0  # the second half greedy
+    tokens, accepted = verify(logits, draft, temperature, top_p, top_k, seeds, ng, n)
+    assert bool((accepted <= n).all()) and bool((accepted == n).any())
+    for i in range(b):
+        m = int(n[i])
+        one = (temperature[i : i + 1], top_p[i : i + 1], top_k[i : i + 1], seeds[i : i + 1],
+               ng[i : i + 1])
+        t, a = verify(logits[i : i + 1, : m + 1], draft[i : i + 1, :m], *one)
+        assert int(accepted[i]) == int(a[0])
+        assert tokens[i, : int(a[0]) + 1].tolist() == t[0, : int(a[0]) + 1].tolist()

@@ -232,6 +232,7 @@ def run_bench(
                     topk=job.speculative.topk,
                     adaptive=job.speculative.adaptive,
                     prompt_lookup=job.speculative.prompt_lookup,
+                    lookup_tokens=job.speculative.prompt_lookup_tokens,
                 )
                 row = _eaglebatch_row(job, b, worker, Path(tmp), spec=True, compare=compare)
                 if compare:

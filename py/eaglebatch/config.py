@@ -100,9 +100,12 @@ class SpeculativeConfig(_Section):
     adaptive: bool = True
     # Prompt lookup (speculative/ngram.py): a sequence whose last n tokens (n = prompt_lookup_max
     # down to prompt_lookup_min) occurred earlier in it drafts the k tokens that followed there
-    # instead of the head's; when every sequence does, the head does not run. 0 = off.
+    # instead of the head's; when every sequence does, the head does not run and a sequence
+    # drafts up to prompt_lookup_tokens copied tokens (at least num_steps; the adaptive policy
+    # picks how many from measured verify costs). 0 = off.
     prompt_lookup_min: int = Field(default=3, ge=0)
     prompt_lookup_max: int = Field(default=5, ge=1)
+    prompt_lookup_tokens: int = Field(default=8, ge=1, le=32)
 
     @model_validator(mode="after")
     def _chain_only(self) -> SpeculativeConfig:
@@ -137,7 +140,14 @@ class JobConfig(_Section):
 
     @property
     def num_speculative_tokens(self) -> int:
-        return self.speculative.num_steps if self.draft is not None else 0
+        """The most draft tokens of one round (the scheduler's lookahead): num_steps, or up to
+        prompt_lookup_tokens with prompt lookup; 0 without a draft."""
+        if self.draft is None:
+            return 0
+        spec = self.speculative
+        if spec.prompt_lookup is None:
+            return spec.num_steps
+        return max(spec.num_steps, spec.prompt_lookup_tokens)
 
     def resolved(self, base_dir: Path) -> JobConfig:
         """Relative paths in the job file are relative to the job file's directory."""

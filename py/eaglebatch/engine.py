@@ -187,6 +187,7 @@ def build_worker(prep: PreparedJob, graph_mode: str | None = None):
             topk=job.speculative.topk,
             adaptive=job.speculative.adaptive,
             prompt_lookup=job.speculative.prompt_lookup,
+            lookup_tokens=job.speculative.prompt_lookup_tokens,
         )
     except ValueError as e:
         raise JobError(f"draft: {prep.draft_dir}: {e}") from None

@@ -126,9 +126,11 @@ class AdaptiveDraftLength:
         draft_seconds_per_token: float | None,
         verify_seconds: float,
         accepted: list[int],
+        drafted: list[int] | None = None,
     ) -> None:
-        """One round: its k, its drafting time per draft token (None when k == 0), the time of
-        the rest of the round, and the accepted drafts of each row."""
+        """One round: its k, its drafting time per draft token (None when k == 0 or the drafts
+        cost nothing to make), the time of the rest of the round, and the accepted drafts of each
+        row (`drafted`: each row's own number of drafts when some had fewer than k)."""
         b = self.buckets.setdefault(self.bucket_of(batch_size), _Bucket())
         b.rounds += 1
         drafting = 0.0
@@ -140,10 +142,10 @@ class AdaptiveDraftLength:
             return
         self.tried = [t * self.decay for t in self.tried]
         self.passed = [p * self.decay for p in self.passed]
-        for x in accepted:
-            for j in range(min(x + 1, k)):
+        for x, n in zip(accepted, drafted if drafted is not None else [k] * len(accepted)):
+            for j in range(min(x + 1, n)):
                 self.tried[j] += 1.0
-            for j in range(min(x, k)):
+            for j in range(min(x, n)):
                 self.passed[j] += 1.0
 
 

@@ -1,13 +1,14 @@
-"""The three graph steps of a speculative round, per padded batch size bp and draft length k:
+"""The three graph steps of a speculative round, per padded batch size bp and draft length k
+(K: the head's longest chain; W = max_draft_tokens >= K: the widest round, prompt lookup's):
 
   loop[k, bp]    the whole draft chain: d_1 = argmax head(h0), then k-1 draft forwards, each
-                 followed by an argmax -> draft ids [bp, k]          (k >= 1)
+                 followed by an argmax -> draft ids [bp, k]          (1 <= k <= K)
   verify[k, bp]  the target over [x_{L-1}, d_1..d_k] -> final hidden states [bp*(k+1), H] (the LM
                  head runs eagerly on the real rows: graph outputs stay alive, and logits for
                  every bucket and k would not fit), and the draft features of those rows into
-                 `feats[k]`                                          (k >= 0; k = 0: decode)
+                 `feats[k]`                              (0 <= k <= W; k = 0: decode)
   extend[k, bp]  the draft over (feats[k], tokens[k]) at the verify positions, keeping the row of
-                 each sequence's last accepted token -> h [bp, h]    (k >= 0)
+                 each sequence's last accepted token -> h [bp, h]    (0 <= k <= W)
 
 Acceptance (verify.py) runs eagerly between verify and extend: it is a few small ops, and its
 outputs (the emitted tokens, the accepted counts) are copied into extend's input buffers.
@@ -31,18 +32,19 @@ class SpecGraphs:
     def __init__(self, sw, mode: str, max_batch_size: int) -> None:
         """`sw`: the SpecWorker (its target model, draft, KV caches, budget and K)."""
         self.sw = sw
-        K, dev = sw.num_speculative_tokens, sw.device
+        # K: the head's longest chain (loops); W >= K: the widest round (verify, extend)
+        K, W, dev = sw.num_speculative_tokens, sw.max_draft_tokens, sw.device
         bs, pad = sw.budget.block_size, sw.budget.num_blocks
         self.sizes = capture_sizes(max_batch_size)
         mx = max(self.sizes)
-        # verify queries reach position max_model_len - 1 + K
-        self.max_blocks = mb = math.ceil((sw.max_model_len + K) / bs)
+        # verify queries reach position max_model_len - 1 + W
+        self.max_blocks = mb = math.ceil((sw.max_model_len + W) / bs)
         draft, target = sw.draft, sw.model
         hd = draft.config.hidden_size
         self.h0 = torch.zeros(mx, hd, dtype=draft.dtype, device=dev)  # [mx, h] h^d_{L-2}
         self.step_meta = [StaticMeta(mx, 1, mb, bs, pad, dev) for _ in range(K - 1)]
         self.step_pos = torch.zeros(max(K - 1, 1), mx, dtype=torch.long, device=dev)
-        self.meta = {k: StaticMeta(mx, k + 1, mb, bs, pad, dev) for k in range(K + 1)}
+        self.meta = {k: StaticMeta(mx, k + 1, mb, bs, pad, dev) for k in range(W + 1)}
         self.ids = {k: torch.zeros(mx * (k + 1), dtype=torch.long, device=dev) for k in self.meta}
         self.pos = {k: torch.zeros(mx * (k + 1), dtype=torch.long, device=dev) for k in self.meta}
         self.tokens = {k: torch.zeros(mx * (k + 1), dtype=torch.long, device=dev)
@@ -68,7 +70,7 @@ class SpecGraphs:
                     st = draft.backend.make_graph_state(bp, 1, mb, dev)
                     self._states["step", j, bp] = st
                     draft.backend.prepare_graph(view, st)
-                for k in range(K + 1):
+                for k in range(W + 1):
                     tview = self.meta[k].view(bp)
                     st = target.backend.make_graph_state(bp, k + 1, mb, dev)
                     self._states["verify", k, bp] = st
@@ -78,7 +80,7 @@ class SpecGraphs:
                     st = draft.backend.make_graph_state(bp, k + 1, mb, dev)
                     self._states["extend", k, bp] = st
                     draft.backend.prepare_graph(dview, st)
-                    if k >= 1:
+                    if 1 <= k <= K:
                         self.loop[k, bp] = pool.capture(lambda k=k, bp=bp: self._loop(k, bp))
                     self.verify[k, bp] = pool.capture(lambda k=k, bp=bp: self._verify(k, bp))
                     self.extend[k, bp] = pool.capture(lambda k=k, bp=bp: self._extend(k, bp))

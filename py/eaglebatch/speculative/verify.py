@@ -17,6 +17,10 @@ bonus from p_k. Each emitted token is then distributed exactly as the target's o
 Randomness is keyed by (seed, counter = num_generated + j): stream 1 for the acceptance test at
 j, stream 0 (the plain sampler's) for the token emitted at j, so a row's draws do not depend on
 the batch, and with k = 0 the bonus is exactly the plain sampler's token.
+
+Rows may carry fewer drafts than the round's k (`num_drafts`, n_i <= k): draft[i, n_i:] is
+padding that is never accepted, and the row emits exactly what a round of k = n_i would (its
+bonus is the plain sampler's token at num_generated + n_i).
 """
 
 from __future__ import annotations
@@ -80,13 +84,14 @@ def verify_sampling(
     top_k: torch.Tensor,  # int32 [B]
     seeds: torch.Tensor,  # int64 [B]
     num_generated: torch.Tensor,  # int [B] tokens generated before this round
+    num_drafts: torch.Tensor | None = None,  # int64 [B] n_i <= k; None: k for every row
 ) -> tuple[torch.Tensor, torch.Tensor]:  # tokens int64 [B, k+1], accepted int64 [B]
     """Speculative sampling (module doc). tokens[i, :a] = draft[i, :a], tokens[i, a] = the
     correction (first rejection) or the bonus; entries after a are unspecified."""
     b, k1, vocab = logits.shape
     k = k1 - 1
     counters = num_generated.long()[:, None] + torch.arange(k1, device=logits.device)  # [B, k+1]
-    tokens = torch.empty(b, k1, dtype=torch.long, device=logits.device)
+    tokens = torch.zeros(b, k1, dtype=torch.long, device=logits.device)  # valid ids throughout
     if k > 0:
         rep = lambda x: x.repeat_interleave(k)  # noqa: E731 per-row values for [B*k] rows
         probs = filtered_probs(
@@ -97,6 +102,8 @@ def verify_sampling(
             seeds.repeat_interleave(k), counters[:, :k].reshape(-1), ACCEPT_STREAM
         ).view(b, k)
         accepted = accepted_prefix(u_accept < p_draft.double())  # [B]
+        if num_drafts is not None:
+            accepted = torch.minimum(accepted, num_drafts)
         # residual at every position (only the first rejected one is used): p without d
         residual = probs.scatter(1, draft.reshape(-1, 1), 0.0)  # [B*k, V]
         # p(d) == 1 leaves an empty residual, but then d is always accepted (u < 1): any
@@ -108,8 +115,14 @@ def verify_sampling(
         tokens[:, :k] = torch.where(j[None, :] < accepted[:, None], draft, tokens[:, :k])
     else:
         accepted = torch.zeros(b, dtype=torch.long, device=logits.device)
-    # bonus (emitted when all k are accepted): exactly the plain sampler at num_generated + k
-    tokens[:, k] = sample(logits[:, k], temperature, top_p, top_k, seeds, counters[:, k])
+    # bonus (emitted when all n_i are accepted): exactly the plain sampler at num_generated + n_i
+    if num_drafts is None:
+        tokens[:, k] = sample(logits[:, k], temperature, top_p, top_k, seeds, counters[:, k])
+    else:
+        rows = torch.arange(b, device=logits.device)
+        bonus = sample(logits[rows, num_drafts], temperature, top_p, top_k, seeds,
+                       counters[rows, num_drafts])  # [B]
+        tokens.scatter_(1, num_drafts[:, None], bonus[:, None])  # past a when a < n_i: unused
     return tokens, accepted
 
 
@@ -121,11 +134,14 @@ def verify(
     top_k: torch.Tensor,
     seeds: torch.Tensor,
     num_generated: torch.Tensor,
+    num_drafts: torch.Tensor | None = None,  # int64 [B] n_i <= k; None: k for every row
 ) -> tuple[torch.Tensor, torch.Tensor]:  # tokens int64 [B, k+1], accepted int64 [B]
     """Greedy verification for deterministic rows, speculative sampling for the others. A batch
     of greedy rows only never materialises a probability."""
     greedy = deterministic_rows(temperature, top_k)
     tokens, accepted = verify_greedy(logits, draft)
+    if num_drafts is not None:
+        accepted = torch.minimum(accepted, num_drafts)
     if bool(greedy.all()):
         return tokens, accepted
     rows = (~greedy).nonzero().squeeze(1)
@@ -137,6 +153,7 @@ def verify(
         top_k[rows],
         seeds[rows],
         num_generated[rows],
+        None if num_drafts is None else num_drafts[rows],
     )
     tokens[rows] = t
     accepted[rows] = a

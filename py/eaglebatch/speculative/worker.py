@@ -4,8 +4,9 @@ Plans (see _native.pyi and the speculative plan contract):
   * "prefill": row i is a whole sequence x_0..x_{n-1} from position 0. The target runs it
     (capturing what the draft reads), samples x_n, then the draft EXTENDS over the sequence:
     draft input at p = (f_p, x_{p+1}) for p = 0..n-1, writing draft K/V at positions 0..n-1.
-  * "verify": row i has L committed tokens (target K/V valid for 0..L-2) and a query of K+1
-    tokens at positions L-1..L-1+K: x_{L-1} then K placeholders. A round with k <= K drafts:
+  * "verify": row i has L committed tokens (target K/V valid for 0..L-2) and a query of K'+1
+    tokens at positions L-1..L-1+K': x_{L-1} then K' placeholders (K' = max_draft_tokens: K,
+    the head's longest chain, or more with prompt lookup). A round with k <= K' drafts:
       1. draft d_1 = argmax head(h^d_{L-2}) (slot state), then for j = 1..k-1 one draft step at
          p = L-2+j with input (h^d_{p-1}, d_j) -> h^d_p, d_{j+1} (writes draft K/V at p);
       2. the target verifies [x_{L-1}, d_1..d_k] at positions L-1..L-1+k;
@@ -18,9 +19,14 @@ Plans (see _native.pyi and the speculative plan contract):
     "decode" plans (1 query token per row) run as rounds with k = 0.
   * prompt lookup (`prompt_lookup`, speculative/ngram.py): a row whose latest tokens recur
     earlier in its sequence, followed there by k tokens, takes those as its k drafts instead of
-    the head's; when every row has K of them the round has k = K and step 1 is skipped. A
-    row's drafts depend only on its own sequence (and k), as the head's do. Steps 2-4 are
-    unchanged, so the draft's state stays as the invariant below says.
+    the head's. When every row has K of them the head does not run (step 1 is skipped) and a
+    row may draft up to `lookup_tokens` (>= K) copied tokens: the round's width k is then chosen
+    by a second adaptive policy that prices lookup rounds (no drafting cost, a verify over k+1
+    tokens, the acceptance of copied tokens), and row i drafts n_i = min(its proposal, k).
+    Rows with n_i < k are padded; verify.py never accepts padding. Without the adaptive
+    policy a row's n_i depends only on its own sequence: min(proposal, lookup_tokens) when it
+    drafts by lookup, else K, so sampled output does not depend on the batch. Steps 2-4 run
+    over the round's width as usual, so the draft's state stays as the invariant below says.
 Invariant between steps, per running slot s: the draft's K/V is valid for positions 0..L-2
 (like the target's) and hidden[s] = h^d_{L-2}, the draft output at the last extended position.
 K/V slots are the plan's: the draft's K/V of position p sits at the target's slot of p.
@@ -102,14 +108,21 @@ class SpecWorker:
         topk: int = 1,
         draft_kv_cache: torch.Tensor | None = None,
         prompt_lookup: tuple[int, int] | None = None,
+        lookup_tokens: int | None = None,
     ) -> None:
         """Shares the target Worker's model, KV caches and budget; allocates the draft's one-layer
         cache over the same blocks unless given. adaptive=False drafts K tokens every round.
-        prompt_lookup: (min_n, max_n) n-gram sizes of prompt-lookup drafts, None = off."""
+        prompt_lookup: (min_n, max_n) n-gram sizes of prompt-lookup drafts, None = off.
+        lookup_tokens: the most tokens a row drafts by lookup in a round without the head
+        (default and minimum K). Plans then carry `max_draft_tokens` placeholders per row."""
         if topk > 1:
             raise ValueError(TREE_UNSUPPORTED)
         if topk < 1 or num_speculative_tokens < 1:
             raise ValueError("speculative: topk and num_speculative_tokens must be >= 1")
+        # K: the head's longest chain; max_draft_tokens: the widest round (lookup rounds)
+        self.max_draft_tokens = num_speculative_tokens
+        if prompt_lookup is not None and lookup_tokens is not None:
+            self.max_draft_tokens = max(num_speculative_tokens, lookup_tokens)
         self.target = target
         self.model = target.model
         self.kv_caches = target.kv_caches
@@ -123,10 +136,11 @@ class SpecWorker:
             if draft_kv_cache is not None
             else draft.allocate_kv_cache(self.budget.num_blocks + 1, self.budget.block_size)
         )  # + the pad block of graph steps
-        # verify queries reach position max_model_len - 1 + K
+        # verify queries reach position max_model_len - 1 + max_draft_tokens
+        most = self.max_model_len + self.max_draft_tokens
         for rotary in (self.model.model.rotary_emb, draft.rotary_emb):
-            if rotary.max_positions < self.max_model_len + num_speculative_tokens:
-                rotary.max_positions = self.max_model_len + num_speculative_tokens
+            if rotary.max_positions < most:
+                rotary.max_positions = most
                 rotary.rebuild()
         # per-slot draft state: h^d at the last extended position (see the module doc)
         self.hidden = torch.zeros(
@@ -134,13 +148,12 @@ class SpecWorker:
         )
         self.ready = np.zeros(max_batch_size, dtype=bool)  # slot has been prefilled
         self.policy = AdaptiveDraftLength(num_speculative_tokens) if adaptive else None
-        self.lookup = (
-            None
-            if prompt_lookup is None
-            else NgramLookup(
-                max_batch_size, self.max_model_len + num_speculative_tokens + 1, *prompt_lookup
-            )
-        )
+        self.lookup = None
+        self.lookup_policy = None  # the width of rounds where every row drafts by lookup
+        if prompt_lookup is not None:
+            self.lookup = NgramLookup(max_batch_size, most + 1, *prompt_lookup)
+            if adaptive:
+                self.lookup_policy = AdaptiveDraftLength(self.max_draft_tokens)
         self.stats = SpecStats()
         self._clock = _Clock(self.device)
         self.graphs: SpecGraphs | None = None  # enable_graphs
@@ -173,6 +186,7 @@ class SpecWorker:
         topk: int = 1,
         adaptive: bool = True,
         prompt_lookup: tuple[int, int] | None = None,
+        lookup_tokens: int | None = None,
     ) -> SpecWorker:
         if topk > 1:
             raise ValueError(TREE_UNSUPPORTED)
@@ -180,7 +194,7 @@ class SpecWorker:
             draft_path,
             target.model.config,
             target.model,
-            max_positions=target.max_model_len + num_speculative_tokens,
+            max_positions=target.max_model_len + max(num_speculative_tokens, lookup_tokens or 0),
         )
         # as the target runs; a head shipped in bf16 is read from exact bf16 copies (same bits)
         use_small_gemm(draft, target.model.small_gemm_threads, bf16_weights=True)
@@ -192,6 +206,7 @@ class SpecWorker:
             adaptive=adaptive,
             topk=topk,
             prompt_lookup=prompt_lookup,
+            lookup_tokens=lookup_tokens,
         )
 
     @property
@@ -292,32 +307,47 @@ class SpecWorker:
             return None
         return [self.lookup.propose(int(slot), k_plan) for slot in slots]
 
+    def _round_shape(self, slots: np.ndarray, k_plan: int):
+        """(k, k_head, n, by_lookup, proposals, lookup_round) of a round over `slots` (see the
+        module doc): the round's width k (a query of k + 1 tokens per row), the head's chain
+        length (0: the head does not run), each row's own number of drafts n (int64 [B], <= k),
+        whether it drafts by lookup (bool [B]), each row's proposal, and whether every row
+        drafts by lookup (the lookup policy's round)."""
+        b = len(slots)
+        K = min(self.num_speculative_tokens, k_plan)
+        proposals = self._proposals(slots, k_plan) or [np.zeros(0, np.int32)] * b
+        lens = np.array([len(p) for p in proposals], dtype=np.int64)  # [B]
+        if K > 0 and self.lookup is not None and bool((lens >= K).all()):
+            policy = self.lookup_policy
+            k = k_plan if policy is None else min(k_plan, policy.choose(b))
+            n = np.minimum(lens, k)
+            return int(n.max()), 0, n, n > 0, proposals, True
+        k = K if self.policy is None else min(K, self.policy.choose(b))
+        by_lookup = (lens >= k) & (k > 0)
+        n = np.full(b, k, dtype=np.int64)
+        if self.policy is None:  # a row's n depends on its own sequence only
+            n[by_lookup] = np.minimum(lens[by_lookup], k_plan)
+        return int(n.max(initial=0)), k, n, by_lookup, proposals, False
+
     def _verify(self, plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         b = plan.num_seqs
         cu = plan.cu_seqlens_q.astype(np.int64)
         q_lens = cu[1:] - cu[:-1]
         k_plan = int(q_lens[0]) - 1
-        if (q_lens != q_lens[0]).any() or not 0 <= k_plan <= self.num_speculative_tokens:
+        if (q_lens != q_lens[0]).any() or not 0 <= k_plan <= self.max_draft_tokens:
             raise ValueError(
-                f"verify plan: every row needs the same query length in 1..K+1 "
-                f"(K = {self.num_speculative_tokens}), got {sorted(set(q_lens.tolist()))}"
+                f"verify plan: every row needs the same query length in 1..{self.max_draft_tokens}"
+                f" + 1, got {sorted(set(q_lens.tolist()))}"
             )
         if not self.ready[plan.slots].all():
             bad = plan.slots[~self.ready[plan.slots]].tolist()
             raise RuntimeError(f"verify plan uses slots {bad} that were never prefilled")
-        proposals = self._proposals(plan.slots, k_plan)
-        if proposals is not None and all(len(p) == k_plan for p in proposals):
-            k = k_plan  # every row drafts by lookup: the head does not run
-        else:
-            k = k_plan if self.policy is None else min(k_plan, self.policy.choose(b))
-        # rows drafting by lookup: [B] bool, and their drafts int64 [B, k] (0 elsewhere)
-        by_lookup = np.zeros(b, dtype=bool)
-        if proposals is not None and k > 0:
-            by_lookup[:] = [len(p) >= k for p in proposals]
+        k, k_head, n, by_lookup, proposals, lookup_round = self._round_shape(plan.slots, k_plan)
+        # drafts int64 [B, k]: lookup rows' copied tokens, padding (0) after each row's n
         lookup_ids = np.zeros((b, k), dtype=np.int64)
         for i in np.flatnonzero(by_lookup):
-            lookup_ids[i] = proposals[i][:k]
-        head_drafts = k > 0 and not by_lookup.all()
+            lookup_ids[i, : n[i]] = proposals[i][: n[i]]
+        head_drafts = k_head > 0 and not by_lookup.all()
         start = plan.positions[cu[:-1]].astype(np.int64)  # [B] L-1
         plan_slots = plan.slot_mapping.reshape(b, k_plan + 1)  # [B, K+1] slots of L-1..L-1+K
         block_tables = self._dev(plan.block_tables, np.int32)
@@ -326,25 +356,27 @@ class SpecWorker:
 
         bp = None if self.graphs is None else self.graphs.bucket(b)  # None: eager
         t0 = self._clock.mark()
-        # 1. drafting: argmax only (topk == 1)
-        draft_ids = torch.empty(b, k, dtype=torch.long, device=self.device)  # [B, k] target ids
+        # 1. drafting: argmax only (topk == 1); the head's k_head drafts, padded to k
+        draft_ids = torch.zeros(b, k, dtype=torch.long, device=self.device)  # [B, k] target ids
         if not head_drafts:
             pass  # k == 0, or every row drafts by lookup (below)
         elif bp is not None:
             h = self.hidden.index_select(0, slots)  # [B, h] h^d_{L-2}
-            draft_ids = self.graphs.draft_chain(bp, k, h, start, plan.block_tables, plan_slots)
-            self.stats.draft_steps += k - 1
+            draft_ids[:, :k_head] = self.graphs.draft_chain(
+                bp, k_head, h, start, plan.block_tables, plan_slots
+            )
+            self.stats.draft_steps += k_head - 1
         else:
             h = self.hidden.index_select(0, slots)  # [B, h] h^d_{L-2}
             d = self.draft.argmax_tokens(h)
             draft_ids[:, 0] = d
-            for j in range(1, k):
+            for j in range(1, k_head):
                 p = start + j - 1  # this step's position L-2+j
                 meta = self._meta(per_row, p + 1, block_tables, plan_slots[:, j - 1])
                 h = self._draft_forward(d, h, self._dev(p), meta)  # [B, h] h^d_p
                 d = self.draft.argmax_tokens(h)
                 draft_ids[:, j] = d
-            self.stats.draft_steps += k - 1
+            self.stats.draft_steps += k_head - 1
         if by_lookup.any():
             use = torch.from_numpy(by_lookup).to(self.device)[:, None]  # [B, 1]
             draft_ids = torch.where(use, torch.from_numpy(lookup_ids).to(self.device), draft_ids)
@@ -368,7 +400,10 @@ class SpecWorker:
                 ids, positions, meta, self.kv_caches, capture_layers=self.draft.capture_layers
             )  # [B*(k+1), H]
             logits = self.model.compute_logits(hidden).view(b, k + 1, -1)  # [B, k+1, V]
-        tokens, accepted = verify(logits, draft_ids, *self._sampling(plan))
+        padded = bool((n < k).any())
+        tokens, accepted = verify(
+            logits, draft_ids, *self._sampling(plan), self._dev(n) if padded else None
+        )
 
         # 4. draft extend over L-1..L-1+k; keep h^d at L-1+a
         if bp is not None:
@@ -386,7 +421,7 @@ class SpecWorker:
         num_tokens = accepted_np + 1
         keep = np.arange(k + 1)[None, :] < num_tokens[:, None]  # [B, k+1]
         self.stats.verify_rounds += 1
-        self.stats.drafted += b * k
+        self.stats.drafted += int(n.sum())
         self.stats.accepted += int(accepted_np.sum())
         self.stats.emitted += int(num_tokens.sum())
         if self.lookup is not None:
@@ -394,15 +429,20 @@ class SpecWorker:
                 self.lookup.extend(int(slot), tokens_np[i, : num_tokens[i]])
         if by_lookup.any():
             self.stats.lookup_rows += int(by_lookup.sum())
-            self.stats.lookup_drafted += int(by_lookup.sum()) * k
+            self.stats.lookup_drafted += int(n[by_lookup].sum())
             self.stats.lookup_accepted += int(accepted_np[by_lookup].sum())
-        if self.policy is not None and (k == 0 or head_drafts):
+        if lookup_round and self.lookup_policy is not None:
+            # copied drafts cost nothing to make: the round's cost is its verify
+            self.lookup_policy.record(
+                b, k, None, self._clock.seconds(t1, t2), accepted_np.tolist(), n.tolist()
+            )
+        elif self.policy is not None and not lookup_round and (k == 0 or head_drafts):
             # the head's cost and acceptance model learns from the head's drafts only
             drafting = self._clock.seconds(t0, t1)
             self.policy.record(
                 b,
-                k,
-                drafting / k if k > 0 else None,
+                k_head,
+                drafting / k_head if k_head > 0 else None,
                 self._clock.seconds(t1, t2),
                 accepted_np[~by_lookup].tolist(),
             )
