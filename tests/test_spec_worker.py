@@ -63,6 +63,14 @@ def run(worker, reqs, *, k=0, max_batch=8, num_blocks=512, eos=(), preempt_at=No
     return sched.run(worker), sched
 
 
+def hooked_scheduler(reqs, k) -> FakeScheduler:
+    """A scheduler for tests that hook the worker with it before running (oracles)."""
+    return FakeScheduler(
+        fake_requests(reqs), num_blocks=512, block_size=4, max_batch_size=8,
+        max_model_len=MAX_LEN, num_speculative_tokens=k,
+    )  # fmt: skip
+
+
 def spec_worker(
     env, kind, k, *, max_batch=8, num_blocks=512, adaptive=False, draft=None, prompt_lookup=None,
     lookup_tokens=None,
@@ -251,10 +259,7 @@ def test_oracle_drafts(env, error_rate) -> None:
     long, _ = run(target_worker(env.target), reqs, extra=k + 1)  # greedy continuation, no EOS
     plain, plain_sched = run(target_worker(env.target), reqs)
     worker = spec_worker(env, "eagle1", k)
-    sched = FakeScheduler(
-        fake_requests(reqs), num_blocks=512, block_size=4, max_batch_size=8,
-        max_model_len=MAX_LEN, num_speculative_tokens=k,
-    )  # fmt: skip
+    sched = hooked_scheduler(reqs, k)
     Oracle(worker, sched, long, error_rate)
     assert sched.run(worker) == plain
     accepted = np.concatenate(sched.accept_log)
@@ -297,10 +302,7 @@ def test_lookup_oracle_rounds_of_mixed_width(env, adaptive, error_rate) -> None:
     plain, _ = run(target_worker(env.target), reqs)
     worker = spec_worker(env, "eagle3", k, adaptive=adaptive, prompt_lookup=(1, 3),
                          lookup_tokens=width)
-    sched = FakeScheduler(
-        fake_requests(reqs), num_blocks=512, block_size=4, max_batch_size=8,
-        max_model_len=MAX_LEN, num_speculative_tokens=width,
-    )  # fmt: skip
+    sched = hooked_scheduler(reqs, width)
     LookupOracle(worker, sched, long, error_rate)
     assert sched.run(worker) == plain
     st = worker.stats
@@ -325,10 +327,7 @@ def test_draft_state_matches_recomputation(env, kind, oracle) -> None:
     k = 3
     reqs = env.reqs[:3]
     worker = spec_worker(env, kind, k)
-    sched = FakeScheduler(
-        fake_requests(reqs), num_blocks=512, block_size=4, max_batch_size=8,
-        max_model_len=MAX_LEN, num_speculative_tokens=k,
-    )  # fmt: skip
+    sched = hooked_scheduler(reqs, k)
     model, draft = worker.model, worker.draft
     real = draft.argmax_tokens
     recorded: list[torch.Tensor] = []
