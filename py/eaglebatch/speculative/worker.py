@@ -315,9 +315,14 @@ class SpecWorker:
         drafts by lookup (the lookup policy's round)."""
         b = len(slots)
         K = min(self.num_speculative_tokens, k_plan)
-        proposals = self._proposals(slots, k_plan) or [np.zeros(0, np.int32)] * b
+        # proposals of K tokens (the head's width), and of k_plan where a row may draft more
+        # (the occurrence propose() picks depends on how many following tokens are asked for)
+        proposals = self._proposals(slots, K) or [np.zeros(0, np.int32)] * b
         lens = np.array([len(p) for p in proposals], dtype=np.int64)  # [B]
         if K > 0 and self.lookup is not None and bool((lens >= K).all()):
+            if k_plan > K:
+                proposals = self._proposals(slots, k_plan)
+                lens = np.array([len(p) for p in proposals], dtype=np.int64)  # still >= K
             policy = self.lookup_policy
             k = k_plan if policy is None else min(k_plan, policy.choose(b))
             n = np.minimum(lens, k)
@@ -325,8 +330,10 @@ class SpecWorker:
         k = K if self.policy is None else min(K, self.policy.choose(b))
         by_lookup = (lens >= k) & (k > 0)
         n = np.full(b, k, dtype=np.int64)
-        if self.policy is None:  # a row's n depends on its own sequence only
-            n[by_lookup] = np.minimum(lens[by_lookup], k_plan)
+        if self.policy is None and k_plan > K:  # a row's n depends on its own sequence only
+            for i in np.flatnonzero(by_lookup):
+                proposals[i] = self.lookup.propose(int(slots[i]), k_plan)
+                n[i] = len(proposals[i])
         return int(n.max(initial=0)), k, n, by_lookup, proposals, False
 
     def _verify(self, plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
