@@ -307,7 +307,9 @@ class SpecWorker:
             return None
         return [self.lookup.propose(int(slot), k_plan) for slot in slots]
 
-    def _round_shape(self, slots: np.ndarray, k_plan: int):
+    def _round_shape(
+        self, slots: np.ndarray, k_plan: int
+    ) -> tuple[int, int, np.ndarray, np.ndarray, list[np.ndarray], bool]:
         """(k, k_head, n, by_lookup, proposals, lookup_round) of a round over `slots` (see the
         module doc): the round's width k (a query of k + 1 tokens per row), the head's chain
         length (0: the head does not run), each row's own number of drafts n (int64 [B], <= k),
@@ -343,8 +345,8 @@ class SpecWorker:
         k_plan = int(q_lens[0]) - 1
         if (q_lens != q_lens[0]).any() or not 0 <= k_plan <= self.max_draft_tokens:
             raise ValueError(
-                f"verify plan: every row needs the same query length in 1..{self.max_draft_tokens}"
-                f" + 1, got {sorted(set(q_lens.tolist()))}"
+                f"verify plan: every row needs the same query length in 1.."
+                f"{self.max_draft_tokens + 1}, got {sorted(set(q_lens.tolist()))}"
             )
         if not self.ready[plan.slots].all():
             bad = plan.slots[~self.ready[plan.slots]].tolist()
@@ -356,7 +358,7 @@ class SpecWorker:
             lookup_ids[i, : n[i]] = proposals[i][: n[i]]
         head_drafts = k_head > 0 and not by_lookup.all()
         start = plan.positions[cu[:-1]].astype(np.int64)  # [B] L-1
-        plan_slots = plan.slot_mapping.reshape(b, k_plan + 1)  # [B, K+1] slots of L-1..L-1+K
+        plan_slots = plan.slot_mapping.reshape(b, k_plan + 1)  # [B, K'+1] slots of L-1..L-1+K'
         block_tables = self._dev(plan.block_tables, np.int32)
         slots = self._dev(plan.slots)
         per_row = np.arange(b + 1, dtype=np.int64)
@@ -443,7 +445,7 @@ class SpecWorker:
             self.lookup_policy.record(
                 b, k, None, self._clock.seconds(t1, t2), accepted_np.tolist(), n.tolist()
             )
-        elif self.policy is not None and not lookup_round and (k == 0 or head_drafts):
+        elif self.policy is not None and (k == 0 or head_drafts):
             # the head's cost and acceptance model learns from the head's drafts only
             drafting = self._clock.seconds(t0, t1)
             self.policy.record(
