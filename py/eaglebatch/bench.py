@@ -224,15 +224,8 @@ def run_bench(
                 console.print(f"eaglebatch, EAGLE (K={job.speculative.num_steps}), "
                               f"max batch size {b}{tag} ...")
                 # a fresh worker per run: the adaptive policy starts from nothing every time
-                worker = SpecWorker.from_target(
-                    target,
-                    prep.draft_dir,
-                    num_speculative_tokens=job.speculative.num_steps,
-                    max_batch_size=max(batch_sizes),
-                    topk=job.speculative.topk,
-                    adaptive=job.speculative.adaptive,
-                    prompt_lookup=job.speculative.prompt_lookup,
-                    lookup_tokens=job.speculative.prompt_lookup_tokens,
+                worker = SpecWorker.from_job(
+                    target, prep.draft_dir, job.speculative, max(batch_sizes)
                 )
                 row = _eaglebatch_row(job, b, worker, Path(tmp), spec=True, compare=compare)
                 if compare:

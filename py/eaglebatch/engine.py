@@ -179,16 +179,7 @@ def build_worker(prep: PreparedJob, graph_mode: str | None = None):
         job, prep.model, extra_kv_layers=1, graph_rows=rows, graph_q=job.num_speculative_tokens + 1
     )
     try:
-        worker = SpecWorker.from_target(
-            target,
-            prep.draft_dir,
-            num_speculative_tokens=job.speculative.num_steps,
-            max_batch_size=job.engine.max_batch_size,
-            topk=job.speculative.topk,
-            adaptive=job.speculative.adaptive,
-            prompt_lookup=job.speculative.prompt_lookup,
-            lookup_tokens=job.speculative.prompt_lookup_tokens,
-        )
+        worker = SpecWorker.from_job(target, prep.draft_dir, job.speculative, eng.max_batch_size)
     except ValueError as e:
         raise JobError(f"draft: {prep.draft_dir}: {e}") from None
     worker.enable_graphs(mode, eng.max_batch_size)

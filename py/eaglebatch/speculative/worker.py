@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from eaglebatch.attention.base import AttentionMetadata
+from eaglebatch.config import SpeculativeConfig
 from eaglebatch.model.linear import use_small_gemm
 from eaglebatch.sampling import sample
 from eaglebatch.speculative.adaptive import AdaptiveDraftLength
@@ -120,9 +121,9 @@ class SpecWorker:
         if topk < 1 or num_speculative_tokens < 1:
             raise ValueError("speculative: topk and num_speculative_tokens must be >= 1")
         # K: the head's longest chain; max_draft_tokens: the widest round (lookup rounds)
-        self.max_draft_tokens = num_speculative_tokens
-        if prompt_lookup is not None and lookup_tokens is not None:
-            self.max_draft_tokens = max(num_speculative_tokens, lookup_tokens)
+        self.max_draft_tokens = self.widest_round(
+            num_speculative_tokens, prompt_lookup, lookup_tokens
+        )
         self.target = target
         self.model = target.model
         self.kv_caches = target.kv_caches
@@ -175,6 +176,37 @@ class SpecWorker:
     def draft_stats(self) -> dict:
         return self.stats.as_dict()
 
+    @staticmethod
+    def widest_round(
+        num_speculative_tokens: int,
+        prompt_lookup: tuple[int, int] | None,
+        lookup_tokens: int | None,
+    ) -> int:
+        """max_draft_tokens: K, or lookup_tokens when larger and prompt lookup is on."""
+        if prompt_lookup is None or lookup_tokens is None:
+            return num_speculative_tokens
+        return max(num_speculative_tokens, lookup_tokens)
+
+    @classmethod
+    def from_job(
+        cls,
+        target: Worker,
+        draft_path: str | os.PathLike[str],
+        spec: SpeculativeConfig,
+        max_batch_size: int,
+    ) -> SpecWorker:
+        """The job's `speculative` section over `target` (the engine and bench build it so)."""
+        return cls.from_target(
+            target,
+            draft_path,
+            num_speculative_tokens=spec.num_steps,
+            max_batch_size=max_batch_size,
+            topk=spec.topk,
+            adaptive=spec.adaptive,
+            prompt_lookup=spec.prompt_lookup,
+            lookup_tokens=spec.prompt_lookup_tokens,
+        )
+
     @classmethod
     def from_target(
         cls,
@@ -194,7 +226,8 @@ class SpecWorker:
             draft_path,
             target.model.config,
             target.model,
-            max_positions=target.max_model_len + max(num_speculative_tokens, lookup_tokens or 0),
+            max_positions=target.max_model_len
+            + cls.widest_round(num_speculative_tokens, prompt_lookup, lookup_tokens),
         )
         # as the target runs; a head shipped in bf16 is read from exact bf16 copies (same bits)
         use_small_gemm(draft, target.model.small_gemm_threads, bf16_weights=True)
