@@ -220,6 +220,11 @@ def test_prompt_lookup_history_is_the_committed_sequence(env) -> None:
 # ---- oracle drafts: full and partial acceptance ------------------------------------------------
 
 
+def wrong(i: int, n: int, error_rate: float) -> bool:
+    """Whether an oracle's token n of request i is made wrong: fixed, pseudo-random."""
+    return (i * 7919 + n * 104729) % 1000 < 1000 * error_rate
+
+
 class Oracle:
     """Replaces the draft's argmax with the plain-greedy continuation of each request, wrong
     (token + 1) at fixed pseudo-random positions with probability `error_rate`."""
@@ -240,14 +245,11 @@ class Oracle:
         worker._verify = hooked
         worker.draft.argmax_tokens = self.argmax_tokens
 
-    def wrong(self, i: int, n: int) -> bool:
-        return (i * 7919 + n * 104729) % 1000 < 1000 * self.error_rate
-
     def argmax_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         out = []
         for i, g in self.rows:
             t = self.continuation[i][g + self.j]
-            out.append((t + 1) % VOCAB if self.wrong(i, g + self.j) else t)
+            out.append((t + 1) % VOCAB if wrong(i, g + self.j, self.error_rate) else t)
         self.j += 1
         return torch.tensor(out, dtype=torch.long)
 
@@ -288,8 +290,7 @@ class LookupOracle:
         out = []
         for j in range(min(k, (i * 31 + g * 17) % 8)):
             t = self.continuation[i][g + j]
-            wrong = ((i * 7919 + (g + j) * 104729) % 1000) < 1000 * self.error_rate
-            out.append((t + 1) % VOCAB if wrong else t)
+            out.append((t + 1) % VOCAB if wrong(i, g + j, self.error_rate) else t)
         return np.array(out, dtype=np.int32)
 
 
