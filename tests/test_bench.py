@@ -86,3 +86,53 @@ def test_bench_repeat_alternates_runs_and_takes_the_median_pair(tmp_path, tiny_m
     assert "median of the pairs" in printed
     with pytest.raises(ValueError, match="repeat"):
         run_bench(_job(tmp_path, tiny_model_dir), [2], [], None, repeat=0)
+
+
+def test_batch_one_alternates_the_engines_request_by_request(tmp_path, tiny_model_dir, capsys,
+                                                             monkeypatch):
+    import eaglebatch.bench as bench
+
+    calls = []
+    real = bench._eaglebatch_row
+
+    def recording(job, batch_size, worker, tmp, spec, compare, only_row=None):
+        calls.append((only_row, spec))
+        return real(job, batch_size, worker, tmp, spec, compare, only_row=only_row)
+
+    monkeypatch.setattr(bench, "_eaglebatch_row", recording)
+    job = _job(tmp_path, tiny_model_dir)
+    result = run_bench(job, [1], [], None, repeat=2)
+    one_pass = [(i, spec) for i in range(6)
+                for spec in ((False, True) if i % 2 == 0 else (True, False))]
+    assert calls == one_pass * 2  # every request alone, each engine first on every other one
+    plain, spec = result["plain"], result["spec"]
+    assert plain["requests"] == spec["requests"] == 6
+    assert spec["identical_requests"] == 6 and spec["accept_length"] >= 1.0
+    assert len(result["pair_speedups"]) == 2
+    printed = capsys.readouterr().out
+    assert printed.count("alternating request by request") == 2
+    # the same tokens as one plain run over all six prompts
+    calls.clear()
+    whole = run_bench(_job(tmp_path, tiny_model_dir, ["draft=null"]), [1], [], None)
+    assert calls == [(None, False)]
+    assert whole["plain"]["output_tokens"] == plain["output_tokens"]
+
+
+def test_merged_runs_sum_tokens_and_time_and_take_percentiles_over_requests():
+    from eaglebatch.bench import _merge_runs
+
+    def run(tokens, wall, latency, steps, spec_tokens, tpot):
+        return {"digests": {tokens: b"x"}, "engine": "eaglebatch+eagle", "batch_size": 1,
+                "drafts": {"verify_rounds": steps}, "requests": 1, "output_tokens": tokens,
+                "wall_s": wall, "latency_p50": latency, "ttft_p50": latency / 10,
+                "tpot_p50": tpot, "spec_steps": steps, "spec_tokens": spec_tokens}
+
+    row = _merge_runs([run(10, 1.0, 1.0, 4, 9, 0.1), run(30, 2.0, 3.0, 10, 29, None),
+                       run(20, 1.0, 2.0, 6, 19, 0.3)])
+    assert row["output_tokens"] == 60 and row["wall_s"] == 4.0 and row["output_tok_s"] == 15.0
+    assert row["accept_length"] == 57 / 20 and row["requests"] == 3
+    assert row["latency_p50"] == 2.0 and row["latency_p99"] == pytest.approx(2.98)
+    assert row["ttft_p50"] == pytest.approx(0.2)
+    assert row["tpot_p50"] == pytest.approx(0.2)  # requests without a TPOT are left out
+    assert row["drafts"] == {"verify_rounds": 6}  # the worker's counts after the last request
+    assert set(row["digests"]) == {10, 30, 20}

@@ -12,10 +12,18 @@ With `repeat` > 1, plain and speculative runs alternate (plain, EAGLE, plain, EA
 shared machine whose speed drifts over minutes, each speculative run is compared with the plain
 run just before it, and the speedup is the median of those pairs. The table shows, per engine,
 the run with the median output tok/s.
+
+At max batch size 1 a run already serves one request after another, so there the two engines
+alternate request by request instead (plain then EAGLE on request 0, EAGLE then plain on request
+1, ...; each a run of one request over the same loaded weights, the speculative worker kept
+across requests as in one run): both see the machine in the same seconds, and one run's figures
+are the sums over its requests (tok/s = all output tokens / the summed wall time; latency
+percentiles over the requests). A "run" with `repeat` is then one such pass over all prompts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import statistics
@@ -23,22 +31,34 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 from rich.console import Console
 from rich.table import Table
 
 from .config import JobConfig
-from .engine import prepare, run_prepared
+from .engine import open_output, prepare, run_prepared
 from .progress import accept_length, lookup_line
 
 
 def _eaglebatch_row(
-    job: JobConfig, batch_size: int, worker, tmp: Path, spec: bool, compare: bool
+    job: JobConfig,
+    batch_size: int,
+    worker,
+    tmp: Path,
+    spec: bool,
+    compare: bool,
+    only_row: int | None = None,
 ) -> dict:
-    """One measured run; with `compare`, also the digests of its output tokens per request."""
+    """One measured run (of input row `only_row` alone when given); with `compare`, also the
+    digests of its output tokens per request."""
     name = "eaglebatch+eagle" if spec else "eaglebatch"
+    inp = job.input
+    if only_row is not None:
+        inp = inp.model_copy(update={"limit": only_row + 1})
     job_b = job.model_copy(
         update={
+            "input": inp,
             "engine": job.engine.model_copy(update={"max_batch_size": batch_size}),
             "output": job.output.model_copy(
                 update={
@@ -50,10 +70,17 @@ def _eaglebatch_row(
         }
     )
     prep = prepare(job_b)
-    res = run_prepared(prep, worker=worker, restart=True)
+    if only_row is None:
+        res = run_prepared(prep, worker=worker, restart=True)
+    else:  # the rows before it count as done: the scheduler reads past them
+        resume = open_output(prep, restart=True)
+        resume = dataclasses.replace(resume, done_rows=np.arange(only_row, dtype=np.int64))
+        res = run_prepared(prep, worker=worker, resume=resume)
     s = res.stats
     return {
         "digests": _token_digests(Path(job_b.output.path)) if compare else None,
+        "spec_steps": s.get("spec_steps") or 0,  # for summing runs (_merge_runs)
+        "spec_tokens": s.get("spec_tokens") or 0,
         "engine": name,
         "batch_size": batch_size,
         "accept_length": accept_length(s),
@@ -69,6 +96,52 @@ def _eaglebatch_row(
         "tpot_p50": s.get("tpot_p50"),
         "tpot_p99": s.get("tpot_p99"),
     }
+
+
+_PER_REQUEST = ("latency", "ttft", "tpot")
+
+
+def _merge_runs(runs: list[dict]) -> dict:
+    """One row from single-request runs of one engine (paired mode): summed tokens and wall
+    time, percentiles over the requests (numpy's linear, as the run summary's), the drafting
+    counts of the last run (the worker's, cumulative over the pass)."""
+    tokens = sum(r["output_tokens"] for r in runs)
+    wall = sum(r["wall_s"] for r in runs)
+    steps, spec_tokens = sum(r["spec_steps"] for r in runs), sum(r["spec_tokens"] for r in runs)
+    row = {
+        "digests": None if runs[0]["digests"] is None else {
+            k: v for r in runs for k, v in r["digests"].items()
+        },
+        "spec_steps": steps,
+        "spec_tokens": spec_tokens,
+        "engine": runs[0]["engine"],
+        "batch_size": runs[0]["batch_size"],
+        "accept_length": spec_tokens / steps if steps else None,
+        "drafts": runs[-1]["drafts"],
+        "requests": sum(r["requests"] for r in runs),
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "output_tok_s": tokens / wall if wall > 0 else 0.0,
+    }
+    for name in _PER_REQUEST:  # a one-request run's p50 is that request's figure
+        values = [r[f"{name}_p50"] for r in runs if r[f"{name}_p50"] is not None]
+        for q in (50, 99):
+            row[f"{name}_p{q}"] = float(np.percentile(values, q)) if values else None
+    return row
+
+
+def _paired_rows(
+    job: JobConfig, target, spec_worker, tmp: Path, compare: bool, num_rows: int
+) -> tuple[dict, dict]:
+    """(plain row, speculative row) at batch size 1, the engines alternating request by request
+    (plain first on even rows, speculative first on odd ones, so that a steady drift in the
+    machine's speed cancels within each pair)."""
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    for i in range(num_rows):
+        for spec in (False, True) if i % 2 == 0 else (True, False):
+            worker = spec_worker if spec else target
+            runs[spec].append(_eaglebatch_row(job, 1, worker, tmp, spec, compare, only_row=i))
+    return _merge_runs(runs[False]), _merge_runs(runs[True])
 
 
 def _token_digests(out_dir: Path) -> dict[int, bytes]:
@@ -210,24 +283,36 @@ def run_bench(
     with tempfile.TemporaryDirectory(prefix="eaglebatch-bench-") as tmp:
         for b in batch_sizes:
             plain_runs, spec_runs = [], []
+            paired = spec and b == 1 and prep.total_rows > 1
             for rep in range(repeat):
                 tag = f" (run {rep + 1}/{repeat})" if repeat > 1 else ""
-                console.print(f"eaglebatch, plain decoding, max batch size {b}{tag} ...")
-                plain_runs.append(
-                    _eaglebatch_row(job, b, target, Path(tmp), spec=False, compare=compare)
-                )
-                _report(console, plain_runs[-1])
-                if not spec:
-                    continue
-                from .speculative.worker import SpecWorker
+                if spec:
+                    from .speculative.worker import SpecWorker
 
-                console.print(f"eaglebatch, EAGLE (K={job.speculative.num_steps}), "
-                              f"max batch size {b}{tag} ...")
-                # a fresh worker per run: the adaptive policy starts from nothing every time
-                worker = SpecWorker.from_job(
-                    target, prep.draft_dir, job.speculative, max(batch_sizes)
-                )
-                row = _eaglebatch_row(job, b, worker, Path(tmp), spec=True, compare=compare)
+                    # a fresh worker per run: the adaptive policy starts from nothing every time
+                    worker = SpecWorker.from_job(
+                        target, prep.draft_dir, job.speculative, max(batch_sizes)
+                    )
+                if paired:
+                    console.print(f"eaglebatch, plain decoding and EAGLE (K="
+                                  f"{job.speculative.num_steps}) alternating request by "
+                                  f"request, max batch size 1{tag} ...")
+                    plain_row, row = _paired_rows(
+                        job, target, worker, Path(tmp), compare, prep.total_rows
+                    )
+                    plain_runs.append(plain_row)
+                    _report(console, plain_row)
+                else:
+                    console.print(f"eaglebatch, plain decoding, max batch size {b}{tag} ...")
+                    plain_runs.append(
+                        _eaglebatch_row(job, b, target, Path(tmp), spec=False, compare=compare)
+                    )
+                    _report(console, plain_runs[-1])
+                    if not spec:
+                        continue
+                    console.print(f"eaglebatch, EAGLE (K={job.speculative.num_steps}), "
+                                  f"max batch size {b}{tag} ...")
+                    row = _eaglebatch_row(job, b, worker, Path(tmp), spec=True, compare=compare)
                 if compare:
                     row["identical_requests"] = _same_tokens(plain_runs[-1]["digests"],
                                                              row["digests"])
@@ -270,7 +355,8 @@ def run_bench(
         )
     console.print(table)
     for r in rows:
-        r.pop("digests", None)
+        for key in ("digests", "spec_steps", "spec_tokens"):
+            r.pop(key, None)
     result: dict = {"job": job.model_dump(mode="json"), "rows": rows}
     plain = next(r for r in rows if r["engine"] == "eaglebatch")
     result["plain"] = plain

@@ -159,7 +159,8 @@ def run(job_file: str, overrides: tuple[str, ...], restart: bool) -> None:
     default=1,
     show_default=True,
     help="Runs per engine, plain and speculative alternating; the speedup is the median of "
-    "each speculative run over the plain run before it.",
+    "each speculative run over the plain run before it. At batch size 1 the two alternate "
+    "request by request within each run.",
 )
 @_user_errors
 def bench(
