@@ -95,6 +95,26 @@ def test_equal_lengths_use_unmasked_paths(backend: str) -> None:
     h.step([(0, 1), (1, 1)])  # equal-length decode: no mask
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_long_prompts_are_not_padded_in_a_prefill_step(backend: str) -> None:
+    h = Harness(4, backend=backend)
+    h.backend.solo_prefill_tokens = 30
+    batch = [(0, 40), (1, 33), (2, 5), (3, 40), (4, 9), (5, 31)]
+    _, _, meta = h.seqs.step([(s, [0] * n) for s, n in batch])
+    h.backend.prepare(meta)
+    lengths = [sorted(int(meta.seq_lens[i]) for i in range(6)
+                      if c.tok_index is None or int(meta.cu_seqlens_q[i]) in c.tok_index)
+               for c in meta.backend_state.chunks]
+    assert sorted(lengths) == [[5, 9], [31], [33], [40, 40]]  # short prompts still share
+    for c in meta.backend_state.chunks:
+        if c.max_q >= 30:
+            assert c.mask is None and c.causal and c.pad_index is None
+    for s, _ in batch:
+        h.seqs.truncate(s, 0)
+    h.step(batch)  # against dense causal attention per sequence
+    h.step([(s, 1) for s, _ in batch])
+
+
 @pytest.mark.parametrize("backend_name", ["torch", "cpu"])
 def test_kv_written_at_slot_mapping(backend_name: str) -> None:
     backend = get_backend(backend_name)

@@ -12,8 +12,12 @@ chunk pads to a similar length) and precomputes, per chunk:
     i.e. keys up to the query's own absolute position. Padded query rows (j >= q_i) still see
     key 0, so no softmax row is empty; their output is dropped. `mask` is None where it would be
     all-visible (decode at equal lengths) or plain causal (prefill at equal lengths).
-Prefill steps (q_i == k_i for all i) attend over the fresh k/v directly and skip the gather.
-Attention itself is `scaled_dot_product_attention` with grouped-query heads (enable_gqa).
+Prefill steps (q_i == k_i for all i) attend over the fresh k/v directly and skip the gather,
+and a prompt of at least `solo_prefill_tokens` shares its chunk only with prompts of its own
+length: unpadded, it runs as plain causal attention, which skips the masked upper triangle
+that a padded, masked chunk computes in full (two prompts of ~1,700 tokens padded together
+took as long as one of 3,500 alone). Attention itself is `scaled_dot_product_attention` with
+grouped-query heads (enable_gqa).
 
 Uniform steps replayed from CUDA graphs (`prepare_graph`) cannot depend on host-side lengths:
 every row gathers all max_blocks columns of its block table (Lk = max_blocks * block_size keys)
@@ -66,12 +70,14 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     supports_cuda_graphs = True
 
-    def __init__(self, chunk_tokens: int = 4096) -> None:
+    def __init__(self, chunk_tokens: int = 4096, solo_prefill_tokens: int = 256) -> None:
         """`chunk_tokens` bounds a chunk's padded size, C * max(max_k, max_q), i.e. how many
-        K/V rows one gather holds (4096 rows = 6 MiB for 3 KV heads of 64 in float32)."""
-        if chunk_tokens <= 0:
-            raise ValueError("chunk_tokens must be > 0")
+        K/V rows one gather holds (4096 rows = 6 MiB for 3 KV heads of 64 in float32).
+        `solo_prefill_tokens`: prompts at least this long are not padded in a prefill step."""
+        if chunk_tokens <= 0 or solo_prefill_tokens <= 0:
+            raise ValueError("chunk_tokens and solo_prefill_tokens must be > 0")
         self.chunk_tokens = chunk_tokens
+        self.solo_prefill_tokens = solo_prefill_tokens
         self._workspace: torch.Tensor | None = None
 
     # ---- planning (once per step) -------------------------------------------------------------
@@ -91,6 +97,9 @@ class TorchAttentionBackend(AttentionBackend):
             end = start + 1
             # sorted ascending, so the chunk's padded length is that of its last sequence
             while end < num_seqs and (end + 1 - start) * k_np[order[end]] <= self.chunk_tokens:
+                longer = k_np[order[end]] != k_np[order[start]]
+                if prefill and longer and k_np[order[end]] >= self.solo_prefill_tokens:
+                    break  # a long prompt is not padded (see the module doc)
                 end += 1
             groups.append(order[start:end])
             start = end
