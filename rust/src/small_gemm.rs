@@ -187,32 +187,36 @@ mod avx512 {
                 let xi = x.add(i * k);
                 let oi = out.add(i * n);
                 if b < cols.end {
-                    let (wr, oc) = ([w.add(a * k), w.add(b * k)], [a, b]);
-                    match rows {
-                        8 => tile::<W, 8, 2>(xi, wr, oi, oc, n, k),
-                        7 => tile::<W, 7, 2>(xi, wr, oi, oc, n, k),
-                        6 => tile::<W, 6, 2>(xi, wr, oi, oc, n, k),
-                        5 => tile::<W, 5, 2>(xi, wr, oi, oc, n, k),
-                        4 => tile::<W, 4, 2>(xi, wr, oi, oc, n, k),
-                        3 => tile::<W, 3, 2>(xi, wr, oi, oc, n, k),
-                        2 => tile::<W, 2, 2>(xi, wr, oi, oc, n, k),
-                        _ => tile::<W, 1, 2>(xi, wr, oi, oc, n, k),
-                    }
+                    tiles::<W, 2>(rows, xi, [w.add(a * k), w.add(b * k)], oi, [a, b], n, k);
                 } else {
-                    let (wr, oc) = ([w.add(a * k)], [a]);
-                    match rows {
-                        8 => tile::<W, 8, 1>(xi, wr, oi, oc, n, k),
-                        7 => tile::<W, 7, 1>(xi, wr, oi, oc, n, k),
-                        6 => tile::<W, 6, 1>(xi, wr, oi, oc, n, k),
-                        5 => tile::<W, 5, 1>(xi, wr, oi, oc, n, k),
-                        4 => tile::<W, 4, 1>(xi, wr, oi, oc, n, k),
-                        3 => tile::<W, 3, 1>(xi, wr, oi, oc, n, k),
-                        2 => tile::<W, 2, 1>(xi, wr, oi, oc, n, k),
-                        _ => tile::<W, 1, 1>(xi, wr, oi, oc, n, k),
-                    }
+                    tiles::<W, 1>(rows, xi, [w.add(a * k)], oi, [a], n, k);
                 }
                 i += rows;
             }
+        }
+    }
+
+    /// `tile` for `rows` (1..=GROUP) x rows.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn tiles<W: Weight, const C: usize>(
+        rows: usize,
+        x: *const f32,
+        w: [*const W; C],
+        out: *mut f32,
+        cols: [usize; C],
+        n: usize,
+        k: usize,
+    ) {
+        match rows {
+            8 => tile::<W, 8, C>(x, w, out, cols, n, k),
+            7 => tile::<W, 7, C>(x, w, out, cols, n, k),
+            6 => tile::<W, 6, C>(x, w, out, cols, n, k),
+            5 => tile::<W, 5, C>(x, w, out, cols, n, k),
+            4 => tile::<W, 4, C>(x, w, out, cols, n, k),
+            3 => tile::<W, 3, C>(x, w, out, cols, n, k),
+            2 => tile::<W, 2, C>(x, w, out, cols, n, k),
+            _ => tile::<W, 1, C>(x, w, out, cols, n, k),
         }
     }
 
