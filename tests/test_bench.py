@@ -48,8 +48,9 @@ def test_bench_compares_speculative_with_plain(tmp_path, tiny_model_dir, capsys)
 
 def test_bench_does_not_compare_sampled_tokens(tmp_path, tiny_model_dir):
     job = _job(tmp_path, tiny_model_dir, ["sampling.temperature=0.8"])
-    result = run_bench(job, [2], [], None)
+    result = run_bench(job, [1, 2], [], None)  # batch 1: request by request, nothing to compare
     assert all("identical_requests" not in r for r in result["rows"])
+    assert [r["requests"] for r in result["rows"]] == [6, 6, 6, 6]
 
 
 def test_token_digests_tell_runs_apart(tmp_path):
