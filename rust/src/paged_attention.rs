@@ -525,26 +525,26 @@ mod avx512 {
             let mut max = [f32::NEG_INFINITY; R];
             let mut sum = [0f32; R];
             let mut weights = [[0f32; LANES]; R];
+            // the run of keys starting at position t: (offset in the cache of its first key,
+            // its length: up to the end of t's block and of t's group of LANES keys)
+            let run = |t: usize| {
+                let first =
+                    (job.table[t / bs] as usize * bs + t % bs) * token_stride + job.kv_head * d;
+                (first, (bs - t % bs).min(longest - t).min(LANES - t % LANES))
+            };
             let mut t = 0;
             while t < longest {
-                let offset = t % bs;
-                let n = (bs - offset).min(longest - t).min(LANES - t % LANES);
-                let first =
-                    (job.table[t / bs] as usize * bs + offset) * token_stride + job.kv_head * d;
                 // in bounds: `check` validated the block id and the cache size
-                let next = t + n;
-                if next < longest {
+                let (first, n) = run(t);
+                if t + n < longest {
                     // the next run's keys and values may sit in another block (anywhere in
                     // the cache, where no hardware prefetcher looks): ask for them now, while
                     // this run computes (`PF_HINT`; a prefetch changes no result)
-                    let m = (bs - next % bs)
-                        .min(longest - next)
-                        .min(LANES - next % LANES);
-                    let nf = (job.table[next / bs] as usize * bs + next % bs) * token_stride
-                        + job.kv_head * d;
-                    for i in 0..m {
-                        for line in (0..d).step_by(16) {
-                            let key = cache.add(nf + i * token_stride + line);
+                    let (next_first, next_n) = run(t + n);
+                    for i in 0..next_n {
+                        // LANES float32 = one 64-byte cache line
+                        for line in (0..d).step_by(LANES) {
+                            let key = cache.add(next_first + i * token_stride + line);
                             _mm_prefetch::<PF_HINT>(key as *const i8);
                             _mm_prefetch::<PF_HINT>(key.add(v_offset) as *const i8);
                         }
