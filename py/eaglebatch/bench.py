@@ -116,7 +116,7 @@ def _merge_runs(runs: list[dict]) -> dict:
         "spec_tokens": spec_tokens,
         "engine": runs[0]["engine"],
         "batch_size": runs[0]["batch_size"],
-        "accept_length": spec_tokens / steps if steps else None,
+        "accept_length": accept_length({"spec_steps": steps, "spec_tokens": spec_tokens}),
         "drafts": runs[-1]["drafts"],
         "requests": sum(r["requests"] for r in runs),
         "output_tokens": tokens,
