@@ -161,6 +161,10 @@ def test_train_draft_end_to_end_and_resume(tiny_model_dir, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     meta = json.loads((tuned / "config.json").read_text())["eaglebatch_training"]
     assert meta["init_from"]["training"]["step"] == more["best"]["step"]
+    # the starting head was validated before the first step; training that does not beat it
+    # (here: it cannot move) leaves it the exported best
+    assert meta["step"] == 0 and meta["validation"]["step"] == 0
+    assert torch.load(tuned / "work" / "ckpt" / "latest.pt", weights_only=False)["step"] > 0
     assert json.loads((tuned / "config.json").read_text())[
         "eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [-1, 0, 1]
 

@@ -374,6 +374,49 @@ def train_draft(job: TrainJob, console) -> Path:
                   f"{len(val_idx)} more held out for validation), {per_epoch} steps per epoch, "
                   f"{total} steps, unroll {job.train.unroll}, draft vocabulary {len(vocab)}")
     init_dir = job.work_dir / "ckpt" / "init"
+
+    def checkpoint(train_accs: list[float]) -> None:
+        """Validates the head at `step`, saves the checkpoint and exports the head if it is the
+        best so far (`train_accs`, the last batch's, stand in when nothing is held out)."""
+        nonlocal best
+        if val_idx:
+            val, replayed = evaluate(draft, data, val_idx, job)
+        else:
+            val, replayed = train_accs, None
+        tau = acceptance_estimate(val)
+        # compared as recorded (4 decimals): an equal head is not an improvement
+        improved = best is None or round(tau, 4) > best["tau"]
+        if improved:
+            best = {"step": step, "tau": round(tau, 4), "val_acc": [round(a, 4) for a in val]}
+            if replayed is not None:
+                best["replayed_acceptance"] = round(replayed, 4)
+        ckpt.parent.mkdir(parents=True, exist_ok=True)
+        tmp = ckpt.with_suffix(".tmp")
+        torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "step": step,
+                    "best": best, "fingerprint": fingerprint}, tmp)
+        os.replace(tmp, ckpt)
+        what = f"checkpoint {step}" if step else "the initial head (head.init_from)"
+        console.print(
+            f"  {what}: validation acc/step {' '.join(f'{a:.3f}' for a in val)} "
+            f"-> expected acceptance length {tau:.2f} at k={len(val)}"
+            + (f", replayed {replayed:.2f}" if replayed is not None else "")
+            + (" (best: exported)" if improved else f" (best {best['tau']:.2f} at step "
+               f"{best['step']})"), highlight=False)
+        if improved:
+            meta = {"step": step, "total_steps": total, "sequences": len(train_idx),
+                    "answer_tokens": answer_tokens, "unroll": job.train.unroll,
+                    "validation": best}
+            if init_digest:  # the lineage: what the fine-tuned head was trained on
+                base = json.loads((init_dir / "config.json").read_text())
+                meta["init_from"] = {"head": Path(job.head.init_from).name,
+                                     "sha256": init_digest,
+                                     "training": base.get("eaglebatch_training")}
+            export_head(draft, init_dir, job.output_path, meta)
+
+    if step == 0 and best is None and init_draft is not None and val_idx:
+        # a fine-tune is measured before its first step: the head it starts from is the first
+        # best, so the exported head never validates worse than the one it started from
+        checkpoint([])
     planned = total  # train.epochs' step count; train.max_minutes may end the run before it
     t0, last, first = time.monotonic(), time.monotonic(), step
     with _tf32_on_cuda(device):
@@ -408,38 +451,7 @@ def train_draft(job: TrainJob, console) -> Path:
                     f"ETA {(total - step) / max(rate, 1e-9):.0f}s", highlight=False
                 )
             if step % job.train.checkpoint_every == 0 or step == total:
-                if val_idx:
-                    val, replayed = evaluate(draft, data, val_idx, job)
-                else:
-                    val, replayed = [a.item() for a in accs], None
-                tau = acceptance_estimate(val)
-                improved = best is None or tau > best["tau"]
-                if improved:
-                    best = {"step": step, "tau": round(tau, 4),
-                            "val_acc": [round(a, 4) for a in val]}
-                    if replayed is not None:
-                        best["replayed_acceptance"] = round(replayed, 4)
-                ckpt.parent.mkdir(parents=True, exist_ok=True)
-                tmp = ckpt.with_suffix(".tmp")
-                torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "step": step,
-                            "best": best, "fingerprint": fingerprint}, tmp)
-                os.replace(tmp, ckpt)
-                console.print(
-                    f"  checkpoint {step}: validation acc/step {' '.join(f'{a:.3f}' for a in val)} "
-                    f"-> expected acceptance length {tau:.2f} at k={len(val)}"
-                    + (f", replayed {replayed:.2f}" if replayed is not None else "")
-                    + (" (best: exported)" if improved else f" (best {best['tau']:.2f} at step "
-                       f"{best['step']})"), highlight=False)
-                if improved:
-                    meta = {"step": step, "total_steps": total, "sequences": len(train_idx),
-                            "answer_tokens": answer_tokens, "unroll": job.train.unroll,
-                            "validation": best}
-                    if init_digest:  # the lineage: what the fine-tuned head was trained on
-                        base = json.loads((init_dir / "config.json").read_text())
-                        meta["init_from"] = {"head": Path(job.head.init_from).name,
-                                             "sha256": init_digest,
-                                             "training": base.get("eaglebatch_training")}
-                    export_head(draft, init_dir, job.output_path, meta)
+                checkpoint([a.item() for a in accs])
     console.print(f"exported the head to {job.output_path} (step {best['step']}, validation "
                   f"expected acceptance length {best['tau']:.2f})")
     return job.output_path
