@@ -3,7 +3,9 @@ command (generate -> capture -> train -> export) produces a head that loads and 
 
 from __future__ import annotations
 
+import io
 import json
+import re
 
 import pyarrow.parquet as pq
 import pytest
@@ -240,10 +242,12 @@ def test_capture_keeps_only_shards_that_hold_the_same_sequences(tiny_model_dir, 
     from eaglebatch.train.features import capture
 
     target = LlamaForCausalLM.from_pretrained(tiny_model_dir)
-    console = Console(quiet=True)
+    console = Console(file=io.StringIO(), width=200)
     first = [([1, 2, 3], [4, 5]), ([6, 7], [8, 9, 10])]
     (path,) = capture(target, first, (0, 1, 2), tmp_path, console, greedy_labels=False)
     assert "labels" not in load_file(str(path))
+    # progress with the capture rate and what is left (nothing, after the only shard)
+    assert re.search(r"features: 2/2 sequences, [\d,.]+ tok/s, ETA 0s", console.file.getvalue())
     stamp = path.stat().st_mtime_ns
     capture(target, first, (0, 1, 2), tmp_path, console, greedy_labels=False)
     assert path.stat().st_mtime_ns == stamp  # complete and current: kept

@@ -16,6 +16,7 @@ LM-head pass that computes the labels is skipped for them.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -70,11 +71,14 @@ def capture(
     blocks = (max(batch_tokens, longest) // bs) + 2 * SHARD_SEQS + 8
     kv = allocate_kv_cache(cfg, blocks, bs, target.dtype, target.device)
     paths = []
+    # progress: tokens of the shards handled so far (kept or written) and captured by this run
+    total, handled, captured, t0 = sum(len(p) + len(a) for p, a in seqs), 0, 0, time.monotonic()
     for s0 in range(0, len(seqs), SHARD_SEQS):
         path = out_dir / f"shard-{s0 // SHARD_SEQS:05d}.safetensors"
         paths.append(path)
         shard = seqs[s0 : s0 + SHARD_SEQS]
         toks = [np.asarray(p + a, dtype=np.int64) for p, a in shard]
+        handled += sum(len(t) for t in toks)
         if path.is_file() and _holds(path, toks, [len(p) for p, _ in shard], greedy_labels):
             continue
         feats, labels = [], []
@@ -100,7 +104,10 @@ def capture(
             tensors["labels"] = torch.cat(labels).to(torch.int32).cpu()
         save_file(tensors, str(tmp))
         os.replace(tmp, path)
-        console.print(f"  features: {min(s0 + SHARD_SEQS, len(seqs))}/{len(seqs)} sequences")
+        captured += sum(len(t) for t in toks)
+        rate = captured / max(time.monotonic() - t0, 1e-9)  # tokens/s of this run
+        console.print(f"  features: {min(s0 + SHARD_SEQS, len(seqs))}/{len(seqs)} sequences, "
+                      f"{rate:,.0f} tok/s, ETA {(total - handled) / rate:.0f}s", highlight=False)
     return paths
 
 
