@@ -78,7 +78,8 @@ def capture(
         paths.append(path)
         shard = seqs[s0 : s0 + SHARD_SEQS]
         toks = [np.asarray(p + a, dtype=np.int64) for p, a in shard]
-        handled += sum(len(t) for t in toks)
+        shard_tokens = sum(len(t) for t in toks)
+        handled += shard_tokens
         if path.is_file() and _holds(path, toks, [len(p) for p, _ in shard], greedy_labels):
             continue
         feats, labels = [], []
@@ -104,7 +105,7 @@ def capture(
             tensors["labels"] = torch.cat(labels).to(torch.int32).cpu()
         save_file(tensors, str(tmp))
         os.replace(tmp, path)
-        captured += sum(len(t) for t in toks)
+        captured += shard_tokens
         rate = captured / max(time.monotonic() - t0, 1e-9)  # tokens/s of this run
         console.print(f"  features: {min(s0 + SHARD_SEQS, len(seqs))}/{len(seqs)} sequences, "
                       f"{rate:,.0f} tok/s, ETA {(total - handled) / rate:.0f}s", highlight=False)
