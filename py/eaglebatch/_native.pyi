@@ -179,3 +179,46 @@ def paged_attention(
     [B, M] as C-contiguous int32 arrays. Query row j of sequence i attends to keys
     0..=seq_lens[i] - q_i + j. Every index is checked first (ValueError). Unsafe by contract:
     `attention/cpu_backend.py` is the caller that checks the buffers."""
+
+class CpuDecoder:
+    """A model's decoder layers for few-row CPU steps (rust/src/decoder_layer.rs), held as raw
+    addresses: per layer [input_norm (0: the layer is given its input), q, k, v, o, post_norm,
+    gate, up, down, then the q, k, v, o, gate, up, down biases (0: none)], seven bf16 flags
+    (weights holding bfloat16 bits) and the q/k/v input width; RoPE tables [max_positions,
+    head_dim]. Unsafe by contract: `model/native_decoder.py` keeps every tensor alive."""
+
+    def __init__(
+        self,
+        layers: list[list[int]],
+        bf16: list[list[bool]],
+        in_features: list[int],
+        hidden: int,
+        intermediate: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        eps: float,
+        scale: float,
+        cos: int,
+        sin: int,
+        max_positions: int,
+    ) -> None: ...
+    def forward(
+        self,
+        x: int,
+        input: int,
+        first: int,
+        last: int,
+        positions: npt.NDArray[np.int64],
+        slot_mapping: npt.NDArray[np.int64],
+        cu_seqlens_q: npt.NDArray[np.int32],
+        seq_lens: npt.NDArray[np.int32],
+        block_tables: npt.NDArray[np.int32],
+        kv_caches: list[int],
+        num_blocks: int,
+        block_size: int,
+        threads: int,
+    ) -> None:
+        """Runs layers first..last over x [T, hidden] (float32, in place, T <= 16), writing
+        each row's K/V at its slot; `input` [T, in_features[first]] replaces layer first's
+        RMSNorm(x) (0: none). Sizes and indices are checked first (ValueError)."""

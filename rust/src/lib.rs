@@ -1,6 +1,6 @@
-//! eaglebatch's Rust core: everything that is not tensor math, plus two CPU kernels for the few
-//! query rows of CPU decode steps (`small_gemm`, the float32 GEMM, and `paged_attention`;
-//! their headers say why).
+//! eaglebatch's Rust core: everything that is not tensor math, plus the CPU path for the few
+//! query rows of CPU decode steps (`small_gemm`, the float32 GEMM, `paged_attention`, and
+//! `decoder_layer`, which runs whole layers on them; their headers say why).
 //!
 //! Data flow: `reader` (Parquet -> chat template -> tokens, background thread) -> `scheduler`
 //! (continuous batching over the paged KV cache of `block_manager`; the Python worker runs each
@@ -10,6 +10,7 @@
 pub mod block_manager;
 pub mod chat_template;
 pub mod config;
+pub mod decoder_layer;
 pub mod detokenizer;
 pub mod error;
 pub mod omp;

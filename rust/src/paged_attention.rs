@@ -388,7 +388,7 @@ const EXP_POLY: [f32; 6] = [
 /// e^x for x <= 0 with a relative error of a few 1e-7 (0 below -87.3), as plain arithmetic that
 /// vectorises: x = n ln2 + r, |r| <= ln2 / 2, e^x = 2^n * (P(r) r^2 + r + 1).
 #[inline(always)]
-fn exp_nonpositive(x: f32) -> f32 {
+pub(crate) fn exp_nonpositive(x: f32) -> f32 {
     let clamped = x.clamp(EXP_MIN, 0.0);
     let n = (clamped * std::f32::consts::LOG2_E + ROUND) - ROUND;
     let r = clamped - n * LN2_HI - n * LN2_LO;

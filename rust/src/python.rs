@@ -18,6 +18,7 @@ use pyo3::types::{PyDict, PyList, PyString};
 
 use crate::chat_template::{self, Message};
 use crate::config::SchedulerConfig;
+use crate::decoder_layer as layers;
 use crate::error::Error;
 use crate::paged_attention as attn;
 use crate::scheduler::{Scheduler, StepPlan};
@@ -500,6 +501,231 @@ fn paged_attention(
     .map_err(|e| PyValueError::new_err(format!("paged_attention: {e}")))
 }
 
+/// Addresses of one decoder layer's tensors, in this order: input_norm (0: none, the layer
+/// is given its input), q, k, v, o, post_norm, gate, up, down weights, then the biases of q,
+/// k, v, o, gate, up, down (0: none).
+const LAYER_TENSORS: usize = 16;
+
+/// A model's decoder layers for the few-row CPU path (`decoder_layer`), held as raw addresses
+/// (tensor.data_ptr()) so that a step pays no conversion per tensor. The caller
+/// (`model/native_decoder.py`, the only one) keeps every tensor alive and unchanged while this
+/// object exists, all float32 (weights flagged in `bf16` hold bfloat16 bits), C-contiguous and
+/// of the documented shapes; the RoPE tables are [max_positions, head_dim].
+#[pyclass(frozen)]
+struct CpuDecoder {
+    layers: Vec<[usize; LAYER_TENSORS]>,
+    bf16: Vec<[bool; 7]>,
+    /// Input features of each layer's q/k/v (the hidden size, or wider for a draft layer
+    /// whose input the caller builds).
+    in_features: Vec<usize>,
+    hidden: usize,
+    intermediate: usize,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    eps: f32,
+    scale: f32,
+    rope: (usize, usize, usize),
+}
+
+#[pymethods]
+impl CpuDecoder {
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        layers: Vec<Vec<usize>>,
+        bf16: Vec<Vec<bool>>,
+        in_features: Vec<usize>,
+        hidden: usize,
+        intermediate: usize,
+        num_heads: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        eps: f32,
+        scale: f32,
+        cos: usize,
+        sin: usize,
+        max_positions: usize,
+    ) -> PyResult<Self> {
+        let bad = |what: &str| PyValueError::new_err(format!("CpuDecoder: {what}"));
+        if layers.len() != bf16.len() || layers.len() != in_features.len() {
+            return Err(bad(
+                "layers, bf16 and in_features must have one entry per layer",
+            ));
+        }
+        if hidden == 0 || intermediate == 0 || num_heads == 0 || num_kv_heads == 0 {
+            return Err(bad("sizes must be positive"));
+        }
+        if head_dim == 0 || !head_dim.is_multiple_of(2) || head_dim > attn::MAX_HEAD_DIM {
+            return Err(bad("head_dim must be even and at most 256"));
+        }
+        if cos == 0 || sin == 0 || max_positions == 0 {
+            return Err(bad("null RoPE table"));
+        }
+        let mut table = Vec::with_capacity(layers.len());
+        for (i, l) in layers.iter().enumerate() {
+            let addrs: [usize; LAYER_TENSORS] = l
+                .as_slice()
+                .try_into()
+                .map_err(|_| bad(&format!("layer {i}: {LAYER_TENSORS} addresses expected")))?;
+            if addrs[1..9].contains(&0) {
+                return Err(bad(&format!("layer {i}: null weight")));
+            }
+            table.push(addrs);
+        }
+        let flags = bf16
+            .iter()
+            .map(|f| f.as_slice().try_into())
+            .collect::<Result<Vec<[bool; 7]>, _>>()
+            .map_err(|_| bad("7 bf16 flags per layer expected"))?;
+        Ok(Self {
+            layers: table,
+            bf16: flags,
+            in_features,
+            hidden,
+            intermediate,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            eps,
+            scale,
+            rope: (cos, sin, max_positions),
+        })
+    }
+
+    /// Runs layers first..last over x [T, hidden] in place (see `decoder_layer::forward`);
+    /// `input` (address, 0: none) is the first layer's attention input [T, in_features].
+    /// kv_caches: the addresses of those layers' caches [2, num_blocks, block_size, Hkv, D].
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (x, input, first, last, positions, slot_mapping, cu_seqlens_q, seq_lens,
+                        block_tables, kv_caches, num_blocks, block_size, threads))]
+    fn forward(
+        &self,
+        py: Python<'_>,
+        x: usize,
+        input: usize,
+        first: usize,
+        last: usize,
+        positions: PyReadonlyArray1<'_, i64>,
+        slot_mapping: PyReadonlyArray1<'_, i64>,
+        cu_seqlens_q: PyReadonlyArray1<'_, i32>,
+        seq_lens: PyReadonlyArray1<'_, i32>,
+        block_tables: PyReadonlyArray2<'_, i32>,
+        kv_caches: Vec<usize>,
+        num_blocks: usize,
+        block_size: usize,
+        threads: usize,
+    ) -> PyResult<()> {
+        let err = |e: String| PyValueError::new_err(format!("CpuDecoder.forward: {e}"));
+        let contiguous = |name: &str| err(format!("{name} must be C-contiguous"));
+        if first >= last || last > self.layers.len() || kv_caches.len() != last - first {
+            return Err(err(format!(
+                "layers {first}..{last} of {} need one KV cache each",
+                self.layers.len()
+            )));
+        }
+        if x == 0 || kv_caches.contains(&0) || block_size == 0 || num_blocks == 0 {
+            return Err(err("null buffer or empty cache".into()));
+        }
+        let positions = positions.as_slice().map_err(|_| contiguous("positions"))?;
+        let slot_mapping = slot_mapping
+            .as_slice()
+            .map_err(|_| contiguous("slot_mapping"))?;
+        let step = attn::Step {
+            cu_seqlens_q: cu_seqlens_q
+                .as_slice()
+                .map_err(|_| contiguous("cu_seqlens_q"))?,
+            seq_lens: seq_lens.as_slice().map_err(|_| contiguous("seq_lens"))?,
+            block_tables: block_tables
+                .as_slice()
+                .map_err(|_| contiguous("block_tables"))?,
+        };
+        let t = positions.len();
+        if !(1..=gemm::MAX_ROWS).contains(&t) {
+            return Err(err(format!("{t} rows: 1..={} supported", gemm::MAX_ROWS)));
+        }
+        if first > 0 && input != 0 {
+            return Err(err("an input is only given to layer 0".into()));
+        }
+        // layers that norm x themselves read `hidden` features
+        if (first..last).any(|i| (i != first || input == 0) && self.in_features[i] != self.hidden) {
+            return Err(err(
+                "a layer wider than the hidden size needs an input".into()
+            ));
+        }
+        let max_blocks = block_tables.shape()[1];
+        let (cos, sin, max_positions) = self.rope;
+        let d = self.head_dim;
+        let (h, inner) = (self.hidden, self.intermediate);
+        let (q_size, kv_size) = (self.num_heads * d, self.num_kv_heads * d);
+        let cache_len = 2 * num_blocks * block_size * kv_size;
+        let shape = layers::Shape {
+            hidden: h,
+            num_heads: self.num_heads,
+            num_kv_heads: self.num_kv_heads,
+            head_dim: d,
+            eps: self.eps,
+            scale: self.scale,
+            block_size,
+            num_blocks,
+        };
+        let in0 = self.in_features[first];
+        py.detach(|| {
+            // SAFETY: the caller's guarantee in the class doc: live tensors of these sizes.
+            unsafe {
+                let f32s = |a: usize, len: usize| std::slice::from_raw_parts(a as *const f32, len);
+                let proj = |a: [usize; LAYER_TENSORS], bf: [bool; 7], j: usize, n, k| {
+                    let weight = if bf[j] {
+                        layers::Weight::Bf16(std::slice::from_raw_parts(
+                            a[[1, 2, 3, 4, 6, 7, 8][j]] as *const u16,
+                            n * k,
+                        ))
+                    } else {
+                        layers::Weight::F32(f32s(a[[1, 2, 3, 4, 6, 7, 8][j]], n * k))
+                    };
+                    let b = a[9 + j];
+                    layers::Proj {
+                        weight,
+                        bias: (b != 0).then(|| f32s(b, n)),
+                        n,
+                        k,
+                    }
+                };
+                let mut run: Vec<layers::Layer> = (first..last)
+                    .zip(&kv_caches)
+                    .map(|(i, &cache)| {
+                        let (a, bf, q_in) = (self.layers[i], self.bf16[i], self.in_features[i]);
+                        layers::Layer {
+                            input_norm: (a[0] != 0).then(|| f32s(a[0], h)),
+                            q: proj(a, bf, 0, q_size, q_in),
+                            k: proj(a, bf, 1, kv_size, q_in),
+                            v: proj(a, bf, 2, kv_size, q_in),
+                            o: proj(a, bf, 3, h, q_size),
+                            post_norm: f32s(a[5], h),
+                            gate: proj(a, bf, 4, inner, h),
+                            up: proj(a, bf, 5, inner, h),
+                            down: proj(a, bf, 6, h, inner),
+                            kv_cache: std::slice::from_raw_parts_mut(cache as *mut f32, cache_len),
+                        }
+                    })
+                    .collect();
+                let rows = layers::Rows {
+                    positions,
+                    slot_mapping,
+                    step,
+                    max_blocks,
+                    cos: f32s(cos, max_positions * d),
+                    sin: f32s(sin, max_positions * d),
+                };
+                let x = std::slice::from_raw_parts_mut(x as *mut f32, t * h);
+                let input = (input != 0).then(|| f32s(input, t * in0));
+                layers::forward(&mut run, &shape, &rows, x, input, threads)
+            }
+        })
+        .map_err(err)
+    }
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -508,6 +734,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("UserInputError", py.get_type::<UserInputError>())?;
     m.add_class::<PyScheduler>()?;
     m.add_class::<PyStepPlan>()?;
+    m.add_class::<CpuDecoder>()?;
     m.add_function(wrap_pyfunction!(render_chat_template, m)?)?;
     m.add_function(wrap_pyfunction!(small_gemm, m)?)?;
     m.add_function(wrap_pyfunction!(paged_attention, m)?)?;

@@ -99,6 +99,8 @@ def use_small_gemm(module: nn.Module, threads: int, bf16_weights: bool = False) 
     for m in module.modules():
         if hasattr(m, "small_gemm_threads"):
             m.small_gemm_threads = threads
+        if hasattr(m, "native_decoder"):
+            m.native_decoder = None  # model/native_decoder.py: rebuilt with these weights
         if isinstance(m, Linear):
             m.weight_bf16 = exact_bf16(m.weight) if threads > 0 and bf16_weights else None
     return threads > 0

@@ -136,6 +136,7 @@ class LlamaForCausalLM(nn.Module):
     rows you need (e.g. each sequence's last token) to float32 logits."""
 
     small_gemm_threads: int = 0  # the LM head's switch (model/linear.py: use_small_gemm)
+    native_decoder = None  # NativeDecoder, built on the first eligible step
 
     def __init__(
         self,
@@ -220,12 +221,22 @@ class LlamaForCausalLM(nn.Module):
         final-normed output (the same tensor as `hidden`). Capturing costs no copies.
         """
         h = self.model.embed_tokens(input_ids)  # [T, H]
-        cos, sin = self.model.rotary_emb(positions, h.dtype)  # [T, 1, D] each
         captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
-            if i in capture_layers:
-                captured[i] = h
-            h = layer(h, cos, sin, attn, kv_caches[i], self.backend)
+        native = self._native_decoder(h, attn)
+        if native is not None:  # few rows on the CPU: the layers in native runs
+            start, end = 0, len(self.model.layers)
+            for i in sorted(set(capture_layers)) + [end]:
+                if start < i <= end:
+                    native.forward(h, positions, attn, kv_caches[start:i], start, i)
+                    start = i
+                if i < end:
+                    captured[i] = h.clone()  # h is updated in place
+        else:
+            cos, sin = self.model.rotary_emb(positions, h.dtype)  # [T, 1, D] each
+            for i, layer in enumerate(self.model.layers):
+                if i in capture_layers:
+                    captured[i] = h
+                h = layer(h, cos, sin, attn, kv_caches[i], self.backend)
         h = self.model.norm(h)  # [T, H]
         if not capture_layers:
             return h
@@ -235,6 +246,24 @@ class LlamaForCausalLM(nn.Module):
         if bad:
             raise ValueError(f"capture_layers {sorted(bad)} outside [0, {len(self.model.layers)}]")
         return h, captured
+
+    def _native_decoder(self, x: torch.Tensor, attn: AttentionMetadata):
+        """The NativeDecoder for a step over x, or None where torch's layers run it
+        (model/native_decoder.py: few CPU rows with the native GEMM on)."""
+        from eaglebatch.model.native_decoder import NativeDecoder, eligible
+
+        if not eligible(x, attn, self.small_gemm_threads):
+            return None
+        native = self.native_decoder
+        if native is None or not native.current(self.model.rotary_emb):
+            native = NativeDecoder(
+                list(self.model.layers),
+                self.model.rotary_emb,
+                self.config.rms_norm_eps,
+                self.small_gemm_threads,
+            )
+            self.native_decoder = native
+        return native
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> float32 [N, V]
         return linear(hidden, self.lm_head_weight, threads=self.small_gemm_threads).float()

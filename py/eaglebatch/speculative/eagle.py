@@ -103,6 +103,7 @@ class EagleDraft(nn.Module):
     shares; the target is referenced, not registered as a submodule)."""
 
     small_gemm_threads: int = 0  # the LM head's switch (model/linear.py: use_small_gemm)
+    native_decoder = None  # NativeDecoder of the draft layer, built on the first eligible step
 
     def __init__(
         self,
@@ -201,18 +202,42 @@ class EagleDraft(nn.Module):
         `select`ed rows only (the MLP runs on those rows only)."""
         layer = self.layer
         emb = self._embed(input_ids)  # [T, h]
-        cos, sin = self.rotary_emb(positions, emb.dtype)  # [T, 1, D]
         if self.eagle3:
             residual = features
             x = torch.cat((layer.input_layernorm(emb), layer.hidden_norm(features)), dim=-1)
         else:
             residual = self.fc(torch.cat((emb, features), dim=-1))  # the reference's order
             x = residual if layer.input_layernorm is None else layer.input_layernorm(residual)
+        native = self._native_decoder(x, meta)
+        if native is not None:  # few CPU rows: the layer in one native call, on every row
+            h = residual.to(torch.float32, copy=True).contiguous()  # [T, h] updated in place
+            native.forward(h, positions, meta, [kv_cache], 0, 1, input=x)
+            return h if select is None else h.index_select(0, select)
+        cos, sin = self.rotary_emb(positions, emb.dtype)  # [T, 1, D]
         attn = layer.self_attn(x, cos, sin, meta, kv_cache, self.backend)  # [T, h]
         if select is not None:
             attn, residual = attn.index_select(0, select), residual.index_select(0, select)
         h = residual + attn
         return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    def _native_decoder(self, x: torch.Tensor, meta: AttentionMetadata):
+        """The NativeDecoder of the draft layer for a step over x, or None (see
+        LlamaForCausalLM._native_decoder)."""
+        from eaglebatch.model.native_decoder import NativeDecoder, eligible
+
+        if not eligible(x, meta, self.small_gemm_threads):
+            return None
+        native = self.native_decoder
+        if native is None or not native.current(self.rotary_emb):
+            native = NativeDecoder(
+                [self.layer],
+                self.rotary_emb,
+                self.config.layer.rms_norm_eps,
+                self.small_gemm_threads,
+                given_input=True,
+            )
+            self.native_decoder = native
+        return native
 
     def argmax_tokens(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, h] -> int64 [N]
         """The draft's greedy token for each row, as TARGET ids. Only an argmax over the raw

@@ -1,0 +1,338 @@
+//! Whole Llama-style decoder layers in float32 for the few query rows of a CPU decode or verify
+//! step: RMSNorm, q/k/v, RoPE, the KV-cache write, paged attention, o, residual, RMSNorm,
+//! SwiGLU MLP, residual, in one call per run of layers.
+//!
+//! Why native: at batch 1 the GEMMs of a layer take ~0.5 ms and torch's dispatch of the ~25
+//! small ops around them (norms, rotary, views, casts, cache writes) ~0.1 ms more, per layer,
+//! for plain decoding and every verify and draft step alike. On the GPU CUDA graphs remove that
+//! cost; on the CPU this is the equivalent: the same math on the same kernels (`small_gemm`,
+//! `paged_attention`), with the elementwise parts here.
+//!
+//! Shapes (T query rows, H hidden, Hq / Hkv heads of D, I intermediate):
+//!   x      [T, H]   the residual stream, updated in place (layer input -> layer output)
+//!   input  [T, in]  optional: the first layer's normed attention input given by the caller
+//!                   (EAGLE draft layers build theirs from two inputs); else RMSNorm(x)
+//!   q/k/v/o, gate/up/down: [n, k] row-major weights (float32 or bfloat16 bits), optional bias
+//!   cos/sin [max_positions, D] RoPE tables ("rotate half": halves are real and imaginary)
+//!   kv_cache per layer [2, num_blocks, block_size, Hkv, D]; row t's K/V go to slot_mapping[t]
+//! Numerics: every operation works on one row at a time in a fixed order (the GEMM and the
+//! attention kernel guarantee the same), so a row's output does not depend on the other rows
+//! of the call: a verify step reproduces a decode step bit for bit. RoPE computes x * cos +
+//! rotated * sin with separate roundings, as torch does.
+
+use crate::paged_attention as attn;
+use crate::small_gemm as gemm;
+
+/// A weight matrix [n, k], row-major.
+#[derive(Clone, Copy)]
+pub enum Weight<'a> {
+    F32(&'a [f32]),
+    /// bfloat16 bits, widened exactly while loading (`small_gemm::linear_bf16_weights`).
+    Bf16(&'a [u16]),
+}
+
+/// out = x @ w^T + bias for one projection.
+#[derive(Clone, Copy)]
+pub struct Proj<'a> {
+    pub weight: Weight<'a>,
+    pub bias: Option<&'a [f32]>,
+    /// Output features (rows of the weight).
+    pub n: usize,
+    /// Input features.
+    pub k: usize,
+}
+
+/// One layer's parameters and KV cache.
+pub struct Layer<'a> {
+    /// RMSNorm weight [H] before attention; None: the layer takes its input from the caller.
+    pub input_norm: Option<&'a [f32]>,
+    pub q: Proj<'a>,
+    pub k: Proj<'a>,
+    pub v: Proj<'a>,
+    pub o: Proj<'a>,
+    pub post_norm: &'a [f32],
+    pub gate: Proj<'a>,
+    pub up: Proj<'a>,
+    pub down: Proj<'a>,
+    pub kv_cache: &'a mut [f32],
+}
+
+/// The sizes shared by all layers of a call.
+#[derive(Clone, Copy, Debug)]
+pub struct Shape {
+    pub hidden: usize,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub eps: f32,
+    pub scale: f32,
+    pub block_size: usize,
+    pub num_blocks: usize,
+}
+
+/// The rows of a step: positions (RoPE), cache slots, and the attention step over them.
+pub struct Rows<'a> {
+    pub positions: &'a [i64],
+    pub slot_mapping: &'a [i64],
+    pub step: attn::Step<'a>,
+    /// Columns of `step.block_tables`.
+    pub max_blocks: usize,
+    pub cos: &'a [f32],
+    pub sin: &'a [f32],
+}
+
+/// Runs `layers` in order over x [T, H] (in place). `input` [T, in]: the first layer's
+/// attention input instead of RMSNorm(x). `threads`: GEMM and attention threads. Errors on
+/// inconsistent shapes or indices before anything is written.
+pub fn forward(
+    layers: &mut [Layer],
+    shape: &Shape,
+    rows: &Rows,
+    x: &mut [f32],
+    input: Option<&[f32]>,
+    threads: usize,
+) -> Result<(), String> {
+    let t = rows.positions.len();
+    check(layers, shape, rows, x, input, t)?;
+    let s = shape;
+    let (q_size, kv_size) = (s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim);
+    let layout = attn::Layout {
+        num_heads: s.num_heads,
+        num_kv_heads: s.num_kv_heads,
+        head_dim: s.head_dim,
+        block_size: s.block_size,
+        num_blocks: s.num_blocks,
+        max_blocks: rows.max_blocks,
+    };
+    let mut normed = vec![0f32; t * s.hidden];
+    let (mut q, mut k, mut v) = (
+        vec![0f32; t * q_size],
+        vec![0f32; t * kv_size],
+        vec![0f32; t * kv_size],
+    );
+    let mut attn_out = vec![0f32; t * q_size];
+    let mut o = vec![0f32; t * s.hidden];
+    let inner = layers.first().map_or(0, |l| l.gate.n);
+    let (mut gate, mut up) = (vec![0f32; t * inner], vec![0f32; t * inner]);
+    for (i, layer) in layers.iter_mut().enumerate() {
+        let a: &[f32] = match input {
+            Some(given) if i == 0 => given,
+            _ => {
+                // `check`: a layer without an input norm is given its input
+                rms_norm(x, layer.input_norm.unwrap_or_default(), s.eps, &mut normed);
+                &normed
+            }
+        };
+        project(&layer.q, a, t, &mut q, threads);
+        project(&layer.k, a, t, &mut k, threads);
+        project(&layer.v, a, t, &mut v, threads);
+        rotate(&mut q, s.num_heads, s.head_dim, rows);
+        rotate(&mut k, s.num_kv_heads, s.head_dim, rows);
+        let plane = s.num_blocks * s.block_size * kv_size; // K, then V
+        for (r, &slot) in rows.slot_mapping.iter().enumerate() {
+            let at = slot as usize * kv_size;
+            layer.kv_cache[at..at + kv_size].copy_from_slice(&k[r * kv_size..][..kv_size]);
+            layer.kv_cache[plane + at..plane + at + kv_size]
+                .copy_from_slice(&v[r * kv_size..][..kv_size]);
+        }
+        attn::attend(
+            &q,
+            layer.kv_cache,
+            &mut attn_out,
+            &layout,
+            &rows.step,
+            s.scale,
+            threads,
+        )?;
+        project(&layer.o, &attn_out, t, &mut o, threads);
+        x.iter_mut().zip(&o).for_each(|(h, d)| *h += d);
+        rms_norm(x, layer.post_norm, s.eps, &mut normed);
+        project(&layer.gate, &normed, t, &mut gate, threads);
+        project(&layer.up, &normed, t, &mut up, threads);
+        gate.iter_mut()
+            .zip(&up)
+            .for_each(|(g, u)| *g = silu(*g) * u);
+        project(&layer.down, &gate, t, &mut o, threads);
+        x.iter_mut().zip(&o).for_each(|(h, d)| *h += d);
+    }
+    Ok(())
+}
+
+fn check(
+    layers: &[Layer],
+    s: &Shape,
+    rows: &Rows,
+    x: &[f32],
+    input: Option<&[f32]>,
+    t: usize,
+) -> Result<(), String> {
+    let (h, d) = (s.hidden, s.head_dim);
+    let (q_size, kv_size) = (s.num_heads * d, s.num_kv_heads * d);
+    if !(1..=gemm::MAX_ROWS).contains(&t) || x.len() != t * h || rows.slot_mapping.len() != t {
+        return Err(format!(
+            "{t} rows (1..={}) need x [{t}, {h}] and slot_mapping [{t}]",
+            gemm::MAX_ROWS
+        ));
+    }
+    if d == 0
+        || !d.is_multiple_of(2)
+        || rows.cos.len() != rows.sin.len()
+        || !rows.cos.len().is_multiple_of(d)
+    {
+        return Err(format!(
+            "head_dim {d} must be even and the RoPE tables [P, {d}]"
+        ));
+    }
+    let max_positions = (rows.cos.len() / d) as i64;
+    if let Some(p) = rows
+        .positions
+        .iter()
+        .find(|&&p| p < 0 || p >= max_positions)
+    {
+        return Err(format!(
+            "position {p} outside the RoPE table's {max_positions}"
+        ));
+    }
+    let slots = (s.num_blocks * s.block_size) as i64;
+    if let Some(slot) = rows.slot_mapping.iter().find(|&&v| v < 0 || v >= slots) {
+        return Err(format!("slot {slot} outside the cache's {slots} slots"));
+    }
+    for (i, l) in layers.iter().enumerate() {
+        let in_features = match input {
+            Some(given) if i == 0 => {
+                if given.len() % t != 0 {
+                    return Err(format!("input holds {} values for {t} rows", given.len()));
+                }
+                given.len() / t
+            }
+            _ => h,
+        };
+        let inner = layers[0].gate.n;
+        let shapes = [
+            (&l.q, q_size, in_features),
+            (&l.k, kv_size, in_features),
+            (&l.v, kv_size, in_features),
+            (&l.o, h, q_size),
+            (&l.gate, inner, h),
+            (&l.up, inner, h),
+            (&l.down, h, inner),
+        ];
+        for (p, n, k) in shapes {
+            let len = match p.weight {
+                Weight::F32(w) => w.len(),
+                Weight::Bf16(w) => w.len(),
+            };
+            if p.n != n || p.k != k || len != n * k || p.bias.is_some_and(|b| b.len() != n) {
+                return Err(format!(
+                    "layer {i}: a projection is [{}, {}] ({len} values), expected [{n}, {k}]",
+                    p.n, p.k
+                ));
+            }
+        }
+        let given = i == 0 && input.is_some();
+        if !given && l.input_norm.is_none_or(|w| w.len() != h) || l.post_norm.len() != h {
+            return Err(format!(
+                "layer {i}: norm weights must have {h} values (the input norm, or an input)"
+            ));
+        }
+        if l.kv_cache.len() != 2 * s.num_blocks * s.block_size * kv_size {
+            return Err(format!("layer {i}: KV cache size {}", l.kv_cache.len()));
+        }
+    }
+    Ok(())
+}
+
+fn project(p: &Proj, x: &[f32], m: usize, out: &mut [f32], threads: usize) {
+    let out = &mut out[..m * p.n];
+    match p.weight {
+        Weight::F32(w) => gemm::linear(x, w, out, m, p.n, p.k, threads),
+        Weight::Bf16(w) => gemm::linear_bf16_weights(x, w, out, m, p.n, p.k, threads),
+    }
+    if let Some(bias) = p.bias {
+        for row in out.chunks_exact_mut(p.n) {
+            row.iter_mut().zip(bias).for_each(|(o, b)| *o += b);
+        }
+    }
+}
+
+/// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, per row of `weight.len()` values.
+fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    const LANES: usize = 16;
+    let h = weight.len();
+    for (row, dst) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
+        // 16 partial sums in a fixed order (vectorises), then a fixed reduction
+        let mut part = [0f32; LANES];
+        let mut chunks = row.chunks_exact(LANES);
+        for c in &mut chunks {
+            part.iter_mut().zip(c).for_each(|(p, v)| *p += v * v);
+        }
+        part.iter_mut()
+            .zip(chunks.remainder())
+            .for_each(|(p, v)| *p += v * v);
+        let sum: f32 = part.iter().sum();
+        let inv = 1.0 / (sum / h as f32 + eps).sqrt();
+        dst.iter_mut()
+            .zip(row.iter().zip(weight))
+            .for_each(|(o, (v, w))| *o = v * inv * w);
+    }
+}
+
+/// RoPE ("rotate half") of every head of every row at the row's position, in place:
+/// out = x * cos + [-x2, x1] * sin over the two halves x1, x2 of a head.
+fn rotate(x: &mut [f32], heads: usize, d: usize, rows: &Rows) {
+    let half = d / 2;
+    for (r, &pos) in rows.positions.iter().enumerate() {
+        let cos = &rows.cos[pos as usize * d..][..d];
+        let sin = &rows.sin[pos as usize * d..][..d];
+        for head in x[r * heads * d..][..heads * d].chunks_exact_mut(d) {
+            let mut rotated = [0f32; attn::MAX_HEAD_DIM];
+            for i in 0..half {
+                rotated[i] = -head[i + half];
+                rotated[i + half] = head[i];
+            }
+            for i in 0..d {
+                head[i] = head[i] * cos[i] + rotated[i] * sin[i];
+            }
+        }
+    }
+}
+
+/// x * sigmoid(x) through `exp_nonpositive` (e^-|x| never overflows).
+#[inline(always)]
+fn silu(x: f32) -> f32 {
+    let e = attn::exp_nonpositive(-x.abs());
+    let sigmoid = if x >= 0.0 {
+        1.0 / (1.0 + e)
+    } else {
+        e / (1.0 + e)
+    };
+    x * sigmoid
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testutil::values;
+
+    #[test]
+    fn silu_and_rms_norm_match_float64() {
+        for x in [-100.0f32, -20.0, -3.5, -0.1, 0.0, 0.2, 4.0, 30.0, 90.0] {
+            let want = x as f64 / (1.0 + (-(x as f64)).exp());
+            assert!(
+                (silu(x) as f64 - want).abs() <= 1e-6 * want.abs().max(1e-30),
+                "{x}"
+            );
+        }
+        let (x, w) = (values(2 * 37, 1), values(37, 2));
+        let mut out = vec![0.0; 2 * 37];
+        rms_norm(&x, &w, 1e-5, &mut out);
+        for r in 0..2 {
+            let row = &x[r * 37..][..37];
+            let ms = row.iter().map(|v| (*v as f64).powi(2)).sum::<f64>() / 37.0;
+            for i in 0..37 {
+                let want = row[i] as f64 / (ms + 1e-5).sqrt() * w[i] as f64;
+                assert!((out[r * 37 + i] as f64 - want).abs() < 1e-5, "{r} {i}");
+            }
+        }
+    }
+}

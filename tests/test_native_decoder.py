@@ -1,0 +1,144 @@
+"""The native few-row decoder layers (model/native_decoder.py) against Hugging Face
+transformers, against torch's layers, and row by row against themselves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eaglebatch.attention.cpu_backend import CpuAttentionBackend
+from eaglebatch.model import LlamaForCausalLM
+from eaglebatch.model.linear import SMALL_GEMM_AVAILABLE, use_small_gemm
+from eaglebatch.speculative import load_draft
+from paged_kv import PagedSequences
+from support.spec_models import make_draft_dir, make_target_dir
+from test_eagle import dense_draft, rms
+from test_llama import PROMPTS, VARIANTS, Runner, hf_logits, make_checkpoint
+
+pytestmark = pytest.mark.skipif(not SMALL_GEMM_AVAILABLE, reason="needs AVX-512F")
+
+
+def native_model(path) -> LlamaForCausalLM:
+    model = LlamaForCausalLM.from_pretrained(path, backend=CpuAttentionBackend())
+    assert use_small_gemm(model, 2)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def pair(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    hf = make_checkpoint(request.param, path)
+    return hf, native_model(path)
+
+
+def test_decode_and_verify_steps_match_hf(pair) -> None:
+    hf, ours = pair
+    run = Runner(ours)
+    run.step(list(enumerate(PROMPTS)))  # prefill: torch's layers (too many rows)
+    assert ours.native_decoder is None
+    gen = torch.Generator().manual_seed(0)
+    for width in (1, 1, 3, 4):  # decode steps, then verify-like steps of 3 and 4 tokens
+        batch = [(s, torch.randint(256, (width,), generator=gen).tolist()) for s in range(4)]
+        got = run.step(batch)
+        for (s, _), logits in zip(batch, got, strict=True):
+            ref = hf_logits(hf, run.tokens[s])[-width:]
+            torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+    assert ours.native_decoder is not None  # the steps above ran natively
+
+
+def test_captured_hidden_states_match_hf(pair) -> None:
+    hf, ours = pair
+    layers = hf.config.num_hidden_layers
+    capture = (0, 1, layers - 1, layers)
+    run = Runner(ours)
+    run.step([(0, PROMPTS[0][:-2]), (1, PROMPTS[2][:-2])])
+    _, captured = run.step([(0, PROMPTS[0][-2:]), (1, PROMPTS[2][-2:])], capture=capture)
+    with torch.inference_mode():
+        ref = [hf(torch.tensor([p]), output_hidden_states=True).hidden_states
+               for p in (PROMPTS[0], PROMPTS[2])]  # fmt: skip
+    for layer in capture:
+        expected = torch.cat([r[layer][0, -2:] for r in ref])
+        torch.testing.assert_close(captured[layer], expected, atol=1e-4, rtol=1e-4)
+    assert not torch.equal(captured[0], captured[1])  # captures are copies, not the live stream
+
+
+def test_a_verify_step_reproduces_decode_steps_bit_for_bit(tmp_path) -> None:
+    make_checkpoint("llama3_rope_bias", tmp_path)  # biases everywhere
+    model = native_model(tmp_path)
+    prompt, new = list(range(40, 75)), [5, 99, 17, 230]
+    one, many = Runner(model), Runner(model)
+    one.step([(0, prompt)])
+    many.step([(0, prompt), (1, PROMPTS[3])])
+    decoded = torch.cat([one.step([(0, [t])])[0] for t in new])  # four 1-row steps
+    verified = many.step([(1, [7, 8]), (0, new)])[1]  # one step, beside another sequence
+    assert torch.equal(decoded, verified)
+
+
+def test_torch_layers_run_where_the_native_path_does_not_apply(tmp_path) -> None:
+    make_checkpoint("llama", tmp_path)
+    model = native_model(tmp_path)
+    use_small_gemm(model, 0)  # the switch: engine.cpu_gemm torch
+    run = Runner(model)
+    run.step([(0, PROMPTS[0])])
+    run.step([(0, [3])])
+    assert model.native_decoder is None
+
+
+def test_bad_slots_are_refused_before_anything_is_written(tmp_path) -> None:
+    make_checkpoint("llama", tmp_path)
+    model = native_model(tmp_path)
+    run = Runner(model)
+    run.step([(0, PROMPTS[0])])
+    ids, pos, meta = run.seqs.step([(0, [9])])
+    meta.slot_mapping = torch.full_like(meta.slot_mapping, 10**6)
+    model.backend.prepare(meta)
+    before = [c.clone() for c in run.kv]
+    with pytest.raises(ValueError, match="slot 1000000 outside"), torch.inference_mode():
+        model(ids, pos, meta, run.kv)
+    assert all(torch.equal(a, b) for a, b in zip(before, run.kv, strict=True))
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_draft_layer_matches_the_dense_reference(tmp_path, kind) -> None:
+    target_dir = make_target_dir(tmp_path / "target")
+    target = native_model(target_dir)
+    path = make_draft_dir(tmp_path / "draft", target_dir, kind, draft_vocab_size=None)
+    w = load_file(path / "model.safetensors")
+    draft = load_draft(path, target.config, target)
+    assert use_small_gemm(draft, 2, bf16_weights=True)
+    cfg = draft.config.layer
+    gen = torch.Generator().manual_seed(1)
+    lengths = [9, 1, 14]
+    tokens = [torch.randint(320, (n,), generator=gen) for n in lengths]
+    feats = [torch.randn(n, 64, generator=gen) for n in lengths]
+    emb = target.model.embed_tokens.weight.detach()
+    expected = [dense_draft(w, cfg, kind, emb[t], f) for t, f in zip(tokens, feats, strict=True)]
+    seqs = PagedSequences(64, 4, seed=3)
+    kv = draft.allocate_kv_cache(64, 4)
+    got: list[list[torch.Tensor]] = [[] for _ in lengths]
+    with torch.inference_mode():
+        for lo, hi in [(0, 4), (4, 7), (7, 8), (8, 12), (12, 14)]:  # <= 16 rows per step
+            batch = [(i, tokens[i][lo:hi].tolist()) for i in range(3) if lengths[i] > lo]
+            ids, pos, meta = seqs.step(batch)
+            draft.backend.prepare(meta)
+            f = torch.cat([feats[i][lo:hi] for i, _ in batch])
+            out = draft(ids, f, pos, meta, kv)
+            cu = meta.cu_seqlens_q.tolist()
+            for row, (i, _) in enumerate(batch):
+                got[i].append(out[cu[row] : cu[row + 1]])
+        last = torch.tensor([1, 2])  # `select`: packed rows of seq 0 (rows 0-1) and seq 2
+        seqs2 = PagedSequences(64, 4, seed=5)
+        ids, pos, meta = seqs2.step([(0, tokens[0][:2].tolist()), (2, tokens[2][:1].tolist())])
+        draft.backend.prepare(meta)
+        f = torch.cat([feats[0][:2], feats[2][:1]])
+        picked = draft(ids, f, pos, meta, draft.allocate_kv_cache(64, 4), select=last)
+    assert draft.native_decoder is not None
+    for i in range(3):
+        torch.testing.assert_close(torch.cat(got[i]), expected[i], atol=1e-4, rtol=1e-4)
+    ref = torch.stack([expected[0][1], expected[2][0]])
+    torch.testing.assert_close(picked, ref, atol=1e-4, rtol=1e-4)
+    if kind == "eagle3":
+        logits = draft.compute_logits(picked)
+        ref_logits = rms(ref, w["norm.weight"], cfg.rms_norm_eps) @ w["lm_head.weight"].T
+        torch.testing.assert_close(logits, ref_logits, atol=1e-3, rtol=1e-4)
