@@ -149,9 +149,7 @@ pub fn forward(
         rms_norm(x, layer.post_norm, s.eps, &mut normed);
         project(&layer.gate, &normed, t, &mut gate, threads);
         project(&layer.up, &normed, t, &mut up, threads);
-        gate.iter_mut()
-            .zip(&up)
-            .for_each(|(g, u)| *g = silu(*g) * u);
+        silu_mul(&mut gate, &up, inner);
         project(&layer.down, &gate, t, &mut o, threads);
         x.iter_mut().zip(&o).for_each(|(h, d)| *h += d);
     }
@@ -297,6 +295,51 @@ fn rotate(x: &mut [f32], heads: usize, d: usize, rows: &Rows) {
     }
 }
 
+/// gate = silu(gate) * up, row by row (`inner` values each): 16 lanes at a time with AVX-512
+/// where the CPU has it, the same operations per element as `silu` either way.
+fn silu_mul(gate: &mut [f32], up: &[f32], inner: usize) {
+    for (g, u) in gate.chunks_exact_mut(inner).zip(up.chunks_exact(inner)) {
+        #[allow(unused_mut)]
+        let mut done = 0;
+        #[cfg(target_arch = "x86_64")]
+        if gemm::available() {
+            // SAFETY: AVX-512F is available (checked); both slices hold `inner` values.
+            done = unsafe { avx512::silu_mul(g, u) };
+        }
+        for (g, u) in g[done..].iter_mut().zip(&u[done..]) {
+            *g = silu(*g) * u;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use crate::paged_attention::avx512::exp16;
+    use std::arch::x86_64::*;
+
+    /// `silu(g) * u` over the first multiple of 16 values, operation for operation as the
+    /// scalar code; returns how many values it did.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn silu_mul(g: &mut [f32], u: &[f32]) -> usize {
+        let n = g.len().min(u.len()) / 16 * 16;
+        let one = _mm512_set1_ps(1.0);
+        for i in (0..n).step_by(16) {
+            let x = _mm512_loadu_ps(g.as_ptr().add(i));
+            let e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+            let denom = _mm512_add_ps(one, e);
+            let nonneg = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, _mm512_setzero_ps());
+            let sigmoid =
+                _mm512_mask_mov_ps(_mm512_div_ps(e, denom), nonneg, _mm512_div_ps(one, denom));
+            let out = _mm512_mul_ps(
+                _mm512_mul_ps(x, sigmoid),
+                _mm512_loadu_ps(u.as_ptr().add(i)),
+            );
+            _mm512_storeu_ps(g.as_mut_ptr().add(i), out);
+        }
+        n
+    }
+}
+
 /// x * sigmoid(x) through `exp_nonpositive` (e^-|x| never overflows).
 #[inline(always)]
 fn silu(x: f32) -> f32 {
@@ -313,6 +356,18 @@ fn silu(x: f32) -> f32 {
 mod tests {
     use super::*;
     use crate::testutil::values;
+
+    #[test]
+    fn silu_mul_lanes_equal_the_scalar_code() {
+        let inner = 37; // two 16-lane steps and a scalar tail per row
+        let g: Vec<f32> = values(2 * inner, 3).iter().map(|v| v * 40.0).collect();
+        let u = values(2 * inner, 4);
+        let mut got = g.clone();
+        silu_mul(&mut got, &u, inner);
+        for i in 0..2 * inner {
+            assert_eq!(got[i].to_bits(), (silu(g[i]) * u[i]).to_bits(), "{i}");
+        }
+    }
 
     #[test]
     fn silu_and_rms_norm_match_float64() {

@@ -409,7 +409,7 @@ pub(crate) fn exp_nonpositive(x: f32) -> f32 {
 /// (see the module doc). Every operation of a row mirrors the generic one, in the same order:
 /// mul then add (never fused), `dot`'s lane reduction and `exp_nonpositive`.
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
+pub(crate) mod avx512 {
     use super::{exp_nonpositive, Head, EXP_MIN, EXP_POLY, LANES, LN2_HI, LN2_LO, ROUND};
     use std::arch::x86_64::*;
 
@@ -460,7 +460,7 @@ mod avx512 {
     /// `exp_nonpositive` on 16 lanes, operation for operation (the clamp as compare + move).
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn exp16(x: __m512) -> __m512 {
+    pub(crate) unsafe fn exp16(x: __m512) -> __m512 {
         let c = _mm512_set1_ps;
         let (low, zero, round) = (c(EXP_MIN), _mm512_setzero_ps(), c(ROUND));
         let below = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(x, low);
