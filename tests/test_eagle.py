@@ -206,6 +206,30 @@ def dense_draft(w: dict, cfg: ModelConfig, kind: str, emb, feats) -> torch.Tenso
     return h + (F.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
 
 
+def draft_in_chunks(
+    draft: EagleDraft,
+    tokens: list[torch.Tensor],
+    feats: list[torch.Tensor],
+    cuts: list[tuple[int, int]],
+) -> list[torch.Tensor]:
+    """Runs every sequence through the draft over a paged cache, positions lo..hi of each cut
+    in one step (sequences shorter than lo sit it out); returns each sequence's outputs."""
+    seqs = PagedSequences(64, 4, seed=3)
+    kv = draft.allocate_kv_cache(64, 4)
+    got: list[list[torch.Tensor]] = [[] for _ in tokens]
+    with torch.inference_mode():
+        for lo, hi in cuts:
+            batch = [(i, t[lo:hi].tolist()) for i, t in enumerate(tokens) if len(t) > lo]
+            ids, pos, meta = seqs.step(batch)
+            draft.backend.prepare(meta)
+            f = torch.cat([feats[i][lo:hi] for i, _ in batch])
+            out = draft(ids, f, pos, meta, kv)
+            cu = meta.cu_seqlens_q.tolist()
+            for row, (i, _) in enumerate(batch):
+                got[i].append(out[cu[row] : cu[row + 1]])
+    return [torch.cat(g) for g in got]
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_paged_forward_matches_dense(tmp_path, target_dir, target, kind) -> None:
     path = make_draft_dir(tmp_path, target_dir, kind, draft_vocab_size=None)
@@ -220,22 +244,9 @@ def test_paged_forward_matches_dense(tmp_path, target_dir, target, kind) -> None
     expected = [dense_draft(w, cfg, kind, emb[t], f) for t, f in zip(tokens, feats, strict=True)]
 
     # chunks: a prefill of the first part, an extend of several tokens, then single tokens
-    seqs = PagedSequences(64, 4, seed=3)
-    kv = draft.allocate_kv_cache(64, 4)
-    got: list[list[torch.Tensor]] = [[] for _ in lengths]
-    cuts = [(0, 4), (4, 7), (7, 8), (8, 14)]
-    with torch.inference_mode():
-        for lo, hi in cuts:
-            batch = [(i, tokens[i][lo:hi].tolist()) for i in range(3) if lengths[i] > lo]
-            ids, pos, meta = seqs.step(batch)
-            draft.backend.prepare(meta)
-            f = torch.cat([feats[i][lo:hi] for i, _ in batch])
-            out = draft(ids, f, pos, meta, kv)
-            cu = meta.cu_seqlens_q.tolist()
-            for row, (i, _) in enumerate(batch):
-                got[i].append(out[cu[row] : cu[row + 1]])
+    got = draft_in_chunks(draft, tokens, feats, [(0, 4), (4, 7), (7, 8), (8, 14)])
     for i in range(3):
-        torch.testing.assert_close(torch.cat(got[i]), expected[i], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got[i], expected[i], atol=1e-4, rtol=1e-4)
 
     # `select`: the same rows (the MLP runs on those only); logits as the reference computes them
     with torch.inference_mode():

@@ -13,7 +13,7 @@ from eaglebatch.model.linear import SMALL_GEMM_AVAILABLE, use_small_gemm
 from eaglebatch.speculative import load_draft
 from paged_kv import PagedSequences
 from support.spec_models import make_draft_dir, make_target_dir
-from test_eagle import dense_draft, rms
+from test_eagle import dense_draft, draft_in_chunks, rms
 from test_llama import PROMPTS, VARIANTS, Runner, hf_logits, make_checkpoint
 
 pytestmark = pytest.mark.skipif(not SMALL_GEMM_AVAILABLE, reason="needs AVX-512F")
@@ -114,19 +114,8 @@ def test_draft_layer_matches_the_dense_reference(tmp_path, kind) -> None:
     feats = [torch.randn(n, 64, generator=gen) for n in lengths]
     emb = target.model.embed_tokens.weight.detach()
     expected = [dense_draft(w, cfg, kind, emb[t], f) for t, f in zip(tokens, feats, strict=True)]
-    seqs = PagedSequences(64, 4, seed=3)
-    kv = draft.allocate_kv_cache(64, 4)
-    got: list[list[torch.Tensor]] = [[] for _ in lengths]
-    with torch.inference_mode():
-        for lo, hi in [(0, 4), (4, 7), (7, 8), (8, 12), (12, 14)]:  # <= 16 rows per step
-            batch = [(i, tokens[i][lo:hi].tolist()) for i in range(3) if lengths[i] > lo]
-            ids, pos, meta = seqs.step(batch)
-            draft.backend.prepare(meta)
-            f = torch.cat([feats[i][lo:hi] for i, _ in batch])
-            out = draft(ids, f, pos, meta, kv)
-            cu = meta.cu_seqlens_q.tolist()
-            for row, (i, _) in enumerate(batch):
-                got[i].append(out[cu[row] : cu[row + 1]])
+    got = draft_in_chunks(draft, tokens, feats, [(0, 4), (4, 7), (7, 8), (8, 12), (12, 14)])
+    with torch.inference_mode():  # <= 16 rows per step above; now `select`
         last = torch.tensor([1, 2])  # `select`: packed rows of seq 0 (rows 0-1) and seq 2
         seqs2 = PagedSequences(64, 4, seed=5)
         ids, pos, meta = seqs2.step([(0, tokens[0][:2].tolist()), (2, tokens[2][:1].tolist())])
@@ -135,7 +124,7 @@ def test_draft_layer_matches_the_dense_reference(tmp_path, kind) -> None:
         picked = draft(ids, f, pos, meta, draft.allocate_kv_cache(64, 4), select=last)
     assert draft.native_decoder is not None
     for i in range(3):
-        torch.testing.assert_close(torch.cat(got[i]), expected[i], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got[i], expected[i], atol=1e-4, rtol=1e-4)
     ref = torch.stack([expected[0][1], expected[2][0]])
     torch.testing.assert_close(picked, ref, atol=1e-4, rtol=1e-4)
     if kind == "eagle3":
