@@ -218,7 +218,8 @@ class LlamaForCausalLM(nn.Module):
         With `capture_layers`, returns (hidden, captured) where captured[i] [T, H] is the hidden
         state with Hugging Face `output_hidden_states` indexing: the input of decoder layer i
         (0 = the embeddings) for i < num_hidden_layers, and for i == num_hidden_layers the
-        final-normed output (the same tensor as `hidden`). Capturing costs no copies.
+        final-normed output (the same tensor as `hidden`). Capturing costs no copies, except
+        on the native path (model/native_decoder.py), whose stream is updated in place.
         """
         h = self.model.embed_tokens(input_ids)  # [T, H]
         captured: dict[int, torch.Tensor] = {}

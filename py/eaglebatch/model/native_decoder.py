@@ -79,10 +79,12 @@ class NativeDecoder:
             norms = [None if norm_in is None else norm_in.weight, norm_post]
             biases = [p.bias for p in projs]
             tensors = [t if t is None else t.detach().contiguous() for t in norms + biases]
-            for t in [w for w, _ in weights] + tensors:
+            for t, bf16 in weights + [(t, False) for t in tensors]:
                 if t is not None:
-                    if t.dtype not in (torch.float32, torch.bfloat16) or not t.is_contiguous():
-                        raise ValueError("NativeDecoder: float32 contiguous tensors only")
+                    # the native side reads flagged weights as bfloat16, all else as float32
+                    dtype = torch.bfloat16 if bf16 else torch.float32
+                    if t.dtype != dtype or not t.is_contiguous() or not t.is_cpu:
+                        raise ValueError("NativeDecoder: contiguous float32 CPU tensors only")
                     self._keep.append(t)
             ptr = lambda t: 0 if t is None else t.data_ptr()  # noqa: E731
             w = [ptr(t) for t, _ in weights]

@@ -199,7 +199,8 @@ class EagleDraft(nn.Module):
         select: torch.Tensor | None = None,  # int64 [S] rows whose output is needed
     ) -> torch.Tensor:  # [S or T, h] pre-norm draft output h^d
         """Writes the draft K/V of every row (at meta.slot_mapping), returns the output of the
-        `select`ed rows only (the MLP runs on those rows only)."""
+        `select`ed rows only (torch's MLP runs on those rows only; the native path, for few CPU
+        rows, on all)."""
         layer = self.layer
         emb = self._embed(input_ids)  # [T, h]
         if self.eagle3:
