@@ -85,16 +85,21 @@ def test_torch_layers_run_where_the_native_path_does_not_apply(tmp_path) -> None
     assert model.native_decoder is None
 
 
-def test_bad_slots_are_refused_before_anything_is_written(tmp_path) -> None:
+@pytest.mark.parametrize("bad", ["slot", "block"])
+def test_bad_indices_are_refused_before_anything_is_written(tmp_path, bad) -> None:
     make_checkpoint("llama", tmp_path)
     model = native_model(tmp_path)
     run = Runner(model)
     run.step([(0, PROMPTS[0])])
     ids, pos, meta = run.seqs.step([(0, [9])])
-    meta.slot_mapping = torch.full_like(meta.slot_mapping, 10**6)
+    if bad == "slot":
+        meta.slot_mapping = torch.full_like(meta.slot_mapping, 10**6)
     model.backend.prepare(meta)
+    if bad == "block":
+        meta.backend_state.block_tables[0, 0] = 10**6
     before = [c.clone() for c in run.kv]
-    with pytest.raises(ValueError, match="slot 1000000 outside"), torch.inference_mode():
+    match = "slot 1000000 outside" if bad == "slot" else "block id 1000000 outside"
+    with pytest.raises(ValueError, match=match), torch.inference_mode():
         model(ids, pos, meta, run.kv)
     assert all(torch.equal(a, b) for a, b in zip(before, run.kv, strict=True))
 

@@ -104,6 +104,7 @@ pub fn forward(
         num_blocks: s.num_blocks,
         max_blocks: rows.max_blocks,
     };
+    attn::check(&layout, &rows.step, t)?; // the block tables too, before any cache write
     let mut normed = vec![0f32; t * s.hidden];
     let (mut q, mut k, mut v) = (
         vec![0f32; t * q_size],
