@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from eaglebatch.sampling import sample, uniform_from_counter
+from eaglebatch.sampling import argmax, sample, uniform_from_counter
 
 
 def call(logits, temperature=1.0, top_p=1.0, top_k=0, seeds=None, num_generated=None):
@@ -21,6 +21,17 @@ def call(logits, temperature=1.0, top_p=1.0, top_k=0, seeds=None, num_generated=
         torch.arange(b, dtype=torch.int64) if seeds is None else seeds,
         torch.zeros(b, dtype=torch.int32) if num_generated is None else num_generated,
     )
+
+
+def test_argmax_is_torchs_with_ties_nans_and_strides() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 5, (3, 4, 300), generator=gen).float()  # many tied maxima
+    x[1, 2, 7] = float("nan")
+    x[2, 0, 299] = float("inf")
+    for t in (x, x[:, 1], x[0, 0], x.transpose(0, 1), x[..., ::3]):
+        got = argmax(t)
+        assert got.dtype == torch.int64 and torch.equal(got, t.argmax(-1))
+    assert torch.equal(argmax(x.double()), x.argmax(-1))  # other dtypes: torch's own
 
 
 def test_greedy_is_argmax() -> None:

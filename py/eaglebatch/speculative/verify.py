@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from eaglebatch.sampling import _inverse_cdf, sample, uniform_from_counter
+from eaglebatch.sampling import _inverse_cdf, argmax, sample, uniform_from_counter
 
 ACCEPT_STREAM = 1  # uniform_from_counter stream of the acceptance tests
 
@@ -41,7 +41,7 @@ def verify_greedy(
     logits: torch.Tensor,  # [B, k+1, V] target logits
     draft: torch.Tensor,  # int64 [B, k]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # tokens int64 [B, k+1], accepted int64 [B]
-    target = logits.argmax(dim=-1)  # [B, k+1]
+    target = argmax(logits)  # [B, k+1]
     return target, accepted_prefix(target[:, :-1] == draft)
 
 
