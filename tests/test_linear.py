@@ -38,7 +38,8 @@ def test_native_matches_f_linear(monkeypatch, k, threads):
     for m, x in xs.items():
         got = linear(x, w, bias, threads=threads)
         assert got.shape == (m, 131) and got.dtype == torch.float32
-        torch.testing.assert_close(got.double(), want[m], rtol=1e-5, atol=1e-5)
+        # outputs are O(sqrt(k)): float32 sums of k products carry ~1e-6 sqrt(k) of rounding
+        torch.testing.assert_close(got.double(), want[m], rtol=1e-5, atol=5e-5)
 
 
 @native

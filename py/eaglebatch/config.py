@@ -87,9 +87,10 @@ class EngineConfig(_Section):
     # CUDA graphs for decode / speculative rounds; unset = on when running on CUDA.
     cuda_graph: bool | None = None
     num_threads: int | None = Field(default=None, ge=1)
-    # GEMMs of up to 16 rows (CPU decode and verify steps): "native" = the extension's AVX-512
-    # kernel (model/linear.py), "torch" = F.linear (MKL); auto = native on a float32 CPU run
-    # when the CPU has AVX-512F.
+    # CPU steps of up to SMALL_GEMM_MAX_ROWS (128) rows (decode and verify): "native" = the
+    # extension's AVX-512 GEMM (model/linear.py) and, with the cpu attention backend, whole
+    # layers (model/native_decoder.py); "torch" = torch's layers and F.linear (MKL); auto =
+    # native on a float32 CPU run when the CPU has AVX-512F.
     cpu_gemm: Literal["auto", "native", "torch"] = "auto"
 
 

@@ -1,4 +1,4 @@
-//! `out = x @ w^T` in float32 for the few rows of a CPU decode or verify step.
+//! `out = x @ w^T` in float32 for the rows of a CPU decode or verify step (up to `MAX_ROWS`).
 //!
 //! The one piece of tensor math on the Rust side, and why: at batch 1 a plain decode step
 //! multiplies 1 row and a K = 3 verify step 4 rows by every weight matrix. The work is memory
@@ -16,8 +16,10 @@
 
 use crate::omp;
 
-/// Rows of `x` one call takes; callers use `F.linear` above it (MKL wins on larger batches).
-pub const MAX_ROWS: usize = 16;
+/// Rows of `x` one call takes; callers use `F.linear` above it. Measured over SmolLM2-135M's
+/// 210 layer matrices, 2 threads, against MKL: 16 rows 26 vs 47 ms, 64 rows 77 vs 98 ms,
+/// 128 rows 156 vs 166-170 ms, 256 rows 336-343 vs 301 ms (MKL's blocked GEMM wins there).
+pub const MAX_ROWS: usize = 128;
 
 /// True when this CPU can run the kernel (x86-64 with AVX-512F).
 pub fn available() -> bool {
