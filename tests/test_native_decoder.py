@@ -38,7 +38,7 @@ def test_decode_and_verify_steps_match_hf(pair) -> None:
     run.step(list(enumerate(PROMPTS)))  # prefill: torch's layers (too many rows)
     assert ours.native_decoder is None
     gen = torch.Generator().manual_seed(0)
-    for width in (1, 1, 3, 4):  # decode steps, then verify-like steps of 3 and 4 tokens
+    for width in (1, 1, 3, 4, 9):  # decode steps, then verify-like steps (up to 36 rows)
         batch = [(s, torch.randint(256, (width,), generator=gen).tolist()) for s in range(4)]
         got = run.step(batch)
         for (s, _), logits in zip(batch, got, strict=True):
@@ -71,7 +71,8 @@ def test_a_verify_step_reproduces_decode_steps_bit_for_bit(tmp_path) -> None:
     one.step([(0, prompt)])
     many.step([(0, prompt), (1, PROMPTS[3])])
     decoded = torch.cat([one.step([(0, [t])])[0] for t in new])  # four 1-row steps
-    verified = many.step([(1, [7, 8]), (0, new)])[1]  # one step, beside another sequence
+    # one step beside another sequence's 14 rows (18 rows: more than one GEMM tile group)
+    verified = many.step([(1, list(range(3, 17))), (0, new)])[1]
     assert torch.equal(decoded, verified)
 
 
