@@ -206,6 +206,18 @@ def dense_draft(w: dict, cfg: ModelConfig, kind: str, emb, feats) -> torch.Tenso
     return h + (F.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
 
 
+def dense_case(path, target: LlamaForCausalLM, kind: str, cfg: ModelConfig):
+    """Checkpoint tensors, three sequences' tokens and features, and the dense reference's
+    outputs over them, for the random head in `path`."""
+    w = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(1)
+    tokens = [torch.randint(320, (n,), generator=gen) for n in (9, 1, 14)]
+    feats = [torch.randn(len(t), 64, generator=gen) for t in tokens]
+    emb = target.model.embed_tokens.weight.detach()
+    expected = [dense_draft(w, cfg, kind, emb[t], f) for t, f in zip(tokens, feats, strict=True)]
+    return w, tokens, feats, expected
+
+
 def draft_in_chunks(
     draft: EagleDraft,
     tokens: list[torch.Tensor],
@@ -233,15 +245,9 @@ def draft_in_chunks(
 @pytest.mark.parametrize("kind", KINDS)
 def test_paged_forward_matches_dense(tmp_path, target_dir, target, kind) -> None:
     path = make_draft_dir(tmp_path, target_dir, kind, draft_vocab_size=None)
-    w = load_file(path / "model.safetensors")
     draft = load(path, target)
     cfg = draft.config.layer
-    gen = torch.Generator().manual_seed(1)
-    lengths = [9, 1, 14]
-    tokens = [torch.randint(320, (n,), generator=gen) for n in lengths]
-    feats = [torch.randn(n, 64, generator=gen) for n in lengths]
-    emb = target.model.embed_tokens.weight.detach()
-    expected = [dense_draft(w, cfg, kind, emb[t], f) for t, f in zip(tokens, feats, strict=True)]
+    w, tokens, feats, expected = dense_case(path, target, kind, cfg)
 
     # chunks: a prefill of the first part, an extend of several tokens, then single tokens
     got = draft_in_chunks(draft, tokens, feats, [(0, 4), (4, 7), (7, 8), (8, 14)])

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from eaglebatch.attention.cpu_backend import CpuAttentionBackend
 from eaglebatch.model import LlamaForCausalLM
@@ -13,7 +12,7 @@ from eaglebatch.model.linear import SMALL_GEMM_AVAILABLE, use_small_gemm
 from eaglebatch.speculative import load_draft
 from paged_kv import PagedSequences
 from support.spec_models import make_draft_dir, make_target_dir
-from test_eagle import dense_draft, draft_in_chunks, rms
+from test_eagle import dense_case, draft_in_chunks, rms
 from test_llama import PROMPTS, VARIANTS, Runner, hf_logits, make_checkpoint
 
 pytestmark = pytest.mark.skipif(not SMALL_GEMM_AVAILABLE, reason="needs AVX-512F")
@@ -110,16 +109,10 @@ def test_draft_layer_matches_the_dense_reference(tmp_path, kind) -> None:
     target_dir = make_target_dir(tmp_path / "target")
     target = native_model(target_dir)
     path = make_draft_dir(tmp_path / "draft", target_dir, kind, draft_vocab_size=None)
-    w = load_file(path / "model.safetensors")
     draft = load_draft(path, target.config, target)
     assert use_small_gemm(draft, 2, bf16_weights=True)
     cfg = draft.config.layer
-    gen = torch.Generator().manual_seed(1)
-    lengths = [9, 1, 14]
-    tokens = [torch.randint(320, (n,), generator=gen) for n in lengths]
-    feats = [torch.randn(n, 64, generator=gen) for n in lengths]
-    emb = target.model.embed_tokens.weight.detach()
-    expected = [dense_draft(w, cfg, kind, emb[t], f) for t, f in zip(tokens, feats, strict=True)]
+    w, tokens, feats, expected = dense_case(path, target, kind, cfg)
     got = draft_in_chunks(draft, tokens, feats, [(0, 4), (4, 7), (7, 8), (8, 12), (12, 14)])
     with torch.inference_mode():  # <= 16 rows per step above; now `select`
         last = torch.tensor([1, 2])  # `select`: packed rows of seq 0 (rows 0-1) and seq 2

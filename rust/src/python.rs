@@ -675,13 +675,11 @@ impl CpuDecoder {
             unsafe {
                 let f32s = |a: usize, len: usize| std::slice::from_raw_parts(a as *const f32, len);
                 let proj = |a: [usize; LAYER_TENSORS], bf: [bool; 7], j: usize, n, k| {
+                    let w = a[[1, 2, 3, 4, 6, 7, 8][j]]; // projection j's weight address
                     let weight = if bf[j] {
-                        layers::Weight::Bf16(std::slice::from_raw_parts(
-                            a[[1, 2, 3, 4, 6, 7, 8][j]] as *const u16,
-                            n * k,
-                        ))
+                        layers::Weight::Bf16(std::slice::from_raw_parts(w as *const u16, n * k))
                     } else {
-                        layers::Weight::F32(f32s(a[[1, 2, 3, 4, 6, 7, 8][j]], n * k))
+                        layers::Weight::F32(f32s(w, n * k))
                     };
                     let b = a[9 + j];
                     layers::Proj {
