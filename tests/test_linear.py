@@ -12,7 +12,7 @@ from eaglebatch.model.linear import SMALL_GEMM_MAX_ROWS, Linear, linear, use_sma
 from eaglebatch.worker import resolve_small_gemm
 
 native = pytest.mark.skipif(
-    not linear_mod.SMALL_GEMM_AVAILABLE, reason="the CPU has no AVX-512F"
+    not linear_mod.SMALL_GEMM_AVAILABLE, reason="the CPU has neither AVX-512F nor AVX2+FMA"
 )
 
 

@@ -141,7 +141,7 @@ def render_chat_template(
     """Renders a Hugging Face chat template (minijinja); exposed for parity tests."""
 
 SMALL_GEMM_AVAILABLE: bool
-"""Whether this CPU can run `small_gemm` (x86-64 with AVX-512F)."""
+"""Whether this CPU can run `small_gemm` (x86-64 with AVX-512F, or AVX2 and FMA)."""
 
 SMALL_GEMM_MAX_ROWS: int
 """The most rows of x one `small_gemm` call takes (16)."""

@@ -88,9 +88,9 @@ class EngineConfig(_Section):
     cuda_graph: bool | None = None
     num_threads: int | None = Field(default=None, ge=1)
     # CPU steps of up to SMALL_GEMM_MAX_ROWS (128) rows (decode and verify): "native" = the
-    # extension's AVX-512 GEMM (model/linear.py) and, with the cpu attention backend, whole
-    # layers (model/native_decoder.py); "torch" = torch's layers and F.linear (MKL); auto =
-    # native on a float32 CPU run when the CPU has AVX-512F.
+    # extension's GEMM (model/linear.py; AVX-512F, or AVX2 with FMA) and, with the cpu
+    # attention backend, whole layers (model/native_decoder.py); "torch" = torch's layers and
+    # F.linear (MKL); auto = native on a float32 CPU run when the CPU has AVX-512F or AVX2+FMA.
     cpu_gemm: Literal["auto", "native", "torch"] = "auto"
 
 

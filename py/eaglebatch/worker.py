@@ -47,7 +47,9 @@ def resolve_small_gemm(name: str, device: torch.device, dtype: torch.dtype) -> i
         if not fits:
             raise JobError("engine.cpu_gemm: 'native' needs engine.device cpu and float32")
         if not SMALL_GEMM_AVAILABLE:
-            raise JobError("engine.cpu_gemm: 'native' needs a CPU with AVX-512F; use 'torch'")
+            raise JobError(
+                "engine.cpu_gemm: 'native' needs a CPU with AVX-512F or AVX2 and FMA; use 'torch'"
+            )
     if name == "torch" or not fits or not SMALL_GEMM_AVAILABLE:
         return 0
     return torch.get_num_threads()

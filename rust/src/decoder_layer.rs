@@ -296,21 +296,39 @@ fn rotate(x: &mut [f32], heads: usize, d: usize, rows: &Rows) {
     }
 }
 
-/// gate = silu(gate) * up, row by row (`inner` values each): 16 lanes at a time with AVX-512
-/// where the CPU has it, the same operations per element as `silu` either way.
+/// gate = silu(gate) * up, row by row (`inner` values each): 16 lanes at a time with AVX-512,
+/// the scalar code compiled for AVX2 (vectorised by the compiler) where the CPU has that, the
+/// same operations per element as `silu` in every case.
 fn silu_mul(gate: &mut [f32], up: &[f32], inner: usize) {
     for (g, u) in gate.chunks_exact_mut(inner).zip(up.chunks_exact(inner)) {
         #[allow(unused_mut)]
         let mut done = 0;
         #[cfg(target_arch = "x86_64")]
-        if gemm::available() {
-            // SAFETY: AVX-512F is available (checked); both slices hold `inner` values.
-            done = unsafe { avx512::silu_mul(g, u) };
+        match gemm::isa() {
+            // SAFETY: the CPU runs the instruction set (detected); both slices hold `inner`
+            // values.
+            Some(gemm::Isa::Avx512) => done = unsafe { avx512::silu_mul(g, u) },
+            Some(gemm::Isa::Avx2) => done = unsafe { silu_mul_avx2(g, u) },
+            None => {}
         }
-        for (g, u) in g[done..].iter_mut().zip(&u[done..]) {
-            *g = silu(*g) * u;
-        }
+        silu_mul_scalar(&mut g[done..], &u[done..]);
     }
+}
+
+#[inline(always)]
+fn silu_mul_scalar(g: &mut [f32], u: &[f32]) -> usize {
+    for (g, u) in g.iter_mut().zip(u) {
+        *g = silu(*g) * u;
+    }
+    g.len()
+}
+
+/// `silu_mul_scalar` compiled for AVX2 (Rust never fuses a multiply and an add on its own, so
+/// the vectorised loop rounds as the scalar one).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn silu_mul_avx2(g: &mut [f32], u: &[f32]) -> usize {
+    silu_mul_scalar(g, u)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -367,6 +385,13 @@ mod tests {
         silu_mul(&mut got, &u, inner);
         for i in 0..2 * inner {
             assert_eq!(got[i].to_bits(), (silu(g[i]) * u[i]).to_bits(), "{i}");
+        }
+        #[cfg(target_arch = "x86_64")]
+        if gemm::supported().contains(&gemm::Isa::Avx2) {
+            let mut avx2 = g.clone();
+            // SAFETY: the CPU has AVX2 and FMA (checked).
+            unsafe { silu_mul_avx2(&mut avx2, &u) };
+            assert_eq!(avx2, got);
         }
     }
 

@@ -410,7 +410,9 @@ fn small_gemm(
     bf16_weights: bool,
 ) -> PyResult<()> {
     if !gemm::available() {
-        return Err(NativeError::new_err("small_gemm: this CPU has no AVX-512F"));
+        return Err(NativeError::new_err(
+            "small_gemm: this CPU has neither AVX-512F nor AVX2 with FMA",
+        ));
     }
     if !(1..=gemm::MAX_ROWS).contains(&m) || n == 0 || k == 0 || x == 0 || w == 0 || out == 0 {
         return Err(PyValueError::new_err(format!(

@@ -3,7 +3,9 @@ through the extension's small GEMM (`rust/src/small_gemm.rs`).
 
 Why: a CPU decode step multiplies a handful of rows (1 per sequence, k + 1 in a verify step)
 by every weight matrix. MKL, behind `F.linear`, takes ~1.9x the 1-row time for 4 rows on
-AVX-512 CPUs; the native kernel reads each weight once for all rows (4 rows ~1.1x one), and a
+AVX-512 CPUs (and on AVX2-only CPUs reads a 1-row step's weights at a fraction of the memory
+bandwidth); the native kernel (AVX-512F, or AVX2 with FMA) reads each weight once for all rows
+(4 rows ~1.1x one), and a
 row's result does not depend on the other rows of the call, so a verify step reproduces the
 1-row decode step bit for bit. Prefill and large batches (> SMALL_GEMM_MAX_ROWS rows) stay on
 `F.linear`, as does anything that needs autograd.
