@@ -289,7 +289,12 @@ unsafe fn head_avx512(job: &Head, out: *mut f32) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn head_avx2(job: &Head, out: *mut f32) {
-    by_head_dim(job, out)
+    // R rows at a time: R * head_dim / 8 accumulators in registers (of 16)
+    match job.layout.head_dim {
+        64 => avx2::heads::<4, 2>(job, out),
+        128 => avx2::heads::<8, 1>(job, out),
+        _ => by_head_dim(job, out),
+    }
 }
 
 unsafe fn head_portable(job: &Head, out: *mut f32) {
@@ -619,6 +624,217 @@ pub(crate) mod avx512 {
                 let dst = out.add(at[r]);
                 for (c, a) in acc[r].iter().enumerate() {
                     _mm512_storeu_ps(dst.add(c * LANES), _mm512_div_ps(*a, total));
+                }
+            }
+            first_row += rows;
+        }
+    }
+}
+
+/// `avx512::heads` for AVX2 CPUs: a 16-lane chunk of a row is two 8-lane halves (lanes 0-7,
+/// 8-15), and 8 keys' scores are reduced together; every operation of a row mirrors the
+/// generic `head` in the same order (mul then add, never fused; `dot`'s lane reduction;
+/// `exp_nonpositive`), so the results are its bits.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{exp_nonpositive, Head, EXP_MIN, EXP_POLY, LANES, LN2_HI, LN2_LO, ROUND};
+    use std::arch::x86_64::*;
+
+    /// Levels 2-4 of `dot`'s reduction for 8 keys, given level 1 (h[i] = x[i] + x[i + 8],
+    /// 8 lanes per key): lane s of the result is key s's (q0 + q2) + (q1 + q3), where
+    /// q[i] = h[i] + h[i + 4].
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn reduce8(h: &[__m256; 8]) -> __m256 {
+        // [q of key a | q of key b]
+        let pair = |a: __m256, b: __m256| {
+            _mm256_add_ps(
+                _mm256_permute2f128_ps::<0x20>(a, b),
+                _mm256_permute2f128_ps::<0x31>(a, b),
+            )
+        };
+        // keys (a, b, c, d) from [qa | qb], [qc | qd]: [a02, a13, c02, c13 | b02, b13, d02, d13]
+        let four = |ab: __m256, cd: __m256| {
+            _mm256_add_ps(
+                _mm256_shuffle_ps::<0x44>(ab, cd),
+                _mm256_shuffle_ps::<0xEE>(ab, cd),
+            )
+        };
+        let x0 = four(pair(h[0], h[1]), pair(h[2], h[3]));
+        let x1 = four(pair(h[4], h[5]), pair(h[6], h[7]));
+        // [k0, k2, k4, k6 | k1, k3, k5, k7]
+        let y = _mm256_add_ps(
+            _mm256_shuffle_ps::<0x88>(x0, x1),
+            _mm256_shuffle_ps::<0xDD>(x0, x1),
+        );
+        _mm256_permutevar8x32_ps(y, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
+    }
+
+    /// `exp_nonpositive` on 8 lanes, operation for operation (the clamp as compare + blend).
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn exp8(x: __m256) -> __m256 {
+        let c = _mm256_set1_ps;
+        let (low, zero, round) = (c(EXP_MIN), _mm256_setzero_ps(), c(ROUND));
+        let below = _mm256_cmp_ps::<_CMP_LT_OQ>(x, low);
+        let clamped = _mm256_blendv_ps(x, low, below);
+        let clamped = _mm256_blendv_ps(clamped, zero, _mm256_cmp_ps::<_CMP_GT_OQ>(clamped, zero));
+        let scaled = _mm256_mul_ps(clamped, c(std::f32::consts::LOG2_E));
+        let n = _mm256_sub_ps(_mm256_add_ps(scaled, round), round);
+        let r = _mm256_sub_ps(
+            _mm256_sub_ps(clamped, _mm256_mul_ps(n, c(LN2_HI))),
+            _mm256_mul_ps(n, c(LN2_LO)),
+        );
+        let mut p = _mm256_add_ps(_mm256_mul_ps(c(EXP_POLY[0]), r), c(EXP_POLY[1]));
+        for &k in &EXP_POLY[2..] {
+            p = _mm256_add_ps(_mm256_mul_ps(p, r), c(k));
+        }
+        let e = _mm256_add_ps(
+            _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r),
+            c(1.0),
+        );
+        let exponent = _mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127));
+        let two_n = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(exponent));
+        _mm256_blendv_ps(_mm256_mul_ps(e, two_n), zero, below)
+    }
+
+    /// The rows of `job` (its heads' query rows), R at a time, head_dim = 16 * NV, walked as
+    /// in `avx512::heads` (the runs of the longest row, cut at each row's own last key).
+    /// SAFETY (caller): as for `head`, for each of the job's heads at `out` + m * head_dim.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn heads<const NV: usize, const R: usize>(job: &Head, out: *mut f32) {
+        let l = &job.layout;
+        let (d, bs) = (NV * LANES, l.block_size);
+        debug_assert_eq!(d, l.head_dim);
+        let token_stride = l.num_kv_heads * d;
+        let v_offset = l.num_blocks * bs * token_stride;
+        let cache = job.kv_cache.as_ptr();
+        let scale = _mm256_set1_ps(job.scale);
+        let rows_total = job.heads * job.q_len;
+        let mut first_row = 0;
+        while first_row < rows_total {
+            let rows = R.min(rows_total - first_row);
+            let mut keys = [0usize; R]; // keys of row r: positions 0..keys[r]
+            let mut at = [0usize; R]; // offset of row r in q and out
+            for r in 0..rows {
+                let (j, m) = ((first_row + r) / job.heads, (first_row + r) % job.heads);
+                keys[r] = job.k_len - job.q_len + j + 1;
+                at[r] = m * d + j * job.row_stride;
+            }
+            let longest = keys[..rows].iter().copied().max().unwrap_or(0);
+            // acc[r][2c + h]: half h of 16-lane chunk c of row r's weighted values
+            let mut acc = [[[_mm256_setzero_ps(); 2]; NV]; R];
+            let mut max = [f32::NEG_INFINITY; R];
+            let mut sum = [0f32; R];
+            let mut weights = [[0f32; LANES]; R];
+            let run = |t: usize| {
+                let first =
+                    (job.table[t / bs] as usize * bs + t % bs) * token_stride + job.kv_head * d;
+                (first, (bs - t % bs).min(longest - t).min(LANES - t % LANES))
+            };
+            let mut t = 0;
+            while t < longest {
+                let (first, n) = run(t);
+                if t + n < longest {
+                    // prefetch the next run's keys and values into L2 (see `avx512`)
+                    let (next_first, next_n) = run(t + n);
+                    for i in 0..next_n {
+                        for line in (0..d).step_by(LANES) {
+                            let key = cache.add(next_first + i * token_stride + line);
+                            _mm_prefetch::<_MM_HINT_T1>(key as *const i8);
+                            _mm_prefetch::<_MM_HINT_T1>(key.add(v_offset) as *const i8);
+                        }
+                    }
+                }
+                let mut count = [0usize; R];
+                for r in 0..rows {
+                    count[r] = n.min(keys[r].saturating_sub(t));
+                    let seen = count[r];
+                    if seen == 0 {
+                        continue;
+                    }
+                    let query = job.q[at[r]..][..d].as_ptr();
+                    let mut scores = [0f32; LANES];
+                    for (g, group) in scores
+                        .chunks_exact_mut(8)
+                        .enumerate()
+                        .take(seen.div_ceil(8))
+                    {
+                        // level 1 of each key's reduction; 0 for keys past `seen` (never read)
+                        let mut h = [_mm256_setzero_ps(); 8];
+                        for (i, hi) in h.iter_mut().enumerate() {
+                            if 8 * g + i >= seen {
+                                break;
+                            }
+                            let key = cache.add(first + (8 * g + i) * token_stride);
+                            let (mut lo, mut up) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                            for c in 0..NV {
+                                let (qc, kc) = (query.add(c * LANES), key.add(c * LANES));
+                                lo = _mm256_add_ps(
+                                    lo,
+                                    _mm256_mul_ps(_mm256_loadu_ps(qc), _mm256_loadu_ps(kc)),
+                                );
+                                up = _mm256_add_ps(
+                                    up,
+                                    _mm256_mul_ps(
+                                        _mm256_loadu_ps(qc.add(8)),
+                                        _mm256_loadu_ps(kc.add(8)),
+                                    ),
+                                );
+                            }
+                            *hi = _mm256_add_ps(lo, up);
+                        }
+                        _mm256_storeu_ps(group.as_mut_ptr(), _mm256_mul_ps(reduce8(&h), scale));
+                    }
+                    let run_max = scores[..seen]
+                        .iter()
+                        .fold(f32::NEG_INFINITY, |m, &s| m.max(s));
+                    if run_max > max[r] {
+                        if sum[r] > 0.0 {
+                            // rescale what was summed against the old maximum
+                            let shrink = exp_nonpositive(max[r] - run_max);
+                            sum[r] *= shrink;
+                            let s = _mm256_set1_ps(shrink);
+                            for a in acc[r].iter_mut().flatten() {
+                                *a = _mm256_mul_ps(*a, s);
+                            }
+                        }
+                        max[r] = run_max;
+                    }
+                    let m = _mm256_set1_ps(max[r]);
+                    for (w, s) in weights[r].chunks_exact_mut(8).zip(scores.chunks_exact(8)) {
+                        let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s.as_ptr()), m));
+                        _mm256_storeu_ps(w.as_mut_ptr(), e);
+                    }
+                }
+                #[allow(clippy::needless_range_loop)]
+                for i in 0..n {
+                    let value = cache.add(v_offset + first + i * token_stride);
+                    for r in 0..rows {
+                        if i < count[r] {
+                            let w = weights[r][i];
+                            sum[r] += w;
+                            let wv = _mm256_set1_ps(w);
+                            for (c, a) in acc[r].iter_mut().enumerate() {
+                                let vc = value.add(c * LANES);
+                                a[0] = _mm256_add_ps(a[0], _mm256_mul_ps(wv, _mm256_loadu_ps(vc)));
+                                a[1] = _mm256_add_ps(
+                                    a[1],
+                                    _mm256_mul_ps(wv, _mm256_loadu_ps(vc.add(8))),
+                                );
+                            }
+                        }
+                    }
+                }
+                t += n;
+            }
+            for r in 0..rows {
+                let total = _mm256_set1_ps(sum[r]);
+                let dst = out.add(at[r]);
+                for (c, a) in acc[r].iter().enumerate() {
+                    _mm256_storeu_ps(dst.add(c * LANES), _mm256_div_ps(a[0], total));
+                    _mm256_storeu_ps(dst.add(c * LANES + 8), _mm256_div_ps(a[1], total));
                 }
             }
             first_row += rows;
