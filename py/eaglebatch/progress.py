@@ -58,10 +58,11 @@ class ProgressView:
         elif now - self._last_log >= self.log_every_s:
             self._last_log = now
             done, total = p["requests_done"], max(p["requests_total"], 1)
-            eta = (now - self.start) / max(done, 1) * (total - done)
+            # no finished request yet (the first prefills): no rate to extrapolate from
+            eta = f"{(now - self.start) / done * (total - done):.0f}s" if done else "unknown"
             print(
                 f"[eaglebatch] {done}/{total} requests, {tok_s:.1f} output tok/s, "
-                f"ETA {eta:.0f}s",
+                f"ETA {eta}",
                 file=sys.stderr,
                 flush=True,
             )
