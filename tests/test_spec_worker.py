@@ -6,6 +6,7 @@ sampled distribution; adaptive draft length."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import Counter
 from dataclasses import dataclass
 
@@ -162,6 +163,55 @@ def test_adaptive_draft_length_is_lossless(env) -> None:
     assert out == env.plain
     ks = {k for b in worker.policy.buckets.values() for k in b.t_round}
     assert ks == {0, 1, 2, 3, 4}  # every k was measured (the sweep) and gave the same tokens
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_deferred_extends_catch_up_to_the_same_draft_state(env, kind) -> None:
+    """Rounds the policy runs with k = 0 defer their draft extend; the next round with drafts
+    first extends over all of them, after which every row's chain equals a fresh one from the
+    recomputed state. Past MAX_DEFERRED deferred rounds a row leaves the head (stale): its
+    drafts are never made or accepted, and the output stays plain greedy."""
+    from eaglebatch.speculative.worker import MAX_DEFERRED
+
+    k = 3
+    reqs = env.reqs[:4]
+    worker = spec_worker(env, kind, k, adaptive=True)
+    script = [0, 0, 3, 0, 2, 0, 0, 0, 3, 1] + [0] * (MAX_DEFERRED + 1)
+    choices = itertools.chain(script, itertools.repeat(3))
+    worker.policy.choose = lambda b: next(choices)
+    sched = FakeScheduler(
+        fake_requests(reqs, 40), num_blocks=512, block_size=4, max_batch_size=8,
+        max_model_len=MAX_LEN, num_speculative_tokens=k,
+    )  # fmt: skip  (40 more tokens each: long enough to go stale)
+    model, draft = worker.model, worker.draft
+    real = draft.argmax_tokens
+    recorded: list[torch.Tensor] = []
+    draft.argmax_tokens = lambda h: recorded.append(real(h)) or recorded[-1]
+    verify = worker._verify
+    checked = [0]
+
+    def hooked(plan):
+        stale = worker.stale[plan.slots].copy()
+        seqs = [next(r.seq for r in sched.requests if r.slot == int(s)) for s in plan.slots]
+        expected = [None if stale[i] else recompute(model, draft, real, seq, k)[1]
+                    for i, seq in enumerate(seqs)]  # fmt: skip
+        recorded.clear()
+        out = verify(plan)
+        if recorded:  # the head ran: after the catch-up, from the recomputed state
+            got = torch.stack(recorded, dim=1)  # [B, k_head]
+            for i, chain in enumerate(expected):
+                if chain is not None:
+                    assert got[i].tolist() == chain[: got.shape[1]]
+                    checked[0] += 1
+        return out
+
+    worker._verify = hooked
+    out = sched.run(worker)
+    plain, _ = run(target_worker(env.target), reqs, extra=40)
+    assert out == plain
+    assert checked[0] >= 8
+    assert worker.stats.deferred_extends > 0 and worker.stats.stale_rows > 0
+    assert worker.stale.any()
 
 
 # ---- prompt lookup ------------------------------------------------------------------------------

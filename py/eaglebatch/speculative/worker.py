@@ -27,8 +27,17 @@ Plans (see _native.pyi and the speculative plan contract):
     policy a row's n_i depends only on its own sequence: min(proposal, lookup_tokens) when it
     drafts by lookup, else K, so sampled output does not depend on the batch. Steps 2-4 run
     over the round's width as usual, so the draft's state stays as the invariant below says.
-Invariant between steps, per running slot s: the draft's K/V is valid for positions 0..L-2
-(like the target's) and hidden[s] = h^d_{L-2}, the draft output at the last extended position.
+  * deferred extends (adaptive policy, eager steps): a round the policy runs with k = 0 drafts
+    nothing, so its step 4 is only bookkeeping for later rounds. It is deferred: each row keeps
+    the target's captured states and the new token of up to MAX_DEFERRED such rounds, and the
+    first round with k > 0 first extends the draft over all of them at once (one draft forward
+    over the deferred positions of every row that has some). A row with more deferred rounds
+    than that is dropped from the head for good ("stale": its draft state is never read again;
+    it drafts by prompt lookup or not at all), so a batch where the policy keeps choosing k = 0
+    stops paying for the draft.
+Invariant between steps, per running slot s that is not stale: the draft's K/V is valid for
+positions 0..L-2-d (like the target's, less the d = deferred[s] deferred positions) and
+hidden[s] = h^d_{L-2-d}, the draft output at the last extended position.
 K/V slots are the plan's: the draft's K/V of position p sits at the target's slot of p.
 
 Output per plan row: accepted drafts then the target's token (1..k+1 tokens), num_accepted.
@@ -58,6 +67,8 @@ from eaglebatch.speculative.verify import verify
 from eaglebatch.worker import Worker, check_graph_support, plan_metadata
 
 TREE_UNSUPPORTED = "speculative.topk > 1 (tree drafting) is not supported yet"
+# the most k = 0 rounds a row's draft extend waits for before the row leaves the head (module doc)
+MAX_DEFERRED = 8
 
 
 @dataclass
@@ -71,6 +82,8 @@ class SpecStats:
     lookup_rows: int = 0  # rows of rounds whose drafts came from prompt lookup
     lookup_drafted: int = 0
     lookup_accepted: int = 0
+    deferred_extends: int = 0  # rows of k = 0 rounds whose draft extend was deferred
+    stale_rows: int = 0  # sequences dropped from the head (more than MAX_DEFERRED deferred)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -148,6 +161,13 @@ class SpecWorker:
             max_batch_size, draft.config.hidden_size, dtype=draft.dtype, device=self.device
         )
         self.ready = np.zeros(max_batch_size, dtype=bool)  # slot has been prefilled
+        # deferred extends (module doc): per slot, how many; their tokens and captured states
+        self.deferred = np.zeros(max_batch_size, dtype=np.int64)
+        self.stale = np.zeros(max_batch_size, dtype=bool)
+        self.deferred_ids = torch.zeros(
+            max_batch_size, MAX_DEFERRED, dtype=torch.long, device=self.device
+        )
+        self.deferred_states: dict[int, torch.Tensor] = {}  # layer -> [slots, MAX_DEFERRED, H]
         self.policy = AdaptiveDraftLength(num_speculative_tokens) if adaptive else None
         self.lookup = None
         self.lookup_policy = None  # the width of rounds where every row drafts by lookup
@@ -322,6 +342,8 @@ class SpecWorker:
         )  # [B, h]
         self.hidden.index_copy_(0, self._dev(plan.slots), h)
         self.ready[plan.slots] = True
+        self.deferred[plan.slots] = 0
+        self.stale[plan.slots] = False
         self.stats.prefill_steps += 1
         out = tokens.to(torch.int32).cpu().numpy()
         n = len(out)
@@ -331,6 +353,63 @@ class SpecWorker:
                 seq = np.append(plan.input_ids[cu[i] : cu[i + 1]], out[i])
                 self.lookup.reset(int(slot), seq)
         return out, np.ones(n, dtype=np.int32), np.zeros(n, dtype=np.int32)
+
+    # ---- deferred draft extends (module doc) ---------------------------------------------------
+
+    def _defer(
+        self, slots: np.ndarray, tokens: torch.Tensor, captured: dict[int, torch.Tensor]
+    ) -> None:
+        """Keeps a k = 0 round's draft-extend input per row: the new token x_L (int64 [B]) and
+        the target's captured states at L-1 ({layer: [B, H]}). A row with MAX_DEFERRED already
+        kept becomes stale instead."""
+        live = ~self.stale[slots]
+        full = live & (self.deferred[slots] >= MAX_DEFERRED)
+        self.stale[slots[full]] = True
+        self.stats.stale_rows += int(full.sum())
+        keep = np.flatnonzero(live & ~full)
+        if len(keep) == 0:
+            return
+        rows = self._dev(keep)
+        at = (self._dev(slots[keep]), self._dev(self.deferred[slots[keep]]))  # (slot, index)
+        self.deferred_ids.index_put_(at, tokens.index_select(0, rows))
+        for layer, state in captured.items():
+            if layer not in self.deferred_states:
+                self.deferred_states[layer] = torch.zeros(
+                    *self.deferred_ids.shape, state.shape[-1], dtype=state.dtype,
+                    device=self.device,
+                )  # fmt: skip
+            self.deferred_states[layer].index_put_(at, state.index_select(0, rows))
+        self.deferred[slots[keep]] += 1
+        self.stats.deferred_extends += len(keep)
+
+    def _catch_up(self, plan, start: np.ndarray, block_tables: torch.Tensor) -> None:
+        """The deferred draft extends of the plan's rows (row i: positions start[i] - d_i ..
+        start[i] - 1, d_i = deferred[slot]) as one draft forward; restores the invariant."""
+        slots = plan.slots
+        rows = np.flatnonzero((self.deferred[slots] > 0) & ~self.stale[slots])
+        if len(rows) == 0:
+            return
+        d = self.deferred[slots[rows]]  # [R]
+        cu = np.concatenate(([0], np.cumsum(d)))  # [R+1]
+        index = np.concatenate([np.arange(x) for x in d])  # [T] deferral index of each query
+        row_of = np.repeat(rows, d)  # [T] plan row of each query
+        positions = start[row_of] - d.repeat(d) + index  # [T]
+        bs = self.budget.block_size
+        slot_mapping = plan.block_tables[row_of, positions // bs].astype(np.int64) * bs + (
+            positions % bs
+        )
+        at = (self._dev(slots[row_of]), self._dev(index))
+        captured = {layer: t[at] for layer, t in self.deferred_states.items()}
+        meta = self._meta(cu, start[rows], block_tables[self._dev(rows)], slot_mapping)
+        h = self._draft_forward(
+            self.deferred_ids[at],
+            self.draft.target_features(captured),
+            self._dev(positions),
+            meta,
+            select=self._dev(cu[1:] - 1),
+        )  # [R, h] h^d at start - 1
+        self.hidden.index_copy_(0, self._dev(slots[rows]), h)
+        self.deferred[slots[rows]] = 0
 
     # ---- verify round --------------------------------------------------------------------------
 
@@ -369,7 +448,11 @@ class SpecWorker:
             for i in np.flatnonzero(by_lookup):
                 proposals[i] = self.lookup.propose(int(slots[i]), k_plan)
                 n[i] = len(proposals[i])
-        return int(n.max(initial=0)), k, n, by_lookup, proposals, False
+        # stale rows (module doc; only with the policy) never draft by the head
+        head_rows = ~by_lookup & ~self.stale[slots]
+        n[~by_lookup & self.stale[slots]] = 0
+        k_head = k if head_rows.any() else 0
+        return int(n.max(initial=0)), k_head, n, by_lookup, proposals, False
 
     def _verify(self, plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         b = plan.num_seqs
@@ -384,6 +467,7 @@ class SpecWorker:
         if not self.ready[plan.slots].all():
             bad = plan.slots[~self.ready[plan.slots]].tolist()
             raise RuntimeError(f"verify plan uses slots {bad} that were never prefilled")
+        stale = self.stale[plan.slots]  # [B] rows the head no longer serves (module doc)
         k, k_head, n, by_lookup, proposals, lookup_round = self._round_shape(plan.slots, k_plan)
         # drafts int64 [B, k]: lookup rows' copied tokens, padding (0) after each row's n
         lookup_ids = np.zeros((b, k), dtype=np.int64)
@@ -397,6 +481,12 @@ class SpecWorker:
         per_row = np.arange(b + 1, dtype=np.int64)
 
         bp = None if self.graphs is None else self.graphs.bucket(b)  # None: eager
+        # a round of k = 0 chosen by the policy defers its draft extend; any other first
+        # extends the draft over what earlier rounds deferred (module doc)
+        defer = k == 0 and self.policy is not None and bp is None
+        tc = self._clock.mark()
+        if not defer:
+            self._catch_up(plan, start, block_tables)
         t0 = self._clock.mark()
         # 1. drafting: argmax only (topk == 1); the head's k_head drafts, padded to k
         draft_ids = torch.zeros(b, k, dtype=torch.long, device=self.device)  # [B, k] target ids
@@ -447,15 +537,18 @@ class SpecWorker:
             logits, draft_ids, *self._sampling(plan), self._dev(n) if padded else None
         )
 
-        # 4. draft extend over L-1..L-1+k; keep h^d at L-1+a
-        if bp is not None:
+        # 4. draft extend over L-1..L-1+k; keep h^d at L-1+a (or defer it: k == 0)
+        if defer:
+            self._defer(plan.slots, tokens[:, 0], captured)
+        elif bp is not None:
             h = self.graphs.draft_extend(bp, k, tokens, accepted)
+            self.hidden.index_copy_(0, slots, h)
         else:
             select = torch.arange(b, device=self.device) * (k + 1) + accepted  # [B]
             h = self._draft_forward(
                 tokens.reshape(-1), self.draft.target_features(captured), positions, meta, select
             )
-        self.hidden.index_copy_(0, slots, h)
+            self.hidden.index_copy_(0, slots, h)
 
         tokens_np = tokens.cpu().numpy()  # the step's only synchronisation
         accepted_np = accepted.cpu().numpy()
@@ -473,11 +566,14 @@ class SpecWorker:
             self.stats.lookup_rows += int(by_lookup.sum())
             self.stats.lookup_drafted += int(n[by_lookup].sum())
             self.stats.lookup_accepted += int(accepted_np[by_lookup].sum())
+        # a catch-up extend is part of its round's cost (the rounds that deferred cost less)
+        catch_up = self._clock.seconds(tc, t0)
         if lookup_round and self.lookup_policy is not None:
             # copied drafts cost nothing to make: the round's cost is its verify
             self.lookup_policy.record(
-                b, k, None, self._clock.seconds(t1, t2), accepted_np.tolist(), n.tolist()
-            )
+                b, k, None, catch_up + self._clock.seconds(t1, t2), accepted_np.tolist(),
+                n.tolist(),
+            )  # fmt: skip
         elif self.policy is not None and (k == 0 or head_drafts):
             # the head's cost and acceptance model learns from the head's drafts only
             drafting = self._clock.seconds(t0, t1)
@@ -485,8 +581,8 @@ class SpecWorker:
                 b,
                 k_head,
                 drafting / k_head if k_head > 0 else None,
-                self._clock.seconds(t1, t2),
-                accepted_np[~by_lookup].tolist(),
+                catch_up + self._clock.seconds(t1, t2),
+                accepted_np[~by_lookup & ~stale].tolist(),
             )
         return (
             tokens_np[keep].astype(np.int32),
