@@ -387,7 +387,7 @@ mod tests {
             assert_eq!(got[i].to_bits(), (silu(g[i]) * u[i]).to_bits(), "{i}");
         }
         #[cfg(target_arch = "x86_64")]
-        if gemm::supported().contains(&gemm::Isa::Avx2) {
+        if gemm::runs(gemm::Isa::Avx2) {
             let mut avx2 = g.clone();
             // SAFETY: the CPU has AVX2 and FMA (checked).
             unsafe { silu_mul_avx2(&mut avx2, &u) };

@@ -31,39 +31,36 @@ pub enum Isa {
     Avx2,
 }
 
-/// The widest copy this CPU runs (x86-64 with AVX-512F, else AVX2 and FMA), None without.
-pub fn isa() -> Option<Isa> {
+/// Whether this CPU runs the `isa` copy.
+pub fn runs(isa: Isa) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            return Some(Isa::Avx512);
+        match isa {
+            Isa::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
+            Isa::Avx2 => {
+                std::arch::is_x86_feature_detected!("avx2")
+                    && std::arch::is_x86_feature_detected!("fma")
+            }
         }
-        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-        {
-            return Some(Isa::Avx2);
-        }
-    }
-    None
-}
-
-/// Every copy this CPU runs (for tests that compare them).
-pub fn supported() -> Vec<Isa> {
-    match isa() {
-        Some(Isa::Avx512) if isa_avx2() => vec![Isa::Avx512, Isa::Avx2],
-        Some(i) => vec![i],
-        None => vec![],
-    }
-}
-
-fn isa_avx2() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
+        let _ = isa;
         false
     }
+}
+
+/// The widest copy this CPU runs (x86-64 with AVX-512F, else AVX2 and FMA), None without.
+pub fn isa() -> Option<Isa> {
+    [Isa::Avx512, Isa::Avx2].into_iter().find(|&i| runs(i))
+}
+
+/// Every copy this CPU runs, widest first (for tests that compare them).
+pub fn supported() -> Vec<Isa> {
+    [Isa::Avx512, Isa::Avx2]
+        .into_iter()
+        .filter(|&i| runs(i))
+        .collect()
 }
 
 /// True when this CPU can run the kernel (see `isa`).
@@ -104,10 +101,7 @@ fn run<W: Weight>(
     (m, n, k): (usize, usize, usize),
     threads: usize,
 ) {
-    assert!(
-        supported().contains(&isa),
-        "small_gemm: this CPU cannot run {isa:?}"
-    );
+    assert!(runs(isa), "small_gemm: this CPU cannot run {isa:?}");
     assert!(
         (1..=MAX_ROWS).contains(&m),
         "small_gemm takes 1..={MAX_ROWS} rows, got {m}"
