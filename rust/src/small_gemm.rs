@@ -142,6 +142,46 @@ fn run<W: Weight>(
 /// Weight rows computed together (their loads share each x load).
 const BLOCK: usize = 2;
 
+/// Output columns `cols` of all m rows, for either copy: `tile2` computes a tile of up to
+/// `group` x rows against two weight rows, `tile1` against one; each takes (x rows, x, weight
+/// rows, out, their output columns), x and out at the tile's first row.
+///
+/// A tile's BLOCK weight rows come from the two halves of `cols` (rows j and j + half),
+/// not from adjacent rows: two streams that run side by side through the same few KiB of
+/// a matrix (adjacent rows are 2.3-6 KiB apart here) defeat the CPU's stream prefetcher.
+/// Measured on one core of this AMD EPYC, 49152 x 576 float32: 12 GB/s for adjacent rows,
+/// 23 GB/s for rows half the range apart, 1 row (12 -> 23) and 4 rows (10 -> 18) alike.
+/// SAFETY (caller): x [m, k], w [n, k] and out [m, n] are valid, cols lies in 0..n.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn pair_rows<W>(
+    x: *const f32,
+    w: *const W,
+    out: *mut f32,
+    (m, n, k): (usize, usize, usize),
+    cols: std::ops::Range<usize>,
+    group: usize,
+    tile2: impl Fn(usize, *const f32, [*const W; 2], *mut f32, [usize; 2]),
+    tile1: impl Fn(usize, *const f32, [*const W; 1], *mut f32, [usize; 1]),
+) {
+    let half = (cols.end - cols.start).div_ceil(BLOCK);
+    for a in cols.start..cols.start + half {
+        let b = a + half; // the partner row; none for the middle row of an odd range
+        let mut i = 0;
+        while i < m {
+            let rows = group.min(m - i);
+            let (xi, oi) = (x.add(i * k), out.add(i * n));
+            if b < cols.end {
+                tile2(rows, xi, [w.add(a * k), w.add(b * k)], oi, [a, b]);
+            } else {
+                tile1(rows, xi, [w.add(a * k)], oi, [a]);
+            }
+            i += rows;
+        }
+    }
+}
+
 /// A weight element: float32, or bfloat16 bits (u16) that each copy widens while loading.
 #[cfg(target_arch = "x86_64")]
 pub trait Weight: avx512::Weight + avx2::Weight {}
@@ -152,7 +192,6 @@ impl Weight for u16 {}
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::BLOCK;
     use std::arch::x86_64::*;
 
     /// A weight element the kernel loads as 16 float32 lanes.
@@ -205,13 +244,7 @@ mod avx512 {
     /// times the 1-row time, which does not change.
     const PREFETCH: usize = 4096;
 
-    /// Output columns `cols` of all m rows.
-    ///
-    /// A tile's BLOCK weight rows come from the two halves of `cols` (rows j and j + half),
-    /// not from adjacent rows: two streams that run side by side through the same few KiB of
-    /// a matrix (adjacent rows are 2.3-6 KiB apart here) defeat the CPU's stream prefetcher.
-    /// Measured on one core of this AMD EPYC, 49152 x 576 float32: 12 GB/s for adjacent rows,
-    /// 23 GB/s for rows half the range apart, 1 row (12 -> 23) and 4 rows (10 -> 18) alike.
+    /// Output columns `cols` of all m rows (`super::pair_rows`).
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn rows<W: Weight>(
         x: *const f32,
@@ -220,22 +253,17 @@ mod avx512 {
         (m, n, k): (usize, usize, usize),
         cols: std::ops::Range<usize>,
     ) {
-        let half = (cols.end - cols.start).div_ceil(BLOCK);
-        for a in cols.start..cols.start + half {
-            let b = a + half; // the partner row; none for the middle row of an odd range
-            let mut i = 0;
-            while i < m {
-                let rows = GROUP.min(m - i);
-                let xi = x.add(i * k);
-                let oi = out.add(i * n);
-                if b < cols.end {
-                    tiles::<W, 2>(rows, xi, [w.add(a * k), w.add(b * k)], oi, [a, b], n, k);
-                } else {
-                    tiles::<W, 1>(rows, xi, [w.add(a * k)], oi, [a], n, k);
-                }
-                i += rows;
-            }
-        }
+        super::pair_rows(
+            x,
+            w,
+            out,
+            (m, n, k),
+            cols,
+            GROUP,
+            // SAFETY: pair_rows passes tiles inside the shapes `rows` was given
+            |r, xi, wp, oi, c| unsafe { tiles::<W, 2>(r, xi, wp, oi, c, n, k) },
+            |r, xi, wp, oi, c| unsafe { tiles::<W, 1>(r, xi, wp, oi, c, n, k) },
+        )
     }
 
     /// `tile` for `rows` (1..=GROUP) x rows.
@@ -318,7 +346,6 @@ mod avx512 {
 /// needs them, so one output's operations depend on k only.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::BLOCK;
     use std::arch::x86_64::*;
 
     /// A weight element the kernel loads as 8 float32 lanes.
@@ -369,7 +396,7 @@ mod avx2 {
     /// Software prefetch distance along a weight row, in elements, into L2 (as `avx512`).
     const PREFETCH: usize = 4096;
 
-    /// Output columns `cols` of all m rows; weight rows paired as in `avx512::rows`.
+    /// Output columns `cols` of all m rows (`super::pair_rows`).
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn rows<W: Weight>(
         x: *const f32,
@@ -378,22 +405,17 @@ mod avx2 {
         (m, n, k): (usize, usize, usize),
         cols: std::ops::Range<usize>,
     ) {
-        let half = (cols.end - cols.start).div_ceil(BLOCK);
-        for a in cols.start..cols.start + half {
-            let b = a + half; // the partner row; none for the middle row of an odd range
-            let mut i = 0;
-            while i < m {
-                let rows = GROUP.min(m - i);
-                let xi = x.add(i * k);
-                let oi = out.add(i * n);
-                if b < cols.end {
-                    tiles::<W, 2>(rows, xi, [w.add(a * k), w.add(b * k)], oi, [a, b], n, k);
-                } else {
-                    tiles::<W, 1>(rows, xi, [w.add(a * k)], oi, [a], n, k);
-                }
-                i += rows;
-            }
-        }
+        super::pair_rows(
+            x,
+            w,
+            out,
+            (m, n, k),
+            cols,
+            GROUP,
+            // SAFETY: pair_rows passes tiles inside the shapes `rows` was given
+            |r, xi, wp, oi, c| unsafe { tiles::<W, 2>(r, xi, wp, oi, c, n, k) },
+            |r, xi, wp, oi, c| unsafe { tiles::<W, 1>(r, xi, wp, oi, c, n, k) },
+        )
     }
 
     /// `tile` for `rows` (1..=GROUP) x rows.
