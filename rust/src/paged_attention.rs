@@ -410,12 +410,92 @@ pub(crate) fn exp_nonpositive(x: f32) -> f32 {
     }
 }
 
+/// One pass of the SIMD copies (`avx512::heads`, `avx2::heads`) over up to R of a job's rows:
+/// row x is (query row j, head m), and rows of one j share their keys. The pass walks the keys
+/// of its longest row in `head`'s runs; a row's own runs are the same ones, cut at its own
+/// last key.
+#[cfg(target_arch = "x86_64")]
+struct Pass<'a, const R: usize> {
+    job: &'a Head<'a>,
+    d: usize,
+    keys: [usize; R],    // keys of row r: positions 0..keys[r]
+    at: [usize; R],      // offset of row r in q and out
+    longest: usize,      // the most keys of a row
+    token_stride: usize, // floats between consecutive slots
+    v_offset: usize,     // the V half of the cache
+}
+
+#[cfg(target_arch = "x86_64")]
+impl<'a, const R: usize> Pass<'a, R> {
+    /// Rows first_row..first_row + rows of `job` (rows <= R), head_dim d.
+    #[inline(always)]
+    fn new(job: &'a Head<'a>, d: usize, first_row: usize, rows: usize) -> Self {
+        let l = &job.layout;
+        let (mut keys, mut at) = ([0usize; R], [0usize; R]);
+        for r in 0..rows {
+            let (j, m) = ((first_row + r) / job.heads, (first_row + r) % job.heads);
+            keys[r] = job.k_len - job.q_len + j + 1;
+            at[r] = m * d + j * job.row_stride;
+        }
+        let token_stride = l.num_kv_heads * d;
+        Pass {
+            job,
+            d,
+            keys,
+            at,
+            longest: keys[..rows].iter().copied().max().unwrap_or(0),
+            token_stride,
+            v_offset: l.num_blocks * l.block_size * token_stride,
+        }
+    }
+
+    /// The run of keys starting at position t: (offset in the cache of its first key, its
+    /// length: up to the end of t's block and of t's group of LANES keys).
+    #[inline(always)]
+    fn run(&self, t: usize) -> (usize, usize) {
+        let (job, bs) = (self.job, self.job.layout.block_size);
+        let first =
+            (job.table[t / bs] as usize * bs + t % bs) * self.token_stride + job.kv_head * self.d;
+        (
+            first,
+            (bs - t % bs).min(self.longest - t).min(LANES - t % LANES),
+        )
+    }
+
+    /// Prefetches the keys and values of the run at position t, if the pass has one, into L2:
+    /// it may sit in another block (anywhere in the cache, where no hardware prefetcher looks),
+    /// so it is asked for while the current run computes (a prefetch changes no result).
+    /// Measured (one layer of SmolLM2's shape, 2 threads, AVX-512): a decode step of 64
+    /// sequences of 600 tokens 5.6-5.7 -> 4.1-4.2 ms, one sequence of 2,000 tokens 297-343 ->
+    /// 225-233 µs; into L1 no faster than none.
+    #[inline(always)]
+    fn prefetch_next(&self, t: usize) {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+        if t >= self.longest {
+            return;
+        }
+        let (first, n) = self.run(t);
+        let cache = self.job.kv_cache.as_ptr();
+        for i in 0..n {
+            // LANES float32 = one 64-byte cache line
+            for line in (0..self.d).step_by(LANES) {
+                let key = cache.wrapping_add(first + i * self.token_stride + line);
+                // SAFETY: a prefetch reads nothing and cannot fault
+                unsafe {
+                    _mm_prefetch::<_MM_HINT_T1>(key as *const i8);
+                    _mm_prefetch::<_MM_HINT_T1>(key.wrapping_add(self.v_offset) as *const i8);
+                }
+            }
+        }
+    }
+}
+
 /// `head` written with AVX-512 intrinsics for head_dim = 16 * NV, R rows of a job at a time
 /// (see the module doc). Every operation of a row mirrors the generic one, in the same order:
 /// mul then add (never fused), `dot`'s lane reduction and `exp_nonpositive`.
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512 {
-    use super::{exp_nonpositive, Head, EXP_MIN, EXP_POLY, LANES, LN2_HI, LN2_LO, ROUND};
+    use super::{exp_nonpositive, Head, Pass, EXP_MIN, EXP_POLY, LANES, LN2_HI, LN2_LO, ROUND};
     use std::arch::x86_64::*;
 
     /// Levels 1-2 of `dot`'s reduction for the 16-lane products of keys a, b, c, d: 128-bit
@@ -494,67 +574,32 @@ pub(crate) mod avx512 {
         _mm512_mask_mov_ps(_mm512_mul_ps(e, two_n), below, zero)
     }
 
-    /// Where the next run's keys and values are prefetched to: L2. Measured (one layer of
-    /// SmolLM2's shape, 2 threads): a decode step of 64 sequences of 600 tokens 5.6-5.7 ->
-    /// 4.1-4.2 ms, one sequence of 2,000 tokens 297-343 -> 225-233 µs; into L1 no faster
-    /// than none.
-    const PF_HINT: i32 = _MM_HINT_T1;
-
     /// The rows of `job` (its heads' query rows), R at a time. A pass walks the keys of its
     /// longest row in `head`'s runs; a row's own runs are the same ones, cut at its own last key.
     /// SAFETY (caller): as for `head`, for each of the job's heads at `out` + m * head_dim.
     #[inline]
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn heads<const NV: usize, const R: usize>(job: &Head, out: *mut f32) {
-        let l = &job.layout;
-        let (d, bs) = (NV * LANES, l.block_size);
-        debug_assert_eq!(d, l.head_dim);
-        let token_stride = l.num_kv_heads * d;
-        let v_offset = l.num_blocks * bs * token_stride;
+        let d = NV * LANES;
+        debug_assert_eq!(d, job.layout.head_dim);
         let cache = job.kv_cache.as_ptr();
         let scale = _mm512_set1_ps(job.scale);
         let rows_total = job.heads * job.q_len;
         let mut first_row = 0;
         while first_row < rows_total {
             let rows = R.min(rows_total - first_row);
-            // row x = (query row j, head m); rows of one j share their keys
-            let mut keys = [0usize; R]; // keys of row r: positions 0..keys[r]
-            let mut at = [0usize; R]; // offset of row r in q and out
-            for r in 0..rows {
-                let (j, m) = ((first_row + r) / job.heads, (first_row + r) % job.heads);
-                keys[r] = job.k_len - job.q_len + j + 1;
-                at[r] = m * d + j * job.row_stride;
-            }
-            let longest = keys[..rows].iter().copied().max().unwrap_or(0);
+            let pass = Pass::<R>::new(job, d, first_row, rows);
+            let (keys, at, longest) = (pass.keys, pass.at, pass.longest);
+            let (token_stride, v_offset) = (pass.token_stride, pass.v_offset);
             let mut acc = [[_mm512_setzero_ps(); NV]; R];
             let mut max = [f32::NEG_INFINITY; R];
             let mut sum = [0f32; R];
             let mut weights = [[0f32; LANES]; R];
-            // the run of keys starting at position t: (offset in the cache of its first key,
-            // its length: up to the end of t's block and of t's group of LANES keys)
-            let run = |t: usize| {
-                let first =
-                    (job.table[t / bs] as usize * bs + t % bs) * token_stride + job.kv_head * d;
-                (first, (bs - t % bs).min(longest - t).min(LANES - t % LANES))
-            };
             let mut t = 0;
             while t < longest {
                 // in bounds: `check` validated the block id and the cache size
-                let (first, n) = run(t);
-                if t + n < longest {
-                    // the next run's keys and values may sit in another block (anywhere in
-                    // the cache, where no hardware prefetcher looks): ask for them now, while
-                    // this run computes (`PF_HINT`; a prefetch changes no result)
-                    let (next_first, next_n) = run(t + n);
-                    for i in 0..next_n {
-                        // LANES float32 = one 64-byte cache line
-                        for line in (0..d).step_by(LANES) {
-                            let key = cache.add(next_first + i * token_stride + line);
-                            _mm_prefetch::<PF_HINT>(key as *const i8);
-                            _mm_prefetch::<PF_HINT>(key.add(v_offset) as *const i8);
-                        }
-                    }
-                }
+                let (first, n) = pass.run(t);
+                pass.prefetch_next(t + n);
                 let mut count = [0usize; R]; // keys of this run that row r sees
                 for r in 0..rows {
                     count[r] = n.min(keys[r].saturating_sub(t));
@@ -637,7 +682,7 @@ pub(crate) mod avx512 {
 /// `exp_nonpositive`), so the results are its bits.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::{exp_nonpositive, Head, EXP_MIN, EXP_POLY, LANES, LN2_HI, LN2_LO, ROUND};
+    use super::{exp_nonpositive, Head, Pass, EXP_MIN, EXP_POLY, LANES, LN2_HI, LN2_LO, ROUND};
     use std::arch::x86_64::*;
 
     /// Levels 2-4 of `dot`'s reduction for 8 keys, given level 1 (h[i] = x[i] + x[i + 8],
@@ -704,49 +749,26 @@ mod avx2 {
     #[inline]
     #[target_feature(enable = "avx2")]
     pub(super) unsafe fn heads<const NV: usize, const R: usize>(job: &Head, out: *mut f32) {
-        let l = &job.layout;
-        let (d, bs) = (NV * LANES, l.block_size);
-        debug_assert_eq!(d, l.head_dim);
-        let token_stride = l.num_kv_heads * d;
-        let v_offset = l.num_blocks * bs * token_stride;
+        let d = NV * LANES;
+        debug_assert_eq!(d, job.layout.head_dim);
         let cache = job.kv_cache.as_ptr();
         let scale = _mm256_set1_ps(job.scale);
         let rows_total = job.heads * job.q_len;
         let mut first_row = 0;
         while first_row < rows_total {
             let rows = R.min(rows_total - first_row);
-            let mut keys = [0usize; R]; // keys of row r: positions 0..keys[r]
-            let mut at = [0usize; R]; // offset of row r in q and out
-            for r in 0..rows {
-                let (j, m) = ((first_row + r) / job.heads, (first_row + r) % job.heads);
-                keys[r] = job.k_len - job.q_len + j + 1;
-                at[r] = m * d + j * job.row_stride;
-            }
-            let longest = keys[..rows].iter().copied().max().unwrap_or(0);
+            let pass = Pass::<R>::new(job, d, first_row, rows);
+            let (keys, at, longest) = (pass.keys, pass.at, pass.longest);
+            let (token_stride, v_offset) = (pass.token_stride, pass.v_offset);
             // acc[r][2c + h]: half h of 16-lane chunk c of row r's weighted values
             let mut acc = [[[_mm256_setzero_ps(); 2]; NV]; R];
             let mut max = [f32::NEG_INFINITY; R];
             let mut sum = [0f32; R];
             let mut weights = [[0f32; LANES]; R];
-            let run = |t: usize| {
-                let first =
-                    (job.table[t / bs] as usize * bs + t % bs) * token_stride + job.kv_head * d;
-                (first, (bs - t % bs).min(longest - t).min(LANES - t % LANES))
-            };
             let mut t = 0;
             while t < longest {
-                let (first, n) = run(t);
-                if t + n < longest {
-                    // prefetch the next run's keys and values into L2 (see `avx512`)
-                    let (next_first, next_n) = run(t + n);
-                    for i in 0..next_n {
-                        for line in (0..d).step_by(LANES) {
-                            let key = cache.add(next_first + i * token_stride + line);
-                            _mm_prefetch::<_MM_HINT_T1>(key as *const i8);
-                            _mm_prefetch::<_MM_HINT_T1>(key.add(v_offset) as *const i8);
-                        }
-                    }
-                }
+                let (first, n) = pass.run(t);
+                pass.prefetch_next(t + n);
                 let mut count = [0usize; R];
                 for r in 0..rows {
                     count[r] = n.min(keys[r].saturating_sub(t));
