@@ -179,7 +179,7 @@ def test_deferred_extends_catch_up_to_the_same_draft_state(env, kind, max_batch)
     worker = spec_worker(env, kind, k, adaptive=True, max_batch=max_batch)
     script = [0, 0, 3, 0, 2, 0, 0, 0, 3, 1] + [0] * (MAX_DEFERRED + 1)
     choices = itertools.chain(script, itertools.cycle([0, 0, 0, 3]))  # rows join mid-cycle
-    worker.policy.choose = lambda b: next(choices)
+    worker.policy.choose = lambda b, drafting=None: next(choices)
     sched = FakeScheduler(
         fake_requests(reqs, 40), num_blocks=512, block_size=4, max_batch_size=max_batch,
         max_model_len=MAX_LEN, num_speculative_tokens=k,
@@ -212,6 +212,45 @@ def test_deferred_extends_catch_up_to_the_same_draft_state(env, kind, max_batch)
     assert out == plain
     assert checked[0] >= 8
     assert worker.stats.deferred_extends > 0 and worker.stats.stale_rows > 0
+
+
+def test_rows_that_left_the_head_are_not_counted_as_drafting(env) -> None:
+    """After MAX_DEFERRED rounds of k = 0 the rows leave the head. The policy is then asked with
+    the number of rows that can still draft (not stale; no prompt lookup here), so a batch of
+    stale rows decodes with k = 0 instead of verifying k + 1 tokens a row for nothing; rows
+    that join later draft again. Output stays plain greedy."""
+    from eaglebatch.speculative.worker import MAX_DEFERRED
+
+    reqs = env.reqs[:12]
+    worker = spec_worker(env, "eagle3", 3, adaptive=True, max_batch=4)
+    real = worker.policy.choose
+    forced = itertools.chain([0] * (MAX_DEFERRED + 1))
+    asked: list[tuple[int, int, int, int]] = []  # (rows, drafting, not stale, k)
+
+    def choose(b, drafting=None):
+        k = next(forced, None)
+        if k is None:
+            k = real(b, drafting=drafting)
+            asked.append((b, drafting, int((~worker.stale[current[0]]).sum()), k))
+        return k
+
+    current = [np.zeros(0, dtype=np.int64)]
+    verify = worker._verify
+
+    def hooked(plan):
+        current[0] = plan.slots
+        return verify(plan)
+
+    worker.policy.choose = choose
+    worker._verify = hooked
+    out, _ = run(worker, reqs, k=3, max_batch=4, eos=env.eos, extra=30)
+    plain, _ = run(target_worker(env.target), reqs, eos=env.eos, extra=30)
+    assert out == plain
+    assert worker.stats.stale_rows > 0
+    assert all(drafting == not_stale for _, drafting, not_stale, _ in asked)
+    none_can = [k for _, drafting, _, k in asked if drafting == 0]
+    assert none_can and set(none_can) == {0}  # a batch of stale rows: plain decoding
+    assert any(drafting > 0 for _, drafting, _, _ in asked)  # rows that joined later
 
 
 # ---- prompt lookup ------------------------------------------------------------------------------
@@ -640,3 +679,23 @@ def test_adaptive_policy_counts_each_rows_own_drafts() -> None:
     policy.record(2, 4, None, 0.03, accepted=[2, 1], drafted=[2, 4])
     assert policy.tried == [2.0, 2.0, 0.0, 0.0]  # row 0 tried 1..2 (all it had), row 1 1..2
     assert policy.passed == [2.0, 1.0, 0.0, 0.0]
+
+
+def test_adaptive_policy_counts_only_the_rows_that_can_draft() -> None:
+    """Batch 64 on a CPU: each query token a row adds to a round costs about what a decode
+    row does. Every draft is accepted: with all 64 rows drafting, k = 3 pays; with 8 of them
+    (the rest left the head), widening all 64 rows for their drafts does not: k = 0. No row
+    that can draft: k = 0, before any sweep."""
+    assert AdaptiveDraftLength(3).choose(64, drafting=0) == 0
+    policy = AdaptiveDraftLength(3)
+    cost = [0.35, 0.50, 0.65, 0.80]
+    for _ in range(4):
+        k = policy.choose(64)
+        policy.record(64, k, None, cost[k], [k] * 64)
+    assert policy.choose(64) == 3 and policy.choose(64, drafting=64) == 3
+    assert policy.choose(64, drafting=8) == 0
+    # a round of width 2 in which the head drafted nothing: its cost counts, the rates stay
+    tried, rounds = list(policy.tried), policy.buckets[64].rounds
+    policy.record(64, 2, None, 0.95, [])
+    assert policy.tried == tried and policy.buckets[64].rounds == rounds + 1
+    assert policy.cost(64, 2) == pytest.approx(0.8 * 0.65 + 0.2 * 0.95)

@@ -12,8 +12,12 @@ Per batch-size bucket (the batch size rounded up to a power of two):
     and passed 1..x), smoothed towards a_{j-1} (a_0 = 1/2) with a pseudo-count of 2. Later
     drafts are usually accepted less often than earlier ones; a single geometric rate would
     overrate long chains.
-  * a round emits E(k) = 1 + a_1 + a_1 a_2 + ... + a_1...a_k tokens per row;
-    choose k = argmax E(k) / cost(k) (ties: the smaller k).
+  * a round emits E(k) = 1 + a_1 + a_1 a_2 + ... + a_1...a_k tokens per row that drafts, 1 per
+    row that cannot (`drafting` of the batch's rows can: the worker's rows that left the head
+    verify k + 1 query tokens like the others but draft nothing); choose
+    k = argmax (rows + drafting (E(k) - 1)) / cost(k) (ties: the smaller k), and k = 0 when no
+    row can draft. At batch sizes where a verify row costs about what a decode row does (a CPU
+    at large batches) widening a round for a few drafting rows does not pay, and this says so.
 
 Exploration, deterministic: a new bucket measures k = K, 0, 1, ..., K-1 once each (K + 1 rounds),
 so every cost is measured, not guessed; after that every `probe_every`-th round of a bucket uses a
@@ -99,8 +103,10 @@ class AdaptiveDraftLength:
         near = min(b.t_round, key=lambda x: (abs(x - k), x))
         return max(b.t_round[near] + (k - near) * (b.t_draft or 0.0), 1e-9)
 
-    def choose(self, batch_size: int) -> int:
-        if self.max_k == 0:
+    def choose(self, batch_size: int, drafting: int | None = None) -> int:
+        """k for a round over `batch_size` rows of which `drafting` (default: all) can draft."""
+        drafting = batch_size if drafting is None else min(drafting, batch_size)
+        if self.max_k == 0 or drafting <= 0:
             return 0
         b = self.buckets.setdefault(self.bucket_of(batch_size), _Bucket())
         for k in (self.max_k, *range(self.max_k)):  # the sweep: K, 0, 1, ..., K-1
@@ -109,7 +115,8 @@ class AdaptiveDraftLength:
         rates = self.rates()
         best, best_rate = 0, -1.0
         for k in range(self.max_k + 1):
-            rate = chain_expected_tokens(rates, k) / self.cost(batch_size, k)
+            tokens = batch_size + drafting * (chain_expected_tokens(rates, k) - 1.0)
+            rate = tokens / self.cost(batch_size, k)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = k, rate
         if b.rounds % self.probe_every == self.probe_every - 1:
@@ -130,7 +137,8 @@ class AdaptiveDraftLength:
     ) -> None:
         """One round: its k, its drafting time per draft token (None when k == 0 or the drafts
         cost nothing to make), the time of the rest of the round, and the accepted drafts of each
-        row (`drafted`: each row's own number of drafts when some had fewer than k)."""
+        row (`drafted`: each row's own number of drafts when some had fewer than k; `accepted`
+        empty: a round of width k whose drafts, if any, the rates must not learn from)."""
         b = self.buckets.setdefault(self.bucket_of(batch_size), _Bucket())
         b.rounds += 1
         drafting = 0.0
@@ -138,7 +146,7 @@ class AdaptiveDraftLength:
             b.t_draft = _ema(b.t_draft, draft_seconds_per_token, self.ema)
             drafting = draft_seconds_per_token * k
         b.t_round[k] = _ema(b.t_round.get(k), drafting + verify_seconds, self.ema)
-        if k == 0:
+        if k == 0 or not accepted:  # no drafts tried: the rates neither learn nor decay
             return
         self.tried = [t * self.decay for t in self.tried]
         self.passed = [p * self.decay for p in self.passed]

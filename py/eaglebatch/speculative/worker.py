@@ -34,7 +34,9 @@ Plans (see _native.pyi and the speculative plan contract):
     over the deferred positions of every row that has some). A row with more deferred rounds
     than that is dropped from the head for good ("stale": its draft state is never read again;
     it drafts by prompt lookup or not at all), so a batch where the policy keeps choosing k = 0
-    stops paying for the draft.
+    stops paying for the draft. The policy is told how many rows can still draft (not stale, or
+    with a lookup proposal) and learns every round's cost, so a batch of stale rows goes back
+    to k = 0 instead of widening every row's query for a few lookup drafts.
 Invariant between steps, per running slot s that is not stale: the draft's K/V is valid for
 positions 0..L-2-d (like the target's, less the d = deferred[s] deferred positions) and
 hidden[s] = h^d_{L-2-d}, the draft output at the last extended position.
@@ -441,7 +443,12 @@ class SpecWorker:
             k = k_plan if policy is None else min(k_plan, policy.choose(b))
             n = np.minimum(lens, k)
             return int(n.max()), 0, n, n > 0, proposals, True
-        k = K if self.policy is None else min(K, self.policy.choose(b))
+        if self.policy is None:
+            k = K
+        else:
+            # rows that left the head (stale) draft only by lookup; the rest may draft
+            drafting = int((~self.stale[slots] | (lens > 0)).sum())
+            k = min(K, self.policy.choose(b, drafting=drafting))
         by_lookup = (lens >= k) & (k > 0)
         n = np.full(b, k, dtype=np.int64)
         if self.policy is None and k_plan > K:  # a row's n depends on its own sequence only
@@ -574,15 +581,16 @@ class SpecWorker:
                 b, k, None, catch_up + self._clock.seconds(t1, t2), accepted_np.tolist(),
                 n.tolist(),
             )  # fmt: skip
-        elif self.policy is not None and (k == 0 or head_drafts):
-            # the head's cost and acceptance model learns from the head's drafts only
+        elif self.policy is not None:
+            # every round's cost at its width k (also when only lookup rows drafted: the others
+            # were padded to k + 1 query tokens all the same); acceptance from the head's drafts
             drafting = self._clock.seconds(t0, t1)
             self.policy.record(
                 b,
-                k_head,
-                drafting / k_head if k_head > 0 else None,
+                k,
+                drafting / k if head_drafts else None,
                 catch_up + self._clock.seconds(t1, t2),
-                accepted_np[~by_lookup & ~stale].tolist(),
+                accepted_np[~by_lookup & ~stale].tolist() if head_drafts else [],
             )
         return (
             tokens_np[keep].astype(np.int32),
