@@ -248,3 +248,26 @@ def test_rms_norm_matches_the_hf_formula(dtype) -> None:
     torch.testing.assert_close(norm(x), want, atol=1e-6, rtol=1e-6)
     # rows are independent: one row alone gives the bits it gets in a batch
     assert torch.equal(norm(x[3:4])[0], norm(x)[3])
+
+
+@pytest.mark.parametrize("rows,size", [(1, 576), (4, 576), (130, 64), (3, 37)])
+def test_native_rms_norm_matches_torch(rows, size) -> None:
+    """The draft heads' native RMSNorm (`RMSNorm.native`): torch's values to float32 rounding,
+    rows independent, and torch's path wherever autograd needs it."""
+    from eaglebatch.model.llama import RMSNorm
+
+    norm = RMSNorm(size, 1e-5)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(rows, size) * 3
+    with torch.no_grad():
+        want = norm(x)
+        norm.native = True
+        got = norm(x)
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
+        assert not torch.equal(got, torch.zeros_like(got))
+        assert torch.equal(norm(x[rows - 1 :])[0], got[rows - 1])
+        assert torch.equal(norm(x.t().contiguous().t()), got)  # non-contiguous input
+    y = x.clone().requires_grad_()
+    norm(y).sum().backward()  # torch's path: gradients flow
+    assert y.grad is not None and norm.weight.grad is not None

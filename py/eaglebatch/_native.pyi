@@ -156,6 +156,12 @@ def small_gemm(
     the OpenMP team torch uses. Each output is computed in the same order whatever m and the
     thread count. Unsafe by contract: `model/linear.py::linear` is the caller that checks it."""
 
+def rms_norm(x: int, weight: int, out: int, rows: int, h: int, eps: float) -> None:
+    """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight in float32 by raw addresses, row by row
+    (a row's result does not depend on the others): x and out [rows, h], weight [h], all live
+    C-contiguous float32 CPU buffers, out not overlapping x. Unsafe by contract:
+    `model/llama.py::RMSNorm` is the caller that checks it."""
+
 def paged_attention(
     q: int,
     kv_cache: int,

@@ -255,7 +255,7 @@ fn project(p: &Proj, x: &[f32], m: usize, out: &mut [f32], threads: usize) {
 }
 
 /// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, per row of `weight.len()` values.
-fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+pub(crate) fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
     const LANES: usize = 16;
     let h = weight.len();
     for (row, dst) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {

@@ -390,6 +390,40 @@ fn render_chat_template(
     .map_err(to_py)
 }
 
+/// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight over `rows` rows of `h` values, by raw
+/// addresses like `small_gemm`: a draft head's RMSNorm of a few CPU rows, which torch runs as
+/// several small ops (~20 µs, ~100 µs between a verify round's kernels). The caller
+/// (`model/llama.py::RMSNorm`) guarantees: x and out are live, C-contiguous float32 buffers of
+/// rows x h elements that do not overlap, weight one of h.
+#[pyfunction]
+fn rms_norm(
+    py: Python<'_>,
+    x: usize,
+    weight: usize,
+    out: usize,
+    rows: usize,
+    h: usize,
+    eps: f32,
+) -> PyResult<()> {
+    if rows == 0 || h == 0 || x == 0 || weight == 0 || out == 0 {
+        return Err(PyValueError::new_err(format!(
+            "rms_norm: {rows} x {h}: need rows, h >= 1 and non-null buffers"
+        )));
+    }
+    py.detach(|| {
+        // SAFETY: the caller's guarantee above (documented in the .pyi as well).
+        let (x, weight, out) = unsafe {
+            (
+                std::slice::from_raw_parts(x as *const f32, rows * h),
+                std::slice::from_raw_parts(weight as *const f32, h),
+                std::slice::from_raw_parts_mut(out as *mut f32, rows * h),
+            )
+        };
+        crate::decoder_layer::rms_norm(x, weight, eps, out)
+    });
+    Ok(())
+}
+
 /// out = x @ w.T (see `small_gemm`) over raw addresses, because converting three torch tensors
 /// to numpy arrays costs more (~5 µs) than a small GEMM call's whole budget. The caller
 /// (`model/linear.py`, the only one) guarantees: x, w and out are live, C-contiguous CPU
@@ -737,6 +771,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<CpuDecoder>()?;
     m.add_function(wrap_pyfunction!(render_chat_template, m)?)?;
     m.add_function(wrap_pyfunction!(small_gemm, m)?)?;
+    m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(paged_attention, m)?)?;
     m.add("SMALL_GEMM_AVAILABLE", gemm::available())?;
     m.add("SMALL_GEMM_MAX_ROWS", gemm::MAX_ROWS)?;

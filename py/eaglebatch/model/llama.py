@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eaglebatch import _native
 from eaglebatch.attention.base import AttentionBackend, AttentionMetadata
 from eaglebatch.model.config import ModelConfig
 from eaglebatch.model.linear import Linear, linear
@@ -25,12 +26,34 @@ _IGNORED_TENSORS = ("rotary_emb.inv_freq",)
 
 
 class RMSNorm(nn.Module):
+    # float32 CPU rows without autograd through the extension (`_native.rms_norm`, one call
+    # instead of torch's several small ops): set for draft heads, whose numerics never change
+    # the output; the target keeps torch's rounding.
+    native: bool = False
+
     def __init__(self, size: int, eps: float, **factory) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, **factory))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        if (
+            self.native
+            and x.dim() == 2
+            and x.shape[0] > 0
+            and x.dtype == torch.float32
+            and self.weight.dtype == torch.float32
+            and x.is_cpu
+            and self.weight.is_cpu
+            and x.shape[1] == self.weight.shape[0]
+            and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+        ):
+            x = x.contiguous()
+            out = torch.empty_like(x)
+            w = self.weight.detach().contiguous()
+            # by address: x, w and out are live contiguous float32 CPU tensors (checked above)
+            _native.rms_norm(x.data_ptr(), w.data_ptr(), out.data_ptr(), *x.shape, self.eps)
+            return out
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # nothing to cast: one fused op instead of ~8 (a CPU decode step runs 61 norms),
             # the same value as the lines below up to float32 rounding (tests/test_llama.py)

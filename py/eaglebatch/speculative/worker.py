@@ -60,12 +60,13 @@ import torch
 from eaglebatch.attention.base import AttentionMetadata
 from eaglebatch.config import SpeculativeConfig
 from eaglebatch.model.linear import use_small_gemm
+from eaglebatch.model.llama import RMSNorm
 from eaglebatch.sampling import sample
 from eaglebatch.speculative.adaptive import AdaptiveDraftLength
 from eaglebatch.speculative.eagle import EagleDraft, load_draft
 from eaglebatch.speculative.graphs import SpecGraphs
 from eaglebatch.speculative.ngram import NgramLookup
-from eaglebatch.speculative.verify import verify
+from eaglebatch.speculative.verify import deterministic_rows_np, verify, verify_greedy_host
 from eaglebatch.worker import Worker, check_graph_support, plan_metadata
 
 TREE_UNSUPPORTED = "speculative.topk > 1 (tree drafting) is not supported yet"
@@ -252,7 +253,10 @@ class SpecWorker:
             + cls.widest_round(num_speculative_tokens, prompt_lookup, lookup_tokens),
         )
         # as the target runs; a head shipped in bf16 is read from exact bf16 copies (same bits)
-        use_small_gemm(draft, target.model.small_gemm_threads, bf16_weights=True)
+        native = use_small_gemm(draft, target.model.small_gemm_threads, bf16_weights=True)
+        for m in draft.modules():
+            if isinstance(m, RMSNorm):
+                m.native = native  # the head's norms of few CPU rows: one native call each
         return cls(
             target,
             draft,
@@ -280,7 +284,8 @@ class SpecWorker:
     # ---- helpers -------------------------------------------------------------------------------
 
     def _dev(self, a: np.ndarray, dtype=np.int64) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)).to(self.device)
+        t = torch.from_numpy(np.ascontiguousarray(a, dtype=dtype))
+        return t if self.device.type == "cpu" else t.to(self.device)
 
     def _sampling(self, plan) -> tuple[torch.Tensor, ...]:
         """temperature, top_p, top_k, seeds, num_generated as device tensors."""
@@ -305,8 +310,8 @@ class SpecWorker:
         lens_cpu = torch.from_numpy(np.ascontiguousarray(seq_lens, dtype=np.int32))
         q = cu[1:] - cu[:-1]
         return AttentionMetadata(
-            cu_seqlens_q=cu_cpu.to(self.device),
-            seq_lens=lens_cpu.to(self.device),
+            cu_seqlens_q=cu_cpu if self.device.type == "cpu" else cu_cpu.to(self.device),
+            seq_lens=lens_cpu if self.device.type == "cpu" else lens_cpu.to(self.device),
             block_tables=block_tables,
             slot_mapping=self._dev(slot_mapping),
             block_size=self.budget.block_size,
@@ -540,9 +545,13 @@ class SpecWorker:
             )  # [B*(k+1), H]
             logits = self.model.compute_logits(hidden).view(b, k + 1, -1)  # [B, k+1, V]
         padded = bool((n < k).any())
-        tokens, accepted = verify(
-            logits, draft_ids, *self._sampling(plan), self._dev(n) if padded else None
-        )
+        if logits.is_cpu and bool(deterministic_rows_np(plan.temperature, plan.top_k).all()):
+            # every row greedy: the same tokens and counts from a few numpy operations
+            tokens, accepted = verify_greedy_host(logits, draft_ids, n if padded else None)
+        else:
+            tokens, accepted = verify(
+                logits, draft_ids, *self._sampling(plan), self._dev(n) if padded else None
+            )
 
         # 4. draft extend over L-1..L-1+k; keep h^d at L-1+a (or defer it: k == 0)
         if defer:
