@@ -271,3 +271,7 @@ def test_native_rms_norm_matches_torch(rows, size) -> None:
     y = x.clone().requires_grad_()
     norm(y).sum().backward()  # torch's path: gradients flow
     assert y.grad is not None and norm.weight.grad is not None
+    from eaglebatch import _native
+
+    with pytest.raises(ValueError, match="rms_norm"):
+        _native.rms_norm(x.data_ptr(), norm.weight.data_ptr(), x.data_ptr(), 0, size, 1e-5)

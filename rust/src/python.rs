@@ -405,18 +405,22 @@ fn rms_norm(
     h: usize,
     eps: f32,
 ) -> PyResult<()> {
-    if rows == 0 || h == 0 || x == 0 || weight == 0 || out == 0 {
+    let len = rows
+        .checked_mul(h)
+        .filter(|&n| n <= isize::MAX as usize / 4);
+    let Some(len) = len.filter(|_| rows > 0 && h > 0 && x != 0 && weight != 0 && out != 0) else {
         return Err(PyValueError::new_err(format!(
-            "rms_norm: {rows} x {h}: need rows, h >= 1 and non-null buffers"
+            "rms_norm: {rows} x {h}: need rows, h >= 1, a size that fits in memory and \
+             non-null buffers"
         )));
-    }
+    };
     py.detach(|| {
         // SAFETY: the caller's guarantee above (documented in the .pyi as well).
         let (x, weight, out) = unsafe {
             (
-                std::slice::from_raw_parts(x as *const f32, rows * h),
+                std::slice::from_raw_parts(x as *const f32, len),
                 std::slice::from_raw_parts(weight as *const f32, h),
-                std::slice::from_raw_parts_mut(out as *mut f32, rows * h),
+                std::slice::from_raw_parts_mut(out as *mut f32, len),
             )
         };
         crate::decoder_layer::rms_norm(x, weight, eps, out)
