@@ -252,8 +252,8 @@ class EagleDraft(nn.Module):
         ids = argmax(logits)  # [N] draft ids
         if self.eagle3 and self.d2t is not None:
             if ids.is_cpu:  # numpy: two small torch ops cost ~50 µs in a CPU round
-                d2t = self.d2t.numpy()
-                return torch.from_numpy(ids.numpy() + d2t[ids.numpy()])
+                ids_np = ids.numpy()
+                return torch.from_numpy(ids_np + self.d2t.numpy()[ids_np])
             ids = ids + self.d2t.index_select(0, ids)
         return ids
 

@@ -33,14 +33,10 @@ from eaglebatch.sampling import _inverse_cdf, argmax, sample, uniform_from_count
 ACCEPT_STREAM = 1  # uniform_from_counter stream of the acceptance tests
 
 
-def deterministic_rows(temperature: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """bool [B]: rows decoded by argmax (the same rule as sampling.sample)."""
+def deterministic_rows(temperature, top_k):
+    """bool [B]: rows decoded by argmax (the same rule as sampling.sample), over tensors or a
+    plan's numpy arrays alike."""
     return (temperature <= 0) | (top_k == 1)
-
-
-def deterministic_rows_np(temperature: np.ndarray, top_k: np.ndarray) -> np.ndarray:
-    """`deterministic_rows` over a plan's host arrays."""
-    return (np.asarray(temperature) <= 0) | (np.asarray(top_k) == 1)
 
 
 def verify_greedy_host(

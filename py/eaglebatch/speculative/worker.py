@@ -66,7 +66,7 @@ from eaglebatch.speculative.adaptive import AdaptiveDraftLength
 from eaglebatch.speculative.eagle import EagleDraft, load_draft
 from eaglebatch.speculative.graphs import SpecGraphs
 from eaglebatch.speculative.ngram import NgramLookup
-from eaglebatch.speculative.verify import deterministic_rows_np, verify, verify_greedy_host
+from eaglebatch.speculative.verify import deterministic_rows, verify, verify_greedy_host
 from eaglebatch.worker import Worker, check_graph_support, plan_metadata
 
 TREE_UNSUPPORTED = "speculative.topk > 1 (tree drafting) is not supported yet"
@@ -283,9 +283,12 @@ class SpecWorker:
 
     # ---- helpers -------------------------------------------------------------------------------
 
-    def _dev(self, a: np.ndarray, dtype=np.int64) -> torch.Tensor:
-        t = torch.from_numpy(np.ascontiguousarray(a, dtype=dtype))
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the worker's device (itself on the CPU: no .to() dispatch)."""
         return t if self.device.type == "cpu" else t.to(self.device)
+
+    def _dev(self, a: np.ndarray, dtype=np.int64) -> torch.Tensor:
+        return self._on_device(torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)))
 
     def _sampling(self, plan) -> tuple[torch.Tensor, ...]:
         """temperature, top_p, top_k, seeds, num_generated as device tensors."""
@@ -310,8 +313,8 @@ class SpecWorker:
         lens_cpu = torch.from_numpy(np.ascontiguousarray(seq_lens, dtype=np.int32))
         q = cu[1:] - cu[:-1]
         return AttentionMetadata(
-            cu_seqlens_q=cu_cpu if self.device.type == "cpu" else cu_cpu.to(self.device),
-            seq_lens=lens_cpu if self.device.type == "cpu" else lens_cpu.to(self.device),
+            cu_seqlens_q=self._on_device(cu_cpu),
+            seq_lens=self._on_device(lens_cpu),
             block_tables=block_tables,
             slot_mapping=self._dev(slot_mapping),
             block_size=self.budget.block_size,
@@ -522,8 +525,8 @@ class SpecWorker:
                 draft_ids[:, j] = d
             self.stats.draft_steps += k_head - 1
         if by_lookup.any():
-            use = torch.from_numpy(by_lookup).to(self.device)[:, None]  # [B, 1]
-            draft_ids = torch.where(use, torch.from_numpy(lookup_ids).to(self.device), draft_ids)
+            use = self._dev(by_lookup, bool)[:, None]  # [B, 1]
+            draft_ids = torch.where(use, self._dev(lookup_ids), draft_ids)
         t1 = self._clock.mark()
 
         # 2. target verify over [x_{L-1}, d_1..d_k] at L-1..L-1+k
@@ -545,7 +548,7 @@ class SpecWorker:
             )  # [B*(k+1), H]
             logits = self.model.compute_logits(hidden).view(b, k + 1, -1)  # [B, k+1, V]
         padded = bool((n < k).any())
-        if logits.is_cpu and bool(deterministic_rows_np(plan.temperature, plan.top_k).all()):
+        if logits.is_cpu and bool(deterministic_rows(plan.temperature, plan.top_k).all()):
             # every row greedy: the same tokens and counts from a few numpy operations
             tokens, accepted = verify_greedy_host(logits, draft_ids, n if padded else None)
         else:
