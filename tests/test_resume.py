@@ -17,7 +17,6 @@ import pytest
 import eaglebatch
 from eaglebatch.config import JobError, load_job
 from eaglebatch.engine import prepare, run_prepared
-from eaglebatch.output_dir import LOCK_NAME
 from support.tiny import make_tiny_model, write_prompts
 
 pytest.importorskip("eaglebatch._native")
@@ -77,8 +76,6 @@ def check_readable(out: Path) -> int:
     """Every visible file is a complete Parquet file; returns the rows in them."""
     rows = 0
     for f in out.iterdir():
-        if f.name == LOCK_NAME:
-            continue
         if f.name.startswith("."):
             assert f.name.endswith(".tmp"), f  # a killed writer's temporary file
             continue
@@ -87,7 +84,7 @@ def check_readable(out: Path) -> int:
 
 
 def temporary_files(out: Path) -> list[Path]:
-    return [f for f in out.iterdir() if f.name.startswith(".") and f.name != LOCK_NAME]
+    return [f for f in out.iterdir() if f.name.startswith(".")]
 
 
 def outputs(out: Path) -> dict:
@@ -190,6 +187,11 @@ def test_resume_refuses_another_jobs_output_and_unreadable_parts(tmp_path, small
     (tmp_path / "out" / "part-00099.parquet").write_bytes(b"garbage")
     with pytest.raises(JobError, match="part-00099.parquet is not a readable"):
         run_prepared(prepare(load_job(job)))
+    # --restart cannot tell whether eaglebatch wrote it either: it refuses, and deletes nothing.
+    with pytest.raises(JobError, match="part-00099.parquet is not a readable"):
+        run_prepared(prepare(load_job(job)), restart=True)
+    assert len(parts(tmp_path / "out")) > 1
+    (tmp_path / "out" / "part-00099.parquet").unlink()
     # --restart starts over.
     res = run_prepared(prepare(load_job(job, ["sampling.max_new_tokens=2"])), restart=True)
     assert res.stats["requests"] == 30
@@ -202,7 +204,7 @@ def test_a_second_concurrent_run_is_refused(tmp_path, small_model):
     out.mkdir()
     holder = subprocess.Popen(
         [sys.executable, "-c", "import fcntl, os, sys, time; "
-         f"fd = os.open({str(out / LOCK_NAME)!r}, os.O_RDWR | os.O_CREAT); "
+         f"fd = os.open({str(out)!r}, os.O_RDONLY); "
          "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)"],
         stdout=subprocess.PIPE, text=True,
     )
@@ -219,3 +221,26 @@ def test_a_second_concurrent_run_is_refused(tmp_path, small_model):
     run_prepared(prepare(load_job(job)))  # the lock died with its process
     assert pq.read_table(out).num_rows == 10
     assert temporary_files(out) == []
+
+
+def test_the_lock_survives_deleting_files_in_the_directory(tmp_path, small_model):
+    """A cleanup script deleting every hidden file cannot let a second run write beside a
+    running one (the lock is on the directory itself, not on a file in it)."""
+    job = write_job(tmp_path, small_model, ROWS)
+    out = tmp_path / "out"
+    first = start_run(job)
+    try:
+        wait_for_new_part(first, out, 0)
+        assert first.poll() is None, "the first run ended before the test could race it"
+        for f in out.iterdir():
+            if f.name.startswith(".") and not f.name.endswith(".tmp"):
+                f.unlink()
+        second = start_run(job)
+        _, err = second.communicate(timeout=120)
+        assert second.returncode == 2, err
+        assert "in use by another running eaglebatch job" in err
+    finally:
+        first.wait(timeout=600)
+    assert first.returncode == 0
+    ids = pq.read_table(out, columns=["row_index"]).column(0).to_pylist()
+    assert sorted(ids) == list(range(ROWS))

@@ -6,10 +6,12 @@ Invariants:
 - a run continues a directory only if every part file in it carries its own hash; the rows in
   those parts (by `row_index`, the stable input position) are skipped by the Rust reader, so
   over all runs of a job each input row is written exactly once;
-- part files are complete by construction (see output_dir.py); one that cannot be read is
-  reported, never silently ignored or overwritten.
+- resume reads every page of those parts: a damaged part or a row_index written twice is
+  reported with the way out, never silently ignored or overwritten.
 
-The identity covers what changes an output row: the model files, the input files and columns,
+The identity covers what changes an output row, by resolved value and content rather than by
+spelling or location: the model files, the input files (names relative to their common directory,
+row counts, sizes, footer hashes) and columns,
 the sampling section, max_model_len, the resolved dtype, include_token_ids, and the draft head
 only when sampling (greedy speculative decoding is lossless: same tokens as plain decoding). It
 leaves out what only changes speed or memory (batch size, KV budget, part_rows, threads).
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,11 +30,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .config import JobConfig, JobError
-from .output_dir import part_files
+from .output_dir import check_only_ours, scan_dir
 
 HASH_KEY = "eaglebatch.job_hash"
 IDENTITY_KEY = "eaglebatch.job_identity"
-IDENTITY_VERSION = 1
+IDENTITY_VERSION = 2
 
 # Small text files of a model / draft folder whose exact content matters.
 _MODEL_TEXT_FILES = (
@@ -66,17 +69,43 @@ def folder_fingerprint(d: Path) -> dict:
     return {"files": texts, "weights": weights}
 
 
+def footer_sha256(path: Path) -> str:
+    """sha256 of a Parquet file's footer (schema, row groups, statistics): cheap to read and it
+    changes with almost any rewrite of the data."""
+    with path.open("rb") as f:
+        f.seek(-8, 2)
+        tail = f.read(8)
+        size = int.from_bytes(tail[:4], "little")
+        f.seek(-(8 + size), 2)
+        return hashlib.sha256(f.read(size) + tail).hexdigest()
+
+
+def input_fingerprint(files: list[Path]) -> list[list]:
+    """[name relative to the files' common directory, rows, bytes, footer hash] per input file:
+    the content, not where it lives, so a moved or differently spelled input is the same."""
+    base = Path(os.path.commonpath([f.resolve().parent for f in files])) if files else Path()
+    return [
+        [f.resolve().relative_to(base).as_posix(), pq.read_metadata(f).num_rows,
+         f.stat().st_size, footer_sha256(f)]
+        for f in files
+    ]
+
+
 def job_identity(
-    job: JobConfig, input_files: list[Path], model_dir: Path, draft_dir: Path | None, dtype: str
+    job: JobConfig,
+    input_files: list[Path],
+    model_dir: Path,
+    draft_dir: Path | None,
+    dtype: str,
+    max_model_len: int,
 ) -> dict:
-    """What decides the output rows (see the module docstring). JSON-serialisable."""
-    inp, files = job.input, input_files
+    """What decides the output rows (see the module docstring), by resolved value. JSON."""
+    inp = job.input
     identity = {
         "version": IDENTITY_VERSION,
         "model": folder_fingerprint(model_dir),
         "input": {
-            "path": inp.path,
-            "files": [[str(f), pq.read_metadata(f).num_rows, f.stat().st_size] for f in files],
+            "files": input_fingerprint(input_files),
             "prompt_column": inp.text_column,
             "messages_column": inp.messages_column,
             "id_column": inp.id_column,
@@ -84,7 +113,7 @@ def job_identity(
             "limit": inp.limit,
         },
         "sampling": job.sampling.model_dump(mode="json"),
-        "engine": {"max_model_len": job.engine.max_model_len, "dtype": dtype},
+        "engine": {"max_model_len": max_model_len, "dtype": dtype},
         "output": {"include_token_ids": job.output.include_token_ids},
     }
     if draft_dir is not None and job.sampling.temperature > 0:
@@ -112,55 +141,95 @@ class ResumeState:
 
 
 def _flatten(d: object, prefix: str = "") -> dict[str, object]:
-    if not isinstance(d, dict):
+    if isinstance(d, dict):
+        items = [(f"{prefix}.{k}" if prefix else str(k), v) for k, v in d.items()]
+    elif isinstance(d, list) and d and isinstance(d[0], (dict, list)):
+        items = [(f"{prefix}[{i}]", v) for i, v in enumerate(d)]
+    else:
         return {prefix: d}
     out: dict[str, object] = {}
-    for k, v in d.items():
-        out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    for k, v in items:
+        out.update(_flatten(v, k))
     return out
+
+
+def _shown(value: object, limit: int = 120) -> str:
+    text = "(absent)" if value is None else json.dumps(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _what_changed(ours: dict, theirs_json: bytes | None) -> str:
     if theirs_json is None:
-        return "it has no eaglebatch job hash (written by another program or an older version)"
+        return "it has no eaglebatch job identity"
     try:
         theirs = json.loads(theirs_json)
     except ValueError:
         return "its job identity is unreadable"
+    if theirs.get("version") != ours.get("version"):
+        version = theirs.get("version")
+        return f"it was written by another eaglebatch version (job identity {version})"
     a, b = _flatten(theirs), _flatten(ours)
     keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
     if not keys:
         return "its job hash differs"
-    shown = []
-    for k in keys[:4]:
-        old, new = json.dumps(a.get(k))[:60], json.dumps(b.get(k))[:60]
-        shown.append(f"{k}: {old} -> {new}")
+    shown = [f"{k}: {_shown(a.get(k))} -> {_shown(b.get(k))}" for k in keys[:4]]
     more = f" and {len(keys) - 4} more" if len(keys) > 4 else ""
     return "it differs in " + "; ".join(shown) + more
 
 
-def scan_output(path: Path, identity: dict) -> ResumeState:
-    """Reads the row indices of the complete part files in `path`, after checking they belong to
-    this job. Raises JobError (naming the file and what differs) when one does not."""
-    ours = identity_hash(identity)
-    parts = part_files(path)
-    done: list[np.ndarray] = []
-    for part in parts:
-        try:
-            pf = pq.ParquetFile(part)
-            meta = pf.metadata.metadata or {}
-            if meta.get(HASH_KEY.encode()) == ours.encode():
-                done.append(pf.read(columns=["row_index"]).column(0).to_numpy())
-                continue
-        except (pa.ArrowException, OSError, KeyError) as e:
-            raise JobError(
-                f"output.path: {part} is not a readable eaglebatch part file ({e}); "
-                f"delete it, or pass --restart to delete all results and start over"
-            ) from None
-        why = _what_changed(identity, meta.get(IDENTITY_KEY.encode()))
+def _read_part(part: Path) -> np.ndarray:
+    """The row indices of one of our part files, after reading every column of every row group
+    (a damaged page fails here, not in a user's read_table). Raises JobError naming the file."""
+    try:
+        pf = pq.ParquetFile(part)
+        rows = []
+        for g in range(pf.num_row_groups):
+            table = pf.read_row_group(g)
+            rows.append(table.column("row_index").to_numpy())
+    except (pa.ArrowException, OSError, KeyError, ValueError) as e:
         raise JobError(
-            f"output.path: {path} holds results of a different job ({part.name}: {why}); "
-            f"pass --restart to delete them and start over, or choose another output.path"
-        )
-    rows = np.unique(np.concatenate(done)) if done else np.empty(0, np.int64)
-    return ResumeState(done_rows=rows.astype(np.int64), part_files=len(parts))
+            f"output.path: {part} is damaged ({e}); delete it (its rows are generated again) "
+            f"or pass --restart to delete all of this directory's eaglebatch results"
+        ) from None
+    return np.concatenate(rows) if rows else np.empty(0, np.int64)
+
+
+def _check_unique(rows: list[np.ndarray], parts: list[Path]) -> np.ndarray:
+    """All row indices, sorted; raises JobError naming a row written twice and its parts."""
+    done = np.concatenate(rows) if rows else np.empty(0, np.int64)
+    order = np.argsort(done, kind="stable")
+    sorted_rows = done[order]
+    twice = np.flatnonzero(sorted_rows[1:] == sorted_rows[:-1])
+    if twice.size == 0:
+        return sorted_rows.astype(np.int64)
+    row = int(sorted_rows[twice[0]])
+    owner = np.repeat(np.arange(len(parts)), [len(r) for r in rows])
+    names = sorted({parts[i].name for i in owner[done == row]})
+    raise JobError(
+        f"output.path: row_index {row} was written more than once ({twice.size} duplicate "
+        f"row(s); row {row} is in {' and '.join(names)}): the directory was written by two "
+        f"runs at once or parts were copied in. Delete the later of those parts (their rows "
+        f"are generated again) or pass --restart to start over"
+    )
+
+
+def scan_output(path: Path, identity: dict) -> ResumeState:
+    """Reads the row indices of the part files in `path`, after checking that eaglebatch wrote
+    them, for this job, readably and each row once. Raises JobError (naming the file and what
+    differs or is wrong) when not."""
+    ours = identity_hash(identity)
+    contents = scan_dir(path)
+    check_only_ours(path, contents)
+    done: list[np.ndarray] = []
+    for part in contents.ours:
+        meta = pq.read_metadata(part).metadata or {}
+        if meta.get(HASH_KEY.encode()) != ours.encode():
+            why = _what_changed(identity, meta.get(IDENTITY_KEY.encode()))
+            raise JobError(
+                f"output.path: {path} holds results of a different job "
+                f"({part.name}: {why}); pass --restart to delete them and start over, or "
+                f"choose another output.path"
+            )
+        done.append(_read_part(part))
+    rows = _check_unique(done, contents.ours)
+    return ResumeState(done_rows=rows, part_files=len(contents.ours))

@@ -1,0 +1,152 @@
+"""The output directory: eaglebatch deletes only what it wrote, never writes a row twice, and
+refuses an output that would mix with an input (output_dir.py, resume.py, inputs.py)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from eaglebatch.cli import main
+from support.tiny import write_prompts
+
+pytest.importorskip("eaglebatch._native")
+
+
+def write_job(tmp_path: Path, model: Path, inp, out, extra: str = "") -> Path:
+    p = tmp_path / "job.yaml"
+    p.write_text(
+        f"model: {model}\ninput:\n  path: '{inp}'\noutput:\n  path: {out}\n  part_rows: 2\n"
+        f"sampling:\n  max_new_tokens: 3\nengine:\n  device: cpu\n  kv_cache_tokens: 1024\n"
+        + extra
+    )
+    return p
+
+
+def run(job: Path, *args: str):
+    return CliRunner().invoke(main, ["run", str(job), *args])
+
+
+def foreign_part(path: Path) -> Path:
+    """A part file another program wrote (Spark-style name or ours, no eaglebatch metadata)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"x": [1, 2, 3]}), path)
+    return path
+
+
+@pytest.mark.parametrize("name", ["part-00000.parquet", "part-00000-3f2a.snappy.parquet",
+                                  "results.parquet", "notes.txt"])
+def test_restart_never_deletes_files_eaglebatch_did_not_write(tmp_path, tiny_model_dir, name):
+    inp = write_prompts(tmp_path / "in" / "in.parquet", ["a", "b", "c"])
+    out = tmp_path / "out"
+    theirs = foreign_part(out / name) if name.endswith(".parquet") else out / name
+    if not theirs.exists():
+        out.mkdir()
+        theirs.write_text("a user's file")
+    before = theirs.read_bytes()
+    job = write_job(tmp_path, tiny_model_dir, inp, out)
+    for args in ((), ("--restart",)):
+        r = run(job, *args)
+        assert r.exit_code == 2, r.output
+        assert "did not write" in r.output and name in r.output
+        assert theirs.read_bytes() == before
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [name]
+
+
+def test_restart_deletes_only_eaglebatch_parts(tmp_path, tiny_model_dir):
+    inp = write_prompts(tmp_path / "in" / "in.parquet", ["a", "b", "c"])
+    out = tmp_path / "out"
+    job = write_job(tmp_path, tiny_model_dir, inp, out)
+    assert run(job).exit_code == 0
+    (out / "_SUCCESS").write_text("")  # hidden from readers (pyarrow, Spark): left alone
+    (out / ".keep").write_text("")
+    r = run(job, "--restart", "--set", "sampling.max_new_tokens=2")
+    assert r.exit_code == 0, r.output
+    assert (out / "_SUCCESS").exists() and (out / ".keep").exists()
+    assert pq.read_table(out).num_rows == 3
+
+
+def test_output_that_is_inside_or_contains_the_input_is_refused(tmp_path, tiny_model_dir):
+    data = tmp_path / "data"
+    inp = write_prompts(data / "in.parquet", ["a", "b"])
+    cases = [
+        (data, data),  # the input directory itself: --restart would delete the input
+        (data, data / "out"),  # inside: the next run reads its own output
+        (inp, data),  # the input file lies inside the output directory
+        (tmp_path / "data" / "**" / "*.parquet", data / "out"),  # the glob matches our parts
+        (data / "in.parquet", tmp_path),
+    ]
+    for input_path, out in cases:
+        job = write_job(tmp_path, tiny_model_dir, input_path, out)
+        for args in ((), ("--restart",)):
+            r = run(job, *args)
+            assert r.exit_code == 2, (input_path, out, r.output)
+            assert "must not be, contain or lie inside input.path" in r.output
+        assert inp.exists() and pq.read_table(inp).num_rows == 2
+    # A glob that cannot match the parts, and a sibling directory, are fine.
+    for input_path, out in [(data / "*.parquet", data / "out"), (data, tmp_path / "out")]:
+        job = write_job(tmp_path, tiny_model_dir, input_path, out)
+        r = run(job)
+        assert r.exit_code == 0, r.output
+        shutil.rmtree(out)
+
+
+def test_directory_input_skips_hidden_and_underscore_paths(tmp_path, tiny_model_dir):
+    data = tmp_path / "data"
+    write_prompts(data / "a.parquet", ["a", "b"])
+    write_prompts(data / "sub" / "b.parquet", ["c"])
+    write_prompts(data / "_temporary" / "0" / "c.parquet", ["spark's half-written task"])
+    write_prompts(data / ".hidden" / "d.parquet", ["a hidden copy"])
+    write_prompts(data / "_e.parquet", ["skipped"])
+    job = write_job(tmp_path, tiny_model_dir, data, tmp_path / "out")
+    r = run(job)
+    assert r.exit_code == 0, r.output
+    assert pq.read_table(tmp_path / "out").num_rows == 3 == pq.read_table(data).num_rows
+
+
+def test_resume_refuses_a_row_written_twice_and_a_damaged_part(tmp_path, tiny_model_dir):
+    inp = write_prompts(tmp_path / "in" / "in.parquet", [f"prompt {i}" for i in range(6)])
+    out = tmp_path / "out"
+    job = write_job(tmp_path, tiny_model_dir, inp, out)
+    assert run(job).exit_code == 0
+    parts = sorted(out.glob("part-*.parquet"))
+    shutil.copy(parts[0], out / "part-00099.parquet")  # as two runs at once would leave it
+    r = run(job)
+    assert r.exit_code == 2 and "written more than once" in r.output, r.output
+    assert "part-00099.parquet" in r.output
+    (out / "part-00099.parquet").unlink()
+    # Damage the data pages (not the footer) of one part: the footer still reads.
+    data = bytearray(parts[1].read_bytes())
+    for i in range(8, min(len(data) // 2, 200)):
+        data[i] ^= 0x5A
+    parts[1].write_bytes(bytes(data))
+    pq.read_metadata(parts[1])
+    r = run(job)
+    assert r.exit_code == 2 and "is damaged" in r.output and parts[1].name in r.output, r.output
+    assert run(job, "--restart").exit_code == 0
+    t = pq.read_table(out)
+    assert sorted(t.column("row_index").to_pylist()) == list(range(6))
+
+
+def test_identity_uses_resolved_values_and_content(tmp_path, tiny_model_dir):
+    """An explicit max_model_len equal to the model's, a moved input directory and a path
+    spelled differently are the same job; the 'differs' message shows whole values."""
+    data = tmp_path / "data"
+    write_prompts(data / "in.parquet", ["a", "b", "c"])
+    out = tmp_path / "out"
+    job = write_job(tmp_path, tiny_model_dir, data, out)
+    assert run(job).exit_code == 0
+    r = run(job, "--set", "engine.max_model_len=512")  # the tiny model's own length
+    assert r.exit_code == 0 and "3 of 3 rows already done" in r.output, r.output
+    moved = tmp_path / "moved"
+    data.rename(moved)
+    job = write_job(tmp_path, tiny_model_dir, "moved/../moved", out)
+    r = run(job)
+    assert r.exit_code == 0 and "3 of 3 rows already done" in r.output, r.output
+    r = run(job, "--set", "sampling.stop=['a very long stop string that goes on and on']")
+    assert r.exit_code == 2
+    assert "a very long stop string that goes on and on" in r.output, r.output
