@@ -95,7 +95,7 @@ def run(job_file: str, overrides: tuple[str, ...], restart: bool) -> None:
     Running it again continues after the rows earlier runs finished (resume)."""
     from rich.console import Console
 
-    from .engine import open_output, prepare, run_prepared
+    from .engine import RunFailed, open_output, prepare, run_prepared
     from .interrupt import Interrupted
     from .progress import ProgressView, summary_table
 
@@ -117,6 +117,9 @@ def run(job_file: str, overrides: tuple[str, ...], restart: bool) -> None:
             )
         with ProgressView(prep.total_rows - done, console) as view:
             result = run_prepared(prep, progress=view, resume=resume)
+    except RunFailed as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(e.exit_status)
     except Interrupted as e:
         in_all = done + e.rows_written
         console.print(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from . import __version__
 from .config import JobConfig, JobError, job_to_dict
-from .inputs import check_input
+from .inputs import check_input, check_output_apart
 from .interrupt import Interrupted, StopSignals
 from .model_files import ModelFiles, model_files, resolve_draft_dir
 from .output_dir import prepare_output_dir, release_output_dir
@@ -41,10 +41,25 @@ class PreparedJob:
         return identity_hash(self.identity)
 
 
-def _check_model_config(job: JobConfig, mf: ModelFiles) -> str:
-    """Checks config.json and engine.max_model_len without loading weights; returns the dtype
-    the worker will use."""
+def _check_model_config(job: JobConfig, mf: ModelFiles) -> tuple[str, int]:
+    """Checks config.json, the checkpoint's tensor names and shapes (headers only) and
+    engine.max_model_len without loading weights; returns the dtype the worker will use and
+    the resolved max_model_len."""
     from .model.config import ModelConfig
+    from .model.llama import LlamaForCausalLM
+    from .worker import resolve_max_model_len
+
+    try:
+        cfg = ModelConfig.from_dir(mf.dir)
+        LlamaForCausalLM.check_checkpoint(mf.dir, cfg)
+    except (ValueError, OSError) as e:
+        raise JobError(f"model: {mf.dir}: {e}") from None
+    max_model_len = resolve_max_model_len(job.engine.max_model_len, cfg.max_model_len)
+    return _check_engine(job), max_model_len
+
+
+def _check_engine(job: JobConfig) -> str:
+    """Checks the device-dependent engine settings; returns the resolved dtype's name."""
     from .worker import (
         resolve_backend,
         resolve_device,
@@ -53,15 +68,6 @@ def _check_model_config(job: JobConfig, mf: ModelFiles) -> str:
         resolve_small_gemm,
     )
 
-    try:
-        cfg = ModelConfig.from_dir(mf.dir)
-    except (ValueError, OSError) as e:
-        raise JobError(f"model: {mf.dir}: {e}") from None
-    if job.engine.max_model_len is not None and job.engine.max_model_len > cfg.max_model_len:
-        raise JobError(
-            f"engine.max_model_len: {job.engine.max_model_len} exceeds the model's "
-            f"{cfg.max_model_len} positions"
-        )
     device = resolve_device(job.engine.device)
     resolve_backend(job.engine.attention_backend, device)
     resolve_graph_mode(job.engine.cuda_graph, device)
@@ -70,8 +76,20 @@ def _check_model_config(job: JobConfig, mf: ModelFiles) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _check_draft(draft: Path | None) -> None:
+    """A draft head's checkpoint files must be whole (headers against file sizes)."""
+    from .model.weights import checkpoint_shapes
+
+    if draft is not None and any(draft.glob("*.safetensors")):
+        try:
+            checkpoint_shapes(draft)
+        except (ValueError, OSError) as e:
+            raise JobError(f"draft: {draft}: {e}") from None
+
+
 def prepare(job: JobConfig) -> PreparedJob:
     files, total = check_input(job.input)
+    check_output_apart(job.input.path, files, job.output.path)
     mf = model_files(job.model)
     if job.input.messages_column is not None or job.input.apply_chat_template:
         if mf.chat_template is None:
@@ -79,8 +97,9 @@ def prepare(job: JobConfig) -> PreparedJob:
                 f"input: chat messages need a chat template, and model {mf.dir} has none"
             )
     draft = resolve_draft_dir(job.draft) if job.draft is not None else None
-    dtype = _check_model_config(job, mf)
-    identity = job_identity(job, files, mf.dir, draft, dtype)
+    _check_draft(draft)
+    dtype, max_model_len = _check_model_config(job, mf)
+    identity = job_identity(job, files, mf.dir, draft, dtype, max_model_len)
     return PreparedJob(
         job=job, input_files=files, total_rows=total, model=mf, draft_dir=draft, identity=identity
     )
@@ -208,11 +227,63 @@ def run_prepared(
         release_output_dir(out)
 
 
+class RunFailed(Exception):
+    """The run stopped on an error after it started (a damaged input page, a full disk): the
+    rows finished before it are in complete part files and a rerun resumes after them."""
+
+    def __init__(self, cause: str, rows_written: int | None, output_dir: str, user_error: bool):
+        self.exit_status = 2 if user_error else 1
+        kept = "the rows finished before it" if rows_written is None else f"{rows_written} rows"
+        super().__init__(
+            f"{cause}\nthe run stopped; {kept} of this run are in complete part files in "
+            f"{output_dir}; fix the cause and run the same command again to resume (finished "
+            f"rows are kept and never written twice)"
+        )
+
+
+def _is_native_error(e: BaseException) -> bool:
+    return type(e).__name__ in ("NativeError", "UserInputError")
+
+
+def _salvage(scheduler) -> int | None:
+    """After a failure: closes the rows already finished into a last part. Returns how many
+    rows this run wrote, None when the writer failed too."""
+    try:
+        return int(scheduler.abort()["rows_written"])
+    except Exception:  # the writer itself failed (e.g. the disk is full): nothing to add
+        return None
+
+
 def _run(prep: PreparedJob, worker, progress: ProgressFn | None, resume: ResumeState):
     if worker is None:
         worker = build_worker(prep)
     scheduler = build_scheduler(prep, worker, file_metadata(prep), skip_rows=resume.done_rows)
     start = time.monotonic()
+    try:
+        stats = _step_loop(prep, scheduler, worker, progress)
+    except Interrupted:
+        raise
+    except Exception as e:
+        written = _salvage(scheduler)
+        if _is_native_error(e):
+            user = type(e).__name__ == "UserInputError"
+            raise RunFailed(str(e), written, prep.job.output.path, user) from None
+        raise
+    wall = time.monotonic() - start
+    graphs = worker.graph_stats()  # Worker and SpecWorker: None when graphs are off
+    if graphs is not None:
+        stats["cuda_graphs"] = graphs
+    drafts = worker.draft_stats()  # SpecWorker: where the drafts came from; Worker: None
+    if drafts is not None:
+        stats["drafts"] = drafts
+    if progress is not None:
+        progress(scheduler.progress())
+    return RunSummary(stats=stats, wall_s=wall)
+
+
+def _step_loop(prep: PreparedJob, scheduler, worker, progress: ProgressFn | None) -> dict:
+    """`for plan in scheduler: commit(worker.step(plan))` until every row is written; stops
+    between two steps on SIGINT / SIGTERM (raises Interrupted). Returns the run's stats."""
     last_report = 0.0
     with StopSignals() as stop:
         while (plan := scheduler.next_plan()) is not None:
@@ -225,14 +296,4 @@ def _run(prep: PreparedJob, worker, progress: ProgressFn | None, resume: ResumeS
             if progress is not None and now - last_report > 0.2:
                 last_report = now
                 progress(scheduler.progress())
-        stats = dict(scheduler.finish())
-    wall = time.monotonic() - start
-    graphs = worker.graph_stats()  # Worker and SpecWorker: None when graphs are off
-    if graphs is not None:
-        stats["cuda_graphs"] = graphs
-    drafts = worker.draft_stats()  # SpecWorker: where the drafts came from; Worker: None
-    if drafts is not None:
-        stats["drafts"] = drafts
-    if progress is not None:
-        progress(scheduler.progress())
-    return RunSummary(stats=stats, wall_s=wall)
+        return dict(scheduler.finish())

@@ -6,7 +6,9 @@ read here; rows are streamed later by the Rust reader.
 
 from __future__ import annotations
 
+import fnmatch
 import glob
+import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -25,7 +27,7 @@ def resolve_input_files(path: str) -> list[Path]:
         raise JobError(f"input.path: unknown builtin '{path}' (known: {', '.join(builtins)})")
     p = Path(path)
     if p.is_dir():
-        files = sorted(f for f in p.rglob("*.parquet") if not f.name.startswith((".", "_")))
+        files = sorted(f for f in p.rglob("*.parquet") if _visible(f.relative_to(p)))
         if not files:
             raise JobError(f"input.path: directory {p} holds no .parquet files")
         return files
@@ -37,6 +39,43 @@ def resolve_input_files(path: str) -> list[Path]:
             raise JobError(f"input.path: glob '{path}' matches no files")
         return files
     raise JobError(f"input.path: {path} does not exist")
+
+
+def _visible(rel: Path) -> bool:
+    """pyarrow's (and Spark's) rule: files and directories named `.x` or `_x` are not data."""
+    return not any(part.startswith((".", "_")) for part in rel.parts)
+
+
+def _glob_match(parts: list[str], pattern: list[str]) -> bool:
+    """Whether path components `parts` match glob components `pattern` (`**` = any depth)."""
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        return any(_glob_match(parts[i:], pattern[1:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatchcase(parts[0], pattern[0]) and _glob_match(
+        parts[1:], pattern[1:]
+    )
+
+
+def _inside(child: Path, parent: Path) -> bool:
+    return child == parent or parent in child.parents
+
+
+def check_output_apart(input_path: str, files: list[Path], output_path: str) -> None:
+    """Refuses an output directory that is, contains or lies inside an input: a later run would
+    read its own output as input, and read_table over the mix returns a wrong table."""
+    out = Path(output_path).expanduser().resolve()
+    clash = f"output.path: {output_path} must not be, contain or lie inside input.path"
+    if any(_inside(f.resolve(), out) for f in files):
+        raise JobError(f"{clash} ({input_path}): it would hold input files")
+    p = Path(input_path)
+    if p.is_dir() and (_inside(out, p.resolve()) or _inside(p.resolve(), out)):
+        raise JobError(f"{clash} ({input_path}): its part files would become input")
+    if not p.exists() and glob.has_magic(input_path):
+        part = (out / "part-00000.parquet").as_posix().split("/")
+        pattern = Path(os.path.abspath(input_path)).as_posix().split("/")
+        if _glob_match(part, pattern):
+            raise JobError(f"{clash}: its part files would match the glob '{input_path}'")
 
 
 def _is_string(t: pa.DataType) -> bool:
@@ -61,30 +100,44 @@ def check_input(cfg: InputConfig) -> tuple[list[Path], int]:
     """Returns the input files and their total row count (capped by input.limit)."""
     files = resolve_input_files(cfg.path)
     total = 0
+    id_types: dict[str, Path] = {}
     for f in files:
         try:
             meta = pq.read_metadata(f)
             schema = pq.read_schema(f)
-        except (pa.ArrowInvalid, OSError) as e:
+        except (pa.ArrowException, OSError) as e:
             raise JobError(f"input.path: {f} is not a readable Parquet file ({e})") from None
         total += meta.num_rows
-        checks = [(cfg.id_column, "input.id_column", _is_id, "an integer or string")]
-        if cfg.messages_column is not None:
-            checks.append(
-                (cfg.messages_column, "input.messages_column", _is_messages,
-                 "a list of {role: string, content: string} structs")
+        _check_columns(cfg, f, schema)
+        if cfg.id_column is not None:
+            id_types.setdefault(str(schema.field(cfg.id_column).type), f)
+        if len(id_types) > 1:
+            (t1, f1), (t2, f2) = list(id_types.items())[:2]
+            raise JobError(
+                f"input.id_column: column '{cfg.id_column}' has type {t1} in {f1} but {t2} in "
+                f"{f2}; the output id column has one type, so every input file must agree"
             )
-        else:
-            checks.append((cfg.text_column, "input.prompt_column", _is_string, "a string"))
-        for column, key, ok, want in checks:
-            if column is None:
-                continue
-            if column not in schema.names:
-                names = ", ".join(schema.names)
-                raise JobError(f"{key}: column '{column}' not found in {f} (columns: {names})")
-            typ = schema.field(column).type
-            if not ok(typ):
-                raise JobError(f"{key}: column '{column}' in {f} has type {typ}, expected {want}")
     if cfg.limit is not None:
         total = min(total, cfg.limit)
     return files, total
+
+
+def _check_columns(cfg: InputConfig, f: Path, schema: pa.Schema) -> None:
+    """Raises JobError naming the key when a configured column is missing or mistyped."""
+    checks = [(cfg.id_column, "input.id_column", _is_id, "an integer or string")]
+    if cfg.messages_column is not None:
+        checks.append(
+            (cfg.messages_column, "input.messages_column", _is_messages,
+             "a list of {role: string, content: string} structs")
+        )
+    else:
+        checks.append((cfg.text_column, "input.prompt_column", _is_string, "a string"))
+    for column, key, ok, want in checks:
+        if column is None:
+            continue
+        if column not in schema.names:
+            names = ", ".join(schema.names)
+            raise JobError(f"{key}: column '{column}' not found in {f} (columns: {names})")
+        typ = schema.field(column).type
+        if not ok(typ):
+            raise JobError(f"{key}: column '{column}' in {f} has type {typ}, expected {want}")

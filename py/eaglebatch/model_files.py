@@ -32,24 +32,37 @@ def _token_text(value) -> str | None:
 
 
 def _ids(value) -> list[int]:
-    if isinstance(value, int):
-        return [value]
-    if isinstance(value, list):
-        return [v for v in value if isinstance(v, int)]
-    return []
+    values = value if isinstance(value, list) else [value]
+    return [v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0]
 
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: bad JSON or not UTF-8
         raise JobError(f"model: cannot read {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise JobError(f"model: {path} must hold a JSON object")
+    return data
+
+
+def _check_tokenizer(path: Path) -> None:
+    """Parses tokenizer.json the way the run will (the tokenizers library)."""
+    from tokenizers import Tokenizer
+
+    try:
+        Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on any parse error
+        raise JobError(f"model: {path} is not a usable tokenizer: {str(e)[:300]}") from None
 
 
 def _chat_template(d: Path, tok_cfg: dict) -> str | None:
     jinja = d / "chat_template.jinja"
     if jinja.is_file():
-        return jinja.read_text()
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except (OSError, ValueError) as e:
+            raise JobError(f"model: cannot read {jinja}: {e}") from None
     tmpl = tok_cfg.get("chat_template")
     if isinstance(tmpl, list):  # named templates: [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in tmpl if isinstance(t, dict)}
@@ -88,9 +101,11 @@ def check_model_dir(d: Path) -> ModelFiles:
     )
     bos, eos = _token_text(tok_cfg.get("bos_token")), _token_text(tok_cfg.get("eos_token"))
     eos_ids = _ids(gen_cfg.get("eos_token_id")) or _ids(cfg.get("eos_token_id"))
+    _check_tokenizer(tokenizer_file)
     if eos is not None:
-        added = _read_json(tokenizer_file).get("added_tokens", [])
-        eos_ids += [t["id"] for t in added if t.get("content") == eos]
+        added = _read_json(tokenizer_file).get("added_tokens")
+        added = [t for t in added if isinstance(t, dict)] if isinstance(added, list) else []
+        eos_ids += _ids([t.get("id") for t in added if t.get("content") == eos])
     return ModelFiles(
         dir=d,
         tokenizer_file=tokenizer_file,

@@ -91,6 +91,26 @@ def resolve_graph_mode(flag: bool | None, device: torch.device) -> str:
     return "cuda" if flag else "off"
 
 
+# The longest default max_model_len: the RoPE table and the KV budget are sized by it, and a
+# config.json claiming more positions (1e11) would allocate terabytes.
+DEFAULT_MAX_MODEL_LEN_CAP = 1 << 20
+
+
+def resolve_max_model_len(asked: int | None, model_len: int) -> int:
+    """engine.max_model_len, or the model's when unset (within DEFAULT_MAX_MODEL_LEN_CAP)."""
+    if asked is not None and asked > model_len:
+        raise JobError(
+            f"engine.max_model_len: {asked} exceeds the model's {model_len} positions"
+        )
+    if asked is None and model_len > DEFAULT_MAX_MODEL_LEN_CAP:
+        raise JobError(
+            f"engine.max_model_len: the model claims {model_len} positions (config.json), more "
+            f"than eaglebatch sizes by default ({DEFAULT_MAX_MODEL_LEN_CAP}); set "
+            f"engine.max_model_len to the longest sequence you need"
+        )
+    return asked or model_len
+
+
 @dataclass(frozen=True)
 class KvBudget:
     num_blocks: int
@@ -129,6 +149,13 @@ def plan_kv_budget(
             free = psutil.virtual_memory().available
         usable = int(free * eng.kv_cache_memory_fraction) - reserve_bytes
         blocks = min(usable // per_block, useful)
+    if blocks < 1 and eng.kv_cache_tokens is None:
+        pool = " beyond the CUDA graph pool" if reserve_bytes else ""
+        raise JobError(
+            f"engine.kv_cache_memory_fraction: {eng.kv_cache_memory_fraction} of the free "
+            f"memory holds less than one KV block ({per_block} bytes{pool}); raise it or set "
+            f"engine.kv_cache_tokens"
+        )
     if blocks < 1:
         raise JobError("engine.kv_cache_tokens: the KV budget is smaller than one block")
     return KvBudget(num_blocks=blocks, block_size=eng.block_size, bytes_per_block=per_block)
@@ -247,12 +274,7 @@ class Worker:
             cfg = ModelConfig.from_dir(mf.dir)
         except ValueError as e:
             raise JobError(f"model: {mf.dir}: {e}") from None
-        max_model_len = eng.max_model_len or cfg.max_model_len
-        if max_model_len > cfg.max_model_len:
-            raise JobError(
-                f"engine.max_model_len: {max_model_len} exceeds the model's "
-                f"{cfg.max_model_len} positions"
-            )
+        max_model_len = resolve_max_model_len(eng.max_model_len, cfg.max_model_len)
         backend = get_backend(resolve_backend(eng.attention_backend, device))
         gemm_threads = resolve_small_gemm(eng.cpu_gemm, device, dtype)
         model = LlamaForCausalLM.from_pretrained(

@@ -83,9 +83,16 @@ class ModelConfig:
                 raw = json.load(f)
         except FileNotFoundError:
             raise FileNotFoundError(f"model config not found: {file}") from None
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"model config {file} is not valid JSON: {e}") from None
-        return cls.from_dict(raw)
+        except RecursionError:
+            raise ValueError(f"model config {file} is nested too deeply") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"model config {file} must be a JSON object")
+        try:
+            return cls.from_dict(raw)
+        except (TypeError, AttributeError, KeyError, OverflowError) as e:  # a malformed value
+            raise ValueError(f"model config {file} has a malformed value ({e})") from None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -101,8 +108,8 @@ class ModelConfig:
 
         hidden = _int(raw, "hidden_size")
         heads = _int(raw, "num_attention_heads")
-        kv_heads = int(raw.get("num_key_value_heads") or heads)
-        head_dim = int(raw.get("head_dim") or hidden // heads)
+        kv_heads = _int(raw, "num_key_value_heads", heads)
+        head_dim = _int(raw, "head_dim", hidden // heads)
         if heads % kv_heads != 0:
             raise ValueError(
                 f"num_attention_heads ({heads}) is not a multiple of "
@@ -119,7 +126,7 @@ class ModelConfig:
             "mistral": "MistralForCausalLM",
             "qwen2": "Qwen2ForCausalLM",
         }[model_type]
-        arch = archs[0] if archs else default_arch
+        arch = archs[0] if isinstance(archs, list) and archs else default_arch
         if arch != default_arch:
             raise ValueError(f"unsupported architecture {arch!r} for model_type {model_type!r}")
 
@@ -127,21 +134,19 @@ class ModelConfig:
             attention_bias, o_proj_bias = True, False  # Qwen2 always has q/k/v biases
             window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
         elif model_type == "llama":
-            attention_bias = o_proj_bias = bool(raw.get("attention_bias", False))
+            attention_bias = o_proj_bias = _bool(raw, "attention_bias")
             window = None
         else:  # mistral: no biases
             attention_bias = o_proj_bias = False
             window = raw.get("sliding_window")
         eos = raw.get("eos_token_id")
-        if eos is None:
-            eos_ids: tuple[int, ...] = ()
-        elif isinstance(eos, list):
-            eos_ids = tuple(int(e) for e in eos)
-        else:
-            eos_ids = (int(eos),)
+        eos_ids = tuple(_token_id(e, "eos_token_id") for e in (eos if isinstance(eos, list) else
+                                                                 [] if eos is None else [eos]))
         bos = raw.get("bos_token_id")
         if isinstance(bos, list):  # seen in the wild; the first one is the one prepended
             bos = bos[0] if bos else None
+        if window is not None and not (isinstance(window, int) and not isinstance(window, bool)):
+            raise ValueError(f"model config: sliding_window must be an integer, got {window!r}")
         dtype = raw.get("torch_dtype") or raw.get("dtype")
 
         return cls(
@@ -154,26 +159,52 @@ class ModelConfig:
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             vocab_size=_int(raw, "vocab_size"),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=_positive_float(raw, "rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
             # All three configs default to untied embeddings.
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=_bool(raw, "tie_word_embeddings"),
             attention_bias=attention_bias,
             o_proj_bias=o_proj_bias,
-            mlp_bias=bool(raw.get("mlp_bias", False)),
+            mlp_bias=_bool(raw, "mlp_bias"),
             sliding_window=int(window) if window else None,
             eos_token_id=eos_ids,
-            bos_token_id=None if bos is None else int(bos),
+            bos_token_id=None if bos is None else _token_id(bos, "bos_token_id"),
             torch_dtype=str(dtype) if dtype else None,
         )
 
 
-def _int(raw: dict[str, Any], key: str) -> int:
-    if raw.get(key) is None:
-        raise ValueError(f"model config is missing {key!r}")
-    return int(raw[key])
+def _int(raw: dict[str, Any], key: str, default: int | None = None) -> int:
+    """A positive integer setting (`default` when absent or null)."""
+    value = raw.get(key)
+    if value is None:
+        if default is None:
+            raise ValueError(f"model config is missing {key!r}")
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"model config: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _positive_float(raw: dict[str, Any], key: str, default: float) -> float:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e300:
+        raise ValueError(f"model config: {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _bool(raw: dict[str, Any], key: str) -> bool:
+    value = raw.get(key, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"model config: {key} must be true or false, got {value!r}")
+    return value
+
+
+def _token_id(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"model config: {key} must hold token ids, got {value!r}")
+    return value
 
 
 def _parse_rope(raw: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling | None]:

@@ -19,7 +19,12 @@ from eaglebatch.attention.base import AttentionBackend, AttentionMetadata
 from eaglebatch.model.config import ModelConfig
 from eaglebatch.model.linear import Linear, linear
 from eaglebatch.model.rotary import RotaryEmbedding, apply_rotary
-from eaglebatch.model.weights import iter_tensors, load_named_tensors
+from eaglebatch.model.weights import (
+    check_shapes,
+    checkpoint_shapes,
+    iter_tensors,
+    load_named_tensors,
+)
 
 # Checkpoint tensors that are not parameters of ours: old checkpoints store RoPE buffers.
 _IGNORED_TENSORS = ("rotary_emb.inv_freq",)
@@ -209,11 +214,25 @@ class LlamaForCausalLM(nn.Module):
         model.load_weights(path)
         return model.eval()
 
+    @classmethod
+    def check_checkpoint(cls, path: str | os.PathLike[str], cfg: ModelConfig) -> None:
+        """Raises ValueError when the checkpoint in `path` cannot load into a model of `cfg`
+        (a truncated file, a missing, unexpected or misshapen tensor), reading headers only."""
+        with torch.device("meta"):
+            model = cls(cfg, max_positions=2)
+        expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        check_shapes(expected, checkpoint_shapes(path), ignore=model._ignored_tensors(),
+                     source=f"checkpoint {path}")
+
+    def _ignored_tensors(self) -> tuple[str, ...]:
+        """A tied checkpoint may or may not contain lm_head.weight."""
+        return _IGNORED_TENSORS + (("lm_head.weight",) if self.lm_head is None else ())
+
     def load_weights(self, path: str | os.PathLike[str]) -> None:
         """Loads every parameter from the *.safetensors files in `path` (raises on missing or
-        unexpected tensors). A tied checkpoint may or may not contain lm_head.weight."""
-        ignore = _IGNORED_TENSORS + (("lm_head.weight",) if self.lm_head is None else ())
-        load_named_tensors(self, iter_tensors(path), ignore=ignore, source=f"checkpoint {path}")
+        unexpected tensors)."""
+        load_named_tensors(self, iter_tensors(path), ignore=self._ignored_tensors(),
+                           source=f"checkpoint {path}")
 
     @property
     def dtype(self) -> torch.dtype:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable, Iterator
 
@@ -19,9 +20,13 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[str]:
     root = os.fspath(path)
     index = os.path.join(root, INDEX_FILE)
     if os.path.exists(index):
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map", {})
-        files = [os.path.join(root, name) for name in sorted(set(weight_map.values()))]
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+            names = sorted({os.path.basename(str(v)) for v in weight_map.values()})
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            raise ValueError(f"{index} is not a valid shard index") from None
+        files = [os.path.join(root, name) for name in names]
         missing = [f for f in files if not os.path.exists(f)]
         if missing:
             raise FileNotFoundError(f"{index} names shards that do not exist: {missing}")
@@ -32,6 +37,95 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[str]:
     if not files:
         raise FileNotFoundError(f"no *.safetensors checkpoint in {root}")
     return files
+
+
+# Bytes per element of the safetensors dtypes.
+_DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,
+                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+_MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+
+
+def read_safetensors_header(file: str) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} from a safetensors file's header, after checking that the header
+    parses and that every tensor's bytes lie inside the file (a truncated download fails
+    here). Reads only the header. Raises ValueError naming the file."""
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if size < 8 or n > min(size - 8, _MAX_HEADER):
+            raise ValueError(f"{file} is not a safetensors file (or is truncated)")
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, RecursionError):
+            raise ValueError(f"{file} has an unreadable safetensors header") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{file} has an unreadable safetensors header")
+    data_bytes = size - 8 - n
+    shapes = {}
+    for name, t in header.items():
+        if name != "__metadata__":
+            shapes[name] = _checked_entry(file, name, t, data_bytes)
+    return shapes
+
+
+def _checked_entry(file: str, name: str, t: object, data_bytes: int) -> tuple[int, ...]:
+    """The shape of header entry `t`, after checking its dtype, shape and byte range."""
+    try:
+        shape = tuple(t["shape"])
+        begin, end = t["data_offsets"]
+        item = _DTYPE_BYTES[t["dtype"]]
+        ok = all(isinstance(d, int) and d >= 0 for d in (*shape, begin, end))
+    except (TypeError, KeyError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{file}: tensor {name!r} has a malformed header entry")
+    if end - begin != math.prod(shape) * item or end > data_bytes:
+        raise ValueError(
+            f"{file}: tensor {name!r} needs bytes {begin}..{end} of {data_bytes} "
+            f"(the file is truncated or damaged)"
+        )
+    return shape
+
+
+def checkpoint_shapes(path: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
+    """{name: shape} over every checkpoint file, from the headers only."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in checkpoint_files(path):
+        for name, shape in read_safetensors_header(file).items():
+            if name in shapes:
+                raise ValueError(f"{file}: tensor {name!r} is also in another checkpoint file")
+            shapes[name] = shape
+    return shapes
+
+
+def check_shapes(
+    expected: dict[str, tuple[int, ...]],
+    found: dict[str, tuple[int, ...]],
+    *,
+    ignore: tuple[str, ...] = (),
+    source: str = "checkpoint",
+) -> None:
+    """The rule of load_named_tensors over shapes alone: every expected tensor present once with
+    its shape, nothing unexpected unless its name ends with one of `ignore`."""
+    for name, shape in found.items():
+        want = expected.get(name)
+        if want is not None and tuple(shape) != tuple(want):
+            raise ValueError(
+                f"{source}: tensor {name!r} has shape {tuple(shape)}, "
+                f"the model expects {tuple(want)}"
+            )
+    unexpected = [n for n in found if n not in expected and not (ignore and n.endswith(ignore))]
+    _check_complete(sorted(set(expected) - set(found)), sorted(unexpected), source)
+
+
+def _check_complete(missing: list[str], unexpected: list[str], source: str) -> None:
+    if unexpected or missing:
+        parts = []
+        if missing:
+            parts.append(f"missing tensors: {_short(missing)}")
+        if unexpected:
+            parts.append(f"unexpected tensors: {_short(unexpected)}")
+        raise ValueError(f"{source} does not match the model: {'; '.join(parts)}")
 
 
 def iter_tensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -69,14 +163,7 @@ def load_named_tensors(
         with torch.no_grad():
             param.copy_(tensor)
         loaded.add(name)
-    missing = sorted(set(params) - loaded)
-    if unexpected or missing:
-        parts = []
-        if missing:
-            parts.append(f"missing tensors: {_short(missing)}")
-        if unexpected:
-            parts.append(f"unexpected tensors: {_short(sorted(unexpected))}")
-        raise ValueError(f"{source} does not match the model: {'; '.join(parts)}")
+    _check_complete(sorted(set(params) - loaded), sorted(unexpected), source)
 
 
 def _short(names: list[str], limit: int = 8) -> str:
