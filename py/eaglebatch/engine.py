@@ -54,6 +54,12 @@ def _check_model_config(job: JobConfig, mf: ModelFiles) -> tuple[str, int]:
         LlamaForCausalLM.check_checkpoint(mf.dir, cfg)
     except (ValueError, OSError) as e:
         raise JobError(f"model: {mf.dir}: {e}") from None
+    if max(mf.max_token_id, *mf.eos_token_ids, -1) >= cfg.vocab_size:
+        raise JobError(
+            f"model: {mf.dir}: the tokenizer has ids up to "
+            f"{max(mf.max_token_id, *mf.eos_token_ids)} but config.json's vocab_size is "
+            f"{cfg.vocab_size}: tokenizer.json does not belong to these weights"
+        )
     max_model_len = resolve_max_model_len(job.engine.max_model_len, cfg.max_model_len)
     return _check_engine(job), max_model_len
 

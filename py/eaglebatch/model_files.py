@@ -23,6 +23,7 @@ class ModelFiles:
     bos_token: str | None
     eos_token: str | None
     eos_token_ids: tuple[int, ...]
+    max_token_id: int  # the tokenizer's largest id (vocabulary and added tokens)
 
 
 def _token_text(value) -> str | None:
@@ -46,14 +47,16 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def _check_tokenizer(path: Path) -> None:
-    """Parses tokenizer.json the way the run will (the tokenizers library)."""
+def _check_tokenizer(path: Path) -> int:
+    """Parses tokenizer.json the way the run will (the tokenizers library); returns its
+    largest token id."""
     from tokenizers import Tokenizer
 
     try:
-        Tokenizer.from_file(str(path))
+        vocab = Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
     except Exception as e:  # tokenizers raises a bare Exception on any parse error
         raise JobError(f"model: {path} is not a usable tokenizer: {str(e)[:300]}") from None
+    return max(vocab.values(), default=-1)
 
 
 def _chat_template(d: Path, tok_cfg: dict) -> str | None:
@@ -101,7 +104,7 @@ def check_model_dir(d: Path) -> ModelFiles:
     )
     bos, eos = _token_text(tok_cfg.get("bos_token")), _token_text(tok_cfg.get("eos_token"))
     eos_ids = _ids(gen_cfg.get("eos_token_id")) or _ids(cfg.get("eos_token_id"))
-    _check_tokenizer(tokenizer_file)
+    max_token_id = _check_tokenizer(tokenizer_file)
     if eos is not None:
         added = _read_json(tokenizer_file).get("added_tokens")
         added = [t for t in added if isinstance(t, dict)] if isinstance(added, list) else []
@@ -113,6 +116,7 @@ def check_model_dir(d: Path) -> ModelFiles:
         bos_token=bos,
         eos_token=eos,
         eos_token_ids=tuple(sorted(set(eos_ids))),
+        max_token_id=max_token_id,
     )
 
 
