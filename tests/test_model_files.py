@@ -91,3 +91,13 @@ def test_id_column_types_that_differ_across_files_name_the_key(tmp_path, tiny_mo
     job.write_text(job.read_text().replace("input:\n", "input:\n  id_column: id\n"))
     r = CliRunner().invoke(main, ["validate", str(job)])
     assert r.exit_code == 2 and "input.id_column" in r.output and "int64" in r.output, r.output
+
+
+def test_a_memory_fraction_too_small_names_that_key(tmp_path, tiny_model_dir):
+    inp = write_prompts(tmp_path / "in.parquet", ["a"])
+    job = write_job(tmp_path, tiny_model_dir, inp)
+    job.write_text(job.read_text().replace("  kv_cache_tokens: 1024\n",
+                                           "  kv_cache_memory_fraction: 1.0e-12\n"))
+    r = CliRunner().invoke(main, ["run", str(job)])
+    assert r.exit_code == 2, r.output
+    assert "engine.kv_cache_memory_fraction" in r.output, r.output
