@@ -33,7 +33,9 @@ def test_validate_ok(tmp_path, tiny_model_dir):
 
 def test_validate_misspelled_key(tmp_path, tiny_model_dir):
     inp = write_prompts(tmp_path / "in.parquet", ["a"])
-    r = invoke("validate", str(job(tmp_path, tiny_model_dir, inp, "sampling:\n  temprature: 1\n")))
+    p = job(tmp_path, tiny_model_dir, inp)
+    p.write_text(p.read_text().replace("sampling:\n", "sampling:\n  temprature: 1\n"))
+    r = invoke("validate", str(p))
     assert r.exit_code == 2
     assert "sampling.temprature" in r.output
     assert "Traceback" not in r.output

@@ -2,33 +2,77 @@
 
 Every key is documented in the README. Unknown keys are errors (typo protection); every error
 names the key path (`sampling.temperature`) so a user can fix the file without a traceback.
+
+Reading is strict, as a job runs for hours on what it says: the file is UTF-8 text of at most
+1 MiB; YAML is loaded safely (no tag ever runs code) with the YAML 1.2 core schema's scalars
+(`yes`, `on`, `2024-01-01` and `010` stay text or decimal; `1e-4` is a number); duplicate keys,
+keys that are not text and nesting deeper than 64 levels are errors; what the file expands to
+through aliases is bounded; and every value must have its key's type (no `true` for 1, no "0.5"
+for 0.5, no 256.0 for an integer; an integer is accepted where a number is).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    model_validator,
+)
+
+from .errors import JobError, echo
+from .job_yaml import load_yaml, read_job_text
 
 _M = TypeVar("_M", bound=BaseModel)
 
+_MAX_ERRORS = 10  # problems listed in one message
+I32_MAX = 2**31 - 1
+I64_MAX = 2**63 - 1
+MAX_THREADS = 1024  # engine.num_threads, train.num_threads
 
-class JobError(Exception):
-    """A problem in the job the user can fix. The CLI prints it and exits with status 2."""
+
+# ---------------------------------------------------------------------------------------------
+# Schema
+
+
+def _list_to_tuple(v: Any) -> Any:
+    return tuple(v) if isinstance(v, list) else v
+
+
+# A YAML list for a tuple field (strict mode takes only a real tuple otherwise).
+LIST_OK = BeforeValidator(_list_to_tuple)
+
+
+def _no_nul(v: str) -> str:
+    if "\0" in v:
+        raise ValueError("a path or name must not contain a NUL character (\\0)")
+    return v
+
+
+# A file, folder or model reference: non-empty text without NUL.
+PathStr = Annotated[str, StringConstraints(min_length=1), AfterValidator(_no_nul)]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: YAML's own types only (no bool for an int, no text for a number, no float for an
+    # int); allow_inf_nan=False: every number finite (.inf and .nan are refused)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class InputConfig(_Section):
-    path: str = Field(description="Parquet file, directory, glob, or builtin:sharegpt")
+    path: PathStr = Field(description="Parquet file, directory, glob, or builtin:sharegpt")
     prompt_column: str | None = None
     messages_column: str | None = None
     id_column: str | None = None
-    limit: int | None = Field(default=None, ge=0)
+    limit: int | None = Field(default=None, ge=0, le=I64_MAX)
     # Wrap each `prompt_column` text as one user message and render the model's chat template.
     apply_chat_template: bool = False
 
@@ -49,20 +93,22 @@ class InputConfig(_Section):
 
 
 class OutputConfig(_Section):
-    path: str
-    part_rows: int = Field(default=1024, ge=1)
+    path: PathStr
+    part_rows: int = Field(default=1024, ge=1, le=I32_MAX)
     # Also close a part once its oldest row has waited this long: bounds the work a crash loses.
-    flush_interval_s: float = Field(default=30.0, gt=0.0, allow_inf_nan=False)
+    # At most 1e9 s (~32 years): the writer's deadline (a Rust Duration past now) must exist.
+    flush_interval_s: float = Field(default=30.0, gt=0.0, le=1e9)
     include_token_ids: bool = False
 
 
 class SamplingConfig(_Section):
-    max_new_tokens: int = Field(default=256, ge=1)
-    temperature: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    # Upper bounds: what the Rust scheduler's types hold (usize, an f32, i32, i64), sensibly.
+    max_new_tokens: int = Field(default=256, ge=1, le=I32_MAX)
+    temperature: float = Field(default=0.0, ge=0.0, le=1e6)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
-    seed: int = Field(default=0, ge=0, lt=2**63)
-    stop: tuple[str, ...] = ()
+    top_k: int = Field(default=0, ge=0, le=I32_MAX)
+    seed: int = Field(default=0, ge=0, le=I64_MAX)
+    stop: Annotated[tuple[str, ...], LIST_OK] = ()
 
     @model_validator(mode="after")
     def _non_empty_stops(self) -> SamplingConfig:
@@ -76,17 +122,17 @@ class EngineConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     max_batch_size: int = Field(default=64, ge=1, le=4096)
     # KV budget: an explicit token count, else this fraction of free (device or host) memory.
-    kv_cache_tokens: int | None = Field(default=None, ge=1)
+    kv_cache_tokens: int | None = Field(default=None, ge=1, le=I32_MAX)
     kv_cache_memory_fraction: float = Field(default=0.3, gt=0.0, le=0.95)
     block_size: int = Field(default=16, ge=1, le=1024)
-    max_num_batched_tokens: int = Field(default=4096, ge=1)
-    max_model_len: int | None = Field(default=None, ge=2)
+    max_num_batched_tokens: int = Field(default=4096, ge=1, le=I32_MAX)
+    max_model_len: int | None = Field(default=None, ge=2, le=I32_MAX)
     # auto: cpu on the CPU (torch's backend with the extension's kernel for decode and verify
     # steps, attention/cpu_backend.py); on CUDA flashinfer when installed, else torch.
     attention_backend: Literal["auto", "torch", "cpu", "flashinfer"] = "auto"
     # CUDA graphs for decode / speculative rounds; unset = on when running on CUDA.
     cuda_graph: bool | None = None
-    num_threads: int | None = Field(default=None, ge=1)
+    num_threads: int | None = Field(default=None, ge=1, le=MAX_THREADS)
     # CPU steps of up to SMALL_GEMM_MAX_ROWS (128) rows (decode and verify): "native" = the
     # extension's GEMM (model/linear.py; AVX-512F, or AVX2 with FMA) and, with the cpu
     # attention backend, whole layers (model/native_decoder.py); "torch" = torch's layers and
@@ -96,7 +142,7 @@ class EngineConfig(_Section):
 
 class SpeculativeConfig(_Section):
     num_steps: int = Field(default=3, ge=1, le=16)  # K: most draft tokens per verify round
-    topk: int = Field(default=1, ge=1)
+    topk: int = Field(default=1, ge=1, le=I32_MAX)
     # Pick the number of draft steps (0..num_steps) per step from measured costs and acceptance.
     adaptive: bool = True
     # Prompt lookup (speculative/ngram.py): a sequence whose last n tokens (n = prompt_lookup_max
@@ -104,8 +150,8 @@ class SpeculativeConfig(_Section):
     # instead of the head's; when every sequence does, the head does not run and a sequence
     # drafts up to prompt_lookup_tokens copied tokens (at least num_steps; the adaptive policy
     # picks how many from measured verify costs). 0 = off.
-    prompt_lookup_min: int = Field(default=3, ge=0)
-    prompt_lookup_max: int = Field(default=5, ge=1)
+    prompt_lookup_min: int = Field(default=3, ge=0, le=I32_MAX)
+    prompt_lookup_max: int = Field(default=5, ge=1, le=I32_MAX)
     prompt_lookup_tokens: int = Field(default=8, ge=1, le=32)
 
     @model_validator(mode="after")
@@ -130,13 +176,13 @@ class SpeculativeConfig(_Section):
 
 
 class JobConfig(_Section):
-    model: str
+    model: PathStr
     input: InputConfig
     output: OutputConfig
     sampling: SamplingConfig = SamplingConfig()
     engine: EngineConfig = EngineConfig()
     # An EAGLE draft head (folder or builtin name); unset = plain decoding.
-    draft: str | None = None
+    draft: PathStr | None = None
     speculative: SpeculativeConfig = SpeculativeConfig()
 
     @property
@@ -167,46 +213,83 @@ class JobConfig(_Section):
         )
 
 
+def expand_home(p: str) -> str:
+    """`~` and `~user` at the start of a path expanded like a shell does (an unknown user's
+    `~name` stays as written)."""
+    return os.path.expanduser(p) if p.startswith("~") else p
+
+
 def resolve_path(p: str, base_dir: Path) -> str:
-    """A job-file path: builtin names and absolute paths as they are, others under base_dir."""
-    if p.startswith("builtin:") or Path(p).is_absolute():
+    """A job-file path: builtin names as they are; `~` expanded; absolute paths as they are,
+    others under base_dir."""
+    if p.startswith("builtin:"):
+        return p
+    p = expand_home(p)
+    if Path(p).is_absolute():
         return p
     return str((base_dir / p).resolve())
 
 
+def _exists(p: Path) -> bool:
+    try:
+        return p.exists()
+    except (OSError, ValueError):  # e.g. a name too long for the file system
+        return False
+
+
 def resolve_model_ref(m: str | None, base_dir: Path) -> str | None:
-    """A model / draft reference: a path when it looks like one or exists, else a builtin name."""
-    if m is not None and ("/" in m or m.startswith(".") or (base_dir / m).exists()):
+    """A model / draft reference: a path when it looks like one (has a `/`, starts with `.` or
+    `~`) or exists, else a builtin name."""
+    if m is not None and ("/" in m or m.startswith((".", "~")) or _exists(base_dir / m)):
         return resolve_path(m, base_dir)
     return m
 
 
+_FRIENDLY = {
+    "model_type": "expected a section (a mapping of keys)",
+    "dict_type": "expected a mapping of keys",
+    "tuple_type": "expected a list",
+    "list_type": "expected a list",
+}
+def _key_path(loc: tuple) -> str:
+    """`sampling.temperature`, each part cut to 60 characters (a key can be long)."""
+    parts = [str(p) if len(str(p)) <= 60 else str(p)[:60] + "...(cut)" for p in loc]
+    return ".".join(parts) or "(top level)"
+
+
 def _format_error(err: ValidationError, source: str) -> str:
+    errors = err.errors(include_url=False)
     lines = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+    for e in errors[:_MAX_ERRORS]:
+        key = _key_path(e["loc"])
         if e["type"] == "extra_forbidden":
             lines.append(f"{source}: unknown key '{key}'")
         elif e["type"] == "missing":
             lines.append(f"{source}: missing required key '{key}'")
         else:
-            msg = e["msg"].removeprefix("Value error, ")
-            lines.append(f"{source}: {key}: {msg} (got {e.get('input')!r})")
+            msg = _FRIENDLY.get(e["type"]) or e["msg"].removeprefix("Value error, ")
+            got = e.get("input")
+            hint = ""
+            if e["type"] == "string_type" and type(got) in (int, float):
+                hint = f'; quote it to make it text: "{got}"'
+            lines.append(f"{source}: {key}: {msg} (got {echo(got)}{hint})")
+    if len(errors) > _MAX_ERRORS:
+        lines.append(f"{source}: ... and {len(errors) - _MAX_ERRORS:,} more problems")
     return "\n".join(lines)
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
-    """`engine.max_batch_size=32` -> (["engine", "max_batch_size"], 32). Values are YAML."""
+    """`engine.max_batch_size=32` -> (["engine", "max_batch_size"], 32). Values are YAML, read
+    like the job file (so `=32` is an integer, `=0` an integer a number key accepts, `='"32"'`
+    text)."""
     if "=" not in item:
-        raise JobError(f"--set {item!r}: expected key.path=value")
+        raise JobError(f"--set {echo(item)}: expected key.path=value")
     key, raw = item.split("=", 1)
     parts = key.strip().split(".")
     if not all(parts):
-        raise JobError(f"--set {item!r}: bad key path")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as e:
-        raise JobError(f"--set {key}: value is not valid YAML: {e}") from None
+        raise JobError(f"--set {echo(item)}: bad key path")
+    key = _key_path(tuple(parts))
+    value = load_yaml(raw, f"--set {key}") if raw.strip() else ""
     return parts, value
 
 
@@ -219,7 +302,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             if child is None:
                 child = node[p] = {}
             if not isinstance(child, dict):
-                raise JobError(f"--set {item!r}: '{'.'.join(parts[: i + 1])}' is not a section")
+                raise JobError(
+                    f"--set {_key_path(tuple(parts))}: '{_key_path(tuple(parts[: i + 1]))}' "
+                    "is not a section"
+                )
             node = child
         node[parts[-1]] = value
     return data
@@ -228,18 +314,14 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 def load_validated(path: Path, overrides: list[str], cls: type[_M]) -> _M:
     """Reads a YAML job file, applies `--set` overrides and validates it as `cls`. Raises
     JobError naming the file and key on any problem."""
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise JobError(f"cannot read job file {path}: {e.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise JobError(f"{path}: not valid YAML: {e}") from None
+    data = load_yaml(read_job_text(path), str(path))
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise JobError(f"{path}: the job must be a mapping of keys (model, input, output, ...)")
+        kind = "a list" if isinstance(data, list) else f"a single value ({echo(data)})"
+        raise JobError(
+            f"{path}: the job must be a mapping of keys (model, input, output, ...), not {kind}"
+        )
     data = apply_overrides(data, list(overrides))
     try:
         return cls.model_validate(data)
