@@ -181,7 +181,8 @@ def _cpu_step(seqs: PagedSequences, batch, cache, gen, qkv=None):
 
 
 def test_cpu_backend_runs_decode_and_verify_natively_and_prefill_on_torch() -> None:
-    from eaglebatch.attention.cpu_backend import MAX_NATIVE_QUERY, _Native
+    from eaglebatch.attention.base import NativeAttentionPlan as _Native
+    from eaglebatch.attention.cpu_backend import MAX_NATIVE_QUERY
 
     seqs = PagedSequences(num_blocks=64, block_size=4, seed=5)
     cache, gen = torch.randn(2, 64, 4, HKV, D), torch.Generator().manual_seed(1)

@@ -100,6 +100,17 @@ class AttentionMetadata:
         )
 
 
+@dataclass
+class NativeAttentionPlan:
+    """A step planned for the extension's CPU kernels (paged attention, and the native decoder
+    layers that run it): host index arrays, made once per step."""
+
+    cu_seqlens_q: np.ndarray  # int32 [B+1]
+    seq_lens: np.ndarray  # int32 [B]
+    block_tables: np.ndarray  # int32 [B, M], C-contiguous
+    threads: int
+
+
 class AttentionBackend:
     """Paged attention. `prepare` runs once per step outside any CUDA graph; `forward` runs once
     per layer and must not synchronise with the host.
@@ -129,6 +140,12 @@ class AttentionBackend:
     def prepare(self, meta: AttentionMetadata) -> None:
         """Precomputes `meta.backend_state` for this step; called before the model's forward."""
         raise NotImplementedError
+
+    def native_plan(self, meta: AttentionMetadata) -> NativeAttentionPlan | None:
+        """The step's plan when `prepare` planned it for the extension's CPU kernels (then the
+        native decoder layers may run it), else None: the step runs on torch's layers. Only
+        the "cpu" backend plans such steps."""
+        return None
 
     def forward(
         self,

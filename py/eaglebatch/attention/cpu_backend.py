@@ -13,28 +13,16 @@ the decode steps' bit for bit (with the native GEMM, so do the logits at batch 1
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from eaglebatch import _native
-from eaglebatch.attention.base import AttentionMetadata, write_kv_cache
+from eaglebatch.attention.base import AttentionMetadata, NativeAttentionPlan, write_kv_cache
 from eaglebatch.attention.torch_backend import TorchAttentionBackend
 
 # Query rows per sequence up to which a step runs natively: decode (1), verify (k + 1) and
 # short prefills. Above it SDPA's blocked GEMMs are faster than one pass per row.
 MAX_NATIVE_QUERY = 16
-
-
-@dataclass
-class _Native:
-    """A step planned for the native kernel: host index arrays, made once per step."""
-
-    cu_seqlens_q: np.ndarray  # int32 [B+1]
-    seq_lens: np.ndarray  # int32 [B]
-    block_tables: np.ndarray  # int32 [B, M], C-contiguous
-    threads: int
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -64,12 +52,16 @@ class CpuAttentionBackend(TorchAttentionBackend):
             super().prepare(meta)
             return
         cu, lens = meta.host_lengths()
-        meta.backend_state = _Native(
+        meta.backend_state = NativeAttentionPlan(
             cu_seqlens_q=np.ascontiguousarray(cu.numpy(), dtype=np.int32),
             seq_lens=np.ascontiguousarray(lens.numpy(), dtype=np.int32),
             block_tables=np.ascontiguousarray(meta.block_tables.numpy(), dtype=np.int32),
             threads=torch.get_num_threads(),
         )
+
+    def native_plan(self, meta: AttentionMetadata) -> NativeAttentionPlan | None:
+        plan = meta.backend_state
+        return plan if isinstance(plan, NativeAttentionPlan) else None
 
     def forward(
         self,
@@ -81,13 +73,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]
-        plan = meta.backend_state
-        if isinstance(plan, _Native) and torch.is_grad_enabled() and (
+        plan = self.native_plan(meta)
+        if plan is not None and torch.is_grad_enabled() and (
             q.requires_grad or k.requires_grad or v.requires_grad
         ):
             super().prepare(meta)  # the kernel has no backward: torch's path for this step
-            plan = meta.backend_state
-        if not isinstance(plan, _Native):
+            plan = None
+        if plan is None:
             return super().forward(layer_idx, q, k, v, kv_cache, meta, scale)
         if (
             q.dtype != torch.float32

@@ -295,7 +295,7 @@ class LlamaForCausalLM(nn.Module):
         (model/native_decoder.py: few CPU rows with the native GEMM on)."""
         from eaglebatch.model.native_decoder import NativeDecoder, eligible
 
-        if not eligible(x, attn, self.small_gemm_threads):
+        if not eligible(x, self.backend, attn, self.small_gemm_threads):
             return None
         native = self.native_decoder
         if native is None or not native.current(self.model.rotary_emb):

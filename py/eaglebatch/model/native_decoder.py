@@ -25,17 +25,18 @@ import torch
 from torch import nn
 
 from eaglebatch import _native
-from eaglebatch.attention.base import AttentionMetadata
-from eaglebatch.attention.cpu_backend import _Native
+from eaglebatch.attention.base import AttentionBackend, AttentionMetadata
 from eaglebatch.model.linear import SMALL_GEMM_MAX_ROWS, Linear
 from eaglebatch.model.rotary import RotaryEmbedding
 
 
-def eligible(x: torch.Tensor, meta: AttentionMetadata, threads: int) -> bool:
+def eligible(
+    x: torch.Tensor, backend: AttentionBackend, meta: AttentionMetadata, threads: int
+) -> bool:
     """Whether a step over x [T, in] can run on the native layers."""
     return (
         threads > 0
-        and isinstance(meta.backend_state, _Native)
+        and backend.native_plan(meta) is not None
         and 0 < x.shape[0] <= SMALL_GEMM_MAX_ROWS
         and x.dtype == torch.float32
         and x.is_cpu
@@ -118,7 +119,7 @@ class NativeDecoder:
         last: int,
         input: torch.Tensor | None = None,  # float32 [T, in] layer `first`'s attention input
     ) -> None:
-        plan: _Native = meta.backend_state
+        plan = meta.backend_state  # the backend's native_plan (`eligible`)
         for cache in kv_caches:
             if cache.dtype != torch.float32 or not cache.is_contiguous() or not cache.is_cpu:
                 raise ValueError("NativeDecoder: float32 contiguous CPU KV caches only")

@@ -231,7 +231,7 @@ class EagleDraft(nn.Module):
         LlamaForCausalLM._native_decoder)."""
         from eaglebatch.model.native_decoder import NativeDecoder, eligible
 
-        if not eligible(x, meta, self.small_gemm_threads):
+        if not eligible(x, self.backend, meta, self.small_gemm_threads):
             return None
         native = self.native_decoder
         if native is None or not native.current(self.rotary_emb):
