@@ -6,45 +6,40 @@ Plans (see _native.pyi and the speculative plan contract):
     draft input at p = (f_p, x_{p+1}) for p = 0..n-1, writing draft K/V at positions 0..n-1.
   * "verify": row i has L committed tokens (target K/V valid for 0..L-2) and a query of K'+1
     tokens at positions L-1..L-1+K': x_{L-1} then K' placeholders (K' = max_draft_tokens: K,
-    the head's longest chain, or more with prompt lookup). A round with k <= K' drafts:
-      1. draft d_1 = argmax head(h^d_{L-2}) (slot state), then for j = 1..k-1 one draft step at
-         p = L-2+j with input (h^d_{p-1}, d_j) -> h^d_p, d_{j+1} (writes draft K/V at p);
-      2. the target verifies [x_{L-1}, d_1..d_k] at positions L-1..L-1+k;
-      3. verify.py accepts a <= k drafts and adds one target token;
-      4. the draft extends over positions L-1..L-1+k with (target feature at p, x_{p+1}),
+    the head's longest chain, or more with prompt lookup). A round of width k <= K' runs five
+    phases over one `_Round`:
+      1. draft: d_1 = argmax head(h^d_{L-2}) (slot state), then for j = 1..k-1 one draft step
+         at p = L-2+j with input (h^d_{p-1}, d_j) -> h^d_p, d_{j+1} (writes draft K/V at p);
+      2. verify: the target over [x_{L-1}, d_1..d_k] at positions L-1..L-1+k;
+      3. accept: verify.py accepts a <= k drafts and adds one target token;
+      4. extend: the draft over positions L-1..L-1+k with (target feature at p, x_{p+1}),
          overwriting what drafting wrote. Only rows p <= L-1+a are meaningful; later rows
          write draft K/V that is stale but never read before it is rewritten (a query at
          position q only attends to positions <= q, and every round rewrites its positions
-         before reading them). This keeps the step free of host synchronisation until the end.
+         before reading them), so the round needs no host synchronisation before 5;
+      5. record: the round's one device-to-host copy, then stats, lookup histories, policies.
     "decode" plans (1 query token per row) run as rounds with k = 0.
-  * prompt lookup (`prompt_lookup`, speculative/ngram.py): a row whose latest tokens recur
-    earlier in its sequence, followed there by k tokens, takes those as its k drafts instead of
-    the head's. When every row has K of them the head does not run (step 1 is skipped) and a
-    row may draft up to `lookup_tokens` (>= K) copied tokens: the round's width k is then chosen
-    by a second adaptive policy that prices lookup rounds (no drafting cost, a verify over k+1
-    tokens, the acceptance of copied tokens), and row i drafts n_i = min(its proposal, k).
-    Rows with n_i < k are padded; verify.py never accepts padding. Without the adaptive
-    policy a row's n_i depends only on its own sequence: min(proposal, lookup_tokens) when it
-    drafts by lookup, else K, so sampled output does not depend on the batch. Steps 2-4 run
-    over the round's width as usual, so the draft's state stays as the invariant below says.
-  * deferred extends (adaptive policy, eager steps): a round the policy runs with k = 0 drafts
-    nothing, so its step 4 is only bookkeeping for later rounds. It is deferred: each row keeps
-    the target's captured states and the new token of up to MAX_DEFERRED such rounds, and the
-    first round with k > 0 first extends the draft over all of them at once (one draft forward
-    over the deferred positions of every row that has some). A row with more deferred rounds
-    than that is dropped from the head for good ("stale": its draft state is never read again;
-    it drafts by prompt lookup or not at all), so a batch where the policy keeps choosing k = 0
-    stops paying for the draft. The policy is told how many rows can still draft (not stale, or
-    with a lookup proposal) and learns every round's cost, so a batch of stale rows goes back
-    to k = 0 instead of widening every row's query for a few lookup drafts.
+  * prompt lookup (speculative/ngram.py; README, Speculative decoding): a row whose latest
+    tokens recur earlier in its sequence takes the k tokens that followed there as its drafts.
+    When every row has K of them the head does not run, and the round may be up to
+    `lookup_tokens` (>= K) wide, its width chosen by a second adaptive policy; row i drafts
+    n_i = min(its proposal, k) and is padded after them (verify.py never accepts padding).
+    Without the adaptive policy a row's n_i depends only on its own sequence, so sampled
+    output does not depend on the batch.
+  * deferred extends (adaptive policy, eager steps; README): a round of k = 0 keeps each row's
+    extend input (its new token, the target's captured states) for up to MAX_DEFERRED rounds,
+    and the next round with k > 0 first extends the draft over all of them in one forward. A
+    row with more deferred rounds becomes "stale": it leaves the head for good (drafts by
+    prompt lookup or not at all), and the policy counts only the rows that can still draft.
 Invariant between steps, per running slot s that is not stale: the draft's K/V is valid for
 positions 0..L-2-d (like the target's, less the d = deferred[s] deferred positions) and
 hidden[s] = h^d_{L-2-d}, the draft output at the last extended position.
 K/V slots are the plan's: the draft's K/V of position p sits at the target's slot of p.
 
 Output per plan row: accepted drafts then the target's token (1..k+1 tokens), num_accepted.
-With `enable_graphs`, stages 1, 2 and 4 of a round run as captured steps per padded batch size
-(speculative/graphs.py); prefill, and batches above the largest bucket, stay eager.
+With `enable_graphs`, phases 1, 2 and 4 run as captured steps per padded batch size
+(speculative/graphs.py), graph or eager chosen once per round; prefill, and batches above the
+largest bucket, stay eager.
 """
 
 from __future__ import annotations
@@ -53,6 +48,7 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -113,6 +109,45 @@ class _Clock:
         return start.elapsed_time(end) / 1000.0
 
 
+@dataclass(slots=True)
+class _Round:
+    """One verify round over a plan's B rows (module doc): its shape (`_round_shape`), then what
+    `_begin_round` reads from the plan and the phases hand each other."""
+
+    k: int  # the round's width: a query of k + 1 tokens per row
+    k_head: int  # the head's chain length (0: the head does not run)
+    n: np.ndarray  # int64 [B] each row's own number of drafts (<= k)
+    by_lookup: np.ndarray  # bool [B] the row drafts by prompt lookup
+    proposals: list[np.ndarray]  # each row's lookup proposal
+    lookup_round: bool  # every row drafts by lookup (the lookup policy's round)
+    # _begin_round
+    plan: Any = None
+    b: int = 0
+    cu: np.ndarray | None = None  # int64 [B+1] the plan's query offsets
+    stale: np.ndarray | None = None  # bool [B] rows the head no longer serves, at the start
+    lookup_ids: np.ndarray | None = None  # int64 [B, k] lookup rows' drafts, 0 after n
+    head_drafts: bool = False  # the head drafts for some row
+    start: np.ndarray | None = None  # int64 [B] L-1
+    plan_slots: np.ndarray | None = None  # [B, K'+1] the plan's KV slots of L-1..L-1+K'
+    block_tables: torch.Tensor | None = None  # int32 [B, M] on the device
+    slots: torch.Tensor | None = None  # int64 [B] the rows' slots on the device
+    per_row: np.ndarray | None = None  # [B+1] 0..B: offsets of one query token a row
+    bp: int | None = None  # padded batch size of the graph steps; None: eager
+    defer: bool = False  # the draft extend waits (module doc)
+    # the phases
+    draft_ids: torch.Tensor | None = None  # int64 [B, k] target ids
+    logits: torch.Tensor | None = None  # [B, k+1, V]
+    captured: dict[int, torch.Tensor] | None = None  # eager: layer -> [B*(k+1), H]
+    positions: torch.Tensor | None = None  # eager: int64 [B*(k+1)]
+    meta: AttentionMetadata | None = None  # eager: the verify query's
+    tokens: torch.Tensor | None = None  # int64 [B, k+1]
+    accepted: torch.Tensor | None = None  # int64 [B]
+    tc: Any = None  # clock marks: catch-up, drafting, verify..sync
+    t0: Any = None
+    t1: Any = None
+    t2: Any = None
+
+
 class SpecWorker:
     def __init__(
         self,
@@ -155,32 +190,51 @@ class SpecWorker:
         )  # + the pad block of graph steps
         # verify queries reach position max_model_len - 1 + max_draft_tokens
         most = self.max_model_len + self.max_draft_tokens
-        for rotary in (self.model.model.rotary_emb, draft.rotary_emb):
+        self._fit_rotary(most)
+        self._init_slot_state(max_batch_size)
+        self._init_policies(max_batch_size, adaptive, prompt_lookup, most)
+        self.stats = SpecStats()
+        self._clock = _Clock(self.device)
+        self.graphs: SpecGraphs | None = None  # enable_graphs
+
+    def _fit_rotary(self, most: int) -> None:
+        """Grows the target's and the draft's rotary tables to `most` positions if shorter."""
+        for rotary in (self.model.model.rotary_emb, self.draft.rotary_emb):
             if rotary.max_positions < most:
                 rotary.max_positions = most
                 rotary.rebuild()
-        # per-slot draft state: h^d at the last extended position (see the module doc)
+
+    def _init_slot_state(self, max_batch_size: int) -> None:
+        """Per-slot draft state (module doc): h^d at the last extended position, whether the
+        slot was prefilled, and its deferred extends (count, tokens, captured states)."""
+        draft = self.draft
         self.hidden = torch.zeros(
             max_batch_size, draft.config.hidden_size, dtype=draft.dtype, device=self.device
-        )
+        )  # [slots, h]
         self.ready = np.zeros(max_batch_size, dtype=bool)  # slot has been prefilled
-        # deferred extends (module doc): per slot, how many; their tokens and captured states
         self.deferred = np.zeros(max_batch_size, dtype=np.int64)
         self.stale = np.zeros(max_batch_size, dtype=bool)
         self.deferred_ids = torch.zeros(
             max_batch_size, MAX_DEFERRED, dtype=torch.long, device=self.device
-        )
+        )  # [slots, MAX_DEFERRED]
         self.deferred_states: dict[int, torch.Tensor] = {}  # layer -> [slots, MAX_DEFERRED, H]
-        self.policy = AdaptiveDraftLength(num_speculative_tokens) if adaptive else None
+
+    def _init_policies(
+        self,
+        max_batch_size: int,
+        adaptive: bool,
+        prompt_lookup: tuple[int, int] | None,
+        most: int,
+    ) -> None:
+        """The head's adaptive policy, prompt lookup (histories of `most` + 1 tokens a slot) and
+        the policy that sets the width of rounds where every row drafts by lookup."""
+        self.policy = AdaptiveDraftLength(self.num_speculative_tokens) if adaptive else None
         self.lookup = None
-        self.lookup_policy = None  # the width of rounds where every row drafts by lookup
+        self.lookup_policy = None
         if prompt_lookup is not None:
             self.lookup = NgramLookup(max_batch_size, most + 1, *prompt_lookup)
             if adaptive:
                 self.lookup_policy = AdaptiveDraftLength(self.max_draft_tokens)
-        self.stats = SpecStats()
-        self._clock = _Clock(self.device)
-        self.graphs: SpecGraphs | None = None  # enable_graphs
 
     def enable_graphs(self, mode: str, max_batch_size: int) -> None:
         """Captures the draft loop, verify and draft-extend per padded batch size and draft
@@ -429,14 +483,9 @@ class SpecWorker:
             return None
         return [self.lookup.propose(int(slot), k_plan) for slot in slots]
 
-    def _round_shape(
-        self, slots: np.ndarray, k_plan: int
-    ) -> tuple[int, int, np.ndarray, np.ndarray, list[np.ndarray], bool]:
-        """(k, k_head, n, by_lookup, proposals, lookup_round) of a round over `slots` (see the
-        module doc): the round's width k (a query of k + 1 tokens per row), the head's chain
-        length (0: the head does not run), each row's own number of drafts n (int64 [B], <= k),
-        whether it drafts by lookup (bool [B]), each row's proposal, and whether every row
-        drafts by lookup (the lookup policy's round)."""
+    def _round_shape(self, slots: np.ndarray, k_plan: int) -> _Round:
+        """The shape of a round over `slots` (module doc): its width k, the head's chain length,
+        each row's own number of drafts and whether it drafts by lookup (see `_Round`)."""
         b = len(slots)
         K = min(self.num_speculative_tokens, k_plan)
         # proposals of K tokens (the head's width), and of k_plan where a row may draft more
@@ -444,13 +493,7 @@ class SpecWorker:
         proposals = self._proposals(slots, K) or [np.zeros(0, np.int32)] * b
         lens = np.array([len(p) for p in proposals], dtype=np.int64)  # [B]
         if K > 0 and self.lookup is not None and bool((lens >= K).all()):
-            if k_plan > K:
-                proposals = self._proposals(slots, k_plan)
-                lens = np.array([len(p) for p in proposals], dtype=np.int64)  # still >= K
-            policy = self.lookup_policy
-            k = k_plan if policy is None else min(k_plan, policy.choose(b))
-            n = np.minimum(lens, k)
-            return int(n.max()), 0, n, n > 0, proposals, True
+            return self._lookup_round_shape(slots, k_plan, K, proposals, lens)
         if self.policy is None:
             k = K
         else:
@@ -467,10 +510,25 @@ class SpecWorker:
         head_rows = ~by_lookup & ~self.stale[slots]
         n[~by_lookup & self.stale[slots]] = 0
         k_head = k if head_rows.any() else 0
-        return int(n.max(initial=0)), k_head, n, by_lookup, proposals, False
+        return _Round(int(n.max(initial=0)), k_head, n, by_lookup, proposals, False)
 
-    def _verify(self, plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        b = plan.num_seqs
+    def _lookup_round_shape(
+        self, slots: np.ndarray, k_plan: int, K: int, proposals: list[np.ndarray],
+        lens: np.ndarray,
+    ) -> _Round:  # fmt: skip
+        """A round where every row has K lookup drafts (lens [B] >= K): the head does not run,
+        rows may draft up to k_plan copied tokens, the lookup policy sets the width."""
+        if k_plan > K:
+            proposals = self._proposals(slots, k_plan)
+            lens = np.array([len(p) for p in proposals], dtype=np.int64)  # still >= K
+        policy = self.lookup_policy
+        k = k_plan if policy is None else min(k_plan, policy.choose(len(slots)))
+        n = np.minimum(lens, k)
+        return _Round(int(n.max()), 0, n, n > 0, proposals, True)
+
+    def _check_verify_plan(self, plan) -> tuple[np.ndarray, int]:
+        """(cu_seqlens_q int64 [B+1], K' the plan's placeholders per row) of a verify or decode
+        plan; a ValueError or RuntimeError for a plan this worker cannot run."""
         cu = plan.cu_seqlens_q.astype(np.int64)
         q_lens = cu[1:] - cu[:-1]
         k_plan = int(q_lens[0]) - 1
@@ -482,130 +540,189 @@ class SpecWorker:
         if not self.ready[plan.slots].all():
             bad = plan.slots[~self.ready[plan.slots]].tolist()
             raise RuntimeError(f"verify plan uses slots {bad} that were never prefilled")
-        stale = self.stale[plan.slots]  # [B] rows the head no longer serves (module doc)
-        k, k_head, n, by_lookup, proposals, lookup_round = self._round_shape(plan.slots, k_plan)
-        # drafts int64 [B, k]: lookup rows' copied tokens, padding (0) after each row's n
-        lookup_ids = np.zeros((b, k), dtype=np.int64)
-        for i in np.flatnonzero(by_lookup):
-            lookup_ids[i, : n[i]] = proposals[i][: n[i]]
-        head_drafts = k_head > 0 and not by_lookup.all()
-        start = plan.positions[cu[:-1]].astype(np.int64)  # [B] L-1
-        plan_slots = plan.slot_mapping.reshape(b, k_plan + 1)  # [B, K'+1] slots of L-1..L-1+K'
-        block_tables = self._dev(plan.block_tables, np.int32)
-        slots = self._dev(plan.slots)
-        per_row = np.arange(b + 1, dtype=np.int64)
+        return cu, k_plan
 
-        bp = None if self.graphs is None else self.graphs.bucket(b)  # None: eager
+    def _begin_round(self, plan) -> _Round:
+        """The round over `plan`: its shape, the plan's arrays its phases read, the lookup rows'
+        drafts, its graph bucket and whether its extend is deferred (module doc)."""
+        cu, k_plan = self._check_verify_plan(plan)
+        b = plan.num_seqs
+        stale = self.stale[plan.slots]  # [B] rows the head no longer serves (module doc)
+        r = self._round_shape(plan.slots, k_plan)
+        r.plan, r.b, r.cu, r.stale = plan, b, cu, stale
+        r.lookup_ids = np.zeros((b, r.k), dtype=np.int64)  # padding (0) after each row's n
+        for i in np.flatnonzero(r.by_lookup):
+            r.lookup_ids[i, : r.n[i]] = r.proposals[i][: r.n[i]]
+        r.head_drafts = r.k_head > 0 and not r.by_lookup.all()
+        r.start = plan.positions[cu[:-1]].astype(np.int64)  # [B] L-1
+        r.plan_slots = plan.slot_mapping.reshape(b, k_plan + 1)  # [B, K'+1] slots of L-1..L-1+K'
+        r.block_tables = self._dev(plan.block_tables, np.int32)
+        r.slots = self._dev(plan.slots)
+        r.per_row = np.arange(b + 1, dtype=np.int64)
+        r.bp = None if self.graphs is None else self.graphs.bucket(b)
         # a round of k = 0 chosen by the policy defers its draft extend; any other first
         # extends the draft over what earlier rounds deferred (module doc)
-        defer = k == 0 and self.policy is not None and bp is None
-        tc = self._clock.mark()
-        if not defer:
-            self._catch_up(plan, start, block_tables)
-        t0 = self._clock.mark()
-        # 1. drafting: argmax only (topk == 1); the head's k_head drafts, padded to k
-        draft_ids = torch.zeros(b, k, dtype=torch.long, device=self.device)  # [B, k] target ids
-        if not head_drafts:
-            pass  # k == 0, or every row drafts by lookup (below)
-        elif bp is not None:
-            h = self.hidden.index_select(0, slots)  # [B, h] h^d_{L-2}
-            draft_ids[:, :k_head] = self.graphs.draft_chain(
-                bp, k_head, h, start, plan.block_tables, plan_slots
-            )
-            self.stats.draft_steps += k_head - 1
+        r.defer = r.k == 0 and self.policy is not None and r.bp is None
+        return r
+
+    def _verify(self, plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One round over a verify or decode plan (module doc): draft, verify, accept, extend,
+        record, with graph or eager steps chosen once, by the round's bucket."""
+        r = self._begin_round(plan)
+        if r.bp is not None:
+            chain, target, extend = self._chain_graph, self._target_graph, self._extend_graph
         else:
-            h = self.hidden.index_select(0, slots)  # [B, h] h^d_{L-2}
+            chain, target = self._chain_eager, self._target_eager
+            extend = self._extend_deferred if r.defer else self._extend_eager
+        r.tc = self._clock.mark()
+        if not r.defer:
+            self._catch_up(plan, r.start, r.block_tables)
+        r.t0 = self._clock.mark()
+        self._draft(r, chain)
+        r.t1 = self._clock.mark()
+        target(r)
+        self._accept(r)
+        extend(r)
+        return self._record(r)
+
+    # ---- 1. draft ------------------------------------------------------------------------------
+
+    def _draft(self, r: _Round, chain) -> None:
+        """r.draft_ids int64 [B, k]: the head's k_head drafts by `chain` (argmax only, topk ==
+        1), padded to k, and the lookup rows' copied tokens in place of them."""
+        r.draft_ids = torch.zeros(r.b, r.k, dtype=torch.long, device=self.device)  # [B, k]
+        if r.head_drafts:  # else k == 0, or every row drafts by lookup
+            chain(r, self.hidden.index_select(0, r.slots))  # from h^d_{L-2} [B, h]
+            self.stats.draft_steps += r.k_head - 1
+        if r.by_lookup.any():
+            use = self._dev(r.by_lookup, bool)[:, None]  # [B, 1]
+            r.draft_ids = torch.where(use, self._dev(r.lookup_ids), r.draft_ids)
+
+    def _chain_eager(self, r: _Round, h: torch.Tensor) -> None:
+        """The head's chain into r.draft_ids[:, :k_head], one draft forward per step."""
+        d = self.draft.argmax_tokens(h)
+        r.draft_ids[:, 0] = d
+        for j in range(1, r.k_head):
+            p = r.start + j - 1  # this step's position L-2+j
+            meta = self._meta(r.per_row, p + 1, r.block_tables, r.plan_slots[:, j - 1])
+            h = self._draft_forward(d, h, self._dev(p), meta)  # [B, h] h^d_p
             d = self.draft.argmax_tokens(h)
-            draft_ids[:, 0] = d
-            for j in range(1, k_head):
-                p = start + j - 1  # this step's position L-2+j
-                meta = self._meta(per_row, p + 1, block_tables, plan_slots[:, j - 1])
-                h = self._draft_forward(d, h, self._dev(p), meta)  # [B, h] h^d_p
-                d = self.draft.argmax_tokens(h)
-                draft_ids[:, j] = d
-            self.stats.draft_steps += k_head - 1
-        if by_lookup.any():
-            use = self._dev(by_lookup, bool)[:, None]  # [B, 1]
-            draft_ids = torch.where(use, self._dev(lookup_ids), draft_ids)
-        t1 = self._clock.mark()
+            r.draft_ids[:, j] = d
 
-        # 2. target verify over [x_{L-1}, d_1..d_k] at L-1..L-1+k
-        first = self._dev(plan.input_ids[cu[:-1]])  # [B] x_{L-1}
-        if bp is not None:
-            logits = self.graphs.target_verify(
-                bp, k, first, draft_ids, start, plan.block_tables, plan_slots
-            )  # [B, k+1, V]
-        else:
-            ids = torch.cat((first[:, None], draft_ids), dim=1).reshape(-1)  # [B*(k+1)]
-            pos_np = (start[:, None] + np.arange(k + 1)).reshape(-1)  # [B*(k+1)]
-            positions = self._dev(pos_np)
-            meta = self._meta(
-                per_row * (k + 1), start + k + 1, block_tables, plan_slots[:, : k + 1].reshape(-1)
-            )
-            self.model.backend.prepare(meta)
-            hidden, captured = self.model(
-                ids, positions, meta, self.kv_caches, capture_layers=self.draft.capture_layers
-            )  # [B*(k+1), H]
-            logits = self.model.compute_logits(hidden).view(b, k + 1, -1)  # [B, k+1, V]
-        padded = bool((n < k).any())
-        if logits.is_cpu and bool(deterministic_rows(plan.temperature, plan.top_k).all()):
+    def _chain_graph(self, r: _Round, h: torch.Tensor) -> None:
+        """The head's chain into r.draft_ids[:, :k_head], one graph replay."""
+        r.draft_ids[:, : r.k_head] = self.graphs.draft_chain(
+            r.bp, r.k_head, h, r.start, r.plan.block_tables, r.plan_slots
+        )
+
+    # ---- 2. verify -----------------------------------------------------------------------------
+
+    def _target_eager(self, r: _Round) -> None:
+        """r.logits [B, k+1, V] of the target over [x_{L-1}, d_1..d_k] at L-1..L-1+k; keeps the
+        captured states, positions and metadata for the extend."""
+        b, k = r.b, r.k
+        first = self._dev(r.plan.input_ids[r.cu[:-1]])  # [B] x_{L-1}
+        ids = torch.cat((first[:, None], r.draft_ids), dim=1).reshape(-1)  # [B*(k+1)]
+        pos_np = (r.start[:, None] + np.arange(k + 1)).reshape(-1)  # [B*(k+1)]
+        r.positions = self._dev(pos_np)
+        r.meta = self._meta(
+            r.per_row * (k + 1), r.start + k + 1, r.block_tables,
+            r.plan_slots[:, : k + 1].reshape(-1),
+        )  # fmt: skip
+        self.model.backend.prepare(r.meta)
+        hidden, r.captured = self.model(
+            ids, r.positions, r.meta, self.kv_caches, capture_layers=self.draft.capture_layers
+        )  # [B*(k+1), H]
+        r.logits = self.model.compute_logits(hidden).view(b, k + 1, -1)  # [B, k+1, V]
+
+    def _target_graph(self, r: _Round) -> None:
+        """r.logits [B, k+1, V] as `_target_eager`, by a graph replay (features stay in it)."""
+        first = self._dev(r.plan.input_ids[r.cu[:-1]])  # [B] x_{L-1}
+        r.logits = self.graphs.target_verify(
+            r.bp, r.k, first, r.draft_ids, r.start, r.plan.block_tables, r.plan_slots
+        )  # [B, k+1, V]
+
+    # ---- 3. accept -----------------------------------------------------------------------------
+
+    def _accept(self, r: _Round) -> None:
+        """r.tokens int64 [B, k+1] (accepted drafts, then the target's token; the rest unused)
+        and r.accepted int64 [B], by verify.py; rows drafting fewer than k are masked."""
+        plan = r.plan
+        padded = bool((r.n < r.k).any())
+        if r.logits.is_cpu and bool(deterministic_rows(plan.temperature, plan.top_k).all()):
             # every row greedy: the same tokens and counts from a few numpy operations
-            tokens, accepted = verify_greedy_host(logits, draft_ids, n if padded else None)
+            r.tokens, r.accepted = verify_greedy_host(
+                r.logits, r.draft_ids, r.n if padded else None
+            )
         else:
-            tokens, accepted = verify(
-                logits, draft_ids, *self._sampling(plan), self._dev(n) if padded else None
+            r.tokens, r.accepted = verify(
+                r.logits, r.draft_ids, *self._sampling(plan), self._dev(r.n) if padded else None
             )
 
-        # 4. draft extend over L-1..L-1+k; keep h^d at L-1+a (or defer it: k == 0)
-        if defer:
-            self._defer(plan.slots, tokens[:, 0], captured)
-        elif bp is not None:
-            h = self.graphs.draft_extend(bp, k, tokens, accepted)
-            self.hidden.index_copy_(0, slots, h)
-        else:
-            select = torch.arange(b, device=self.device) * (k + 1) + accepted  # [B]
-            h = self._draft_forward(
-                tokens.reshape(-1), self.draft.target_features(captured), positions, meta, select
-            )
-            self.hidden.index_copy_(0, slots, h)
+    # ---- 4. extend: the draft over L-1..L-1+k, keeping h^d at L-1+a ----------------------------
 
-        tokens_np = tokens.cpu().numpy()  # the step's only synchronisation
-        accepted_np = accepted.cpu().numpy()
-        t2 = self._clock.mark()
+    def _extend_eager(self, r: _Round) -> None:
+        select = torch.arange(r.b, device=self.device) * (r.k + 1) + r.accepted  # [B]
+        features = self.draft.target_features(r.captured)  # [B*(k+1), h]
+        h = self._draft_forward(r.tokens.reshape(-1), features, r.positions, r.meta, select)
+        self.hidden.index_copy_(0, r.slots, h)
+
+    def _extend_graph(self, r: _Round) -> None:
+        h = self.graphs.draft_extend(r.bp, r.k, r.tokens, r.accepted)  # [B, h]
+        self.hidden.index_copy_(0, r.slots, h)
+
+    def _extend_deferred(self, r: _Round) -> None:
+        """A k = 0 round of the policy: the extend waits for the next round with drafts."""
+        self._defer(r.plan.slots, r.tokens[:, 0], r.captured)
+
+    # ---- 5. record -----------------------------------------------------------------------------
+
+    def _record(self, r: _Round) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The round's one synchronisation, its stats, lookup histories and cost; returns
+        (tokens int32 [N], num_tokens int32 [B], num_accepted int32 [B]) as `step` does."""
+        tokens_np = r.tokens.cpu().numpy()  # the step's only synchronisation
+        accepted_np = r.accepted.cpu().numpy()
+        r.t2 = self._clock.mark()
         num_tokens = accepted_np + 1
-        keep = np.arange(k + 1)[None, :] < num_tokens[:, None]  # [B, k+1]
+        keep = np.arange(r.k + 1)[None, :] < num_tokens[:, None]  # [B, k+1]
+        n, by_lookup = r.n, r.by_lookup
         self.stats.verify_rounds += 1
         self.stats.drafted += int(n.sum())
         self.stats.accepted += int(accepted_np.sum())
         self.stats.emitted += int(num_tokens.sum())
         if self.lookup is not None:
-            for i, slot in enumerate(plan.slots):
+            for i, slot in enumerate(r.plan.slots):
                 self.lookup.extend(int(slot), tokens_np[i, : num_tokens[i]])
         if by_lookup.any():
             self.stats.lookup_rows += int(by_lookup.sum())
             self.stats.lookup_drafted += int(n[by_lookup].sum())
             self.stats.lookup_accepted += int(accepted_np[by_lookup].sum())
-        # a catch-up extend is part of its round's cost (the rounds that deferred cost less)
-        catch_up = self._clock.seconds(tc, t0)
-        if lookup_round and self.lookup_policy is not None:
-            # copied drafts cost nothing to make: the round's cost is its verify
-            self.lookup_policy.record(
-                b, k, None, catch_up + self._clock.seconds(t1, t2), accepted_np.tolist(),
-                n.tolist(),
-            )  # fmt: skip
-        elif self.policy is not None:
-            # every round's cost at its width k (also when only lookup rows drafted: the others
-            # were padded to k + 1 query tokens all the same); acceptance from the head's drafts
-            drafting = self._clock.seconds(t0, t1)
-            self.policy.record(
-                b,
-                k,
-                drafting / k if head_drafts else None,
-                catch_up + self._clock.seconds(t1, t2),
-                accepted_np[~by_lookup & ~stale].tolist() if head_drafts else [],
-            )
+        self._record_cost(r, accepted_np)
         return (
             tokens_np[keep].astype(np.int32),
             num_tokens.astype(np.int32),
             accepted_np.astype(np.int32),
         )
+
+    def _record_cost(self, r: _Round, accepted: np.ndarray) -> None:
+        """Tells the round's policy its cost at width k and its acceptance (accepted [B])."""
+        clock = self._clock
+        # a catch-up extend is part of its round's cost (the rounds that deferred cost less)
+        catch_up = clock.seconds(r.tc, r.t0)
+        if r.lookup_round and self.lookup_policy is not None:
+            # copied drafts cost nothing to make: the round's cost is its verify
+            self.lookup_policy.record(
+                r.b, r.k, None, catch_up + clock.seconds(r.t1, r.t2), accepted.tolist(),
+                r.n.tolist(),
+            )  # fmt: skip
+        elif self.policy is not None:
+            # every round's cost at its width k (also when only lookup rows drafted: the others
+            # were padded to k + 1 query tokens all the same); acceptance from the head's drafts
+            drafting = clock.seconds(r.t0, r.t1)
+            self.policy.record(
+                r.b,
+                r.k,
+                drafting / r.k if r.head_drafts else None,
+                catch_up + clock.seconds(r.t1, r.t2),
+                accepted[~r.by_lookup & ~r.stale].tolist() if r.head_drafts else [],
+            )
