@@ -96,52 +96,15 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        model_type = raw.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model_type {model_type!r}; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r} (only 'silu' is implemented)")
-
-        hidden = _int(raw, "hidden_size")
-        heads = _int(raw, "num_attention_heads")
-        kv_heads = _int(raw, "num_key_value_heads", heads)
-        head_dim = _int(raw, "head_dim", hidden // heads)
-        if heads % kv_heads != 0:
-            raise ValueError(
-                f"num_attention_heads ({heads}) is not a multiple of "
-                f"num_key_value_heads ({kv_heads})"
-            )
-        if head_dim % 2 != 0:
-            raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
+        """The config of a parsed config.json; a ValueError naming the first bad setting (the
+        settings are checked in a fixed order)."""
+        model_type = _model_type(raw)
+        hidden, heads, kv_heads, head_dim = _attention_shape(raw)
         max_pos = _int(raw, "max_position_embeddings")
         rope_theta, rope_scaling = _parse_rope(raw, max_pos)
-
-        archs = raw.get("architectures") or []
-        default_arch = {
-            "llama": "LlamaForCausalLM",
-            "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM",
-        }[model_type]
-        arch = archs[0] if isinstance(archs, list) and archs else default_arch
-        if arch != default_arch:
-            raise ValueError(f"unsupported architecture {arch!r} for model_type {model_type!r}")
-
-        if model_type == "qwen2":
-            attention_bias, o_proj_bias = True, False  # Qwen2 always has q/k/v biases
-            window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
-        elif model_type == "llama":
-            attention_bias = o_proj_bias = _bool(raw, "attention_bias")
-            window = None
-        else:  # mistral: no biases
-            attention_bias = o_proj_bias = False
-            window = raw.get("sliding_window")
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(_token_id(e, "eos_token_id") for e in (eos if isinstance(eos, list) else
-                                                                 [] if eos is None else [eos]))
+        arch = _architecture(raw, model_type)
+        attention_bias, o_proj_bias, window = _biases_and_window(raw, model_type)
+        eos_ids = _eos_ids(raw)
         bos = raw.get("bos_token_id")
         if isinstance(bos, list):  # seen in the wild; the first one is the one prepended
             bos = bos[0] if bos else None
@@ -173,6 +136,73 @@ class ModelConfig:
             bos_token_id=None if bos is None else _token_id(bos, "bos_token_id"),
             torch_dtype=str(dtype) if dtype else None,
         )
+
+
+def _model_type(raw: dict[str, Any]) -> str:
+    """`model_type`, one of SUPPORTED_MODEL_TYPES, with the one activation implemented."""
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; "
+            f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r} (only 'silu' is implemented)")
+    return model_type
+
+
+def _attention_shape(raw: dict[str, Any]) -> tuple[int, int, int, int]:
+    """(hidden_size, num_attention_heads, num_key_value_heads, head_dim), checked for
+    grouped-query attention and RoPE."""
+    hidden = _int(raw, "hidden_size")
+    heads = _int(raw, "num_attention_heads")
+    kv_heads = _int(raw, "num_key_value_heads", heads)
+    head_dim = _int(raw, "head_dim", hidden // heads)
+    if heads % kv_heads != 0:
+        raise ValueError(
+            f"num_attention_heads ({heads}) is not a multiple of "
+            f"num_key_value_heads ({kv_heads})"
+        )
+    if head_dim % 2 != 0:
+        raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
+    return hidden, heads, kv_heads, head_dim
+
+
+def _architecture(raw: dict[str, Any], model_type: str) -> str:
+    """The checkpoint's architecture name: the one of its model_type (default when absent)."""
+    archs = raw.get("architectures") or []
+    default_arch = {
+        "llama": "LlamaForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+    }[model_type]
+    arch = archs[0] if isinstance(archs, list) and archs else default_arch
+    if arch != default_arch:
+        raise ValueError(f"unsupported architecture {arch!r} for model_type {model_type!r}")
+    return arch
+
+
+def _biases_and_window(raw: dict[str, Any], model_type: str) -> tuple[bool, bool, Any]:
+    """(attention_bias, o_proj_bias, the sliding window as written or None) per model_type;
+    from_dict checks the window's type."""
+    if model_type == "qwen2":
+        attention_bias, o_proj_bias = True, False  # Qwen2 always has q/k/v biases
+        window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
+    elif model_type == "llama":
+        attention_bias = o_proj_bias = _bool(raw, "attention_bias")
+        window = None
+    else:  # mistral: no biases
+        attention_bias = o_proj_bias = False
+        window = raw.get("sliding_window")
+    return attention_bias, o_proj_bias, window
+
+
+def _eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
+    """`eos_token_id`: one id, a list of them, or none."""
+    eos = raw.get("eos_token_id")
+    return tuple(_token_id(e, "eos_token_id") for e in (eos if isinstance(eos, list) else
+                                                         [] if eos is None else [eos]))
 
 
 def _int(raw: dict[str, Any], key: str, default: int | None = None) -> int:
