@@ -84,73 +84,16 @@ def init_random_draft(
         target = target_dir_or_cfg
     else:
         target = ModelConfig.from_dir(target_dir_or_cfg)
-    h, d = target.hidden_size, target.head_dim
-    q_size, kv_size = target.num_attention_heads * d, target.num_key_value_heads * d
-    inner, vocab = target.intermediate_size, target.vocab_size
     gen = torch.Generator().manual_seed(seed)
-
-    def proj(out_features: int, in_features: int) -> torch.Tensor:
-        w = torch.randn(out_features, in_features, generator=gen)
-        return w * in_features**-0.5
-
-    def ones() -> torch.Tensor:
-        return torch.ones(h)
-
-    config = {
-        "model_type": "llama",
-        "hidden_act": "silu",
-        "hidden_size": h,
-        "intermediate_size": inner,
-        "num_attention_heads": target.num_attention_heads,
-        "num_key_value_heads": target.num_key_value_heads,
-        "head_dim": d,
-        "num_hidden_layers": 1,
-        "vocab_size": vocab,
-        "rms_norm_eps": target.rms_norm_eps,
-        "max_position_embeddings": target.max_position_embeddings,
-        **_rope_fields(target),
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-    }
+    config = _layer_config(target)
     if kind == EAGLE1:
-        if draft_vocab_size not in (None, vocab) or draft_token_ids is not None:
-            raise ValueError("EAGLE-1 heads use the target's vocabulary and lm_head")
-        config.update(architectures=["LlamaForCausalLM"], bias=True)
         p = "layers.0."
-        tensors = {"fc.weight": proj(h, 2 * h), "fc.bias": torch.zeros(h)}
+        tensors = _eagle1_head(config, target, gen, draft_vocab_size, draft_token_ids)
     else:
-        ids = _draft_ids(vocab, draft_vocab_size, draft_token_ids)
-        config.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=len(ids))
-        if aux_layer_ids is not None:
-            config["eagle_config"] = {
-                "eagle_aux_hidden_state_layer_ids": [int(i) - 1 for i in aux_layer_ids]
-            }
-        num_aux = 3 if aux_layer_ids is None else len(aux_layer_ids)
+        ids = _draft_ids(target.vocab_size, draft_vocab_size, draft_token_ids)
         p = "midlayer."
-        t2d = torch.zeros(vocab, dtype=torch.bool)
-        t2d[ids] = True
-        tensors = {
-            "fc.weight": proj(h, num_aux * h),
-            f"{p}input_layernorm.weight": ones(),
-            f"{p}hidden_norm.weight": ones(),
-            "norm.weight": ones(),
-            "lm_head.weight": proj(len(ids), h),
-            "d2t": ids - torch.arange(len(ids)),
-            "t2d": t2d,
-        }
-    attn_in = h if kind == EAGLE1 else 2 * h
-    tensors.update(
-        {
-            f"{p}self_attn.q_proj.weight": proj(q_size, attn_in),
-            f"{p}self_attn.k_proj.weight": proj(kv_size, attn_in),
-            f"{p}self_attn.v_proj.weight": proj(kv_size, attn_in),
-            f"{p}self_attn.o_proj.weight": proj(h, q_size),
-            f"{p}mlp.gate_proj.weight": proj(inner, h),
-            f"{p}mlp.up_proj.weight": proj(inner, h),
-            f"{p}mlp.down_proj.weight": proj(h, inner),
-            f"{p}post_attention_layernorm.weight": ones(),
-        }
-    )
+        tensors = _eagle3_head(config, target, gen, ids, aux_layer_ids)
+    tensors.update(_layer_tensors(target, gen, p, eagle1=kind == EAGLE1))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -160,6 +103,97 @@ def init_random_draft(
         metadata={"format": "pt"},
     )
     return out
+
+
+def _proj(gen: torch.Generator, out_features: int, in_features: int) -> torch.Tensor:
+    """float32 [out, in] drawn from N(0, 1/in)."""
+    w = torch.randn(out_features, in_features, generator=gen)
+    return w * in_features**-0.5
+
+
+def _layer_config(target: ModelConfig) -> dict:
+    """config.json of a one-layer head shaped like a layer of `target` (no kind fields yet)."""
+    return {
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "hidden_size": target.hidden_size,
+        "intermediate_size": target.intermediate_size,
+        "num_attention_heads": target.num_attention_heads,
+        "num_key_value_heads": target.num_key_value_heads,
+        "head_dim": target.head_dim,
+        "num_hidden_layers": 1,
+        "vocab_size": target.vocab_size,
+        "rms_norm_eps": target.rms_norm_eps,
+        "max_position_embeddings": target.max_position_embeddings,
+        **_rope_fields(target),
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+
+
+def _eagle1_head(
+    config: dict,
+    target: ModelConfig,
+    gen: torch.Generator,
+    draft_vocab_size: int | None,
+    draft_token_ids: list[int] | None,
+) -> dict[str, torch.Tensor]:
+    """EAGLE-1's config fields (into `config`) and its fc; it has the target's vocabulary."""
+    if draft_vocab_size not in (None, target.vocab_size) or draft_token_ids is not None:
+        raise ValueError("EAGLE-1 heads use the target's vocabulary and lm_head")
+    config.update(architectures=["LlamaForCausalLM"], bias=True)
+    h = target.hidden_size
+    return {"fc.weight": _proj(gen, h, 2 * h), "fc.bias": torch.zeros(h)}
+
+
+def _eagle3_head(
+    config: dict,
+    target: ModelConfig,
+    gen: torch.Generator,
+    ids: torch.Tensor,
+    aux_layer_ids: tuple[int, ...] | None,
+) -> dict[str, torch.Tensor]:
+    """EAGLE-3's config fields (into `config`) and tensors outside the decoder layer: fc over
+    the aux layers, the norms, its lm_head over the draft vocabulary `ids` [N], d2t and t2d."""
+    h = target.hidden_size
+    config.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=len(ids))
+    if aux_layer_ids is not None:
+        config["eagle_config"] = {
+            "eagle_aux_hidden_state_layer_ids": [int(i) - 1 for i in aux_layer_ids]
+        }
+    num_aux = 3 if aux_layer_ids is None else len(aux_layer_ids)
+    p = "midlayer."
+    t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return {
+        "fc.weight": _proj(gen, h, num_aux * h),
+        f"{p}input_layernorm.weight": torch.ones(h),
+        f"{p}hidden_norm.weight": torch.ones(h),
+        "norm.weight": torch.ones(h),
+        "lm_head.weight": _proj(gen, len(ids), h),
+        "d2t": ids - torch.arange(len(ids)),
+        "t2d": t2d,
+    }
+
+
+def _layer_tensors(
+    target: ModelConfig, gen: torch.Generator, p: str, eagle1: bool
+) -> dict[str, torch.Tensor]:
+    """The decoder layer's attention and MLP weights under prefix `p`; EAGLE-3's attention
+    reads [embedding; hidden] (2h wide)."""
+    h, d, inner = target.hidden_size, target.head_dim, target.intermediate_size
+    q_size, kv_size = target.num_attention_heads * d, target.num_key_value_heads * d
+    attn_in = h if eagle1 else 2 * h
+    return {
+        f"{p}self_attn.q_proj.weight": _proj(gen, q_size, attn_in),
+        f"{p}self_attn.k_proj.weight": _proj(gen, kv_size, attn_in),
+        f"{p}self_attn.v_proj.weight": _proj(gen, kv_size, attn_in),
+        f"{p}self_attn.o_proj.weight": _proj(gen, h, q_size),
+        f"{p}mlp.gate_proj.weight": _proj(gen, inner, h),
+        f"{p}mlp.up_proj.weight": _proj(gen, inner, h),
+        f"{p}mlp.down_proj.weight": _proj(gen, h, inner),
+        f"{p}post_attention_layernorm.weight": torch.ones(h),
+    }
 
 
 def _draft_ids(vocab: int, size: int | None, ids: list[int] | None) -> torch.Tensor:

@@ -121,6 +121,18 @@ def parse_draft_config(
     same vocabulary, EAGLE-1 hidden size = the target's, a single draft layer."""
     if kind not in KINDS:
         raise ValueError(f"unknown draft kind {kind!r}; known: {', '.join(KINDS)}")
+    layer = _draft_layer(raw, kind, target, tensor_names)
+    if kind == EAGLE1:
+        return _eagle1_config(raw, layer, target, tensor_names)
+    return _eagle3_config(raw, layer, target)
+
+
+def _draft_layer(
+    raw: Mapping[str, Any], kind: str, target: ModelConfig, tensor_names: set[str]
+) -> ModelConfig:
+    """The draft decoder layer's config: config.json read as a Llama config (sizes the draft
+    leaves out are the target's), one layer, the target's vocabulary, and the biases the
+    checkpoint's tensors have."""
     layer_raw = dict(raw)
     layer_raw.setdefault("model_type", "llama")
     # The draft's architecture name (e.g. LlamaForCausalLMEagle3) is not a target architecture;
@@ -142,28 +154,37 @@ def parse_draft_config(
         )
     prefix = "layers.0." if kind == EAGLE1 else "midlayer."
     # Biases: whatever the checkpoint holds (published heads have none on q/k/v/o/MLP).
-    layer = dataclasses.replace(
+    return dataclasses.replace(
         layer,
         attention_bias=f"{prefix}self_attn.q_proj.bias" in tensor_names,
         o_proj_bias=f"{prefix}self_attn.o_proj.bias" in tensor_names,
         mlp_bias=f"{prefix}mlp.gate_proj.bias" in tensor_names,
     )
-    if kind == EAGLE1:
-        if layer.hidden_size != target.hidden_size:
-            raise ValueError(
-                f"EAGLE-1 draft hidden_size {layer.hidden_size} does not match the target's "
-                f"{target.hidden_size}"
-            )
-        return DraftConfig(
-            kind=kind,
-            layer=layer,
-            draft_vocab_size=target.vocab_size,
-            target_hidden_size=target.hidden_size,
-            aux_layer_ids=(target.num_hidden_layers,),  # the final-normed hidden state
-            fc_bias=bool(raw.get("bias", True)),  # the EAGLE reference's default
-            has_input_layernorm="layers.0.input_layernorm.weight" in tensor_names,
-        )
 
+
+def _eagle1_config(
+    raw: Mapping[str, Any], layer: ModelConfig, target: ModelConfig, tensor_names: set[str]
+) -> DraftConfig:
+    """EAGLE-1/2: the target's width, vocabulary and lm_head; reads its final-normed state."""
+    if layer.hidden_size != target.hidden_size:
+        raise ValueError(
+            f"EAGLE-1 draft hidden_size {layer.hidden_size} does not match the target's "
+            f"{target.hidden_size}"
+        )
+    return DraftConfig(
+        kind=EAGLE1,
+        layer=layer,
+        draft_vocab_size=target.vocab_size,
+        target_hidden_size=target.hidden_size,
+        aux_layer_ids=(target.num_hidden_layers,),  # the final-normed hidden state
+        fc_bias=bool(raw.get("bias", True)),  # the EAGLE reference's default
+        has_input_layernorm="layers.0.input_layernorm.weight" in tensor_names,
+    )
+
+
+def _eagle3_config(raw: Mapping[str, Any], layer: ModelConfig, target: ModelConfig) -> DraftConfig:
+    """EAGLE-3: reads target states of the target's width at its aux layers; its own lm_head
+    over a draft vocabulary of at most the target's."""
     target_hidden = int(raw.get("target_hidden_size") or layer.hidden_size)
     if target_hidden != target.hidden_size:
         raise ValueError(
@@ -176,7 +197,7 @@ def parse_draft_config(
             f"draft_vocab_size {draft_vocab} must be in [1, vocab_size = {layer.vocab_size}]"
         )
     return DraftConfig(
-        kind=kind,
+        kind=EAGLE3,
         layer=layer,
         draft_vocab_size=draft_vocab,
         target_hidden_size=target_hidden,
