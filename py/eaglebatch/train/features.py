@@ -65,11 +65,10 @@ def capture(
     out_dir.mkdir(parents=True, exist_ok=True)
     if not seqs:
         return []
-    cfg = target.config
     bs = 16
     longest = max(len(p) + len(a) for p, a in seqs)
     blocks = (max(batch_tokens, longest) // bs) + 2 * SHARD_SEQS + 8
-    kv = allocate_kv_cache(cfg, blocks, bs, target.dtype, target.device)
+    kv = allocate_kv_cache(target.config, blocks, bs, target.dtype, target.device)
     paths = []
     # progress: tokens of the shards handled so far (kept or written) and captured by this run
     total, handled, captured, t0 = sum(len(p) + len(a) for p, a in seqs), 0, 0, time.monotonic()
@@ -83,33 +82,55 @@ def capture(
         if path.is_file() and _holds(path, toks, [len(p) for p, _ in shard], greedy_labels):
             continue
         feats, labels = [], []
-        i = 0
-        while i < len(toks):  # pack sequences up to batch_tokens per forward
-            j, n = i, 0
-            while j < len(toks) and (j == i or n + len(toks[j]) <= batch_tokens):
-                n += len(toks[j])
-                j += 1
-            f, lab = _forward(target, toks[i:j], aux_layers, kv, bs, greedy_labels)
+        for batch in _packed(toks, batch_tokens):
+            f, lab = _forward(target, batch, aux_layers, kv, bs, greedy_labels)
             feats.extend(f)
             labels.extend(lab)
-            i = j
-        cu = np.cumsum([0] + [len(t) for t in toks])
-        tmp = path.with_suffix(".tmp")
-        tensors = {
-            "tokens": torch.from_numpy(np.concatenate(toks).astype(np.int32)),
-            "cu": torch.from_numpy(cu.astype(np.int64)),
-            "prompt": torch.tensor([len(p) for p, _ in shard], dtype=torch.int32),
-            "feats": torch.cat(feats).to(torch.bfloat16).cpu().contiguous(),
-        }
-        if greedy_labels:
-            tensors["labels"] = torch.cat(labels).to(torch.int32).cpu()
-        save_file(tensors, str(tmp))
-        os.replace(tmp, path)
+        _write_shard(path, toks, [len(p) for p, _ in shard], feats, labels, greedy_labels)
         captured += shard_tokens
         rate = captured / max(time.monotonic() - t0, 1e-9)  # tokens/s of this run
         console.print(f"  features: {min(s0 + SHARD_SEQS, len(seqs))}/{len(seqs)} sequences, "
                       f"{rate:,.0f} tok/s, ETA {(total - handled) / rate:.0f}s", highlight=False)
     return paths
+
+
+def _packed(toks: list[np.ndarray], batch_tokens: int) -> list[list[np.ndarray]]:
+    """`toks` in order, packed into batches of at most batch_tokens tokens (a longer sequence
+    is a batch of its own)."""
+    batches = []
+    i = 0
+    while i < len(toks):
+        j, n = i, 0
+        while j < len(toks) and (j == i or n + len(toks[j]) <= batch_tokens):
+            n += len(toks[j])
+            j += 1
+        batches.append(toks[i:j])
+        i = j
+    return batches
+
+
+def _write_shard(
+    path: Path,
+    toks: list[np.ndarray],
+    prompt_lens: list[int],
+    feats: list[torch.Tensor],
+    labels: list[torch.Tensor | None],
+    greedy_labels: bool,
+) -> None:
+    """The shard (module doc) of sequences `toks` with their features [n, n_aux * h] and
+    greedy labels [n] (stored if `greedy_labels`), written under a temporary name."""
+    cu = np.cumsum([0] + [len(t) for t in toks])
+    tmp = path.with_suffix(".tmp")
+    tensors = {
+        "tokens": torch.from_numpy(np.concatenate(toks).astype(np.int32)),
+        "cu": torch.from_numpy(cu.astype(np.int64)),
+        "prompt": torch.tensor(prompt_lens, dtype=torch.int32),
+        "feats": torch.cat(feats).to(torch.bfloat16).cpu().contiguous(),
+    }
+    if greedy_labels:
+        tensors["labels"] = torch.cat(labels).to(torch.int32).cpu()
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)
 
 
 def _holds(path: Path, toks: list[np.ndarray], prompt_lens: list[int], labels: bool) -> bool:

@@ -283,7 +283,7 @@ def _fingerprint(job: TrainJob, vocab: list[int], n_seqs: int, init: str | None)
             "aux": list(job.head.aux_layer_ids or ()), "unroll": job.train.unroll,
             "batch_tokens": job.train.batch_tokens,
             "val_sequences": job.train.val_sequences, "seed": job.train.seed,
-            "objective": "chain-masked",  # since 2026-11-30 (ttt.step_mask)
+            "objective": "chain-masked",  # ttt.step_mask's loss
             **({"init_from": init} if init else {})}
 
 
@@ -310,6 +310,8 @@ def collect_sequences(job: TrainJob, mf, target: LlamaForCausalLM, aux, console)
 
 
 def train_draft(job: TrainJob, console) -> Path:
+    """Stages 1-3 (module doc): answers, features, then the head trained and exported to
+    `job.output_path` (returned), resuming from work/ckpt when it holds this run's checkpoint."""
     if job.train.num_threads:
         torch.set_num_threads(job.train.num_threads)
     torch.manual_seed(job.train.seed)
@@ -329,132 +331,181 @@ def train_draft(job: TrainJob, console) -> Path:
     data = ShardData(collect_sequences(job, mf, target, aux, console))
     if not data.seqs:
         raise JobError("train-draft: no training sequences (every answer was empty or failed)")
-
-    # the vocabulary, the initial head and the checkpoint live together in work/ckpt: deleting
-    # that folder starts training over on the current data
-    vocab_file = job.work_dir / "ckpt" / "draft_vocab.json"
-    vocab_file.parent.mkdir(parents=True, exist_ok=True)
-    if init_vocab is not None:
-        vocab_file.write_text(json.dumps(init_vocab))
-    elif not vocab_file.is_file():
-        vocab = draft_vocabulary(data, job.head.draft_vocab_size, mf.eos_token_ids)
-        vocab_file.write_text(json.dumps(vocab))
-    vocab = json.loads(vocab_file.read_text())
+    vocab = _draft_vocab(job, data, mf.eos_token_ids, init_vocab)
     data.set_vocab(vocab, target.config.vocab_size)
     if init_draft is not None:
         draft = init_draft
     else:
         draft = init_head(job, target, mf.dir, vocab, tuple(aux))
-    draft.train()
-    params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=job.train.lr, weight_decay=job.train.weight_decay)
+    run = _Training(job, console, device, draft, data, vocab, init_digest)
+    run.resume()
+    run.announce(len(vocab))
+    if run.step == 0 and run.best is None and init_draft is not None and run.val_idx:
+        # a fine-tune is measured before its first step: the head it starts from is the first
+        # best, so the exported head never validates worse than the one it started from
+        run.checkpoint([])
+    run.train()
+    console.print(f"exported the head to {job.output_path} (step {run.best['step']}, validation "
+                  f"expected acceptance length {run.best['tau']:.2f})")
+    return job.output_path
 
-    train_idx, val_idx = data.split(job.train.val_sequences, job.train.seed)
-    per_epoch = len(data.batches(train_idx, job.train.batch_tokens, 0))
-    total = max(1, int(job.train.epochs * per_epoch))
-    fingerprint = _fingerprint(job, vocab, len(data.seqs), init_digest)
-    ckpt = job.work_dir / "ckpt" / "latest.pt"
-    step, best = 0, None
-    if ckpt.is_file():
-        state = torch.load(ckpt, weights_only=False, map_location=device)
+
+def _draft_vocab(
+    job: TrainJob, data: ShardData, eos_ids: tuple[int, ...], init_vocab: list[int] | None
+) -> list[int]:
+    """The draft vocabulary (target ids): the fine-tuned head's, or chosen from the data once.
+    It lives in work/ckpt with the initial head and the checkpoint: deleting that folder
+    starts training over on the current data."""
+    vocab_file = job.work_dir / "ckpt" / "draft_vocab.json"
+    vocab_file.parent.mkdir(parents=True, exist_ok=True)
+    if init_vocab is not None:
+        vocab_file.write_text(json.dumps(init_vocab))
+    elif not vocab_file.is_file():
+        vocab = draft_vocabulary(data, job.head.draft_vocab_size, eos_ids)
+        vocab_file.write_text(json.dumps(vocab))
+    return json.loads(vocab_file.read_text())
+
+
+class _Training:
+    """Stage 3's state: the head and its optimizer, the train/validation split, the step and
+    the planned total, the best validation so far, and the checkpoint that holds them."""
+
+    def __init__(self, job: TrainJob, console, device: torch.device, draft: EagleDraft,
+                 data: ShardData, vocab: list[int], init_digest: str | None) -> None:
+        self.job, self.console, self.device = job, console, device
+        self.draft, self.data, self.init_digest = draft, data, init_digest
+        draft.train()
+        self.params = [p for p in draft.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=job.train.lr,
+                                     weight_decay=job.train.weight_decay)
+        self.train_idx, self.val_idx = data.split(job.train.val_sequences, job.train.seed)
+        self.per_epoch = len(data.batches(self.train_idx, job.train.batch_tokens, 0))
+        self.total = max(1, int(job.train.epochs * self.per_epoch))
+        self.fingerprint = _fingerprint(job, vocab, len(data.seqs), init_digest)
+        self.ckpt = job.work_dir / "ckpt" / "latest.pt"
+        self.init_dir = job.work_dir / "ckpt" / "init"
+        self.step, self.best = 0, None
+        self.answer_tokens = sum(len(data.seqs[i][0]) - data.seqs[i][3] for i in self.train_idx)
+
+    def resume(self) -> None:
+        """Continues from the checkpoint if there is one; a JobError if it was trained on other
+        data or settings."""
+        if not self.ckpt.is_file():
+            return
+        state = torch.load(self.ckpt, weights_only=False, map_location=self.device)
         saved = dict(state.get("fingerprint") or {})
-        saved.pop("epochs", None)  # recorded by checkpoints of 2026-11-30; no longer binding
-        if saved != fingerprint:
+        saved.pop("epochs", None)  # recorded by older checkpoints; no longer binding
+        if saved != self.fingerprint:
             raise JobError(
-                f"{ckpt} was trained on other data or settings (saved: "
-                f"{saved}, now: {fingerprint}); delete {ckpt.parent} to "
+                f"{self.ckpt} was trained on other data or settings (saved: "
+                f"{saved}, now: {self.fingerprint}); delete {self.ckpt.parent} to "
                 "start training over"
             )
-        draft.load_state_dict(state["draft"])
-        opt.load_state_dict(state["opt"])
-        step, best = state["step"], state.get("best")
-        console.print(f"  resuming from step {step}/{total}")
-    answer_tokens = sum(len(data.seqs[i][0]) - data.seqs[i][3] for i in train_idx)
-    console.print(f"[3/3] training: {len(train_idx)} sequences ({answer_tokens} answer tokens, "
-                  f"{len(val_idx)} more held out for validation), {per_epoch} steps per epoch, "
-                  f"{total} steps, unroll {job.train.unroll}, draft vocabulary {len(vocab)}")
-    init_dir = job.work_dir / "ckpt" / "init"
+        self.draft.load_state_dict(state["draft"])
+        self.opt.load_state_dict(state["opt"])
+        self.step, self.best = state["step"], state.get("best")
+        self.console.print(f"  resuming from step {self.step}/{self.total}")
 
-    def checkpoint(train_accs: list[float]) -> None:
+    def announce(self, vocab_size: int) -> None:
+        job = self.job
+        self.console.print(
+            f"[3/3] training: {len(self.train_idx)} sequences ({self.answer_tokens} answer "
+            f"tokens, {len(self.val_idx)} more held out for validation), {self.per_epoch} steps "
+            f"per epoch, {self.total} steps, unroll {job.train.unroll}, draft vocabulary "
+            f"{vocab_size}")
+
+    def train(self) -> None:
+        """Steps until `total` (train.max_minutes may lower it), with a progress line every 10 s
+        and a checkpoint every `checkpoint_every` steps and at the end."""
+        job = self.job
+        planned = self.total  # train.epochs' step count; train.max_minutes may end it sooner
+        t0, last, first = time.monotonic(), time.monotonic(), self.step
+        with _tf32_on_cuda(self.device):
+            while self.step < self.total:
+                epoch, i = divmod(self.step, self.per_epoch)
+                loss, accs = self._train_step(epoch, i)
+                self.step += 1
+                now = time.monotonic()
+                if job.train.max_minutes is not None and (
+                    self.step - first == 20 or self.step % job.train.checkpoint_every == 0
+                ):
+                    fit = _fit_steps(job, self.step, first, now - t0, planned)
+                    if fit != self.total:
+                        self.console.print(f"  train.max_minutes: {fit} steps fit ({planned} "
+                                           "planned)", highlight=False)
+                        self.total = fit
+                if now - last > 10 or self.step == self.total:
+                    last = now
+                    self._progress(epoch, loss, accs, (self.step - first) / max(now - t0, 1e-9))
+                if self.step % job.train.checkpoint_every == 0 or self.step == self.total:
+                    self.checkpoint([a.item() for a in accs])
+
+    def _train_step(self, epoch: int, i: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One optimizer step on batch i of `epoch`; (loss, per-step accuracies)."""
+        job, data = self.job, self.data
+        batch = data.batches(self.train_idx, job.train.batch_tokens, job.train.seed + epoch)[i]
+        tokens, feats, lengths, labels, chain_ok = data.collate(batch, self.device)
+        for g in self.opt.param_groups:
+            g["lr"] = _lr(self.step, self.total, job)
+        loss, _, accs = ttt_forward(self.draft, tokens, feats, lengths, labels, job.train.unroll,
+                                    chain_ok)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, job.train.grad_clip)
+        self.opt.step()
+        return loss, accs
+
+    def _progress(self, epoch: int, loss: torch.Tensor, accs: list[torch.Tensor],
+                  rate: float) -> None:
+        """A progress line; `rate`: steps/s of this run."""
+        self.console.print(
+            f"  step {self.step}/{self.total} epoch {epoch} loss {loss.item():.3f} "
+            f"acc/step {' '.join(f'{a.item():.2f}' for a in accs)} "
+            f"ETA {(self.total - self.step) / max(rate, 1e-9):.0f}s", highlight=False
+        )
+
+    def checkpoint(self, train_accs: list[float]) -> None:
         """Validates the head at `step`, saves the checkpoint and exports the head if it is the
         best so far (`train_accs`, the last batch's, stand in when nothing is held out)."""
-        nonlocal best
-        if val_idx:
-            val, replayed = evaluate(draft, data, val_idx, job)
+        if self.val_idx:
+            val, replayed = evaluate(self.draft, self.data, self.val_idx, self.job)
         else:
             val, replayed = train_accs, None
         tau = acceptance_estimate(val)
         # compared as recorded (4 decimals): an equal head is not an improvement
-        improved = best is None or round(tau, 4) > best["tau"]
+        improved = self.best is None or round(tau, 4) > self.best["tau"]
         if improved:
-            best = {"step": step, "tau": round(tau, 4), "val_acc": [round(a, 4) for a in val]}
+            self.best = {"step": self.step, "tau": round(tau, 4),
+                         "val_acc": [round(a, 4) for a in val]}
             if replayed is not None:
-                best["replayed_acceptance"] = round(replayed, 4)
-        ckpt.parent.mkdir(parents=True, exist_ok=True)
-        tmp = ckpt.with_suffix(".tmp")
-        torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "step": step,
-                    "best": best, "fingerprint": fingerprint}, tmp)
-        os.replace(tmp, ckpt)
-        what = f"checkpoint {step}" if step else "the initial head (head.init_from)"
-        console.print(
+                self.best["replayed_acceptance"] = round(replayed, 4)
+        self.ckpt.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.ckpt.with_suffix(".tmp")
+        torch.save({"draft": self.draft.state_dict(), "opt": self.opt.state_dict(),
+                    "step": self.step, "best": self.best, "fingerprint": self.fingerprint}, tmp)
+        os.replace(tmp, self.ckpt)
+        what = f"checkpoint {self.step}" if self.step else "the initial head (head.init_from)"
+        self.console.print(
             f"  {what}: validation acc/step {' '.join(f'{a:.3f}' for a in val)} "
             f"-> expected acceptance length {tau:.2f} at k={len(val)}"
             + (f", replayed {replayed:.2f}" if replayed is not None else "")
-            + (" (best: exported)" if improved else f" (best {best['tau']:.2f} at step "
-               f"{best['step']})"), highlight=False)
+            + (" (best: exported)" if improved else f" (best {self.best['tau']:.2f} at step "
+               f"{self.best['step']})"), highlight=False)
         if improved:
-            meta = {"step": step, "total_steps": total, "sequences": len(train_idx),
-                    "answer_tokens": answer_tokens, "unroll": job.train.unroll,
-                    "validation": best}
-            if init_digest:  # the lineage: what the fine-tuned head was trained on
-                base = json.loads((init_dir / "config.json").read_text())
-                meta["init_from"] = {"head": Path(job.head.init_from).name,
-                                     "sha256": init_digest,
-                                     "training": base.get("eaglebatch_training")}
-            export_head(draft, init_dir, job.output_path, meta)
+            self._export()
 
-    if step == 0 and best is None and init_draft is not None and val_idx:
-        # a fine-tune is measured before its first step: the head it starts from is the first
-        # best, so the exported head never validates worse than the one it started from
-        checkpoint([])
-    planned = total  # train.epochs' step count; train.max_minutes may end the run before it
-    t0, last, first = time.monotonic(), time.monotonic(), step
-    with _tf32_on_cuda(device):
-        while step < total:
-            epoch, i = divmod(step, per_epoch)
-            batch = data.batches(train_idx, job.train.batch_tokens, job.train.seed + epoch)[i]
-            tokens, feats, lengths, labels, chain_ok = data.collate(batch, device)
-            for g in opt.param_groups:
-                g["lr"] = _lr(step, total, job)
-            loss, ces, accs = ttt_forward(draft, tokens, feats, lengths, labels, job.train.unroll,
-                                          chain_ok)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, job.train.grad_clip)
-            opt.step()
-            step += 1
-            now = time.monotonic()
-            if job.train.max_minutes is not None and (
-                step - first == 20 or step % job.train.checkpoint_every == 0
-            ):
-                fit = _fit_steps(job, step, first, now - t0, planned)
-                if fit != total:
-                    console.print(f"  train.max_minutes: {fit} steps fit ({planned} planned)",
-                                  highlight=False)
-                    total = fit
-            if now - last > 10 or step == total:
-                last = now
-                rate = (step - first) / max(now - t0, 1e-9)  # steps/s of this run
-                console.print(
-                    f"  step {step}/{total} epoch {epoch} loss {loss.item():.3f} "
-                    f"acc/step {' '.join(f'{a.item():.2f}' for a in accs)} "
-                    f"ETA {(total - step) / max(rate, 1e-9):.0f}s", highlight=False
-                )
-            if step % job.train.checkpoint_every == 0 or step == total:
-                checkpoint([a.item() for a in accs])
-    console.print(f"exported the head to {job.output_path} (step {best['step']}, validation "
-                  f"expected acceptance length {best['tau']:.2f})")
-    return job.output_path
+    def _export(self) -> None:
+        """The best head so far into job.output_path, with what it was trained on."""
+        job = self.job
+        meta = {"step": self.step, "total_steps": self.total, "sequences": len(self.train_idx),
+                "answer_tokens": self.answer_tokens, "unroll": job.train.unroll,
+                "validation": self.best}
+        if self.init_digest:  # the lineage: what the fine-tuned head was trained on
+            base = json.loads((self.init_dir / "config.json").read_text())
+            meta["init_from"] = {"head": Path(job.head.init_from).name,
+                                 "sha256": self.init_digest,
+                                 "training": base.get("eaglebatch_training")}
+        export_head(self.draft, self.init_dir, job.output_path, meta)
 
 
 @contextlib.contextmanager

@@ -21,6 +21,8 @@ position: its input token is the verified (bonus) token, which under sampling is
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -48,6 +50,34 @@ def step_mask(labels: torch.Tensor, chain_ok: torch.Tensor | None, j: int) -> to
     return sel
 
 
+@dataclass
+class _Positions:
+    """What every unroll step of one batch shares (t = T-1 positions p = 0..T-2)."""
+
+    emb_n: torch.Tensor  # [B, t, h] input_layernorm(embedding of x_{p+1})
+    cos: torch.Tensor  # [B * t, 1, D] rotary tables, every step's rows
+    sin: torch.Tensor
+    p_idx: torch.Tensor  # [t, 1] query position
+    k_idx: torch.Tensor  # [1, t] key position
+    key_ok: torch.Tensor  # bool [B, 1, t] real keys
+
+
+def _positions(draft: EagleDraft, tokens: torch.Tensor, lengths: torch.Tensor) -> _Positions:
+    """The embeddings, rotary tables and key masks of a batch (tokens int64 [B, T], lengths
+    int64 [B])."""
+    bsz, t_full = tokens.shape
+    t = t_full - 1  # positions p = 0..T-2
+    emb = draft.target.model.embed_tokens(tokens[:, 1:]).to(draft.dtype)  # [B, t, h] x_{p+1}
+    emb_n = draft.midlayer.input_layernorm(emb)
+    pos = torch.arange(t, device=tokens.device)
+    cos, sin = draft.rotary_emb(pos, emb.dtype)  # [t, 1, D]
+    cos, sin = cos.repeat(bsz, 1, 1), sin.repeat(bsz, 1, 1)  # [B * t, 1, D], every step's rows
+    p_idx = pos[:, None]  # [t, 1] query position
+    k_idx = pos[None, :]  # [1, t] key position
+    key_ok = k_idx < (lengths[:, None, None] - 1)  # [B, 1, t] real keys
+    return _Positions(emb_n, cos, sin, p_idx, k_idx, key_ok)
+
+
 def ttt_forward(
     draft: EagleDraft,
     tokens: torch.Tensor,  # int64 [B, T] x_0..x_{T-1} (padding: any id)
@@ -66,20 +96,8 @@ def ttt_forward(
     `hits` (evaluation). chain_ok None: every chain counts (self-distilled text)."""
     layer = draft.midlayer
     attn = layer.self_attn
-    bsz, t_full = tokens.shape
-    t = t_full - 1  # positions p = 0..T-2
-    hq, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    group = hq // hkv
-
-    emb = draft.target.model.embed_tokens(tokens[:, 1:]).to(draft.dtype)  # [B, t, h] x_{p+1}
-    emb_n = layer.input_layernorm(emb)
-    pos = torch.arange(t, device=tokens.device)
-    cos, sin = draft.rotary_emb(pos, emb.dtype)  # [t, 1, D]
-    cos, sin = cos.repeat(bsz, 1, 1), sin.repeat(bsz, 1, 1)  # [B * t, 1, D], every step's rows
-    p_idx = pos[:, None]  # [t, 1] query position
-    k_idx = pos[None, :]  # [1, t] key position
-    key_ok = k_idx < (lengths[:, None, None] - 1)  # [B, 1, t] real keys
-
+    group = attn.num_heads // attn.num_kv_heads
+    ctx = _positions(draft, tokens, lengths)
     hidden = draft.fc(features[:, :-1].to(draft.dtype))  # [B, t, h] step-1 input
     ks: list[torch.Tensor] = []
     vs: list[torch.Tensor] = []
@@ -89,55 +107,98 @@ def ttt_forward(
     for j in range(1, unroll + 1):
         if j > 1:
             hidden = _shift(out, 1)  # out_{j-1}[p-1]
-        x = torch.cat((emb_n, layer.hidden_norm(hidden)), dim=-1)  # [B, t, 2h]
-        q = attn.q_proj(x).view(bsz, t, hq, d)
-        k = attn.k_proj(x).view(bsz, t, hkv, d)
-        v = attn.v_proj(x).view(bsz, t, hkv, d)
-        q = apply_rotary(q.reshape(bsz * t, hq, d), cos, sin)
-        k = apply_rotary(k.reshape(bsz * t, hkv, d), cos, sin)
-        q = q.view(bsz, t, hq, d).transpose(1, 2)  # [B, Hq, t, D]
-        k = k.view(bsz, t, hkv, d)
+        q, k, v = _qkv(draft, ctx, hidden)
         ks.append(k)
         vs.append(v)
         if j == 1:  # step-1 keys serve every later step: expand to the query heads once
             k1 = ks[0].transpose(1, 2).repeat_interleave(group, dim=1)  # [B, Hq, t, D]
             v1 = vs[0].transpose(1, 2).repeat_interleave(group, dim=1)
-        # scores against the step-1 keys (the causal block, shifted by j-1) -> [B, Hq, t, t]
-        scores = torch.matmul(q, k1.transpose(-1, -2)) * attn.scale  # [B, Hq, t, t]
-        mask1 = (k_idx <= p_idx - (j - 1)) & key_ok  # [B, t, t]
-        scores = scores.masked_fill(~mask1[:, None], float("-inf"))
-        parts_s, parts_v = [scores], [v1]
-        for i in range(2, j + 1):  # the chain's own keys: step i at position p-j+i
-            ki = _shift(ks[i - 1], j - i).transpose(1, 2).repeat_interleave(group, dim=1)
-            vi = _shift(vs[i - 1], j - i).transpose(1, 2).repeat_interleave(group, dim=1)
-            s = (q * ki).sum(-1, keepdim=True) * attn.scale  # [B, Hq, t, 1]
-            parts_s.append(s)
-            parts_v.append(vi)
-        all_s = torch.cat(parts_s, dim=-1)  # [B, Hq, t, t + j - 1]
-        # rows with no visible key (p < j-1) are outside the loss; keep softmax finite there
-        all_s = torch.nan_to_num(all_s, neginf=-1e30)
-        w = torch.softmax(all_s.float(), dim=-1).to(q.dtype)
-        o = torch.matmul(w[..., :t], v1)  # [B, Hq, t, D]
-        for i, vi in enumerate(parts_v[1:]):
-            o = o + w[..., t + i : t + i + 1] * vi
-        o = o.transpose(1, 2).reshape(bsz, t, hq * d)
+        o = _attend(attn, ctx, q, k1, v1, ks, vs, j)  # [B, t, Hq * D]
         h = hidden + attn.o_proj(o)
         out = h + layer.mlp(layer.post_attention_layernorm(h))  # [B, t, h]
         if outputs is not None:
             outputs.append(out)
-
-        sel = step_mask(labels, chain_ok, j)
-        # evaluation needs logits at every position [B, T-1, Vd]; training only at sel [N, Vd]
-        full = draft.compute_logits(out) if hits is not None else None
-        if full is not None:
-            hits.append((full.argmax(-1) == labels) & sel)
-        if bool(sel.any()):
-            logits = full[sel] if full is not None else draft.compute_logits(out[sel])
-            ce = F.cross_entropy(logits, labels[sel])
-            acc = (logits.argmax(-1) == labels[sel]).float().mean()
-        else:
-            ce = acc = out.new_zeros(())
+        ce, acc = _step_loss(draft, out, labels, chain_ok, j, hits)
         losses.append(ce.detach())
         accs.append(acc.detach())
         total = total + ce * (0.8 ** (j - 1))  # later steps weigh less (they matter less)
     return total, losses, accs
+
+
+def _qkv(
+    draft: EagleDraft, ctx: _Positions, hidden: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One step's queries [B, Hq, t, D] (rotated), keys [B, t, Hkv, D] (rotated) and values
+    [B, t, Hkv, D] from its input hidden [B, t, h] and the tokens' embeddings."""
+    layer = draft.midlayer
+    attn = layer.self_attn
+    bsz, t, _ = hidden.shape
+    hq, hkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    x = torch.cat((ctx.emb_n, layer.hidden_norm(hidden)), dim=-1)  # [B, t, 2h]
+    q = attn.q_proj(x).view(bsz, t, hq, d)
+    k = attn.k_proj(x).view(bsz, t, hkv, d)
+    v = attn.v_proj(x).view(bsz, t, hkv, d)
+    q = apply_rotary(q.reshape(bsz * t, hq, d), ctx.cos, ctx.sin)
+    k = apply_rotary(k.reshape(bsz * t, hkv, d), ctx.cos, ctx.sin)
+    q = q.view(bsz, t, hq, d).transpose(1, 2)  # [B, Hq, t, D]
+    k = k.view(bsz, t, hkv, d)
+    return q, k, v
+
+
+def _attend(
+    attn,
+    ctx: _Positions,
+    q: torch.Tensor,  # [B, Hq, t, D]
+    k1: torch.Tensor,  # [B, Hq, t, D] step-1 keys, expanded to the query heads
+    v1: torch.Tensor,  # [B, Hq, t, D]
+    ks: list[torch.Tensor],  # per step so far: keys [B, t, Hkv, D]
+    vs: list[torch.Tensor],
+    j: int,
+) -> torch.Tensor:
+    """Step j's attention output [B, t, Hq * D]: the step-1 keys at positions <= p-j+1 and the
+    chain's own step-i keys at p-j+i, i = 2..j (module doc)."""
+    bsz, hq, t, d = q.shape
+    group = hq // ks[0].shape[2]
+    # scores against the step-1 keys (the causal block, shifted by j-1) -> [B, Hq, t, t]
+    scores = torch.matmul(q, k1.transpose(-1, -2)) * attn.scale  # [B, Hq, t, t]
+    mask1 = (ctx.k_idx <= ctx.p_idx - (j - 1)) & ctx.key_ok  # [B, t, t]
+    scores = scores.masked_fill(~mask1[:, None], float("-inf"))
+    parts_s, parts_v = [scores], [v1]
+    for i in range(2, j + 1):  # the chain's own keys: step i at position p-j+i
+        ki = _shift(ks[i - 1], j - i).transpose(1, 2).repeat_interleave(group, dim=1)
+        vi = _shift(vs[i - 1], j - i).transpose(1, 2).repeat_interleave(group, dim=1)
+        s = (q * ki).sum(-1, keepdim=True) * attn.scale  # [B, Hq, t, 1]
+        parts_s.append(s)
+        parts_v.append(vi)
+    all_s = torch.cat(parts_s, dim=-1)  # [B, Hq, t, t + j - 1]
+    # rows with no visible key (p < j-1) are outside the loss; keep softmax finite there
+    all_s = torch.nan_to_num(all_s, neginf=-1e30)
+    w = torch.softmax(all_s.float(), dim=-1).to(q.dtype)
+    o = torch.matmul(w[..., :t], v1)  # [B, Hq, t, D]
+    for i, vi in enumerate(parts_v[1:]):
+        o = o + w[..., t + i : t + i + 1] * vi
+    return o.transpose(1, 2).reshape(bsz, t, hq * d)
+
+
+def _step_loss(
+    draft: EagleDraft,
+    out: torch.Tensor,  # [B, t, h] step j's draft output
+    labels: torch.Tensor,  # int64 [B, t]
+    chain_ok: torch.Tensor | None,
+    j: int,
+    hits: list[torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cross-entropy, top-1 accuracy) of step j over its `step_mask` positions (zeros when it
+    has none); appends its hits bool [B, t] when `hits` is given."""
+    sel = step_mask(labels, chain_ok, j)
+    # evaluation needs logits at every position [B, T-1, Vd]; training only at sel [N, Vd]
+    full = draft.compute_logits(out) if hits is not None else None
+    if full is not None:
+        hits.append((full.argmax(-1) == labels) & sel)
+    if bool(sel.any()):
+        logits = full[sel] if full is not None else draft.compute_logits(out[sel])
+        ce = F.cross_entropy(logits, labels[sel])
+        acc = (logits.argmax(-1) == labels[sel]).float().mean()
+    else:
+        ce = acc = out.new_zeros(())
+    return ce, acc
