@@ -263,8 +263,8 @@ def run_bench(
     json_path: str | None,
     repeat: int = 1,
 ) -> dict:
-    from .worker import Worker
-
+    """Measures the job at each max batch size (module doc) and at `hf_batch_sizes` through
+    transformers; prints the table and returns (and writes to `json_path`) the figures."""
     if repeat < 1:
         raise ValueError("repeat must be >= 1")
     console = Console()
@@ -272,6 +272,32 @@ def run_bench(
         console = Console(width=200)  # logs and files: never truncate the figures
     batch_sizes = batch_sizes or [job.engine.max_batch_size]
     prep = prepare(job)
+    rows, pair_speedups = _eaglebatch_rows(job, prep, batch_sizes, repeat, console)
+    for b in hf_batch_sizes:
+        console.print(f"transformers generate, batch size {b} ...")
+        rows.append(_hf_row(job, prep, b))
+        _report(console, rows[-1])
+    _print_table(console, rows, f"{prep.total_rows} prompts, {job.sampling.max_new_tokens} new "
+                 "tokens")
+    for r in rows:
+        for key in ("digests", "spec_steps", "spec_tokens"):
+            r.pop(key, None)
+    result: dict = {"job": job.model_dump(mode="json"), "rows": rows}
+    result["plain"] = next(r for r in rows if r["engine"] == "eaglebatch")
+    if prep.draft_dir is not None:
+        _spec_summary(console, result, pair_speedups, repeat)
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _eaglebatch_rows(
+    job: JobConfig, prep, batch_sizes: list[int], repeat: int, console: Console
+) -> tuple[list[dict], dict[int, list[float]]]:
+    """eaglebatch's rows at each max batch size over one loaded target (freed on return), and
+    per batch size the speedups of the speculative runs over their plain runs."""
+    from .worker import Worker
+
     biggest = job.model_copy(
         update={"engine": job.engine.model_copy(update={"max_batch_size": max(batch_sizes)})}
     )
@@ -281,63 +307,89 @@ def run_bench(
     rows = []
     pair_speedups: dict[int, list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="eaglebatch-bench-") as tmp:
+        setup = _Setup(job, prep, target, max(batch_sizes), repeat, spec, compare, Path(tmp),
+                       console)
         for b in batch_sizes:
-            plain_runs, spec_runs = [], []
-            paired = spec and b == 1 and prep.total_rows > 1
-            for rep in range(repeat):
-                tag = f" (run {rep + 1}/{repeat})" if repeat > 1 else ""
-                if spec:
-                    from .speculative.worker import SpecWorker
+            b_rows, speedups = _bench_batch(setup, b)
+            rows += b_rows
+            if spec:
+                pair_speedups.setdefault(b, []).extend(speedups)
+    return rows, pair_speedups
 
-                    # a fresh worker per run: the adaptive policy starts from nothing every time
-                    worker = SpecWorker.from_job(
-                        target, prep.draft_dir, job.speculative, max(batch_sizes)
-                    )
-                if paired:
-                    console.print(f"eaglebatch, plain decoding and EAGLE (K="
-                                  f"{job.speculative.num_steps}) alternating request by "
-                                  f"request, max batch size 1{tag} ...")
-                    plain_row, row = _paired_rows(
-                        job, target, worker, Path(tmp), compare, prep.total_rows
-                    )
-                    plain_runs.append(plain_row)
-                    _report(console, plain_row)
-                else:
-                    console.print(f"eaglebatch, plain decoding, max batch size {b}{tag} ...")
-                    plain_runs.append(
-                        _eaglebatch_row(job, b, target, Path(tmp), spec=False, compare=compare)
-                    )
-                    _report(console, plain_runs[-1])
-                    if not spec:
-                        continue
-                    console.print(f"eaglebatch, EAGLE (K={job.speculative.num_steps}), "
-                                  f"max batch size {b}{tag} ...")
-                    row = _eaglebatch_row(job, b, worker, Path(tmp), spec=True, compare=compare)
-                if compare:
-                    row["identical_requests"] = _same_tokens(plain_runs[-1]["digests"],
-                                                             row["digests"])
-                spec_runs.append(row)
-                _report(console, row)
-                pair_speedups.setdefault(b, []).append(
-                    row["output_tok_s"] / plain_runs[-1]["output_tok_s"]
-                )
-                del worker
-            for runs in (plain_runs, spec_runs) if spec else (plain_runs,):
-                row = _median_run(runs)
-                if repeat > 1:
-                    row["runs_tok_s"] = [r["output_tok_s"] for r in runs]
-                if runs is spec_runs and compare:  # every run must match, not only the median
-                    row["identical_requests"] = min(r["identical_requests"] for r in runs)
-                rows.append(row)
-    del target
-    for b in hf_batch_sizes:
-        console.print(f"transformers generate, batch size {b} ...")
-        rows.append(_hf_row(job, prep, b))
-        _report(console, rows[-1])
 
+@dataclasses.dataclass
+class _Setup:
+    """What every measured run of one bench shares."""
+
+    job: JobConfig
+    prep: object  # engine.prepare's
+    target: object  # the plain Worker, loaded once and shared by the speculative workers
+    max_batch: int  # the largest max batch size measured: the workers are sized for it
+    repeat: int
+    spec: bool  # the job names a draft head
+    compare: bool  # greedy: speculative runs must produce the plain runs' tokens
+    tmp: Path
+    console: Console
+
+
+def _bench_batch(setup: _Setup, b: int) -> tuple[list[dict], list[float]]:
+    """At max batch size b: the median run of each engine (plain, then speculative), and the
+    speedup of each speculative run over the plain run measured with it."""
+    plain_runs, spec_runs, speedups = [], [], []
+    for rep in range(setup.repeat):
+        plain, row = _measure(setup, b, rep)
+        plain_runs.append(plain)
+        if row is not None:
+            spec_runs.append(row)
+            speedups.append(row["output_tok_s"] / plain["output_tok_s"])
+    rows = []
+    for runs in (plain_runs, spec_runs) if setup.spec else (plain_runs,):
+        row = _median_run(runs)
+        if setup.repeat > 1:
+            row["runs_tok_s"] = [r["output_tok_s"] for r in runs]
+        if runs is spec_runs and setup.compare:  # every run must match, not only the median
+            row["identical_requests"] = min(r["identical_requests"] for r in runs)
+        rows.append(row)
+    return rows, speedups
+
+
+def _measure(setup: _Setup, b: int, rep: int) -> tuple[dict, dict | None]:
+    """Run `rep` at max batch size b: (the plain row, the speculative row or None), printed as
+    they finish; at batch 1 the engines alternate request by request (module doc)."""
+    job, target, tmp, console = setup.job, setup.target, setup.tmp, setup.console
+    tag = f" (run {rep + 1}/{setup.repeat})" if setup.repeat > 1 else ""
+    if not setup.spec:
+        console.print(f"eaglebatch, plain decoding, max batch size {b}{tag} ...")
+        plain = _eaglebatch_row(job, b, target, tmp, spec=False, compare=setup.compare)
+        _report(console, plain)
+        return plain, None
+    from .speculative.worker import SpecWorker
+
+    # a fresh worker per run: the adaptive policy starts from nothing every time
+    worker = SpecWorker.from_job(target, setup.prep.draft_dir, job.speculative, setup.max_batch)
+    k = job.speculative.num_steps
+    if b == 1 and setup.prep.total_rows > 1:
+        console.print(f"eaglebatch, plain decoding and EAGLE (K={k}) alternating request by "
+                      f"request, max batch size 1{tag} ...")
+        plain, row = _paired_rows(job, target, worker, tmp, setup.compare, setup.prep.total_rows)
+        _report(console, plain)
+    else:
+        console.print(f"eaglebatch, plain decoding, max batch size {b}{tag} ...")
+        plain = _eaglebatch_row(job, b, target, tmp, spec=False, compare=setup.compare)
+        _report(console, plain)
+        console.print(f"eaglebatch, EAGLE (K={k}), max batch size {b}{tag} ...")
+        row = _eaglebatch_row(job, b, worker, tmp, spec=True, compare=setup.compare)
+    if setup.compare:
+        row["identical_requests"] = _same_tokens(plain["digests"], row["digests"])
+    _report(console, row)
+    return plain, row
+
+
+def _print_table(console: Console, rows: list[dict], title: str) -> None:
+    """The figures side by side; sets each row's speedup_vs_ref (over transformers' first row
+    when measured, else the first row)."""
     ref = next((r for r in rows if r["engine"] == "transformers"), None)
     ref = ref or rows[0]
-    title = f"{prep.total_rows} prompts, {job.sampling.max_new_tokens} new tokens"
     table = Table(title=title)
     for col in ("engine", "batch", "requests", "out tokens", "wall s", "out tok/s",
                 f"vs {ref['engine']} b{ref['batch_size']}", "accept len", "latency p50",
@@ -354,31 +406,29 @@ def run_bench(
             _fmt(r["tpot_p50"], ".4f"), _fmt(r["tpot_p99"], ".4f"),
         )
     console.print(table)
-    for r in rows:
-        for key in ("digests", "spec_steps", "spec_tokens"):
-            r.pop(key, None)
-    result: dict = {"job": job.model_dump(mode="json"), "rows": rows}
-    plain = next(r for r in rows if r["engine"] == "eaglebatch")
-    result["plain"] = plain
-    if spec:
-        sp = next(r for r in rows if r["engine"] == "eaglebatch+eagle")
-        result["spec"] = sp
-        pairs = pair_speedups[plain["batch_size"]]
-        result["speedup"] = statistics.median(pairs)
-        if repeat > 1:
-            result["pair_speedups"] = pairs
-            console.print(
-                "speedup of each EAGLE run over the plain run before it: "
-                + ", ".join(f"{x:.2f}x" for x in pairs),
-                highlight=False,
-            )
+
+
+def _spec_summary(
+    console: Console, result: dict, pair_speedups: dict[int, list[float]], repeat: int
+) -> None:
+    """The speculative row and the speedup at the plain row's batch size (the median of the
+    pairs) into `result`, and the closing lines."""
+    plain = result["plain"]
+    sp = next(r for r in result["rows"] if r["engine"] == "eaglebatch+eagle")
+    result["spec"] = sp
+    pairs = pair_speedups[plain["batch_size"]]
+    result["speedup"] = statistics.median(pairs)
+    if repeat > 1:
+        result["pair_speedups"] = pairs
         console.print(
-            f"speculative speedup at batch {plain['batch_size']}: {result['speedup']:.2f}x"
-            + (" (median of the pairs)" if repeat > 1 else "")
-            + f" (acceptance length {_fmt(sp['accept_length'], '.2f')})"
-            + (f", identical output tokens in {sp['identical_requests']}/{sp['requests']} "
-               "requests" if "identical_requests" in sp else "")
+            "speedup of each EAGLE run over the plain run before it: "
+            + ", ".join(f"{x:.2f}x" for x in pairs),
+            highlight=False,
         )
-    if json_path:
-        Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
-    return result
+    console.print(
+        f"speculative speedup at batch {plain['batch_size']}: {result['speedup']:.2f}x"
+        + (" (median of the pairs)" if repeat > 1 else "")
+        + f" (acceptance length {_fmt(sp['accept_length'], '.2f')})"
+        + (f", identical output tokens in {sp['identical_requests']}/{sp['requests']} "
+           "requests" if "identical_requests" in sp else "")
+    )
