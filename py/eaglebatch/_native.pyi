@@ -97,9 +97,18 @@ class Scheduler:
 
     def next_plan(self) -> StepPlan | None:
         """The next step, or None when every input row has been written. Blocks (GIL released)
-        while waiting for input. Error rows (null / empty prompt, prompt >= max_model_len or
-        needing more than num_blocks blocks, template / tokenizer failure) never reach a plan:
-        they are written with finish_reason = "error" and a specific `error` message."""
+        while waiting for input. Error rows never reach a plan: they are written with
+        finish_reason = "error", a specific `error` message and the prompt's token count when it
+        was tokenized (else 0). They are: a null / empty prompt; a prompt >= max_model_len; a
+        request whose worst case, min(prompt + max_new_tokens, max_model_len) +
+        num_speculative_tokens tokens, exceeds the KV cache (num_blocks * block_size); so a
+        request that runs is never cut short by the cache, and finish_reason "length" means
+        max_new_tokens or max_model_len. A text that certainly cannot fit max_model_len (more
+        than 4 x the tokenizer's longest token in characters x max_model_len: a prompt, the
+        messages' contents, the rendered chat) is refused before it is tokenized; a chat
+        template whose output exceeds that many bytes or that runs too long, template and
+        tokenizer failures. An input file that turns out unreadable (a corrupt page) raises
+        UserInputError naming the file and row group, here and on every later call."""
 
     def commit(
         self,
@@ -123,13 +132,18 @@ class Scheduler:
         """Waits for the writer, checks no KV block leaked (raises NativeError if one did) and
         returns the summary: requests, errors, skipped, prompt_tokens, output_tokens, preemptions,
         spec_steps, accepted_tokens, spec_tokens (tokens produced by verify rounds),
-        latency_p50/p90/p99, ttft_p50/p99, tpot_p50/p99 (seconds), part_files."""
+        latency_p50/p90/p99, ttft_p50/p99, tpot_p50/p99 (seconds), part_files. A complete run
+        leaves at least one part file (an empty one when nothing else is there). Called before
+        next_plan returned None, or after the input failed, it closes the writer like abort()
+        and raises (the input's UserInputError again, if that was the failure)."""
 
     def abort(self) -> dict[str, object]:
-        """Stops early (an interrupt): stops reading, drops the pending plan and every waiting
-        or running request unwritten, closes the writer (the rows already finished go into a
-        last part file) and returns {"rows_written": int, "part_files": list[str]} for this run.
-        No leak check; the scheduler cannot be used afterwards."""
+        """Stops early (an interrupt, or after next_plan / commit raised): stops reading, drops
+        the pending plan and every waiting or running request unwritten, closes the writer (the
+        rows already finished go into a last complete part file; none, not an empty one, when
+        there are none) and returns {"rows_written": int, "part_files": list[str]} for this run.
+        No leak check; the scheduler cannot be used afterwards. A scheduler dropped without
+        finish() or abort() closes its writer the same way."""
 
 def render_chat_template(
     template: str,
@@ -138,13 +152,15 @@ def render_chat_template(
     bos_token: str | None,
     eos_token: str | None,
 ) -> str:
-    """Renders a Hugging Face chat template (minijinja); exposed for parity tests."""
+    """Renders a Hugging Face chat template (minijinja); exposed for parity tests. A template
+    that runs too long (minijinja fuel: 10^6 instructions plus 10^4 per message and 4 per byte
+    of message text) raises NativeError."""
 
 SMALL_GEMM_AVAILABLE: bool
 """Whether this CPU can run `small_gemm` (x86-64 with AVX-512F, or AVX2 and FMA)."""
 
 SMALL_GEMM_MAX_ROWS: int
-"""The most rows of x one `small_gemm` call takes (16)."""
+"""The most rows of x one `small_gemm` call takes (128)."""
 
 def small_gemm(
     x: int, w: int, out: int, m: int, n: int, k: int, threads: int, bf16_weights: bool = False
@@ -154,13 +170,14 @@ def small_gemm(
     exactly, so the result is that of w.float()) that stay alive for the call, out not
     overlapping the others; 1 <= m <= SMALL_GEMM_MAX_ROWS. Runs on up to `threads` threads of
     the OpenMP team torch uses. Each output is computed in the same order whatever m and the
-    thread count. Unsafe by contract: `model/linear.py::linear` is the caller that checks it."""
+    thread count. Unsafe by contract: `cpu/gemm.py::linear` is the caller; it takes every
+    address through `cpu/tensors.py::native_ptr`, which checks it."""
 
 def rms_norm(x: int, weight: int, out: int, rows: int, h: int, eps: float) -> None:
     """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight in float32 by raw addresses, row by row
     (a row's result does not depend on the others): x and out [rows, h], weight [h], all live
     C-contiguous float32 CPU buffers, out not overlapping x. Unsafe by contract:
-    `model/llama.py::RMSNorm` is the caller that checks it."""
+    `cpu/norm.py` is the caller (addresses through `cpu/tensors.py::native_ptr`)."""
 
 def paged_attention(
     q: int,
@@ -184,14 +201,15 @@ def paged_attention(
     buffers, out not overlapping the others; cu_seqlens_q [B+1], seq_lens [B] and block_tables
     [B, M] as C-contiguous int32 arrays. Query row j of sequence i attends to keys
     0..=seq_lens[i] - q_i + j. Every index is checked first (ValueError). Unsafe by contract:
-    `attention/cpu_backend.py` is the caller that checks the buffers."""
+    `cpu/attention.py` is the caller (addresses through `cpu/tensors.py::native_ptr`)."""
 
 class CpuDecoder:
     """A model's decoder layers for few-row CPU steps (rust/src/decoder_layer.rs), held as raw
     addresses: per layer [input_norm (0: the layer is given its input), q, k, v, o, post_norm,
     gate, up, down, then the q, k, v, o, gate, up, down biases (0: none)], seven bf16 flags
     (weights holding bfloat16 bits) and the q/k/v input width; RoPE tables [max_positions,
-    head_dim]. Unsafe by contract: `model/native_decoder.py` keeps every tensor alive."""
+    head_dim]. Unsafe by contract: `cpu/decoder.py::NativeDecoder` takes every address through
+    `cpu/tensors.py::native_ptr` and keeps every tensor alive."""
 
     def __init__(
         self,
@@ -225,6 +243,6 @@ class CpuDecoder:
         block_size: int,
         threads: int,
     ) -> None:
-        """Runs layers first..last over x [T, hidden] (float32, in place, T <= 16), writing
+        """Runs layers first..last over x [T, hidden] (float32, in place, T <= 128), writing
         each row's K/V at its slot; `input` [T, in_features[first]] replaces layer first's
         RMSNorm(x) (0: none). Sizes and indices are checked first (ValueError)."""

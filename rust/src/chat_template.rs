@@ -24,6 +24,73 @@ pub struct ChatTemplate {
 
 const TEMPLATE_NAME: &str = "chat_template";
 
+/// Fuel (minijinja instructions, see `fuel_budget`) a render may use: a base, plus some per
+/// message and per byte of message text (keys and values). The ChatML (SmolLM2, Qwen 2),
+/// Llama 3, Zephyr and Mistral templates execute 23 to 33 instructions per message, so a
+/// conversation of any length has hundreds of times the fuel it needs, and a template looping
+/// over every character of the text still has 4 per character; only a runaway loop runs out.
+const FUEL_BASE: u64 = 1_000_000;
+const FUEL_PER_MESSAGE: u64 = 10_000;
+const FUEL_PER_BYTE: u64 = 4;
+
+/// Why a render produced no text.
+#[derive(Debug)]
+pub enum RenderError {
+    /// The template failed (`raise_exception`, a type error, ...).
+    Template(Error),
+    /// The output grew past the byte limit the caller gave.
+    OutputTooLong,
+    /// The template executed more instructions than this budget.
+    OutOfFuel(u64),
+}
+
+impl From<RenderError> for Error {
+    fn from(e: RenderError) -> Self {
+        match e {
+            RenderError::Template(e) => e,
+            RenderError::OutputTooLong => Error::Template("chat template output too long".into()),
+            RenderError::OutOfFuel(n) => Error::Template(format!(
+                "chat template ran too long (more than {n} template instructions)"
+            )),
+        }
+    }
+}
+
+/// Instructions a render of `messages` may execute: linear in the conversation's size, so
+/// a long conversation never runs out while a template loop that does not end stops.
+fn fuel_budget(messages: &[Message]) -> u64 {
+    let bytes: usize = messages
+        .iter()
+        .flatten()
+        .map(|(k, v)| k.len() + v.as_ref().map_or(0, String::len))
+        .sum();
+    FUEL_BASE
+        .saturating_add(FUEL_PER_MESSAGE.saturating_mul(messages.len() as u64))
+        .saturating_add(FUEL_PER_BYTE.saturating_mul(bytes as u64))
+}
+
+/// An output buffer that refuses any write taking it past `limit` bytes (and remembers it).
+struct BoundedBuf {
+    buf: Vec<u8>,
+    limit: usize,
+    exceeded: bool,
+}
+
+impl std::io::Write for BoundedBuf {
+    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
+        if self.buf.len().saturating_add(data.len()) > self.limit {
+            self.exceeded = true;
+            return Err(std::io::Error::other("chat template output limit reached"));
+        }
+        self.buf.extend_from_slice(data);
+        Ok(data.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 impl ChatTemplate {
     /// Compiles `source`; a syntax error is a `Template` error.
     pub fn new(source: &str) -> Result<Self> {
@@ -43,48 +110,78 @@ impl ChatTemplate {
         Ok(ChatTemplate { env })
     }
 
+    /// Renders `messages`; the output never exceeds `max_output_bytes` and the work is
+    /// bounded by `fuel_budget`. (Values a template builds in its own variables are bounded
+    /// only by the fuel: a few instructions can still double a string many times.)
     pub fn render(
-        &self,
+        &mut self,
         messages: &[Message],
         add_generation_prompt: bool,
         bos_token: Option<&str>,
         eos_token: Option<&str>,
-    ) -> Result<String> {
-        let messages: Vec<Value> = messages
-            .iter()
-            .map(|m| {
-                m.iter()
-                    .map(|(k, v)| {
-                        let v = match v {
-                            Some(s) => Value::from(s.as_str()),
-                            None => Value::from(()),
-                        };
-                        (Value::from(k.as_str()), v)
-                    })
-                    .collect::<Value>()
-            })
-            .collect();
-        let mut ctx: Vec<(&str, Value)> = vec![
-            ("messages", Value::from(messages)),
-            ("add_generation_prompt", Value::from(add_generation_prompt)),
-        ];
-        if let Some(bos) = bos_token {
-            ctx.push(("bos_token", Value::from(bos)));
-        }
-        if let Some(eos) = eos_token {
-            ctx.push(("eos_token", Value::from(eos)));
-        }
-        let ctx: Value = ctx.into_iter().collect();
+        max_output_bytes: usize,
+    ) -> std::result::Result<String, RenderError> {
+        let fuel = fuel_budget(messages);
+        let ctx = context(messages, add_generation_prompt, bos_token, eos_token);
+        self.env.set_fuel(Some(fuel));
+        let template_error = |e: &minijinja::Error| {
+            RenderError::Template(Error::Template(format_minijinja_error(e)))
+        };
         let tmpl = self
             .env
             .get_template(TEMPLATE_NAME)
-            .map_err(|e| Error::Template(format_minijinja_error(&e)))?;
-        tmpl.render(ctx)
-            .map_err(|e| Error::Template(format_minijinja_error(&e)))
+            .map_err(|e| template_error(&e))?;
+        let mut out = BoundedBuf {
+            buf: Vec::new(),
+            limit: max_output_bytes,
+            exceeded: false,
+        };
+        match tmpl.render_captured_to(ctx, &mut out) {
+            Ok(_) => String::from_utf8(out.buf)
+                .map_err(|_| RenderError::Template(Error::Template("output is not UTF-8".into()))),
+            Err(_) if out.exceeded => Err(RenderError::OutputTooLong),
+            Err(e) if e.kind() == ErrorKind::OutOfFuel => Err(RenderError::OutOfFuel(fuel)),
+            Err(e) => Err(template_error(&e)),
+        }
     }
 }
 
-/// One-shot render (compiles the template each call); used by the Python parity helper.
+/// The render context: `messages`, `add_generation_prompt` and the known special tokens.
+fn context(
+    messages: &[Message],
+    add_generation_prompt: bool,
+    bos_token: Option<&str>,
+    eos_token: Option<&str>,
+) -> Value {
+    let messages: Vec<Value> = messages
+        .iter()
+        .map(|m| {
+            m.iter()
+                .map(|(k, v)| {
+                    let v = match v {
+                        Some(s) => Value::from(s.as_str()),
+                        None => Value::from(()),
+                    };
+                    (Value::from(k.as_str()), v)
+                })
+                .collect::<Value>()
+        })
+        .collect();
+    let mut ctx: Vec<(&str, Value)> = vec![
+        ("messages", Value::from(messages)),
+        ("add_generation_prompt", Value::from(add_generation_prompt)),
+    ];
+    if let Some(bos) = bos_token {
+        ctx.push(("bos_token", Value::from(bos)));
+    }
+    if let Some(eos) = eos_token {
+        ctx.push(("eos_token", Value::from(eos)));
+    }
+    ctx.into_iter().collect()
+}
+
+/// One-shot render (compiles the template each call) with no output limit beyond the fuel
+/// budget; used by the Python parity helper.
 pub fn render_chat_template(
     template: &str,
     messages: &[Message],
@@ -92,7 +189,15 @@ pub fn render_chat_template(
     bos_token: Option<&str>,
     eos_token: Option<&str>,
 ) -> Result<String> {
-    ChatTemplate::new(template)?.render(messages, add_generation_prompt, bos_token, eos_token)
+    ChatTemplate::new(template)?
+        .render(
+            messages,
+            add_generation_prompt,
+            bos_token,
+            eos_token,
+            usize::MAX,
+        )
+        .map_err(Error::from)
 }
 
 fn format_minijinja_error(e: &minijinja::Error) -> String {
@@ -562,6 +667,65 @@ mod tests {
             "Tuesday July 13:05:09 205 %"
         );
         assert_eq!(strftime("%d %m %y", 0).unwrap(), "01 01 70");
+    }
+
+    fn conversation(n: usize, content: &str) -> Vec<Message> {
+        (0..n)
+            .map(|i| msg(if i % 2 == 0 { "user" } else { "assistant" }, content))
+            .collect()
+    }
+
+    #[test]
+    fn long_conversations_render_within_the_fuel_budget() {
+        let msgs = conversation(5000, &"hello world ".repeat(100));
+        for src in [SMOLLM2, LLAMA3] {
+            let mut t = ChatTemplate::new(src).unwrap();
+            let out = t
+                .render(&msgs, true, Some("<s>"), None, usize::MAX)
+                .unwrap();
+            assert!(out.len() > 5000 * 1200, "{}", out.len());
+        }
+    }
+
+    #[test]
+    fn a_runaway_template_runs_out_of_fuel() {
+        let t0 = std::time::Instant::now();
+        for src in [
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+            // Inside a macro call, too.
+            "{% macro f() %}{% for i in range(100000) %}{% for j in range(100000) %}\
+             {% endfor %}{% endfor %}{% endmacro %}{{ f() }}",
+        ] {
+            let mut t = ChatTemplate::new(src).unwrap();
+            let msgs = [msg("user", "x")];
+            let err = t.render(&msgs, true, None, None, usize::MAX).unwrap_err();
+            let fuel = fuel_budget(&msgs);
+            assert_eq!(fuel, FUEL_BASE + FUEL_PER_MESSAGE + FUEL_PER_BYTE * 16);
+            assert!(
+                matches!(err, RenderError::OutOfFuel(n) if n == fuel),
+                "{err:?}"
+            );
+            let err = Error::from(err).to_string();
+            assert!(err.contains("ran too long"), "{err}");
+        }
+        assert!(t0.elapsed().as_secs() < 20, "{:?}", t0.elapsed());
+    }
+
+    #[test]
+    fn output_over_the_limit_stops_the_render() {
+        // 100,000 copies of a 1 KB message would be 100 MB; the limit stops it at 1 MB.
+        let src = "{% for i in range(100000) %}{{ messages[0].content }}{% endfor %}";
+        let mut t = ChatTemplate::new(src).unwrap();
+        let msgs = [msg("user", &"y".repeat(1000))];
+        let err = t.render(&msgs, true, None, None, 1 << 20).unwrap_err();
+        assert!(matches!(err, RenderError::OutputTooLong), "{err:?}");
+        // Exactly at the limit is fine.
+        let out = t.render(&msgs, true, None, None, 100_000_000).unwrap();
+        assert_eq!(out.len(), 100_000_000);
+        let src = "{{ messages[0].content }}";
+        let mut t = ChatTemplate::new(src).unwrap();
+        assert_eq!(t.render(&msgs, true, None, None, 1000).unwrap().len(), 1000);
+        assert!(t.render(&msgs, true, None, None, 999).is_err());
     }
 
     #[test]

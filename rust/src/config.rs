@@ -182,13 +182,4 @@ impl SchedulerConfig {
         }
         Ok(())
     }
-
-    /// Maximum sequence length actually reachable: the model limit, capped by the KV capacity
-    /// less the K lookahead slots a verify step needs beyond the sequence.
-    pub fn effective_max_len(&self) -> usize {
-        let capacity = self.num_blocks * self.block_size;
-        self.max_model_len
-            .min(capacity.saturating_sub(self.num_speculative_tokens))
-            .max(1)
-    }
 }

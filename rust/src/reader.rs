@@ -20,6 +20,7 @@
 use std::collections::HashSet;
 use std::fs::File;
 use std::hash::{Hash, Hasher};
+use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -29,11 +30,13 @@ use arrow_array::cast::AsArray;
 use arrow_array::{Array, ArrayRef, Int64Array, RecordBatch, StructArray};
 use arrow_schema::{DataType, Field, Schema};
 use crossbeam_channel::{Receiver, Sender};
-use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use parquet::arrow::arrow_reader::{
+    ArrowReaderMetadata, ArrowReaderOptions, ParquetRecordBatchReaderBuilder,
+};
 use parquet::arrow::ProjectionMask;
 use tokenizers::Tokenizer;
 
-use crate::chat_template::{ChatTemplate, Message};
+use crate::chat_template::{ChatTemplate, Message, RenderError};
 use crate::config::SchedulerConfig;
 use crate::error::{Error, Result};
 use crate::sequence::Request;
@@ -66,7 +69,10 @@ pub struct InputSpec {
     pub total_rows: u64,
 }
 
-/// Expands directories to their (sorted, non-hidden) `*.parquet` files.
+/// Expands directories to the `*.parquet` files below them, recursively, sorted by path, by
+/// pyarrow's rule (also `inputs.py`'s): a file or directory whose name starts with '.' or '_'
+/// below the given directory is not data and is skipped, with all it holds. Explicitly named
+/// files are kept as given.
 fn expand_inputs(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
     let mut out = Vec::new();
     for path in paths {
@@ -77,31 +83,48 @@ fn expand_inputs(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
                 Error::io("cannot access input", path, e)
             }
         })?;
-        if meta.is_dir() {
-            let mut files: Vec<PathBuf> = std::fs::read_dir(path)
-                .map_err(|e| Error::io("cannot list input directory", path, e))?
-                .filter_map(|entry| entry.ok().map(|e| e.path()))
-                .filter(|p| {
-                    let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
-                    p.is_file()
-                        && name.ends_with(".parquet")
-                        && !name.starts_with('.')
-                        && !name.starts_with('_')
-                })
-                .collect();
-            files.sort();
-            if files.is_empty() {
-                return Err(Error::user(format!(
-                    "input directory {} contains no .parquet files",
-                    path.display()
-                )));
-            }
-            out.extend(files);
-        } else {
+        if !meta.is_dir() {
             out.push(path.clone());
+            continue;
         }
+        let mut files = Vec::new();
+        collect_parquet_files(path, &mut files)?;
+        files.sort();
+        if files.is_empty() {
+            return Err(Error::user(format!(
+                "input directory {} holds no .parquet files (files and directories named \
+                 '.*' or '_*' are skipped)",
+                path.display()
+            )));
+        }
+        out.extend(files);
     }
     Ok(out)
+}
+
+/// Appends the visible `*.parquet` files below `dir` to `out` (see `expand_inputs`). Symbolic
+/// links to files are followed, links to directories are not (no cycles).
+fn collect_parquet_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
+    let entries =
+        std::fs::read_dir(dir).map_err(|e| Error::io("cannot list input directory", dir, e))?;
+    for entry in entries {
+        let entry = entry.map_err(|e| Error::io("cannot list input directory", dir, e))?;
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if name.starts_with('.') || name.starts_with('_') {
+            continue;
+        }
+        let path = entry.path();
+        let kind = entry
+            .file_type()
+            .map_err(|e| Error::io("cannot access input", &path, e))?;
+        if kind.is_dir() {
+            collect_parquet_files(&path, out)?;
+        } else if name.ends_with(".parquet") && path.is_file() {
+            out.push(path);
+        }
+    }
+    Ok(())
 }
 
 fn is_string(dt: &DataType) -> bool {
@@ -262,11 +285,79 @@ pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
     })
 }
 
+/// Normalizers can shrink a text before it is split into tokens (NFC composition, stripping);
+/// the character limit allows this factor for it.
+const SHRINK_FACTOR: usize = 4;
+
+/// How long a row's text may be before it is tokenized or rendered. A text of C characters
+/// makes at least ceil(C / L) tokens, L being the longest vocabulary entry in characters (a
+/// byte-level BPE entry has one character per byte, a SentencePiece entry about one per text
+/// character), so a text over `max_chars` = SHRINK_FACTOR * L * max_model_len characters can
+/// certainly not fit max_model_len: it becomes an error row without costing the tokenizer.
+#[derive(Debug, Clone, Copy)]
+pub struct TextLimit {
+    pub max_chars: usize,
+    /// L, at least 1.
+    pub longest_token: usize,
+    pub max_model_len: usize,
+}
+
+impl TextLimit {
+    pub fn new(tokenizer: &Tokenizer, max_model_len: usize) -> Self {
+        let longest = tokenizer
+            .get_vocab(true)
+            .keys()
+            .map(|t| t.chars().count())
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        TextLimit {
+            max_chars: SHRINK_FACTOR
+                .saturating_mul(longest)
+                .saturating_mul(max_model_len),
+            longest_token: longest,
+            max_model_len,
+        }
+    }
+
+    /// Why the limit is what it is, for error messages.
+    fn reason(&self) -> String {
+        format!(
+            "more than {} characters cannot fit max_model_len = {} tokens (no token of this \
+             tokenizer is longer than {} characters; the limit is {SHRINK_FACTOR} x {} x {})",
+            self.max_chars,
+            self.max_model_len,
+            self.longest_token,
+            self.longest_token,
+            self.max_model_len
+        )
+    }
+
+    /// Ok when a text of `bytes` bytes (`chars()` characters, counted only when needed, as
+    /// characters <= bytes) may fit; else the row's error, `what` naming the text.
+    fn check(&self, what: &str, bytes: usize, chars: impl FnOnce() -> usize) -> RowResult<()> {
+        if bytes <= self.max_chars {
+            return Ok(());
+        }
+        let n = chars();
+        if n <= self.max_chars {
+            return Ok(());
+        }
+        Err(format!(
+            "{what} {n} characters: {}; it was not tokenized",
+            self.reason()
+        ))
+    }
+}
+
+/// A row's value, or why the row cannot be generated (its error message).
+type RowResult<T> = std::result::Result<T, String>;
+
 /// Everything the reader thread needs besides the spec.
 pub struct ReaderOptions {
     pub tokenizer: Arc<Tokenizer>,
     /// Compiled chat template (required for messages and for `apply_chat_template`).
-    pub template: Option<Arc<ChatTemplate>>,
+    pub template: Option<ChatTemplate>,
     pub apply_chat_template: bool,
     pub bos_token: Option<String>,
     pub eos_token: Option<String>,
@@ -274,9 +365,13 @@ pub struct ReaderOptions {
     pub queue_rows: usize,
     /// Row indices not to send, sorted ascending without duplicates.
     pub skip_rows: Vec<i64>,
+    /// Bounds a row's prompt, message contents and rendered chat before they are tokenized.
+    pub text_limit: TextLimit,
 }
 
-/// Starts the reader thread; it stops early (quietly) when the receiver is dropped.
+/// Starts the reader thread; it stops early (quietly) when the receiver is dropped. A panic
+/// in it (a decoder bug on corrupt data, say) is reported as `Failed` like any error, so the
+/// input never silently ends early.
 pub fn spawn_reader(
     spec: InputSpec,
     opts: ReaderOptions,
@@ -292,14 +387,30 @@ pub fn spawn_reader(
                 next_row: 0,
                 next_skip: 0,
                 seen_ids: HashSet::new(),
+                position: None,
             };
-            if let Err(e) = worker.run() {
-                // A send failure means the scheduler is gone: nobody to tell.
-                let _ = worker.tx.send(ReaderMsg::Failed(e));
-            }
+            let err = match std::panic::catch_unwind(AssertUnwindSafe(|| worker.run())) {
+                Ok(Ok(())) => return,
+                Ok(Err(e)) => e,
+                Err(payload) => worker.panic_error(payload.as_ref()),
+            };
+            // A send failure means the scheduler is gone: nobody to tell.
+            let _ = worker.tx.send(ReaderMsg::Failed(err));
         })
         .map_err(|e| Error::internal(format!("cannot start reader thread: {e}")))?;
     Ok((rx, handle))
+}
+
+/// A failure to read an input file during the run (its footer passed validation): a user
+/// error naming the file and, when known, the row group.
+fn unreadable(path: &Path, row_group: Option<usize>, e: &dyn std::fmt::Display) -> Error {
+    let at = row_group
+        .map(|g| format!(", row group {g}"))
+        .unwrap_or_default();
+    Error::user(format!(
+        "{}{at}: the input file is corrupt or unreadable: {e}",
+        path.display()
+    ))
 }
 
 /// Why a batch stopped being processed early.
@@ -315,6 +426,14 @@ impl From<Error> for Stop {
     }
 }
 
+/// What the reader thread is reading, for the message of a panic.
+struct Position {
+    path: PathBuf,
+    row_group: usize,
+    /// True while the Parquet decoder runs (a panic then means the data is bad).
+    decoding: bool,
+}
+
 struct ReaderThread {
     spec: InputSpec,
     opts: ReaderOptions,
@@ -324,6 +443,7 @@ struct ReaderThread {
     next_skip: usize,
     /// Hashes of the ids read so far (only with an id column).
     seen_ids: HashSet<u64>,
+    position: Option<Position>,
 }
 
 /// A row between reading and tokenization: its id and either (text, add_special_tokens) or
@@ -331,7 +451,7 @@ struct ReaderThread {
 struct PendingRow {
     row_index: i64,
     id: ArrayRef,
-    input: std::result::Result<(String, bool), String>,
+    input: RowResult<(String, bool)>,
 }
 
 impl ReaderThread {
@@ -344,16 +464,40 @@ impl ReaderThread {
             match self.read_file(&file.path) {
                 Ok(()) => {}
                 Err(Stop::Disconnected) => return Ok(()),
-                Err(Stop::Failed(e)) => return Err(e.context(&file.path.display().to_string())),
+                Err(Stop::Failed(e)) => return Err(e),
             }
         }
         Ok(())
     }
 
+    /// The error for a panic caught in `run`.
+    fn panic_error(&self, payload: &(dyn std::any::Any + Send)) -> Error {
+        let msg = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".to_string());
+        match &self.position {
+            Some(p) if p.decoding => unreadable(
+                &p.path,
+                Some(p.row_group),
+                &format!("the Parquet decoder panicked: {msg}"),
+            ),
+            Some(p) => Error::internal(format!(
+                "the input reader panicked on {}, row group {}: {msg}",
+                p.path.display(),
+                p.row_group
+            )),
+            None => Error::internal(format!("the input reader panicked: {msg}")),
+        }
+    }
+
+    /// Reads one file row group by row group (so that a failure names its row group).
     fn read_file(&mut self, path: &Path) -> std::result::Result<(), Stop> {
-        let file = File::open(path).map_err(|e| Error::io("cannot open input", path, e))?;
-        let builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(Error::from)?;
-        let schema = builder.schema().clone();
+        let fail = |e: &dyn std::fmt::Display| Stop::Failed(unreadable(path, None, e));
+        let file = File::open(path).map_err(|e| fail(&e))?;
+        let meta = ArrowReaderMetadata::load(&file, ArrowReaderOptions::default())
+            .map_err(|e| fail(&e))?;
         let mut roots = Vec::new();
         for col in [
             &self.spec.prompt_column,
@@ -363,21 +507,50 @@ impl ReaderThread {
         .into_iter()
         .flatten()
         {
-            let idx = schema.index_of(col).map_err(Error::from)?;
+            let idx = meta.schema().index_of(col).map_err(|e| fail(&e))?;
             if !roots.contains(&idx) {
                 roots.push(idx);
             }
         }
-        let mask = ProjectionMask::roots(builder.parquet_schema(), roots);
+        let mask = ProjectionMask::roots(meta.parquet_schema(), roots);
+        for g in 0..meta.metadata().num_row_groups() {
+            if self.next_row >= self.spec.total_rows {
+                break;
+            }
+            self.read_row_group(path, &file, &meta, &mask, g)?;
+        }
+        Ok(())
+    }
+
+    fn read_row_group(
+        &mut self,
+        path: &Path,
+        file: &File,
+        meta: &ArrowReaderMetadata,
+        mask: &ProjectionMask,
+        g: usize,
+    ) -> std::result::Result<(), Stop> {
+        let fail = |e: &dyn std::fmt::Display| Stop::Failed(unreadable(path, Some(g), e));
+        let input = file.try_clone().map_err(|e| fail(&e))?;
         let remaining = (self.spec.total_rows - self.next_row) as usize;
-        let reader = builder
-            .with_projection(mask)
+        let mut reader = ParquetRecordBatchReaderBuilder::new_with_metadata(input, meta.clone())
+            .with_row_groups(vec![g])
+            .with_projection(mask.clone())
             .with_batch_size(self.opts.read_batch_rows)
             .with_limit(remaining)
             .build()
-            .map_err(Error::from)?;
-        for batch in reader {
-            let batch = batch.map_err(Error::from)?;
+            .map_err(|e| fail(&e))?;
+        self.position = Some(Position {
+            path: path.to_path_buf(),
+            row_group: g,
+            decoding: false,
+        });
+        loop {
+            self.set_decoding(true);
+            let next = reader.next();
+            self.set_decoding(false);
+            let Some(batch) = next else { break };
+            let batch = batch.map_err(|e| fail(&e))?;
             let remaining = (self.spec.total_rows - self.next_row) as usize;
             let batch = if batch.num_rows() > remaining {
                 batch.slice(0, remaining)
@@ -390,6 +563,12 @@ impl ReaderThread {
             }
         }
         Ok(())
+    }
+
+    fn set_decoding(&mut self, on: bool) {
+        if let Some(p) = &mut self.position {
+            p.decoding = on;
+        }
     }
 
     fn process_batch(&mut self, batch: &RecordBatch) -> std::result::Result<(), Stop> {
@@ -466,18 +645,18 @@ impl ReaderThread {
     }
 
     /// The text to tokenize for row `i` (and whether to add special tokens), or why there is
-    /// none. Messages win over the prompt when both columns are configured and non-null.
+    /// none. Messages win over the prompt when both columns are configured and non-null. A
+    /// text over `text_limit` is refused before it is copied, rendered or tokenized.
     fn row_input(
-        &self,
+        &mut self,
         prompts: Option<&ArrayRef>,
         messages: Option<&ArrayRef>,
         i: usize,
-    ) -> std::result::Result<(String, bool), String> {
+    ) -> RowResult<(String, bool)> {
         let col_name = |c: &Option<String>| c.clone().unwrap_or_default();
         if let Some(m) = messages {
             if m.is_valid(i) {
-                let msgs = parse_messages(m.as_ref(), i)
-                    .map_err(|e| format!("malformed messages: {e}"))?;
+                let msgs = parse_messages(m.as_ref(), i, &self.opts.text_limit)?;
                 return self.render(&msgs).map(|text| (text, false));
             }
             if prompts.is_none() {
@@ -495,6 +674,9 @@ impl ReaderThread {
         if text.is_empty() {
             return Err(format!("prompt column '{name}' is empty"));
         }
+        self.opts
+            .text_limit
+            .check("prompt has", text.len(), || text.chars().count())?;
         if self.opts.apply_chat_template {
             let msgs = vec![vec![
                 ("role".to_string(), Some("user".to_string())),
@@ -506,20 +688,34 @@ impl ReaderThread {
         }
     }
 
-    fn render(&self, messages: &[Message]) -> std::result::Result<String, String> {
+    /// Renders the chat template, its output bounded by the text limit in bytes (characters
+    /// <= bytes, so no rendered text over the character limit reaches the tokenizer).
+    fn render(&mut self, messages: &[Message]) -> RowResult<String> {
+        let limit = self.opts.text_limit;
         let template = self
             .opts
             .template
-            .as_ref()
+            .as_mut()
             .ok_or_else(|| "no chat template available".to_string())?;
-        template
-            .render(
-                messages,
-                true,
-                self.opts.bos_token.as_deref(),
-                self.opts.eos_token.as_deref(),
-            )
-            .map_err(|e| e.to_string())
+        let rendered = template.render(
+            messages,
+            true,
+            self.opts.bos_token.as_deref(),
+            self.opts.eos_token.as_deref(),
+            limit.max_chars,
+        );
+        rendered.map_err(|e| match e {
+            RenderError::Template(e) => e.to_string(),
+            RenderError::OutputTooLong => format!(
+                "chat template output exceeds {} bytes: {}; it was not tokenized",
+                limit.max_chars,
+                limit.reason()
+            ),
+            RenderError::OutOfFuel(n) => format!(
+                "chat template ran too long: it executed more than {n} template instructions \
+                 (a loop that does not end?)"
+            ),
+        })
     }
 
     /// Token ids per row (or the row's error). Rendered chats are encoded without special
@@ -613,45 +809,76 @@ fn id_hash(a: &dyn Array, i: usize) -> Option<u64> {
     Some(h.finish())
 }
 
-/// Messages of row `i` of a `list<struct<role, content>>` column.
-fn parse_messages(col: &dyn Array, i: usize) -> std::result::Result<Vec<Message>, String> {
-    let list: ArrayRef = match col.data_type() {
-        DataType::List(_) => col.as_list::<i32>().value(i),
-        DataType::LargeList(_) => col.as_list::<i64>().value(i),
+/// Messages of row `i` of a `list<struct<role, content>>` column; the error names what is
+/// malformed, or says the contents are too long for `limit` (checked before they are copied).
+fn parse_messages(col: &dyn Array, i: usize, limit: &TextLimit) -> RowResult<Vec<Message>> {
+    let malformed = |e: String| format!("malformed messages: {e}");
+    let (role, content) = message_fields(col, i).map_err(malformed)?;
+    let mut pairs = Vec::with_capacity(role.len());
+    for j in 0..role.len() {
+        let r = role[j].ok_or_else(|| malformed(format!("message {j} has no role")))?;
+        let c = content[j].ok_or_else(|| malformed(format!("message {j} has null content")))?;
+        pairs.push((r, c));
+    }
+    let bytes = pairs.iter().map(|(_, c)| c.len()).sum();
+    let chars = || pairs.iter().map(|(_, c)| c.chars().count()).sum();
+    limit.check("messages' content has", bytes, chars)?;
+    Ok(pairs
+        .into_iter()
+        .map(|(r, c)| {
+            vec![
+                ("role".to_string(), Some(r.to_string())),
+                ("content".to_string(), Some(c.to_string())),
+            ]
+        })
+        .collect())
+}
+
+/// The role and content of each message of row `i` (None where null), borrowed.
+type MessageFields<'a> = (Vec<Option<&'a str>>, Vec<Option<&'a str>>);
+
+fn message_fields(col: &dyn Array, i: usize) -> RowResult<MessageFields<'_>> {
+    let (values, range) = match col.data_type() {
+        DataType::List(_) => {
+            let l = col.as_list::<i32>();
+            let o = l.value_offsets();
+            (l.values(), o[i] as usize..o[i + 1] as usize)
+        }
+        DataType::LargeList(_) => {
+            let l = col.as_list::<i64>();
+            let o = l.value_offsets();
+            (l.values(), o[i] as usize..o[i + 1] as usize)
+        }
         other => return Err(format!("unsupported type {other}")),
     };
-    if list.is_empty() {
+    if range.is_empty() {
         return Err("empty list".into());
     }
-    let items: &StructArray = list
+    let items: &StructArray = values
         .as_struct_opt()
         .ok_or_else(|| "list items are not structs".to_string())?;
-    let role = items
-        .column_by_name("role")
-        .ok_or_else(|| "no 'role' field".to_string())?;
-    let content = items
-        .column_by_name("content")
-        .ok_or_else(|| "no 'content' field".to_string())?;
-    let mut out = Vec::with_capacity(items.len());
-    for j in 0..items.len() {
-        if items.is_null(j) {
+    let field = |name: &str| {
+        items
+            .column_by_name(name)
+            .ok_or_else(|| format!("no '{name}' field"))
+    };
+    let (role, content) = (field("role")?, field("content")?);
+    let mut roles = Vec::with_capacity(range.len());
+    let mut contents = Vec::with_capacity(range.len());
+    for (j, k) in range.enumerate() {
+        if items.is_null(k) {
             return Err(format!("message {j} is null"));
         }
-        let r = str_value(role.as_ref(), j).ok_or_else(|| format!("message {j} has no role"))?;
-        let c = str_value(content.as_ref(), j)
-            .ok_or_else(|| format!("message {j} has null content"))?;
-        out.push(vec![
-            ("role".to_string(), Some(r.to_string())),
-            ("content".to_string(), Some(c.to_string())),
-        ]);
+        roles.push(str_value(role.as_ref(), k));
+        contents.push(str_value(content.as_ref(), k));
     }
-    Ok(out)
+    Ok((roles, contents))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testutil::{word_level_tokenizer, write_parquet, TempDir};
+    use crate::testutil::{corrupt_row_group, word_level_tokenizer, write_parquet, TempDir};
     use arrow_array::builder::{ListBuilder, StringBuilder, StructBuilder};
     use arrow_array::{Int32Array, StringArray};
     use arrow_schema::Fields;
@@ -676,24 +903,37 @@ mod tests {
         queue: usize,
         skip_rows: Vec<i64>,
     ) -> Vec<Request> {
-        let opts = ReaderOptions {
-            tokenizer: Arc::new(word_level_tokenizer(64)),
-            template: template.map(|t| Arc::new(ChatTemplate::new(t).unwrap())),
-            apply_chat_template: apply,
-            bos_token: Some("<bos>".into()),
-            eos_token: None,
-            read_batch_rows: 2,
-            queue_rows: queue,
-            skip_rows,
-        };
-        let (rx, handle) = spawn_reader(spec, opts).unwrap();
-        let out: Vec<Request> = rx
-            .iter()
+        let mut opts = options(template, apply, 4096);
+        opts.queue_rows = queue;
+        opts.skip_rows = skip_rows;
+        read_all(spec, opts)
+            .into_iter()
             .map(|m| match m {
                 ReaderMsg::Request(r) => r,
                 ReaderMsg::Failed(e) => panic!("reader failed: {e}"),
             })
-            .collect();
+            .collect()
+    }
+
+    /// Reader options over the word-level tokenizer (longest token "<unk>": 5 characters).
+    fn options(template: Option<&str>, apply: bool, max_model_len: usize) -> ReaderOptions {
+        let tokenizer = Arc::new(word_level_tokenizer(64));
+        ReaderOptions {
+            text_limit: TextLimit::new(&tokenizer, max_model_len),
+            tokenizer,
+            template: template.map(|t| ChatTemplate::new(t).unwrap()),
+            apply_chat_template: apply,
+            bos_token: Some("<bos>".into()),
+            eos_token: None,
+            read_batch_rows: 2,
+            queue_rows: 16,
+            skip_rows: Vec::new(),
+        }
+    }
+
+    fn read_all(spec: InputSpec, opts: ReaderOptions) -> Vec<ReaderMsg> {
+        let (rx, handle) = spawn_reader(spec, opts).unwrap();
+        let out = rx.iter().collect();
         handle.join().unwrap();
         out
     }
@@ -934,6 +1174,166 @@ mod tests {
         let tmpl = "{% for m in messages %}{% if m.role == 'user' %}w10{% endif %} {{ m.content }} {% endfor %}";
         let reqs = collect(spec, Some(tmpl), true, 16);
         assert_eq!(reqs[0].prompt_ids, vec![10, 7]);
+    }
+
+    /// The row errors (None: tokenized) of `prompts` read with the given options.
+    fn row_errors(spec: InputSpec, opts: ReaderOptions) -> Vec<(Option<String>, usize)> {
+        read_all(spec, opts)
+            .into_iter()
+            .map(|m| match m {
+                ReaderMsg::Request(r) => (r.error, r.prompt_ids.len()),
+                ReaderMsg::Failed(e) => panic!("reader failed: {e}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_prompt_too_long_for_max_model_len_is_refused_before_tokenizing() {
+        let dir = TempDir::new("reader-long");
+        let a = dir.path().join("p.parquet");
+        let at_limit = format!("{}w5", "w5 ".repeat(26)); // 80 characters
+        let over = "w5 ".repeat(27); // 81
+        let multibyte = format!("{}w5", "é".repeat(40)); // 82 bytes, 42 characters
+        let col = StringArray::from(vec![at_limit.as_str(), over.as_str(), multibyte.as_str()]);
+        write_parquet(&a, vec![("prompt", Arc::new(col) as ArrayRef)], 10);
+        let spec = validate_inputs(&cfg(vec![a])).unwrap();
+        // Longest token "<unk>": 5 characters; 4 x 5 x max_model_len 4 = 80 characters.
+        let opts = options(None, false, 4);
+        assert_eq!(opts.text_limit.max_chars, 80);
+        let rows = row_errors(spec, opts);
+        assert_eq!(rows[0], (None, 28));
+        assert_eq!(
+            rows[1].0.as_deref().unwrap(),
+            "prompt has 81 characters: more than 80 characters cannot fit max_model_len = 4 \
+             tokens (no token of this tokenizer is longer than 5 characters; the limit is 4 x 5 \
+             x 4); it was not tokenized"
+        );
+        assert_eq!(rows[1].1, 0);
+        assert_eq!(rows[2], (None, 2)); // <bos> and one unknown word
+    }
+
+    #[test]
+    fn chat_rows_over_the_limits_are_error_rows() {
+        let dir = TempDir::new("reader-long-chat");
+        let a = dir.path().join("m.parquet");
+        let (half, rest) = ("w5 ".repeat(13) + "w", "w5 ".repeat(13) + "w5");
+        let col = messages_array(vec![
+            Some(vec![
+                (Some("user"), Some(half.as_str())),
+                (Some("user"), Some(&rest)),
+            ]),
+            Some(vec![(Some("user"), Some(&rest[..40]))]),
+            Some(vec![(Some("user"), Some("loop"))]),
+            Some(vec![(Some("user"), Some("w6 w7"))]),
+        ]);
+        write_parquet(&a, vec![("messages", col)], 10);
+        let mut c = cfg(vec![a]);
+        c.prompt_column = None;
+        c.messages_column = Some("messages".into());
+        let spec = validate_inputs(&c).unwrap();
+        // Twice each content: the rendered text is twice the content; "loop" never ends.
+        let tmpl = "{% for m in messages %}{{ m.content }} {{ m.content }} {% endfor %}\
+                    {% if messages[0].content == 'loop' %}{% for i in range(100000) %}\
+                    {% for j in range(100000) %}{% endfor %}{% endfor %}{% endif %}";
+        let rows = row_errors(spec, options(Some(tmpl), false, 4));
+        let err = |i: usize| rows[i].0.clone().unwrap_or_default();
+        assert!(
+            err(0).starts_with("messages' content has 81 characters: more than 80"),
+            "{}",
+            err(0)
+        );
+        assert!(
+            err(1).starts_with("chat template output exceeds 80 bytes: more than 80 characters"),
+            "{}",
+            err(1)
+        );
+        assert!(
+            err(2).starts_with("chat template ran too long"),
+            "{}",
+            err(2)
+        );
+        assert_eq!(rows[3], (None, 4));
+    }
+
+    #[test]
+    fn a_corrupt_row_group_is_a_user_error_naming_it() {
+        let dir = TempDir::new("reader-corrupt");
+        let a = dir.path().join("c.parquet");
+        let col = StringArray::from(vec!["w4", "w5", "w6", "w7", "w8"]);
+        write_parquet(&a, vec![("prompt", Arc::new(col) as ArrayRef)], 2);
+        corrupt_row_group(&a, 1);
+        let spec = validate_inputs(&cfg(vec![a])).unwrap();
+        let msgs = read_all(spec, options(None, false, 64));
+        assert_eq!(msgs.len(), 3, "rows 0 and 1, then the failure");
+        assert!(matches!(&msgs[1], ReaderMsg::Request(r) if r.row_index == 1));
+        match &msgs[2] {
+            ReaderMsg::Failed(Error::UserInput(m)) => assert!(
+                m.contains("c.parquet, row group 1: the input file is corrupt or unreadable"),
+                "{m}"
+            ),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn directories_expand_recursively_skipping_hidden_and_underscore_names() {
+        let dir = TempDir::new("reader-tree");
+        let d = dir.path();
+        for sub in [
+            "b",
+            "a/x",
+            "_tmp",
+            ".hidden",
+            "a/_meta",
+            "c.parquet",
+            "e/_x",
+        ] {
+            std::fs::create_dir_all(d.join(sub)).unwrap();
+        }
+        let files = [
+            "z.parquet",
+            "b/1.parquet",
+            "a/x/2.parquet",
+            "a/0.parquet",
+            "c.parquet/part.parquet",
+            "_tmp/no.parquet",
+            ".hidden/no.parquet",
+            "a/_meta/no.parquet",
+            "a/.no.parquet",
+            "a/_no.parquet",
+            "e/_x/no.parquet",
+            "e/.no.parquet",
+        ];
+        for f in files {
+            let col = StringArray::from(vec!["w4"]);
+            write_parquet(&d.join(f), vec![("prompt", Arc::new(col) as ArrayRef)], 10);
+        }
+        std::fs::write(d.join("b/notes.txt"), "x").unwrap();
+        let got = expand_inputs(&[d.to_path_buf()]).unwrap();
+        let rel: Vec<String> = got
+            .iter()
+            .map(|p| p.strip_prefix(d).unwrap().display().to_string())
+            .collect();
+        assert_eq!(
+            rel,
+            [
+                "a/0.parquet",
+                "a/x/2.parquet",
+                "b/1.parquet",
+                "c.parquet/part.parquet",
+                "z.parquet"
+            ]
+        );
+        // An explicitly named file is kept even with a leading underscore.
+        let named = d.join("a/_no.parquet");
+        assert_eq!(
+            expand_inputs(std::slice::from_ref(&named)).unwrap(),
+            [named]
+        );
+        // The names below the given directory count, not the directory's own.
+        assert_eq!(expand_inputs(&[d.join("_tmp")]).unwrap().len(), 1);
+        let err = expand_inputs(&[d.join("e")]).unwrap_err();
+        assert!(err.to_string().contains("holds no .parquet files"), "{err}");
     }
 
     #[test]

@@ -32,7 +32,7 @@ use crate::block_manager::BlockManager;
 use crate::chat_template::ChatTemplate;
 use crate::config::SchedulerConfig;
 use crate::error::{Error, Result};
-use crate::reader::{spawn_reader, validate_inputs, ReaderMsg, ReaderOptions};
+use crate::reader::{spawn_reader, validate_inputs, ReaderMsg, ReaderOptions, TextLimit};
 use crate::sequence::{FinishReason, Request, Sequence, Status};
 use crate::stats::{Stats, Summary};
 use crate::writer::{OutputRow, Writer, WriterConfig, WriterSummary};
@@ -101,8 +101,13 @@ struct StopCriteria {
     stop: Vec<String>,
     max_stop_len: usize,
     max_new_tokens: usize,
-    /// min(max_model_len, KV capacity).
+    /// max_model_len: never the KV capacity, so an output does not depend on the budget.
     max_len: usize,
+}
+
+/// A token count as an output column value (int32).
+fn token_count(n: usize) -> i32 {
+    i32::try_from(n).unwrap_or(i32::MAX)
 }
 
 /// Per-request sampling seed: the job seed mixed with the row index (SplitMix64 finalizer),
@@ -120,8 +125,9 @@ pub struct Scheduler {
     tokenizer: Arc<Tokenizer>,
     input: Receiver<ReaderMsg>,
     input_done: bool,
-    /// Set when the reader failed: every later `next_plan` reports it.
-    input_failed: Option<String>,
+    /// Set when the reader failed (message, whether a user error): every later `next_plan`
+    /// and `finish` reports it again, with the same kind.
+    input_failed: Option<(String, bool)>,
     _reader: JoinHandle<()>,
     writer: Writer,
     bm: BlockManager,
@@ -162,13 +168,13 @@ impl Scheduler {
         tokenizer.with_padding(None);
         let tokenizer = Arc::new(tokenizer);
         let needs_template = cfg.messages_column.is_some() || cfg.apply_chat_template;
-        let template =
-            match (&cfg.chat_template, needs_template) {
-                (Some(src), true) => Some(Arc::new(ChatTemplate::new(src).map_err(|e| {
-                    Error::user(format!("the chat template does not compile: {e}"))
-                })?)),
-                _ => None,
-            };
+        let template = match (&cfg.chat_template, needs_template) {
+            (Some(src), true) => Some(
+                ChatTemplate::new(src)
+                    .map_err(|e| Error::user(format!("the chat template does not compile: {e}")))?,
+            ),
+            _ => None,
+        };
         let spec = validate_inputs(&cfg)?;
         let mut skip_rows = cfg.skip_rows.clone();
         skip_rows.sort_unstable();
@@ -198,6 +204,7 @@ impl Scheduler {
                 read_batch_rows: cfg.read_batch_rows,
                 queue_rows: cfg.queue_rows,
                 skip_rows,
+                text_limit: TextLimit::new(&tokenizer, cfg.max_model_len),
             },
         )?;
         let stop: Vec<String> = cfg.stop.iter().filter(|s| !s.is_empty()).cloned().collect();
@@ -206,7 +213,7 @@ impl Scheduler {
             max_stop_len: stop.iter().map(String::len).max().unwrap_or(0),
             stop,
             max_new_tokens: cfg.max_new_tokens,
-            max_len: cfg.effective_max_len(),
+            max_len: cfg.max_model_len,
         };
         Ok(Scheduler {
             bm: BlockManager::new(cfg.num_blocks, cfg.block_size),
@@ -293,10 +300,8 @@ impl Scheduler {
     /// `waiting` holds `max_batch_size` requests. With `block`, waits while nothing is
     /// runnable.
     fn pull_input(&mut self, block: bool) -> Result<()> {
-        if let Some(msg) = &self.input_failed {
-            return Err(Error::internal(format!(
-                "reading the input failed earlier: {msg}"
-            )));
+        if let Some(e) = self.input_failure() {
+            return Err(e);
         }
         while !self.input_done && self.waiting.len() < self.cfg.max_batch_size {
             let idle = self.waiting.is_empty() && self.running.is_empty();
@@ -321,7 +326,7 @@ impl Scheduler {
             match msg {
                 ReaderMsg::Request(req) => self.accept(req)?,
                 ReaderMsg::Failed(e) => {
-                    self.input_failed = Some(e.to_string());
+                    self.input_failed = Some((e.to_string(), matches!(e, Error::UserInput(_))));
                     return Err(e);
                 }
             }
@@ -329,34 +334,77 @@ impl Scheduler {
         Ok(())
     }
 
+    /// The error of the reader's failure, if it failed.
+    fn input_failure(&self) -> Option<Error> {
+        self.input_failed.as_ref().map(|(msg, user)| {
+            if *user {
+                Error::user(msg.clone())
+            } else {
+                Error::internal(format!("reading the input failed: {msg}"))
+            }
+        })
+    }
+
     /// Queues a request, or writes it as an error row when it can never run.
     fn accept(&mut self, req: Request) -> Result<()> {
-        let n = req.prompt_ids.len();
-        let error = if let Some(e) = &req.error {
-            Some(e.clone())
-        } else if n >= self.cfg.max_model_len {
-            Some(format!(
-                "prompt has {n} tokens; it must be shorter than max_model_len ({})",
-                self.cfg.max_model_len
-            ))
-        } else if self.bm.blocks_needed(n) > self.cfg.num_blocks {
-            Some(format!(
-                "prompt has {n} tokens and needs {} KV blocks of {} tokens, but the cache has \
-                 only num_blocks = {}",
-                self.bm.blocks_needed(n),
-                self.cfg.block_size,
-                self.cfg.num_blocks
-            ))
-        } else {
-            None
-        };
-        match error {
+        match self.admission_error(&req) {
             Some(msg) => self.write_error_row(req, msg),
             None => {
                 self.waiting.push_back(Sequence::new(req));
                 Ok(())
             }
         }
+    }
+
+    /// Why a request can never run, if it cannot. Invariant of every admitted request: its
+    /// worst case, min(prompt + max_new_tokens, max_model_len) tokens plus the K lookahead
+    /// slots of a verify step, fits the whole cache, so alone it can always run to the end.
+    fn admission_error(&self, req: &Request) -> Option<String> {
+        if let Some(e) = &req.error {
+            return Some(e.clone());
+        }
+        let cfg = &self.cfg;
+        let (p, m, k) = (
+            req.prompt_ids.len(),
+            cfg.max_new_tokens,
+            cfg.num_speculative_tokens,
+        );
+        if p >= cfg.max_model_len {
+            return Some(format!(
+                "prompt has {p} tokens; it must be shorter than max_model_len ({})",
+                cfg.max_model_len
+            ));
+        }
+        let capacity = cfg.num_blocks * cfg.block_size;
+        let need = p.saturating_add(m).min(cfg.max_model_len) + k;
+        if need <= capacity {
+            return None;
+        }
+        let advice = "raise engine.kv_cache_tokens or engine.kv_cache_memory_fraction";
+        if self.bm.blocks_needed(p) > cfg.num_blocks {
+            return Some(format!(
+                "prompt has {p} tokens and needs {} KV blocks of {} tokens, but the cache has \
+                 only num_blocks = {} ({capacity} tokens); {advice}",
+                self.bm.blocks_needed(p),
+                cfg.block_size,
+                cfg.num_blocks
+            ));
+        }
+        let capped = if p + m > cfg.max_model_len {
+            format!(", at most max_model_len {}", cfg.max_model_len)
+        } else {
+            String::new()
+        };
+        let lookahead = if k > 0 {
+            format!(" + {k} speculative lookahead")
+        } else {
+            String::new()
+        };
+        Some(format!(
+            "needs up to {need} tokens of KV cache (prompt {p} + max_new_tokens {m}{capped}\
+             {lookahead}) but the cache holds {capacity} tokens; {advice}, or lower \
+             sampling.max_new_tokens"
+        ))
     }
 
     fn write_error_row(&mut self, req: Request, msg: String) -> Result<()> {
@@ -367,7 +415,8 @@ impl Scheduler {
             row_index: req.row_index,
             output_text: String::new(),
             finish_reason: FinishReason::Error,
-            prompt_tokens: 0,
+            // The real count when the prompt was tokenized (e.g. too long), else 0.
+            prompt_tokens: token_count(req.prompt_ids.len()),
             output_tokens: 0,
             queue_s: None,
             ttft_s: None,
@@ -434,6 +483,8 @@ impl Scheduler {
         }
         // DECODE / VERIFY: every running request needs room for its new tokens (and, when
         // speculating, K lookahead slots); preempt the most recently admitted ones until it fits.
+        // running[0] always fits once everyone after it is preempted (admission invariant: its
+        // worst case fits the whole cache), so it is never preempted and makes progress.
         let lookahead = self.cfg.num_speculative_tokens;
         let mut i = 0;
         while i < self.running.len() {
@@ -446,6 +497,12 @@ impl Scheduler {
                 self.preempt(victim)?;
             }
             if need > self.bm.num_free_blocks() {
+                if i == 0 {
+                    return Err(Error::internal(format!(
+                        "row {} alone does not fit the KV cache, though admitted",
+                        self.running[0].row_index
+                    )));
+                }
                 // Only this request is left to give blocks back; it is the most recent one.
                 let victim = self.running.pop().expect("i < len");
                 self.preempt(victim)?;
@@ -455,11 +512,6 @@ impl Scheduler {
             let len = seq.len() + lookahead;
             self.bm.grow(&mut seq.block_table, len)?;
             i += 1;
-        }
-        if self.running.is_empty() {
-            return Err(Error::internal(
-                "decode step preempted every running request",
-            ));
         }
         let kind = if lookahead > 0 {
             StepKind::Verify
@@ -719,11 +771,7 @@ impl Scheduler {
                 seq.output_text
             },
             finish_reason: if error { FinishReason::Error } else { reason },
-            prompt_tokens: if error {
-                0
-            } else {
-                seq.prompt_ids.len() as i32
-            },
+            prompt_tokens: token_count(seq.prompt_ids.len()),
             output_tokens: if error { 0 } else { n as i32 },
             queue_s,
             ttft_s,
@@ -751,11 +799,18 @@ impl Scheduler {
         self.finished = true;
         let unfinished = self.running.len() + self.waiting.len();
         let input_left = !self.input_done;
-        let written = self.writer.finish()?;
-        if let Some(msg) = &self.input_failed {
-            return Err(Error::internal(format!("reading the input failed: {msg}")));
+        let complete =
+            self.input_failed.is_none() && unfinished == 0 && !input_left && self.pending.is_none();
+        // An incomplete run closes the rows it finished like `abort` (no empty part).
+        let written = if complete {
+            self.writer.finish()?
+        } else {
+            self.writer.abort()?
+        };
+        if let Some(e) = self.input_failure() {
+            return Err(e);
         }
-        if unfinished > 0 || input_left || self.pending.is_some() {
+        if !complete {
             return Err(Error::internal(format!(
                 "finish() before the input was exhausted ({} running, {} waiting, input {}); \
                  call next_plan() until it returns None",
@@ -792,10 +847,12 @@ impl Scheduler {
 }
 
 impl Scheduler {
-    /// Stops the job early (an interrupt): stops reading the input, drops the pending plan and
-    /// every waiting or running request unwritten, and closes the writer, which writes the rows
-    /// already finished into a last part file. Returns the rows this run wrote. No leak check:
-    /// the KV blocks of the dropped requests are simply forgotten with the scheduler.
+    /// Stops the job early (an interrupt, or after an error such as an unreadable input):
+    /// stops reading the input, drops the pending plan and every waiting or running request
+    /// unwritten, and closes the writer, which writes the rows already finished into a last
+    /// complete part file (none when there are none: never an empty part). Returns the rows
+    /// this run wrote. No leak check: the KV blocks of the dropped requests are simply
+    /// forgotten with the scheduler.
     pub fn abort(&mut self) -> Result<WriterSummary> {
         if self.finished {
             return Err(Error::internal("abort() after finish()"));
@@ -807,7 +864,7 @@ impl Scheduler {
         self.pending = None;
         self.waiting.clear();
         self.running.clear();
-        self.writer.finish()
+        self.writer.abort()
     }
 }
 

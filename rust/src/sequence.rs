@@ -41,7 +41,8 @@ pub enum Status {
 pub enum FinishReason {
     /// EOS token or stop string.
     Stop,
-    /// max_new_tokens or max_model_len (or KV capacity) reached.
+    /// max_new_tokens or max_model_len reached (never the KV capacity: a request that could
+    /// outgrow the cache is refused at admission).
     Length,
     Error,
 }

@@ -155,6 +155,19 @@ pub fn write_parquet(path: &Path, columns: Vec<(&str, ArrayRef)>, row_group_rows
     w.close().unwrap();
 }
 
+/// Overwrites every column chunk of row group `g` of a Parquet file (page headers and data)
+/// with garbage, keeping the footer valid: the file passes validation, reading `g` fails.
+pub fn corrupt_row_group(path: &Path, g: usize) {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    let reader = SerializedFileReader::new(std::fs::File::open(path).unwrap()).unwrap();
+    let mut bytes = std::fs::read(path).unwrap();
+    for col in reader.metadata().row_group(g).columns() {
+        let (start, len) = col.byte_range();
+        bytes[start as usize..(start + len) as usize].fill(0xA5);
+    }
+    std::fs::write(path, bytes).unwrap();
+}
+
 /// Saves a tokenizer as tokenizer.json in `dir` and returns its path.
 pub fn save_tokenizer(tok: &Tokenizer, dir: &Path) -> PathBuf {
     let path = dir.join("tokenizer.json");

@@ -10,12 +10,16 @@
 //! - a part is closed when it has `part_rows` rows, when its oldest row has waited
 //!   `flush_interval` (if set), and at `finish`: rows are lost only in a crash, and only those
 //!   not yet in a closed part;
-//! - after `finish`, the directory holds at least one part file (an empty one if no rows and no
-//!   earlier part), so `pyarrow.parquet.read_table(output_dir)` always works.
+//! - after `finish` (a complete run), the directory holds at least one part file (an empty one
+//!   if no rows and no earlier part), so `pyarrow.parquet.read_table(output_dir)` always works;
+//! - after `abort` or a drop without `finish` (a failed or interrupted run), the rows already
+//!   sent are in complete part files and no empty part is written;
+//! - a part file that fails to be written leaves no `.tmp` file behind.
 
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -126,6 +130,9 @@ fn highest_part_number(dir: &Path) -> Result<Option<u64>> {
 pub struct Writer {
     tx: Option<Sender<OutputRow>>,
     handle: Option<JoinHandle<Result<WriterSummary>>>,
+    /// Set by `finish` before the channel closes: the run is complete, so the thread writes an
+    /// empty part when the directory would otherwise hold none.
+    complete: Arc<AtomicBool>,
 }
 
 impl Writer {
@@ -139,16 +146,19 @@ impl Writer {
         })?;
         let next_part = highest_part_number(&cfg.output_dir)?.map_or(0, |n| n + 1);
         let (tx, rx) = crossbeam_channel::bounded(cfg.part_rows.clamp(1, 4096));
+        let complete = Arc::new(AtomicBool::new(false));
+        let done = complete.clone();
         let handle = std::thread::Builder::new()
             .name("eaglebatch-writer".into())
             .spawn(move || {
                 let mut state = WriterThread::new(cfg, next_part, next_part > 0);
-                state.run(rx)
+                state.run(rx, &done)
             })
             .map_err(|e| Error::internal(format!("cannot start writer thread: {e}")))?;
         Ok(Writer {
             tx: Some(tx),
             handle: Some(handle),
+            complete,
         })
     }
 
@@ -169,9 +179,16 @@ impl Writer {
         Ok(())
     }
 
-    /// Flushes the remaining rows, waits for the thread and returns what was written.
+    /// A complete run: flushes the remaining rows (an empty part if the directory would hold
+    /// no part at all), waits for the thread and returns what was written.
     pub fn finish(&mut self) -> Result<WriterSummary> {
-        self.tx = None;
+        self.complete.store(true, Ordering::SeqCst);
+        self.join()
+    }
+
+    /// A failed or interrupted run: flushes the remaining rows into a last part (none if
+    /// there are none), waits for the thread and returns what was written.
+    pub fn abort(&mut self) -> Result<WriterSummary> {
         self.join()
     }
 
@@ -189,7 +206,7 @@ impl Writer {
 
 impl Drop for Writer {
     fn drop(&mut self) {
-        // Flush what was finished; errors here have nowhere to go.
+        // Like `abort`: flush what was finished; errors here have nowhere to go.
         if self.handle.is_some() {
             let _ = self.join();
         }
@@ -232,7 +249,9 @@ impl WriterThread {
         }
     }
 
-    fn run(&mut self, rx: Receiver<OutputRow>) -> Result<WriterSummary> {
+    /// Writes rows until the channel closes; then the last part, or an empty part when the
+    /// run is `complete` and the directory would hold none.
+    fn run(&mut self, rx: Receiver<OutputRow>, complete: &AtomicBool) -> Result<WriterSummary> {
         // When the oldest buffered row must be on disk (None: buffer empty or no interval).
         let mut deadline: Option<Instant> = None;
         loop {
@@ -260,7 +279,8 @@ impl WriterThread {
                 deadline = None;
             }
         }
-        if !self.buffer.is_empty() || (self.summary.part_files.is_empty() && !self.had_parts) {
+        let no_part = self.summary.part_files.is_empty() && !self.had_parts;
+        if !self.buffer.is_empty() || (no_part && complete.load(Ordering::SeqCst)) {
             self.flush()?;
         }
         Ok(std::mem::take(&mut self.summary))
@@ -275,14 +295,14 @@ impl WriterThread {
         let dir = &self.cfg.output_dir;
         let tmp = dir.join(format!(".{name}.tmp"));
         let dst = dir.join(&name);
-        let file = File::create(&tmp).map_err(|e| Error::io("cannot create", &tmp, e))?;
-        let mut w = ArrowWriter::try_new(file, self.schema.clone(), Some(self.props.clone()))?;
-        w.write(&batch)?;
-        let file = w.into_inner()?;
-        file.sync_all()
-            .map_err(|e| Error::io("cannot fsync", &tmp, e))?;
-        drop(file);
-        std::fs::rename(&tmp, &dst).map_err(|e| Error::io("cannot rename to", &dst, e))?;
+        if let Err(e) = self.write_tmp(&tmp, &batch) {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
+        if let Err(e) = std::fs::rename(&tmp, &dst) {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(Error::io("cannot rename to", &dst, e));
+        }
         // Make the rename durable. Not every filesystem allows fsync on a directory.
         if let Ok(d) = File::open(dir) {
             let _ = d.sync_all();
@@ -290,6 +310,16 @@ impl WriterThread {
         self.summary.rows_written += rows.len() as u64;
         self.summary.part_files.push(dst);
         Ok(())
+    }
+
+    /// Writes `batch` as a complete Parquet file at `tmp` and fsyncs it.
+    fn write_tmp(&self, tmp: &Path, batch: &RecordBatch) -> Result<()> {
+        let file = File::create(tmp).map_err(|e| Error::io("cannot create", tmp, e))?;
+        let mut w = ArrowWriter::try_new(file, self.schema.clone(), Some(self.props.clone()))?;
+        w.write(batch)?;
+        let file = w.into_inner()?;
+        file.sync_all()
+            .map_err(|e| Error::io("cannot fsync", tmp, e))
     }
 }
 
@@ -563,6 +593,32 @@ mod tests {
         let s = w.finish().unwrap();
         assert!(s.part_files.is_empty());
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn abort_and_drop_close_the_sent_rows_and_write_no_empty_part() {
+        let dir = TempDir::new("writer-abort");
+        let mut w = Writer::start(cfg(dir.path(), 10)).unwrap();
+        w.send(row(0, "a", FinishReason::Stop)).unwrap();
+        w.send(row(1, "b", FinishReason::Error)).unwrap();
+        let s = w.abort().unwrap();
+        assert_eq!((s.rows_written, s.part_files.len()), (2, 1));
+        assert_eq!(read_all(dir.path())[0].num_rows(), 2);
+        assert!(w.finish().is_err(), "closed once");
+        // Nothing sent: no part at all (a failed run has no "complete" empty result).
+        let empty = TempDir::new("writer-abort-empty");
+        let mut w = Writer::start(cfg(empty.path(), 10)).unwrap();
+        let s = w.abort().unwrap();
+        assert!(s.part_files.is_empty());
+        drop(Writer::start(cfg(empty.path(), 10)).unwrap());
+        assert_eq!(std::fs::read_dir(empty.path()).unwrap().count(), 0);
+        // A drop without finish or abort writes the rows sent, like abort.
+        let mut w = Writer::start(cfg(empty.path(), 10)).unwrap();
+        w.send(row(2, "c", FinishReason::Stop)).unwrap();
+        drop(w);
+        let names: Vec<_> = std::fs::read_dir(empty.path()).unwrap().collect();
+        assert_eq!(names.len(), 1);
+        assert_eq!(read_all(empty.path())[0].num_rows(), 1);
     }
 
     #[test]

@@ -55,8 +55,7 @@ import torch
 
 from eaglebatch.attention.base import AttentionMetadata
 from eaglebatch.config import SpeculativeConfig
-from eaglebatch.model.linear import use_small_gemm
-from eaglebatch.model.llama import RMSNorm
+from eaglebatch.cpu import accelerate, gemm_threads
 from eaglebatch.sampling import sample
 from eaglebatch.speculative.adaptive import AdaptiveDraftLength
 from eaglebatch.speculative.eagle import EagleDraft, load_draft
@@ -306,11 +305,9 @@ class SpecWorker:
             max_positions=target.max_model_len
             + cls.widest_round(num_speculative_tokens, prompt_lookup, lookup_tokens),
         )
-        # as the target runs; a head shipped in bf16 is read from exact bf16 copies (same bits)
-        native = use_small_gemm(draft, target.model.small_gemm_threads, bf16_weights=True)
-        for m in draft.modules():
-            if isinstance(m, RMSNorm):
-                m.native = native  # the head's norms of few CPU rows: one native call each
+        # as the target runs; a head shipped in bf16 is read from exact bf16 copies (same bits),
+        # and the head's norms of few CPU rows are one native call each
+        accelerate(draft, gemm_threads(target.model), bf16_weights=True, native_norms=True)
         return cls(
             target,
             draft,

@@ -12,7 +12,9 @@ use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 
 use super::*;
 use crate::stats::SummaryValue;
-use crate::testutil::{save_tokenizer, word_level_tokenizer, write_parquet, TempDir};
+use crate::testutil::{
+    corrupt_row_group, save_tokenizer, word_level_tokenizer, write_parquet, TempDir,
+};
 
 const VOCAB: usize = 64;
 
@@ -249,7 +251,7 @@ fn stop_strings_truncate_and_drop_later_tokens_of_the_same_commit() {
 }
 
 #[test]
-fn max_model_len_and_num_blocks_errors_and_length_cap() {
+fn max_model_len_and_kv_footprint_errors() {
     let mut f = fixture(
         "sched-len",
         &[
@@ -270,6 +272,8 @@ fn max_model_len_and_num_blocks_errors_and_length_cap() {
         "{:?}",
         rows[0].error
     );
+    // The prompt was tokenized: its real length (with <bos>) is reported.
+    assert_eq!(rows[0].prompt_tokens, 11);
     // 6 prompt tokens (with <bos>) + 4 generated = max_model_len.
     assert_eq!(rows[1].reason, "length");
     assert_eq!(rows[1].output_tokens, 4);
@@ -277,22 +281,121 @@ fn max_model_len_and_num_blocks_errors_and_length_cap() {
 
     let mut f = fixture(
         "sched-blocks",
-        &[Some("w4 w5 w6 w7 w8 w9 w10 w11 w12"), Some("w4")],
+        &[
+            Some("w4 w5 w6 w7 w8 w9 w10 w11 w12"),
+            Some("w4"),
+            Some("w4 w5"),
+        ],
     );
     f.cfg.num_blocks = 2; // capacity 8 tokens
+    f.cfg.max_new_tokens = 6;
     let mut s = Scheduler::new(f.cfg.clone()).unwrap();
     drive(&mut s, 1);
     s.finish().unwrap();
     let rows = read_output(&f.cfg.output_dir);
     assert_eq!(rows[0].reason, "error");
+    let e = rows[0].error.as_deref().unwrap();
     assert!(
-        rows[0].error.as_deref().unwrap().contains("num_blocks"),
-        "{:?}",
-        rows[0].error
+        e.contains("prompt has 10 tokens and needs 3 KV blocks") && e.contains("num_blocks = 2"),
+        "{e}"
     );
-    // KV capacity caps the length: 2 prompt tokens + 6 generated = 8.
+    assert_eq!(rows[0].prompt_tokens, 10);
+    // 2 prompt tokens + 6 = 8 fits exactly: generated to the end, not cut by the capacity.
     assert_eq!(rows[1].reason, "length");
     assert_eq!(rows[1].output_tokens, 6);
+    // 3 + 6 = 9 > 8: refused up front instead of being cut short.
+    assert_eq!(rows[2].reason, "error");
+    assert_eq!(
+        rows[2].error.as_deref().unwrap(),
+        "needs up to 9 tokens of KV cache (prompt 3 + max_new_tokens 6) but the cache holds 8 \
+         tokens; raise engine.kv_cache_tokens or engine.kv_cache_memory_fraction, or lower \
+         sampling.max_new_tokens"
+    );
+    assert_eq!((rows[2].prompt_tokens, rows[2].output_tokens), (3, 0));
+}
+
+/// Drives verify steps like a speculative worker: row r of step n accepts (n + r) % (k + 1)
+/// drafts of the fake model; the outputs must equal plain decoding.
+fn drive_spec(s: &mut Scheduler) {
+    let cfg = s.config().clone();
+    let k = cfg.num_speculative_tokens;
+    let mut step = 0usize;
+    while let Some(p) = s.next_plan().unwrap() {
+        check_plan(&p, &cfg);
+        let mut tokens = Vec::new();
+        let mut counts = Vec::new();
+        for r in 0..p.num_seqs() {
+            let (q0, q1) = (p.cu_seqlens_q[r] as usize, p.cu_seqlens_q[r + 1] as usize);
+            let (n, last) = if p.kind == StepKind::Verify {
+                assert_eq!(q1 - q0, k + 1);
+                assert!(p.input_ids[q0 + 1..q1].iter().all(|&t| t == 0));
+                (1 + (step + r) % (k + 1), p.input_ids[q0])
+            } else {
+                (1, p.input_ids[q1 - 1])
+            };
+            for j in 1..=n {
+                tokens.push(((last + j as i64) % VOCAB as i64) as i32);
+            }
+            counts.push(n as i32);
+        }
+        let accepted: Vec<i32> = counts.iter().map(|&c| c - 1).collect();
+        s.commit(&tokens, &counts, Some(&accepted)).unwrap();
+        step += 1;
+        assert!(step < 10_000, "no progress");
+    }
+}
+
+/// Whatever the KV budget, a request that fits is generated exactly as with a large cache
+/// (no cut by the capacity), and one that cannot fit is an error row saying why.
+#[test]
+fn outputs_do_not_depend_on_the_kv_budget() {
+    // Prompts of 2..=7 tokens (with <bos>); the last needs 10 + 9 = 19 tokens (+ lookahead).
+    let mut prompts: Vec<String> = (0..6).map(|i| words(4 + i * 7..5 + i * 8)).collect();
+    prompts.push(words(50..59));
+    let prompts: Vec<Option<&str>> = prompts.iter().map(|s| Some(s.as_str())).collect();
+    for k in [0usize, 3] {
+        // Largest fitting footprint: 7 prompt + 9 new + k lookahead tokens, in blocks of 2.
+        let tight = (7 + 9 + k).div_ceil(2);
+        let mut runs = Vec::new();
+        for (tag, blocks) in [("big", 256), ("tight", tight)] {
+            let mut f = fixture(&format!("sched-budget-{tag}-{k}"), &prompts);
+            f.cfg.num_blocks = blocks;
+            f.cfg.block_size = 2;
+            f.cfg.max_new_tokens = 9;
+            f.cfg.num_speculative_tokens = k;
+            f.cfg.eos_token_ids = vec![];
+            let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+            if k == 0 {
+                drive(&mut s, 1);
+            } else {
+                drive_spec(&mut s);
+            }
+            let preemptions = s.stats().preemptions;
+            s.finish().unwrap();
+            assert_eq!(preemptions > 0, blocks == tight, "{tag} k={k}");
+            runs.push(read_output(&f.cfg.output_dir));
+        }
+        let (big, tight_rows) = (&runs[0], &runs[1]);
+        assert_eq!(tight_rows.len(), 7);
+        assert_eq!(&tight_rows[..6], &big[..6], "k={k}");
+        assert!(big
+            .iter()
+            .all(|r| r.reason == "length" && r.output_tokens == 9));
+        let e = tight_rows[6].error.as_deref().unwrap();
+        let lookahead = if k > 0 {
+            " + 3 speculative lookahead"
+        } else {
+            ""
+        };
+        let want = format!(
+            "needs up to {} tokens of KV cache (prompt 10 + max_new_tokens 9{lookahead}) but the \
+             cache holds {} tokens",
+            19 + k,
+            tight * 2
+        );
+        assert!(e.starts_with(&want), "{e}");
+        assert_eq!(tight_rows[6].prompt_tokens, 10);
+    }
 }
 
 #[test]
@@ -474,6 +577,33 @@ fn progress_counts() {
     s.finish().unwrap();
 }
 
+/// The names of the files in `dir`, sorted.
+fn file_names(dir: &std::path::Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// Drives the fake model until `next_plan` fails; returns the error.
+fn drive_to_error(s: &mut Scheduler) -> Error {
+    for _ in 0..1000 {
+        match s.next_plan() {
+            Ok(Some(p)) => {
+                let toks: Vec<i32> = (0..p.num_seqs())
+                    .map(|r| (p.input_ids[p.cu_seqlens_q[r + 1] as usize - 1] + 1) as i32)
+                    .collect();
+                s.commit(&toks, &vec![1; p.num_seqs()], None).unwrap();
+            }
+            Ok(None) => panic!("the corrupt input must surface as an error"),
+            Err(e) => return e,
+        }
+    }
+    panic!("no progress");
+}
+
 #[test]
 fn corrupt_data_page_is_reported_not_silently_truncated() {
     let f = fixture("sched-corrupt", &[Some("w5 w6 w7"); 12]);
@@ -488,24 +618,69 @@ fn corrupt_data_page_is_reported_not_silently_truncated() {
     }
     std::fs::write(&path, bytes).unwrap();
     let mut s = Scheduler::new(f.cfg.clone()).unwrap();
-    let mut failed = false;
-    for _ in 0..100 {
-        match s.next_plan() {
-            Ok(Some(p)) => {
-                let toks = vec![9; p.num_seqs()];
-                s.commit(&toks, &vec![1; p.num_seqs()], None).unwrap();
-            }
-            Ok(None) => break,
-            Err(e) => {
-                assert!(e.to_string().contains("in.parquet"), "{e}");
-                failed = true;
-                break;
-            }
-        }
+    let e = drive_to_error(&mut s);
+    let msg = e.to_string();
+    assert!(matches!(e, Error::UserInput(_)), "{e:?}");
+    assert!(
+        msg.contains("in.parquet, row group 0") && msg.contains("corrupt or unreadable"),
+        "{msg}"
+    );
+    // Reported again, as the same kind of error, by every later call.
+    assert!(matches!(s.next_plan(), Err(Error::UserInput(m)) if m == msg));
+    assert!(matches!(s.finish(), Err(Error::UserInput(m)) if m == msg));
+    // No row was finished: the failed run leaves no part file, not even an empty one.
+    assert!(file_names(&f.cfg.output_dir).is_empty());
+}
+
+/// Rows finished before a corrupt row group are written by `abort` into a complete part; the
+/// rows after it are not, and nothing else is left in the output directory.
+#[test]
+fn abort_after_a_corrupt_row_group_keeps_the_finished_rows() {
+    let prompts: Vec<String> = (0..12).map(|i| words(5 + i..6 + i)).collect();
+    let prompts: Vec<Option<&str>> = prompts.iter().map(|s| Some(s.as_str())).collect();
+    let mut f = fixture("sched-corrupt-late", &prompts);
+    f.cfg.max_new_tokens = 1;
+    f.cfg.queue_rows = 64;
+    corrupt_row_group(&f.cfg.input_files[0], 2); // rows 6..9
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    // Rows 0..6 and the failure queued: the first prefill finishes rows 0..4, the next
+    // next_plan reads rows 4 and 5, then the failure.
+    wait_for_reader(&s);
+    let e = drive_to_error(&mut s);
+    assert!(
+        e.to_string()
+            .contains("in.parquet, row group 2: the input file is corrupt"),
+        "{e}"
+    );
+    let written = s.abort().unwrap();
+    let rows = read_output(&f.cfg.output_dir);
+    assert_eq!(written.rows_written, 4);
+    assert_eq!(
+        rows.iter().map(|r| r.row_index).collect::<Vec<_>>(),
+        [0, 1, 2, 3]
+    );
+    for r in &rows {
+        let first = 6 + r.row_index as usize;
+        assert_eq!(r.text, words(first..first + 1));
     }
-    assert!(failed, "the corrupt input must surface as an error");
-    assert!(s.next_plan().is_err());
-    assert!(s.finish().is_err());
+    let names = file_names(&f.cfg.output_dir);
+    assert!(
+        names
+            .iter()
+            .all(|n| n.starts_with("part-") && n.ends_with(".parquet")),
+        "{names:?}"
+    );
+}
+
+/// Dropping a scheduler whose run failed (no `finish`, no `abort`) writes no empty part.
+#[test]
+fn a_dropped_failed_run_writes_no_empty_part() {
+    let f = fixture("sched-corrupt-drop", &[Some("w5"); 6]);
+    corrupt_row_group(&f.cfg.input_files[0], 0);
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    drive_to_error(&mut s);
+    drop(s);
+    assert!(file_names(&f.cfg.output_dir).is_empty());
 }
 
 /// Verify steps (K > 0): each row's query is its last token plus K placeholders, and a
@@ -531,38 +706,8 @@ fn verify_steps_with_partial_acceptance_equal_plain_decoding() {
         let mut f = fixture(tag, &prompts);
         f.cfg.num_speculative_tokens = 3;
         f.cfg.num_blocks = num_blocks;
-        let k = f.cfg.num_speculative_tokens;
         let mut s = Scheduler::new(f.cfg.clone()).unwrap();
-        let mut step = 0usize;
-        while let Some(p) = s.next_plan().unwrap() {
-            check_plan(&p, &f.cfg);
-            let mut tokens = Vec::new();
-            let mut counts = Vec::new();
-            for r in 0..p.num_seqs() {
-                let (q0, q1) = (p.cu_seqlens_q[r] as usize, p.cu_seqlens_q[r + 1] as usize);
-                let n = if p.kind == StepKind::Verify {
-                    assert_eq!(q1 - q0, k + 1);
-                    assert!(p.input_ids[q0 + 1..q1].iter().all(|&t| t == 0));
-                    1 + (step + r) % (k + 1)
-                } else {
-                    1
-                };
-                let last = p.input_ids[q0];
-                let last = if p.kind == StepKind::Verify {
-                    last
-                } else {
-                    p.input_ids[q1 - 1]
-                };
-                for j in 1..=n {
-                    tokens.push(((last + j as i64) % VOCAB as i64) as i32);
-                }
-                counts.push(n as i32);
-            }
-            let accepted: Vec<i32> = counts.iter().map(|&c| c - 1).collect();
-            s.commit(&tokens, &counts, Some(&accepted)).unwrap();
-            step += 1;
-            assert!(step < 10_000, "no progress");
-        }
+        drive_spec(&mut s);
         s.finish().unwrap();
         assert_eq!(read_output(&f.cfg.output_dir), want, "{tag}");
     }
