@@ -167,7 +167,7 @@ def test_forward_without_prepare_fails() -> None:
 def _cpu_step(seqs: PagedSequences, batch, cache, gen, qkv=None):
     """One step through the cpu backend on random q/k/v (or `qkv`):
     (backend, out [T, HQ, D], (q, k, v), metadata)."""
-    from eaglebatch.attention.cpu_backend import CpuAttentionBackend
+    from eaglebatch.cpu.attention import CpuAttentionBackend
 
     backend = CpuAttentionBackend()
     backend.configure(HQ, HKV, D, torch.float32, torch.float32)
@@ -182,7 +182,7 @@ def _cpu_step(seqs: PagedSequences, batch, cache, gen, qkv=None):
 
 def test_cpu_backend_runs_decode_and_verify_natively_and_prefill_on_torch() -> None:
     from eaglebatch.attention.base import NativeAttentionPlan as _Native
-    from eaglebatch.attention.cpu_backend import MAX_NATIVE_QUERY
+    from eaglebatch.cpu.attention import MAX_NATIVE_QUERY
 
     seqs = PagedSequences(num_blocks=64, block_size=4, seed=5)
     cache, gen = torch.randn(2, 64, 4, HKV, D), torch.Generator().manual_seed(1)
@@ -211,7 +211,7 @@ def test_cpu_backend_verify_rows_equal_decode_rows_bit_for_bit() -> None:
 
 
 def test_cpu_backend_rejects_block_ids_outside_the_cache() -> None:
-    from eaglebatch.attention.cpu_backend import CpuAttentionBackend
+    from eaglebatch.cpu.attention import CpuAttentionBackend
 
     backend = CpuAttentionBackend()
     backend.configure(HQ, HKV, D, torch.float32, torch.float32)

@@ -252,8 +252,9 @@ def test_rms_norm_matches_the_hf_formula(dtype) -> None:
 
 @pytest.mark.parametrize("rows,size", [(1, 576), (4, 576), (130, 64), (3, 37)])
 def test_native_rms_norm_matches_torch(rows, size) -> None:
-    """The draft heads' native RMSNorm (`RMSNorm.native`): torch's values to float32 rounding,
+    """The draft heads' native RMSNorm (cpu/norm.py): torch's values to float32 rounding,
     rows independent, and torch's path wherever autograd needs it."""
+    from eaglebatch.cpu.norm import use_native_norms
     from eaglebatch.model.llama import RMSNorm
 
     norm = RMSNorm(size, 1e-5)
@@ -262,7 +263,7 @@ def test_native_rms_norm_matches_torch(rows, size) -> None:
     x = torch.randn(rows, size) * 3
     with torch.no_grad():
         want = norm(x)
-        norm.native = True
+        use_native_norms(norm)
         got = norm(x)
         torch.testing.assert_close(got, want, atol=2e-6, rtol=2e-6)
         assert not torch.equal(got, torch.zeros_like(got))

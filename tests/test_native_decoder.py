@@ -1,4 +1,4 @@
-"""The native few-row decoder layers (model/native_decoder.py) against Hugging Face
+"""The native few-row decoder layers (cpu/decoder.py) against Hugging Face
 transformers, against torch's layers, and row by row against themselves."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eaglebatch.attention.cpu_backend import CpuAttentionBackend
+from eaglebatch.cpu import SMALL_GEMM_AVAILABLE, accelerate
+from eaglebatch.cpu.attention import CpuAttentionBackend
 from eaglebatch.model import LlamaForCausalLM
-from eaglebatch.model.linear import SMALL_GEMM_AVAILABLE, use_small_gemm
 from eaglebatch.speculative import load_draft
 from paged_kv import PagedSequences
 from support.spec_models import make_draft_dir, make_target_dir
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not SMALL_GEMM_AVAILABLE, reason="needs AVX-512F
 
 def native_model(path) -> LlamaForCausalLM:
     model = LlamaForCausalLM.from_pretrained(path, backend=CpuAttentionBackend())
-    assert use_small_gemm(model, 2)
+    assert accelerate(model, 2)
     return model
 
 
@@ -78,11 +78,11 @@ def test_a_verify_step_reproduces_decode_steps_bit_for_bit(tmp_path) -> None:
 def test_torch_layers_run_where_the_native_path_does_not_apply(tmp_path) -> None:
     make_checkpoint("llama", tmp_path)
     model = native_model(tmp_path)
-    use_small_gemm(model, 0)  # the switch: engine.cpu_gemm torch
+    accelerate(model, 0)  # the switch: engine.cpu_gemm torch
     run = Runner(model)
     run.step([(0, PROMPTS[0])])
     run.step([(0, [3])])
-    assert model.native_decoder is None
+    assert getattr(model, "native_decoder", None) is None
 
 
 @pytest.mark.parametrize("bad", ["slot", "block"])
@@ -110,7 +110,7 @@ def test_draft_layer_matches_the_dense_reference(tmp_path, kind) -> None:
     target = native_model(target_dir)
     path = make_draft_dir(tmp_path / "draft", target_dir, kind, draft_vocab_size=None)
     draft = load_draft(path, target.config, target)
-    assert use_small_gemm(draft, 2, bf16_weights=True)
+    assert accelerate(draft, 2, bf16_weights=True)
     cfg = draft.config.layer
     w, tokens, feats, expected = dense_case(path, target, kind, cfg)
     got = draft_in_chunks(draft, tokens, feats, [(0, 4), (4, 7), (7, 8), (8, 12), (12, 14)])

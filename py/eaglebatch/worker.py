@@ -14,9 +14,9 @@ import torch
 
 from .attention import AttentionMetadata, allocate_kv_cache, get_backend, kv_cache_bytes_per_block
 from .config import EngineConfig, JobConfig, JobError
+from .cpu import SMALL_GEMM_AVAILABLE, accelerate
 from .graphs import GraphPool, StaticMeta, bucket_for, capture_sizes, fill_rows, graph_reserve_bytes
 from .model.config import ModelConfig
-from .model.linear import SMALL_GEMM_AVAILABLE, use_small_gemm
 from .model.llama import LlamaForCausalLM
 from .model_files import ModelFiles
 from .sampling import sample
@@ -280,7 +280,7 @@ class Worker:
         model = LlamaForCausalLM.from_pretrained(
             mf.dir, dtype=dtype, device=device, backend=backend, max_positions=max_model_len
         )
-        use_small_gemm(model, gemm_threads)
+        accelerate(model, gemm_threads)  # a float32 CPU run: the CPU fast path
         reserve = 0
         if graph_rows and device.type == "cuda":
             itemsize = torch.empty((), dtype=dtype).element_size()

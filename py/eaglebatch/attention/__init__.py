@@ -1,6 +1,7 @@
 """Paged attention backends. Backends are imported lazily by name: `get_backend("torch")` works
-everywhere, "cpu" is torch's plus the extension's decode kernel, and GPU-only backends (e.g.
-"flashinfer") are imported only when asked for."""
+everywhere, "cpu" is torch's plus the extension's decode kernel (it lives with the rest of the
+CPU fast path, eaglebatch/cpu/attention.py), and GPU-only backends (e.g. "flashinfer") are
+imported only when asked for."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from eaglebatch.attention.base import (
 # name -> (module, class). A module is imported on first use only.
 _BACKENDS: dict[str, tuple[str, str]] = {
     "torch": ("eaglebatch.attention.torch_backend", "TorchAttentionBackend"),
-    "cpu": ("eaglebatch.attention.cpu_backend", "CpuAttentionBackend"),
+    "cpu": ("eaglebatch.cpu.attention", "CpuAttentionBackend"),
     "flashinfer": ("eaglebatch.attention.flashinfer_backend", "FlashInferAttentionBackend"),
 }
 

@@ -103,7 +103,7 @@ class AttentionMetadata:
 @dataclass
 class NativeAttentionPlan:
     """A step planned for the extension's CPU kernels (paged attention, and the native decoder
-    layers that run it): host index arrays, made once per step."""
+    layers that run it, eaglebatch/cpu): host index arrays, made once per step."""
 
     cu_seqlens_q: np.ndarray  # int32 [B+1]
     seq_lens: np.ndarray  # int32 [B]
@@ -143,8 +143,8 @@ class AttentionBackend:
 
     def native_plan(self, meta: AttentionMetadata) -> NativeAttentionPlan | None:
         """The step's plan when `prepare` planned it for the extension's CPU kernels (then the
-        native decoder layers may run it), else None: the step runs on torch's layers. Only
-        the "cpu" backend plans such steps."""
+        native decoder layers may run it, eaglebatch/cpu/decoder.py), else None: the step runs
+        on torch's layers. Only the "cpu" backend plans such steps."""
         return None
 
     def forward(

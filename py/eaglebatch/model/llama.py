@@ -14,10 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eaglebatch import _native
 from eaglebatch.attention.base import AttentionBackend, AttentionMetadata
 from eaglebatch.model.config import ModelConfig
-from eaglebatch.model.linear import Linear, linear
 from eaglebatch.model.rotary import RotaryEmbedding, apply_rotary
 from eaglebatch.model.weights import (
     check_shapes,
@@ -31,34 +29,12 @@ _IGNORED_TENSORS = ("rotary_emb.inv_freq",)
 
 
 class RMSNorm(nn.Module):
-    # float32 CPU rows without autograd through the extension (`_native.rms_norm`, one call
-    # instead of torch's several small ops): set for draft heads, whose numerics never change
-    # the output; the target keeps torch's rounding.
-    native: bool = False
-
     def __init__(self, size: int, eps: float, **factory) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, **factory))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        if (
-            self.native
-            and x.dim() == 2
-            and x.shape[0] > 0
-            and x.dtype == torch.float32
-            and self.weight.dtype == torch.float32
-            and x.is_cpu
-            and self.weight.is_cpu
-            and x.shape[1] == self.weight.shape[0]
-            and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
-        ):
-            x = x.contiguous()
-            out = torch.empty_like(x)
-            w = self.weight.detach().contiguous()
-            # by address: x, w and out are live contiguous float32 CPU tensors (checked above)
-            _native.rms_norm(x.data_ptr(), w.data_ptr(), out.data_ptr(), *x.shape, self.eps)
-            return out
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # nothing to cast: one fused op instead of ~8 (a CPU decode step runs 61 norms),
             # the same value as the lines below up to float32 rounding (tests/test_llama.py)
@@ -80,10 +56,10 @@ class Attention(nn.Module):
         hidden, q_size = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
         kv_size = cfg.num_key_value_heads * cfg.head_dim
         bias = cfg.attention_bias
-        self.q_proj = Linear(hidden, q_size, bias=bias, **factory)
-        self.k_proj = Linear(hidden, kv_size, bias=bias, **factory)
-        self.v_proj = Linear(hidden, kv_size, bias=bias, **factory)
-        self.o_proj = Linear(q_size, hidden, bias=cfg.o_proj_bias, **factory)
+        self.q_proj = nn.Linear(hidden, q_size, bias=bias, **factory)
+        self.k_proj = nn.Linear(hidden, kv_size, bias=bias, **factory)
+        self.v_proj = nn.Linear(hidden, kv_size, bias=bias, **factory)
+        self.o_proj = nn.Linear(q_size, hidden, bias=cfg.o_proj_bias, **factory)
 
     def forward(
         self,
@@ -110,9 +86,9 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, **factory) -> None:
         super().__init__()
         hidden, inner, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = Linear(hidden, inner, bias=bias, **factory)
-        self.up_proj = Linear(hidden, inner, bias=bias, **factory)
-        self.down_proj = Linear(inner, hidden, bias=bias, **factory)
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias, **factory)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias, **factory)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -161,10 +137,10 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Decoder + LM head. `forward` returns final-normed hidden states; `compute_logits` maps the
-    rows you need (e.g. each sequence's last token) to float32 logits."""
+    rows you need (e.g. each sequence's last token) to float32 logits.
 
-    small_gemm_threads: int = 0  # the LM head's switch (model/linear.py: use_small_gemm)
-    native_decoder = None  # NativeDecoder, built on the first eligible step
+    A float32 CPU run swaps the CPU fast path into `run_layers` and `lm_head_forward`
+    (eaglebatch/cpu: `accelerate`); the code here is the plain torch it is tested against."""
 
     def __init__(
         self,
@@ -192,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
-            else Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **factory)
+            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **factory)
         )
 
     @classmethod
@@ -260,53 +236,48 @@ class LlamaForCausalLM(nn.Module):
         With `capture_layers`, returns (hidden, captured) where captured[i] [T, H] is the hidden
         state with Hugging Face `output_hidden_states` indexing: the input of decoder layer i
         (0 = the embeddings) for i < num_hidden_layers, and for i == num_hidden_layers the
-        final-normed output (the same tensor as `hidden`). Capturing costs no copies, except
-        on the native path (model/native_decoder.py), whose stream is updated in place.
+        final-normed output (the same tensor as `hidden`). The layers run from one captured
+        layer to the next (`run_layers`).
         """
         h = self.model.embed_tokens(input_ids)  # [T, H]
+        num_layers = len(self.model.layers)
         captured: dict[int, torch.Tensor] = {}
-        native = self._native_decoder(h, attn)
-        if native is not None:  # few rows on the CPU: the layers in native runs
-            start, end = 0, len(self.model.layers)
-            for i in sorted(set(capture_layers)) + [end]:
-                if start < i <= end:
-                    native.forward(h, positions, attn, kv_caches[start:i], start, i)
+        start = 0
+        for i in sorted(set(capture_layers)):
+            if 0 <= i < num_layers:
+                if start < i:
+                    h = self.run_layers(h, positions, attn, kv_caches, start, i)
                     start = i
-                if i < end:
-                    captured[i] = h.clone()  # h is updated in place
-        else:
-            cos, sin = self.model.rotary_emb(positions, h.dtype)  # [T, 1, D] each
-            for i, layer in enumerate(self.model.layers):
-                if i in capture_layers:
-                    captured[i] = h
-                h = layer(h, cos, sin, attn, kv_caches[i], self.backend)
+                captured[i] = h
+        h = self.run_layers(h, positions, attn, kv_caches, start, num_layers)
         h = self.model.norm(h)  # [T, H]
         if not capture_layers:
             return h
-        if len(self.model.layers) in capture_layers:
-            captured[len(self.model.layers)] = h
+        if num_layers in capture_layers:
+            captured[num_layers] = h
         bad = set(capture_layers) - set(captured)
         if bad:
-            raise ValueError(f"capture_layers {sorted(bad)} outside [0, {len(self.model.layers)}]")
+            raise ValueError(f"capture_layers {sorted(bad)} outside [0, {num_layers}]")
         return h, captured
 
-    def _native_decoder(self, x: torch.Tensor, attn: AttentionMetadata):
-        """The NativeDecoder for a step over x, or None where torch's layers run it
-        (model/native_decoder.py: few CPU rows with the native GEMM on)."""
-        from eaglebatch.model.native_decoder import NativeDecoder, eligible
+    def run_layers(
+        self,
+        h: torch.Tensor,  # [T, H] residual stream (the input is not modified)
+        positions: torch.Tensor,  # int64 [T]
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],  # every layer's
+        first: int,
+        last: int,
+    ) -> torch.Tensor:  # [T, H]
+        """Decoder layers first..last-1 over h."""
+        cos, sin = self.model.rotary_emb(positions, h.dtype)  # [T, 1, D] each
+        for i in range(first, last):
+            h = self.model.layers[i](h, cos, sin, attn, kv_caches[i], self.backend)
+        return h
 
-        if not eligible(x, self.backend, attn, self.small_gemm_threads):
-            return None
-        native = self.native_decoder
-        if native is None or not native.current(self.model.rotary_emb):
-            native = NativeDecoder(
-                list(self.model.layers),
-                self.model.rotary_emb,
-                self.config.rms_norm_eps,
-                self.small_gemm_threads,
-            )
-            self.native_decoder = native
-        return native
+    def lm_head_forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
+        """The LM head in the model's dtype (EAGLE-1 draft heads share it)."""
+        return F.linear(hidden, self.lm_head_weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> float32 [N, V]
-        return linear(hidden, self.lm_head_weight, threads=self.small_gemm_threads).float()
+        return self.lm_head_forward(hidden).float()

@@ -26,7 +26,6 @@ from torch import nn
 from eaglebatch.attention import get_backend
 from eaglebatch.attention.base import AttentionBackend, AttentionMetadata
 from eaglebatch.model.config import ModelConfig
-from eaglebatch.model.linear import Linear, linear
 from eaglebatch.model.llama import MLP, LlamaForCausalLM, RMSNorm
 from eaglebatch.model.rotary import RotaryEmbedding, apply_rotary
 from eaglebatch.model.weights import load_named_tensors
@@ -56,10 +55,10 @@ class DraftAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = Linear(in_features, q_size, bias=cfg.attention_bias, **factory)
-        self.k_proj = Linear(in_features, kv_size, bias=cfg.attention_bias, **factory)
-        self.v_proj = Linear(in_features, kv_size, bias=cfg.attention_bias, **factory)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=cfg.o_proj_bias, **factory)
+        self.q_proj = nn.Linear(in_features, q_size, bias=cfg.attention_bias, **factory)
+        self.k_proj = nn.Linear(in_features, kv_size, bias=cfg.attention_bias, **factory)
+        self.v_proj = nn.Linear(in_features, kv_size, bias=cfg.attention_bias, **factory)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_proj_bias, **factory)
 
     def forward(
         self,
@@ -101,10 +100,10 @@ class DraftLayer(nn.Module):
 
 class EagleDraft(nn.Module):
     """One EAGLE draft head bound to its target (whose embedding, and for EAGLE-1 lm_head, it
-    shares; the target is referenced, not registered as a submodule)."""
+    shares; the target is referenced, not registered as a submodule).
 
-    small_gemm_threads: int = 0  # the LM head's switch (model/linear.py: use_small_gemm)
-    native_decoder = None  # NativeDecoder of the draft layer, built on the first eligible step
+    A float32 CPU run swaps the CPU fast path into `run_layer` (eaglebatch/cpu: `accelerate`);
+    the code here is the plain torch it is tested against."""
 
     def __init__(
         self,
@@ -128,13 +127,13 @@ class EagleDraft(nn.Module):
         self.eagle3 = cfg.kind != EAGLE1
         h = cfg.hidden_size
         fc_in = 2 * h if not self.eagle3 else len(cfg.aux_layer_ids) * cfg.target_hidden_size
-        self.fc = Linear(fc_in, h, bias=cfg.fc_bias, **factory)
+        self.fc = nn.Linear(fc_in, h, bias=cfg.fc_bias, **factory)
         layer = DraftLayer(cfg, **factory)
         if self.eagle3:
             self.midlayer = layer
             self.norm = RMSNorm(h, cfg.layer.rms_norm_eps, **factory)
             # None: a full-vocabulary head that uses the target's lm_head (see load_draft)
-            self.lm_head: Linear | None = Linear(
+            self.lm_head: nn.Linear | None = nn.Linear(
                 h, cfg.draft_vocab_size, bias=False, **factory
             )
             self.register_buffer("d2t", None)  # int64 [Vd] or None (identity)
@@ -179,10 +178,10 @@ class EagleDraft(nn.Module):
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, h] -> [N, Vd] logits
         if self.eagle3 and self.lm_head is not None:
-            return self.lm_head(self.norm(hidden))  # a Linear: its bf16 copy when it has one
+            return self.lm_head(self.norm(hidden))
         # EAGLE-1, or a full-vocabulary EAGLE-3 head without its own: the target's LM head
         x = self.norm(hidden) if self.eagle3 else hidden
-        return linear(x, self.target.lm_head_weight, threads=self.small_gemm_threads)
+        return self.target.lm_head_forward(x)
 
     # ---- forward -------------------------------------------------------------------------------
 
@@ -204,8 +203,7 @@ class EagleDraft(nn.Module):
         select: torch.Tensor | None = None,  # int64 [S] rows whose output is needed
     ) -> torch.Tensor:  # [S or T, h] pre-norm draft output h^d
         """Writes the draft K/V of every row (at meta.slot_mapping), returns the output of the
-        `select`ed rows only (torch's MLP runs on those rows only; the native path, for few CPU
-        rows, on all)."""
+        `select`ed rows only (`run_layer`)."""
         layer = self.layer
         emb = self._embed(input_ids)  # [T, h]
         if self.eagle3:
@@ -214,36 +212,26 @@ class EagleDraft(nn.Module):
         else:
             residual = self.fc(torch.cat((emb, features), dim=-1))  # the reference's order
             x = residual if layer.input_layernorm is None else layer.input_layernorm(residual)
-        native = self._native_decoder(x, meta)
-        if native is not None:  # few CPU rows: the layer in one native call, on every row
-            h = residual.to(torch.float32, copy=True).contiguous()  # [T, h] updated in place
-            native.forward(h, positions, meta, [kv_cache], 0, 1, input=x)
-            return h if select is None else h.index_select(0, select)
-        cos, sin = self.rotary_emb(positions, emb.dtype)  # [T, 1, D]
+        return self.run_layer(x, residual, positions, meta, kv_cache, select)
+
+    def run_layer(
+        self,
+        x: torch.Tensor,  # [T, in_features] the layer's attention input
+        residual: torch.Tensor,  # [T, h]
+        positions: torch.Tensor,  # int64 [T]
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        select: torch.Tensor | None = None,  # int64 [S]
+    ) -> torch.Tensor:  # [S or T, h]
+        """The draft layer after its input norms: attention (writing every row's K/V), then the
+        MLP on the `select`ed rows only."""
+        layer = self.layer
+        cos, sin = self.rotary_emb(positions, self.dtype)  # [T, 1, D]
         attn = layer.self_attn(x, cos, sin, meta, kv_cache, self.backend)  # [T, h]
         if select is not None:
             attn, residual = attn.index_select(0, select), residual.index_select(0, select)
         h = residual + attn
         return h + layer.mlp(layer.post_attention_layernorm(h))
-
-    def _native_decoder(self, x: torch.Tensor, meta: AttentionMetadata):
-        """The NativeDecoder of the draft layer for a step over x, or None (see
-        LlamaForCausalLM._native_decoder)."""
-        from eaglebatch.model.native_decoder import NativeDecoder, eligible
-
-        if not eligible(x, self.backend, meta, self.small_gemm_threads):
-            return None
-        native = self.native_decoder
-        if native is None or not native.current(self.rotary_emb):
-            native = NativeDecoder(
-                [self.layer],
-                self.rotary_emb,
-                self.config.layer.rms_norm_eps,
-                self.small_gemm_threads,
-                given_input=True,
-            )
-            self.native_decoder = native
-        return native
 
     def argmax_tokens(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, h] -> int64 [N]
         """The draft's greedy token for each row, as TARGET ids. Only an argmax over the raw

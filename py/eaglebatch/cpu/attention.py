@@ -1,0 +1,101 @@
+"""Paged attention for CPU runs (the "cpu" attention backend): the extension's kernel
+(`rust/src/paged_attention.rs`) for decode and verify steps, the torch backend for everything
+else.
+
+A step whose sequences all have at most MAX_NATIVE_QUERY rows, with a float32 cache and float32
+queries, attends straight from the paged cache through the block table: no gather into a
+padded buffer, no mask, one pass of online softmax per query row. Such a step's plan is also
+what the native decoder layers (cpu/decoder.py) run on: `native_plan`. Prefill-sized steps,
+other dtypes, CUDA-graph steps (`prepare_graph`) and anything that needs autograd take
+TorchAttentionBackend's path, which this class inherits.
+
+Each query row's result depends only on its own query and keys, so a verify step's rows equal
+the decode steps' bit for bit (with the native GEMM, so do the logits at batch 1).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from eaglebatch import _native
+from eaglebatch.attention.base import AttentionMetadata, NativeAttentionPlan, write_kv_cache
+from eaglebatch.attention.torch_backend import TorchAttentionBackend
+from eaglebatch.cpu.tensors import native_ptr
+
+# Query rows per sequence up to which a step runs natively: decode (1), verify (k + 1) and
+# short prefills. Above it SDPA's blocked GEMMs are faster than one pass per row.
+MAX_NATIVE_QUERY = 16
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    name = "cpu"
+
+    def __init__(self, chunk_tokens: int = 4096) -> None:
+        super().__init__(chunk_tokens)
+        self._native_dtypes = False  # configure: float32 queries and cache
+
+    def configure(
+        self,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        kv_dtype: torch.dtype,
+        q_dtype: torch.dtype,
+        sm_scale: float | None = None,
+    ) -> None:
+        self._native_dtypes = kv_dtype == torch.float32 and q_dtype == torch.float32
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        if (
+            not self._native_dtypes
+            or meta.max_seqlen_q > MAX_NATIVE_QUERY
+            or meta.seq_lens.device.type != "cpu"
+        ):
+            super().prepare(meta)
+            return
+        cu, lens = meta.host_lengths()
+        meta.backend_state = NativeAttentionPlan(
+            cu_seqlens_q=np.ascontiguousarray(cu.numpy(), dtype=np.int32),
+            seq_lens=np.ascontiguousarray(lens.numpy(), dtype=np.int32),
+            block_tables=np.ascontiguousarray(meta.block_tables.numpy(), dtype=np.int32),
+            threads=torch.get_num_threads(),
+        )
+
+    def native_plan(self, meta: AttentionMetadata) -> NativeAttentionPlan | None:
+        plan = meta.backend_state
+        return plan if isinstance(plan, NativeAttentionPlan) else None
+
+    def forward(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        plan = self.native_plan(meta)
+        if plan is not None and torch.is_grad_enabled() and (
+            q.requires_grad or k.requires_grad or v.requires_grad
+        ):
+            super().prepare(meta)  # the kernel has no backward: torch's path for this step
+            plan = None
+        if plan is None:
+            return super().forward(layer_idx, q, k, v, kv_cache, meta, scale)
+        t, num_heads, head_dim = q.shape
+        _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+        q = q.contiguous()
+        q_ptr = native_ptr(q, torch.float32, (t, num_heads, head_dim))
+        cache_shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+        cache_ptr = native_ptr(kv_cache, torch.float32, cache_shape)  # checked before the write
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        # the Rust side checks every index before reading
+        _native.paged_attention(
+            q_ptr, cache_ptr, native_ptr(out, torch.float32, (t, num_heads, head_dim)), t,
+            plan.cu_seqlens_q, plan.seq_lens, plan.block_tables,
+            num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, plan.threads,
+        )  # fmt: skip
+        return out

@@ -1,0 +1,225 @@
+"""`NativeDecoder`: whole decoder layers on the extension's CPU path (`rust/src/decoder_layer.rs`)
+for the few query rows of CPU decode and verify steps, and the fast paths of the target
+(`NativeTargetLayers`) and of an EAGLE draft head (`NativeDraftLayer`) that run them.
+
+Why: at batch 1 torch spends ~0.1 ms per layer dispatching the small ops around a layer's
+GEMMs (norms, RoPE, views, cache writes), ~3 ms of a ~20 ms target forward on this project's
+2-core CPU, for plain decoding and for every verify and draft step. One native call per run of
+layers does the same math on the same kernels (small GEMM, paged attention) without it.
+
+A step runs natively when the attention backend planned it for the native kernel
+(`AttentionBackend.native_plan`: the cpu backend, float32 cache, few query rows per sequence)
+and its rows are `eligible` (at most SMALL_GEMM_MAX_ROWS float32 CPU rows, no gradient).
+Everything else (prefill, large batches, bf16) runs the model's own torch layers. Every
+operation is per row, so a verify step still reproduces the decode step bit for bit; the norms
+and SiLU round differently from torch's (tests compare the two).
+
+A NativeDecoder holds the addresses of the layers' tensors (and references, so they stay
+alive): `accelerate` drops it, and it is rebuilt on the next eligible step (or when the RoPE
+table was rebuilt).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import nn
+
+from eaglebatch import _native
+from eaglebatch.cpu.gemm import SMALL_GEMM_MAX_ROWS, linear
+from eaglebatch.cpu.swap import become, restore
+from eaglebatch.cpu.tensors import eligible, native_ptr, native_ptr_or_null
+from eaglebatch.model.llama import LlamaForCausalLM
+from eaglebatch.model.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:
+    from eaglebatch.attention.base import AttentionMetadata, NativeAttentionPlan
+
+
+class NativeDecoder:
+    """The decoder layers `layers` (each with input_layernorm or None, self_attn.{q,k,v,o}_proj,
+    post_attention_layernorm, mlp.{gate,up,down}_proj) and their RoPE table."""
+
+    def __init__(
+        self,
+        layers: list[nn.Module],
+        rotary: RotaryEmbedding,
+        eps: float,
+        threads: int,
+        given_input: bool = False,
+    ) -> None:
+        """given_input: the caller always passes the first layer's attention input (EAGLE
+        draft layers), whose input_layernorm then plays no part here."""
+        self.threads = threads
+        self.rope_table = rotary.cos_table  # `current`: the table this object points into
+        self._keep: list[torch.Tensor] = []  # every tensor whose address the native side holds
+        addrs, flags, self.in_features = [], [], []
+        attn0, mlp0 = layers[0].self_attn, layers[0].mlp
+        self.hidden = mlp0.down_proj.out_features
+        self.num_kv_heads, self.head_dim = attn0.num_kv_heads, attn0.head_dim
+        for layer in layers:
+            a, m = layer.self_attn, layer.mlp
+            projs = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+            w = [self._weight(p) for p in projs]
+            norm_in = None if given_input else layer.input_layernorm.weight
+            n_in = self._hold(norm_in, (self.hidden,))
+            n_post = self._hold(layer.post_attention_layernorm.weight, (self.hidden,))
+            biases = [self._hold(p.bias, (p.out_features,)) for p in projs]
+            addrs.append([n_in, *(p for p, _ in w[:4]), n_post, *(p for p, _ in w[4:]), *biases])
+            flags.append([bf16 for _, bf16 in w])
+            self.in_features.append(a.q_proj.in_features)
+        table = (rotary.cos_table.shape[0], self.head_dim)
+        cos, sin = self._hold(rotary.cos_table, table), self._hold(rotary.sin_table, table)
+        self._decoder = _native.CpuDecoder(
+            addrs, flags, self.in_features,
+            self.hidden, mlp0.gate_proj.out_features,
+            attn0.num_heads, attn0.num_kv_heads, attn0.head_dim, eps, attn0.scale,
+            cos, sin, table[0],
+        )  # fmt: skip
+
+    def _hold(self, t: torch.Tensor | None, shape: tuple[int, ...]) -> int:
+        """The address of float32 `t` (a contiguous copy if need be), kept alive here; 0: None."""
+        if t is None:
+            return 0
+        t = t.detach().contiguous()
+        self._keep.append(t)
+        return native_ptr(t, torch.float32, shape)
+
+    def _weight(self, linear: nn.Linear) -> tuple[int, bool]:
+        """(address, bf16) of the weight the kernel reads: the exact bf16 copy when the module
+        has one (cpu/gemm.py), else the float32 weight, which must be contiguous."""
+        shape = (linear.out_features, linear.in_features)
+        bf16 = getattr(linear, "weight_bf16", None)
+        if bf16 is not None:
+            self._keep.append(bf16)
+            return native_ptr(bf16, torch.bfloat16, shape), True
+        w = linear.weight.detach()
+        self._keep.append(w)
+        return native_ptr(w, torch.float32, shape), False
+
+    def current(self, rotary: RotaryEmbedding) -> bool:
+        """False once the RoPE table was rebuilt (a longer one): build a new object."""
+        return self.rope_table is rotary.cos_table
+
+    def forward(
+        self,
+        x: torch.Tensor,  # float32 [T, H] residual stream, updated in place
+        positions: torch.Tensor,  # int64 [T]
+        meta: AttentionMetadata,
+        plan: NativeAttentionPlan,  # the attention backend's native_plan(meta)
+        kv_caches: list[torch.Tensor],  # the caches of layers first..last
+        first: int,
+        last: int,
+        input: torch.Tensor | None = None,  # float32 [T, in] layer `first`'s attention input
+    ) -> None:
+        t = x.shape[0]
+        x_ptr = native_ptr(x, torch.float32, (t, self.hidden))
+        if input is not None:
+            input = input.contiguous()
+        in_ptr = native_ptr_or_null(input, torch.float32, (t, self.in_features[first]))
+        _, num_blocks, block_size = kv_caches[0].shape[:3]
+        cache = (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        caches = [native_ptr(c, torch.float32, cache) for c in kv_caches]
+        # the Rust side checks every size and index before writing
+        self._decoder.forward(
+            x_ptr, in_ptr, first, last,
+            np.ascontiguousarray(positions.numpy(), dtype=np.int64),
+            np.ascontiguousarray(meta.slot_mapping.numpy(), dtype=np.int64),
+            plan.cu_seqlens_q, plan.seq_lens, plan.block_tables,
+            caches, num_blocks, block_size, self.threads,
+        )  # fmt: skip
+
+
+def _native_decoder(
+    model: nn.Module,  # a NativeTargetLayers or NativeDraftLayer
+    x: torch.Tensor,  # [T, in] the step's rows
+    meta: AttentionMetadata,
+    layers: Iterable[nn.Module],
+    rotary: RotaryEmbedding,
+    eps: float,
+    given_input: bool = False,
+) -> tuple[NativeDecoder, NativeAttentionPlan] | None:
+    """The model's NativeDecoder over `layers` (built on its first native step, rebuilt after
+    the RoPE table was) and the step's attention plan, or None where the model's torch layers
+    run the step: the backend did not plan it for the native kernel, or x is not eligible."""
+    plan = model.backend.native_plan(meta)
+    params = (p for layer in layers for p in layer.parameters())  # read in grad mode only
+    if plan is None or not eligible(x, SMALL_GEMM_MAX_ROWS, params):
+        return None
+    native = model.native_decoder
+    if native is None or not native.current(rotary):
+        native = NativeDecoder(list(layers), rotary, eps, model.small_gemm_threads, given_input)
+        model.native_decoder = native
+    return native, plan
+
+
+class NativeTargetLayers:
+    """The fast path of a `LlamaForCausalLM` (swapped in as NativeLlamaForCausalLM): runs of its
+    decoder layers in one native call each, and its LM head on the native GEMM."""
+
+    state = ("small_gemm_threads", "native_decoder")
+    small_gemm_threads: int
+    native_decoder: NativeDecoder | None
+
+    def run_layers(
+        self,
+        h: torch.Tensor,  # [T, H] residual stream
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+        first: int,
+        last: int,
+    ) -> torch.Tensor:  # [T, H]
+        found = _native_decoder(
+            self, h, attn, self.model.layers, self.model.rotary_emb, self.config.rms_norm_eps
+        )
+        if found is None:
+            return super().run_layers(h, positions, attn, kv_caches, first, last)
+        native, plan = found
+        h = h.clone()  # updated in place; the caller may hold the input (a captured state)
+        native.forward(h, positions, attn, plan, kv_caches[first:last], first, last)
+        return h
+
+    def lm_head_forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
+        return linear(hidden, self.lm_head_weight, threads=self.small_gemm_threads)
+
+
+class NativeDraftLayer:
+    """The fast path of an EAGLE draft head (speculative/eagle.py, swapped in as
+    NativeEagleDraft): its decoder layer in one native call over every row."""
+
+    state = ("small_gemm_threads", "native_decoder")
+    small_gemm_threads: int
+    native_decoder: NativeDecoder | None
+
+    def run_layer(
+        self,
+        x: torch.Tensor,  # [T, in] the layer's attention input
+        residual: torch.Tensor,  # [T, h]
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        select: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # [S or T, h]
+        eps = self.config.layer.rms_norm_eps
+        found = _native_decoder(self, x, meta, [self.layer], self.rotary_emb, eps, True)
+        if found is None:
+            return super().run_layer(x, residual, positions, meta, kv_cache, select)
+        native, plan = found
+        h = residual.to(torch.float32, copy=True).contiguous()  # [T, h] updated in place
+        native.forward(h, positions, meta, plan, [kv_cache], 0, 1, input=x)
+        return h if select is None else h.index_select(0, select)
+
+
+def use_native_layers(model: nn.Module, threads: int) -> None:
+    """Swaps the native decoder layers into `model` -- a LlamaForCausalLM, or an EAGLE draft
+    head (a module with `run_layer`) -- with `threads` GEMM threads, or makes it plain (0)."""
+    if threads <= 0:
+        restore(model)
+    elif isinstance(model, LlamaForCausalLM):
+        become(model, NativeTargetLayers, small_gemm_threads=threads, native_decoder=None)
+    elif hasattr(model, "run_layer"):
+        become(model, NativeDraftLayer, small_gemm_threads=threads, native_decoder=None)
