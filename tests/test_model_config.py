@@ -35,7 +35,7 @@ def cfg(**overrides) -> ModelConfig:
 def test_smollm2_like_llama() -> None:
     c = cfg()
     assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads) == (576, 30, 9)
-    assert (c.num_key_value_heads, c.head_dim, c.num_queries_per_kv) == (3, 64, 3)
+    assert (c.num_key_value_heads, c.head_dim) == (3, 64)
     assert c.tie_word_embeddings and not c.attention_bias and not c.o_proj_bias
     assert c.rope_theta == 100000.0 and c.rope_scaling is None
     assert c.eos_token_id == (2,) and c.bos_token_id == 1

@@ -24,15 +24,6 @@ _BACKENDS: dict[str, tuple[str, str]] = {
 }
 
 
-def register_backend(name: str, module: str, class_name: str) -> None:
-    _BACKENDS[name] = (module, class_name)
-
-
-def available_backends() -> list[str]:
-    """Registered names; a listed backend may still fail to import (e.g. no GPU libraries)."""
-    return sorted(_BACKENDS)
-
-
 def get_backend(name: str, **kwargs: Any) -> AttentionBackend:
     """Instantiates the backend registered as `name` with `kwargs`."""
     if name not in _BACKENDS:
@@ -50,9 +41,7 @@ __all__ = [
     "AttentionBackend",
     "AttentionMetadata",
     "allocate_kv_cache",
-    "available_backends",
     "get_backend",
     "kv_cache_bytes_per_block",
-    "register_backend",
     "write_kv_cache",
 ]

@@ -15,13 +15,22 @@ block_tables[i, p // block_size] at offset p % block_size; slot = block * block_
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-if TYPE_CHECKING:  # the model package imports this module
-    from eaglebatch.model.config import ModelConfig
+
+class KVCacheConfig(Protocol):
+    """What the cache layout reads of a model's config (model/config.py's ModelConfig): a
+    structural type, so that this package does not import the model package, which imports it."""
+
+    @property
+    def num_hidden_layers(self) -> int: ...
+    @property
+    def num_key_value_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
 
 
 @dataclass
@@ -185,7 +194,7 @@ def write_kv_cache(
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
-def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def kv_cache_bytes_per_block(cfg: KVCacheConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers (K and V)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     per_layer = 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
@@ -193,7 +202,7 @@ def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dty
 
 
 def allocate_kv_cache(
-    cfg: ModelConfig,
+    cfg: KVCacheConfig,
     num_blocks: int,
     block_size: int,
     dtype: torch.dtype,

@@ -22,21 +22,18 @@ table was rebuilt).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
 
 from eaglebatch import _native
+from eaglebatch.attention.base import AttentionMetadata, NativeAttentionPlan
 from eaglebatch.cpu.gemm import SMALL_GEMM_MAX_ROWS, linear
 from eaglebatch.cpu.swap import become, restore
 from eaglebatch.cpu.tensors import eligible, native_ptr, native_ptr_or_null
 from eaglebatch.model.llama import LlamaForCausalLM
 from eaglebatch.model.rotary import RotaryEmbedding
-
-if TYPE_CHECKING:
-    from eaglebatch.attention.base import AttentionMetadata, NativeAttentionPlan
 
 
 class NativeDecoder:

@@ -71,10 +71,6 @@ class ModelConfig:
             return min(self.max_position_embeddings, self.sliding_window)
         return self.max_position_embeddings
 
-    @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
     @classmethod
     def from_dir(cls, path: str | os.PathLike[str]) -> ModelConfig:
         file = os.path.join(os.fspath(path), "config.json")
