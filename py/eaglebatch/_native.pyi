@@ -108,7 +108,8 @@ class Scheduler:
         messages' contents, the rendered chat) is refused before it is tokenized; a chat
         template whose output exceeds that many bytes or that runs too long, template and
         tokenizer failures. An input file that turns out unreadable (a corrupt page) raises
-        UserInputError naming the file and row group, here and on every later call."""
+        UserInputError naming the file and row group, once every row read before it has been
+        generated and written, and on every later call."""
 
     def commit(
         self,

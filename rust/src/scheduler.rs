@@ -288,9 +288,13 @@ impl Scheduler {
             if let Some(plan) = self.schedule()? {
                 return Ok(Some(plan));
             }
-            // Nothing waiting or running.
+            // Nothing waiting or running. After an input failure every row read before it has
+            // now been generated and written; the failure is reported on every later call.
             if self.input_done {
-                return Ok(None);
+                return match self.input_failure() {
+                    Some(e) => Err(e),
+                    None => Ok(None),
+                };
             }
             self.pull_input(true)?;
         }
@@ -300,9 +304,6 @@ impl Scheduler {
     /// `waiting` holds `max_batch_size` requests. With `block`, waits while nothing is
     /// runnable.
     fn pull_input(&mut self, block: bool) -> Result<()> {
-        if let Some(e) = self.input_failure() {
-            return Err(e);
-        }
         while !self.input_done && self.waiting.len() < self.cfg.max_batch_size {
             let idle = self.waiting.is_empty() && self.running.is_empty();
             let msg = if block && idle {
@@ -326,8 +327,9 @@ impl Scheduler {
             match msg {
                 ReaderMsg::Request(req) => self.accept(req)?,
                 ReaderMsg::Failed(e) => {
+                    // The rows before it still run; next_plan reports it once they are done.
                     self.input_failed = Some((e.to_string(), matches!(e, Error::UserInput(_))));
-                    return Err(e);
+                    self.input_done = true;
                 }
             }
         }

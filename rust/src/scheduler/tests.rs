@@ -632,10 +632,11 @@ fn corrupt_data_page_is_reported_not_silently_truncated() {
     assert!(file_names(&f.cfg.output_dir).is_empty());
 }
 
-/// Rows finished before a corrupt row group are written by `abort` into a complete part; the
-/// rows after it are not, and nothing else is left in the output directory.
+/// Every row read before a corrupt row group is generated before the failure is reported, and
+/// `abort` writes them into a complete part; the rows after it are not, and nothing else is
+/// left in the output directory.
 #[test]
-fn abort_after_a_corrupt_row_group_keeps_the_finished_rows() {
+fn rows_before_a_corrupt_row_group_are_generated_then_the_failure_is_reported() {
     let prompts: Vec<String> = (0..12).map(|i| words(5 + i..6 + i)).collect();
     let prompts: Vec<Option<&str>> = prompts.iter().map(|s| Some(s.as_str())).collect();
     let mut f = fixture("sched-corrupt-late", &prompts);
@@ -643,8 +644,7 @@ fn abort_after_a_corrupt_row_group_keeps_the_finished_rows() {
     f.cfg.queue_rows = 64;
     corrupt_row_group(&f.cfg.input_files[0], 2); // rows 6..9
     let mut s = Scheduler::new(f.cfg.clone()).unwrap();
-    // Rows 0..6 and the failure queued: the first prefill finishes rows 0..4, the next
-    // next_plan reads rows 4 and 5, then the failure.
+    // Rows 0..6 and the failure queued: all six rows run before next_plan reports it.
     wait_for_reader(&s);
     let e = drive_to_error(&mut s);
     assert!(
@@ -654,11 +654,10 @@ fn abort_after_a_corrupt_row_group_keeps_the_finished_rows() {
     );
     let written = s.abort().unwrap();
     let rows = read_output(&f.cfg.output_dir);
-    assert_eq!(written.rows_written, 4);
-    assert_eq!(
-        rows.iter().map(|r| r.row_index).collect::<Vec<_>>(),
-        [0, 1, 2, 3]
-    );
+    assert_eq!(written.rows_written, 6);
+    let mut done: Vec<i64> = rows.iter().map(|r| r.row_index).collect();
+    done.sort_unstable();
+    assert_eq!(done, [0, 1, 2, 3, 4, 5]);
     for r in &rows {
         let first = 6 + r.row_index as usize;
         assert_eq!(r.text, words(first..first + 1));
