@@ -28,11 +28,6 @@ impl IncrementalDetokenizer {
         Self::default()
     }
 
-    /// Forget everything (used when the output ids are rewritten, e.g. never in normal flow).
-    pub fn reset(&mut self) {
-        *self = Self::default();
-    }
-
     /// `ids` are all output ids so far, including the ones just appended (EOS never included).
     /// Returns the text that became final with them (possibly empty).
     pub fn step(&mut self, tokenizer: &Tokenizer, ids: &[u32]) -> Result<String> {

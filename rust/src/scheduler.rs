@@ -33,7 +33,7 @@ use crate::chat_template::ChatTemplate;
 use crate::config::SchedulerConfig;
 use crate::error::{Error, Result};
 use crate::reader::{spawn_reader, validate_inputs, ReaderMsg, ReaderOptions, TextLimit};
-use crate::sequence::{FinishReason, Request, Sequence, Status};
+use crate::sequence::{FinishReason, Request, Sequence, Status, Timing};
 use crate::stats::{Stats, Summary};
 use crate::writer::{OutputRow, Writer, WriterConfig, WriterSummary};
 
@@ -87,6 +87,193 @@ impl StepPlan {
     }
 }
 
+impl StepPlan {
+    /// A plan with no rows yet, its vectors sized for `b` rows of `t` query tokens in all and
+    /// block tables `width` wide (zero-padded); sampling parameters are the job's, per row.
+    fn empty(kind: StepKind, cfg: &SchedulerConfig, b: usize, t: usize, width: usize) -> Self {
+        StepPlan {
+            kind,
+            slots: Vec::with_capacity(b),
+            input_ids: Vec::with_capacity(t),
+            positions: Vec::with_capacity(t),
+            cu_seqlens_q: {
+                let mut cu = Vec::with_capacity(b + 1);
+                cu.push(0);
+                cu
+            },
+            seq_lens: Vec::with_capacity(b),
+            block_tables: vec![0; b * width],
+            block_table_width: width,
+            slot_mapping: Vec::with_capacity(t),
+            temperature: vec![cfg.temperature; b],
+            top_p: vec![cfg.top_p; b],
+            top_k: vec![cfg.top_k; b],
+            seeds: Vec::with_capacity(b),
+            num_generated: Vec::with_capacity(b),
+            max_seqlen_q: 0,
+            max_seqlen_k: 0,
+        }
+    }
+}
+
+/// Checks that a running sequence can be row of a `kind` plan: it has uncomputed tokens; a
+/// prefill row has none computed; a verify row has exactly one uncomputed token.
+fn check_plan_row(kind: StepKind, seq: &Sequence) -> Result<()> {
+    let q = seq.len() - seq.num_computed;
+    if q == 0 {
+        return Err(Error::internal(format!(
+            "row {} has no new tokens to compute",
+            seq.row_index
+        )));
+    }
+    if kind == StepKind::Prefill && seq.num_computed != 0 {
+        return Err(Error::internal("prefill of a partially computed sequence"));
+    }
+    if kind == StepKind::Verify && q != 1 {
+        return Err(Error::internal(
+            "verify row with more than one uncomputed token",
+        ));
+    }
+    Ok(())
+}
+
+/// Appends row `r` (`seq`) to the plan: its query tokens `num_computed..len + lookahead`
+/// (placeholders 0 past `len`), their positions and KV slots, its block table and per-row
+/// values. The sequence's blocks must already cover `len + lookahead` tokens.
+fn push_plan_row(
+    p: &mut StepPlan,
+    r: usize,
+    seq: &Sequence,
+    lookahead: usize,
+    bm: &BlockManager,
+    seed: i64,
+) {
+    let len = seq.len();
+    let q = len - seq.num_computed;
+    let end = len + lookahead;
+    debug_assert!(seq.block_table.len() >= bm.blocks_needed(end));
+    for pos in seq.num_computed..end {
+        let id = if pos < len { seq.token(pos) as i64 } else { 0 };
+        p.input_ids.push(id);
+        p.positions.push(pos as i64);
+        p.slot_mapping.push(bm.slot(&seq.block_table, pos));
+    }
+    p.cu_seqlens_q.push(p.input_ids.len() as i32);
+    p.seq_lens.push(end as i32);
+    let width = p.block_table_width;
+    for (j, &blk) in seq.block_table.iter().enumerate() {
+        p.block_tables[r * width + j] = blk as i32;
+    }
+    p.slots
+        .push(seq.slot.expect("running request has a slot") as i32);
+    p.seeds.push(request_seed(seed, seq.row_index));
+    p.num_generated.push(seq.num_output() as i32);
+    p.max_seqlen_q = p.max_seqlen_q.max(q + lookahead);
+    p.max_seqlen_k = p.max_seqlen_k.max(end);
+}
+
+/// Checks a step result against its plan: one `num_tokens` (>= 1) and, if given, one
+/// non-negative `num_accepted` per row; `num_tokens` sums to `tokens.len()`; a verify row
+/// yields at most K accepted drafts plus one target token (`most_verify_tokens` = K + 1;
+/// prefill and decode rows may yield several tokens, the next decode query then covers them
+/// all); no token id is negative.
+fn check_commit(
+    plan: PendingPlan,
+    most_verify_tokens: i32,
+    tokens: &[i32],
+    num_tokens: &[i32],
+    num_accepted: Option<&[i32]>,
+) -> Result<()> {
+    if num_tokens.len() != plan.rows {
+        return Err(Error::internal(format!(
+            "commit() got {} rows but the plan has {}",
+            num_tokens.len(),
+            plan.rows
+        )));
+    }
+    if let Some(acc) = num_accepted {
+        if acc.len() != plan.rows {
+            return Err(Error::internal(format!(
+                "commit() got num_accepted for {} rows but the plan has {}",
+                acc.len(),
+                plan.rows
+            )));
+        }
+        if acc.iter().any(|&a| a < 0) {
+            return Err(Error::internal("commit(): negative num_accepted"));
+        }
+    }
+    if num_tokens.iter().any(|&n| n < 1) {
+        return Err(Error::internal(
+            "commit(): every row must produce at least one token",
+        ));
+    }
+    let total: i64 = num_tokens.iter().map(|&n| n as i64).sum();
+    if total != tokens.len() as i64 {
+        return Err(Error::internal(format!(
+            "commit(): num_tokens sums to {total} but {} tokens were given",
+            tokens.len()
+        )));
+    }
+    let most = most_verify_tokens;
+    if plan.kind == StepKind::Verify {
+        if let Some(n) = num_tokens.iter().find(|&&n| n > most) {
+            return Err(Error::internal(format!(
+                "commit(): a verify row produced {n} tokens; at most K + 1 = {most}"
+            )));
+        }
+    }
+    if let Some(t) = tokens.iter().find(|&&t| t < 0) {
+        return Err(Error::internal(format!("commit(): negative token id {t}")));
+    }
+    Ok(())
+}
+
+/// A finished request's timings in seconds (all `None` for an error row): queue = read to
+/// first scheduled, ttft = first scheduled to first token, latency = first scheduled to
+/// finished, tpot = (latency - ttft) / (n - 1) for n >= 2 output tokens.
+#[derive(Debug, Default, Clone, Copy)]
+struct Timings {
+    queue_s: Option<f64>,
+    ttft_s: Option<f64>,
+    latency_s: Option<f64>,
+    tpot_s: Option<f64>,
+}
+
+impl Timings {
+    fn of(t: &Timing, n: usize) -> Self {
+        let secs = |a: Option<Instant>, b: Option<Instant>| match (a, b) {
+            (Some(a), Some(b)) => Some(b.saturating_duration_since(a).as_secs_f64()),
+            _ => None,
+        };
+        let ttft = secs(t.first_scheduled, t.first_token);
+        let latency = secs(t.first_scheduled, t.finished);
+        let tpot = match (ttft, latency) {
+            (Some(tt), Some(l)) if n >= 2 => Some((l - tt).max(0.0) / (n - 1) as f64),
+            _ => None,
+        };
+        Timings {
+            queue_s: secs(t.read_at, t.first_scheduled),
+            ttft_s: ttft,
+            latency_s: latency,
+            tpot_s: tpot,
+        }
+    }
+
+    /// Adds the known latency, ttft and tpot to the job's reservoirs.
+    fn record(&self, stats: &mut Stats) {
+        if let Some(l) = self.latency_s {
+            stats.latency.push(l);
+        }
+        if let Some(tt) = self.ttft_s {
+            stats.ttft.push(tt);
+        }
+        if let Some(tp) = self.tpot_s {
+            stats.tpot.push(tp);
+        }
+    }
+}
+
 /// The plan handed out and not yet committed.
 #[derive(Debug, Clone, Copy)]
 struct PendingPlan {
@@ -103,6 +290,66 @@ struct StopCriteria {
     max_new_tokens: usize,
     /// max_model_len: never the KV capacity, so an output does not depend on the budget.
     max_len: usize,
+}
+
+impl StopCriteria {
+    /// Empty stop strings are dropped (they would match everywhere); `max_stop_len` is the
+    /// longest remaining one in bytes (0 when none), which bounds `find_stop`'s search.
+    fn new(cfg: &SchedulerConfig) -> Self {
+        let stop: Vec<String> = cfg.stop.iter().filter(|s| !s.is_empty()).cloned().collect();
+        StopCriteria {
+            eos: cfg.eos_token_ids.iter().copied().collect(),
+            max_stop_len: stop.iter().map(String::len).max().unwrap_or(0),
+            stop,
+            max_new_tokens: cfg.max_new_tokens,
+            max_len: cfg.max_model_len,
+        }
+    }
+}
+
+/// The tokenizer with truncation and padding switched off: like transformers, prompts are
+/// never truncated or padded behind the user's back.
+fn untruncated(mut tokenizer: Tokenizer) -> Result<Arc<Tokenizer>> {
+    tokenizer
+        .with_truncation(None)
+        .map_err(|e| Error::Tokenizer(e.to_string()))?;
+    tokenizer.with_padding(None);
+    Ok(Arc::new(tokenizer))
+}
+
+/// The job's chat template, compiled only when it is used (a messages column, or
+/// `apply_chat_template`); a template that does not compile is a user error.
+fn compile_template(cfg: &SchedulerConfig) -> Result<Option<ChatTemplate>> {
+    let needs_template = cfg.messages_column.is_some() || cfg.apply_chat_template;
+    match (&cfg.chat_template, needs_template) {
+        (Some(src), true) => ChatTemplate::new(src)
+            .map(Some)
+            .map_err(|e| Error::user(format!("the chat template does not compile: {e}"))),
+        _ => Ok(None),
+    }
+}
+
+/// `skip_rows` sorted and deduplicated, with how many of them name a row that exists
+/// (`< total_rows`); out-of-range ones are kept but do not count as skipped.
+fn sorted_skip_rows(skip_rows: &[i64], total_rows: u64) -> (Vec<i64>, u64) {
+    let mut rows = skip_rows.to_vec();
+    rows.sort_unstable();
+    rows.dedup();
+    let skipped = rows.iter().filter(|&&r| (r as u64) < total_rows).count() as u64;
+    (rows, skipped)
+}
+
+/// The writer's settings: the job's output settings plus the id column's type, which comes
+/// from the validated input schema.
+fn writer_config(cfg: &SchedulerConfig, id_type: arrow_schema::DataType) -> WriterConfig {
+    WriterConfig {
+        output_dir: cfg.output_dir.clone(),
+        part_rows: cfg.part_rows,
+        file_metadata: cfg.file_metadata.clone(),
+        include_token_ids: cfg.include_token_ids,
+        id_type,
+        flush_interval: cfg.flush_interval_s.map(std::time::Duration::from_secs_f64),
+    }
 }
 
 /// A token count as an output column value (int32).
@@ -158,41 +405,18 @@ impl Scheduler {
         Self::with_tokenizer(cfg, tokenizer)
     }
 
-    /// Validates the input files, then starts the reader and writer threads.
-    pub fn with_tokenizer(cfg: SchedulerConfig, mut tokenizer: Tokenizer) -> Result<Self> {
+    /// Validates the input files, then starts the reader and writer threads. Checks run in
+    /// this order (the first failure is the error): config, tokenizer settings, chat
+    /// template, input files, output directory, reader start.
+    pub fn with_tokenizer(cfg: SchedulerConfig, tokenizer: Tokenizer) -> Result<Self> {
         cfg.validate()?;
-        // Like transformers: never truncate or pad prompts behind the user's back.
-        tokenizer
-            .with_truncation(None)
-            .map_err(|e| Error::Tokenizer(e.to_string()))?;
-        tokenizer.with_padding(None);
-        let tokenizer = Arc::new(tokenizer);
-        let needs_template = cfg.messages_column.is_some() || cfg.apply_chat_template;
-        let template = match (&cfg.chat_template, needs_template) {
-            (Some(src), true) => Some(
-                ChatTemplate::new(src)
-                    .map_err(|e| Error::user(format!("the chat template does not compile: {e}")))?,
-            ),
-            _ => None,
-        };
+        let tokenizer = untruncated(tokenizer)?;
+        let template = compile_template(&cfg)?;
         let spec = validate_inputs(&cfg)?;
-        let mut skip_rows = cfg.skip_rows.clone();
-        skip_rows.sort_unstable();
-        skip_rows.dedup();
-        let skipped = skip_rows
-            .iter()
-            .filter(|&&r| (r as u64) < spec.total_rows)
-            .count() as u64;
+        let (skip_rows, skipped) = sorted_skip_rows(&cfg.skip_rows, spec.total_rows);
         let mut stats = Stats::new(spec.total_rows - skipped);
         stats.requests_skipped = skipped;
-        let writer = Writer::start(WriterConfig {
-            output_dir: cfg.output_dir.clone(),
-            part_rows: cfg.part_rows,
-            file_metadata: cfg.file_metadata.clone(),
-            include_token_ids: cfg.include_token_ids,
-            id_type: spec.id_type.clone(),
-            flush_interval: cfg.flush_interval_s.map(std::time::Duration::from_secs_f64),
-        })?;
+        let writer = Writer::start(writer_config(&cfg, spec.id_type.clone()))?;
         let (input, reader) = spawn_reader(
             spec,
             ReaderOptions {
@@ -207,18 +431,11 @@ impl Scheduler {
                 text_limit: TextLimit::new(&tokenizer, cfg.max_model_len),
             },
         )?;
-        let stop: Vec<String> = cfg.stop.iter().filter(|s| !s.is_empty()).cloned().collect();
-        let criteria = StopCriteria {
-            eos: cfg.eos_token_ids.iter().copied().collect(),
-            max_stop_len: stop.iter().map(String::len).max().unwrap_or(0),
-            stop,
-            max_new_tokens: cfg.max_new_tokens,
-            max_len: cfg.max_model_len,
-        };
         Ok(Scheduler {
             bm: BlockManager::new(cfg.num_blocks, cfg.block_size),
             free_slots: (0..cfg.max_batch_size as u32).map(Reverse).collect(),
             watermark: cfg.num_blocks / 100,
+            criteria: StopCriteria::new(&cfg),
             cfg,
             tokenizer,
             input,
@@ -229,7 +446,6 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             pending: None,
-            criteria,
             stats,
             finished: false,
         })
@@ -241,14 +457,6 @@ impl Scheduler {
 
     pub fn stats(&self) -> &Stats {
         &self.stats
-    }
-
-    pub fn num_running(&self) -> usize {
-        self.running.len()
-    }
-
-    pub fn num_waiting(&self) -> usize {
-        self.waiting.len()
     }
 
     pub fn num_free_blocks(&self) -> usize {
@@ -432,10 +640,42 @@ impl Scheduler {
         })
     }
 
-    /// Builds the next plan from `waiting` / `running`, or `None` if both are empty.
+    /// Builds the next plan from `waiting` / `running`, or `None` if both are empty. A
+    /// prefill step when something can be admitted, else a decode (verify) step over all
+    /// running requests.
     fn schedule(&mut self) -> Result<Option<StepPlan>> {
-        let now = Instant::now();
-        // PREFILL: admit FIFO while a slot, the token budget and the KV blocks allow.
+        let admitted = self.admit(Instant::now())?;
+        if admitted > 0 {
+            let start = self.running.len() - admitted;
+            return self.build_plan(StepKind::Prefill, start).map(Some);
+        }
+        if self.running.is_empty() {
+            if !self.waiting.is_empty() {
+                return Err(Error::internal(format!(
+                    "cannot admit the next waiting request ({} tokens) into an empty cache of \
+                     {} free blocks",
+                    self.waiting[0].len(),
+                    self.bm.num_free_blocks()
+                )));
+            }
+            return Ok(None);
+        }
+        let lookahead = self.cfg.num_speculative_tokens;
+        self.grow_running(lookahead)?;
+        let kind = if lookahead > 0 {
+            StepKind::Verify
+        } else {
+            StepKind::Decode
+        };
+        self.build_plan(kind, 0).map(Some)
+    }
+
+    /// PREFILL admission: moves waiting requests FIFO to the end of `running` while a slot,
+    /// the token budget (`max_num_batched_tokens`, always exceeded by the first one if need
+    /// be) and the KV blocks allow; next to running requests `watermark` blocks stay free.
+    /// Each admitted request gets blocks for all its tokens and the smallest free slot.
+    /// Returns how many were admitted (they are `running[len - admitted..]`).
+    fn admit(&mut self, now: Instant) -> Result<usize> {
         let mut admitted = 0usize;
         let mut budget_used = 0usize;
         while let Some(seq) = self.waiting.front() {
@@ -468,26 +708,14 @@ impl Scheduler {
             admitted += 1;
             self.running.push(seq);
         }
-        if admitted > 0 {
-            let start = self.running.len() - admitted;
-            return self.build_plan(StepKind::Prefill, start).map(Some);
-        }
-        if self.running.is_empty() {
-            if !self.waiting.is_empty() {
-                return Err(Error::internal(format!(
-                    "cannot admit the next waiting request ({} tokens) into an empty cache of \
-                     {} free blocks",
-                    self.waiting[0].len(),
-                    self.bm.num_free_blocks()
-                )));
-            }
-            return Ok(None);
-        }
-        // DECODE / VERIFY: every running request needs room for its new tokens (and, when
-        // speculating, K lookahead slots); preempt the most recently admitted ones until it fits.
-        // running[0] always fits once everyone after it is preempted (admission invariant: its
-        // worst case fits the whole cache), so it is never preempted and makes progress.
-        let lookahead = self.cfg.num_speculative_tokens;
+        Ok(admitted)
+    }
+
+    /// DECODE / VERIFY room: grows every running request's blocks to hold its tokens plus
+    /// `lookahead` slots, preempting the most recently admitted requests until it fits.
+    /// running[0] always fits once everyone after it is preempted (admission invariant: its
+    /// worst case fits the whole cache), so it is never preempted and makes progress.
+    fn grow_running(&mut self, lookahead: usize) -> Result<()> {
         let mut i = 0;
         while i < self.running.len() {
             let need = self.bm.blocks_to_grow(
@@ -515,12 +743,7 @@ impl Scheduler {
             self.bm.grow(&mut seq.block_table, len)?;
             i += 1;
         }
-        let kind = if lookahead > 0 {
-            StepKind::Verify
-        } else {
-            StepKind::Decode
-        };
-        self.build_plan(kind, 0).map(Some)
+        Ok(())
     }
 
     /// Preemption by recomputation: free the KV blocks and slot, requeue at the front.
@@ -547,80 +770,29 @@ impl Scheduler {
             0
         };
         let rows = &mut self.running[start..];
-        let b = rows.len();
         let width = rows.iter().map(|s| s.block_table.len()).max().unwrap_or(0);
         let t: usize = rows
             .iter()
             .map(|s| s.len() - s.num_computed + lookahead)
             .sum();
-        let mut p = StepPlan {
-            kind,
-            slots: Vec::with_capacity(b),
-            input_ids: Vec::with_capacity(t),
-            positions: Vec::with_capacity(t),
-            cu_seqlens_q: Vec::with_capacity(b + 1),
-            seq_lens: Vec::with_capacity(b),
-            block_tables: vec![0; b * width],
-            block_table_width: width,
-            slot_mapping: Vec::with_capacity(t),
-            temperature: vec![self.cfg.temperature; b],
-            top_p: vec![self.cfg.top_p; b],
-            top_k: vec![self.cfg.top_k; b],
-            seeds: Vec::with_capacity(b),
-            num_generated: Vec::with_capacity(b),
-            max_seqlen_q: 0,
-            max_seqlen_k: 0,
-        };
-        p.cu_seqlens_q.push(0);
+        let mut p = StepPlan::empty(kind, &self.cfg, rows.len(), t, width);
         for (r, seq) in rows.iter_mut().enumerate() {
-            let len = seq.len();
-            let q = len - seq.num_computed;
-            if q == 0 {
-                return Err(Error::internal(format!(
-                    "row {} has no new tokens to compute",
-                    seq.row_index
-                )));
-            }
-            if kind == StepKind::Prefill && seq.num_computed != 0 {
-                return Err(Error::internal("prefill of a partially computed sequence"));
-            }
-            if kind == StepKind::Verify && q != 1 {
-                return Err(Error::internal(
-                    "verify row with more than one uncomputed token",
-                ));
-            }
-            let end = len + lookahead;
-            debug_assert!(seq.block_table.len() >= self.bm.blocks_needed(end));
-            for pos in seq.num_computed..end {
-                let id = if pos < len { seq.token(pos) as i64 } else { 0 };
-                p.input_ids.push(id);
-                p.positions.push(pos as i64);
-                p.slot_mapping.push(self.bm.slot(&seq.block_table, pos));
-            }
-            p.cu_seqlens_q.push(p.input_ids.len() as i32);
-            p.seq_lens.push(end as i32);
-            for (j, &blk) in seq.block_table.iter().enumerate() {
-                p.block_tables[r * width + j] = blk as i32;
-            }
-            p.slots
-                .push(seq.slot.expect("running request has a slot") as i32);
-            p.seeds.push(request_seed(self.cfg.seed, seq.row_index));
-            p.num_generated.push(seq.num_output() as i32);
-            p.max_seqlen_q = p.max_seqlen_q.max(q + lookahead);
-            p.max_seqlen_k = p.max_seqlen_k.max(end);
+            check_plan_row(kind, seq)?;
+            push_plan_row(&mut p, r, seq, lookahead, &self.bm, self.cfg.seed);
             // The worker writes K/V for every query token during this step (for a verify row,
             // `commit` settles how many of them hold accepted tokens).
-            seq.num_computed = len;
+            seq.num_computed = seq.len();
         }
         self.pending = Some(PendingPlan {
             kind,
             start,
-            rows: b,
+            rows: p.num_seqs(),
         });
         Ok(p)
     }
 
-    /// Results of the last plan, rows in plan order (see `_native.pyi`).
+    /// Results of the last plan, rows in plan order (see `_native.pyi`). A malformed result
+    /// is an internal error and changes nothing (the plan stays pending).
     pub fn commit(
         &mut self,
         tokens: &[i32],
@@ -630,134 +802,87 @@ impl Scheduler {
         let plan = self
             .pending
             .ok_or_else(|| Error::internal("commit() without a plan from next_plan()"))?;
-        if num_tokens.len() != plan.rows {
-            return Err(Error::internal(format!(
-                "commit() got {} rows but the plan has {}",
-                num_tokens.len(),
-                plan.rows
-            )));
-        }
-        if let Some(acc) = num_accepted {
-            if acc.len() != plan.rows {
-                return Err(Error::internal(format!(
-                    "commit() got num_accepted for {} rows but the plan has {}",
-                    acc.len(),
-                    plan.rows
-                )));
-            }
-            if acc.iter().any(|&a| a < 0) {
-                return Err(Error::internal("commit(): negative num_accepted"));
-            }
-        }
-        if num_tokens.iter().any(|&n| n < 1) {
-            return Err(Error::internal(
-                "commit(): every row must produce at least one token",
-            ));
-        }
-        let total: i64 = num_tokens.iter().map(|&n| n as i64).sum();
-        if total != tokens.len() as i64 {
-            return Err(Error::internal(format!(
-                "commit(): num_tokens sums to {total} but {} tokens were given",
-                tokens.len()
-            )));
-        }
-        // A verify row yields at most K accepted drafts plus one target token. (Prefill and
-        // decode rows may yield several tokens; the next decode query then covers them all.)
-        let most = self.cfg.num_speculative_tokens as i32 + 1;
-        if plan.kind == StepKind::Verify {
-            if let Some(n) = num_tokens.iter().find(|&&n| n > most) {
-                return Err(Error::internal(format!(
-                    "commit(): a verify row produced {n} tokens; at most K + 1 = {most}"
-                )));
-            }
-        }
-        if let Some(t) = tokens.iter().find(|&&t| t < 0) {
-            return Err(Error::internal(format!("commit(): negative token id {t}")));
-        }
+        let most_verify_tokens = self.cfg.num_speculative_tokens as i32 + 1;
+        check_commit(plan, most_verify_tokens, tokens, num_tokens, num_accepted)?;
         self.pending = None;
         let now = Instant::now();
         let mut offset = 0usize;
         for (r, &n) in num_tokens.iter().enumerate() {
-            let seq = &mut self.running[plan.start + r];
             let toks = &tokens[offset..offset + n as usize];
             offset += n as usize;
-            let appended = append_tokens(seq, toks, now, &self.tokenizer, &self.criteria);
-            if plan.kind == StepKind::Verify {
-                // K/V is valid for the query's real token and the accepted drafts: every
-                // appended token but the last (the target's own, computed next step).
-                seq.num_computed = seq.len() - 1;
-            }
-            self.stats.output_tokens += appended as u64;
-            // Speculative counters count verify rounds only (a prefill yields one target token).
-            if let (Some(acc), StepKind::Verify) = (num_accepted, plan.kind) {
-                *seq.spec_steps.get_or_insert(0) += 1;
-                *seq.accepted_tokens.get_or_insert(0) += acc[r];
-                *seq.spec_tokens.get_or_insert(0) += appended as i32;
-                self.stats.spec_steps += 1;
-                self.stats.accepted_tokens += acc[r] as u64;
-                self.stats.spec_tokens += appended as u64;
-            }
+            let accepted = num_accepted.map(|acc| acc[r]);
+            self.commit_row(plan.kind, plan.start + r, toks, accepted, now);
         }
-        // Retire finished requests (order of the others is kept).
-        if self.running.iter().any(Sequence::is_finished) {
-            let running = std::mem::take(&mut self.running);
-            for mut seq in running {
-                if !seq.is_finished() {
-                    self.running.push(seq);
-                    continue;
-                }
-                self.bm.free(&mut seq.block_table)?;
-                if let Some(slot) = seq.slot.take() {
-                    self.free_slots.push(Reverse(slot));
-                }
-                let row = self.output_row(seq);
-                self.writer.send(row)?;
+        self.retire_finished()
+    }
+
+    /// Appends one row's tokens to `running[i]` (up to its stop condition) and updates the
+    /// token counters. After a verify step K/V is valid for the query's real token and the
+    /// accepted drafts: every appended token but the last (the target's own, computed next
+    /// step). Speculative counters count verify rounds only (a prefill yields one target token).
+    fn commit_row(
+        &mut self,
+        kind: StepKind,
+        i: usize,
+        toks: &[i32],
+        accepted: Option<i32>,
+        now: Instant,
+    ) {
+        let seq = &mut self.running[i];
+        let appended = append_tokens(seq, toks, now, &self.tokenizer, &self.criteria);
+        if kind == StepKind::Verify {
+            seq.num_computed = seq.len() - 1;
+        }
+        self.stats.output_tokens += appended as u64;
+        if let (Some(acc), StepKind::Verify) = (accepted, kind) {
+            *seq.spec_steps.get_or_insert(0) += 1;
+            *seq.accepted_tokens.get_or_insert(0) += acc;
+            *seq.spec_tokens.get_or_insert(0) += appended as i32;
+            self.stats.spec_steps += 1;
+            self.stats.accepted_tokens += acc as u64;
+            self.stats.spec_tokens += appended as u64;
+        }
+    }
+
+    /// Frees the blocks and slots of finished requests and sends their output rows to the
+    /// writer; the others stay in `running`, in their order.
+    fn retire_finished(&mut self) -> Result<()> {
+        if !self.running.iter().any(Sequence::is_finished) {
+            return Ok(());
+        }
+        let running = std::mem::take(&mut self.running);
+        for mut seq in running {
+            if !seq.is_finished() {
+                self.running.push(seq);
+                continue;
             }
+            self.bm.free(&mut seq.block_table)?;
+            if let Some(slot) = seq.slot.take() {
+                self.free_slots.push(Reverse(slot));
+            }
+            let row = self.output_row(seq);
+            self.writer.send(row)?;
         }
         Ok(())
     }
 
-    /// Turns a finished sequence into its output row (and records its statistics).
+    /// Turns a finished sequence into its output row (and records its statistics). An error
+    /// row (finish reason or decode error) has no text, no output tokens and no timings.
     fn output_row(&mut self, mut seq: Sequence) -> OutputRow {
         let reason = seq.finish_reason.unwrap_or(FinishReason::Error);
         if reason != FinishReason::Error && !seq.stopped_on_string {
-            // Exactly `decode(output_ids without EOS, skip_special_tokens=True)`.
-            match self.tokenizer.decode(seq.text_ids(), true) {
-                Ok(text) => seq.output_text = text,
-                Err(e) => {
-                    seq.error = Some(format!("decode failed: {e}"));
-                }
-            }
+            self.decode_final_text(&mut seq);
         }
-        let t = seq.timing;
-        let secs = |a: Option<Instant>, b: Option<Instant>| match (a, b) {
-            (Some(a), Some(b)) => Some(b.saturating_duration_since(a).as_secs_f64()),
-            _ => None,
-        };
         let error = seq.error.is_some() || reason == FinishReason::Error;
         let n = seq.num_output();
         self.stats.requests_done += 1;
-        let (queue_s, ttft_s, latency_s, tpot_s) = if error {
+        let timings = if error {
             self.stats.requests_error += 1;
-            (None, None, None, None)
+            Timings::default()
         } else {
-            let queue = secs(t.read_at, t.first_scheduled);
-            let ttft = secs(t.first_scheduled, t.first_token);
-            let latency = secs(t.first_scheduled, t.finished);
-            let tpot = match (ttft, latency) {
-                (Some(tt), Some(l)) if n >= 2 => Some((l - tt).max(0.0) / (n - 1) as f64),
-                _ => None,
-            };
-            if let Some(l) = latency {
-                self.stats.latency.push(l);
-            }
-            if let Some(tt) = ttft {
-                self.stats.ttft.push(tt);
-            }
-            if let Some(tp) = tpot {
-                self.stats.tpot.push(tp);
-            }
-            (queue, ttft, latency, tpot)
+            let t = Timings::of(&seq.timing, n);
+            t.record(&mut self.stats);
+            t
         };
         // Mean tokens per verify round (accepted drafts + the target's token, after truncation).
         let accept_length = match (seq.spec_steps, seq.spec_tokens) {
@@ -775,10 +900,10 @@ impl Scheduler {
             finish_reason: if error { FinishReason::Error } else { reason },
             prompt_tokens: token_count(seq.prompt_ids.len()),
             output_tokens: if error { 0 } else { n as i32 },
-            queue_s,
-            ttft_s,
-            latency_s,
-            tpot_s,
+            queue_s: timings.queue_s,
+            ttft_s: timings.ttft_s,
+            latency_s: timings.latency_s,
+            tpot_s: timings.tpot_s,
             error: seq.error,
             spec_steps: seq.spec_steps,
             accepted_tokens: seq.accepted_tokens,
@@ -788,6 +913,17 @@ impl Scheduler {
             } else {
                 Vec::new()
             },
+        }
+    }
+
+    /// Replaces the incremental text with exactly `decode(output_ids without EOS,
+    /// skip_special_tokens=True)`; a failed decode sets the sequence's error instead.
+    fn decode_final_text(&self, seq: &mut Sequence) {
+        match self.tokenizer.decode(seq.text_ids(), true) {
+            Ok(text) => seq.output_text = text,
+            Err(e) => {
+                seq.error = Some(format!("decode failed: {e}"));
+            }
         }
     }
 
