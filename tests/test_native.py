@@ -14,6 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from eaglebatch.scheduler_config import SchedulerConfig
+
 tokenizers = pytest.importorskip("tokenizers")
 native = pytest.importorskip("eaglebatch._native")
 
@@ -85,7 +87,7 @@ def make(tok_file: Path, inputs, out: Path, **kw) -> native.Scheduler:
         queue_rows=4,
     )
     args.update(kw)
-    return native.Scheduler(**args)
+    return native.Scheduler(SchedulerConfig(**args))
 
 
 def check_plan(p) -> None:

@@ -17,6 +17,7 @@ import pytest
 
 from eaglebatch.config import load_job
 from eaglebatch.engine import prepare, run_prepared
+from eaglebatch.scheduler_config import SchedulerConfig
 
 native = pytest.importorskip("eaglebatch._native")
 
@@ -185,7 +186,7 @@ def test_a_corrupt_data_page_is_a_user_error_and_abort_keeps_finished_rows(
     inp = tmp_path / "in.parquet"
     corrupt_parquet(inp, rows=12, row_group_size=6, bad_group=1)
     out = tmp_path / "out"
-    s = native.Scheduler(
+    s = native.Scheduler(SchedulerConfig(
         input_files=[str(inp)], prompt_column="prompt", messages_column=None, id_column="id",
         limit=None, apply_chat_template=False,
         tokenizer_file=str(Path(tiny_model_dir) / "tokenizer.json"), chat_template=None,
@@ -193,7 +194,7 @@ def test_a_corrupt_data_page_is_a_user_error_and_abort_keeps_finished_rows(
         file_metadata={}, include_token_ids=False, max_new_tokens=1, stop=[], temperature=0.0,
         top_p=1.0, top_k=0, seed=0, num_blocks=64, block_size=16, max_batch_size=2,
         max_num_batched_tokens=4096, max_model_len=512, queue_rows=64,
-    )
+    ))
     time.sleep(0.5)  # let the reader queue rows 0..5 and its failure
     finished = 0
     with pytest.raises(native.UserInputError) as err:

@@ -14,6 +14,8 @@ Invariants:
 import numpy as np
 import numpy.typing as npt
 
+from .scheduler_config import SchedulerConfig
+
 __version__: str
 
 class NativeError(Exception):
@@ -49,41 +51,7 @@ class StepPlan:
     max_seqlen_k: int
 
 class Scheduler:
-    def __init__(
-        self,
-        *,
-        input_files: list[str],
-        prompt_column: str | None,
-        messages_column: str | None,
-        id_column: str | None,
-        limit: int | None,
-        apply_chat_template: bool,
-        tokenizer_file: str,
-        chat_template: str | None,
-        bos_token: str | None,
-        eos_token: str | None,
-        eos_token_ids: list[int],
-        output_dir: str,
-        part_rows: int,
-        file_metadata: dict[str, str],
-        include_token_ids: bool,
-        max_new_tokens: int,
-        stop: list[str],
-        temperature: float,
-        top_p: float,
-        top_k: int,
-        seed: int,
-        num_blocks: int,
-        block_size: int,
-        max_batch_size: int,
-        max_num_batched_tokens: int,
-        max_model_len: int,
-        num_speculative_tokens: int = 0,
-        read_batch_rows: int = 1024,
-        queue_rows: int = 4096,
-        skip_rows: npt.NDArray[np.int64] | None = None,
-        flush_interval_s: float | None = None,
-    ) -> None:
+    def __init__(self, config: SchedulerConfig) -> None:
         """Validates the input (files exist, are Parquet, columns exist with usable types) and
         starts the reader/tokenizer and writer threads. Raises UserInputError naming the file or
         column. Rows are not all loaded: memory is bounded by `queue_rows`.

@@ -145,19 +145,18 @@ def file_metadata(prep: PreparedJob) -> dict[str, str]:
     }
 
 
-def build_scheduler(prep: PreparedJob, worker, metadata: dict[str, str], skip_rows=None):
-    from ._native import Scheduler
+def scheduler_config(prep: PreparedJob, worker, metadata: dict[str, str], skip_rows=None):
+    """The scheduler's settings for this job and worker (KV blocks, max_model_len)."""
+    from .scheduler_config import SchedulerConfig
 
     job, mf = prep.job, prep.model
     eng, smp = job.engine, job.sampling
-    text_column = job.input.text_column
-    return Scheduler(
+    return SchedulerConfig(
         input_files=[str(f) for f in prep.input_files],
-        prompt_column=text_column,
+        prompt_column=job.input.text_column,
         messages_column=job.input.messages_column,
         id_column=job.input.id_column,
         limit=job.input.limit,
-        skip_rows=skip_rows,
         apply_chat_template=job.input.apply_chat_template,
         tokenizer_file=str(mf.tokenizer_file),
         chat_template=mf.chat_template,
@@ -166,7 +165,6 @@ def build_scheduler(prep: PreparedJob, worker, metadata: dict[str, str], skip_ro
         eos_token_ids=list(mf.eos_token_ids),
         output_dir=job.output.path,
         part_rows=job.output.part_rows,
-        flush_interval_s=job.output.flush_interval_s,
         file_metadata=metadata,
         include_token_ids=job.output.include_token_ids,
         max_new_tokens=smp.max_new_tokens,
@@ -178,10 +176,18 @@ def build_scheduler(prep: PreparedJob, worker, metadata: dict[str, str], skip_ro
         num_blocks=worker.num_blocks,
         block_size=eng.block_size,
         max_batch_size=eng.max_batch_size,
-        max_num_batched_tokens=max(eng.max_num_batched_tokens, 1),
+        max_num_batched_tokens=eng.max_num_batched_tokens,
         max_model_len=worker.max_model_len,
         num_speculative_tokens=job.num_speculative_tokens,
+        skip_rows=skip_rows,
+        flush_interval_s=job.output.flush_interval_s,
     )
+
+
+def build_scheduler(prep: PreparedJob, worker, metadata: dict[str, str], skip_rows=None):
+    from ._native import Scheduler
+
+    return Scheduler(scheduler_config(prep, worker, metadata, skip_rows))
 
 
 def build_worker(prep: PreparedJob, graph_mode: str | None = None):

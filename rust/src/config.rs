@@ -1,7 +1,10 @@
-//! `SchedulerConfig`: every constructor argument of `eaglebatch._native.Scheduler`.
+//! `SchedulerConfig`: the scheduler's settings, the one object that crosses the boundary.
 //!
-//! Plain data; `validate` checks the numeric options once, up front, so the rest of the crate can
-//! rely on them (e.g. `block_size >= 1`, `max_batch_size >= 1`).
+//! The Python side builds its twin (`eaglebatch.scheduler_config.SchedulerConfig`, a frozen
+//! dataclass with the same field names) once from the job; with the `python` feature this struct
+//! is extracted from it field by field (by attribute name). Plain data; `validate` checks the
+//! options once, up front, so the rest of the crate can rely on them (e.g. `block_size >= 1`).
+//! Adding a setting touches this struct, the dataclass, `validate` and its use — nowhere else.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -9,6 +12,7 @@ use std::path::PathBuf;
 use crate::error::{Error, Result};
 
 #[derive(Debug, Clone)]
+#[cfg_attr(feature = "python", derive(pyo3::FromPyObject))]
 pub struct SchedulerConfig {
     // Input.
     pub input_files: Vec<PathBuf>,
@@ -18,6 +22,7 @@ pub struct SchedulerConfig {
     pub limit: Option<u64>,
     /// Resume: row indices already written by an earlier run of the same job (any order,
     /// duplicates allowed). The reader skips them without tokenizing; they are never written.
+    #[cfg_attr(feature = "python", pyo3(from_py_with = crate::python::int64_array))]
     pub skip_rows: Vec<i64>,
     // Prompt construction / tokenization.
     pub apply_chat_template: bool,

@@ -4,9 +4,6 @@
 //! arrays out, and the one place where `Error` becomes a Python exception
 //! (`UserInput` -> `UserInputError`, everything else -> `NativeError`).
 
-use std::collections::BTreeMap;
-use std::path::PathBuf;
-
 use numpy::{
     IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2,
     PyUntypedArrayMethods,
@@ -146,6 +143,14 @@ fn int32_vec(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i32>> {
 
 /// A 1-D int64 array (numpy int64 preferred; other integer numpy arrays and Python sequences
 /// of ints are accepted).
+/// `SchedulerConfig.skip_rows`: an int64 (or int32) numpy array, a sequence of ints, or None.
+pub(crate) fn int64_array(obj: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+    if obj.is_none() {
+        return Ok(Vec::new());
+    }
+    int64_vec(obj, "skip_rows")
+}
+
 fn int64_vec(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i64>> {
     if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
         return Ok(a.as_array().to_vec());
@@ -164,122 +169,11 @@ pub struct PyScheduler {
 
 #[pymethods]
 impl PyScheduler {
+    /// `config`: an `eaglebatch.scheduler_config.SchedulerConfig` (any object with its
+    /// attributes); validated by `Scheduler::new`.
     #[new]
-    #[pyo3(signature = (
-        *,
-        input_files,
-        prompt_column,
-        messages_column,
-        id_column,
-        limit,
-        apply_chat_template,
-        tokenizer_file,
-        chat_template,
-        bos_token,
-        eos_token,
-        eos_token_ids,
-        output_dir,
-        part_rows,
-        file_metadata,
-        include_token_ids,
-        max_new_tokens,
-        stop,
-        temperature,
-        top_p,
-        top_k,
-        seed,
-        num_blocks,
-        block_size,
-        max_batch_size,
-        max_num_batched_tokens,
-        max_model_len,
-        num_speculative_tokens = 0,
-        read_batch_rows = 1024,
-        queue_rows = 4096,
-        skip_rows = None,
-        flush_interval_s = None,
-    ))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        py: Python<'_>,
-        input_files: Vec<PathBuf>,
-        prompt_column: Option<String>,
-        messages_column: Option<String>,
-        id_column: Option<String>,
-        limit: Option<u64>,
-        apply_chat_template: bool,
-        tokenizer_file: PathBuf,
-        chat_template: Option<String>,
-        bos_token: Option<String>,
-        eos_token: Option<String>,
-        eos_token_ids: Vec<i64>,
-        output_dir: PathBuf,
-        part_rows: usize,
-        file_metadata: BTreeMap<String, String>,
-        include_token_ids: bool,
-        max_new_tokens: usize,
-        stop: Vec<String>,
-        temperature: f32,
-        top_p: f32,
-        top_k: i32,
-        seed: i64,
-        num_blocks: usize,
-        block_size: usize,
-        max_batch_size: usize,
-        max_num_batched_tokens: usize,
-        max_model_len: usize,
-        num_speculative_tokens: usize,
-        read_batch_rows: usize,
-        queue_rows: usize,
-        skip_rows: Option<&Bound<'_, PyAny>>,
-        flush_interval_s: Option<f64>,
-    ) -> PyResult<Self> {
-        let skip_rows = match skip_rows {
-            Some(a) if !a.is_none() => int64_vec(a, "skip_rows")?,
-            _ => Vec::new(),
-        };
-        let eos_token_ids = eos_token_ids
-            .into_iter()
-            .map(|id| {
-                u32::try_from(id).map_err(|_| {
-                    UserInputError::new_err(format!("eos_token_ids: invalid token id {id}"))
-                })
-            })
-            .collect::<PyResult<Vec<u32>>>()?;
-        let cfg = SchedulerConfig {
-            input_files,
-            prompt_column,
-            messages_column,
-            id_column,
-            limit,
-            skip_rows,
-            apply_chat_template,
-            tokenizer_file,
-            chat_template,
-            bos_token,
-            eos_token,
-            eos_token_ids,
-            output_dir,
-            part_rows,
-            file_metadata,
-            include_token_ids,
-            flush_interval_s,
-            max_new_tokens,
-            stop,
-            temperature,
-            top_p,
-            top_k,
-            seed,
-            num_blocks,
-            block_size,
-            max_batch_size,
-            max_num_batched_tokens,
-            max_model_len,
-            num_speculative_tokens,
-            read_batch_rows,
-            queue_rows,
-        };
-        let inner = py.detach(|| Scheduler::new(cfg)).map_err(to_py)?;
+    fn new(py: Python<'_>, config: SchedulerConfig) -> PyResult<Self> {
+        let inner = py.detach(|| Scheduler::new(config)).map_err(to_py)?;
         Ok(PyScheduler { inner })
     }
 

@@ -1,0 +1,57 @@
+"""`SchedulerConfig`: the Rust scheduler's settings, the one object that crosses the boundary.
+
+Built once from the job (engine.build_scheduler) and handed to `_native.Scheduler(config)`,
+which reads it by attribute into the Rust struct of the same name (rust/src/config.rs, same
+field names) and validates it there once. Adding a setting touches this class, the Rust struct,
+its validation and its use — nowhere else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    # Input: Parquet files (already resolved from the job's input.path) and their columns.
+    input_files: list[str]
+    prompt_column: str | None
+    messages_column: str | None
+    id_column: str | None
+    limit: int | None
+    # Prompt construction / tokenization.
+    apply_chat_template: bool
+    tokenizer_file: str
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    eos_token_ids: list[int]  # ids < the model's vocab_size (checked by engine.prepare)
+    # Output.
+    output_dir: str
+    part_rows: int
+    file_metadata: dict[str, str]
+    include_token_ids: bool
+    # Sampling / stopping.
+    max_new_tokens: int
+    stop: list[str]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    # Paged KV cache and batching.
+    num_blocks: int
+    block_size: int
+    max_batch_size: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    # W, the most draft tokens of one verify round (0 = plain decoding): the lookahead.
+    num_speculative_tokens: int = 0
+    # Resume: int64 [N] row indices earlier runs wrote (skipped without tokenizing), or None.
+    skip_rows: np.ndarray | None = None
+    # Also close a part once its oldest row has waited this long (None = by part_rows only).
+    flush_interval_s: float | None = None
+    # Reader: rows per Parquet batch, and the most rows queued between reader and scheduler.
+    read_batch_rows: int = 1024
+    queue_rows: int = 4096
