@@ -125,7 +125,7 @@ class KvBudget:
 def plan_kv_budget(
     eng: EngineConfig,
     cfg: ModelConfig,
-    max_model_len: int,
+    max_seq_tokens: int,
     dtype: torch.dtype,
     device,
     extra_kv_layers: int = 0,
@@ -133,11 +133,13 @@ def plan_kv_budget(
 ) -> KvBudget:
     """Blocks for the KV cache: `kv_cache_tokens` if set, else a fraction of free memory (less
     `reserve_bytes`, the CUDA graph pool), never more than max_batch_size full-length sequences
-    can use. `extra_kv_layers` (a draft head's layers over the same blocks) count in the bytes
-    per block. The cache itself gets one block more: the pad block of graph steps."""
+    can use (`max_seq_tokens`: max_model_len plus the speculative lookahead, the most KV slots
+    one sequence holds; the scheduler turns a row that may need more into an error row).
+    `extra_kv_layers` (a draft head's layers over the same blocks) count in the bytes per
+    block. The cache itself gets one block more: the pad block of graph steps."""
     per_layer = kv_cache_bytes_per_block(cfg, eng.block_size, dtype) // cfg.num_hidden_layers
     per_block = per_layer * (cfg.num_hidden_layers + extra_kv_layers)
-    useful = eng.max_batch_size * math.ceil(max_model_len / eng.block_size)
+    useful = eng.max_batch_size * math.ceil(max_seq_tokens / eng.block_size)
     if eng.kv_cache_tokens is not None:
         blocks = math.ceil(eng.kv_cache_tokens / eng.block_size)
     else:
@@ -285,7 +287,8 @@ class Worker:
         if graph_rows and device.type == "cuda":
             itemsize = torch.empty((), dtype=dtype).element_size()
             reserve = graph_reserve_bytes(cfg, graph_rows, graph_q, max_model_len, itemsize)
-        budget = plan_kv_budget(eng, cfg, max_model_len, dtype, device, extra_kv_layers, reserve)
+        seq_tokens = max_model_len + job.num_speculative_tokens
+        budget = plan_kv_budget(eng, cfg, seq_tokens, dtype, device, extra_kv_layers, reserve)
         kv = allocate_kv_cache(cfg, budget.num_blocks + 1, budget.block_size, dtype, device)
         return cls(model, kv, budget, max_model_len, graph_reserve_bytes=reserve)
 
