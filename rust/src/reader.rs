@@ -69,12 +69,11 @@ pub struct InputSpec {
     pub total_rows: u64,
 }
 
-/// Expands directories to the `*.parquet` files below them, recursively, sorted by path, by
-/// pyarrow's rule (also `inputs.py`'s): a file or directory whose name starts with '.' or '_'
-/// below the given directory is not data and is skipped, with all it holds. Explicitly named
-/// files are kept as given.
-fn expand_inputs(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
-    let mut out = Vec::new();
+/// Checks that every input path names an existing file, before any is opened. Input
+/// discovery (directories, globs, pyarrow's skipping of '.*' / '_*' names) is one rule on the
+/// Python side (`inputs.py`), which passes the resolved files; a directory here is a user
+/// error, so no second rule can drift from it.
+fn check_input_paths(paths: &[PathBuf]) -> Result<()> {
     for path in paths {
         let meta = std::fs::metadata(path).map_err(|e| {
             if e.kind() == std::io::ErrorKind::NotFound {
@@ -83,45 +82,11 @@ fn expand_inputs(paths: &[PathBuf]) -> Result<Vec<PathBuf>> {
                 Error::io("cannot access input", path, e)
             }
         })?;
-        if !meta.is_dir() {
-            out.push(path.clone());
-            continue;
-        }
-        let mut files = Vec::new();
-        collect_parquet_files(path, &mut files)?;
-        files.sort();
-        if files.is_empty() {
+        if meta.is_dir() {
             return Err(Error::user(format!(
-                "input directory {} holds no .parquet files (files and directories named \
-                 '.*' or '_*' are skipped)",
+                "input {} is a directory; pass its files (the Python side resolves directories)",
                 path.display()
             )));
-        }
-        out.extend(files);
-    }
-    Ok(out)
-}
-
-/// Appends the visible `*.parquet` files below `dir` to `out` (see `expand_inputs`). Symbolic
-/// links to files are followed, links to directories are not (no cycles).
-fn collect_parquet_files(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
-    let entries =
-        std::fs::read_dir(dir).map_err(|e| Error::io("cannot list input directory", dir, e))?;
-    for entry in entries {
-        let entry = entry.map_err(|e| Error::io("cannot list input directory", dir, e))?;
-        let name = entry.file_name();
-        let name = name.to_string_lossy();
-        if name.starts_with('.') || name.starts_with('_') {
-            continue;
-        }
-        let path = entry.path();
-        let kind = entry
-            .file_type()
-            .map_err(|e| Error::io("cannot access input", &path, e))?;
-        if kind.is_dir() {
-            collect_parquet_files(&path, out)?;
-        } else if name.ends_with(".parquet") && path.is_file() {
-            out.push(path);
         }
     }
     Ok(())
@@ -208,68 +173,28 @@ fn check_codecs(
 }
 
 /// Checks every input file (exists, is Parquet, has usable columns) and counts rows from the
-/// footers. Errors are `UserInput` and name the file and column.
+/// footers. Errors are `UserInput` and name the file and column. Files are checked in order
+/// and the first failure is the error; every file's id column must have the first one's type.
 pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
-    let paths = expand_inputs(&cfg.input_files)?;
-    let mut files = Vec::with_capacity(paths.len());
+    check_input_paths(&cfg.input_files)?;
+    let mut files = Vec::with_capacity(cfg.input_files.len());
     let mut id_type: Option<(DataType, PathBuf)> = None;
     let mut total: u64 = 0;
-    for path in paths {
-        let file = File::open(&path).map_err(|e| Error::io("cannot open input", &path, e))?;
-        let builder = ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| {
-            Error::user(format!(
-                "{}: not a readable Parquet file ({e})",
-                path.display()
-            ))
-        })?;
+    for path in &cfg.input_files {
+        let builder = open_parquet(path)?;
         let schema = builder.schema().clone();
-        if let Some(col) = &cfg.prompt_column {
-            let f = find_column(&schema, &path, "prompt", col)?;
-            if !is_string(f.data_type()) {
-                return Err(Error::user(format!(
-                    "{}: prompt column '{col}' has type {}; expected a string column",
-                    path.display(),
-                    f.data_type()
-                )));
-            }
-        }
-        if let Some(col) = &cfg.messages_column {
-            let f = find_column(&schema, &path, "messages", col)?;
-            if !messages_struct_ok(f.data_type()) {
-                return Err(Error::user(format!(
-                    "{}: messages column '{col}' has type {}; expected \
-                     list<struct<role: string, content: string>>",
-                    path.display(),
-                    f.data_type()
-                )));
-            }
-        }
+        check_text_columns(&schema, path, cfg)?;
         if let Some(col) = &cfg.id_column {
-            let f = find_column(&schema, &path, "id", col)?;
-            let dt = f.data_type();
-            if !id_type_ok(dt) {
-                return Err(Error::user(format!(
-                    "{}: id column '{col}' has type {dt}; expected a primitive or string column",
-                    path.display()
-                )));
-            }
-            match &id_type {
-                None => id_type = Some((dt.clone(), path.clone())),
-                Some((first, first_path)) if first != dt => {
-                    return Err(Error::user(format!(
-                        "id column '{col}' has type {first} in {} but {dt} in {}; all input \
-                         files must use the same id type",
-                        first_path.display(),
-                        path.display()
-                    )));
-                }
-                Some(_) => {}
-            }
+            let dt = check_id_column(&schema, path, col)?;
+            check_same_id_type(&mut id_type, dt, path, col)?;
         }
-        check_codecs(&builder, &path, cfg)?;
+        check_codecs(&builder, path, cfg)?;
         let num_rows = builder.metadata().file_metadata().num_rows().max(0) as u64;
         total += num_rows;
-        files.push(InputFile { path, num_rows });
+        files.push(InputFile {
+            path: path.clone(),
+            num_rows,
+        });
     }
     let total_rows = match cfg.limit {
         Some(limit) => total.min(limit),
@@ -283,6 +208,80 @@ pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
         id_type: id_type.map(|(t, _)| t).unwrap_or(DataType::Int64),
         total_rows,
     })
+}
+
+/// Opens a file and reads its Parquet footer; a file that is not Parquet is a user error.
+fn open_parquet(path: &Path) -> Result<ParquetRecordBatchReaderBuilder<File>> {
+    let file = File::open(path).map_err(|e| Error::io("cannot open input", path, e))?;
+    ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| {
+        Error::user(format!(
+            "{}: not a readable Parquet file ({e})",
+            path.display()
+        ))
+    })
+}
+
+/// The configured prompt column must be a string column and the messages column a
+/// `list<struct<role: string, content: string>>`, when configured.
+fn check_text_columns(schema: &Schema, path: &Path, cfg: &SchedulerConfig) -> Result<()> {
+    if let Some(col) = &cfg.prompt_column {
+        let f = find_column(schema, path, "prompt", col)?;
+        if !is_string(f.data_type()) {
+            return Err(Error::user(format!(
+                "{}: prompt column '{col}' has type {}; expected a string column",
+                path.display(),
+                f.data_type()
+            )));
+        }
+    }
+    if let Some(col) = &cfg.messages_column {
+        let f = find_column(schema, path, "messages", col)?;
+        if !messages_struct_ok(f.data_type()) {
+            return Err(Error::user(format!(
+                "{}: messages column '{col}' has type {}; expected \
+                 list<struct<role: string, content: string>>",
+                path.display(),
+                f.data_type()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The type of id column `col`, which must exist and be a primitive, string or binary column.
+fn check_id_column(schema: &Schema, path: &Path, col: &str) -> Result<DataType> {
+    let f = find_column(schema, path, "id", col)?;
+    let dt = f.data_type();
+    if !id_type_ok(dt) {
+        return Err(Error::user(format!(
+            "{}: id column '{col}' has type {dt}; expected a primitive or string column",
+            path.display()
+        )));
+    }
+    Ok(dt.clone())
+}
+
+/// Records the first file's id type in `first` (with that file's path); a later file whose id
+/// type differs is a user error naming both files.
+fn check_same_id_type(
+    first: &mut Option<(DataType, PathBuf)>,
+    dt: DataType,
+    path: &Path,
+    col: &str,
+) -> Result<()> {
+    match first {
+        None => *first = Some((dt, path.to_path_buf())),
+        Some((first, first_path)) if *first != dt => {
+            return Err(Error::user(format!(
+                "id column '{col}' has type {first} in {} but {dt} in {}; all input \
+                 files must use the same id type",
+                first_path.display(),
+                path.display()
+            )));
+        }
+        Some(_) => {}
+    }
+    Ok(())
 }
 
 /// Normalizers can shrink a text before it is split into tokens (NFC composition, stripping);
@@ -1276,70 +1275,9 @@ mod tests {
     }
 
     #[test]
-    fn directories_expand_recursively_skipping_hidden_and_underscore_names() {
-        let dir = TempDir::new("reader-tree");
-        let d = dir.path();
-        for sub in [
-            "b",
-            "a/x",
-            "_tmp",
-            ".hidden",
-            "a/_meta",
-            "c.parquet",
-            "e/_x",
-        ] {
-            std::fs::create_dir_all(d.join(sub)).unwrap();
-        }
-        let files = [
-            "z.parquet",
-            "b/1.parquet",
-            "a/x/2.parquet",
-            "a/0.parquet",
-            "c.parquet/part.parquet",
-            "_tmp/no.parquet",
-            ".hidden/no.parquet",
-            "a/_meta/no.parquet",
-            "a/.no.parquet",
-            "a/_no.parquet",
-            "e/_x/no.parquet",
-            "e/.no.parquet",
-        ];
-        for f in files {
-            let col = StringArray::from(vec!["w4"]);
-            write_parquet(&d.join(f), vec![("prompt", Arc::new(col) as ArrayRef)], 10);
-        }
-        std::fs::write(d.join("b/notes.txt"), "x").unwrap();
-        let got = expand_inputs(&[d.to_path_buf()]).unwrap();
-        let rel: Vec<String> = got
-            .iter()
-            .map(|p| p.strip_prefix(d).unwrap().display().to_string())
-            .collect();
-        assert_eq!(
-            rel,
-            [
-                "a/0.parquet",
-                "a/x/2.parquet",
-                "b/1.parquet",
-                "c.parquet/part.parquet",
-                "z.parquet"
-            ]
-        );
-        // An explicitly named file is kept even with a leading underscore.
-        let named = d.join("a/_no.parquet");
-        assert_eq!(
-            expand_inputs(std::slice::from_ref(&named)).unwrap(),
-            [named]
-        );
-        // The names below the given directory count, not the directory's own.
-        assert_eq!(expand_inputs(&[d.join("_tmp")]).unwrap().len(), 1);
-        let err = expand_inputs(&[d.join("e")]).unwrap_err();
-        assert!(err.to_string().contains("holds no .parquet files"), "{err}");
-    }
-
-    #[test]
-    fn directory_input_expands_to_parquet_files() {
+    fn directory_input_is_a_user_error() {
         let dir = TempDir::new("reader-dir");
-        for name in ["b.parquet", "a.parquet"] {
+        for name in ["b.parquet", "_a.parquet"] {
             write_parquet(
                 &dir.path().join(name),
                 vec![(
@@ -1349,10 +1287,23 @@ mod tests {
                 10,
             );
         }
-        std::fs::write(dir.path().join("notes.txt"), "x").unwrap();
-        let spec = validate_inputs(&cfg(vec![dir.path().to_path_buf()])).unwrap();
+        // The Python side resolves directories; Rust accepts only files.
+        let err = validate_inputs(&cfg(vec![dir.path().to_path_buf()])).unwrap_err();
+        assert!(matches!(err, Error::UserInput(_)), "{err:?}");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("is a directory; pass its files (the Python side resolves directories)"),
+            "{msg}"
+        );
+        // Also when it follows a valid file.
+        let file = dir.path().join("b.parquet");
+        let err = validate_inputs(&cfg(vec![file.clone(), dir.path().to_path_buf()])).unwrap_err();
+        assert!(err.to_string().contains("is a directory"), "{err}");
+        // An explicitly named file is read even with a leading underscore.
+        let named = dir.path().join("_a.parquet");
+        let spec = validate_inputs(&cfg(vec![file, named])).unwrap();
         assert_eq!(spec.files.len(), 2);
-        assert!(spec.files[0].path.ends_with("a.parquet"));
+        assert!(spec.files[1].path.ends_with("_a.parquet"));
         assert_eq!(spec.total_rows, 4);
     }
 }
