@@ -24,10 +24,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use arrow_array::builder::{
-    Float64Builder, Int32Builder, Int64Builder, ListBuilder, StringBuilder,
-};
-use arrow_array::{ArrayRef, RecordBatch};
+use arrow_array::builder::{Float64Builder, Int32Builder, ListBuilder, StringBuilder};
+use arrow_array::{ArrayRef, Int64Array, RecordBatch};
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parquet::arrow::ArrowWriter;
@@ -323,76 +321,86 @@ impl WriterThread {
     }
 }
 
+/// The record batch of `rows` in `schema`'s column order (see `output_schema`): one column
+/// per `OutputRow` field, row order kept; `output_token_ids` only with `include_ids`.
 fn build_batch(schema: &SchemaRef, rows: &[OutputRow], include_ids: bool) -> Result<RecordBatch> {
-    let n = rows.len();
-    let id: ArrayRef = if rows.is_empty() {
-        arrow_array::new_empty_array(schema.field(0).data_type())
-    } else {
-        let parts: Vec<&dyn arrow_array::Array> = rows.iter().map(|r| r.id.as_ref()).collect();
-        arrow_select::concat::concat(&parts)?
-    };
-    let mut row_index = Int64Builder::with_capacity(n);
-    let mut text = StringBuilder::with_capacity(n, rows.iter().map(|r| r.output_text.len()).sum());
-    let mut reason = StringBuilder::with_capacity(n, n * 6);
-    let mut prompt_tokens = Int32Builder::with_capacity(n);
-    let mut output_tokens = Int32Builder::with_capacity(n);
-    let mut queue = Float64Builder::with_capacity(n);
-    let mut ttft = Float64Builder::with_capacity(n);
-    let mut latency = Float64Builder::with_capacity(n);
-    let mut tpot = Float64Builder::with_capacity(n);
-    let mut error = StringBuilder::new();
-    let mut spec_steps = Int32Builder::with_capacity(n);
-    let mut accepted = Int32Builder::with_capacity(n);
-    let mut accept_len = Float64Builder::with_capacity(n);
-    let mut token_ids = ListBuilder::new(Int32Builder::new()).with_field(Arc::new(Field::new(
-        "item",
-        DataType::Int32,
-        true,
-    )));
-    for r in rows {
-        row_index.append_value(r.row_index);
-        text.append_value(&r.output_text);
-        reason.append_value(r.finish_reason.as_str());
-        prompt_tokens.append_value(r.prompt_tokens);
-        output_tokens.append_value(r.output_tokens);
-        queue.append_option(r.queue_s);
-        ttft.append_option(r.ttft_s);
-        latency.append_option(r.latency_s);
-        tpot.append_option(r.tpot_s);
-        error.append_option(r.error.as_deref());
-        spec_steps.append_option(r.spec_steps);
-        accepted.append_option(r.accepted_tokens);
-        accept_len.append_option(r.accept_length);
-        if include_ids {
-            token_ids.values().append_slice(
-                &r.output_token_ids
-                    .iter()
-                    .map(|&t| t as i32)
-                    .collect::<Vec<_>>(),
-            );
-            token_ids.append(true);
-        }
-    }
+    let text_bytes = rows.iter().map(|r| r.output_text.len()).sum();
     let mut columns: Vec<ArrayRef> = vec![
-        id,
-        Arc::new(row_index.finish()),
-        Arc::new(text.finish()),
-        Arc::new(reason.finish()),
-        Arc::new(prompt_tokens.finish()),
-        Arc::new(output_tokens.finish()),
-        Arc::new(queue.finish()),
-        Arc::new(ttft.finish()),
-        Arc::new(latency.finish()),
-        Arc::new(tpot.finish()),
-        Arc::new(error.finish()),
-        Arc::new(spec_steps.finish()),
-        Arc::new(accepted.finish()),
-        Arc::new(accept_len.finish()),
+        id_column(schema, rows)?,
+        Arc::new(Int64Array::from_iter_values(
+            rows.iter().map(|r| r.row_index),
+        )),
+        string_column(rows, text_bytes, |r| Some(&r.output_text)),
+        string_column(rows, rows.len() * 6, |r| Some(r.finish_reason.as_str())),
+        int32_column(rows, |r| Some(r.prompt_tokens)),
+        int32_column(rows, |r| Some(r.output_tokens)),
+        float64_column(rows, |r| r.queue_s),
+        float64_column(rows, |r| r.ttft_s),
+        float64_column(rows, |r| r.latency_s),
+        float64_column(rows, |r| r.tpot_s),
+        string_column(rows, 0, |r| r.error.as_deref()),
+        int32_column(rows, |r| r.spec_steps),
+        int32_column(rows, |r| r.accepted_tokens),
+        float64_column(rows, |r| r.accept_length),
     ];
     if include_ids {
-        columns.push(Arc::new(token_ids.finish()));
+        columns.push(token_ids_column(rows));
     }
     Ok(RecordBatch::try_new(schema.clone(), columns)?)
+}
+
+/// The rows' ids concatenated (each `OutputRow::id` is a one-element array of the id type);
+/// an empty array of the schema's id type when there are no rows.
+fn id_column(schema: &SchemaRef, rows: &[OutputRow]) -> Result<ArrayRef> {
+    if rows.is_empty() {
+        return Ok(arrow_array::new_empty_array(schema.field(0).data_type()));
+    }
+    let parts: Vec<&dyn arrow_array::Array> = rows.iter().map(|r| r.id.as_ref()).collect();
+    Ok(arrow_select::concat::concat(&parts)?)
+}
+
+/// A string column of `f(row)` (`None` is null); `bytes` is a capacity hint only.
+fn string_column<'a>(
+    rows: &'a [OutputRow],
+    bytes: usize,
+    f: impl Fn(&'a OutputRow) -> Option<&'a str>,
+) -> ArrayRef {
+    let mut b = StringBuilder::with_capacity(rows.len(), bytes);
+    for r in rows {
+        b.append_option(f(r));
+    }
+    Arc::new(b.finish())
+}
+
+/// An int32 column of `f(row)` (`None` is null).
+fn int32_column(rows: &[OutputRow], f: impl Fn(&OutputRow) -> Option<i32>) -> ArrayRef {
+    let mut b = Int32Builder::with_capacity(rows.len());
+    for r in rows {
+        b.append_option(f(r));
+    }
+    Arc::new(b.finish())
+}
+
+/// A float64 column of `f(row)` (`None` is null).
+fn float64_column(rows: &[OutputRow], f: impl Fn(&OutputRow) -> Option<f64>) -> ArrayRef {
+    let mut b = Float64Builder::with_capacity(rows.len());
+    for r in rows {
+        b.append_option(f(r));
+    }
+    Arc::new(b.finish())
+}
+
+/// The `output_token_ids` column: one non-null `list<int32>` per row (items nullable, as in
+/// `output_schema`).
+fn token_ids_column(rows: &[OutputRow]) -> ArrayRef {
+    let item = Arc::new(Field::new("item", DataType::Int32, true));
+    let mut b = ListBuilder::new(Int32Builder::new()).with_field(item);
+    for r in rows {
+        let ids: Vec<i32> = r.output_token_ids.iter().map(|&t| t as i32).collect();
+        b.values().append_slice(&ids);
+        b.append(true);
+    }
+    Arc::new(b.finish())
 }
 
 #[cfg(test)]
