@@ -312,6 +312,8 @@ struct JsonOpts {
     sort_keys: bool,
 }
 
+/// Appends `v` as JSON exactly as Python's `json.dumps` with options `o` writes it; `depth`
+/// is the nesting level (for indentation). Values JSON lacks are written as strings.
 fn write_json(
     out: &mut String,
     v: &Value,
@@ -321,60 +323,82 @@ fn write_json(
     match v.kind() {
         ValueKind::Undefined | ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
-        ValueKind::Number => {
-            if v.is_integer() {
-                out.push_str(&v.to_string());
-            } else {
-                out.push_str(&python_float_repr(
-                    f64::try_from(v.clone()).unwrap_or(f64::NAN),
-                ));
-            }
-        }
+        ValueKind::Number => write_json_number(out, v),
         ValueKind::String => write_json_str(out, v.as_str().unwrap_or_default(), o.ensure_ascii),
-        ValueKind::Map => {
-            let mut keys: Vec<Value> = v.try_iter()?.collect();
-            if keys.is_empty() {
-                out.push_str("{}");
-                return Ok(());
-            }
-            if o.sort_keys {
-                keys.sort();
-            }
-            out.push('{');
-            for (i, k) in keys.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(&o.item_sep);
-                }
-                newline_indent(out, o, depth + 1);
-                match k.as_str() {
-                    Some(s) => write_json_str(out, s, o.ensure_ascii),
-                    None => write_json_str(out, &k.to_string(), o.ensure_ascii),
-                }
-                out.push_str(&o.key_sep);
-                write_json(out, &v.get_item(k)?, o, depth + 1)?;
-            }
-            newline_indent(out, o, depth);
-            out.push('}');
-        }
-        ValueKind::Seq | ValueKind::Iterable => {
-            let items: Vec<Value> = v.try_iter()?.collect();
-            if items.is_empty() {
-                out.push_str("[]");
-                return Ok(());
-            }
-            out.push('[');
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(&o.item_sep);
-                }
-                newline_indent(out, o, depth + 1);
-                write_json(out, item, o, depth + 1)?;
-            }
-            newline_indent(out, o, depth);
-            out.push(']');
-        }
+        ValueKind::Map => write_json_map(out, v, o, depth)?,
+        ValueKind::Seq | ValueKind::Iterable => write_json_seq(out, v, o, depth)?,
         _ => write_json_str(out, &v.to_string(), o.ensure_ascii),
     }
+    Ok(())
+}
+
+/// An integer as is, a float as Python's `repr(float)`.
+fn write_json_number(out: &mut String, v: &Value) {
+    if v.is_integer() {
+        out.push_str(&v.to_string());
+    } else {
+        out.push_str(&python_float_repr(
+            f64::try_from(v.clone()).unwrap_or(f64::NAN),
+        ));
+    }
+}
+
+/// A map as a JSON object, keys in map order (sorted with `sort_keys`); a key that is not a
+/// string is written as its string form. An empty map is `{}` whatever the indent.
+fn write_json_map(
+    out: &mut String,
+    v: &Value,
+    o: &JsonOpts,
+    depth: usize,
+) -> std::result::Result<(), minijinja::Error> {
+    let mut keys: Vec<Value> = v.try_iter()?.collect();
+    if keys.is_empty() {
+        out.push_str("{}");
+        return Ok(());
+    }
+    if o.sort_keys {
+        keys.sort();
+    }
+    out.push('{');
+    for (i, k) in keys.iter().enumerate() {
+        if i > 0 {
+            out.push_str(&o.item_sep);
+        }
+        newline_indent(out, o, depth + 1);
+        match k.as_str() {
+            Some(s) => write_json_str(out, s, o.ensure_ascii),
+            None => write_json_str(out, &k.to_string(), o.ensure_ascii),
+        }
+        out.push_str(&o.key_sep);
+        write_json(out, &v.get_item(k)?, o, depth + 1)?;
+    }
+    newline_indent(out, o, depth);
+    out.push('}');
+    Ok(())
+}
+
+/// A sequence (or other iterable) as a JSON array. An empty one is `[]` whatever the indent.
+fn write_json_seq(
+    out: &mut String,
+    v: &Value,
+    o: &JsonOpts,
+    depth: usize,
+) -> std::result::Result<(), minijinja::Error> {
+    let items: Vec<Value> = v.try_iter()?.collect();
+    if items.is_empty() {
+        out.push_str("[]");
+        return Ok(());
+    }
+    out.push('[');
+    for (i, item) in items.iter().enumerate() {
+        if i > 0 {
+            out.push_str(&o.item_sep);
+        }
+        newline_indent(out, o, depth + 1);
+        write_json(out, item, o, depth + 1)?;
+    }
+    newline_indent(out, o, depth);
+    out.push(']');
     Ok(())
 }
 
@@ -453,36 +477,64 @@ fn strftime_now(fmt: String) -> std::result::Result<Value, minijinja::Error> {
     strftime(&fmt, secs).map(Value::from)
 }
 
+const MONTHS: [&str; 12] = [
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+];
+const DAYS: [&str; 7] = [
+    "Monday",
+    "Tuesday",
+    "Wednesday",
+    "Thursday",
+    "Friday",
+    "Saturday",
+    "Sunday",
+];
+
+/// A UTC instant broken down into calendar fields (proleptic Gregorian).
+struct CivilTime {
+    year: i64,
+    /// 1..=12
+    month: u32,
+    /// 1..=31
+    day: u32,
+    /// 0..=6, Monday = 0.
+    weekday: usize,
+    /// Day of the year, 1..=366.
+    yday: i64,
+    secs_of_day: i64,
+}
+
+impl CivilTime {
+    fn from_unix(unix_secs: i64) -> Self {
+        let days = unix_secs.div_euclid(86_400);
+        let (year, month, day) = civil_from_days(days);
+        CivilTime {
+            year,
+            month,
+            day,
+            // 1970-01-01 was a Thursday (index 3 with Monday = 0).
+            weekday: (days + 3).rem_euclid(7) as usize,
+            yday: days - days_from_civil(year, 1, 1) + 1,
+            secs_of_day: unix_secs.rem_euclid(86_400),
+        }
+    }
+}
+
+/// `fmt` with its strftime directives replaced by the fields of `unix_secs` (UTC); an
+/// unsupported directive (or a lone trailing '%') is an error.
 fn strftime(fmt: &str, unix_secs: i64) -> std::result::Result<String, minijinja::Error> {
-    const MONTHS: [&str; 12] = [
-        "January",
-        "February",
-        "March",
-        "April",
-        "May",
-        "June",
-        "July",
-        "August",
-        "September",
-        "October",
-        "November",
-        "December",
-    ];
-    const DAYS: [&str; 7] = [
-        "Monday",
-        "Tuesday",
-        "Wednesday",
-        "Thursday",
-        "Friday",
-        "Saturday",
-        "Sunday",
-    ];
-    let days = unix_secs.div_euclid(86_400);
-    let secs_of_day = unix_secs.rem_euclid(86_400);
-    let (y, m, d) = civil_from_days(days);
-    // 1970-01-01 was a Thursday (index 3 with Monday = 0).
-    let weekday = (days + 3).rem_euclid(7) as usize;
-    let yday = days - days_from_civil(y, 1, 1) + 1;
+    let t = CivilTime::from_unix(unix_secs);
     let mut out = String::new();
     let mut chars = fmt.chars();
     while let Some(c) = chars.next() {
@@ -490,33 +542,43 @@ fn strftime(fmt: &str, unix_secs: i64) -> std::result::Result<String, minijinja:
             out.push(c);
             continue;
         }
-        match chars.next() {
-            Some('d') => write!(out, "{d:02}"),
-            Some('m') => write!(out, "{m:02}"),
-            Some('Y') => write!(out, "{y}"),
-            Some('y') => write!(out, "{:02}", y.rem_euclid(100)),
-            Some('b') => write!(out, "{}", &MONTHS[m as usize - 1][..3]),
-            Some('B') => write!(out, "{}", MONTHS[m as usize - 1]),
-            Some('a') => write!(out, "{}", &DAYS[weekday][..3]),
-            Some('A') => write!(out, "{}", DAYS[weekday]),
-            Some('H') => write!(out, "{:02}", secs_of_day / 3600),
-            Some('M') => write!(out, "{:02}", secs_of_day / 60 % 60),
-            Some('S') => write!(out, "{:02}", secs_of_day % 60),
-            Some('j') => write!(out, "{yday:03}"),
-            Some('%') => write!(out, "%"),
-            other => {
-                return Err(minijinja::Error::new(
-                    ErrorKind::InvalidOperation,
-                    format!(
-                        "strftime_now: unsupported directive %{}",
-                        other.unwrap_or(' ')
-                    ),
-                ))
-            }
+        let directive = chars.next();
+        if !write_directive(&mut out, directive, &t) {
+            return Err(minijinja::Error::new(
+                ErrorKind::InvalidOperation,
+                format!(
+                    "strftime_now: unsupported directive %{}",
+                    directive.unwrap_or(' ')
+                ),
+            ));
         }
-        .expect("writing to a String cannot fail");
     }
     Ok(out)
+}
+
+/// Appends the value of directive `%{d}` for `t`; false (nothing written) if unsupported.
+fn write_directive(out: &mut String, d: Option<char>, t: &CivilTime) -> bool {
+    let month = MONTHS[t.month as usize - 1];
+    let weekday = DAYS[t.weekday];
+    let secs = t.secs_of_day;
+    match d {
+        Some('d') => write!(out, "{:02}", t.day),
+        Some('m') => write!(out, "{:02}", t.month),
+        Some('Y') => write!(out, "{}", t.year),
+        Some('y') => write!(out, "{:02}", t.year.rem_euclid(100)),
+        Some('b') => write!(out, "{}", &month[..3]),
+        Some('B') => write!(out, "{month}"),
+        Some('a') => write!(out, "{}", &weekday[..3]),
+        Some('A') => write!(out, "{weekday}"),
+        Some('H') => write!(out, "{:02}", secs / 3600),
+        Some('M') => write!(out, "{:02}", secs / 60 % 60),
+        Some('S') => write!(out, "{:02}", secs % 60),
+        Some('j') => write!(out, "{:03}", t.yday),
+        Some('%') => write!(out, "%"),
+        _ => return false,
+    }
+    .expect("writing to a String cannot fail");
+    true
 }
 
 /// Days since 1970-01-01 -> (year, month 1..=12, day 1..=31), proleptic Gregorian.
