@@ -102,7 +102,15 @@ impl SchedulerConfig {
         }
     }
 
+    /// Checks every setting once, up front (sizes, then sampling, then inputs).
     pub fn validate(&self) -> Result<()> {
+        self.validate_sizes()?;
+        self.validate_sampling()?;
+        self.validate_inputs()
+    }
+
+    /// Counts and sizes: positive, and within what the crate's index types hold.
+    fn validate_sizes(&self) -> Result<()> {
         let positive = [
             ("part_rows", self.part_rows),
             ("max_new_tokens", self.max_new_tokens),
@@ -147,6 +155,11 @@ impl SchedulerConfig {
                 )));
             }
         }
+        Ok(())
+    }
+
+    /// Input files, columns, resume rows and the chat template.
+    fn validate_inputs(&self) -> Result<()> {
         if self.skip_rows.iter().any(|&r| r < 0) {
             return Err(Error::user("skip_rows: row indices must be >= 0"));
         }
@@ -160,6 +173,18 @@ impl SchedulerConfig {
                 "neither prompt_column nor messages_column is set: one of them is required",
             ));
         }
+        let needs_template = self.messages_column.is_some() || self.apply_chat_template;
+        if needs_template && self.chat_template.as_deref().is_none_or(str::is_empty) {
+            return Err(Error::user(
+                "a chat template is required (messages_column is set or apply_chat_template is \
+                 true) but chat_template is empty: the tokenizer has no chat template; pass one",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Sampling parameters: finite and in their ranges.
+    fn validate_sampling(&self) -> Result<()> {
         if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
             return Err(Error::user(format!(
                 "temperature must be a finite number >= 0, got {}",
@@ -177,13 +202,6 @@ impl SchedulerConfig {
                 "top_k must be >= 0 (0 = off), got {}",
                 self.top_k
             )));
-        }
-        let needs_template = self.messages_column.is_some() || self.apply_chat_template;
-        if needs_template && self.chat_template.as_deref().is_none_or(str::is_empty) {
-            return Err(Error::user(
-                "a chat template is required (messages_column is set or apply_chat_template is \
-                 true) but chat_template is empty: the tokenizer has no chat template; pass one",
-            ));
         }
         Ok(())
     }

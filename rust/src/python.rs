@@ -551,110 +551,176 @@ impl CpuDecoder {
         threads: usize,
     ) -> PyResult<()> {
         let err = |e: String| PyValueError::new_err(format!("CpuDecoder.forward: {e}"));
-        let contiguous = |name: &str| err(format!("{name} must be C-contiguous"));
-        if first >= last || last > self.layers.len() || kv_caches.len() != last - first {
-            return Err(err(format!(
-                "layers {first}..{last} of {} need one KV cache each",
-                self.layers.len()
-            )));
-        }
-        if x == 0 || kv_caches.contains(&0) || block_size == 0 || num_blocks == 0 {
-            return Err(err("null buffer or empty cache".into()));
-        }
-        let positions = positions.as_slice().map_err(|_| contiguous("positions"))?;
-        let slot_mapping = slot_mapping
-            .as_slice()
-            .map_err(|_| contiguous("slot_mapping"))?;
+        let positions = contiguous("positions", positions.as_slice())?;
+        let slot_mapping = contiguous("slot_mapping", slot_mapping.as_slice())?;
         let step = attn::Step {
-            cu_seqlens_q: cu_seqlens_q
-                .as_slice()
-                .map_err(|_| contiguous("cu_seqlens_q"))?,
-            seq_lens: seq_lens.as_slice().map_err(|_| contiguous("seq_lens"))?,
-            block_tables: block_tables
-                .as_slice()
-                .map_err(|_| contiguous("block_tables"))?,
+            cu_seqlens_q: contiguous("cu_seqlens_q", cu_seqlens_q.as_slice())?,
+            seq_lens: contiguous("seq_lens", seq_lens.as_slice())?,
+            block_tables: contiguous("block_tables", block_tables.as_slice())?,
         };
-        let t = positions.len();
-        if !(1..=gemm::MAX_ROWS).contains(&t) {
-            return Err(err(format!("{t} rows: 1..={} supported", gemm::MAX_ROWS)));
-        }
-        if first > 0 && input != 0 {
-            return Err(err("an input is only given to layer 0".into()));
-        }
-        // layers that norm x themselves read `hidden` features
-        if (first..last).any(|i| (i != first || input == 0) && self.in_features[i] != self.hidden) {
-            return Err(err(
-                "a layer wider than the hidden size needs an input".into()
-            ));
-        }
-        let max_blocks = block_tables.shape()[1];
-        let (cos, sin, max_positions) = self.rope;
-        let d = self.head_dim;
-        let (h, inner) = (self.hidden, self.intermediate);
-        let (q_size, kv_size) = (self.num_heads * d, self.num_kv_heads * d);
-        let cache_len = 2 * num_blocks * block_size * kv_size;
-        let shape = layers::Shape {
-            hidden: h,
-            num_heads: self.num_heads,
-            num_kv_heads: self.num_kv_heads,
-            head_dim: d,
-            eps: self.eps,
-            scale: self.scale,
-            block_size,
+        let call = Call {
+            x,
+            input,
+            layers: first..last,
+            kv_caches: &kv_caches,
             num_blocks,
+            block_size,
+            rows: positions.len(),
         };
-        let in0 = self.in_features[first];
+        self.check(&call).map_err(err)?;
+        let max_blocks = block_tables.shape()[1];
         py.detach(|| {
             // SAFETY: the caller's guarantee in the class doc: live tensors of these sizes.
             unsafe {
-                let f32s = |a: usize, len: usize| std::slice::from_raw_parts(a as *const f32, len);
-                let proj = |a: [usize; LAYER_TENSORS], bf: [bool; 7], j: usize, n, k| {
-                    let w = a[[1, 2, 3, 4, 6, 7, 8][j]]; // projection j's weight address
-                    let weight = if bf[j] {
-                        layers::Weight::Bf16(std::slice::from_raw_parts(w as *const u16, n * k))
-                    } else {
-                        layers::Weight::F32(f32s(w, n * k))
-                    };
-                    let b = a[9 + j];
-                    layers::Proj {
-                        weight,
-                        bias: (b != 0).then(|| f32s(b, n)),
-                        n,
-                        k,
-                    }
-                };
-                let mut run: Vec<layers::Layer> = (first..last)
-                    .zip(&kv_caches)
-                    .map(|(i, &cache)| {
-                        let (a, bf, q_in) = (self.layers[i], self.bf16[i], self.in_features[i]);
-                        layers::Layer {
-                            input_norm: (a[0] != 0).then(|| f32s(a[0], h)),
-                            q: proj(a, bf, 0, q_size, q_in),
-                            k: proj(a, bf, 1, kv_size, q_in),
-                            v: proj(a, bf, 2, kv_size, q_in),
-                            o: proj(a, bf, 3, h, q_size),
-                            post_norm: f32s(a[5], h),
-                            gate: proj(a, bf, 4, inner, h),
-                            up: proj(a, bf, 5, inner, h),
-                            down: proj(a, bf, 6, h, inner),
-                            kv_cache: std::slice::from_raw_parts_mut(cache as *mut f32, cache_len),
-                        }
-                    })
-                    .collect();
+                let mut run = self.layer_views(&call);
+                let (cos, sin, max_positions) = self.rope;
+                let d = self.head_dim;
                 let rows = layers::Rows {
                     positions,
                     slot_mapping,
                     step,
                     max_blocks,
-                    cos: f32s(cos, max_positions * d),
-                    sin: f32s(sin, max_positions * d),
+                    cos: f32_slice(cos, max_positions * d),
+                    sin: f32_slice(sin, max_positions * d),
                 };
-                let x = std::slice::from_raw_parts_mut(x as *mut f32, t * h);
-                let input = (input != 0).then(|| f32s(input, t * in0));
+                let x = std::slice::from_raw_parts_mut(x as *mut f32, call.rows * self.hidden);
+                let in0 = self.in_features[first];
+                let input = (input != 0).then(|| f32_slice(input, call.rows * in0));
+                let shape = self.shape(num_blocks, block_size);
                 layers::forward(&mut run, &shape, &rows, x, input, threads)
             }
         })
         .map_err(err)
+    }
+}
+
+/// A numpy array's data as a slice, or the error naming the argument that is not contiguous.
+fn contiguous<'a, T>(
+    name: &str,
+    r: std::result::Result<&'a [T], numpy::AsSliceError>,
+) -> PyResult<&'a [T]> {
+    r.map_err(|_| PyValueError::new_err(format!("CpuDecoder.forward: {name} must be C-contiguous")))
+}
+
+/// One `CpuDecoder.forward` call's buffers and sizes (addresses as given by the caller).
+struct Call<'a> {
+    x: usize,
+    input: usize,
+    layers: std::ops::Range<usize>,
+    kv_caches: &'a [usize],
+    num_blocks: usize,
+    block_size: usize,
+    rows: usize,
+}
+
+/// # Safety
+/// `addr` is the address of `len` live f32 values (the caller's guarantee, `CpuDecoder`).
+unsafe fn f32_slice<'a>(addr: usize, len: usize) -> &'a [f32] {
+    unsafe { std::slice::from_raw_parts(addr as *const f32, len) }
+}
+
+impl CpuDecoder {
+    /// The argument rules of `forward`, checked before any address is read.
+    fn check(&self, c: &Call<'_>) -> Result<(), String> {
+        let (first, last) = (c.layers.start, c.layers.end);
+        if first >= last || last > self.layers.len() || c.kv_caches.len() != last - first {
+            return Err(format!(
+                "layers {first}..{last} of {} need one KV cache each",
+                self.layers.len()
+            ));
+        }
+        if c.x == 0 || c.kv_caches.contains(&0) || c.block_size == 0 || c.num_blocks == 0 {
+            return Err("null buffer or empty cache".into());
+        }
+        if !(1..=gemm::MAX_ROWS).contains(&c.rows) {
+            return Err(format!("{} rows: 1..={} supported", c.rows, gemm::MAX_ROWS));
+        }
+        if first > 0 && c.input != 0 {
+            return Err("an input is only given to layer 0".into());
+        }
+        // layers that norm x themselves read `hidden` features
+        if (first..last).any(|i| (i != first || c.input == 0) && self.in_features[i] != self.hidden)
+        {
+            return Err("a layer wider than the hidden size needs an input".into());
+        }
+        Ok(())
+    }
+
+    fn shape(&self, num_blocks: usize, block_size: usize) -> layers::Shape {
+        layers::Shape {
+            hidden: self.hidden,
+            num_heads: self.num_heads,
+            num_kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+            eps: self.eps,
+            scale: self.scale,
+            block_size,
+            num_blocks,
+        }
+    }
+
+    /// Slices over the tensors of layers `c.layers`, each with its KV cache.
+    ///
+    /// # Safety
+    /// The addresses are live tensors of the documented sizes (the class doc).
+    unsafe fn layer_views<'a>(&self, c: &Call<'_>) -> Vec<layers::Layer<'a>> {
+        let d = self.head_dim;
+        let (h, inner) = (self.hidden, self.intermediate);
+        let (q_size, kv_size) = (self.num_heads * d, self.num_kv_heads * d);
+        let cache_len = 2 * c.num_blocks * c.block_size * kv_size;
+        c.layers
+            .clone()
+            .zip(c.kv_caches)
+            .map(|(i, &cache)| {
+                let (a, bf, q_in) = (self.layers[i], self.bf16[i], self.in_features[i]);
+                // SAFETY: as this function's.
+                unsafe {
+                    let proj = |j: usize, n: usize, k: usize| projection(a, bf, j, n, k);
+                    layers::Layer {
+                        input_norm: (a[0] != 0).then(|| f32_slice(a[0], h)),
+                        q: proj(0, q_size, q_in),
+                        k: proj(1, kv_size, q_in),
+                        v: proj(2, kv_size, q_in),
+                        o: proj(3, h, q_size),
+                        post_norm: f32_slice(a[5], h),
+                        gate: proj(4, inner, h),
+                        up: proj(5, inner, h),
+                        down: proj(6, h, inner),
+                        kv_cache: std::slice::from_raw_parts_mut(cache as *mut f32, cache_len),
+                    }
+                }
+            })
+            .collect()
+    }
+}
+
+/// Projection `j` (q, k, v, o, gate, up, down) of a layer's addresses `a`: its weight [n, k]
+/// (bfloat16 bits when `bf[j]`) and bias [n] (address 0: none).
+///
+/// # Safety
+/// The addresses are live tensors of those sizes.
+unsafe fn projection<'a>(
+    a: [usize; LAYER_TENSORS],
+    bf: [bool; 7],
+    j: usize,
+    n: usize,
+    k: usize,
+) -> layers::Proj<'a> {
+    let w = a[[1, 2, 3, 4, 6, 7, 8][j]]; // projection j's weight address
+                                         // SAFETY: as this function's.
+    unsafe {
+        let weight = if bf[j] {
+            layers::Weight::Bf16(std::slice::from_raw_parts(w as *const u16, n * k))
+        } else {
+            layers::Weight::F32(f32_slice(w, n * k))
+        };
+        let b = a[9 + j];
+        layers::Proj {
+            weight,
+            bias: (b != 0).then(|| f32_slice(b, n)),
+            n,
+            k,
+        }
     }
 }
 
