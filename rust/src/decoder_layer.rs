@@ -94,69 +94,143 @@ pub fn forward(
 ) -> Result<(), String> {
     let t = rows.positions.len();
     check(layers, shape, rows, x, input, t)?;
-    let s = shape;
-    let (q_size, kv_size) = (s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim);
     let layout = attn::Layout {
-        num_heads: s.num_heads,
-        num_kv_heads: s.num_kv_heads,
-        head_dim: s.head_dim,
-        block_size: s.block_size,
-        num_blocks: s.num_blocks,
+        num_heads: shape.num_heads,
+        num_kv_heads: shape.num_kv_heads,
+        head_dim: shape.head_dim,
+        block_size: shape.block_size,
+        num_blocks: shape.num_blocks,
         max_blocks: rows.max_blocks,
     };
     attn::check(&layout, &rows.step, t)?; // the block tables too, before any cache write
-    let mut normed = vec![0f32; t * s.hidden];
-    let (mut q, mut k, mut v) = (
-        vec![0f32; t * q_size],
-        vec![0f32; t * kv_size],
-        vec![0f32; t * kv_size],
-    );
-    let mut attn_out = vec![0f32; t * q_size];
-    let mut o = vec![0f32; t * s.hidden];
     let inner = layers.first().map_or(0, |l| l.gate.n);
-    let (mut gate, mut up) = (vec![0f32; t * inner], vec![0f32; t * inner]);
+    let mut buf = Scratch::new(shape, t, inner);
+    let run = Run {
+        s: shape,
+        rows,
+        layout: &layout,
+        t,
+        threads,
+    };
     for (i, layer) in layers.iter_mut().enumerate() {
-        let a: &[f32] = match input {
-            Some(given) if i == 0 => given,
-            _ => {
-                // `check`: a layer without an input norm is given its input
-                rms_norm(x, layer.input_norm.unwrap_or_default(), s.eps, &mut normed);
-                &normed
-            }
-        };
-        project(&layer.q, a, t, &mut q, threads);
-        project(&layer.k, a, t, &mut k, threads);
-        project(&layer.v, a, t, &mut v, threads);
-        rotate(&mut q, s.num_heads, s.head_dim, rows);
-        rotate(&mut k, s.num_kv_heads, s.head_dim, rows);
-        let plane = s.num_blocks * s.block_size * kv_size; // K, then V
-        for (r, &slot) in rows.slot_mapping.iter().enumerate() {
-            let at = slot as usize * kv_size;
-            layer.kv_cache[at..at + kv_size].copy_from_slice(&k[r * kv_size..][..kv_size]);
-            layer.kv_cache[plane + at..plane + at + kv_size]
-                .copy_from_slice(&v[r * kv_size..][..kv_size]);
-        }
-        attn::attend(
-            &q,
-            layer.kv_cache,
-            &mut attn_out,
-            &layout,
-            &rows.step,
-            s.scale,
-            threads,
-        )?;
-        project(&layer.o, &attn_out, t, &mut o, threads);
-        x.iter_mut().zip(&o).for_each(|(h, d)| *h += d);
-        rms_norm(x, layer.post_norm, s.eps, &mut normed);
-        project(&layer.gate, &normed, t, &mut gate, threads);
-        project(&layer.up, &normed, t, &mut up, threads);
-        silu_mul(&mut gate, &up, inner);
-        project(&layer.down, &gate, t, &mut o, threads);
-        x.iter_mut().zip(&o).for_each(|(h, d)| *h += d);
+        let given = input.filter(|_| i == 0);
+        run.attention(layer, given, x, &mut buf)?;
+        run.mlp(layer, x, &mut buf);
     }
     Ok(())
 }
 
+/// The per-call work buffers, allocated once and reused by every layer; each holds T rows
+/// (`normed`, `o` of H values, `q`, `attn_out` of Hq * D, `k`, `v` of Hkv * D, `gate`, `up`
+/// of I).
+struct Scratch {
+    normed: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn_out: Vec<f32>,
+    o: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(s: &Shape, t: usize, inner: usize) -> Self {
+        let (q_size, kv_size) = (s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim);
+        Scratch {
+            normed: vec![0f32; t * s.hidden],
+            q: vec![0f32; t * q_size],
+            k: vec![0f32; t * kv_size],
+            v: vec![0f32; t * kv_size],
+            attn_out: vec![0f32; t * q_size],
+            o: vec![0f32; t * s.hidden],
+            gate: vec![0f32; t * inner],
+            up: vec![0f32; t * inner],
+        }
+    }
+}
+
+/// What every layer of one `forward` call shares (all checked by `check` and `attn::check`).
+struct Run<'r, 'a> {
+    s: &'r Shape,
+    rows: &'r Rows<'a>,
+    layout: &'r attn::Layout,
+    t: usize,
+    threads: usize,
+}
+
+impl Run<'_, '_> {
+    /// x += o(attention(rope(q), rope(k), v)) over `given` or RMSNorm(x); writes the rows'
+    /// K/V into the layer's cache before attending, so a row sees itself and earlier rows.
+    fn attention(
+        &self,
+        layer: &mut Layer,
+        given: Option<&[f32]>,
+        x: &mut [f32],
+        buf: &mut Scratch,
+    ) -> Result<(), String> {
+        let (s, t, threads) = (self.s, self.t, self.threads);
+        let a: &[f32] = match given {
+            Some(given) => given,
+            None => {
+                // `check`: a layer without an input norm is given its input
+                rms_norm(
+                    x,
+                    layer.input_norm.unwrap_or_default(),
+                    s.eps,
+                    &mut buf.normed,
+                );
+                &buf.normed
+            }
+        };
+        project(&layer.q, a, t, &mut buf.q, threads);
+        project(&layer.k, a, t, &mut buf.k, threads);
+        project(&layer.v, a, t, &mut buf.v, threads);
+        rotate(&mut buf.q, s.num_heads, s.head_dim, self.rows);
+        rotate(&mut buf.k, s.num_kv_heads, s.head_dim, self.rows);
+        self.write_kv(layer.kv_cache, &buf.k, &buf.v);
+        attn::attend(
+            &buf.q,
+            layer.kv_cache,
+            &mut buf.attn_out,
+            self.layout,
+            &self.rows.step,
+            s.scale,
+            threads,
+        )?;
+        project(&layer.o, &buf.attn_out, t, &mut buf.o, threads);
+        x.iter_mut().zip(&buf.o).for_each(|(h, d)| *h += d);
+        Ok(())
+    }
+
+    /// Copies row r's K and V ([Hkv * D] each) to slot `slot_mapping[r]` of the K plane and
+    /// the V plane of `kv_cache` [2, num_blocks * block_size, Hkv * D].
+    fn write_kv(&self, kv_cache: &mut [f32], k: &[f32], v: &[f32]) {
+        let s = self.s;
+        let kv_size = s.num_kv_heads * s.head_dim;
+        let plane = s.num_blocks * s.block_size * kv_size; // K, then V
+        for (r, &slot) in self.rows.slot_mapping.iter().enumerate() {
+            let at = slot as usize * kv_size;
+            kv_cache[at..at + kv_size].copy_from_slice(&k[r * kv_size..][..kv_size]);
+            kv_cache[plane + at..plane + at + kv_size]
+                .copy_from_slice(&v[r * kv_size..][..kv_size]);
+        }
+    }
+
+    /// x += down(silu(gate(n)) * up(n)), n = RMSNorm(x) with the post-attention norm.
+    fn mlp(&self, layer: &Layer, x: &mut [f32], buf: &mut Scratch) {
+        let (s, t, threads) = (self.s, self.t, self.threads);
+        rms_norm(x, layer.post_norm, s.eps, &mut buf.normed);
+        project(&layer.gate, &buf.normed, t, &mut buf.gate, threads);
+        project(&layer.up, &buf.normed, t, &mut buf.up, threads);
+        silu_mul(&mut buf.gate, &buf.up, layer.gate.n);
+        project(&layer.down, &buf.gate, t, &mut buf.o, threads);
+        x.iter_mut().zip(&buf.o).for_each(|(h, d)| *h += d);
+    }
+}
+
+/// Checks every shape and index `forward` relies on, before anything is written: the rows
+/// (`check_rows`), then each layer in order (`check_layer`); the first failure is the error.
 fn check(
     layers: &[Layer],
     s: &Shape,
@@ -165,8 +239,27 @@ fn check(
     input: Option<&[f32]>,
     t: usize,
 ) -> Result<(), String> {
+    check_rows(s, rows, x, t)?;
+    for (i, l) in layers.iter().enumerate() {
+        let in_features = match input {
+            Some(given) if i == 0 => {
+                if given.len() % t != 0 {
+                    return Err(format!("input holds {} values for {t} rows", given.len()));
+                }
+                given.len() / t
+            }
+            _ => s.hidden,
+        };
+        let given = i == 0 && input.is_some();
+        check_layer(i, l, s, layers[0].gate.n, in_features, given)?;
+    }
+    Ok(())
+}
+
+/// 1..=MAX_ROWS rows with x [T, H] and slot_mapping [T]; an even head_dim and RoPE tables
+/// [P, D]; every position in 0..P and every slot in the cache.
+fn check_rows(s: &Shape, rows: &Rows, x: &[f32], t: usize) -> Result<(), String> {
     let (h, d) = (s.hidden, s.head_dim);
-    let (q_size, kv_size) = (s.num_heads * d, s.num_kv_heads * d);
     if !(1..=gemm::MAX_ROWS).contains(&t) || x.len() != t * h || rows.slot_mapping.len() != t {
         return Err(format!(
             "{t} rows (1..={}) need x [{t}, {h}] and slot_mapping [{t}]",
@@ -196,47 +289,50 @@ fn check(
     if let Some(slot) = rows.slot_mapping.iter().find(|&&v| v < 0 || v >= slots) {
         return Err(format!("slot {slot} outside the cache's {slots} slots"));
     }
-    for (i, l) in layers.iter().enumerate() {
-        let in_features = match input {
-            Some(given) if i == 0 => {
-                if given.len() % t != 0 {
-                    return Err(format!("input holds {} values for {t} rows", given.len()));
-                }
-                given.len() / t
-            }
-            _ => h,
+    Ok(())
+}
+
+/// Layer `i`: every projection [n, k] with n * k weights and an n-value bias if any (q/k/v
+/// take `in_features`, the MLP is `inner` wide, as layer 0's); norm weights of H values (no
+/// input norm needed when the input is `given`); a KV cache of the full size.
+fn check_layer(
+    i: usize,
+    l: &Layer,
+    s: &Shape,
+    inner: usize,
+    in_features: usize,
+    given: bool,
+) -> Result<(), String> {
+    let h = s.hidden;
+    let (q_size, kv_size) = (s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim);
+    let shapes = [
+        (&l.q, q_size, in_features),
+        (&l.k, kv_size, in_features),
+        (&l.v, kv_size, in_features),
+        (&l.o, h, q_size),
+        (&l.gate, inner, h),
+        (&l.up, inner, h),
+        (&l.down, h, inner),
+    ];
+    for (p, n, k) in shapes {
+        let len = match p.weight {
+            Weight::F32(w) => w.len(),
+            Weight::Bf16(w) => w.len(),
         };
-        let inner = layers[0].gate.n;
-        let shapes = [
-            (&l.q, q_size, in_features),
-            (&l.k, kv_size, in_features),
-            (&l.v, kv_size, in_features),
-            (&l.o, h, q_size),
-            (&l.gate, inner, h),
-            (&l.up, inner, h),
-            (&l.down, h, inner),
-        ];
-        for (p, n, k) in shapes {
-            let len = match p.weight {
-                Weight::F32(w) => w.len(),
-                Weight::Bf16(w) => w.len(),
-            };
-            if p.n != n || p.k != k || len != n * k || p.bias.is_some_and(|b| b.len() != n) {
-                return Err(format!(
-                    "layer {i}: a projection is [{}, {}] ({len} values), expected [{n}, {k}]",
-                    p.n, p.k
-                ));
-            }
-        }
-        let given = i == 0 && input.is_some();
-        if !given && l.input_norm.is_none_or(|w| w.len() != h) || l.post_norm.len() != h {
+        if p.n != n || p.k != k || len != n * k || p.bias.is_some_and(|b| b.len() != n) {
             return Err(format!(
-                "layer {i}: norm weights must have {h} values (the input norm, or an input)"
+                "layer {i}: a projection is [{}, {}] ({len} values), expected [{n}, {k}]",
+                p.n, p.k
             ));
         }
-        if l.kv_cache.len() != 2 * s.num_blocks * s.block_size * kv_size {
-            return Err(format!("layer {i}: KV cache size {}", l.kv_cache.len()));
-        }
+    }
+    if !given && l.input_norm.is_none_or(|w| w.len() != h) || l.post_norm.len() != h {
+        return Err(format!(
+            "layer {i}: norm weights must have {h} values (the input norm, or an input)"
+        ));
+    }
+    if l.kv_cache.len() != 2 * s.num_blocks * s.block_size * kv_size {
+        return Err(format!("layer {i}: KV cache size {}", l.kv_cache.len()));
     }
     Ok(())
 }
