@@ -158,9 +158,37 @@ fn attend_split(
     min_macs: usize,
 ) -> Result<(), String> {
     let l = *layout;
+    check_buffers(&l, step, q, out, kv_cache)?;
+    let bounds = partition(&l, step, threads, min_macs);
+    let kernel = select();
+    let out_addr = out.as_mut_ptr() as usize;
+    let job = Items {
+        q,
+        kv_cache,
+        layout: l,
+        step,
+        scale,
+    };
+    omp::run(bounds.len() - 1, &|part| {
+        // SAFETY: the parts' item ranges are disjoint, so their writes are (see `run`); `out`
+        // outlives `omp::run` and its size was checked against q's.
+        unsafe { job.run(bounds[part]..bounds[part + 1], kernel, out_addr as *mut f32) }
+    });
+    Ok(())
+}
+
+/// `check` of the step, then q [T, Hq * D] with T whole rows, out the size of q and the
+/// whole cache [2, num_blocks, block_size, Hkv, D].
+fn check_buffers(
+    l: &Layout,
+    step: &Step,
+    q: &[f32],
+    out: &[f32],
+    kv_cache: &[f32],
+) -> Result<(), String> {
     let row_len = l.num_heads * l.head_dim;
     let num_tokens = q.len() / row_len.max(1);
-    check(&l, step, num_tokens)?;
+    check(l, step, num_tokens)?;
     let cache_len = 2 * l.num_blocks * l.block_size * l.num_kv_heads * l.head_dim;
     if q.len() != num_tokens * row_len || out.len() != q.len() || kv_cache.len() != cache_len {
         return Err(format!(
@@ -170,8 +198,14 @@ fn attend_split(
             kv_cache.len()
         ));
     }
+    Ok(())
+}
 
-    // Work items are (sequence, head) pairs, split into contiguous runs of about equal cost.
+/// Splits the work items, (sequence, head) pairs numbered seq * Hq + head, into contiguous
+/// runs of about equal cost (q_len * k_len each): one run below `min_macs` multiply-adds in
+/// all, else `threads` (at least 1, at most one per item). Returns the runs' bounds: parts + 1
+/// non-decreasing values from 0 to the number of items.
+fn partition(l: &Layout, step: &Step, threads: usize, min_macs: usize) -> Vec<usize> {
     let items = step.num_seqs() * l.num_heads;
     let cost = |item: usize| {
         let (_, q_len, k_len) = step.seq(item / l.num_heads);
@@ -196,40 +230,56 @@ fn attend_split(
     while bounds.len() <= parts {
         bounds.push(items);
     }
+    bounds
+}
 
-    let kernel = select();
-    let group = l.num_heads / l.num_kv_heads;
-    let out_addr = out.as_mut_ptr() as usize;
-    omp::run(parts, &|part| {
-        let (mut item, end) = (bounds[part], bounds[part + 1]);
+/// The inputs every work item of one `attend` call reads (all checked by `check_buffers`).
+struct Items<'a> {
+    q: &'a [f32],
+    kv_cache: &'a [f32],
+    layout: Layout,
+    step: &'a Step<'a>,
+    scale: f32,
+}
+
+impl Items<'_> {
+    /// Runs the kernel over work items `items`, a sequence's heads that share a KV head (and
+    /// lie in the range) in one call.
+    ///
+    /// # Safety
+    /// `out` must point to a buffer the size of q that outlives the call; concurrent calls
+    /// must get disjoint ranges (each (row, head) slice is written by one item only);
+    /// `kernel` must suit this CPU (`select`).
+    unsafe fn run(&self, items: std::ops::Range<usize>, kernel: Kernel, out: *mut f32) {
+        let l = self.layout;
+        let row_len = l.num_heads * l.head_dim;
+        let group = l.num_heads / l.num_kv_heads;
+        let (mut item, end) = (items.start, items.end);
         while item < end {
             let (seq, head) = (item / l.num_heads, item % l.num_heads);
             // this part's consecutive heads of the sequence that read the same KV head
             let heads = (group - head % group).min(end - item);
-            let (start, q_len, k_len) = step.seq(seq);
-            let table = &step.block_tables[seq * l.max_blocks..][..k_len.div_ceil(l.block_size)];
+            let (start, q_len, k_len) = self.step.seq(seq);
+            let table =
+                &self.step.block_tables[seq * l.max_blocks..][..k_len.div_ceil(l.block_size)];
             let job = Head {
-                q: &q[start * row_len + head * l.head_dim..],
+                q: &self.q[start * row_len + head * l.head_dim..],
                 row_stride: row_len,
-                kv_cache,
+                kv_cache: self.kv_cache,
                 kv_head: head / group,
                 heads,
                 table,
                 q_len,
                 k_len,
                 layout: l,
-                scale,
+                scale: self.scale,
             };
-            // SAFETY: jobs write disjoint (row, head) slices of `out`, which outlives `run`;
-            // the offsets stay inside the checked sizes. `kernel` suits this CPU (`select`).
-            unsafe {
-                let dst = (out_addr as *mut f32).add(start * row_len + head * l.head_dim);
-                kernel(&job, dst);
-            }
+            // SAFETY: (caller) `out` is q-sized and this item's (row, head) slices are ours;
+            // the offsets stay inside the checked sizes.
+            unsafe { kernel(&job, out.add(start * row_len + head * l.head_dim)) };
             item += heads;
         }
-    });
-    Ok(())
+    }
 }
 
 /// One sequence's consecutive heads `heads` that read KV head `kv_head`: q_len query rows each.
