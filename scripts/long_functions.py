@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# SIMD kernel bodies whose splitting would cost speed (see docs/architecture.md).
-KERNELS: set[str] = set()
+# SIMD kernel bodies whose splitting would cost speed (see docs/architecture.md): the AVX-512
+# and AVX2 copies of the multi-row paged-attention kernel.
+KERNELS: set[tuple[str, str]] = {("rust/src/paged_attention.rs", "heads")}
 
 
 def python_functions(path: Path):
@@ -70,9 +71,9 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=60)
     args = ap.parse_args()
     found = sorted(long_functions(args.limit), key=lambda f: -f[3])
-    bad = [f for f in found if f[1] not in KERNELS]
+    bad = [f for f in found if (str(f[0]), f[1]) not in KERNELS]
     for path, name, line, n in found:
-        tag = " (SIMD kernel)" if name in KERNELS else ""
+        tag = " (SIMD kernel)" if (str(path), name) in KERNELS else ""
         print(f"{n:4d}  {path}:{line}  {name}{tag}")
     print(f"{len(found)} function(s) over {args.limit} lines, {len(bad)} outside the kernels")
     return 1 if bad else 0
