@@ -175,6 +175,12 @@ class SpeculativeConfig(_Section):
         return self.prompt_lookup_min, self.prompt_lookup_max
 
 
+def widest_round(num_steps: int, lookup_tokens: int | None) -> int:
+    """W, the most draft tokens of one round: K (num_steps), or prompt lookup's width when it is
+    on (`lookup_tokens` not None) and larger. The one rule for the job, scheduler and worker."""
+    return num_steps if lookup_tokens is None else max(num_steps, lookup_tokens)
+
+
 class JobConfig(_Section):
     model: PathStr
     input: InputConfig
@@ -187,14 +193,12 @@ class JobConfig(_Section):
 
     @property
     def num_speculative_tokens(self) -> int:
-        """The most draft tokens of one round (the scheduler's lookahead): num_steps, or up to
-        prompt_lookup_tokens with prompt lookup; 0 without a draft."""
+        """The most draft tokens of one round (the scheduler's lookahead); 0 without a draft."""
         if self.draft is None:
             return 0
         spec = self.speculative
-        if spec.prompt_lookup is None:
-            return spec.num_steps
-        return max(spec.num_steps, spec.prompt_lookup_tokens)
+        lookup = spec.prompt_lookup_tokens if spec.prompt_lookup is not None else None
+        return widest_round(spec.num_steps, lookup)
 
     def resolved(self, base_dir: Path) -> JobConfig:
         """Relative paths in the job file are relative to the job file's directory."""

@@ -19,6 +19,12 @@ import torch
 _MASK64 = (1 << 64) - 1
 
 
+
+def deterministic_rows(temperature, top_k):
+    """bool [B]: rows decoded by argmax (temperature <= 0 or top_k == 1), over tensors or a
+    plan's numpy arrays alike. The one rule: sample() and verification both use it."""
+    return (temperature <= 0) | (top_k == 1)
+
 def _signed(c: int) -> int:
     """A uint64 constant as the int64 with the same bits (torch has no uint64 arithmetic)."""
     return c - (1 << 64) if c >= 1 << 63 else c
@@ -75,7 +81,7 @@ def sample(
     """One token per row. Greedy rows (temperature <= 0) and top_k == 1 rows take the argmax of
     the raw logits (the first index among equal maxima)."""
     greedy = argmax(logits)  # [B]
-    deterministic = (temperature <= 0) | (top_k == 1)  # [B]
+    deterministic = deterministic_rows(temperature, top_k)  # [B]
     if bool(deterministic.all()):
         return greedy
 

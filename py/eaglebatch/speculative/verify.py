@@ -28,15 +28,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from eaglebatch.sampling import _inverse_cdf, argmax, sample, uniform_from_counter
+from eaglebatch.sampling import (
+    _inverse_cdf,
+    argmax,
+    deterministic_rows,
+    sample,
+    uniform_from_counter,
+)
 
 ACCEPT_STREAM = 1  # uniform_from_counter stream of the acceptance tests
-
-
-def deterministic_rows(temperature, top_k):
-    """bool [B]: rows decoded by argmax (the same rule as sampling.sample), over tensors or a
-    plan's numpy arrays alike."""
-    return (temperature <= 0) | (top_k == 1)
 
 
 def verify_greedy_host(

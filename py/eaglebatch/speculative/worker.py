@@ -259,9 +259,9 @@ class SpecWorker:
         lookup_tokens: int | None,
     ) -> int:
         """max_draft_tokens: K, or lookup_tokens when larger and prompt lookup is on."""
-        if prompt_lookup is None or lookup_tokens is None:
-            return num_speculative_tokens
-        return max(num_speculative_tokens, lookup_tokens)
+        from eaglebatch.config import widest_round
+
+        return widest_round(num_speculative_tokens, lookup_tokens if prompt_lookup else None)
 
     @classmethod
     def from_job(
