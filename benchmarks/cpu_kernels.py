@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from eaglebatch import _native
-from eaglebatch.model.linear import SMALL_GEMM_AVAILABLE, linear
+from eaglebatch.cpu.gemm import SMALL_GEMM_AVAILABLE, linear
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 30, 9, 3, 64
 

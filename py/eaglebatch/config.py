@@ -128,14 +128,14 @@ class EngineConfig(_Section):
     max_num_batched_tokens: int = Field(default=4096, ge=1, le=I32_MAX)
     max_model_len: int | None = Field(default=None, ge=2, le=I32_MAX)
     # auto: cpu on the CPU (torch's backend with the extension's kernel for decode and verify
-    # steps, attention/cpu_backend.py); on CUDA flashinfer when installed, else torch.
+    # steps, cpu/attention.py); on CUDA flashinfer when installed, else torch.
     attention_backend: Literal["auto", "torch", "cpu", "flashinfer"] = "auto"
     # CUDA graphs for decode / speculative rounds; unset = on when running on CUDA.
     cuda_graph: bool | None = None
     num_threads: int | None = Field(default=None, ge=1, le=MAX_THREADS)
     # CPU steps of up to SMALL_GEMM_MAX_ROWS (128) rows (decode and verify): "native" = the
     # extension's GEMM (model/linear.py; AVX-512F, or AVX2 with FMA) and, with the cpu
-    # attention backend, whole layers (model/native_decoder.py); "torch" = torch's layers and
+    # attention backend, whole layers (cpu/decoder.py); "torch" = torch's layers and
     # F.linear (MKL); auto = native on a float32 CPU run when the CPU has AVX-512F or AVX2+FMA.
     cpu_gemm: Literal["auto", "native", "torch"] = "auto"
 
