@@ -47,16 +47,14 @@ def _read_json(path: Path) -> dict:
     return data
 
 
-def _check_tokenizer(path: Path) -> int:
-    """Parses tokenizer.json the way the run will (the tokenizers library); returns its
-    largest token id."""
+def _load_tokenizer(path: Path):
+    """tokenizer.json parsed the way the run will parse it (the tokenizers library)."""
     from tokenizers import Tokenizer
 
     try:
-        vocab = Tokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
+        return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception on any parse error
         raise JobError(f"model: {path} is not a usable tokenizer: {str(e)[:300]}") from None
-    return max(vocab.values(), default=-1)
 
 
 def _chat_template(d: Path, tok_cfg: dict) -> str | None:
@@ -104,11 +102,11 @@ def check_model_dir(d: Path) -> ModelFiles:
     )
     bos, eos = _token_text(tok_cfg.get("bos_token")), _token_text(tok_cfg.get("eos_token"))
     eos_ids = _ids(gen_cfg.get("eos_token_id")) or _ids(cfg.get("eos_token_id"))
-    max_token_id = _check_tokenizer(tokenizer_file)
+    tokenizer = _load_tokenizer(tokenizer_file)
+    max_token_id = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
     if eos is not None:
-        added = _read_json(tokenizer_file).get("added_tokens")
-        added = [t for t in added if isinstance(t, dict)] if isinstance(added, list) else []
-        eos_ids += _ids([t.get("id") for t in added if t.get("content") == eos])
+        added = tokenizer.get_added_tokens_decoder()  # {id: AddedToken}
+        eos_ids += [i for i, t in added.items() if t.content == eos]
     return ModelFiles(
         dir=d,
         tokenizer_file=tokenizer_file,

@@ -42,15 +42,15 @@ def part_files(path: Path) -> list[Path]:
 class DirContents:
     """What a directory holds, as far as eaglebatch is concerned."""
 
-    ours: list[Path] = field(default_factory=list)  # eaglebatch part files
+    # eaglebatch part files -> their footer's key-value metadata (read once, here)
+    ours: dict[Path, dict[bytes, bytes]] = field(default_factory=dict)
     foreign: list[Path] = field(default_factory=list)  # visible entries we did not write
     unreadable: list[tuple[Path, str]] = field(default_factory=list)  # part-*.parquet, no footer
 
 
-def _is_ours(part: Path) -> bool:
-    """Whether `part`'s footer carries eaglebatch's metadata. Raises on an unreadable footer."""
-    meta = pq.read_metadata(part).metadata or {}
-    return OWNER_KEY in meta
+def _footer_metadata(part: Path) -> dict[bytes, bytes]:
+    """`part`'s footer key-value metadata. Raises on an unreadable footer."""
+    return pq.read_metadata(part).metadata or {}
 
 
 def scan_dir(path: Path) -> DirContents:
@@ -66,9 +66,14 @@ def scan_dir(path: Path) -> DirContents:
             out.foreign.append(entry)
             continue
         try:
-            (out.ours if _is_ours(entry) else out.foreign).append(entry)
+            meta = _footer_metadata(entry)
         except (pa.ArrowException, OSError) as e:
             out.unreadable.append((entry, str(e)))
+            continue
+        if OWNER_KEY in meta:
+            out.ours[entry] = meta
+        else:
+            out.foreign.append(entry)
     return out
 
 

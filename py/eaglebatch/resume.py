@@ -30,9 +30,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .config import JobConfig, JobError
-from .output_dir import check_only_ours, scan_dir
+from .output_dir import OWNER_KEY, check_only_ours, scan_dir
 
-HASH_KEY = "eaglebatch.job_hash"
+HASH_KEY = OWNER_KEY.decode()  # the key that marks a part as ours (output_dir.py)
 IDENTITY_KEY = "eaglebatch.job_identity"
 IDENTITY_VERSION = 2
 
@@ -221,8 +221,7 @@ def scan_output(path: Path, identity: dict) -> ResumeState:
     contents = scan_dir(path)
     check_only_ours(path, contents)
     done: list[np.ndarray] = []
-    for part in contents.ours:
-        meta = pq.read_metadata(part).metadata or {}
+    for part, meta in contents.ours.items():
         if meta.get(HASH_KEY.encode()) != ours.encode():
             why = _what_changed(identity, meta.get(IDENTITY_KEY.encode()))
             raise JobError(
@@ -231,5 +230,5 @@ def scan_output(path: Path, identity: dict) -> ResumeState:
                 f"choose another output.path"
             )
         done.append(_read_part(part))
-    rows = _check_unique(done, contents.ours)
+    rows = _check_unique(done, list(contents.ours))
     return ResumeState(done_rows=rows, part_files=len(contents.ours))
