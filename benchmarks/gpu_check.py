@@ -280,7 +280,7 @@ def step_timings(model_dir: Path, draft_dir: Path, device: str, dtype: str, back
     for mode in ("eager", "cuda") if dev.type == "cuda" else ("eager",):
         w = Worker(model, kv, budget, max_len)
         w.enable_graphs(mode, mb)
-        sw = SpecWorker(w, draft, num_speculative_tokens=k, max_batch_size=mb, adaptive=False,
+        sw = SpecWorker(w, draft, num_steps=k, max_batch_size=mb, adaptive=False,
                         draft_kv_cache=draft_kv)
         sw.enable_graphs(mode, mb)
         workers[mode] = (w, sw)

@@ -78,7 +78,7 @@ def test_bad_values_name_the_key(tmp_path, extra, key):
     ],
 )
 def test_the_schedulers_lookahead_is_the_widest_round(tmp_path, overrides, lookahead):
-    assert load_job(write(tmp_path, BASE), overrides).num_speculative_tokens == lookahead
+    assert load_job(write(tmp_path, BASE), overrides).max_draft_tokens == lookahead
 
 
 def test_missing_required_key(tmp_path):

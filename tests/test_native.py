@@ -94,7 +94,7 @@ def check_plan(p) -> None:
     b, t = p.num_seqs, p.num_tokens
     assert p.kind in ("prefill", "decode", "verify")
     for name, dtype, shape in [
-        ("slots", np.int32, (b,)),
+        ("request_slots", np.int32, (b,)),
         ("input_ids", np.int64, (t,)),
         ("positions", np.int64, (t,)),
         ("cu_seqlens_q", np.int32, (b + 1,)),
@@ -116,7 +116,7 @@ def check_plan(p) -> None:
     q = np.diff(p.cu_seqlens_q)
     assert p.max_seqlen_q == q.max()
     assert p.max_seqlen_k == p.seq_lens.max()
-    assert len(set(p.slots.tolist())) == b
+    assert len(set(p.request_slots.tolist())) == b
     assert len(set(p.slot_mapping.tolist())) == t
     if p.kind == "prefill":
         assert (q == p.seq_lens).all()
@@ -273,7 +273,7 @@ def test_preemption_matches_large_cache(tmp_path, tok_file):
 def test_spec_decoding_counters(tmp_path, tok_file):
     inp = write_input(tmp_path / "in.parquet", ["w4", "w30"])
     out = tmp_path / "out"
-    s = make(tok_file, [inp], out, max_new_tokens=9, eos_token_ids=[], num_speculative_tokens=2)
+    s = make(tok_file, [inp], out, max_new_tokens=9, eos_token_ids=[], max_draft_tokens=2)
     while (p := s.next_plan()) is not None:
         check_plan(p)
         cu = p.cu_seqlens_q

@@ -58,7 +58,7 @@ def run(worker, reqs, *, k=0, max_batch=8, num_blocks=512, eos=(), preempt_at=No
         max_batch_size=max_batch,
         max_model_len=MAX_LEN,
         eos_token_ids=eos,
-        num_speculative_tokens=k,
+        max_draft_tokens=k,
         preempt_at=preempt_at,
     )
     return sched.run(worker), sched
@@ -68,7 +68,7 @@ def hooked_scheduler(reqs, k) -> FakeScheduler:
     """A scheduler for tests that hook the worker with it before running (oracles)."""
     return FakeScheduler(
         fake_requests(reqs), num_blocks=512, block_size=4, max_batch_size=8,
-        max_model_len=MAX_LEN, num_speculative_tokens=k,
+        max_model_len=MAX_LEN, max_draft_tokens=k,
     )  # fmt: skip
 
 
@@ -80,7 +80,7 @@ def spec_worker(
     return SpecWorker.from_target(
         target,
         draft or env.drafts[kind],
-        num_speculative_tokens=k,
+        num_steps=k,
         max_batch_size=max_batch,
         adaptive=adaptive,
         prompt_lookup=prompt_lookup,
@@ -182,7 +182,7 @@ def test_deferred_extends_catch_up_to_the_same_draft_state(env, kind, max_batch)
     worker.policy.choose = lambda b, drafting=None: next(choices)
     sched = FakeScheduler(
         fake_requests(reqs, 40), num_blocks=512, block_size=4, max_batch_size=max_batch,
-        max_model_len=MAX_LEN, num_speculative_tokens=k,
+        max_model_len=MAX_LEN, max_draft_tokens=k,
     )  # fmt: skip  (40 more tokens each: long enough to go stale)
     model, draft = worker.model, worker.draft
     real = draft.argmax_tokens
@@ -192,8 +192,8 @@ def test_deferred_extends_catch_up_to_the_same_draft_state(env, kind, max_batch)
     checked = [0]
 
     def hooked(plan):
-        stale = worker.stale[plan.slots].copy()
-        seqs = [next(r.seq for r in sched.requests if r.slot == int(s)) for s in plan.slots]
+        stale = worker.stale[plan.request_slots].copy()
+        seqs = [next(r.seq for r in sched.requests if r.slot == int(s)) for s in plan.request_slots]
         expected = [None if stale[i] else recompute(model, draft, real, seq, k)[1]
                     for i, seq in enumerate(seqs)]  # fmt: skip
         recorded.clear()
@@ -238,7 +238,7 @@ def test_rows_that_left_the_head_are_not_counted_as_drafting(env) -> None:
     verify = worker._verify
 
     def hooked(plan):
-        current[0] = plan.slots
+        current[0] = plan.request_slots
         return verify(plan)
 
     worker.policy.choose = choose
@@ -326,7 +326,7 @@ class Oracle:
 
         def hooked(plan):
             by_slot = {r.slot: i for i, r in enumerate(sched.requests) if r.slot is not None}
-            pairs = zip(plan.slots, plan.num_generated, strict=True)
+            pairs = zip(plan.request_slots, plan.num_generated, strict=True)
             self.rows = [(by_slot[int(s)], int(g)) for s, g in pairs]
             self.j = 0
             return verify(plan)
@@ -431,7 +431,7 @@ def test_draft_state_matches_recomputation(env, kind, oracle) -> None:
 
     def hooked(plan):
         expected_chains = []
-        for slot in plan.slots:
+        for slot in plan.request_slots:
             seq = next(r.seq for r in sched.requests if r.slot == int(slot))
             h, chain = recompute(model, draft, real, seq, k)
             torch.testing.assert_close(worker.hidden[int(slot)], h, atol=1e-4, rtol=1e-4)
@@ -539,14 +539,14 @@ def test_sampled_tokens_follow_the_target_distribution(tmp_path, temperature, to
     worker = SpecWorker.from_target(
         target_worker(target, num_blocks=blocks, max_model_len=32),
         draft,
-        num_speculative_tokens=k,
+        num_steps=k,
         max_batch_size=n,
         adaptive=False,
     )
     reqs = [FakeRequest(list(prompt), 3, temperature, top_p, top_k, seed) for seed in range(n)]
     sched = FakeScheduler(
         reqs, num_blocks=blocks, block_size=4, max_batch_size=n, max_model_len=32,
-        num_speculative_tokens=k, max_prefill_tokens=10**6,
+        max_draft_tokens=k, max_prefill_tokens=10**6,
     )  # fmt: skip
     out = torch.tensor(sched.run(worker))  # [n, 3]
     accepted = np.concatenate(sched.accept_log)
@@ -594,7 +594,7 @@ def test_sampled_outputs_do_not_depend_on_the_batch(env, lookup, lookup_tokens) 
 def test_tree_drafting_is_refused(env) -> None:
     with pytest.raises(ValueError, match=r"speculative.topk > 1 \(tree drafting\)"):
         SpecWorker.from_target(
-            target_worker(env.target), env.drafts["eagle1"], num_speculative_tokens=2,
+            target_worker(env.target), env.drafts["eagle1"], num_steps=2,
             max_batch_size=4, topk=4,
         )  # fmt: skip
     assert "not supported yet" in TREE_UNSUPPORTED

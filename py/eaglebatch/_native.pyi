@@ -29,13 +29,13 @@ class StepPlan:
 
     # "prefill": each row's query is its whole sequence from position 0;
     # "decode": the tokens not yet in the KV cache (normally one);
-    # "verify" (num_speculative_tokens = K > 0): the last committed token at position L-1 then K
+    # "verify" (max_draft_tokens = K > 0): the last committed token at position L-1 then K
     #   placeholders (0) at L..L+K-1 that the worker overwrites with draft tokens; seq_lens = L+K
     #   and slot_mapping / block_tables cover all K+1 positions.
     kind: str
     num_seqs: int
     num_tokens: int
-    slots: npt.NDArray[np.int32]  # [B] request slots
+    request_slots: npt.NDArray[np.int32]  # [B] request slots
     input_ids: npt.NDArray[np.int64]  # [T]
     positions: npt.NDArray[np.int64]  # [T] absolute positions
     cu_seqlens_q: npt.NDArray[np.int32]  # [B+1] query offsets into input_ids
@@ -69,7 +69,7 @@ class Scheduler:
         finish_reason = "error", a specific `error` message and the prompt's token count when it
         was tokenized (else 0). They are: a null / empty prompt; a prompt >= max_model_len; a
         request whose worst case, min(prompt + max_new_tokens, max_model_len) +
-        num_speculative_tokens tokens, exceeds the KV cache (num_blocks * block_size); so a
+        max_draft_tokens tokens, exceeds the KV cache (num_blocks * block_size); so a
         request that runs is never cut short by the cache, and finish_reason "length" means
         max_new_tokens or max_model_len. A text that certainly cannot fit max_model_len (more
         than 4 x the tokenizer's longest token in characters x max_model_len: a prompt, the

@@ -192,7 +192,7 @@ class JobConfig(_Section):
     speculative: SpeculativeConfig = SpeculativeConfig()
 
     @property
-    def num_speculative_tokens(self) -> int:
+    def max_draft_tokens(self) -> int:
         """The most draft tokens of one round (the scheduler's lookahead); 0 without a draft."""
         if self.draft is None:
             return 0

@@ -178,7 +178,7 @@ def scheduler_config(prep: PreparedJob, worker, metadata: dict[str, str], skip_r
         max_batch_size=eng.max_batch_size,
         max_num_batched_tokens=eng.max_num_batched_tokens,
         max_model_len=worker.max_model_len,
-        num_speculative_tokens=job.num_speculative_tokens,
+        max_draft_tokens=job.max_draft_tokens,
         skip_rows=skip_rows,
         flush_interval_s=job.output.flush_interval_s,
     )
@@ -207,7 +207,7 @@ def build_worker(prep: PreparedJob, graph_mode: str | None = None):
     from .speculative.worker import SpecWorker
 
     target = Worker.from_job(
-        job, prep.model, extra_kv_layers=1, graph_rows=rows, graph_q=job.num_speculative_tokens + 1
+        job, prep.model, extra_kv_layers=1, graph_rows=rows, graph_q=job.max_draft_tokens + 1
     )
     try:
         worker = SpecWorker.from_job(target, prep.draft_dir, job.speculative, eng.max_batch_size)

@@ -47,7 +47,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     # W, the most draft tokens of one verify round (0 = plain decoding): the lookahead.
-    num_speculative_tokens: int = 0
+    max_draft_tokens: int = 0
     # Resume: int64 [N] row indices earlier runs wrote (skipped without tokenizing), or None.
     skip_rows: np.ndarray | None = None
     # Also close a part once its oldest row has waited this long (None = by part_rows only).

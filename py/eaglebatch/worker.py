@@ -287,7 +287,7 @@ class Worker:
         if graph_rows and device.type == "cuda":
             itemsize = torch.empty((), dtype=dtype).element_size()
             reserve = graph_reserve_bytes(cfg, graph_rows, graph_q, max_model_len, itemsize)
-        seq_tokens = max_model_len + job.num_speculative_tokens
+        seq_tokens = max_model_len + job.max_draft_tokens
         budget = plan_kv_budget(eng, cfg, seq_tokens, dtype, device, extra_kv_layers, reserve)
         kv = allocate_kv_cache(cfg, budget.num_blocks + 1, budget.block_size, dtype, device)
         return cls(model, kv, budget, max_model_len, graph_reserve_bytes=reserve)

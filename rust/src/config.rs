@@ -54,7 +54,7 @@ pub struct SchedulerConfig {
     pub max_model_len: usize,
     /// K, the most draft tokens a verify step checks (0 = plain decoding). With K > 0 decode
     /// steps are "verify" steps whose per-row query is the last token plus K placeholders.
-    pub num_speculative_tokens: usize,
+    pub max_draft_tokens: usize,
     pub read_batch_rows: usize,
     pub queue_rows: usize,
 }
@@ -96,7 +96,7 @@ impl SchedulerConfig {
             max_batch_size: 64,
             max_num_batched_tokens: 8192,
             max_model_len: 4096,
-            num_speculative_tokens: 0,
+            max_draft_tokens: 0,
             read_batch_rows: 1024,
             queue_rows: 4096,
         }
@@ -139,10 +139,10 @@ impl SchedulerConfig {
                 self.num_blocks, self.block_size
             )));
         }
-        if self.num_speculative_tokens > 64 {
+        if self.max_draft_tokens > 64 {
             return Err(Error::user(format!(
-                "num_speculative_tokens must be <= 64, got {}",
-                self.num_speculative_tokens
+                "max_draft_tokens must be <= 64, got {}",
+                self.max_draft_tokens
             )));
         }
         if self.max_model_len > i32::MAX as usize {

@@ -52,7 +52,7 @@ pub struct PyStepPlan {
     #[pyo3(get)]
     num_tokens: usize,
     #[pyo3(get)]
-    slots: Py<PyArray1<i32>>,
+    request_slots: Py<PyArray1<i32>>,
     #[pyo3(get)]
     input_ids: Py<PyArray1<i64>>,
     #[pyo3(get)]
@@ -103,7 +103,7 @@ impl PyStepPlan {
             kind: p.kind.as_str(),
             num_seqs: b,
             num_tokens,
-            slots: p.slots.into_pyarray(py).unbind(),
+            request_slots: p.request_slots.into_pyarray(py).unbind(),
             input_ids: p.input_ids.into_pyarray(py).unbind(),
             positions: p.positions.into_pyarray(py).unbind(),
             cu_seqlens_q: p.cu_seqlens_q.into_pyarray(py).unbind(),

@@ -60,7 +60,7 @@ impl StepKind {
 #[derive(Debug, Clone)]
 pub struct StepPlan {
     pub kind: StepKind,
-    pub slots: Vec<i32>,
+    pub request_slots: Vec<i32>,
     pub input_ids: Vec<i64>,
     pub positions: Vec<i64>,
     pub cu_seqlens_q: Vec<i32>,
@@ -79,7 +79,7 @@ pub struct StepPlan {
 
 impl StepPlan {
     pub fn num_seqs(&self) -> usize {
-        self.slots.len()
+        self.request_slots.len()
     }
 
     pub fn num_tokens(&self) -> usize {
@@ -93,7 +93,7 @@ impl StepPlan {
     fn empty(kind: StepKind, cfg: &SchedulerConfig, b: usize, t: usize, width: usize) -> Self {
         StepPlan {
             kind,
-            slots: Vec::with_capacity(b),
+            request_slots: Vec::with_capacity(b),
             input_ids: Vec::with_capacity(t),
             positions: Vec::with_capacity(t),
             cu_seqlens_q: {
@@ -164,7 +164,7 @@ fn push_plan_row(
     for (j, &blk) in seq.block_table.iter().enumerate() {
         p.block_tables[r * width + j] = blk as i32;
     }
-    p.slots
+    p.request_slots
         .push(seq.slot.expect("running request has a slot") as i32);
     p.seeds.push(request_seed(seed, seq.row_index));
     p.num_generated.push(seq.num_output() as i32);
@@ -380,7 +380,7 @@ pub struct Scheduler {
     bm: BlockManager,
     waiting: VecDeque<Sequence>,
     running: Vec<Sequence>,
-    free_slots: BinaryHeap<Reverse<u32>>,
+    free_request_slots: BinaryHeap<Reverse<u32>>,
     pending: Option<PendingPlan>,
     criteria: StopCriteria,
     /// Blocks kept free when admitting next to running requests (vLLM's 1% watermark).
@@ -433,7 +433,7 @@ impl Scheduler {
         )?;
         Ok(Scheduler {
             bm: BlockManager::new(cfg.num_blocks, cfg.block_size),
-            free_slots: (0..cfg.max_batch_size as u32).map(Reverse).collect(),
+            free_request_slots: (0..cfg.max_batch_size as u32).map(Reverse).collect(),
             watermark: cfg.num_blocks / 100,
             criteria: StopCriteria::new(&cfg),
             cfg,
@@ -577,7 +577,7 @@ impl Scheduler {
         let (p, m, k) = (
             req.prompt_ids.len(),
             cfg.max_new_tokens,
-            cfg.num_speculative_tokens,
+            cfg.max_draft_tokens,
         );
         if p >= cfg.max_model_len {
             return Some(format!(
@@ -660,7 +660,7 @@ impl Scheduler {
             }
             return Ok(None);
         }
-        let lookahead = self.cfg.num_speculative_tokens;
+        let lookahead = self.cfg.max_draft_tokens;
         self.grow_running(lookahead)?;
         let kind = if lookahead > 0 {
             StepKind::Verify
@@ -679,7 +679,7 @@ impl Scheduler {
         let mut admitted = 0usize;
         let mut budget_used = 0usize;
         while let Some(seq) = self.waiting.front() {
-            if self.running.len() >= self.cfg.max_batch_size || self.free_slots.is_empty() {
+            if self.running.len() >= self.cfg.max_batch_size || self.free_request_slots.is_empty() {
                 break;
             }
             let n = seq.len();
@@ -696,7 +696,7 @@ impl Scheduler {
             }
             let mut seq = self.waiting.pop_front().expect("front exists");
             self.bm.allocate(&mut seq.block_table, n)?;
-            let Reverse(slot) = self.free_slots.pop().expect("checked non-empty");
+            let Reverse(slot) = self.free_request_slots.pop().expect("checked non-empty");
             seq.slot = Some(slot);
             seq.status = Status::Running;
             seq.num_computed = 0;
@@ -750,7 +750,7 @@ impl Scheduler {
     fn preempt(&mut self, mut seq: Sequence) -> Result<()> {
         self.bm.free(&mut seq.block_table)?;
         if let Some(slot) = seq.slot.take() {
-            self.free_slots.push(Reverse(slot));
+            self.free_request_slots.push(Reverse(slot));
         }
         seq.num_computed = 0;
         seq.status = Status::Waiting;
@@ -765,7 +765,7 @@ impl Scheduler {
     /// worker fills them with draft tokens and the commit decides how many became real.
     fn build_plan(&mut self, kind: StepKind, start: usize) -> Result<StepPlan> {
         let lookahead = if kind == StepKind::Verify {
-            self.cfg.num_speculative_tokens
+            self.cfg.max_draft_tokens
         } else {
             0
         };
@@ -802,7 +802,7 @@ impl Scheduler {
         let plan = self
             .pending
             .ok_or_else(|| Error::internal("commit() without a plan from next_plan()"))?;
-        let most_verify_tokens = self.cfg.num_speculative_tokens as i32 + 1;
+        let most_verify_tokens = self.cfg.max_draft_tokens as i32 + 1;
         check_commit(plan, most_verify_tokens, tokens, num_tokens, num_accepted)?;
         self.pending = None;
         let now = Instant::now();
@@ -858,7 +858,7 @@ impl Scheduler {
             }
             self.bm.free(&mut seq.block_table)?;
             if let Some(slot) = seq.slot.take() {
-                self.free_slots.push(Reverse(slot));
+                self.free_request_slots.push(Reverse(slot));
             }
             let row = self.output_row(seq);
             self.writer.send(row)?;
@@ -962,10 +962,10 @@ impl Scheduler {
             )));
         }
         self.bm.check_no_leak()?;
-        if self.free_slots.len() != self.cfg.max_batch_size {
+        if self.free_request_slots.len() != self.cfg.max_batch_size {
             return Err(Error::internal(format!(
                 "request slot leak: {} of {} free",
-                self.free_slots.len(),
+                self.free_request_slots.len(),
                 self.cfg.max_batch_size
             )));
         }

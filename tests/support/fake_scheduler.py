@@ -3,7 +3,7 @@ speculative verification, block allocation, commit with truncation, and preempti
 
 Plans follow the contract in eaglebatch/_native.pyi and the speculative plan contract:
   * "prefill": whole sequences (prompt + already generated tokens) from position 0;
-  * "decode" (num_speculative_tokens == 0): one query token per row, x_{L-1} at L-1;
+  * "decode" (max_draft_tokens == 0): one query token per row, x_{L-1} at L-1;
   * "verify" (K > 0): K+1 query tokens per row at L-1..L-1+K, x_{L-1} then K zero placeholders,
     seq_lens = L+K, blocks for L+K tokens.
 Policy (simple on purpose): admit waiting requests (oldest first) into free slots as a prefill
@@ -26,7 +26,7 @@ class FakePlan:
     kind: str
     num_seqs: int
     num_tokens: int
-    slots: np.ndarray  # int32 [B]
+    request_slots: np.ndarray  # int32 [B]
     input_ids: np.ndarray  # int64 [T]
     positions: np.ndarray  # int64 [T]
     cu_seqlens_q: np.ndarray  # int32 [B+1]
@@ -73,7 +73,7 @@ class FakeScheduler:
         max_batch_size: int,
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
-        num_speculative_tokens: int = 0,
+        max_draft_tokens: int = 0,
         max_prefill_tokens: int = 4096,
         preempt_at: dict[int, int] | None = None,
         seed: int = 0,
@@ -84,12 +84,12 @@ class FakeScheduler:
         self.max_batch_size = max_batch_size
         self.max_model_len = max_model_len
         self.eos = set(eos_token_ids)
-        self.k = num_speculative_tokens
+        self.k = max_draft_tokens
         self.max_prefill_tokens = max_prefill_tokens
         self.preempt_at = dict(preempt_at or {})
         self.free_blocks = list(range(num_blocks))
         random.Random(seed).shuffle(self.free_blocks)  # non-contiguous block tables
-        self.free_slots = list(range(max_batch_size))
+        self.free_request_slots = list(range(max_batch_size))
         self.waiting: deque[int] = deque(range(len(requests)))
         self.running: list[int] = []  # admission order
         self._rows: list[int] = []  # requests of the last plan, in row order
@@ -112,7 +112,7 @@ class FakeScheduler:
         r = self.requests[i]
         self.free_blocks.extend(r.blocks)
         r.blocks = []
-        self.free_slots.append(r.slot)
+        self.free_request_slots.append(r.slot)
         r.slot = None
         self.running.remove(i)
 
@@ -122,9 +122,9 @@ class FakeScheduler:
         self.waiting.appendleft(i)
 
     def _take_slot(self, r: FakeRequest) -> int:
-        others = [s for s in self.free_slots if not r.slots_used or s != r.slots_used[-1]]
-        slot = min(others or self.free_slots)
-        self.free_slots.remove(slot)
+        others = [s for s in self.free_request_slots if not r.slots_used or s != r.slots_used[-1]]
+        slot = min(others or self.free_request_slots)
+        self.free_request_slots.remove(slot)
         r.slot = slot
         r.slots_used.append(slot)
         return slot
@@ -139,7 +139,7 @@ class FakeScheduler:
                 self._preempt(i)
         admitted: list[int] = []
         tokens = 0
-        while self.waiting and self.free_slots:
+        while self.waiting and self.free_request_slots:
             r = self.requests[self.waiting[0]]
             n = len(r.seq)
             if admitted and tokens + n > self.max_prefill_tokens:
@@ -201,7 +201,7 @@ class FakeScheduler:
             kind=kind,
             num_seqs=len(rows),
             num_tokens=len(ids),
-            slots=np.array([r.slot for r in reqs], dtype=np.int32),
+            request_slots=np.array([r.slot for r in reqs], dtype=np.int32),
             input_ids=np.array(ids, dtype=np.int64),
             positions=np.array(pos, dtype=np.int64),
             cu_seqlens_q=cu_np,

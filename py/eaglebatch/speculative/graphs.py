@@ -33,7 +33,7 @@ class SpecGraphs:
         """`sw`: the SpecWorker (its target model, draft, KV caches, budget and K)."""
         self.sw = sw
         # K: the head's longest chain (loops); W >= K: the widest round (verify, extend)
-        K, W, dev = sw.num_speculative_tokens, sw.max_draft_tokens, sw.device
+        K, W, dev = sw.num_steps, sw.max_draft_tokens, sw.device
         bs, pad = sw.budget.block_size, sw.budget.num_blocks
         self.sizes = capture_sizes(max_batch_size)
         mx = max(self.sizes)
@@ -126,24 +126,24 @@ class SpecGraphs:
 
     # ---- one round, from the SpecWorker's host-side plan arrays --------------------------------
 
-    def draft_chain(self, bp, k, h0, start, block_tables, plan_slots) -> torch.Tensor:
+    def draft_chain(self, bp, k, h0, start, block_tables, kv_slots) -> torch.Tensor:
         """Draft ids [b, k]; h0 [b, h] = h^d_{L-2}, start [b] = L-1 (host)."""
         b = len(start)
         self.h0[:b].copy_(h0)
         for j in range(1, k):
             p = start + j - 1  # this step's position L-2+j
-            self.step_meta[j - 1].fill(bp, p + 1, block_tables, plan_slots[:, j - 1])
+            self.step_meta[j - 1].fill(bp, p + 1, block_tables, kv_slots[:, j - 1])
             fill_rows(self.step_pos[j - 1], p, bp)
             self.sw.draft.backend.prepare_graph(self._step_views[j, bp],
                                                 self._states["step", j, bp])
         self.stats.replays += 1
         return self.loop[k, bp]()[:b]
 
-    def target_verify(self, bp, k, first, draft_ids, start, block_tables, plan_slots):
+    def target_verify(self, bp, k, first, draft_ids, start, block_tables, kv_slots):
         """Logits [b, k+1, V] over [x_{L-1}, d_1..d_k]; first: int64 [b] device, x_{L-1}."""
         b = len(start)
         meta = self.meta[k].fill(bp, start + k + 1, block_tables,
-                                 plan_slots[:, : k + 1].reshape(-1))
+                                 kv_slots[:, : k + 1].reshape(-1))
         ids = self.ids[k].view(-1, k + 1)
         ids[:b, 0] = first
         if k:

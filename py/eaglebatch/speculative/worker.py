@@ -4,9 +4,9 @@ Plans (see _native.pyi and the speculative plan contract):
   * "prefill": row i is a whole sequence x_0..x_{n-1} from position 0. The target runs it
     (capturing what the draft reads), samples x_n, then the draft EXTENDS over the sequence:
     draft input at p = (f_p, x_{p+1}) for p = 0..n-1, writing draft K/V at positions 0..n-1.
-  * "verify": row i has L committed tokens (target K/V valid for 0..L-2) and a query of K'+1
-    tokens at positions L-1..L-1+K': x_{L-1} then K' placeholders (K' = max_draft_tokens: K,
-    the head's longest chain, or more with prompt lookup). A round of width k <= K' runs five
+  * "verify": row i has L committed tokens (target K/V valid for 0..L-2) and a query of W+1
+    tokens at positions L-1..L-1+W: x_{L-1} then W placeholders (W = max_draft_tokens: K,
+    the head's longest chain, or more with prompt lookup). A round of width k <= W runs five
     phases over one `_Round`:
       1. draft: d_1 = argmax head(h^d_{L-2}) (slot state), then for j = 1..k-1 one draft step
          at p = L-2+j with input (h^d_{p-1}, d_j) -> h^d_p, d_{j+1} (writes draft K/V at p);
@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from eaglebatch.attention.base import AttentionMetadata
-from eaglebatch.config import SpeculativeConfig
+from eaglebatch.config import SpeculativeConfig, widest_round
 from eaglebatch.cpu import accelerate, gemm_threads
 from eaglebatch.sampling import sample
 from eaglebatch.speculative.adaptive import AdaptiveDraftLength
@@ -127,9 +127,9 @@ class _Round:
     lookup_ids: np.ndarray | None = None  # int64 [B, k] lookup rows' drafts, 0 after n
     head_drafts: bool = False  # the head drafts for some row
     start: np.ndarray | None = None  # int64 [B] L-1
-    plan_slots: np.ndarray | None = None  # [B, K'+1] the plan's KV slots of L-1..L-1+K'
+    kv_slots: np.ndarray | None = None  # [B, W+1] the plan's KV slots of L-1..L-1+W
     block_tables: torch.Tensor | None = None  # int32 [B, M] on the device
-    slots: torch.Tensor | None = None  # int64 [B] the rows' slots on the device
+    request_slots: torch.Tensor | None = None  # int64 [B] the rows' request slots, on the device
     per_row: np.ndarray | None = None  # [B+1] 0..B: offsets of one query token a row
     bp: int | None = None  # padded batch size of the graph steps; None: eager
     defer: bool = False  # the draft extend waits (module doc)
@@ -153,7 +153,7 @@ class SpecWorker:
         target: Worker,
         draft: EagleDraft,
         *,
-        num_speculative_tokens: int,
+        num_steps: int,
         max_batch_size: int,
         adaptive: bool = True,
         topk: int = 1,
@@ -168,19 +168,17 @@ class SpecWorker:
         (default and minimum K). Plans then carry `max_draft_tokens` placeholders per row."""
         if topk > 1:
             raise ValueError(TREE_UNSUPPORTED)
-        if topk < 1 or num_speculative_tokens < 1:
-            raise ValueError("speculative: topk and num_speculative_tokens must be >= 1")
+        if topk < 1 or num_steps < 1:
+            raise ValueError("speculative: topk and num_steps must be >= 1")
         # K: the head's longest chain; max_draft_tokens: the widest round (lookup rounds)
-        self.max_draft_tokens = self.widest_round(
-            num_speculative_tokens, prompt_lookup, lookup_tokens
-        )
+        self.max_draft_tokens = widest_round(num_steps, lookup_tokens if prompt_lookup else None)
         self.target = target
         self.model = target.model
         self.kv_caches = target.kv_caches
         self.budget = target.budget
         self.device = target.device
         self.max_model_len = target.max_model_len
-        self.num_speculative_tokens = num_speculative_tokens
+        self.num_steps = num_steps
         self.draft = draft
         self.draft_kv = (
             draft_kv_cache
@@ -209,13 +207,13 @@ class SpecWorker:
         draft = self.draft
         self.hidden = torch.zeros(
             max_batch_size, draft.config.hidden_size, dtype=draft.dtype, device=self.device
-        )  # [slots, h]
+        )  # [max_batch_size, h]
         self.ready = np.zeros(max_batch_size, dtype=bool)  # slot has been prefilled
         self.deferred = np.zeros(max_batch_size, dtype=np.int64)
         self.stale = np.zeros(max_batch_size, dtype=bool)
         self.deferred_ids = torch.zeros(
             max_batch_size, MAX_DEFERRED, dtype=torch.long, device=self.device
-        )  # [slots, MAX_DEFERRED]
+        )  # [max_batch_size, MAX_DEFERRED]
         self.deferred_states: dict[int, torch.Tensor] = {}  # layer -> [slots, MAX_DEFERRED, H]
 
     def _init_policies(
@@ -227,7 +225,7 @@ class SpecWorker:
     ) -> None:
         """The head's adaptive policy, prompt lookup (histories of `most` + 1 tokens a slot) and
         the policy that sets the width of rounds where every row drafts by lookup."""
-        self.policy = AdaptiveDraftLength(self.num_speculative_tokens) if adaptive else None
+        self.policy = AdaptiveDraftLength(self.num_steps) if adaptive else None
         self.lookup = None
         self.lookup_policy = None
         if prompt_lookup is not None:
@@ -252,17 +250,6 @@ class SpecWorker:
     def draft_stats(self) -> dict:
         return self.stats.as_dict()
 
-    @staticmethod
-    def widest_round(
-        num_speculative_tokens: int,
-        prompt_lookup: tuple[int, int] | None,
-        lookup_tokens: int | None,
-    ) -> int:
-        """max_draft_tokens: K, or lookup_tokens when larger and prompt lookup is on."""
-        from eaglebatch.config import widest_round
-
-        return widest_round(num_speculative_tokens, lookup_tokens if prompt_lookup else None)
-
     @classmethod
     def from_job(
         cls,
@@ -275,7 +262,7 @@ class SpecWorker:
         return cls.from_target(
             target,
             draft_path,
-            num_speculative_tokens=spec.num_steps,
+            num_steps=spec.num_steps,
             max_batch_size=max_batch_size,
             topk=spec.topk,
             adaptive=spec.adaptive,
@@ -289,7 +276,7 @@ class SpecWorker:
         target: Worker,
         draft_path: str | os.PathLike[str],
         *,
-        num_speculative_tokens: int,
+        num_steps: int,
         max_batch_size: int,
         topk: int = 1,
         adaptive: bool = True,
@@ -303,7 +290,7 @@ class SpecWorker:
             target.model.config,
             target.model,
             max_positions=target.max_model_len
-            + cls.widest_round(num_speculative_tokens, prompt_lookup, lookup_tokens),
+            + widest_round(num_steps, lookup_tokens if prompt_lookup else None),
         )
         # as the target runs; a head shipped in bf16 is read from exact bf16 copies (same bits),
         # and the head's norms of few CPU rows are one native call each
@@ -311,7 +298,7 @@ class SpecWorker:
         return cls(
             target,
             draft,
-            num_speculative_tokens=num_speculative_tokens,
+            num_steps=num_steps,
             max_batch_size=max_batch_size,
             adaptive=adaptive,
             topk=topk,
@@ -401,16 +388,16 @@ class SpecWorker:
         h = self._draft_forward(
             next_ids, self.draft.target_features(captured), positions, meta, select=last
         )  # [B, h]
-        self.hidden.index_copy_(0, self._dev(plan.slots), h)
-        self.ready[plan.slots] = True
-        self.deferred[plan.slots] = 0
-        self.stale[plan.slots] = False
+        self.hidden.index_copy_(0, self._dev(plan.request_slots), h)
+        self.ready[plan.request_slots] = True
+        self.deferred[plan.request_slots] = 0
+        self.stale[plan.request_slots] = False
         self.stats.prefill_steps += 1
         out = tokens.to(torch.int32).cpu().numpy()
         n = len(out)
         if self.lookup is not None:
             cu = plan.cu_seqlens_q
-            for i, slot in enumerate(plan.slots):
+            for i, slot in enumerate(plan.request_slots):
                 seq = np.append(plan.input_ids[cu[i] : cu[i + 1]], out[i])
                 self.lookup.reset(int(slot), seq)
         return out, np.ones(n, dtype=np.int32), np.zeros(n, dtype=np.int32)
@@ -418,20 +405,21 @@ class SpecWorker:
     # ---- deferred draft extends (module doc) ---------------------------------------------------
 
     def _defer(
-        self, slots: np.ndarray, tokens: torch.Tensor, captured: dict[int, torch.Tensor]
+        self, request_slots: np.ndarray, tokens: torch.Tensor, captured: dict[int, torch.Tensor]
     ) -> None:
         """Keeps a k = 0 round's draft-extend input per row: the new token x_L (int64 [B]) and
         the target's captured states at L-1 ({layer: [B, H]}). A row with MAX_DEFERRED already
         kept becomes stale instead."""
-        live = ~self.stale[slots]
-        full = live & (self.deferred[slots] >= MAX_DEFERRED)
-        self.stale[slots[full]] = True
+        live = ~self.stale[request_slots]
+        full = live & (self.deferred[request_slots] >= MAX_DEFERRED)
+        self.stale[request_slots[full]] = True
         self.stats.stale_rows += int(full.sum())
         keep = np.flatnonzero(live & ~full)
         if len(keep) == 0:
             return
         rows = self._dev(keep)
-        at = (self._dev(slots[keep]), self._dev(self.deferred[slots[keep]]))  # (slot, index)
+        kept = request_slots[keep]
+        at = (self._dev(kept), self._dev(self.deferred[kept]))  # (request slot, index)
         self.deferred_ids.index_put_(at, tokens.index_select(0, rows))
         for layer, state in captured.items():
             if layer not in self.deferred_states:
@@ -440,17 +428,17 @@ class SpecWorker:
                     device=self.device,
                 )  # fmt: skip
             self.deferred_states[layer].index_put_(at, state.index_select(0, rows))
-        self.deferred[slots[keep]] += 1
+        self.deferred[request_slots[keep]] += 1
         self.stats.deferred_extends += len(keep)
 
     def _catch_up(self, plan, start: np.ndarray, block_tables: torch.Tensor) -> None:
         """The deferred draft extends of the plan's rows (row i: positions start[i] - d_i ..
         start[i] - 1, d_i = deferred[slot]) as one draft forward; restores the invariant."""
-        slots = plan.slots
-        rows = np.flatnonzero((self.deferred[slots] > 0) & ~self.stale[slots])
+        request_slots = plan.request_slots
+        rows = np.flatnonzero((self.deferred[request_slots] > 0) & ~self.stale[request_slots])
         if len(rows) == 0:
             return
-        d = self.deferred[slots[rows]]  # [R]
+        d = self.deferred[request_slots[rows]]  # [R]
         cu = np.concatenate(([0], np.cumsum(d)))  # [R+1]
         index = np.concatenate([np.arange(x) for x in d])  # [T] deferral index of each query
         row_of = np.repeat(rows, d)  # [T] plan row of each query
@@ -459,7 +447,7 @@ class SpecWorker:
         slot_mapping = plan.block_tables[row_of, positions // bs].astype(np.int64) * bs + (
             positions % bs
         )
-        at = (self._dev(slots[row_of]), self._dev(index))
+        at = (self._dev(request_slots[row_of]), self._dev(index))
         captured = {layer: t[at] for layer, t in self.deferred_states.items()}
         meta = self._meta(cu, start[rows], block_tables[self._dev(rows)], slot_mapping)
         h = self._draft_forward(
@@ -469,62 +457,62 @@ class SpecWorker:
             meta,
             select=self._dev(cu[1:] - 1),
         )  # [R, h] h^d at start - 1
-        self.hidden.index_copy_(0, self._dev(slots[rows]), h)
-        self.deferred[slots[rows]] = 0
+        self.hidden.index_copy_(0, self._dev(request_slots[rows]), h)
+        self.deferred[request_slots[rows]] = 0
 
     # ---- verify round --------------------------------------------------------------------------
 
-    def _proposals(self, slots: np.ndarray, k_plan: int) -> list[np.ndarray] | None:
+    def _proposals(self, request_slots: np.ndarray, k_plan: int) -> list[np.ndarray] | None:
         """Each row's prompt-lookup proposal (up to k_plan tokens, maybe none); None when off."""
         if self.lookup is None or k_plan == 0:
             return None
-        return [self.lookup.propose(int(slot), k_plan) for slot in slots]
+        return [self.lookup.propose(int(slot), k_plan) for slot in request_slots]
 
-    def _round_shape(self, slots: np.ndarray, k_plan: int) -> _Round:
-        """The shape of a round over `slots` (module doc): its width k, the head's chain length,
-        each row's own number of drafts and whether it drafts by lookup (see `_Round`)."""
-        b = len(slots)
-        K = min(self.num_speculative_tokens, k_plan)
+    def _round_shape(self, request_slots: np.ndarray, k_plan: int) -> _Round:
+        """The shape of a round (module doc): its width k, the head's chain length, each
+        row's own number of drafts and whether it drafts by lookup (see `_Round`)."""
+        b = len(request_slots)
+        K = min(self.num_steps, k_plan)
         # proposals of K tokens (the head's width), and of k_plan where a row may draft more
         # (the occurrence propose() picks depends on how many following tokens are asked for)
-        proposals = self._proposals(slots, K) or [np.zeros(0, np.int32)] * b
+        proposals = self._proposals(request_slots, K) or [np.zeros(0, np.int32)] * b
         lens = np.array([len(p) for p in proposals], dtype=np.int64)  # [B]
         if K > 0 and self.lookup is not None and bool((lens >= K).all()):
-            return self._lookup_round_shape(slots, k_plan, K, proposals, lens)
+            return self._lookup_round_shape(request_slots, k_plan, K, proposals, lens)
         if self.policy is None:
             k = K
         else:
             # rows that left the head (stale) draft only by lookup; the rest may draft
-            drafting = int((~self.stale[slots] | (lens > 0)).sum())
+            drafting = int((~self.stale[request_slots] | (lens > 0)).sum())
             k = min(K, self.policy.choose(b, drafting=drafting))
         by_lookup = (lens >= k) & (k > 0)
         n = np.full(b, k, dtype=np.int64)
         if self.policy is None and k_plan > K:  # a row's n depends on its own sequence only
             for i in np.flatnonzero(by_lookup):
-                proposals[i] = self.lookup.propose(int(slots[i]), k_plan)
+                proposals[i] = self.lookup.propose(int(request_slots[i]), k_plan)
                 n[i] = len(proposals[i])
         # stale rows (module doc; only with the policy) never draft by the head
-        head_rows = ~by_lookup & ~self.stale[slots]
-        n[~by_lookup & self.stale[slots]] = 0
+        head_rows = ~by_lookup & ~self.stale[request_slots]
+        n[~by_lookup & self.stale[request_slots]] = 0
         k_head = k if head_rows.any() else 0
         return _Round(int(n.max(initial=0)), k_head, n, by_lookup, proposals, False)
 
     def _lookup_round_shape(
-        self, slots: np.ndarray, k_plan: int, K: int, proposals: list[np.ndarray],
+        self, request_slots: np.ndarray, k_plan: int, K: int, proposals: list[np.ndarray],
         lens: np.ndarray,
     ) -> _Round:  # fmt: skip
         """A round where every row has K lookup drafts (lens [B] >= K): the head does not run,
         rows may draft up to k_plan copied tokens, the lookup policy sets the width."""
         if k_plan > K:
-            proposals = self._proposals(slots, k_plan)
+            proposals = self._proposals(request_slots, k_plan)
             lens = np.array([len(p) for p in proposals], dtype=np.int64)  # still >= K
         policy = self.lookup_policy
-        k = k_plan if policy is None else min(k_plan, policy.choose(len(slots)))
+        k = k_plan if policy is None else min(k_plan, policy.choose(len(request_slots)))
         n = np.minimum(lens, k)
         return _Round(int(n.max()), 0, n, n > 0, proposals, True)
 
     def _check_verify_plan(self, plan) -> tuple[np.ndarray, int]:
-        """(cu_seqlens_q int64 [B+1], K' the plan's placeholders per row) of a verify or decode
+        """(cu_seqlens_q int64 [B+1], W the plan's placeholders per row) of a verify or decode
         plan; a ValueError or RuntimeError for a plan this worker cannot run."""
         cu = plan.cu_seqlens_q.astype(np.int64)
         q_lens = cu[1:] - cu[:-1]
@@ -534,9 +522,9 @@ class SpecWorker:
                 f"verify plan: every row needs the same query length in 1.."
                 f"{self.max_draft_tokens + 1}, got {sorted(set(q_lens.tolist()))}"
             )
-        if not self.ready[plan.slots].all():
-            bad = plan.slots[~self.ready[plan.slots]].tolist()
-            raise RuntimeError(f"verify plan uses slots {bad} that were never prefilled")
+        if not self.ready[plan.request_slots].all():
+            bad = plan.request_slots[~self.ready[plan.request_slots]].tolist()
+            raise RuntimeError(f"verify plan uses request slots {bad} that were never prefilled")
         return cu, k_plan
 
     def _begin_round(self, plan) -> _Round:
@@ -544,17 +532,17 @@ class SpecWorker:
         drafts, its graph bucket and whether its extend is deferred (module doc)."""
         cu, k_plan = self._check_verify_plan(plan)
         b = plan.num_seqs
-        stale = self.stale[plan.slots]  # [B] rows the head no longer serves (module doc)
-        r = self._round_shape(plan.slots, k_plan)
+        stale = self.stale[plan.request_slots]  # [B] rows the head no longer serves (module doc)
+        r = self._round_shape(plan.request_slots, k_plan)
         r.plan, r.b, r.cu, r.stale = plan, b, cu, stale
         r.lookup_ids = np.zeros((b, r.k), dtype=np.int64)  # padding (0) after each row's n
         for i in np.flatnonzero(r.by_lookup):
             r.lookup_ids[i, : r.n[i]] = r.proposals[i][: r.n[i]]
         r.head_drafts = r.k_head > 0 and not r.by_lookup.all()
         r.start = plan.positions[cu[:-1]].astype(np.int64)  # [B] L-1
-        r.plan_slots = plan.slot_mapping.reshape(b, k_plan + 1)  # [B, K'+1] slots of L-1..L-1+K'
+        r.kv_slots = plan.slot_mapping.reshape(b, k_plan + 1)  # [B, W+1] KV slots of L-1..L-1+W
         r.block_tables = self._dev(plan.block_tables, np.int32)
-        r.slots = self._dev(plan.slots)
+        r.request_slots = self._dev(plan.request_slots)
         r.per_row = np.arange(b + 1, dtype=np.int64)
         r.bp = None if self.graphs is None else self.graphs.bucket(b)
         # a round of k = 0 chosen by the policy defers its draft extend; any other first
@@ -589,7 +577,7 @@ class SpecWorker:
         1), padded to k, and the lookup rows' copied tokens in place of them."""
         r.draft_ids = torch.zeros(r.b, r.k, dtype=torch.long, device=self.device)  # [B, k]
         if r.head_drafts:  # else k == 0, or every row drafts by lookup
-            chain(r, self.hidden.index_select(0, r.slots))  # from h^d_{L-2} [B, h]
+            chain(r, self.hidden.index_select(0, r.request_slots))  # from h^d_{L-2} [B, h]
             self.stats.draft_steps += r.k_head - 1
         if r.by_lookup.any():
             use = self._dev(r.by_lookup, bool)[:, None]  # [B, 1]
@@ -601,7 +589,7 @@ class SpecWorker:
         r.draft_ids[:, 0] = d
         for j in range(1, r.k_head):
             p = r.start + j - 1  # this step's position L-2+j
-            meta = self._meta(r.per_row, p + 1, r.block_tables, r.plan_slots[:, j - 1])
+            meta = self._meta(r.per_row, p + 1, r.block_tables, r.kv_slots[:, j - 1])
             h = self._draft_forward(d, h, self._dev(p), meta)  # [B, h] h^d_p
             d = self.draft.argmax_tokens(h)
             r.draft_ids[:, j] = d
@@ -609,7 +597,7 @@ class SpecWorker:
     def _chain_graph(self, r: _Round, h: torch.Tensor) -> None:
         """The head's chain into r.draft_ids[:, :k_head], one graph replay."""
         r.draft_ids[:, : r.k_head] = self.graphs.draft_chain(
-            r.bp, r.k_head, h, r.start, r.plan.block_tables, r.plan_slots
+            r.bp, r.k_head, h, r.start, r.plan.block_tables, r.kv_slots
         )
 
     # ---- 2. verify -----------------------------------------------------------------------------
@@ -624,7 +612,7 @@ class SpecWorker:
         r.positions = self._dev(pos_np)
         r.meta = self._meta(
             r.per_row * (k + 1), r.start + k + 1, r.block_tables,
-            r.plan_slots[:, : k + 1].reshape(-1),
+            r.kv_slots[:, : k + 1].reshape(-1),
         )  # fmt: skip
         self.model.backend.prepare(r.meta)
         hidden, r.captured = self.model(
@@ -636,7 +624,7 @@ class SpecWorker:
         """r.logits [B, k+1, V] as `_target_eager`, by a graph replay (features stay in it)."""
         first = self._dev(r.plan.input_ids[r.cu[:-1]])  # [B] x_{L-1}
         r.logits = self.graphs.target_verify(
-            r.bp, r.k, first, r.draft_ids, r.start, r.plan.block_tables, r.plan_slots
+            r.bp, r.k, first, r.draft_ids, r.start, r.plan.block_tables, r.kv_slots
         )  # [B, k+1, V]
 
     # ---- 3. accept -----------------------------------------------------------------------------
@@ -662,15 +650,15 @@ class SpecWorker:
         select = torch.arange(r.b, device=self.device) * (r.k + 1) + r.accepted  # [B]
         features = self.draft.target_features(r.captured)  # [B*(k+1), h]
         h = self._draft_forward(r.tokens.reshape(-1), features, r.positions, r.meta, select)
-        self.hidden.index_copy_(0, r.slots, h)
+        self.hidden.index_copy_(0, r.request_slots, h)
 
     def _extend_graph(self, r: _Round) -> None:
         h = self.graphs.draft_extend(r.bp, r.k, r.tokens, r.accepted)  # [B, h]
-        self.hidden.index_copy_(0, r.slots, h)
+        self.hidden.index_copy_(0, r.request_slots, h)
 
     def _extend_deferred(self, r: _Round) -> None:
         """A k = 0 round of the policy: the extend waits for the next round with drafts."""
-        self._defer(r.plan.slots, r.tokens[:, 0], r.captured)
+        self._defer(r.plan.request_slots, r.tokens[:, 0], r.captured)
 
     # ---- 5. record -----------------------------------------------------------------------------
 
@@ -688,7 +676,7 @@ class SpecWorker:
         self.stats.accepted += int(accepted_np.sum())
         self.stats.emitted += int(num_tokens.sum())
         if self.lookup is not None:
-            for i, slot in enumerate(r.plan.slots):
+            for i, slot in enumerate(r.plan.request_slots):
                 self.lookup.extend(int(slot), tokens_np[i, : num_tokens[i]])
         if by_lookup.any():
             self.stats.lookup_rows += int(by_lookup.sum())

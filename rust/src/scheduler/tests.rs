@@ -65,11 +65,14 @@ fn check_plan(p: &StepPlan, cfg: &SchedulerConfig) {
     assert_eq!(p.positions.len(), p.num_tokens());
     assert_eq!(p.slot_mapping.len(), p.num_tokens());
     assert_eq!(p.block_tables.len(), b * p.block_table_width);
-    let mut slots = p.slots.clone();
+    let mut slots = p.request_slots.clone();
     slots.sort();
     slots.dedup();
     assert_eq!(slots.len(), b, "duplicate request slots");
-    assert!(p.slots.iter().all(|&s| (s as usize) < cfg.max_batch_size));
+    assert!(p
+        .request_slots
+        .iter()
+        .all(|&s| (s as usize) < cfg.max_batch_size));
     if p.kind == StepKind::Prefill {
         assert!(p.num_tokens() <= cfg.max_num_batched_tokens || b == 1);
     }
@@ -318,7 +321,7 @@ fn max_model_len_and_kv_footprint_errors() {
 /// drafts of the fake model; the outputs must equal plain decoding.
 fn drive_spec(s: &mut Scheduler) {
     let cfg = s.config().clone();
-    let k = cfg.num_speculative_tokens;
+    let k = cfg.max_draft_tokens;
     let mut step = 0usize;
     while let Some(p) = s.next_plan().unwrap() {
         check_plan(&p, &cfg);
@@ -362,7 +365,7 @@ fn outputs_do_not_depend_on_the_kv_budget() {
             f.cfg.num_blocks = blocks;
             f.cfg.block_size = 2;
             f.cfg.max_new_tokens = 9;
-            f.cfg.num_speculative_tokens = k;
+            f.cfg.max_draft_tokens = k;
             f.cfg.eos_token_ids = vec![];
             let mut s = Scheduler::new(f.cfg.clone()).unwrap();
             if k == 0 {
@@ -449,21 +452,21 @@ fn admission_respects_batch_size_and_token_budget() {
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!(p.kind, StepKind::Prefill);
     assert_eq!(p.num_seqs(), 2);
-    assert_eq!(p.slots, vec![0, 1]);
+    assert_eq!(p.request_slots, vec![0, 1]);
     assert_eq!(p.num_tokens(), 16);
     assert_eq!(p.max_seqlen_q, 8);
     s.commit(&[11, 11], &[1, 1], None).unwrap();
     // Prefill is preferred: the third request is admitted before anyone decodes.
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!(
-        (p.kind, p.num_seqs(), p.slots.clone()),
+        (p.kind, p.num_seqs(), p.request_slots.clone()),
         (StepKind::Prefill, 1, vec![2])
     );
     s.commit(&[11], &[1], None).unwrap();
     // Batch full: decode over all three, one query token each at position 8.
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!(p.kind, StepKind::Decode);
-    assert_eq!(p.slots, vec![0, 1, 2]);
+    assert_eq!(p.request_slots, vec![0, 1, 2]);
     assert_eq!(p.input_ids, vec![11, 11, 11]);
     assert_eq!(p.positions, vec![8, 8, 8]);
     assert_eq!(p.seq_lens, vec![9, 9, 9]);
@@ -497,7 +500,7 @@ fn spec_counters_and_seeds() {
     let mut f = fixture("sched-spec", &[Some("w5")]);
     f.cfg.max_new_tokens = 4;
     f.cfg.seed = 7;
-    f.cfg.num_speculative_tokens = 2;
+    f.cfg.max_draft_tokens = 2;
     let mut s = Scheduler::new(f.cfg.clone()).unwrap();
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!(p.seeds, vec![request_seed(7, 0)]);
@@ -703,7 +706,7 @@ fn verify_steps_with_partial_acceptance_equal_plain_decoding() {
 
     for (tag, num_blocks) in [("sched-verify", 64), ("sched-verify-small", 7)] {
         let mut f = fixture(tag, &prompts);
-        f.cfg.num_speculative_tokens = 3;
+        f.cfg.max_draft_tokens = 3;
         f.cfg.num_blocks = num_blocks;
         let mut s = Scheduler::new(f.cfg.clone()).unwrap();
         drive_spec(&mut s);
@@ -715,7 +718,7 @@ fn verify_steps_with_partial_acceptance_equal_plain_decoding() {
 #[test]
 fn verify_commit_with_too_many_tokens_is_an_error() {
     let mut f = fixture("sched-verify-err", &[Some("w5")]);
-    f.cfg.num_speculative_tokens = 2;
+    f.cfg.max_draft_tokens = 2;
     let mut s = Scheduler::new(f.cfg.clone()).unwrap();
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!(p.kind, StepKind::Prefill);
