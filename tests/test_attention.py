@@ -144,6 +144,21 @@ def test_metadata_from_numpy_derives_lengths() -> None:
         )
 
 
+def test_metadata_from_numpy_reuses_a_device_block_table() -> None:
+    import numpy as np
+
+    tables = torch.tensor([[1, 2], [3, 0]], dtype=torch.int32)
+    meta = AttentionMetadata.from_numpy(
+        np.array([0, 1, 2]), np.array([5, 2]), tables, np.array([9, 12]), 4, "cpu"
+    )
+    assert meta.block_tables is tables  # the steps of one round share it: no copy
+    assert meta.max_seqlen_k == 5 and meta.slot_mapping.tolist() == [9, 12]
+    with pytest.raises(ValueError, match="int32"):
+        AttentionMetadata.from_numpy(
+            np.array([0, 1]), np.array([5]), tables[:1].long(), np.array([9]), 4, "cpu"
+        )
+
+
 def test_unknown_backend() -> None:
     with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
         get_backend("nope")

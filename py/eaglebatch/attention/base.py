@@ -72,13 +72,15 @@ class AttentionMetadata:
         cls,
         cu_seqlens_q: np.ndarray,
         seq_lens: np.ndarray,
-        block_tables: np.ndarray,
+        block_tables: np.ndarray | torch.Tensor,
         slot_mapping: np.ndarray,
         block_size: int,
         device: torch.device | str,
     ) -> AttentionMetadata:
         """Builds metadata from host arrays (e.g. a StepPlan's), deriving the max lengths and
-        `is_prefill` on the host so that no device synchronisation is ever needed."""
+        `is_prefill` on the host so that no device synchronisation is ever needed. block_tables
+        may already be an int32 [B, M] tensor on `device` (the steps of one speculative round
+        share it): it is used as is, not copied."""
         cu = np.asarray(cu_seqlens_q, dtype=np.int32)
         lens = np.asarray(seq_lens, dtype=np.int32)
         q_lens = cu[1:] - cu[:-1]
@@ -90,16 +92,24 @@ class AttentionMetadata:
             raise ValueError("slot_mapping must have cu_seqlens_q[-1] entries, cu_seqlens_q[0] = 0")
         device = torch.device(device)
 
-        def put(a: np.ndarray, dtype: type) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)).to(device)
+        def put(t: torch.Tensor) -> torch.Tensor:  # a host tensor on `device` (CPU: itself)
+            return t if device.type == "cpu" else t.to(device)
 
+        def host(a: np.ndarray, dtype: type) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype))
+
+        if isinstance(block_tables, torch.Tensor):
+            if block_tables.dtype != torch.int32 or block_tables.device.type != device.type:
+                raise ValueError(f"block_tables must be int32 on {device}")
+        else:
+            block_tables = put(host(block_tables, np.int32))
         cu_cpu = torch.from_numpy(cu.copy())
         lens_cpu = torch.from_numpy(lens.copy())
         return cls(
-            cu_seqlens_q=cu_cpu.to(device),
-            seq_lens=lens_cpu.to(device),
-            block_tables=put(block_tables, np.int32),
-            slot_mapping=put(slot_mapping, np.int64),
+            cu_seqlens_q=put(cu_cpu),
+            seq_lens=put(lens_cpu),
+            block_tables=block_tables,
+            slot_mapping=put(host(slot_mapping, np.int64)),
             block_size=int(block_size),
             max_seqlen_q=int(q_lens.max()),
             max_seqlen_k=int(lens.max()),

@@ -338,29 +338,11 @@ class SpecWorker:
             self._dev(plan.num_generated, np.int32),
         )
 
-    def _meta(
-        self,
-        cu: np.ndarray,  # [B+1] query offsets
-        seq_lens: np.ndarray,  # [B] context incl. the query
-        block_tables: torch.Tensor,  # int32 [B, M] on the device (the plan's)
-        slot_mapping: np.ndarray,  # [T]
-    ) -> AttentionMetadata:
-        """Metadata for a query the plan did not spell out (draft steps, shorter verifies): same
-        block tables, host-side lengths, no device synchronisation."""
-        cu_cpu = torch.from_numpy(np.ascontiguousarray(cu, dtype=np.int32))
-        lens_cpu = torch.from_numpy(np.ascontiguousarray(seq_lens, dtype=np.int32))
-        q = cu[1:] - cu[:-1]
-        return AttentionMetadata(
-            cu_seqlens_q=self._on_device(cu_cpu),
-            seq_lens=self._on_device(lens_cpu),
-            block_tables=block_tables,
-            slot_mapping=self._dev(slot_mapping),
-            block_size=self.budget.block_size,
-            max_seqlen_q=int(q.max()),
-            max_seqlen_k=int(seq_lens.max()),
-            is_prefill=bool((q == seq_lens).all()),
-            cu_seqlens_q_cpu=cu_cpu,
-            seq_lens_cpu=lens_cpu,
+    def _meta(self, cu, seq_lens, block_tables, slot_mapping) -> AttentionMetadata:
+        """Metadata for a query the plan did not spell out (draft steps, shorter verifies): the
+        plan's device block tables [B, M] reused, host-side lengths (no synchronisation)."""
+        return AttentionMetadata.from_numpy(
+            cu, seq_lens, block_tables, slot_mapping, self.budget.block_size, self.device
         )
 
     def _draft_forward(self, ids, features, positions, meta, select=None) -> torch.Tensor:
