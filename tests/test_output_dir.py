@@ -150,3 +150,71 @@ def test_identity_uses_resolved_values_and_content(tmp_path, tiny_model_dir):
     r = run(job, "--set", "sampling.stop=['a very long stop string that goes on and on']")
     assert r.exit_code == 2
     assert "a very long stop string that goes on and on" in r.output, r.output
+
+
+def test_shard_directories_are_ours_and_restart_scopes(tmp_path, tiny_model_dir):
+    inp = write_prompts(tmp_path / "in" / "in.parquet", [f"w{i}" for i in range(6)])
+    out = tmp_path / "out"
+    job = write_job(tmp_path, tiny_model_dir, inp, out)
+    for i in range(2):
+        assert run(job, "--shard", f"{i}/2").exit_code == 0
+    shard1 = out / "shard-00001-of-00002"
+    before = {p: p.read_bytes() for p in shard1.glob("part-*.parquet")}
+    # --restart of shard 0 deletes shard 0's parts only, and regenerates them
+    r = run(job, "--restart", "--shard", "0/2")
+    assert r.exit_code == 0 and "rows [0, 3) of 6" in r.output, r.output
+    assert {p: p.read_bytes() for p in shard1.glob("part-*.parquet")} == before
+    assert pq.read_table(out).num_rows == 6
+    # another program's directory beside the shards is refused, with or without --restart
+    (out / "spark-output").mkdir()
+    for args in (("--shard", "1/2"), ("--restart",)):
+        r = run(job, *args)
+        assert r.exit_code == 2 and "spark-output/" in r.output, r.output
+    (out / "spark-output").rmdir()
+    # a shard directory holding another program's part is refused too
+    theirs = foreign_part(shard1 / "part-00099.parquet")
+    r = run(job)
+    assert r.exit_code == 2 and "part-00099.parquet" in r.output, r.output
+    theirs.unlink()
+    # --restart without --shard deletes every shard's parts and the emptied directories
+    r = run(job, "--restart")
+    assert r.exit_code == 0, r.output
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        p.name for p in sorted(out.glob("part-*.parquet"))
+    ]
+    assert pq.read_table(out).num_rows == 6
+
+
+def test_a_shard_and_a_whole_run_never_write_at_once(tmp_path):
+    import subprocess
+    import sys
+
+    from eaglebatch.output_dir import prepare_output_dir, release_output_dir
+
+    out = tmp_path / "out"
+    # another process (locks are per open file, like another run's) tries while a shard runs
+    probe = (
+        "import sys; from pathlib import Path; from eaglebatch.output_dir import "
+        "prepare_output_dir as p; from eaglebatch.config import JobError\n"
+        "try:\n    p(Path(sys.argv[1]), False, sys.argv[2] or None)\nexcept JobError as e:\n"
+        "    print(e); sys.exit(2)"
+    )
+
+    def attempt(subdir: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", probe, str(out), subdir],
+                              capture_output=True, text=True)  # fmt: skip
+
+    prepare_output_dir(out, restart=False, subdir="shard-00000-of-00002")
+    try:
+        assert attempt("shard-00001-of-00002").returncode == 0  # other shards may run
+        for subdir in ("", "shard-00000-of-00002"):  # a whole run, the same shard: refused
+            r = attempt(subdir)
+            assert r.returncode == 2 and "in use by another running" in r.stdout, r
+    finally:
+        release_output_dir(out, "shard-00000-of-00002")
+    prepare_output_dir(out, restart=False)  # a whole run holds it all: no shard starts
+    try:
+        r = attempt("shard-00001-of-00002")
+        assert r.returncode == 2 and "in use by another running" in r.stdout, r
+    finally:
+        release_output_dir(out)

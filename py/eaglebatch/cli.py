@@ -1,4 +1,4 @@
-"""`eaglebatch` command line: run, validate, bench.
+"""`eaglebatch` command line: run, status, validate, bench, train-draft.
 
 User errors (bad job key or value, missing file or column) print one message and exit with
 status 2, no traceback. Anything else is a bug and keeps its traceback.
@@ -84,47 +84,131 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     )
 
 
+def _announce(console, prep, scope, resume) -> tuple[int, int]:
+    """Prints what this run covers and what is already done; returns (rows, done) of it."""
+    start, end = scope.rows(prep.total_rows)
+    done = resume.rows_done(end, start)
+    what = f"{prep.total_rows} rows"
+    if scope.row_range is not None:
+        what = f"{scope.subdir}: rows [{start}, {end}) of {prep.total_rows}"
+    console.print(
+        f"eaglebatch {__version__}: {what} from {len(prep.input_files)} file(s) -> "
+        f"{scope.output_dir(prep.job.output.path)}",
+        soft_wrap=True,
+    )
+    if done:
+        console.print(
+            f"resuming: {done} of {end - start} rows already done in {resume.part_files} part "
+            f"file(s); generating the other {end - start - done}",
+            soft_wrap=True,
+        )
+    return end - start, done
+
+
+_shard_option = click.option(
+    "--shard",
+    "shard_text",
+    metavar="i/N|auto",
+    help="Generate shard i of N (0-based: a contiguous range of rows) into "
+    "output.path/shard-0000i-of-0000N/. 'auto' reads SLURM_ARRAY_TASK_ID and "
+    "SLURM_ARRAY_TASK_COUNT, or JOB_COMPLETION_INDEX (Kubernetes Indexed Jobs) with --shards.",
+)
+_shards_option = click.option(
+    "--shards",
+    "shard_count",
+    type=int,
+    help="The number of shards, for --shard auto where the environment does not say it.",
+)
+
+
+_ray_option = click.option(
+    "--ray",
+    "ray_address",
+    is_flag=False,
+    flag_value="",
+    default=None,
+    metavar="[ADDRESS]",
+    help="Run on Ray: engine actors on the cluster at ADDRESS ('auto': the one this machine "
+    "belongs to; none: a Ray instance of this machine). Same as engine.executor: ray.",
+)
+
+
 @main.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @_set_option
 @click.option("--restart", is_flag=True, help="Delete results of an earlier run and start over.")
+@_shard_option
+@_shards_option
+@_ray_option
 @_user_errors
-def run(job_file: str, overrides: tuple[str, ...], restart: bool) -> None:
+def run(
+    job_file: str,
+    overrides: tuple[str, ...],
+    restart: bool,
+    shard_text: str | None,
+    shard_count: int | None,
+    ray_address: str | None,
+) -> None:
     """Run a job: generate every prompt of the input and write Parquet part files.
 
-    Running it again continues after the rows earlier runs finished (resume)."""
+    Running it again continues after the rows earlier runs finished (resume). With --shard it
+    generates one shard, with --ray it runs on a Ray cluster; with --restart it deletes the
+    results of this run's scope first."""
+    from .shards import parse_shard
+
+    shard = parse_shard(shard_text, shard_count)
+    job = load_job(job_file, overrides)
+    if ray_address is not None or job.engine.executor == "ray":
+        if shard is not None:
+            raise JobError("--shard and --ray: a Ray run spreads the whole job; choose one")
+        _run_on_ray(job, ray_address or job.ray.address, restart)
+    else:
+        _run_here(job, shard, restart)
+
+
+def _run_on_ray(job, address: str | None, restart: bool) -> None:
     from rich.console import Console
 
-    from .engine import RunFailed, open_output, prepare, run_prepared
+    from .engine import RunFailed, prepare
+    from .progress import ray_summary_table, summary_table
+    from .ray_executor import import_ray, run_on_ray
+
+    import_ray()  # before anything else: a missing Ray is one message
+    console = Console(stderr=True)
+    try:
+        stats, wall = run_on_ray(prepare(job), address, restart, console)
+    except RunFailed as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(e.exit_status)
+    except KeyboardInterrupt:
+        console.print(f"interrupted; rows finished so far are in {job.output.path}; run the "
+                      "same command again to resume", markup=False, soft_wrap=True)  # fmt: skip
+        sys.exit(130)
+    console.print(summary_table(stats, wall))
+    console.print(ray_summary_table(stats))
+
+
+def _run_here(job, shard, restart: bool) -> None:
+    from rich.console import Console
+
+    from .engine import WHOLE, RunFailed, RunScope, open_output, prepare, run_prepared
     from .interrupt import Interrupted
     from .progress import ProgressView, summary_table
 
-    job = load_job(job_file, overrides)
     console = Console(stderr=True)
     try:
         prep = prepare(job)
-        resume = open_output(prep, restart=restart)
-        done = resume.rows_done(prep.total_rows)
-        console.print(
-            f"eaglebatch {__version__}: {prep.total_rows} rows from {len(prep.input_files)} "
-            f"file(s) -> {job.output.path}"
-        )
-        if resume.part_files:
-            console.print(
-                f"resuming: {done} of {prep.total_rows} rows already done in "
-                f"{resume.part_files} part file(s); generating the other {prep.total_rows - done}",
-                soft_wrap=True,
-            )
-        with ProgressView(prep.total_rows - done, console) as view:
-            result = run_prepared(prep, progress=view, resume=resume)
+        scope = WHOLE if shard is None else RunScope.shard(shard, prep.total_rows)
+        resume = open_output(prep, restart=restart, scope=scope)
+        rows, done = _announce(console, prep, scope, resume)
+        with ProgressView(rows - done, console) as view:
+            result = run_prepared(prep, progress=view, resume=resume, scope=scope)
     except RunFailed as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(e.exit_status)
     except Interrupted as e:
         in_all = done + e.rows_written
-        console.print(
-            f"{e} ({in_all} of {prep.total_rows} rows done in all)", markup=False, soft_wrap=True
-        )
+        console.print(f"{e} ({in_all} of {rows} rows done in all)", markup=False, soft_wrap=True)
         sys.exit(e.exit_status)
     except KeyboardInterrupt:
         # Before or after the step loop (which handles signals itself): nothing half-written.
@@ -136,6 +220,21 @@ def run(job_file: str, overrides: tuple[str, ...], restart: bool) -> None:
         )
         sys.exit(130)
     console.print(summary_table(result.stats, result.wall_s))
+
+
+@main.command()
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@_set_option
+@_user_errors
+def status(job_file: str, overrides: tuple[str, ...]) -> None:
+    """Rows done per shard and overall. Exit status 0 only when the job is complete: every row
+    of the input is in the output exactly once (1 while rows are missing)."""
+    from .status import job_status, status_lines
+
+    st = job_status(load_job(job_file, overrides))
+    for line in status_lines(st):
+        click.echo(line)
+    sys.exit(0 if st.complete else 1)
 
 
 @main.command()

@@ -138,6 +138,8 @@ class EngineConfig(_Section):
     # attention backend, whole layers (cpu/decoder.py); "torch" = torch's layers and
     # F.linear (MKL); auto = native on a float32 CPU run when the CPU has AVX-512F or AVX2+FMA.
     cpu_gemm: Literal["auto", "native", "torch"] = "auto"
+    # local: this process; ray: engine actors on a Ray cluster (the job's `ray` section).
+    executor: Literal["local", "ray"] = "local"
 
 
 class SpeculativeConfig(_Section):
@@ -181,6 +183,26 @@ def widest_round(num_steps: int, lookup_tokens: int | None) -> int:
     return num_steps if lookup_tokens is None else max(num_steps, lookup_tokens)
 
 
+class RayConfig(_Section):
+    """How a Ray run (`run --ray`, or engine.executor: ray) spreads the job (ray_executor.py)."""
+
+    # None: a Ray instance of this machine; "auto": the cluster this machine belongs to;
+    # HOST:PORT: that cluster's head (checked before any model is loaded).
+    address: str | None = None
+    # Engine actors; default one per GPU of the cluster (device cuda) or, on the CPU, as many
+    # as leave one CPU for Ray itself with cpus_per_actor each (at least one).
+    actors: int | None = Field(default=None, ge=1, le=100_000)
+    # CPUs reserved by each actor, and its torch threads on the CPU (default engine.num_threads
+    # or 1 on the CPU; 1 beside a GPU).
+    cpus_per_actor: int | None = Field(default=None, ge=1, le=MAX_THREADS)
+    # Rows per unit (the work an actor takes at a time); default: the remaining rows cut into
+    # about four units per actor, each between 4 and 64 batches of engine.max_batch_size.
+    unit_rows: int | None = Field(default=None, ge=1, le=I64_MAX)
+    # Attempts of one unit (an actor that dies is restarted and the unit retried) before the
+    # run stops with the unit's last error.
+    max_attempts: int = Field(default=4, ge=1, le=1000)
+
+
 class JobConfig(_Section):
     model: PathStr
     input: InputConfig
@@ -190,6 +212,7 @@ class JobConfig(_Section):
     # An EAGLE draft head (folder or builtin name); unset = plain decoding.
     draft: PathStr | None = None
     speculative: SpeculativeConfig = SpeculativeConfig()
+    ray: RayConfig = RayConfig()
 
     @property
     def max_draft_tokens(self) -> int:

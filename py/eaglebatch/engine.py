@@ -22,6 +22,7 @@ from .interrupt import Interrupted, StopSignals
 from .model_files import ModelFiles, model_files, resolve_draft_dir
 from .output_dir import prepare_output_dir, release_output_dir
 from .resume import HASH_KEY, IDENTITY_KEY, ResumeState, identity_hash, job_identity, scan_output
+from .shards import Shard, shard_of_dir
 
 
 @dataclass(frozen=True)
@@ -111,13 +112,61 @@ def prepare(job: JobConfig) -> PreparedJob:
     )
 
 
-def open_output(prep: PreparedJob, restart: bool = False) -> ResumeState:
-    """Locks and prepares the output directory and reads what earlier runs of this job finished
-    there. Fails (JobError) before any model is loaded if it holds another job's results or
-    another run is writing it. `run_prepared` releases the lock."""
+@dataclass(frozen=True)
+class RunScope:
+    """The rows a run generates and where it writes them: every row into output.path, or a
+    row range into a subdirectory of it (a shard, a Ray unit; output_dir.py)."""
+
+    subdir: str | None = None
+    row_range: tuple[int, int] | None = None  # [start, end) of the input's row_index
+    # a Ray unit: runs under its driver's exclusive lock of output.path (the driver checked the
+    # tree and passes what was done elsewhere), so it checks and reads only its own directory
+    unit: bool = False
+
+    @classmethod
+    def shard(cls, shard: Shard, total_rows: int) -> RunScope:
+        return cls(subdir=shard.dir_name, row_range=shard.rows(total_rows))
+
+    def rows(self, total_rows: int) -> tuple[int, int]:
+        return self.row_range or (0, total_rows)
+
+    def output_dir(self, output_path: str) -> str:
+        return output_path if self.subdir is None else str(Path(output_path) / self.subdir)
+
+
+WHOLE = RunScope()
+
+
+def check_shard_count(out: Path, subdir: str | None) -> None:
+    """One output.path holds the shards of one N: a shard of another N is a JobError."""
+    ours = shard_of_dir(subdir or "")
+    if ours is None or not out.is_dir():
+        return
+    other = sorted(
+        d.name for d in out.iterdir() if (s := shard_of_dir(d.name)) and s.count != ours.count
+    )
+    if other:
+        raise JobError(
+            f"output.path: {out} holds shards of another number of shards ({', '.join(other[:3])}"
+            f"{' ...' if len(other) > 3 else ''}), but this run is shard {ours}: run every shard "
+            f"with the same N (a run without --shard resumes any split), or delete those "
+            f"directories to start over"
+        )
+
+
+def open_output(prep: PreparedJob, restart: bool = False, scope: RunScope = WHOLE) -> ResumeState:
+    """Locks and prepares the output directory (the scope's part of it) and reads what earlier
+    runs of this job finished anywhere under output.path. Fails (JobError) before any model is
+    loaded if it holds another job's results or another run is writing it. `run_prepared`
+    releases the lock."""
     out = Path(prep.job.output.path)
-    prepare_output_dir(out, restart=restart)
-    return scan_output(out, prep.identity)
+    check_shard_count(out, scope.subdir)
+    prepare_output_dir(out, restart, scope.subdir, unit=scope.unit)
+    try:
+        return scan_output(out, prep.identity, only=out / scope.subdir if scope.unit else None)
+    except BaseException:
+        release_output_dir(out, scope.subdir)
+        raise
 
 
 @dataclass
@@ -145,8 +194,10 @@ def file_metadata(prep: PreparedJob) -> dict[str, str]:
     }
 
 
-def scheduler_config(prep: PreparedJob, worker, metadata: dict[str, str], skip_rows=None):
-    """The scheduler's settings for this job and worker (KV blocks, max_model_len)."""
+def scheduler_config(
+    prep: PreparedJob, worker, metadata: dict[str, str], skip_rows=None, scope: RunScope = WHOLE
+):
+    """The scheduler's settings for this job, worker (KV blocks, max_model_len) and scope."""
     from .scheduler_config import SchedulerConfig
 
     job, mf = prep.job, prep.model
@@ -157,13 +208,14 @@ def scheduler_config(prep: PreparedJob, worker, metadata: dict[str, str], skip_r
         messages_column=job.input.messages_column,
         id_column=job.input.id_column,
         limit=job.input.limit,
+        row_range=scope.row_range,
         apply_chat_template=job.input.apply_chat_template,
         tokenizer_file=str(mf.tokenizer_file),
         chat_template=mf.chat_template,
         bos_token=mf.bos_token,
         eos_token=mf.eos_token,
         eos_token_ids=list(mf.eos_token_ids),
-        output_dir=job.output.path,
+        output_dir=scope.output_dir(job.output.path),
         part_rows=job.output.part_rows,
         file_metadata=metadata,
         include_token_ids=job.output.include_token_ids,
@@ -184,10 +236,12 @@ def scheduler_config(prep: PreparedJob, worker, metadata: dict[str, str], skip_r
     )
 
 
-def build_scheduler(prep: PreparedJob, worker, metadata: dict[str, str], skip_rows=None):
+def build_scheduler(
+    prep: PreparedJob, worker, metadata: dict[str, str], skip_rows=None, scope: RunScope = WHOLE
+):
     from ._native import Scheduler
 
-    return Scheduler(scheduler_config(prep, worker, metadata, skip_rows))
+    return Scheduler(scheduler_config(prep, worker, metadata, skip_rows, scope))
 
 
 def build_worker(prep: PreparedJob, graph_mode: str | None = None):
@@ -223,20 +277,21 @@ def run_prepared(
     progress: ProgressFn | None = None,
     restart: bool = False,
     resume: ResumeState | None = None,
+    scope: RunScope = WHOLE,
 ) -> RunSummary:
     """Runs a prepared job to completion, continuing after the rows earlier runs of the same job
     wrote (`resume`, from `open_output`; read here when not given). `worker` may be passed in to
     reuse loaded weights (benchmarks); its KV cache must be sized for this job's engine settings.
 
     On SIGINT / SIGTERM it stops between two steps, writes the finished rows and raises
-    `Interrupted` (see interrupt.py)."""
+    `Interrupted` (see interrupt.py). `scope`: the rows and the directory (a shard's)."""
     out = Path(prep.job.output.path)
     try:
         if resume is None:
-            resume = open_output(prep, restart=restart)
-        return _run(prep, worker, progress, resume)
+            resume = open_output(prep, restart=restart, scope=scope)
+        return _run(prep, worker, progress, resume, scope)
     finally:
-        release_output_dir(out)
+        release_output_dir(out, scope.subdir)
 
 
 class RunFailed(Exception):
@@ -245,6 +300,7 @@ class RunFailed(Exception):
 
     def __init__(self, cause: str, rows_written: int | None, output_dir: str, user_error: bool):
         self.exit_status = 2 if user_error else 1
+        self.cause = cause
         kept = "the rows finished before it" if rows_written is None else f"{rows_written} rows"
         super().__init__(
             f"{cause}\nthe run stopped; {kept} of this run are in complete part files in "
@@ -266,10 +322,12 @@ def _salvage(scheduler) -> int | None:
         return None
 
 
-def _run(prep: PreparedJob, worker, progress: ProgressFn | None, resume: ResumeState):
+def _run(prep: PreparedJob, worker, progress, resume: ResumeState, scope: RunScope):
     if worker is None:
         worker = build_worker(prep)
-    scheduler = build_scheduler(prep, worker, file_metadata(prep), skip_rows=resume.done_rows)
+    start, end = scope.rows(prep.total_rows)
+    skip = resume.done_rows[(resume.done_rows >= start) & (resume.done_rows < end)]
+    scheduler = build_scheduler(prep, worker, file_metadata(prep), skip, scope)
     start = time.monotonic()
     try:
         stats = _step_loop(prep, scheduler, worker, progress)
@@ -279,7 +337,8 @@ def _run(prep: PreparedJob, worker, progress: ProgressFn | None, resume: ResumeS
         written = _salvage(scheduler)
         if _is_native_error(e):
             user = type(e).__name__ == "UserInputError"
-            raise RunFailed(str(e), written, prep.job.output.path, user) from None
+            out = scope.output_dir(prep.job.output.path)
+            raise RunFailed(str(e), written, out, user) from None
         raise
     wall = time.monotonic() - start
     graphs = worker.graph_stats()  # Worker and SpecWorker: None when graphs are off

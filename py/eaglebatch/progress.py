@@ -127,3 +127,15 @@ def summary_table(stats: dict, wall_s: float, title: str = "eaglebatch summary")
     for k, v in rows:
         t.add_row(k, v)
     return t
+
+
+def ray_summary_table(stats: dict) -> Table:
+    """A Ray run's units and each actor's share (ray_executor.summary)."""
+    t = Table(title=f"Ray: {stats['units']} units ({stats['units_retried']} retried), "
+              f"{stats['actors']} actors, startup {stats['startup_s']:.1f}s")  # fmt: skip
+    for name in ("actor", "units", "rows", "output tokens", "tok/s while busy"):
+        t.add_column(name, justify="left" if name == "actor" else "right")
+    for where, a in sorted(stats["per_actor"].items()):
+        rate = a["tokens"] / a["busy_s"] if a["busy_s"] > 0 else 0.0
+        t.add_row(where, str(a["units"]), str(a["rows"]), str(a["tokens"]), f"{rate:.1f}")
+    return t

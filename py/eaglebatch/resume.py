@@ -3,9 +3,10 @@
 Invariants:
 - every part file a run writes carries `eaglebatch.job_hash`, the sha256 of the canonical JSON
   of the job's identity (kept in full under `eaglebatch.job_identity` for error messages);
-- a run continues a directory only if every part file in it carries its own hash; the rows in
-  those parts (by `row_index`, the stable input position) are skipped by the Rust reader, so
-  over all runs of a job each input row is written exactly once;
+- a run continues output.path only if every part file under it (its shard and unit
+  directories included, output_dir.py) carries its own hash; the rows in those parts (by
+  `row_index`, the stable input position) are skipped by the Rust reader, so over all runs of
+  a job, sharded or not, each input row is written exactly once;
 - resume reads every page of those parts: a damaged part or a row_index written twice is
   reported with the way out, never silently ignored or overwritten.
 
@@ -30,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .config import JobConfig, JobError
-from .output_dir import OWNER_KEY, check_only_ours, scan_dir
+from .output_dir import OWNER_KEY, SUBDIR, check_only_ours, scan_dir, scan_tree
 
 HASH_KEY = OWNER_KEY.decode()  # the key that marks a part as ours (output_dir.py)
 IDENTITY_KEY = "eaglebatch.job_identity"
@@ -135,9 +136,21 @@ class ResumeState:
 
     done_rows: np.ndarray  # int64 row indices already written (sorted, unique)
     part_files: int
+    error_rows: np.ndarray  # int64 the done rows that are error rows (sorted)
+    # subdirectory name ("" for output.path itself) -> how many part files it holds
+    dirs: dict[str, int]
 
-    def rows_done(self, total_rows: int) -> int:
-        return int(np.count_nonzero(self.done_rows < total_rows))
+    def rows_done(self, total_rows: int, start: int = 0) -> int:
+        """How many of the rows [start, total_rows) are done."""
+        return _count_in(self.done_rows, start, total_rows)
+
+    def errors_in(self, start: int, end: int) -> int:
+        return _count_in(self.error_rows, start, end)
+
+
+def _count_in(sorted_rows: np.ndarray, start: int, end: int) -> int:
+    lo, hi = np.searchsorted(sorted_rows, [start, end])
+    return int(hi - lo)
 
 
 def _flatten(d: object, prefix: str = "") -> dict[str, object]:
@@ -177,21 +190,26 @@ def _what_changed(ours: dict, theirs_json: bytes | None) -> str:
     return "it differs in " + "; ".join(shown) + more
 
 
-def _read_part(part: Path) -> np.ndarray:
-    """The row indices of one of our part files, after reading every column of every row group
-    (a damaged page fails here, not in a user's read_table). Raises JobError naming the file."""
+def _read_part(part: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The row indices of one of our part files and those of its error rows, after reading every
+    column of every row group (a damaged page fails here, not in a user's read_table). Raises
+    JobError naming the file."""
     try:
         pf = pq.ParquetFile(part)
-        rows = []
+        rows, errors = [], []
         for g in range(pf.num_row_groups):
             table = pf.read_row_group(g)
-            rows.append(table.column("row_index").to_numpy())
+            index = table.column("row_index").to_numpy()
+            rows.append(index)
+            errors.append(index[table.column("error").is_valid().to_numpy(zero_copy_only=False)])
     except (pa.ArrowException, OSError, KeyError, ValueError) as e:
         raise JobError(
             f"output.path: {part} is damaged ({e}); delete it (its rows are generated again) "
             f"or pass --restart to delete all of this directory's eaglebatch results"
         ) from None
-    return np.concatenate(rows) if rows else np.empty(0, np.int64)
+    if not rows:
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    return np.concatenate(rows), np.concatenate(errors)
 
 
 def _check_unique(rows: list[np.ndarray], parts: list[Path]) -> np.ndarray:
@@ -204,7 +222,7 @@ def _check_unique(rows: list[np.ndarray], parts: list[Path]) -> np.ndarray:
         return sorted_rows.astype(np.int64)
     row = int(sorted_rows[twice[0]])
     owner = np.repeat(np.arange(len(parts)), [len(r) for r in rows])
-    names = sorted({parts[i].name for i in owner[done == row]})
+    names = sorted({_relative(parts[i]) for i in owner[done == row]})
     raise JobError(
         f"output.path: row_index {row} was written more than once ({twice.size} duplicate "
         f"row(s); row {row} is in {' and '.join(names)}): the directory was written by two "
@@ -213,22 +231,41 @@ def _check_unique(rows: list[np.ndarray], parts: list[Path]) -> np.ndarray:
     )
 
 
-def scan_output(path: Path, identity: dict) -> ResumeState:
-    """Reads the row indices of the part files in `path`, after checking that eaglebatch wrote
-    them, for this job, readably and each row once. Raises JobError (naming the file and what
+def _relative(part: Path) -> str:
+    """A part's name, with its shard / unit directory when it is in one."""
+    return part.name if SUBDIR.fullmatch(part.parent.name) is None else (
+        f"{part.parent.name}/{part.name}"
+    )
+
+
+def scan_output(path: Path, identity: dict, only: Path | None = None) -> ResumeState:
+    """Reads the row indices of the part files under `path` (its shard and unit directories
+    included; `only`: that one directory of it), after checking that eaglebatch wrote them,
+    for this job, readably and each row once. Raises JobError (naming the file and what
     differs or is wrong) when not."""
-    ours = identity_hash(identity)
-    contents = scan_dir(path)
-    check_only_ours(path, contents)
+    ours = identity_hash(identity).encode()
     done: list[np.ndarray] = []
-    for part, meta in contents.ours.items():
-        if meta.get(HASH_KEY.encode()) != ours.encode():
-            why = _what_changed(identity, meta.get(IDENTITY_KEY.encode()))
-            raise JobError(
-                f"output.path: {path} holds results of a different job "
-                f"({part.name}: {why}); pass --restart to delete them and start over, or "
-                f"choose another output.path"
-            )
-        done.append(_read_part(part))
-    rows = _check_unique(done, list(contents.ours))
-    return ResumeState(done_rows=rows, part_files=len(contents.ours))
+    errors: list[np.ndarray] = []
+    parts: list[Path] = []
+    dirs: dict[str, int] = {}
+    tree = scan_tree(path) if only is None else {only: scan_dir(only)}
+    for d, contents in tree.items():
+        check_only_ours(d, contents)
+        dirs["" if d == path else d.name] = len(contents.ours)
+        for part, meta in contents.ours.items():
+            if meta.get(HASH_KEY.encode()) != ours:
+                why = _what_changed(identity, meta.get(IDENTITY_KEY.encode()))
+                raise JobError(
+                    f"output.path: {path} holds results of a different job "
+                    f"({_relative(part)}: {why}); pass --restart to delete them and start "
+                    f"over, or choose another output.path"
+                )
+            rows, errs = _read_part(part)
+            done.append(rows)
+            errors.append(errs)
+            parts.append(part)
+    rows = _check_unique(done, parts)
+    error_rows = np.sort(np.concatenate(errors)) if errors else np.empty(0, np.int64)
+    return ResumeState(
+        done_rows=rows, part_files=len(parts), error_rows=error_rows.astype(np.int64), dirs=dirs
+    )

@@ -21,6 +21,8 @@ class SchedulerConfig:
     messages_column: str | None
     id_column: str | None
     limit: int | None
+    # Rows [start, end) of the input's row_index (after limit) to generate; None = all.
+    row_range: tuple[int, int] | None = None
     # Prompt construction / tokenization.
     apply_chat_template: bool
     tokenizer_file: str

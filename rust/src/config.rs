@@ -20,6 +20,10 @@ pub struct SchedulerConfig {
     pub messages_column: Option<String>,
     pub id_column: Option<String>,
     pub limit: Option<u64>,
+    /// Rows `[start, end)` of the input (by `row_index`, after `limit`) this run generates;
+    /// None = all (a shard or a unit of a scaled-out job). Rows before `start` are read for
+    /// their ids alone, so duplicate ids are decided exactly as in a run over every row.
+    pub row_range: Option<(u64, u64)>,
     /// Resume: row indices already written by an earlier run of the same job (any order,
     /// duplicates allowed). The reader skips them without tokenizing; they are never written.
     #[cfg_attr(feature = "python", pyo3(from_py_with = crate::python::int64_array))]
@@ -73,6 +77,7 @@ impl SchedulerConfig {
             messages_column: None,
             id_column: None,
             limit: None,
+            row_range: None,
             skip_rows: Vec::new(),
             apply_chat_template: false,
             tokenizer_file,
@@ -147,6 +152,13 @@ impl SchedulerConfig {
         }
         if self.max_model_len > i32::MAX as usize {
             return Err(Error::user("max_model_len must fit in int32"));
+        }
+        if let Some((start, end)) = self.row_range {
+            if start > end {
+                return Err(Error::user(format!(
+                    "row_range must have start <= end, got [{start}, {end})"
+                )));
+            }
         }
         if let Some(s) = self.flush_interval_s {
             if !(s > 0.0 && s.is_finite()) {

@@ -9,10 +9,12 @@
 //! Invariants:
 //! - requests are sent in input order with `row_index` = 0, 1, 2, ... across all files, and at
 //!   most `limit` of them, except the rows listed in `skip_rows` (done by an earlier run of the
-//!   same job), which are read but neither tokenized nor sent;
+//!   same job), which are read but neither tokenized nor sent; with a `row_range` only the rows
+//!   in it are sent (whole row groups before it are skipped, or read for their ids alone);
 //! - a row that cannot be generated is still sent, with `error` set (never silently dropped);
 //! - with an id column, a null id and an id equal to an earlier row's (skipped rows included,
-//!   so the verdict does not depend on where a run was resumed) make error rows. Ids are
+//!   and rows before the range, so the verdict depends neither on where a run was resumed nor
+//!   on how the input was sharded) make error rows. Ids are
 //!   compared by 64-bit hash: memory is one `u64` set entry per row read.
 //! - a failure of the input itself (I/O, corrupt page) is sent as `ReaderMsg::Failed` and ends
 //!   the stream.
@@ -65,8 +67,19 @@ pub struct InputSpec {
     pub id_column: Option<String>,
     /// Arrow type of the output `id` column (the input id column's type, or Int64).
     pub id_type: DataType,
-    /// Rows that will be read: the footers' row counts summed, capped by `limit`.
+    /// The input's rows: the footers' row counts summed, capped by `limit`.
     pub total_rows: u64,
+    /// The rows this run generates, `[row_start, row_end)` (`row_range` clipped to
+    /// `total_rows`; the whole input without one).
+    pub row_start: u64,
+    pub row_end: u64,
+}
+
+impl InputSpec {
+    /// How many rows this run is to generate (before resume).
+    pub fn range_rows(&self) -> u64 {
+        self.row_end - self.row_start
+    }
 }
 
 /// Checks that every input path names an existing file, before any is opened. Input
@@ -200,6 +213,8 @@ pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
         Some(limit) => total.min(limit),
         None => total,
     };
+    let (start, end) = cfg.row_range.unwrap_or((0, total_rows));
+    let row_end = end.min(total_rows);
     Ok(InputSpec {
         files,
         prompt_column: cfg.prompt_column.clone(),
@@ -207,6 +222,8 @@ pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
         id_column: cfg.id_column.clone(),
         id_type: id_type.map(|(t, _)| t).unwrap_or(DataType::Int64),
         total_rows,
+        row_start: start.min(row_end),
+        row_end,
     })
 }
 
@@ -457,8 +474,12 @@ impl ReaderThread {
     fn run(&mut self) -> Result<()> {
         let files = self.spec.files.clone();
         for file in &files {
-            if self.next_row >= self.spec.total_rows {
+            if self.next_row >= self.spec.row_end {
                 break;
+            }
+            if self.before_range(file.num_rows) && self.spec.id_column.is_none() {
+                self.next_row += file.num_rows; // no id to see: not even opened
+                continue;
             }
             match self.read_file(&file.path) {
                 Ok(()) => {}
@@ -491,7 +512,13 @@ impl ReaderThread {
         }
     }
 
-    /// Reads one file row group by row group (so that a failure names its row group).
+    /// Whether the next `n` rows all lie before this run's range (read for their ids alone).
+    fn before_range(&self, n: u64) -> bool {
+        self.next_row + n <= self.spec.row_start
+    }
+
+    /// Reads one file row group by row group (so that a failure names its row group). Row
+    /// groups before the range are skipped, or read for the id column alone when there is one.
     fn read_file(&mut self, path: &Path) -> std::result::Result<(), Stop> {
         let fail = |e: &dyn std::fmt::Display| Stop::Failed(unreadable(path, None, e));
         let file = File::open(path).map_err(|e| fail(&e))?;
@@ -512,11 +539,23 @@ impl ReaderThread {
             }
         }
         let mask = ProjectionMask::roots(meta.parquet_schema(), roots);
+        let id_only = match &self.spec.id_column {
+            Some(col) => {
+                let idx = meta.schema().index_of(col).map_err(|e| fail(&e))?;
+                Some(ProjectionMask::roots(meta.parquet_schema(), [idx]))
+            }
+            None => None,
+        };
         for g in 0..meta.metadata().num_row_groups() {
-            if self.next_row >= self.spec.total_rows {
+            if self.next_row >= self.spec.row_end {
                 break;
             }
-            self.read_row_group(path, &file, &meta, &mask, g)?;
+            let n = meta.metadata().row_group(g).num_rows().max(0) as u64;
+            match (&id_only, self.before_range(n)) {
+                (None, true) => self.next_row += n,
+                (Some(ids), true) => self.read_row_group(path, &file, &meta, ids, g)?,
+                (_, false) => self.read_row_group(path, &file, &meta, &mask, g)?,
+            }
         }
         Ok(())
     }
@@ -531,7 +570,7 @@ impl ReaderThread {
     ) -> std::result::Result<(), Stop> {
         let fail = |e: &dyn std::fmt::Display| Stop::Failed(unreadable(path, Some(g), e));
         let input = file.try_clone().map_err(|e| fail(&e))?;
-        let remaining = (self.spec.total_rows - self.next_row) as usize;
+        let remaining = (self.spec.row_end - self.next_row) as usize;
         let mut reader = ParquetRecordBatchReaderBuilder::new_with_metadata(input, meta.clone())
             .with_row_groups(vec![g])
             .with_projection(mask.clone())
@@ -550,14 +589,14 @@ impl ReaderThread {
             self.set_decoding(false);
             let Some(batch) = next else { break };
             let batch = batch.map_err(|e| fail(&e))?;
-            let remaining = (self.spec.total_rows - self.next_row) as usize;
+            let remaining = (self.spec.row_end - self.next_row) as usize;
             let batch = if batch.num_rows() > remaining {
                 batch.slice(0, remaining)
             } else {
                 batch
             };
             self.process_batch(&batch)?;
-            if self.next_row >= self.spec.total_rows {
+            if self.next_row >= self.spec.row_end {
                 break;
             }
         }
@@ -581,7 +620,7 @@ impl ReaderThread {
             let row_index = self.next_row as i64;
             self.next_row += 1;
             let id_error = ids.and_then(|a| self.check_id(a.as_ref(), i));
-            if self.is_skipped(row_index) {
+            if row_index < self.spec.row_start as i64 || self.is_skipped(row_index) {
                 continue;
             }
             let id: ArrayRef = match ids {
@@ -1087,6 +1126,74 @@ mod tests {
         assert_eq!(idx, vec![2, 3, 5]);
         assert!(rest[0].error.as_deref().unwrap().contains("duplicate id"));
         assert!(rest[2].error.as_deref().unwrap().contains("duplicate id"));
+    }
+
+    /// Two files of three rows (row groups of two), ids x y z | x w y: rows 3 and 5 repeat
+    /// ids of rows 0 and 1.
+    fn two_files_with_duplicate_ids(dir: &TempDir) -> Vec<PathBuf> {
+        let mut files = Vec::new();
+        for (name, ids) in [("a", ["x", "y", "z"]), ("b", ["x", "w", "y"])] {
+            let path = dir.path().join(format!("{name}.parquet"));
+            let prompts = StringArray::from(vec!["w4 w5", "w6", "w7 w8"]);
+            write_parquet(
+                &path,
+                vec![
+                    ("prompt", Arc::new(prompts) as ArrayRef),
+                    ("id", Arc::new(StringArray::from(ids.to_vec()))),
+                ],
+                2,
+            );
+            files.push(path);
+        }
+        files
+    }
+
+    #[test]
+    fn row_ranges_partition_the_rows_and_judge_ids_as_a_whole_run() {
+        let dir = TempDir::new("reader-range");
+        let files = two_files_with_duplicate_ids(&dir);
+        let view = |r: &Request| (r.row_index, r.prompt_ids.clone(), r.error.clone());
+        for id_column in [None, Some("id".to_string())] {
+            let mut c = cfg(files.clone());
+            c.id_column = id_column.clone();
+            let whole: Vec<_> = collect(validate_inputs(&c).unwrap(), None, false, 16)
+                .iter()
+                .map(view)
+                .collect();
+            assert_eq!(whole.len(), 6);
+            assert_eq!(whole[3].2.is_some(), id_column.is_some(), "{whole:?}");
+            for n in 1..=8u64 {
+                let mut joined = Vec::new();
+                for i in 0..n {
+                    c.row_range = Some((i * 6 / n, (i + 1) * 6 / n));
+                    let spec = validate_inputs(&c).unwrap();
+                    assert_eq!(spec.range_rows(), (i + 1) * 6 / n - i * 6 / n);
+                    joined.extend(collect(spec, None, false, 16).iter().map(view));
+                }
+                assert_eq!(joined, whole, "{n} ranges, id column {id_column:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_range_past_the_limit_is_clipped() {
+        let dir = TempDir::new("reader-range-limit");
+        let mut c = cfg(two_files_with_duplicate_ids(&dir));
+        c.limit = Some(4);
+        c.row_range = Some((3, 10));
+        let spec = validate_inputs(&c).unwrap();
+        assert_eq!((spec.row_start, spec.row_end), (3, 4));
+        let rows = collect(spec, None, false, 16);
+        assert_eq!(
+            rows.iter().map(|r| r.row_index).collect::<Vec<_>>(),
+            vec![3]
+        );
+        c.row_range = Some((5, 9));
+        let spec = validate_inputs(&c).unwrap();
+        assert_eq!(spec.range_rows(), 0);
+        assert!(collect(spec, None, false, 16).is_empty());
+        c.row_range = Some((2, 1));
+        assert!(c.validate().is_err());
     }
 
     /// (role, content) pairs per row; `None` = null list.

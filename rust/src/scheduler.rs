@@ -329,13 +329,14 @@ fn compile_template(cfg: &SchedulerConfig) -> Result<Option<ChatTemplate>> {
     }
 }
 
-/// `skip_rows` sorted and deduplicated, with how many of them name a row that exists
-/// (`< total_rows`); out-of-range ones are kept but do not count as skipped.
-fn sorted_skip_rows(skip_rows: &[i64], total_rows: u64) -> (Vec<i64>, u64) {
+/// `skip_rows` sorted and deduplicated, with how many of them name a row this run would
+/// generate (in `[start, end)`); others are kept but do not count as skipped.
+fn sorted_skip_rows(skip_rows: &[i64], (start, end): (u64, u64)) -> (Vec<i64>, u64) {
     let mut rows = skip_rows.to_vec();
     rows.sort_unstable();
     rows.dedup();
-    let skipped = rows.iter().filter(|&&r| (r as u64) < total_rows).count() as u64;
+    let in_range = |r: i64| r >= 0 && (start..end).contains(&(r as u64));
+    let skipped = rows.iter().filter(|&&r| in_range(r)).count() as u64;
     (rows, skipped)
 }
 
@@ -413,8 +414,9 @@ impl Scheduler {
         let tokenizer = untruncated(tokenizer)?;
         let template = compile_template(&cfg)?;
         let spec = validate_inputs(&cfg)?;
-        let (skip_rows, skipped) = sorted_skip_rows(&cfg.skip_rows, spec.total_rows);
-        let mut stats = Stats::new(spec.total_rows - skipped);
+        let range = (spec.row_start, spec.row_end);
+        let (skip_rows, skipped) = sorted_skip_rows(&cfg.skip_rows, range);
+        let mut stats = Stats::new(spec.range_rows() - skipped);
         stats.requests_skipped = skipped;
         let writer = Writer::start(writer_config(&cfg, spec.id_type.clone()))?;
         let (input, reader) = spawn_reader(

@@ -1,0 +1,393 @@
+"""The Ray executor (`eaglebatch run --ray`): one job over engine actors on a Ray cluster.
+
+The driver prepares and checks the job once (a bad job fails before Ray starts), holds
+output.path exclusively, reads what is done anywhere under it and cuts the remaining rows into
+units: contiguous row ranges of several batches each. Each actor loads the model once and runs
+units one after another with the ordinary scheduler, worker and atomic part writer, each into
+its own `unit-<start>-<end>/` directory (output_dir.py).
+
+Invariants (exactly once):
+- a unit writes only rows of its range, only into its directory, and skips the rows the driver
+  found done elsewhere plus the rows already in complete parts of its directory; so a unit
+  retried after its actor died regenerates exactly the rows that never reached a complete part;
+- a driver killed and rerun reads the whole tree again (unit directories included): a unit of
+  the new cut skips what any earlier unit finished;
+- the actors of a run live only while its driver does (Ray ends a dead driver's actors), and an
+  actor holds its unit directory's flock while it writes there.
+Engine-fatal errors (CUDA errors, out of memory, any bug) end the actor process; Ray restarts it
+and the driver retries the unit, up to ray.max_attempts. Bad rows stay error rows; a damaged
+input ends the run with the message a single process would print.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from .config import JobConfig, JobError
+from .engine import PreparedJob, RunFailed, RunScope, open_output, run_prepared
+from .output_dir import release_output_dir
+from .resume import ResumeState
+
+PROGRESS_KEYS = ("requests_done", "requests_error", "output_tokens", "running", "waiting")
+SUM_KEYS = ("requests", "errors", "prompt_tokens", "output_tokens", "preemptions",
+            "spec_steps", "accepted_tokens", "spec_tokens")  # fmt: skip
+
+
+def import_ray():
+    """Ray, or a JobError saying how to install it."""
+    try:
+        import ray
+    except ImportError:
+        raise JobError(
+            "--ray / engine.executor: ray needs Ray, which is not installed: "
+            "pip install 'eaglebatch[ray]' (or pip install ray)"
+        ) from None
+    return ray
+
+
+def check_address(address: str | None) -> None:
+    """A HOST:PORT address must accept a connection (Ray itself would retry for minutes)."""
+    if address in (None, "", "auto", "local") or address.startswith("ray://"):
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=5).close()
+    except (OSError, ValueError) as e:
+        raise JobError(
+            f"ray.address: cannot reach a Ray cluster at {address!r} ({e}); start it with "
+            f"`ray start --head` or fix the address"
+        ) from None
+
+
+@dataclass(frozen=True)
+class Unit:
+    start: int  # [start, end) of the input's row_index
+    end: int
+    skip: np.ndarray = field(repr=False)  # int64 rows of the range done before this run
+
+    @property
+    def name(self) -> str:
+        return f"unit-{self.start:012d}-{self.end:012d}"
+
+    @property
+    def rows(self) -> int:
+        return self.end - self.start - len(self.skip)
+
+
+def unit_rows(remaining: int, actors: int, max_batch_size: int) -> int:
+    """About four units per actor, each of 4 to 64 batches, never fewer units than actors."""
+    rows = math.ceil(remaining / (4 * actors))
+    rows = min(max(rows, 4 * max_batch_size), 64 * max_batch_size)
+    return max(1, min(rows, math.ceil(remaining / actors)))
+
+
+def cut_units(total_rows: int, done: np.ndarray, rows_per_unit: int) -> list[Unit]:
+    """The rows of [0, total_rows) not in `done` (sorted) as contiguous units of about
+    `rows_per_unit` remaining rows each; done rows inside a unit's range are its `skip`."""
+    remaining = total_rows - len(done)
+    bounds = [0]
+    for k in range(1, math.ceil(remaining / rows_per_unit) if remaining else 0):
+        # the first x with k * rows_per_unit rows to do before it (x - done rows below x)
+        want = k * rows_per_unit
+        lo, hi = bounds[-1], total_rows
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if mid - int(np.searchsorted(done, mid)) >= want:
+                hi = mid
+            else:
+                lo = mid + 1
+        bounds.append(lo)
+    bounds.append(total_rows)
+    units = []
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        skip = done[np.searchsorted(done, a) : np.searchsorted(done, b)]
+        if b > a and b - a > len(skip):
+            units.append(Unit(a, b, skip))
+    return units
+
+
+class EngineActor:
+    """One engine on one GPU (or CPU threads); runs units. Wrapped by `ray.remote` in
+    `_actor_class`; `progress` is answered while `run_unit` runs (max_concurrency=2)."""
+
+    def __init__(self, prep: PreparedJob) -> None:
+        from .engine import build_worker
+
+        self.prep = prep
+        self.worker = build_worker(prep)
+        self.current = dict.fromkeys(PROGRESS_KEYS, 0)  # the running unit's counters
+
+    def where(self) -> str:
+        return f"{socket.gethostname()}:{os.getpid()}"
+
+    def progress(self) -> dict:
+        return self.current
+
+    def _progress(self, p: dict) -> None:
+        self.current = {k: p[k] for k in PROGRESS_KEYS if k in p}
+
+    def run_unit(self, unit: Unit) -> dict:
+        scope = RunScope(subdir=unit.name, row_range=(unit.start, unit.end), unit=True)
+        try:
+            own = open_output(self.prep, scope=scope)
+            done = np.union1d(unit.skip, own.done_rows).astype(np.int64)
+            resume = replace(own, done_rows=done)
+            res = run_prepared(self.prep, self.worker, self._progress, resume=resume, scope=scope)
+        except (RunFailed, JobError) as e:  # the input or the output itself: the run stops
+            cause, status = getattr(e, "cause", str(e)), getattr(e, "exit_status", 2)
+            return {"failed": cause, "exit_status": status}
+        except BaseException:  # engine-fatal: end the process; Ray restarts it, the unit reruns
+            traceback.print_exc()
+            os._exit(70)
+        self.current = dict.fromkeys(PROGRESS_KEYS, 0)  # the driver counts the result instead
+        return {"stats": res.stats, "wall_s": res.wall_s, "where": self.where()}
+
+
+def _actor_class(ray, prep: PreparedJob, cpus: int):
+    gpu = _on_cuda(prep)
+    # spread over the nodes; no restarts by Ray: the driver replaces a dead actor (_Pool)
+    options = {"num_cpus": 1 if gpu else cpus, "num_gpus": 1 if gpu else 0, "max_restarts": 0,
+               "max_concurrency": 2, "scheduling_strategy": "SPREAD"}  # fmt: skip
+    return ray.remote(**options)(EngineActor)
+
+
+def _on_cuda(prep: PreparedJob) -> bool:
+    from .worker import resolve_device
+
+    return resolve_device(prep.job.engine.device).type == "cuda"
+
+
+def actor_plan(ray, job: JobConfig, cuda: bool) -> tuple[int, int]:
+    """(actors, CPUs per actor) from the job's ray section and the cluster's resources."""
+    cfg = job.ray
+    cpus = cfg.cpus_per_actor or (1 if cuda else job.engine.num_threads or 1)
+    if cfg.actors is not None:
+        return cfg.actors, cpus
+    res = ray.cluster_resources()
+    if cuda:
+        return max(1, int(res.get("GPU", 0))), cpus
+    return max(1, (int(res.get("CPU", 1)) - 1) // cpus), cpus
+
+
+@dataclass
+class RayRun:
+    """What the driver tracks: units to run, the ones running, and the finished results."""
+
+    units: deque[Unit]
+    output_dir: str
+    max_attempts: int
+    running: dict = field(default_factory=dict)  # ObjectRef -> (actor id, unit)
+    attempts: dict[str, int] = field(default_factory=dict)  # unit name -> failed attempts
+    results: list[dict] = field(default_factory=list)
+    retried: int = 0
+
+    def failed(self, why: str, user_error: bool = False) -> RunFailed:
+        return RunFailed(why, None, self.output_dir, user_error)
+
+
+class _Pool:
+    """The engine actors: starting (loading the model), idle or busy. An actor that dies is
+    replaced by a new one (which waits for resources if its node is gone), so a unit is only
+    ever handed to an actor that is up."""
+
+    def __init__(self, ray, make, n: int, max_attempts: int) -> None:
+        self.ray, self.make = ray, make
+        self.actors: dict[int, object] = {}
+        self.starting: dict = {}  # ObjectRef of `where` -> actor id
+        self.idle: list[int] = []
+        self.failures, self.budget = 0, max_attempts * n
+        for i in range(n):
+            self._spawn(i)
+
+    def _spawn(self, i: int) -> None:
+        actor = self.actors[i] = self.make()
+        self.starting[actor.where.remote()] = i
+
+    def replace(self, i: int, why: object, run: RayRun) -> None:
+        self.failures += 1
+        if self.failures > self.budget:
+            raise run.failed(f"ray: engine actors died {self.failures} times; last: {why}")
+        self._spawn(i)
+
+    def started(self, ref, run: RayRun) -> None:
+        i = self.starting.pop(ref)
+        try:
+            self.ray.get(ref)
+            self.idle.append(i)
+        except self.ray.exceptions.RayError as e:  # died loading the model, or its node did
+            self.replace(i, e, run)
+
+
+def _submit(pool: _Pool, run: RayRun) -> None:
+    while run.units and pool.idle:
+        i, unit = pool.idle.pop(), run.units.popleft()
+        run.running[pool.actors[i].run_unit.remote(unit)] = (i, unit)
+
+
+def _collect(ray, ref, pool: _Pool, run: RayRun) -> None:
+    """One finished unit call: its result, or the unit back in the queue if its actor died."""
+    i, unit = run.running.pop(ref)
+    try:
+        result = ray.get(ref)
+    except ray.exceptions.RayError as e:  # the actor died: killed, out of memory, node lost
+        n = run.attempts[unit.name] = run.attempts.get(unit.name, 0) + 1
+        if n >= run.max_attempts:
+            raise run.failed(f"ray: unit {unit.name} failed {n} times "
+                             f"(ray.max_attempts); last: {e}") from None  # fmt: skip
+        run.retried += 1
+        run.units.appendleft(unit)
+        pool.replace(i, e, run)
+        return
+    pool.idle.append(i)
+    if "failed" in result:
+        raise run.failed(result["failed"], result["exit_status"] == 2)
+    run.results.append(result)
+
+
+def _progress(ray, pool: _Pool, run: RayRun, polls: dict) -> dict:
+    """Finished units' counters plus the running units' current ones (never blocks)."""
+    for i in {i for i, _ in run.running.values()} - set(polls.values()):
+        polls[pool.actors[i].progress.remote()] = i
+    current = {}
+    ready, _ = ray.wait(list(polls), num_returns=len(polls), timeout=0) if polls else ([], [])
+    for ref in ready:
+        i = polls.pop(ref)
+        try:
+            current[i] = ray.get(ref)
+        except ray.exceptions.RayError:
+            pass
+    p = {k: sum(c.get(k, 0) for c in current.values()) for k in PROGRESS_KEYS}
+    p["requests_done"] += sum(r["stats"]["requests"] for r in run.results)
+    p["output_tokens"] += sum(r["stats"]["output_tokens"] for r in run.results)
+    return p
+
+
+def wait_started(ray, pool: _Pool, run: RayRun) -> None:
+    """Until every actor has loaded the model (or been replaced after dying doing so)."""
+    while pool.starting:
+        ready, _ = ray.wait(list(pool.starting), num_returns=1)
+        pool.started(ready[0], run)
+
+
+def dispatch(ray, pool: _Pool, run: RayRun, view=None) -> RayRun:
+    """Runs every unit on the pool's actors (one unit per actor at a time) until all are done."""
+    polls: dict = {}
+    last = {k: 0 for k in PROGRESS_KEYS}
+    while run.units or run.running:
+        _submit(pool, run)
+        waiting = list(run.running) + list(pool.starting)
+        ready, _ = ray.wait(waiting, num_returns=1, timeout=0.5)
+        for ref in ready:
+            if ref in pool.starting:
+                pool.started(ref, run)
+            else:
+                _collect(ray, ref, pool, run)
+        if view is not None:
+            p = _progress(ray, pool, run, polls)
+            last = {k: max(p[k], last[k]) if k in ("requests_done", "output_tokens") else p[k]
+                    for k in PROGRESS_KEYS}  # fmt: skip
+            view({**last, "requests_total": view.total})
+    return run
+
+
+def latency_stats(out: Path, units: list[Unit]) -> dict:
+    """Latency, TTFT and TPOT percentiles of the rows in this run's unit directories (read
+    from the parts' columns: the actors' own summaries cannot be merged into percentiles)."""
+    import pyarrow.parquet as pq
+
+    parts = [p for u in units for p in sorted((out / u.name).glob("part-*.parquet"))]
+    if not parts:
+        return {}
+    cols = {"latency": "latency_s", "ttft": "ttft_s", "tpot": "tpot_s"}
+    stats = {}
+    for name, col in cols.items():
+        values = np.concatenate([
+            pq.read_table(p, columns=[col]).column(col).to_numpy(zero_copy_only=False)
+            for p in parts
+        ]).astype(np.float64)  # fmt: skip
+        values = values[~np.isnan(values)]
+        for q in (50, 90, 99) if name == "latency" else (50, 99):
+            stats[f"{name}_p{q}"] = float(np.percentile(values, q)) if values.size else None
+    return stats
+
+
+def summary(run: RayRun, wall_s: float, actors: int) -> dict:
+    """The run's counters summed over its units, and each actor's rows and tok/s."""
+    stats = {k: sum(r["stats"].get(k, 0) for r in run.results) for k in SUM_KEYS}
+    per_actor: dict[str, dict] = {}
+    for r in run.results:
+        a = per_actor.setdefault(r["where"], {"units": 0, "rows": 0, "tokens": 0, "busy_s": 0.0})
+        a["units"] += 1
+        a["rows"] += r["stats"]["requests"]
+        a["tokens"] += r["stats"]["output_tokens"]
+        a["busy_s"] += r["wall_s"]
+    stats.update(units=len(run.results), units_retried=run.retried, actors=actors)
+    stats["per_actor"] = per_actor
+    return stats
+
+
+def run_on_ray(prep: PreparedJob, address: str | None, restart: bool, console) -> tuple:
+    """The whole job on Ray; returns (stats, wall seconds). See the module docstring."""
+    from .progress import ProgressView
+
+    ray = import_ray()
+    check_address(address)
+    out = Path(prep.job.output.path)
+    resume: ResumeState = open_output(prep, restart=restart)  # exclusive: the whole tree
+    try:
+        _init(ray, address)
+        cuda = _on_cuda(prep)
+        n, cpus = actor_plan(ray, prep.job, cuda)
+        if not cuda:
+            engine = prep.job.engine.model_copy(update={"num_threads": cpus})
+            prep = replace(prep, job=prep.job.model_copy(update={"engine": engine}))
+        done = resume.done_rows[resume.done_rows < prep.total_rows]
+        remaining = prep.total_rows - len(done)
+        size = prep.job.ray.unit_rows or unit_rows(remaining, n, prep.job.engine.max_batch_size)
+        units = cut_units(prep.total_rows, done, size) if remaining else []
+        console.print(
+            f"eaglebatch on Ray: {prep.total_rows} rows ({remaining} to generate) in "
+            f"{len(units)} units of about {size} rows over {n} actor(s) -> {out}",
+            soft_wrap=True,
+        )
+        start = time.monotonic()
+        cls = _actor_class(ray, prep, cpus)
+        attempts = prep.job.ray.max_attempts
+        pool = _Pool(ray, lambda: cls.remote(prep), n, attempts)
+        run = RayRun(units=deque(units), output_dir=str(out), max_attempts=attempts)
+        wait_started(ray, pool, run)
+        loaded = time.monotonic() - start
+        with ProgressView(remaining, console) as view:
+            dispatch(ray, pool, run, view)
+        wall = time.monotonic() - start - loaded
+        stats = summary(run, wall, n) | {"startup_s": loaded, "skipped": len(done)}
+        stats |= latency_stats(out, units)
+        return stats, wall
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        release_output_dir(out)
+
+
+def _init(ray, address: str | None) -> None:
+    """Connects to the cluster (or starts one on this machine), quietly."""
+    import logging
+
+    kwargs = {"include_dashboard": False, "logging_level": logging.WARNING,
+              "log_to_driver": True}  # fmt: skip
+    try:
+        if address in (None, "", "local"):
+            ray.init(**kwargs)
+        else:
+            ray.init(address=address, **kwargs)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise JobError(f"ray.address: cannot connect to Ray at {address!r}: {e}") from None

@@ -1,0 +1,150 @@
+"""`eaglebatch run --ray`: engine actors on a local Ray instance or a two-node test cluster give
+the rows of one process, exactly once, through a killed actor, a killed driver and a lost node.
+Skipped only where Ray is not installed (CI installs it)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+import eaglebatch
+from support.tiny import make_tiny_model, write_prompts
+
+pytest.importorskip("eaglebatch._native")
+ray = pytest.importorskip("ray")
+
+COLUMNS = ["row_index", "id", "output_token_ids", "output_text", "finish_reason", "error"]
+RAY = ["--set", "ray.actors=2", "--set", "ray.cpus_per_actor=1"]
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    return make_tiny_model(
+        tmp_path_factory.mktemp("ray-llama"), hidden_size=32, num_layers=1, num_heads=2,
+        num_kv_heads=1,
+    )
+
+
+def write_job(tmp: Path, model: Path, rows: int, unit_rows: int) -> Path:
+    words = ["the", "cat", "sat", "on", "a", "mat", "42", "code", "über"]
+    prompts = [" ".join(words[(i * 7 + j) % 9] for j in range(1 + i % 6)) for i in range(rows)]
+    ids = [f"r{i}" for i in range(rows)]
+    ids[rows - 3] = ids[5]  # a duplicate id far from its first row: an error row
+    write_prompts(tmp / "in.parquet", prompts, ids=ids)
+    job = tmp / "job.yaml"
+    job.write_text(
+        f"model: {model}\ninput:\n  path: {tmp / 'in.parquet'}\n  id_column: id\n"
+        f"output:\n  path: {tmp / 'out'}\n  part_rows: 10\n  flush_interval_s: 0.2\n"
+        "  include_token_ids: true\n"
+        "sampling:\n  max_new_tokens: 6\n"
+        "engine:\n  device: cpu\n  kv_cache_tokens: 2048\n  max_batch_size: 4\n"
+        f"ray:\n  unit_rows: {unit_rows}\n"
+    )
+    return job
+
+
+def cli(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(Path(eaglebatch.__file__).resolve().parent.parent)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "eaglebatch.cli", *args], env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def finish(proc: subprocess.Popen, status: int = 0) -> str:
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == status, err
+    return out + err
+
+
+def rows(path: Path) -> list[dict]:
+    return sorted(pq.read_table(path, columns=COLUMNS).to_pylist(), key=lambda r: r["row_index"])
+
+
+def unit_parts(out: Path) -> list[Path]:
+    return sorted(out.glob("unit-*/part-*.parquet"))
+
+
+def wait_for_parts(proc: subprocess.Popen, out: Path, n: int = 1, timeout: float = 300) -> None:
+    t0 = time.monotonic()
+    while len(unit_parts(out)) < n:
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() - t0 < timeout, "no progress"
+        time.sleep(0.05)
+
+
+def actor_pids() -> list[int]:
+    ps = subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in ps.splitlines() if "ray::EngineActor" in line]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, small_model):
+    tmp = tmp_path_factory.mktemp("ray-ref")
+    job = write_job(tmp, small_model, 240, 30)
+    finish(cli("run", str(job)))
+    return rows(tmp / "out")
+
+
+def check_exactly_once(out: Path, reference: list[dict]) -> None:
+    assert rows(out) == reference  # every row once, with one process's greedy outputs
+    assert not list(out.glob("**/.part-*.tmp"))
+
+
+def test_two_actors_give_the_rows_of_one_process(tmp_path, small_model, reference):
+    job = write_job(tmp_path, small_model, 240, 30)
+    finish(cli("run", str(job), "--shard", "0/3"))  # a third done before: Ray does the rest
+    log = finish(cli("run", str(job), "--ray", *RAY))
+    assert "240 rows (160 to generate) in 6 units" in log and "2 actors" in log, log
+    check_exactly_once(tmp_path / "out", reference)
+    assert "240/240 rows done, 1 error rows" in finish(cli("status", str(job)))
+
+
+def test_a_killed_actor_only_loses_its_unfinished_rows(tmp_path, small_model, reference):
+    job = write_job(tmp_path, small_model, 240, 60)
+    proc = cli("run", str(job), "--ray", *RAY)
+    wait_for_parts(proc, tmp_path / "out")
+    os.kill(actor_pids()[0], signal.SIGKILL)  # mid-unit: it writes a part every 10 rows
+    log = finish(proc)
+    assert "retried" in log and " 0 retried" not in log, log
+    check_exactly_once(tmp_path / "out", reference)
+
+
+def test_a_killed_driver_then_rerun_writes_each_row_once(tmp_path, small_model, reference):
+    job = write_job(tmp_path, small_model, 240, 30)
+    proc = cli("run", str(job), "--ray", *RAY)
+    wait_for_parts(proc, tmp_path / "out", 2)
+    proc.kill()
+    proc.communicate()
+    t0 = time.monotonic()
+    while actor_pids():  # a dead driver's actors end with it (else they would keep writing)
+        assert time.monotonic() - t0 < 60, "actors outlived their driver"
+        time.sleep(0.2)
+    log = finish(cli("run", str(job), "--ray", *RAY))
+    assert "to generate" in log and "(240 to generate)" not in log, log  # it resumed
+    check_exactly_once(tmp_path / "out", reference)
+
+
+def test_a_lost_node_mid_job(tmp_path, small_model, reference):
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    try:
+        worker = cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        job = write_job(tmp_path, small_model, 240, 30)
+        proc = cli("run", str(job), "--ray", cluster.address, *RAY)
+        wait_for_parts(proc, tmp_path / "out", 2)
+        cluster.remove_node(worker)  # its actor dies; a new one starts on the head node
+        log = finish(proc)
+        assert "retried" in log and " 0 retried" not in log, log  # the lost node's unit
+        check_exactly_once(tmp_path / "out", reference)
+    finally:
+        cluster.shutdown()

@@ -1,0 +1,33 @@
+"""How a Ray run cuts the remaining rows into units (ray_executor.py), without Ray."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eaglebatch.ray_executor import cut_units, unit_rows
+
+
+@pytest.mark.parametrize("total", [1, 10, 97])
+@pytest.mark.parametrize("size", [1, 3, 16, 200])
+def test_units_cover_the_remaining_rows_once(total, size):
+    rng = np.random.default_rng(total * size)
+    for fraction in (0.0, 0.3, 0.9, 1.0):
+        done = np.sort(rng.choice(total, int(total * fraction), replace=False)).astype(np.int64)
+        units = cut_units(total, done, size)
+        todo = [r for u in units for r in range(u.start, u.end) if r not in set(u.skip)]
+        assert todo == sorted(set(range(total)) - set(done.tolist()))
+        for u, nxt in zip(units, units[1:], strict=False):
+            assert u.end <= nxt.start  # disjoint, in order
+        for u in units:
+            assert set(u.skip) == {r for r in done.tolist() if u.start <= r < u.end}
+            assert 0 < u.rows <= size
+            assert u.name == f"unit-{u.start:012d}-{u.end:012d}"
+        assert all(u.rows == size for u in units[:-1])
+
+
+def test_unit_rows_gives_every_actor_work():
+    assert unit_rows(10, 4, 64) == 3  # small jobs: about one unit per actor
+    assert unit_rows(100_000, 2, 8) == 512  # at most 64 batches
+    assert unit_rows(2_000, 2, 8) == 250  # about four units per actor
+    assert unit_rows(1, 8, 8) == 1
