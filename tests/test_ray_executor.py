@@ -148,3 +148,38 @@ def test_a_lost_node_mid_job(tmp_path, small_model, reference):
         check_exactly_once(tmp_path / "out", reference)
     finally:
         cluster.shutdown()
+
+
+def test_bad_ray_runs_are_refused_before_any_model_is_loaded(tmp_path, small_model):
+    job = write_job(tmp_path, small_model, 20, 10)
+    for args, message in [
+        (["--ray", "127.0.0.1:1"], "cannot reach a Ray cluster at '127.0.0.1:1'"),
+        (["--ray", "--shard", "0/2"], "--shard and --ray"),
+        (["--ray", "--set", "ray.actors=0"], "ray.actors"),
+    ]:
+        text = finish(cli("run", str(job), *args), 2)
+        assert message in text and "Traceback" not in text, text
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_unit_locked_by_another_process_waits_for_it(tmp_path, small_model, reference):
+    """The actor of a lost node may still hold its unit's lock: the unit waits, then runs."""
+    job = write_job(tmp_path, small_model, 240, 30)
+    unit = tmp_path / "out" / "unit-000000000000-000000000030"
+    unit.mkdir(parents=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time; "
+         f"fd = os.open({str(unit)!r}, os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); "
+         "print('locked', flush=True); time.sleep(8)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        released = time.time() + 8
+        finish(cli("run", str(job), "--ray", *RAY))
+        first_part = min(p.stat().st_mtime for p in unit.glob("part-*.parquet"))
+        assert first_part > released - 0.5  # the unit waited for the lock, then ran
+    finally:
+        holder.kill()
+        holder.wait()
+    check_exactly_once(tmp_path / "out", reference)

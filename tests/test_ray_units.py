@@ -31,3 +31,21 @@ def test_unit_rows_gives_every_actor_work():
     assert unit_rows(100_000, 2, 8) == 512  # at most 64 batches
     assert unit_rows(2_000, 2, 8) == 250  # about four units per actor
     assert unit_rows(1, 8, 8) == 1
+
+
+def test_missing_ray_and_unreachable_clusters_are_job_errors(monkeypatch):
+    import sys
+
+    from eaglebatch.errors import JobError
+    from eaglebatch.ray_executor import check_address, import_ray
+
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "ray", None)  # as if not installed
+        with pytest.raises(JobError, match=r"needs Ray, which is not installed: pip install"):
+            import_ray()
+    with pytest.raises(JobError, match=r"ray.address: cannot reach a Ray cluster at '127.0.0.1:1'"):
+        check_address("127.0.0.1:1")
+    with pytest.raises(JobError, match=r"cannot reach"):
+        check_address("no-such-host.invalid:6379")
+    check_address(None)
+    check_address("auto")

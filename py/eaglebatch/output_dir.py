@@ -39,7 +39,12 @@ PART_GLOB = "part-*.parquet"
 SUBDIR = re.compile(r"shard-\d+-of-\d+|unit-\d+-\d+")  # the subdirectories runs write
 OWNER_KEY = b"eaglebatch.job_hash"  # present in the footer of every part eaglebatch writes
 TMP_GLOB = ".part-*.tmp"
-_held: dict[Path, int] = {}  # directory -> open, locked descriptor of the directory
+_held: dict[Path, int] = {}
+
+
+class DirectoryInUse(JobError):
+    """Another running eaglebatch process holds the directory's lock."""
+  # directory -> open, locked descriptor of the directory
 
 
 def part_files(path: Path) -> list[Path]:
@@ -127,7 +132,7 @@ def _lock(path: Path, exclusive: bool = True) -> None:
         fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
-        raise JobError(
+        raise DirectoryInUse(
             f"output.path: {path} is in use by another running eaglebatch job; wait for it to "
             f"finish or stop it, or choose another output.path"
         ) from None

@@ -34,7 +34,7 @@ import numpy as np
 
 from .config import JobConfig, JobError
 from .engine import PreparedJob, RunFailed, RunScope, open_output, run_prepared
-from .output_dir import release_output_dir
+from .output_dir import DirectoryInUse, release_output_dir
 from .resume import ResumeState
 
 PROGRESS_KEYS = ("requests_done", "requests_error", "output_tokens", "running", "waiting")
@@ -142,6 +142,8 @@ class EngineActor:
             done = np.union1d(unit.skip, own.done_rows).astype(np.int64)
             resume = replace(own, done_rows=done)
             res = run_prepared(self.prep, self.worker, self._progress, resume=resume, scope=scope)
+        except DirectoryInUse:  # an actor of a lost node still finishing it: try again later
+            return {"busy": True}
         except (RunFailed, JobError) as e:  # the input or the output itself: the run stops
             cause, status = getattr(e, "cause", str(e)), getattr(e, "exit_status", 2)
             return {"failed": cause, "exit_status": status}
@@ -189,6 +191,7 @@ class RayRun:
     attempts: dict[str, int] = field(default_factory=dict)  # unit name -> failed attempts
     results: list[dict] = field(default_factory=list)
     retried: int = 0
+    busy_since: dict[str, float] = field(default_factory=dict)  # unit name -> first refusal
 
     def failed(self, why: str, user_error: bool = False) -> RunFailed:
         return RunFailed(why, None, self.output_dir, user_error)
@@ -248,9 +251,25 @@ def _collect(ray, ref, pool: _Pool, run: RayRun) -> None:
         pool.replace(i, e, run)
         return
     pool.idle.append(i)
+    if result.get("busy"):
+        _requeue_busy(unit, run)
+        return
+    run.busy_since.pop(unit.name, None)
     if "failed" in result:
         raise run.failed(result["failed"], result["exit_status"] == 2)
     run.results.append(result)
+
+
+def _requeue_busy(unit: Unit, run: RayRun, patience_s: float = 1800.0) -> None:
+    """A unit whose directory another process still holds (the actor of a node that was lost
+    but still runs) waits at the back of the queue; the lock is what keeps its rows once."""
+    first = run.busy_since.setdefault(unit.name, time.monotonic())
+    if time.monotonic() - first > patience_s:
+        raise run.failed(f"ray: {unit.name} stayed locked by another process for "
+                         f"{patience_s:.0f} s; stop that process and run again")  # fmt: skip
+    run.units.append(unit)
+    if all(u.name in run.busy_since for u in run.units):
+        time.sleep(0.5)  # nothing else to do: do not spin on the lock
 
 
 def _progress(ray, pool: _Pool, run: RayRun, polls: dict) -> dict:
