@@ -1,4 +1,5 @@
-"""Our Llama-family model against Hugging Face transformers on tiny random checkpoints."""
+"""Our Llama-family models (Llama, Qwen2, Mistral, Qwen3) against Hugging Face transformers on
+tiny random checkpoints."""
 
 from __future__ import annotations
 
@@ -41,6 +42,9 @@ VARIANTS = {
     ),
     "qwen2": lambda: transformers.Qwen2Config(**SMALL, tie_word_embeddings=True),
     "mistral": lambda: transformers.MistralConfig(**SMALL, sliding_window=256, head_dim=32),
+    # head_dim independent of hidden / heads (64 / 4 = 16), per-head q/k norms
+    "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=24, tie_word_embeddings=True),
+    "qwen3_bias": lambda: transformers.Qwen3Config(**SMALL, head_dim=32, attention_bias=True),
 }
 BLOCK_SIZE = 4
 
@@ -52,6 +56,7 @@ def make_checkpoint(variant: str, path, **save_kwargs):
         "llama": transformers.LlamaForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM,
         "mistral": transformers.MistralForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
     }[config.model_type]
     hf = hf_cls(config).eval()
     # HF's init (std 0.02, zero biases, unit norms) gives near-uniform logits whose top two

@@ -50,6 +50,9 @@ pub struct Layer<'a> {
     pub k: Proj<'a>,
     pub v: Proj<'a>,
     pub o: Proj<'a>,
+    /// RMSNorm weights [D] over each query / key head before RoPE (Qwen3); None: no norm.
+    pub q_norm: Option<&'a [f32]>,
+    pub k_norm: Option<&'a [f32]>,
     pub post_norm: &'a [f32],
     pub gate: Proj<'a>,
     pub up: Proj<'a>,
@@ -132,6 +135,8 @@ struct Scratch {
     o: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
+    /// a copy of q or k while their heads are normed (Qwen3)
+    heads: Vec<f32>,
 }
 
 impl Scratch {
@@ -146,6 +151,7 @@ impl Scratch {
             o: vec![0f32; t * s.hidden],
             gate: vec![0f32; t * inner],
             up: vec![0f32; t * inner],
+            heads: Vec::new(),
         }
     }
 }
@@ -186,6 +192,8 @@ impl Run<'_, '_> {
         project(&layer.q, a, t, &mut buf.q, threads);
         project(&layer.k, a, t, &mut buf.k, threads);
         project(&layer.v, a, t, &mut buf.v, threads);
+        norm_heads(&mut buf.q, layer.q_norm, s.eps, &mut buf.heads);
+        norm_heads(&mut buf.k, layer.k_norm, s.eps, &mut buf.heads);
         rotate(&mut buf.q, s.num_heads, s.head_dim, self.rows);
         rotate(&mut buf.k, s.num_kv_heads, s.head_dim, self.rows);
         self.write_kv(layer.kv_cache, &buf.k, &buf.v);
@@ -331,6 +339,15 @@ fn check_layer(
             "layer {i}: norm weights must have {h} values (the input norm, or an input)"
         ));
     }
+    if [l.q_norm, l.k_norm]
+        .iter()
+        .any(|n| n.is_some_and(|w| w.len() != s.head_dim))
+    {
+        return Err(format!(
+            "layer {i}: q/k norm weights must have head_dim = {} values",
+            s.head_dim
+        ));
+    }
     if l.kv_cache.len() != 2 * s.num_blocks * s.block_size * kv_size {
         return Err(format!("layer {i}: KV cache size {}", l.kv_cache.len()));
     }
@@ -369,6 +386,16 @@ pub(crate) fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
         dst.iter_mut()
             .zip(row.iter().zip(weight))
             .for_each(|(o, (v, w))| *o = v * inv * w);
+    }
+}
+
+/// RMSNorm over each head (rows of D = weight.len() values) of x, in place; nothing without
+/// a weight.
+fn norm_heads(x: &mut [f32], weight: Option<&[f32]>, eps: f32, copy: &mut Vec<f32>) {
+    if let Some(w) = weight {
+        copy.clear();
+        copy.extend_from_slice(x);
+        rms_norm(copy, w, eps, x);
     }
 }
 

@@ -437,8 +437,8 @@ fn paged_attention(
 
 /// Addresses of one decoder layer's tensors, in this order: input_norm (0: none, the layer
 /// is given its input), q, k, v, o, post_norm, gate, up, down weights, then the biases of q,
-/// k, v, o, gate, up, down (0: none).
-const LAYER_TENSORS: usize = 16;
+/// k, v, o, gate, up, down (0: none), then the per-head q and k norm weights [D] (0: none).
+const LAYER_TENSORS: usize = 18;
 
 /// A model's decoder layers for the few-row CPU path (`decoder_layer`), held as raw addresses
 /// (tensor.data_ptr()) so that a step pays no conversion per tensor. The caller
@@ -678,6 +678,8 @@ impl CpuDecoder {
                     let proj = |j: usize, n: usize, k: usize| projection(a, bf, j, n, k);
                     layers::Layer {
                         input_norm: (a[0] != 0).then(|| f32_slice(a[0], h)),
+                        q_norm: (a[16] != 0).then(|| f32_slice(a[16], d)),
+                        k_norm: (a[17] != 0).then(|| f32_slice(a[17], d)),
                         q: proj(0, q_size, q_in),
                         k: proj(1, kv_size, q_in),
                         v: proj(2, kv_size, q_in),

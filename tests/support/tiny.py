@@ -45,15 +45,22 @@ def make_tiny_model(
     max_position_embeddings: int = 512,
     tie_word_embeddings: bool = False,
     init_std: float = 0.2,
+    model_type: str = "llama",
+    **extra,
 ) -> Path:
     """Writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json and a chat
-    template into `out`. A larger `init_std` gives peakier logits (fewer near-ties)."""
+    template into `out`. A larger `init_std` gives peakier logits (fewer near-ties).
+    model_type: "llama" or "qwen3" (then `extra` may set head_dim, attention_bias, ...)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    }[model_type]
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(
+    cfg = config_cls(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
@@ -66,8 +73,9 @@ def make_tiny_model(
         bos_token_id=257,
         eos_token_id=eos_token_id,
         initializer_range=init_std,
+        **extra,
     )
-    model = LlamaForCausalLM(cfg).eval()
+    model = model_cls(cfg).eval()
     model.save_pretrained(str(out))
     byte_tokenizer().save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(

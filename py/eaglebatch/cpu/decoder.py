@@ -65,7 +65,11 @@ class NativeDecoder:
             n_in = self._hold(norm_in, (self.hidden,))
             n_post = self._hold(layer.post_attention_layernorm.weight, (self.hidden,))
             biases = [self._hold(p.bias, (p.out_features,)) for p in projs]
-            addrs.append([n_in, *(p for p, _ in w[:4]), n_post, *(p for p, _ in w[4:]), *biases])
+            qk = [self._hold(getattr(getattr(a, n, None), "weight", None), (self.head_dim,))
+                  for n in ("q_norm", "k_norm")]  # Qwen3's per-head norms; 0: none  # fmt: skip
+            addrs.append(
+                [n_in, *(p for p, _ in w[:4]), n_post, *(p for p, _ in w[4:]), *biases, *qk]
+            )
             flags.append([bf16 for _, bf16 in w])
             self.in_features.append(a.q_proj.in_features)
         table = (rotary.cos_table.shape[0], self.head_dim)

@@ -1,8 +1,9 @@
 """`ModelConfig`: the subset of a Hugging Face `config.json` that the tensor side needs.
 
-Supported architectures: Llama (`llama`), Mistral (`mistral`) and Qwen2 (`qwen2`). All three are
-the same decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU MLP); they differ only in
-projection biases, the default of `tie_word_embeddings` and sliding-window attention.
+Supported architectures: Llama (`llama`), Mistral (`mistral`), Qwen2 (`qwen2`) and Qwen3
+(`qwen3`, dense). All are the same decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU MLP);
+they differ only in projection biases, the default of `tie_word_embeddings`, sliding-window
+attention and, for Qwen3, an RMSNorm over each query and key head before RoPE (`qk_norm`).
 
 Sliding window (Mistral, Qwen2 with `use_sliding_window`): we do not implement windowed attention.
 Instead `max_model_len` is capped at the window size, so no query ever sees a key further away
@@ -20,7 +21,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 # RoPE scaling types we implement. "dynamic" (NTK) is refused on purpose: it rescales the
 # frequencies with the *current* batch's length, so a token's logits would depend on which other
@@ -60,6 +61,7 @@ class ModelConfig:
     o_proj_bias: bool  # bias on o_proj (Llama's `attention_bias` sets both; Qwen2 has q/k/v only)
     mlp_bias: bool
     sliding_window: int | None  # only set when the checkpoint really uses it
+    qk_norm: bool  # RMSNorm over each query / key head (head_dim) before RoPE (Qwen3)
     eos_token_id: tuple[int, ...]
     bos_token_id: int | None
     torch_dtype: str | None  # e.g. "bfloat16"; None when the checkpoint does not say
@@ -128,6 +130,7 @@ class ModelConfig:
             o_proj_bias=o_proj_bias,
             mlp_bias=_bool(raw, "mlp_bias"),
             sliding_window=int(window) if window else None,
+            qk_norm=model_type == "qwen3",
             eos_token_id=eos_ids,
             bos_token_id=None if bos is None else _token_id(bos, "bos_token_id"),
             torch_dtype=str(dtype) if dtype else None,
@@ -172,6 +175,7 @@ def _architecture(raw: dict[str, Any], model_type: str) -> str:
         "llama": "LlamaForCausalLM",
         "mistral": "MistralForCausalLM",
         "qwen2": "Qwen2ForCausalLM",
+        "qwen3": "Qwen3ForCausalLM",
     }[model_type]
     arch = archs[0] if isinstance(archs, list) and archs else default_arch
     if arch != default_arch:
@@ -184,6 +188,9 @@ def _biases_and_window(raw: dict[str, Any], model_type: str) -> tuple[bool, bool
     from_dict checks the window's type."""
     if model_type == "qwen2":
         attention_bias, o_proj_bias = True, False  # Qwen2 always has q/k/v biases
+        window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
+    elif model_type == "qwen3":
+        attention_bias = o_proj_bias = _bool(raw, "attention_bias")  # q/k/v and o alike
         window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
     elif model_type == "llama":
         attention_bias = o_proj_bias = _bool(raw, "attention_bias")

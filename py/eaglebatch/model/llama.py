@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over packed tokens and a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over packed tokens and a paged KV cache.
 
 Parameter names equal those of Hugging Face checkpoints (model.embed_tokens.weight,
 model.layers.{i}.self_attn.q_proj.weight, ..., model.norm.weight, lm_head.weight), so weights
@@ -60,6 +60,11 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, kv_size, bias=bias, **factory)
         self.v_proj = nn.Linear(hidden, kv_size, bias=bias, **factory)
         self.o_proj = nn.Linear(q_size, hidden, bias=cfg.o_proj_bias, **factory)
+        if cfg.qk_norm:  # Qwen3: RMSNorm over each head's D values, before RoPE
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **factory)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, **factory)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(
         self,
@@ -74,6 +79,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         out = backend.forward(self.layer_idx, q, k, v, kv_cache, attn, self.scale)  # [T, Hq, D]
