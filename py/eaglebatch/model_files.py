@@ -1,6 +1,7 @@
 """A model folder on disk: where its weights, tokenizer and chat template are, checked up front.
 
-A model is either a builtin name (materialised by `defaults`) or a Hugging Face-style folder:
+A model is a builtin name (materialised by `defaults`), a GGUF file (converted once by
+`gguf_model`) or a Hugging Face-style folder:
 config.json, *.safetensors (or model.safetensors.index.json shards), tokenizer.json, and a chat
 template in chat_template.jinja or tokenizer_config.json.
 """
@@ -72,12 +73,18 @@ def _chat_template(d: Path, tok_cfg: dict) -> str | None:
 
 
 def resolve_model_dir(model: str) -> Path:
+    """The folder of `model`: a builtin name, a GGUF file (converted once, gguf_model.py) or a
+    Hugging Face-style folder."""
     if defaults.is_builtin_model(model):
         return defaults.builtin_model_dir()
+    from .gguf_model import gguf_model_dir, is_gguf_path
+
+    if is_gguf_path(model):
+        return gguf_model_dir(model)
     d = Path(model)
     if not d.is_dir():
         raise JobError(
-            f"model: '{model}' is neither a folder nor a builtin model "
+            f"model: '{model}' is neither a folder, a .gguf file nor a builtin model "
             f"(builtin: {defaults.BUILTIN_MODEL})"
         )
     return d
