@@ -309,7 +309,7 @@ def test_models_configure_their_attention_backends(tmp_path, target_dir) -> None
     from eaglebatch.attention.torch_backend import TorchAttentionBackend
 
     class Recording(TorchAttentionBackend):
-        def configure(self, *args) -> None:
+        def configure(self, *args, **kwargs) -> None:
             self.config = args
 
     tgt = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16,

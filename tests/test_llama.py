@@ -12,7 +12,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from eaglebatch.attention import allocate_kv_cache
-from eaglebatch.model import LlamaForCausalLM
+from eaglebatch.model import LlamaForCausalLM, ModelConfig, model_class
 from paged_kv import PagedSequences
 
 SMALL = dict(
@@ -45,6 +45,14 @@ VARIANTS = {
     # head_dim independent of hidden / heads (64 / 4 = 16), per-head q/k norms
     "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=24, tie_word_embeddings=True),
     "qwen3_bias": lambda: transformers.Qwen3Config(**SMALL, head_dim=32, attention_bias=True),
+    # sliding layers see the last 8 positions (prompts run to 40 tokens), the full one all
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **{**SMALL, "num_hidden_layers": 3}, head_dim=24, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        query_pre_attn_scalar=20, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}},
+    ),
 }
 BLOCK_SIZE = 4
 
@@ -57,6 +65,7 @@ def make_checkpoint(variant: str, path, **save_kwargs):
         "qwen2": transformers.Qwen2ForCausalLM,
         "mistral": transformers.MistralForCausalLM,
         "qwen3": transformers.Qwen3ForCausalLM,
+        "gemma3_text": transformers.Gemma3ForCausalLM,
     }[config.model_type]
     hf = hf_cls(config).eval()
     # HF's init (std 0.02, zero biases, unit norms) gives near-uniform logits whose top two
@@ -79,7 +88,7 @@ def make_checkpoint(variant: str, path, **save_kwargs):
 def pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     hf = make_checkpoint(request.param, path)
-    return hf, LlamaForCausalLM.from_pretrained(path)
+    return hf, model_class(ModelConfig.from_dir(path)).from_pretrained(path)
 
 
 class Runner:

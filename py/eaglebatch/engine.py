@@ -46,13 +46,12 @@ def _check_model_config(job: JobConfig, mf: ModelFiles) -> tuple[str, int]:
     """Checks config.json, the checkpoint's tensor names and shapes (headers only) and
     engine.max_model_len without loading weights; returns the dtype the worker will use and
     the resolved max_model_len."""
-    from .model.config import ModelConfig
-    from .model.llama import LlamaForCausalLM
+    from .model import ModelConfig, model_class
     from .worker import resolve_max_model_len
 
     try:
         cfg = ModelConfig.from_dir(mf.dir)
-        LlamaForCausalLM.check_checkpoint(mf.dir, cfg)
+        model_class(cfg).check_checkpoint(mf.dir, cfg)
     except (ValueError, OSError) as e:
         raise JobError(f"model: {mf.dir}: {e}") from None
     if max(mf.max_token_id, *mf.eos_token_ids, -1) >= cfg.vocab_size:
@@ -62,11 +61,12 @@ def _check_model_config(job: JobConfig, mf: ModelFiles) -> tuple[str, int]:
             f"{cfg.vocab_size}: tokenizer.json does not belong to these weights"
         )
     max_model_len = resolve_max_model_len(job.engine.max_model_len, cfg.max_model_len)
-    return _check_engine(job), max_model_len
+    return _check_engine(job, cfg.attention_window is not None), max_model_len
 
 
-def _check_engine(job: JobConfig) -> str:
-    """Checks the device-dependent engine settings; returns the resolved dtype's name."""
+def _check_engine(job: JobConfig, windowed: bool) -> str:
+    """Checks the device-dependent engine settings (`windowed`: the model has sliding-window
+    layers); returns the resolved dtype's name."""
     from .worker import (
         resolve_backend,
         resolve_device,
@@ -76,7 +76,7 @@ def _check_engine(job: JobConfig) -> str:
     )
 
     device = resolve_device(job.engine.device)
-    resolve_backend(job.engine.attention_backend, device)
+    resolve_backend(job.engine.attention_backend, device, windowed)
     resolve_graph_mode(job.engine.cuda_graph, device)
     dtype = resolve_dtype(job.engine.dtype, device)
     resolve_small_gemm(job.engine.cpu_gemm, device, dtype)

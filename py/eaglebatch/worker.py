@@ -16,6 +16,7 @@ from .attention import AttentionMetadata, allocate_kv_cache, get_backend, kv_cac
 from .config import EngineConfig, JobConfig, JobError
 from .cpu import SMALL_GEMM_AVAILABLE, accelerate
 from .graphs import GraphPool, StaticMeta, bucket_for, capture_sizes, fill_rows, graph_reserve_bytes
+from .model import model_class
 from .model.config import ModelConfig
 from .model.llama import LlamaForCausalLM
 from .model_files import ModelFiles
@@ -61,14 +62,20 @@ def flashinfer_importable() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
-    """auto: cpu on the CPU; on CUDA flashinfer when it is installed, else torch. flashinfer is
-    never imported on CPU, and asking for a backend where it cannot run is an error naming the
-    key."""
+def resolve_backend(name: str, device: torch.device, windowed: bool = False) -> str:
+    """auto: cpu on the CPU; on CUDA flashinfer when it is installed (and the model has no
+    sliding-window layers, which it does not run yet), else torch. flashinfer is never imported
+    on CPU, and asking for a backend where it cannot run is an error naming the key."""
     if name == "auto":
         if device.type == "cpu":
             return "cpu"
-        return "flashinfer" if device.type == "cuda" and flashinfer_importable() else "torch"
+        usable = device.type == "cuda" and not windowed and flashinfer_importable()
+        return "flashinfer" if usable else "torch"
+    if name == "flashinfer" and windowed:
+        raise JobError(
+            "engine.attention_backend: flashinfer does not run sliding-window layers (Gemma 3) "
+            "yet; use engine.attention_backend: torch or auto"
+        )
     if name == "cpu" and device.type != "cpu":
         raise JobError("engine.attention_backend: 'cpu' needs engine.device cpu")
     if name == "flashinfer":
@@ -277,9 +284,10 @@ class Worker:
         except ValueError as e:
             raise JobError(f"model: {mf.dir}: {e}") from None
         max_model_len = resolve_max_model_len(eng.max_model_len, cfg.max_model_len)
-        backend = get_backend(resolve_backend(eng.attention_backend, device))
+        windowed = cfg.attention_window is not None
+        backend = get_backend(resolve_backend(eng.attention_backend, device, windowed))
         gemm_threads = resolve_small_gemm(eng.cpu_gemm, device, dtype)
-        model = LlamaForCausalLM.from_pretrained(
+        model = model_class(cfg).from_pretrained(
             mf.dir, dtype=dtype, device=device, backend=backend, max_positions=max_model_len
         )
         accelerate(model, gemm_threads)  # a float32 CPU run: the CPU fast path

@@ -151,10 +151,12 @@ class AttentionBackend:
         kv_dtype: torch.dtype,
         q_dtype: torch.dtype,
         sm_scale: float | None = None,
+        windows: tuple[int, ...] = (),
     ) -> None:
         """The head config of the attention this backend serves; the model calls it once, when
         it is built, so that planning (prepare, prepare_graph) can happen before any forward.
-        Backends that do not plan per head config ignore it."""
+        `windows`: the sliding windows of the model's windowed layers (Gemma 3), each passed
+        to `forward` as `window`. Backends that do not plan per head config ignore it."""
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Precomputes `meta.backend_state` for this step; called before the model's forward."""
@@ -175,8 +177,11 @@ class AttentionBackend:
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
-        """Writes k, v into `kv_cache` at `meta.slot_mapping`, then attends."""
+        """Writes k, v into `kv_cache` at `meta.slot_mapping`, then attends; with a `window`, a
+        query at position p sees only the keys at positions > p - window (the last `window`,
+        itself included), as transformers' sliding-window mask."""
         raise NotImplementedError
 
     def make_graph_state(

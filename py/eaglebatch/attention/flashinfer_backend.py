@@ -56,6 +56,13 @@ except ImportError as e:  # the registry reports this message for get_backend("f
         f"needs a CUDA GPU, and nvcc for its JIT-compiled kernels) [{e}]"
     ) from e
 
+# Sliding-window layers (Gemma 3) would need one plan per window kind per step (window_left);
+# not built yet, so such models are refused with the way out (engine._check_model_config).
+WINDOWS_UNSUPPORTED = (
+    "engine.attention_backend: flashinfer does not run sliding-window layers (Gemma 3) yet; "
+    "use engine.attention_backend: torch"
+)
+
 
 # GQA group sizes (query heads per kv head) that FlashInfer's CUDA-core decode kernels are built
 # for (DISPATCH_GQA_GROUP_SIZE in include/flashinfer/utils.cuh); decode steps of other models run
@@ -136,9 +143,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         kv_dtype: torch.dtype,
         q_dtype: torch.dtype,
         sm_scale: float | None = None,
+        windows: tuple[int, ...] = (),
     ) -> None:
         """The head config (the models call this when built), so prepare() can plan before the
         first forward()."""
+        if windows:
+            raise ValueError(WINDOWS_UNSUPPORTED)
         scale = head_dim**-0.5 if sm_scale is None else float(sm_scale)
         self._heads = _Heads(num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, scale)
 
@@ -256,6 +266,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
         step = meta.backend_state
         if not isinstance(step, _Step):

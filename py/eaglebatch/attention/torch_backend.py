@@ -19,6 +19,10 @@ that a padded, masked chunk computes in full (two prompts of ~1,700 tokens padde
 took as long as one of 3,500 alone). Attention itself is `scaled_dot_product_attention` with
 grouped-query heads (enable_gqa).
 
+Sliding-window layers (`windows`, from `configure`): a second mask per chunk and window,
+        key t visible  <=>  q_pos - window < t <= q_pos,
+made in `prepare` with the first one (none where no query reaches past its window).
+
 Uniform steps replayed from CUDA graphs (`prepare_graph`) cannot depend on host-side lengths:
 every row gathers all max_blocks columns of its block table (Lk = max_blocks * block_size keys)
 and the mask is computed on the device from seq_lens into a persistent buffer, so the captured
@@ -46,6 +50,9 @@ class _Chunk:
     block_index: torch.Tensor | None  # int64 [C * Mk] blocks to gather; None: prefill
     mask: torch.Tensor | None  # bool [C, 1, max_q, max_k]
     causal: bool  # with mask None: plain causal (prefill) vs all keys visible (decode)
+    # window -> bool [C, 1, max_q, Lk] for sliding-window layers (absent: the window hides
+    # nothing in this chunk, `mask` / `causal` apply)
+    window_masks: dict[int, torch.Tensor]
 
 
 @dataclass
@@ -64,6 +71,7 @@ class _Uniform:
     offsets: torch.Tensor  # int64 [q] 0..q-1
     mask: torch.Tensor | None = None  # bool [B, 1, q, Lk] (allocated at the first prepare_graph)
     key_pos: torch.Tensor | None = None  # int64 [Lk] 0..Lk-1
+    window_masks: dict | None = None  # window -> bool [B, 1, q, Lk], as `mask`
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -79,6 +87,11 @@ class TorchAttentionBackend(AttentionBackend):
         self.chunk_tokens = chunk_tokens
         self.solo_prefill_tokens = solo_prefill_tokens
         self._workspace: torch.Tensor | None = None
+        self._windows: tuple[int, ...] = ()  # configure: the sliding windows of the model
+
+    def configure(self, num_qo_heads, num_kv_heads, head_dim, kv_dtype, q_dtype,
+                  sm_scale=None, windows: tuple[int, ...] = ()) -> None:  # fmt: skip
+        self._windows = tuple(windows)
 
     # ---- planning (once per step) -------------------------------------------------------------
 
@@ -142,12 +155,17 @@ class TorchAttentionBackend(AttentionBackend):
 
         mask = None
         causal = prefill
+        q_pos = (k - q)[:, None] + np.arange(max_q)[None, :]  # [C, max_q] absolute position
+        key_pos = np.arange(max_q if prefill else max_k)[None, None, :]  # [1, 1, Lk]
         if (prefill and padded) or (not prefill and ((k != max_k).any() or max_q > 1)):
-            q_pos = (k - q)[:, None] + np.arange(max_q)[None, :]  # [C, max_q] absolute position
-            key_len = max_q if prefill else max_k
-            visible = np.arange(key_len)[None, None, :] <= q_pos[:, :, None]  # [C, max_q, Lk]
+            visible = key_pos <= q_pos[:, :, None]  # [C, max_q, Lk]
             mask = torch.from_numpy(visible[:, None]).to(device)
             causal = False
+        window_masks = {}
+        for w in self._windows:
+            if int(q_pos.max()) >= w:  # some query sees past its window
+                seen = (key_pos <= q_pos[:, :, None]) & (key_pos > q_pos[:, :, None] - w)
+                window_masks[w] = torch.from_numpy(seen[:, None]).to(device)
 
         return _Chunk(
             num_seqs=num,
@@ -158,6 +176,7 @@ class TorchAttentionBackend(AttentionBackend):
             block_index=block_index,
             mask=mask,
             causal=causal,
+            window_masks=window_masks,
         )
 
     # ---- uniform steps (CUDA graphs) ------------------------------------------------------------
@@ -182,13 +201,17 @@ class TorchAttentionBackend(AttentionBackend):
             state.mask = torch.zeros(b, 1, state.q_len, lk, dtype=torch.bool,
                                      device=meta.seq_lens.device)
             state.key_pos = torch.arange(lk, device=meta.seq_lens.device)
+            state.window_masks = {w: torch.zeros_like(state.mask) for w in self._windows}
         state.block_index.copy_(meta.block_tables.reshape(-1))
         # key t visible to query j of row i  <=>  t <= seq_lens[i] - q + j
         q_pos = meta.seq_lens[:, None].long() - state.q_len + state.offsets  # [B, q]
-        torch.le(state.key_pos[None, None, :], q_pos[:, :, None], out=state.mask[:, 0])
+        keys = state.key_pos[None, None, :]
+        torch.le(keys, q_pos[:, :, None], out=state.mask[:, 0])
+        for w, m in state.window_masks.items():  # ... and t > that position - window
+            torch.logical_and(state.mask[:, 0], keys > q_pos[:, :, None] - w, out=m[:, 0])
         meta.backend_state = state
 
-    def _attend_uniform(self, st: _Uniform, q, kv_cache, scale: float) -> torch.Tensor:
+    def _attend_uniform(self, st: _Uniform, q, kv_cache, scale: float, window=None):
         b, hkv, d = st.num_seqs, kv_cache.shape[-2], kv_cache.shape[-1]
         gathered = kv_cache.index_select(1, st.block_index)  # [2, B * M, block_size, Hkv, D]
         k_pad, v_pad = gathered.view(2, b, -1, hkv, d).unbind(0)  # [B, Lk, Hkv, D] each
@@ -196,7 +219,7 @@ class TorchAttentionBackend(AttentionBackend):
             q.view(b, st.q_len, -1, d).transpose(1, 2),  # [B, Hq, q, D]
             k_pad.to(q.dtype).transpose(1, 2),
             v_pad.to(q.dtype).transpose(1, 2),
-            attn_mask=st.mask,
+            attn_mask=st.mask if window is None else st.window_masks[window],
             scale=scale,
             enable_gqa=True,
         )  # [B, Hq, q, D]
@@ -213,21 +236,23 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
         plan = meta.backend_state
         if isinstance(plan, _Uniform):
             write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-            return self._attend_uniform(plan, q, kv_cache, scale)
+            return self._attend_uniform(plan, q, kv_cache, scale, window)
         if not isinstance(plan, _Plan):
             raise RuntimeError("TorchAttentionBackend.prepare(meta) was not called for this step")
+        if window is not None and window not in self._windows:
+            raise ValueError(f"window {window} was not configured (configure(windows=...))")
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        args = (plan.prefill, q, k, v, kv_cache, scale, window)
         if len(plan.chunks) == 1:
-            return self._attend(plan.chunks[0], plan.prefill, q, k, v, kv_cache, scale)
+            return self._attend(plan.chunks[0], *args)
         out = torch.empty_like(q)
         for chunk in plan.chunks:
-            out.index_copy_(
-                0, chunk.tok_index, self._attend(chunk, plan.prefill, q, k, v, kv_cache, scale)
-            )
+            out.index_copy_(0, chunk.tok_index, self._attend(chunk, *args))
         return out
 
     def _attend(
@@ -239,6 +264,7 @@ class TorchAttentionBackend(AttentionBackend):
         v: torch.Tensor,  # [T, Hkv, D]
         kv_cache: torch.Tensor,
         scale: float,
+        window: int | None,
     ) -> torch.Tensor:  # [Tc, Hq, D] for the chunk's tokens in tok_index order
         num, head_dim = chunk.num_seqs, q.shape[-1]
         q_pad = self._pad(q, chunk)  # [C, max_q, Hq, D]
@@ -254,12 +280,13 @@ class TorchAttentionBackend(AttentionBackend):
             k_pad, v_pad = gathered.view(2, num, -1, *kv_cache.shape[3:]).unbind(0)
             k_pad, v_pad = k_pad[:, : chunk.max_k], v_pad[:, : chunk.max_k]  # [C, max_k, Hkv, D]
 
+        mask = chunk.window_masks.get(window, chunk.mask)  # window None: never a key
         out = F.scaled_dot_product_attention(
             q_pad.transpose(1, 2),  # [C, Hq, max_q, D]
             k_pad.to(q.dtype).transpose(1, 2),  # [C, Hkv, Lk, D]
             v_pad.to(q.dtype).transpose(1, 2),
-            attn_mask=chunk.mask,
-            is_causal=chunk.mask is None and chunk.causal,
+            attn_mask=mask,
+            is_causal=mask is None and chunk.causal,
             scale=scale,
             enable_gqa=True,
         )  # [C, Hq, max_q, D]

@@ -43,8 +43,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         kv_dtype: torch.dtype,
         q_dtype: torch.dtype,
         sm_scale: float | None = None,
+        windows: tuple[int, ...] = (),
     ) -> None:
+        super().configure(num_qo_heads, num_kv_heads, head_dim, kv_dtype, q_dtype, sm_scale,
+                          windows)  # fmt: skip
+        # the native kernel attends to every earlier key: windowed models run torch's path
         self._native_dtypes = kv_dtype == torch.float32 and q_dtype == torch.float32
+        self._native_dtypes &= not windows
 
     def prepare(self, meta: AttentionMetadata) -> None:
         if (
@@ -75,6 +80,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
         plan = self.native_plan(meta)
         if plan is not None and torch.is_grad_enabled() and (
@@ -83,7 +89,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             super().prepare(meta)  # the kernel has no backward: torch's path for this step
             plan = None
         if plan is None:
-            return super().forward(layer_idx, q, k, v, kv_cache, meta, scale)
+            return super().forward(layer_idx, q, k, v, kv_cache, meta, scale, window)
         t, num_heads, head_dim = q.shape
         _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
         q = q.contiguous()

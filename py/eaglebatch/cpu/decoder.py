@@ -220,7 +220,8 @@ def use_native_layers(model: nn.Module, threads: int) -> None:
     head (a module with `run_layer`) -- with `threads` GEMM threads, or makes it plain (0)."""
     if threads <= 0:
         restore(model)
-    elif isinstance(model, LlamaForCausalLM):
+    elif isinstance(model, LlamaForCausalLM) and model.config.family == "llama":
+        # (Gemma 3's layers are not Llama's: its linears alone run natively, cpu/gemm.py)
         become(model, NativeTargetLayers, small_gemm_threads=threads, native_decoder=None)
     elif hasattr(model, "run_layer"):
         become(model, NativeDraftLayer, small_gemm_threads=threads, native_decoder=None)

@@ -4,6 +4,11 @@ Supported architectures: Llama (`llama`), Mistral (`mistral`), Qwen2 (`qwen2`) a
 (`qwen3`, dense). All are the same decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU MLP);
 they differ only in projection biases, the default of `tie_word_embeddings`, sliding-window
 attention and, for Qwen3, an RMSNorm over each query and key head before RoPE (`qk_norm`).
+Gemma 3 text models (`gemma3_text`, `family == "gemma3"`, model/gemma3.py) add embeddings
+scaled by sqrt(hidden), (1 + weight) norms, four norms per layer, GeGLU (tanh GELU),
+`query_pre_attn_scalar` and interleaved sliding-window attention: `layer_types[i]` is
+"sliding_attention" (the last `attention_window` positions, RoPE base `rope_local_theta`) or
+"full_attention" (every position, `rope_theta` and its scaling).
 
 Sliding window (Mistral, Qwen2 with `use_sliding_window`): we do not implement windowed attention.
 Instead `max_model_len` is capped at the window size, so no query ever sees a key further away
@@ -21,7 +26,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+SLIDING, FULL = "sliding_attention", "full_attention"  # Gemma 3's layer types
 
 # RoPE scaling types we implement. "dynamic" (NTK) is refused on purpose: it rescales the
 # frequencies with the *current* batch's length, so a token's logits would depend on which other
@@ -61,10 +67,27 @@ class ModelConfig:
     o_proj_bias: bool  # bias on o_proj (Llama's `attention_bias` sets both; Qwen2 has q/k/v only)
     mlp_bias: bool
     sliding_window: int | None  # only set when the checkpoint really uses it
-    qk_norm: bool  # RMSNorm over each query / key head (head_dim) before RoPE (Qwen3)
+    qk_norm: bool  # RMSNorm over each query / key head (head_dim) before RoPE (Qwen3, Gemma 3)
     eos_token_id: tuple[int, ...]
     bos_token_id: int | None
     torch_dtype: str | None  # e.g. "bfloat16"; None when the checkpoint does not say
+    # Gemma 3 (see the module doc); the defaults are the Llama family's.
+    family: str = "llama"  # "llama" | "gemma3"
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (else head_dim)
+    layer_types: tuple[str, ...] | None = None  # per layer SLIDING or FULL; None: all FULL
+    attention_window: int | None = None  # the window of SLIDING layers (real windowed attention)
+    rope_local_theta: float | None = None  # the RoPE base of SLIDING layers
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of `layer`, None for full attention."""
+        if self.layer_types is None or self.layer_types[layer] != SLIDING:
+            return None
+        return self.attention_window
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def max_model_len(self) -> int:
@@ -109,6 +132,7 @@ class ModelConfig:
         if window is not None and not (isinstance(window, int) and not isinstance(window, bool)):
             raise ValueError(f"model config: sliding_window must be an integer, got {window!r}")
         dtype = raw.get("torch_dtype") or raw.get("dtype")
+        gemma = _gemma3_settings(raw) if model_type == "gemma3_text" else {}
 
         return cls(
             model_type=model_type,
@@ -124,13 +148,14 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_pos,
-            # All three configs default to untied embeddings.
-            tie_word_embeddings=_bool(raw, "tie_word_embeddings"),
+            # Llama, Mistral and Qwen default to untied embeddings, Gemma to tied ones.
+            tie_word_embeddings=_bool(raw, "tie_word_embeddings", model_type == "gemma3_text"),
             attention_bias=attention_bias,
             o_proj_bias=o_proj_bias,
             mlp_bias=_bool(raw, "mlp_bias"),
             sliding_window=int(window) if window else None,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            **gemma,
             eos_token_id=eos_ids,
             bos_token_id=None if bos is None else _token_id(bos, "bos_token_id"),
             torch_dtype=str(dtype) if dtype else None,
@@ -145,9 +170,12 @@ def _model_type(raw: dict[str, Any]) -> str:
             f"unsupported model_type {model_type!r}; "
             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    act = raw.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"unsupported hidden_act {act!r} (only 'silu' is implemented)")
+    if model_type == "gemma3_text":
+        act, want = raw.get("hidden_activation") or raw.get("hidden_act"), "gelu_pytorch_tanh"
+    else:
+        act, want = raw.get("hidden_act", "silu"), "silu"
+    if act != want:
+        raise ValueError(f"unsupported hidden_act {act!r} for {model_type} (only {want!r})")
     return model_type
 
 
@@ -176,6 +204,7 @@ def _architecture(raw: dict[str, Any], model_type: str) -> str:
         "mistral": "MistralForCausalLM",
         "qwen2": "Qwen2ForCausalLM",
         "qwen3": "Qwen3ForCausalLM",
+        "gemma3_text": "Gemma3ForCausalLM",
     }[model_type]
     arch = archs[0] if isinstance(archs, list) and archs else default_arch
     if arch != default_arch:
@@ -189,6 +218,9 @@ def _biases_and_window(raw: dict[str, Any], model_type: str) -> tuple[bool, bool
     if model_type == "qwen2":
         attention_bias, o_proj_bias = True, False  # Qwen2 always has q/k/v biases
         window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
+    elif model_type == "gemma3_text":  # windows are real (layer_types), never a length cap
+        attention_bias = o_proj_bias = _bool(raw, "attention_bias")
+        window = None
     elif model_type == "qwen3":
         attention_bias = o_proj_bias = _bool(raw, "attention_bias")  # q/k/v and o alike
         window = raw.get("sliding_window") if raw.get("use_sliding_window") else None
@@ -199,6 +231,36 @@ def _biases_and_window(raw: dict[str, Any], model_type: str) -> tuple[bool, bool
         attention_bias = o_proj_bias = False
         window = raw.get("sliding_window")
     return attention_bias, o_proj_bias, window
+
+
+def _gemma3_settings(raw: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's extra ModelConfig fields from its config.json (transformers 4 and 5 layouts)."""
+    layers = _int(raw, "num_hidden_layers")
+    types = raw.get("layer_types")
+    if types is None:  # older configs: every `sliding_window_pattern`-th layer is global
+        pattern = _int(raw, "sliding_window_pattern", 6)
+        types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or set(types) - {SLIDING, FULL}:
+        raise ValueError(f"model config: layer_types must list {layers} of {SLIDING!r} / {FULL!r}")
+    for key in ("attn_logit_softcapping", "use_bidirectional_attention"):
+        if raw.get(key):
+            raise ValueError(f"model config: {key} = {raw[key]!r} is not supported")
+    params = raw.get("rope_parameters")
+    local = params.get(SLIDING) if isinstance(params, dict) else None
+    if isinstance(local, dict) and local.get("rope_type", "default") != "default":
+        raise ValueError("model config: RoPE scaling of sliding layers is not supported")
+    theta = local.get("rope_theta") if isinstance(local, dict) else raw.get("rope_local_base_freq")
+    cap = raw.get("final_logit_softcapping")
+    if cap is not None:
+        cap = _positive_float(raw, "final_logit_softcapping", 1.0)
+    return {
+        "family": "gemma3",
+        "query_pre_attn_scalar": _positive_float(raw, "query_pre_attn_scalar", 256.0),
+        "layer_types": tuple(types),
+        "attention_window": _int(raw, "sliding_window", 4096),
+        "rope_local_theta": float(theta if theta is not None else 10000.0),
+        "final_logit_softcapping": cap,
+    }
 
 
 def _eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
@@ -227,8 +289,8 @@ def _positive_float(raw: dict[str, Any], key: str, default: float) -> float:
     return float(value)
 
 
-def _bool(raw: dict[str, Any], key: str) -> bool:
-    value = raw.get(key, False)
+def _bool(raw: dict[str, Any], key: str, default: bool = False) -> bool:
+    value = raw.get(key, default)
     if not isinstance(value, bool):
         raise ValueError(f"model config: {key} must be true or false, got {value!r}")
     return value

@@ -52,7 +52,8 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale
+        self.window = cfg.window_of(layer_idx)  # attends to the last `window` positions; None: all
         hidden, q_size = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
         kv_size = cfg.num_key_value_heads * cfg.head_dim
         bias = cfg.attention_bias
@@ -83,7 +84,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        out = backend.forward(self.layer_idx, q, k, v, kv_cache, attn, self.scale)  # [T, Hq, D]
+        out = backend.forward(
+            self.layer_idx, q, k, v, kv_cache, attn, self.scale, window=self.window
+        )  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -167,16 +170,27 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.backend = backend
         # activations and the KV cache are in the model's dtype
+        windows = {cfg.window_of(i) for i in range(cfg.num_hidden_layers)} - {None}
         backend.configure(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, dtype,
-                          dtype, cfg.head_dim**-0.5)
+                          dtype, cfg.attention_scale, windows=tuple(sorted(windows)))
         factory = {"dtype": dtype, "device": device}
-        self.model = LlamaModel(cfg, max_positions, **factory)
+        self.model = self._build_model(cfg, max_positions, **factory)
         # Tied: the LM head is the embedding matrix and there is no lm_head parameter.
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **factory)
         )
+
+    def _build_model(self, cfg: ModelConfig, max_positions: int | None, **factory) -> nn.Module:
+        return LlamaModel(cfg, max_positions, **factory)
+
+    def rotaries(self) -> list[RotaryEmbedding]:
+        """The RoPE tables (one here; Gemma 3 has one per layer kind)."""
+        return [self.model.rotary_emb]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # int64 [T] -> [T, H]
+        return self.model.embed_tokens(input_ids)
 
     @classmethod
     def from_pretrained(
@@ -193,7 +207,8 @@ class LlamaForCausalLM(nn.Module):
         with torch.device("meta"):
             model = cls(cfg, backend=backend, dtype=dtype, max_positions=max_positions)
         model.to_empty(device=device)
-        model.model.rotary_emb.rebuild()
+        for rotary in model.rotaries():
+            rotary.rebuild()
         model.load_weights(path)
         return model.eval()
 
@@ -246,7 +261,7 @@ class LlamaForCausalLM(nn.Module):
         final-normed output (the same tensor as `hidden`). The layers run from one captured
         layer to the next (`run_layers`).
         """
-        h = self.model.embed_tokens(input_ids)  # [T, H]
+        h = self.embed(input_ids)  # [T, H]
         num_layers = len(self.model.layers)
         captured: dict[int, torch.Tensor] = {}
         start = 0

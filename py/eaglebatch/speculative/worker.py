@@ -196,7 +196,7 @@ class SpecWorker:
 
     def _fit_rotary(self, most: int) -> None:
         """Grows the target's and the draft's rotary tables to `most` positions if shorter."""
-        for rotary in (self.model.model.rotary_emb, self.draft.rotary_emb):
+        for rotary in (*self.model.rotaries(), self.draft.rotary_emb):
             if rotary.max_positions < most:
                 rotary.max_positions = most
                 rotary.rebuild()
