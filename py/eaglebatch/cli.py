@@ -65,7 +65,7 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     job = load_job(job_file, overrides)
     files, total = check_input(job.input)
     if defaults.is_builtin_model(job.model):
-        defaults.require_builtin_model_package()
+        defaults.require_builtin_model_package(job.model)
         model = f"{job.model} (builtin)"
     else:
         model = str(check_model_dir(resolve_model_dir(job.model)).dir)  # a GGUF: converted

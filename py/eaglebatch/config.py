@@ -205,6 +205,9 @@ class RayConfig(_Section):
 
 class JobConfig(_Section):
     model: PathStr
+    # A Jinja chat template file used instead of the model's (a model without one, e.g. a base
+    # model's GGUF, or one whose template is wrong).
+    model_chat_template: PathStr | None = None
     input: InputConfig
     output: OutputConfig
     sampling: SamplingConfig = SamplingConfig()
@@ -229,6 +232,8 @@ class JobConfig(_Section):
         return self.model_copy(
             update={
                 "model": resolve_model_ref(self.model, base_dir),
+                "model_chat_template": None if self.model_chat_template is None
+                else resolve_path(self.model_chat_template, base_dir),
                 "draft": resolve_model_ref(self.draft, base_dir),
                 "input": self.input.model_copy(
                     update={"path": resolve_path(self.input.path, base_dir)}

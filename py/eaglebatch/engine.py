@@ -9,6 +9,7 @@ Everything that is not tensor math happens in Rust with the GIL released.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -94,19 +95,33 @@ def _check_draft(draft: Path | None) -> None:
             raise JobError(f"draft: {draft}: {e}") from None
 
 
+def _with_chat_template(mf: ModelFiles, path: str | None) -> ModelFiles:
+    """The model's files with the job's chat template file, if it names one."""
+    if path is None:
+        return mf
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, ValueError) as e:
+        raise JobError(f"model_chat_template: cannot read {path}: {e}") from None
+    if not text.strip():
+        raise JobError(f"model_chat_template: {path} is empty")
+    return dataclasses.replace(mf, chat_template=text)
+
+
 def prepare(job: JobConfig) -> PreparedJob:
     files, total = check_input(job.input)
     check_output_apart(job.input.path, files, job.output.path)
-    mf = model_files(job.model)
+    mf = _with_chat_template(model_files(job.model), job.model_chat_template)
     if job.input.messages_column is not None or job.input.apply_chat_template:
         if mf.chat_template is None:
             raise JobError(
-                f"input: chat messages need a chat template, and model {mf.dir} has none"
+                f"input: chat messages need a chat template, and model {job.model} has none; "
+                f"name a template file with model_chat_template: path/to/template.jinja"
             )
     draft = resolve_draft_dir(job.draft) if job.draft is not None else None
     _check_draft(draft)
     dtype, max_model_len = _check_model_config(job, mf)
-    identity = job_identity(job, files, mf.dir, draft, dtype, max_model_len)
+    identity = job_identity(job, files, mf, draft, dtype, max_model_len)
     return PreparedJob(
         job=job, input_files=files, total_rows=total, model=mf, draft_dir=draft, identity=identity
     )

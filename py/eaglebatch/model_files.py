@@ -76,7 +76,7 @@ def resolve_model_dir(model: str) -> Path:
     """The folder of `model`: a builtin name, a GGUF file (converted once, gguf_model.py) or a
     Hugging Face-style folder."""
     if defaults.is_builtin_model(model):
-        return defaults.builtin_model_dir()
+        return defaults.builtin_model_dir(model)
     from .gguf_model import gguf_model_dir, is_gguf_path
 
     if is_gguf_path(model):
@@ -85,7 +85,7 @@ def resolve_model_dir(model: str) -> Path:
     if not d.is_dir():
         raise JobError(
             f"model: '{model}' is neither a folder, a .gguf file nor a builtin model "
-            f"(builtin: {defaults.BUILTIN_MODEL})"
+            f"(builtin: {', '.join(defaults.BUILTIN_MODELS)})"
         )
     return d
 

@@ -95,7 +95,7 @@ def input_fingerprint(files: list[Path]) -> list[list]:
 def job_identity(
     job: JobConfig,
     input_files: list[Path],
-    model_dir: Path,
+    model,  # model_files.ModelFiles (its chat template may be the job's)
     draft_dir: Path | None,
     dtype: str,
     max_model_len: int,
@@ -104,7 +104,7 @@ def job_identity(
     inp = job.input
     identity = {
         "version": IDENTITY_VERSION,
-        "model": folder_fingerprint(model_dir),
+        "model": folder_fingerprint(model.dir),
         "input": {
             "files": input_fingerprint(input_files),
             "prompt_column": inp.text_column,
@@ -117,6 +117,8 @@ def job_identity(
         "engine": {"max_model_len": max_model_len, "dtype": dtype},
         "output": {"include_token_ids": job.output.include_token_ids},
     }
+    if job.model_chat_template is not None:  # the template used, by content
+        identity["chat_template"] = hashlib.sha256(model.chat_template.encode()).hexdigest()
     if draft_dir is not None and job.sampling.temperature > 0:
         identity["draft"] = {
             "files": folder_fingerprint(draft_dir),
