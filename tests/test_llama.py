@@ -290,3 +290,33 @@ def test_native_rms_norm_matches_torch(rows, size) -> None:
 
     with pytest.raises(ValueError, match="rms_norm"):
         _native.rms_norm(x.data_ptr(), norm.weight.data_ptr(), x.data_ptr(), 0, size, 1e-5)
+
+
+def test_the_text_tower_of_a_multimodal_gemma3_checkpoint(tmp_path) -> None:
+    """A Gemma3ForConditionalGeneration checkpoint (text tower under language_model.*, a vision
+    tower beside it) runs as its text model: greedy tokens equal transformers' on text."""
+    torch.manual_seed(5)
+    text = VARIANTS["gemma3"]()
+    vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=28, patch_size=14)  # fmt: skip
+    cfg = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                    image_token_index=255, boi_token_index=253,
+                                    eoi_token_index=254)  # fmt: skip
+    hf = transformers.Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "language_model" in name and "norm" not in name:
+                p.normal_(std=1.0 if "embed_tokens" in name else 1.5 / p.shape[-1] ** 0.5)
+    hf.save_pretrained(tmp_path)
+    ours = model_class(ModelConfig.from_dir(tmp_path)).from_pretrained(tmp_path)
+    assert ours.config.text_tower and ours.config.family == "gemma3"
+    prompts = [list(range(100, 130)), [7, 8, 9]]
+    got = greedy_generate(ours, prompts, 12)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    for p, tokens in zip(prompts, got, strict=True):
+        ids = torch.tensor([p])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                          max_new_tokens=12)[0, len(p):].tolist()  # fmt: skip
+        assert tokens == ref

@@ -78,6 +78,9 @@ class ModelConfig:
     attention_window: int | None = None  # the window of SLIDING layers (real windowed attention)
     rope_local_theta: float | None = None  # the RoPE base of SLIDING layers
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # the text tower of a multimodal checkpoint (`gemma3` with a text_config): its tensors are
+    # named language_model.* and the other towers' are skipped (weights.text_tower_name)
+    text_tower: bool = False
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of `layer`, None for full attention."""
@@ -119,6 +122,7 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         """The config of a parsed config.json; a ValueError naming the first bad setting (the
         settings are checked in a fixed order)."""
+        raw, tower = _text_tower(raw)
         model_type = _model_type(raw)
         hidden, heads, kv_heads, head_dim = _attention_shape(raw)
         max_pos = _int(raw, "max_position_embeddings")
@@ -155,6 +159,7 @@ class ModelConfig:
             mlp_bias=_bool(raw, "mlp_bias"),
             sliding_window=int(window) if window else None,
             qk_norm=model_type in ("qwen3", "gemma3_text"),
+            text_tower=tower,
             **gemma,
             eos_token_id=eos_ids,
             bos_token_id=None if bos is None else _token_id(bos, "bos_token_id"),
@@ -231,6 +236,19 @@ def _biases_and_window(raw: dict[str, Any], model_type: str) -> tuple[bool, bool
         attention_bias = o_proj_bias = False
         window = raw.get("sliding_window")
     return attention_bias, o_proj_bias, window
+
+
+def _text_tower(raw: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """A multimodal Gemma 3 config as its text model's (the top level's keys, then
+    text_config's), and whether it was one."""
+    if raw.get("model_type") != "gemma3":
+        return raw, False
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError("model config: a gemma3 config needs a text_config")
+    top = {k: v for k, v in raw.items() if k not in ("text_config", "vision_config")}
+    merged = {**top, **text, "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"]}
+    return merged, True
 
 
 def _gemma3_settings(raw: dict[str, Any]) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from eaglebatch.model.weights import (
     checkpoint_shapes,
     iter_tensors,
     load_named_tensors,
+    text_tower_name,
 )
 
 # Checkpoint tensors that are not parameters of ours: old checkpoints store RoPE buffers.
@@ -219,8 +220,10 @@ class LlamaForCausalLM(nn.Module):
         with torch.device("meta"):
             model = cls(cfg, max_positions=2)
         expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        check_shapes(expected, checkpoint_shapes(path), ignore=model._ignored_tensors(),
-                     source=f"checkpoint {path}")
+        found = checkpoint_shapes(path)
+        if cfg.text_tower:
+            found = {m: s for n, s in found.items() if (m := text_tower_name(n)) is not None}
+        check_shapes(expected, found, ignore=model._ignored_tensors(), source=f"checkpoint {path}")
 
     def _ignored_tensors(self) -> tuple[str, ...]:
         """A tied checkpoint may or may not contain lm_head.weight."""
@@ -229,7 +232,10 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, path: str | os.PathLike[str]) -> None:
         """Loads every parameter from the *.safetensors files in `path` (raises on missing or
         unexpected tensors)."""
-        load_named_tensors(self, iter_tensors(path), ignore=self._ignored_tensors(),
+        tensors = iter_tensors(path)
+        if self.config.text_tower:
+            tensors = ((m, t) for n, t in tensors if (m := text_tower_name(n)) is not None)
+        load_named_tensors(self, tensors, ignore=self._ignored_tensors(),
                            source=f"checkpoint {path}")
 
     @property

@@ -128,6 +128,22 @@ def _check_complete(missing: list[str], unexpected: list[str], source: str) -> N
         raise ValueError(f"{source} does not match the model: {'; '.join(parts)}")
 
 
+_OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                 "model.multi_modal_projector.")  # fmt: skip
+
+
+def text_tower_name(name: str) -> str | None:
+    """A multimodal checkpoint's tensor name as the text model names it (language_model.model.X
+    and model.language_model.X -> model.X, language_model.lm_head -> lm_head); None for the
+    other towers' tensors, which a text run does not load."""
+    if name.startswith(_OTHER_TOWERS):
+        return None
+    for old, new in (("model.language_model.", "model."), ("language_model.", "")):
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
 def iter_tensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, CPU tensor) for every tensor of the checkpoint, one at a time."""
     for file in checkpoint_files(path):
