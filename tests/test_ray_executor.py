@@ -105,6 +105,9 @@ def test_two_actors_give_the_rows_of_one_process(tmp_path, small_model, referenc
     assert "240 rows (160 to generate) in 6 units" in log and "2 actors" in log, log
     check_exactly_once(tmp_path / "out", reference)
     assert "240/240 rows done, 1 error rows" in finish(cli("status", str(job)))
+    # a rerun of a finished job starts no Ray at all
+    assert "all 240 rows are done" in finish(cli("run", str(job), "--ray", *RAY))
+    check_exactly_once(tmp_path / "out", reference)
 
 
 def test_a_killed_actor_only_loses_its_unfinished_rows(tmp_path, small_model, reference):

@@ -362,6 +362,13 @@ def run_on_ray(prep: PreparedJob, address: str | None, restart: bool, console) -
     check_address(address)
     out = Path(prep.job.output.path)
     resume: ResumeState = open_output(prep, restart=restart)  # exclusive: the whole tree
+    done = resume.done_rows[resume.done_rows < prep.total_rows]
+    remaining = prep.total_rows - len(done)
+    if not remaining:  # nothing to start Ray and load models for
+        release_output_dir(out)
+        console.print(f"eaglebatch on Ray: all {prep.total_rows} rows are done in {out}")
+        empty = RayRun(units=deque(), output_dir=str(out), max_attempts=1)
+        return summary(empty, 0.0, 0) | {"startup_s": 0.0, "skipped": len(done)}, 0.0
     try:
         _init(ray, address)
         cuda = _on_cuda(prep)
@@ -369,10 +376,8 @@ def run_on_ray(prep: PreparedJob, address: str | None, restart: bool, console) -
         if not cuda:
             engine = prep.job.engine.model_copy(update={"num_threads": cpus})
             prep = replace(prep, job=prep.job.model_copy(update={"engine": engine}))
-        done = resume.done_rows[resume.done_rows < prep.total_rows]
-        remaining = prep.total_rows - len(done)
         size = prep.job.ray.unit_rows or unit_rows(remaining, n, prep.job.engine.max_batch_size)
-        units = cut_units(prep.total_rows, done, size) if remaining else []
+        units = cut_units(prep.total_rows, done, size)
         console.print(
             f"eaglebatch on Ray: {prep.total_rows} rows ({remaining} to generate) in "
             f"{len(units)} units of about {size} rows over {n} actor(s) -> {out}",
