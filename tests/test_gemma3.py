@@ -81,3 +81,25 @@ def test_speculative_with_an_eagle3_head_equals_transformers(tmp_path, gemma3_di
                   [f"draft={head}", f"speculative.num_steps={k}", "speculative.adaptive=false",
                    "engine.max_batch_size=4"])  # fmt: skip
         assert got == reference
+
+
+def test_graph_steps_mask_the_window(tmp_path, gemma3_dir, prompts, reference):
+    """The uniform (CUDA-graph) steps, run eagerly on the CPU, build their window masks too."""
+    from eaglebatch.engine import build_worker
+
+    head = init_random_draft(tmp_path / "head", gemma3_dir, kind="eagle3", seed=4,
+                             aux_layer_ids=(0, 1, 2))  # fmt: skip
+    for name, extra in (("plain", []), ("spec", [f"draft={head}", "speculative.adaptive=false"])):
+        inp = write_prompts(tmp_path / "in.parquet", prompts)
+        job = tmp_path / f"{name}.yaml"
+        job.write_text(
+            f"model: {gemma3_dir}\ninput:\n  path: {inp}\noutput:\n  path: {tmp_path / name}\n"
+            f"  include_token_ids: true\nsampling:\n  max_new_tokens: {MAX_NEW}\n"
+            "engine:\n  device: cpu\n  kv_cache_tokens: 4096\n  max_model_len: 256\n"
+            "  max_batch_size: 4\n"
+        )
+        prep = prepare(load_job(job, extra))
+        res = run_prepared(prep, worker=build_worker(prep, graph_mode="eager"))
+        assert res.stats["cuda_graphs"]["replays"] > 0
+        rows = pq.read_table(tmp_path / name).sort_by("row_index").to_pylist()
+        assert [r["output_token_ids"] for r in rows] == reference
