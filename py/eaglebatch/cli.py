@@ -15,6 +15,7 @@ import click
 
 from . import __version__
 from .config import JobError, load_job
+from .errors import native_error
 
 USER_ERROR = 2
 
@@ -38,7 +39,7 @@ def _user_errors(fn: Callable) -> Callable:
             click.echo(f"error: {e}", err=True)
             sys.exit(USER_ERROR)
         except Exception as e:  # the native extension's user-facing error class
-            if type(e).__name__ == "UserInputError":
+            if native_error(e) == "user":
                 click.echo(f"error: {e}", err=True)
                 sys.exit(USER_ERROR)
             raise

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from . import __version__
 from .config import JobConfig, JobError, job_to_dict
+from .errors import native_error
 from .inputs import check_input, check_output_apart
 from .interrupt import Interrupted, StopSignals
 from .model_files import ModelFiles, model_files, resolve_draft_dir
@@ -324,10 +325,6 @@ class RunFailed(Exception):
         )
 
 
-def _is_native_error(e: BaseException) -> bool:
-    return type(e).__name__ in ("NativeError", "UserInputError")
-
-
 def _salvage(scheduler) -> int | None:
     """After a failure: closes the rows already finished into a last part. Returns how many
     rows this run wrote, None when the writer failed too."""
@@ -340,8 +337,8 @@ def _salvage(scheduler) -> int | None:
 def _run(prep: PreparedJob, worker, progress, resume: ResumeState, scope: RunScope):
     if worker is None:
         worker = build_worker(prep)
-    start, end = scope.rows(prep.total_rows)
-    skip = resume.done_rows[(resume.done_rows >= start) & (resume.done_rows < end)]
+    first, end = scope.rows(prep.total_rows)
+    skip = resume.done_rows[(resume.done_rows >= first) & (resume.done_rows < end)]
     scheduler = build_scheduler(prep, worker, file_metadata(prep), skip, scope)
     start = time.monotonic()
     try:
@@ -350,10 +347,9 @@ def _run(prep: PreparedJob, worker, progress, resume: ResumeState, scope: RunSco
         raise
     except Exception as e:
         written = _salvage(scheduler)
-        if _is_native_error(e):
-            user = type(e).__name__ == "UserInputError"
+        if (kind := native_error(e)) is not None:
             out = scope.output_dir(prep.job.output.path)
-            raise RunFailed(str(e), written, out, user) from None
+            raise RunFailed(str(e), written, out, kind == "user") from None
         raise
     wall = time.monotonic() - start
     graphs = worker.graph_stats()  # Worker and SpecWorker: None when graphs are off

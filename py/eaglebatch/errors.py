@@ -13,6 +13,18 @@ class JobError(Exception):
     """A problem in the job the user can fix. The CLI prints it and exits with status 2."""
 
 
+def native_error(e: BaseException) -> str | None:
+    """"user" for the extension's UserInputError (the user can fix it: exit 2), "native" for its
+    other errors (NativeError), None for anything else. The one place that tells them apart."""
+    try:
+        from . import _native
+    except ImportError:  # no extension: nothing it raised
+        return None
+    if isinstance(e, _native.UserInputError):
+        return "user"
+    return "native" if isinstance(e, _native.NativeError) else None
+
+
 _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxtuple = 2, 4, 6, 6
 _REPR.maxstring, _REPR.maxother, _REPR.maxlong = _ECHO_CHARS, _ECHO_CHARS, 40
