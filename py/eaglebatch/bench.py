@@ -190,7 +190,7 @@ def _hf_row(job: JobConfig, prep, batch_size: int) -> dict:
         enc_kwargs = {"add_special_tokens": False}
     else:
         texts, enc_kwargs = prompts, {}
-    eos = set(mf.eos_token_ids)
+    eos = set(job.sampling.end_token_ids(mf.eos_token_ids))
     out_tokens, latencies = 0, []
     start = time.monotonic()
     with torch.inference_mode():

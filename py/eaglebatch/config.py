@@ -109,6 +109,15 @@ class SamplingConfig(_Section):
     top_k: int = Field(default=0, ge=0, le=I32_MAX)
     seed: int = Field(default=0, ge=0, le=I64_MAX)
     stop: Annotated[tuple[str, ...], LIST_OK] = ()
+    # token ids that end a request like EOS (counted as an output token, not in the text)
+    stop_token_ids: Annotated[tuple[Annotated[int, Field(ge=0, le=I32_MAX)], ...], LIST_OK] = ()
+    # do not stop at the model's EOS tokens (stop_token_ids still stop)
+    ignore_eos: bool = False
+
+    def end_token_ids(self, eos_token_ids) -> list[int]:
+        """The ids that end a request: the model's EOS (unless ignore_eos) and stop_token_ids."""
+        eos = () if self.ignore_eos else tuple(eos_token_ids)
+        return sorted(set(eos) | set(self.stop_token_ids))
 
     @model_validator(mode="after")
     def _non_empty_stops(self) -> SamplingConfig:

@@ -62,6 +62,10 @@ def _check_model_config(job: JobConfig, mf: ModelFiles) -> tuple[str, int]:
             f"{max(mf.max_token_id, *mf.eos_token_ids)} but config.json's vocab_size is "
             f"{cfg.vocab_size}: tokenizer.json does not belong to these weights"
         )
+    bad = [t for t in job.sampling.stop_token_ids if t >= cfg.vocab_size]
+    if bad:
+        raise JobError(f"sampling.stop_token_ids: {bad} are not ids of model {mf.dir}, whose "
+                       f"vocab_size is {cfg.vocab_size}")  # fmt: skip
     max_model_len = resolve_max_model_len(job.engine.max_model_len, cfg.max_model_len)
     return _check_engine(job, cfg.attention_window is not None), max_model_len
 
@@ -230,7 +234,7 @@ def scheduler_config(
         chat_template=mf.chat_template,
         bos_token=mf.bos_token,
         eos_token=mf.eos_token,
-        eos_token_ids=list(mf.eos_token_ids),
+        eos_token_ids=smp.end_token_ids(mf.eos_token_ids),
         output_dir=scope.output_dir(job.output.path),
         part_rows=job.output.part_rows,
         file_metadata=metadata,

@@ -1,0 +1,67 @@
+"""`sampling.stop_token_ids` and `sampling.ignore_eos` against plain greedy runs of the same
+model: a stop id ends a row right after its first occurrence (the id counted, not in the text),
+speculative decoding stops at the same place, and ignore_eos runs past the model's EOS."""
+
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+
+from eaglebatch.config import JobError, load_job
+from eaglebatch.engine import prepare, run_prepared
+from eaglebatch.speculative import init_random_draft
+from support.tiny import byte_tokenizer, write_prompts
+from test_engine import random_prompts
+
+pytest.importorskip("eaglebatch._native")
+
+EOS = 258  # the tiny model's
+
+
+def run(tmp, model, prompts, name, overrides=()):
+    inp = write_prompts(tmp / "in.parquet", prompts)
+    job = tmp / f"{name}.yaml"
+    job.write_text(
+        f"model: {model}\ninput:\n  path: {inp}\noutput:\n  path: {tmp / name}\n"
+        "  include_token_ids: true\nsampling:\n  max_new_tokens: 24\n"
+        "engine:\n  device: cpu\n  kv_cache_tokens: 4096\n"
+    )
+    run_prepared(prepare(load_job(job, list(overrides))))
+    return pq.read_table(tmp / name).sort_by("row_index").to_pylist()
+
+
+def cut_at(tokens: list[int], stop: set[int]) -> list[int]:
+    n = next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
+    return tokens[:n]
+
+
+def test_stop_token_ids_and_ignore_eos(tmp_path, tiny_model_dir):
+    prompts = random_prompts(10, seed=3)
+    ref = run(tmp_path, tiny_model_dir, prompts, "ref", ["sampling.ignore_eos=true"])
+    assert all(len(r["output_token_ids"]) == 24 for r in ref)  # never stopped at EOS
+    plain = run(tmp_path, tiny_model_dir, prompts, "plain")
+    for r, p in zip(ref, plain, strict=True):  # what the model's EOS cuts off
+        assert p["output_token_ids"] == cut_at(r["output_token_ids"], {EOS})
+    # a token that occurs mid-output in some rows, not as their first token
+    counts: dict[int, int] = {}
+    for r in ref:
+        for t in set(r["output_token_ids"][1:12]) - {EOS}:
+            counts[t] = counts.get(t, 0) + 1
+    stop = max(counts, key=counts.get)
+    head = init_random_draft(tmp_path / "head", tiny_model_dir, kind="eagle3", seed=2,
+                             aux_layer_ids=(0, 1, 2))  # fmt: skip
+    for name, extra in (("stop", []), ("spec", [f"draft={head}", "speculative.adaptive=false"])):
+        over = [f"sampling.stop_token_ids=[{stop}]", "sampling.ignore_eos=true", *extra]
+        got = run(tmp_path, tiny_model_dir, prompts, name, over)
+        for r, g in zip(ref, got, strict=True):
+            want = cut_at(r["output_token_ids"], {stop})
+            assert g["output_token_ids"] == want
+            if want[-1] == stop:
+                assert g["finish_reason"] == "stop"
+                assert g["output_text"] == byte_tokenizer().decode(want[:-1])
+    assert sum(r["finish_reason"] == "stop" for r in got) >= 2
+
+
+def test_a_stop_token_id_outside_the_vocabulary_is_a_job_error(tmp_path, tiny_model_dir):
+    with pytest.raises(JobError, match=r"sampling.stop_token_ids: \[100000\] are not ids"):
+        run(tmp_path, tiny_model_dir, ["hi"], "x", ["sampling.stop_token_ids=[100000]"])
