@@ -65,3 +65,16 @@ def test_stop_token_ids_and_ignore_eos(tmp_path, tiny_model_dir):
 def test_a_stop_token_id_outside_the_vocabulary_is_a_job_error(tmp_path, tiny_model_dir):
     with pytest.raises(JobError, match=r"sampling.stop_token_ids: \[100000\] are not ids"):
         run(tmp_path, tiny_model_dir, ["hi"], "x", ["sampling.stop_token_ids=[100000]"])
+
+
+def test_the_new_keys_leave_an_earlier_jobs_identity_alone(tmp_path, tiny_model_dir):
+    """Outputs written before stop_token_ids / ignore_eos existed resume unchanged: the keys
+    enter the identity only when set."""
+    inp = write_prompts(tmp_path / "in.parquet", ["hi"])
+    job = tmp_path / "job.yaml"
+    job.write_text(f"model: {tiny_model_dir}\ninput:\n  path: {inp}\noutput:\n  path: "
+                   f"{tmp_path / 'out'}\nengine:\n  device: cpu\n")  # fmt: skip
+    sampling = prepare(load_job(job)).identity["sampling"]
+    assert "stop_token_ids" not in sampling and "ignore_eos" not in sampling
+    changed = prepare(load_job(job, ["sampling.ignore_eos=true"])).identity["sampling"]
+    assert changed["ignore_eos"] is True

@@ -113,7 +113,7 @@ def job_identity(
             "apply_chat_template": inp.apply_chat_template,
             "limit": inp.limit,
         },
-        "sampling": job.sampling.model_dump(mode="json"),
+        "sampling": _sampling_identity(job),
         "engine": {"max_model_len": max_model_len, "dtype": dtype},
         "output": {"include_token_ids": job.output.include_token_ids},
     }
@@ -125,6 +125,16 @@ def job_identity(
             "speculative": job.speculative.model_dump(mode="json"),
         }
     return identity
+
+
+# Sampling keys added after identity version 2, left out while at their defaults so that a job
+# written before they existed still resumes (its outputs were made with those defaults).
+_LATER_SAMPLING_DEFAULTS = {"stop_token_ids": [], "ignore_eos": False}
+
+
+def _sampling_identity(job: JobConfig) -> dict:
+    dump = job.sampling.model_dump(mode="json")
+    return {k: v for k, v in dump.items() if _LATER_SAMPLING_DEFAULTS.get(k, object()) != v}
 
 
 def identity_hash(identity: dict) -> str:
