@@ -4,30 +4,19 @@ speculative decoding stops at the same place, and ignore_eos runs past the model
 
 from __future__ import annotations
 
-import pyarrow.parquet as pq
 import pytest
 
 from eaglebatch.config import JobError, load_job
-from eaglebatch.engine import prepare, run_prepared
+from eaglebatch.engine import prepare
 from eaglebatch.speculative import init_random_draft
 from support.tiny import byte_tokenizer, write_prompts
-from test_engine import random_prompts
+from test_engine import EOS, MAX_NEW, random_prompts, run_job
 
 pytest.importorskip("eaglebatch._native")
 
-EOS = 258  # the tiny model's
-
-
 def run(tmp, model, prompts, name, overrides=()):
-    inp = write_prompts(tmp / "in.parquet", prompts)
-    job = tmp / f"{name}.yaml"
-    job.write_text(
-        f"model: {model}\ninput:\n  path: {inp}\noutput:\n  path: {tmp / name}\n"
-        "  include_token_ids: true\nsampling:\n  max_new_tokens: 24\n"
-        "engine:\n  device: cpu\n  kv_cache_tokens: 4096\n"
-    )
-    run_prepared(prepare(load_job(job, list(overrides))))
-    return pq.read_table(tmp / name).sort_by("row_index").to_pylist()
+    table, _ = run_job(tmp, model, prompts, overrides=overrides, name=name)
+    return table.to_pylist()
 
 
 def cut_at(tokens: list[int], stop: set[int]) -> list[int]:
@@ -38,7 +27,7 @@ def cut_at(tokens: list[int], stop: set[int]) -> list[int]:
 def test_stop_token_ids_and_ignore_eos(tmp_path, tiny_model_dir):
     prompts = random_prompts(10, seed=3)
     ref = run(tmp_path, tiny_model_dir, prompts, "ref", ["sampling.ignore_eos=true"])
-    assert all(len(r["output_token_ids"]) == 24 for r in ref)  # never stopped at EOS
+    assert all(len(r["output_token_ids"]) == MAX_NEW for r in ref)  # never stopped at EOS
     plain = run(tmp_path, tiny_model_dir, prompts, "plain")
     for r, p in zip(ref, plain, strict=True):  # what the model's EOS cuts off
         assert p["output_token_ids"] == cut_at(r["output_token_ids"], {EOS})
