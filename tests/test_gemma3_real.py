@@ -1,7 +1,7 @@
 """The builtin `gemma3-270m` (Gemma 3 270M, from its Q4_K_M GGUF) against transformers on the
 same converted weights: greedy outputs on ShareGPT prompts, token for token, float32 CPU.
 Its sliding layers see 512 positions: prompts plus outputs here stay shorter, and the tiny
-random Gemma 3 of test_gemma3.py covers sequences past the window."""
+random Gemma 3 of test_model_families.py covers sequences past the window."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ def native_model(path) -> LlamaForCausalLM:
 
 
 # Gemma 3's layers are not Llama's: its decoder layers never run natively (its GEMMs do,
-# tests/test_gemma3.py)
+# tests/test_model_families.py)
 @pytest.fixture(scope="module", params=[v for v in VARIANTS if not v.startswith("gemma")])
 def pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
