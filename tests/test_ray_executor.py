@@ -11,16 +11,15 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 
-import eaglebatch
+from support.cli import cli, rows
+from support.cli import finish as cli_finish
 from support.tiny import make_tiny_model, write_prompts
 
 pytest.importorskip("eaglebatch._native")
 ray = pytest.importorskip("ray")
 
-COLUMNS = ["row_index", "id", "output_token_ids", "output_text", "finish_reason", "error"]
 RAY = ["--set", "ray.actors=2", "--set", "ray.cpus_per_actor=1"]
 
 
@@ -32,11 +31,11 @@ def small_model(tmp_path_factory):
     )
 
 
-def write_job(tmp: Path, model: Path, rows: int, unit_rows: int) -> Path:
+def write_job(tmp: Path, model: Path, num_rows: int, unit_rows: int) -> Path:
     words = ["the", "cat", "sat", "on", "a", "mat", "42", "code", "über"]
-    prompts = [" ".join(words[(i * 7 + j) % 9] for j in range(1 + i % 6)) for i in range(rows)]
-    ids = [f"r{i}" for i in range(rows)]
-    ids[rows - 3] = ids[5]  # a duplicate id far from its first row: an error row
+    prompts = [" ".join(words[(i * 7 + j) % 9] for j in range(1 + i % 6)) for i in range(num_rows)]
+    ids = [f"r{i}" for i in range(num_rows)]
+    ids[num_rows - 3] = ids[5]  # a duplicate id far from its first row: an error row
     write_prompts(tmp / "in.parquet", prompts, ids=ids)
     job = tmp / "job.yaml"
     job.write_text(
@@ -50,22 +49,8 @@ def write_job(tmp: Path, model: Path, rows: int, unit_rows: int) -> Path:
     return job
 
 
-def cli(*args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(Path(eaglebatch.__file__).resolve().parent.parent)}
-    return subprocess.Popen(
-        [sys.executable, "-m", "eaglebatch.cli", *args], env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-
-
-def finish(proc: subprocess.Popen, status: int = 0) -> str:
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == status, err
-    return out + err
-
-
-def rows(path: Path) -> list[dict]:
-    return sorted(pq.read_table(path, columns=COLUMNS).to_pylist(), key=lambda r: r["row_index"])
+def finish(proc, status: int = 0) -> str:
+    return cli_finish(proc, status, timeout=600)  # Ray's start and the models' loads
 
 
 def unit_parts(out: Path) -> list[Path]:

@@ -4,23 +4,19 @@ moments and rerun still writes every row once; `eaglebatch status`; bad shards r
 
 from __future__ import annotations
 
-import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 
-import eaglebatch
+from support.cli import cli, finish, rows
 from support.tiny import make_tiny_model, write_prompts
 
 pytest.importorskip("eaglebatch._native")
 
-COLUMNS = ["row_index", "id", "output_token_ids", "output_text", "finish_reason", "error"]
 
 
 @pytest.fixture(scope="module")
@@ -49,24 +45,6 @@ def write_job(tmp: Path, model: Path, ids: list[str], *, limit: int | None = Non
         "  num_threads: 1\n"
     )
     return job
-
-
-def cli(*args: str, env: dict | None = None) -> subprocess.Popen:
-    path = {"PYTHONPATH": str(Path(eaglebatch.__file__).resolve().parent.parent)}
-    return subprocess.Popen(
-        [sys.executable, "-m", "eaglebatch.cli", *args], env={**os.environ, **path, **(env or {})},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-
-
-def finish(proc: subprocess.Popen, status: int = 0) -> str:
-    out, err = proc.communicate(timeout=300)
-    assert proc.returncode == status, err
-    return out + err
-
-
-def rows(path: Path) -> list[dict]:
-    return sorted(pq.read_table(path, columns=COLUMNS).to_pylist(), key=lambda r: r["row_index"])
 
 
 def test_shards_as_separate_processes_equal_one_unsharded_run(tmp_path, small_model):
