@@ -86,10 +86,13 @@ def test_paged_layout_rejects_bad_lengths() -> None:
 # ---- the backend against a fake flashinfer (CPU) --------------------------------------------
 
 
-def _paged_attention(q, k_cache, v_cache, qo_indptr, indptr, indices, last, scale, causal):
+def _paged_attention(q, k_cache, v_cache, qo_indptr, indptr, indices, last, scale, causal,
+                     window_left=-1):  # fmt: skip
     """FlashInfer's paged attention semantics, in float32: sequence i's pages are
     indices[indptr[i]:indptr[i+1]], its kv length (pages - 1) * page_size + last[i]; causal
-    masks are aligned bottom-right (query j of q_len sees keys <= kv_len - q_len + j)."""
+    masks are aligned bottom-right (query j of q_len sees keys <= kv_len - q_len + j); with
+    window_left >= 0 a query at position p sees keys >= p - window_left only (its docs: "the
+    left (inclusive) window size")."""
     page_size, out = k_cache.shape[1], torch.empty_like(q)
     for i in range(len(last)):
         pages = indices[int(indptr[i]) : int(indptr[i + 1])].long()
@@ -100,9 +103,12 @@ def _paged_attention(q, k_cache, v_cache, qo_indptr, indptr, indices, last, scal
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", q[lo:hi].float(), k) * scale
+        q_pos = torch.arange(kv_len - (hi - lo), kv_len)[:, None]
+        key = torch.arange(kv_len)[None, :]
         if causal:
-            q_pos = torch.arange(kv_len - (hi - lo), kv_len)[:, None]
-            scores = scores.masked_fill(torch.arange(kv_len)[None, :] > q_pos, float("-inf"))
+            scores = scores.masked_fill(key > q_pos, float("-inf"))
+        if window_left >= 0:
+            scores = scores.masked_fill(key < q_pos - window_left, float("-inf"))
         out[lo:hi] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(q.dtype)
     return out
 
@@ -127,7 +133,8 @@ class _FakeWrapper:
         assert int_workspace_buffer.dtype == torch.uint8
         self.int_workspace_bytes = int_workspace_buffer.numel()
 
-    def _plan(self, qo, indptr, indices, last, hq, hkv, d, page, sm_scale, q_dt, kv_dt, causal):
+    def _plan(self, qo, indptr, indices, last, hq, hkv, d, page, sm_scale, q_dt, kv_dt, causal,
+              window_left):  # fmt: skip
         assert qo.device.type == indptr.device.type == last.device.type == "cpu"  # host arrays
         assert indptr.dtype == indices.dtype == last.dtype == qo.dtype == torch.int32
         if self.graph:
@@ -140,6 +147,7 @@ class _FakeWrapper:
             bi[: len(indices)].copy_(indices)
             qo, indptr, indices, last = bq if bq is not None else qo, bp, bi, bl
         self.cfg = (qo, indptr, indices, last, hq, hkv, d, page, sm_scale, q_dt, kv_dt, causal)
+        self.window_left = window_left
         self.plans += 1
 
     def run(self, q, paged_kv_cache, *, out=None):
@@ -149,7 +157,9 @@ class _FakeWrapper:
         assert k_cache.shape[1:] == (page, hkv, d) and v_cache.shape == k_cache.shape
         assert q.shape[0] == int(qo[-1])
         scale = 1 / math.sqrt(d) if scale is None else scale
-        res = _paged_attention(q, k_cache, v_cache, qo, indptr, indices, last, scale, causal)
+        res = _paged_attention(
+            q, k_cache, v_cache, qo, indptr, indices, last, scale, causal, self.window_left
+        )
         if out is None:
             return res
         assert out.shape == q.shape and out.dtype == q.dtype
@@ -193,6 +203,7 @@ class _FakeDecode(_FakeWrapper):
         sm_scale=None,
         q_data_type="float16",
         kv_data_type=None,
+        window_left=-1,
     ):
         assert num_qo_heads // num_kv_heads in (1, 2, 3, 4, 8)  # FlashInfer's decode kernels
         qo = torch.arange(len(last_page_len) + 1, dtype=torch.int32)
@@ -209,6 +220,7 @@ class _FakeDecode(_FakeWrapper):
             q_data_type,
             kv_data_type or q_data_type,
             False,
+            window_left,
         )
 
 
@@ -253,6 +265,7 @@ class _FakePrefill(_FakeWrapper):
         sm_scale=None,
         q_data_type="float16",
         kv_data_type=None,
+        window_left=-1,
     ):
         self._plan(
             qo_indptr,
@@ -267,6 +280,7 @@ class _FakePrefill(_FakeWrapper):
             q_data_type,
             kv_data_type or q_data_type,
             causal,
+            window_left,
         )
 
 
@@ -312,11 +326,19 @@ class Harness:
     float32 copies of the same inputs and caches."""
 
     def __init__(
-        self, backend, device, dtype, block_size=16, layers=2, hq=HQ, tol=None, num_blocks=128
-    ):
+        self, backend, device, dtype, block_size=16, layers=2, hq=HQ, tol=None, num_blocks=128,
+        windows=None,
+    ):  # fmt: skip
+        """`windows`: each layer's sliding window (None: full attention), `layers` of None if
+        not given; the reference is configured with them."""
         self.backend, self.device, self.dtype = backend, torch.device(device), dtype
         self.hq = hq
+        self.windows = list(windows) if windows is not None else [None] * layers
+        layers = len(self.windows)
         self.ref = TorchAttentionBackend()
+        kinds = tuple(w for w in self.windows if w is not None)
+        if kinds:
+            self.ref.configure(hq, HKV, D, torch.float32, torch.float32, SCALE, windows=kinds)
         self.seqs = PagedSequences(num_blocks, block_size, seed=block_size)
         gen = torch.Generator(device=self.device).manual_seed(0)
         shape = (2, num_blocks, block_size, HKV, D)
@@ -341,8 +363,9 @@ class Harness:
         self.ref.prepare(ref_meta)
         for layer, (out, (q, k, v)) in enumerate(zip(outs, inputs)):
             want = self.ref.forward(
-                layer, q.float(), k.float(), v.float(), self.ref_caches[layer], ref_meta, SCALE
-            )
+                layer, q.float(), k.float(), v.float(), self.ref_caches[layer], ref_meta, SCALE,
+                self.windows[layer],
+            )  # fmt: skip
             torch.testing.assert_close(out.float(), want, **self.tol)
             torch.testing.assert_close(self.caches[layer].float(), self.ref_caches[layer])
 
@@ -351,8 +374,8 @@ class Harness:
         self.backend.prepare(meta)
         inputs = [self.qkv(meta.num_tokens) for _ in self.caches]
         outs = [
-            self.backend.forward(layer, q, k, v, self.caches[layer], meta, SCALE)
-            for layer, (q, k, v) in enumerate(inputs)
+            self.backend.forward(layer, q, k, v, self.caches[layer], meta, SCALE, w)
+            for layer, ((q, k, v), w) in enumerate(zip(inputs, self.windows))
         ]
         self.check(meta, outs, inputs)
 
@@ -378,15 +401,64 @@ def test_fake_matches_torch_backend(fake_fi: Any, block_size: int) -> None:
     assert all(len(slots) == 2 for slots in backend._slots.values())
 
 
+# Gemma 3's pattern: local layers of two windows around a global one; steps whose queries reach
+# past a window (40-token prefill, verify rows at 44..47, a 33-token prefill) and some that do not
+WINDOWED = (5, None, 12)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_fake_sliding_windows_match_torch_backend(fake_fi: Any, block_size: int) -> None:
+    backend = fake_fi.FlashInferAttentionBackend(workspace_mib=1)
+    backend.configure(HQ, HKV, D, torch.float16, torch.float16, SCALE, windows=(12, 5, 12))
+    h = Harness(backend, "cpu", torch.float16, block_size=block_size, windows=WINDOWED)
+    for batch in STEPS:
+        h.step(batch)
+    kinds = {kind for _, kind in backend._slots}
+    assert kinds == {None, 5, 12}  # one wrapper pair per kind and step kind, each planned once
+    for (_, kind), slots in backend._slots.items():
+        assert all(s.wrapper.window_left == (-1 if kind is None else kind - 1) for s in slots)
+    assert sum(s.wrapper.plans for slots in backend._slots.values() for s in slots) == 3 * 5
+    with pytest.raises(ValueError, match="window 7 was not configured"):
+        meta = h.meta([(0, 1)])
+        backend.prepare(meta)
+        q, k, v = h.qkv(1)
+        backend.forward(0, q, k, v, h.caches[0], meta, SCALE, 7)
+
+
+def test_fake_sliding_window_graph_states(fake_fi: Any) -> None:
+    backend = fake_fi.FlashInferAttentionBackend(workspace_mib=1)
+    backend.configure(HQ, HKV, D, torch.float16, torch.float16, SCALE, windows=(5, 12))
+    h = Harness(backend, "cpu", torch.float16, block_size=4, windows=WINDOWED)
+    h.step([(s, 9 + 7 * s) for s in range(3)])
+    for q_len in (1, 3):
+        state = backend.make_graph_state(3, q_len, 16, torch.device("cpu"))
+        assert set(state.slots) == {None, 5, 12}
+        buffers = {b.data_ptr() for s in state.slots.values() for b in s.wrapper.bufs[1:]}
+        assert len(buffers) == 3 * 3  # each kind's wrapper has its own fixed buffers
+        tables = torch.zeros(3, 16, dtype=torch.int32)
+        for _ in range(2):
+            meta = h.meta([(s, q_len) for s in range(3)])
+            tables.zero_()
+            tables[:, : meta.block_tables.shape[1]] = meta.block_tables
+            meta = dataclasses.replace(meta, block_tables=tables)
+            backend.prepare_graph(meta, state)
+            inputs = [h.qkv(meta.num_tokens) for _ in h.caches]
+            outs = [
+                backend.forward(layer, q, k, v, h.caches[layer], meta, SCALE, w)
+                for layer, ((q, k, v), w) in enumerate(zip(inputs, h.windows))
+            ]
+            h.check(meta, outs, inputs)
+
+
 def test_fake_group_without_decode_kernels_uses_prefill(fake_fi: Any) -> None:
     backend = fake_fi.FlashInferAttentionBackend(workspace_mib=1)
     h = Harness(backend, "cpu", torch.float16, hq=6 * HKV)  # 6 query heads per kv head
     h.step([(0, 1), (1, 1)])  # decode first: the head config is learnt in its forward
     for batch in STEPS:
         h.step(batch)
-    assert sum(s.wrapper.plans for s in backend._slots[True]) == 0
+    assert sum(s.wrapper.plans for s in backend._slots[True, None]) == 0
     state = backend.make_graph_state(2, 1, 8, torch.device("cpu"))
-    assert not state.slot.decode
+    assert not state.slots[None].decode
 
 
 def test_fake_interleaved_prepares_replan(fake_fi: Any) -> None:
@@ -423,7 +495,7 @@ def test_fake_graph_state_replans_into_fixed_buffers(fake_fi: Any, q_len: int) -
     h = Harness(backend, "cpu", torch.float16, block_size=4)
     h.step([(s, 3 + 5 * s) for s in range(3)])
     state = backend.make_graph_state(3, q_len, 16, torch.device("cpu"))
-    wrapper = state.slot.wrapper
+    wrapper = state.slots[None].wrapper
     assert wrapper.int_workspace_bytes == 2**20
     addresses = [b.data_ptr() for b in wrapper.bufs if b is not None]
     tables = torch.zeros(3, 16, dtype=torch.int32)  # the graph runner's persistent buffer
@@ -507,3 +579,14 @@ def test_gpu_graph_replay_matches_torch_backend(q_len: int) -> None:
             backend.prepare_graph(meta, state)
         graph.replay()
         h.check(meta, [out.clone()], [(q.clone(), k.clone(), v.clone())])
+
+
+@needs_gpu
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_gpu_sliding_windows_match_torch_backend(block_size: int) -> None:
+    backend = _real_backend()
+    backend.configure(HQ, HKV, D, torch.bfloat16, torch.bfloat16, SCALE, windows=(5, 12))
+    tol = {"atol": 2e-2, "rtol": 2e-2}
+    h = Harness(backend, "cuda", torch.bfloat16, block_size=block_size, tol=tol, windows=WINDOWED)
+    for batch in STEPS:
+        h.step(batch)

@@ -67,12 +67,11 @@ def _check_model_config(job: JobConfig, mf: ModelFiles) -> tuple[str, int]:
         raise JobError(f"sampling.stop_token_ids: {bad} are not ids of model {mf.dir}, whose "
                        f"vocab_size is {cfg.vocab_size}")  # fmt: skip
     max_model_len = resolve_max_model_len(job.engine.max_model_len, cfg.max_model_len)
-    return _check_engine(job, cfg.attention_window is not None), max_model_len
+    return _check_engine(job), max_model_len
 
 
-def _check_engine(job: JobConfig, windowed: bool) -> str:
-    """Checks the device-dependent engine settings (`windowed`: the model has sliding-window
-    layers); returns the resolved dtype's name."""
+def _check_engine(job: JobConfig) -> str:
+    """Checks the device-dependent engine settings; returns the resolved dtype's name."""
     from .worker import (
         resolve_backend,
         resolve_device,
@@ -82,7 +81,7 @@ def _check_engine(job: JobConfig, windowed: bool) -> str:
     )
 
     device = resolve_device(job.engine.device)
-    resolve_backend(job.engine.attention_backend, device, windowed)
+    resolve_backend(job.engine.attention_backend, device)
     resolve_graph_mode(job.engine.cuda_graph, device)
     dtype = resolve_dtype(job.engine.dtype, device)
     resolve_small_gemm(job.engine.cpu_gemm, device, dtype)

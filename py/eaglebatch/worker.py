@@ -62,20 +62,15 @@ def flashinfer_importable() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
-def resolve_backend(name: str, device: torch.device, windowed: bool = False) -> str:
-    """auto: cpu on the CPU; on CUDA flashinfer when it is installed (and the model has no
-    sliding-window layers, which it does not run yet), else torch. flashinfer is never imported
-    on CPU, and asking for a backend where it cannot run is an error naming the key."""
+def resolve_backend(name: str, device: torch.device) -> str:
+    """auto: cpu on the CPU; on CUDA flashinfer when it is installed, else torch. flashinfer is
+    never imported on CPU, and asking for a backend where it cannot run is an error naming the
+    key."""
     if name == "auto":
         if device.type == "cpu":
             return "cpu"
-        usable = device.type == "cuda" and not windowed and flashinfer_importable()
+        usable = device.type == "cuda" and flashinfer_importable()
         return "flashinfer" if usable else "torch"
-    if name == "flashinfer" and windowed:
-        raise JobError(
-            "engine.attention_backend: flashinfer does not run sliding-window layers (Gemma 3) "
-            "yet; use engine.attention_backend: torch or auto"
-        )
     if name == "cpu" and device.type != "cpu":
         raise JobError("engine.attention_backend: 'cpu' needs engine.device cpu")
     if name == "flashinfer":
@@ -284,8 +279,7 @@ class Worker:
         except ValueError as e:
             raise JobError(f"model: {mf.dir}: {e}") from None
         max_model_len = resolve_max_model_len(eng.max_model_len, cfg.max_model_len)
-        windowed = cfg.attention_window is not None
-        backend = get_backend(resolve_backend(eng.attention_backend, device, windowed))
+        backend = get_backend(resolve_backend(eng.attention_backend, device))
         gemm_threads = resolve_small_gemm(eng.cpu_gemm, device, dtype)
         model = model_class(cfg).from_pretrained(
             mf.dir, dtype=dtype, device=device, backend=backend, max_positions=max_model_len

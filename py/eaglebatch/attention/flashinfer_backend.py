@@ -35,6 +35,11 @@ Design
     into them before capture and before every replay. Capture needs a plan: the head config must
     be known (configure(), or any forward() before, e.g. the usual eager warm-up run after
     prepare_graph()); forward() refuses to plan while a graph is being captured.
+  * Sliding-window layers (Gemma 3, `configure(windows=...)`): a plan fixes the window, so a
+    step has one wrapper per attention kind: full attention (key None) and each window w, planned
+    with window_left = w - 1 (FlashInfer keeps keys >= position - window_left, i.e. the last w,
+    the query's own included: base.py's rule). Each kind alternates its own two wrappers; a graph
+    state holds one graph wrapper per kind over its own fixed buffers.
   * Queries must be float16/bfloat16 (FlashInfer has no float32 kernels).
 """
 
@@ -55,14 +60,6 @@ except ImportError as e:  # the registry reports this message for get_backend("f
         "flashinfer is not installed: pip install 'eaglebatch[flashinfer]' (flashinfer-python; "
         f"needs a CUDA GPU, and nvcc for its JIT-compiled kernels) [{e}]"
     ) from e
-
-# Sliding-window layers (Gemma 3) would need one plan per window kind per step (window_left);
-# not built yet, so such models are refused with the way out (engine._check_model_config).
-WINDOWS_UNSUPPORTED = (
-    "engine.attention_backend: flashinfer does not run sliding-window layers (Gemma 3) yet; "
-    "use engine.attention_backend: torch"
-)
-
 
 # GQA group sizes (query heads per kv head) that FlashInfer's CUDA-core decode kernels are built
 # for (DISPATCH_GQA_GROUP_SIZE in include/flashinfer/utils.cuh); decode steps of other models run
@@ -89,21 +86,25 @@ class _Slot:
     step: _Step | None = None  # the step whose plan the wrapper holds
 
 
+Kind = int | None  # the attention of a layer: None = full, w = sliding window of w keys
+
+
 @dataclass(eq=False)
 class _Step:
-    """meta.backend_state: one step's layout and its wrapper (identity matters, not equality)."""
+    """meta.backend_state: one step's layout and its wrapper per attention kind (identity
+    matters, not equality)."""
 
-    slot: _Slot
+    slots: dict[Kind, _Slot]
     block_size: int
     qo_indptr: torch.Tensor | None = None  # int32 [B+1] host
     layout: PagedLayout | None = None
     indices: torch.Tensor | None = None  # int32 [num_pages] device
-    heads: _Heads | None = None  # the config slot.wrapper was planned with for this step
+    heads: _Heads | None = None  # the config the slots' wrappers were planned with for this step
 
 
 @dataclass(eq=False)
 class _GraphState(_Step):
-    """Persistent per captured shape; its slot's wrapper owns fixed-address buffers."""
+    """Persistent per captured shape; each of its slots' wrappers owns fixed-address buffers."""
 
     num_seqs: int = 0
     q_len: int = 0
@@ -131,9 +132,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.graph_int_bytes = graph_int_kib * 2**10
         self.prefill_backend = prefill_backend
         self._heads: _Heads | None = None
+        self._kinds: tuple[Kind, ...] = (None,)  # configure: full attention + each window
         self._workspace: torch.Tensor | None = None
-        self._slots: dict[bool, list[_Slot]] = {True: [], False: []}  # decode? -> 2 wrappers
-        self._turn = {True: 0, False: 0}  # steps so far per kind
+        self._slots: dict[tuple[bool, Kind], list[_Slot]] = {}  # (decode?, kind) -> 2 wrappers
+        self._turn: dict[tuple[bool, Kind], int] = {}  # steps so far per (decode?, kind)
 
     def configure(
         self,
@@ -146,18 +148,21 @@ class FlashInferAttentionBackend(AttentionBackend):
         windows: tuple[int, ...] = (),
     ) -> None:
         """The head config (the models call this when built), so prepare() can plan before the
-        first forward()."""
-        if windows:
-            raise ValueError(WINDOWS_UNSUPPORTED)
+        first forward(); `windows`: the sliding windows its layers pass to forward()."""
+        if any(w < 1 for w in windows):
+            raise ValueError(f"sliding windows must be >= 1 key, got {windows}")
         scale = head_dim**-0.5 if sm_scale is None else float(sm_scale)
         self._heads = _Heads(num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, scale)
+        self._kinds = (None, *sorted(set(windows)))
 
     # ---- planning (outside forward and outside graphs) ----------------------------------------
 
     def prepare(self, meta: AttentionMetadata) -> None:
         _require_cuda(meta)
-        slot = self._next_slot(self._use_decode(meta.max_seqlen_q), meta.seq_lens.device)
-        step = _Step(slot, meta.block_size)
+        decode = self._use_decode(meta.max_seqlen_q)
+        device = meta.seq_lens.device
+        step = _Step({kind: self._next_slot(decode, kind, device) for kind in self._kinds},
+                     meta.block_size)  # fmt: skip
         self._lay_out(step, meta)
         meta.backend_state = step
         if self._heads is not None:
@@ -167,6 +172,15 @@ class FlashInferAttentionBackend(AttentionBackend):
         self, num_seqs: int, q_len: int, max_blocks: int, device: torch.device
     ) -> _GraphState:
         decode = self._use_decode(q_len)
+        slots = {k: self._graph_slot(decode, num_seqs, q_len, max_blocks, device)
+                 for k in self._kinds}  # fmt: skip
+        return _GraphState(slots, 0, num_seqs=num_seqs, q_len=q_len, max_blocks=max_blocks)
+
+    def _graph_slot(
+        self, decode: bool, num_seqs: int, q_len: int, max_blocks: int, device: torch.device
+    ) -> _Slot:
+        """A use_cuda_graph wrapper over its own fixed buffers (indptr [S+1], indices [S*M],
+        last_page_len [S], and qo_indptr [S+1] for prefill)."""
         i32 = {"dtype": torch.int32, "device": device}
         indptr = torch.zeros(num_seqs + 1, **i32)
         indices = torch.zeros(num_seqs * max_blocks, **i32)
@@ -194,9 +208,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         # a small int workspace: the spec decoder captures dozens of states per bucket
         int_ws = torch.empty(self.graph_int_bytes, dtype=torch.uint8, device=device)
         wrapper.reset_workspace_buffer(self._workspace_for(device), int_ws)
-        return _GraphState(
-            _Slot(wrapper, decode), 0, num_seqs=num_seqs, q_len=q_len, max_blocks=max_blocks
-        )
+        return _Slot(wrapper, decode)
 
     def prepare_graph(self, meta: AttentionMetadata, state: _GraphState) -> None:
         _require_cuda(meta)
@@ -223,19 +235,27 @@ class FlashInferAttentionBackend(AttentionBackend):
         step.heads = None
 
     def _plan(self, step: _Step, heads: _Heads) -> None:
+        """Plans every attention kind of `step` for `heads`."""
         if heads.q_dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(
                 f"flashinfer attention needs float16/bfloat16 queries, got {heads.q_dtype}; "
                 "use dtype bfloat16 or the torch attention backend"
             )
-        if step.slot.decode and not self._use_decode(1, heads):
+        decode = next(iter(step.slots.values())).decode
+        if decode and not self._use_decode(1, heads):
             if isinstance(step, _GraphState):
                 raise ValueError(
                     f"flashinfer decode kernels have no {heads.num_qo_heads // heads.num_kv_heads}"
                     "-query-head groups: call configure() before make_graph_state()"
                 )
-            step.slot = self._next_slot(False, step.indices.device)  # first step only
-        slot, lay = step.slot, step.layout
+            device = step.indices.device  # first step only: its kind was guessed
+            step.slots = {kind: self._next_slot(False, kind, device) for kind in step.slots}
+        for kind, slot in step.slots.items():
+            self._plan_slot(step, slot, heads, -1 if kind is None else kind - 1)
+        step.heads = heads
+
+    def _plan_slot(self, step: _Step, slot: _Slot, heads: _Heads, window_left: int) -> None:
+        lay = step.layout
         assert lay is not None and step.indices is not None and step.qo_indptr is not None
         if slot.event is not None:
             slot.event.synchronize()  # the previous plan's pinned staging buffer was consumed
@@ -244,6 +264,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             "sm_scale": heads.sm_scale,
             "q_data_type": heads.q_dtype,
             "kv_data_type": heads.kv_dtype,
+            "window_left": window_left,
         }
         if slot.decode:
             slot.wrapper.plan(lay.indptr, step.indices, lay.last_page_len, *dims, **kw)
@@ -253,7 +274,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         if slot.event is None:
             slot.event = torch.cuda.Event()
         slot.event.record()
-        slot.step, step.heads = step, heads
+        slot.step = step
 
     # ---- per layer ----------------------------------------------------------------------------
 
@@ -271,8 +292,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         step = meta.backend_state
         if not isinstance(step, _Step):
             raise RuntimeError("FlashInferAttentionBackend.prepare(meta) was not called")
+        if window not in step.slots:
+            raise ValueError(f"window {window} was not configured (configure(windows=...))")
         heads = _Heads(q.shape[1], kv_cache.shape[3], q.shape[2], q.dtype, kv_cache.dtype, scale)
-        if step.slot.step is not step or step.heads != heads:  # first layer of a lazy step
+        slot = step.slots[window]
+        if slot.step is not step or step.heads != heads:  # first layer of a lazy step
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(
                     "flashinfer: no plan for this graph step; call configure() or run the step "
@@ -280,9 +304,10 @@ class FlashInferAttentionBackend(AttentionBackend):
                 )
             self._heads = heads
             self._plan(step, heads)
+            slot = step.slots[window]
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
         # kv_cache[0] / [1]: K / V as NHD paged caches [num_pages, page_size, Hkv, D]
-        return step.slot.wrapper.run(q, (kv_cache[0], kv_cache[1]), out=q.new_empty(q.shape))
+        return slot.wrapper.run(q, (kv_cache[0], kv_cache[1]), out=q.new_empty(q.shape))
 
     # ---- helpers ------------------------------------------------------------------------------
 
@@ -302,10 +327,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         group = None if heads is None else heads.num_qo_heads // heads.num_kv_heads
         return q_len == 1 and (group is None or group in _DECODE_GROUP_SIZES)
 
-    def _next_slot(self, decode: bool, device: torch.device) -> _Slot:
-        """The eager wrapper for the next step of a kind: two per kind, created on first use and
-        then alternated (see the pinned staging buffer above)."""
-        slots = self._slots[decode]
+    def _next_slot(self, decode: bool, kind: Kind, device: torch.device) -> _Slot:
+        """The eager wrapper for the next step of a (decode?, kind): two each, created on first
+        use and then alternated (see the pinned staging buffer above)."""
+        key = (decode, kind)
+        slots = self._slots.setdefault(key, [])
         if len(slots) < 2:
             ws = self._workspace_for(device)
             if decode:
@@ -315,6 +341,6 @@ class FlashInferAttentionBackend(AttentionBackend):
                     ws, "NHD", backend=self.prefill_backend
                 )
             slots.append(_Slot(wrapper, decode))
-        slot = slots[self._turn[decode] % len(slots)]
-        self._turn[decode] += 1
-        return slot
+        turn = self._turn.get(key, 0)
+        self._turn[key] = turn + 1
+        return slots[turn % len(slots)]
