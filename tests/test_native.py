@@ -105,6 +105,8 @@ def check_plan(p) -> None:
         ("top_k", np.int32, (b,)),
         ("seeds", np.int64, (b,)),
         ("num_generated", np.int32, (b,)),
+        ("cu_prefix", np.int32, (b + 1,)),
+        ("prefix_ids", np.int64, (int(p.cu_prefix[-1]),)),
     ]:
         a = getattr(p, name)
         assert isinstance(a, np.ndarray), name
@@ -118,8 +120,8 @@ def check_plan(p) -> None:
     assert p.max_seqlen_k == p.seq_lens.max()
     assert len(set(p.request_slots.tolist())) == b
     assert len(set(p.slot_mapping.tolist())) == t
-    if p.kind == "prefill":
-        assert (q == p.seq_lens).all()
+    prefix = np.diff(p.cu_prefix)  # prefill: cached tokens before the query, else none
+    assert (q + prefix == p.seq_lens).all() if p.kind == "prefill" else (prefix == 0).all()
 
 
 def drive(sched, k: int = 1, accepted: bool = False) -> int:
@@ -172,13 +174,14 @@ def test_every_row_written_once_ids_keep_type(tmp_path, tok_file, id_kind):
 
     t = pq.read_table(out)
     assert t.num_rows == n
-    assert t.column_names[:14] == [
+    assert t.column_names[:15] == [
         "id",
         "row_index",
         "output_text",
         "finish_reason",
         "prompt_tokens",
         "output_tokens",
+        "cached_tokens",
         "queue_s",
         "ttft_s",
         "latency_s",

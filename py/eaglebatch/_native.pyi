@@ -27,7 +27,8 @@ class UserInputError(NativeError):
 class StepPlan:
     """One forward step. B = num_seqs, T = num_tokens (sum of query lengths)."""
 
-    # "prefill": each row's query is its whole sequence from position 0;
+    # "prefill": each row's query is its sequence after the prefix found in the prefix cache
+    #   (whole blocks, often none: then from position 0);
     # "decode": the tokens not yet in the KV cache (normally one);
     # "verify" (max_draft_tokens = K > 0): the last committed token at position L-1 then K
     #   placeholders (0) at L..L+K-1 that the worker overwrites with draft tokens; seq_lens = L+K
@@ -47,6 +48,10 @@ class StepPlan:
     top_k: npt.NDArray[np.int32]  # [B] 0 = off
     seeds: npt.NDArray[np.int64]  # [B] per-request seed (job seed mixed with the row index)
     num_generated: npt.NDArray[np.int32]  # [B] output tokens committed so far (sampling key)
+    # prefill plans: row i's tokens before its query (K/V cached) are
+    # prefix_ids[cu_prefix[i]:cu_prefix[i+1]]; other plans: empty, cu_prefix all 0
+    prefix_ids: npt.NDArray[np.int64]  # [P]
+    cu_prefix: npt.NDArray[np.int32]  # [B+1]
     max_seqlen_q: int
     max_seqlen_k: int
 
@@ -95,12 +100,16 @@ class Scheduler:
     def progress(self) -> dict[str, int]:
         """requests_total (from Parquet footers, capped by limit, less skipped rows),
         requests_skipped, requests_done, requests_error,
-        running, waiting, prompt_tokens, output_tokens, preemptions, free_blocks."""
+        running, waiting, prompt_tokens, output_tokens, preemptions, cached_tokens (prompt
+        tokens served from the prefix cache), prefill_tokens (tokens computed by prefill rows),
+        free_blocks (free or evictable)."""
 
     def finish(self) -> dict[str, object]:
         """Waits for the writer, checks no KV block leaked (raises NativeError if one did) and
         returns the summary: requests, errors, skipped, prompt_tokens, output_tokens, preemptions,
-        spec_steps, accepted_tokens, spec_tokens (tokens produced by verify rounds),
+        cached_tokens, prefill_tokens, evictions (cached blocks evicted), prefix_hit_rate
+        (cached_tokens / prompt_tokens, None without prompts), spec_steps, accepted_tokens,
+        spec_tokens (tokens produced by verify rounds),
         latency_p50/p90/p99, ttft_p50/p99, tpot_p50/p99 (seconds), part_files. A complete run
         leaves at least one part file (an empty one when nothing else is there). Called before
         next_plan returned None, or after the input failed, it closes the writer like abort()

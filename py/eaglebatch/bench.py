@@ -87,6 +87,8 @@ def _eaglebatch_row(
         "drafts": s.get("drafts"),  # speculative runs: head and prompt-lookup counts
         "requests": s["requests"],
         "output_tokens": s["output_tokens"],
+        "prefill_tokens": s.get("prefill_tokens"),
+        "cached_tokens": s.get("cached_tokens"),
         "wall_s": res.wall_s,
         "output_tok_s": res.output_tok_s,
         "latency_p50": s.get("latency_p50"),
@@ -120,6 +122,8 @@ def _merge_runs(runs: list[dict]) -> dict:
         "drafts": runs[-1]["drafts"],
         "requests": sum(r["requests"] for r in runs),
         "output_tokens": tokens,
+        "prefill_tokens": sum(r["prefill_tokens"] or 0 for r in runs),
+        "cached_tokens": sum(r["cached_tokens"] or 0 for r in runs),
         "wall_s": wall,
         "output_tok_s": tokens / wall if wall > 0 else 0.0,
     }
@@ -391,7 +395,8 @@ def _print_table(console: Console, rows: list[dict], title: str) -> None:
     ref = next((r for r in rows if r["engine"] == "transformers"), None)
     ref = ref or rows[0]
     table = Table(title=title)
-    for col in ("engine", "batch", "requests", "out tokens", "wall s", "out tok/s",
+    for col in ("engine", "batch", "requests", "out tokens", "prefilled", "cached", "wall s",
+                "out tok/s",
                 f"vs {ref['engine']} b{ref['batch_size']}", "accept len", "latency p50",
                 "latency p99", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99"):
         table.add_column(col, justify="right")
@@ -399,6 +404,7 @@ def _print_table(console: Console, rows: list[dict], title: str) -> None:
         r["speedup_vs_ref"] = r["output_tok_s"] / ref["output_tok_s"]
         table.add_row(
             r["engine"], str(r["batch_size"]), str(r["requests"]), str(r["output_tokens"]),
+            _fmt(r.get("prefill_tokens"), "d"), _fmt(r.get("cached_tokens"), "d"),
             f"{r['wall_s']:.1f}", f"{r['output_tok_s']:.1f}", _fmt(r["speedup_vs_ref"], ".2f"),
             _fmt(r["accept_length"], ".2f"),
             _fmt(r["latency_p50"], ".2f"), _fmt(r["latency_p99"], ".2f"),

@@ -135,6 +135,8 @@ class EngineConfig(_Section):
     kv_cache_memory_fraction: float = Field(default=0.3, gt=0.0, le=0.95)
     block_size: int = Field(default=16, ge=1, le=1024)
     max_num_batched_tokens: int = Field(default=4096, ge=1, le=I32_MAX)
+    # automatic prefix caching: requests whose tokens start alike share those full KV blocks
+    prefix_caching: bool = True
     max_model_len: int | None = Field(default=None, ge=2, le=I32_MAX)
     # auto: cpu on the CPU (torch's backend with the extension's kernel for decode and verify
     # steps, cpu/attention.py); on CUDA flashinfer when installed, else torch.

@@ -250,6 +250,7 @@ def scheduler_config(
         max_num_batched_tokens=eng.max_num_batched_tokens,
         max_model_len=worker.max_model_len,
         max_draft_tokens=job.max_draft_tokens,
+        prefix_caching=eng.prefix_caching,
         skip_rows=skip_rows,
         flush_interval_s=job.output.flush_interval_s,
     )

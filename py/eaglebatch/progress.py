@@ -97,6 +97,13 @@ def lookup_line(drafts: dict | None) -> str | None:
     return f"{rows} rows of rounds, {accepted}/{drafted} drafts accepted"
 
 
+def cache_line(stats: dict) -> str:
+    """Prompt tokens served from the prefix cache and tokens prefilled, from a summary."""
+    prompt, cached = stats.get("prompt_tokens", 0), stats.get("cached_tokens", 0)
+    rate = f"{cached / prompt:.1%}" if prompt else "-"
+    return f"{cached} prompt tokens cached ({rate}), {stats.get('prefill_tokens', 0)} prefilled"
+
+
 def summary_table(stats: dict, wall_s: float, title: str = "eaglebatch summary") -> Table:
     t = Table(title=title, show_header=False)
     t.add_column("metric")
@@ -105,6 +112,7 @@ def summary_table(stats: dict, wall_s: float, title: str = "eaglebatch summary")
     rows = [
         ("requests", f"{stats['requests']} ({stats['errors']} errors)"),
         ("prompt tokens", f"{stats['prompt_tokens']}"),
+        ("prefix cache", cache_line(stats)),
         ("output tokens", f"{out}"),
         ("wall time", f"{wall_s:.1f}s"),
         ("output tok/s", f"{out / wall_s:.1f}" if wall_s > 0 else "-"),

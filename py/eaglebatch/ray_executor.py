@@ -39,7 +39,8 @@ from .resume import ResumeState
 
 PROGRESS_KEYS = ("requests_done", "requests_error", "output_tokens", "running", "waiting")
 SUM_KEYS = ("requests", "errors", "prompt_tokens", "output_tokens", "preemptions",
-            "spec_steps", "accepted_tokens", "spec_tokens")  # fmt: skip
+            "cached_tokens", "prefill_tokens", "evictions", "spec_steps", "accepted_tokens",
+            "spec_tokens")  # fmt: skip
 
 
 def import_ray():

@@ -50,6 +50,8 @@ class SchedulerConfig:
     max_model_len: int
     # W, the most draft tokens of one verify round (0 = plain decoding): the lookahead.
     max_draft_tokens: int = 0
+    # Automatic prefix caching (engine.prefix_caching): requests share their prompts' full blocks.
+    prefix_caching: bool = True
     # Resume: int64 [N] row indices earlier runs wrote (skipped without tokenizing), or None.
     skip_rows: np.ndarray | None = None
     # Also close a part once its oldest row has waited this long (None = by part_rows only).

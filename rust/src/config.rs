@@ -59,6 +59,8 @@ pub struct SchedulerConfig {
     /// K, the most draft tokens a verify step checks (0 = plain decoding). With K > 0 decode
     /// steps are "verify" steps whose per-row query is the last token plus K placeholders.
     pub max_draft_tokens: usize,
+    /// Automatic prefix caching: full KV blocks are shared by requests whose tokens start alike.
+    pub prefix_caching: bool,
     pub read_batch_rows: usize,
     pub queue_rows: usize,
 }
@@ -102,6 +104,7 @@ impl SchedulerConfig {
             max_num_batched_tokens: 8192,
             max_model_len: 4096,
             max_draft_tokens: 0,
+            prefix_caching: true,
             read_batch_rows: 1024,
             queue_rows: 4096,
         }

@@ -76,6 +76,10 @@ pub struct PyStepPlan {
     #[pyo3(get)]
     num_generated: Py<PyArray1<i32>>,
     #[pyo3(get)]
+    prefix_ids: Py<PyArray1<i64>>,
+    #[pyo3(get)]
+    cu_prefix: Py<PyArray1<i32>>,
+    #[pyo3(get)]
     max_seqlen_q: usize,
     #[pyo3(get)]
     max_seqlen_k: usize,
@@ -115,6 +119,8 @@ impl PyStepPlan {
             top_k: p.top_k.into_pyarray(py).unbind(),
             seeds: p.seeds.into_pyarray(py).unbind(),
             num_generated: p.num_generated.into_pyarray(py).unbind(),
+            prefix_ids: p.prefix_ids.into_pyarray(py).unbind(),
+            cu_prefix: p.cu_prefix.into_pyarray(py).unbind(),
             max_seqlen_q: p.max_seqlen_q,
             max_seqlen_k: p.max_seqlen_k,
         })

@@ -1,8 +1,9 @@
 //! Continuous batching (nano-vllm / vLLM style) over a paged KV cache.
 //!
 //! Each step is either a PREFILL step (admit waiting requests FIFO; every admitted request's
-//! query covers its whole sequence from position 0) or, when nothing can be admitted, a DECODE
-//! step over all running requests (query = the tokens not yet in the KV cache, normally one).
+//! query covers its whole sequence after the longest prefix of whole blocks found in the
+//! prefix cache) or, when nothing can be admitted, a DECODE step over all running requests
+//! (query = the tokens not yet in the KV cache, normally one).
 //! When a decode step lacks KV blocks, the most recently admitted running request is preempted
 //! by recomputation: its blocks and slot are freed and it goes back to the FRONT of the waiting
 //! queue keeping its output tokens; its next prefill covers prompt + generated tokens.
@@ -18,6 +19,16 @@
 //!   requests, so a resumed job writes each input row once over all its runs;
 //! - `abort` writes every row already handed to the writer and nothing else: requests still
 //!   waiting or running are dropped unwritten (a resumed run generates them).
+//!
+//! Prefix caching (block_manager.rs): a plan's full blocks are registered when the plan is
+//! built (their K/V is written by that step, before any later admission looks them up):
+//! prefill and plain decode plans, not verify plans (whose draft K/V lags). A request is
+//! admitted with the cached blocks its tokens start with, less the block holding its last
+//! token (one token at least is computed: its logits) and, with speculative decoding, less the
+//! last block found unless the next block was found too (the draft's K/V at a block's last
+//! position p is computed from token p + 1, its shifted input, which only a match of the next
+//! block proves equal). A request whose next uncached block another request admitted in the
+//! same step computes waits one step, to find it cached instead of computing it twice.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashSet, VecDeque};
@@ -73,6 +84,11 @@ pub struct StepPlan {
     pub top_k: Vec<i32>,
     pub seeds: Vec<i64>,
     pub num_generated: Vec<i32>,
+    /// Prefill plans: the tokens before each row's query (in the cache already), rows
+    /// concatenated; row i's are `prefix_ids[cu_prefix[i]..cu_prefix[i + 1]]`. Empty (and
+    /// `cu_prefix` all 0) for other plans.
+    pub prefix_ids: Vec<i64>,
+    pub cu_prefix: Vec<i32>,
     pub max_seqlen_q: usize,
     pub max_seqlen_k: usize,
 }
@@ -110,6 +126,8 @@ impl StepPlan {
             top_k: vec![cfg.top_k; b],
             seeds: Vec::with_capacity(b),
             num_generated: Vec::with_capacity(b),
+            prefix_ids: Vec::new(),
+            cu_prefix: vec![0],
             max_seqlen_q: 0,
             max_seqlen_k: 0,
         }
@@ -117,7 +135,7 @@ impl StepPlan {
 }
 
 /// Checks that a running sequence can be row of a `kind` plan: it has uncomputed tokens; a
-/// prefill row has none computed; a verify row has exactly one uncomputed token.
+/// verify row has exactly one uncomputed token.
 fn check_plan_row(kind: StepKind, seq: &Sequence) -> Result<()> {
     let q = seq.len() - seq.num_computed;
     if q == 0 {
@@ -126,14 +144,56 @@ fn check_plan_row(kind: StepKind, seq: &Sequence) -> Result<()> {
             seq.row_index
         )));
     }
-    if kind == StepKind::Prefill && seq.num_computed != 0 {
-        return Err(Error::internal("prefill of a partially computed sequence"));
-    }
     if kind == StepKind::Verify && q != 1 {
         return Err(Error::internal(
             "verify row with more than one uncomputed token",
         ));
     }
+    Ok(())
+}
+
+/// The cached blocks a waiting sequence starts from (the scheduler's module doc says which),
+/// and the chain hash of its first full block past those found (None: no such block).
+fn cached_prefix(
+    bm: &BlockManager,
+    seq: &mut Sequence,
+    speculative: bool,
+) -> (Vec<u32>, Option<u64>) {
+    if !bm.caching() {
+        return (Vec::new(), None);
+    }
+    let bs = bm.block_size();
+    let full = seq.len() / bs;
+    seq.extend_block_hashes(full, bs);
+    let mut prefix = Vec::new();
+    for j in 0..full {
+        let (parent, hash) = (seq.parent_hash(j), seq.block_hashes[j]);
+        match bm.lookup(parent, hash, &seq.block_tokens(j, bs)) {
+            Some(b) => prefix.push(b),
+            None => break,
+        }
+    }
+    let found = prefix.len();
+    prefix.truncate((seq.len() - 1) / bs);
+    if speculative && prefix.len() == found {
+        prefix.pop();
+    }
+    (prefix, seq.block_hashes.get(found).copied())
+}
+
+/// Offers a running sequence's full blocks of computed positions to the prefix cache.
+fn register_computed(bm: &mut BlockManager, seq: &mut Sequence) -> Result<()> {
+    if !bm.caching() {
+        return Ok(());
+    }
+    let bs = bm.block_size();
+    let full = seq.num_computed / bs;
+    seq.extend_block_hashes(full, bs);
+    for j in seq.registered..full {
+        let (parent, hash) = (seq.parent_hash(j), seq.block_hashes[j]);
+        bm.register(seq.block_table[j], parent, hash, &seq.block_tokens(j, bs))?;
+    }
+    seq.registered = seq.registered.max(full);
     Ok(())
 }
 
@@ -164,6 +224,11 @@ fn push_plan_row(
     for (j, &blk) in seq.block_table.iter().enumerate() {
         p.block_tables[r * width + j] = blk as i32;
     }
+    if p.kind == StepKind::Prefill {
+        p.prefix_ids
+            .extend((0..seq.num_computed).map(|pos| seq.token(pos) as i64));
+    }
+    p.cu_prefix.push(p.prefix_ids.len() as i32);
     p.request_slots
         .push(seq.slot.expect("running request has a slot") as i32);
     p.seeds.push(request_seed(seed, seq.row_index));
@@ -434,7 +499,7 @@ impl Scheduler {
             },
         )?;
         Ok(Scheduler {
-            bm: BlockManager::new(cfg.num_blocks, cfg.block_size),
+            bm: BlockManager::new(cfg.num_blocks, cfg.block_size, cfg.prefix_caching),
             free_request_slots: (0..cfg.max_batch_size as u32).map(Reverse).collect(),
             watermark: cfg.num_blocks / 100,
             criteria: StopCriteria::new(&cfg),
@@ -478,6 +543,8 @@ impl Scheduler {
             ("prompt_tokens", s.prompt_tokens as i64),
             ("output_tokens", s.output_tokens as i64),
             ("preemptions", s.preemptions as i64),
+            ("cached_tokens", s.cached_tokens as i64),
+            ("prefill_tokens", s.prefill_tokens as i64),
             ("free_blocks", self.bm.num_free_blocks() as i64),
         ]
     }
@@ -630,6 +697,7 @@ impl Scheduler {
             // The real count when the prompt was tokenized (e.g. too long), else 0.
             prompt_tokens: token_count(req.prompt_ids.len()),
             output_tokens: 0,
+            cached_tokens: 0,
             queue_s: None,
             ttft_s: None,
             latency_s: None,
@@ -673,19 +741,27 @@ impl Scheduler {
     }
 
     /// PREFILL admission: moves waiting requests FIFO to the end of `running` while a slot,
-    /// the token budget (`max_num_batched_tokens`, always exceeded by the first one if need
-    /// be) and the KV blocks allow; next to running requests `watermark` blocks stay free.
-    /// Each admitted request gets blocks for all its tokens and the smallest free slot.
-    /// Returns how many were admitted (they are `running[len - admitted..]`).
+    /// the token budget (`max_num_batched_tokens` of uncached tokens, always exceeded by the
+    /// first one if need be) and the KV blocks allow; next to running requests `watermark`
+    /// blocks stay free. Each admitted request gets its cached prefix (module doc), blocks for
+    /// the rest of its tokens and the smallest free slot. Returns how many were admitted (they
+    /// are `running[len - admitted..]`).
     fn admit(&mut self, now: Instant) -> Result<usize> {
         let mut admitted = 0usize;
         let mut budget_used = 0usize;
-        while let Some(seq) = self.waiting.front() {
+        let speculative = self.cfg.max_draft_tokens > 0;
+        let mut computing = HashSet::new(); // chain hashes of the full blocks this step computes
+        while let Some(seq) = self.waiting.front_mut() {
             if self.running.len() >= self.cfg.max_batch_size || self.free_request_slots.is_empty() {
                 break;
             }
+            let (prefix, next) = cached_prefix(&self.bm, seq, speculative);
+            if next.is_some_and(|h| computing.contains(&h)) {
+                break; // admitted next step, it finds that block cached
+            }
             let n = seq.len();
-            if admitted > 0 && budget_used + n > self.cfg.max_num_batched_tokens {
+            let cached = prefix.len() * self.bm.block_size();
+            if admitted > 0 && budget_used + n - cached > self.cfg.max_num_batched_tokens {
                 break;
             }
             let reserve = if self.running.is_empty() {
@@ -693,20 +769,24 @@ impl Scheduler {
             } else {
                 self.watermark
             };
-            if !self.bm.can_allocate(n, reserve) {
+            if !self.bm.can_allocate(n, &prefix, reserve) {
                 break;
             }
             let mut seq = self.waiting.pop_front().expect("front exists");
-            self.bm.allocate(&mut seq.block_table, n)?;
+            self.bm.allocate(&mut seq.block_table, &prefix, n)?;
             let Reverse(slot) = self.free_request_slots.pop().expect("checked non-empty");
             seq.slot = Some(slot);
             seq.status = Status::Running;
-            seq.num_computed = 0;
+            seq.num_computed = cached;
+            seq.registered = prefix.len();
             if seq.timing.first_scheduled.is_none() {
                 seq.timing.first_scheduled = Some(now);
+                seq.cached_tokens = cached.min(seq.prompt_len());
                 self.stats.prompt_tokens += seq.prompt_len() as u64;
+                self.stats.cached_tokens += seq.cached_tokens as u64;
             }
-            budget_used += n;
+            computing.extend(seq.block_hashes.iter().skip(prefix.len()).copied());
+            budget_used += n - cached;
             admitted += 1;
             self.running.push(seq);
         }
@@ -751,6 +831,7 @@ impl Scheduler {
     /// Preemption by recomputation: free the KV blocks and slot, requeue at the front.
     fn preempt(&mut self, mut seq: Sequence) -> Result<()> {
         self.bm.free(&mut seq.block_table)?;
+        seq.registered = 0;
         if let Some(slot) = seq.slot.take() {
             self.free_request_slots.push(Reverse(slot));
         }
@@ -781,9 +862,15 @@ impl Scheduler {
         for (r, seq) in rows.iter_mut().enumerate() {
             check_plan_row(kind, seq)?;
             push_plan_row(&mut p, r, seq, lookahead, &self.bm, self.cfg.seed);
+            if kind == StepKind::Prefill {
+                self.stats.prefill_tokens += (seq.len() - seq.num_computed) as u64;
+            }
             // The worker writes K/V for every query token during this step (for a verify row,
             // `commit` settles how many of them hold accepted tokens).
             seq.num_computed = seq.len();
+            if kind != StepKind::Verify {
+                register_computed(&mut self.bm, seq)?;
+            }
         }
         self.pending = Some(PendingPlan {
             kind,
@@ -902,6 +989,7 @@ impl Scheduler {
             finish_reason: if error { FinishReason::Error } else { reason },
             prompt_tokens: token_count(seq.prompt_ids.len()),
             output_tokens: if error { 0 } else { n as i32 },
+            cached_tokens: token_count(seq.cached_tokens),
             queue_s: timings.queue_s,
             ttft_s: timings.ttft_s,
             latency_s: timings.latency_s,
@@ -964,6 +1052,7 @@ impl Scheduler {
             )));
         }
         self.bm.check_no_leak()?;
+        self.stats.evictions = self.bm.evictions;
         if self.free_request_slots.len() != self.cfg.max_batch_size {
             return Err(Error::internal(format!(
                 "request slot leak: {} of {} free",
@@ -1076,5 +1165,7 @@ fn find_stop(text: &str, old_len: usize, stop: &[String], max_stop_len: usize) -
         .map(|p| start + p)
 }
 
+#[cfg(test)]
+mod prefix_cache_tests;
 #[cfg(test)]
 mod tests;

@@ -6,12 +6,16 @@
 //!   cache (0 while waiting, including after a preemption);
 //! - `slot` is `Some` and `block_table` holds `ceil(num_computed / block_size)` or more blocks
 //!   exactly while `status == Running`;
-//! - `output_text` only grows until the request finishes (then it is final).
+//! - `output_text` only grows until the request finishes (then it is final);
+//! - `block_hashes[j]` is the chain hash of full block j of `tokens()` (tokens never change
+//!   once appended, so the hashes stay valid across preemptions).
 
+use std::borrow::Cow;
 use std::time::Instant;
 
 use arrow_array::ArrayRef;
 
+use crate::block_manager::{chain_hash, ROOT_HASH};
 use crate::detokenizer::IncrementalDetokenizer;
 
 /// One input row after reading, templating and tokenization.
@@ -95,6 +99,12 @@ pub struct Sequence {
     pub spec_tokens: Option<i32>,
     /// Times this request was preempted (its K/V dropped and recomputed later).
     pub preemptions: u32,
+    /// Prefix caching: chain hashes of the first full blocks, as far as computed.
+    pub block_hashes: Vec<u64>,
+    /// Blocks at the start of `block_table` already offered to the cache (found or registered).
+    pub registered: usize,
+    /// Prompt tokens whose K/V came from the prefix cache when the request was first admitted.
+    pub cached_tokens: usize,
 }
 
 impl Sequence {
@@ -122,6 +132,9 @@ impl Sequence {
             accepted_tokens: None,
             spec_tokens: None,
             preemptions: 0,
+            block_hashes: Vec::new(),
+            registered: 0,
+            cached_tokens: 0,
         }
     }
 
@@ -149,6 +162,33 @@ impl Sequence {
             self.prompt_ids[pos]
         } else {
             self.output_ids[pos - p]
+        }
+    }
+
+    /// The token ids of block j (positions j * bs .. (j + 1) * bs, all present).
+    pub fn block_tokens(&self, j: usize, bs: usize) -> Cow<'_, [u32]> {
+        let (start, end) = (j * bs, (j + 1) * bs);
+        if end <= self.prompt_ids.len() {
+            Cow::Borrowed(&self.prompt_ids[start..end])
+        } else {
+            Cow::Owned((start..end).map(|p| self.token(p)).collect())
+        }
+    }
+
+    /// The chain hash of the block before block j.
+    pub fn parent_hash(&self, j: usize) -> u64 {
+        if j == 0 {
+            ROOT_HASH
+        } else {
+            self.block_hashes[j - 1]
+        }
+    }
+
+    /// Computes `block_hashes` up to the first `full_blocks` blocks.
+    pub fn extend_block_hashes(&mut self, full_blocks: usize, bs: usize) {
+        for j in self.block_hashes.len()..full_blocks {
+            let h = chain_hash(self.parent_hash(j), &self.block_tokens(j, bs));
+            self.block_hashes.push(h);
         }
     }
 

@@ -71,6 +71,11 @@ pub struct Stats {
     /// Output tokens committed (including EOS tokens).
     pub output_tokens: u64,
     pub preemptions: u64,
+    /// Prompt tokens served from the prefix cache at first admission; tokens computed by
+    /// prefill rows (recomputations after preemption included); cached blocks evicted.
+    pub cached_tokens: u64,
+    pub prefill_tokens: u64,
+    pub evictions: u64,
     /// Speculative decoding: verify rounds, accepted draft tokens, tokens from verify rounds.
     pub spec_steps: u64,
     pub accepted_tokens: u64,
@@ -90,6 +95,9 @@ impl Stats {
             prompt_tokens: 0,
             output_tokens: 0,
             preemptions: 0,
+            cached_tokens: 0,
+            prefill_tokens: 0,
+            evictions: 0,
             spec_steps: 0,
             accepted_tokens: 0,
             spec_tokens: 0,
@@ -120,6 +128,12 @@ impl Stats {
         s.insert("prompt_tokens".into(), int(self.prompt_tokens));
         s.insert("output_tokens".into(), int(self.output_tokens));
         s.insert("preemptions".into(), int(self.preemptions));
+        s.insert("cached_tokens".into(), int(self.cached_tokens));
+        s.insert("prefill_tokens".into(), int(self.prefill_tokens));
+        s.insert("evictions".into(), int(self.evictions));
+        let hit =
+            (self.prompt_tokens > 0).then(|| self.cached_tokens as f64 / self.prompt_tokens as f64);
+        s.insert("prefix_hit_rate".into(), SummaryValue::Float(hit));
         s.insert("spec_steps".into(), int(self.spec_steps));
         s.insert("accepted_tokens".into(), int(self.accepted_tokens));
         s.insert("spec_tokens".into(), int(self.spec_tokens));

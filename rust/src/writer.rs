@@ -47,6 +47,8 @@ pub struct OutputRow {
     pub finish_reason: FinishReason,
     pub prompt_tokens: i32,
     pub output_tokens: i32,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: i32,
     pub queue_s: Option<f64>,
     pub ttft_s: Option<f64>,
     pub latency_s: Option<f64>,
@@ -85,6 +87,7 @@ pub fn output_schema(id_type: &DataType, include_token_ids: bool) -> SchemaRef {
         Field::new("finish_reason", DataType::Utf8, false),
         Field::new("prompt_tokens", DataType::Int32, false),
         Field::new("output_tokens", DataType::Int32, false),
+        Field::new("cached_tokens", DataType::Int32, false),
         Field::new("queue_s", DataType::Float64, true),
         Field::new("ttft_s", DataType::Float64, true),
         Field::new("latency_s", DataType::Float64, true),
@@ -334,6 +337,7 @@ fn build_batch(schema: &SchemaRef, rows: &[OutputRow], include_ids: bool) -> Res
         string_column(rows, rows.len() * 6, |r| Some(r.finish_reason.as_str())),
         int32_column(rows, |r| Some(r.prompt_tokens)),
         int32_column(rows, |r| Some(r.output_tokens)),
+        int32_column(rows, |r| Some(r.cached_tokens)),
         float64_column(rows, |r| r.queue_s),
         float64_column(rows, |r| r.ttft_s),
         float64_column(rows, |r| r.latency_s),
@@ -426,6 +430,7 @@ mod tests {
             finish_reason: reason,
             prompt_tokens: if err { 0 } else { 3 },
             output_tokens: if err { 0 } else { 2 },
+            cached_tokens: 0,
             queue_s: (!err).then_some(0.5),
             ttft_s: (!err).then_some(0.25),
             latency_s: (!err).then_some(1.0),
@@ -512,6 +517,7 @@ mod tests {
                 "finish_reason",
                 "prompt_tokens",
                 "output_tokens",
+                "cached_tokens",
                 "queue_s",
                 "ttft_s",
                 "latency_s",
@@ -526,12 +532,12 @@ mod tests {
         assert_eq!(b.column(0).as_string::<i32>().value(1), "id3");
         assert_eq!(b.column(1).as_primitive::<Int64Type>().value(1), 3);
         assert_eq!(b.column(3).as_string::<i32>().value(1), "error");
-        assert_eq!(b.column(10).as_string::<i32>().value(1), "bad row");
-        assert!(b.column(7).is_null(1));
+        assert_eq!(b.column(11).as_string::<i32>().value(1), "bad row");
+        assert!(b.column(8).is_null(1));
         assert_eq!(b.column(2).as_string::<i32>().value(0), "text 2");
-        assert_eq!(b.column(9).as_primitive::<Float64Type>().value(0), 0.75);
-        assert!(b.column(11).is_null(0));
-        let ids = b.column(14).as_list::<i32>().value(0);
+        assert_eq!(b.column(10).as_primitive::<Float64Type>().value(0), 0.75);
+        assert!(b.column(12).is_null(0));
+        let ids = b.column(15).as_list::<i32>().value(0);
         assert_eq!(ids.as_primitive::<Int32Type>().values(), &[7, 2]);
 
         let reader =
@@ -638,6 +644,6 @@ mod tests {
         assert_eq!(s.rows_written, 0);
         let b = ParquetRecordBatchReaderBuilder::try_new(File::open(&s.part_files[0]).unwrap())
             .unwrap();
-        assert_eq!(b.schema().fields().len(), 15);
+        assert_eq!(b.schema().fields().len(), 16);
     }
 }

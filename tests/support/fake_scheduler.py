@@ -2,7 +2,8 @@
 speculative verification, block allocation, commit with truncation, and preemption.
 
 Plans follow the contract in eaglebatch/_native.pyi and the speculative plan contract:
-  * "prefill": whole sequences (prompt + already generated tokens) from position 0;
+  * "prefill": whole sequences (prompt + already generated tokens) from position 0 (no prefix
+    caching: prefix_ids empty, cu_prefix all 0);
   * "decode" (max_draft_tokens == 0): one query token per row, x_{L-1} at L-1;
   * "verify" (K > 0): K+1 query tokens per row at L-1..L-1+K, x_{L-1} then K zero placeholders,
     seq_lens = L+K, blocks for L+K tokens.
@@ -40,6 +41,12 @@ class FakePlan:
     num_generated: np.ndarray  # int32 [B]
     max_seqlen_q: int
     max_seqlen_k: int
+    prefix_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # no caching
+    cu_prefix: np.ndarray | None = None  # int32 [B+1], all 0
+
+    def __post_init__(self) -> None:
+        if self.cu_prefix is None:
+            self.cu_prefix = np.zeros(self.num_seqs + 1, dtype=np.int32)
 
 
 @dataclass

@@ -1,9 +1,11 @@
 """`SpecWorker`: EAGLE speculative decoding (chain drafts, topk == 1) on top of the plain Worker.
 
 Plans (see _native.pyi and the speculative plan contract):
-  * "prefill": row i is a whole sequence x_0..x_{n-1} from position 0. The target runs it
-    (capturing what the draft reads), samples x_n, then the draft EXTENDS over the sequence:
-    draft input at p = (f_p, x_{p+1}) for p = 0..n-1, writing draft K/V at positions 0..n-1.
+  * "prefill": row i is a sequence x_0..x_{n-1} from position c (c > 0: positions 0..c-1 are
+    in both caches, found by prefix caching; the scheduler only reuses a block whose draft K/V
+    is valid for the new row, see scheduler.rs). The target runs it (capturing what the draft
+    reads), samples x_n, then the draft EXTENDS over the query: draft input at p =
+    (f_p, x_{p+1}) for p = c..n-1, writing draft K/V at positions c..n-1.
   * "verify": row i has L committed tokens (target K/V valid for 0..L-2) and a query of W+1
     tokens at positions L-1..L-1+W: x_{L-1} then W placeholders (W = max_draft_tokens: K,
     the head's longest chain, or more with prompt lookup). A round of width k <= W runs five
@@ -378,9 +380,10 @@ class SpecWorker:
         out = tokens.to(torch.int32).cpu().numpy()
         n = len(out)
         if self.lookup is not None:
-            cu = plan.cu_seqlens_q
+            cu, cp = plan.cu_seqlens_q, plan.cu_prefix
             for i, slot in enumerate(plan.request_slots):
-                seq = np.append(plan.input_ids[cu[i] : cu[i + 1]], out[i])
+                prefix = plan.prefix_ids[cp[i] : cp[i + 1]]  # cached, before the query
+                seq = np.concatenate((prefix, plan.input_ids[cu[i] : cu[i + 1]], out[i : i + 1]))
                 self.lookup.reset(int(slot), seq)
         return out, np.ones(n, dtype=np.int32), np.zeros(n, dtype=np.int32)
 

@@ -16,15 +16,15 @@ use crate::testutil::{
     corrupt_row_group, save_tokenizer, word_level_tokenizer, write_parquet, TempDir,
 };
 
-const VOCAB: usize = 64;
+pub(super) const VOCAB: usize = 64;
 
-struct Fixture {
-    dir: TempDir,
-    cfg: SchedulerConfig,
+pub(super) struct Fixture {
+    pub(super) dir: TempDir,
+    pub(super) cfg: SchedulerConfig,
 }
 
 /// Prompts as word lists ("w5 w6"); `None` = null prompt.
-fn fixture(tag: &str, prompts: &[Option<&str>]) -> Fixture {
+pub(super) fn fixture(tag: &str, prompts: &[Option<&str>]) -> Fixture {
     let dir = TempDir::new(tag);
     let input = dir.path().join("in.parquet");
     let ids: Vec<String> = (0..prompts.len()).map(|i| format!("r{i}")).collect();
@@ -57,7 +57,7 @@ fn fixture(tag: &str, prompts: &[Option<&str>]) -> Fixture {
 }
 
 /// Checks a plan's internal consistency against the block tables.
-fn check_plan(p: &StepPlan, cfg: &SchedulerConfig) {
+pub(super) fn check_plan(p: &StepPlan, cfg: &SchedulerConfig) {
     let b = p.num_seqs();
     assert!(b >= 1);
     assert_eq!(p.cu_seqlens_q.len(), b + 1);
@@ -81,9 +81,14 @@ fn check_plan(p: &StepPlan, cfg: &SchedulerConfig) {
         let (q0, q1) = (p.cu_seqlens_q[r] as usize, p.cu_seqlens_q[r + 1] as usize);
         let seq_len = p.seq_lens[r] as usize;
         assert!(q1 > q0);
+        let prefix = (p.cu_prefix[r + 1] - p.cu_prefix[r]) as usize;
         if p.kind == StepKind::Prefill {
-            assert_eq!(p.positions[q0], 0);
-            assert_eq!(q1 - q0, seq_len);
+            // the query follows the cached prefix: whole blocks
+            assert_eq!(p.positions[q0] as usize, prefix);
+            assert_eq!(q1 - q0 + prefix, seq_len);
+            assert_eq!(prefix % cfg.block_size, 0);
+        } else {
+            assert_eq!(prefix, 0);
         }
         assert_eq!(p.positions[q1 - 1] as usize, seq_len - 1);
         let table = &p.block_tables[r * p.block_table_width..(r + 1) * p.block_table_width];
@@ -104,7 +109,7 @@ fn check_plan(p: &StepPlan, cfg: &SchedulerConfig) {
 }
 
 /// Waits until the reader thread has queued everything (makes admission deterministic).
-fn wait_for_reader(s: &Scheduler) {
+pub(super) fn wait_for_reader(s: &Scheduler) {
     while !s._reader.is_finished() {
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
@@ -133,18 +138,19 @@ fn drive(s: &mut Scheduler, k: usize) -> usize {
 }
 
 #[derive(Debug, Clone, PartialEq)]
-struct Row {
-    id: String,
-    row_index: i64,
-    text: String,
-    reason: String,
-    prompt_tokens: i32,
-    output_tokens: i32,
-    error: Option<String>,
-    token_ids: Vec<i32>,
+pub(super) struct Row {
+    pub(super) id: String,
+    pub(super) row_index: i64,
+    pub(super) text: String,
+    pub(super) reason: String,
+    pub(super) prompt_tokens: i32,
+    pub(super) output_tokens: i32,
+    pub(super) cached_tokens: i32,
+    pub(super) error: Option<String>,
+    pub(super) token_ids: Vec<i32>,
 }
 
-fn read_output(dir: &std::path::Path) -> Vec<Row> {
+pub(super) fn read_output(dir: &std::path::Path) -> Vec<Row> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().path())
@@ -168,6 +174,7 @@ fn read_output(dir: &std::path::Path) -> Vec<Row> {
                     reason: col("finish_reason").as_string::<i32>().value(i).to_string(),
                     prompt_tokens: col("prompt_tokens").as_primitive::<Int32Type>().value(i),
                     output_tokens: col("output_tokens").as_primitive::<Int32Type>().value(i),
+                    cached_tokens: col("cached_tokens").as_primitive::<Int32Type>().value(i),
                     error: {
                         let e = col("error");
                         e.is_valid(i)
@@ -187,7 +194,7 @@ fn read_output(dir: &std::path::Path) -> Vec<Row> {
     rows
 }
 
-fn words(ids: std::ops::Range<usize>) -> String {
+pub(super) fn words(ids: std::ops::Range<usize>) -> String {
     ids.map(|i| format!("w{i}")).collect::<Vec<_>>().join(" ")
 }
 
@@ -319,7 +326,7 @@ fn max_model_len_and_kv_footprint_errors() {
 
 /// Drives verify steps like a speculative worker: row r of step n accepts (n + r) % (k + 1)
 /// drafts of the fake model; the outputs must equal plain decoding.
-fn drive_spec(s: &mut Scheduler) {
+pub(super) fn drive_spec(s: &mut Scheduler) {
     let cfg = s.config().clone();
     let k = cfg.max_draft_tokens;
     let mut step = 0usize;
@@ -443,6 +450,7 @@ fn preemption_gives_same_outputs_as_a_large_cache() {
 fn admission_respects_batch_size_and_token_budget() {
     let prompts: Vec<Option<&str>> = vec![Some("w4 w5 w6 w7 w8 w9 w10"); 6];
     let mut f = fixture("sched-admit", &prompts);
+    f.cfg.prefix_caching = false; // identical prompts: with caching they would share
     f.cfg.max_batch_size = 3;
     f.cfg.max_num_batched_tokens = 17; // two 8-token prompts per prefill step
     f.cfg.max_new_tokens = 3;

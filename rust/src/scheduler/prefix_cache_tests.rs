@@ -1,0 +1,207 @@
+//! Prefix caching end to end through the scheduler: a fake model with a real KV cache checks
+//! that every position a row reads holds that row's own token, and outputs equal a run without
+//! caching whatever the budget (eviction, preemption).
+
+use std::collections::HashMap;
+
+use super::tests::{check_plan, drive_spec, fixture, read_output, wait_for_reader, words, VOCAB};
+use super::*;
+use crate::stats::SummaryValue;
+
+/// A fake model with a KV cache of (token, position) per slot. A step first writes every query
+/// token's pair into its slot (as a model's layers write before they attend), then each row
+/// reads positions 0..seq_len through its block table: every pair must be the row's own token
+/// at that position, and the row's next token hashes all of them, so a block shared or kept
+/// with the wrong contents fails here or changes the outputs.
+struct KvModel {
+    kv: Vec<Option<(i64, i64)>>,
+    /// Request slot -> the tokens of the sequence running there.
+    history: HashMap<i32, Vec<i64>>,
+}
+
+impl KvModel {
+    fn new(cfg: &SchedulerConfig) -> Self {
+        KvModel {
+            kv: vec![None; cfg.num_blocks * cfg.block_size],
+            history: HashMap::new(),
+        }
+    }
+
+    fn step(&mut self, p: &StepPlan, bs: usize) -> Vec<i32> {
+        for t in 0..p.num_tokens() {
+            self.kv[p.slot_mapping[t] as usize] = Some((p.input_ids[t], p.positions[t]));
+        }
+        (0..p.num_seqs()).map(|r| self.row(p, r, bs)).collect()
+    }
+
+    fn row(&mut self, p: &StepPlan, r: usize, bs: usize) -> i32 {
+        let (q0, q1) = (p.cu_seqlens_q[r] as usize, p.cu_seqlens_q[r + 1] as usize);
+        let slot = p.request_slots[r];
+        if p.kind == StepKind::Prefill {
+            let (c0, c1) = (p.cu_prefix[r] as usize, p.cu_prefix[r + 1] as usize);
+            let tokens = [&p.prefix_ids[c0..c1], &p.input_ids[q0..q1]].concat();
+            self.history.insert(slot, tokens);
+        }
+        let history = &self.history[&slot];
+        let start = p.positions[q0] as usize;
+        assert_eq!(history[start..], p.input_ids[q0..q1], "query tokens");
+        let table = &p.block_tables[r * p.block_table_width..];
+        let mut h = 17i64;
+        for pos in 0..p.seq_lens[r] as usize {
+            let s = table[pos / bs] as usize * bs + pos % bs;
+            let (tok, at) = self.kv[s].expect("a position read before it was written");
+            assert_eq!(
+                (tok, at),
+                (history[pos], pos as i64),
+                "slot {s} holds another token"
+            );
+            h = (h * 31 + tok * (pos as i64 + 7)) % 1_000_003;
+        }
+        3 + (h % (VOCAB as i64 - 3)) as i32 // never <eos> (2): every row runs to its length
+    }
+}
+
+fn drive_kv(s: &mut Scheduler) {
+    let cfg = s.config().clone();
+    let mut model = KvModel::new(&cfg);
+    let mut steps = 0;
+    while let Some(p) = s.next_plan().unwrap() {
+        check_plan(&p, &cfg);
+        let tokens = model.step(&p, cfg.block_size);
+        for (r, &t) in tokens.iter().enumerate() {
+            model
+                .history
+                .get_mut(&p.request_slots[r])
+                .unwrap()
+                .push(t as i64);
+        }
+        s.commit(&tokens, &vec![1; tokens.len()], None).unwrap();
+        steps += 1;
+        assert!(steps < 100_000, "no progress");
+    }
+}
+
+/// Prompts sharing every kind of prefix (block size 4, <bos> first): 17 tokens of a preamble
+/// plus more, a whole preamble, a duplicate, part of one block, two blocks and a partial one,
+/// one differing at the first word, and none.
+fn shared_prompts() -> Vec<String> {
+    let base = words(4..20);
+    vec![
+        format!("{base} w30 w31"),
+        format!("{base} w40"),
+        format!("{} w50", words(4..12)),
+        words(4..6),
+        base.clone(),
+        base.clone(),
+        "w60 w61".into(),
+        format!("{base} {}", words(21..30)),
+        words(5..20),
+        format!("{base} w30 w32"),
+        format!("{} w51 w52", words(4..12)),
+        base,
+    ]
+}
+
+/// (output token ids per row, cached_tokens per row, summary) of a run.
+fn run(
+    tag: &str,
+    caching: bool,
+    num_blocks: usize,
+    spec: bool,
+) -> (Vec<Vec<i32>>, Vec<i32>, Summary) {
+    let prompts = shared_prompts();
+    let prompts: Vec<Option<&str>> = prompts.iter().map(|p| Some(p.as_str())).collect();
+    let mut f = fixture(tag, &prompts);
+    f.cfg.prefix_caching = caching;
+    f.cfg.num_blocks = num_blocks;
+    f.cfg.max_new_tokens = 9;
+    if spec {
+        f.cfg.max_draft_tokens = 3;
+    }
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    if spec {
+        drive_spec(&mut s);
+    } else {
+        drive_kv(&mut s);
+    }
+    let summary = s.finish().unwrap(); // checks that no block leaked
+    let rows = read_output(&f.cfg.output_dir);
+    assert_eq!(rows.len(), prompts.len());
+    assert!(rows.iter().all(|r| r.error.is_none()));
+    let ids = rows.iter().map(|r| r.token_ids.clone()).collect();
+    (ids, rows.iter().map(|r| r.cached_tokens).collect(), summary)
+}
+
+fn int(s: &Summary, key: &str) -> i64 {
+    match s[key] {
+        SummaryValue::Int(v) => v,
+        _ => panic!("{key} is not an int"),
+    }
+}
+
+#[test]
+fn cached_prefixes_hold_each_rows_own_tokens_and_change_no_output() {
+    let (want, none, off) = run("pc-off", false, 64, false);
+    assert!(none.iter().all(|&c| c == 0));
+    assert_eq!(int(&off, "cached_tokens"), 0);
+    // a large cache, then one so small that cached blocks are evicted and requests preempted
+    for (tag, blocks) in [("pc-on", 64), ("pc-small", 10)] {
+        let (got, cached, summary) = run(tag, true, blocks, false);
+        assert_eq!(got, want, "{tag}");
+        assert_eq!(
+            int(&summary, "cached_tokens"),
+            cached.iter().map(|&c| c as i64).sum::<i64>()
+        );
+        assert!(int(&summary, "prefill_tokens") < int(&off, "prefill_tokens") || blocks < 64);
+        if blocks == 64 {
+            // row 4 (the preamble alone, 17 tokens) finds 4 blocks of row 0's; its last
+            // block is dropped only if it holds the last token: 16 cached
+            assert_eq!(cached[4], 16);
+            assert_eq!(cached[6], 0); // shares nothing
+            assert_eq!(cached[3], 0); // "<bos> w4 w5": not one whole block
+            assert!(cached.iter().filter(|&&c| c > 0).count() >= 7, "{cached:?}");
+        } else {
+            assert!(int(&summary, "preemptions") > 0 && int(&summary, "evictions") > 0);
+        }
+    }
+}
+
+#[test]
+fn speculative_runs_with_caching_equal_runs_without() {
+    let (want, _, _) = run("pcs-off", false, 64, true);
+    for (tag, blocks) in [("pcs-on", 64), ("pcs-small", 12)] {
+        let (got, cached, _) = run(tag, true, blocks, true);
+        assert_eq!(got, want, "{tag}");
+        if blocks == 64 {
+            // 17 tokens: 4 blocks found and none past them, so the draft's last one is dropped
+            assert_eq!(cached[4], 12);
+        }
+    }
+}
+
+/// Two requests with one prompt: the second waits one step (instead of computing the same
+/// blocks in the same step), then starts from the first one's cached blocks.
+#[test]
+fn an_identical_prompt_waits_one_step_then_shares_the_blocks() {
+    for (spec, prompt_words, cached) in [(false, 7, 4), (false, 8, 8), (true, 7, 4), (true, 8, 4)] {
+        let prompt = words(4..4 + prompt_words); // + <bos>: 8 or 9 tokens, 2 full blocks
+        let mut f = fixture("pc-wait", &[Some(&prompt), Some(&prompt)]);
+        f.cfg.max_draft_tokens = if spec { 2 } else { 0 };
+        let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+        wait_for_reader(&s);
+        let p = s.next_plan().unwrap().unwrap();
+        assert_eq!((p.kind, p.num_seqs()), (StepKind::Prefill, 1));
+        s.commit(&[9], &[1], spec.then_some(&[0][..])).unwrap();
+        let p = s.next_plan().unwrap().unwrap();
+        assert_eq!((p.kind, p.num_seqs()), (StepKind::Prefill, 1));
+        assert_eq!(
+            p.cu_prefix,
+            vec![0, cached as i32],
+            "spec {spec}, {prompt_words} words"
+        );
+        assert_eq!(p.positions[0], cached as i64);
+        let first: Vec<i32> = s.running[0].block_table.iter().map(|&b| b as i32).collect();
+        assert_eq!(p.block_tables[..cached / 4], first[..cached / 4]);
+        s.abort().unwrap();
+    }
+}

@@ -1,0 +1,155 @@
+"""Automatic prefix caching end to end: greedy outputs with caching equal those without and
+transformers' (tiny random Llama; byte tokens, blocks of 16), plain and speculative (a random
+EAGLE-3 head, and prompt lookup, whose history must include the cached prefix), under a KV
+budget that forces eviction and preemption; the `cached_tokens` column and the summary's
+counters; and the default model on prompts sharing an instruction preamble."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from eaglebatch.config import load_job
+from eaglebatch.engine import build_worker, prepare, run_prepared
+from eaglebatch.speculative import init_random_draft
+from support.tiny import write_prompts
+from test_engine import hf_greedy, run_job
+
+pytest.importorskip("eaglebatch._native")
+
+PREAMBLE = "You label sentences. Answer with one word only. " * 2  # 96 byte tokens: 6 blocks
+
+
+def shared_prompts() -> list[str]:
+    """Prompts sharing every kind of prefix with each other: none, part of a block, whole
+    blocks, a whole prompt (twice), and long shared runs that part at various offsets."""
+    return [
+        PREAMBLE + "the cat sat on the mat",
+        PREAMBLE + "the cat sat on a hat",
+        PREAMBLE,
+        PREAMBLE,
+        PREAMBLE[:40] + "and then something else entirely",
+        PREAMBLE[:5] + "short",
+        "a prompt that shares nothing with the others",
+        PREAMBLE[:32],  # exactly two blocks (a <bos>-less byte tokenizer)
+        PREAMBLE + "the cat sat on the mat and purred",
+        PREAMBLE[:64] + "q",
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).eval()
+    return [hf_greedy(hf, p) for p in shared_prompts()]
+
+
+def tokens(table) -> list[list[int]]:
+    return table.column("output_token_ids").to_pylist()
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_outputs_equal_transformers_with_and_without_caching(tmp_path, tiny_model_dir,
+                                                             reference, batch):  # fmt: skip
+    runs = {}
+    for caching in (True, False):
+        table, res = run_job(tmp_path, tiny_model_dir, shared_prompts(), name=f"c{caching}",
+                             overrides=[f"engine.prefix_caching={str(caching).lower()}",
+                                        f"engine.max_batch_size={batch}"])  # fmt: skip
+        assert tokens(table) == reference
+        runs[caching] = (table, res.stats)
+    (on, s_on), (off, s_off) = runs[True], runs[False]
+    cached = on.column("cached_tokens").to_pylist()
+    assert off.column("cached_tokens").to_pylist() == [0] * len(cached)
+    # the whole preamble; the preamble alone less its last block (its last token is computed);
+    # two blocks exactly, less the second; nothing for what shares less than a block
+    assert (cached[1], cached[2], cached[7]) == (96, 80, 16)
+    assert cached[5] == cached[6] == 0
+    assert s_on["cached_tokens"] == sum(cached)
+    assert s_on["prefill_tokens"] == s_off["prefill_tokens"] - sum(cached)
+    assert s_on["prefix_hit_rate"] == pytest.approx(sum(cached) / s_on["prompt_tokens"])
+
+
+def test_eviction_and_preemption_keep_the_outputs(tmp_path, tiny_model_dir, reference):
+    # 12 blocks of 16: a few sequences at a time, cached blocks evicted to make room
+    table, res = run_job(tmp_path, tiny_model_dir, shared_prompts(),
+                         overrides=["engine.kv_cache_tokens=192", "engine.max_batch_size=4"])
+    assert tokens(table) == reference
+    assert res.stats["preemptions"] > 0 and res.stats["evictions"] > 0
+    assert res.stats["cached_tokens"] > 0
+
+
+@pytest.mark.parametrize("lookup", [False, True])
+def test_speculative_outputs_equal_transformers_with_caching(tmp_path, tiny_model_dir,
+                                                             reference, lookup):  # fmt: skip
+    """The draft's K/V of cached blocks is reused too: a wrong entry (one computed from another
+    next token) would lower acceptance, not outputs, so acceptance is compared as well."""
+    head = init_random_draft(tmp_path / "head", tiny_model_dir, kind="eagle3", seed=5,
+                             aux_layer_ids=(0, 1, 2))
+    extra = [] if lookup else ["speculative.prompt_lookup_min=0"]  # lookup is on by default
+    runs = {}
+    for caching in (True, False):
+        table, res = run_job(tmp_path, tiny_model_dir, shared_prompts(), name=f"s{caching}",
+                             overrides=[f"draft={head}", "speculative.adaptive=false",
+                                        f"engine.prefix_caching={str(caching).lower()}",
+                                        "engine.max_batch_size=4", *extra])  # fmt: skip
+        assert tokens(table) == reference
+        runs[caching] = table
+    on, off = runs[True], runs[False]
+    assert sum(on.column("cached_tokens").to_pylist()) > 0
+    # the same drafts were proposed and accepted row by row: the reused draft K/V is exact
+    assert on.column("accepted_tokens").to_pylist() == off.column("accepted_tokens").to_pylist()
+
+
+class DraftKvSpy:
+    """Wraps a SpecWorker: after every prefill step, keeps each row's draft K/V at all of its
+    positions (read through its block table), keyed by the row's tokens."""
+
+    def __init__(self, worker) -> None:
+        self.worker, self.kv = worker, {}
+
+    def __getattr__(self, name):
+        return getattr(self.worker, name)
+
+    def step(self, plan):
+        out = self.worker.step(plan)
+        if plan.kind == "prefill":
+            bs = self.worker.budget.block_size
+            cu, cp = plan.cu_seqlens_q, plan.cu_prefix
+            for i in range(plan.num_seqs):
+                ids = [*plan.prefix_ids[cp[i] : cp[i + 1]], *plan.input_ids[cu[i] : cu[i + 1]]]
+                pos = np.arange(len(ids))
+                blocks = plan.block_tables[i, pos // bs]
+                self.kv[tuple(ids)] = self.worker.draft_kv[:, blocks, pos % bs].clone()
+        return out
+
+
+def test_reused_draft_kv_equals_the_draft_kv_computed_without_caching(tmp_path, tiny_model_dir):
+    """Prompts that part exactly at a block boundary: the draft's entry at the last position
+    of the shared part depends on the first token after it, so the scheduler must not reuse
+    that block (the one whose successor it could not match) for the draft's cache. The random
+    head accepts next to nothing, so outputs alone would not show a wrong entry."""
+    head = init_random_draft(tmp_path / "head", tiny_model_dir, kind="eagle3", seed=6,
+                             aux_layer_ids=(0, 1, 2))  # fmt: skip
+    shared = PREAMBLE[:48]  # three blocks, then the prompts part
+    prompts = [shared + "xyz and more", shared + "abc and more", shared[:32] + "qq" + "r" * 20]
+    inp = write_prompts(tmp_path / "in.parquet", prompts)
+    kv = {}
+    for caching in (True, False):
+        job_file = tmp_path / f"kv{caching}.yaml"
+        job_file.write_text(
+            f"model: {tiny_model_dir}\ndraft: {head}\ninput:\n  path: {inp}\noutput:\n"
+            f"  path: {tmp_path / f'kv{caching}'}\nsampling:\n  max_new_tokens: 4\nengine:\n"
+            f"  device: cpu\n  kv_cache_tokens: 2048\n  prefix_caching: {str(caching).lower()}\n"
+            "speculative:\n  adaptive: false\n"
+        )
+        prep = prepare(load_job(job_file))
+        spy = DraftKvSpy(build_worker(prep))
+        res = run_prepared(prep, worker=spy)
+        assert (res.stats["cached_tokens"] > 0) == caching
+        kv[caching] = spy.kv
+    assert kv[True].keys() == kv[False].keys() and len(kv[True]) == len(prompts)
+    for ids, want in kv[False].items():
+        torch.testing.assert_close(kv[True][ids], want, atol=1e-5, rtol=1e-5)
