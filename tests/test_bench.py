@@ -126,12 +126,14 @@ def test_merged_runs_sum_tokens_and_time_and_take_percentiles_over_requests():
         return {"digests": {tokens: b"x"}, "engine": "eaglebatch+eagle", "batch_size": 1,
                 "drafts": {"verify_rounds": steps}, "requests": 1, "output_tokens": tokens,
                 "wall_s": wall, "latency_p50": latency, "ttft_p50": latency / 10,
-                "tpot_p50": tpot, "spec_steps": steps, "spec_tokens": spec_tokens}
+                "tpot_p50": tpot, "spec_steps": steps, "spec_tokens": spec_tokens,
+                "prefill_tokens": 2 * tokens, "cached_tokens": tokens}
 
     row = _merge_runs([run(10, 1.0, 1.0, 4, 9, 0.1), run(30, 2.0, 3.0, 10, 29, None),
                        run(20, 1.0, 2.0, 6, 19, 0.3)])
     assert row["output_tokens"] == 60 and row["wall_s"] == 4.0 and row["output_tok_s"] == 15.0
     assert row["accept_length"] == 57 / 20 and row["requests"] == 3
+    assert (row["prefill_tokens"], row["cached_tokens"]) == (120, 60)
     assert row["latency_p50"] == 2.0 and row["latency_p99"] == pytest.approx(2.98)
     assert row["ttft_p50"] == pytest.approx(0.2)
     assert row["tpot_p50"] == pytest.approx(0.2)  # requests without a TPOT are left out

@@ -122,8 +122,8 @@ def _merge_runs(runs: list[dict]) -> dict:
         "drafts": runs[-1]["drafts"],
         "requests": sum(r["requests"] for r in runs),
         "output_tokens": tokens,
-        "prefill_tokens": sum(r["prefill_tokens"] or 0 for r in runs),
-        "cached_tokens": sum(r["cached_tokens"] or 0 for r in runs),
+        "prefill_tokens": sum(r.get("prefill_tokens") or 0 for r in runs),
+        "cached_tokens": sum(r.get("cached_tokens") or 0 for r in runs),
         "wall_s": wall,
         "output_tok_s": tokens / wall if wall > 0 else 0.0,
     }

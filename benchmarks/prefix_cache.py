@@ -1,0 +1,132 @@
+"""Prefix caching on and off, side by side in one sitting, on the embedded default model.
+
+    python benchmarks/prefix_cache.py [--case preamble|quickstart ...] [--json PATH]
+
+Cases (each run twice on one loaded worker, caching off then on, greedy, output token ids
+compared row by row):
+  preamble    64 ShareGPT first-turn prompts of 20-400 characters, each after the same ~500-token
+              labelling instruction as the system message (a chat job), 32 new tokens, batch 64;
+  quickstart  jobs/quickstart.yaml as shipped (64 prompts, the builtin EAGLE head, 128 tokens):
+              only the chat template's system prompt is shared.
+Prints wall time (first step to last row), prompt tokens prefilled and served from the cache,
+output tok/s, TPOT p99 and whether the outputs are identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from rich.console import Console
+from rich.table import Table
+
+from eaglebatch import defaults
+from eaglebatch.config import load_job
+from eaglebatch.engine import build_worker, prepare, run_prepared
+
+ROOT = Path(__file__).resolve().parent.parent
+RULES = [
+    "Read the user's message and decide which one of the categories below fits it best.",
+    "Categories: question (asks for information), request (asks for something to be done or "
+    "written), opinion (states a view), chat (greets or makes small talk), other.",
+    "Answer with the category name first, then one short sentence that explains the choice.",
+    "Do not repeat the user's message, do not add a greeting, and do not use lists.",
+    "When a message both asks a question and asks for something to be written, choose request.",
+    "When the message is in a language other than English, label it all the same and explain "
+    "the choice in English.",
+    "Messages that contain code count as requests unless they only ask what the code does, which "
+    "makes them questions.",
+    "If the message is empty, offensive or cannot be understood, answer other and say why in a few "
+    "words, without quoting it.",
+]
+
+
+def preamble() -> str:
+    """A ~500-token instruction (SmolLM2's tokenizer): the rules, then worked examples."""
+    examples = [("What is the capital of France?", "question"), ("Write a haiku about rain.",
+                "request"), ("I think tabs are better than spaces.", "opinion"),
+                ("hey, how are you doing today?", "chat")]  # fmt: skip
+    lines = ["You are a careful annotator for a message classification project.", *RULES,
+             "Examples:"]  # fmt: skip
+    for text, label in examples * 3:
+        lines.append(f"Message: {text}\nLabel: {label}, because it is a typical {label}.")
+    return "\n".join(lines)
+
+
+def preamble_job(tmp: Path) -> Path:
+    table = pq.ParquetFile(defaults.sharegpt_parquet()).read_row_group(0)
+    rows = [r for r in table.to_pylist() if 20 <= len(r["prompt"]) <= 400][:64]
+    system = preamble()
+    msgs = [[{"role": "system", "content": system}, {"role": "user", "content": r["prompt"]}]
+            for r in rows]  # fmt: skip
+    pq.write_table(pa.table({"id": [r["id"] for r in rows], "messages": msgs}), tmp / "in.parquet")
+    job = tmp / "preamble.yaml"
+    job.write_text(f"model: smollm2-135m-instruct\ninput:\n  path: {tmp / 'in.parquet'}\n"
+                   "  messages_column: messages\n  id_column: id\noutput:\n  path: out\n"
+                   "sampling:\n  max_new_tokens: 32\nengine:\n  max_batch_size: 64\n")  # fmt: skip
+    return job
+
+
+def run(job_file: Path, out: Path, caching: bool, worker=None) -> tuple[dict, object]:
+    sets = [f"output.path={out}", "output.include_token_ids=true",
+            f"engine.prefix_caching={str(caching).lower()}"]  # fmt: skip
+    prep = prepare(load_job(job_file, sets))
+    worker = worker or build_worker(prep)
+    res = run_prepared(prep, worker=worker, restart=True)
+    t = pq.read_table(out, columns=["row_index", "output_token_ids", "cached_tokens"])
+    s = res.stats
+    row = {"caching": caching, "wall_s": res.wall_s, "output_tok_s": res.output_tok_s,
+           "prompt_tokens": s["prompt_tokens"], "prefill_tokens": s["prefill_tokens"],
+           "cached_tokens": s["cached_tokens"], "prefix_hit_rate": s["prefix_hit_rate"],
+           "tpot_p99": s["tpot_p99"], "ttft_p99": s["ttft_p99"],
+           "tokens": dict(zip(t.column("row_index").to_pylist(),
+                              t.column("output_token_ids").to_pylist(), strict=True)),
+           "min_cached": min(t.column("cached_tokens").to_pylist())}  # fmt: skip
+    return row, worker
+
+
+def case(name: str, job_file: Path, tmp: Path, console: Console) -> dict:
+    off, worker = run(job_file, tmp / f"{name}-off", False)
+    on, _ = run(job_file, tmp / f"{name}-on", True, worker)
+    same = sum(off["tokens"][r] == on["tokens"].get(r) for r in off["tokens"])
+    table = Table(title=f"{name}: prefix caching off / on (identical outputs {same}/"
+                        f"{len(off['tokens'])})")  # fmt: skip
+    for col in ("caching", "wall s", "prefilled", "cached", "hit rate", "out tok/s",
+                "TTFT p99", "TPOT p99", "min cached/row"):
+        table.add_column(col, justify="right")
+    for r in (off, on):
+        table.add_row("on" if r["caching"] else "off", f"{r['wall_s']:.1f}",
+                      str(r["prefill_tokens"]), str(r["cached_tokens"]),
+                      f"{r['prefix_hit_rate'] or 0:.1%}", f"{r['output_tok_s']:.1f}",
+                      f"{r['ttft_p99']:.2f}", f"{r['tpot_p99']:.3f}", str(r["min_cached"]))
+    console.print(table)
+    speedup = off["wall_s"] / on["wall_s"]
+    console.print(f"{name}: {speedup:.2f}x end to end with caching")
+    for r in (off, on):
+        del r["tokens"]
+    return {"off": off, "on": on, "speedup": speedup, "identical": same}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--case", action="append", choices=["preamble", "quickstart"])
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    console = Console()
+    result = {"machine": platform.processor() or platform.machine(), "cases": {}}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        for name in args.case or ["preamble", "quickstart"]:
+            job = preamble_job(tmp) if name == "preamble" else ROOT / "jobs/quickstart.yaml"
+            result["cases"][name] = case(name, job, tmp, console)
+            if args.json:
+                Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
