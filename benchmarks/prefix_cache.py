@@ -1,13 +1,17 @@
 """Prefix caching on and off, side by side in one sitting, on the embedded default model.
 
-    python benchmarks/prefix_cache.py [--case preamble|quickstart ...] [--json PATH]
+    python benchmarks/prefix_cache.py [--case preamble|quickstart|samples ...] [--json PATH]
 
 Cases (each run twice on one loaded worker, caching off then on, greedy, output token ids
 compared row by row):
   preamble    64 ShareGPT first-turn prompts of 20-400 characters, each after the same ~500-token
               labelling instruction as the system message (a chat job), 32 new tokens, batch 64;
   quickstart  jobs/quickstart.yaml as shipped (64 prompts, the builtin EAGLE head, 128 tokens):
-              only the chat template's system prompt is shared.
+              only the chat template's system prompt is shared;
+  samples     the quickstart's first 16 prompts with sampling.n = 8 (temperature 0.8, 32 new
+              tokens, batch 64) against the same 16 prompts with n = 1: the tokens prefilled
+              (the issue's bound: within 1.2x of the 16 prompts' own) and the wall time. Not a
+              caching off / on pair: n samples share their prompt whether caching is on or not.
 Prints wall time (first step to last row), prompt tokens prefilled and served from the cache,
 output tok/s, TPOT p99 and whether the outputs are identical.
 """
@@ -112,18 +116,44 @@ def case(name: str, job_file: Path, tmp: Path, console: Console) -> dict:
     return {"off": off, "on": on, "speedup": speedup, "identical": same}
 
 
+def samples_case(tmp: Path, console: Console) -> dict:
+    job = ROOT / "jobs/quickstart.yaml"
+    base = ["input.limit=16", "draft=null", "sampling.temperature=0.8",
+            "sampling.max_new_tokens=32"]  # fmt: skip
+    runs, worker = {}, None
+    for n in (1, 8):
+        sets = [*base, f"sampling.n={n}", f"output.path={tmp / f'n{n}'}"]
+        prep = prepare(load_job(job, sets))
+        worker = worker or build_worker(prep)
+        res = run_prepared(prep, worker=worker, restart=True)
+        runs[n] = {"wall_s": res.wall_s, "requests": res.stats["requests"],
+                   "prompt_tokens": res.stats["prompt_tokens"],
+                   "prefill_tokens": res.stats["prefill_tokens"],
+                   "output_tok_s": res.output_tok_s}  # fmt: skip
+    ratio = runs[8]["prefill_tokens"] / runs[1]["prefill_tokens"]
+    one, eight = runs[1], runs[8]
+    console.print(f"samples: 16 prompts, n = 1: {one['prefill_tokens']} tokens prefilled in "
+                  f"{one['wall_s']:.1f} s; n = 8: {eight['requests']} rows, "
+                  f"{eight['prefill_tokens']} tokens prefilled ({ratio:.3f}x) in "
+                  f"{eight['wall_s']:.1f} s, {eight['output_tok_s']:.1f} out tok/s")  # fmt: skip
+    return {"n1": runs[1], "n8": runs[8], "prefill_ratio": ratio}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--case", action="append", choices=["preamble", "quickstart"])
+    ap.add_argument("--case", action="append", choices=["preamble", "quickstart", "samples"])
     ap.add_argument("--json")
     args = ap.parse_args()
-    console = Console()
+    console = Console(width=150)
     result = {"machine": platform.processor() or platform.machine(), "cases": {}}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        for name in args.case or ["preamble", "quickstart"]:
-            job = preamble_job(tmp) if name == "preamble" else ROOT / "jobs/quickstart.yaml"
-            result["cases"][name] = case(name, job, tmp, console)
+        for name in args.case or ["preamble", "quickstart", "samples"]:
+            if name == "samples":
+                result["cases"][name] = samples_case(tmp, console)
+            else:
+                job = preamble_job(tmp) if name == "preamble" else ROOT / "jobs/quickstart.yaml"
+                result["cases"][name] = case(name, job, tmp, console)
             if args.json:
                 Path(args.json).write_text(json.dumps(result, indent=1))
 

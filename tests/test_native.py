@@ -106,6 +106,7 @@ def check_plan(p) -> None:
         ("seeds", np.int64, (b,)),
         ("num_generated", np.int32, (b,)),
         ("cu_prefix", np.int32, (b + 1,)),
+        ("block_copies", np.int32, (len(p.block_copies), 2)),
         ("prefix_ids", np.int64, (int(p.cu_prefix[-1]),)),
     ]:
         a = getattr(p, name)
@@ -174,9 +175,10 @@ def test_every_row_written_once_ids_keep_type(tmp_path, tok_file, id_kind):
 
     t = pq.read_table(out)
     assert t.num_rows == n
-    assert t.column_names[:15] == [
+    assert t.column_names[:16] == [
         "id",
         "row_index",
+        "sample_index",
         "output_text",
         "finish_reason",
         "prompt_tokens",

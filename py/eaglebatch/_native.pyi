@@ -52,6 +52,9 @@ class StepPlan:
     # prefix_ids[cu_prefix[i]:cu_prefix[i+1]]; other plans: empty, cu_prefix all 0
     prefix_ids: npt.NDArray[np.int64]  # [P]
     cu_prefix: npt.NDArray[np.int32]  # [B+1]
+    # [C, 2] (src, dst) KV blocks to copy in every cache (target layers and draft) before the
+    # step: a sample forked from its sibling takes a copy of the prompt's partial last block
+    block_copies: npt.NDArray[np.int32]
     max_seqlen_q: int
     max_seqlen_k: int
 

@@ -113,6 +113,8 @@ class SamplingConfig(_Section):
     stop_token_ids: Annotated[tuple[Annotated[int, Field(ge=0, le=I32_MAX)], ...], LIST_OK] = ()
     # do not stop at the model's EOS tokens (stop_token_ids still stop)
     ignore_eos: bool = False
+    # samples per input row: n output rows (sample_index 0..n-1) sharing the prompt's KV
+    n: int = Field(default=1, ge=1, le=4096)
 
     def end_token_ids(self, eos_token_ids) -> list[int]:
         """The ids that end a request: the model's EOS (unless ignore_eos) and stop_token_ids."""
@@ -123,6 +125,11 @@ class SamplingConfig(_Section):
     def _non_empty_stops(self) -> SamplingConfig:
         if any(s == "" for s in self.stop):
             raise ValueError("sampling.stop: stop strings must not be empty")
+        if self.n > 1 and self.temperature == 0:
+            raise ValueError(
+                f"sampling.n: {self.n} samples per row need sampling.temperature > 0 (greedy "
+                "decoding gives every sample the same tokens)"
+            )
         return self
 
 

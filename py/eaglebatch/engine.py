@@ -214,9 +214,11 @@ def file_metadata(prep: PreparedJob) -> dict[str, str]:
 
 
 def scheduler_config(
-    prep: PreparedJob, worker, metadata: dict[str, str], skip_rows=None, scope: RunScope = WHOLE
+    prep: PreparedJob, worker, metadata: dict[str, str], skip_rows=None, scope: RunScope = WHOLE,
+    skip_samples=None,
 ):
-    """The scheduler's settings for this job, worker (KV blocks, max_model_len) and scope."""
+    """The scheduler's settings for this job, worker (KV blocks, max_model_len) and scope;
+    `skip_rows` / `skip_samples`: what earlier runs wrote (ResumeState.skipped_in)."""
     from .scheduler_config import SchedulerConfig
 
     job, mf = prep.job, prep.model
@@ -244,6 +246,7 @@ def scheduler_config(
         top_p=smp.top_p,
         top_k=smp.top_k,
         seed=smp.seed,
+        n=smp.n,
         num_blocks=worker.num_blocks,
         block_size=eng.block_size,
         max_batch_size=eng.max_batch_size,
@@ -252,16 +255,18 @@ def scheduler_config(
         max_draft_tokens=job.max_draft_tokens,
         prefix_caching=eng.prefix_caching,
         skip_rows=skip_rows,
+        skip_samples=skip_samples,
         flush_interval_s=job.output.flush_interval_s,
     )
 
 
 def build_scheduler(
-    prep: PreparedJob, worker, metadata: dict[str, str], skip_rows=None, scope: RunScope = WHOLE
+    prep: PreparedJob, worker, metadata: dict[str, str], skip_rows=None, scope: RunScope = WHOLE,
+    skip_samples=None,
 ):
     from ._native import Scheduler
 
-    return Scheduler(scheduler_config(prep, worker, metadata, skip_rows, scope))
+    return Scheduler(scheduler_config(prep, worker, metadata, skip_rows, scope, skip_samples))
 
 
 def build_worker(prep: PreparedJob, graph_mode: str | None = None):
@@ -342,8 +347,8 @@ def _run(prep: PreparedJob, worker, progress, resume: ResumeState, scope: RunSco
     if worker is None:
         worker = build_worker(prep)
     first, end = scope.rows(prep.total_rows)
-    skip = resume.done_rows[(resume.done_rows >= first) & (resume.done_rows < end)]
-    scheduler = build_scheduler(prep, worker, file_metadata(prep), skip, scope)
+    skip, samples = resume.skipped_in(first, end)
+    scheduler = build_scheduler(prep, worker, file_metadata(prep), skip, scope, samples)
     start = time.monotonic()
     try:
         stats = _step_loop(prep, scheduler, worker, progress)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -129,7 +129,7 @@ def job_identity(
 
 # Sampling keys added after identity version 2, left out while at their defaults so that a job
 # written before they existed still resumes (its outputs were made with those defaults).
-_LATER_SAMPLING_DEFAULTS = {"stop_token_ids": [], "ignore_eos": False}
+_LATER_SAMPLING_DEFAULTS = {"stop_token_ids": [], "ignore_eos": False, "n": 1}
 
 
 def _sampling_identity(job: JobConfig) -> dict:
@@ -146,11 +146,20 @@ def identity_hash(identity: dict) -> str:
 class ResumeState:
     """What earlier runs of this job left in its output directory."""
 
-    done_rows: np.ndarray  # int64 row indices already written (sorted, unique)
+    done_rows: np.ndarray  # int64 row indices with all their samples written (sorted, unique)
     part_files: int
-    error_rows: np.ndarray  # int64 the done rows that are error rows (sorted)
+    error_rows: np.ndarray  # int64 the done rows that have an error row (sorted)
     # subdirectory name ("" for output.path itself) -> how many part files it holds
     dirs: dict[str, int]
+    # sampling.n > 1: keys row_index * n + sample_index of the samples written of rows that
+    # are not done (sorted); the scheduler generates only their other samples
+    partial_samples: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
+
+    def skipped_in(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """(done rows, written sample keys of the others) for a run over rows [start, end):
+        the scheduler ignores sample keys of rows outside its range."""
+        rows = self.done_rows[(self.done_rows >= start) & (self.done_rows < end)]
+        return rows, self.partial_samples
 
     def rows_done(self, total_rows: int, start: int = 0) -> int:
         """How many of the rows [start, total_rows) are done."""
@@ -202,17 +211,18 @@ def _what_changed(ours: dict, theirs_json: bytes | None) -> str:
     return "it differs in " + "; ".join(shown) + more
 
 
-def _read_part(part: Path) -> tuple[np.ndarray, np.ndarray]:
-    """The row indices of one of our part files and those of its error rows, after reading every
-    column of every row group (a damaged page fails here, not in a user's read_table). Raises
-    JobError naming the file."""
+def _read_part(part: Path, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The sample keys (row_index * n + sample_index) of one of our part files and the row
+    indices of its error rows, after reading every column of every row group (a damaged page
+    fails here, not in a user's read_table). Raises JobError naming the file."""
     try:
         pf = pq.ParquetFile(part)
         rows, errors = [], []
         for g in range(pf.num_row_groups):
             table = pf.read_row_group(g)
             index = table.column("row_index").to_numpy()
-            rows.append(index)
+            sample = table.column("sample_index").to_numpy() if n > 1 else 0
+            rows.append(index * n + sample)
             errors.append(index[table.column("error").is_valid().to_numpy(zero_copy_only=False)])
     except (pa.ArrowException, OSError, KeyError, ValueError) as e:
         raise JobError(
@@ -224,20 +234,22 @@ def _read_part(part: Path) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate(rows), np.concatenate(errors)
 
 
-def _check_unique(rows: list[np.ndarray], parts: list[Path]) -> np.ndarray:
-    """All row indices, sorted; raises JobError naming a row written twice and its parts."""
+def _check_unique(rows: list[np.ndarray], parts: list[Path], n: int) -> np.ndarray:
+    """All sample keys (row_index * n + sample_index), sorted; raises JobError naming a row
+    (and sample) written twice and its parts."""
     done = np.concatenate(rows) if rows else np.empty(0, np.int64)
     order = np.argsort(done, kind="stable")
     sorted_rows = done[order]
     twice = np.flatnonzero(sorted_rows[1:] == sorted_rows[:-1])
     if twice.size == 0:
         return sorted_rows.astype(np.int64)
-    row = int(sorted_rows[twice[0]])
+    key = int(sorted_rows[twice[0]])
     owner = np.repeat(np.arange(len(parts)), [len(r) for r in rows])
-    names = sorted({_relative(parts[i]) for i in owner[done == row]})
+    names = sorted({_relative(parts[i]) for i in owner[done == key]})
+    row, what = key // n, "" if n == 1 else f" (sample_index {key % n})"
     raise JobError(
-        f"output.path: row_index {row} was written more than once ({twice.size} duplicate "
-        f"row(s); row {row} is in {' and '.join(names)}): the directory was written by two "
+        f"output.path: row_index {row}{what} was written more than once ({twice.size} "
+        f"duplicate row(s); it is in {' and '.join(names)}): the directory was written by two "
         f"runs at once or parts were copied in. Delete the later of those parts (their rows "
         f"are generated again) or pass --restart to start over"
     )
@@ -256,6 +268,7 @@ def scan_output(path: Path, identity: dict, only: Path | None = None) -> ResumeS
     for this job, readably and each row once. Raises JobError (naming the file and what
     differs or is wrong) when not."""
     ours = identity_hash(identity).encode()
+    n = identity["sampling"].get("n", 1)
     done: list[np.ndarray] = []
     errors: list[np.ndarray] = []
     parts: list[Path] = []
@@ -272,12 +285,16 @@ def scan_output(path: Path, identity: dict, only: Path | None = None) -> ResumeS
                     f"({_relative(part)}: {why}); pass --restart to delete them and start "
                     f"over, or choose another output.path"
                 )
-            rows, errs = _read_part(part)
+            rows, errs = _read_part(part, n)
             done.append(rows)
             errors.append(errs)
             parts.append(part)
-    rows = _check_unique(done, parts)
-    error_rows = np.sort(np.concatenate(errors)) if errors else np.empty(0, np.int64)
+    keys = _check_unique(done, parts, n)
+    error_rows = np.unique(np.concatenate(errors)) if errors else np.empty(0, np.int64)
+    rows, counts = np.unique(keys // n, return_counts=True)
+    complete = np.isin(keys // n, rows[counts == n])
     return ResumeState(
-        done_rows=rows, part_files=len(parts), error_rows=error_rows.astype(np.int64), dirs=dirs
-    )
+        done_rows=rows[counts == n].astype(np.int64), part_files=len(parts),
+        error_rows=error_rows.astype(np.int64), dirs=dirs,
+        partial_samples=keys[~complete].astype(np.int64),
+    )  # fmt: skip

@@ -42,6 +42,7 @@ class SchedulerConfig:
     top_p: float
     top_k: int
     seed: int
+    n: int = 1  # samples per input row
     # Paged KV cache and batching.
     num_blocks: int
     block_size: int
@@ -54,6 +55,9 @@ class SchedulerConfig:
     prefix_caching: bool = True
     # Resume: int64 [N] row indices earlier runs wrote (skipped without tokenizing), or None.
     skip_rows: np.ndarray | None = None
+    # Resume with n > 1: int64 keys row_index * n + sample_index of the samples already written
+    # of rows not in skip_rows (those samples are not generated again).
+    skip_samples: np.ndarray | None = None
     # Also close a part once its oldest row has waited this long (None = by part_rows only).
     flush_interval_s: float | None = None
     # Reader: rows per Parquet batch, and the most rows queued between reader and scheduler.

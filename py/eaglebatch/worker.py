@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from .attention import AttentionMetadata, allocate_kv_cache, get_backend, kv_cache_bytes_per_block
+from .attention.base import copy_blocks
 from .config import EngineConfig, JobConfig, JobError
 from .cpu import SMALL_GEMM_AVAILABLE, accelerate
 from .graphs import GraphPool, StaticMeta, bucket_for, capture_sizes, fill_rows, graph_reserve_bytes
@@ -298,6 +299,7 @@ class Worker:
     def step(self, plan) -> tuple[np.ndarray, np.ndarray]:
         """Runs one plan; returns (tokens int32 [B], num_tokens int32 [B]) — one token per row."""
         dev = self.device
+        copy_blocks(self.kv_caches, plan.block_copies)  # forked samples' partial blocks
         logits = self._decode_logits(plan)  # [B, V] or None
         if logits is None:
             meta = plan_metadata(plan, self.budget.block_size, dev)

@@ -42,6 +42,8 @@ struct Content {
     hash: u64,
     parent: u64,
     tokens: Box<[u32]>,
+    /// The token after the block in the sequence that registered it (None: not known then).
+    next: Option<u32>,
 }
 
 #[derive(Debug)]
@@ -121,6 +123,11 @@ impl BlockManager {
         (c.parent == parent && *c.tokens == *tokens).then_some(b)
     }
 
+    /// The token that followed cached block `block` when it was registered.
+    pub fn next_token(&self, block: u32) -> Option<u32> {
+        self.content[block as usize].as_ref().and_then(|c| c.next)
+    }
+
     /// Whether a fresh sequence of `num_tokens` tokens whose first blocks are the cached
     /// `prefix` fits while keeping `reserve` blocks allocatable.
     pub fn can_allocate(&self, num_tokens: usize, prefix: &[u32], reserve: usize) -> bool {
@@ -138,8 +145,9 @@ impl BlockManager {
         self.blocks_needed(num_tokens).saturating_sub(table.len())
     }
 
-    /// Gives an empty table the cached blocks `prefix` (from `lookup`), then blocks for the
-    /// rest of `num_tokens` tokens.
+    /// Gives an empty table the blocks `prefix` (cached ones from `lookup`, or blocks another
+    /// table holds: a sample forked from its sibling), then blocks for the rest of `num_tokens`
+    /// tokens.
     pub fn allocate(
         &mut self,
         table: &mut Vec<u32>,
@@ -159,8 +167,10 @@ impl BlockManager {
             )));
         }
         for &b in prefix {
-            if self.content[b as usize].is_none() {
-                return Err(Error::internal(format!("block {b} is not cached")));
+            if self.content[b as usize].is_none() && self.refs[b as usize] == 0 {
+                return Err(Error::internal(format!(
+                    "block {b} is neither cached nor held"
+                )));
             }
             if self.refs[b as usize] == 0 {
                 self.lru.remove(&self.released_at[b as usize]);
@@ -238,10 +248,18 @@ impl BlockManager {
     }
 
     /// Caches held block `block` as the full block `tokens` (chain hash `hash`, parent chain
-    /// hash `parent`), whose K/V the caller guarantees is computed and final. No-op when
+    /// hash `parent`, followed by token `next` where known), whose K/V the caller guarantees is
+    /// computed and final. No-op when
     /// caching is off, when the block is cached already, or when another block caches the
     /// same hash (the duplicate stays uncached and is freed normally).
-    pub fn register(&mut self, block: u32, parent: u64, hash: u64, tokens: &[u32]) -> Result<()> {
+    pub fn register(
+        &mut self,
+        block: u32,
+        parent: u64,
+        hash: u64,
+        tokens: &[u32],
+        next: Option<u32>,
+    ) -> Result<()> {
         if tokens.len() != self.block_size || self.refs.get(block as usize) == Some(&0) {
             return Err(Error::internal(format!(
                 "register of block {block}: {} tokens, held: {}",
@@ -260,6 +278,7 @@ impl BlockManager {
             hash,
             parent,
             tokens: tokens.into(),
+            next,
         });
         Ok(())
     }
@@ -453,7 +472,7 @@ mod tests {
         let mut hashes = Vec::new();
         for (j, chunk) in tokens.chunks_exact(bm.block_size()).enumerate() {
             let h = chain_hash(parent, chunk);
-            bm.register(table[j], parent, h, chunk).unwrap();
+            bm.register(table[j], parent, h, chunk, None).unwrap();
             hashes.push(h);
             parent = h;
         }
@@ -561,13 +580,19 @@ mod tests {
         bm.free(&mut b).unwrap();
         bm.free(&mut a).unwrap();
         bm.check_no_leak().unwrap();
-        assert!(bm.register(0, ROOT_HASH, 1, &[1, 2]).is_err()); // not held
+        assert!(bm.register(0, ROOT_HASH, 1, &[1, 2], None).is_err()); // not held
         let mut off = BlockManager::new(4, 2, false);
         let mut c = Vec::new();
         off.allocate(&mut c, &[], 2).unwrap();
         register_all(&mut off, &c, &[1, 2]);
         assert_eq!(off.num_cached_blocks(), 0);
-        assert!(off.allocate(&mut Vec::new(), &[c[0]], 2).is_err()); // not cached
+        let mut d = Vec::new();
+        off.allocate(&mut d, &[c[0]], 4).unwrap(); // held by c: shared all the same
+        assert_eq!((d[0], off.refs[c[0] as usize]), (c[0], 2));
+        off.free(&mut c).unwrap();
+        off.free(&mut d).unwrap();
+        off.check_no_leak().unwrap();
+        assert!(off.allocate(&mut Vec::new(), &[0], 2).is_err()); // neither cached nor held
     }
 
     /// Random sequences over a small vocabulary (so prefixes repeat) allocate with whatever

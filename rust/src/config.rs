@@ -28,6 +28,10 @@ pub struct SchedulerConfig {
     /// duplicates allowed). The reader skips them without tokenizing; they are never written.
     #[cfg_attr(feature = "python", pyo3(from_py_with = crate::python::int64_array))]
     pub skip_rows: Vec<i64>,
+    /// Resume with `n > 1`: the samples already written of rows not in `skip_rows`, as keys
+    /// `row_index * n + sample_index`; those samples are not generated again.
+    #[cfg_attr(feature = "python", pyo3(from_py_with = crate::python::int64_array))]
+    pub skip_samples: Vec<i64>,
     // Prompt construction / tokenization.
     pub apply_chat_template: bool,
     pub tokenizer_file: PathBuf,
@@ -50,6 +54,9 @@ pub struct SchedulerConfig {
     pub top_p: f32,
     pub top_k: i32,
     pub seed: i64,
+    /// Samples per input row (`sample_index` 0..n-1), each its own sequence; they share the
+    /// prompt's blocks.
+    pub n: usize,
     // Paged KV cache and batching.
     pub num_blocks: usize,
     pub block_size: usize,
@@ -81,6 +88,7 @@ impl SchedulerConfig {
             limit: None,
             row_range: None,
             skip_rows: Vec::new(),
+            skip_samples: Vec::new(),
             apply_chat_template: false,
             tokenizer_file,
             chat_template: None,
@@ -98,6 +106,7 @@ impl SchedulerConfig {
             top_p: 1.0,
             top_k: 0,
             seed: 0,
+            n: 1,
             num_blocks: 1024,
             block_size: 16,
             max_batch_size: 64,
@@ -129,6 +138,7 @@ impl SchedulerConfig {
             ("max_model_len", self.max_model_len),
             ("read_batch_rows", self.read_batch_rows),
             ("queue_rows", self.queue_rows),
+            ("n", self.n),
         ];
         for (name, value) in positive {
             if value == 0 {
@@ -146,6 +156,9 @@ impl SchedulerConfig {
                 "num_blocks ({}) or block_size ({}) out of range",
                 self.num_blocks, self.block_size
             )));
+        }
+        if self.n > 4096 {
+            return Err(Error::user(format!("n must be <= 4096, got {}", self.n)));
         }
         if self.max_draft_tokens > 64 {
             return Err(Error::user(format!(
@@ -175,8 +188,13 @@ impl SchedulerConfig {
 
     /// Input files, columns, resume rows and the chat template.
     fn validate_inputs(&self) -> Result<()> {
-        if self.skip_rows.iter().any(|&r| r < 0) {
-            return Err(Error::user("skip_rows: row indices must be >= 0"));
+        if self
+            .skip_rows
+            .iter()
+            .chain(&self.skip_samples)
+            .any(|&r| r < 0)
+        {
+            return Err(Error::user("skip_rows / skip_samples must be >= 0"));
         }
         if self.input_files.is_empty() {
             return Err(Error::user(
@@ -210,6 +228,12 @@ impl SchedulerConfig {
             return Err(Error::user(format!(
                 "top_p must be in (0, 1], got {}",
                 self.top_p
+            )));
+        }
+        if self.n > 1 && self.temperature == 0.0 {
+            return Err(Error::user(format!(
+                "n = {} samples per row need temperature > 0: greedy samples are all the same",
+                self.n
             )));
         }
         if self.top_k < 0 {

@@ -80,6 +80,8 @@ pub struct PyStepPlan {
     #[pyo3(get)]
     cu_prefix: Py<PyArray1<i32>>,
     #[pyo3(get)]
+    block_copies: Py<PyArray2<i32>>,
+    #[pyo3(get)]
     max_seqlen_q: usize,
     #[pyo3(get)]
     max_seqlen_k: usize,
@@ -103,6 +105,8 @@ impl PyStepPlan {
             .block_tables
             .into_pyarray(py)
             .reshape([b, p.block_table_width])?;
+        let num_copies = p.block_copies.len() / 2;
+        let copies = p.block_copies.into_pyarray(py).reshape([num_copies, 2])?;
         Ok(PyStepPlan {
             kind: p.kind.as_str(),
             num_seqs: b,
@@ -121,6 +125,7 @@ impl PyStepPlan {
             num_generated: p.num_generated.into_pyarray(py).unbind(),
             prefix_ids: p.prefix_ids.into_pyarray(py).unbind(),
             cu_prefix: p.cu_prefix.into_pyarray(py).unbind(),
+            block_copies: copies.unbind(),
             max_seqlen_q: p.max_seqlen_q,
             max_seqlen_k: p.max_seqlen_k,
         })

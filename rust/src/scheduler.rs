@@ -25,9 +25,9 @@
 //! prefill and plain decode plans, not verify plans (whose draft K/V lags). A request is
 //! admitted with the cached blocks its tokens start with, less the block holding its last
 //! token (one token at least is computed: its logits) and, with speculative decoding, less the
-//! last block found unless the next block was found too (the draft's K/V at a block's last
-//! position p is computed from token p + 1, its shifted input, which only a match of the next
-//! block proves equal). A request whose next uncached block another request admitted in the
+//! last block found unless the token after it is the one the block's registering sequence had
+//! there (the draft's K/V at a block's last position p is computed from token p + 1, its
+//! shifted input). A request whose next uncached block another request admitted in the
 //! same step computes waits one step, to find it cached instead of computing it twice.
 
 use std::cmp::Reverse;
@@ -89,6 +89,9 @@ pub struct StepPlan {
     /// `cu_prefix` all 0) for other plans.
     pub prefix_ids: Vec<i64>,
     pub cu_prefix: Vec<i32>,
+    /// KV blocks to copy before the step, `[src, dst]` pairs (a sample forked from a sibling
+    /// takes a copy of the prompt's partial last block): every layer, target and draft.
+    pub block_copies: Vec<i32>,
     pub max_seqlen_q: usize,
     pub max_seqlen_k: usize,
 }
@@ -128,6 +131,7 @@ impl StepPlan {
             num_generated: Vec::with_capacity(b),
             prefix_ids: Vec::new(),
             cu_prefix: vec![0],
+            block_copies: Vec::new(),
             max_seqlen_q: 0,
             max_seqlen_k: 0,
         }
@@ -150,6 +154,49 @@ fn check_plan_row(kind: StepKind, seq: &Sequence) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// How a waiting sample of a row with n > 1 samples starts (`sibling_start`).
+enum Start {
+    /// On its own (prefix cache, or from scratch).
+    Fresh,
+    /// Next step: a sibling admitted in this one computes their prompt.
+    Wait,
+    /// From a running sibling that computed their prompt: its full blocks before the last
+    /// token shared, a copy of the block holding the positions after them (`partial`, if any).
+    /// Only the last prompt token is computed: its logits sample this sample's first token.
+    Fork {
+        shared: Vec<u32>,
+        partial: Option<u32>,
+    },
+}
+
+/// See `Start`. A sibling's prompt positions never change once computed, and its draft K/V
+/// before the last prompt position depends on prompt tokens only, so both caches are exact.
+fn sibling_start(
+    running: &[Sequence],
+    seq: &Sequence,
+    rows_now: &HashSet<i64>,
+    bs: usize,
+) -> Start {
+    if seq.num_output() > 0 {
+        return Start::Fresh; // resumed after a preemption: its own tokens
+    }
+    if rows_now.contains(&seq.row_index) {
+        return Start::Wait;
+    }
+    let len = seq.len();
+    let sibling = running
+        .iter()
+        .find(|o| o.row_index == seq.row_index && o.num_computed >= len);
+    let Some(sibling) = sibling else {
+        return Start::Fresh;
+    };
+    let full = (len - 1) / bs;
+    Start::Fork {
+        shared: sibling.block_table[..full].to_vec(),
+        partial: (!(len - 1).is_multiple_of(bs)).then(|| sibling.block_table[full]),
+    }
 }
 
 /// The cached blocks a waiting sequence starts from (the scheduler's module doc says which),
@@ -175,8 +222,13 @@ fn cached_prefix(
     }
     let found = prefix.len();
     prefix.truncate((seq.len() - 1) / bs);
-    if speculative && prefix.len() == found {
-        prefix.pop();
+    if speculative && prefix.len() == found && found > 0 {
+        // the next block was not found: the draft's entry at this block's last position holds
+        // for us only if the token after the block is the one it was computed from
+        let next = seq.token(found * bs); // exists: found * bs <= len - 1
+        if bm.next_token(prefix[found - 1]) != Some(next) {
+            prefix.pop();
+        }
     }
     (prefix, seq.block_hashes.get(found).copied())
 }
@@ -191,7 +243,14 @@ fn register_computed(bm: &mut BlockManager, seq: &mut Sequence) -> Result<()> {
     seq.extend_block_hashes(full, bs);
     for j in seq.registered..full {
         let (parent, hash) = (seq.parent_hash(j), seq.block_hashes[j]);
-        bm.register(seq.block_table[j], parent, hash, &seq.block_tokens(j, bs))?;
+        let next = ((j + 1) * bs < seq.len()).then(|| seq.token((j + 1) * bs));
+        bm.register(
+            seq.block_table[j],
+            parent,
+            hash,
+            &seq.block_tokens(j, bs),
+            next,
+        )?;
     }
     seq.registered = seq.registered.max(full);
     Ok(())
@@ -231,7 +290,8 @@ fn push_plan_row(
     p.cu_prefix.push(p.prefix_ids.len() as i32);
     p.request_slots
         .push(seq.slot.expect("running request has a slot") as i32);
-    p.seeds.push(request_seed(seed, seq.row_index));
+    p.seeds
+        .push(sample_seed(seed, seq.row_index, seq.sample_index));
     p.num_generated.push(seq.num_output() as i32);
     p.max_seqlen_q = p.max_seqlen_q.max(q + lookahead);
     p.max_seqlen_k = p.max_seqlen_k.max(end);
@@ -423,6 +483,37 @@ fn token_count(n: usize) -> i32 {
     i32::try_from(n).unwrap_or(i32::MAX)
 }
 
+/// The seed of sample `sample` of a row: the row's `request_seed` for sample 0 (so n = 1 runs
+/// are unchanged), mixed once more with the sample index for the others.
+pub fn sample_seed(seed: i64, row_index: i64, sample: u32) -> i64 {
+    let row = request_seed(seed, row_index);
+    if sample == 0 {
+        row
+    } else {
+        request_seed(row, sample as i64)
+    }
+}
+
+/// The keys of `cfg.skip_samples` that name a sample this run would generate: of a row in
+/// `[start, end)` not skipped whole, and a sample index below n.
+fn samples_to_skip(
+    cfg: &SchedulerConfig,
+    skip_rows: &[i64],
+    (start, end): (u64, u64),
+) -> HashSet<i64> {
+    let n = cfg.n as i64;
+    cfg.skip_samples
+        .iter()
+        .copied()
+        .filter(|&k| {
+            let row = k / n;
+            row >= 0
+                && (start..end).contains(&(row as u64))
+                && skip_rows.binary_search(&row).is_err()
+        })
+        .collect()
+}
+
 /// Per-request sampling seed: the job seed mixed with the row index (SplitMix64 finalizer),
 /// kept non-negative so it fits any int64 seed API.
 pub fn request_seed(seed: i64, row_index: i64) -> i64 {
@@ -435,6 +526,10 @@ pub fn request_seed(seed: i64, row_index: i64) -> i64 {
 
 pub struct Scheduler {
     cfg: SchedulerConfig,
+    /// `cfg.skip_samples` as a set (keys row_index * n + sample_index).
+    skip_samples: HashSet<i64>,
+    /// Block copies of forked samples admitted this step, for the next plan.
+    block_copies: Vec<i32>,
     tokenizer: Arc<Tokenizer>,
     input: Receiver<ReaderMsg>,
     input_done: bool,
@@ -481,8 +576,10 @@ impl Scheduler {
         let spec = validate_inputs(&cfg)?;
         let range = (spec.row_start, spec.row_end);
         let (skip_rows, skipped) = sorted_skip_rows(&cfg.skip_rows, range);
-        let mut stats = Stats::new(spec.range_rows() - skipped);
-        stats.requests_skipped = skipped;
+        let skip_samples = samples_to_skip(&cfg, &skip_rows, range);
+        let n = cfg.n as u64;
+        let mut stats = Stats::new((spec.range_rows() - skipped) * n - skip_samples.len() as u64);
+        stats.requests_skipped = skipped * n + skip_samples.len() as u64;
         let writer = Writer::start(writer_config(&cfg, spec.id_type.clone()))?;
         let (input, reader) = spawn_reader(
             spec,
@@ -499,6 +596,8 @@ impl Scheduler {
             },
         )?;
         Ok(Scheduler {
+            skip_samples,
+            block_copies: Vec::new(),
             bm: BlockManager::new(cfg.num_blocks, cfg.block_size, cfg.prefix_caching),
             free_request_slots: (0..cfg.max_batch_size as u32).map(Reverse).collect(),
             watermark: cfg.num_blocks / 100,
@@ -624,15 +723,27 @@ impl Scheduler {
         })
     }
 
-    /// Queues a request, or writes it as an error row when it can never run.
+    /// Queues the request's samples not written yet (one sequence each), or writes them as
+    /// error rows when the request can never run.
     fn accept(&mut self, req: Request) -> Result<()> {
+        let n = self.cfg.n as u32;
+        let key = |s: u32| req.row_index * n as i64 + s as i64;
+        let samples: Vec<u32> = (0..n)
+            .filter(|&s| !self.skip_samples.contains(&key(s)))
+            .collect();
         match self.admission_error(&req) {
-            Some(msg) => self.write_error_row(req, msg),
+            Some(msg) => {
+                for s in samples {
+                    self.write_error_row(req.clone(), s, msg.clone())?;
+                }
+            }
             None => {
-                self.waiting.push_back(Sequence::new(req));
-                Ok(())
+                for s in samples {
+                    self.waiting.push_back(Sequence::new(req.clone(), s));
+                }
             }
         }
+        Ok(())
     }
 
     /// Why a request can never run, if it cannot. Invariant of every admitted request: its
@@ -686,12 +797,13 @@ impl Scheduler {
         ))
     }
 
-    fn write_error_row(&mut self, req: Request, msg: String) -> Result<()> {
+    fn write_error_row(&mut self, req: Request, sample: u32, msg: String) -> Result<()> {
         self.stats.requests_done += 1;
         self.stats.requests_error += 1;
         self.writer.send(OutputRow {
             id: req.id,
             row_index: req.row_index,
+            sample_index: sample as i32,
             output_text: String::new(),
             finish_reason: FinishReason::Error,
             // The real count when the prompt was tokenized (e.g. too long), else 0.
@@ -751,16 +863,27 @@ impl Scheduler {
         let mut budget_used = 0usize;
         let speculative = self.cfg.max_draft_tokens > 0;
         let mut computing = HashSet::new(); // chain hashes of the full blocks this step computes
+        let mut rows_now = HashSet::new(); // rows whose prompt a sample admitted now computes
         while let Some(seq) = self.waiting.front_mut() {
             if self.running.len() >= self.cfg.max_batch_size || self.free_request_slots.is_empty() {
                 break;
             }
-            let (prefix, next) = cached_prefix(&self.bm, seq, speculative);
-            if next.is_some_and(|h| computing.contains(&h)) {
-                break; // admitted next step, it finds that block cached
-            }
+            let bs = self.bm.block_size();
+            let start = sibling_start(&self.running, seq, &rows_now, bs);
+            let fresh = matches!(start, Start::Fresh);
+            let (prefix, copy, cached) = match start {
+                Start::Wait => break, // admitted next step, forked from the sibling
+                Start::Fork { shared, partial } => (shared, partial, seq.len() - 1),
+                Start::Fresh => {
+                    let (prefix, next) = cached_prefix(&self.bm, seq, speculative);
+                    if next.is_some_and(|h| computing.contains(&h)) {
+                        break; // admitted next step, it finds that block cached
+                    }
+                    let cached = prefix.len() * bs;
+                    (prefix, None, cached)
+                }
+            };
             let n = seq.len();
-            let cached = prefix.len() * self.bm.block_size();
             if admitted > 0 && budget_used + n - cached > self.cfg.max_num_batched_tokens {
                 break;
             }
@@ -774,6 +897,10 @@ impl Scheduler {
             }
             let mut seq = self.waiting.pop_front().expect("front exists");
             self.bm.allocate(&mut seq.block_table, &prefix, n)?;
+            if let Some(src) = copy {
+                let dst = seq.block_table[prefix.len()];
+                self.block_copies.extend([src as i32, dst as i32]);
+            }
             let Reverse(slot) = self.free_request_slots.pop().expect("checked non-empty");
             seq.slot = Some(slot);
             seq.status = Status::Running;
@@ -786,6 +913,9 @@ impl Scheduler {
                 self.stats.cached_tokens += seq.cached_tokens as u64;
             }
             computing.extend(seq.block_hashes.iter().skip(prefix.len()).copied());
+            if fresh {
+                rows_now.insert(seq.row_index); // its siblings fork from it next step
+            }
             budget_used += n - cached;
             admitted += 1;
             self.running.push(seq);
@@ -859,6 +989,7 @@ impl Scheduler {
             .map(|s| s.len() - s.num_computed + lookahead)
             .sum();
         let mut p = StepPlan::empty(kind, &self.cfg, rows.len(), t, width);
+        p.block_copies = std::mem::take(&mut self.block_copies);
         for (r, seq) in rows.iter_mut().enumerate() {
             check_plan_row(kind, seq)?;
             push_plan_row(&mut p, r, seq, lookahead, &self.bm, self.cfg.seed);
@@ -981,6 +1112,7 @@ impl Scheduler {
         OutputRow {
             id: seq.id,
             row_index: seq.row_index,
+            sample_index: seq.sample_index as i32,
             output_text: if error {
                 String::new()
             } else {

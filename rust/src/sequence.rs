@@ -72,6 +72,8 @@ pub struct Timing {
 #[derive(Debug)]
 pub struct Sequence {
     pub row_index: i64,
+    /// Which of the row's n samples this is (0..n-1).
+    pub sample_index: u32,
     pub id: ArrayRef,
     pub prompt_ids: Vec<u32>,
     /// Generated ids, including a final EOS token if generation stopped on one.
@@ -108,9 +110,10 @@ pub struct Sequence {
 }
 
 impl Sequence {
-    pub fn new(req: Request) -> Self {
+    pub fn new(req: Request, sample_index: u32) -> Self {
         Sequence {
             row_index: req.row_index,
+            sample_index,
             id: req.id,
             prompt_ids: req.prompt_ids,
             output_ids: Vec::new(),

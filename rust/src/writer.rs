@@ -42,6 +42,8 @@ pub struct OutputRow {
     /// Length-1 array of the output id type.
     pub id: ArrayRef,
     pub row_index: i64,
+    /// Which of the row's samples (0 when sampling.n = 1).
+    pub sample_index: i32,
     /// Generated text ("" for error rows).
     pub output_text: String,
     pub finish_reason: FinishReason,
@@ -83,6 +85,7 @@ pub fn output_schema(id_type: &DataType, include_token_ids: bool) -> SchemaRef {
     let mut fields = vec![
         Field::new("id", id_type.clone(), true),
         Field::new("row_index", DataType::Int64, false),
+        Field::new("sample_index", DataType::Int32, false),
         Field::new("output_text", DataType::Utf8, false),
         Field::new("finish_reason", DataType::Utf8, false),
         Field::new("prompt_tokens", DataType::Int32, false),
@@ -333,6 +336,7 @@ fn build_batch(schema: &SchemaRef, rows: &[OutputRow], include_ids: bool) -> Res
         Arc::new(Int64Array::from_iter_values(
             rows.iter().map(|r| r.row_index),
         )),
+        int32_column(rows, |r| Some(r.sample_index)),
         string_column(rows, text_bytes, |r| Some(&r.output_text)),
         string_column(rows, rows.len() * 6, |r| Some(r.finish_reason.as_str())),
         int32_column(rows, |r| Some(r.prompt_tokens)),
@@ -422,6 +426,7 @@ mod tests {
         OutputRow {
             id: Arc::new(StringArray::from(vec![id])),
             row_index: i,
+            sample_index: 0,
             output_text: if err {
                 String::new()
             } else {
@@ -513,6 +518,7 @@ mod tests {
             [
                 "id",
                 "row_index",
+                "sample_index",
                 "output_text",
                 "finish_reason",
                 "prompt_tokens",
@@ -531,13 +537,13 @@ mod tests {
         );
         assert_eq!(b.column(0).as_string::<i32>().value(1), "id3");
         assert_eq!(b.column(1).as_primitive::<Int64Type>().value(1), 3);
-        assert_eq!(b.column(3).as_string::<i32>().value(1), "error");
-        assert_eq!(b.column(11).as_string::<i32>().value(1), "bad row");
-        assert!(b.column(8).is_null(1));
-        assert_eq!(b.column(2).as_string::<i32>().value(0), "text 2");
-        assert_eq!(b.column(10).as_primitive::<Float64Type>().value(0), 0.75);
-        assert!(b.column(12).is_null(0));
-        let ids = b.column(15).as_list::<i32>().value(0);
+        assert_eq!(b.column(4).as_string::<i32>().value(1), "error");
+        assert_eq!(b.column(12).as_string::<i32>().value(1), "bad row");
+        assert!(b.column(9).is_null(1));
+        assert_eq!(b.column(3).as_string::<i32>().value(0), "text 2");
+        assert_eq!(b.column(11).as_primitive::<Float64Type>().value(0), 0.75);
+        assert!(b.column(13).is_null(0));
+        let ids = b.column(16).as_list::<i32>().value(0);
         assert_eq!(ids.as_primitive::<Int32Type>().values(), &[7, 2]);
 
         let reader =
@@ -644,6 +650,6 @@ mod tests {
         assert_eq!(s.rows_written, 0);
         let b = ParquetRecordBatchReaderBuilder::try_new(File::open(&s.part_files[0]).unwrap())
             .unwrap();
-        assert_eq!(b.schema().fields().len(), 16);
+        assert_eq!(b.schema().fields().len(), 17);
     }
 }

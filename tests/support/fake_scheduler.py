@@ -43,6 +43,7 @@ class FakePlan:
     max_seqlen_k: int
     prefix_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # no caching
     cu_prefix: np.ndarray | None = None  # int32 [B+1], all 0
+    block_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))
 
     def __post_init__(self) -> None:
         if self.cu_prefix is None:

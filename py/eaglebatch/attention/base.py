@@ -228,3 +228,16 @@ def allocate_kv_cache(
         raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be > 0")
     shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+
+
+def copy_blocks(caches: list[torch.Tensor], copies: np.ndarray) -> None:
+    """Copies whole KV blocks in every cache [2, num_blocks, block_size, Hkv, D]: copies is
+    int32 [C, 2] of (src, dst) block ids (a plan's `block_copies`); dst blocks are distinct
+    and no dst is a src."""
+    if len(copies) == 0:
+        return
+    device = caches[0].device
+    src = torch.from_numpy(copies[:, 0].astype(np.int64)).to(device)  # [C]
+    dst = torch.from_numpy(copies[:, 1].astype(np.int64)).to(device)  # [C]
+    for cache in caches:
+        cache.index_copy_(1, dst, cache.index_select(1, src))

@@ -12,7 +12,8 @@ chunk pads to a similar length) and precomputes, per chunk:
     i.e. keys up to the query's own absolute position. Padded query rows (j >= q_i) still see
     key 0, so no softmax row is empty; their output is dropped. `mask` is None where it would be
     all-visible (decode at equal lengths) or plain causal (prefill at equal lengths).
-Prefill steps (q_i == k_i for all i) attend over the fresh k/v directly and skip the gather,
+Sequences whose query starts at position 0 (q_i == k_i) attend over the fresh k/v directly and
+skip the gather (chunks never mix them with rows after a cached prefix),
 and a prompt of at least `solo_prefill_tokens` shares its chunk only with prompts of its own
 length: unpadded, it runs as plain causal attention, which skips the masked upper triangle
 that a padded, masked chunk computes in full (two prompts of ~1,700 tokens padded together
@@ -100,29 +101,39 @@ class TorchAttentionBackend(AttentionBackend):
         cu_np = cu.numpy().astype(np.int64)  # [B+1]
         k_np = lens.numpy().astype(np.int64)  # [B]
         q_np = cu_np[1:] - cu_np[:-1]  # [B]
-        prefill = meta.is_prefill
-        num_seqs = len(k_np)
+        fresh = q_np == k_np  # [B] queries from position 0: attend over the fresh k/v
+        groups = self._group(k_np, fresh)
+        if len(groups) == 1:
+            groups = [np.arange(len(k_np))]  # keep plan order: no reordering of rows needed
+        chunks = [
+            self._plan_chunk(meta, seqs, cu_np, q_np, k_np, bool(fresh[seqs].all()),
+                             single=len(groups) == 1)  # fmt: skip
+            for seqs in groups
+        ]
+        meta.backend_state = _Plan(meta.is_prefill, chunks)
 
-        order = np.argsort(k_np, kind="stable")  # group similar lengths
+    def _group(self, k_np: np.ndarray, fresh: np.ndarray) -> list[np.ndarray]:
+        """Chunks of sequences: rows from position 0 apart from those after a prefix in the
+        cache (a prefix-cached prefill: the first attend over their own k/v, the others gather),
+        each sorted by context length so a chunk pads to a similar length, within
+        `chunk_tokens`; a long fresh prompt is not padded with longer ones (module doc)."""
+        order = np.lexsort((k_np, ~fresh))  # fresh rows first, then by length
         groups: list[np.ndarray] = []
-        start = 0
+        start, num_seqs = 0, len(k_np)
         while start < num_seqs:
             end = start + 1
+            first = order[start]
             # sorted ascending, so the chunk's padded length is that of its last sequence
             while end < num_seqs and (end + 1 - start) * k_np[order[end]] <= self.chunk_tokens:
-                longer = k_np[order[end]] != k_np[order[start]]
-                if prefill and longer and k_np[order[end]] >= self.solo_prefill_tokens:
+                if fresh[order[end]] != fresh[first]:
+                    break
+                longer = k_np[order[end]] != k_np[first]
+                if fresh[first] and longer and k_np[order[end]] >= self.solo_prefill_tokens:
                     break  # a long prompt is not padded (see the module doc)
                 end += 1
             groups.append(order[start:end])
             start = end
-        if len(groups) == 1:
-            groups = [np.arange(num_seqs)]  # keep plan order: no reordering of rows needed
-        chunks = [
-            self._plan_chunk(meta, seqs, cu_np, q_np, k_np, prefill, single=len(groups) == 1)
-            for seqs in groups
-        ]
-        meta.backend_state = _Plan(prefill, chunks)
+        return groups
 
     def _plan_chunk(
         self,
@@ -247,7 +258,7 @@ class TorchAttentionBackend(AttentionBackend):
         if window is not None and window not in self._windows:
             raise ValueError(f"window {window} was not configured (configure(windows=...))")
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        args = (plan.prefill, q, k, v, kv_cache, scale, window)
+        args = (q, k, v, kv_cache, scale, window)
         if len(plan.chunks) == 1:
             return self._attend(plan.chunks[0], *args)
         out = torch.empty_like(q)
@@ -258,7 +269,6 @@ class TorchAttentionBackend(AttentionBackend):
     def _attend(
         self,
         chunk: _Chunk,
-        prefill: bool,
         q: torch.Tensor,  # [T, Hq, D]
         k: torch.Tensor,  # [T, Hkv, D]
         v: torch.Tensor,  # [T, Hkv, D]
@@ -268,7 +278,7 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:  # [Tc, Hq, D] for the chunk's tokens in tok_index order
         num, head_dim = chunk.num_seqs, q.shape[-1]
         q_pad = self._pad(q, chunk)  # [C, max_q, Hq, D]
-        if prefill:
+        if chunk.block_index is None:  # queries from position 0: their own k/v is all there is
             k_pad = self._pad(k, chunk)  # [C, max_q, Hkv, D]
             v_pad = self._pad(v, chunk)
         else:

@@ -55,7 +55,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from eaglebatch.attention.base import AttentionMetadata
+from eaglebatch.attention.base import AttentionMetadata, copy_blocks
 from eaglebatch.config import SpeculativeConfig, widest_round
 from eaglebatch.cpu import accelerate, gemm_threads
 from eaglebatch.sampling import sample
@@ -315,6 +315,7 @@ class SpecWorker:
     @torch.inference_mode()
     def step(self, plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(tokens int32 [N], num_tokens int32 [B], num_accepted int32 [B]) in plan row order."""
+        copy_blocks([*self.kv_caches, self.draft_kv], plan.block_copies)  # forked samples
         if plan.kind == "prefill":
             return self._prefill(plan)
         if plan.kind in ("verify", "decode"):

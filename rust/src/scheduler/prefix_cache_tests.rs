@@ -2,7 +2,7 @@
 //! that every position a row reads holds that row's own token, and outputs equal a run without
 //! caching whatever the budget (eviction, preemption).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use super::tests::{check_plan, drive_spec, fixture, read_output, wait_for_reader, words, VOCAB};
 use super::*;
@@ -28,6 +28,12 @@ impl KvModel {
     }
 
     fn step(&mut self, p: &StepPlan, bs: usize) -> Vec<i32> {
+        for pair in p.block_copies.chunks_exact(2) {
+            let (src, dst) = (pair[0] as usize * bs, pair[1] as usize * bs);
+            for i in 0..bs {
+                self.kv[dst + i] = self.kv[src + i];
+            }
+        }
         for t in 0..p.num_tokens() {
             self.kv[p.slot_mapping[t] as usize] = Some((p.input_ids[t], p.positions[t]));
         }
@@ -46,7 +52,7 @@ impl KvModel {
         let start = p.positions[q0] as usize;
         assert_eq!(history[start..], p.input_ids[q0..q1], "query tokens");
         let table = &p.block_tables[r * p.block_table_width..];
-        let mut h = 17i64;
+        let mut h = 17 + p.seeds[r] % 1_000_003; // samples of a row differ by their seed
         for pos in 0..p.seq_lens[r] as usize {
             let s = table[pos / bs] as usize * bs + pos % bs;
             let (tok, at) = self.kv[s].expect("a position read before it was written");
@@ -145,7 +151,7 @@ fn cached_prefixes_hold_each_rows_own_tokens_and_change_no_output() {
     assert!(none.iter().all(|&c| c == 0));
     assert_eq!(int(&off, "cached_tokens"), 0);
     // a large cache, then one so small that cached blocks are evicted and requests preempted
-    for (tag, blocks) in [("pc-on", 64), ("pc-small", 10)] {
+    for (tag, blocks) in [("pc-on", 64), ("pc-small", 9)] {
         let (got, cached, summary) = run(tag, true, blocks, false);
         assert_eq!(got, want, "{tag}");
         assert_eq!(
@@ -173,8 +179,11 @@ fn speculative_runs_with_caching_equal_runs_without() {
         let (got, cached, _) = run(tag, true, blocks, true);
         assert_eq!(got, want, "{tag}");
         if blocks == 64 {
-            // 17 tokens: 4 blocks found and none past them, so the draft's last one is dropped
-            assert_eq!(cached[4], 12);
+            // 17 tokens: 4 blocks found, none past them, but the token after them (w19) is
+            // the one row 0 had there: kept, 16 cached
+            assert_eq!(cached[4], 16);
+            // "<bos> w4 .. w11 w50": 2 blocks found, then w11 as in row 0: both kept
+            assert_eq!(cached[2], 8);
         }
     }
 }
@@ -183,7 +192,9 @@ fn speculative_runs_with_caching_equal_runs_without() {
 /// blocks in the same step), then starts from the first one's cached blocks.
 #[test]
 fn an_identical_prompt_waits_one_step_then_shares_the_blocks() {
-    for (spec, prompt_words, cached) in [(false, 7, 4), (false, 8, 8), (true, 7, 4), (true, 8, 4)] {
+    // 9 tokens with a draft: both blocks found, and the token after them is the first one's
+    // ninth, known when it registered them: both kept
+    for (spec, prompt_words, cached) in [(false, 7, 4), (false, 8, 8), (true, 7, 4), (true, 8, 8)] {
         let prompt = words(4..4 + prompt_words); // + <bos>: 8 or 9 tokens, 2 full blocks
         let mut f = fixture("pc-wait", &[Some(&prompt), Some(&prompt)]);
         f.cfg.max_draft_tokens = if spec { 2 } else { 0 };
@@ -203,5 +214,110 @@ fn an_identical_prompt_waits_one_step_then_shares_the_blocks() {
         let first: Vec<i32> = s.running[0].block_table.iter().map(|&b| b as i32).collect();
         assert_eq!(p.block_tables[..cached / 4], first[..cached / 4]);
         s.abort().unwrap();
+    }
+}
+
+/// (row, sample) -> output token ids, and the summary, of a run with n samples per row.
+fn run_samples(
+    tag: &str,
+    n: usize,
+    batch: usize,
+    caching: bool,
+) -> (BTreeMap<(i64, i32), Vec<i32>>, Summary) {
+    let prompts = shared_prompts();
+    let mut prompts: Vec<Option<&str>> = prompts.iter().map(|p| Some(p.as_str())).collect();
+    prompts.push(None); // an error row: n of them
+    let mut f = fixture(tag, &prompts);
+    f.cfg.n = n;
+    f.cfg.temperature = 0.8;
+    f.cfg.max_batch_size = batch;
+    f.cfg.prefix_caching = caching;
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    drive_kv(&mut s);
+    let summary = s.finish().unwrap();
+    let rows = read_output(&f.cfg.output_dir);
+    assert_eq!(rows.len(), prompts.len() * n);
+    let errors = rows.iter().filter(|r| r.error.is_some()).count();
+    assert_eq!(errors, n);
+    let out = rows
+        .into_iter()
+        .map(|r| ((r.row_index, r.sample_index), r.token_ids))
+        .collect();
+    (out, summary)
+}
+
+#[test]
+fn samples_fork_from_their_sibling_and_equal_samples_computed_alone() {
+    // batch 1: every sample runs alone, after its sibling finished (no fork); batch 6: the
+    // samples of a row fork from the first (shared blocks, a copied partial block)
+    let (alone, s1) = run_samples("n-alone", 3, 1, false);
+    for (tag, batch, caching) in [("n-fork", 6, false), ("n-fork-pc", 6, true)] {
+        let (forked, s) = run_samples(tag, 3, batch, caching);
+        assert_eq!(forked, alone, "{tag}");
+        assert!(
+            int(&s, "prefill_tokens") < int(&s1, "prefill_tokens"),
+            "{tag}"
+        );
+    }
+    let rows = shared_prompts().len() as i64;
+    for row in 0..rows {
+        let samples: Vec<&Vec<i32>> = (0..3).map(|i| &alone[&(row, i)]).collect();
+        assert!(
+            samples[0] != samples[1] && samples[1] != samples[2],
+            "row {row}: {samples:?}"
+        );
+    }
+    // sample 0 keeps the n = 1 seed: its output is the n = 1 run's
+    let (one, _) = run_samples("n-one", 1, 6, true);
+    for row in 0..rows {
+        assert_eq!(one[&(row, 0)], alone[&(row, 0)]);
+    }
+}
+
+#[test]
+fn a_forked_sample_computes_only_its_last_prompt_token() {
+    let prompt = words(4..14); // + <bos>: 11 tokens, 2 full blocks and 3 tokens
+    let mut f = fixture("n-plan", &[Some(&prompt)]);
+    (f.cfg.n, f.cfg.temperature, f.cfg.prefix_caching) = (3, 1.0, false);
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    wait_for_reader(&s);
+    let p = s.next_plan().unwrap().unwrap();
+    assert_eq!((p.num_seqs(), p.num_tokens()), (1, 11)); // the siblings wait a step
+    assert!(p.block_copies.is_empty());
+    s.commit(&[9], &[1], None).unwrap();
+    let p = s.next_plan().unwrap().unwrap();
+    assert_eq!(
+        (p.kind, p.num_seqs(), p.num_tokens()),
+        (StepKind::Prefill, 2, 2)
+    );
+    assert_eq!(p.positions, vec![10, 10]);
+    assert_eq!(p.cu_prefix, vec![0, 10, 20]);
+    let first: Vec<i32> = s.running[0].block_table.iter().map(|&b| b as i32).collect();
+    for r in 0..2 {
+        let table = &p.block_tables[r * p.block_table_width..][..3];
+        assert_eq!(table[..2], first[..2]); // shared
+        assert_eq!(p.block_copies[2 * r..2 * r + 2], [first[2], table[2]]); // copied
+    }
+    assert_ne!(p.seeds[0], p.seeds[1]);
+    s.abort().unwrap();
+}
+
+#[test]
+fn resume_skips_written_samples_and_counts_the_rest() {
+    let mut f = fixture("n-resume", &[Some("w4 w5"), Some("w6"), Some("w7 w8")]);
+    (f.cfg.n, f.cfg.temperature) = (2, 1.0);
+    f.cfg.skip_rows = vec![1];
+    f.cfg.skip_samples = vec![5, 2, 99]; // keys row * 2 + sample: (2, 1), (1, 0) skipped whole
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    assert_eq!(s.progress()[0], ("requests_total", 3));
+    drive_kv(&mut s);
+    s.finish().unwrap();
+    let keys: Vec<(i64, i32)> = read_output(&f.cfg.output_dir)
+        .iter()
+        .map(|r| (r.row_index, r.sample_index))
+        .collect();
+    assert_eq!(keys.len(), 3);
+    for k in [(0, 0), (0, 1), (2, 0)] {
+        assert!(keys.contains(&k), "{keys:?}");
     }
 }
