@@ -118,7 +118,7 @@ class DraftKvSpy:
         if plan.kind == "prefill":
             bs = self.worker.budget.block_size
             cu, cp = plan.cu_seqlens_q, plan.cu_prefix
-            for i in range(plan.num_seqs):
+            for i in np.flatnonzero(plan.next_ids < 0):  # rows whose prompt is now complete
                 ids = [*plan.prefix_ids[cp[i] : cp[i + 1]], *plan.input_ids[cu[i] : cu[i + 1]]]
                 pos = np.arange(len(ids))
                 blocks = plan.block_tables[i, pos // bs]
@@ -126,11 +126,15 @@ class DraftKvSpy:
         return out
 
 
-def test_reused_draft_kv_equals_the_draft_kv_computed_without_caching(tmp_path, tiny_model_dir):
+@pytest.mark.parametrize("chunk", [None, 9])
+def test_reused_draft_kv_equals_the_draft_kv_computed_without_caching(tmp_path, tiny_model_dir,
+                                                                      chunk):  # fmt: skip
     """Prompts that part exactly at a block boundary: the draft's entry at the last position
     of the shared part depends on the first token after it, so the scheduler must not reuse
     that block (the one whose successor it could not match) for the draft's cache. The random
-    head accepts next to nothing, so outputs alone would not show a wrong entry."""
+    head accepts next to nothing, so outputs alone would not show a wrong entry. With chunked
+    prefill (`chunk` tokens a step) each chunk's last entry depends on the next chunk's first
+    token (the plan's next_ids): the same comparison checks it."""
     head = init_random_draft(tmp_path / "head", tiny_model_dir, kind="eagle3", seed=6,
                              aux_layer_ids=(0, 1, 2))  # fmt: skip
     shared = PREAMBLE[:48]  # three blocks, then the prompts part
@@ -138,12 +142,15 @@ def test_reused_draft_kv_equals_the_draft_kv_computed_without_caching(tmp_path, 
     inp = write_prompts(tmp_path / "in.parquet", prompts)
     kv = {}
     for caching in (True, False):
+        # the reference: no caching, whole prefills; the other: caching (and chunks)
+        engine = [f"prefix_caching: {str(caching).lower()}", "kv_cache_tokens: 2048",
+                  f"chunked_prefill: {str(caching and chunk is not None).lower()}",
+                  f"max_num_batched_tokens: {chunk or 4096}", "device: cpu"]  # fmt: skip
         job_file = tmp_path / f"kv{caching}.yaml"
         job_file.write_text(
             f"model: {tiny_model_dir}\ndraft: {head}\ninput:\n  path: {inp}\noutput:\n"
-            f"  path: {tmp_path / f'kv{caching}'}\nsampling:\n  max_new_tokens: 4\nengine:\n"
-            f"  device: cpu\n  kv_cache_tokens: 2048\n  prefix_caching: {str(caching).lower()}\n"
-            "speculative:\n  adaptive: false\n"
+            f"  path: {tmp_path / f'kv{caching}'}\nsampling:\n  max_new_tokens: 4\n"
+            "speculative:\n  adaptive: false\nengine:\n" + "".join(f"  {e}\n" for e in engine)
         )
         prep = prepare(load_job(job_file))
         spy = DraftKvSpy(build_worker(prep))
@@ -153,3 +160,36 @@ def test_reused_draft_kv_equals_the_draft_kv_computed_without_caching(tmp_path, 
     assert kv[True].keys() == kv[False].keys() and len(kv[True]) == len(prompts)
     for ids, want in kv[False].items():
         torch.testing.assert_close(kv[True][ids], want, atol=1e-5, rtol=1e-5)
+
+
+# ---- chunked prefill -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget", [7, 40])
+def test_chunked_prefill_equals_transformers(tmp_path, tiny_model_dir, reference, budget):
+    """A step budget below the longest prompt (~130 tokens): prompts in chunks of at most
+    `budget` tokens, sharing steps with the decoding rows."""
+    table, res = run_job(tmp_path, tiny_model_dir, shared_prompts(),
+                         overrides=["engine.chunked_prefill=true", "engine.max_batch_size=4",
+                                    f"engine.max_num_batched_tokens={budget}"])  # fmt: skip
+    assert tokens(table) == reference
+
+
+@pytest.mark.parametrize("caching", ["true", "false"])
+def test_chunked_prefill_with_speculative_decoding(tmp_path, tiny_model_dir, reference, caching):
+    head = init_random_draft(tmp_path / "head", tiny_model_dir, kind="eagle3", seed=5,
+                             aux_layer_ids=(0, 1, 2))  # fmt: skip
+    runs = {}
+    for chunked in ("true", "false"):
+        table, _ = run_job(tmp_path, tiny_model_dir, shared_prompts(), name=f"c{chunked}",
+                           overrides=[f"draft={head}", "speculative.adaptive=false",
+                                      f"engine.chunked_prefill={chunked}",
+                                      f"engine.prefix_caching={caching}",
+                                      "engine.max_num_batched_tokens=24",
+                                      "engine.max_batch_size=4"])  # fmt: skip
+        assert tokens(table) == reference
+        runs[chunked] = table
+    # the chunks' draft K/V (each chunk's last entry from the plan's next token) is exact:
+    # prompt lookup and the head propose the same drafts row by row
+    assert (runs["true"].column("accepted_tokens").to_pylist()
+            == runs["false"].column("accepted_tokens").to_pylist())  # fmt: skip

@@ -27,8 +27,10 @@ class UserInputError(NativeError):
 class StepPlan:
     """One forward step. B = num_seqs, T = num_tokens (sum of query lengths)."""
 
-    # "prefill": each row's query is its sequence after the prefix found in the prefix cache
-    #   (whole blocks, often none: then from position 0);
+    # "prefill": each row's query is its sequence after what the cache holds (prefix-cached
+    #   blocks, a forked sample's prompt, earlier chunks; often nothing: from position 0), or
+    #   with chunked prefill the next chunk of it;
+    # "decode" with chunked prefill may also hold such prefill chunks (plain decoding);
     # "decode": the tokens not yet in the KV cache (normally one);
     # "verify" (max_draft_tokens = K > 0): the last committed token at position L-1 then K
     #   placeholders (0) at L..L+K-1 that the worker overwrites with draft tokens; seq_lens = L+K
@@ -48,13 +50,17 @@ class StepPlan:
     top_k: npt.NDArray[np.int32]  # [B] 0 = off
     seeds: npt.NDArray[np.int64]  # [B] per-request seed (job seed mixed with the row index)
     num_generated: npt.NDArray[np.int32]  # [B] output tokens committed so far (sampling key)
-    # prefill plans: row i's tokens before its query (K/V cached) are
-    # prefix_ids[cu_prefix[i]:cu_prefix[i+1]]; other plans: empty, cu_prefix all 0
+    # rows computing their known tokens (a prefill, or a chunk of one): row i's tokens before
+    # its query (K/V cached) are prefix_ids[cu_prefix[i]:cu_prefix[i+1]]; none for decode and
+    # verify rows
     prefix_ids: npt.NDArray[np.int64]  # [P]
     cu_prefix: npt.NDArray[np.int32]  # [B+1]
     # [C, 2] (src, dst) KV blocks to copy in every cache (target layers and draft) before the
     # step: a sample forked from its sibling takes a copy of the prompt's partial last block
     block_copies: npt.NDArray[np.int32]
+    # [B] the token after each row's query; -1 where the step samples it (a chunked prefill
+    # row that stops before its end: its sampled token is dropped at commit)
+    next_ids: npt.NDArray[np.int64]
     max_seqlen_q: int
     max_seqlen_k: int
 

@@ -144,6 +144,9 @@ class EngineConfig(_Section):
     max_num_batched_tokens: int = Field(default=4096, ge=1, le=I32_MAX)
     # automatic prefix caching: requests whose tokens start alike share those full KV blocks
     prefix_caching: bool = True
+    # chunked prefill: prompts computed max_num_batched_tokens per step, in the running
+    # requests' decode steps (speculative: alternating with verify rounds)
+    chunked_prefill: bool = True
     max_model_len: int | None = Field(default=None, ge=2, le=I32_MAX)
     # auto: cpu on the CPU (torch's backend with the extension's kernel for decode and verify
     # steps, cpu/attention.py); on CUDA flashinfer when installed, else torch.

@@ -254,6 +254,7 @@ def scheduler_config(
         max_model_len=worker.max_model_len,
         max_draft_tokens=job.max_draft_tokens,
         prefix_caching=eng.prefix_caching,
+        chunked_prefill=eng.chunked_prefill,
         skip_rows=skip_rows,
         skip_samples=skip_samples,
         flush_interval_s=job.output.flush_interval_s,

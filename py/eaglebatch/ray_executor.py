@@ -74,6 +74,8 @@ class Unit:
     start: int  # [start, end) of the input's row_index
     end: int
     skip: np.ndarray = field(repr=False)  # int64 rows of the range done before this run
+    # sampling.n > 1: sample keys written before this run of rows not done (ResumeState)
+    skip_samples: np.ndarray = field(repr=False, default_factory=lambda: np.empty(0, np.int64))
 
     @property
     def name(self) -> str:
@@ -141,7 +143,8 @@ class EngineActor:
         try:
             own = open_output(self.prep, scope=scope)
             done = np.union1d(unit.skip, own.done_rows).astype(np.int64)
-            resume = replace(own, done_rows=done)
+            samples = np.union1d(unit.skip_samples, own.partial_samples).astype(np.int64)
+            resume = replace(own, done_rows=done, partial_samples=samples)
             res = run_prepared(self.prep, self.worker, self._progress, resume=resume, scope=scope)
         except DirectoryInUse:  # an actor of a lost node still finishing it: try again later
             return {"busy": True}
@@ -378,7 +381,8 @@ def run_on_ray(prep: PreparedJob, address: str | None, restart: bool, console) -
             engine = prep.job.engine.model_copy(update={"num_threads": cpus})
             prep = replace(prep, job=prep.job.model_copy(update={"engine": engine}))
         size = prep.job.ray.unit_rows or unit_rows(remaining, n, prep.job.engine.max_batch_size)
-        units = cut_units(prep.total_rows, done, size)
+        units = [replace(u, skip_samples=resume.partial_samples)
+                 for u in cut_units(prep.total_rows, done, size)]  # fmt: skip
         console.print(
             f"eaglebatch on Ray: {prep.total_rows} rows ({remaining} to generate) in "
             f"{len(units)} units of about {size} rows over {n} actor(s) -> {out}",

@@ -53,6 +53,8 @@ class SchedulerConfig:
     max_draft_tokens: int = 0
     # Automatic prefix caching (engine.prefix_caching): requests share their prompts' full blocks.
     prefix_caching: bool = True
+    # Chunked prefill (engine.chunked_prefill): prompts in chunks of max_num_batched_tokens.
+    chunked_prefill: bool = False
     # Resume: int64 [N] row indices earlier runs wrote (skipped without tokenizing), or None.
     skip_rows: np.ndarray | None = None
     # Resume with n > 1: int64 keys row_index * n + sample_index of the samples already written

@@ -68,6 +68,9 @@ pub struct SchedulerConfig {
     pub max_draft_tokens: usize,
     /// Automatic prefix caching: full KV blocks are shared by requests whose tokens start alike.
     pub prefix_caching: bool,
+    /// Chunked prefill: prompts are computed `max_num_batched_tokens` tokens per step at most,
+    /// in the steps that decode the running requests (scheduler/chunked.rs).
+    pub chunked_prefill: bool,
     pub read_batch_rows: usize,
     pub queue_rows: usize,
 }
@@ -114,6 +117,7 @@ impl SchedulerConfig {
             max_model_len: 4096,
             max_draft_tokens: 0,
             prefix_caching: true,
+            chunked_prefill: false,
             read_batch_rows: 1024,
             queue_rows: 4096,
         }

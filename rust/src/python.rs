@@ -82,6 +82,8 @@ pub struct PyStepPlan {
     #[pyo3(get)]
     block_copies: Py<PyArray2<i32>>,
     #[pyo3(get)]
+    next_ids: Py<PyArray1<i64>>,
+    #[pyo3(get)]
     max_seqlen_q: usize,
     #[pyo3(get)]
     max_seqlen_k: usize,
@@ -126,6 +128,7 @@ impl PyStepPlan {
             prefix_ids: p.prefix_ids.into_pyarray(py).unbind(),
             cu_prefix: p.cu_prefix.into_pyarray(py).unbind(),
             block_copies: copies.unbind(),
+            next_ids: p.next_ids.into_pyarray(py).unbind(),
             max_seqlen_q: p.max_seqlen_q,
             max_seqlen_k: p.max_seqlen_k,
         })

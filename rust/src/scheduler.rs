@@ -84,14 +84,17 @@ pub struct StepPlan {
     pub top_k: Vec<i32>,
     pub seeds: Vec<i64>,
     pub num_generated: Vec<i32>,
-    /// Prefill plans: the tokens before each row's query (in the cache already), rows
-    /// concatenated; row i's are `prefix_ids[cu_prefix[i]..cu_prefix[i + 1]]`. Empty (and
-    /// `cu_prefix` all 0) for other plans.
+    /// Rows computing their known tokens (a prefill, or a chunk of one): the tokens before the
+    /// row's query (in the cache already), rows concatenated; row i's are
+    /// `prefix_ids[cu_prefix[i]..cu_prefix[i + 1]]`. None for decode and verify rows.
     pub prefix_ids: Vec<i64>,
     pub cu_prefix: Vec<i32>,
     /// KV blocks to copy before the step, `[src, dst]` pairs (a sample forked from a sibling
     /// takes a copy of the prompt's partial last block): every layer, target and draft.
     pub block_copies: Vec<i32>,
+    /// The token after each row's query, -1 where the query ends the row's known tokens (the
+    /// step samples the next one); chunked prefill rows stop earlier.
+    pub next_ids: Vec<i64>,
     pub max_seqlen_q: usize,
     pub max_seqlen_k: usize,
 }
@@ -132,6 +135,7 @@ impl StepPlan {
             prefix_ids: Vec::new(),
             cu_prefix: vec![0],
             block_copies: Vec::new(),
+            next_ids: Vec::with_capacity(b),
             max_seqlen_q: 0,
             max_seqlen_k: 0,
         }
@@ -186,11 +190,12 @@ fn sibling_start(
         return Start::Wait;
     }
     let len = seq.len();
-    let sibling = running
-        .iter()
-        .find(|o| o.row_index == seq.row_index && o.num_computed >= len);
-    let Some(sibling) = sibling else {
-        return Start::Fresh;
+    let mut siblings = running.iter().filter(|o| o.row_index == seq.row_index);
+    let Some(sibling) = siblings.clone().find(|o| o.num_computed >= len) else {
+        return match siblings.next() {
+            Some(_) => Start::Wait, // a sibling computes the prompt in chunks: fork after
+            None => Start::Fresh,
+        };
     };
     let full = (len - 1) / bs;
     Start::Fork {
@@ -256,45 +261,49 @@ fn register_computed(bm: &mut BlockManager, seq: &mut Sequence) -> Result<()> {
     Ok(())
 }
 
-/// Appends row `r` (`seq`) to the plan: its query tokens `num_computed..len + lookahead`
+/// Appends row `r` (`seq`) to the plan: its query tokens `num_computed..end + lookahead`
 /// (placeholders 0 past `len`), their positions and KV slots, its block table and per-row
-/// values. The sequence's blocks must already cover `len + lookahead` tokens.
+/// values. The sequence's blocks must already cover `end + lookahead` tokens.
 fn push_plan_row(
     p: &mut StepPlan,
     r: usize,
     seq: &Sequence,
+    end: usize,
     lookahead: usize,
     bm: &BlockManager,
     seed: i64,
 ) {
+    // fmt: skip
     let len = seq.len();
-    let q = len - seq.num_computed;
-    let end = len + lookahead;
-    debug_assert!(seq.block_table.len() >= bm.blocks_needed(end));
-    for pos in seq.num_computed..end {
+    let q = end - seq.num_computed;
+    let stop = end + lookahead;
+    debug_assert!(seq.block_table.len() >= bm.blocks_needed(stop));
+    for pos in seq.num_computed..stop {
         let id = if pos < len { seq.token(pos) as i64 } else { 0 };
         p.input_ids.push(id);
         p.positions.push(pos as i64);
         p.slot_mapping.push(bm.slot(&seq.block_table, pos));
     }
     p.cu_seqlens_q.push(p.input_ids.len() as i32);
-    p.seq_lens.push(end as i32);
+    p.seq_lens.push(stop as i32);
     let width = p.block_table_width;
     for (j, &blk) in seq.block_table.iter().enumerate() {
         p.block_tables[r * width + j] = blk as i32;
     }
-    if p.kind == StepKind::Prefill {
+    if seq.prefilling() {
         p.prefix_ids
             .extend((0..seq.num_computed).map(|pos| seq.token(pos) as i64));
     }
     p.cu_prefix.push(p.prefix_ids.len() as i32);
+    p.next_ids
+        .push(if end < len { seq.token(end) as i64 } else { -1 });
     p.request_slots
         .push(seq.slot.expect("running request has a slot") as i32);
     p.seeds
         .push(sample_seed(seed, seq.row_index, seq.sample_index));
     p.num_generated.push(seq.num_output() as i32);
     p.max_seqlen_q = p.max_seqlen_q.max(q + lookahead);
-    p.max_seqlen_k = p.max_seqlen_k.max(end);
+    p.max_seqlen_k = p.max_seqlen_k.max(stop);
 }
 
 /// Checks a step result against its plan: one `num_tokens` (>= 1) and, if given, one
@@ -526,6 +535,9 @@ pub fn request_seed(seed: i64, row_index: i64) -> i64 {
 
 pub struct Scheduler {
     cfg: SchedulerConfig,
+    /// Chunked prefill with speculative decoding: whether the last step was a prefill chunk
+    /// (the next one verifies the decoding rows first).
+    last_step_prefill: bool,
     /// `cfg.skip_samples` as a set (keys row_index * n + sample_index).
     skip_samples: HashSet<i64>,
     /// Block copies of forked samples admitted this step, for the next plan.
@@ -596,6 +608,7 @@ impl Scheduler {
             },
         )?;
         Ok(Scheduler {
+            last_step_prefill: false,
             skip_samples,
             block_copies: Vec::new(),
             bm: BlockManager::new(cfg.num_blocks, cfg.block_size, cfg.prefix_caching),
@@ -826,43 +839,55 @@ impl Scheduler {
     /// prefill step when something can be admitted, else a decode (verify) step over all
     /// running requests.
     fn schedule(&mut self) -> Result<Option<StepPlan>> {
-        let admitted = self.admit(Instant::now())?;
+        if self.cfg.chunked_prefill {
+            return self.schedule_chunked();
+        }
+        let admitted = self.admit(Instant::now(), None)?;
         if admitted > 0 {
             let start = self.running.len() - admitted;
-            return self.build_plan(StepKind::Prefill, start).map(Some);
+            return self
+                .build_plan(StepKind::Prefill, start, admitted)
+                .map(Some);
         }
         if self.running.is_empty() {
-            if !self.waiting.is_empty() {
-                return Err(Error::internal(format!(
-                    "cannot admit the next waiting request ({} tokens) into an empty cache of \
-                     {} free blocks",
-                    self.waiting[0].len(),
-                    self.bm.num_free_blocks()
-                )));
-            }
-            return Ok(None);
+            return self.nothing_runnable();
         }
         let lookahead = self.cfg.max_draft_tokens;
-        self.grow_running(lookahead)?;
+        self.grow_running(lookahead, self.running.len())?;
         let kind = if lookahead > 0 {
             StepKind::Verify
         } else {
             StepKind::Decode
         };
-        self.build_plan(kind, 0).map(Some)
+        self.build_plan(kind, 0, self.running.len()).map(Some)
+    }
+
+    /// With nothing running: None when nothing waits either, else the internal error of a
+    /// waiting request that does not fit an empty cache (admission refuses such requests).
+    fn nothing_runnable(&self) -> Result<Option<StepPlan>> {
+        match self.waiting.front() {
+            Some(seq) => Err(Error::internal(format!(
+                "cannot admit the next waiting request ({} tokens) into an empty cache of {} \
+                 free blocks",
+                seq.len(),
+                self.bm.num_free_blocks()
+            ))),
+            None => Ok(None),
+        }
     }
 
     /// PREFILL admission: moves waiting requests FIFO to the end of `running` while a slot,
-    /// the token budget (`max_num_batched_tokens` of uncached tokens, always exceeded by the
-    /// first one if need be) and the KV blocks allow; next to running requests `watermark`
-    /// blocks stay free. Each admitted request gets its cached prefix (module doc), blocks for
-    /// the rest of its tokens and the smallest free slot. Returns how many were admitted (they
-    /// are `running[len - admitted..]`).
-    fn admit(&mut self, now: Instant) -> Result<usize> {
+    /// the token budget and the KV blocks allow; next to running requests `watermark` blocks
+    /// stay free. The budget: `chunk_budget` None = `max_num_batched_tokens` of uncached
+    /// tokens, always exceeded by the first request if need be; Some(b) = chunked prefill, b
+    /// tokens in all, a request's first chunk cut to what is left (`chunk_end`). Each admitted
+    /// request gets its cached prefix (module doc), blocks for all its tokens and the smallest
+    /// free slot. Returns how many were admitted (they are `running[len - admitted..]`).
+    fn admit(&mut self, now: Instant, chunk_budget: Option<usize>) -> Result<usize> {
         let mut admitted = 0usize;
         let mut budget_used = 0usize;
         let speculative = self.cfg.max_draft_tokens > 0;
-        let mut computing = HashSet::new(); // chain hashes of the full blocks this step computes
+        let mut computing = self.blocks_being_computed(); // chain hashes of full blocks
         let mut rows_now = HashSet::new(); // rows whose prompt a sample admitted now computes
         while let Some(seq) = self.waiting.front_mut() {
             if self.running.len() >= self.cfg.max_batch_size || self.free_request_slots.is_empty() {
@@ -884,9 +909,16 @@ impl Scheduler {
                 }
             };
             let n = seq.len();
-            if admitted > 0 && budget_used + n - cached > self.cfg.max_num_batched_tokens {
-                break;
-            }
+            let chunk = match chunk_budget {
+                Some(b) if budget_used >= b => break,
+                Some(b) => (n - cached).min(b - budget_used),
+                None if admitted > 0
+                    && budget_used + n - cached > self.cfg.max_num_batched_tokens =>
+                {
+                    break
+                }
+                None => n - cached,
+            };
             let reserve = if self.running.is_empty() {
                 0
             } else {
@@ -906,6 +938,8 @@ impl Scheduler {
             seq.status = Status::Running;
             seq.num_computed = cached;
             seq.registered = prefix.len();
+            seq.chunk_end = (cached + chunk < n).then_some(cached + chunk);
+            seq.prefill_pending = true;
             if seq.timing.first_scheduled.is_none() {
                 seq.timing.first_scheduled = Some(now);
                 seq.cached_tokens = cached.min(seq.prompt_len());
@@ -916,20 +950,20 @@ impl Scheduler {
             if fresh {
                 rows_now.insert(seq.row_index); // its siblings fork from it next step
             }
-            budget_used += n - cached;
+            budget_used += chunk;
             admitted += 1;
             self.running.push(seq);
         }
         Ok(admitted)
     }
 
-    /// DECODE / VERIFY room: grows every running request's blocks to hold its tokens plus
-    /// `lookahead` slots, preempting the most recently admitted requests until it fits.
-    /// running[0] always fits once everyone after it is preempted (admission invariant: its
-    /// worst case fits the whole cache), so it is never preempted and makes progress.
-    fn grow_running(&mut self, lookahead: usize) -> Result<()> {
+    /// DECODE / VERIFY room: grows the first `rows` running requests' blocks to hold their
+    /// tokens plus `lookahead` slots, preempting the most recently admitted requests until it
+    /// fits. running[0] always fits once everyone after it is preempted (admission invariant:
+    /// its worst case fits the whole cache), so it is never preempted and makes progress.
+    fn grow_running(&mut self, lookahead: usize, rows: usize) -> Result<()> {
         let mut i = 0;
-        while i < self.running.len() {
+        while i < rows.min(self.running.len()) {
             let need = self.bm.blocks_to_grow(
                 &self.running[i].block_table,
                 self.running[i].len() + lookahead,
@@ -958,10 +992,31 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Chain hashes of the full blocks that running rows still computing their tokens (chunked
+    /// prefill) have yet to compute: a request that would compute them too waits (`admit`).
+    fn blocks_being_computed(&mut self) -> HashSet<u64> {
+        let mut hashes = HashSet::new();
+        if !self.bm.caching() {
+            return hashes;
+        }
+        let bs = self.bm.block_size();
+        for seq in self.running.iter_mut().filter(|s| s.prefilling()) {
+            let full = seq.len() / bs;
+            seq.extend_block_hashes(full, bs);
+            hashes.extend(
+                seq.block_hashes[seq.num_computed / bs..full]
+                    .iter()
+                    .copied(),
+            );
+        }
+        hashes
+    }
+
     /// Preemption by recomputation: free the KV blocks and slot, requeue at the front.
     fn preempt(&mut self, mut seq: Sequence) -> Result<()> {
         self.bm.free(&mut seq.block_table)?;
         seq.registered = 0;
+        seq.chunk_end = None;
         if let Some(slot) = seq.slot.take() {
             self.free_request_slots.push(Reverse(slot));
         }
@@ -973,32 +1028,35 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Plan over `running[start..]`; marks the query tokens as computed. A verify row's query
-    /// is its uncomputed token at position L-1 followed by K placeholders (0) at L..L+K-1; the
-    /// worker fills them with draft tokens and the commit decides how many became real.
-    fn build_plan(&mut self, kind: StepKind, start: usize) -> Result<StepPlan> {
+    /// Plan over `running[start..start + rows]`; marks the query tokens as computed (up to a
+    /// row's `chunk_end`, if set). A verify row's query is its uncomputed token at position L-1
+    /// followed by K placeholders (0) at L..L+K-1; the worker fills them with draft tokens and
+    /// the commit decides how many became real.
+    fn build_plan(&mut self, kind: StepKind, start: usize, rows: usize) -> Result<StepPlan> {
         let lookahead = if kind == StepKind::Verify {
             self.cfg.max_draft_tokens
         } else {
             0
         };
-        let rows = &mut self.running[start..];
+        let rows = &mut self.running[start..start + rows];
         let width = rows.iter().map(|s| s.block_table.len()).max().unwrap_or(0);
         let t: usize = rows
             .iter()
-            .map(|s| s.len() - s.num_computed + lookahead)
+            .map(|s| s.chunk_end.unwrap_or(s.len()) - s.num_computed + lookahead)
             .sum();
         let mut p = StepPlan::empty(kind, &self.cfg, rows.len(), t, width);
         p.block_copies = std::mem::take(&mut self.block_copies);
         for (r, seq) in rows.iter_mut().enumerate() {
             check_plan_row(kind, seq)?;
-            push_plan_row(&mut p, r, seq, lookahead, &self.bm, self.cfg.seed);
-            if kind == StepKind::Prefill {
-                self.stats.prefill_tokens += (seq.len() - seq.num_computed) as u64;
+            let end = seq.chunk_end.take().unwrap_or(seq.len());
+            push_plan_row(&mut p, r, seq, end, lookahead, &self.bm, self.cfg.seed);
+            if seq.prefilling() {
+                self.stats.prefill_tokens += (end - seq.num_computed) as u64;
             }
             // The worker writes K/V for every query token during this step (for a verify row,
             // `commit` settles how many of them hold accepted tokens).
-            seq.num_computed = seq.len();
+            seq.num_computed = end;
+            seq.prefill_pending &= end < seq.len();
             if kind != StepKind::Verify {
                 register_computed(&mut self.bm, seq)?;
             }
@@ -1049,6 +1107,9 @@ impl Scheduler {
         now: Instant,
     ) {
         let seq = &mut self.running[i];
+        if kind != StepKind::Verify && seq.num_computed < seq.len() {
+            return; // a prefill chunk short of the prompt's end: its token is not the next one
+        }
         let appended = append_tokens(seq, toks, now, &self.tokenizer, &self.criteria);
         if kind == StepKind::Verify {
             seq.num_computed = seq.len() - 1;
@@ -1297,6 +1358,7 @@ fn find_stop(text: &str, old_len: usize, stop: &[String], max_stop_len: usize) -
         .map(|p| start + p)
 }
 
+mod chunked;
 #[cfg(test)]
 mod prefix_cache_tests;
 #[cfg(test)]

@@ -107,6 +107,11 @@ pub struct Sequence {
     pub registered: usize,
     /// Prompt tokens whose K/V came from the prefix cache when the request was first admitted.
     pub cached_tokens: usize,
+    /// Chunked prefill: where this step's query stops when it stops before `len()` (set by the
+    /// scheduler for the next plan, taken by it).
+    pub chunk_end: Option<usize>,
+    /// Admitted and not yet planned up to its last known token (see `prefilling`).
+    pub prefill_pending: bool,
 }
 
 impl Sequence {
@@ -138,6 +143,8 @@ impl Sequence {
             block_hashes: Vec::new(),
             registered: 0,
             cached_tokens: 0,
+            chunk_end: None,
+            prefill_pending: false,
         }
     }
 
@@ -193,6 +200,13 @@ impl Sequence {
             let h = chain_hash(self.parent_hash(j), &self.block_tokens(j, bs));
             self.block_hashes.push(h);
         }
+    }
+
+    /// Whether a running sequence is still computing its known tokens (its prompt, or prompt
+    /// and outputs after a preemption, less what the cache held) rather than decoding: from
+    /// its admission until a plan's query reaches its last known token.
+    pub fn prefilling(&self) -> bool {
+        self.prefill_pending
     }
 
     /// Output ids that make up the text (the trailing EOS, if any, excluded).

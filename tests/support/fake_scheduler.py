@@ -44,10 +44,13 @@ class FakePlan:
     prefix_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # no caching
     cu_prefix: np.ndarray | None = None  # int32 [B+1], all 0
     block_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))
+    next_ids: np.ndarray | None = None  # int64 [B], all -1 (no chunked prefill)
 
     def __post_init__(self) -> None:
         if self.cu_prefix is None:
             self.cu_prefix = np.zeros(self.num_seqs + 1, dtype=np.int32)
+        if self.next_ids is None:
+            self.next_ids = np.full(self.num_seqs, -1, dtype=np.int64)
 
 
 @dataclass

@@ -2,10 +2,12 @@
 
 Plans (see _native.pyi and the speculative plan contract):
   * "prefill": row i is a sequence x_0..x_{n-1} from position c (c > 0: positions 0..c-1 are
-    in both caches, found by prefix caching; the scheduler only reuses a block whose draft K/V
-    is valid for the new row, see scheduler.rs). The target runs it (capturing what the draft
-    reads), samples x_n, then the draft EXTENDS over the query: draft input at p =
-    (f_p, x_{p+1}) for p = c..n-1, writing draft K/V at positions c..n-1.
+    in both caches: found by prefix caching, forked from a sibling sample or computed by earlier
+    chunks; the scheduler only reuses a block whose draft K/V is valid for the new row, see
+    scheduler.rs), or a chunk of it that stops before n (chunked prefill: the plan's
+    next_ids gives the token after the chunk, and the sampled token is dropped). The target
+    runs it (capturing what the draft reads), samples x_n, then the draft EXTENDS over the
+    query: draft input at p = (f_p, x_{p+1}) for p = c..n-1, writing draft K/V at c..n-1.
   * "verify": row i has L committed tokens (target K/V valid for 0..L-2) and a query of W+1
     tokens at positions L-1..L-1+W: x_{L-1} then W placeholders (W = max_draft_tokens: K,
     the head's longest chain, or more with prompt lookup). A round of width k <= W runs five
@@ -367,9 +369,11 @@ class SpecWorker:
         last = self._dev(plan.cu_seqlens_q[1:].astype(np.int64) - 1)  # [B]
         logits = self.model.compute_logits(hidden.index_select(0, last))  # [B, V]
         tokens = sample(logits, *self._sampling(plan))  # [B]
-        # draft extend over p = 0..n-1: token x_{p+1} is the next prompt token, or the new one
+        # draft extend over p = c..n-1: token x_{p+1} is the next prompt token, or the new one
+        # (a chunk that stops before the row's end: the plan's next token, the new one dropped)
         next_ids = torch.roll(ids, -1)
-        next_ids[last] = tokens
+        after = self._dev(plan.next_ids)  # [B] -1: the sampled token follows
+        next_ids[last] = torch.where(after >= 0, after, tokens)
         h = self._draft_forward(
             next_ids, self.draft.target_features(captured), positions, meta, select=last
         )  # [B, h]
@@ -382,7 +386,8 @@ class SpecWorker:
         n = len(out)
         if self.lookup is not None:
             cu, cp = plan.cu_seqlens_q, plan.cu_prefix
-            for i, slot in enumerate(plan.request_slots):
+            for i in np.flatnonzero(plan.next_ids < 0):  # rows whose prompt is now complete
+                slot = plan.request_slots[i]
                 prefix = plan.prefix_ids[cp[i] : cp[i + 1]]  # cached, before the query
                 seq = np.concatenate((prefix, plan.input_ids[cu[i] : cu[i + 1]], out[i : i + 1]))
                 self.lookup.reset(int(slot), seq)

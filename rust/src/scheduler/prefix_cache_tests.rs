@@ -1,6 +1,6 @@
-//! Prefix caching end to end through the scheduler: a fake model with a real KV cache checks
-//! that every position a row reads holds that row's own token, and outputs equal a run without
-//! caching whatever the budget (eviction, preemption).
+//! Prefix caching, n samples and chunked prefill end to end through the scheduler: a fake model
+//! with a real KV cache checks that every position a row reads holds that row's own token, and
+//! outputs equal a run without the feature whatever the budget (eviction, preemption).
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -43,13 +43,15 @@ impl KvModel {
     fn row(&mut self, p: &StepPlan, r: usize, bs: usize) -> i32 {
         let (q0, q1) = (p.cu_seqlens_q[r] as usize, p.cu_seqlens_q[r + 1] as usize);
         let slot = p.request_slots[r];
-        if p.kind == StepKind::Prefill {
-            let (c0, c1) = (p.cu_prefix[r] as usize, p.cu_prefix[r + 1] as usize);
+        let start = p.positions[q0] as usize;
+        let (c0, c1) = (p.cu_prefix[r] as usize, p.cu_prefix[r + 1] as usize);
+        if c1 - c0 == start {
+            // a row computing its known tokens (a prefill, or a chunk of one): all before its
+            // query are in the plan
             let tokens = [&p.prefix_ids[c0..c1], &p.input_ids[q0..q1]].concat();
             self.history.insert(slot, tokens);
         }
         let history = &self.history[&slot];
-        let start = p.positions[q0] as usize;
         assert_eq!(history[start..], p.input_ids[q0..q1], "query tokens");
         let table = &p.block_tables[r * p.block_table_width..];
         let mut h = 17 + p.seeds[r] % 1_000_003; // samples of a row differ by their seed
@@ -75,11 +77,11 @@ fn drive_kv(s: &mut Scheduler) {
         check_plan(&p, &cfg);
         let tokens = model.step(&p, cfg.block_size);
         for (r, &t) in tokens.iter().enumerate() {
-            model
-                .history
-                .get_mut(&p.request_slots[r])
-                .unwrap()
-                .push(t as i64);
+            if p.next_ids[r] < 0 {
+                // (a chunk short of its row's end: the scheduler drops its token)
+                let history = model.history.get_mut(&p.request_slots[r]).unwrap();
+                history.push(t as i64);
+            }
         }
         s.commit(&tokens, &vec![1; tokens.len()], None).unwrap();
         steps += 1;
@@ -115,6 +117,17 @@ fn run(
     num_blocks: usize,
     spec: bool,
 ) -> (Vec<Vec<i32>>, Vec<i32>, Summary) {
+    run_with(tag, caching, num_blocks, spec, None)
+}
+
+/// `run`, with chunked prefill of `chunk` tokens per step when given.
+fn run_with(
+    tag: &str,
+    caching: bool,
+    num_blocks: usize,
+    spec: bool,
+    chunk: Option<usize>,
+) -> (Vec<Vec<i32>>, Vec<i32>, Summary) {
     let prompts = shared_prompts();
     let prompts: Vec<Option<&str>> = prompts.iter().map(|p| Some(p.as_str())).collect();
     let mut f = fixture(tag, &prompts);
@@ -123,6 +136,9 @@ fn run(
     f.cfg.max_new_tokens = 9;
     if spec {
         f.cfg.max_draft_tokens = 3;
+    }
+    if let Some(budget) = chunk {
+        (f.cfg.chunked_prefill, f.cfg.max_num_batched_tokens) = (true, budget);
     }
     let mut s = Scheduler::new(f.cfg.clone()).unwrap();
     if spec {
@@ -319,5 +335,86 @@ fn resume_skips_written_samples_and_counts_the_rest() {
     assert_eq!(keys.len(), 3);
     for k in [(0, 0), (0, 1), (2, 0)] {
         assert!(keys.contains(&k), "{keys:?}");
+    }
+}
+
+#[test]
+fn chunked_prefill_equals_whole_prefills_plain_and_speculative() {
+    for spec in [false, true] {
+        let (want, _, _) = run_with("ch-ref", false, 64, spec, None);
+        for (budget, caching, blocks) in
+            [(3, false, 64), (7, true, 64), (5, true, 12), (64, true, 64)]
+        {
+            let tag = format!("ch-{spec}-{budget}-{caching}-{blocks}");
+            let (got, _, summary) = run_with(&tag, caching, blocks, spec, Some(budget));
+            assert_eq!(got, want, "{tag}");
+            if !caching {
+                // every prompt token computed once, chunks or not
+                let prompts: i64 = shared_prompts()
+                    .iter()
+                    .map(|p| p.split(' ').count() as i64 + 1)
+                    .sum();
+                assert_eq!(int(&summary, "prefill_tokens"), prompts, "{tag}");
+            }
+        }
+    }
+}
+
+/// A 17-token prompt arrives while another row decodes: with a budget of 4 tokens it is
+/// computed over several steps, and the decoding row takes a step in every one (plain) or in
+/// every other one (speculative: chunks and verify rounds alternate).
+#[test]
+fn a_long_prompt_in_chunks_never_stops_the_decoding_rows() {
+    for spec in [false, true] {
+        let mut f = fixture("ch-plan", &[Some("w4"), Some(&words(4..20))]);
+        (f.cfg.chunked_prefill, f.cfg.max_num_batched_tokens) = (true, 4);
+        (f.cfg.max_batch_size, f.cfg.max_new_tokens) = (1, 30); // row 1 waits for row 0's slot
+        f.cfg.max_batch_size = 2;
+        f.cfg.max_draft_tokens = if spec { 2 } else { 0 };
+        let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+        wait_for_reader(&s);
+        let mut kinds = Vec::new();
+        let mut chunks = Vec::new();
+        while let Some(p) = s.next_plan().unwrap() {
+            check_plan(&p, &f.cfg);
+            let long = (0..p.num_seqs()).find(|&r| {
+                p.input_ids[p.cu_seqlens_q[r] as usize] != 0
+                    && p.seq_lens[r] > 3
+                    && p.next_ids[r] >= 0
+            });
+            if let Some(r) = long {
+                chunks.push(p.cu_seqlens_q[r + 1] - p.cu_seqlens_q[r]);
+            }
+            kinds.push((p.kind, p.num_seqs()));
+            let n = p.num_seqs();
+            let counts = vec![1; n];
+            let toks: Vec<i32> = (0..n)
+                .map(|r| 5 + (p.input_ids[p.cu_seqlens_q[r + 1] as usize - 1] as i32 % 50))
+                .collect();
+            if p.kind == StepKind::Verify {
+                s.commit(&toks, &counts, Some(&vec![0; n])).unwrap();
+            } else {
+                s.commit(&toks, &counts, spec.then_some(&vec![0; n][..]))
+                    .unwrap();
+            }
+            if kinds.len() > 12 {
+                break;
+            }
+        }
+        assert!(
+            chunks.len() >= 3 && chunks.iter().all(|&c| c <= 4),
+            "{spec}: {chunks:?}"
+        );
+        // from the second step on, the first row decodes at least every other step
+        let decodes: Vec<bool> = kinds[1..8]
+            .iter()
+            .map(|&(k, n)| k == StepKind::Verify || (k == StepKind::Decode && n == 2))
+            .collect();
+        if spec {
+            assert!(decodes.windows(2).all(|w| w[0] || w[1]), "{kinds:?}");
+        } else {
+            assert!(decodes.iter().all(|&d| d), "{kinds:?}");
+        }
+        s.abort().unwrap();
     }
 }

@@ -83,12 +83,16 @@ pub(super) fn check_plan(p: &StepPlan, cfg: &SchedulerConfig) {
         assert!(q1 > q0);
         let prefix = (p.cu_prefix[r + 1] - p.cu_prefix[r]) as usize;
         if p.kind == StepKind::Prefill {
-            // the query follows the prefix in the cache (whole blocks, or a forked sample's
-            // prompt less its last token)
+            // the query follows what is in the cache (prefix-cached blocks, a forked sample's
+            // prompt less its last token, earlier chunks)
             assert_eq!(p.positions[q0] as usize, prefix);
-            assert_eq!(q1 - q0 + prefix, seq_len);
         } else {
-            assert_eq!(prefix, 0);
+            assert!(prefix == 0 || prefix == p.positions[q0] as usize); // a chunk in a decode step
+        }
+        if p.kind != StepKind::Verify {
+            assert_eq!(p.positions[q0] as usize + q1 - q0, seq_len);
+        } else {
+            assert_eq!(p.next_ids[r], -1);
         }
         assert_eq!(p.positions[q1 - 1] as usize, seq_len - 1);
         let table = &p.block_tables[r * p.block_table_width..(r + 1) * p.block_table_width];
