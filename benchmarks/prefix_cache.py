@@ -1,6 +1,7 @@
 """Prefix caching on and off, side by side in one sitting, on the embedded default model.
 
-    python benchmarks/prefix_cache.py [--case preamble|quickstart|samples ...] [--json PATH]
+    python benchmarks/prefix_cache.py [--case preamble|quickstart|samples|chunked ...]
+                                      [--json PATH]
 
 Cases (each run twice on one loaded worker, caching off then on, greedy, output token ids
 compared row by row):
@@ -11,7 +12,10 @@ compared row by row):
   samples     the quickstart's first 16 prompts with sampling.n = 8 (temperature 0.8, 32 new
               tokens, batch 64) against the same 16 prompts with n = 1: the tokens prefilled
               (the issue's bound: within 1.2x of the 16 prompts' own) and the wall time. Not a
-              caching off / on pair: n samples share their prompt whether caching is on or not.
+              caching off / on pair: n samples share their prompt whether caching is on or not;
+  chunked     the quickstart with chunked prefill off (whole prompts, 4096 tokens a step) and on
+              with 512 tokens a step: TPOT p99 and throughput side by side.
+The first three run with the job's chunked-prefill setting (the default, on).
 Prints wall time (first step to last row), prompt tokens prefilled and served from the cache,
 output tok/s, TPOT p99 and whether the outputs are identical.
 """
@@ -76,9 +80,9 @@ def preamble_job(tmp: Path) -> Path:
     return job
 
 
-def run(job_file: Path, out: Path, caching: bool, worker=None) -> tuple[dict, object]:
+def run(job_file: Path, out: Path, caching: bool, worker=None, extra=()) -> tuple[dict, object]:
     sets = [f"output.path={out}", "output.include_token_ids=true",
-            f"engine.prefix_caching={str(caching).lower()}"]  # fmt: skip
+            f"engine.prefix_caching={str(caching).lower()}", *extra]  # fmt: skip
     prep = prepare(load_job(job_file, sets))
     worker = worker or build_worker(prep)
     res = run_prepared(prep, worker=worker, restart=True)
@@ -95,22 +99,29 @@ def run(job_file: Path, out: Path, caching: bool, worker=None) -> tuple[dict, ob
 
 
 def case(name: str, job_file: Path, tmp: Path, console: Console) -> dict:
-    off, worker = run(job_file, tmp / f"{name}-off", False)
-    on, _ = run(job_file, tmp / f"{name}-on", True, worker)
+    if name == "chunked":  # caching on in both: chunked prefill off, then on
+        off, worker = run(job_file, tmp / f"{name}-off", True,
+                          extra=["engine.chunked_prefill=false"])  # fmt: skip
+        on, _ = run(job_file, tmp / f"{name}-on", True, worker,
+                    extra=["engine.chunked_prefill=true", "engine.max_num_batched_tokens=512"])
+        what, labels = "chunked prefill off / on (512 tokens a step)", ("off", "on")
+    else:
+        off, worker = run(job_file, tmp / f"{name}-off", False)
+        on, _ = run(job_file, tmp / f"{name}-on", True, worker)
+        what, labels = "prefix caching off / on", ("off", "on")
     same = sum(off["tokens"][r] == on["tokens"].get(r) for r in off["tokens"])
-    table = Table(title=f"{name}: prefix caching off / on (identical outputs {same}/"
-                        f"{len(off['tokens'])})")  # fmt: skip
-    for col in ("caching", "wall s", "prefilled", "cached", "hit rate", "out tok/s",
+    table = Table(title=f"{name}: {what} (identical outputs {same}/{len(off['tokens'])})")
+    for col in ("setting", "wall s", "prefilled", "cached", "hit rate", "out tok/s",
                 "TTFT p99", "TPOT p99", "min cached/row"):
         table.add_column(col, justify="right")
-    for r in (off, on):
-        table.add_row("on" if r["caching"] else "off", f"{r['wall_s']:.1f}",
+    for label, r in zip(labels, (off, on), strict=True):
+        table.add_row(label, f"{r['wall_s']:.1f}",
                       str(r["prefill_tokens"]), str(r["cached_tokens"]),
                       f"{r['prefix_hit_rate'] or 0:.1%}", f"{r['output_tok_s']:.1f}",
                       f"{r['ttft_p99']:.2f}", f"{r['tpot_p99']:.3f}", str(r["min_cached"]))
     console.print(table)
     speedup = off["wall_s"] / on["wall_s"]
-    console.print(f"{name}: {speedup:.2f}x end to end with caching")
+    console.print(f"{name}: {speedup:.2f}x end to end ({what})")
     for r in (off, on):
         del r["tokens"]
     return {"off": off, "on": on, "speedup": speedup, "identical": same}
@@ -141,14 +152,15 @@ def samples_case(tmp: Path, console: Console) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--case", action="append", choices=["preamble", "quickstart", "samples"])
+    ap.add_argument("--case", action="append",
+                    choices=["preamble", "quickstart", "samples", "chunked"])  # fmt: skip
     ap.add_argument("--json")
     args = ap.parse_args()
     console = Console(width=150)
     result = {"machine": platform.processor() or platform.machine(), "cases": {}}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        for name in args.case or ["preamble", "quickstart", "samples"]:
+        for name in args.case or ["preamble", "quickstart", "samples", "chunked"]:
             if name == "samples":
                 result["cases"][name] = samples_case(tmp, console)
             else:

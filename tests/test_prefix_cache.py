@@ -193,3 +193,47 @@ def test_chunked_prefill_with_speculative_decoding(tmp_path, tiny_model_dir, ref
     # prompt lookup and the head propose the same drafts row by row
     assert (runs["true"].column("accepted_tokens").to_pylist()
             == runs["false"].column("accepted_tokens").to_pylist())  # fmt: skip
+
+
+# ---- the default model ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_default_model_outputs_equal_with_and_without_caching_and_chunks(tmp_path):
+    """SmolLM2-135M-Instruct and its builtin EAGLE head on 8 ShareGPT prompts after a shared
+    instruction (a system message far longer than a block): greedy tokens equal without
+    caching, with caching, and with chunked prefill of 48 tokens a step."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eaglebatch import defaults
+
+    rows = pq.ParquetFile(defaults.sharegpt_parquet()).read_row_group(0).to_pylist()
+    rows = [r for r in rows if 20 <= len(r["prompt"]) <= 300][:8]
+    system = "You are a careful assistant. Answer in two short sentences, plainly. " * 4
+    msgs = [[{"role": "system", "content": system}, {"role": "user", "content": r["prompt"]}]
+            for r in rows]  # fmt: skip
+    inp = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"messages": msgs}), inp)
+    settings = {"plain": "false", "cached": "true"}
+    got = {}
+    for draft in (None, "smollm2-135m-instruct-eagle"):
+        for name, caching in settings.items():
+            for chunk in (None, 48):
+                tag = f"{draft is not None}-{name}-{chunk}"
+                job = tmp_path / f"{tag}.yaml"
+                job.write_text(
+                    f"model: smollm2-135m-instruct\ninput:\n  path: {inp}\n"
+                    f"  messages_column: messages\noutput:\n  path: {tmp_path / tag}\n"
+                    "  include_token_ids: true\nsampling:\n  max_new_tokens: 24\n"
+                    f"engine:\n  device: cpu\n  kv_cache_tokens: 8192\n  max_batch_size: 8\n"
+                    f"  prefix_caching: {caching}\n  chunked_prefill: {str(bool(chunk)).lower()}\n"
+                    f"  max_num_batched_tokens: {chunk or 4096}\n"
+                    + (f"draft: {draft}\n" if draft else "")
+                )
+                res = run_prepared(prepare(load_job(job)))
+                table = pq.read_table(tmp_path / tag).sort_by("row_index")
+                got[tag] = tokens(table)
+                assert (res.stats["cached_tokens"] > 0) == (caching == "true"), tag
+    want = got["False-plain-None"]
+    assert all(v == want for v in got.values()), [k for k, v in got.items() if v != want]
