@@ -47,6 +47,7 @@ use crate::reader::{spawn_reader, validate_inputs, ReaderMsg, ReaderOptions, Tex
 use crate::sequence::{FinishReason, Request, Sequence, Status, Timing};
 use crate::stats::{Stats, Summary};
 use crate::writer::{OutputRow, Writer, WriterConfig, WriterSummary};
+use admission::register_computed;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StepKind {
@@ -160,107 +161,6 @@ fn check_plan_row(kind: StepKind, seq: &Sequence) -> Result<()> {
     Ok(())
 }
 
-/// How a waiting sample of a row with n > 1 samples starts (`sibling_start`).
-enum Start {
-    /// On its own (prefix cache, or from scratch).
-    Fresh,
-    /// Next step: a sibling admitted in this one computes their prompt.
-    Wait,
-    /// From a running sibling that computed their prompt: its full blocks before the last
-    /// token shared, a copy of the block holding the positions after them (`partial`, if any).
-    /// Only the last prompt token is computed: its logits sample this sample's first token.
-    Fork {
-        shared: Vec<u32>,
-        partial: Option<u32>,
-    },
-}
-
-/// See `Start`. A sibling's prompt positions never change once computed, and its draft K/V
-/// before the last prompt position depends on prompt tokens only, so both caches are exact.
-fn sibling_start(
-    running: &[Sequence],
-    seq: &Sequence,
-    rows_now: &HashSet<i64>,
-    bs: usize,
-) -> Start {
-    if seq.num_output() > 0 {
-        return Start::Fresh; // resumed after a preemption: its own tokens
-    }
-    if rows_now.contains(&seq.row_index) {
-        return Start::Wait;
-    }
-    let len = seq.len();
-    let mut siblings = running.iter().filter(|o| o.row_index == seq.row_index);
-    let Some(sibling) = siblings.clone().find(|o| o.num_computed >= len) else {
-        return match siblings.next() {
-            Some(_) => Start::Wait, // a sibling computes the prompt in chunks: fork after
-            None => Start::Fresh,
-        };
-    };
-    let full = (len - 1) / bs;
-    Start::Fork {
-        shared: sibling.block_table[..full].to_vec(),
-        partial: (!(len - 1).is_multiple_of(bs)).then(|| sibling.block_table[full]),
-    }
-}
-
-/// The cached blocks a waiting sequence starts from (the scheduler's module doc says which),
-/// and the chain hash of its first full block past those found (None: no such block).
-fn cached_prefix(
-    bm: &BlockManager,
-    seq: &mut Sequence,
-    speculative: bool,
-) -> (Vec<u32>, Option<u64>) {
-    if !bm.caching() {
-        return (Vec::new(), None);
-    }
-    let bs = bm.block_size();
-    let full = seq.len() / bs;
-    seq.extend_block_hashes(full, bs);
-    let mut prefix = Vec::new();
-    for j in 0..full {
-        let (parent, hash) = (seq.parent_hash(j), seq.block_hashes[j]);
-        match bm.lookup(parent, hash, &seq.block_tokens(j, bs)) {
-            Some(b) => prefix.push(b),
-            None => break,
-        }
-    }
-    let found = prefix.len();
-    prefix.truncate((seq.len() - 1) / bs);
-    if speculative && prefix.len() == found && found > 0 {
-        // the next block was not found: the draft's entry at this block's last position holds
-        // for us only if the token after the block is the one it was computed from
-        let next = seq.token(found * bs); // exists: found * bs <= len - 1
-        if bm.next_token(prefix[found - 1]) != Some(next) {
-            prefix.pop();
-        }
-    }
-    (prefix, seq.block_hashes.get(found).copied())
-}
-
-/// Offers a running sequence's full blocks of computed positions to the prefix cache.
-fn register_computed(bm: &mut BlockManager, seq: &mut Sequence) -> Result<()> {
-    if !bm.caching() {
-        return Ok(());
-    }
-    let bs = bm.block_size();
-    let full = seq.num_computed / bs;
-    seq.extend_block_hashes(full, bs);
-    for j in seq.registered..full {
-        let (parent, hash) = (seq.parent_hash(j), seq.block_hashes[j]);
-        let next = ((j + 1) * bs < seq.len()).then(|| seq.token((j + 1) * bs));
-        bm.register(
-            seq.block_table[j],
-            parent,
-            hash,
-            &seq.block_tokens(j, bs),
-            next,
-        )?;
-    }
-    seq.registered = seq.registered.max(full);
-    Ok(())
-}
-
 /// Appends row `r` (`seq`) to the plan: its query tokens `num_computed..end + lookahead`
 /// (placeholders 0 past `len`), their positions and KV slots, its block table and per-row
 /// values. The sequence's blocks must already cover `end + lookahead` tokens.
@@ -273,7 +173,6 @@ fn push_plan_row(
     bm: &BlockManager,
     seed: i64,
 ) {
-    // fmt: skip
     let len = seq.len();
     let q = end - seq.num_computed;
     let stop = end + lookahead;
@@ -876,87 +775,6 @@ impl Scheduler {
         }
     }
 
-    /// PREFILL admission: moves waiting requests FIFO to the end of `running` while a slot,
-    /// the token budget and the KV blocks allow; next to running requests `watermark` blocks
-    /// stay free. The budget: `chunk_budget` None = `max_num_batched_tokens` of uncached
-    /// tokens, always exceeded by the first request if need be; Some(b) = chunked prefill, b
-    /// tokens in all, a request's first chunk cut to what is left (`chunk_end`). Each admitted
-    /// request gets its cached prefix (module doc), blocks for all its tokens and the smallest
-    /// free slot. Returns how many were admitted (they are `running[len - admitted..]`).
-    fn admit(&mut self, now: Instant, chunk_budget: Option<usize>) -> Result<usize> {
-        let mut admitted = 0usize;
-        let mut budget_used = 0usize;
-        let speculative = self.cfg.max_draft_tokens > 0;
-        let mut computing = self.blocks_being_computed(); // chain hashes of full blocks
-        let mut rows_now = HashSet::new(); // rows whose prompt a sample admitted now computes
-        while let Some(seq) = self.waiting.front_mut() {
-            if self.running.len() >= self.cfg.max_batch_size || self.free_request_slots.is_empty() {
-                break;
-            }
-            let bs = self.bm.block_size();
-            let start = sibling_start(&self.running, seq, &rows_now, bs);
-            let fresh = matches!(start, Start::Fresh);
-            let (prefix, copy, cached) = match start {
-                Start::Wait => break, // admitted next step, forked from the sibling
-                Start::Fork { shared, partial } => (shared, partial, seq.len() - 1),
-                Start::Fresh => {
-                    let (prefix, next) = cached_prefix(&self.bm, seq, speculative);
-                    if next.is_some_and(|h| computing.contains(&h)) {
-                        break; // admitted next step, it finds that block cached
-                    }
-                    let cached = prefix.len() * bs;
-                    (prefix, None, cached)
-                }
-            };
-            let n = seq.len();
-            let chunk = match chunk_budget {
-                Some(b) if budget_used >= b => break,
-                Some(b) => (n - cached).min(b - budget_used),
-                None if admitted > 0
-                    && budget_used + n - cached > self.cfg.max_num_batched_tokens =>
-                {
-                    break
-                }
-                None => n - cached,
-            };
-            let reserve = if self.running.is_empty() {
-                0
-            } else {
-                self.watermark
-            };
-            if !self.bm.can_allocate(n, &prefix, reserve) {
-                break;
-            }
-            let mut seq = self.waiting.pop_front().expect("front exists");
-            self.bm.allocate(&mut seq.block_table, &prefix, n)?;
-            if let Some(src) = copy {
-                let dst = seq.block_table[prefix.len()];
-                self.block_copies.extend([src as i32, dst as i32]);
-            }
-            let Reverse(slot) = self.free_request_slots.pop().expect("checked non-empty");
-            seq.slot = Some(slot);
-            seq.status = Status::Running;
-            seq.num_computed = cached;
-            seq.registered = prefix.len();
-            seq.chunk_end = (cached + chunk < n).then_some(cached + chunk);
-            seq.prefill_pending = true;
-            if seq.timing.first_scheduled.is_none() {
-                seq.timing.first_scheduled = Some(now);
-                seq.cached_tokens = cached.min(seq.prompt_len());
-                self.stats.prompt_tokens += seq.prompt_len() as u64;
-                self.stats.cached_tokens += seq.cached_tokens as u64;
-            }
-            computing.extend(seq.block_hashes.iter().skip(prefix.len()).copied());
-            if fresh {
-                rows_now.insert(seq.row_index); // its siblings fork from it next step
-            }
-            budget_used += chunk;
-            admitted += 1;
-            self.running.push(seq);
-        }
-        Ok(admitted)
-    }
-
     /// DECODE / VERIFY room: grows the first `rows` running requests' blocks to hold their
     /// tokens plus `lookahead` slots, preempting the most recently admitted requests until it
     /// fits. running[0] always fits once everyone after it is preempted (admission invariant:
@@ -990,26 +808,6 @@ impl Scheduler {
             i += 1;
         }
         Ok(())
-    }
-
-    /// Chain hashes of the full blocks that running rows still computing their tokens (chunked
-    /// prefill) have yet to compute: a request that would compute them too waits (`admit`).
-    fn blocks_being_computed(&mut self) -> HashSet<u64> {
-        let mut hashes = HashSet::new();
-        if !self.bm.caching() {
-            return hashes;
-        }
-        let bs = self.bm.block_size();
-        for seq in self.running.iter_mut().filter(|s| s.prefilling()) {
-            let full = seq.len() / bs;
-            seq.extend_block_hashes(full, bs);
-            hashes.extend(
-                seq.block_hashes[seq.num_computed / bs..full]
-                    .iter()
-                    .copied(),
-            );
-        }
-        hashes
     }
 
     /// Preemption by recomputation: free the KV blocks and slot, requeue at the front.
@@ -1358,6 +1156,7 @@ fn find_stop(text: &str, old_len: usize, stop: &[String], max_stop_len: usize) -
         .map(|p| start + p)
 }
 
+mod admission;
 mod chunked;
 #[cfg(test)]
 mod prefix_cache_tests;
