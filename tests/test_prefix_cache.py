@@ -137,8 +137,8 @@ def test_reused_draft_kv_equals_the_draft_kv_computed_without_caching(tmp_path, 
     token (the plan's next_ids): the same comparison checks it."""
     head = init_random_draft(tmp_path / "head", tiny_model_dir, kind="eagle3", seed=6,
                              aux_layer_ids=(0, 1, 2))  # fmt: skip
-    shared = PREAMBLE[:48]  # three blocks, then the prompts part
-    prompts = [shared + "xyz and more", shared + "abc and more", shared[:32] + "qq" + "r" * 20]
+    shared = PREAMBLE[:80]  # five blocks (enough to wait a step for), then the prompts part
+    prompts = [shared + "xyz and more", shared + "abc and more", shared[:64] + "qq" + "r" * 20]
     inp = write_prompts(tmp_path / "in.parquet", prompts)
     kv = {}
     for caching in (True, False):

@@ -27,8 +27,9 @@
 //! token (one token at least is computed: its logits) and, with speculative decoding, less the
 //! last block found unless the token after it is the one the block's registering sequence had
 //! there (the draft's K/V at a block's last position p is computed from token p + 1, its
-//! shifted input). A request whose next uncached block another request admitted in the
-//! same step computes waits one step, to find it cached instead of computing it twice.
+//! shifted input). A request whose next uncached blocks (64 tokens or more) requests admitted
+//! in the same step compute waits one step, to find them cached instead of computing them twice
+//! (admission.rs).
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashSet, VecDeque};

@@ -126,10 +126,15 @@ impl Scheduler {
     }
 }
 
+/// A request waits a step for blocks another request computes in this one only when that
+/// saves at least this many tokens: a step's wait is not worth a block or two (a chat
+/// template's system prompt) but is for a shared preamble or a duplicate prompt.
+const WAIT_FOR_TOKENS: usize = 64;
+
 /// How the front waiting sequence starts: (blocks it takes, a block to copy into its next
 /// one, tokens computed already, whether it computes its prompt itself), or None when it
-/// waits a step: a sibling admitted now computes their prompt, or a request admitted now
-/// computes its next uncached block.
+/// waits a step: a sibling admitted now computes their prompt, or requests admitted now
+/// compute its next `WAIT_FOR_TOKENS` or more uncached tokens.
 fn entry(
     bm: &BlockManager,
     running: &[Sequence],
@@ -142,11 +147,14 @@ fn entry(
         Start::Wait => None,
         Start::Fork { shared, partial } => Some((shared, partial, seq.len() - 1, false)),
         Start::Fresh => {
-            let (prefix, next) = cached_prefix(bm, seq, speculative);
-            if next.is_some_and(|h| computing.contains(&h)) {
+            let (prefix, found) = cached_prefix(bm, seq, speculative);
+            let bs = bm.block_size();
+            let after = seq.block_hashes.get(found..).unwrap_or_default();
+            let computed_now = after.iter().take_while(|h| computing.contains(h)).count();
+            if computed_now * bs >= WAIT_FOR_TOKENS {
                 return None;
             }
-            let cached = prefix.len() * bm.block_size();
+            let cached = prefix.len() * bs;
             Some((prefix, None, cached, true))
         }
     }
@@ -197,14 +205,10 @@ fn sibling_start(
 }
 
 /// The cached blocks a waiting sequence starts from (the scheduler's module doc says which),
-/// and the chain hash of its first full block past those found (None: no such block).
-fn cached_prefix(
-    bm: &BlockManager,
-    seq: &mut Sequence,
-    speculative: bool,
-) -> (Vec<u32>, Option<u64>) {
+/// and how many of its full blocks were found in the cache.
+fn cached_prefix(bm: &BlockManager, seq: &mut Sequence, speculative: bool) -> (Vec<u32>, usize) {
     if !bm.caching() {
-        return (Vec::new(), None);
+        return (Vec::new(), 0);
     }
     let bs = bm.block_size();
     let full = seq.len() / bs;
@@ -227,7 +231,7 @@ fn cached_prefix(
             prefix.pop();
         }
     }
-    (prefix, seq.block_hashes.get(found).copied())
+    (prefix, found)
 }
 
 /// Offers a running sequence's full blocks of computed positions to the prefix cache.

@@ -205,15 +205,19 @@ fn speculative_runs_with_caching_equal_runs_without() {
 }
 
 /// Two requests with one prompt: the second waits one step (instead of computing the same
-/// blocks in the same step), then starts from the first one's cached blocks.
+/// blocks in the same step), then starts from the first one's cached blocks; unless what it
+/// would wait for is under 64 tokens, then both compute it in the first step.
 #[test]
 fn an_identical_prompt_waits_one_step_then_shares_the_blocks() {
-    // 9 tokens with a draft: both blocks found, and the token after them is the first one's
-    // ninth, known when it registered them: both kept
-    for (spec, prompt_words, cached) in [(false, 7, 4), (false, 8, 8), (true, 7, 4), (true, 8, 8)] {
-        let prompt = words(4..4 + prompt_words); // + <bos>: 8 or 9 tokens, 2 full blocks
-        let mut f = fixture("pc-wait", &[Some(&prompt), Some(&prompt)]);
+    let long = format!("{} {}", words(4..64), words(4..64)); // + <bos>: 121 tokens
+    let (short7, short8) = (words(4..11), words(4..12)); // 8 and 9 tokens
+                                                         // (spec, prompt, cached): 121 tokens: 30 blocks found, the block holding the last token
+                                                         // recomputed; with a draft the token after the 30 blocks is the first one's 121st, known
+                                                         // when it registered them, so the last found block is kept
+    for (spec, prompt, cached) in [(false, &long, 120), (true, &long, 120)] {
+        let mut f = fixture("pc-wait", &[Some(prompt), Some(prompt)]);
         f.cfg.max_draft_tokens = if spec { 2 } else { 0 };
+        f.cfg.max_model_len = 256;
         let mut s = Scheduler::new(f.cfg.clone()).unwrap();
         wait_for_reader(&s);
         let p = s.next_plan().unwrap().unwrap();
@@ -221,14 +225,21 @@ fn an_identical_prompt_waits_one_step_then_shares_the_blocks() {
         s.commit(&[9], &[1], spec.then_some(&[0][..])).unwrap();
         let p = s.next_plan().unwrap().unwrap();
         assert_eq!((p.kind, p.num_seqs()), (StepKind::Prefill, 1));
-        assert_eq!(
-            p.cu_prefix,
-            vec![0, cached as i32],
-            "spec {spec}, {prompt_words} words"
-        );
+        assert_eq!(p.cu_prefix, vec![0, cached as i32], "spec {spec}");
         assert_eq!(p.positions[0], cached as i64);
         let first: Vec<i32> = s.running[0].block_table.iter().map(|&b| b as i32).collect();
         assert_eq!(p.block_tables[..cached / 4], first[..cached / 4]);
+        s.abort().unwrap();
+    }
+    for prompt in [&short7, &short8] {
+        let f = fixture("pc-nowait", &[Some(prompt), Some(prompt)]);
+        let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+        wait_for_reader(&s);
+        let p = s.next_plan().unwrap().unwrap();
+        assert_eq!(
+            (p.kind, p.num_seqs(), p.cu_prefix.clone()),
+            (StepKind::Prefill, 2, vec![0, 0, 0])
+        );
         s.abort().unwrap();
     }
 }
