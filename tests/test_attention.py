@@ -49,6 +49,7 @@ class Harness:
         k = torch.randn(t, HKV, D, generator=self.gen)
         v = torch.randn(t, HKV, D, generator=self.gen)
         self.backend.prepare(meta)
+        self.last_meta = meta
         out = self.backend.forward(0, q, k, v, self.cache, meta, D**-0.5)
         assert out.shape == (t, HQ, D)
         for i, (s, n) in enumerate(batch):
@@ -59,6 +60,10 @@ class Harness:
             assert self.k[s].shape[0] == self.seqs.lengths[s]
             ref = dense_reference(q[lo:hi], self.k[s], self.v[s])
             torch.testing.assert_close(out[lo:hi], ref, atol=1e-5, rtol=1e-5)
+
+    def backend_state_chunks(self):
+        """The torch path's chunks of the last step (empty for a native cpu step)."""
+        return getattr(self.last_meta.backend_state, "chunks", [])
 
     def rollback(self, seq: int, length: int) -> None:
         self.seqs.truncate(seq, length)
@@ -113,6 +118,21 @@ def test_long_prompts_are_not_padded_in_a_prefill_step(backend: str) -> None:
         h.seqs.truncate(s, 0)
     h.step(batch)  # against dense causal attention per sequence
     h.step([(s, 1) for s, _ in batch])
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("chunk_tokens", [4096, 64])
+def test_queries_after_cached_kv_prefix_cache_and_chunks(backend: str, chunk_tokens: int) -> None:
+    """Prefill-sized queries that follow K/V already in the cache (a prefix-cached prompt, a
+    later chunk), mixed with fresh prompts and decode rows in one step: short prefixes take the
+    placed causal grid, long ones the mask; rows of each kind are chunked apart."""
+    h = Harness(4, chunk_tokens, backend=backend)
+    h.step([(0, 8), (1, 3), (2, 40), (3, 2)])  # prefixes of 8, 3, 40 and 2 tokens
+    h.step([(0, 20), (1, 45), (2, 17), (4, 30), (3, 1), (5, 2)])
+    kinds = {(bool(c.mask is None and c.causal), c.block_index is None)
+             for c in h.backend_state_chunks()}
+    assert (True, False) in kinds  # a placed chunk: causal, gathered, no mask
+    h.step([(0, 1), (1, 1), (2, 1), (4, 1), (3, 1), (5, 1)])
 
 
 @pytest.mark.parametrize("backend_name", ["torch", "cpu"])

@@ -13,12 +13,16 @@ chunk pads to a similar length) and precomputes, per chunk:
     key 0, so no softmax row is empty; their output is dropped. `mask` is None where it would be
     all-visible (decode at equal lengths) or plain causal (prefill at equal lengths).
 Sequences whose query starts at position 0 (q_i == k_i) attend over the fresh k/v directly and
-skip the gather (chunks never mix them with rows after a cached prefix),
-and a prompt of at least `solo_prefill_tokens` shares its chunk only with prompts of its own
-length: unpadded, it runs as plain causal attention, which skips the masked upper triangle
-that a padded, masked chunk computes in full (two prompts of ~1,700 tokens padded together
-took as long as one of 3,500 alone). Attention itself is `scaled_dot_product_attention` with
-grouped-query heads (enable_gqa).
+skip the gather; chunks never mix them with rows after K/V in the cache, nor rows of a few
+queries (decode, verify) with prefill-sized ones. Rows whose queries follow cached K/V no
+longer than the queries (a prefix-cached prompt, a later chunk) are "placed": each row's
+queries go to their absolute positions of a zero-padded [C, max_k] query grid, so plain causal
+attention over the gathered keys (the fast kernel, no mask) is exactly each row's rule; the
+grid's other rows are dropped. A prompt (or chunk) of at least `solo_prefill_tokens` shares its
+chunk only with rows of its own length: unpadded, it runs as plain causal attention, which
+skips the masked upper triangle that a padded, masked chunk computes in full (two prompts of
+~1,700 tokens padded together took as long as one of 3,500 alone). Attention itself is
+`scaled_dot_product_attention` with grouped-query heads (enable_gqa).
 
 Sliding-window layers (`windows`, from `configure`): a second mask per chunk and window,
         key t visible  <=>  q_pos - window < t <= q_pos,
@@ -39,6 +43,9 @@ import torch
 import torch.nn.functional as F
 
 from eaglebatch.attention.base import AttentionBackend, AttentionMetadata, write_kv_cache
+
+# Query rows per sequence up to which a row is a decode / verify row for chunking (`_group`).
+SHORT_QUERY = 16
 
 
 @dataclass
@@ -102,7 +109,7 @@ class TorchAttentionBackend(AttentionBackend):
         k_np = lens.numpy().astype(np.int64)  # [B]
         q_np = cu_np[1:] - cu_np[:-1]  # [B]
         fresh = q_np == k_np  # [B] queries from position 0: attend over the fresh k/v
-        groups = self._group(k_np, fresh)
+        groups = self._group(k_np, q_np, fresh)
         if len(groups) == 1:
             groups = [np.arange(len(k_np))]  # keep plan order: no reordering of rows needed
         chunks = [
@@ -112,12 +119,16 @@ class TorchAttentionBackend(AttentionBackend):
         ]
         meta.backend_state = _Plan(meta.is_prefill, chunks)
 
-    def _group(self, k_np: np.ndarray, fresh: np.ndarray) -> list[np.ndarray]:
-        """Chunks of sequences: rows from position 0 apart from those after a prefix in the
-        cache (a prefix-cached prefill: the first attend over their own k/v, the others gather),
+    def _group(self, k_np: np.ndarray, q_np: np.ndarray, fresh: np.ndarray) -> list[np.ndarray]:
+        """Chunks of sequences: rows from position 0 apart from those after K/V in the cache
+        (prefix-cached or chunked prefills: the first attend over their own k/v, the others
+        gather), and of those, rows of a few queries (decode, verify) apart from prefill-sized
+        ones (padded together, a decode row would compute as many query rows as the longest);
         each sorted by context length so a chunk pads to a similar length, within
         `chunk_tokens`; a long fresh prompt is not padded with longer ones (module doc)."""
-        order = np.lexsort((k_np, ~fresh))  # fresh rows first, then by length
+        long = q_np > SHORT_QUERY
+        order = np.lexsort((k_np, long, ~fresh))  # fresh rows first, then by query kind, length
+        kind = fresh * 2 + long
         groups: list[np.ndarray] = []
         start, num_seqs = 0, len(k_np)
         while start < num_seqs:
@@ -125,11 +136,11 @@ class TorchAttentionBackend(AttentionBackend):
             first = order[start]
             # sorted ascending, so the chunk's padded length is that of its last sequence
             while end < num_seqs and (end + 1 - start) * k_np[order[end]] <= self.chunk_tokens:
-                if fresh[order[end]] != fresh[first]:
+                if kind[order[end]] != kind[first]:
                     break
                 longer = k_np[order[end]] != k_np[first]
-                if fresh[first] and longer and k_np[order[end]] >= self.solo_prefill_tokens:
-                    break  # a long prompt is not padded (see the module doc)
+                if long[first] and longer and k_np[order[end]] >= self.solo_prefill_tokens:
+                    break  # a long prompt (or chunk) is not padded (see the module doc)
                 end += 1
             groups.append(order[start:end])
             start = end
@@ -154,9 +165,16 @@ class TorchAttentionBackend(AttentionBackend):
             return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device)
 
         tok = np.concatenate([np.arange(cu[s], cu[s + 1]) for s in seqs])  # [Tc]
-        local = np.repeat(np.arange(num), q) * max_q  # chunk-local sequence * max_q
         within = tok - np.repeat(cu[seqs], q)  # query row j inside its sequence
-        padded = bool((q != max_q).any())
+        # queries after K/V in the cache no longer than themselves (a prefix-cached prompt, a
+        # later chunk): placed at their absolute positions of a [C, max_k] grid, plain causal
+        # attention over it is exact and runs the fast kernel without a mask (module doc)
+        placed = not prefill and not self._windows and max_q > SHORT_QUERY and max_k <= 2 * max_q
+        if placed:
+            within = within + np.repeat(k - q, q)
+            max_q = max_k  # the padded query length of this chunk
+        local = np.repeat(np.arange(num), q) * max_q  # chunk-local sequence * max_q
+        padded = placed or bool((q != max_q).any())
 
         block_index = None
         if not prefill:
@@ -165,10 +183,12 @@ class TorchAttentionBackend(AttentionBackend):
             block_index = rows.reshape(-1).long()
 
         mask = None
-        causal = prefill
+        causal = prefill or placed
         q_pos = (k - q)[:, None] + np.arange(max_q)[None, :]  # [C, max_q] absolute position
         key_pos = np.arange(max_q if prefill else max_k)[None, None, :]  # [1, 1, Lk]
-        if (prefill and padded) or (not prefill and ((k != max_k).any() or max_q > 1)):
+        if placed:
+            pass  # the grid's own causal rule is each row's
+        elif (prefill and padded) or (not prefill and ((k != max_k).any() or max_q > 1)):
             visible = key_pos <= q_pos[:, :, None]  # [C, max_q, Lk]
             mask = torch.from_numpy(visible[:, None]).to(device)
             causal = False
