@@ -141,7 +141,7 @@ class EngineConfig(_Section):
     kv_cache_tokens: int | None = Field(default=None, ge=1, le=I32_MAX)
     kv_cache_memory_fraction: float = Field(default=0.3, gt=0.0, le=0.95)
     block_size: int = Field(default=16, ge=1, le=1024)
-    max_num_batched_tokens: int = Field(default=4096, ge=1, le=I32_MAX)
+    max_num_batched_tokens: int = Field(default=2048, ge=1, le=I32_MAX)
     # automatic prefix caching: requests whose tokens start alike share those full KV blocks
     prefix_caching: bool = True
     # chunked prefill: prompts computed max_num_batched_tokens per step, in the running
