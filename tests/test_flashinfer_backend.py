@@ -369,15 +369,26 @@ class Harness:
             torch.testing.assert_close(out.float(), want, **self.tol)
             torch.testing.assert_close(self.caches[layer].float(), self.ref_caches[layer])
 
-    def step(self, batch: list[tuple[int, int]]) -> None:
-        meta = self.meta(batch)
-        self.backend.prepare(meta)
+    def run(self, meta: AttentionMetadata) -> None:
+        """Every layer (its window) through the backend on `meta`, prepared, then checked."""
         inputs = [self.qkv(meta.num_tokens) for _ in self.caches]
         outs = [
             self.backend.forward(layer, q, k, v, self.caches[layer], meta, SCALE, w)
             for layer, ((q, k, v), w) in enumerate(zip(inputs, self.windows))
         ]
         self.check(meta, outs, inputs)
+
+    def step(self, batch: list[tuple[int, int]]) -> None:
+        meta = self.meta(batch)
+        self.backend.prepare(meta)
+        self.run(meta)
+
+    def graph_meta(self, batch: list[tuple[int, int]], tables: torch.Tensor) -> AttentionMetadata:
+        """`batch`'s metadata over `tables`, the graph runner's persistent [S, M] block table."""
+        meta = self.meta(batch)
+        tables.zero_()
+        tables[:, : meta.block_tables.shape[1]] = meta.block_tables
+        return dataclasses.replace(meta, block_tables=tables)
 
 
 STEPS = [
@@ -437,17 +448,9 @@ def test_fake_sliding_window_graph_states(fake_fi: Any) -> None:
         assert len(buffers) == 3 * 3  # each kind's wrapper has its own fixed buffers
         tables = torch.zeros(3, 16, dtype=torch.int32)
         for _ in range(2):
-            meta = h.meta([(s, q_len) for s in range(3)])
-            tables.zero_()
-            tables[:, : meta.block_tables.shape[1]] = meta.block_tables
-            meta = dataclasses.replace(meta, block_tables=tables)
+            meta = h.graph_meta([(s, q_len) for s in range(3)], tables)
             backend.prepare_graph(meta, state)
-            inputs = [h.qkv(meta.num_tokens) for _ in h.caches]
-            outs = [
-                backend.forward(layer, q, k, v, h.caches[layer], meta, SCALE, w)
-                for layer, ((q, k, v), w) in enumerate(zip(inputs, h.windows))
-            ]
-            h.check(meta, outs, inputs)
+            h.run(meta)
 
 
 def test_fake_group_without_decode_kernels_uses_prefill(fake_fi: Any) -> None:
@@ -470,12 +473,7 @@ def test_fake_interleaved_prepares_replan(fake_fi: Any) -> None:
     for meta in metas:
         backend.prepare(meta)
     for meta in metas:  # A re-plans (its wrapper holds C's plan), C then re-plans again
-        inputs = [h.qkv(meta.num_tokens) for _ in h.caches]
-        outs = [
-            backend.forward(layer, q, k, v, h.caches[layer], meta, SCALE)
-            for layer, (q, k, v) in enumerate(inputs)
-        ]
-        h.check(meta, outs, inputs)
+        h.run(meta)
 
 
 def test_fake_rejects_float32_and_cpu(fake_fi: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -500,18 +498,10 @@ def test_fake_graph_state_replans_into_fixed_buffers(fake_fi: Any, q_len: int) -
     addresses = [b.data_ptr() for b in wrapper.bufs if b is not None]
     tables = torch.zeros(3, 16, dtype=torch.int32)  # the graph runner's persistent buffer
     for _ in range(3):
-        meta = h.meta([(s, q_len) for s in range(3)])
-        tables.zero_()
-        tables[:, : meta.block_tables.shape[1]] = meta.block_tables
-        meta = dataclasses.replace(meta, block_tables=tables)
+        meta = h.graph_meta([(s, q_len) for s in range(3)], tables)
         backend.prepare_graph(meta, state)
         assert meta.backend_state is state and wrapper.graph
-        inputs = [h.qkv(meta.num_tokens) for _ in h.caches]
-        outs = [
-            backend.forward(layer, q, k, v, h.caches[layer], meta, SCALE)
-            for layer, (q, k, v) in enumerate(inputs)
-        ]
-        h.check(meta, outs, inputs)
+        h.run(meta)
     assert [b.data_ptr() for b in wrapper.bufs if b is not None] == addresses
     assert wrapper.plans == 3  # the first lazily (heads learnt from the eager step), 2 in prepare
     with pytest.raises(ValueError, match="queries per sequence"):

@@ -415,17 +415,21 @@ mod tests {
 
     /// Random alloc/grow/free cycles: a block is never in two live tables, and after freeing
     /// everything all blocks are free again.
-    #[test]
-    fn randomized_cycles_never_hand_out_a_block_twice() {
-        let mut bm = BlockManager::new(32, 3, false);
-        let mut tables: Vec<(Vec<u32>, usize)> = Vec::new();
-        let mut state = 0x1234_5678_u64;
-        let mut rand = move |n: u64| {
+    /// A deterministic xorshift generator: `rand(n)` is in [0, n).
+    fn xorshift(mut state: u64) -> impl FnMut(u64) -> u64 {
+        move |n| {
             state ^= state << 13;
             state ^= state >> 7;
             state ^= state << 17;
             state % n
-        };
+        }
+    }
+
+    #[test]
+    fn randomized_cycles_never_hand_out_a_block_twice() {
+        let mut bm = BlockManager::new(32, 3, false);
+        let mut tables: Vec<(Vec<u32>, usize)> = Vec::new();
+        let mut rand = xorshift(0x1234_5678_u64);
         for _ in 0..5000 {
             match rand(3) {
                 0 => {
@@ -604,13 +608,7 @@ mod tests {
         let mut bm = BlockManager::new(24, bs, true);
         let mut live: Vec<(Vec<u32>, Vec<u32>)> = Vec::new(); // (table, tokens)
         let mut owner_tokens: HashMap<u32, Vec<u32>> = HashMap::new(); // block -> its tokens
-        let mut state = 0x9E37_79B9_u64;
-        let mut rand = move |n: u64| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state % n
-        };
+        let mut rand = xorshift(0x9E37_79B9_u64);
         for _ in 0..4000 {
             if rand(2) == 0 || live.is_empty() {
                 let n = 1 + rand(9) as usize;

@@ -65,7 +65,6 @@ class _Chunk:
 
 @dataclass
 class _Plan:
-    prefill: bool
     chunks: list[_Chunk]
 
 
@@ -117,7 +116,7 @@ class TorchAttentionBackend(AttentionBackend):
                              single=len(groups) == 1)  # fmt: skip
             for seqs in groups
         ]
-        meta.backend_state = _Plan(meta.is_prefill, chunks)
+        meta.backend_state = _Plan(chunks)
 
     def _group(self, k_np: np.ndarray, q_np: np.ndarray, fresh: np.ndarray) -> list[np.ndarray]:
         """Chunks of sequences: rows from position 0 apart from those after K/V in the cache
@@ -182,22 +181,10 @@ class TorchAttentionBackend(AttentionBackend):
             rows = meta.block_tables[:, :blocks].index_select(0, dev(seqs))  # [C, Mk]
             block_index = rows.reshape(-1).long()
 
-        mask = None
-        causal = prefill or placed
-        q_pos = (k - q)[:, None] + np.arange(max_q)[None, :]  # [C, max_q] absolute position
-        key_pos = np.arange(max_q if prefill else max_k)[None, None, :]  # [1, 1, Lk]
-        if placed:
-            pass  # the grid's own causal rule is each row's
-        elif (prefill and padded) or (not prefill and ((k != max_k).any() or max_q > 1)):
-            visible = key_pos <= q_pos[:, :, None]  # [C, max_q, Lk]
-            mask = torch.from_numpy(visible[:, None]).to(device)
-            causal = False
-        window_masks = {}
-        for w in self._windows:
-            if int(q_pos.max()) >= w:  # some query sees past its window
-                seen = (key_pos <= q_pos[:, :, None]) & (key_pos > q_pos[:, :, None] - w)
-                window_masks[w] = torch.from_numpy(seen[:, None]).to(device)
-
+        if placed:  # the grid's own causal rule is each row's
+            mask, causal, window_masks = None, True, {}
+        else:
+            mask, causal, window_masks = self._masks(q, k, max_q, max_k, prefill, padded, device)
         return _Chunk(
             num_seqs=num,
             max_q=max_q,
@@ -209,6 +196,23 @@ class TorchAttentionBackend(AttentionBackend):
             causal=causal,
             window_masks=window_masks,
         )
+
+    def _masks(self, q, k, max_q: int, max_k: int, prefill: bool, padded: bool, device):
+        """(mask, causal, window_masks) of a chunk whose rows have q / k [C] queries / keys
+        (module doc): no mask where attention is plain causal or sees every key."""
+        mask, causal = None, prefill
+        q_pos = (k - q)[:, None] + np.arange(max_q)[None, :]  # [C, max_q] absolute position
+        key_pos = np.arange(max_q if prefill else max_k)[None, None, :]  # [1, 1, Lk]
+        if (prefill and padded) or (not prefill and ((k != max_k).any() or max_q > 1)):
+            visible = key_pos <= q_pos[:, :, None]  # [C, max_q, Lk]
+            mask = torch.from_numpy(visible[:, None]).to(device)
+            causal = False
+        window_masks = {}
+        for w in self._windows:
+            if int(q_pos.max()) >= w:  # some query sees past its window
+                seen = (key_pos <= q_pos[:, :, None]) & (key_pos > q_pos[:, :, None] - w)
+                window_masks[w] = torch.from_numpy(seen[:, None]).to(device)
+        return mask, causal, window_masks
 
     # ---- uniform steps (CUDA graphs) ------------------------------------------------------------
 
