@@ -67,6 +67,14 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
+# The sampling keys a row may set from an input column (rust/src/sampling_params.rs).
+SAMPLING_COLUMN_KEYS = (
+    "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "seed",
+    "repetition_penalty", "frequency_penalty", "presence_penalty", "stop", "logprobs",
+)
+MAX_LOGPROBS = 20
+
+
 class InputConfig(_Section):
     path: PathStr = Field(description="Parquet file, directory, glob, or builtin:sharegpt")
     prompt_column: str | None = None
@@ -75,6 +83,20 @@ class InputConfig(_Section):
     limit: int | None = Field(default=None, ge=0, le=I64_MAX)
     # Wrap each `prompt_column` text as one user message and render the model's chat template.
     apply_chat_template: bool = False
+    # Per-row sampling: sampling key -> input column; a row's non-null value overrides the job's.
+    sampling_columns: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _known_sampling_columns(self) -> InputConfig:
+        bad = sorted(set(self.sampling_columns) - set(SAMPLING_COLUMN_KEYS))
+        if bad:
+            raise ValueError(
+                f"input.sampling_columns: unknown key(s) {', '.join(bad)}; the keys are "
+                f"{', '.join(SAMPLING_COLUMN_KEYS)}"
+            )
+        if any(c == "" for c in self.sampling_columns.values()):
+            raise ValueError("input.sampling_columns: a column name must not be empty")
+        return self
 
     @model_validator(mode="after")
     def _one_prompt_source(self) -> InputConfig:
@@ -99,6 +121,11 @@ class OutputConfig(_Section):
     # At most 1e9 s (~32 years): the writer's deadline (a Rust Duration past now) must exist.
     flush_interval_s: float = Field(default=30.0, gt=0.0, le=1e9)
     include_token_ids: bool = False
+    # a `logprobs` column: per output token its log-probability and the top K alternatives
+    logprobs: int = Field(default=0, ge=0, le=MAX_LOGPROBS)
+    # raw: the model's own distribution (log_softmax of its logits); processed: the one the
+    # token was drawn from (after penalties, min_new_tokens, temperature, top-k and top-p)
+    logprobs_mode: Literal["raw", "processed"] = "raw"
 
 
 class SamplingConfig(_Section):
@@ -113,6 +140,13 @@ class SamplingConfig(_Section):
     stop_token_ids: Annotated[tuple[Annotated[int, Field(ge=0, le=I32_MAX)], ...], LIST_OK] = ()
     # do not stop at the model's EOS tokens (stop_token_ids still stop)
     ignore_eos: bool = False
+    # EOS and stop_token_ids are masked (stop strings unchecked) before this many output tokens
+    min_new_tokens: int = Field(default=0, ge=0, le=I32_MAX)
+    # vLLM's penalties: repetition over prompt and output tokens (> 1 discourages repeats;
+    # 1 = off), frequency (by count) and presence (once) over output tokens (0 = off)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=1e6)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     # samples per input row: n output rows (sample_index 0..n-1) sharing the prompt's KV
     n: int = Field(default=1, ge=1, le=4096)
 
@@ -125,6 +159,11 @@ class SamplingConfig(_Section):
     def _non_empty_stops(self) -> SamplingConfig:
         if any(s == "" for s in self.stop):
             raise ValueError("sampling.stop: stop strings must not be empty")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(
+                f"sampling.min_new_tokens: {self.min_new_tokens} is more than "
+                f"sampling.max_new_tokens ({self.max_new_tokens})"
+            )
         if self.n > 1 and self.temperature == 0:
             raise ValueError(
                 f"sampling.n: {self.n} samples per row need sampling.temperature > 0 (greedy "

@@ -112,10 +112,11 @@ def job_identity(
             "id_column": inp.id_column,
             "apply_chat_template": inp.apply_chat_template,
             "limit": inp.limit,
+            **({"sampling_columns": dict(inp.sampling_columns)} if inp.sampling_columns else {}),
         },
         "sampling": _sampling_identity(job),
         "engine": {"max_model_len": max_model_len, "dtype": dtype},
-        "output": {"include_token_ids": job.output.include_token_ids},
+        "output": _output_identity(job),
     }
     if job.model_chat_template is not None:  # the template used, by content
         identity["chat_template"] = hashlib.sha256(model.chat_template.encode()).hexdigest()
@@ -129,7 +130,19 @@ def job_identity(
 
 # Sampling keys added after identity version 2, left out while at their defaults so that a job
 # written before they existed still resumes (its outputs were made with those defaults).
-_LATER_SAMPLING_DEFAULTS = {"stop_token_ids": [], "ignore_eos": False, "n": 1}
+_LATER_SAMPLING_DEFAULTS = {
+    "stop_token_ids": [], "ignore_eos": False, "n": 1, "min_new_tokens": 0,
+    "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+}
+
+
+def _output_identity(job: JobConfig) -> dict:
+    """The output keys that change what a row holds (logprobs only when on, as above)."""
+    out = {"include_token_ids": job.output.include_token_ids}
+    if job.output.logprobs or "logprobs" in job.input.sampling_columns:
+        out["logprobs"] = job.output.logprobs
+        out["logprobs_mode"] = job.output.logprobs_mode
+    return out
 
 
 def _sampling_identity(job: JobConfig) -> dict:

@@ -8,7 +8,7 @@ its validation and its use — nowhere else.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -43,6 +43,13 @@ class SchedulerConfig:
     top_k: int
     seed: int
     n: int = 1  # samples per input row
+    min_new_tokens: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logprobs: int = 0  # top alternatives per output token (output.logprobs; 0 = no column)
+    # sampling key -> input column of per-row values (input.sampling_columns)
+    sampling_columns: dict[str, str] = field(default_factory=dict)
     # Paged KV cache and batching.
     num_blocks: int
     block_size: int

@@ -17,6 +17,8 @@ from .attention.base import copy_blocks
 from .config import EngineConfig, JobConfig, JobError
 from .cpu import SMALL_GEMM_AVAILABLE, accelerate
 from .graphs import GraphPool, StaticMeta, bucket_for, capture_sizes, fill_rows, graph_reserve_bytes
+from .logits_processing import LogitsControls
+from .logprobs import distribution, top_logprobs, wanted
 from .model import model_class
 from .model.config import ModelConfig
 from .model.llama import LlamaForCausalLM
@@ -185,7 +187,35 @@ def check_graph_support(worker, mode: str) -> None:
         raise ValueError("graph steps need a KV cache with one block beyond the budget")
 
 
+def sampling_tensors(plan, device) -> tuple[torch.Tensor, ...]:
+    """temperature, top_p, top_k, seeds, num_generated of a plan's rows, on `device`."""
+    return tuple(
+        torch.from_numpy(a).to(device)
+        for a in (plan.temperature, plan.top_p, plan.top_k, plan.seeds, plan.num_generated)
+    )
+
+
+def sample_rows(worker, plan, logits: torch.Tensor, sampling: tuple[torch.Tensor, ...]):
+    """One token per row from logits [B, V] after the plan's logits controls (min tokens,
+    penalties), and the rows' logprobs when the plan asks for them: (tokens int64 [B], the
+    logprobs `Scheduler.commit` takes, or None)."""
+    controls = LogitsControls.from_plan(plan, worker.end_ids, logits.device)
+    processed = None if controls is None else controls.apply(logits[:, None])[:, 0]  # [B, V]
+    tokens = sample(logits if processed is None else processed, *sampling)  # [B]
+    k = wanted(plan)
+    if k == 0:
+        return tokens, None
+    temperature, top_p, top_k = sampling[:3]
+    lp = distribution(logits, processed, temperature, top_k, top_p, worker.logprobs_mode)
+    return tokens, top_logprobs(lp, tokens, k)
+
+
 class Worker:
+    # What sampling needs of the job (from_job sets them): the ids min_new_tokens masks, and
+    # which distribution logprobs report (logprobs.py).
+    end_ids: torch.Tensor = torch.empty(0, dtype=torch.long)
+    logprobs_mode: str = "raw"
+
     def __init__(
         self,
         model: LlamaForCausalLM,
@@ -293,11 +323,16 @@ class Worker:
         seq_tokens = max_model_len + job.max_draft_tokens
         budget = plan_kv_budget(eng, cfg, seq_tokens, dtype, device, extra_kv_layers, reserve)
         kv = allocate_kv_cache(cfg, budget.num_blocks + 1, budget.block_size, dtype, device)
-        return cls(model, kv, budget, max_model_len, graph_reserve_bytes=reserve)
+        worker = cls(model, kv, budget, max_model_len, graph_reserve_bytes=reserve)
+        worker.end_ids = torch.tensor(job.sampling.end_token_ids(mf.eos_token_ids),
+                                      dtype=torch.long, device=device)
+        worker.logprobs_mode = job.output.logprobs_mode
+        return worker
 
     @torch.inference_mode()
-    def step(self, plan) -> tuple[np.ndarray, np.ndarray]:
-        """Runs one plan; returns (tokens int32 [B], num_tokens int32 [B]) — one token per row."""
+    def step(self, plan) -> tuple:
+        """Runs one plan; returns (tokens int32 [B], num_tokens int32 [B]) — one token per row —
+        and, when a row asks for logprobs, (None, logprobs) after them (`Scheduler.commit`)."""
         dev = self.device
         copy_blocks(self.kv_caches, plan.block_copies)  # forked samples' partial blocks
         logits = self._decode_logits(plan)  # [B, V] or None
@@ -309,13 +344,8 @@ class Worker:
             hidden = self.model(input_ids, positions, meta, self.kv_caches)  # [T, H]
             last = torch.from_numpy(plan.cu_seqlens_q[1:].astype(np.int64) - 1).to(dev)  # [B]
             logits = self.model.compute_logits(hidden.index_select(0, last))  # [B, V]
-        tokens = sample(
-            logits,
-            torch.from_numpy(plan.temperature).to(dev),
-            torch.from_numpy(plan.top_p).to(dev),
-            torch.from_numpy(plan.top_k).to(dev),
-            torch.from_numpy(plan.seeds).to(dev),
-            torch.from_numpy(plan.num_generated).to(dev),
-        )
+        tokens, logprobs = sample_rows(self, plan, logits, sampling_tensors(plan, dev))
         out = tokens.to(torch.int32).cpu().numpy()
-        return out, np.ones(len(out), dtype=np.int32)
+        if logprobs is None:
+            return out, np.ones(len(out), dtype=np.int32)
+        return out, np.ones(len(out), dtype=np.int32), None, logprobs

@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use crate::error::{Error, Result};
+use crate::sampling_params::{SamplingParams, COLUMN_KEYS};
 
 #[derive(Debug, Clone)]
 #[cfg_attr(feature = "python", derive(pyo3::FromPyObject))]
@@ -54,6 +55,19 @@ pub struct SchedulerConfig {
     pub top_p: f32,
     pub top_k: i32,
     pub seed: i64,
+    /// EOS / stop token ids masked and stop strings unchecked before this many output tokens.
+    pub min_new_tokens: usize,
+    /// vLLM's penalties: repetition (1 = off) over prompt and output tokens, frequency and
+    /// presence (0 = off) over output tokens; applied by the worker.
+    pub repetition_penalty: f32,
+    pub frequency_penalty: f32,
+    pub presence_penalty: f32,
+    /// Top alternatives per output token in the `logprobs` column (0 = no column unless a
+    /// sampling column maps `logprobs`).
+    pub logprobs: u32,
+    /// Per-row sampling: sampling key -> input column whose non-null values override the job's
+    /// (sampling_params.rs).
+    pub sampling_columns: BTreeMap<String, String>,
     /// Samples per input row (`sample_index` 0..n-1), each its own sequence; they share the
     /// prompt's blocks.
     pub n: usize,
@@ -109,6 +123,12 @@ impl SchedulerConfig {
             top_p: 1.0,
             top_k: 0,
             seed: 0,
+            min_new_tokens: 0,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            logprobs: 0,
+            sampling_columns: BTreeMap::new(),
             n: 1,
             num_blocks: 1024,
             block_size: 16,
@@ -220,32 +240,33 @@ impl SchedulerConfig {
         Ok(())
     }
 
-    /// Sampling parameters: finite and in their ranges.
+    /// Sampling parameters: in their ranges (`SamplingParams::check`, the rule every row's
+    /// overrides meet too), n > 1 only when sampling, known sampling-column keys.
     fn validate_sampling(&self) -> Result<()> {
-        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            return Err(Error::user(format!(
-                "temperature must be a finite number >= 0, got {}",
-                self.temperature
-            )));
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(Error::user(format!(
-                "top_p must be in (0, 1], got {}",
-                self.top_p
-            )));
-        }
+        SamplingParams::from_config(self)
+            .check()
+            .map_err(Error::user)?;
         if self.n > 1 && self.temperature == 0.0 {
             return Err(Error::user(format!(
                 "n = {} samples per row need temperature > 0: greedy samples are all the same",
                 self.n
             )));
         }
-        if self.top_k < 0 {
+        if let Some(k) = self
+            .sampling_columns
+            .keys()
+            .find(|k| !COLUMN_KEYS.contains(&k.as_str()))
+        {
             return Err(Error::user(format!(
-                "top_k must be >= 0 (0 = off), got {}",
-                self.top_k
+                "sampling_columns: unknown key '{k}'; the keys are {}",
+                COLUMN_KEYS.join(", ")
             )));
         }
         Ok(())
+    }
+
+    /// Whether output rows carry a `logprobs` column.
+    pub fn writes_logprobs(&self) -> bool {
+        self.logprobs > 0 || self.sampling_columns.contains_key("logprobs")
     }
 }

@@ -17,6 +17,7 @@ use crate::chat_template::{self, Message};
 use crate::config::SchedulerConfig;
 use crate::decoder_layer as layers;
 use crate::error::Error;
+use crate::logprobs::StepLogprobs;
 use crate::paged_attention as attn;
 use crate::scheduler::{Scheduler, StepPlan};
 use crate::small_gemm as gemm;
@@ -76,6 +77,22 @@ pub struct PyStepPlan {
     #[pyo3(get)]
     num_generated: Py<PyArray1<i32>>,
     #[pyo3(get)]
+    min_tokens: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    repetition_penalty: Py<PyArray1<f32>>,
+    #[pyo3(get)]
+    frequency_penalty: Py<PyArray1<f32>>,
+    #[pyo3(get)]
+    presence_penalty: Py<PyArray1<f32>>,
+    #[pyo3(get)]
+    logprobs: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    penalty_ids: Py<PyArray1<i64>>,
+    #[pyo3(get)]
+    cu_penalty: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    penalty_prompt_lens: Py<PyArray1<i32>>,
+    #[pyo3(get)]
     prefix_ids: Py<PyArray1<i64>>,
     #[pyo3(get)]
     cu_prefix: Py<PyArray1<i32>>,
@@ -125,6 +142,14 @@ impl PyStepPlan {
             top_k: p.top_k.into_pyarray(py).unbind(),
             seeds: p.seeds.into_pyarray(py).unbind(),
             num_generated: p.num_generated.into_pyarray(py).unbind(),
+            min_tokens: p.min_tokens.into_pyarray(py).unbind(),
+            repetition_penalty: p.repetition_penalty.into_pyarray(py).unbind(),
+            frequency_penalty: p.frequency_penalty.into_pyarray(py).unbind(),
+            presence_penalty: p.presence_penalty.into_pyarray(py).unbind(),
+            logprobs: p.logprobs.into_pyarray(py).unbind(),
+            penalty_ids: p.penalty_ids.into_pyarray(py).unbind(),
+            cu_penalty: p.cu_penalty.into_pyarray(py).unbind(),
+            penalty_prompt_lens: p.penalty_prompt_lens.into_pyarray(py).unbind(),
             prefix_ids: p.prefix_ids.into_pyarray(py).unbind(),
             cu_prefix: p.cu_prefix.into_pyarray(py).unbind(),
             block_copies: copies.unbind(),
@@ -176,6 +201,30 @@ fn int64_vec(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<i64>> {
         .map_err(|_| PyTypeError::new_err(format!("{name} must be a 1-D int64 numpy array")))
 }
 
+/// `commit`'s logprobs: (chosen float32 [T], top_ids int32 [T, K], top_logprobs float32 [T, K]).
+fn step_logprobs(obj: &Bound<'_, PyAny>) -> PyResult<StepLogprobs> {
+    let (chosen, ids, lps): (
+        PyReadonlyArray1<'_, f32>,
+        PyReadonlyArray2<'_, i32>,
+        PyReadonlyArray2<'_, f32>,
+    ) = obj.extract().map_err(|_| {
+        PyTypeError::new_err(
+            "logprobs must be (float32 [T], int32 [T, K], float32 [T, K]) numpy arrays",
+        )
+    })?;
+    if ids.shape() != lps.shape() {
+        return Err(PyValueError::new_err(
+            "logprobs: top_ids and top_logprobs differ in shape",
+        ));
+    }
+    Ok(StepLogprobs {
+        chosen: chosen.as_array().to_vec(),
+        top_ids: ids.as_array().iter().copied().collect(),
+        top_logprobs: lps.as_array().iter().copied().collect(),
+        k: ids.shape()[1],
+    })
+}
+
 #[pyclass(module = "eaglebatch._native", name = "Scheduler")]
 pub struct PyScheduler {
     inner: Scheduler,
@@ -199,13 +248,14 @@ impl PyScheduler {
         }
     }
 
-    #[pyo3(signature = (tokens, num_tokens, num_accepted = None))]
+    #[pyo3(signature = (tokens, num_tokens, num_accepted = None, logprobs = None))]
     fn commit(
         &mut self,
         py: Python<'_>,
         tokens: &Bound<'_, PyAny>,
         num_tokens: &Bound<'_, PyAny>,
         num_accepted: Option<&Bound<'_, PyAny>>,
+        logprobs: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let tokens = int32_vec(tokens, "tokens")?;
         let num_tokens = int32_vec(num_tokens, "num_tokens")?;
@@ -213,9 +263,20 @@ impl PyScheduler {
             Some(a) if !a.is_none() => Some(int32_vec(a, "num_accepted")?),
             _ => None,
         };
+        let logprobs = match logprobs {
+            Some(l) if !l.is_none() => Some(step_logprobs(l)?),
+            _ => None,
+        };
         let inner = &mut self.inner;
-        py.detach(|| inner.commit(&tokens, &num_tokens, num_accepted.as_deref()))
-            .map_err(to_py)
+        py.detach(|| {
+            inner.commit(
+                &tokens,
+                &num_tokens,
+                num_accepted.as_deref(),
+                logprobs.as_ref(),
+            )
+        })
+        .map_err(to_py)
     }
 
     fn progress<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {

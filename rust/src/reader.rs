@@ -19,7 +19,7 @@
 //! - a failure of the input itself (I/O, corrupt page) is sent as `ReaderMsg::Failed` and ends
 //!   the stream.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::fs::File;
 use std::hash::{Hash, Hasher};
 use std::panic::AssertUnwindSafe;
@@ -41,6 +41,7 @@ use tokenizers::Tokenizer;
 use crate::chat_template::{ChatTemplate, Message, RenderError};
 use crate::config::SchedulerConfig;
 use crate::error::{Error, Result};
+use crate::sampling_params::{check_column_type, RowSampling, SamplingParams};
 use crate::sequence::Request;
 
 /// What the reader thread sends.
@@ -65,6 +66,8 @@ pub struct InputSpec {
     pub prompt_column: Option<String>,
     pub messages_column: Option<String>,
     pub id_column: Option<String>,
+    /// Sampling key -> input column of per-row values (sampling_params.rs).
+    pub sampling_columns: BTreeMap<String, String>,
     /// Arrow type of the output `id` column (the input id column's type, or Int64).
     pub id_type: DataType,
     /// The input's rows: the footers' row counts summed, capped by `limit`.
@@ -197,6 +200,7 @@ pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
         let builder = open_parquet(path)?;
         let schema = builder.schema().clone();
         check_text_columns(&schema, path, cfg)?;
+        check_sampling_columns(&schema, path, &cfg.sampling_columns)?;
         if let Some(col) = &cfg.id_column {
             let dt = check_id_column(&schema, path, col)?;
             check_same_id_type(&mut id_type, dt, path, col)?;
@@ -220,6 +224,7 @@ pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
         prompt_column: cfg.prompt_column.clone(),
         messages_column: cfg.messages_column.clone(),
         id_column: cfg.id_column.clone(),
+        sampling_columns: cfg.sampling_columns.clone(),
         id_type: id_type.map(|(t, _)| t).unwrap_or(DataType::Int64),
         total_rows,
         row_start: start.min(row_end),
@@ -261,6 +266,20 @@ fn check_text_columns(schema: &Schema, path: &Path, cfg: &SchedulerConfig) -> Re
                 f.data_type()
             )));
         }
+    }
+    Ok(())
+}
+
+/// Every sampling column exists and has a type its key can read.
+fn check_sampling_columns(
+    schema: &Schema,
+    path: &Path,
+    columns: &BTreeMap<String, String>,
+) -> Result<()> {
+    for (key, col) in columns {
+        let f = find_column(schema, path, &format!("sampling_columns.{key}"), col)?;
+        check_column_type(key, col, f.data_type())
+            .map_err(|e| Error::user(format!("{}: {e}", path.display())))?;
     }
     Ok(())
 }
@@ -383,6 +402,8 @@ pub struct ReaderOptions {
     pub skip_rows: Vec<i64>,
     /// Bounds a row's prompt, message contents and rendered chat before they are tokenized.
     pub text_limit: TextLimit,
+    /// The job's sampling parameters (a row's sampling columns override them).
+    pub sampling: Arc<SamplingParams>,
 }
 
 /// Starts the reader thread; it stops early (quietly) when the receiver is dropped. A panic
@@ -467,6 +488,7 @@ struct ReaderThread {
 struct PendingRow {
     row_index: i64,
     id: ArrayRef,
+    sampling: Arc<SamplingParams>,
     input: RowResult<(String, bool)>,
 }
 
@@ -525,14 +547,13 @@ impl ReaderThread {
         let meta = ArrowReaderMetadata::load(&file, ArrowReaderOptions::default())
             .map_err(|e| fail(&e))?;
         let mut roots = Vec::new();
-        for col in [
+        let text_and_id = [
             &self.spec.prompt_column,
             &self.spec.messages_column,
             &self.spec.id_column,
-        ]
-        .into_iter()
-        .flatten()
-        {
+        ];
+        let sampling = self.spec.sampling_columns.values();
+        for col in text_and_id.into_iter().flatten().chain(sampling) {
             let idx = meta.schema().index_of(col).map_err(|e| fail(&e))?;
             if !roots.contains(&idx) {
                 roots.push(idx);
@@ -615,6 +636,7 @@ impl ReaderThread {
         let prompts = column(&self.spec.prompt_column);
         let messages = column(&self.spec.messages_column);
         let ids = column(&self.spec.id_column);
+        let sampling = RowSampling::new(&self.spec.sampling_columns, batch);
         let mut rows = Vec::with_capacity(batch.num_rows());
         for i in 0..batch.num_rows() {
             let row_index = self.next_row as i64;
@@ -627,13 +649,16 @@ impl ReaderThread {
                 Some(a) => a.slice(i, 1),
                 None => Arc::new(Int64Array::from(vec![row_index])),
             };
-            let input = match id_error {
-                Some(e) => Err(e),
-                None => self.row_input(prompts, messages, i),
+            let params = sampling.params(&self.opts.sampling, i);
+            let input = match (id_error, &params) {
+                (Some(e), _) => Err(e),
+                (None, Err(e)) => Err(e.clone()),
+                (None, Ok(_)) => self.row_input(prompts, messages, i),
             };
             rows.push(PendingRow {
                 row_index,
                 id,
+                sampling: params.unwrap_or_else(|_| self.opts.sampling.clone()),
                 input,
             });
         }
@@ -647,6 +672,7 @@ impl ReaderThread {
                 row_index: row.row_index,
                 id: row.id,
                 prompt_ids,
+                sampling: row.sampling,
                 read_at,
                 error,
             };
@@ -966,6 +992,7 @@ mod tests {
             read_batch_rows: 2,
             queue_rows: 16,
             skip_rows: Vec::new(),
+            sampling: Arc::new(SamplingParams::from_config(&cfg(vec![]))),
         }
     }
 

@@ -44,7 +44,9 @@ use crate::block_manager::BlockManager;
 use crate::chat_template::ChatTemplate;
 use crate::config::SchedulerConfig;
 use crate::error::{Error, Result};
+use crate::logprobs::{self, StepLogprobs};
 use crate::reader::{spawn_reader, validate_inputs, ReaderMsg, ReaderOptions, TextLimit};
+use crate::sampling_params::SamplingParams;
 use crate::sequence::{FinishReason, Request, Sequence, Status, Timing};
 use crate::stats::{Stats, Summary};
 use crate::writer::{OutputRow, Writer, WriterConfig, WriterSummary};
@@ -86,6 +88,19 @@ pub struct StepPlan {
     pub top_k: Vec<i32>,
     pub seeds: Vec<i64>,
     pub num_generated: Vec<i32>,
+    /// Per row: EOS / stop ids masked while num_generated (+ j in a verify row) is below it.
+    pub min_tokens: Vec<i32>,
+    pub repetition_penalty: Vec<f32>,
+    pub frequency_penalty: Vec<f32>,
+    pub presence_penalty: Vec<f32>,
+    /// Top alternatives to report per sampled token (0 = no logprobs for the row).
+    pub logprobs: Vec<i32>,
+    /// Rows with a penalty on: their known tokens (prompt then output, rows concatenated; row
+    /// i's are `penalty_ids[cu_penalty[i]..cu_penalty[i + 1]]`, the first
+    /// `penalty_prompt_lens[i]` of them prompt tokens); empty for other rows.
+    pub penalty_ids: Vec<i64>,
+    pub cu_penalty: Vec<i32>,
+    pub penalty_prompt_lens: Vec<i32>,
     /// Rows computing their known tokens (a prefill, or a chunk of one): the tokens before the
     /// row's query (in the cache already), rows concatenated; row i's are
     /// `prefix_ids[cu_prefix[i]..cu_prefix[i + 1]]`. None for decode and verify rows.
@@ -113,8 +128,8 @@ impl StepPlan {
 
 impl StepPlan {
     /// A plan with no rows yet, its vectors sized for `b` rows of `t` query tokens in all and
-    /// block tables `width` wide (zero-padded); sampling parameters are the job's, per row.
-    fn empty(kind: StepKind, cfg: &SchedulerConfig, b: usize, t: usize, width: usize) -> Self {
+    /// block tables `width` wide (zero-padded).
+    fn empty(kind: StepKind, b: usize, t: usize, width: usize) -> Self {
         StepPlan {
             kind,
             request_slots: Vec::with_capacity(b),
@@ -129,11 +144,19 @@ impl StepPlan {
             block_tables: vec![0; b * width],
             block_table_width: width,
             slot_mapping: Vec::with_capacity(t),
-            temperature: vec![cfg.temperature; b],
-            top_p: vec![cfg.top_p; b],
-            top_k: vec![cfg.top_k; b],
+            temperature: Vec::with_capacity(b),
+            top_p: Vec::with_capacity(b),
+            top_k: Vec::with_capacity(b),
             seeds: Vec::with_capacity(b),
             num_generated: Vec::with_capacity(b),
+            min_tokens: Vec::with_capacity(b),
+            repetition_penalty: Vec::with_capacity(b),
+            frequency_penalty: Vec::with_capacity(b),
+            presence_penalty: Vec::with_capacity(b),
+            logprobs: Vec::with_capacity(b),
+            penalty_ids: Vec::new(),
+            cu_penalty: vec![0],
+            penalty_prompt_lens: Vec::with_capacity(b),
             prefix_ids: Vec::new(),
             cu_prefix: vec![0],
             block_copies: Vec::new(),
@@ -199,11 +222,35 @@ fn push_plan_row(
         .push(if end < len { seq.token(end) as i64 } else { -1 });
     p.request_slots
         .push(seq.slot.expect("running request has a slot") as i32);
-    p.seeds
-        .push(sample_seed(seed, seq.row_index, seq.sample_index));
-    p.num_generated.push(seq.num_output() as i32);
+    push_sampling(p, seq, seed);
     p.max_seqlen_q = p.max_seqlen_q.max(q + lookahead);
     p.max_seqlen_k = p.max_seqlen_k.max(stop);
+}
+
+/// Appends `seq`'s sampling parameters to the plan's per-row arrays (and, with a penalty on,
+/// its known tokens).
+fn push_sampling(p: &mut StepPlan, seq: &Sequence, seed: i64) {
+    let sp = &seq.sampling;
+    p.temperature.push(sp.temperature);
+    p.top_p.push(sp.top_p);
+    p.top_k.push(sp.top_k);
+    let base = sp.seed.unwrap_or_else(|| request_seed(seed, seq.row_index));
+    p.seeds.push(sample_seed(base, seq.sample_index));
+    p.num_generated.push(seq.num_output() as i32);
+    p.min_tokens.push(token_count(sp.min_new_tokens));
+    p.repetition_penalty.push(sp.repetition_penalty);
+    p.frequency_penalty.push(sp.frequency_penalty);
+    p.presence_penalty.push(sp.presence_penalty);
+    p.logprobs.push(sp.logprobs as i32);
+    let prompt_len = if sp.penalized() {
+        p.penalty_ids
+            .extend((0..seq.len()).map(|pos| seq.token(pos) as i64));
+        seq.prompt_len()
+    } else {
+        0
+    };
+    p.cu_penalty.push(p.penalty_ids.len() as i32);
+    p.penalty_prompt_lens.push(prompt_len as i32);
 }
 
 /// Checks a step result against its plan: one `num_tokens` (>= 1) and, if given, one
@@ -316,26 +363,18 @@ struct PendingPlan {
     rows: usize,
 }
 
-/// Stop conditions shared by all requests.
+/// Stop conditions shared by all requests (stop strings, max_new_tokens and min_new_tokens
+/// are each request's own: `Sequence::sampling`).
 struct StopCriteria {
     eos: HashSet<u32>,
-    stop: Vec<String>,
-    max_stop_len: usize,
-    max_new_tokens: usize,
     /// max_model_len: never the KV capacity, so an output does not depend on the budget.
     max_len: usize,
 }
 
 impl StopCriteria {
-    /// Empty stop strings are dropped (they would match everywhere); `max_stop_len` is the
-    /// longest remaining one in bytes (0 when none), which bounds `find_stop`'s search.
     fn new(cfg: &SchedulerConfig) -> Self {
-        let stop: Vec<String> = cfg.stop.iter().filter(|s| !s.is_empty()).cloned().collect();
         StopCriteria {
             eos: cfg.eos_token_ids.iter().copied().collect(),
-            max_stop_len: stop.iter().map(String::len).max().unwrap_or(0),
-            stop,
-            max_new_tokens: cfg.max_new_tokens,
             max_len: cfg.max_model_len,
         }
     }
@@ -382,6 +421,7 @@ fn writer_config(cfg: &SchedulerConfig, id_type: arrow_schema::DataType) -> Writ
         part_rows: cfg.part_rows,
         file_metadata: cfg.file_metadata.clone(),
         include_token_ids: cfg.include_token_ids,
+        logprobs: cfg.writes_logprobs(),
         id_type,
         flush_interval: cfg.flush_interval_s.map(std::time::Duration::from_secs_f64),
     }
@@ -392,10 +432,10 @@ fn token_count(n: usize) -> i32 {
     i32::try_from(n).unwrap_or(i32::MAX)
 }
 
-/// The seed of sample `sample` of a row: the row's `request_seed` for sample 0 (so n = 1 runs
-/// are unchanged), mixed once more with the sample index for the others.
-pub fn sample_seed(seed: i64, row_index: i64, sample: u32) -> i64 {
-    let row = request_seed(seed, row_index);
+/// The seed of sample `sample` of a row whose seed is `row` (its seed column's value, else
+/// `request_seed(job seed, row_index)`): `row` itself for sample 0 (so n = 1 runs are
+/// unchanged), mixed once more with the sample index for the others.
+pub fn sample_seed(row: i64, sample: u32) -> i64 {
     if sample == 0 {
         row
     } else {
@@ -505,6 +545,7 @@ impl Scheduler {
                 queue_rows: cfg.queue_rows,
                 skip_rows,
                 text_limit: TextLimit::new(&tokenizer, cfg.max_model_len),
+                sampling: Arc::new(SamplingParams::from_config(&cfg)),
             },
         )?;
         Ok(Scheduler {
@@ -669,7 +710,7 @@ impl Scheduler {
         let cfg = &self.cfg;
         let (p, m, k) = (
             req.prompt_ids.len(),
-            cfg.max_new_tokens,
+            req.sampling.max_new_tokens,
             cfg.max_draft_tokens,
         );
         if p >= cfg.max_model_len {
@@ -732,6 +773,7 @@ impl Scheduler {
             accepted_tokens: None,
             accept_length: None,
             output_token_ids: Vec::new(),
+            logprobs: None,
         })
     }
 
@@ -843,7 +885,7 @@ impl Scheduler {
             .iter()
             .map(|s| s.chunk_end.unwrap_or(s.len()) - s.num_computed + lookahead)
             .sum();
-        let mut p = StepPlan::empty(kind, &self.cfg, rows.len(), t, width);
+        let mut p = StepPlan::empty(kind, rows.len(), t, width);
         p.block_copies = std::mem::take(&mut self.block_copies);
         for (r, seq) in rows.iter_mut().enumerate() {
             check_plan_row(kind, seq)?;
@@ -875,22 +917,42 @@ impl Scheduler {
         tokens: &[i32],
         num_tokens: &[i32],
         num_accepted: Option<&[i32]>,
+        logprobs: Option<&StepLogprobs>,
     ) -> Result<()> {
         let plan = self
             .pending
             .ok_or_else(|| Error::internal("commit() without a plan from next_plan()"))?;
         let most_verify_tokens = self.cfg.max_draft_tokens as i32 + 1;
         check_commit(plan, most_verify_tokens, tokens, num_tokens, num_accepted)?;
+        self.check_logprobs(plan, tokens.len(), logprobs)?;
         self.pending = None;
         let now = Instant::now();
         let mut offset = 0usize;
         for (r, &n) in num_tokens.iter().enumerate() {
             let toks = &tokens[offset..offset + n as usize];
-            offset += n as usize;
             let accepted = num_accepted.map(|acc| acc[r]);
-            self.commit_row(plan.kind, plan.start + r, toks, accepted, now);
+            let lp = logprobs.map(|l| (l, offset));
+            offset += n as usize;
+            self.commit_row(plan.kind, plan.start + r, toks, accepted, lp, now);
         }
         self.retire_finished()
+    }
+
+    /// A result carries logprobs of the right shape when a row of its plan asks for them.
+    fn check_logprobs(&self, plan: PendingPlan, t: usize, lp: Option<&StepLogprobs>) -> Result<()> {
+        let rows = &self.running[plan.start..plan.start + plan.rows];
+        let most = rows.iter().map(|s| s.sampling.logprobs).max().unwrap_or(0) as usize;
+        match lp {
+            Some(lp) if lp.k < most => Err(Error::internal(format!(
+                "commit(): logprobs with {} alternatives, but a row asks for {most}",
+                lp.k
+            ))),
+            Some(lp) => lp.check(t),
+            None if most > 0 => Err(Error::internal(
+                "commit(): a row of the plan asks for logprobs but none were given",
+            )),
+            None => Ok(()),
+        }
     }
 
     /// Appends one row's tokens to `running[i]` (up to its stop condition) and updates the
@@ -903,6 +965,7 @@ impl Scheduler {
         i: usize,
         toks: &[i32],
         accepted: Option<i32>,
+        logprobs: Option<(&StepLogprobs, usize)>,
         now: Instant,
     ) {
         let seq = &mut self.running[i];
@@ -910,6 +973,11 @@ impl Scheduler {
             return; // a prefill chunk short of the prompt's end: its token is not the next one
         }
         let appended = append_tokens(seq, toks, now, &self.tokenizer, &self.criteria);
+        let k = seq.sampling.logprobs as usize;
+        if let (Some((lp, offset)), true) = (logprobs, k > 0) {
+            seq.logprobs
+                .extend((offset..offset + appended).map(|j| lp.entry(j, k)));
+        }
         if kind == StepKind::Verify {
             seq.num_computed = seq.len() - 1;
         }
@@ -990,6 +1058,8 @@ impl Scheduler {
             spec_steps: seq.spec_steps,
             accepted_tokens: seq.accepted_tokens,
             accept_length,
+            logprobs: (!error && seq.sampling.logprobs > 0)
+                .then(|| logprobs::entries(&self.tokenizer, &seq.output_ids, &seq.logprobs)),
             output_token_ids: if self.cfg.include_token_ids && !error {
                 seq.output_ids
             } else {
@@ -1108,7 +1178,9 @@ fn append_tokens(
         seq.output_ids.push(t);
         appended += 1;
         seq.timing.first_token.get_or_insert(now);
-        if c.eos.contains(&t) {
+        // vLLM: no stop condition but the length ones before min_new_tokens outputs
+        let may_stop = seq.num_output() >= seq.sampling.min_new_tokens;
+        if may_stop && c.eos.contains(&t) {
             // vLLM: the EOS token counts as an output token but is not part of the text.
             seq.stopped_on_eos = true;
             seq.finish(FinishReason::Stop, now);
@@ -1118,7 +1190,9 @@ fn append_tokens(
             Ok(delta) if !delta.is_empty() => {
                 let old_len = seq.output_text.len();
                 seq.output_text.push_str(&delta);
-                if let Some(pos) = find_stop(&seq.output_text, old_len, &c.stop, c.max_stop_len) {
+                let (stop, longest) = (&seq.sampling.stop, seq.sampling.max_stop_len());
+                let found = find_stop(&seq.output_text, old_len, stop, longest);
+                if let Some(pos) = found.filter(|_| may_stop) {
                     seq.output_text.truncate(pos);
                     seq.stopped_on_string = true;
                     seq.finish(FinishReason::Stop, now);
@@ -1132,7 +1206,7 @@ fn append_tokens(
                 break;
             }
         }
-        if seq.num_output() >= c.max_new_tokens || seq.len() >= c.max_len {
+        if seq.num_output() >= seq.sampling.max_new_tokens || seq.len() >= c.max_len {
             seq.finish(FinishReason::Length, now);
             break;
         }

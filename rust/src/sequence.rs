@@ -11,12 +11,15 @@
 //!   once appended, so the hashes stay valid across preemptions).
 
 use std::borrow::Cow;
+use std::sync::Arc;
 use std::time::Instant;
 
 use arrow_array::ArrayRef;
 
 use crate::block_manager::{chain_hash, ROOT_HASH};
 use crate::detokenizer::IncrementalDetokenizer;
+use crate::logprobs::TokenLogprob;
+use crate::sampling_params::SamplingParams;
 
 /// One input row after reading, templating and tokenization.
 #[derive(Debug, Clone)]
@@ -27,6 +30,8 @@ pub struct Request {
     /// as int64 when there is no id column); concatenated by the writer.
     pub id: ArrayRef,
     pub prompt_ids: Vec<u32>,
+    /// The job's sampling parameters, or the row's own (sampling columns).
+    pub sampling: Arc<SamplingParams>,
     /// When the reader produced the request (start of `queue_s`).
     pub read_at: Instant,
     /// Set when the row cannot be generated (null prompt, template/tokenizer failure, ...):
@@ -76,6 +81,7 @@ pub struct Sequence {
     pub sample_index: u32,
     pub id: ArrayRef,
     pub prompt_ids: Vec<u32>,
+    pub sampling: Arc<SamplingParams>,
     /// Generated ids, including a final EOS token if generation stopped on one.
     pub output_ids: Vec<u32>,
     /// Number of tokens (prompt + output) whose K/V is in the cache.
@@ -101,6 +107,8 @@ pub struct Sequence {
     pub spec_tokens: Option<i32>,
     /// Times this request was preempted (its K/V dropped and recomputed later).
     pub preemptions: u32,
+    /// Per output token (aligned with `output_ids`) when the request asks for logprobs.
+    pub logprobs: Vec<TokenLogprob>,
     /// Prefix caching: chain hashes of the first full blocks, as far as computed.
     pub block_hashes: Vec<u64>,
     /// Blocks at the start of `block_table` already offered to the cache (found or registered).
@@ -121,6 +129,7 @@ impl Sequence {
             sample_index,
             id: req.id,
             prompt_ids: req.prompt_ids,
+            sampling: req.sampling,
             output_ids: Vec::new(),
             num_computed: 0,
             status: Status::Waiting,
@@ -140,6 +149,7 @@ impl Sequence {
             accepted_tokens: None,
             spec_tokens: None,
             preemptions: 0,
+            logprobs: Vec::new(),
             block_hashes: Vec::new(),
             registered: 0,
             cached_tokens: 0,

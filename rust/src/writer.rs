@@ -34,6 +34,7 @@ use parquet::file::metadata::KeyValue;
 use parquet::file::properties::WriterProperties;
 
 use crate::error::{Error, Result};
+use crate::logprobs::LogprobEntry;
 use crate::sequence::FinishReason;
 
 /// One output row (a finished or failed request).
@@ -61,6 +62,8 @@ pub struct OutputRow {
     pub accept_length: Option<f64>,
     /// All generated ids (including a final EOS); written only with `include_token_ids`.
     pub output_token_ids: Vec<u32>,
+    /// One entry per output token, for a row that asked for logprobs (else None: null).
+    pub logprobs: Option<Vec<LogprobEntry>>,
 }
 
 #[derive(Debug, Clone)]
@@ -69,6 +72,8 @@ pub struct WriterConfig {
     pub part_rows: usize,
     pub file_metadata: BTreeMap<String, String>,
     pub include_token_ids: bool,
+    /// Write the `logprobs` column (logprobs.rs).
+    pub logprobs: bool,
     pub id_type: DataType,
     /// Close a part once its oldest row is this old (None: only by `part_rows`).
     pub flush_interval: Option<Duration>,
@@ -81,7 +86,7 @@ pub struct WriterSummary {
 }
 
 /// Output schema (column order is part of the contract).
-pub fn output_schema(id_type: &DataType, include_token_ids: bool) -> SchemaRef {
+pub fn output_schema(id_type: &DataType, include_token_ids: bool, logprobs: bool) -> SchemaRef {
     let mut fields = vec![
         Field::new("id", id_type.clone(), true),
         Field::new("row_index", DataType::Int64, false),
@@ -106,6 +111,9 @@ pub fn output_schema(id_type: &DataType, include_token_ids: bool) -> SchemaRef {
             DataType::List(Arc::new(Field::new("item", DataType::Int32, true))),
             false,
         ));
+    }
+    if logprobs {
+        fields.push(crate::logprobs::field());
     }
     Arc::new(Schema::new(fields))
 }
@@ -230,7 +238,7 @@ struct WriterThread {
 
 impl WriterThread {
     fn new(cfg: WriterConfig, next_part: u64, had_parts: bool) -> Self {
-        let schema = output_schema(&cfg.id_type, cfg.include_token_ids);
+        let schema = output_schema(&cfg.id_type, cfg.include_token_ids, cfg.logprobs);
         let kv: Vec<KeyValue> = cfg
             .file_metadata
             .iter()
@@ -293,7 +301,7 @@ impl WriterThread {
     /// Writes the buffered rows (possibly none) as the next part file.
     fn flush(&mut self) -> Result<()> {
         let rows = std::mem::take(&mut self.buffer);
-        let batch = build_batch(&self.schema, &rows, self.cfg.include_token_ids)?;
+        let batch = build_batch(&self.schema, &rows, &self.cfg)?;
         let name = format!("part-{:05}.parquet", self.next_part);
         self.next_part += 1;
         let dir = &self.cfg.output_dir;
@@ -328,8 +336,9 @@ impl WriterThread {
 }
 
 /// The record batch of `rows` in `schema`'s column order (see `output_schema`): one column
-/// per `OutputRow` field, row order kept; `output_token_ids` only with `include_ids`.
-fn build_batch(schema: &SchemaRef, rows: &[OutputRow], include_ids: bool) -> Result<RecordBatch> {
+/// per `OutputRow` field, row order kept; `output_token_ids` and `logprobs` only when
+/// configured.
+fn build_batch(schema: &SchemaRef, rows: &[OutputRow], cfg: &WriterConfig) -> Result<RecordBatch> {
     let text_bytes = rows.iter().map(|r| r.output_text.len()).sum();
     let mut columns: Vec<ArrayRef> = vec![
         id_column(schema, rows)?,
@@ -351,8 +360,13 @@ fn build_batch(schema: &SchemaRef, rows: &[OutputRow], include_ids: bool) -> Res
         int32_column(rows, |r| r.accepted_tokens),
         float64_column(rows, |r| r.accept_length),
     ];
-    if include_ids {
+    if cfg.include_token_ids {
         columns.push(token_ids_column(rows));
+    }
+    if cfg.logprobs {
+        columns.push(crate::logprobs::column(
+            rows.iter().map(|r| r.logprobs.as_deref()),
+        ));
     }
     Ok(RecordBatch::try_new(schema.clone(), columns)?)
 }
@@ -445,6 +459,7 @@ mod tests {
             accepted_tokens: None,
             accept_length: None,
             output_token_ids: if err { vec![] } else { vec![7, 2] },
+            logprobs: None,
         }
     }
 
@@ -481,6 +496,7 @@ mod tests {
                 "{\"a\": 1}".to_string(),
             )]),
             include_token_ids: true,
+            logprobs: false,
             id_type: DataType::Utf8,
             flush_interval: None,
         }

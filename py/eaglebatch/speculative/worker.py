@@ -60,13 +60,14 @@ import torch
 from eaglebatch.attention.base import AttentionMetadata, copy_blocks
 from eaglebatch.config import SpeculativeConfig, widest_round
 from eaglebatch.cpu import accelerate, gemm_threads
-from eaglebatch.sampling import sample
+from eaglebatch.logits_processing import LogitsControls
+from eaglebatch.logprobs import distribution, top_logprobs, wanted
 from eaglebatch.speculative.adaptive import AdaptiveDraftLength
 from eaglebatch.speculative.eagle import EagleDraft, load_draft
 from eaglebatch.speculative.graphs import SpecGraphs
 from eaglebatch.speculative.ngram import NgramLookup
 from eaglebatch.speculative.verify import deterministic_rows, verify, verify_greedy_host
-from eaglebatch.worker import Worker, check_graph_support, plan_metadata
+from eaglebatch.worker import Worker, check_graph_support, plan_metadata, sample_rows
 
 TREE_UNSUPPORTED = "speculative.topk > 1 (tree drafting) is not supported yet"
 # the most k = 0 rounds a row's draft extend waits for before the row leaves the head (module doc)
@@ -145,6 +146,7 @@ class _Round:
     meta: AttentionMetadata | None = None  # eager: the verify query's
     tokens: torch.Tensor | None = None  # int64 [B, k+1]
     accepted: torch.Tensor | None = None  # int64 [B]
+    logprobs: tuple | None = None  # of r.tokens at all B*(k+1) positions (logprobs.py)
     tc: Any = None  # clock marks: catch-up, drafting, verify..sync
     t0: Any = None
     t1: Any = None
@@ -177,6 +179,7 @@ class SpecWorker:
         # K: the head's longest chain; max_draft_tokens: the widest round (lookup rounds)
         self.max_draft_tokens = widest_round(num_steps, lookup_tokens if prompt_lookup else None)
         self.target = target
+        self.end_ids, self.logprobs_mode = target.end_ids, target.logprobs_mode  # sample_rows
         self.model = target.model
         self.kv_caches = target.kv_caches
         self.budget = target.budget
@@ -315,8 +318,9 @@ class SpecWorker:
         return self.budget.num_blocks
 
     @torch.inference_mode()
-    def step(self, plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(tokens int32 [N], num_tokens int32 [B], num_accepted int32 [B]) in plan row order."""
+    def step(self, plan) -> tuple:
+        """(tokens int32 [N], num_tokens int32 [B], num_accepted int32 [B]) in plan row order,
+        and the tokens' logprobs after them when a row asks for them (`Scheduler.commit`)."""
         copy_blocks([*self.kv_caches, self.draft_kv], plan.block_copies)  # forked samples
         if plan.kind == "prefill":
             return self._prefill(plan)
@@ -368,7 +372,7 @@ class SpecWorker:
         )  # [T, H]
         last = self._dev(plan.cu_seqlens_q[1:].astype(np.int64) - 1)  # [B]
         logits = self.model.compute_logits(hidden.index_select(0, last))  # [B, V]
-        tokens = sample(logits, *self._sampling(plan))  # [B]
+        tokens, logprobs = sample_rows(self, plan, logits, self._sampling(plan))  # [B]
         # draft extend over p = c..n-1: token x_{p+1} is the next prompt token, or the new one
         # (a chunk that stops before the row's end: the plan's next token, the new one dropped)
         next_ids = torch.roll(ids, -1)
@@ -391,7 +395,8 @@ class SpecWorker:
                 prefix = plan.prefix_ids[cp[i] : cp[i + 1]]  # cached, before the query
                 seq = np.concatenate((prefix, plan.input_ids[cu[i] : cu[i + 1]], out[i : i + 1]))
                 self.lookup.reset(int(slot), seq)
-        return out, np.ones(n, dtype=np.int32), np.zeros(n, dtype=np.int32)
+        result = out, np.ones(n, dtype=np.int32), np.zeros(n, dtype=np.int32)
+        return result if logprobs is None else (*result, logprobs)
 
     # ---- deferred draft extends (module doc) ---------------------------------------------------
 
@@ -625,15 +630,30 @@ class SpecWorker:
         and r.accepted int64 [B], by verify.py; rows drafting fewer than k are masked."""
         plan = r.plan
         padded = bool((r.n < r.k).any())
-        if r.logits.is_cpu and bool(deterministic_rows(plan.temperature, plan.top_k).all()):
+        controls = LogitsControls.from_plan(plan, self.end_ids, self.device)
+        # position j as plain decoding sees it after the drafts before j (logits_processing.py)
+        logits = r.logits if controls is None else controls.apply(r.logits, r.draft_ids)
+        if logits.is_cpu and bool(deterministic_rows(plan.temperature, plan.top_k).all()):
             # every row greedy: the same tokens and counts from a few numpy operations
-            r.tokens, r.accepted = verify_greedy_host(
-                r.logits, r.draft_ids, r.n if padded else None
-            )
+            r.tokens, r.accepted = verify_greedy_host(logits, r.draft_ids, r.n if padded else None)
         else:
             r.tokens, r.accepted = verify(
-                r.logits, r.draft_ids, *self._sampling(plan), self._dev(r.n) if padded else None
+                logits, r.draft_ids, *self._sampling(plan), self._dev(r.n) if padded else None
             )
+        if wanted(plan):
+            r.logprobs = self._round_logprobs(r, None if controls is None else logits)
+
+    def _round_logprobs(self, r: _Round, processed: torch.Tensor | None) -> tuple:
+        """The logprobs of r.tokens at every position of the round, [B*(k+1)] rows (what
+        `_record` keeps of them: the emitted tokens')."""
+        plan, k1 = r.plan, r.k + 1
+        vocab = r.logits.shape[-1]
+        temperature, top_p, top_k = (self._dev(a, t).repeat_interleave(k1) for a, t in (
+            (plan.temperature, np.float32), (plan.top_p, np.float32), (plan.top_k, np.int32)))
+        flat = None if processed is None else processed.reshape(-1, vocab)
+        lp = distribution(r.logits.reshape(-1, vocab), flat, temperature, top_k, top_p,
+                          self.logprobs_mode)  # [B*(k+1), V]
+        return top_logprobs(lp, r.tokens.reshape(-1), wanted(plan))
 
     # ---- 4. extend: the draft over L-1..L-1+k, keeping h^d at L-1+a ----------------------------
 
@@ -674,11 +694,17 @@ class SpecWorker:
             self.stats.lookup_drafted += int(n[by_lookup].sum())
             self.stats.lookup_accepted += int(accepted_np[by_lookup].sum())
         self._record_cost(r, accepted_np)
-        return (
+        result = (
             tokens_np[keep].astype(np.int32),
             num_tokens.astype(np.int32),
             accepted_np.astype(np.int32),
         )
+        if r.logprobs is None:
+            return result
+        chosen, ids, lps = r.logprobs
+        k_lp = ids.shape[1]
+        flat = keep.reshape(-1)  # the emitted tokens, in the order of result[0]
+        return (*result, (chosen[flat], ids.reshape(-1, k_lp)[flat], lps.reshape(-1, k_lp)[flat]))
 
     def _record_cost(self, r: _Round, accepted: np.ndarray) -> None:
         """Tells the round's policy its cost at width k and its acceptance (accepted [B])."""

@@ -83,7 +83,8 @@ fn drive_kv(s: &mut Scheduler) {
                 history.push(t as i64);
             }
         }
-        s.commit(&tokens, &vec![1; tokens.len()], None).unwrap();
+        s.commit(&tokens, &vec![1; tokens.len()], None, None)
+            .unwrap();
         steps += 1;
         assert!(steps < 100_000, "no progress");
     }
@@ -222,7 +223,8 @@ fn an_identical_prompt_waits_one_step_then_shares_the_blocks() {
         wait_for_reader(&s);
         let p = s.next_plan().unwrap().unwrap();
         assert_eq!((p.kind, p.num_seqs()), (StepKind::Prefill, 1));
-        s.commit(&[9], &[1], spec.then_some(&[0][..])).unwrap();
+        s.commit(&[9], &[1], spec.then_some(&[0][..]), None)
+            .unwrap();
         let p = s.next_plan().unwrap().unwrap();
         assert_eq!((p.kind, p.num_seqs()), (StepKind::Prefill, 1));
         assert_eq!(p.cu_prefix, vec![0, cached as i32], "spec {spec}");
@@ -311,7 +313,7 @@ fn a_forked_sample_computes_only_its_last_prompt_token() {
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!((p.num_seqs(), p.num_tokens()), (1, 11)); // the siblings wait a step
     assert!(p.block_copies.is_empty());
-    s.commit(&[9], &[1], None).unwrap();
+    s.commit(&[9], &[1], None, None).unwrap();
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!(
         (p.kind, p.num_seqs(), p.num_tokens()),
@@ -403,9 +405,9 @@ fn a_long_prompt_in_chunks_never_stops_the_decoding_rows() {
                 .map(|r| 5 + (p.input_ids[p.cu_seqlens_q[r + 1] as usize - 1] as i32 % 50))
                 .collect();
             if p.kind == StepKind::Verify {
-                s.commit(&toks, &counts, Some(&vec![0; n])).unwrap();
+                s.commit(&toks, &counts, Some(&vec![0; n]), None).unwrap();
             } else {
-                s.commit(&toks, &counts, spec.then_some(&vec![0; n][..]))
+                s.commit(&toks, &counts, spec.then_some(&vec![0; n][..]), None)
                     .unwrap();
             }
             if kinds.len() > 12 {

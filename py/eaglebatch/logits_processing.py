@@ -1,0 +1,162 @@
+"""Per-row logits processing before sampling: `min_new_tokens` and vLLM's three penalties.
+
+Applied to the target's logits of a step, [B, Q, V] with Q = 1 (plain decoding, prefill) or
+k + 1 (a verify round). Position j of row i is processed as plain decoding would process it
+after the row's tokens plus drafts d_0..d_{j-1} (the ones verification must have accepted to
+reach j): so greedy verification of processed logits equals plain greedy decoding, and
+speculative sampling from them stays exact.
+
+- min_new_tokens: the end ids (EOS unless ignore_eos, and stop_token_ids) are -inf while the
+  row has generated fewer tokens (num_generated + j < min_tokens).
+- repetition_penalty r (1 = off), over every token in the prompt or the output: a positive
+  logit is divided by r, a non-positive one multiplied by it;
+- frequency_penalty f and presence_penalty p (0 = off), over output tokens only: logit -= f *
+  count - p * (count > 0).
+In that order, on the raw logits (before temperature, top-k and top-p), as vLLM does.
+
+Sparse: only the tokens a row has seen (its penalty ids and drafts) are gathered, penalised and
+scattered back, so the cost is O(B * Q * distinct tokens), not O(B * Q * V).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class LogitsControls:
+    """What a plan asks of its logits. Built by `from_plan`, None when it asks nothing."""
+
+    end_ids: torch.Tensor  # int64 [S] ids min_new_tokens masks
+    min_tokens: torch.Tensor | None  # int64 [B]; None: no row masks at this step
+    num_generated: torch.Tensor  # int64 [B]
+    penalties: _Penalties | None
+
+    @classmethod
+    def from_plan(cls, plan, end_ids: torch.Tensor, device) -> LogitsControls | None:
+        masking = bool((plan.min_tokens > plan.num_generated).any())
+        penalised = int(plan.cu_penalty[-1]) > 0
+        if not masking and not penalised:
+            return None
+
+        def dev(a, dtype):
+            return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)).to(device)
+
+        return cls(
+            end_ids=end_ids.to(device),
+            min_tokens=dev(plan.min_tokens, np.int64) if masking else None,
+            num_generated=dev(plan.num_generated, np.int64),
+            penalties=_Penalties.from_plan(plan, dev) if penalised else None,
+        )
+
+    def apply(
+        self,
+        logits: torch.Tensor,  # float [B, Q, V] (not modified)
+        drafts: torch.Tensor | None = None,  # int64 [B, Q-1]: the tokens before positions 1..
+    ) -> torch.Tensor:  # float32 [B, Q, V]
+        out = logits.float().clone()
+        b, q, _ = out.shape
+        if self.min_tokens is not None and len(self.end_ids):
+            generated = self.num_generated[:, None] + torch.arange(q, device=out.device)
+            masked = generated < self.min_tokens[:, None]  # [B, Q]
+            ends = out[:, :, self.end_ids]  # [B, Q, S]
+            out[:, :, self.end_ids] = torch.where(masked[:, :, None], float("-inf"), ends)
+        if self.penalties is not None:
+            self.penalties.apply(out, drafts)
+        return out
+
+
+@dataclass(frozen=True)
+class _Penalties:
+    """The penalised rows' seen tokens as (row, token) pairs with their prompt flag and output
+    count, and each row's three penalty values."""
+
+    rows: torch.Tensor  # int64 [U]
+    token_ids: torch.Tensor  # int64 [U]
+    in_prompt: torch.Tensor  # bool [U]
+    output_count: torch.Tensor  # float32 [U]
+    repetition: torch.Tensor  # float32 [B]
+    frequency: torch.Tensor  # float32 [B]
+    presence: torch.Tensor  # float32 [B]
+    vocab_keys: int  # keys are row * vocab_keys + token
+
+    @classmethod
+    def from_plan(cls, plan, dev) -> _Penalties:
+        cu = plan.cu_penalty.astype(np.int64)
+        ids = plan.penalty_ids.astype(np.int64)
+        lens = np.diff(cu)
+        row = np.repeat(np.arange(len(lens)), lens)  # [N] row of each penalty id
+        index = np.arange(len(ids)) - np.repeat(cu[:-1], lens)  # [N] position in the row
+        prompt = index < np.repeat(plan.penalty_prompt_lens.astype(np.int64), lens)
+        keys_v = int(ids.max()) + 1 if len(ids) else 1
+        return cls(
+            *_seen(row, ids, prompt, keys_v, dev),
+            repetition=dev(plan.repetition_penalty, np.float32),
+            frequency=dev(plan.frequency_penalty, np.float32),
+            presence=dev(plan.presence_penalty, np.float32),
+            vocab_keys=keys_v,
+        )
+
+    def apply(self, out: torch.Tensor, drafts: torch.Tensor | None) -> None:
+        """Penalises `out` [B, Q, V] in place (module doc)."""
+        q, vocab = out.shape[1:]
+        drafted = drafts is not None and drafts.shape[1] > 0
+        if drafted:
+            rows, tokens, in_prompt, count = self._with_drafts(drafts, vocab)
+        else:
+            rows, tokens, in_prompt, count = (
+                self.rows, self.token_ids, self.in_prompt, self.output_count)
+        count = count[:, None].expand(-1, q).clone()  # [U, Q]
+        if drafted:
+            # drafts d_0..d_{j-1} precede position j: + #{m < j : d_m == token}
+            same = (drafts[rows] == tokens[:, None]).float()  # [U, Q-1]
+            count[:, 1:] += same.cumsum(dim=1)
+        pos = torch.arange(q, device=out.device)
+        x = out[rows[:, None], pos[None, :], tokens[:, None]]  # [U, Q]
+        rep = self.repetition[rows][:, None]  # [U, 1]
+        seen = in_prompt[:, None] | (count > 0)  # [U, Q]
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        x = x - self.frequency[rows][:, None] * count
+        x = x - self.presence[rows][:, None] * (count > 0).float()
+        out[rows[:, None], pos[None, :], tokens[:, None]] = x
+
+    def _with_drafts(self, drafts: torch.Tensor, vocab: int):
+        """The (row, token) pairs with the drafts' tokens added (prompt flag False, count 0
+        where they were not seen before): the pairs position j > 0 may penalise."""
+        b, k = drafts.shape
+        kv = max(self.vocab_keys, vocab)
+        keys = self.rows * kv + self.token_ids  # [U] sorted, unique
+        draft_rows = torch.arange(b, device=drafts.device).repeat_interleave(k)
+        draft_keys = torch.unique(draft_rows * kv + drafts.reshape(-1))  # [D]
+        penalised = self.repetition[draft_keys // kv] != 1
+        penalised |= self.frequency[draft_keys // kv] != 0
+        penalised |= self.presence[draft_keys // kv] != 0
+        draft_keys = draft_keys[penalised]
+        new = draft_keys[~torch.isin(draft_keys, keys)]
+        all_keys = torch.cat((keys, new))
+        n_new = len(new)
+        zeros_b = torch.zeros(n_new, dtype=torch.bool, device=keys.device)
+        zeros_f = torch.zeros(n_new, dtype=torch.float32, device=keys.device)
+        return (
+            all_keys // kv,
+            all_keys % kv,
+            torch.cat((self.in_prompt, zeros_b)),
+            torch.cat((self.output_count, zeros_f)),
+        )
+
+
+def _seen(row, ids, prompt, keys_v: int, dev):
+    """(rows, token ids, in_prompt, output count) of each distinct (row, token), sorted."""
+    keys = row * keys_v + ids  # [N]
+    uniq, inverse = np.unique(keys, return_inverse=True)  # [U]
+    count = np.bincount(inverse, weights=~prompt, minlength=len(uniq)).astype(np.float32)
+    in_prompt = np.bincount(inverse, weights=prompt, minlength=len(uniq)) > 0
+    return (
+        dev(uniq // keys_v, np.int64),
+        dev(uniq % keys_v, np.int64),
+        dev(in_prompt, np.bool_),
+        dev(count, np.float32),
+    )

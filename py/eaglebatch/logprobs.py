@@ -1,0 +1,63 @@
+"""Log-probabilities of sampled tokens, for the output's `logprobs` column (output.logprobs).
+
+Two distributions (output.logprobs_mode):
+- "raw": the model's own, log_softmax of the target's logits before any processing (vLLM's
+  default);
+- "processed": the one the token was drawn from: after min_new_tokens and the penalties, and
+  for sampled rows after temperature, top-k and top-p (tokens those cut are -inf). Greedy rows
+  (temperature 0) take no temperature and no filter.
+With speculative decoding the values come from the target's verify logits at each position, so
+they equal plain decoding's. Computed only for steps with a row that asks for them: a job
+without logprobs never computes a softmax here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .sampling import deterministic_rows
+
+
+def wanted(plan) -> int:
+    """The most alternatives a row of the plan asks for (0: the step computes no logprobs)."""
+    return int(plan.logprobs.max()) if len(plan.logprobs) else 0
+
+
+def distribution(
+    raw: torch.Tensor,  # [N, V] the target's logits
+    processed: torch.Tensor | None,  # [N, V] after LogitsControls (None: none applied)
+    temperature: torch.Tensor,  # float32 [N]
+    top_k: torch.Tensor,  # int [N]
+    top_p: torch.Tensor,  # float32 [N]
+    mode: str,
+) -> torch.Tensor:  # float32 [N, V] log-probabilities
+    if mode == "raw":
+        return torch.log_softmax(raw.float(), dim=-1)
+    from .speculative.verify import filtered_probs
+
+    logits = (raw if processed is None else processed).float()
+    greedy = deterministic_rows(temperature, top_k) & (temperature <= 0)
+    out = torch.log_softmax(logits, dim=-1)
+    sampled = (~greedy).nonzero().squeeze(1)
+    if len(sampled):
+        probs = filtered_probs(logits[sampled], temperature[sampled], top_k[sampled],
+                               top_p[sampled])
+        out[sampled] = torch.log(probs)
+    return out
+
+
+def top_logprobs(
+    logprobs: torch.Tensor,  # float32 [N, V]
+    tokens: torch.Tensor,  # int64 [N] the chosen tokens
+    k: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(chosen float32 [N], top ids int32 [N, k], top logprobs float32 [N, k]), most likely
+    first: what `Scheduler.commit` takes."""
+    chosen = logprobs.gather(1, tokens.long()[:, None]).squeeze(1)
+    values, ids = logprobs.topk(k, dim=-1)
+    return (
+        chosen.cpu().numpy().astype(np.float32),
+        ids.to(torch.int32).cpu().numpy(),
+        values.cpu().numpy().astype(np.float32),
+    )
