@@ -96,6 +96,28 @@ def _is_id(t: pa.DataType) -> bool:
     return pa.types.is_integer(t) or _is_string(t)
 
 
+def _is_number(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t)
+
+
+def _is_stop(t: pa.DataType) -> bool:
+    listed = pa.types.is_list(t) or pa.types.is_large_list(t)
+    return _is_string(t) or (listed and _is_string(t.value_type))
+
+
+# The column types of each sampling key (input.sampling_columns; rust/src/sampling_params.rs
+# checks the same rule again when it opens the files).
+_INT_KEYS = ("max_new_tokens", "min_new_tokens", "top_k", "seed", "logprobs")
+
+
+def _sampling_check(key: str) -> tuple:
+    if key == "stop":
+        return _is_stop, "a string or list<string>"
+    if key in _INT_KEYS:
+        return pa.types.is_integer, "an integer"
+    return _is_number, "a number"
+
+
 def check_input(cfg: InputConfig) -> tuple[list[Path], int]:
     """Returns the input files and their total row count (capped by input.limit)."""
     files = resolve_input_files(cfg.path)
@@ -132,6 +154,8 @@ def _check_columns(cfg: InputConfig, f: Path, schema: pa.Schema) -> None:
         )
     else:
         checks.append((cfg.text_column, "input.prompt_column", _is_string, "a string"))
+    for key, column in sorted(cfg.sampling_columns.items()):
+        checks.append((column, f"input.sampling_columns.{key}", *_sampling_check(key)))
     for column, key, ok, want in checks:
         if column is None:
             continue

@@ -1236,4 +1236,6 @@ mod chunked;
 #[cfg(test)]
 mod prefix_cache_tests;
 #[cfg(test)]
+mod sampling_tests;
+#[cfg(test)]
 mod tests;

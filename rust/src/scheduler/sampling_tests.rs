@@ -1,0 +1,193 @@
+//! Per-request sampling parameters through the scheduler: sampling columns reach the plan's
+//! per-row arrays (and penalised rows' tokens), per-row max_new_tokens and min_new_tokens
+//! decide where rows stop, and logprobs stay aligned with the output tokens they describe.
+
+use std::sync::Arc;
+
+use arrow_array::cast::AsArray;
+use arrow_array::types::{Float32Type, Int32Type};
+use arrow_array::{Array, ArrayRef, Float64Array, Int64Array, RecordBatch, StringArray};
+use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+
+use super::tests::{fixture, read_output, wait_for_reader, Fixture};
+use super::*;
+use crate::testutil::write_parquet;
+
+/// The fixture with its input rewritten with extra columns.
+fn with_columns(tag: &str, prompts: &[&str], extra: Vec<(&str, ArrayRef)>) -> Fixture {
+    let f = fixture(tag, &[]);
+    let ids: Vec<String> = (0..prompts.len()).map(|i| format!("r{i}")).collect();
+    let mut cols: Vec<(&str, ArrayRef)> = vec![
+        ("prompt", Arc::new(StringArray::from(prompts.to_vec()))),
+        ("id", Arc::new(StringArray::from(ids))),
+    ];
+    cols.extend(extra);
+    write_parquet(&f.cfg.input_files[0], cols, 3);
+    f
+}
+
+/// Commits `token` for every row of every plan until the end; with `lp`, logprobs too (the
+/// chosen token's logprob -(output index), alternatives k).
+fn drive_constant(s: &mut Scheduler, token: i32, k: usize) -> Vec<StepPlan> {
+    let mut plans = Vec::new();
+    while let Some(p) = s.next_plan().unwrap() {
+        let b = p.num_seqs();
+        let tokens = vec![token; b];
+        let lp = StepLogprobs {
+            chosen: p.num_generated.iter().map(|&g| -(g as f32)).collect(),
+            top_ids: vec![token; b * k],
+            top_logprobs: (0..b * k).map(|i| -((i % k.max(1)) as f32)).collect(),
+            k,
+        };
+        s.commit(&tokens, &vec![1; b], None, (k > 0).then_some(&lp))
+            .unwrap();
+        plans.push(p);
+    }
+    plans
+}
+
+#[test]
+fn sampling_columns_reach_the_plan_and_decide_where_rows_stop() {
+    let mut f = with_columns(
+        "samp-cols",
+        &["w5 w6", "w7", "w8 w9"],
+        vec![
+            (
+                "mt",
+                Arc::new(Int64Array::from(vec![Some(2), None, Some(-1)])) as ArrayRef,
+            ),
+            (
+                "t",
+                Arc::new(Float64Array::from(vec![Some(0.5), None, None])),
+            ),
+            (
+                "rp",
+                Arc::new(Float64Array::from(vec![None, Some(1.3), None])),
+            ),
+        ],
+    );
+    let map = [
+        ("max_new_tokens", "mt"),
+        ("temperature", "t"),
+        ("repetition_penalty", "rp"),
+    ];
+    f.cfg.sampling_columns = map
+        .iter()
+        .map(|(k, c)| (k.to_string(), c.to_string()))
+        .collect();
+    f.cfg.queue_rows = 16; // the reader queues every row: one first plan for both good rows
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    wait_for_reader(&s);
+    let plans = drive_constant(&mut s, 11, 0);
+    s.finish().unwrap();
+    let first = &plans[0];
+    assert_eq!(first.temperature, vec![0.5, 0.0]);
+    assert_eq!(first.repetition_penalty, vec![1.0, 1.3]);
+    // only the penalised row carries its tokens: its prompt, then its outputs
+    let prompt = first.penalty_ids.clone();
+    assert!(!prompt.is_empty());
+    assert_eq!(first.cu_penalty, vec![0, 0, prompt.len() as i32]);
+    assert_eq!(first.penalty_prompt_lens, vec![0, prompt.len() as i32]);
+    let later = plans
+        .iter()
+        .find(|p| p.num_generated == vec![1, 1])
+        .unwrap();
+    assert_eq!(later.penalty_ids, [prompt, vec![11]].concat());
+    let rows = read_output(&f.cfg.output_dir);
+    assert_eq!(rows[0].output_tokens, 2);
+    assert_eq!(rows[1].output_tokens, f.cfg.max_new_tokens as i32);
+    assert_eq!(rows[2].reason, "error");
+    assert!(rows[2].error.as_ref().unwrap().contains("'mt'"));
+}
+
+#[test]
+fn no_stop_before_min_new_tokens() {
+    let mut f = fixture("samp-min", &[Some("w5"), Some("w6")]);
+    f.cfg.min_new_tokens = 3;
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let plans = drive_constant(&mut s, 2, 0); // the EOS id every step
+    s.finish().unwrap();
+    assert!(plans.iter().all(|p| p.min_tokens.iter().all(|&m| m == 3)));
+    for r in read_output(&f.cfg.output_dir) {
+        assert_eq!((r.output_tokens, r.reason.as_str()), (3, "stop"));
+    }
+}
+
+#[test]
+fn logprobs_are_kept_per_output_token_and_written() {
+    let mut f = fixture("samp-lp", &[Some("w5"), Some("w6"), None]);
+    f.cfg.logprobs = 2;
+    f.cfg.max_new_tokens = 4;
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let p = s.next_plan().unwrap().unwrap();
+    let b = p.num_seqs();
+    assert!(
+        s.commit(&vec![9; b], &vec![1; b], None, None).is_err(),
+        "logprobs are required"
+    );
+    let short = StepLogprobs {
+        chosen: vec![0.0; b],
+        top_ids: vec![9; b],
+        top_logprobs: vec![0.0; b],
+        k: 1,
+    };
+    assert!(
+        s.commit(&vec![9; b], &vec![1; b], None, Some(&short))
+            .is_err(),
+        "k below 2"
+    );
+    let lp = StepLogprobs {
+        chosen: vec![-0.0; b],
+        top_ids: vec![9; 2 * b],
+        top_logprobs: [0.0, -1.0].repeat(b),
+        k: 2,
+    };
+    s.commit(&vec![9; b], &vec![1; b], None, Some(&lp)).unwrap();
+    drive_constant(&mut s, 9, 3);
+    s.finish().unwrap();
+    let mut files: Vec<_> = std::fs::read_dir(&f.cfg.output_dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    let mut seen = 0;
+    for file in files {
+        let reader = ParquetRecordBatchReaderBuilder::try_new(std::fs::File::open(file).unwrap())
+            .unwrap()
+            .build()
+            .unwrap();
+        for batch in reader {
+            let batch: RecordBatch = batch.unwrap();
+            let col = batch
+                .column_by_name("logprobs")
+                .unwrap()
+                .as_list::<i32>()
+                .clone();
+            let reasons = batch
+                .column_by_name("finish_reason")
+                .unwrap()
+                .as_string::<i32>()
+                .clone();
+            for i in 0..batch.num_rows() {
+                seen += 1;
+                if reasons.value(i) == "error" {
+                    assert!(col.is_null(i));
+                    continue;
+                }
+                let entries = col.value(i);
+                let s = entries.as_struct();
+                assert_eq!(s.len(), 4, "one entry per output token");
+                let lps = s.column(2).as_primitive::<Float32Type>();
+                assert_eq!(lps.values().to_vec(), vec![0.0, -1.0, -2.0, -3.0]);
+                let ids = s.column(0).as_primitive::<Int32Type>();
+                assert!(ids.values().iter().all(|&t| t == 9));
+                let top = s.column(3).as_list::<i32>();
+                assert!(
+                    (0..4).all(|j| top.value(j).len() == 2),
+                    "the row's k, not the step's"
+                );
+            }
+        }
+    }
+    assert_eq!(seen, 3);
+}
