@@ -145,12 +145,35 @@ fn logprobs_are_kept_per_output_token_and_written() {
     s.commit(&vec![9; b], &vec![1; b], None, Some(&lp)).unwrap();
     drive_constant(&mut s, 9, 3);
     s.finish().unwrap();
-    let mut files: Vec<_> = std::fs::read_dir(&f.cfg.output_dir)
+    let rows = read_logprobs(&f.cfg.output_dir);
+    assert_eq!(rows.len(), 3);
+    for (reason, entries) in rows {
+        let Some(entries) = entries else {
+            assert_eq!(reason, "error");
+            continue;
+        };
+        let s = entries.as_struct();
+        assert_eq!(s.len(), 4, "one entry per output token");
+        let lps = s.column(2).as_primitive::<Float32Type>();
+        assert_eq!(lps.values().to_vec(), vec![0.0, -1.0, -2.0, -3.0]);
+        let ids = s.column(0).as_primitive::<Int32Type>();
+        assert!(ids.values().iter().all(|&t| t == 9));
+        let top = s.column(3).as_list::<i32>();
+        assert!(
+            (0..4).all(|j| top.value(j).len() == 2),
+            "the row's k, not the step's"
+        );
+    }
+}
+
+/// Every output row's finish reason and logprobs entries (None when null).
+fn read_logprobs(dir: &std::path::Path) -> Vec<(String, Option<ArrayRef>)> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().path())
         .collect();
     files.sort();
-    let mut seen = 0;
+    let mut out = Vec::new();
     for file in files {
         let reader = ParquetRecordBatchReaderBuilder::try_new(std::fs::File::open(file).unwrap())
             .unwrap()
@@ -163,31 +186,12 @@ fn logprobs_are_kept_per_output_token_and_written() {
                 .unwrap()
                 .as_list::<i32>()
                 .clone();
-            let reasons = batch
-                .column_by_name("finish_reason")
-                .unwrap()
-                .as_string::<i32>()
-                .clone();
+            let reasons = batch.column_by_name("finish_reason").unwrap();
             for i in 0..batch.num_rows() {
-                seen += 1;
-                if reasons.value(i) == "error" {
-                    assert!(col.is_null(i));
-                    continue;
-                }
-                let entries = col.value(i);
-                let s = entries.as_struct();
-                assert_eq!(s.len(), 4, "one entry per output token");
-                let lps = s.column(2).as_primitive::<Float32Type>();
-                assert_eq!(lps.values().to_vec(), vec![0.0, -1.0, -2.0, -3.0]);
-                let ids = s.column(0).as_primitive::<Int32Type>();
-                assert!(ids.values().iter().all(|&t| t == 9));
-                let top = s.column(3).as_list::<i32>();
-                assert!(
-                    (0..4).all(|j| top.value(j).len() == 2),
-                    "the row's k, not the step's"
-                );
+                let reason = reasons.as_string::<i32>().value(i).to_string();
+                out.push((reason, col.is_valid(i).then(|| col.value(i))));
             }
         }
     }
-    assert_eq!(seen, 3);
+    out
 }
