@@ -1,10 +1,11 @@
 """Peak RSS of a whole job as a function of input rows: streaming keeps it flat.
 
-    python benchmarks/streaming_memory.py --rows 20000 200000
+    python benchmarks/streaming_memory.py --rows 20000 200000 [--format openai-batch]
 
 Each size runs in a fresh subprocess (ru_maxrss is a per-process high-water mark) on a tiny
 random model with max_new_tokens=1, so the figure measures the pipeline (read, tokenize,
-schedule, write), not the model.
+schedule, write), not the model. `--format openai-batch` reads OpenAI Batch JSONL requests and
+writes the results file too.
 """
 
 from __future__ import annotations
@@ -43,14 +44,25 @@ def make_input(path: Path, rows: int) -> None:
             )
 
 
-def measure(rows: int, model_dir: Path, tmp: Path) -> dict:
-    inp = tmp / f"in-{rows}.parquet"
-    make_input(inp, rows)
+def make_batch_input(path: Path, rows: int) -> None:
+    """OpenAI Batch completion requests, one per line."""
+    with open(path, "w") as f:
+        for i in range(rows):
+            body = {"model": "tiny", "prompt": f"prompt number {i} " * 3, "max_tokens": 1}
+            f.write(json.dumps({"custom_id": f"r{i}", "method": "POST",
+                                "url": "/v1/completions", "body": body}) + "\n")  # fmt: skip
+
+
+def measure(rows: int, model_dir: Path, tmp: Path, fmt: str = "parquet") -> dict:
+    batch = fmt == "openai-batch"
+    inp = tmp / f"in-{rows}.{'jsonl' if batch else 'parquet'}"
+    (make_batch_input if batch else make_input)(inp, rows)
     job = tmp / f"job-{rows}.yaml"
     job.write_text(
-        f"model: {model_dir}\ninput:\n  path: {inp}\n  id_column: id\n"
-        f"output:\n  path: {tmp / f'out-{rows}'}\n  part_rows: 8192\n"
-        "sampling:\n  max_new_tokens: 1\n"
+        f"model: {model_dir}\ninput:\n  path: {inp}\n" + ("" if batch else "  id_column: id\n")
+        + f"output:\n  path: {tmp / f'out-{rows}'}\n  part_rows: 8192\n"
+        + ("  format: openai-batch\n" if batch else "")
+        + "sampling:\n  max_new_tokens: 1\n"
         "engine:\n  device: cpu\n  max_batch_size: 256\n  kv_cache_tokens: 65536\n"
     )
     tests_dir = Path(__file__).resolve().parent.parent / "tests"
@@ -64,6 +76,7 @@ def measure(rows: int, model_dir: Path, tmp: Path) -> dict:
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[20_000, 200_000])
+    ap.add_argument("--format", choices=["parquet", "openai-batch"], default="parquet")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
     from support.tiny import make_tiny_model
@@ -75,7 +88,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                 num_kv_heads=1)
         for rows in args.rows:
             t = time.monotonic()
-            r = measure(rows, model, tmp)
+            r = measure(rows, model, tmp, args.format)
             r["total_s"] = time.monotonic() - t
             results.append(r)
             print(f"rows={r['rows']:>8}  peak RSS={r['peak_rss_mb']:8.1f} MiB  "

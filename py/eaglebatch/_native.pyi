@@ -48,8 +48,19 @@ class StepPlan:
     temperature: npt.NDArray[np.float32]  # [B] 0 = greedy
     top_p: npt.NDArray[np.float32]  # [B] 1.0 = off
     top_k: npt.NDArray[np.int32]  # [B] 0 = off
-    seeds: npt.NDArray[np.int64]  # [B] per-request seed (job seed mixed with the row index)
+    # per-row sampling parameters: the job's, or the row's sampling columns'
+    seeds: npt.NDArray[np.int64]  # [B] per-request seed (the row's, or job seed x row index)
     num_generated: npt.NDArray[np.int32]  # [B] output tokens committed so far (sampling key)
+    min_tokens: npt.NDArray[np.int32]  # [B] end ids masked while num_generated (+ j) is below
+    repetition_penalty: npt.NDArray[np.float32]  # [B] 1 = off
+    frequency_penalty: npt.NDArray[np.float32]  # [B] 0 = off
+    presence_penalty: npt.NDArray[np.float32]  # [B] 0 = off
+    logprobs: npt.NDArray[np.int32]  # [B] alternatives to report per token (0 = none)
+    # rows with a penalty on: their known tokens, prompt first; row i's are
+    # penalty_ids[cu_penalty[i]:cu_penalty[i+1]], the first penalty_prompt_lens[i] the prompt's
+    penalty_ids: npt.NDArray[np.int64]  # [N]
+    cu_penalty: npt.NDArray[np.int32]  # [B+1]
+    penalty_prompt_lens: npt.NDArray[np.int32]  # [B]
     # rows computing their known tokens (a prefill, or a chunk of one): row i's tokens before
     # its query (K/V cached) are prefix_ids[cu_prefix[i]:cu_prefix[i+1]]; none for decode and
     # verify rows
@@ -98,13 +109,18 @@ class Scheduler:
         tokens: npt.NDArray[np.int32],
         num_tokens: npt.NDArray[np.int32],
         num_accepted: npt.NDArray[np.int32] | None = None,
+        logprobs: tuple[npt.NDArray[np.float32], npt.NDArray[np.int32],
+                        npt.NDArray[np.float32]] | None = None,
     ) -> None:
         """Results of the last plan, rows in plan order: row i produced
         tokens[sum(num_tokens[:i]) : sum(num_tokens[:i+1])]. The scheduler truncates at EOS,
         stop strings, max_new_tokens and max_model_len, frees finished requests' blocks and hands
         finished rows to the writer. A verify row yields 1..K+1 tokens (accepted drafts, then
         the target's token); its K/V is then valid for every appended token but the last.
-        `num_accepted` (accepted drafts per row) is accumulated for verify rows."""
+        `num_accepted` (accepted drafts per row) is accumulated for verify rows. `logprobs`
+        (chosen float32 [T], top ids int32 [T, K], top logprobs float32 [T, K], aligned with
+        `tokens`) is required when a row of the plan asks for logprobs, with K at least the
+        most any row asks; each row keeps those of the tokens it appends (its own K)."""
 
     def progress(self) -> dict[str, int]:
         """requests_total (from Parquet footers, capped by limit, less skipped rows),

@@ -85,6 +85,29 @@ class InputConfig(_Section):
     apply_chat_template: bool = False
     # Per-row sampling: sampling key -> input column; a row's non-null value overrides the job's.
     sampling_columns: dict[str, str] = Field(default_factory=dict)
+    # parquet, or openai-batch (JSONL request lines); auto: openai-batch for a .jsonl path
+    format: Literal["auto", "parquet", "openai-batch"] = "auto"
+
+    @property
+    def openai_batch(self) -> bool:
+        return self.format == "openai-batch" or (
+            self.format == "auto" and self.path.endswith(".jsonl")
+        )
+
+    @model_validator(mode="after")
+    def _batch_lines_bring_their_own(self) -> InputConfig:
+        if not self.openai_batch:
+            return self
+        keys = {"prompt_column": self.prompt_column, "messages_column": self.messages_column,
+                "id_column": self.id_column, "sampling_columns": self.sampling_columns,
+                "apply_chat_template": self.apply_chat_template}  # fmt: skip
+        bad = [k for k, v in keys.items() if v]
+        if bad:
+            raise ValueError(
+                f"input.{bad[0]}: an openai-batch input's lines carry their prompt, id "
+                "(custom_id) and sampling; leave it unset"
+            )
+        return self
 
     @model_validator(mode="after")
     def _known_sampling_columns(self) -> InputConfig:
@@ -108,8 +131,8 @@ class InputConfig(_Section):
 
     @property
     def text_column(self) -> str | None:
-        """The prompt column, `prompt` unless messages are used."""
-        if self.messages_column is not None:
+        """The prompt column, `prompt` unless messages (or batch lines) are used."""
+        if self.messages_column is not None or self.openai_batch:
             return None
         return self.prompt_column or "prompt"
 
@@ -126,6 +149,15 @@ class OutputConfig(_Section):
     # raw: the model's own distribution (log_softmax of its logits); processed: the one the
     # token was drawn from (after penalties, min_new_tokens, temperature, top-k and top-p)
     logprobs_mode: Literal["raw", "processed"] = "raw"
+    # openai-batch: also write the OpenAI Batch results file (JSONL) once every row is done
+    format: Literal["parquet", "openai-batch"] = "parquet"
+    results_path: PathStr | None = None  # default: output.path + ".jsonl"
+
+    @property
+    def results_file(self) -> Path | None:
+        if self.format != "openai-batch":
+            return None
+        return Path(self.results_path or self.path.rstrip("/") + ".jsonl")
 
 
 class SamplingConfig(_Section):

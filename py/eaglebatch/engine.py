@@ -19,7 +19,7 @@ from pathlib import Path
 from . import __version__
 from .config import JobConfig, JobError, job_to_dict
 from .errors import native_error
-from .inputs import check_input, check_output_apart
+from .inputs import BATCH_URLS, check_batch_input, check_input, check_output_apart
 from .interrupt import Interrupted, StopSignals
 from .model_files import ModelFiles, model_files, resolve_draft_dir
 from .output_dir import prepare_output_dir, release_output_dir
@@ -38,6 +38,8 @@ class PreparedJob:
     draft_dir: Path | None
     # What decides the outputs (resume.py); recorded in every part file.
     identity: dict
+    # OpenAI Batch input: the endpoint its requests use (inputs.check_batch_input)
+    openai_endpoint: str | None = None
 
     @property
     def job_hash(self) -> str:
@@ -113,10 +115,16 @@ def _with_chat_template(mf: ModelFiles, path: str | None) -> ModelFiles:
 
 
 def prepare(job: JobConfig) -> PreparedJob:
-    files, total = check_input(job.input)
+    endpoint = None
+    if job.input.openai_batch:
+        files, total, endpoint = check_batch_input(job.input)
+    else:
+        files, total = check_input(job.input)
     check_output_apart(job.input.path, files, job.output.path)
+    _check_results_path(job, files)
     mf = _with_chat_template(model_files(job.model), job.model_chat_template)
-    if job.input.messages_column is not None or job.input.apply_chat_template:
+    chat_lines = endpoint == BATCH_URLS[0]
+    if job.input.messages_column is not None or job.input.apply_chat_template or chat_lines:
         if mf.chat_template is None:
             raise JobError(
                 f"input: chat messages need a chat template, and model {job.model} has none; "
@@ -127,8 +135,23 @@ def prepare(job: JobConfig) -> PreparedJob:
     dtype, max_model_len = _check_model_config(job, mf)
     identity = job_identity(job, files, mf, draft, dtype, max_model_len)
     return PreparedJob(
-        job=job, input_files=files, total_rows=total, model=mf, draft_dir=draft, identity=identity
+        job=job, input_files=files, total_rows=total, model=mf, draft_dir=draft, identity=identity,
+        openai_endpoint=endpoint,
     )
+
+
+def _check_results_path(job: JobConfig, files: list[Path]) -> None:
+    """output.results_path must not be an input file or lie inside output.path."""
+    results = job.output.results_file
+    if results is None:
+        return
+    out = Path(job.output.path).resolve()
+    r = results.resolve()
+    if r in {f.resolve() for f in files} or out == r or out in r.parents:
+        raise JobError(f"output.results_path: {results} must be neither an input file nor "
+                       f"inside output.path")  # fmt: skip
+    if r.is_dir():
+        raise JobError(f"output.results_path: {results} is a directory")
 
 
 @dataclass(frozen=True)
@@ -229,6 +252,8 @@ def scheduler_config(
         messages_column=job.input.messages_column,
         id_column=job.input.id_column,
         limit=job.input.limit,
+        input_format="openai-batch" if job.input.openai_batch else "parquet",
+        openai_endpoint=prep.openai_endpoint,
         row_range=scope.row_range,
         apply_chat_template=job.input.apply_chat_template,
         tokenizer_file=str(mf.tokenizer_file),
@@ -321,9 +346,26 @@ def run_prepared(
     try:
         if resume is None:
             resume = open_output(prep, restart=restart, scope=scope)
-        return _run(prep, worker, progress, resume, scope)
+        summary = _run(prep, worker, progress, resume, scope)
+        if scope.subdir is None:
+            write_batch_results(prep)
+        return summary
     finally:
         release_output_dir(out, scope.subdir)
+
+
+def write_batch_results(prep: PreparedJob) -> None:
+    """output.format openai-batch: the results file of the finished job (openai_results.py),
+    by the run that holds output.path (a whole run, a Ray driver)."""
+    out = prep.job.output
+    if out.results_file is None:
+        return
+    from .openai_results import CHAT, write_results
+
+    inp = prep.job.input
+    chat = inp.messages_column is not None or inp.apply_chat_template
+    endpoint = prep.openai_endpoint or (CHAT if chat else "/v1/completions")
+    write_results(Path(out.path), out.results_file, endpoint, prep.job.model, prep.job.sampling.n)
 
 
 class RunFailed(Exception):

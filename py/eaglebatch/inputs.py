@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 import glob
+import json
 import os
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from . import defaults
 from .config import InputConfig, JobError
 
 
-def resolve_input_files(path: str) -> list[Path]:
+def resolve_input_files(path: str, suffix: str = ".parquet") -> list[Path]:
     builtins = {defaults.BUILTIN_SHAREGPT: defaults.sharegpt_parquet,
                 defaults.BUILTIN_SHAREGPT_TURNS: defaults.sharegpt_turns_parquet}
     if path in builtins:
@@ -27,9 +28,9 @@ def resolve_input_files(path: str) -> list[Path]:
         raise JobError(f"input.path: unknown builtin '{path}' (known: {', '.join(builtins)})")
     p = Path(path)
     if p.is_dir():
-        files = sorted(f for f in p.rglob("*.parquet") if _visible(f.relative_to(p)))
+        files = sorted(f for f in p.rglob(f"*{suffix}") if _visible(f.relative_to(p)))
         if not files:
-            raise JobError(f"input.path: directory {p} holds no .parquet files")
+            raise JobError(f"input.path: directory {p} holds no {suffix} files")
         return files
     if p.is_file():
         return [p]
@@ -118,8 +119,45 @@ def _sampling_check(key: str) -> tuple:
     return _is_number, "a number"
 
 
+BATCH_URLS = ("/v1/chat/completions", "/v1/completions")
+
+
+def check_batch_input(cfg: InputConfig) -> tuple[list[Path], int, str]:
+    """OpenAI Batch JSONL: the files, their requests (non-blank lines, capped by input.limit)
+    and the endpoint of the job: the url of the first line that names a supported one (every
+    other line must use it: a line that does not is an error row, openai_batch.rs)."""
+    files = resolve_input_files(cfg.path, ".jsonl")
+    total, endpoint = 0, None
+    for f in files:
+        try:
+            with open(f, encoding="utf-8", errors="replace") as lines:
+                for line in lines:
+                    if not line.strip():
+                        continue
+                    total += 1
+                    endpoint = endpoint or _line_url(line)
+        except OSError as e:
+            raise JobError(f"input.path: cannot read {f} ({e})") from None
+    if endpoint is None and total:
+        raise JobError(f"input.path: no line of {cfg.path} is a request to "
+                       f"{' or '.join(BATCH_URLS)}")  # fmt: skip
+    if cfg.limit is not None:
+        total = min(total, cfg.limit)
+    return files, total, endpoint or BATCH_URLS[0]
+
+
+def _line_url(line: str) -> str | None:
+    try:
+        url = json.loads(line).get("url")
+    except (ValueError, AttributeError):
+        return None
+    return url if url in BATCH_URLS else None
+
+
 def check_input(cfg: InputConfig) -> tuple[list[Path], int]:
     """Returns the input files and their total row count (capped by input.limit)."""
+    if cfg.openai_batch:
+        return check_batch_input(cfg)[:2]
     files = resolve_input_files(cfg.path)
     total = 0
     id_types: dict[str, Path] = {}

@@ -33,7 +33,14 @@ from pathlib import Path
 import numpy as np
 
 from .config import JobConfig, JobError
-from .engine import PreparedJob, RunFailed, RunScope, open_output, run_prepared
+from .engine import (
+    PreparedJob,
+    RunFailed,
+    RunScope,
+    open_output,
+    run_prepared,
+    write_batch_results,
+)
 from .output_dir import DirectoryInUse, release_output_dir
 from .resume import ResumeState
 
@@ -369,6 +376,7 @@ def run_on_ray(prep: PreparedJob, address: str | None, restart: bool, console) -
     done = resume.done_rows[resume.done_rows < prep.total_rows]
     remaining = prep.total_rows - len(done)
     if not remaining:  # nothing to start Ray and load models for
+        write_batch_results(prep)
         release_output_dir(out)
         console.print(f"eaglebatch on Ray: all {prep.total_rows} rows are done in {out}")
         empty = RayRun(units=deque(), output_dir=str(out), max_attempts=1)
@@ -400,6 +408,7 @@ def run_on_ray(prep: PreparedJob, address: str | None, restart: bool, console) -
         wall = time.monotonic() - start - loaded
         stats = summary(run, wall, n) | {"startup_s": loaded, "skipped": len(done)}
         stats |= latency_stats(out, units)
+        write_batch_results(prep)
         return stats, wall
     finally:
         if ray.is_initialized():

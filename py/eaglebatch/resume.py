@@ -81,15 +81,26 @@ def footer_sha256(path: Path) -> str:
         return hashlib.sha256(f.read(size) + tail).hexdigest()
 
 
-def input_fingerprint(files: list[Path]) -> list[list]:
+def input_fingerprint(files: list[Path], jsonl: bool = False) -> list[list]:
     """[name relative to the files' common directory, rows, bytes, footer hash] per input file:
     the content, not where it lives, so a moved or differently spelled input is the same."""
     base = Path(os.path.commonpath([f.resolve().parent for f in files])) if files else Path()
     return [
-        [f.resolve().relative_to(base).as_posix(), pq.read_metadata(f).num_rows,
-         f.stat().st_size, footer_sha256(f)]
+        [f.resolve().relative_to(base).as_posix(), *_content_fingerprint(f, jsonl)]
         for f in files
     ]
+
+
+def _content_fingerprint(f: Path, jsonl: bool) -> list:
+    """[rows, bytes, hash]: a Parquet file's footer hash, or a JSONL file's whole-content hash
+    (it has no footer; rows None), streamed."""
+    if not jsonl:
+        return [pq.read_metadata(f).num_rows, f.stat().st_size, footer_sha256(f)]
+    h = hashlib.sha256()
+    with f.open("rb") as data:
+        while chunk := data.read(1 << 20):
+            h.update(chunk)
+    return [None, f.stat().st_size, h.hexdigest()]
 
 
 def job_identity(
@@ -106,13 +117,14 @@ def job_identity(
         "version": IDENTITY_VERSION,
         "model": folder_fingerprint(model.dir),
         "input": {
-            "files": input_fingerprint(input_files),
+            "files": input_fingerprint(input_files, inp.openai_batch),
             "prompt_column": inp.text_column,
             "messages_column": inp.messages_column,
             "id_column": inp.id_column,
             "apply_chat_template": inp.apply_chat_template,
             "limit": inp.limit,
             **({"sampling_columns": dict(inp.sampling_columns)} if inp.sampling_columns else {}),
+            **({"format": "openai-batch"} if inp.openai_batch else {}),
         },
         "sampling": _sampling_identity(job),
         "engine": {"max_model_len": max_model_len, "dtype": dtype},

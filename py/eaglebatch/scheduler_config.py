@@ -21,6 +21,9 @@ class SchedulerConfig:
     messages_column: str | None
     id_column: str | None
     limit: int | None
+    # "parquet", or "openai-batch" (JSONL lines whose url must be openai_endpoint)
+    input_format: str = "parquet"
+    openai_endpoint: str | None = None
     # Rows [start, end) of the input's row_index (after limit) to generate; None = all.
     row_range: tuple[int, int] | None = None
     # Prompt construction / tokenization.

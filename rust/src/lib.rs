@@ -15,6 +15,7 @@ pub mod detokenizer;
 pub mod error;
 pub mod logprobs;
 pub mod omp;
+pub mod openai_batch;
 pub mod paged_attention;
 pub mod reader;
 pub mod sampling_params;

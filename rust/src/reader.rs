@@ -22,6 +22,7 @@
 use std::collections::{BTreeMap, HashSet};
 use std::fs::File;
 use std::hash::{Hash, Hasher};
+use std::io::BufRead;
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -29,7 +30,7 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use arrow_array::cast::AsArray;
-use arrow_array::{Array, ArrayRef, Int64Array, RecordBatch, StructArray};
+use arrow_array::{Array, ArrayRef, Int64Array, RecordBatch, StringArray, StructArray};
 use arrow_schema::{DataType, Field, Schema};
 use crossbeam_channel::{Receiver, Sender};
 use parquet::arrow::arrow_reader::{
@@ -68,6 +69,8 @@ pub struct InputSpec {
     pub id_column: Option<String>,
     /// Sampling key -> input column of per-row values (sampling_params.rs).
     pub sampling_columns: BTreeMap<String, String>,
+    /// OpenAI Batch JSONL input: the endpoint its requests use (None: Parquet input).
+    pub openai_endpoint: Option<String>,
     /// Arrow type of the output `id` column (the input id column's type, or Int64).
     pub id_type: DataType,
     /// The input's rows: the footers' row counts summed, capped by `limit`.
@@ -193,6 +196,9 @@ fn check_codecs(
 /// and the first failure is the error; every file's id column must have the first one's type.
 pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
     check_input_paths(&cfg.input_files)?;
+    if cfg.openai_batch() {
+        return validate_batch_files(cfg);
+    }
     let mut files = Vec::with_capacity(cfg.input_files.len());
     let mut id_type: Option<(DataType, PathBuf)> = None;
     let mut total: u64 = 0;
@@ -225,7 +231,36 @@ pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
         messages_column: cfg.messages_column.clone(),
         id_column: cfg.id_column.clone(),
         sampling_columns: cfg.sampling_columns.clone(),
+        openai_endpoint: None,
         id_type: id_type.map(|(t, _)| t).unwrap_or(DataType::Int64),
+        total_rows,
+        row_start: start.min(row_end),
+        row_end,
+    })
+}
+
+/// OpenAI Batch JSONL files: requests counted by streaming each file; ids are custom_ids.
+fn validate_batch_files(cfg: &SchedulerConfig) -> Result<InputSpec> {
+    let mut files = Vec::with_capacity(cfg.input_files.len());
+    for path in &cfg.input_files {
+        let num_rows = crate::openai_batch::count_requests(path)?;
+        files.push(InputFile {
+            path: path.clone(),
+            num_rows,
+        });
+    }
+    let total: u64 = files.iter().map(|f| f.num_rows).sum();
+    let total_rows = cfg.limit.map_or(total, |l| total.min(l));
+    let (start, end) = cfg.row_range.unwrap_or((0, total_rows));
+    let row_end = end.min(total_rows);
+    Ok(InputSpec {
+        files,
+        prompt_column: None,
+        messages_column: None,
+        id_column: Some("custom_id".to_string()),
+        sampling_columns: BTreeMap::new(),
+        openai_endpoint: cfg.openai_endpoint.clone(),
+        id_type: DataType::Utf8,
         total_rows,
         row_start: start.min(row_end),
         row_end,
@@ -404,6 +439,8 @@ pub struct ReaderOptions {
     pub text_limit: TextLimit,
     /// The job's sampling parameters (a row's sampling columns override them).
     pub sampling: Arc<SamplingParams>,
+    /// Samples per row (an OpenAI Batch line's `n` must equal it).
+    pub n: usize,
 }
 
 /// Starts the reader thread; it stops early (quietly) when the receiver is dropped. A panic
@@ -503,7 +540,11 @@ impl ReaderThread {
                 self.next_row += file.num_rows; // no id to see: not even opened
                 continue;
             }
-            match self.read_file(&file.path) {
+            let read = match self.spec.openai_endpoint.is_some() {
+                true => self.read_batch_file(&file.path),
+                false => self.read_file(&file.path),
+            };
+            match read {
                 Ok(()) => {}
                 Err(Stop::Disconnected) => return Ok(()),
                 Err(Stop::Failed(e)) => return Err(e),
@@ -662,6 +703,15 @@ impl ReaderThread {
                 input,
             });
         }
+        self.send_rows(rows, read_at)
+    }
+
+    /// Tokenizes the rows and sends them as requests, in order.
+    fn send_rows(
+        &mut self,
+        rows: Vec<PendingRow>,
+        read_at: Instant,
+    ) -> std::result::Result<(), Stop> {
         let token_ids = self.tokenize(&rows);
         for (row, ids) in rows.into_iter().zip(token_ids) {
             let (prompt_ids, error) = match ids {
@@ -681,6 +731,97 @@ impl ReaderThread {
                 .map_err(|_| Stop::Disconnected)?;
         }
         Ok(())
+    }
+
+    /// Reads an OpenAI Batch JSONL file `read_batch_rows` requests at a time.
+    fn read_batch_file(&mut self, path: &Path) -> std::result::Result<(), Stop> {
+        let fail = |e: &dyn std::fmt::Display| Stop::Failed(unreadable(path, None, e));
+        let file = File::open(path).map_err(|e| fail(&e))?;
+        let mut lines = Vec::with_capacity(self.opts.read_batch_rows);
+        for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
+            if self.next_row + lines.len() as u64 >= self.spec.row_end {
+                break;
+            }
+            let line = line.map_err(|e| fail(&e))?;
+            if line.trim().is_empty() {
+                continue;
+            }
+            lines.push((i as u64 + 1, line));
+            if lines.len() >= self.opts.read_batch_rows {
+                self.process_lines(&std::mem::take(&mut lines))?;
+            }
+        }
+        self.process_lines(&lines)
+    }
+
+    /// Requests from (line number, text) lines: a line's problem is its row's error.
+    fn process_lines(&mut self, lines: &[(u64, String)]) -> std::result::Result<(), Stop> {
+        let read_at = Instant::now();
+        let endpoint = self.spec.openai_endpoint.clone().unwrap_or_default();
+        let mut rows = Vec::with_capacity(lines.len());
+        for (line_no, text) in lines {
+            let row_index = self.next_row as i64;
+            self.next_row += 1;
+            let job = &self.opts.sampling;
+            let parsed =
+                crate::openai_batch::parse_line(text, *line_no, &endpoint, job, self.opts.n);
+            let id: ArrayRef = Arc::new(StringArray::from(vec![parsed.custom_id.clone()]));
+            let id_error = match parsed.custom_id {
+                Some(_) => self.check_id(id.as_ref(), 0),
+                None => None,
+            };
+            if row_index < self.spec.row_start as i64 || self.is_skipped(row_index) {
+                continue;
+            }
+            let (input, sampling) = match (id_error, parsed.request) {
+                (Some(e), _) => (
+                    Err(format!("line {line_no}: {e}")),
+                    self.opts.sampling.clone(),
+                ),
+                (None, Err(e)) => (Err(e), self.opts.sampling.clone()),
+                (None, Ok((prompt, sp))) => (self.batch_input(prompt), sp),
+            };
+            rows.push(PendingRow {
+                row_index,
+                id,
+                sampling,
+                input,
+            });
+        }
+        self.send_rows(rows, read_at)
+    }
+
+    /// The text to tokenize for a batch line's prompt (and whether to add special tokens).
+    fn batch_input(&mut self, prompt: crate::openai_batch::Prompt) -> RowResult<(String, bool)> {
+        match prompt {
+            crate::openai_batch::Prompt::Chat(msgs) => {
+                let content = |m: &Message| {
+                    m.iter()
+                        .map(|(_, v)| v.as_deref().map_or(0, str::len))
+                        .sum::<usize>()
+                };
+                let bytes = msgs.iter().map(content).sum();
+                let chars = || {
+                    msgs.iter()
+                        .flatten()
+                        .map(|(_, v)| v.as_deref().map_or(0, |c| c.chars().count()))
+                        .sum()
+                };
+                self.opts
+                    .text_limit
+                    .check("messages' content has", bytes, chars)?;
+                self.render(&msgs).map(|text| (text, false))
+            }
+            crate::openai_batch::Prompt::Text(text) => {
+                if text.is_empty() {
+                    return Err("body.prompt is empty".into());
+                }
+                self.opts
+                    .text_limit
+                    .check("prompt has", text.len(), || text.chars().count())?;
+                Ok((text, true))
+            }
+        }
     }
 
     /// Whether `row_index` was done by an earlier run. Called with increasing row indices.
@@ -993,6 +1134,7 @@ mod tests {
             queue_rows: 16,
             skip_rows: Vec::new(),
             sampling: Arc::new(SamplingParams::from_config(&cfg(vec![]))),
+            n: 1,
         }
     }
 

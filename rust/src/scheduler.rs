@@ -393,8 +393,7 @@ fn untruncated(mut tokenizer: Tokenizer) -> Result<Arc<Tokenizer>> {
 /// The job's chat template, compiled only when it is used (a messages column, or
 /// `apply_chat_template`); a template that does not compile is a user error.
 fn compile_template(cfg: &SchedulerConfig) -> Result<Option<ChatTemplate>> {
-    let needs_template = cfg.messages_column.is_some() || cfg.apply_chat_template;
-    match (&cfg.chat_template, needs_template) {
+    match (&cfg.chat_template, cfg.needs_chat_template()) {
         (Some(src), true) => ChatTemplate::new(src)
             .map(Some)
             .map_err(|e| Error::user(format!("the chat template does not compile: {e}"))),
@@ -546,6 +545,7 @@ impl Scheduler {
                 skip_rows,
                 text_limit: TextLimit::new(&tokenizer, cfg.max_model_len),
                 sampling: Arc::new(SamplingParams::from_config(&cfg)),
+                n: cfg.n,
             },
         )?;
         Ok(Scheduler {

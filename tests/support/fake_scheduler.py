@@ -45,10 +45,28 @@ class FakePlan:
     cu_prefix: np.ndarray | None = None  # int32 [B+1], all 0
     block_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))
     next_ids: np.ndarray | None = None  # int64 [B], all -1 (no chunked prefill)
+    # per-row controls, all off unless given (no min tokens, no penalty, no logprobs)
+    min_tokens: np.ndarray | None = None  # int32 [B]
+    repetition_penalty: np.ndarray | None = None  # float32 [B]
+    frequency_penalty: np.ndarray | None = None  # float32 [B]
+    presence_penalty: np.ndarray | None = None  # float32 [B]
+    logprobs: np.ndarray | None = None  # int32 [B]
+    penalty_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    cu_penalty: np.ndarray | None = None  # int32 [B+1], all 0
+    penalty_prompt_lens: np.ndarray | None = None  # int32 [B]
 
     def __post_init__(self) -> None:
+        b = self.num_seqs
         if self.cu_prefix is None:
-            self.cu_prefix = np.zeros(self.num_seqs + 1, dtype=np.int32)
+            self.cu_prefix = np.zeros(b + 1, dtype=np.int32)
+        defaults = {"min_tokens": (0, np.int32), "repetition_penalty": (1, np.float32),
+                    "frequency_penalty": (0, np.float32), "presence_penalty": (0, np.float32),
+                    "logprobs": (0, np.int32), "penalty_prompt_lens": (0, np.int32)}
+        for name, (value, dtype) in defaults.items():
+            if getattr(self, name) is None:
+                setattr(self, name, np.full(b, value, dtype=dtype))
+        if self.cu_penalty is None:
+            self.cu_penalty = np.zeros(b + 1, dtype=np.int32)
         if self.next_ids is None:
             self.next_ids = np.full(self.num_seqs, -1, dtype=np.int64)
 

@@ -1,0 +1,347 @@
+//! OpenAI Batch input: one JSON request per line, `{custom_id, method, url, body}`, for
+//! `/v1/chat/completions` (body.messages) and `/v1/completions` (body.prompt, one string).
+//!
+//! A line becomes a request whose id is its `custom_id`, whose prompt is its messages (rendered
+//! with the chat template) or its prompt text, and whose sampling parameters are the job's with
+//! the body's overriding them (max_tokens / max_completion_tokens, temperature, top_p, stop,
+//! seed, frequency_penalty, presence_penalty, logprobs / top_logprobs, and vLLM's top_k,
+//! min_tokens, repetition_penalty). Anything wrong with a line (not JSON, a missing field, a
+//! value out of range, a body asking for what eaglebatch does not do) makes that line an error
+//! row whose message names the line number; it never fails the job. Blank lines are not
+//! requests (and not counted).
+
+use std::io::BufRead;
+use std::path::Path;
+use std::sync::Arc;
+
+use serde_json::{Map, Value};
+
+use crate::chat_template::Message;
+use crate::error::{Error, Result};
+use crate::sampling_params::SamplingParams;
+
+pub const CHAT_URL: &str = "/v1/chat/completions";
+pub const COMPLETIONS_URL: &str = "/v1/completions";
+
+/// What a line asks to generate from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    Chat(Vec<Message>),
+    Text(String),
+}
+
+/// One parsed line: its custom_id when it has one, and its prompt and sampling or its error.
+#[derive(Debug)]
+pub struct BatchLine {
+    pub custom_id: Option<String>,
+    pub request: std::result::Result<(Prompt, Arc<SamplingParams>), String>,
+}
+
+/// Body keys that ask for something eaglebatch does not do: a line with one is an error row.
+const UNSUPPORTED: [&str; 7] = [
+    "tools",
+    "functions",
+    "logit_bias",
+    "response_format",
+    "echo",
+    "suffix",
+    "prompt_logprobs",
+];
+
+/// The requests (non-blank lines) of a JSONL file, counted by streaming it.
+pub fn count_requests(path: &Path) -> Result<u64> {
+    let file = std::fs::File::open(path).map_err(|e| Error::io("cannot open input", path, e))?;
+    let mut n = 0;
+    for line in std::io::BufReader::new(file).lines() {
+        let line = line.map_err(|e| Error::user(format!("{}: {e}", path.display())))?;
+        n += u64::from(!line.trim().is_empty());
+    }
+    Ok(n)
+}
+
+/// Parses line `line_no` (1-based) for a job whose requests use `endpoint` and whose sampling
+/// is `job` with `n` samples per row.
+pub fn parse_line(
+    text: &str,
+    line_no: u64,
+    endpoint: &str,
+    job: &Arc<SamplingParams>,
+    n: usize,
+) -> BatchLine {
+    let at = |e: String| format!("line {line_no}: {e}");
+    let obj = match serde_json::from_str::<Value>(text) {
+        Ok(Value::Object(o)) => o,
+        Ok(_) => return failed(None, at("not a JSON object".into())),
+        Err(e) => return failed(None, at(format!("not valid JSON ({e})"))),
+    };
+    let custom_id = obj
+        .get("custom_id")
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    let request = parse_request(&obj, endpoint, job, n).map_err(at);
+    let request = match custom_id {
+        None if request.is_ok() => Err(at("custom_id is missing or not a string".into())),
+        _ => request,
+    };
+    BatchLine { custom_id, request }
+}
+
+fn failed(custom_id: Option<String>, msg: String) -> BatchLine {
+    BatchLine {
+        custom_id,
+        request: Err(msg),
+    }
+}
+
+fn parse_request(
+    obj: &Map<String, Value>,
+    endpoint: &str,
+    job: &Arc<SamplingParams>,
+    n: usize,
+) -> std::result::Result<(Prompt, Arc<SamplingParams>), String> {
+    if let Some(m) = obj.get("method").filter(|m| m.as_str() != Some("POST")) {
+        return Err(format!("method must be \"POST\", got {m}"));
+    }
+    let url = obj.get("url").and_then(Value::as_str).unwrap_or_default();
+    if url != endpoint {
+        return Err(format!(
+            "url must be \"{endpoint}\" (one endpoint per batch file, as the first request's), \
+             got {:?}",
+            url
+        ));
+    }
+    let Some(Value::Object(body)) = obj.get("body") else {
+        return Err("body is missing or not an object".into());
+    };
+    if let Some(k) = UNSUPPORTED.iter().find(|k| body.contains_key(**k)) {
+        return Err(format!("body.{k} is not supported"));
+    }
+    let prompt = if url == CHAT_URL {
+        Prompt::Chat(messages(body)?)
+    } else {
+        match body.get("prompt") {
+            Some(Value::String(s)) => Prompt::Text(s.clone()),
+            _ => return Err("body.prompt must be one string".into()),
+        }
+    };
+    let params = body_sampling(body, job, n, url == CHAT_URL)?;
+    Ok((prompt, params))
+}
+
+/// body.messages as (role, content) messages; content is a string or a list of text parts.
+fn messages(body: &Map<String, Value>) -> std::result::Result<Vec<Message>, String> {
+    let Some(Value::Array(list)) = body.get("messages") else {
+        return Err("body.messages must be a list".into());
+    };
+    if list.is_empty() {
+        return Err("body.messages is empty".into());
+    }
+    let mut out = Vec::with_capacity(list.len());
+    for (j, m) in list.iter().enumerate() {
+        let role = m.get("role").and_then(Value::as_str);
+        let role = role.ok_or_else(|| format!("body.messages[{j}].role must be a string"))?;
+        let content = match m.get("content") {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Array(parts)) => text_parts(parts, j)?,
+            _ => {
+                return Err(format!(
+                    "body.messages[{j}].content must be a string or parts"
+                ))
+            }
+        };
+        out.push(vec![
+            ("role".to_string(), Some(role.to_string())),
+            ("content".to_string(), Some(content)),
+        ]);
+    }
+    Ok(out)
+}
+
+fn text_parts(parts: &[Value], j: usize) -> std::result::Result<String, String> {
+    let mut text = String::new();
+    for p in parts {
+        match (
+            p.get("type").and_then(Value::as_str),
+            p.get("text").and_then(Value::as_str),
+        ) {
+            (Some("text"), Some(t)) => text.push_str(t),
+            _ => {
+                return Err(format!(
+                    "body.messages[{j}].content: only text parts are supported"
+                ))
+            }
+        }
+    }
+    Ok(text)
+}
+
+/// The job's parameters with the body's sampling keys applied, checked.
+fn body_sampling(
+    body: &Map<String, Value>,
+    job: &Arc<SamplingParams>,
+    n: usize,
+    chat: bool,
+) -> std::result::Result<Arc<SamplingParams>, String> {
+    let mut p = job.as_ref().clone();
+    let int = |k: &str| -> std::result::Result<Option<u64>, String> {
+        match body.get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_u64()
+                .map(Some)
+                .ok_or_else(|| format!("body.{k} must be an integer >= 0, got {v}")),
+        }
+    };
+    let num = |k: &str| -> std::result::Result<Option<f32>, String> {
+        match body.get(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(|x| Some(x as f32))
+                .ok_or_else(|| format!("body.{k} must be a number, got {v}")),
+        }
+    };
+    let to_usize = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
+    if let Some(v) = int("max_completion_tokens")?.or(int("max_tokens")?) {
+        p.max_new_tokens = to_usize(v);
+    }
+    if let Some(v) = int("min_tokens")? {
+        p.min_new_tokens = to_usize(v);
+    }
+    if let Some(v) = int("top_k")? {
+        p.top_k = i32::try_from(v).map_err(|_| format!("body.top_k {v} is out of range"))?;
+    }
+    if let Some(v) = int("seed")? {
+        p.seed = Some(i64::try_from(v).map_err(|_| format!("body.seed {v} is out of range"))?);
+    }
+    if let Some(v) = int("n")?.filter(|&v| v as usize != n) {
+        return Err(format!(
+            "body.n = {v}, but the job's sampling.n is {n} (one n per job)"
+        ));
+    }
+    for (k, field) in [
+        ("temperature", &mut p.temperature),
+        ("top_p", &mut p.top_p),
+        ("frequency_penalty", &mut p.frequency_penalty),
+        ("presence_penalty", &mut p.presence_penalty),
+        ("repetition_penalty", &mut p.repetition_penalty),
+    ] {
+        if let Some(v) = num(k)? {
+            *field = v;
+        }
+    }
+    p.stop = stop(body)?.unwrap_or(p.stop);
+    p.logprobs = logprobs(body, chat)?.unwrap_or(p.logprobs);
+    p.check().map_err(|e| format!("body: {e}"))?;
+    Ok(Arc::new(p))
+}
+
+fn stop(body: &Map<String, Value>) -> std::result::Result<Option<Vec<String>>, String> {
+    let bad = || "body.stop must be a string or a list of strings".to_string();
+    match body.get("stop") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(nonempty(vec![s.clone()]))),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|s| s.as_str().map(str::to_string).ok_or_else(bad))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map(|v| Some(nonempty(v))),
+        Some(_) => Err(bad()),
+    }
+}
+
+fn nonempty(v: Vec<String>) -> Vec<String> {
+    v.into_iter().filter(|s| !s.is_empty()).collect()
+}
+
+/// The alternatives a line asks for: chat `logprobs: true` with `top_logprobs` (at least 1:
+/// the chosen token's entry comes with its alternatives), completions `logprobs: K`.
+fn logprobs(body: &Map<String, Value>, chat: bool) -> std::result::Result<Option<u32>, String> {
+    let k = |v: &Value, key: &str| {
+        v.as_u64()
+            .and_then(|k| u32::try_from(k).ok())
+            .ok_or_else(|| format!("body.{key} must be an integer >= 0, got {v}"))
+    };
+    match (chat, body.get("logprobs")) {
+        (_, None | Some(Value::Null)) | (true, Some(Value::Bool(false))) => Ok(None),
+        (true, Some(Value::Bool(true))) => match body.get("top_logprobs") {
+            None | Some(Value::Null) => Ok(Some(1)),
+            Some(v) => k(v, "top_logprobs").map(|k| Some(k.max(1))),
+        },
+        (true, Some(v)) => Err(format!("body.logprobs must be true or false, got {v}")),
+        (false, Some(v)) => k(v, "logprobs").map(|k| (k > 0).then_some(k)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::SchedulerConfig;
+    use std::path::PathBuf;
+
+    fn job() -> Arc<SamplingParams> {
+        let cfg = SchedulerConfig::new(vec![], "p", PathBuf::new(), PathBuf::new());
+        Arc::new(SamplingParams::from_config(&cfg))
+    }
+
+    fn chat(body: &str) -> BatchLine {
+        let line = format!(
+            r#"{{"custom_id": "a", "method": "POST", "url": "{CHAT_URL}", "body": {body}}}"#
+        );
+        parse_line(&line, 3, CHAT_URL, &job(), 1)
+    }
+
+    #[test]
+    fn a_chat_line_with_its_sampling() {
+        let l = chat(
+            r#"{"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                "max_tokens": 5, "temperature": 0.5, "stop": "x", "seed": 3, "logprobs": true,
+                "top_logprobs": 2}"#,
+        );
+        assert_eq!(l.custom_id.as_deref(), Some("a"));
+        let (prompt, p) = l.request.unwrap();
+        let Prompt::Chat(m) = prompt else { panic!() };
+        assert_eq!(m[0][1].1.as_deref(), Some("hi"));
+        assert_eq!(
+            (p.max_new_tokens, p.temperature, p.seed, p.logprobs),
+            (5, 0.5, Some(3), 2)
+        );
+        assert_eq!(p.stop, vec!["x".to_string()]);
+    }
+
+    #[test]
+    fn bad_lines_name_their_line_and_keep_a_custom_id() {
+        let e = parse_line("{not json", 7, CHAT_URL, &job(), 1);
+        assert!(
+            e.custom_id.is_none() && e.request.unwrap_err().starts_with("line 7: not valid JSON")
+        );
+        let e = chat(r#"{"messages": [{"role": "user", "content": "hi"}], "temperature": -1}"#);
+        assert_eq!(e.custom_id.as_deref(), Some("a"));
+        assert!(e.request.unwrap_err().contains("temperature"));
+        let e = chat(r#"{"messages": [{"role": "user", "content": "hi"}], "tools": []}"#);
+        assert!(e
+            .request
+            .unwrap_err()
+            .contains("body.tools is not supported"));
+        let e = chat(r#"{"messages": [{"role": "user", "content": "hi"}], "n": 2}"#);
+        assert!(e.request.unwrap_err().contains("sampling.n"));
+        let line = format!(
+            r#"{{"custom_id": "b", "url": "{COMPLETIONS_URL}", "body": {{"prompt": "x"}}}}"#
+        );
+        let e = parse_line(&line, 2, CHAT_URL, &job(), 1);
+        assert!(e
+            .request
+            .unwrap_err()
+            .contains("one endpoint per batch file"));
+        let l = parse_line(&line, 2, COMPLETIONS_URL, &job(), 1);
+        assert_eq!(l.request.unwrap().0, Prompt::Text("x".into()));
+        let e = parse_line(
+            r#"{"url": "/v1/completions", "body": {"prompt": "x"}}"#,
+            4,
+            COMPLETIONS_URL,
+            &job(),
+            1,
+        );
+        assert!(e.request.unwrap_err().contains("custom_id"));
+    }
+}

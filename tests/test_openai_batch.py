@@ -1,0 +1,184 @@
+"""OpenAI Batch JSONL in and out: chat and completion request lines generate what the same
+messages / prompts generate from Parquet, each line's sampling keys are honoured, a malformed
+line is an error line naming its line number, the results file parses as OpenAI Batch output
+with each custom_id once, and a job killed with SIGKILL and rerun writes each custom_id once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from eaglebatch.config import JobError, load_job
+from eaglebatch.engine import prepare, run_prepared
+from test_engine import random_prompts
+
+pytest.importorskip("eaglebatch._native")
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+
+
+def request(cid, url, body) -> str:
+    return json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body})
+
+
+def batch_job(tmp, model, lines: list[str], name="batch", extra="") -> Path:
+    inp = tmp / f"{name}-requests.jsonl"
+    inp.write_text("\n".join(lines) + "\n")
+    job = tmp / f"{name}.yaml"
+    job.write_text(
+        f"model: {model}\ninput:\n  path: {inp}\noutput:\n  path: {tmp / name}\n"
+        f"  format: openai-batch\n  include_token_ids: true\n{extra}"
+        "sampling:\n  max_new_tokens: 16\nengine:\n  device: cpu\n  kv_cache_tokens: 4096\n"
+    )
+    return job
+
+
+def results(tmp, name="batch") -> dict[str, dict]:
+    """The results file by custom_id, checking the OpenAI Batch output shape of every line."""
+    out = {}
+    for text in (tmp / f"{name}.jsonl").read_text().splitlines():
+        line = json.loads(text)
+        assert set(line) == {"id", "custom_id", "response", "error"}
+        assert line["custom_id"] not in out, "a custom_id written twice"
+        resp = line["response"]
+        assert set(resp) == {"status_code", "request_id", "body"}
+        if resp["status_code"] == 200:
+            body = resp["body"]
+            assert {"id", "object", "created", "model", "choices", "usage"} <= set(body)
+            usage = body["usage"]
+            assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        else:
+            assert resp["status_code"] == 400 and resp["body"]["error"]["message"]
+        out[line["custom_id"]] = line
+    return out
+
+
+def parquet_job(tmp, model, table: pa.Table, name: str, extra: str = "") -> list[dict]:
+    inp = tmp / f"{name}-in.parquet"
+    pq.write_table(table, inp)
+    job = tmp / f"{name}.yaml"
+    job.write_text(
+        f"model: {model}\ninput:\n  path: {inp}\n  id_column: id\n{extra}output:\n"
+        f"  path: {tmp / name}\n  include_token_ids: true\n"
+        "sampling:\n  max_new_tokens: 16\nengine:\n  device: cpu\n  kv_cache_tokens: 4096\n"
+    )
+    run_prepared(prepare(load_job(job)))
+    return pq.read_table(tmp / name).sort_by("row_index").to_pylist()
+
+
+def test_chat_lines_equal_a_messages_column_job(tmp_path, tiny_model_dir):
+    prompts = random_prompts(5, seed=3)
+    msgs = [[{"role": "user", "content": p}] for p in prompts]
+    lines = [request(f"c{i}", CHAT, {"model": "x", "messages": m}) for i, m in enumerate(msgs)]
+    lines.insert(2, "")  # a blank line is not a request
+    run_prepared(prepare(load_job(batch_job(tmp_path, tiny_model_dir, lines))))
+    ref = parquet_job(tmp_path, tiny_model_dir, pa.table({"id": [f"c{i}" for i in range(5)],
+                      "messages": msgs}), "ref", "  messages_column: messages\n")  # fmt: skip
+    got = results(tmp_path)
+    assert sorted(got) == [f"c{i}" for i in range(5)]
+    for r in ref:
+        body = got[r["id"]]["response"]["body"]
+        assert body["object"] == "chat.completion"
+        choice = body["choices"][0]
+        assert choice["message"] == {"role": "assistant", "content": r["output_text"]}
+        assert choice["finish_reason"] == r["finish_reason"]
+        assert body["usage"]["completion_tokens"] == r["output_tokens"]
+
+
+def test_completion_lines_their_sampling_and_logprobs(tmp_path, tiny_model_dir):
+    prompts = random_prompts(4, seed=4)
+    bodies = [{"prompt": prompts[0], "max_tokens": 3},
+              {"prompt": prompts[1], "temperature": 0.8, "seed": 5},
+              {"prompt": prompts[2], "logprobs": 2},
+              {"prompt": prompts[3], "frequency_penalty": 1.0, "min_tokens": 10}]  # fmt: skip
+    lines = [request(f"p{i}", COMPLETIONS, b) for i, b in enumerate(bodies)]
+    run_prepared(prepare(load_job(batch_job(tmp_path, tiny_model_dir, lines))))
+    got = {k: v["response"]["body"]["choices"][0] for k, v in results(tmp_path).items()}
+    cols = {"id": [f"p{i}" for i in range(4)], "prompt": prompts,
+            "mt": pa.array([3, None, None, None], pa.int64()), "t": [None, 0.8, None, None],
+            "sd": pa.array([None, 5, None, None], pa.int64()),
+            "lp": pa.array([None, None, 2, None], pa.int64()),
+            "fp": [None, None, None, 1.0], "mn": pa.array([None, None, None, 10], pa.int64())}
+    mapping = ("  sampling_columns: {max_new_tokens: mt, temperature: t, seed: sd, logprobs: lp, "
+               "frequency_penalty: fp, min_new_tokens: mn}\n")  # fmt: skip
+    ref = parquet_job(tmp_path, tiny_model_dir, pa.table(cols), "ref", mapping)
+    for r in ref:
+        assert got[r["id"]]["text"] == r["output_text"], r["id"]
+    assert ref[0]["output_tokens"] <= 3 and ref[3]["output_tokens"] >= 10
+    assert max(r["output_tokens"] for r in ref[1:3]) > 3  # max_tokens 3 was the line's own
+    lp = got["p2"]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == ref[2]["output_tokens"]
+    assert all(len(top) <= 2 for top in lp["top_logprobs"])
+    assert got["p0"]["logprobs"] is None
+
+
+def test_bad_lines_are_error_lines_naming_the_line(tmp_path, tiny_model_dir):
+    lines = [
+        request("ok", COMPLETIONS, {"prompt": "hello"}),
+        "{this is not json",
+        request("neg", COMPLETIONS, {"prompt": "hi", "max_tokens": -2}),
+        request("ok", COMPLETIONS, {"prompt": "dup"}),
+        json.dumps({"method": "POST", "url": COMPLETIONS, "body": {"prompt": "x"}}),
+        request("chat", CHAT, {"messages": [{"role": "user", "content": "x"}]}),
+    ]
+    run_prepared(prepare(load_job(batch_job(tmp_path, tiny_model_dir, lines))))
+    text = (tmp_path / "batch.jsonl").read_text().splitlines()
+    assert len(text) == 6  # one line per request, the bad ones included
+    by_line = {}
+    for t in text:
+        line = json.loads(t)
+        by_line[line["id"]] = line
+    status = {k: v["response"]["status_code"] for k, v in by_line.items()}
+    assert status["batch_req_0"] == 200 and status["batch_req_3"] == 400
+    for row, want in [(1, "line 2: not valid JSON"), (2, "line 3:"), (3, "line 4: duplicate"),
+                      (4, "line 5: custom_id"), (5, "line 6: url must be")]:  # fmt: skip
+        msg = by_line[f"batch_req_{row}"]["response"]["body"]["error"]["message"]
+        assert msg.startswith(want), msg
+    assert by_line["batch_req_1"]["custom_id"] is None
+
+
+def test_an_input_without_a_request_line_is_a_job_error(tmp_path, tiny_model_dir):
+    job = batch_job(tmp_path, tiny_model_dir, ["{}", json.dumps({"url": "/v1/embeddings"})])
+    with pytest.raises(JobError, match="no line of .* is a request"):
+        prepare(load_job(job))
+
+
+KILL_CHILD = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+from eaglebatch.config import load_job
+from eaglebatch.engine import prepare, run_prepared
+run_prepared(prepare(load_job(sys.argv[2])))
+"""
+
+
+def test_killed_and_rerun_writes_each_custom_id_once(tmp_path, tiny_model_dir):
+    lines = [request(f"k{i}", COMPLETIONS, {"prompt": p, "max_tokens": 24})
+             for i, p in enumerate(random_prompts(200, seed=6))]  # fmt: skip
+    path = batch_job(tmp_path, tiny_model_dir, lines,
+                     extra="  part_rows: 8\n  flush_interval_s: 0.2\n")  # fmt: skip
+    tests = str(Path(__file__).parent)
+    proc = subprocess.Popen([sys.executable, "-c", KILL_CHILD, tests, str(path)])
+    out = tmp_path / "batch"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(list(out.glob("part-*.parquet"))) < 2:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    parts = list(out.glob("part-*.parquet"))
+    assert parts and not (tmp_path / "batch.jsonl").exists()
+    done = pq.read_table(out).num_rows
+    assert 0 < done < 200, "the kill must land mid-run"
+    run_prepared(prepare(load_job(path)))
+    got = results(tmp_path)
+    assert sorted(got) == sorted(f"k{i}" for i in range(200))
+    assert pq.read_table(out).num_rows == 200
