@@ -114,3 +114,41 @@ def test_no_logprobs_no_column_and_error_rows_are_null(tmp_path, tiny_model_dir)
     rows = table.to_pylist()
     assert rows[1]["finish_reason"] == "error" and rows[1]["logprobs"] is None
     assert len(rows[0]["logprobs"]) == rows[0]["output_tokens"] <= MAX_NEW
+
+
+PROMPT_CASES = {
+    "whole": ["engine.chunked_prefill=false"],
+    "chunks": ["engine.max_num_batched_tokens=16"],
+    "preempting": ["engine.kv_cache_tokens=192", "engine.max_batch_size=8"],
+    "speculative": ["speculative.adaptive=false"],
+}
+
+
+@pytest.mark.parametrize("case", sorted(PROMPT_CASES))
+def test_prompt_logprobs_equal_transformers(tmp_path, tiny_model_dir, prompts, case,
+                                            hf_model):  # noqa: F811
+    """Prompts sharing a prefix (which the cache would serve) computed whole, in chunks,
+    recomputed after preemptions and with a draft: every prompt token's entry equals
+    log_softmax of transformers' logits at the position before it."""
+    shared = ["the cat sat on the mat " * 2 + p for p in prompts[:5]]
+    over = [*PROMPT_CASES[case], "output.prompt_logprobs=3"]
+    if case == "speculative":
+        head = init_random_draft(tmp_path / "head", tiny_model_dir, kind="eagle3", seed=2,
+                                 aux_layer_ids=(0, 1, 2))  # fmt: skip
+        over.append(f"draft={head}")
+    table, res = run_job(tmp_path, tiny_model_dir, shared, overrides=over, name=case)
+    if case == "preempting":
+        assert res.stats["preemptions"] > 0
+    tok = byte_tokenizer()
+    for row, prompt in zip(table.to_pylist(), shared, strict=True):
+        ids = tok.encode(prompt).ids
+        assert row["cached_tokens"] == 0  # computed whole: its logits are needed
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        entries = row["prompt_logprobs"]
+        assert len(entries) == len(ids) - 1
+        for j, e in enumerate(entries):
+            assert e["token_id"] == ids[j + 1]
+            assert abs(e["logprob"] - ref[j, ids[j + 1]].item()) < 1e-4
+            top = [t["token_id"] for t in e["top_logprobs"]]
+            assert top == ref[j].topk(3).indices.tolist()

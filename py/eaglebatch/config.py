@@ -149,6 +149,9 @@ class OutputConfig(_Section):
     # raw: the model's own distribution (log_softmax of its logits); processed: the one the
     # token was drawn from (after penalties, min_new_tokens, temperature, top-k and top-p)
     logprobs_mode: Literal["raw", "processed"] = "raw"
+    # a `prompt_logprobs` column: per prompt token after the first, its log-probability given
+    # the tokens before it and the top K alternatives (raw); such prompts skip the prefix cache
+    prompt_logprobs: int = Field(default=0, ge=0, le=MAX_LOGPROBS)
     # openai-batch: also write the OpenAI Batch results file (JSONL) once every row is done
     format: Literal["parquet", "openai-batch"] = "parquet"
     results_path: PathStr | None = None  # default: output.path + ".jsonl"
@@ -308,6 +311,12 @@ class JobConfig(_Section):
     draft: PathStr | None = None
     speculative: SpeculativeConfig = SpeculativeConfig()
     ray: RayConfig = RayConfig()
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_once_per_row(self) -> JobConfig:
+        if self.output.prompt_logprobs and self.sampling.n > 1:
+            raise ValueError("output.prompt_logprobs: not supported with sampling.n > 1")
+        return self
 
     @property
     def max_draft_tokens(self) -> int:

@@ -277,6 +277,7 @@ def scheduler_config(
         frequency_penalty=smp.frequency_penalty,
         presence_penalty=smp.presence_penalty,
         logprobs=job.output.logprobs,
+        prompt_logprobs=job.output.prompt_logprobs,
         sampling_columns=dict(job.input.sampling_columns),
         num_blocks=worker.num_blocks,
         block_size=eng.block_size,

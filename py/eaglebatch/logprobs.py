@@ -61,3 +61,31 @@ def top_logprobs(
         ids.to(torch.int32).cpu().numpy(),
         values.cpu().numpy().astype(np.float32),
     )
+
+
+def prompt_logprobs(compute_logits, hidden: torch.Tensor, plan) -> tuple | None:
+    """The prompt logprobs of a prefill (or chunk) step, or None when no row asks: for each
+    row with plan.prompt_logprobs > 0, every query position t whose next token t + 1 is a
+    prompt token, from the raw logits at t (hidden [T, H] of all query tokens). Returns what
+    `Scheduler.commit` takes: (row_counts int32 [B], positions int32 [N], chosen, top ids,
+    top logprobs)."""
+    k = int(plan.prompt_logprobs.max()) if len(plan.prompt_logprobs) else 0
+    if k == 0:
+        return None
+    cu = plan.cu_seqlens_q.astype(np.int64)
+    index, nxt, counts = [], [], np.zeros(plan.num_seqs, dtype=np.int32)
+    for r in np.flatnonzero(plan.prompt_logprobs > 0):
+        start, end = cu[r], cu[r + 1]
+        following = np.append(plan.input_ids[start + 1 : end], plan.next_ids[r])  # token t + 1
+        keep = plan.positions[start:end] + 1 < plan.prompt_lens[r]
+        index.append(np.arange(start, end)[keep])
+        nxt.append(following[keep])
+        counts[r] = int(keep.sum())
+    index = np.concatenate(index)
+    if len(index) == 0:
+        return None
+    rows = torch.from_numpy(index).to(hidden.device)
+    lp = torch.log_softmax(compute_logits(hidden.index_select(0, rows)).float(), dim=-1)
+    next_ids = torch.from_numpy(np.concatenate(nxt).astype(np.int64)).to(hidden.device)
+    positions = plan.positions[index].astype(np.int32)
+    return (counts, positions, *top_logprobs(lp, next_ids, min(k, lp.shape[-1])))

@@ -154,6 +154,8 @@ def _output_identity(job: JobConfig) -> dict:
     if job.output.logprobs or "logprobs" in job.input.sampling_columns:
         out["logprobs"] = job.output.logprobs
         out["logprobs_mode"] = job.output.logprobs_mode
+    if job.output.prompt_logprobs:
+        out["prompt_logprobs"] = job.output.prompt_logprobs
     return out
 
 

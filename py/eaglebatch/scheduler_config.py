@@ -51,6 +51,7 @@ class SchedulerConfig:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logprobs: int = 0  # top alternatives per output token (output.logprobs; 0 = no column)
+    prompt_logprobs: int = 0  # top alternatives per prompt token (output.prompt_logprobs)
     # sampling key -> input column of per-row values (input.sampling_columns)
     sampling_columns: dict[str, str] = field(default_factory=dict)
     # Paged KV cache and batching.

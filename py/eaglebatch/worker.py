@@ -18,7 +18,7 @@ from .config import EngineConfig, JobConfig, JobError
 from .cpu import SMALL_GEMM_AVAILABLE, accelerate
 from .graphs import GraphPool, StaticMeta, bucket_for, capture_sizes, fill_rows, graph_reserve_bytes
 from .logits_processing import LogitsControls
-from .logprobs import distribution, top_logprobs, wanted
+from .logprobs import distribution, prompt_logprobs, top_logprobs, wanted
 from .model import model_class
 from .model.config import ModelConfig
 from .model.llama import LlamaForCausalLM
@@ -332,10 +332,13 @@ class Worker:
     @torch.inference_mode()
     def step(self, plan) -> tuple:
         """Runs one plan; returns (tokens int32 [B], num_tokens int32 [B]) — one token per row —
-        and, when a row asks for logprobs, (None, logprobs) after them (`Scheduler.commit`)."""
+        and, when a row asks for logprobs or prompt logprobs, (None, logprobs, prompt logprobs)
+        after them (`Scheduler.commit`)."""
         dev = self.device
         copy_blocks(self.kv_caches, plan.block_copies)  # forked samples' partial blocks
-        logits = self._decode_logits(plan)  # [B, V] or None
+        prompt = bool(plan.prompt_logprobs.any())  # needs every query position's hidden state
+        logits = None if prompt else self._decode_logits(plan)  # [B, V] or None
+        prompt_lps = None
         if logits is None:
             meta = plan_metadata(plan, self.budget.block_size, dev)
             self.model.backend.prepare(meta)
@@ -344,8 +347,10 @@ class Worker:
             hidden = self.model(input_ids, positions, meta, self.kv_caches)  # [T, H]
             last = torch.from_numpy(plan.cu_seqlens_q[1:].astype(np.int64) - 1).to(dev)  # [B]
             logits = self.model.compute_logits(hidden.index_select(0, last))  # [B, V]
+            if prompt:
+                prompt_lps = prompt_logprobs(self.model.compute_logits, hidden, plan)
         tokens, logprobs = sample_rows(self, plan, logits, sampling_tensors(plan, dev))
         out = tokens.to(torch.int32).cpu().numpy()
-        if logprobs is None:
+        if logprobs is None and prompt_lps is None:
             return out, np.ones(len(out), dtype=np.int32)
-        return out, np.ones(len(out), dtype=np.int32), None, logprobs
+        return out, np.ones(len(out), dtype=np.int32), None, logprobs, prompt_lps

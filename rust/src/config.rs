@@ -70,6 +70,9 @@ pub struct SchedulerConfig {
     /// Top alternatives per output token in the `logprobs` column (0 = no column unless a
     /// sampling column maps `logprobs`).
     pub logprobs: u32,
+    /// Top alternatives per prompt token in the `prompt_logprobs` column (0 = no column);
+    /// such requests compute their whole prompt (no prefix-cache hit).
+    pub prompt_logprobs: u32,
     /// Per-row sampling: sampling key -> input column whose non-null values override the job's
     /// (sampling_params.rs).
     pub sampling_columns: BTreeMap<String, String>,
@@ -135,6 +138,7 @@ impl SchedulerConfig {
             frequency_penalty: 0.0,
             presence_penalty: 0.0,
             logprobs: 0,
+            prompt_logprobs: 0,
             sampling_columns: BTreeMap::new(),
             n: 1,
             num_blocks: 1024,
@@ -273,6 +277,18 @@ impl SchedulerConfig {
                 "n = {} samples per row need temperature > 0: greedy samples are all the same",
                 self.n
             )));
+        }
+        if self.prompt_logprobs > crate::sampling_params::MAX_LOGPROBS {
+            return Err(Error::user(format!(
+                "prompt_logprobs must be in 0..={}, got {}",
+                crate::sampling_params::MAX_LOGPROBS,
+                self.prompt_logprobs
+            )));
+        }
+        if self.prompt_logprobs > 0 && self.n > 1 {
+            return Err(Error::user(
+                "prompt_logprobs with n > 1 samples per row is not supported",
+            ));
         }
         if let Some(k) = self
             .sampling_columns

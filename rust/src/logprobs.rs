@@ -64,6 +64,15 @@ impl StepLogprobs {
     }
 }
 
+/// Prompt logprobs of a step's result: per row how many entries, per entry the position t
+/// whose logits it comes from (it describes prompt token t + 1), and the entries.
+#[derive(Debug, Clone, Default)]
+pub struct PromptLogprobs {
+    pub row_counts: Vec<i32>,
+    pub positions: Vec<i32>,
+    pub entries: StepLogprobs,
+}
+
 /// One output token's log-probability and top alternatives (id, log-probability).
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenLogprob {
@@ -121,10 +130,10 @@ fn entry_fields() -> Fields {
     Fields::from(f)
 }
 
-/// The `logprobs` column's field.
-pub fn field() -> Field {
+/// The field of a logprobs column (`logprobs`, `prompt_logprobs`).
+pub fn field(name: &str) -> Field {
     let item = Field::new("item", DataType::Struct(entry_fields()), true);
-    Field::new("logprobs", DataType::List(Arc::new(item)), true)
+    Field::new(name, DataType::List(Arc::new(item)), true)
 }
 
 fn token_builder() -> StructBuilder {
@@ -218,7 +227,7 @@ mod tests {
             top: vec![(3, "a".into(), -0.5), (4, "b".into(), -1.0)],
         };
         let col = column([Some(&[e][..]), None].into_iter());
-        assert_eq!(col.data_type(), field().data_type());
+        assert_eq!(col.data_type(), field("logprobs").data_type());
         let list = col.as_list::<i32>();
         assert!(list.is_valid(0) && list.is_null(1));
         let row = list.value(0);

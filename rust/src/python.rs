@@ -17,7 +17,7 @@ use crate::chat_template::{self, Message};
 use crate::config::SchedulerConfig;
 use crate::decoder_layer as layers;
 use crate::error::Error;
-use crate::logprobs::StepLogprobs;
+use crate::logprobs::{PromptLogprobs, StepLogprobs};
 use crate::paged_attention as attn;
 use crate::scheduler::{Scheduler, StepPlan};
 use crate::small_gemm as gemm;
@@ -87,6 +87,10 @@ pub struct PyStepPlan {
     #[pyo3(get)]
     logprobs: Py<PyArray1<i32>>,
     #[pyo3(get)]
+    prompt_logprobs: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    prompt_lens: Py<PyArray1<i32>>,
+    #[pyo3(get)]
     penalty_ids: Py<PyArray1<i64>>,
     #[pyo3(get)]
     cu_penalty: Py<PyArray1<i32>>,
@@ -147,6 +151,8 @@ impl PyStepPlan {
             frequency_penalty: p.frequency_penalty.into_pyarray(py).unbind(),
             presence_penalty: p.presence_penalty.into_pyarray(py).unbind(),
             logprobs: p.logprobs.into_pyarray(py).unbind(),
+            prompt_logprobs: p.prompt_logprobs.into_pyarray(py).unbind(),
+            prompt_lens: p.prompt_lens.into_pyarray(py).unbind(),
             penalty_ids: p.penalty_ids.into_pyarray(py).unbind(),
             cu_penalty: p.cu_penalty.into_pyarray(py).unbind(),
             penalty_prompt_lens: p.penalty_prompt_lens.into_pyarray(py).unbind(),
@@ -225,6 +231,22 @@ fn step_logprobs(obj: &Bound<'_, PyAny>) -> PyResult<StepLogprobs> {
     })
 }
 
+/// `commit`'s prompt logprobs: (row_counts int32 [B], positions int32 [N], then the three
+/// arrays of `step_logprobs` over the N entries).
+fn prompt_lps(obj: &Bound<'_, PyAny>) -> PyResult<PromptLogprobs> {
+    let bad = || PyTypeError::new_err("prompt_logprobs must be a 5-tuple of numpy arrays");
+    let items: Vec<Bound<'_, PyAny>> = obj.extract().map_err(|_| bad())?;
+    let [counts, positions, chosen, ids, lps] = items.as_slice() else {
+        return Err(bad());
+    };
+    let triple = pyo3::types::PyTuple::new(obj.py(), [chosen, ids, lps])?;
+    Ok(PromptLogprobs {
+        row_counts: int32_vec(counts, "prompt_logprobs row_counts")?,
+        positions: int32_vec(positions, "prompt_logprobs positions")?,
+        entries: step_logprobs(triple.as_any())?,
+    })
+}
+
 #[pyclass(module = "eaglebatch._native", name = "Scheduler")]
 pub struct PyScheduler {
     inner: Scheduler,
@@ -248,7 +270,7 @@ impl PyScheduler {
         }
     }
 
-    #[pyo3(signature = (tokens, num_tokens, num_accepted = None, logprobs = None))]
+    #[pyo3(signature = (tokens, num_tokens, num_accepted = None, logprobs = None, prompt_logprobs = None))]
     fn commit(
         &mut self,
         py: Python<'_>,
@@ -256,6 +278,7 @@ impl PyScheduler {
         num_tokens: &Bound<'_, PyAny>,
         num_accepted: Option<&Bound<'_, PyAny>>,
         logprobs: Option<&Bound<'_, PyAny>>,
+        prompt_logprobs: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let tokens = int32_vec(tokens, "tokens")?;
         let num_tokens = int32_vec(num_tokens, "num_tokens")?;
@@ -267,6 +290,10 @@ impl PyScheduler {
             Some(l) if !l.is_none() => Some(step_logprobs(l)?),
             _ => None,
         };
+        let prompt_logprobs = match prompt_logprobs {
+            Some(l) if !l.is_none() => Some(prompt_lps(l)?),
+            _ => None,
+        };
         let inner = &mut self.inner;
         py.detach(|| {
             inner.commit(
@@ -274,6 +301,7 @@ impl PyScheduler {
                 &num_tokens,
                 num_accepted.as_deref(),
                 logprobs.as_ref(),
+                prompt_logprobs.as_ref(),
             )
         })
         .map_err(to_py)

@@ -44,7 +44,7 @@ use crate::block_manager::BlockManager;
 use crate::chat_template::ChatTemplate;
 use crate::config::SchedulerConfig;
 use crate::error::{Error, Result};
-use crate::logprobs::{self, StepLogprobs};
+use crate::logprobs::{self, PromptLogprobs, StepLogprobs};
 use crate::reader::{spawn_reader, validate_inputs, ReaderMsg, ReaderOptions, TextLimit};
 use crate::sampling_params::SamplingParams;
 use crate::sequence::{FinishReason, Request, Sequence, Status, Timing};
@@ -95,6 +95,10 @@ pub struct StepPlan {
     pub presence_penalty: Vec<f32>,
     /// Top alternatives to report per sampled token (0 = no logprobs for the row).
     pub logprobs: Vec<i32>,
+    /// Top alternatives per prompt token while the row still lacks some of its prompt
+    /// logprobs (0 otherwise), and each row's prompt length.
+    pub prompt_logprobs: Vec<i32>,
+    pub prompt_lens: Vec<i32>,
     /// Rows with a penalty on: their known tokens (prompt then output, rows concatenated; row
     /// i's are `penalty_ids[cu_penalty[i]..cu_penalty[i + 1]]`, the first
     /// `penalty_prompt_lens[i]` of them prompt tokens); empty for other rows.
@@ -154,6 +158,8 @@ impl StepPlan {
             frequency_penalty: Vec::with_capacity(b),
             presence_penalty: Vec::with_capacity(b),
             logprobs: Vec::with_capacity(b),
+            prompt_logprobs: Vec::with_capacity(b),
+            prompt_lens: Vec::with_capacity(b),
             penalty_ids: Vec::new(),
             cu_penalty: vec![0],
             penalty_prompt_lens: Vec::with_capacity(b),
@@ -242,6 +248,13 @@ fn push_sampling(p: &mut StepPlan, seq: &Sequence, seed: i64) {
     p.frequency_penalty.push(sp.frequency_penalty);
     p.presence_penalty.push(sp.presence_penalty);
     p.logprobs.push(sp.logprobs as i32);
+    let missing = seq.prompt_logprobs.len() + 1 < seq.prompt_len();
+    p.prompt_logprobs.push(if missing {
+        seq.prompt_logprobs_k as i32
+    } else {
+        0
+    });
+    p.prompt_lens.push(token_count(seq.prompt_len()));
     let prompt_len = if sp.penalized() {
         p.penalty_ids
             .extend((0..seq.len()).map(|pos| seq.token(pos) as i64));
@@ -421,6 +434,7 @@ fn writer_config(cfg: &SchedulerConfig, id_type: arrow_schema::DataType) -> Writ
         file_metadata: cfg.file_metadata.clone(),
         include_token_ids: cfg.include_token_ids,
         logprobs: cfg.writes_logprobs(),
+        prompt_logprobs: cfg.prompt_logprobs > 0,
         id_type,
         flush_interval: cfg.flush_interval_s.map(std::time::Duration::from_secs_f64),
     }
@@ -693,7 +707,9 @@ impl Scheduler {
             }
             None => {
                 for s in samples {
-                    self.waiting.push_back(Sequence::new(req.clone(), s));
+                    let mut seq = Sequence::new(req.clone(), s);
+                    seq.prompt_logprobs_k = self.cfg.prompt_logprobs;
+                    self.waiting.push_back(seq);
                 }
             }
         }
@@ -774,6 +790,7 @@ impl Scheduler {
             accept_length: None,
             output_token_ids: Vec::new(),
             logprobs: None,
+            prompt_logprobs: None,
         })
     }
 
@@ -918,14 +935,19 @@ impl Scheduler {
         num_tokens: &[i32],
         num_accepted: Option<&[i32]>,
         logprobs: Option<&StepLogprobs>,
+        prompt_logprobs: Option<&PromptLogprobs>,
     ) -> Result<()> {
         let plan = self
             .pending
             .ok_or_else(|| Error::internal("commit() without a plan from next_plan()"))?;
+        self.check_prompt_logprobs(plan, prompt_logprobs)?;
         let most_verify_tokens = self.cfg.max_draft_tokens as i32 + 1;
         check_commit(plan, most_verify_tokens, tokens, num_tokens, num_accepted)?;
         self.check_logprobs(plan, tokens.len(), logprobs)?;
         self.pending = None;
+        if let Some(pl) = prompt_logprobs {
+            self.record_prompt_logprobs(plan, pl);
+        }
         let now = Instant::now();
         let mut offset = 0usize;
         for (r, &n) in num_tokens.iter().enumerate() {
@@ -936,6 +958,40 @@ impl Scheduler {
             self.commit_row(plan.kind, plan.start + r, toks, accepted, lp, now);
         }
         self.retire_finished()
+    }
+
+    /// Prompt logprobs, when given: one count per row, one position per entry, in order.
+    fn check_prompt_logprobs(&self, plan: PendingPlan, pl: Option<&PromptLogprobs>) -> Result<()> {
+        let Some(pl) = pl else { return Ok(()) };
+        let n: usize = pl.row_counts.iter().map(|&c| c.max(0) as usize).sum();
+        if pl.row_counts.len() != plan.rows || pl.positions.len() != n {
+            return Err(Error::internal(format!(
+                "commit(): prompt logprobs for {} rows and {} positions, but the plan has {} \
+                 rows and the counts sum to {n}",
+                pl.row_counts.len(),
+                pl.positions.len(),
+                plan.rows
+            )));
+        }
+        pl.entries.check(n)
+    }
+
+    /// Appends each row's prompt logprobs at the next unrecorded position (entry t predicts
+    /// prompt token t + 1); positions recorded before (a recomputation after a preemption) are
+    /// skipped.
+    fn record_prompt_logprobs(&mut self, plan: PendingPlan, pl: &PromptLogprobs) {
+        let mut j = 0usize;
+        for (r, &count) in pl.row_counts.iter().enumerate() {
+            let seq = &mut self.running[plan.start + r];
+            let k = seq.prompt_logprobs_k as usize;
+            for _ in 0..count.max(0) {
+                let t = pl.positions[j] as usize;
+                if t == seq.prompt_logprobs.len() && t + 1 < seq.prompt_len() {
+                    seq.prompt_logprobs.push(pl.entries.entry(j, k));
+                }
+                j += 1;
+            }
+        }
     }
 
     /// A result carries logprobs of the right shape when a row of its plan asks for them.
@@ -1060,6 +1116,10 @@ impl Scheduler {
             accept_length,
             logprobs: (!error && seq.sampling.logprobs > 0)
                 .then(|| logprobs::entries(&self.tokenizer, &seq.output_ids, &seq.logprobs)),
+            prompt_logprobs: (!error && seq.prompt_logprobs_k > 0).then(|| {
+                let ids = seq.prompt_ids.get(1..).unwrap_or_default();
+                logprobs::entries(&self.tokenizer, ids, &seq.prompt_logprobs)
+            }),
             output_token_ids: if self.cfg.include_token_ids && !error {
                 seq.output_ids
             } else {

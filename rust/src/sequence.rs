@@ -109,6 +109,9 @@ pub struct Sequence {
     pub preemptions: u32,
     /// Per output token (aligned with `output_ids`) when the request asks for logprobs.
     pub logprobs: Vec<TokenLogprob>,
+    /// Per prompt token after the first (entry i: prompt token i + 1), as far as computed,
+    /// when the job asks for prompt logprobs.
+    pub prompt_logprobs: Vec<TokenLogprob>,
     /// Prefix caching: chain hashes of the first full blocks, as far as computed.
     pub block_hashes: Vec<u64>,
     /// Blocks at the start of `block_table` already offered to the cache (found or registered).
@@ -120,6 +123,9 @@ pub struct Sequence {
     pub chunk_end: Option<usize>,
     /// Admitted and not yet planned up to its last known token (see `prefilling`).
     pub prefill_pending: bool,
+    /// Prompt logprob alternatives the job asks for (`SchedulerConfig::prompt_logprobs`; 0 =
+    /// none).
+    pub prompt_logprobs_k: u32,
 }
 
 impl Sequence {
@@ -150,11 +156,13 @@ impl Sequence {
             spec_tokens: None,
             preemptions: 0,
             logprobs: Vec::new(),
+            prompt_logprobs: Vec::new(),
             block_hashes: Vec::new(),
             registered: 0,
             cached_tokens: 0,
             chunk_end: None,
             prefill_pending: false,
+            prompt_logprobs_k: 0,
         }
     }
 

@@ -64,6 +64,8 @@ pub struct OutputRow {
     pub output_token_ids: Vec<u32>,
     /// One entry per output token, for a row that asked for logprobs (else None: null).
     pub logprobs: Option<Vec<LogprobEntry>>,
+    /// One entry per prompt token after the first, with `prompt_logprobs`.
+    pub prompt_logprobs: Option<Vec<LogprobEntry>>,
 }
 
 #[derive(Debug, Clone)]
@@ -72,8 +74,9 @@ pub struct WriterConfig {
     pub part_rows: usize,
     pub file_metadata: BTreeMap<String, String>,
     pub include_token_ids: bool,
-    /// Write the `logprobs` column (logprobs.rs).
+    /// Write the `logprobs` / `prompt_logprobs` columns (logprobs.rs).
     pub logprobs: bool,
+    pub prompt_logprobs: bool,
     pub id_type: DataType,
     /// Close a part once its oldest row is this old (None: only by `part_rows`).
     pub flush_interval: Option<Duration>,
@@ -86,7 +89,8 @@ pub struct WriterSummary {
 }
 
 /// Output schema (column order is part of the contract).
-pub fn output_schema(id_type: &DataType, include_token_ids: bool, logprobs: bool) -> SchemaRef {
+pub fn output_schema(cfg: &WriterConfig) -> SchemaRef {
+    let (id_type, include_token_ids) = (&cfg.id_type, cfg.include_token_ids);
     let mut fields = vec![
         Field::new("id", id_type.clone(), true),
         Field::new("row_index", DataType::Int64, false),
@@ -112,8 +116,11 @@ pub fn output_schema(id_type: &DataType, include_token_ids: bool, logprobs: bool
             false,
         ));
     }
-    if logprobs {
-        fields.push(crate::logprobs::field());
+    if cfg.logprobs {
+        fields.push(crate::logprobs::field("logprobs"));
+    }
+    if cfg.prompt_logprobs {
+        fields.push(crate::logprobs::field("prompt_logprobs"));
     }
     Arc::new(Schema::new(fields))
 }
@@ -238,7 +245,7 @@ struct WriterThread {
 
 impl WriterThread {
     fn new(cfg: WriterConfig, next_part: u64, had_parts: bool) -> Self {
-        let schema = output_schema(&cfg.id_type, cfg.include_token_ids, cfg.logprobs);
+        let schema = output_schema(&cfg);
         let kv: Vec<KeyValue> = cfg
             .file_metadata
             .iter()
@@ -368,6 +375,11 @@ fn build_batch(schema: &SchemaRef, rows: &[OutputRow], cfg: &WriterConfig) -> Re
             rows.iter().map(|r| r.logprobs.as_deref()),
         ));
     }
+    if cfg.prompt_logprobs {
+        columns.push(crate::logprobs::column(
+            rows.iter().map(|r| r.prompt_logprobs.as_deref()),
+        ));
+    }
     Ok(RecordBatch::try_new(schema.clone(), columns)?)
 }
 
@@ -460,6 +472,7 @@ mod tests {
             accept_length: None,
             output_token_ids: if err { vec![] } else { vec![7, 2] },
             logprobs: None,
+            prompt_logprobs: None,
         }
     }
 
@@ -497,6 +510,7 @@ mod tests {
             )]),
             include_token_ids: true,
             logprobs: false,
+            prompt_logprobs: false,
             id_type: DataType::Utf8,
             flush_interval: None,
         }

@@ -51,6 +51,8 @@ class FakePlan:
     frequency_penalty: np.ndarray | None = None  # float32 [B]
     presence_penalty: np.ndarray | None = None  # float32 [B]
     logprobs: np.ndarray | None = None  # int32 [B]
+    prompt_logprobs: np.ndarray | None = None  # int32 [B]
+    prompt_lens: np.ndarray | None = None  # int32 [B]
     penalty_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     cu_penalty: np.ndarray | None = None  # int32 [B+1], all 0
     penalty_prompt_lens: np.ndarray | None = None  # int32 [B]
@@ -61,7 +63,8 @@ class FakePlan:
             self.cu_prefix = np.zeros(b + 1, dtype=np.int32)
         defaults = {"min_tokens": (0, np.int32), "repetition_penalty": (1, np.float32),
                     "frequency_penalty": (0, np.float32), "presence_penalty": (0, np.float32),
-                    "logprobs": (0, np.int32), "penalty_prompt_lens": (0, np.int32)}
+                    "logprobs": (0, np.int32), "penalty_prompt_lens": (0, np.int32),
+                    "prompt_logprobs": (0, np.int32), "prompt_lens": (1, np.int32)}
         for name, (value, dtype) in defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, np.full(b, value, dtype=dtype))

@@ -61,7 +61,7 @@ from eaglebatch.attention.base import AttentionMetadata, copy_blocks
 from eaglebatch.config import SpeculativeConfig, widest_round
 from eaglebatch.cpu import accelerate, gemm_threads
 from eaglebatch.logits_processing import LogitsControls
-from eaglebatch.logprobs import distribution, top_logprobs, wanted
+from eaglebatch.logprobs import distribution, prompt_logprobs, top_logprobs, wanted
 from eaglebatch.speculative.adaptive import AdaptiveDraftLength
 from eaglebatch.speculative.eagle import EagleDraft, load_draft
 from eaglebatch.speculative.graphs import SpecGraphs
@@ -373,6 +373,7 @@ class SpecWorker:
         last = self._dev(plan.cu_seqlens_q[1:].astype(np.int64) - 1)  # [B]
         logits = self.model.compute_logits(hidden.index_select(0, last))  # [B, V]
         tokens, logprobs = sample_rows(self, plan, logits, self._sampling(plan))  # [B]
+        prompt_lps = prompt_logprobs(self.model.compute_logits, hidden, plan)
         # draft extend over p = c..n-1: token x_{p+1} is the next prompt token, or the new one
         # (a chunk that stops before the row's end: the plan's next token, the new one dropped)
         next_ids = torch.roll(ids, -1)
@@ -396,7 +397,9 @@ class SpecWorker:
                 seq = np.concatenate((prefix, plan.input_ids[cu[i] : cu[i + 1]], out[i : i + 1]))
                 self.lookup.reset(int(slot), seq)
         result = out, np.ones(n, dtype=np.int32), np.zeros(n, dtype=np.int32)
-        return result if logprobs is None else (*result, logprobs)
+        if logprobs is None and prompt_lps is None:
+            return result
+        return (*result, logprobs, prompt_lps)
 
     # ---- deferred draft extends (module doc) ---------------------------------------------------
 

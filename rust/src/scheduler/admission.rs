@@ -207,7 +207,8 @@ fn sibling_start(
 /// The cached blocks a waiting sequence starts from (the scheduler's module doc says which),
 /// and how many of its full blocks were found in the cache.
 fn cached_prefix(bm: &BlockManager, seq: &mut Sequence, speculative: bool) -> (Vec<u32>, usize) {
-    if !bm.caching() {
+    if !bm.caching() || seq.prompt_logprobs_k > 0 {
+        // a prompt's logprobs need its logits at every position: nothing comes from the cache
         return (Vec::new(), 0);
     }
     let bs = bm.block_size();

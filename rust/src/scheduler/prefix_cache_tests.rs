@@ -83,7 +83,7 @@ fn drive_kv(s: &mut Scheduler) {
                 history.push(t as i64);
             }
         }
-        s.commit(&tokens, &vec![1; tokens.len()], None, None)
+        s.commit(&tokens, &vec![1; tokens.len()], None, None, None)
             .unwrap();
         steps += 1;
         assert!(steps < 100_000, "no progress");
@@ -223,7 +223,7 @@ fn an_identical_prompt_waits_one_step_then_shares_the_blocks() {
         wait_for_reader(&s);
         let p = s.next_plan().unwrap().unwrap();
         assert_eq!((p.kind, p.num_seqs()), (StepKind::Prefill, 1));
-        s.commit(&[9], &[1], spec.then_some(&[0][..]), None)
+        s.commit(&[9], &[1], spec.then_some(&[0][..]), None, None)
             .unwrap();
         let p = s.next_plan().unwrap().unwrap();
         assert_eq!((p.kind, p.num_seqs()), (StepKind::Prefill, 1));
@@ -313,7 +313,7 @@ fn a_forked_sample_computes_only_its_last_prompt_token() {
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!((p.num_seqs(), p.num_tokens()), (1, 11)); // the siblings wait a step
     assert!(p.block_copies.is_empty());
-    s.commit(&[9], &[1], None, None).unwrap();
+    s.commit(&[9], &[1], None, None, None).unwrap();
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!(
         (p.kind, p.num_seqs(), p.num_tokens()),
@@ -405,9 +405,10 @@ fn a_long_prompt_in_chunks_never_stops_the_decoding_rows() {
                 .map(|r| 5 + (p.input_ids[p.cu_seqlens_q[r + 1] as usize - 1] as i32 % 50))
                 .collect();
             if p.kind == StepKind::Verify {
-                s.commit(&toks, &counts, Some(&vec![0; n]), None).unwrap();
+                s.commit(&toks, &counts, Some(&vec![0; n]), None, None)
+                    .unwrap();
             } else {
-                s.commit(&toks, &counts, spec.then_some(&vec![0; n][..]), None)
+                s.commit(&toks, &counts, spec.then_some(&vec![0; n][..]), None, None)
                     .unwrap();
             }
             if kinds.len() > 12 {

@@ -39,7 +39,7 @@ fn drive_constant(s: &mut Scheduler, token: i32, k: usize) -> Vec<StepPlan> {
             top_logprobs: (0..b * k).map(|i| -((i % k.max(1)) as f32)).collect(),
             k,
         };
-        s.commit(&tokens, &vec![1; b], None, (k > 0).then_some(&lp))
+        s.commit(&tokens, &vec![1; b], None, (k > 0).then_some(&lp), None)
             .unwrap();
         plans.push(p);
     }
@@ -122,7 +122,8 @@ fn logprobs_are_kept_per_output_token_and_written() {
     let p = s.next_plan().unwrap().unwrap();
     let b = p.num_seqs();
     assert!(
-        s.commit(&vec![9; b], &vec![1; b], None, None).is_err(),
+        s.commit(&vec![9; b], &vec![1; b], None, None, None)
+            .is_err(),
         "logprobs are required"
     );
     let short = StepLogprobs {
@@ -132,7 +133,7 @@ fn logprobs_are_kept_per_output_token_and_written() {
         k: 1,
     };
     assert!(
-        s.commit(&vec![9; b], &vec![1; b], None, Some(&short))
+        s.commit(&vec![9; b], &vec![1; b], None, Some(&short), None)
             .is_err(),
         "k below 2"
     );
@@ -142,7 +143,8 @@ fn logprobs_are_kept_per_output_token_and_written() {
         top_logprobs: [0.0, -1.0].repeat(b),
         k: 2,
     };
-    s.commit(&vec![9; b], &vec![1; b], None, Some(&lp)).unwrap();
+    s.commit(&vec![9; b], &vec![1; b], None, Some(&lp), None)
+        .unwrap();
     drive_constant(&mut s, 9, 3);
     s.finish().unwrap();
     let rows = read_logprobs(&f.cfg.output_dir);

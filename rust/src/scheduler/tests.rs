@@ -134,7 +134,7 @@ fn drive(s: &mut Scheduler, k: usize) -> usize {
             }
             counts.push(k as i32);
         }
-        s.commit(&tokens, &counts, None, None).unwrap();
+        s.commit(&tokens, &counts, None, None, None).unwrap();
         steps += 1;
         assert!(steps < 100_000, "no progress");
     }
@@ -355,7 +355,8 @@ pub(super) fn drive_spec(s: &mut Scheduler) {
             counts.push(n as i32);
         }
         let accepted: Vec<i32> = counts.iter().map(|&c| c - 1).collect();
-        s.commit(&tokens, &counts, Some(&accepted), None).unwrap();
+        s.commit(&tokens, &counts, Some(&accepted), None, None)
+            .unwrap();
         step += 1;
         assert!(step < 10_000, "no progress");
     }
@@ -469,14 +470,14 @@ fn admission_respects_batch_size_and_token_budget() {
     assert_eq!(p.request_slots, vec![0, 1]);
     assert_eq!(p.num_tokens(), 16);
     assert_eq!(p.max_seqlen_q, 8);
-    s.commit(&[11, 11], &[1, 1], None, None).unwrap();
+    s.commit(&[11, 11], &[1, 1], None, None, None).unwrap();
     // Prefill is preferred: the third request is admitted before anyone decodes.
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!(
         (p.kind, p.num_seqs(), p.request_slots.clone()),
         (StepKind::Prefill, 1, vec![2])
     );
-    s.commit(&[11], &[1], None, None).unwrap();
+    s.commit(&[11], &[1], None, None, None).unwrap();
     // Batch full: decode over all three, one query token each at position 8.
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!(p.kind, StepKind::Decode);
@@ -489,10 +490,10 @@ fn admission_respects_batch_size_and_token_budget() {
     assert_eq!(p.block_table_width, 3);
     assert_eq!(p.max_seqlen_k, 9);
     // Commit mismatches are errors and leave the plan pending.
-    assert!(s.commit(&[1, 2], &[1, 1], None, None).is_err());
-    assert!(s.commit(&[1, 2], &[1, 2], None, None).is_err());
+    assert!(s.commit(&[1, 2], &[1, 1], None, None, None).is_err());
+    assert!(s.commit(&[1, 2], &[1, 2], None, None, None).is_err());
     assert!(s.next_plan().is_err());
-    s.commit(&[12, 12, 12], &[1, 1, 1], Some(&[0, 1, 0]), None)
+    s.commit(&[12, 12, 12], &[1, 1, 1], Some(&[0, 1, 0]), None, None)
         .unwrap();
     drive(&mut s, 1);
     s.finish().unwrap();
@@ -503,7 +504,7 @@ fn admission_respects_batch_size_and_token_budget() {
 fn commit_without_plan_and_early_finish_are_errors() {
     let f = fixture("sched-misuse", &[Some("w5")]);
     let mut s = Scheduler::new(f.cfg.clone()).unwrap();
-    assert!(s.commit(&[1], &[1], None, None).is_err());
+    assert!(s.commit(&[1], &[1], None, None, None).is_err());
     let _ = s.next_plan().unwrap().unwrap();
     let err = s.finish().unwrap_err();
     assert!(err.to_string().contains("next_plan"), "{err}");
@@ -519,10 +520,10 @@ fn spec_counters_and_seeds() {
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!(p.seeds, vec![request_seed(7, 0)]);
     assert!(p.seeds[0] >= 0);
-    s.commit(&[6], &[1], Some(&[0]), None).unwrap();
+    s.commit(&[6], &[1], Some(&[0]), None, None).unwrap();
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!(p.kind, StepKind::Verify);
-    s.commit(&[7, 8, 9], &[3], Some(&[2]), None).unwrap();
+    s.commit(&[7, 8, 9], &[3], Some(&[2]), None, None).unwrap();
     assert!(s.next_plan().unwrap().is_none());
     s.finish().unwrap();
     let out = f.cfg.output_dir.clone();
@@ -612,7 +613,8 @@ fn drive_to_error(s: &mut Scheduler) -> Error {
                 let toks: Vec<i32> = (0..p.num_seqs())
                     .map(|r| (p.input_ids[p.cu_seqlens_q[r + 1] as usize - 1] + 1) as i32)
                     .collect();
-                s.commit(&toks, &vec![1; p.num_seqs()], None, None).unwrap();
+                s.commit(&toks, &vec![1; p.num_seqs()], None, None, None)
+                    .unwrap();
             }
             Ok(None) => panic!("the corrupt input must surface as an error"),
             Err(e) => return e,
@@ -736,13 +738,15 @@ fn verify_commit_with_too_many_tokens_is_an_error() {
     let mut s = Scheduler::new(f.cfg.clone()).unwrap();
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!(p.kind, StepKind::Prefill);
-    s.commit(&[6], &[1], None, None).unwrap();
+    s.commit(&[6], &[1], None, None, None).unwrap();
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!(p.kind, StepKind::Verify);
     assert_eq!(p.positions, vec![2, 3, 4]);
     assert_eq!(p.seq_lens, vec![5]);
     assert_eq!(p.input_ids, vec![6, 0, 0]);
-    assert!(s.commit(&[7, 8, 9, 10], &[4], Some(&[3]), None).is_err());
+    assert!(s
+        .commit(&[7, 8, 9, 10], &[4], Some(&[3]), None, None)
+        .is_err());
 }
 
 #[test]
@@ -781,7 +785,7 @@ fn abort_writes_finished_rows_and_drops_the_rest() {
     for _ in 0..3 {
         let p = s.next_plan().unwrap().unwrap();
         let last = *p.input_ids.last().unwrap() as i32;
-        s.commit(&[(last + 1) % VOCAB as i32], &[1], None, None)
+        s.commit(&[(last + 1) % VOCAB as i32], &[1], None, None, None)
             .unwrap();
     }
     // Row 2 is planned but never committed.
