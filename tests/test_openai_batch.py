@@ -130,9 +130,12 @@ def test_bad_lines_are_error_lines_naming_the_line(tmp_path, tiny_model_dir):
         json.dumps({"method": "POST", "url": COMPLETIONS, "body": {"prompt": "x"}}),
         request("chat", CHAT, {"messages": [{"role": "user", "content": "x"}]}),
     ]
-    run_prepared(prepare(load_job(batch_job(tmp_path, tiny_model_dir, lines))))
+    job = batch_job(tmp_path, tiny_model_dir, lines)
+    with open(tmp_path / "batch-requests.jsonl", "ab") as f:
+        f.write(b'{"custom_id": "\xff\xfe"}\n')  # not UTF-8
+    run_prepared(prepare(load_job(job)))
     text = (tmp_path / "batch.jsonl").read_text().splitlines()
-    assert len(text) == 6  # one line per request, the bad ones included
+    assert len(text) == 7  # one line per request, the bad ones included
     by_line = {}
     for t in text:
         line = json.loads(t)
@@ -140,7 +143,8 @@ def test_bad_lines_are_error_lines_naming_the_line(tmp_path, tiny_model_dir):
     status = {k: v["response"]["status_code"] for k, v in by_line.items()}
     assert status["batch_req_0"] == 200 and status["batch_req_3"] == 400
     for row, want in [(1, "line 2: not valid JSON"), (2, "line 3:"), (3, "line 4: duplicate"),
-                      (4, "line 5: custom_id"), (5, "line 6: url must be")]:  # fmt: skip
+                      (4, "line 5: custom_id"), (5, "line 6: url must be"),
+                      (6, "line 7: not valid UTF-8")]:  # fmt: skip
         msg = by_line[f"batch_req_{row}"]["response"]["body"]["error"]["message"]
         assert msg.startswith(want), msg
     assert by_line["batch_req_1"]["custom_id"] is None

@@ -120,6 +120,7 @@ def _sampling_check(key: str) -> tuple:
 
 
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions")
+_BLANK = b" \t\n\r\x0c"  # ASCII whitespace as Rust's is_ascii_whitespace
 
 
 def check_batch_input(cfg: InputConfig) -> tuple[list[Path], int, str]:
@@ -130,9 +131,9 @@ def check_batch_input(cfg: InputConfig) -> tuple[list[Path], int, str]:
     total, endpoint = 0, None
     for f in files:
         try:
-            with open(f, encoding="utf-8", errors="replace") as lines:
+            with open(f, "rb") as lines:
                 for line in lines:
-                    if not line.strip():
+                    if not line.strip(_BLANK):  # the reader's rule (openai_batch.rs is_blank)
                         continue
                     total += 1
                     endpoint = endpoint or _line_url(line)
@@ -146,7 +147,7 @@ def check_batch_input(cfg: InputConfig) -> tuple[list[Path], int, str]:
     return files, total, endpoint or BATCH_URLS[0]
 
 
-def _line_url(line: str) -> str | None:
+def _line_url(line: bytes) -> str | None:
     try:
         url = json.loads(line).get("url")
     except (ValueError, AttributeError):

@@ -52,11 +52,16 @@ const UNSUPPORTED: [&str; 7] = [
 pub fn count_requests(path: &Path) -> Result<u64> {
     let file = std::fs::File::open(path).map_err(|e| Error::io("cannot open input", path, e))?;
     let mut n = 0;
-    for line in std::io::BufReader::new(file).lines() {
+    for line in std::io::BufReader::new(file).split(b'\n') {
         let line = line.map_err(|e| Error::user(format!("{}: {e}", path.display())))?;
-        n += u64::from(!line.trim().is_empty());
+        n += u64::from(!is_blank(&line));
     }
     Ok(n)
+}
+
+/// Whether a line (bytes, maybe not UTF-8) holds only whitespace: not a request.
+pub fn is_blank(line: &[u8]) -> bool {
+    line.iter().all(u8::is_ascii_whitespace)
 }
 
 /// Parses line `line_no` (1-based) for a job whose requests use `endpoint` and whose sampling

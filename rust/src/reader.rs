@@ -738,15 +738,15 @@ impl ReaderThread {
         let fail = |e: &dyn std::fmt::Display| Stop::Failed(unreadable(path, None, e));
         let file = File::open(path).map_err(|e| fail(&e))?;
         let mut lines = Vec::with_capacity(self.opts.read_batch_rows);
-        for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
+        for (i, line) in std::io::BufReader::new(file).split(b'\n').enumerate() {
             if self.next_row + lines.len() as u64 >= self.spec.row_end {
                 break;
             }
             let line = line.map_err(|e| fail(&e))?;
-            if line.trim().is_empty() {
+            if crate::openai_batch::is_blank(&line) {
                 continue;
             }
-            lines.push((i as u64 + 1, line));
+            lines.push((i as u64 + 1, String::from_utf8(line).ok()));
             if lines.len() >= self.opts.read_batch_rows {
                 self.process_lines(&std::mem::take(&mut lines))?;
             }
@@ -755,7 +755,8 @@ impl ReaderThread {
     }
 
     /// Requests from (line number, text) lines: a line's problem is its row's error.
-    fn process_lines(&mut self, lines: &[(u64, String)]) -> std::result::Result<(), Stop> {
+    /// (A line that is not UTF-8 has no text.)
+    fn process_lines(&mut self, lines: &[(u64, Option<String>)]) -> std::result::Result<(), Stop> {
         let read_at = Instant::now();
         let endpoint = self.spec.openai_endpoint.clone().unwrap_or_default();
         let mut rows = Vec::with_capacity(lines.len());
@@ -763,8 +764,15 @@ impl ReaderThread {
             let row_index = self.next_row as i64;
             self.next_row += 1;
             let job = &self.opts.sampling;
-            let parsed =
-                crate::openai_batch::parse_line(text, *line_no, &endpoint, job, self.opts.n);
+            let parsed = match text {
+                Some(t) => {
+                    crate::openai_batch::parse_line(t, *line_no, &endpoint, job, self.opts.n)
+                }
+                None => crate::openai_batch::BatchLine {
+                    custom_id: None,
+                    request: Err(format!("line {line_no}: not valid UTF-8")),
+                },
+            };
             let id: ArrayRef = Arc::new(StringArray::from(vec![parsed.custom_id.clone()]));
             let id_error = match parsed.custom_id {
                 Some(_) => self.check_id(id.as_ref(), 0),
