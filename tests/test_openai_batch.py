@@ -186,3 +186,45 @@ def test_killed_and_rerun_writes_each_custom_id_once(tmp_path, tiny_model_dir):
     got = results(tmp_path)
     assert sorted(got) == sorted(f"k{i}" for i in range(200))
     assert pq.read_table(out).num_rows == 200
+
+
+def test_samples_are_a_lines_choices_and_parquet_input_gets_a_results_file(tmp_path,
+                                                                           tiny_model_dir):
+    lines = [request(f"s{i}", COMPLETIONS, {"prompt": p, "n": 3})
+             for i, p in enumerate(random_prompts(4, seed=9))]  # fmt: skip
+    path = batch_job(tmp_path, tiny_model_dir, lines)
+    job = path.read_text()
+    path.write_text(job.replace("sampling:\n", "sampling:\n  n: 3\n  temperature: 0.9\n"))
+    run_prepared(prepare(load_job(path)))
+    parts = pq.read_table(tmp_path / "batch").to_pylist()
+    for cid, line in results(tmp_path).items():
+        body = line["response"]["body"]
+        assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+        mine = sorted((r for r in parts if r["id"] == cid), key=lambda r: r["sample_index"])
+        assert [c["text"] for c in body["choices"]] == [r["output_text"] for r in mine]
+        assert body["usage"]["completion_tokens"] == sum(r["output_tokens"] for r in mine)
+    # a Parquet job with output.format openai-batch: chat bodies for a messages column
+    msgs = [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "yo"}]]
+    ref = parquet_job(tmp_path, tiny_model_dir, pa.table({"id": [7, 8], "messages": msgs}),
+                      "pq", "  messages_column: messages\n")  # fmt: skip
+    job = (tmp_path / "pq.yaml").read_text().replace("output:\n", "output:\n  format: "
+                                                     "openai-batch\n")  # fmt: skip
+    (tmp_path / "pq.yaml").write_text(job)
+    run_prepared(prepare(load_job(tmp_path / "pq.yaml")))  # every row done: writes the file
+    got = results(tmp_path, "pq")
+    assert sorted(got) == ["7", "8"]
+    for r in ref:
+        choice = got[str(r["id"])]["response"]["body"]["choices"][0]
+        assert choice["message"]["content"] == r["output_text"]
+
+
+def test_validate_counts_batch_requests(tmp_path, tiny_model_dir):
+    from click.testing import CliRunner
+
+    from eaglebatch.cli import main
+
+    lines = [request(f"v{i}", CHAT, {"messages": [{"role": "user", "content": "x"}]})
+             for i in range(3)]  # fmt: skip
+    r = CliRunner().invoke(main, ["validate", str(batch_job(tmp_path, tiny_model_dir,
+                                                             ["", *lines, ""]))])  # fmt: skip
+    assert r.exit_code == 0 and "3 rows" in r.output, r.output
