@@ -11,6 +11,7 @@ use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 
 use super::tests::{fixture, read_output, wait_for_reader, Fixture};
 use super::*;
+use crate::logprobs::PromptLogprobs;
 use crate::testutil::write_parquet;
 
 /// The fixture with its input rewritten with extra columns.
@@ -192,6 +193,81 @@ fn read_logprobs(dir: &std::path::Path) -> Vec<(String, Option<ArrayRef>)> {
             for i in 0..batch.num_rows() {
                 let reason = reasons.as_string::<i32>().value(i).to_string();
                 out.push((reason, col.is_valid(i).then(|| col.value(i))));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn prompt_logprobs_are_recorded_once_per_position() {
+    let mut f = fixture("samp-plp", &[Some("w5 w6 w7 w8 w9")]);
+    f.cfg.prompt_logprobs = 1;
+    f.cfg.max_new_tokens = 2;
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let p = s.next_plan().unwrap().unwrap();
+    assert_eq!(p.prompt_logprobs, vec![1]);
+    let plen = p.prompt_lens[0] as usize;
+    assert_eq!(
+        p.num_tokens(),
+        plen,
+        "computed whole: nothing from the cache"
+    );
+    // positions 0..plen-1 predict prompt tokens 1..plen; position 1 is sent twice (a
+    // recomputation) and is kept once
+    let mut positions: Vec<i32> = (0..plen as i32 - 1).collect();
+    positions.insert(2, 1);
+    let n = positions.len();
+    let pl = PromptLogprobs {
+        row_counts: vec![n as i32],
+        positions,
+        entries: StepLogprobs {
+            chosen: (0..n).map(|i| -(i as f32)).collect(),
+            top_ids: vec![3; n],
+            top_logprobs: vec![0.0; n],
+            k: 1,
+        },
+    };
+    s.commit(&[9], &[1], None, None, Some(&pl)).unwrap();
+    let p = s.next_plan().unwrap().unwrap();
+    assert_eq!(p.prompt_logprobs, vec![0], "complete: not asked again");
+    s.commit(&[9], &[1], None, None, None).unwrap();
+    assert!(s.next_plan().unwrap().is_none());
+    s.finish().unwrap();
+    let rows = read_prompt_logprobs(&f.cfg.output_dir);
+    let want: Vec<f32> = (0..n as i32)
+        .filter(|&i| i != 2)
+        .map(|i| -(i as f32))
+        .collect();
+    assert_eq!(rows, vec![want]);
+}
+
+/// Each row's prompt logprob values.
+fn read_prompt_logprobs(dir: &std::path::Path) -> Vec<Vec<f32>> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let reader = ParquetRecordBatchReaderBuilder::try_new(
+            std::fs::File::open(e.unwrap().path()).unwrap(),
+        )
+        .unwrap()
+        .build()
+        .unwrap();
+        for batch in reader {
+            let batch: RecordBatch = batch.unwrap();
+            let col = batch
+                .column_by_name("prompt_logprobs")
+                .unwrap()
+                .as_list::<i32>()
+                .clone();
+            for i in 0..batch.num_rows() {
+                let v = col.value(i);
+                out.push(
+                    v.as_struct()
+                        .column(2)
+                        .as_primitive::<Float32Type>()
+                        .values()
+                        .to_vec(),
+                );
             }
         }
     }
