@@ -228,3 +228,12 @@ def test_validate_counts_batch_requests(tmp_path, tiny_model_dir):
     r = CliRunner().invoke(main, ["validate", str(batch_job(tmp_path, tiny_model_dir,
                                                              ["", *lines, ""]))])  # fmt: skip
     assert r.exit_code == 0 and "3 rows" in r.output, r.output
+
+
+def test_a_batch_jobs_identity_covers_the_logprobs_mode(tmp_path, tiny_model_dir):
+    """A line may ask for logprobs, so their distribution decides what its row holds."""
+    lines = [request("a", COMPLETIONS, {"prompt": "hi", "logprobs": 1})]
+    job = batch_job(tmp_path, tiny_model_dir, lines)
+    raw = prepare(load_job(job)).identity["output"]
+    processed = prepare(load_job(job, ["output.logprobs_mode=processed"])).identity["output"]
+    assert raw["logprobs_mode"] == "raw" and processed["logprobs_mode"] == "processed"

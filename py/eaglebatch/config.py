@@ -130,6 +130,12 @@ class InputConfig(_Section):
         return self
 
     @property
+    def renders_chat(self) -> bool:
+        """Prompts are messages rendered with the chat template (a messages column, or
+        apply_chat_template; an openai-batch input decides by its endpoint instead)."""
+        return self.messages_column is not None or self.apply_chat_template
+
+    @property
     def text_column(self) -> str | None:
         """The prompt column, `prompt` unless messages (or batch lines) are used."""
         if self.messages_column is not None or self.openai_batch:

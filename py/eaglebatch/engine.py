@@ -123,8 +123,7 @@ def prepare(job: JobConfig) -> PreparedJob:
     check_output_apart(job.input.path, files, job.output.path)
     _check_results_path(job, files)
     mf = _with_chat_template(model_files(job.model), job.model_chat_template)
-    chat_lines = endpoint == BATCH_URLS[0]
-    if job.input.messages_column is not None or job.input.apply_chat_template or chat_lines:
+    if job.input.renders_chat or endpoint == BATCH_URLS[0]:
         if mf.chat_template is None:
             raise JobError(
                 f"input: chat messages need a chat template, and model {job.model} has none; "
@@ -363,8 +362,7 @@ def write_batch_results(prep: PreparedJob) -> None:
         return
     from .openai_results import CHAT, write_results
 
-    inp = prep.job.input
-    chat = inp.messages_column is not None or inp.apply_chat_template
+    chat = prep.job.input.renders_chat
     endpoint = prep.openai_endpoint or (CHAT if chat else "/v1/completions")
     write_results(Path(out.path), out.results_file, endpoint, prep.job.model, prep.job.sampling.n)
 

@@ -149,9 +149,11 @@ _LATER_SAMPLING_DEFAULTS = {
 
 
 def _output_identity(job: JobConfig) -> dict:
-    """The output keys that change what a row holds (logprobs only when on, as above)."""
+    """The output keys that change what a row holds (logprobs only when a row may carry them:
+    the scheduler's `writes_logprobs` rule, where an openai-batch line may ask for them)."""
     out = {"include_token_ids": job.output.include_token_ids}
-    if job.output.logprobs or "logprobs" in job.input.sampling_columns:
+    inp = job.input
+    if job.output.logprobs or "logprobs" in inp.sampling_columns or inp.openai_batch:
         out["logprobs"] = job.output.logprobs
         out["logprobs_mode"] = job.output.logprobs_mode
     if job.output.prompt_logprobs:

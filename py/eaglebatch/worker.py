@@ -187,12 +187,12 @@ def check_graph_support(worker, mode: str) -> None:
         raise ValueError("graph steps need a KV cache with one block beyond the budget")
 
 
-def sampling_tensors(plan, device) -> tuple[torch.Tensor, ...]:
-    """temperature, top_p, top_k, seeds, num_generated of a plan's rows, on `device`."""
-    return tuple(
-        torch.from_numpy(a).to(device)
-        for a in (plan.temperature, plan.top_p, plan.top_k, plan.seeds, plan.num_generated)
-    )
+def sampling_tensors(plan, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """temperature (float32), top_p (float32), top_k (int32), seeds (int64), num_generated
+    (int32) of a plan's rows [B], on `device` (on the CPU the plan's own arrays: no .to())."""
+    arrays = (plan.temperature, plan.top_p, plan.top_k, plan.seeds, plan.num_generated)
+    tensors = tuple(torch.from_numpy(a) for a in arrays)
+    return tensors if device.type == "cpu" else tuple(t.to(device) for t in tensors)
 
 
 def sample_rows(worker, plan, logits: torch.Tensor, sampling: tuple[torch.Tensor, ...]):

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use arrow_array::{ArrayRef, RecordBatch};
 use arrow_schema::{Field, Schema};
+use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::arrow::ArrowWriter;
 use tokenizers::Tokenizer;
 
@@ -166,6 +167,31 @@ pub fn corrupt_row_group(path: &Path, g: usize) {
         bytes[start as usize..(start + len) as usize].fill(0xA5);
     }
     std::fs::write(path, bytes).unwrap();
+}
+
+/// Every record batch of the part files of an output directory, in file-name order; any other
+/// file there (a stray or temporary file) fails the test.
+pub fn read_parts(dir: &Path) -> Vec<RecordBatch> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    let mut out = Vec::new();
+    for f in files {
+        let name = f.file_name().unwrap().to_str().unwrap().to_string();
+        assert!(
+            name.starts_with("part-") && name.ends_with(".parquet"),
+            "stray file {name}"
+        );
+        let file = std::fs::File::open(&f).unwrap();
+        let reader = ParquetRecordBatchReaderBuilder::try_new(file)
+            .unwrap()
+            .build()
+            .unwrap();
+        out.extend(reader.map(|b| b.unwrap()));
+    }
+    out
 }
 
 /// Saves a tokenizer as tokenizer.json in `dir` and returns its path.

@@ -440,7 +440,7 @@ fn token_ids_column(rows: &[OutputRow]) -> ArrayRef {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testutil::TempDir;
+    use crate::testutil::{read_parts, TempDir};
     use arrow_array::cast::AsArray;
     use arrow_array::types::{Float64Type, Int32Type, Int64Type};
     use arrow_array::{Array, StringArray};
@@ -476,30 +476,6 @@ mod tests {
         }
     }
 
-    fn read_all(dir: &Path) -> Vec<RecordBatch> {
-        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-            .unwrap()
-            .map(|e| e.unwrap().path())
-            .collect();
-        files.sort();
-        let mut out = Vec::new();
-        for f in files {
-            let name = f.file_name().unwrap().to_str().unwrap().to_string();
-            assert!(
-                name.starts_with("part-") && name.ends_with(".parquet"),
-                "stray file {name}"
-            );
-            let b = ParquetRecordBatchReaderBuilder::try_new(File::open(&f).unwrap())
-                .unwrap()
-                .build()
-                .unwrap();
-            for batch in b {
-                out.push(batch.unwrap());
-            }
-        }
-        out
-    }
-
     fn cfg(dir: &Path, part_rows: usize) -> WriterConfig {
         WriterConfig {
             output_dir: dir.to_path_buf(),
@@ -533,7 +509,7 @@ mod tests {
         assert_eq!(summary.part_files.len(), 3);
         assert!(summary.part_files[0].ends_with("part-00000.parquet"));
 
-        let batches = read_all(dir.path());
+        let batches = read_parts(dir.path());
         let total: usize = batches.iter().map(|b| b.num_rows()).sum();
         assert_eq!(total, 5);
         let b = &batches[1];
@@ -606,7 +582,7 @@ mod tests {
         let s = w.finish().unwrap();
         assert!(s.part_files[0].ends_with("part-00008.parquet"));
         assert_eq!(
-            read_all(dir.path())
+            read_parts(dir.path())
                 .iter()
                 .map(|b| b.num_rows())
                 .sum::<usize>(),
@@ -653,7 +629,7 @@ mod tests {
         w.send(row(1, "b", FinishReason::Error)).unwrap();
         let s = w.abort().unwrap();
         assert_eq!((s.rows_written, s.part_files.len()), (2, 1));
-        assert_eq!(read_all(dir.path())[0].num_rows(), 2);
+        assert_eq!(read_parts(dir.path())[0].num_rows(), 2);
         assert!(w.finish().is_err(), "closed once");
         // Nothing sent: no part at all (a failed run has no "complete" empty result).
         let empty = TempDir::new("writer-abort-empty");
@@ -668,7 +644,7 @@ mod tests {
         drop(w);
         let names: Vec<_> = std::fs::read_dir(empty.path()).unwrap().collect();
         assert_eq!(names.len(), 1);
-        assert_eq!(read_all(empty.path())[0].num_rows(), 1);
+        assert_eq!(read_parts(empty.path())[0].num_rows(), 1);
     }
 
     #[test]

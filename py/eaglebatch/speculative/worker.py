@@ -67,7 +67,13 @@ from eaglebatch.speculative.eagle import EagleDraft, load_draft
 from eaglebatch.speculative.graphs import SpecGraphs
 from eaglebatch.speculative.ngram import NgramLookup
 from eaglebatch.speculative.verify import deterministic_rows, verify, verify_greedy_host
-from eaglebatch.worker import Worker, check_graph_support, plan_metadata, sample_rows
+from eaglebatch.worker import (
+    Worker,
+    check_graph_support,
+    plan_metadata,
+    sample_rows,
+    sampling_tensors,
+)
 
 TREE_UNSUPPORTED = "speculative.topk > 1 (tree drafting) is not supported yet"
 # the most k = 0 rounds a row's draft extend waits for before the row leaves the head (module doc)
@@ -339,13 +345,7 @@ class SpecWorker:
 
     def _sampling(self, plan) -> tuple[torch.Tensor, ...]:
         """temperature, top_p, top_k, seeds, num_generated as device tensors."""
-        return (
-            self._dev(plan.temperature, np.float32),
-            self._dev(plan.top_p, np.float32),
-            self._dev(plan.top_k, np.int32),
-            self._dev(plan.seeds, np.int64),
-            self._dev(plan.num_generated, np.int32),
-        )
+        return sampling_tensors(plan, self.device)
 
     def _meta(self, cu, seq_lens, block_tables, slot_mapping) -> AttentionMetadata:
         """Metadata for a query the plan did not spell out (draft steps, shorter verifies): the
@@ -651,8 +651,7 @@ class SpecWorker:
         `_record` keeps of them: the emitted tokens')."""
         plan, k1 = r.plan, r.k + 1
         vocab = r.logits.shape[-1]
-        temperature, top_p, top_k = (self._dev(a, t).repeat_interleave(k1) for a, t in (
-            (plan.temperature, np.float32), (plan.top_p, np.float32), (plan.top_k, np.int32)))
+        temperature, top_p, top_k = (t.repeat_interleave(k1) for t in self._sampling(plan)[:3])
         flat = None if processed is None else processed.reshape(-1, vocab)
         lp = distribution(r.logits.reshape(-1, vocab), flat, temperature, top_k, top_p,
                           self.logprobs_mode)  # [B*(k+1), V]

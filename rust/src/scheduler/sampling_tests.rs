@@ -6,13 +6,12 @@ use std::sync::Arc;
 
 use arrow_array::cast::AsArray;
 use arrow_array::types::{Float32Type, Int32Type};
-use arrow_array::{Array, ArrayRef, Float64Array, Int64Array, RecordBatch, StringArray};
-use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use arrow_array::{Array, ArrayRef, Float64Array, Int64Array, StringArray};
 
 use super::tests::{fixture, read_output, wait_for_reader, Fixture};
 use super::*;
 use crate::logprobs::PromptLogprobs;
-use crate::testutil::write_parquet;
+use crate::testutil::{read_parts, write_parquet};
 
 /// The fixture with its input rewritten with extra columns.
 fn with_columns(tag: &str, prompts: &[&str], extra: Vec<(&str, ArrayRef)>) -> Fixture {
@@ -148,7 +147,7 @@ fn logprobs_are_kept_per_output_token_and_written() {
         .unwrap();
     drive_constant(&mut s, 9, 3);
     s.finish().unwrap();
-    let rows = read_logprobs(&f.cfg.output_dir);
+    let rows = read_logprobs(&f.cfg.output_dir, "logprobs");
     assert_eq!(rows.len(), 3);
     for (reason, entries) in rows {
         let Some(entries) = entries else {
@@ -169,31 +168,15 @@ fn logprobs_are_kept_per_output_token_and_written() {
     }
 }
 
-/// Every output row's finish reason and logprobs entries (None when null).
-fn read_logprobs(dir: &std::path::Path) -> Vec<(String, Option<ArrayRef>)> {
-    let mut files: Vec<_> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .collect();
-    files.sort();
+/// Every output row's finish reason and its entries in logprobs column `name` (None when null).
+fn read_logprobs(dir: &std::path::Path, name: &str) -> Vec<(String, Option<ArrayRef>)> {
     let mut out = Vec::new();
-    for file in files {
-        let reader = ParquetRecordBatchReaderBuilder::try_new(std::fs::File::open(file).unwrap())
-            .unwrap()
-            .build()
-            .unwrap();
-        for batch in reader {
-            let batch: RecordBatch = batch.unwrap();
-            let col = batch
-                .column_by_name("logprobs")
-                .unwrap()
-                .as_list::<i32>()
-                .clone();
-            let reasons = batch.column_by_name("finish_reason").unwrap();
-            for i in 0..batch.num_rows() {
-                let reason = reasons.as_string::<i32>().value(i).to_string();
-                out.push((reason, col.is_valid(i).then(|| col.value(i))));
-            }
+    for batch in read_parts(dir) {
+        let col = batch.column_by_name(name).unwrap().as_list::<i32>().clone();
+        let reasons = batch.column_by_name("finish_reason").unwrap();
+        for i in 0..batch.num_rows() {
+            let reason = reasons.as_string::<i32>().value(i).to_string();
+            out.push((reason, col.is_valid(i).then(|| col.value(i))));
         }
     }
     out
@@ -234,42 +217,21 @@ fn prompt_logprobs_are_recorded_once_per_position() {
     s.commit(&[9], &[1], None, None, None).unwrap();
     assert!(s.next_plan().unwrap().is_none());
     s.finish().unwrap();
-    let rows = read_prompt_logprobs(&f.cfg.output_dir);
+    let rows: Vec<Vec<f32>> = read_logprobs(&f.cfg.output_dir, "prompt_logprobs")
+        .into_iter()
+        .map(|(_, entries)| {
+            let entries = entries.expect("a generated row has prompt logprobs");
+            let lps = entries
+                .as_struct()
+                .column(2)
+                .as_primitive::<Float32Type>()
+                .clone();
+            lps.values().to_vec()
+        })
+        .collect();
     let want: Vec<f32> = (0..n as i32)
         .filter(|&i| i != 2)
         .map(|i| -(i as f32))
         .collect();
     assert_eq!(rows, vec![want]);
-}
-
-/// Each row's prompt logprob values.
-fn read_prompt_logprobs(dir: &std::path::Path) -> Vec<Vec<f32>> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir(dir).unwrap() {
-        let reader = ParquetRecordBatchReaderBuilder::try_new(
-            std::fs::File::open(e.unwrap().path()).unwrap(),
-        )
-        .unwrap()
-        .build()
-        .unwrap();
-        for batch in reader {
-            let batch: RecordBatch = batch.unwrap();
-            let col = batch
-                .column_by_name("prompt_logprobs")
-                .unwrap()
-                .as_list::<i32>()
-                .clone();
-            for i in 0..batch.num_rows() {
-                let v = col.value(i);
-                out.push(
-                    v.as_struct()
-                        .column(2)
-                        .as_primitive::<Float32Type>()
-                        .values()
-                        .to_vec(),
-                );
-            }
-        }
-    }
-    out
 }

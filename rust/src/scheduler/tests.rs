@@ -2,18 +2,15 @@
 //! token + 1 mod vocab) over Parquet written in a temp dir; outputs are read back.
 
 use std::collections::BTreeMap;
-use std::fs::File;
-use std::path::PathBuf;
 
 use arrow_array::cast::AsArray;
 use arrow_array::types::{Int32Type, Int64Type};
-use arrow_array::{Array, ArrayRef, RecordBatch, StringArray};
-use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+use arrow_array::{Array, ArrayRef, StringArray};
 
 use super::*;
 use crate::stats::SummaryValue;
 use crate::testutil::{
-    corrupt_row_group, save_tokenizer, word_level_tokenizer, write_parquet, TempDir,
+    corrupt_row_group, read_parts, save_tokenizer, word_level_tokenizer, write_parquet, TempDir,
 };
 
 pub(super) const VOCAB: usize = 64;
@@ -156,44 +153,31 @@ pub(super) struct Row {
 }
 
 pub(super) fn read_output(dir: &std::path::Path) -> Vec<Row> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .collect();
-    files.sort();
     let mut rows = Vec::new();
-    for f in files {
-        assert!(f.extension().unwrap() == "parquet", "stray file {f:?}");
-        let reader = ParquetRecordBatchReaderBuilder::try_new(File::open(&f).unwrap())
-            .unwrap()
-            .build()
-            .unwrap();
-        for b in reader {
-            let b: RecordBatch = b.unwrap();
-            for i in 0..b.num_rows() {
-                let col = |n: &str| b.column_by_name(n).unwrap().clone();
-                rows.push(Row {
-                    id: col("id").as_string::<i32>().value(i).to_string(),
-                    row_index: col("row_index").as_primitive::<Int64Type>().value(i),
-                    sample_index: col("sample_index").as_primitive::<Int32Type>().value(i),
-                    text: col("output_text").as_string::<i32>().value(i).to_string(),
-                    reason: col("finish_reason").as_string::<i32>().value(i).to_string(),
-                    prompt_tokens: col("prompt_tokens").as_primitive::<Int32Type>().value(i),
-                    output_tokens: col("output_tokens").as_primitive::<Int32Type>().value(i),
-                    cached_tokens: col("cached_tokens").as_primitive::<Int32Type>().value(i),
-                    error: {
-                        let e = col("error");
-                        e.is_valid(i)
-                            .then(|| e.as_string::<i32>().value(i).to_string())
-                    },
-                    token_ids: col("output_token_ids")
-                        .as_list::<i32>()
-                        .value(i)
-                        .as_primitive::<Int32Type>()
-                        .values()
-                        .to_vec(),
-                });
-            }
+    for b in read_parts(dir) {
+        for i in 0..b.num_rows() {
+            let col = |n: &str| b.column_by_name(n).unwrap().clone();
+            rows.push(Row {
+                id: col("id").as_string::<i32>().value(i).to_string(),
+                row_index: col("row_index").as_primitive::<Int64Type>().value(i),
+                sample_index: col("sample_index").as_primitive::<Int32Type>().value(i),
+                text: col("output_text").as_string::<i32>().value(i).to_string(),
+                reason: col("finish_reason").as_string::<i32>().value(i).to_string(),
+                prompt_tokens: col("prompt_tokens").as_primitive::<Int32Type>().value(i),
+                output_tokens: col("output_tokens").as_primitive::<Int32Type>().value(i),
+                cached_tokens: col("cached_tokens").as_primitive::<Int32Type>().value(i),
+                error: {
+                    let e = col("error");
+                    e.is_valid(i)
+                        .then(|| e.as_string::<i32>().value(i).to_string())
+                },
+                token_ids: col("output_token_ids")
+                    .as_list::<i32>()
+                    .value(i)
+                    .as_primitive::<Int32Type>()
+                    .values()
+                    .to_vec(),
+            });
         }
     }
     rows.sort_by_key(|r| (r.row_index, r.sample_index));
@@ -527,19 +511,7 @@ fn spec_counters_and_seeds() {
     assert!(s.next_plan().unwrap().is_none());
     s.finish().unwrap();
     let out = f.cfg.output_dir.clone();
-    let file = std::fs::read_dir(&out)
-        .unwrap()
-        .next()
-        .unwrap()
-        .unwrap()
-        .path();
-    let b = ParquetRecordBatchReaderBuilder::try_new(File::open(file).unwrap())
-        .unwrap()
-        .build()
-        .unwrap()
-        .next()
-        .unwrap()
-        .unwrap();
+    let b = read_parts(&out).swap_remove(0);
     assert_eq!(
         b.column_by_name("spec_steps")
             .unwrap()
