@@ -120,7 +120,7 @@ def test_bf16_weights_give_the_float32_bits(monkeypatch, k):
     real, narrow = linear_mod._native.small_gemm, []
 
     def spy(*args):
-        narrow.append(args[-1])  # the bf16_weights flag
+        narrow.append(args[-1])  # the weight_type (GGML number)
         return real(*args)
 
     for m in (1, 4, SMALL_GEMM_MAX_ROWS):
@@ -129,7 +129,7 @@ def test_bf16_weights_give_the_float32_bits(monkeypatch, k):
         monkeypatch.setattr(linear_mod._native, "small_gemm", spy)
         got = linear(x, w, bias, threads=2, weight_bf16=w16)
         monkeypatch.undo()
-        assert narrow.pop() is True  # the kernel read the bf16 copy
+        assert narrow.pop() == linear_mod.GGML_BF16  # the kernel read the bf16 copy
         assert torch.equal(got, want)
 
 

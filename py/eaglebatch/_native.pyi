@@ -166,15 +166,24 @@ SMALL_GEMM_MAX_ROWS: int
 """The most rows of x one `small_gemm` call takes (128)."""
 
 def small_gemm(
-    x: int, w: int, out: int, m: int, n: int, k: int, threads: int, bf16_weights: bool = False
+    x: int, w: int, out: int, m: int, n: int, k: int, threads: int, weight_type: int = 0
 ) -> None:
     """out = x @ w.T in float32 by raw addresses (tensor.data_ptr()): x [m, k], w [n, k],
-    out [m, n], all C-contiguous float32 CPU buffers (w bfloat16 when `bf16_weights`: widened
-    exactly, so the result is that of w.float()) that stay alive for the call, out not
-    overlapping the others; 1 <= m <= SMALL_GEMM_MAX_ROWS. Runs on up to `threads` threads of
-    the OpenMP team torch uses. Each output is computed in the same order whatever m and the
-    thread count. Unsafe by contract: `cpu/gemm.py::linear` is the caller; it takes every
-    address through `cpu/tensors.py::native_ptr`, which checks it."""
+    out [m, n], all C-contiguous CPU buffers that stay alive for the call, out not overlapping
+    the others; 1 <= m <= SMALL_GEMM_MAX_ROWS. `weight_type` is w's format as a GGML type
+    number: 0 float32, 30 bfloat16 bits, or a GGUF block type (2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1,
+    8 Q8_0, 12 Q4_K, 14 Q6_K; w then n rows of whole blocks), expanded exactly, so the result
+    is bit for bit that of w's float32 values. Runs on up to `threads` threads of the OpenMP
+    team torch uses. Each output is computed in the same order whatever m and the thread
+    count. Unsafe by contract: `cpu/gemm.py::linear` and `cpu/quantized.py` are the callers;
+    they take every address through `cpu/tensors.py::native_ptr`, which checks it."""
+
+def gather_rows(
+    w: int, weight_type: int, rows: int, k: int, ids: npt.NDArray[np.int64], out: int
+) -> None:
+    """out[i] = row ids[i] of w [rows, k] (format `weight_type` as in `small_gemm`) as float32:
+    an embedding lookup from GGUF blocks. out [len(ids), k]; every id is checked (ValueError).
+    Unsafe by contract: `cpu/quantized.py` is the caller."""
 
 def rms_norm(x: int, weight: int, out: int, rows: int, h: int, eps: float) -> None:
     """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight in float32 by raw addresses, row by row
@@ -210,15 +219,16 @@ class CpuDecoder:
     """A model's decoder layers for few-row CPU steps (rust/src/decoder_layer.rs), held as raw
     addresses: per layer [input_norm (0: the layer is given its input), q, k, v, o, post_norm,
     gate, up, down, then the q, k, v, o, gate, up, down biases (0: none), then the per-head
-    q_norm and k_norm weights [D] (0: none)], seven bf16 flags (weights holding bfloat16 bits)
-    and the q/k/v input width; RoPE tables [max_positions, head_dim]. Unsafe by contract:
+    q_norm and k_norm weights [D] (0: none)], the seven weights' formats (GGML type numbers,
+    as `small_gemm`'s `weight_type`) and the q/k/v input width; RoPE tables [max_positions,
+    head_dim]. Unsafe by contract:
     `cpu/decoder.py::NativeDecoder` takes every address through `cpu/tensors.py::native_ptr`
     and keeps every tensor alive."""
 
     def __init__(
         self,
         layers: list[list[int]],
-        bf16: list[list[bool]],
+        weight_types: list[list[int]],
         in_features: list[int],
         hidden: int,
         intermediate: int,

@@ -79,6 +79,13 @@ def is_builtin_model(name: str) -> bool:
     return name in BUILTIN_MODELS
 
 
+def builtin_gguf(name: str = BUILTIN_MODEL) -> Path:
+    """The GGUF file a builtin model is converted from."""
+    if name == BUILTIN_GEMMA:
+        return gemma_gguf()
+    return _package_file(_SMOLLM2_PACKAGE, _SMOLLM2_GGUF)
+
+
 def builtin_model_dir(name: str = BUILTIN_MODEL) -> Path:
     """The converted folder of a builtin model, converting its GGUF file on first use."""
     if name == BUILTIN_GEMMA:
@@ -88,7 +95,7 @@ def builtin_model_dir(name: str = BUILTIN_MODEL) -> Path:
     final = cache_dir() / "models" / f"{BUILTIN_MODEL}-v{FORMAT_VERSION}"
     if (final / "config.json").is_file():
         return final
-    gguf = _package_file(_SMOLLM2_PACKAGE, _SMOLLM2_GGUF)
+    gguf = builtin_gguf(name)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=final.parent))
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -69,10 +70,10 @@ def _check_model_config(job: JobConfig, mf: ModelFiles) -> tuple[str, int]:
         raise JobError(f"sampling.stop_token_ids: {bad} are not ids of model {mf.dir}, whose "
                        f"vocab_size is {cfg.vocab_size}")  # fmt: skip
     max_model_len = resolve_max_model_len(job.engine.max_model_len, cfg.max_model_len)
-    return _check_engine(job), max_model_len
+    return _check_engine(job, mf), max_model_len
 
 
-def _check_engine(job: JobConfig) -> str:
+def _check_engine(job: JobConfig, mf: ModelFiles) -> str:
     """Checks the device-dependent engine settings; returns the resolved dtype's name."""
     from .worker import (
         resolve_backend,
@@ -80,13 +81,15 @@ def _check_engine(job: JobConfig) -> str:
         resolve_dtype,
         resolve_graph_mode,
         resolve_small_gemm,
+        resolve_weights,
     )
 
     device = resolve_device(job.engine.device)
     resolve_backend(job.engine.attention_backend, device)
     resolve_graph_mode(job.engine.cuda_graph, device)
     dtype = resolve_dtype(job.engine.dtype, device)
-    resolve_small_gemm(job.engine.cpu_gemm, device, dtype)
+    threads = resolve_small_gemm(job.engine.cpu_gemm, device, dtype)
+    resolve_weights(job.engine.weights, threads, mf)
     return str(dtype).removeprefix("torch.")
 
 
@@ -415,9 +418,24 @@ def _run(prep: PreparedJob, worker, progress, resume: ResumeState, scope: RunSco
     drafts = worker.draft_stats()  # SpecWorker: where the drafts came from; Worker: None
     if drafts is not None:
         stats["drafts"] = drafts
+    stats["weights"] = getattr(getattr(worker, "target", worker), "weights", None)
+    stats.update(resident_memory())
     if progress is not None:
         progress(scheduler.progress())
     return RunSummary(stats=stats, wall_s=wall)
+
+
+def resident_memory() -> dict[str, float]:
+    """This process's resident memory now and at its peak, in MiB (Linux /proc)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    try:
+        with open("/proc/self/statm") as f:
+            now = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        now = peak
+    return {"resident_mib": now, "peak_resident_mib": peak}
 
 
 def _step_loop(prep: PreparedJob, scheduler, worker, progress: ProgressFn | None) -> dict:

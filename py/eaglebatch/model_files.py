@@ -8,6 +8,7 @@ template in chat_template.jinja or tokenizer_config.json.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ class ModelFiles:
     eos_token: str | None
     eos_token_ids: tuple[int, ...]
     max_token_id: int  # the tokenizer's largest id (vocabulary and added tokens)
+    gguf: Path | None = None  # the GGUF file the folder was converted from (its blocks)
 
 
 def _token_text(value) -> str | None:
@@ -125,8 +127,18 @@ def check_model_dir(d: Path) -> ModelFiles:
     )
 
 
+def source_gguf(model: str) -> Path | None:
+    """The GGUF file `model` is converted from (a builtin's or the given file), else None."""
+    if defaults.is_builtin_model(model):
+        return defaults.builtin_gguf(model)
+    from .gguf_model import is_gguf_path
+
+    return Path(model) if is_gguf_path(model) else None
+
+
 def model_files(model: str) -> ModelFiles:
-    return check_model_dir(resolve_model_dir(model))
+    mf = check_model_dir(resolve_model_dir(model))
+    return dataclasses.replace(mf, gguf=source_gguf(model))
 
 
 def resolve_draft_dir(draft: str, key: str = "draft") -> Path:

@@ -132,6 +132,11 @@ def summary_table(stats: dict, wall_s: float, title: str = "eaglebatch summary")
         if line := lookup_line(stats.get("drafts")):
             rows.append(("  drafted by prompt lookup", line))
     rows.append(("CUDA graphs", graph_line(stats.get("cuda_graphs"))))
+    if stats.get("weights"):
+        rows.append(("weights", stats["weights"]))
+    if "resident_mib" in stats:
+        mem = f"{stats['resident_mib']:.0f} MiB (peak {stats['peak_resident_mib']:.0f} MiB)"
+        rows.append(("resident memory", mem))
     for k, v in rows:
         t.add_row(k, v)
     return t

@@ -59,6 +59,48 @@ def resolve_small_gemm(name: str, device: torch.device, dtype: torch.dtype) -> i
     return torch.get_num_threads()
 
 
+def resolve_weights(name: str, gemm_threads: int, mf: ModelFiles) -> bool:
+    """Whether the CPU steps read the model's GGUF blocks (engine.weights); 'quantized' where
+    they cannot is a JobError naming the key."""
+    from .gguf_blocks import BLOCKS_FILE
+
+    has_blocks = mf.gguf is not None or (mf.dir / BLOCKS_FILE).is_file()
+    if name == "quantized":
+        if gemm_threads <= 0:
+            raise JobError(
+                "engine.weights: 'quantized' needs the native CPU kernels: engine.device cpu, "
+                "float32 and engine.cpu_gemm auto or native on a CPU with AVX-512F or AVX2+FMA"
+            )
+        if not has_blocks:
+            raise JobError(
+                f"engine.weights: 'quantized' needs a GGUF model (model: {mf.dir} is a folder "
+                "without GGUF blocks)"
+            )
+    return name != "dequantized" and gemm_threads > 0 and has_blocks
+
+
+def _use_blocks(model: LlamaForCausalLM, mf: ModelFiles, threads: int) -> str:
+    """Swaps the model's GGUF blocks in (cpu/quantized.py); returns what the weights are."""
+    from collections import Counter
+
+    from .cpu.quantized import use_quantized_weights
+    from .gguf_blocks import quantized_weights
+
+    blocks = quantized_weights(mf.dir, mf.gguf, model, model.config.num_hidden_layers)
+    names = use_quantized_weights(model, blocks, threads)
+    kinds = Counter(blocks[n].type_name for n in names)
+    size = sum(blocks[n].blocks.numel() for n in names) / 2**20
+    rest = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    kinds_text = ", ".join(f"{c} x {k}" for k, c in sorted(kinds.items()))
+    return f"GGUF blocks ({kinds_text}: {size:.0f} MiB) + {rest:.0f} MiB float32"
+
+
+def _weights_line(model: torch.nn.Module) -> str:
+    size = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return f"{dtype} ({size:.0f} MiB)"
+
+
 def flashinfer_importable() -> bool:
     import importlib.util
 
@@ -316,6 +358,10 @@ class Worker:
             mf.dir, dtype=dtype, device=device, backend=backend, max_positions=max_model_len
         )
         accelerate(model, gemm_threads)  # a float32 CPU run: the CPU fast path
+        if resolve_weights(eng.weights, gemm_threads, mf):
+            weights = _use_blocks(model, mf, gemm_threads)
+        else:
+            weights = _weights_line(model)
         reserve = 0
         if graph_rows and device.type == "cuda":
             itemsize = torch.empty((), dtype=dtype).element_size()
@@ -327,6 +373,7 @@ class Worker:
         worker.end_ids = torch.tensor(job.sampling.end_token_ids(mf.eos_token_ids),
                                       dtype=torch.long, device=device)
         worker.logprobs_mode = job.output.logprobs_mode
+        worker.weights = weights
         return worker
 
     @torch.inference_mode()

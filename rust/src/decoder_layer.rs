@@ -12,7 +12,8 @@
 //!   x      [T, H]   the residual stream, updated in place (layer input -> layer output)
 //!   input  [T, in]  optional: the first layer's normed attention input given by the caller
 //!                   (EAGLE draft layers build theirs from two inputs); else RMSNorm(x)
-//!   q/k/v/o, gate/up/down: [n, k] row-major weights (float32 or bfloat16 bits), optional bias
+//!   q/k/v/o, gate/up/down: [n, k] row-major weights (float32, bfloat16 bits or GGUF blocks),
+//!                   optional bias
 //!   cos/sin [max_positions, D] RoPE tables ("rotate half": halves are real and imaginary)
 //!   kv_cache per layer [2, num_blocks, block_size, Hkv, D]; row t's K/V go to slot_mapping[t]
 //! Numerics: every operation works on one row at a time in a fixed order (the GEMM and the
@@ -21,14 +22,15 @@
 //! rotated * sin with separate roundings, as torch does.
 
 use crate::paged_attention as attn;
+use crate::quant::WeightType;
 use crate::small_gemm as gemm;
 
-/// A weight matrix [n, k], row-major.
+/// A weight matrix [n, k], row-major: n rows of `ty.row_bytes(k)` bytes (float32, bfloat16
+/// bits or GGUF blocks, `quant`), read by `small_gemm::linear_typed`.
 #[derive(Clone, Copy)]
-pub enum Weight<'a> {
-    F32(&'a [f32]),
-    /// bfloat16 bits, widened exactly while loading (`small_gemm::linear_bf16_weights`).
-    Bf16(&'a [u16]),
+pub struct Weight<'a> {
+    pub ty: WeightType,
+    pub bytes: &'a [u8],
 }
 
 /// out = x @ w^T + bias for one projection.
@@ -323,13 +325,11 @@ fn check_layer(
         (&l.down, h, inner),
     ];
     for (p, n, k) in shapes {
-        let len = match p.weight {
-            Weight::F32(w) => w.len(),
-            Weight::Bf16(w) => w.len(),
-        };
-        if p.n != n || p.k != k || len != n * k || p.bias.is_some_and(|b| b.len() != n) {
+        let (ty, len) = (p.weight.ty, p.weight.bytes.len());
+        let fits = ty.row_bytes(k).is_some_and(|r| len == n * r);
+        if p.n != n || p.k != k || !fits || p.bias.is_some_and(|b| b.len() != n) {
             return Err(format!(
-                "layer {i}: a projection is [{}, {}] ({len} values), expected [{n}, {k}]",
+                "layer {i}: a projection is [{}, {}] ({len} bytes of {ty:?}), expected [{n}, {k}]",
                 p.n, p.k
             ));
         }
@@ -356,10 +356,8 @@ fn check_layer(
 
 fn project(p: &Proj, x: &[f32], m: usize, out: &mut [f32], threads: usize) {
     let out = &mut out[..m * p.n];
-    match p.weight {
-        Weight::F32(w) => gemm::linear(x, w, out, m, p.n, p.k, threads),
-        Weight::Bf16(w) => gemm::linear_bf16_weights(x, w, out, m, p.n, p.k, threads),
-    }
+    let w = p.weight;
+    gemm::linear_typed(w.ty, x, w.bytes, out, (m, p.n, p.k), threads);
     if let Some(bias) = p.bias {
         for row in out.chunks_exact_mut(p.n) {
             row.iter_mut().zip(bias).for_each(|(o, b)| *o += b);

@@ -17,6 +17,7 @@ pub mod logprobs;
 pub mod omp;
 pub mod openai_batch;
 pub mod paged_attention;
+pub mod quant;
 pub mod reader;
 pub mod sampling_params;
 pub mod scheduler;

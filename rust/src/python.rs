@@ -19,6 +19,7 @@ use crate::decoder_layer as layers;
 use crate::error::Error;
 use crate::logprobs::{PromptLogprobs, StepLogprobs};
 use crate::paged_attention as attn;
+use crate::quant::WeightType;
 use crate::scheduler::{Scheduler, StepPlan};
 use crate::small_gemm as gemm;
 use crate::stats::SummaryValue;
@@ -426,12 +427,13 @@ fn rms_norm(
 }
 
 /// out = x @ w.T (see `small_gemm`) over raw addresses, because converting three torch tensors
-/// to numpy arrays costs more (~5 µs) than a small GEMM call's whole budget. The caller
-/// (`model/linear.py`, the only one) guarantees: x, w and out are live, C-contiguous CPU
-/// buffers of m x k float32, n x k float32 (bfloat16 when `bf16_weights`) and m x n float32
-/// elements, and out does not overlap x or w.
+/// to numpy arrays costs more (~5 µs) than a small GEMM call's whole budget. `weight_type`:
+/// the GGML type number of w's format (`quant::WeightType`: 0 float32, 30 bfloat16, GGUF
+/// block types). The caller (`cpu/gemm.py`, the only one) guarantees: x, w and out are live,
+/// C-contiguous CPU buffers of m x k float32, n rows of that format's `row_bytes(k)` bytes and
+/// m x n float32 elements, and out does not overlap x or w.
 #[pyfunction]
-#[pyo3(signature = (x, w, out, m, n, k, threads, bf16_weights = false))]
+#[pyo3(signature = (x, w, out, m, n, k, threads, weight_type = 0))]
 #[allow(clippy::too_many_arguments)]
 fn small_gemm(
     py: Python<'_>,
@@ -442,35 +444,85 @@ fn small_gemm(
     n: usize,
     k: usize,
     threads: usize,
-    bf16_weights: bool,
+    weight_type: u32,
 ) -> PyResult<()> {
     if !gemm::available() {
         return Err(NativeError::new_err(
             "small_gemm: this CPU has neither AVX-512F nor AVX2 with FMA",
         ));
     }
-    if !(1..=gemm::MAX_ROWS).contains(&m) || n == 0 || k == 0 || x == 0 || w == 0 || out == 0 {
+    let ty = weight_type_of(weight_type)?;
+    let row_bytes = ty.row_bytes(k).filter(|_| n > 0);
+    if !(1..=gemm::MAX_ROWS).contains(&m) || row_bytes.is_none() || x == 0 || w == 0 || out == 0 {
         return Err(PyValueError::new_err(format!(
-            "small_gemm: {m} x {k} @ ({n} x {k})^T: need 1 <= m <= {}, n, k >= 1, non-null \
-             buffers",
+            "small_gemm: {m} x {k} @ ({n} x {k} {ty:?})^T: need 1 <= m <= {}, n >= 1, k a \
+             positive whole number of blocks, non-null buffers",
             gemm::MAX_ROWS
         )));
     }
+    let w_len = n * row_bytes.unwrap_or_default();
     py.detach(|| {
         // SAFETY: the caller's guarantee above (documented in the .pyi as well).
-        let (x, out) = unsafe {
+        let (x, w, out) = unsafe {
             (
                 std::slice::from_raw_parts(x as *const f32, m * k),
+                std::slice::from_raw_parts(w as *const u8, w_len),
                 std::slice::from_raw_parts_mut(out as *mut f32, m * n),
             )
         };
-        if bf16_weights {
-            let w = unsafe { std::slice::from_raw_parts(w as *const u16, n * k) };
-            gemm::linear_bf16_weights(x, w, out, m, n, k, threads)
-        } else {
-            let w = unsafe { std::slice::from_raw_parts(w as *const f32, n * k) };
-            gemm::linear(x, w, out, m, n, k, threads)
-        }
+        gemm::linear_typed(ty, x, w, out, (m, n, k), threads)
+    });
+    Ok(())
+}
+
+/// The weight format of GGML type number `id`, or the error naming it.
+fn weight_type_of(id: u32) -> PyResult<WeightType> {
+    WeightType::from_ggml(id).ok_or_else(|| {
+        PyValueError::new_err(format!("GGML type {id} is not one the CPU kernels read"))
+    })
+}
+
+/// out[i] = row ids[i] of w (`small_gemm::gather_rows`: an embedding lookup from weights of
+/// GGML type `weight_type`), by raw addresses like `small_gemm`. The caller (`cpu/quantized.py`)
+/// guarantees w is a live buffer of `rows` rows of `row_bytes(k)` bytes and out one of
+/// len(ids) x k float32 not overlapping it; every id is checked against `rows`.
+#[pyfunction]
+fn gather_rows(
+    py: Python<'_>,
+    w: usize,
+    weight_type: u32,
+    rows: usize,
+    k: usize,
+    ids: PyReadonlyArray1<'_, i64>,
+    out: usize,
+) -> PyResult<()> {
+    let ty = weight_type_of(weight_type)?;
+    let ids = ids
+        .as_slice()
+        .map_err(|_| PyValueError::new_err("gather_rows: ids must be C-contiguous"))?;
+    let Some(row_bytes) = ty
+        .row_bytes(k)
+        .filter(|_| w != 0 && out != 0 && gemm::available())
+    else {
+        return Err(PyValueError::new_err(format!(
+            "gather_rows: k = {k} is not a whole number of {ty:?} blocks, a buffer is null or \
+             this CPU cannot run the kernels"
+        )));
+    };
+    if let Some(bad) = ids.iter().find(|&&i| i < 0 || i as usize >= rows) {
+        return Err(PyValueError::new_err(format!(
+            "gather_rows: id {bad} outside 0..{rows}"
+        )));
+    }
+    py.detach(|| {
+        // SAFETY: the caller's guarantee above.
+        let (w, out) = unsafe {
+            (
+                std::slice::from_raw_parts(w as *const u8, rows * row_bytes),
+                std::slice::from_raw_parts_mut(out as *mut f32, ids.len() * k),
+            )
+        };
+        gemm::gather_rows(ty, w, k, ids, out)
     });
     Ok(())
 }
@@ -546,12 +598,14 @@ const LAYER_TENSORS: usize = 18;
 /// A model's decoder layers for the few-row CPU path (`decoder_layer`), held as raw addresses
 /// (tensor.data_ptr()) so that a step pays no conversion per tensor. The caller
 /// (`model/native_decoder.py`, the only one) keeps every tensor alive and unchanged while this
-/// object exists, all float32 (weights flagged in `bf16` hold bfloat16 bits), C-contiguous and
-/// of the documented shapes; the RoPE tables are [max_positions, head_dim].
+/// object exists, all float32 but the weights, whose format is given per projection in
+/// `weight_types` (GGML type numbers: float32, bfloat16 bits or GGUF blocks, n rows of
+/// `row_bytes(k)` bytes), C-contiguous and of the documented shapes; the RoPE tables are
+/// [max_positions, head_dim].
 #[pyclass(frozen)]
 struct CpuDecoder {
     layers: Vec<[usize; LAYER_TENSORS]>,
-    bf16: Vec<[bool; 7]>,
+    weight_types: Vec<[WeightType; 7]>,
     /// Input features of each layer's q/k/v (the hidden size, or wider for a draft layer
     /// whose input the caller builds).
     in_features: Vec<usize>,
@@ -571,7 +625,7 @@ impl CpuDecoder {
     #[allow(clippy::too_many_arguments)]
     fn new(
         layers: Vec<Vec<usize>>,
-        bf16: Vec<Vec<bool>>,
+        weight_types: Vec<Vec<u32>>,
         in_features: Vec<usize>,
         hidden: usize,
         intermediate: usize,
@@ -585,9 +639,9 @@ impl CpuDecoder {
         max_positions: usize,
     ) -> PyResult<Self> {
         let bad = |what: &str| PyValueError::new_err(format!("CpuDecoder: {what}"));
-        if layers.len() != bf16.len() || layers.len() != in_features.len() {
+        if layers.len() != weight_types.len() || layers.len() != in_features.len() {
             return Err(bad(
-                "layers, bf16 and in_features must have one entry per layer",
+                "layers, weight_types and in_features must have one entry per layer",
             ));
         }
         if hidden == 0 || intermediate == 0 || num_heads == 0 || num_kv_heads == 0 {
@@ -610,14 +664,13 @@ impl CpuDecoder {
             }
             table.push(addrs);
         }
-        let flags = bf16
+        let types = weight_types
             .iter()
-            .map(|f| f.as_slice().try_into())
-            .collect::<Result<Vec<[bool; 7]>, _>>()
-            .map_err(|_| bad("7 bf16 flags per layer expected"))?;
+            .map(|ids| layer_weight_types(ids))
+            .collect::<PyResult<Vec<_>>>()?;
         Ok(Self {
             layers: table,
-            bf16: flags,
+            weight_types: types,
             in_features,
             hidden,
             intermediate,
@@ -695,6 +748,18 @@ impl CpuDecoder {
         })
         .map_err(err)
     }
+}
+
+/// One layer's seven weight formats from their GGML type numbers.
+fn layer_weight_types(ids: &[u32]) -> PyResult<[WeightType; 7]> {
+    let ids: [u32; 7] = ids
+        .try_into()
+        .map_err(|_| PyValueError::new_err("CpuDecoder: 7 weight types per layer expected"))?;
+    let mut layer = [WeightType::F32; 7];
+    for (t, id) in layer.iter_mut().zip(ids) {
+        *t = weight_type_of(id)?;
+    }
+    Ok(layer)
 }
 
 /// A numpy array's data as a slice, or the error naming the argument that is not contiguous.
@@ -775,10 +840,10 @@ impl CpuDecoder {
             .clone()
             .zip(c.kv_caches)
             .map(|(i, &cache)| {
-                let (a, bf, q_in) = (self.layers[i], self.bf16[i], self.in_features[i]);
+                let (a, ty, q_in) = (self.layers[i], self.weight_types[i], self.in_features[i]);
                 // SAFETY: as this function's.
                 unsafe {
-                    let proj = |j: usize, n: usize, k: usize| projection(a, bf, j, n, k);
+                    let proj = |j: usize, n: usize, k: usize| projection(a, ty, j, n, k);
                     layers::Layer {
                         input_norm: (a[0] != 0).then(|| f32_slice(a[0], h)),
                         q_norm: (a[16] != 0).then(|| f32_slice(a[16], d)),
@@ -800,28 +865,28 @@ impl CpuDecoder {
 }
 
 /// Projection `j` (q, k, v, o, gate, up, down) of a layer's addresses `a`: its weight [n, k]
-/// (bfloat16 bits when `bf[j]`) and bias [n] (address 0: none).
+/// (of format `ty[j]`) and bias [n] (address 0: none).
 ///
 /// # Safety
 /// The addresses are live tensors of those sizes.
 unsafe fn projection<'a>(
     a: [usize; LAYER_TENSORS],
-    bf: [bool; 7],
+    ty: [WeightType; 7],
     j: usize,
     n: usize,
     k: usize,
 ) -> layers::Proj<'a> {
     let w = a[[1, 2, 3, 4, 6, 7, 8][j]]; // projection j's weight address
-                                         // SAFETY: as this function's.
+    let ty = ty[j];
+    let len = n * ty.row_bytes(k).unwrap_or_default(); // `check_layer` refuses a bad k
+                                                       // SAFETY: as this function's.
     unsafe {
-        let weight = if bf[j] {
-            layers::Weight::Bf16(std::slice::from_raw_parts(w as *const u16, n * k))
-        } else {
-            layers::Weight::F32(f32_slice(w, n * k))
-        };
         let b = a[9 + j];
         layers::Proj {
-            weight,
+            weight: layers::Weight {
+                ty,
+                bytes: std::slice::from_raw_parts(w as *const u8, len),
+            },
             bias: (b != 0).then(|| f32_slice(b, n)),
             n,
             k,
@@ -840,6 +905,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<CpuDecoder>()?;
     m.add_function(wrap_pyfunction!(render_chat_template, m)?)?;
     m.add_function(wrap_pyfunction!(small_gemm, m)?)?;
+    m.add_function(wrap_pyfunction!(gather_rows, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(paged_attention, m)?)?;
     m.add("SMALL_GEMM_AVAILABLE", gemm::available())?;

@@ -1,4 +1,5 @@
-//! `out = x @ w^T` in float32 for the rows of a CPU decode or verify step (up to `MAX_ROWS`).
+//! `out = x @ w^T` in float32 for the rows of a CPU decode or verify step (up to `MAX_ROWS`),
+//! from float32, bfloat16 or GGUF-quantized weights (`quant`).
 //!
 //! The one piece of tensor math on the Rust side, and why: at batch 1 a plain decode step
 //! multiplies 1 row and a K = 3 verify step 4 rows by every weight matrix. The work is memory
@@ -6,18 +7,66 @@
 //! at 4 rows and takes ~1.9x the 1-row time (benchmarks/cpu_small_gemm.py), and on CPUs without
 //! AVX-512 reads a 1-row step's weights at a fraction of the memory bandwidth. This kernel reads
 //! each weight row once for all rows of `x` (up to `MAX_ROWS`), so 4 rows cost ~1.1x one, and
-//! the extension is the only native code a CPU user has (PyTorch cannot build kernels without
-//! a compiler at run time).
+//! reads a quantized checkpoint's blocks directly, expanding them in registers to the exact
+//! float32 values of the dequantized checkpoint (~7x fewer bytes for Q4_1).
 //!
 //! Two copies: AVX-512F (16 lanes) and AVX2 with FMA (8 lanes); the widest the CPU runs is used.
-//! Shapes: x [m, k], w [n, k] (a torch Linear weight, row-major), out [m, n], all contiguous.
-//! Numerics: every output is the same sum in the same order whatever m, the thread count and
-//! the row blocking (lanes over k in fixed steps, fused multiply-add, then one fixed lane
-//! reduction), so a row's result does not depend on which other rows share the call: a verify
-//! step computes bit for bit what a 1-row decode step would for the same inputs. The two copies
-//! sum in different orders: results agree to rounding, not bit for bit, across CPUs.
+//! Shapes: x [m, k], w [n, k] (a torch Linear weight, row-major; a quantized row is k / QK
+//! blocks), out [m, n], all contiguous.
+//! Numerics: every output is the same sum in the same order whatever m, the thread count, the
+//! row blocking and the weight format (lanes over k in fixed steps, fused multiply-add, then
+//! one fixed lane reduction), so a row's result does not depend on which other rows share the
+//! call -- a verify step computes bit for bit what a 1-row decode step would -- and quantized
+//! weights give bit for bit the result of their dequantized float32 copy. The two copies sum in
+//! different orders: results agree to rounding, not bit for bit, across CPUs.
 
 use crate::omp;
+use crate::quant::WeightType;
+
+/// Runs `$body` with `$w` the loader type of `$ty` (one monomorphised copy per format).
+macro_rules! dispatch {
+    ($ty:expr, $w:ident => $body:expr) => {{
+        use crate::quant::avx512 as q;
+        match $ty {
+            WeightType::F32 => {
+                type $w = q::F32;
+                $body
+            }
+            WeightType::Bf16 => {
+                type $w = q::Bf16;
+                $body
+            }
+            WeightType::Q4_0 => {
+                type $w = q::Q4_0;
+                $body
+            }
+            WeightType::Q4_1 => {
+                type $w = q::Q4_1;
+                $body
+            }
+            WeightType::Q5_0 => {
+                type $w = q::Q5_0;
+                $body
+            }
+            WeightType::Q5_1 => {
+                type $w = q::Q5_1;
+                $body
+            }
+            WeightType::Q8_0 => {
+                type $w = q::Q8_0;
+                $body
+            }
+            WeightType::Q4K => {
+                type $w = q::Q4K;
+                $body
+            }
+            WeightType::Q6K => {
+                type $w = q::Q6K;
+                $body
+            }
+        }
+    }};
+}
 
 /// Rows of `x` one call takes; callers use `F.linear` above it. Measured over SmolLM2-135M's
 /// 210 layer matrices, 2 threads, against MKL: 16 rows 26 vs 47 ms, 64 rows 77 vs 98 ms,
@@ -31,15 +80,17 @@ pub enum Isa {
     Avx2,
 }
 
-/// Whether this CPU runs the `isa` copy.
+/// Whether this CPU runs the `isa` copy (F16C too, for the quantized formats' fp16 scales).
 pub fn runs(isa: Isa) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
+        let f16c = std::arch::is_x86_feature_detected!("f16c");
         match isa {
-            Isa::Avx512 => std::arch::is_x86_feature_detected!("avx512f"),
+            Isa::Avx512 => std::arch::is_x86_feature_detected!("avx512f") && f16c,
             Isa::Avx2 => {
                 std::arch::is_x86_feature_detected!("avx2")
                     && std::arch::is_x86_feature_detected!("fma")
+                    && f16c
             }
         }
     }
@@ -71,7 +122,7 @@ pub fn available() -> bool {
 /// out[i, j] = sum_t x[i, t] * w[j, t] on up to `threads` threads of libgomp's team (`omp`).
 /// Panics on a shape mismatch, `m > MAX_ROWS` or a CPU the kernel cannot run on (`available`).
 pub fn linear(x: &[f32], w: &[f32], out: &mut [f32], m: usize, n: usize, k: usize, threads: usize) {
-    run::<f32>(widest(), x, w, out, (m, n, k), threads)
+    linear_typed(WeightType::F32, x, as_bytes(w), out, (m, n, k), threads)
 }
 
 /// `linear` with bfloat16 weights (raw u16 bits) widened to float32 as they are loaded. The
@@ -86,17 +137,71 @@ pub fn linear_bf16_weights(
     k: usize,
     threads: usize,
 ) {
-    run::<u16>(widest(), x, w, out, (m, n, k), threads)
+    linear_typed(WeightType::Bf16, x, as_bytes(w), out, (m, n, k), threads)
+}
+
+/// `linear` over weights `w` of any `WeightType` (n rows of `ty.row_bytes(k)` bytes): bit for
+/// bit `linear` of their float32 values (`quant::dequantize_row`).
+pub fn linear_typed(
+    ty: WeightType,
+    x: &[f32],
+    w: &[u8],
+    out: &mut [f32],
+    mnk: (usize, usize, usize),
+    threads: usize,
+) {
+    run(widest(), ty, x, w, out, mnk, threads)
+}
+
+/// Rows `ids` of a [rows, k] matrix of type `ty` as float32 into out [ids.len(), k], through
+/// the GEMM's own loaders (the same values it multiplies): an embedding lookup. Panics on an
+/// id out of range or a size mismatch.
+pub fn gather_rows(ty: WeightType, w: &[u8], k: usize, ids: &[i64], out: &mut [f32]) {
+    gather_rows_on(widest(), ty, w, k, ids, out)
+}
+
+/// `gather_rows` on one copy of the kernel.
+pub(crate) fn gather_rows_on(
+    isa: Isa,
+    ty: WeightType,
+    w: &[u8],
+    k: usize,
+    ids: &[i64],
+    out: &mut [f32],
+) {
+    assert!(runs(isa), "small_gemm: this CPU cannot run {isa:?}");
+    let row_bytes = ty.row_bytes(k).expect("k is a whole number of blocks");
+    assert!(w.len().is_multiple_of(row_bytes) && out.len() == ids.len() * k);
+    let rows = (w.len() / row_bytes) as i64;
+    for (&id, dst) in ids.iter().zip(out.chunks_exact_mut(k)) {
+        assert!((0..rows).contains(&id), "row {id} of {rows}");
+        let row = &w[id as usize * row_bytes..][..row_bytes];
+        // SAFETY: row holds k elements of type ty (sizes checked), dst k floats, and the CPU
+        // runs `isa`.
+        #[cfg(target_arch = "x86_64")]
+        unsafe {
+            dispatch!(ty, W => match isa {
+                Isa::Avx512 => avx512::expand_row::<W>(row.as_ptr(), k, dst.as_mut_ptr()),
+                Isa::Avx2 => avx2::expand_row::<W>(row.as_ptr(), k, dst.as_mut_ptr()),
+            })
+        }
+    }
+}
+
+fn as_bytes<T>(w: &[T]) -> &[u8] {
+    // SAFETY: any initialised memory may be read as bytes.
+    unsafe { std::slice::from_raw_parts(w.as_ptr() as *const u8, std::mem::size_of_val(w)) }
 }
 
 fn widest() -> Isa {
-    isa().expect("small_gemm needs AVX-512F or AVX2 with FMA")
+    isa().expect("small_gemm needs AVX-512F or AVX2 with FMA (and F16C)")
 }
 
-fn run<W: Weight>(
+fn run(
     isa: Isa,
+    ty: WeightType,
     x: &[f32],
-    w: &[W],
+    w: &[u8],
     out: &mut [f32],
     (m, n, k): (usize, usize, usize),
     threads: usize,
@@ -106,10 +211,15 @@ fn run<W: Weight>(
         (1..=MAX_ROWS).contains(&m),
         "small_gemm takes 1..={MAX_ROWS} rows, got {m}"
     );
+    let row_bytes = ty.row_bytes(k);
     assert!(
-        k > 0 && x.len() == m * k && w.len() == n * k && out.len() == m * n,
+        row_bytes.is_some_and(|r| w.len() == n * r) && x.len() == m * k && out.len() == m * n,
         "shape mismatch"
     );
+    let geometry = Geometry {
+        mnk: (m, n, k),
+        row_bytes: row_bytes.unwrap_or_default(),
+    };
     // Threads split the weight rows in multiples of BLOCK; small matrices stay on fewer threads
     // so each part keeps >= MIN_PART_ROWS rows (handing out a part costs ~1 µs).
     const MIN_PART_ROWS: usize = 64;
@@ -121,196 +231,267 @@ fn run<W: Weight>(
         out.as_mut_ptr() as usize,
     );
     omp::run(parts, &|part| {
-        let start = (part * per_part).min(n);
-        let end = ((part + 1) * per_part).min(n);
-        let args = (xp as *const f32, wp as *const W, op as *mut f32);
+        let cols = (part * per_part).min(n)..((part + 1) * per_part).min(n);
+        let args = (xp as *const f32, wp as *const u8, op as *mut f32);
         // SAFETY: the slices above outlive `run`; parts write disjoint output columns
         // [start, end) of every row, all indices stay inside the asserted shapes, and the CPU
         // runs `isa` (asserted).
         #[cfg(target_arch = "x86_64")]
         unsafe {
-            match isa {
-                Isa::Avx512 => avx512::rows(args.0, args.1, args.2, (m, n, k), start..end),
-                Isa::Avx2 => avx2::rows(args.0, args.1, args.2, (m, n, k), start..end),
-            }
+            dispatch!(ty, W => match isa {
+                Isa::Avx512 => avx512::rows::<W>(args.0, args.1, args.2, &geometry, cols),
+                Isa::Avx2 => avx2::rows::<W>(args.0, args.1, args.2, &geometry, cols),
+            })
         }
         #[cfg(not(target_arch = "x86_64"))]
-        let _ = (args, start, end);
+        let _ = (args, cols, &geometry);
     });
+}
+
+/// The sizes of one call: x [m, k], w n rows of `row_bytes`, out [m, n].
+struct Geometry {
+    mnk: (usize, usize, usize),
+    row_bytes: usize,
 }
 
 /// Weight rows computed together (their loads share each x load).
 const BLOCK: usize = 2;
 
-/// Output columns `cols` of all m rows, for either copy: `tile2` computes a tile of up to
-/// `group` x rows against two weight rows, `tile1` against one; each takes (x rows, x, weight
-/// rows, out, their output columns), x and out at the tile's first row.
+/// A weight format both copies load (`quant::avx512::Load`, `quant::avx2::Load`).
+#[cfg(target_arch = "x86_64")]
+pub trait Weight: crate::quant::avx512::Load + crate::quant::avx2::Load {
+    /// Bytes per `PER` elements, for the software prefetch's distance along a row.
+    const PER: (usize, usize);
+}
+#[cfg(target_arch = "x86_64")]
+mod weights {
+    use super::Weight;
+    use crate::quant::avx512::*;
+    impl Weight for F32 {
+        const PER: (usize, usize) = (1, 4);
+    }
+    impl Weight for Bf16 {
+        const PER: (usize, usize) = (1, 2);
+    }
+    impl Weight for Q4_0 {
+        const PER: (usize, usize) = (32, 18);
+    }
+    impl Weight for Q4_1 {
+        const PER: (usize, usize) = (32, 20);
+    }
+    impl Weight for Q5_0 {
+        const PER: (usize, usize) = (32, 22);
+    }
+    impl Weight for Q5_1 {
+        const PER: (usize, usize) = (32, 24);
+    }
+    impl Weight for Q8_0 {
+        const PER: (usize, usize) = (32, 34);
+    }
+    impl Weight for Q4K {
+        const PER: (usize, usize) = (256, 144);
+    }
+    impl Weight for Q6K {
+        const PER: (usize, usize) = (256, 210);
+    }
+}
+
+/// The byte offset of element t in a row of format W.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn byte_offset<W: Weight>(t: usize) -> usize {
+    t / W::PER.0 * W::PER.1
+}
+
+/// One instruction set's copy: its tile sizes and functions (`avx512`, `avx2`).
+#[cfg(target_arch = "x86_64")]
+trait Kernel {
+    /// x rows per register tile.
+    const GROUP: usize;
+    /// out[r, cols[c]] (row stride n) = dot(x[r], row c) for `rows` (1..=GROUP) x rows.
+    unsafe fn tiles<W: Weight, const C: usize>(
+        rows: usize,
+        x: *const f32,
+        w: [*const u8; C],
+        out: *mut f32,
+        cols: [usize; C],
+        nk: (usize, usize),
+    );
+    /// The k elements of `row` as float32 into out.
+    unsafe fn expand_row<W: Weight>(row: *const u8, k: usize, out: *mut f32);
+}
+
+/// Output columns `cols` of all m rows for either copy: tiles of up to `K::GROUP` x rows
+/// against two weight rows (or one).
 ///
 /// A tile's BLOCK weight rows come from the two halves of `cols` (rows j and j + half),
 /// not from adjacent rows: two streams that run side by side through the same few KiB of
 /// a matrix (adjacent rows are 2.3-6 KiB apart here) defeat the CPU's stream prefetcher.
 /// Measured on one core of this AMD EPYC, 49152 x 576 float32: 12 GB/s for adjacent rows,
 /// 23 GB/s for rows half the range apart, 1 row (12 -> 23) and 4 rows (10 -> 18) alike.
-/// SAFETY (caller): x [m, k], w [n, k] and out [m, n] are valid, cols lies in 0..n.
+///
+/// A quantized pair shared by more than one tile of x rows is expanded once into float32
+/// scratch (in L1) and the tiles read that: the same values, so the same sums, without
+/// expanding the blocks again for every group of x rows.
+/// SAFETY (caller): x [m, k], w (n rows of g.row_bytes) and out [m, n] are valid, cols lies
+/// in 0..n, and the CPU runs the copy `K` is.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
-unsafe fn pair_rows<W>(
+unsafe fn pair_rows<K: Kernel, W: Weight>(
     x: *const f32,
-    w: *const W,
+    w: *const u8,
     out: *mut f32,
-    (m, n, k): (usize, usize, usize),
+    g: &Geometry,
     cols: std::ops::Range<usize>,
-    group: usize,
-    tile2: impl Fn(usize, *const f32, [*const W; 2], *mut f32, [usize; 2]),
-    tile1: impl Fn(usize, *const f32, [*const W; 1], *mut f32, [usize; 1]),
 ) {
+    let ((m, n, k), rb) = (g.mnk, g.row_bytes);
+    let expand = W::PER.0 > 1 && m > K::GROUP;
+    let mut scratch = if expand {
+        vec![0f32; 2 * k]
+    } else {
+        Vec::new()
+    };
     let half = (cols.end - cols.start).div_ceil(BLOCK);
     for a in cols.start..cols.start + half {
         let b = a + half; // the partner row; none for the middle row of an odd range
-        let mut i = 0;
-        while i < m {
-            let rows = group.min(m - i);
-            let (xi, oi) = (x.add(i * k), out.add(i * n));
+        let pair = [w.add(a * rb), w.add(b.min(n - 1) * rb)];
+        if expand {
+            let s = scratch.as_mut_ptr();
+            K::expand_row::<W>(pair[0], k, s);
             if b < cols.end {
-                tile2(rows, xi, [w.add(a * k), w.add(b * k)], oi, [a, b]);
-            } else {
-                tile1(rows, xi, [w.add(a * k)], oi, [a]);
+                K::expand_row::<W>(pair[1], k, s.add(k));
             }
-            i += rows;
+            let rows = [s as *const u8, s.add(k) as *const u8];
+            tile_rows::<K, crate::quant::avx512::F32>(x, rows, out, (m, n, k), [a, b], cols.end);
+        } else {
+            tile_rows::<K, W>(x, pair, out, (m, n, k), [a, b], cols.end);
         }
     }
 }
 
-/// A weight element: float32, or bfloat16 bits (u16) that each copy widens while loading.
+/// Every group of x rows against weight rows `ab` (`ab[1]` only when below `end`).
 #[cfg(target_arch = "x86_64")]
-pub trait Weight: avx512::Weight + avx2::Weight {}
-#[cfg(not(target_arch = "x86_64"))]
-pub trait Weight: Copy + Sync {}
-impl Weight for f32 {}
-impl Weight for u16 {}
+#[inline(always)]
+unsafe fn tile_rows<K: Kernel, W: Weight>(
+    x: *const f32,
+    rows: [*const u8; 2],
+    out: *mut f32,
+    (m, n, k): (usize, usize, usize),
+    ab: [usize; 2],
+    end: usize,
+) {
+    let mut i = 0;
+    while i < m {
+        let r = K::GROUP.min(m - i);
+        let (xi, oi) = (x.add(i * k), out.add(i * n));
+        if ab[1] < end {
+            K::tiles::<W, 2>(r, xi, rows, oi, ab, (n, k));
+        } else {
+            K::tiles::<W, 1>(r, xi, [rows[0]], oi, [ab[0]], (n, k));
+        }
+        i += r;
+    }
+}
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
+    use super::{byte_offset, Geometry, Kernel, Weight};
+    use crate::quant::avx512::Load;
     use std::arch::x86_64::*;
-
-    /// A weight element the kernel loads as 16 float32 lanes.
-    pub trait Weight: Copy + Sync {
-        /// w[0..16] as float32.
-        unsafe fn load(w: *const Self) -> __m512;
-        /// w[0..len] as float32, zeros above (len < 16).
-        unsafe fn load_tail(w: *const Self, len: usize) -> __m512;
-    }
-
-    impl Weight for f32 {
-        #[inline]
-        #[target_feature(enable = "avx512f")]
-        unsafe fn load(w: *const f32) -> __m512 {
-            _mm512_loadu_ps(w)
-        }
-
-        #[inline]
-        #[target_feature(enable = "avx512f")]
-        unsafe fn load_tail(w: *const f32, len: usize) -> __m512 {
-            _mm512_maskz_loadu_ps((1u16 << len) - 1, w)
-        }
-    }
-
-    /// bfloat16 bits: a float32 with the low 16 bits zero, so widening is exact.
-    impl Weight for u16 {
-        #[inline]
-        #[target_feature(enable = "avx512f")]
-        unsafe fn load(w: *const u16) -> __m512 {
-            let bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(w as *const __m256i));
-            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(bits))
-        }
-
-        #[inline]
-        #[target_feature(enable = "avx512f")]
-        unsafe fn load_tail(w: *const u16, len: usize) -> __m512 {
-            let mut padded = [0u16; 16];
-            std::ptr::copy_nonoverlapping(w, padded.as_mut_ptr(), len);
-            Self::load(padded.as_ptr())
-        }
-    }
 
     /// x rows per register tile: GROUP x BLOCK accumulators + BLOCK weights + 1 x register
     /// fit in the 32 zmm registers.
     const GROUP: usize = 8;
-    /// Software prefetch distance along a weight row, in elements (16 KiB of float32 weights),
-    /// into L2 (`_MM_HINT_T1`), not L1: with several x rows per tile, weights prefetched into
-    /// L1 (32 KiB here) evict the x rows and each other before they are used. Measured over
-    /// the target's 211 matrices, 2 threads: 4 rows 1.15 -> 1.05 and 9 rows 1.45 -> 1.10
+    /// Software prefetch distance along a weight row, in bytes (16 KiB), into L2
+    /// (`_MM_HINT_T1`), not L1: with several x rows per tile, weights prefetched into L1
+    /// (32 KiB here) evict the x rows and each other before they are used. Measured over the
+    /// target's 211 float32 matrices, 2 threads: 4 rows 1.15 -> 1.05 and 9 rows 1.45 -> 1.10
     /// times the 1-row time, which does not change.
-    const PREFETCH: usize = 4096;
+    const PREFETCH: usize = 16384;
 
-    /// Output columns `cols` of all m rows (`super::pair_rows`).
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn rows<W: Weight>(
-        x: *const f32,
-        w: *const W,
-        out: *mut f32,
-        (m, n, k): (usize, usize, usize),
-        cols: std::ops::Range<usize>,
-    ) {
-        super::pair_rows(
-            x,
-            w,
-            out,
-            (m, n, k),
-            cols,
-            GROUP,
-            // SAFETY: pair_rows passes tiles inside the shapes `rows` was given
-            |r, xi, wp, oi, c| unsafe { tiles::<W, 2>(r, xi, wp, oi, c, n, k) },
-            |r, xi, wp, oi, c| unsafe { tiles::<W, 1>(r, xi, wp, oi, c, n, k) },
-        )
+    struct Avx512;
+
+    impl Kernel for Avx512 {
+        const GROUP: usize = GROUP;
+
+        #[inline]
+        #[target_feature(enable = "avx512f,f16c")]
+        unsafe fn tiles<W: Weight, const C: usize>(
+            rows: usize,
+            x: *const f32,
+            w: [*const u8; C],
+            out: *mut f32,
+            cols: [usize; C],
+            nk: (usize, usize),
+        ) {
+            match rows {
+                8 => tile::<W, 8, C>(x, w, out, cols, nk),
+                7 => tile::<W, 7, C>(x, w, out, cols, nk),
+                6 => tile::<W, 6, C>(x, w, out, cols, nk),
+                5 => tile::<W, 5, C>(x, w, out, cols, nk),
+                4 => tile::<W, 4, C>(x, w, out, cols, nk),
+                3 => tile::<W, 3, C>(x, w, out, cols, nk),
+                2 => tile::<W, 2, C>(x, w, out, cols, nk),
+                _ => tile::<W, 1, C>(x, w, out, cols, nk),
+            }
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx512f,f16c")]
+        unsafe fn expand_row<W: Weight>(row: *const u8, k: usize, out: *mut f32) {
+            expand_row::<W>(row, k, out)
+        }
     }
 
-    /// `tile` for `rows` (1..=GROUP) x rows.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn tiles<W: Weight, const C: usize>(
-        rows: usize,
+    /// Output columns `cols` of all m rows (`super::pair_rows`).
+    #[target_feature(enable = "avx512f,f16c")]
+    pub(super) unsafe fn rows<W: Weight>(
         x: *const f32,
-        w: [*const W; C],
+        w: *const u8,
         out: *mut f32,
-        cols: [usize; C],
-        n: usize,
-        k: usize,
+        g: &Geometry,
+        cols: std::ops::Range<usize>,
     ) {
-        match rows {
-            8 => tile::<W, 8, C>(x, w, out, cols, n, k),
-            7 => tile::<W, 7, C>(x, w, out, cols, n, k),
-            6 => tile::<W, 6, C>(x, w, out, cols, n, k),
-            5 => tile::<W, 5, C>(x, w, out, cols, n, k),
-            4 => tile::<W, 4, C>(x, w, out, cols, n, k),
-            3 => tile::<W, 3, C>(x, w, out, cols, n, k),
-            2 => tile::<W, 2, C>(x, w, out, cols, n, k),
-            _ => tile::<W, 1, C>(x, w, out, cols, n, k),
+        super::pair_rows::<Avx512, W>(x, w, out, g, cols)
+    }
+
+    /// The k elements of `row` as float32 into out (`super::gather_rows`).
+    #[target_feature(enable = "avx512f,f16c")]
+    pub(super) unsafe fn expand_row<W: Weight>(row: *const u8, k: usize, out: *mut f32) {
+        let mut t = 0;
+        while t + 16 <= k {
+            _mm512_storeu_ps(out.add(t), <W as Load>::load(row, t));
+            t += 16;
+        }
+        if t < k {
+            _mm512_mask_storeu_ps(
+                out.add(t),
+                (1u16 << (k - t)) - 1,
+                <W as Load>::load_tail(row, t, k - t),
+            );
         }
     }
 
     /// out[r, cols[c]] (row stride n) = dot(x[r], w[c]) for R x rows and C weight rows (each
     /// k long). The k loop runs in steps of 16 with a masked last step, so the sum for one
-    /// output is the same sequence of operations whatever R and C are.
+    /// output is the same sequence of operations whatever R, C and the weight format are.
     #[inline]
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,f16c")]
     unsafe fn tile<W: Weight, const R: usize, const C: usize>(
         x: *const f32,
-        w: [*const W; C],
+        w: [*const u8; C],
         out: *mut f32,
         cols: [usize; C],
-        n: usize,
-        k: usize,
+        (n, k): (usize, usize),
     ) {
         let mut acc = [[_mm512_setzero_ps(); C]; R];
         let mut t = 0;
         while t + 16 <= k {
             let mut wv = [_mm512_setzero_ps(); C];
             for (c, v) in wv.iter_mut().enumerate() {
-                let row = w[c].add(t);
-                _mm_prefetch::<_MM_HINT_T1>(row.wrapping_add(PREFETCH) as *const i8);
-                *v = W::load(row);
+                let ahead = w[c].wrapping_add(byte_offset::<W>(t) + PREFETCH);
+                _mm_prefetch::<_MM_HINT_T1>(ahead as *const i8);
+                *v = <W as Load>::load(w[c], t);
             }
             for (r, a) in acc.iter_mut().enumerate() {
                 let xv = _mm512_loadu_ps(x.add(r * k + t));
@@ -324,7 +505,7 @@ mod avx512 {
             let mask: __mmask16 = (1u16 << (k - t)) - 1;
             let mut wv = [_mm512_setzero_ps(); C];
             for (c, v) in wv.iter_mut().enumerate() {
-                *v = W::load_tail(w[c].add(t), k - t);
+                *v = <W as Load>::load_tail(w[c], t, k - t);
             }
             for (r, a) in acc.iter_mut().enumerate() {
                 let xv = _mm512_maskz_loadu_ps(mask, x.add(r * k + t));
@@ -346,109 +527,83 @@ mod avx512 {
 /// needs them, so one output's operations depend on k only.
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
+    use super::{byte_offset, Geometry, Kernel, Weight};
+    use crate::quant::avx2::Load;
     use std::arch::x86_64::*;
-
-    /// A weight element the kernel loads as 8 float32 lanes.
-    pub trait Weight: Copy + Sync {
-        /// w[0..8] as float32.
-        unsafe fn load(w: *const Self) -> __m256;
-        /// w[0..len] as float32, zeros above (len < 8).
-        unsafe fn load_tail(w: *const Self, len: usize) -> __m256;
-    }
-
-    impl Weight for f32 {
-        #[inline]
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn load(w: *const f32) -> __m256 {
-            _mm256_loadu_ps(w)
-        }
-
-        #[inline]
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn load_tail(w: *const f32, len: usize) -> __m256 {
-            let mut padded = [0f32; 8];
-            std::ptr::copy_nonoverlapping(w, padded.as_mut_ptr(), len);
-            _mm256_loadu_ps(padded.as_ptr())
-        }
-    }
-
-    /// bfloat16 bits: a float32 with the low 16 bits zero, so widening is exact.
-    impl Weight for u16 {
-        #[inline]
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn load(w: *const u16) -> __m256 {
-            let bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(w as *const __m128i));
-            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(bits))
-        }
-
-        #[inline]
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn load_tail(w: *const u16, len: usize) -> __m256 {
-            let mut padded = [0u16; 8];
-            std::ptr::copy_nonoverlapping(w, padded.as_mut_ptr(), len);
-            Self::load(padded.as_ptr())
-        }
-    }
 
     /// x rows per register tile: GROUP x BLOCK accumulators + 2 x BLOCK weight halves + 1 x
     /// register fit in the 16 ymm registers.
     const GROUP: usize = 4;
-    /// Software prefetch distance along a weight row, in elements, into L2 (as `avx512`).
-    const PREFETCH: usize = 4096;
+    /// Software prefetch distance along a weight row, in bytes, into L2 (as `avx512`).
+    const PREFETCH: usize = 16384;
 
-    /// Output columns `cols` of all m rows (`super::pair_rows`).
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn rows<W: Weight>(
-        x: *const f32,
-        w: *const W,
-        out: *mut f32,
-        (m, n, k): (usize, usize, usize),
-        cols: std::ops::Range<usize>,
-    ) {
-        super::pair_rows(
-            x,
-            w,
-            out,
-            (m, n, k),
-            cols,
-            GROUP,
-            // SAFETY: pair_rows passes tiles inside the shapes `rows` was given
-            |r, xi, wp, oi, c| unsafe { tiles::<W, 2>(r, xi, wp, oi, c, n, k) },
-            |r, xi, wp, oi, c| unsafe { tiles::<W, 1>(r, xi, wp, oi, c, n, k) },
-        )
+    struct Avx2;
+
+    impl Kernel for Avx2 {
+        const GROUP: usize = GROUP;
+
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn tiles<W: Weight, const C: usize>(
+            rows: usize,
+            x: *const f32,
+            w: [*const u8; C],
+            out: *mut f32,
+            cols: [usize; C],
+            nk: (usize, usize),
+        ) {
+            match rows {
+                4 => tile::<W, 4, C>(x, w, out, cols, nk),
+                3 => tile::<W, 3, C>(x, w, out, cols, nk),
+                2 => tile::<W, 2, C>(x, w, out, cols, nk),
+                _ => tile::<W, 1, C>(x, w, out, cols, nk),
+            }
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn expand_row<W: Weight>(row: *const u8, k: usize, out: *mut f32) {
+            expand_row::<W>(row, k, out)
+        }
     }
 
-    /// `tile` for `rows` (1..=GROUP) x rows.
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn tiles<W: Weight, const C: usize>(
-        rows: usize,
+    /// Output columns `cols` of all m rows (`super::pair_rows`).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn rows<W: Weight>(
         x: *const f32,
-        w: [*const W; C],
+        w: *const u8,
         out: *mut f32,
-        cols: [usize; C],
-        n: usize,
-        k: usize,
+        g: &Geometry,
+        cols: std::ops::Range<usize>,
     ) {
-        match rows {
-            4 => tile::<W, 4, C>(x, w, out, cols, n, k),
-            3 => tile::<W, 3, C>(x, w, out, cols, n, k),
-            2 => tile::<W, 2, C>(x, w, out, cols, n, k),
-            _ => tile::<W, 1, C>(x, w, out, cols, n, k),
+        super::pair_rows::<Avx2, W>(x, w, out, g, cols)
+    }
+
+    /// The k elements of `row` as float32 into out (`super::gather_rows`).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn expand_row<W: Weight>(row: *const u8, k: usize, out: *mut f32) {
+        let mut t = 0;
+        while t + 8 <= k {
+            _mm256_storeu_ps(out.add(t), <W as Load>::load(row, t));
+            t += 8;
+        }
+        if t < k {
+            let mut rest = [0f32; 8];
+            _mm256_storeu_ps(rest.as_mut_ptr(), <W as Load>::load_tail(row, t, k - t));
+            std::ptr::copy_nonoverlapping(rest.as_ptr(), out.add(t), k - t);
         }
     }
 
     /// out[r, cols[c]] (row stride n) = dot(x[r], w[c]) for R x rows and C weight rows (each
     /// k long), one 8-lane accumulator per output.
     #[inline]
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn tile<W: Weight, const R: usize, const C: usize>(
         x: *const f32,
-        w: [*const W; C],
+        w: [*const u8; C],
         out: *mut f32,
         cols: [usize; C],
-        n: usize,
-        k: usize,
+        (n, k): (usize, usize),
     ) {
         let mut acc = [[_mm256_setzero_ps(); C]; R];
         let mut t = 0;
@@ -456,10 +611,10 @@ mod avx2 {
             let mut lo = [_mm256_setzero_ps(); C];
             let mut hi = [_mm256_setzero_ps(); C];
             for c in 0..C {
-                let row = w[c].add(t);
-                _mm_prefetch::<_MM_HINT_T1>(row.wrapping_add(PREFETCH) as *const i8);
-                lo[c] = W::load(row);
-                hi[c] = W::load(row.add(8));
+                let ahead = w[c].wrapping_add(byte_offset::<W>(t) + PREFETCH);
+                _mm_prefetch::<_MM_HINT_T1>(ahead as *const i8);
+                lo[c] = <W as Load>::load(w[c], t);
+                hi[c] = <W as Load>::load(w[c], t + 8);
             }
             for (r, a) in acc.iter_mut().enumerate() {
                 let xr = x.add(r * k + t);
@@ -475,9 +630,9 @@ mod avx2 {
             let mut wv = [_mm256_setzero_ps(); C];
             for (c, v) in wv.iter_mut().enumerate() {
                 *v = if len == 8 {
-                    W::load(w[c].add(t))
+                    <W as Load>::load(w[c], t)
                 } else {
-                    W::load_tail(w[c].add(t), len)
+                    <W as Load>::load_tail(w[c], t, len)
                 };
             }
             for (r, a) in acc.iter_mut().enumerate() {
@@ -526,7 +681,7 @@ mod tests {
 
     /// `linear` on one copy of the kernel.
     fn linear_on(isa: Isa, x: &[f32], w: &[f32], out: &mut [f32], mnk: (usize, usize, usize)) {
-        run::<f32>(isa, x, w, out, mnk, 2)
+        run(isa, WeightType::F32, x, as_bytes(w), out, mnk, 2)
     }
 
     #[test]
@@ -554,7 +709,15 @@ mod tests {
             let (x, w) = (values(m * k, 1), values(n * k, 2));
             for threads in [1, 2, 3] {
                 let mut out = vec![f32::NAN; m * n];
-                run::<f32>(isa, &x, &w, &mut out, (m, n, k), threads);
+                run(
+                    isa,
+                    WeightType::F32,
+                    &x,
+                    as_bytes(&w),
+                    &mut out,
+                    (m, n, k),
+                    threads,
+                );
                 let want = reference(&x, &w, m, n, k);
                 for (got, want) in out.iter().zip(&want) {
                     assert!(
@@ -587,9 +750,58 @@ mod tests {
                 .collect();
             for threads in [1, 2] {
                 let (mut a, mut b) = (vec![0.0; m * n], vec![0.0; m * n]);
-                run::<f32>(isa, &x, &wide, &mut a, (m, n, k), threads);
-                run::<u16>(isa, &x, &bits, &mut b, (m, n, k), threads);
+                run(
+                    isa,
+                    WeightType::F32,
+                    &x,
+                    as_bytes(&wide),
+                    &mut a,
+                    (m, n, k),
+                    threads,
+                );
+                run(
+                    isa,
+                    WeightType::Bf16,
+                    &x,
+                    as_bytes(&bits),
+                    &mut b,
+                    (m, n, k),
+                    threads,
+                );
                 assert_eq!(a, b, "{isa:?} {m}x{n}x{k}");
+            }
+        }
+    }
+
+    #[test]
+    fn quantized_weights_give_the_dequantized_results_bit_for_bit() {
+        use crate::quant::{dequantize_row, ALL};
+        for isa in supported() {
+            for ty in ALL.into_iter().filter(|t| t.is_quantized()) {
+                // 1 row, a full tile, one over (the expanded pair path), many groups; n odd
+                let (n, k) = (67, 2 * ty.block().0.max(256));
+                let blocks = crate::testutil::random_blocks(ty, n, k, 11 + ty.ggml_id() as u64);
+                let rb = ty.row_bytes(k).unwrap();
+                let mut wide = vec![0f32; n * k];
+                for (r, o) in blocks.chunks_exact(rb).zip(wide.chunks_exact_mut(k)) {
+                    dequantize_row(ty, r, o);
+                }
+                for (m, threads) in [(1, 1), (4, 2), (8, 1), (9, 2), (20, 3), (MAX_ROWS, 2)] {
+                    let x = values(m * k, m as u64);
+                    let (mut a, mut b) = (vec![0.0; m * n], vec![0.0; m * n]);
+                    run(
+                        isa,
+                        WeightType::F32,
+                        &x,
+                        as_bytes(&wide),
+                        &mut a,
+                        (m, n, k),
+                        threads,
+                    );
+                    run(isa, ty, &x, &blocks, &mut b, (m, n, k), threads);
+                    let same = a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits());
+                    assert!(same, "{isa:?} {ty:?} m={m}");
+                }
             }
         }
     }
@@ -605,7 +817,15 @@ mod tests {
             linear_on(isa, &x, &w, &mut all, (MAX_ROWS, n, k));
             for i in 0..MAX_ROWS {
                 let mut one = vec![0.0; n];
-                run::<f32>(isa, &x[i * k..(i + 1) * k], &w, &mut one, (1, n, k), 1);
+                run(
+                    isa,
+                    WeightType::F32,
+                    &x[i * k..(i + 1) * k],
+                    as_bytes(&w),
+                    &mut one,
+                    (1, n, k),
+                    1,
+                );
                 assert_eq!(one, all[i * n..(i + 1) * n], "{isa:?} row {i}");
             }
         }

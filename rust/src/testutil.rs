@@ -213,3 +213,40 @@ pub fn values(len: usize, seed: u64) -> Vec<f32> {
         })
         .collect()
 }
+
+/// `len` pseudo-random bytes from `seed` (xorshift, like `values`).
+pub fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 32) as u8
+        })
+        .collect()
+}
+
+/// `rows` rows of `k` elements of block type `ty` with random contents whose fp16 scale and
+/// offset fields are finite (normal or subnormal, either sign): every such block is valid.
+pub fn random_blocks(ty: crate::quant::WeightType, rows: usize, k: usize, seed: u64) -> Vec<u8> {
+    use crate::quant::WeightType as T;
+    let (elems, bytes) = ty.block();
+    let mut data = random_bytes(rows * k / elems * bytes, seed);
+    let halves: &[usize] = match ty {
+        T::Q4_0 | T::Q5_0 | T::Q8_0 => &[0],
+        T::Q4_1 | T::Q5_1 | T::Q4K => &[0, 2],
+        T::Q6K => &[208],
+        T::F32 | T::Bf16 => &[],
+    };
+    for (i, block) in data.chunks_exact_mut(bytes).enumerate() {
+        for &at in halves {
+            // exponent field 0..=20 (subnormals included, no inf/NaN), random sign and fraction
+            let h = u16::from_le_bytes([block[at], block[at + 1]]);
+            let exp = (i as u16 * 7 + at as u16) % 21;
+            let h = (h & 0x83ff) | (exp << 10);
+            block[at..at + 2].copy_from_slice(&h.to_le_bytes());
+        }
+    }
+    data
+}

@@ -29,7 +29,7 @@ from torch import nn
 
 from eaglebatch import _native
 from eaglebatch.attention.base import AttentionMetadata, NativeAttentionPlan
-from eaglebatch.cpu.gemm import SMALL_GEMM_MAX_ROWS, linear
+from eaglebatch.cpu.gemm import GGML_BF16, GGML_F32, SMALL_GEMM_MAX_ROWS, linear
 from eaglebatch.cpu.swap import become, restore
 from eaglebatch.cpu.tensors import eligible, native_ptr, native_ptr_or_null
 from eaglebatch.model.llama import LlamaForCausalLM
@@ -53,7 +53,7 @@ class NativeDecoder:
         self.threads = threads
         self.rope_table = rotary.cos_table  # `current`: the table this object points into
         self._keep: list[torch.Tensor] = []  # every tensor whose address the native side holds
-        addrs, flags, self.in_features = [], [], []
+        addrs, types, self.in_features = [], [], []
         attn0, mlp0 = layers[0].self_attn, layers[0].mlp
         self.hidden = mlp0.down_proj.out_features
         self.num_kv_heads, self.head_dim = attn0.num_kv_heads, attn0.head_dim
@@ -70,12 +70,12 @@ class NativeDecoder:
             addrs.append(
                 [n_in, *(p for p, _ in w[:4]), n_post, *(p for p, _ in w[4:]), *biases, *qk]
             )
-            flags.append([bf16 for _, bf16 in w])
+            types.append([ty for _, ty in w])
             self.in_features.append(a.q_proj.in_features)
         table = (rotary.cos_table.shape[0], self.head_dim)
         cos, sin = self._hold(rotary.cos_table, table), self._hold(rotary.sin_table, table)
         self._decoder = _native.CpuDecoder(
-            addrs, flags, self.in_features,
+            addrs, types, self.in_features,
             self.hidden, mlp0.gate_proj.out_features,
             attn0.num_heads, attn0.num_kv_heads, attn0.head_dim, eps, attn0.scale,
             cos, sin, table[0],
@@ -89,17 +89,22 @@ class NativeDecoder:
         self._keep.append(t)
         return native_ptr(t, torch.float32, shape)
 
-    def _weight(self, linear: nn.Linear) -> tuple[int, bool]:
-        """(address, bf16) of the weight the kernel reads: the exact bf16 copy when the module
-        has one (cpu/gemm.py), else the float32 weight, which must be contiguous."""
+    def _weight(self, linear: nn.Linear) -> tuple[int, int]:
+        """(address, GGML type number) of the weight the kernel reads: the module's GGUF
+        blocks (cpu/quantized.py) or exact bf16 copy (cpu/gemm.py) when it has them, else the
+        float32 weight, which must be contiguous."""
         shape = (linear.out_features, linear.in_features)
+        blocks = getattr(linear, "quantized", None)
+        if blocks is not None:
+            self._keep.append(blocks.blocks)
+            return blocks.blocks.data_ptr(), blocks.ggml_type  # checked when it was built
         bf16 = getattr(linear, "weight_bf16", None)
         if bf16 is not None:
             self._keep.append(bf16)
-            return native_ptr(bf16, torch.bfloat16, shape), True
+            return native_ptr(bf16, torch.bfloat16, shape), GGML_BF16
         w = linear.weight.detach()
         self._keep.append(w)
-        return native_ptr(w, torch.float32, shape), False
+        return native_ptr(w, torch.float32, shape), GGML_F32
 
     def current(self, rotary: RotaryEmbedding) -> bool:
         """False once the RoPE table was rebuilt (a longer one): build a new object."""
@@ -185,7 +190,10 @@ class NativeTargetLayers:
         return h
 
     def lm_head_forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
-        return linear(hidden, self.lm_head_weight, threads=self.small_gemm_threads)
+        if self.lm_head is not None:  # a NativeLinear (float32 or GGUF blocks)
+            return self.lm_head(hidden)
+        weight = self.model.embed_tokens.weight  # tied
+        return linear(hidden, weight, threads=self.small_gemm_threads)
 
 
 class NativeDraftLayer:

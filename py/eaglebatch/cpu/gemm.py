@@ -27,6 +27,7 @@ from eaglebatch.cpu.tensors import eligible, native_ptr
 
 SMALL_GEMM_AVAILABLE: bool = _native.SMALL_GEMM_AVAILABLE
 SMALL_GEMM_MAX_ROWS: int = _native.SMALL_GEMM_MAX_ROWS
+GGML_F32, GGML_BF16 = 0, 30  # the kernels' weight formats, numbered as GGML's types
 
 
 def linear(
@@ -46,11 +47,11 @@ def linear(
     (m, k), n = x.shape, weight.shape[0]
     out = torch.empty((m, n), dtype=torch.float32)
     if weight_bf16 is None:
-        w, narrow = native_ptr(weight, torch.float32, (n, k)), False
+        w, ty = native_ptr(weight, torch.float32, (n, k)), GGML_F32
     else:
-        w, narrow = native_ptr(weight_bf16, torch.bfloat16, (n, k)), True
+        w, ty = native_ptr(weight_bf16, torch.bfloat16, (n, k)), GGML_BF16
     x_ptr, out_ptr = native_ptr(x, torch.float32, (m, k)), native_ptr(out, torch.float32, (m, n))
-    _native.small_gemm(x_ptr, w, out_ptr, m, n, k, threads, narrow)
+    _native.small_gemm(x_ptr, w, out_ptr, m, n, k, threads, ty)
     return out if bias is None else out.add_(bias)
 
 
@@ -85,8 +86,8 @@ def use_small_gemm(module: nn.Module, threads: int, bf16_weights: bool = False) 
     which needs it to be available on this CPU."""
     threads = threads if SMALL_GEMM_AVAILABLE else 0
     for m in module.modules():
-        if not isinstance(m, nn.Linear):
-            continue
+        if not isinstance(m, nn.Linear) or hasattr(m, "quantized"):
+            continue  # (GGUF blocks always run natively: cpu/quantized.py)
         if threads <= 0:
             restore(m)
             continue

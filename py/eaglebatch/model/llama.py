@@ -240,11 +240,12 @@ class LlamaForCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        # the final norm's: the embedding's weight may be GGUF blocks (cpu/quantized.py)
+        return self.model.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
+        return self.model.norm.weight.device
 
     @property
     def lm_head_weight(self) -> torch.Tensor:  # [V, H]
@@ -305,7 +306,9 @@ class LlamaForCausalLM(nn.Module):
 
     def lm_head_forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         """The LM head in the model's dtype (EAGLE-1 draft heads share it)."""
-        return F.linear(hidden, self.lm_head_weight)
+        if self.lm_head is not None:
+            return self.lm_head(hidden)
+        return F.linear(hidden, self.model.embed_tokens.weight)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> float32 [N, V]
         return self.lm_head_forward(hidden).float()

@@ -170,8 +170,9 @@ class EagleDraft(nn.Module):
         return self.fc.weight.device
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, h]
-        weight = self.target.model.embed_tokens.weight  # [V, h]
-        if input_ids.is_cpu and weight.dtype == self.dtype and not torch.is_grad_enabled():
+        weight = getattr(self.target.model.embed_tokens, "weight", None)  # [V, h]; None: blocks
+        if (weight is not None and input_ids.is_cpu and weight.dtype == self.dtype
+                and not torch.is_grad_enabled()):  # fmt: skip
             # a row gather in numpy: the module call costs ~80 µs in a CPU round
             return torch.from_numpy(weight.detach().numpy()[input_ids.numpy()])
         return self.target.model.embed_tokens(input_ids).to(self.dtype)

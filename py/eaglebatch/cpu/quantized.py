@@ -1,0 +1,158 @@
+"""CPU steps straight from a GGUF checkpoint's quantized blocks (`engine.weights: quantized`).
+
+A `QuantizedWeight` holds one weight matrix [n, k] as the GGUF file stores it: n rows of
+`row_bytes` bytes of blocks (rows in the checkpoint's order, gguf_blocks.py). The extension's
+GEMM and embedding gather expand the blocks in registers to the exact float32 values of the
+dequantized checkpoint (rust/src/quant.rs), so a model that reads them computes bit for bit what
+the float32 model computes, from ~7x fewer bytes for Q4_1 (the memory-bound part of a CPU decode
+step is reading the weights).
+
+`use_quantized_weights` swaps them into a built, accelerated float32 CPU model, one way: each
+nn.Linear whose weight has blocks becomes a QuantizedLinear (swapped in as NativeLinear), the
+embedding a QuantizedEmbedding, and their float32 `weight` parameters are dropped (the memory
+is returned). A tied LM head becomes a QuantizedLinear `lm_head` over the embedding's blocks.
+Every call then runs natively: a product of more than SMALL_GEMM_MAX_ROWS rows (prefill) runs
+in chunks of that many rows; a call that needs a gradient is an error, never a silent fallback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+from torch import nn
+
+from eaglebatch import _native
+from eaglebatch.cpu.gemm import SMALL_GEMM_MAX_ROWS
+from eaglebatch.cpu.swap import become
+from eaglebatch.cpu.tensors import eligible, native_ptr
+
+# GGML type numbers the kernels read from blocks (rust/src/quant.rs), with (elements, bytes)
+# per block.
+BLOCK_TYPES: dict[int, tuple[str, int, int]] = {
+    2: ("Q4_0", 32, 18),
+    3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
+    8: ("Q8_0", 32, 34),
+    12: ("Q4_K", 256, 144),
+    14: ("Q6_K", 256, 210),
+}
+
+
+def row_bytes(ggml_type: int, k: int) -> int | None:
+    """Bytes of a row of k elements of a block type, None when k is not whole blocks."""
+    _, elems, nbytes = BLOCK_TYPES[ggml_type]
+    return k // elems * nbytes if k > 0 and k % elems == 0 else None
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedWeight:
+    """A weight [n, k] as GGUF blocks: `blocks` uint8 [n, row_bytes(ggml_type, k)]."""
+
+    blocks: torch.Tensor
+    ggml_type: int
+    shape: tuple[int, int]  # (n, k): out_features, in_features
+
+    def __post_init__(self) -> None:
+        n, k = self.shape
+        if self.ggml_type not in BLOCK_TYPES or row_bytes(self.ggml_type, k) is None:
+            raise ValueError(f"GGML type {self.ggml_type} with k = {k}: not readable blocks")
+        native_ptr(self.blocks, torch.uint8, (n, row_bytes(self.ggml_type, k)))
+
+    @property
+    def type_name(self) -> str:
+        return BLOCK_TYPES[self.ggml_type][0]
+
+    def linear(self, x: torch.Tensor, threads: int) -> torch.Tensor:  # [m, k] -> [m, n]
+        """x @ W^T in float32 on the native kernel, in chunks of SMALL_GEMM_MAX_ROWS rows (each
+        row's result does not depend on the others, so chunking changes nothing)."""
+        if not eligible(x, None):
+            raise ValueError(
+                "quantized weights run float32 CPU inference only (got "
+                f"{x.dtype} {tuple(x.shape)} on {x.device}, grad {torch.is_grad_enabled()})"
+            )
+        n, k = self.shape
+        x = x.contiguous()
+        out = torch.empty((x.shape[0], n), dtype=torch.float32)
+        w = self.blocks.data_ptr()
+        for i in range(0, x.shape[0], SMALL_GEMM_MAX_ROWS):
+            xs, outs = x[i : i + SMALL_GEMM_MAX_ROWS], out[i : i + SMALL_GEMM_MAX_ROWS]
+            m = xs.shape[0]
+            _native.small_gemm(
+                native_ptr(xs, torch.float32, (m, k)), w, native_ptr(outs, torch.float32, (m, n)),
+                m, n, k, threads, self.ggml_type,
+            )  # fmt: skip
+        return out
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:  # int [T] -> float32 [T, k]
+        """Rows `ids` as float32 (an embedding lookup); the extension checks every id."""
+        n, k = self.shape
+        flat = np.ascontiguousarray(ids.reshape(-1).cpu().numpy(), dtype=np.int64)
+        out = torch.empty((flat.shape[0], k), dtype=torch.float32)
+        _native.gather_rows(self.blocks.data_ptr(), self.ggml_type, n, k, flat,
+                            native_ptr(out, torch.float32, (flat.shape[0], k)))  # fmt: skip
+        return out.reshape(*ids.shape, k)
+
+
+class QuantizedLinear:
+    """An nn.Linear whose weight is GGUF blocks (swapped in as NativeLinear)."""
+
+    state = ("small_gemm_threads", "quantized")
+    small_gemm_threads: int
+    quantized: QuantizedWeight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., k] -> [..., n]
+        out = self.quantized.linear(x.reshape(-1, x.shape[-1]), self.small_gemm_threads)
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+class QuantizedEmbedding:
+    """An nn.Embedding whose table is GGUF blocks (swapped in as NativeEmbedding)."""
+
+    state = ("quantized",)
+    quantized: QuantizedWeight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # int [...] -> float32 [..., H]
+        return self.quantized.rows(ids)
+
+
+def _drop_weight(module: nn.Module) -> None:
+    """Removes the float32 `weight` parameter (its memory goes back once unreferenced)."""
+    del module._parameters["weight"]
+
+
+def use_quantized_weights(
+    model: nn.Module, weights: dict[str, QuantizedWeight], threads: int
+) -> list[str]:
+    """Swaps `weights` (by parameter name, e.g. "model.layers.0.mlp.up_proj.weight") into the
+    nn.Linear and nn.Embedding modules of `model` on `threads` GEMM threads, dropping their
+    float32 weights; a tied LM head (`model.lm_head is None`) reads the embedding's blocks.
+    One way: the model cannot be made plain again. Returns the names swapped."""
+    if threads <= 0:
+        raise ValueError("quantized weights need the native CPU kernels (threads > 0)")
+    done = []
+    for name, module in model.named_modules():
+        qw = weights.get(f"{name}.weight")
+        if qw is None or not isinstance(module, nn.Linear | nn.Embedding):
+            continue
+        want = (module.num_embeddings, module.embedding_dim) if isinstance(
+            module, nn.Embedding) else (module.out_features, module.in_features)  # fmt: skip
+        if qw.shape != want:
+            raise ValueError(f"{name}: blocks of shape {qw.shape}, the module is {want}")
+        if isinstance(module, nn.Embedding):
+            become(module, QuantizedEmbedding, quantized=qw)
+        else:
+            become(module, QuantizedLinear, small_gemm_threads=threads, quantized=qw)
+        _drop_weight(module)
+        done.append(f"{name}.weight")
+    embed = weights.get("model.embed_tokens.weight")
+    if embed is not None and getattr(model, "lm_head", False) is None:
+        head = nn.Linear(embed.shape[1], embed.shape[0], bias=False, device="meta")
+        become(head, QuantizedLinear, small_gemm_threads=threads, quantized=embed)
+        _drop_weight(head)
+        model.lm_head = head  # tied: the same blocks as the embedding
+    return done

