@@ -180,52 +180,96 @@ fn element(ty: WeightType, b: &[u8], e: usize) -> f32 {
     }
 }
 
-/// The 16-lane loaders: `Load::load(row, t)` is elements t..t + 16 of a row as float32 (t a
-/// multiple of 16; for block formats the row holds whole blocks, so no tail exists).
+/// The 16-lane loaders. Float formats: `load(row, t)` is elements t..t + 16 (t a multiple of
+/// 16) and `load_tail` a shorter last step. Block formats: `load32(row, t)` is elements
+/// t..t + 32 (t a multiple of 32) as two vectors, one block or sub-block of 32 with its scales
+/// read once; a row holds whole blocks, so no tail exists.
 #[cfg(target_arch = "x86_64")]
 pub mod avx512 {
     use std::arch::x86_64::*;
 
-    /// A weight format the AVX-512 kernel loads as 16 float32 lanes.
+    /// A weight format the AVX-512 kernel loads as float32 lanes.
     pub trait Load: Copy + Sync {
-        /// Bytes per element (float formats) or 0 (block formats: `super::WeightType::row_bytes`).
-        const ELEM_BYTES: usize;
-        /// Elements t..t+16 of `row`.
+        /// Whether rows are GGUF blocks (loaded 32 elements at a time, `load32`).
+        const BLOCKED: bool;
+        /// Elements t..t+16 of `row` (float formats).
         ///
         /// # Safety
         /// `row` holds at least t + 16 elements of this format and the CPU runs AVX-512F and
         /// F16C.
         unsafe fn load(row: *const u8, t: usize) -> __m512;
-        /// Elements t..t+len (len < 16), zeros above; only float formats have tails.
+        /// Elements t..t+len (len < 16), zeros above (float formats).
         ///
         /// # Safety
         /// As `load`, for t + len elements.
         unsafe fn load_tail(row: *const u8, t: usize, len: usize) -> __m512;
+        /// Elements t..t+32 of `row` as two vectors (t a multiple of 32).
+        ///
+        /// # Safety
+        /// As `load`, for t + 32 elements.
+        unsafe fn load32(row: *const u8, t: usize) -> [__m512; 2];
     }
 
-    /// One fp16 value at p, widened.
+    /// The fp16 values at p and p + 2, widened: (value at p, value at p + 2) broadcast.
+    #[inline]
+    #[target_feature(enable = "avx512f,f16c")]
+    unsafe fn halves(p: *const u8) -> (__m512, __m512) {
+        let bits = std::ptr::read_unaligned(p as *const u32);
+        let two = _mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)); // [a, b, 0, 0]
+        (
+            _mm512_broadcastss_ps(two),
+            _mm512_broadcastss_ps(_mm_movehdup_ps(two)),
+        )
+    }
+
+    /// The fp16 value at p, widened and broadcast.
     #[inline]
     #[target_feature(enable = "avx512f,f16c")]
     unsafe fn half(p: *const u8) -> __m512 {
         let bits = std::ptr::read_unaligned(p as *const u16);
-        _mm512_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32))))
+        _mm512_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
     }
 
-    /// 16 bytes at p as u32 lanes, shifted right by `shift` and masked with `mask`.
+    /// 16 bytes at p as u32 lanes.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn bytes(p: *const u8, shift: i32, mask: i32) -> __m512i {
-        let v = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
-        let v = _mm512_srl_epi32(v, _mm_cvtsi32_si128(shift));
-        _mm512_and_si512(v, _mm512_set1_epi32(mask))
+    unsafe fn bytes(p: *const u8) -> __m512i {
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i))
     }
 
-    /// Lanes + the high bits of a Q5 block (bit j of qh for lane j), as (low | high << 4).
+    /// (low nibbles, high nibbles) of 16 bytes at p, as u32 lanes.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn with_high(lo: __m512i, qh: *const u8, first: usize) -> __m512i {
-        let bits = (std::ptr::read_unaligned(qh as *const u32) >> first) as u16;
-        _mm512_mask_or_epi32(lo, bits, lo, _mm512_set1_epi32(16))
+    unsafe fn nibbles(p: *const u8) -> (__m512i, __m512i) {
+        let v = bytes(p);
+        (
+            _mm512_and_si512(v, _mm512_set1_epi32(0x0f)),
+            _mm512_srli_epi32::<4>(v),
+        )
+    }
+
+    /// Nibble `high` (0 low, 1 high) of each of 16 bytes at p.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn nibble(p: *const u8, high: bool) -> __m512i {
+        let v = bytes(p);
+        if high {
+            _mm512_srli_epi32::<4>(v)
+        } else {
+            _mm512_and_si512(v, _mm512_set1_epi32(0x0f))
+        }
+    }
+
+    /// Lanes j of (lo, hi) | 16 where bit j (lo) or 16 + j (hi) of the u32 at qh is set.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn with_high(lo: __m512i, hi: __m512i, qh: *const u8) -> (__m512i, __m512i) {
+        let bits = std::ptr::read_unaligned(qh as *const u32);
+        let sixteen = _mm512_set1_epi32(16);
+        (
+            _mm512_mask_or_epi32(lo, bits as u16, lo, sixteen),
+            _mm512_mask_or_epi32(hi, (bits >> 16) as u16, hi, sixteen),
+        )
     }
 
     #[inline]
@@ -234,10 +278,29 @@ pub mod avx512 {
         _mm512_cvtepi32_ps(q)
     }
 
-    macro_rules! no_tail {
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn minus(q: __m512i, c: i32) -> __m512i {
+        _mm512_sub_epi32(q, _mm512_set1_epi32(c))
+    }
+
+    /// `load` / `load_tail` of block formats, and `load32` of float formats, never called.
+    macro_rules! blocked {
         () => {
+            const BLOCKED: bool = true;
+            unsafe fn load(_: *const u8, _: usize) -> __m512 {
+                unreachable!("block formats load 32 elements at a time")
+            }
             unsafe fn load_tail(_: *const u8, _: usize, _: usize) -> __m512 {
                 unreachable!("block formats have whole blocks per row")
+            }
+        };
+    }
+    macro_rules! float_format {
+        () => {
+            const BLOCKED: bool = false;
+            unsafe fn load32(_: *const u8, _: usize) -> [__m512; 2] {
+                unreachable!("float formats load 16 elements at a time")
             }
         };
     }
@@ -262,7 +325,7 @@ pub mod avx512 {
     pub struct Q6K;
 
     impl Load for F32 {
-        const ELEM_BYTES: usize = 4;
+        float_format!();
         #[inline]
         #[target_feature(enable = "avx512f")]
         unsafe fn load(row: *const u8, t: usize) -> __m512 {
@@ -277,7 +340,7 @@ pub mod avx512 {
 
     /// bfloat16 bits: a float32 with the low 16 bits zero, so widening is exact.
     impl Load for Bf16 {
-        const ELEM_BYTES: usize = 2;
+        float_format!();
         #[inline]
         #[target_feature(enable = "avx512f")]
         unsafe fn load(row: *const u8, t: usize) -> __m512 {
@@ -296,161 +359,233 @@ pub mod avx512 {
 
     /// d * (q - 8); block: d, qs[16] (element j: nibble j / 16 of qs[j % 16]).
     impl Load for Q4_0 {
-        const ELEM_BYTES: usize = 0;
+        blocked!();
         #[inline]
         #[target_feature(enable = "avx512f,f16c")]
-        unsafe fn load(row: *const u8, t: usize) -> __m512 {
+        unsafe fn load32(row: *const u8, t: usize) -> [__m512; 2] {
             let b = row.add(t / 32 * 18);
-            let q = bytes(b.add(2), (t % 32 / 16 * 4) as i32, 0x0f);
-            let q = _mm512_sub_epi32(q, _mm512_set1_epi32(8));
-            _mm512_mul_ps(half(b), float(q))
+            let d = half(b);
+            let (lo, hi) = nibbles(b.add(2));
+            [
+                _mm512_mul_ps(d, float(minus(lo, 8))),
+                _mm512_mul_ps(d, float(minus(hi, 8))),
+            ]
         }
-        no_tail!();
     }
 
     /// d * q + m; block: d, m, qs[16].
     impl Load for Q4_1 {
-        const ELEM_BYTES: usize = 0;
+        blocked!();
         #[inline]
         #[target_feature(enable = "avx512f,f16c")]
-        unsafe fn load(row: *const u8, t: usize) -> __m512 {
+        unsafe fn load32(row: *const u8, t: usize) -> [__m512; 2] {
             let b = row.add(t / 32 * 20);
-            let q = bytes(b.add(4), (t % 32 / 16 * 4) as i32, 0x0f);
-            _mm512_fmadd_ps(half(b), float(q), half(b.add(2)))
+            let (d, m) = halves(b);
+            let (lo, hi) = nibbles(b.add(4));
+            [
+                _mm512_fmadd_ps(d, float(lo), m),
+                _mm512_fmadd_ps(d, float(hi), m),
+            ]
         }
-        no_tail!();
     }
 
     /// d * (q - 16), q = nibble | bit j of qh << 4; block: d, qh[4], qs[16].
     impl Load for Q5_0 {
-        const ELEM_BYTES: usize = 0;
+        blocked!();
         #[inline]
         #[target_feature(enable = "avx512f,f16c")]
-        unsafe fn load(row: *const u8, t: usize) -> __m512 {
+        unsafe fn load32(row: *const u8, t: usize) -> [__m512; 2] {
             let b = row.add(t / 32 * 22);
-            let lo = bytes(b.add(6), (t % 32 / 16 * 4) as i32, 0x0f);
-            let q = _mm512_sub_epi32(with_high(lo, b.add(2), t % 32), _mm512_set1_epi32(16));
-            _mm512_mul_ps(half(b), float(q))
+            let d = half(b);
+            let (lo, hi) = nibbles(b.add(6));
+            let (lo, hi) = with_high(lo, hi, b.add(2));
+            [
+                _mm512_mul_ps(d, float(minus(lo, 16))),
+                _mm512_mul_ps(d, float(minus(hi, 16))),
+            ]
         }
-        no_tail!();
     }
 
     /// d * q + m, q = nibble | bit j of qh << 4; block: d, m, qh[4], qs[16].
     impl Load for Q5_1 {
-        const ELEM_BYTES: usize = 0;
+        blocked!();
         #[inline]
         #[target_feature(enable = "avx512f,f16c")]
-        unsafe fn load(row: *const u8, t: usize) -> __m512 {
+        unsafe fn load32(row: *const u8, t: usize) -> [__m512; 2] {
             let b = row.add(t / 32 * 24);
-            let lo = bytes(b.add(8), (t % 32 / 16 * 4) as i32, 0x0f);
-            let q = with_high(lo, b.add(4), t % 32);
-            _mm512_fmadd_ps(half(b), float(q), half(b.add(2)))
+            let (d, m) = halves(b);
+            let (lo, hi) = nibbles(b.add(8));
+            let (lo, hi) = with_high(lo, hi, b.add(4));
+            [
+                _mm512_fmadd_ps(d, float(lo), m),
+                _mm512_fmadd_ps(d, float(hi), m),
+            ]
         }
-        no_tail!();
     }
 
     /// q * d; block: d, qs[32] (int8).
     impl Load for Q8_0 {
-        const ELEM_BYTES: usize = 0;
+        blocked!();
         #[inline]
         #[target_feature(enable = "avx512f,f16c")]
-        unsafe fn load(row: *const u8, t: usize) -> __m512 {
+        unsafe fn load32(row: *const u8, t: usize) -> [__m512; 2] {
             let b = row.add(t / 32 * 34);
-            let p = b.add(2 + t % 32) as *const __m128i;
-            let q = _mm512_cvtepi8_epi32(_mm_loadu_si128(p));
-            _mm512_mul_ps(float(q), half(b))
+            let d = half(b);
+            let q = |at: usize| _mm512_cvtepi8_epi32(_mm_loadu_si128(b.add(at) as *const __m128i));
+            [
+                _mm512_mul_ps(float(q(2)), d),
+                _mm512_mul_ps(float(q(18)), d),
+            ]
         }
-        no_tail!();
     }
 
     /// (d * sc) * q - (dmin * mn) per sub-block of 32; block: d, dmin, scales[12], qs[128]
     /// (sub-block s: nibble s % 2 of qs[32 * (s / 2)..][..32]).
     impl Load for Q4K {
-        const ELEM_BYTES: usize = 0;
+        blocked!();
         #[inline]
         #[target_feature(enable = "avx512f,f16c")]
-        unsafe fn load(row: *const u8, t: usize) -> __m512 {
+        unsafe fn load32(row: *const u8, t: usize) -> [__m512; 2] {
             let b = row.add(t / 256 * 144);
-            let (e, s) = (t % 256, t % 256 / 32);
+            let s = t % 256 / 32;
             let (sc, mn) = super::q4k_scale_min(std::slice::from_raw_parts(b.add(4), 12), s);
-            let d = _mm512_mul_ps(half(b), _mm512_set1_ps(sc as f32));
-            let dm = _mm512_mul_ps(half(b.add(2)), _mm512_set1_ps(mn as f32));
-            let q = bytes(b.add(16 + 32 * (s / 2) + e % 32), (s % 2 * 4) as i32, 0x0f);
-            _mm512_fmsub_ps(d, float(q), dm)
+            let (d, dmin) = halves(b);
+            let d = _mm512_mul_ps(d, _mm512_set1_ps(sc as f32));
+            let dm = _mm512_mul_ps(dmin, _mm512_set1_ps(mn as f32));
+            let qs = b.add(16 + 32 * (s / 2));
+            let high = s % 2 == 1;
+            [
+                _mm512_fmsub_ps(d, float(nibble(qs, high)), dm),
+                _mm512_fmsub_ps(d, float(nibble(qs.add(16), high)), dm),
+            ]
         }
-        no_tail!();
     }
 
     /// (d * sc) * (q - 32) per 16 elements, q = ql nibble | qh 2 bits << 4; block: ql[128],
     /// qh[64], scales[16] (int8), d.
     impl Load for Q6K {
-        const ELEM_BYTES: usize = 0;
+        blocked!();
         #[inline]
         #[target_feature(enable = "avx512f,f16c")]
-        unsafe fn load(row: *const u8, t: usize) -> __m512 {
+        unsafe fn load32(row: *const u8, t: usize) -> [__m512; 2] {
             let b = row.add(t / 256 * 210);
-            let (a, r) = (t % 256 / 128, t % 128);
-            let ql = bytes(b.add(64 * a + r % 64), (r / 64 * 4) as i32, 0x0f);
-            let qh = bytes(b.add(128 + 32 * a + r % 32), (r / 32 * 2) as i32, 0x03);
-            let q = _mm512_or_si512(ql, _mm512_slli_epi32::<4>(qh));
-            let q = _mm512_sub_epi32(q, _mm512_set1_epi32(32));
-            let sc = *b.add(192 + t % 256 / 16) as i8 as f32;
-            let d = _mm512_mul_ps(half(b.add(208)), _mm512_set1_ps(sc));
-            _mm512_mul_ps(d, float(q))
+            let (e, a, r) = (t % 256, t % 256 / 128, t % 128);
+            let ql = b.add(64 * a + r % 64);
+            let qh = b.add(128 + 32 * a);
+            let shift = _mm_cvtsi32_si128((r / 32 * 2) as i32);
+            let d = half(b.add(208));
+            let q = |i: usize| {
+                let hi = _mm512_srl_epi32(bytes(qh.add(16 * i)), shift);
+                let hi = _mm512_and_si512(hi, _mm512_set1_epi32(3));
+                let q =
+                    _mm512_or_si512(nibble(ql.add(16 * i), r >= 64), _mm512_slli_epi32::<4>(hi));
+                let sc = *b.add(192 + e / 16 + i) as i8 as f32;
+                _mm512_mul_ps(_mm512_mul_ps(d, _mm512_set1_ps(sc)), float(minus(q, 32)))
+            };
+            [q(0), q(1)]
         }
-        no_tail!();
     }
 }
 
-/// The 8-lane loaders of the AVX2 kernel: `Load::load(row, t)` is elements t..t + 8 (t a
-/// multiple of 8), the same values as `avx512`'s.
+/// The 8-lane loaders of the AVX2 kernel, the same values as `avx512`'s: `load` gives 8
+/// elements (float formats), `load32` 32 as four vectors (block formats).
 #[cfg(target_arch = "x86_64")]
 pub mod avx2 {
     use std::arch::x86_64::*;
 
-    /// A weight format the AVX2 kernel loads as 8 float32 lanes.
+    /// A weight format the AVX2 kernel loads as float32 lanes.
     pub trait Load: Copy + Sync {
-        const ELEM_BYTES: usize;
-        /// Elements t..t+8 of `row`.
+        /// Whether rows are GGUF blocks (loaded 32 elements at a time, `load32`).
+        const BLOCKED: bool;
+        /// Elements t..t+8 of `row` (float formats).
         ///
         /// # Safety
         /// `row` holds at least t + 8 elements of this format and the CPU runs AVX2, FMA and
         /// F16C.
         unsafe fn load(row: *const u8, t: usize) -> __m256;
-        /// Elements t..t+len (len < 8), zeros above; only float formats have tails.
+        /// Elements t..t+len (len < 8), zeros above (float formats).
         ///
         /// # Safety
         /// As `load`, for t + len elements.
         unsafe fn load_tail(row: *const u8, t: usize, len: usize) -> __m256;
+        /// Elements t..t+32 as four vectors (t a multiple of 32).
+        ///
+        /// # Safety
+        /// As `load`, for t + 32 elements.
+        unsafe fn load32(row: *const u8, t: usize) -> [__m256; 4];
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn halves(p: *const u8) -> (__m256, __m256) {
+        let bits = std::ptr::read_unaligned(p as *const u32);
+        let two = _mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32));
+        (
+            _mm256_broadcastss_ps(two),
+            _mm256_broadcastss_ps(_mm_movehdup_ps(two)),
+        )
     }
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn half(p: *const u8) -> __m256 {
         let bits = std::ptr::read_unaligned(p as *const u16);
-        _mm256_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32))))
+        _mm256_broadcastss_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
     }
 
-    /// 8 bytes at p as u32 lanes, shifted right by `shift` and masked with `mask`.
+    /// 8 bytes at p as u32 lanes.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn bytes(p: *const u8, shift: i32, mask: i32) -> __m256i {
-        let v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
-        let v = _mm256_srl_epi32(v, _mm_cvtsi32_si128(shift));
-        _mm256_and_si256(v, _mm256_set1_epi32(mask))
+    unsafe fn bytes(p: *const u8) -> __m256i {
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i))
     }
 
-    /// lo | (bit first + j of qh) << 4 in lane j.
+    /// Nibble `high` of each of 8 bytes at p.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn with_high(lo: __m256i, qh: *const u8, first: usize) -> __m256i {
-        let bits = std::ptr::read_unaligned(qh as *const u32) >> first;
-        let lanes = _mm256_srlv_epi32(
-            _mm256_set1_epi32(bits as i32),
-            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-        );
-        let high = _mm256_slli_epi32::<4>(_mm256_and_si256(lanes, _mm256_set1_epi32(1)));
-        _mm256_or_si256(lo, high)
+    unsafe fn nibble(p: *const u8, high: bool) -> __m256i {
+        let v = bytes(p);
+        if high {
+            _mm256_srli_epi32::<4>(v)
+        } else {
+            _mm256_and_si256(v, _mm256_set1_epi32(0x0f))
+        }
+    }
+
+    /// The 32 nibble values of a 16-byte qs array in element order (low nibbles, then high).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn nibbles(qs: *const u8) -> [__m256i; 4] {
+        [
+            nibble(qs, false),
+            nibble(qs.add(8), false),
+            nibble(qs, true),
+            nibble(qs.add(8), true),
+        ]
+    }
+
+    /// q[i] | 16 in lane j where bit 8 i + j of the u32 at qh is set.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn with_high(q: [__m256i; 4], qh: *const u8) -> [__m256i; 4] {
+        let bits = _mm256_set1_epi32(std::ptr::read_unaligned(qh as *const u32) as i32);
+        let mut out = q;
+        for (i, o) in out.iter_mut().enumerate() {
+            let first = 8 * i as i32;
+            let lane = _mm256_setr_epi32(
+                first,
+                first + 1,
+                first + 2,
+                first + 3,
+                first + 4,
+                first + 5,
+                first + 6,
+                first + 7,
+            );
+            let bit = _mm256_and_si256(_mm256_srlv_epi32(bits, lane), _mm256_set1_epi32(1));
+            *o = _mm256_or_si256(*o, _mm256_slli_epi32::<4>(bit));
+        }
+        out
     }
 
     #[inline]
@@ -459,10 +594,42 @@ pub mod avx2 {
         _mm256_cvtepi32_ps(q)
     }
 
-    macro_rules! no_tail {
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn minus(q: __m256i, c: i32) -> __m256i {
+        _mm256_sub_epi32(q, _mm256_set1_epi32(c))
+    }
+
+    /// d * (q - c) for four vectors of q.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn scaled(d: __m256, q: [__m256i; 4], c: i32) -> [__m256; 4] {
+        q.map(|q| _mm256_mul_ps(d, float(minus(q, c))))
+    }
+
+    /// d * q + m for four vectors of q.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn affine(d: __m256, q: [__m256i; 4], m: __m256) -> [__m256; 4] {
+        q.map(|q| _mm256_fmadd_ps(d, float(q), m))
+    }
+
+    macro_rules! blocked {
         () => {
+            const BLOCKED: bool = true;
+            unsafe fn load(_: *const u8, _: usize) -> __m256 {
+                unreachable!("block formats load 32 elements at a time")
+            }
             unsafe fn load_tail(_: *const u8, _: usize, _: usize) -> __m256 {
                 unreachable!("block formats have whole blocks per row")
+            }
+        };
+    }
+    macro_rules! float_format {
+        () => {
+            const BLOCKED: bool = false;
+            unsafe fn load32(_: *const u8, _: usize) -> [__m256; 4] {
+                unreachable!("float formats load 8 elements at a time")
             }
         };
     }
@@ -470,7 +637,7 @@ pub mod avx2 {
     pub use super::avx512::{Bf16, F32, Q4K, Q4_0, Q4_1, Q5_0, Q5_1, Q6K, Q8_0};
 
     impl Load for F32 {
-        const ELEM_BYTES: usize = 4;
+        float_format!();
         #[inline]
         #[target_feature(enable = "avx2,fma")]
         unsafe fn load(row: *const u8, t: usize) -> __m256 {
@@ -486,7 +653,7 @@ pub mod avx2 {
     }
 
     impl Load for Bf16 {
-        const ELEM_BYTES: usize = 2;
+        float_format!();
         #[inline]
         #[target_feature(enable = "avx2,fma")]
         unsafe fn load(row: *const u8, t: usize) -> __m256 {
@@ -504,100 +671,96 @@ pub mod avx2 {
     }
 
     impl Load for Q4_0 {
-        const ELEM_BYTES: usize = 0;
+        blocked!();
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn load(row: *const u8, t: usize) -> __m256 {
+        unsafe fn load32(row: *const u8, t: usize) -> [__m256; 4] {
             let b = row.add(t / 32 * 18);
-            let q = bytes(b.add(2 + t % 16), (t % 32 / 16 * 4) as i32, 0x0f);
-            let q = _mm256_sub_epi32(q, _mm256_set1_epi32(8));
-            _mm256_mul_ps(half(b), float(q))
+            scaled(half(b), nibbles(b.add(2)), 8)
         }
-        no_tail!();
     }
 
     impl Load for Q4_1 {
-        const ELEM_BYTES: usize = 0;
+        blocked!();
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn load(row: *const u8, t: usize) -> __m256 {
+        unsafe fn load32(row: *const u8, t: usize) -> [__m256; 4] {
             let b = row.add(t / 32 * 20);
-            let q = bytes(b.add(4 + t % 16), (t % 32 / 16 * 4) as i32, 0x0f);
-            _mm256_fmadd_ps(half(b), float(q), half(b.add(2)))
+            let (d, m) = halves(b);
+            affine(d, nibbles(b.add(4)), m)
         }
-        no_tail!();
     }
 
     impl Load for Q5_0 {
-        const ELEM_BYTES: usize = 0;
+        blocked!();
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn load(row: *const u8, t: usize) -> __m256 {
+        unsafe fn load32(row: *const u8, t: usize) -> [__m256; 4] {
             let b = row.add(t / 32 * 22);
-            let lo = bytes(b.add(6 + t % 16), (t % 32 / 16 * 4) as i32, 0x0f);
-            let q = _mm256_sub_epi32(with_high(lo, b.add(2), t % 32), _mm256_set1_epi32(16));
-            _mm256_mul_ps(half(b), float(q))
+            scaled(half(b), with_high(nibbles(b.add(6)), b.add(2)), 16)
         }
-        no_tail!();
     }
 
     impl Load for Q5_1 {
-        const ELEM_BYTES: usize = 0;
+        blocked!();
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn load(row: *const u8, t: usize) -> __m256 {
+        unsafe fn load32(row: *const u8, t: usize) -> [__m256; 4] {
             let b = row.add(t / 32 * 24);
-            let lo = bytes(b.add(8 + t % 16), (t % 32 / 16 * 4) as i32, 0x0f);
-            let q = with_high(lo, b.add(4), t % 32);
-            _mm256_fmadd_ps(half(b), float(q), half(b.add(2)))
+            let (d, m) = halves(b);
+            affine(d, with_high(nibbles(b.add(8)), b.add(4)), m)
         }
-        no_tail!();
     }
 
     impl Load for Q8_0 {
-        const ELEM_BYTES: usize = 0;
+        blocked!();
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn load(row: *const u8, t: usize) -> __m256 {
+        unsafe fn load32(row: *const u8, t: usize) -> [__m256; 4] {
             let b = row.add(t / 32 * 34);
-            let q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(b.add(2 + t % 32) as *const __m128i));
-            _mm256_mul_ps(float(q), half(b))
+            let d = half(b);
+            [0, 1, 2, 3].map(|i| {
+                let q = _mm256_cvtepi8_epi32(_mm_loadl_epi64(b.add(2 + 8 * i) as *const __m128i));
+                _mm256_mul_ps(float(q), d)
+            })
         }
-        no_tail!();
     }
 
     impl Load for Q4K {
-        const ELEM_BYTES: usize = 0;
+        blocked!();
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn load(row: *const u8, t: usize) -> __m256 {
+        unsafe fn load32(row: *const u8, t: usize) -> [__m256; 4] {
             let b = row.add(t / 256 * 144);
-            let (e, s) = (t % 256, t % 256 / 32);
+            let s = t % 256 / 32;
             let (sc, mn) = super::q4k_scale_min(std::slice::from_raw_parts(b.add(4), 12), s);
-            let d = _mm256_mul_ps(half(b), _mm256_set1_ps(sc as f32));
-            let dm = _mm256_mul_ps(half(b.add(2)), _mm256_set1_ps(mn as f32));
-            let q = bytes(b.add(16 + 32 * (s / 2) + e % 32), (s % 2 * 4) as i32, 0x0f);
-            _mm256_fmsub_ps(d, float(q), dm)
+            let (d, dmin) = halves(b);
+            let d = _mm256_mul_ps(d, _mm256_set1_ps(sc as f32));
+            let dm = _mm256_mul_ps(dmin, _mm256_set1_ps(mn as f32));
+            let qs = b.add(16 + 32 * (s / 2));
+            [0, 1, 2, 3].map(|i| _mm256_fmsub_ps(d, float(nibble(qs.add(8 * i), s % 2 == 1)), dm))
         }
-        no_tail!();
     }
 
     impl Load for Q6K {
-        const ELEM_BYTES: usize = 0;
+        blocked!();
         #[inline]
         #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn load(row: *const u8, t: usize) -> __m256 {
+        unsafe fn load32(row: *const u8, t: usize) -> [__m256; 4] {
             let b = row.add(t / 256 * 210);
-            let (a, r) = (t % 256 / 128, t % 128);
-            let ql = bytes(b.add(64 * a + r % 64), (r / 64 * 4) as i32, 0x0f);
-            let qh = bytes(b.add(128 + 32 * a + r % 32), (r / 32 * 2) as i32, 0x03);
-            let q = _mm256_or_si256(ql, _mm256_slli_epi32::<4>(qh));
-            let q = _mm256_sub_epi32(q, _mm256_set1_epi32(32));
-            let sc = *b.add(192 + t % 256 / 16) as i8 as f32;
-            let d = _mm256_mul_ps(half(b.add(208)), _mm256_set1_ps(sc));
-            _mm256_mul_ps(d, float(q))
+            let (e, a, r) = (t % 256, t % 256 / 128, t % 128);
+            let ql = b.add(64 * a + r % 64);
+            let qh = b.add(128 + 32 * a);
+            let shift = _mm_cvtsi32_si128((r / 32 * 2) as i32);
+            let d = half(b.add(208));
+            [0, 1, 2, 3].map(|i| {
+                let hi = _mm256_srl_epi32(bytes(qh.add(8 * i)), shift);
+                let hi = _mm256_and_si256(hi, _mm256_set1_epi32(3));
+                let q = _mm256_or_si256(nibble(ql.add(8 * i), r >= 64), _mm256_slli_epi32::<4>(hi));
+                let sc = *b.add(192 + e / 16 + i / 2) as i8 as f32;
+                _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(sc)), float(minus(q, 32)))
+            })
         }
-        no_tail!();
     }
 }
 

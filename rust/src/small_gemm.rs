@@ -459,6 +459,12 @@ mod avx512 {
     #[target_feature(enable = "avx512f,f16c")]
     pub(super) unsafe fn expand_row<W: Weight>(row: *const u8, k: usize, out: *mut f32) {
         let mut t = 0;
+        while <W as Load>::BLOCKED && t < k {
+            let [a, b] = <W as Load>::load32(row, t);
+            _mm512_storeu_ps(out.add(t), a);
+            _mm512_storeu_ps(out.add(t + 16), b);
+            t += 32;
+        }
         while t + 16 <= k {
             _mm512_storeu_ps(out.add(t), <W as Load>::load(row, t));
             t += 16;
@@ -486,6 +492,26 @@ mod avx512 {
     ) {
         let mut acc = [[_mm512_setzero_ps(); C]; R];
         let mut t = 0;
+        // block formats: 32 elements (a block or sub-block, its scales read once) per step, as
+        // two steps of 16 in order; k is a whole number of blocks, so no tail
+        while <W as Load>::BLOCKED && t < k {
+            let mut wv = [[_mm512_setzero_ps(); 2]; C];
+            for (c, v) in wv.iter_mut().enumerate() {
+                if t % 64 == 0 {
+                    let ahead = w[c].wrapping_add(byte_offset::<W>(t) + PREFETCH);
+                    _mm_prefetch::<_MM_HINT_T1>(ahead as *const i8);
+                }
+                *v = <W as Load>::load32(w[c], t);
+            }
+            for (r, a) in acc.iter_mut().enumerate() {
+                let x0 = _mm512_loadu_ps(x.add(r * k + t));
+                let x1 = _mm512_loadu_ps(x.add(r * k + t + 16));
+                for c in 0..C {
+                    a[c] = _mm512_fmadd_ps(x1, wv[c][1], _mm512_fmadd_ps(x0, wv[c][0], a[c]));
+                }
+            }
+            t += 32;
+        }
         while t + 16 <= k {
             let mut wv = [_mm512_setzero_ps(); C];
             for (c, v) in wv.iter_mut().enumerate() {
@@ -583,6 +609,12 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn expand_row<W: Weight>(row: *const u8, k: usize, out: *mut f32) {
         let mut t = 0;
+        while <W as Load>::BLOCKED && t < k {
+            for (i, v) in <W as Load>::load32(row, t).iter().enumerate() {
+                _mm256_storeu_ps(out.add(t + 8 * i), *v);
+            }
+            t += 32;
+        }
         while t + 8 <= k {
             _mm256_storeu_ps(out.add(t), <W as Load>::load(row, t));
             t += 8;
@@ -607,6 +639,24 @@ mod avx2 {
     ) {
         let mut acc = [[_mm256_setzero_ps(); C]; R];
         let mut t = 0;
+        // block formats: 32 elements per step as four steps of 8 in order (no tail)
+        while <W as Load>::BLOCKED && t < k {
+            let mut wv = [[_mm256_setzero_ps(); 4]; C];
+            for (c, v) in wv.iter_mut().enumerate() {
+                let ahead = w[c].wrapping_add(byte_offset::<W>(t) + PREFETCH);
+                _mm_prefetch::<_MM_HINT_T1>(ahead as *const i8);
+                *v = <W as Load>::load32(w[c], t);
+            }
+            for (r, a) in acc.iter_mut().enumerate() {
+                let xr = x.add(r * k + t);
+                for (c, v) in wv.iter().enumerate() {
+                    for (i, w) in v.iter().enumerate() {
+                        a[c] = _mm256_fmadd_ps(_mm256_loadu_ps(xr.add(8 * i)), *w, a[c]);
+                    }
+                }
+            }
+            t += 32;
+        }
         while t + 16 <= k {
             let mut lo = [_mm256_setzero_ps(); C];
             let mut hi = [_mm256_setzero_ps(); C];
