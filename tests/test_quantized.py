@@ -66,6 +66,8 @@ def test_every_block_type_expands_to_the_gguf_dequantizer_bit_for_bit(ggml_type)
     ids = torch.tensor([5, 0, 36, 5, 17])
     assert same_bits(qw.rows(ids), want[ids])
     assert same_bits(qw.rows(torch.arange(n)), want)
+    assert qw.rows(torch.zeros(0, dtype=torch.long)).shape == (0, k)  # an empty step
+    assert qw.linear(torch.zeros(0, k), threads=2).shape == (0, n)
 
 
 @native

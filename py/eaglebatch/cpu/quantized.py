@@ -68,6 +68,8 @@ class QuantizedWeight:
     def linear(self, x: torch.Tensor, threads: int) -> torch.Tensor:  # [m, k] -> [m, n]
         """x @ W^T in float32 on the native kernel, in chunks of SMALL_GEMM_MAX_ROWS rows (each
         row's result does not depend on the others, so chunking changes nothing)."""
+        if x.shape[0] == 0 and x.dtype == torch.float32 and x.is_cpu:
+            return torch.empty((0, self.shape[0]), dtype=torch.float32)  # nothing to compute
         if not eligible(x, None):
             raise ValueError(
                 "quantized weights run float32 CPU inference only (got "
@@ -91,6 +93,8 @@ class QuantizedWeight:
         n, k = self.shape
         flat = np.ascontiguousarray(ids.reshape(-1).cpu().numpy(), dtype=np.int64)
         out = torch.empty((flat.shape[0], k), dtype=torch.float32)
+        if flat.shape[0] == 0:
+            return out.reshape(*ids.shape, k)
         _native.gather_rows(self.blocks.data_ptr(), self.ggml_type, n, k, flat,
                             native_ptr(out, torch.float32, (flat.shape[0], k)))  # fmt: skip
         return out.reshape(*ids.shape, k)
