@@ -37,6 +37,8 @@ def test_bench_compares_speculative_with_plain(tmp_path, tiny_model_dir, capsys)
                        ("eaglebatch+eagle", 4)]
     for r in result["rows"]:
         assert r["requests"] == 6 and r["output_tokens"] > 0 and r["output_tok_s"] > 0
+        assert 0 < r["generation_s"] < r["wall_s"]  # the prefills are left out
+        assert r["generation_tok_s"] == pytest.approx(r["output_tokens"] / r["generation_s"])
         assert "digests" not in r
     spec = [r for r in result["rows"] if r["engine"] == "eaglebatch+eagle"]
     assert all(r["identical_requests"] == 6 and r["accept_length"] >= 1.0 for r in spec)
@@ -127,11 +129,12 @@ def test_merged_runs_sum_tokens_and_time_and_take_percentiles_over_requests():
                 "drafts": {"verify_rounds": steps}, "requests": 1, "output_tokens": tokens,
                 "wall_s": wall, "latency_p50": latency, "ttft_p50": latency / 10,
                 "tpot_p50": tpot, "spec_steps": steps, "spec_tokens": spec_tokens,
-                "prefill_tokens": 2 * tokens, "cached_tokens": tokens}
+                "prefill_tokens": 2 * tokens, "cached_tokens": tokens, "generation_s": wall / 2}
 
     row = _merge_runs([run(10, 1.0, 1.0, 4, 9, 0.1), run(30, 2.0, 3.0, 10, 29, None),
                        run(20, 1.0, 2.0, 6, 19, 0.3)])
     assert row["output_tokens"] == 60 and row["wall_s"] == 4.0 and row["output_tok_s"] == 15.0
+    assert row["generation_s"] == 2.0 and row["generation_tok_s"] == 30.0
     assert row["accept_length"] == 57 / 20 and row["requests"] == 3
     assert (row["prefill_tokens"], row["cached_tokens"]) == (120, 60)
     assert row["latency_p50"] == 2.0 and row["latency_p99"] == pytest.approx(2.98)

@@ -102,6 +102,9 @@ def test_greedy_equals_transformers(tmp_path, tiny_model_dir, prompts, reference
         assert row["output_text"] == tok.decode([t for t in want if t != EOS])
         assert row["error"] is None
     assert res.stats["requests"] == len(prompts)
+    seconds = res.stats["step_seconds"]  # per plan kind, together at most the run's wall time
+    assert set(seconds) == {"prefill", "decode"} and all(v > 0 for v in seconds.values())
+    assert sum(seconds.values()) <= res.wall_s
 
 
 def test_small_kv_budget_preempts_and_keeps_outputs(tmp_path, tiny_model_dir, prompts, reference):

@@ -38,7 +38,7 @@ from rich.table import Table
 
 from .config import JobConfig
 from .engine import open_output, prepare, run_prepared
-from .progress import accept_length, lookup_line
+from .progress import accept_length, generation_seconds, lookup_line
 
 
 def _eaglebatch_row(
@@ -91,6 +91,7 @@ def _eaglebatch_row(
         "cached_tokens": s.get("cached_tokens"),
         "wall_s": res.wall_s,
         "output_tok_s": res.output_tok_s,
+        **_generation(s["output_tokens"], generation_seconds(s.get("step_seconds"))),
         "latency_p50": s.get("latency_p50"),
         "latency_p99": s.get("latency_p99"),
         "ttft_p50": s.get("ttft_p50"),
@@ -101,6 +102,13 @@ def _eaglebatch_row(
 
 
 _PER_REQUEST = ("latency", "ttft", "tpot")
+
+
+def _generation(tokens: int, seconds: float | None) -> dict:
+    """generation_s (the seconds of the steps after prefills) and output tokens per such
+    second: the figure that leaves prompt processing out."""
+    rate = tokens / seconds if seconds else None
+    return {"generation_s": seconds, "generation_tok_s": rate}
 
 
 def _merge_runs(runs: list[dict]) -> dict:
@@ -126,6 +134,7 @@ def _merge_runs(runs: list[dict]) -> dict:
         "cached_tokens": sum(r.get("cached_tokens") or 0 for r in runs),
         "wall_s": wall,
         "output_tok_s": tokens / wall if wall > 0 else 0.0,
+        **_generation(tokens, sum(r["generation_s"] or 0.0 for r in runs)),
     }
     for name in _PER_REQUEST:  # a one-request run's p50 is that request's figure
         values = [r[f"{name}_p50"] for r in runs if r[f"{name}_p50"] is not None]
@@ -163,7 +172,7 @@ def _same_tokens(a: dict[int, bytes], b: dict[int, bytes]) -> int:
     return sum(1 for row, d in a.items() if b.get(row) == d)
 
 
-def _read_prompts(job: JobConfig, files: list[Path], limit: int) -> list:
+def read_prompts(job: JobConfig, files: list[Path], limit: int) -> list:
     """Prompt texts or message lists, in input order, at most `limit`."""
     col = job.input.messages_column or job.input.text_column
     out: list = []
@@ -185,7 +194,7 @@ def _hf_row(job: JobConfig, prep, batch_size: int) -> dict:
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(str(mf.dir), dtype=torch.float32).eval()
-    prompts = _read_prompts(job, prep.input_files, prep.total_rows)
+    prompts = read_prompts(job, prep.input_files, prep.total_rows)
     if job.input.messages_column or job.input.apply_chat_template:
         msgs = [p if job.input.messages_column else [{"role": "user", "content": p}]
                 for p in prompts]
@@ -295,6 +304,20 @@ def run_bench(
     return result
 
 
+def eaglebatch_rows(
+    job: JobConfig, batch_sizes: list[int], repeat: int = 1, console: Console | None = None
+) -> tuple[list[dict], dict[int, list[float]]]:
+    """The job's eaglebatch rows at each max batch size (plain, then speculative when the job
+    names a draft head; pairs alternated as in `run_bench`), without the table: for benchmarks
+    that put eaglebatch beside another engine. Returns (rows, speedups per batch size)."""
+    rows, speedups = _eaglebatch_rows(job, prepare(job), batch_sizes, repeat,
+                                      console or Console(width=200))
+    for r in rows:
+        for key in ("digests", "spec_steps", "spec_tokens"):
+            r.pop(key, None)
+    return rows, speedups
+
+
 def _eaglebatch_rows(
     job: JobConfig, prep, batch_sizes: list[int], repeat: int, console: Console
 ) -> tuple[list[dict], dict[int, list[float]]]:
@@ -396,7 +419,7 @@ def _print_table(console: Console, rows: list[dict], title: str) -> None:
     ref = ref or rows[0]
     table = Table(title=title)
     for col in ("engine", "batch", "requests", "out tokens", "prefilled", "cached", "wall s",
-                "out tok/s",
+                "out tok/s", "gen tok/s",
                 f"vs {ref['engine']} b{ref['batch_size']}", "accept len", "latency p50",
                 "latency p99", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99"):
         table.add_column(col, justify="right")
@@ -405,7 +428,8 @@ def _print_table(console: Console, rows: list[dict], title: str) -> None:
         table.add_row(
             r["engine"], str(r["batch_size"]), str(r["requests"]), str(r["output_tokens"]),
             _fmt(r.get("prefill_tokens"), "d"), _fmt(r.get("cached_tokens"), "d"),
-            f"{r['wall_s']:.1f}", f"{r['output_tok_s']:.1f}", _fmt(r["speedup_vs_ref"], ".2f"),
+            f"{r['wall_s']:.1f}", f"{r['output_tok_s']:.1f}",
+            _fmt(r.get("generation_tok_s"), ".1f"), _fmt(r["speedup_vs_ref"], ".2f"),
             _fmt(r["accept_length"], ".2f"),
             _fmt(r["latency_p50"], ".2f"), _fmt(r["latency_p99"], ".2f"),
             _fmt(r["ttft_p50"], ".3f"), _fmt(r["ttft_p99"], ".3f"),

@@ -440,17 +440,24 @@ def resident_memory() -> dict[str, float]:
 
 def _step_loop(prep: PreparedJob, scheduler, worker, progress: ProgressFn | None) -> dict:
     """`for plan in scheduler: commit(worker.step(plan))` until every row is written; stops
-    between two steps on SIGINT / SIGTERM (raises Interrupted). Returns the run's stats."""
+    between two steps on SIGINT / SIGTERM (raises Interrupted). Returns the run's stats, with
+    step_seconds: per plan kind (prefill, decode, verify) the seconds its steps took."""
     last_report = 0.0
+    seconds: dict[str, float] = {}  # plan kind -> seconds of its steps (planning to commit)
     with StopSignals() as stop:
+        mark = time.monotonic()
         while (plan := scheduler.next_plan()) is not None:
             # (tokens, num_tokens) or, speculating, (tokens, num_tokens, num_accepted)
             scheduler.commit(*worker.step(plan))
+            now = time.monotonic()
+            seconds[plan.kind] = seconds.get(plan.kind, 0.0) + now - mark
+            mark = now
             if stop.signum is not None:
                 written = scheduler.abort()
                 raise Interrupted(stop.signum, written["rows_written"], prep.job.output.path)
-            now = time.monotonic()
             if progress is not None and now - last_report > 0.2:
                 last_report = now
                 progress(scheduler.progress())
-        return dict(scheduler.finish())
+        stats = dict(scheduler.finish())
+        stats["step_seconds"] = seconds
+        return stats

@@ -104,6 +104,21 @@ def cache_line(stats: dict) -> str:
     return f"{cached} prompt tokens cached ({rate}), {stats.get('prefill_tokens', 0)} prefilled"
 
 
+def generation_seconds(step_seconds: dict | None) -> float | None:
+    """Seconds of the steps that were not prefills (decode and verify steps, with chunked
+    prefill the decode steps that carried prompt chunks too); None when not measured."""
+    if not step_seconds:
+        return None
+    return sum(v for k, v in step_seconds.items() if k != "prefill")
+
+
+def step_time_line(step_seconds: dict | None) -> str:
+    gen = generation_seconds(step_seconds)
+    if gen is None:
+        return "-"
+    return f"{step_seconds.get('prefill', 0.0):.1f}s / {gen:.1f}s"
+
+
 def summary_table(stats: dict, wall_s: float, title: str = "eaglebatch summary") -> Table:
     t = Table(title=title, show_header=False)
     t.add_column("metric")
@@ -116,6 +131,7 @@ def summary_table(stats: dict, wall_s: float, title: str = "eaglebatch summary")
         ("output tokens", f"{out}"),
         ("wall time", f"{wall_s:.1f}s"),
         ("output tok/s", f"{out / wall_s:.1f}" if wall_s > 0 else "-"),
+        ("prefill / generation time", step_time_line(stats.get("step_seconds"))),
         (
             "latency p50 / p90 / p99",
             " / ".join(_f(stats.get(k)) for k in ("latency_p50", "latency_p90", "latency_p99")),

@@ -1,0 +1,224 @@
+"""eaglebatch against llama.cpp on the CPU: the same GGUF, the same prompts, greedy, one sitting.
+
+    python benchmarks/cpu_vs_llamacpp.py [--batch1-prompts 24] [--prompts 64]
+        [--max-tokens 128] [--batch-sizes 1 8 16 32 64] [--dequantized-batch-sizes 1 64]
+        [--llama-parallel 16 32 64] [--threads 2] [--json PATH]
+
+The prompts are the quickstart's ShareGPT first-turn prompts (20-400 characters), rendered with
+the model's chat template by its tokenizer; llama.cpp receives those token ids, so both engines
+see exactly the same input. The model is the embedded SmolLM2-135M-Instruct Q4_1 GGUF:
+llama.cpp's `llama-server` serves the file itself (`benchmarks/llamacpp.py` finds or builds it
+and says how); eaglebatch runs it with `engine.weights: quantized` (steps read the GGUF's blocks)
+and `dequantized` (float32 copies), plain and with the builtin EAGLE head.
+
+Batch 1 is the first `--batch1-prompts` prompts one at a time (llama.cpp with one slot;
+eaglebatch with plain and EAGLE alternating request by request); "batched" is all `--prompts`
+prompts, llama.cpp with parallel slots under continuous batching (the best of `--llama-parallel`)
+against eaglebatch at max batch size 64. At every batch size plain and EAGLE run back to back
+over one loaded model, and greedy EAGLE output is checked token for token against plain.
+
+Figures are generation throughput: output tokens over the time after prompt processing.
+eaglebatch: the seconds of its decode and verify steps (a run's `step_seconds`, prefills left
+out). llama.cpp: at one slot the server's summed `predicted_ms`; with slots, the wall time less
+the summed `prompt_ms` divided by the slots (prompts processed that many at a time; an estimate,
+as prompt and generation batches overlap). Wall-time throughput is printed beside each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from eaglebatch import defaults
+from eaglebatch.bench import eaglebatch_rows
+from eaglebatch.config import JobConfig, load_job
+from eaglebatch.engine import prepare
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llamacpp import find_llama_server, run_llama_server  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+GOAL_BATCH1, GOAL_BATCHED = 1.5, 2.0  # EAGLE over llama.cpp (issue 31)
+
+
+def cpu_line() -> str:
+    """The CPU model and its AVX-512 features (figures differ between AVX-512 and AVX2 hosts)."""
+    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = re.search(r"model name\s*:\s*(.*)", text)
+    flags = sorted(set(re.findall(r"\bavx512[a-z_0-9]*", text)))
+    isa = ", ".join(flags) if flags else "no AVX-512 (AVX2 + FMA)"
+    return f"{model.group(1) if model else platform.processor()}; {isa}"
+
+
+def quickstart_job(out: Path, prompts: int, max_tokens: int, overrides: list[str]) -> JobConfig:
+    return load_job(ROOT / "jobs" / "quickstart.yaml", [
+        f"input.limit={prompts}", f"sampling.max_new_tokens={max_tokens}",
+        f"output.path={out}", *overrides,
+    ])
+
+
+def prompt_token_ids(job: JobConfig) -> list[list[int]]:
+    """The job's prompts as the token ids eaglebatch feeds its model (chat template applied)."""
+    from transformers import AutoTokenizer
+
+    from eaglebatch.bench import read_prompts
+
+    prep = prepare(job)
+    tok = AutoTokenizer.from_pretrained(str(prep.model.dir))
+    rows = read_prompts(job, prep.input_files, prep.total_rows)
+    texts = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
+             for m in rows]
+    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def llama_rows(gguf: Path, ids: list[list[int]], n1: int, args, console: Console) -> dict:
+    """llama.cpp at one slot on the first n1 prompts, and at each slot count on all of them."""
+    binary = find_llama_server()
+    console.print(f"llama-server: {binary[1]}")
+    out = {"binary": binary[1], "batch1": None, "batched": []}
+    runs = [(1, ids[:n1])] + [(p, ids) for p in args.llama_parallel]
+    for parallel, prompts in runs:
+        r = run_llama_server(gguf, prompts, args.max_tokens, parallel, threads=args.threads,
+                             binary=binary)
+        r.pop("per_request")
+        console.print(f"llama.cpp, {parallel} slot(s), {len(prompts)} prompts: "
+                      f"{r['output_tok_s_gen']:.1f} gen tok/s ({r['output_tok_s_wall']:.1f} wall)")
+        if parallel == 1:
+            out["batch1"] = r
+        else:
+            out["batched"].append(r)
+    return out
+
+
+def eagle_rows(weights: str, batch_sizes: list[int], n1: int, args, tmp: Path,
+               console: Console) -> list[dict]:
+    """eaglebatch plain and EAGLE rows at each batch size with engine.weights = weights."""
+    rows = []
+    for b in batch_sizes:
+        n = n1 if b == 1 else args.prompts
+        job = quickstart_job(tmp / f"{weights}-{b}", n, args.max_tokens,
+                             [f"engine.weights={weights}"])
+        console.print(f"eaglebatch, weights {weights}, batch {b}, {n} prompts ...")
+        got, _ = eaglebatch_rows(job, [b], console=console)
+        for r in got:
+            r["weights"] = weights
+            console.print(f"  {r['engine']}: {_f(r['generation_tok_s'])} gen tok/s "
+                          f"({r['output_tok_s']:.1f} wall), acceptance "
+                          f"{_f(r['accept_length'], '.2f')}")
+        rows += got
+    return rows
+
+
+def _f(x, spec: str = ".1f") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _find(rows: list[dict], weights: str, engine: str, b: int) -> dict | None:
+    return next((r for r in rows if r["weights"] == weights and r["engine"] == engine
+                 and r["batch_size"] == b), None)
+
+
+def side_by_side(llama: dict, rows: list[dict], n1: int, n: int, batched: int) -> Table:
+    """The issue's table: generation tok/s at batch 1 and batched, per engine."""
+    best = max(llama["batched"], key=lambda r: r["output_tok_s_gen"])
+    t = Table(title=f"generation tok/s (wall tok/s): batch 1 on {n1} prompts, batched on {n}")
+    for col in ("engine", "batch 1", "batched", "accept len b1 / batched"):
+        t.add_column(col, justify="right")
+    one = llama["batch1"]
+    t.add_row("llama.cpp llama-server",
+              f"{one['output_tok_s_gen']:.1f} ({one['output_tok_s_wall']:.1f})",
+              f"{best['output_tok_s_gen']:.1f} ({best['output_tok_s_wall']:.1f}), "
+              f"{best['parallel']} slots", "-")
+    for weights in ("quantized", "dequantized"):
+        for engine, label in (("eaglebatch", "plain"), ("eaglebatch+eagle", "EAGLE")):
+            a, b = _find(rows, weights, engine, 1), _find(rows, weights, engine, batched)
+            if a is None and b is None:
+                continue
+            cells = [f"{_f(r['generation_tok_s'])} ({r['output_tok_s']:.1f})" if r else "-"
+                     for r in (a, b)]
+            acc = " / ".join(_f(r and r["accept_length"], ".2f") for r in (a, b))
+            t.add_row(f"eaglebatch {label}, weights {weights}", *cells, acc)
+    return t
+
+
+def spec_table(rows: list[dict], weights: str, batch_sizes: list[int]) -> Table:
+    """EAGLE over plain at each batch size (the pair measured back to back)."""
+    t = Table(title=f"EAGLE / plain, weights {weights} (generation tok/s)")
+    for col in ("batch", "plain", "EAGLE", "EAGLE / plain", "accept len", "identical"):
+        t.add_column(col, justify="right")
+    for b in batch_sizes:
+        p, e = _find(rows, weights, "eaglebatch", b), _find(rows, weights, "eaglebatch+eagle", b)
+        if p is None or e is None:
+            continue
+        ratio = e["generation_tok_s"] / p["generation_tok_s"]
+        e["gen_speedup"] = ratio
+        t.add_row(str(b), _f(p["generation_tok_s"]), _f(e["generation_tok_s"]), f"{ratio:.2f}x",
+                  _f(e["accept_length"], ".2f"),
+                  f"{e.get('identical_requests', '-')}/{e['requests']}")
+    return t
+
+
+def goal_lines(llama: dict, rows: list[dict], batched: int) -> list[str]:
+    best = max(r["output_tok_s_gen"] for r in llama["batched"])
+    out = []
+    for label, b, ref, goal in (("batch 1", 1, llama["batch1"]["output_tok_s_gen"], GOAL_BATCH1),
+                                ("batched", batched, best, GOAL_BATCHED)):
+        for weights in ("quantized", "dequantized"):
+            e = _find(rows, weights, "eaglebatch+eagle", b)
+            p = _find(rows, weights, "eaglebatch", b)
+            if e is None or p is None:
+                continue
+            fastest = max(e["generation_tok_s"], p["generation_tok_s"])
+            out.append(f"{label}, weights {weights}: EAGLE {e['generation_tok_s'] / ref:.2f}x, "
+                       f"plain {p['generation_tok_s'] / ref:.2f}x llama.cpp "
+                       f"(goal {goal}x: {'met' if fastest / ref >= goal else 'not met'})")
+    return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--batch1-prompts", type=int, default=24)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 16, 32, 64])
+    ap.add_argument("--dequantized-batch-sizes", type=int, nargs="*", default=[1, 64])
+    ap.add_argument("--llama-parallel", type=int, nargs="+", default=[16, 32, 64])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    console = Console(width=200)
+    console.print(f"CPU: {cpu_line()}")
+    n1, batched = args.batch1_prompts, max(args.batch_sizes)
+    with tempfile.TemporaryDirectory(prefix="eaglebatch-vs-llamacpp-") as tmp:
+        ids = prompt_token_ids(quickstart_job(Path(tmp) / "ids", args.prompts, args.max_tokens,
+                                              []))
+        llama = llama_rows(defaults.builtin_gguf(), ids, n1, args, console)
+        rows = eagle_rows("quantized", args.batch_sizes, n1, args, Path(tmp), console)
+        rows += eagle_rows("dequantized", args.dequantized_batch_sizes, n1, args, Path(tmp),
+                           console)
+    console.print(side_by_side(llama, rows, n1, args.prompts, batched))
+    for weights in ("quantized", "dequantized"):
+        console.print(spec_table(rows, weights, args.batch_sizes))
+    for line in goal_lines(llama, rows, batched):
+        console.print(line, highlight=False)
+    if args.json:
+        result = {"cpu": cpu_line(), "args": {k: str(v) for k, v in vars(args).items()},
+                  "llama_cpp": llama, "eaglebatch": rows}
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
