@@ -441,7 +441,7 @@ def resident_memory() -> dict[str, float]:
 def _step_loop(prep: PreparedJob, scheduler, worker, progress: ProgressFn | None) -> dict:
     """`for plan in scheduler: commit(worker.step(plan))` until every row is written; stops
     between two steps on SIGINT / SIGTERM (raises Interrupted). Returns the run's stats, with
-    step_seconds: per plan kind (prefill, decode, verify) the seconds its steps took."""
+    step_seconds: per kind of step (prefill, mixed, decode, verify) the seconds its steps took."""
     last_report = 0.0
     seconds: dict[str, float] = {}  # plan kind -> seconds of its steps (planning to commit)
     with StopSignals() as stop:
@@ -450,7 +450,10 @@ def _step_loop(prep: PreparedJob, scheduler, worker, progress: ProgressFn | None
             # (tokens, num_tokens) or, speculating, (tokens, num_tokens, num_accepted)
             scheduler.commit(*worker.step(plan))
             now = time.monotonic()
-            seconds[plan.kind] = seconds.get(plan.kind, 0.0) + now - mark
+            # "mixed": a decode step that also carried prompt chunks (chunked prefill)
+            mixed = plan.kind == "decode" and plan.num_tokens > plan.num_seqs
+            kind = "mixed" if mixed else plan.kind
+            seconds[kind] = seconds.get(kind, 0.0) + now - mark
             mark = now
             if stop.signum is not None:
                 written = scheduler.abort()

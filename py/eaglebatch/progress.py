@@ -105,18 +105,19 @@ def cache_line(stats: dict) -> str:
 
 
 def generation_seconds(step_seconds: dict | None) -> float | None:
-    """Seconds of the steps that were not prefills (decode and verify steps, with chunked
-    prefill the decode steps that carried prompt chunks too); None when not measured."""
+    """Seconds of the steps that only generated (decode and verify steps; not prefills nor
+    the decode steps that also carried prompt chunks); None when not measured."""
     if not step_seconds:
         return None
-    return sum(v for k, v in step_seconds.items() if k != "prefill")
+    return sum(v for k, v in step_seconds.items() if k in ("decode", "verify"))
 
 
 def step_time_line(step_seconds: dict | None) -> str:
+    """Seconds of prefill steps (with the mixed ones) / of generation steps."""
     gen = generation_seconds(step_seconds)
     if gen is None:
         return "-"
-    return f"{step_seconds.get('prefill', 0.0):.1f}s / {gen:.1f}s"
+    return f"{sum(step_seconds.values()) - gen:.1f}s / {gen:.1f}s"
 
 
 def summary_table(stats: dict, wall_s: float, title: str = "eaglebatch summary") -> Table:

@@ -6,7 +6,9 @@ Per batch-size bucket (the batch size rounded up to a power of two):
     Measured, not modelled as a line: verify cost is a step function of the query length where
     GEMM kernels change strategy (on a 2-core x86 CPU, a SmolLM2 forward over 3 tokens per row
     costs about what 1 token costs, over 4 tokens about 1.3x; GPUs have tile boundaries).
-    A k not measured yet is estimated as k * t_draft + the rest of the nearest measured round.
+    A k not measured yet: the widest measured round below it plus, per further draft, the
+    larger of t_draft and that round's measured step over the one before (the narrowest
+    measured round less t_draft per draft when none is below).
   * acceptance per draft position: a_j = P(draft j accepted | drafts 1..j-1 were), from decayed
     counts over all rounds (a row with k drafts and x accepted tried positions 1..min(x+1, k)
     and passed 1..x), smoothed towards a_{j-1} (a_0 = 1/2) with a pseudo-count of 2. Later
@@ -19,11 +21,16 @@ Per batch-size bucket (the batch size rounded up to a power of two):
     row can draft. At batch sizes where a verify row costs about what a decode row does (a CPU
     at large batches) widening a round for a few drafting rows does not pay, and this says so.
 
-Exploration, deterministic: a new bucket measures k = K, 0, 1, ..., K-1 once each (K + 1 rounds),
-so every cost is measured, not guessed; after that every `probe_every`-th round of a bucket uses a
-neighbour of the choice, alternately k + 1 and k - 1, so neighbouring costs and the acceptance of
-one more draft keep being measured. Nothing here is random: the same timings and acceptances give
-the same choices.
+Exploration, deterministic: a new bucket measures k = 0 first, then k = 1, 2, ... in turn while
+the next one could still win: k is measured when its expected rate, priced at the cost of the
+widest round measured so far (a round with more drafts costs at least as much), beats the best
+measured rate. Where widening a round costs about what it emits (a CPU at large batches, every
+query token a row adds costing about a decode row), one round of k = 1 shows it and the wider k
+are never tried. After that, every probe interval's round (first `probe_every`, doubling up to
+`max_probe_every` while the probes leave the choice unchanged, back to `probe_every` when it
+changes) uses a neighbour of the choice, alternately k + 1 and k - 1, so neighbouring costs and
+the acceptance of one more draft keep being measured at a cost that shrinks over a long run.
+Nothing here is random: the same timings and acceptances give the same choices.
 """
 
 from __future__ import annotations
@@ -54,6 +61,11 @@ class _Bucket:
     t_draft: float | None = None  # EMA seconds of drafting per draft token
     t_round: dict[int, float] = field(default_factory=dict)  # k -> EMA seconds of a whole round
     rounds: int = 0
+    swept: bool = False  # the first measurements are done (module doc, exploration)
+    probe_at: int = 0  # the round index of the next probe
+    probe_every: int = 0  # the current probe interval (0: not set yet)
+    probes: int = 0  # probes so far (their direction alternates)
+    probed_best: int | None = None  # the choice when the last probe was made
 
 
 class AdaptiveDraftLength:
@@ -64,6 +76,7 @@ class AdaptiveDraftLength:
         ema: float = 0.2,
         decay: float = 0.995,
         probe_every: int = 16,
+        max_probe_every: int = 256,
     ) -> None:
         if max_k < 0:
             raise ValueError("max_k must be >= 0")
@@ -71,6 +84,7 @@ class AdaptiveDraftLength:
         self.ema = ema
         self.decay = decay
         self.probe_every = probe_every
+        self.max_probe_every = max(probe_every, max_probe_every)
         # decayed counts per draft position j = 1..K (index j - 1)
         self.tried = [0.0] * max_k
         self.passed = [0.0] * max_k
@@ -100,8 +114,15 @@ class AdaptiveDraftLength:
             return None
         if k in b.t_round:
             return b.t_round[k]
-        near = min(b.t_round, key=lambda x: (abs(x - k), x))
-        return max(b.t_round[near] + (k - near) * (b.t_draft or 0.0), 1e-9)
+        slope = b.t_draft or 0.0
+        below = [j for j in b.t_round if j < k]
+        if below:  # wider than any measured: the widest one's cost, growing per draft by the
+            m = max(below)  # drafting time or the last measured step, whichever is more
+            if m - 1 in b.t_round:
+                slope = max(slope, b.t_round[m] - b.t_round[m - 1])
+            return b.t_round[m] + (k - m) * slope
+        near = min(b.t_round)
+        return max(b.t_round[near] - (near - k) * slope, 1e-9)
 
     def choose(self, batch_size: int, drafting: int | None = None) -> int:
         """k for a round over `batch_size` rows of which `drafting` (default: all) can draft."""
@@ -109,22 +130,41 @@ class AdaptiveDraftLength:
         if self.max_k == 0 or drafting <= 0:
             return 0
         b = self.buckets.setdefault(self.bucket_of(batch_size), _Bucket())
-        for k in (self.max_k, *range(self.max_k)):  # the sweep: K, 0, 1, ..., K-1
-            if k not in b.t_round:
-                return k
         rates = self.rates()
-        best, best_rate = 0, -1.0
-        for k in range(self.max_k + 1):
-            tokens = batch_size + drafting * (chain_expected_tokens(rates, k) - 1.0)
-            rate = tokens / self.cost(batch_size, k)
-            if rate > best_rate * (1 + 1e-9):
-                best, best_rate = k, rate
-        if b.rounds % self.probe_every == self.probe_every - 1:
-            step = -1 if (b.rounds // self.probe_every) % 2 else 1  # probes alternate +1, -1
-            if not 0 <= best + step <= self.max_k:
-                step = -step
-            best = min(self.max_k, max(0, best + step))
+
+        def rate(k: int, cost: float) -> float:
+            return (batch_size + drafting * (chain_expected_tokens(rates, k) - 1.0)) / cost
+
+        if not b.swept:
+            k = next(j for j in range(self.max_k + 2) if j not in b.t_round)  # the next to try
+            if k == 0:
+                return 0
+            best = _best(range(k), lambda j: rate(j, b.t_round[j]))
+            # a round with more drafts costs at least the widest measured one below it
+            if k <= self.max_k and rate(k, max(b.t_round[j] for j in range(k))) > rate(
+                best, b.t_round[best]
+            ):
+                return k
+            b.swept = True
+            b.probe_every, b.probe_at = self.probe_every, b.rounds + self.probe_every
+        best = _best(range(self.max_k + 1), lambda k: rate(k, self.cost(batch_size, k)))
+        if b.rounds >= b.probe_at:
+            return self._probe(b, best)
         return best
+
+    def _probe(self, b: _Bucket, best: int) -> int:
+        """The probe round's k: a neighbour of `best`, alternately k + 1 and k - 1; sets the
+        next probe (the interval doubles while the choice stays, module doc)."""
+        if b.probed_best == best:
+            b.probe_every = min(2 * b.probe_every, self.max_probe_every)
+        else:
+            b.probe_every = self.probe_every
+        b.probed_best, b.probe_at = best, b.rounds + b.probe_every
+        step = -1 if b.probes % 2 else 1
+        b.probes += 1
+        if not 0 <= best + step <= self.max_k:
+            step = -step
+        return min(self.max_k, max(0, best + step))
 
     def record(
         self,
@@ -155,6 +195,16 @@ class AdaptiveDraftLength:
                 self.tried[j] += 1.0
             for j in range(min(x, n)):
                 self.passed[j] += 1.0
+
+
+def _best(ks, rate) -> int:
+    """The k of the highest rate(k); on a tie (within rounding) the smaller k."""
+    best, best_rate = 0, -1.0
+    for k in ks:
+        r = rate(k)
+        if r > best_rate * (1 + 1e-9):
+            best, best_rate = k, r
+    return best
 
 
 def _ema(old: float | None, new: float, weight: float) -> float:
