@@ -192,3 +192,18 @@ def test_quantized_weights_need_a_gguf_model_and_the_native_kernels(tmp_path, ti
     with pytest.raises(JobError, match="engine.weights: 'quantized' needs the native CPU"):
         prepare(_job(tmp_path, defaults.BUILTIN_MODEL, ["hi"], "quantized",
                      "  cpu_gemm: torch\n"))  # fmt: skip
+
+
+def test_weights_left_to_blocks_are_not_loaded(tiny_model_dir):
+    """A worker whose blocks are kept skips their float32 copies: every other parameter loads
+    as before, and a checkpoint tensor the model lacks is still an error."""
+    from eaglebatch.model.llama import LlamaForCausalLM
+    from eaglebatch.model.weights import load_named_tensors
+
+    full = dict(LlamaForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
+    skip = frozenset({"model.layers.0.mlp.up_proj.weight", "model.embed_tokens.weight"})
+    part = LlamaForCausalLM.from_pretrained(tiny_model_dir, skip=skip)
+    for name, p in part.named_parameters():
+        assert name in skip or torch.equal(p, full[name]), name
+    with pytest.raises(ValueError, match="unexpected tensors: extra"):
+        load_named_tensors(part, [("extra", torch.zeros(1))], skip=skip)

@@ -148,6 +148,21 @@ def load(path: Path) -> tuple[dict[str, QuantizedWeight], str] | None:
         return found, meta.get("note", "")
 
 
+def kept_names(model_dir: Path) -> frozenset[str]:
+    """The weight names whose blocks are kept beside `model_dir` (read from the file's header;
+    empty when there are none yet): a worker need not load their float32 copies."""
+    from safetensors import safe_open
+
+    path = model_dir / BLOCKS_FILE
+    if not path.is_file():
+        return frozenset()
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        if meta.get("version") != VERSION:
+            return frozenset()
+        return frozenset(json.loads(meta["types"]))
+
+
 def quantized_weights(
     model_dir: Path, gguf_path: Path | None, model: nn.Module, num_layers: int
 ) -> dict[str, QuantizedWeight]:

@@ -79,8 +79,17 @@ def resolve_weights(name: str, gemm_threads: int, mf: ModelFiles) -> bool:
     return name != "dequantized" and gemm_threads > 0 and has_blocks
 
 
-def _use_blocks(model: LlamaForCausalLM, mf: ModelFiles, threads: int) -> str:
-    """Swaps the model's GGUF blocks in (cpu/quantized.py); returns what the weights are."""
+def _blocks_names(mf: ModelFiles) -> frozenset[str]:
+    from .gguf_blocks import kept_names
+
+    return kept_names(mf.dir)
+
+
+def _use_blocks(
+    model: LlamaForCausalLM, mf: ModelFiles, threads: int, unloaded: frozenset[str]
+) -> str:
+    """Swaps the model's GGUF blocks in (cpu/quantized.py), which must replace every weight
+    left `unloaded`; returns what the weights are."""
     from collections import Counter
 
     from .cpu.quantized import use_quantized_weights
@@ -88,6 +97,8 @@ def _use_blocks(model: LlamaForCausalLM, mf: ModelFiles, threads: int) -> str:
 
     blocks = quantized_weights(mf.dir, mf.gguf, model, model.config.num_hidden_layers)
     names = use_quantized_weights(model, blocks, threads)
+    if missing := sorted(unloaded - set(names)):  # the blocks file changed under this run
+        raise RuntimeError(f"weights: no blocks replaced the unloaded {missing[:3]}")
     kinds = Counter(blocks[n].type_name for n in names)
     size = sum(blocks[n].blocks.numel() for n in names) / 2**20
     rest = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
@@ -354,12 +365,16 @@ class Worker:
         max_model_len = resolve_max_model_len(eng.max_model_len, cfg.max_model_len)
         backend = get_backend(resolve_backend(eng.attention_backend, device))
         gemm_threads = resolve_small_gemm(eng.cpu_gemm, device, dtype)
+        blocks = resolve_weights(eng.weights, gemm_threads, mf)
+        # the float32 copies of weights with kept blocks are never read (not resident)
+        skip = _blocks_names(mf) if blocks else frozenset()
         model = model_class(cfg).from_pretrained(
-            mf.dir, dtype=dtype, device=device, backend=backend, max_positions=max_model_len
+            mf.dir, dtype=dtype, device=device, backend=backend, max_positions=max_model_len,
+            skip=skip,
         )
         accelerate(model, gemm_threads)  # a float32 CPU run: the CPU fast path
-        if resolve_weights(eng.weights, gemm_threads, mf):
-            weights = _use_blocks(model, mf, gemm_threads)
+        if blocks:
+            weights = _use_blocks(model, mf, gemm_threads, skip)
         else:
             weights = _weights_line(model)
         reserve = 0

@@ -202,15 +202,18 @@ class LlamaForCausalLM(nn.Module):
         device: torch.device | str = "cpu",
         backend: AttentionBackend | None = None,
         max_positions: int | None = None,
+        skip: frozenset[str] = frozenset(),
     ) -> LlamaForCausalLM:
-        """Config + weights from a Hugging Face checkpoint directory, without random init."""
+        """Config + weights from a Hugging Face checkpoint directory, without random init.
+        Parameters named in `skip` are left unloaded (allocated, never written, so not resident
+        until used): the caller replaces them (GGUF blocks, cpu/quantized.py)."""
         cfg = ModelConfig.from_dir(path)
         with torch.device("meta"):
             model = cls(cfg, backend=backend, dtype=dtype, max_positions=max_positions)
         model.to_empty(device=device)
         for rotary in model.rotaries():
             rotary.rebuild()
-        model.load_weights(path)
+        model.load_weights(path, skip)
         return model.eval()
 
     @classmethod
@@ -229,14 +232,16 @@ class LlamaForCausalLM(nn.Module):
         """A tied checkpoint may or may not contain lm_head.weight."""
         return _IGNORED_TENSORS + (("lm_head.weight",) if self.lm_head is None else ())
 
-    def load_weights(self, path: str | os.PathLike[str]) -> None:
-        """Loads every parameter from the *.safetensors files in `path` (raises on missing or
-        unexpected tensors)."""
+    def load_weights(
+        self, path: str | os.PathLike[str], skip: frozenset[str] = frozenset()
+    ) -> None:
+        """Loads every parameter but those in `skip` from the *.safetensors files in `path`
+        (raises on missing or unexpected tensors)."""
         tensors = iter_tensors(path)
         if self.config.text_tower:
             tensors = ((m, t) for n, t in tensors if (m := text_tower_name(n)) is not None)
         load_named_tensors(self, tensors, ignore=self._ignored_tensors(),
-                           source=f"checkpoint {path}")
+                           source=f"checkpoint {path}", skip=skip)
 
     @property
     def dtype(self) -> torch.dtype:

@@ -158,18 +158,22 @@ def load_named_tensors(
     *,
     ignore: tuple[str, ...] = (),
     source: str = "checkpoint",
+    skip: frozenset[str] = frozenset(),
 ) -> None:
     """Copies tensors into `module`'s parameters of the same name, cast to each parameter's dtype
-    and device. Every parameter must be loaded exactly once; a tensor matching no parameter is an
-    error unless its name ends with one of `ignore`."""
+    and device. Every parameter must be loaded exactly once, but those in `skip`, which are left
+    as they are (the caller replaces them); a tensor matching no parameter is an error unless its
+    name ends with one of `ignore`."""
     params = dict(module.named_parameters())
-    loaded: set[str] = set()
+    loaded: set[str] = set(skip) & set(params)
     unexpected: list[str] = []
     for name, tensor in tensors:
         param = params.get(name)
         if param is None:
             if not (ignore and name.endswith(ignore)):
                 unexpected.append(name)
+            continue
+        if name in skip:
             continue
         if tuple(tensor.shape) != tuple(param.shape):
             raise ValueError(
