@@ -170,6 +170,20 @@ def test_adaptive_draft_length_is_lossless(env) -> None:
     assert out == env.plain
 
 
+def test_rows_joining_where_the_policy_settled_on_plain_decoding_skip_the_head(env) -> None:
+    """Rows prefilled while the policy has settled on k = 0 start stale: the head never runs
+    for them (neither at their prefill nor after) and the output is plain greedy's."""
+    worker = spec_worker(env, "eagle3", 3, adaptive=True)
+    worker.policy.settled_on_plain = lambda batch_size: True
+    calls = []
+    real = worker._draft_forward
+    worker._draft_forward = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+    out, _ = run(worker, env.reqs, k=3, eos=env.eos)
+    assert out == env.plain
+    assert calls == [] and worker.stats.plain_prefills == len(env.reqs)
+    assert worker.stats.drafted == 0
+
+
 @pytest.mark.parametrize("kind,max_batch", [("eagle1", 8), ("eagle3", 8), ("eagle3", 2)])
 def test_deferred_extends_catch_up_to_the_same_draft_state(env, kind, max_batch) -> None:
     """Rounds the policy runs with k = 0 defer their draft extend; the next round with drafts
@@ -677,6 +691,7 @@ def test_adaptive_policy_tries_no_wider_rounds_where_widening_costs_what_it_emit
     assert chosen[:3] == [0, 1, 0] and max(chosen) == 1
     # k = 1: the sweep's, then the probes 16, 16, 32 and 64 rounds apart
     assert [i for i, k in enumerate(chosen) if k] == [1, 18, 34, 66, 130]
+    assert policy.settled_on_plain(64) and not policy.settled_on_plain(8)
 
 
 def test_adaptive_policy_follows_a_step_in_verify_cost() -> None:

@@ -152,6 +152,12 @@ class AdaptiveDraftLength:
             return self._probe(b, best)
         return best
 
+    def settled_on_plain(self, batch_size: int) -> bool:
+        """Whether the bucket of `batch_size` chose k = 0 after its sweep and a probe has
+        confirmed it since (the choice held through a whole probe interval)."""
+        b = self.buckets.get(self.bucket_of(batch_size))
+        return b is not None and b.probed_best == 0 and b.probe_every > self.probe_every
+
     def _probe(self, b: _Bucket, best: int) -> int:
         """The probe round's k: a neighbour of `best`, alternately k + 1 and k - 1; sets the
         next probe (the interval doubles while the choice stays, module doc)."""

@@ -35,6 +35,9 @@ Plans (see _native.pyi and the speculative plan contract):
     and the next round with k > 0 first extends the draft over all of them in one forward. A
     row with more deferred rounds becomes "stale": it leaves the head for good (drafts by
     prompt lookup or not at all), and the policy counts only the rows that can still draft.
+    Where the policy has settled on k = 0 at the batch size new rows join (a CPU at large
+    batches), they start stale: their prefill neither captures the target's states nor runs
+    the head, and a round whose rows are all stale is a plain target step.
 Invariant between steps, per running slot s that is not stale: the draft's K/V is valid for
 positions 0..L-2-d (like the target's, less the d = deferred[s] deferred positions) and
 hidden[s] = h^d_{L-2-d}, the draft output at the last extended position.
@@ -93,6 +96,7 @@ class SpecStats:
     lookup_accepted: int = 0
     deferred_extends: int = 0  # rows of k = 0 rounds whose draft extend was deferred
     stale_rows: int = 0  # sequences dropped from the head (more than MAX_DEFERRED deferred)
+    plain_prefills: int = 0  # sequences prefilled without the head (stale from the start)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -135,6 +139,7 @@ class _Round:
     b: int = 0
     cu: np.ndarray | None = None  # int64 [B+1] the plan's query offsets
     stale: np.ndarray | None = None  # bool [B] rows the head no longer serves, at the start
+    head_rows: bool = False  # the head still serves some row: the target's states are captured
     lookup_ids: np.ndarray | None = None  # int64 [B, k] lookup rows' drafts, 0 after n
     head_drafts: bool = False  # the head drafts for some row
     start: np.ndarray | None = None  # int64 [B] L-1
@@ -224,6 +229,8 @@ class SpecWorker:
         self.ready = np.zeros(max_batch_size, dtype=bool)  # slot has been prefilled
         self.deferred = np.zeros(max_batch_size, dtype=np.int64)
         self.stale = np.zeros(max_batch_size, dtype=bool)
+        self.prefilling = np.zeros(max_batch_size, dtype=bool)  # a prompt is partly prefilled
+        self.running_rows = 0  # rows of the last verify round
         self.deferred_ids = torch.zeros(
             max_batch_size, MAX_DEFERRED, dtype=torch.long, device=self.device
         )  # [max_batch_size, MAX_DEFERRED]
@@ -367,25 +374,27 @@ class SpecWorker:
         self.model.backend.prepare(meta)
         ids = self._dev(plan.input_ids)  # [T]
         positions = self._dev(plan.positions)  # [T]
-        hidden, captured = self.model(
-            ids, positions, meta, self.kv_caches, capture_layers=self.draft.capture_layers
-        )  # [T, H]
+        head = self._head_prefills(plan)
+        layers = self.draft.capture_layers if head else ()
+        out = self.model(ids, positions, meta, self.kv_caches, capture_layers=layers)
+        hidden, captured = out if head else (out, None)  # [T, H]
         last = self._dev(plan.cu_seqlens_q[1:].astype(np.int64) - 1)  # [B]
         logits = self.model.compute_logits(hidden.index_select(0, last))  # [B, V]
         tokens, logprobs = sample_rows(self, plan, logits, self._sampling(plan))  # [B]
         prompt_lps = prompt_logprobs(self.model.compute_logits, hidden, plan)
-        # draft extend over p = c..n-1: token x_{p+1} is the next prompt token, or the new one
-        # (a chunk that stops before the row's end: the plan's next token, the new one dropped)
-        next_ids = torch.roll(ids, -1)
-        after = self._dev(plan.next_ids)  # [B] -1: the sampled token follows
-        next_ids[last] = torch.where(after >= 0, after, tokens)
-        h = self._draft_forward(
-            next_ids, self.draft.target_features(captured), positions, meta, select=last
-        )  # [B, h]
-        self.hidden.index_copy_(0, self._dev(plan.request_slots), h)
+        if head:
+            # draft extend over p = c..n-1: token x_{p+1} is the next prompt token, or the new
+            # one (a chunk that stops before the row's end: the plan's next token, the new one
+            # dropped)
+            next_ids = torch.roll(ids, -1)
+            after = self._dev(plan.next_ids)  # [B] -1: the sampled token follows
+            next_ids[last] = torch.where(after >= 0, after, tokens)
+            h = self._draft_forward(
+                next_ids, self.draft.target_features(captured), positions, meta, select=last
+            )  # [B, h]
+            self.hidden.index_copy_(0, self._dev(plan.request_slots), h)
         self.ready[plan.request_slots] = True
         self.deferred[plan.request_slots] = 0
-        self.stale[plan.request_slots] = False
         self.stats.prefill_steps += 1
         out = tokens.to(torch.int32).cpu().numpy()
         n = len(out)
@@ -400,6 +409,21 @@ class SpecWorker:
         if logprobs is None and prompt_lps is None:
             return result
         return (*result, logprobs, prompt_lps)
+
+    def _head_prefills(self, plan) -> bool:
+        """Whether the head runs over this prefill: when it follows any of its rows. A row
+        whose prompt starts here follows it unless the policy has settled on plain decoding
+        (k = 0) at the batch size it joins (module doc): then it starts stale, and a prefill of
+        such rows only neither captures the target's states nor runs the head."""
+        slots = plan.request_slots
+        starting = slots[~self.prefilling[slots]]
+        if len(starting):
+            plain = (self.policy is not None and self.graphs is None
+                     and self.policy.settled_on_plain(self.running_rows + plan.num_seqs))
+            self.stale[starting] = plain
+            self.stats.plain_prefills += len(starting) if plain else 0
+        self.prefilling[slots] = plan.next_ids >= 0  # a chunk before the prompt's end
+        return not bool(self.stale[slots].all())
 
     # ---- deferred draft extends (module doc) ---------------------------------------------------
 
@@ -534,6 +558,8 @@ class SpecWorker:
         stale = self.stale[plan.request_slots]  # [B] rows the head no longer serves (module doc)
         r = self._round_shape(plan.request_slots, k_plan)
         r.plan, r.b, r.cu, r.stale = plan, b, cu, stale
+        self.running_rows = b
+        r.head_rows = not bool(stale.all())
         r.lookup_ids = np.zeros((b, r.k), dtype=np.int64)  # padding (0) after each row's n
         for i in np.flatnonzero(r.by_lookup):
             r.lookup_ids[i, : r.n[i]] = r.proposals[i][: r.n[i]]
@@ -614,9 +640,12 @@ class SpecWorker:
             r.kv_slots[:, : k + 1].reshape(-1),
         )  # fmt: skip
         self.model.backend.prepare(r.meta)
-        hidden, r.captured = self.model(
-            ids, r.positions, r.meta, self.kv_caches, capture_layers=self.draft.capture_layers
-        )  # [B*(k+1), H]
+        if r.head_rows:
+            hidden, r.captured = self.model(
+                ids, r.positions, r.meta, self.kv_caches, capture_layers=self.draft.capture_layers
+            )  # [B*(k+1), H]
+        else:  # every row left the head: nothing extends it, so nothing is captured
+            hidden = self.model(ids, r.positions, r.meta, self.kv_caches)
         r.logits = self.model.compute_logits(hidden).view(b, k + 1, -1)  # [B, k+1, V]
 
     def _target_graph(self, r: _Round) -> None:
@@ -660,6 +689,8 @@ class SpecWorker:
     # ---- 4. extend: the draft over L-1..L-1+k, keeping h^d at L-1+a ----------------------------
 
     def _extend_eager(self, r: _Round) -> None:
+        if not r.head_rows:  # no row keeps a draft state
+            return
         select = torch.arange(r.b, device=self.device) * (r.k + 1) + r.accepted  # [B]
         features = self.draft.target_features(r.captured)  # [B*(k+1), h]
         h = self._draft_forward(r.tokens.reshape(-1), features, r.positions, r.meta, select)
@@ -671,7 +702,7 @@ class SpecWorker:
 
     def _extend_deferred(self, r: _Round) -> None:
         """A k = 0 round of the policy: the extend waits for the next round with drafts."""
-        self._defer(r.plan.request_slots, r.tokens[:, 0], r.captured)
+        self._defer(r.plan.request_slots, r.tokens[:, 0], r.captured or {})
 
     # ---- 5. record -----------------------------------------------------------------------------
 
