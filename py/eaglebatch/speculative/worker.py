@@ -230,7 +230,8 @@ class SpecWorker:
         self.deferred = np.zeros(max_batch_size, dtype=np.int64)
         self.stale = np.zeros(max_batch_size, dtype=bool)
         self.prefilling = np.zeros(max_batch_size, dtype=bool)  # a prompt is partly prefilled
-        self.running_rows = 0  # rows of the last verify round
+        # rows of the last verify round: about the batch new rows join (as many finished)
+        self.running_rows = 0
         self.deferred_ids = torch.zeros(
             max_batch_size, MAX_DEFERRED, dtype=torch.long, device=self.device
         )  # [max_batch_size, MAX_DEFERRED]
@@ -419,7 +420,7 @@ class SpecWorker:
         starting = slots[~self.prefilling[slots]]
         if len(starting):
             plain = (self.policy is not None and self.graphs is None
-                     and self.policy.settled_on_plain(self.running_rows + plan.num_seqs))
+                     and self.policy.settled_on_plain(max(self.running_rows, plan.num_seqs)))
             self.stale[starting] = plain
             self.stats.plain_prefills += len(starting) if plain else 0
         self.prefilling[slots] = plan.next_ids >= 0  # a chunk before the prompt's end
