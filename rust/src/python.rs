@@ -321,6 +321,7 @@ impl PyScheduler {
         let written = py.detach(|| inner.abort()).map_err(to_py)?;
         let d = PyDict::new(py);
         d.set_item("rows_written", written.rows_written)?;
+        d.set_item("writer_seconds", written.busy.as_secs_f64())?;
         let parts: Vec<String> = written
             .part_files
             .iter()

@@ -48,7 +48,7 @@ use crate::logprobs::{self, PromptLogprobs, StepLogprobs};
 use crate::reader::{spawn_reader, validate_inputs, ReaderMsg, ReaderOptions, TextLimit};
 use crate::sampling_params::SamplingParams;
 use crate::sequence::{FinishReason, Request, Sequence, Status, Timing};
-use crate::stats::{Stats, Summary};
+use crate::stats::{Stats, Summary, SummaryValue};
 use crate::writer::{OutputRow, Writer, WriterConfig, WriterSummary};
 use admission::register_computed;
 
@@ -1193,7 +1193,10 @@ impl Scheduler {
             .iter()
             .map(|p| p.display().to_string())
             .collect();
-        Ok(self.stats.summary(parts))
+        let mut summary = self.stats.summary(parts);
+        let busy = written.busy.as_secs_f64();
+        summary.insert("writer_seconds".into(), SummaryValue::Float(Some(busy)));
+        Ok(summary)
     }
 }
 
@@ -1246,7 +1249,14 @@ fn append_tokens(
             seq.finish(FinishReason::Stop, now);
             break;
         }
-        match seq.detok.step(tokenizer, &seq.output_ids) {
+        // The text so far only matters to stop strings: without any, the row's text is its
+        // one decode when it finishes (`output_row`), not a decode window per token.
+        let step = if seq.sampling.stop.is_empty() {
+            Ok(String::new())
+        } else {
+            seq.detok.step(tokenizer, &seq.output_ids)
+        };
+        match step {
             Ok(delta) if !delta.is_empty() => {
                 let old_len = seq.output_text.len();
                 seq.output_text.push_str(&delta);

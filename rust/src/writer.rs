@@ -86,6 +86,8 @@ pub struct WriterConfig {
 pub struct WriterSummary {
     pub part_files: Vec<PathBuf>,
     pub rows_written: u64,
+    /// Time the writer thread spent building and writing parts (off the step loop's thread).
+    pub busy: Duration,
 }
 
 /// Output schema (column order is part of the contract).
@@ -305,8 +307,15 @@ impl WriterThread {
         Ok(std::mem::take(&mut self.summary))
     }
 
-    /// Writes the buffered rows (possibly none) as the next part file.
+    /// Writes the buffered rows (possibly none) as the next part file, timed.
     fn flush(&mut self) -> Result<()> {
+        let start = Instant::now();
+        let written = self.write_part();
+        self.summary.busy += start.elapsed();
+        written
+    }
+
+    fn write_part(&mut self) -> Result<()> {
         let rows = std::mem::take(&mut self.buffer);
         let batch = build_batch(&self.schema, &rows, &self.cfg)?;
         let name = format!("part-{:05}.parquet", self.next_part);
