@@ -2,6 +2,7 @@
 files (first turns, later turns)."""
 
 import json
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -111,3 +112,27 @@ def test_gemma_without_its_package_names_the_package(monkeypatch):
         defaults.require_builtin_model_package("gemma3-270m")
     with pytest.raises(JobError, match=r"eaglebatch\[gemma\]"):
         defaults.builtin_model_dir("gemma3-270m")
+
+
+def test_gemma_gguf_is_checked_once_per_process_while_unchanged(tmp_path, monkeypatch):
+    """assemble() hashes the 250 MB file: a second call in the same process reuses the check
+    unless the file changed since."""
+    import os
+    import types
+
+    monkeypatch.setenv("EAGLEBATCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(defaults, "_CHECKED", {})
+    calls = []
+
+    def assemble(target):
+        calls.append(target)
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
+        Path(target).write_bytes(b"gguf")
+        return str(target)
+
+    pkg = types.SimpleNamespace(MODEL_NAME="g.gguf", assemble=assemble)
+    monkeypatch.setattr(defaults, "_gemma_package", lambda: pkg)
+    first = defaults.gemma_gguf()
+    assert defaults.gemma_gguf() == first and len(calls) == 1
+    os.utime(first, ns=(1, 1))  # changed on disk: checked again
+    assert defaults.gemma_gguf() == first and len(calls) == 2

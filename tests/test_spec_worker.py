@@ -691,7 +691,12 @@ def test_adaptive_policy_tries_no_wider_rounds_where_widening_costs_what_it_emit
     assert chosen[:3] == [0, 1, 0] and max(chosen) == 1
     # k = 1: the sweep's, then the probes 16, 16, 32 and 64 rounds apart
     assert [i for i, k in enumerate(chosen) if k] == [1, 18, 34, 66, 130]
-    assert policy.settled_on_plain(64) and not policy.settled_on_plain(8)
+    assert policy.settled_on_plain(64) and not policy.settled_on_plain(8)  # k = 1: 2x k = 0
+    cheap = AdaptiveDraftLength(3)  # k = 1 costs 1.5x: never accepted, but it could pay
+    for _ in range(40):
+        k = cheap.choose(64)
+        cheap.record(64, k, 0.002 if k else None, 0.1 * (1 + 0.5 * k), [0] * 64 if k else [])
+    assert cheap.choose(64) == 0 and not cheap.settled_on_plain(64)
 
 
 def test_adaptive_policy_follows_a_step_in_verify_cost() -> None:

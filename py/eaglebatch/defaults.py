@@ -290,14 +290,33 @@ def _gemma_package():
         ) from None
 
 
+# GGUF files this process assembled and checked: target -> (file, its (mtime_ns, size) then)
+_CHECKED: dict[Path, tuple[Path, tuple[int, int]]] = {}
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
 def gemma_gguf() -> Path:
-    """Gemma 3 270M's GGUF file, joined from the package's chunks once into the cache."""
+    """Gemma 3 270M's GGUF file, joined from the package's chunks once into the cache (its
+    sha256 checked once per process while the file stays unchanged)."""
     pkg = _gemma_package()
     target = cache_dir() / "gguf" / pkg.MODEL_NAME
+    known = _CHECKED.get(target)
+    if known is not None and _stamp(known[0]) == known[1]:
+        return known[0]
     try:
-        return Path(pkg.assemble(target))  # checks the sha256; reuses a whole earlier file
+        path = Path(pkg.assemble(target))  # checks the sha256; reuses a whole earlier file
     except (OSError, ValueError) as e:
         raise JobError(f"model: {BUILTIN_GEMMA}: cannot assemble its GGUF file: {e}") from None
+    if (stamp := _stamp(path)) is not None:
+        _CHECKED[target] = (path, stamp)
+    return path
 
 
 def builtin_draft_dir(name: str) -> Path | None:

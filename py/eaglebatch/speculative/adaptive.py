@@ -153,10 +153,14 @@ class AdaptiveDraftLength:
         return best
 
     def settled_on_plain(self, batch_size: int) -> bool:
-        """Whether the bucket of `batch_size` chose k = 0 after its sweep and a probe has
-        confirmed it since (the choice held through a whole probe interval)."""
+        """Whether drafting cannot pay at the bucket of `batch_size` whatever the acceptance:
+        after its sweep, a round of k = 1 (at most 2 tokens a row) costs at least twice a round
+        of k = 0 (1 token a row). A CPU at batch 8 and more; not a head that is merely often
+        wrong, whose acceptance may change with the prompts."""
         b = self.buckets.get(self.bucket_of(batch_size))
-        return b is not None and b.probed_best == 0 and b.probe_every > self.probe_every
+        if b is None or not b.swept or 0 not in b.t_round or 1 not in b.t_round:
+            return False
+        return b.t_round[1] >= 2.0 * b.t_round[0]
 
     def _probe(self, b: _Bucket, best: int) -> int:
         """The probe round's k: a neighbour of `best`, alternately k + 1 and k - 1; sets the

@@ -35,9 +35,10 @@ Plans (see _native.pyi and the speculative plan contract):
     and the next round with k > 0 first extends the draft over all of them in one forward. A
     row with more deferred rounds becomes "stale": it leaves the head for good (drafts by
     prompt lookup or not at all), and the policy counts only the rows that can still draft.
-    Where the policy has settled on k = 0 at the batch size new rows join (a CPU at large
-    batches), they start stale: their prefill neither captures the target's states nor runs
-    the head, and a round whose rows are all stale is a plain target step.
+    Where drafting cannot pay at the batch size new rows join whatever the acceptance (the
+    policy measured a round of k = 1 at twice the cost of k = 0: a CPU at large batches), they
+    start stale: their prefill neither captures the target's states nor runs the head, and a
+    round whose rows are all stale is a plain target step.
 Invariant between steps, per running slot s that is not stale: the draft's K/V is valid for
 positions 0..L-2-d (like the target's, less the d = deferred[s] deferred positions) and
 hidden[s] = h^d_{L-2-d}, the draft output at the last extended position.
@@ -413,9 +414,9 @@ class SpecWorker:
 
     def _head_prefills(self, plan) -> bool:
         """Whether the head runs over this prefill: when it follows any of its rows. A row
-        whose prompt starts here follows it unless the policy has settled on plain decoding
-        (k = 0) at the batch size it joins (module doc): then it starts stale, and a prefill of
-        such rows only neither captures the target's states nor runs the head."""
+        whose prompt starts here follows it unless drafting cannot pay at the batch size it
+        joins (module doc): then it starts stale, and a prefill of such rows only neither
+        captures the target's states nor runs the head."""
         slots = plan.request_slots
         starting = slots[~self.prefilling[slots]]
         if len(starting):
