@@ -135,7 +135,8 @@ class Scheduler:
         cached_tokens, prefill_tokens, evictions (cached blocks evicted), prefix_hit_rate
         (cached_tokens / prompt_tokens, None without prompts), spec_steps, accepted_tokens,
         spec_tokens (tokens produced by verify rounds),
-        latency_p50/p90/p99, ttft_p50/p99, tpot_p50/p99 (seconds), part_files. A complete run
+        latency_p50/p90/p99, ttft_p50/p99, tpot_p50/p99 (seconds), writer_seconds (the writer
+        thread's time building and writing parts), part_files. A complete run
         leaves at least one part file (an empty one when nothing else is there). Called before
         next_plan returned None, or after the input failed, it closes the writer like abort()
         and raises (the input's UserInputError again, if that was the failure)."""
@@ -144,7 +145,8 @@ class Scheduler:
         """Stops early (an interrupt, or after next_plan / commit raised): stops reading, drops
         the pending plan and every waiting or running request unwritten, closes the writer (the
         rows already finished go into a last complete part file; none, not an empty one, when
-        there are none) and returns {"rows_written": int, "part_files": list[str]} for this run.
+        there are none) and returns {"rows_written": int, "writer_seconds": float,
+        "part_files": list[str]} for this run.
         No leak check; the scheduler cannot be used afterwards. A scheduler dropped without
         finish() or abort() closes its writer the same way."""
 
