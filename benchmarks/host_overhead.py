@@ -75,10 +75,15 @@ class FakeWorker:
             import torch
 
             from eaglebatch.attention import get_backend
+            from eaglebatch.logits_processing import LogitsControls
+            from eaglebatch.worker import plan_metadata, sampling_tensors
 
             self.backend = get_backend("cpu")  # configured as the embedded model's layers
             self.backend.configure(9, 3, 64, torch.float32, torch.float32)
             self.end_ids = torch.tensor([0], dtype=torch.long)
+            self.cpu = torch.device("cpu")
+            self.host_steps = (torch.from_numpy, LogitsControls.from_plan, plan_metadata,
+                               sampling_tensors)
 
     def step(self, plan) -> tuple:
         start = time.perf_counter()
@@ -100,17 +105,12 @@ class FakeWorker:
 
     def _prepare(self, plan) -> None:
         """What Worker.step does on the host before its forward (worker.py)."""
-        import torch
-
-        from eaglebatch.logits_processing import LogitsControls
-        from eaglebatch.worker import plan_metadata, sampling_tensors
-
-        meta = plan_metadata(plan, self.block_size, torch.device("cpu"))
-        self.backend.prepare(meta)
-        torch.from_numpy(plan.input_ids)
-        torch.from_numpy(plan.positions)
-        LogitsControls.from_plan(plan, self.end_ids, torch.device("cpu"))
-        sampling_tensors(plan, torch.device("cpu"))
+        from_numpy, controls, plan_metadata, sampling_tensors = self.host_steps
+        self.backend.prepare(plan_metadata(plan, self.block_size, self.cpu))
+        from_numpy(plan.input_ids)
+        from_numpy(plan.positions)
+        controls(plan, self.end_ids, self.cpu)
+        sampling_tensors(plan, self.cpu)
 
 
 def _ranks(counts: np.ndarray) -> np.ndarray:

@@ -170,11 +170,11 @@ def test_adaptive_draft_length_is_lossless(env) -> None:
     assert out == env.plain
 
 
-def test_rows_joining_where_the_policy_settled_on_plain_decoding_skip_the_head(env) -> None:
-    """Rows prefilled while the policy has settled on k = 0 start stale: the head never runs
+def test_rows_joining_where_drafting_cannot_pay_skip_the_head(env) -> None:
+    """Rows prefilled where the policy finds drafting cannot pay start stale: the head never runs
     for them (neither at their prefill nor after) and the output is plain greedy's."""
     worker = spec_worker(env, "eagle3", 3, adaptive=True)
-    worker.policy.settled_on_plain = lambda batch_size: True
+    worker.policy.drafting_cannot_pay = lambda batch_size: True
     calls = []
     real = worker._draft_forward
     worker._draft_forward = lambda *a, **kw: calls.append(1) or real(*a, **kw)
@@ -691,12 +691,12 @@ def test_adaptive_policy_tries_no_wider_rounds_where_widening_costs_what_it_emit
     assert chosen[:3] == [0, 1, 0] and max(chosen) == 1
     # k = 1: the sweep's, then the probes 16, 16, 32 and 64 rounds apart
     assert [i for i, k in enumerate(chosen) if k] == [1, 18, 34, 66, 130]
-    assert policy.settled_on_plain(64) and not policy.settled_on_plain(8)  # k = 1: 2x k = 0
+    assert policy.drafting_cannot_pay(64) and not policy.drafting_cannot_pay(8)  # k = 1: 2x k = 0
     cheap = AdaptiveDraftLength(3)  # k = 1 costs 1.5x: never accepted, but it could pay
     for _ in range(40):
         k = cheap.choose(64)
         cheap.record(64, k, 0.002 if k else None, 0.1 * (1 + 0.5 * k), [0] * 64 if k else [])
-    assert cheap.choose(64) == 0 and not cheap.settled_on_plain(64)
+    assert cheap.choose(64) == 0 and not cheap.drafting_cannot_pay(64)
 
 
 def test_adaptive_policy_follows_a_step_in_verify_cost() -> None:

@@ -292,9 +292,7 @@ def run_bench(
         _report(console, rows[-1])
     _print_table(console, rows, f"{prep.total_rows} prompts, {job.sampling.max_new_tokens} new "
                  "tokens")
-    for r in rows:
-        for key in ("digests", "spec_steps", "spec_tokens"):
-            r.pop(key, None)
+    _drop_internal(rows)
     result: dict = {"job": job.model_dump(mode="json"), "rows": rows}
     result["plain"] = next(r for r in rows if r["engine"] == "eaglebatch")
     if prep.draft_dir is not None:
@@ -302,6 +300,13 @@ def run_bench(
     if json_path:
         Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _drop_internal(rows: list[dict]) -> None:
+    """Removes what only the measuring needed (token digests, the counts for merging runs)."""
+    for r in rows:
+        for key in ("digests", "spec_steps", "spec_tokens"):
+            r.pop(key, None)
 
 
 def eaglebatch_rows(
@@ -312,9 +317,7 @@ def eaglebatch_rows(
     that put eaglebatch beside another engine. Returns (rows, speedups per batch size)."""
     rows, speedups = _eaglebatch_rows(job, prepare(job), batch_sizes, repeat,
                                       console or Console(width=200))
-    for r in rows:
-        for key in ("digests", "spec_steps", "spec_tokens"):
-            r.pop(key, None)
+    _drop_internal(rows)
     return rows, speedups
 
 

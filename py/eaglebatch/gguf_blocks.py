@@ -139,13 +139,21 @@ def load(path: Path) -> tuple[dict[str, QuantizedWeight], str] | None:
     if not path.is_file():
         return None
     with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        if meta.get("version") != VERSION:
+        types = _types(f)
+        if types is None:
             return None
-        types = json.loads(meta["types"])
         found = {n: QuantizedWeight(f.get_tensor(n), t, (rows, k)) for n, (t, rows, k) in
                  types.items()}  # fmt: skip
-        return found, meta.get("note", "")
+        return found, (f.metadata() or {}).get("note", "")
+
+
+def _types(f) -> dict[str, list[int]] | None:
+    """name -> [ggml type, rows, k] from an open blocks file's header; None for another
+    version."""
+    meta = f.metadata() or {}
+    if meta.get("version") != VERSION:
+        return None
+    return json.loads(meta["types"])
 
 
 def kept_names(model_dir: Path) -> frozenset[str]:
@@ -157,10 +165,7 @@ def kept_names(model_dir: Path) -> frozenset[str]:
     if not path.is_file():
         return frozenset()
     with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        if meta.get("version") != VERSION:
-            return frozenset()
-        return frozenset(json.loads(meta["types"]))
+        return frozenset(_types(f) or ())
 
 
 def quantized_weights(

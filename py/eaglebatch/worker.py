@@ -79,12 +79,6 @@ def resolve_weights(name: str, gemm_threads: int, mf: ModelFiles) -> bool:
     return name != "dequantized" and gemm_threads > 0 and has_blocks
 
 
-def _blocks_names(mf: ModelFiles) -> frozenset[str]:
-    from .gguf_blocks import kept_names
-
-    return kept_names(mf.dir)
-
-
 def _use_blocks(
     model: LlamaForCausalLM, mf: ModelFiles, threads: int, unloaded: frozenset[str]
 ) -> str:
@@ -366,8 +360,9 @@ class Worker:
         backend = get_backend(resolve_backend(eng.attention_backend, device))
         gemm_threads = resolve_small_gemm(eng.cpu_gemm, device, dtype)
         blocks = resolve_weights(eng.weights, gemm_threads, mf)
+        from .gguf_blocks import kept_names
         # the float32 copies of weights with kept blocks are never read (not resident)
-        skip = _blocks_names(mf) if blocks else frozenset()
+        skip = kept_names(mf.dir) if blocks else frozenset()
         model = model_class(cfg).from_pretrained(
             mf.dir, dtype=dtype, device=device, backend=backend, max_positions=max_model_len,
             skip=skip,

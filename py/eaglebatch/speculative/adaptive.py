@@ -152,7 +152,7 @@ class AdaptiveDraftLength:
             return self._probe(b, best)
         return best
 
-    def settled_on_plain(self, batch_size: int) -> bool:
+    def drafting_cannot_pay(self, batch_size: int) -> bool:
         """Whether drafting cannot pay at the bucket of `batch_size` whatever the acceptance:
         after its sweep, a round of k = 1 (at most 2 tokens a row) costs at least twice a round
         of k = 0 (1 token a row). A CPU at batch 8 and more; not a head that is merely often

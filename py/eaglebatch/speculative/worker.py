@@ -421,7 +421,7 @@ class SpecWorker:
         starting = slots[~self.prefilling[slots]]
         if len(starting):
             plain = (self.policy is not None and self.graphs is None
-                     and self.policy.settled_on_plain(max(self.running_rows, plan.num_seqs)))
+                     and self.policy.drafting_cannot_pay(max(self.running_rows, plan.num_seqs)))
             self.stale[starting] = plain
             self.stats.plain_prefills += len(starting) if plain else 0
         self.prefilling[slots] = plan.next_ids >= 0  # a chunk before the prompt's end
