@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from eaglebatch.config import load_job
-from eaglebatch.engine import prepare, run_prepared
+from eaglebatch.engine import build_worker, prepare, run_prepared
 from support.tiny import byte_tokenizer, write_prompts
 
 pytest.importorskip("eaglebatch._native")
@@ -28,7 +28,10 @@ def random_prompts(n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.randint(1, 25))) for _ in range(n)]
 
 
-def run_job(tmp: Path, model_dir: Path, prompts, *, overrides=(), ids=None, name="out"):
+def run_job(tmp: Path, model_dir: Path, prompts, *, overrides=(), ids=None, name="out",
+            wrap=None):  # fmt: skip
+    """The job over `prompts` -> (output table by row_index, RunSummary); `wrap`: a function
+    of the job's worker returning the worker to run (a spy)."""
     inp = write_prompts(tmp / f"{name}-in.parquet", prompts, ids=ids)
     job_file = tmp / f"{name}.yaml"
     lines = [
@@ -48,7 +51,7 @@ def run_job(tmp: Path, model_dir: Path, prompts, *, overrides=(), ids=None, name
     ]
     job_file.write_text("\n".join(lines) + "\n")
     prep = prepare(load_job(job_file, list(overrides)))
-    res = run_prepared(prep)
+    res = run_prepared(prep, worker=None if wrap is None else wrap(build_worker(prep)))
     table = pq.read_table(tmp / name).sort_by("row_index")
     return table, res
 

@@ -195,6 +195,50 @@ def test_chunked_prefill_with_speculative_decoding(tmp_path, tiny_model_dir, ref
             == runs["false"].column("accepted_tokens").to_pylist())  # fmt: skip
 
 
+class LookupHistorySpy:
+    """Wraps a SpecWorker whose policy finds drafting cannot pay from batch 3 on (so it asks for
+    plain steps while the batch is full); before every step, checks that each decoding row's
+    prompt-lookup history holds its whole sequence (length L, last token x_{L-1})."""
+
+    def __init__(self, worker) -> None:
+        self.worker, self.kinds = worker, []
+        worker.policy.drafting_cannot_pay = lambda batch_size: batch_size >= 3
+
+    def __getattr__(self, name):
+        return getattr(self.worker, name)
+
+    def step(self, plan):
+        self.kinds.append((plan.kind, plan.num_tokens > plan.num_seqs))
+        lookup, cu = self.worker.lookup, plan.cu_seqlens_q
+        if plan.kind != "prefill":
+            for i, slot in enumerate(plan.request_slots):
+                at = int(plan.positions[cu[i]])  # a decoding row's query starts at L - 1
+                if plan.kind == "verify" or plan.next_ids[i] < 0 and cu[i + 1] - cu[i] == 1 \
+                        and not self.worker.prefilling[slot] and at > 0:
+                    assert lookup.lengths[slot] == at + 1, (plan.kind, i)
+                    assert lookup.tokens[slot, at] == plan.input_ids[cu[i]], (plan.kind, i)
+        return self.worker.step(plan)
+
+
+@pytest.mark.parametrize("chunked", ["true", "false"])
+def test_plain_steps_where_drafting_cannot_pay(tmp_path, tiny_model_dir, reference, chunked):
+    """Where the policy finds drafting cannot pay, the worker asks the scheduler for plain steps
+    (with chunked prefill, prompt chunks ride in them) and verify rounds resume when the batch
+    shrinks: outputs stay transformers' greedy, and prompt lookup's histories follow."""
+    head = init_random_draft(tmp_path / "head", tiny_model_dir, kind="eagle3", seed=5,
+                             aux_layer_ids=(0, 1, 2))  # fmt: skip
+    spies = []
+    table, res = run_job(tmp_path, tiny_model_dir, shared_prompts(),
+                         overrides=[f"draft={head}", f"engine.chunked_prefill={chunked}",
+                                    "engine.max_num_batched_tokens=24", "engine.max_batch_size=4"],
+                         wrap=lambda w: spies.append(LookupHistorySpy(w)) or spies[0])  # fmt: skip
+    assert tokens(table) == reference
+    spy, stats = spies[0], spies[0].worker.stats
+    assert stats.plain_steps > 0 and stats.verify_rounds > 0 and stats.stale_rows > 0
+    assert (("decode", True) in spy.kinds) == (chunked == "true")  # prompt chunks rode along
+    assert ("mixed" in res.stats["step_seconds"]) == (chunked == "true")
+
+
 # ---- the default model ------------------------------------------------------------------------
 
 

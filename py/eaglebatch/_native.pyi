@@ -122,6 +122,12 @@ class Scheduler:
         `tokens`) is required when a row of the plan asks for logprobs, with K at least the
         most any row asks; each row keeps those of the tokens it appends (its own K)."""
 
+    def set_plain_steps(self, on: bool) -> None:
+        """Speculative decoding: while on, decode steps are planned as plain decoding plans them
+        ("decode" plans, no placeholders; with chunked prefill they carry prompt chunks) instead
+        of verify rounds, from the next plan on. The worker asks for them where drafting cannot
+        pay (`SpecWorker.plain_steps`). Admission still reserves max_draft_tokens slots."""
+
     def progress(self) -> dict[str, int]:
         """requests_total (from Parquet footers, capped by limit, less skipped rows),
         requests_skipped, requests_done, requests_error,

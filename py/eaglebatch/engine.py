@@ -444,11 +444,15 @@ def _step_loop(prep: PreparedJob, scheduler, worker, progress: ProgressFn | None
     step_seconds: per kind of step (prefill, mixed, decode, verify) the seconds its steps took."""
     last_report = 0.0
     seconds: dict[str, float] = {}  # plan kind -> seconds of its steps (planning to commit)
+    plain_steps = False  # what the worker last asked of the scheduler (set_plain_steps)
     with StopSignals() as stop:
         mark = time.monotonic()
         while (plan := scheduler.next_plan()) is not None:
             # (tokens, num_tokens) or, speculating, (tokens, num_tokens, num_accepted)
             scheduler.commit(*worker.step(plan))
+            if worker.plain_steps != plain_steps:
+                plain_steps = worker.plain_steps
+                scheduler.set_plain_steps(plain_steps)
             now = time.monotonic()
             # "mixed": a decode step that also carried prompt chunks (chunked prefill)
             mixed = plan.kind == "decode" and plan.num_tokens > plan.num_seqs

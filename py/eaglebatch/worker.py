@@ -262,6 +262,8 @@ class Worker:
     # which distribution logprobs report (logprobs.py).
     end_ids: torch.Tensor = torch.empty(0, dtype=torch.long)
     logprobs_mode: str = "raw"
+    # plain decoding plans plain steps anyway (`SpecWorker.plain_steps`)
+    plain_steps: bool = False
 
     def __init__(
         self,

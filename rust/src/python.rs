@@ -308,6 +308,10 @@ impl PyScheduler {
         .map_err(to_py)
     }
 
+    fn set_plain_steps(&mut self, on: bool) {
+        self.inner.set_plain_steps(on);
+    }
+
     fn progress<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
         for (k, v) in self.inner.progress() {

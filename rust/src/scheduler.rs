@@ -27,7 +27,8 @@
 //! token (one token at least is computed: its logits) and, with speculative decoding, less the
 //! last block found unless the token after it is the one the block's registering sequence had
 //! there (the draft's K/V at a block's last position p is computed from token p + 1, its
-//! shifted input). A request whose next uncached blocks (64 tokens or more) requests admitted
+//! shifted input; blocks computed by rows the draft does not follow, such as plain steps', hold
+//! none: a row drafting from them drafts worse, never wrongly). A request whose next uncached blocks (64 tokens or more) requests admitted
 //! in the same step compute waits one step, to find them cached instead of computing them twice
 //! (admission.rs).
 
@@ -491,6 +492,8 @@ pub struct Scheduler {
     /// Chunked prefill with speculative decoding: whether the last step was a prefill chunk
     /// (the next one verifies the decoding rows first).
     last_step_prefill: bool,
+    /// Speculative decoding: plan plain decode steps, not verify rounds (`set_plain_steps`).
+    plain_steps: bool,
     /// `cfg.skip_samples` as a set (keys row_index * n + sample_index).
     skip_samples: HashSet<i64>,
     /// Block copies of forked samples admitted this step, for the next plan.
@@ -564,6 +567,7 @@ impl Scheduler {
         )?;
         Ok(Scheduler {
             last_step_prefill: false,
+            plain_steps: false,
             skip_samples,
             block_copies: Vec::new(),
             bm: BlockManager::new(cfg.num_blocks, cfg.block_size, cfg.prefix_caching),
@@ -595,6 +599,23 @@ impl Scheduler {
 
     pub fn num_free_blocks(&self) -> usize {
         self.bm.num_free_blocks()
+    }
+
+    /// With speculative decoding: while `on`, plan decode steps as plain decoding does (no
+    /// lookahead slots; with chunked prefill, prompt chunks ride in them) instead of verify
+    /// rounds. The worker asks for them where drafting cannot pay; it runs them as plain target
+    /// steps. Takes effect at the next plan; admission still reserves the lookahead.
+    pub fn set_plain_steps(&mut self, on: bool) {
+        self.plain_steps = on;
+    }
+
+    /// Draft placeholders per row of the next decode step: 0 for plain steps.
+    fn lookahead(&self) -> usize {
+        if self.plain_steps {
+            0
+        } else {
+            self.cfg.max_draft_tokens
+        }
     }
 
     /// `progress()` of the Python API.
@@ -811,7 +832,7 @@ impl Scheduler {
         if self.running.is_empty() {
             return self.nothing_runnable();
         }
-        let lookahead = self.cfg.max_draft_tokens;
+        let lookahead = self.lookahead();
         self.grow_running(lookahead, self.running.len())?;
         let kind = if lookahead > 0 {
             StepKind::Verify

@@ -22,7 +22,10 @@ Plans (see _native.pyi and the speculative plan contract):
          position q only attends to positions <= q, and every round rewrites its positions
          before reading them), so the round needs no host synchronisation before 5;
       5. record: the round's one device-to-host copy, then stats, lookup histories, policies.
-    "decode" plans (1 query token per row) run as rounds with k = 0.
+  * "decode": plain steps, which the scheduler plans while the worker asks for them
+    (`plain_steps`: where drafting cannot pay at the batch size, module doc below; with chunked
+    prefill they also carry prompt chunks, as plain decoding's do). The target Worker runs them;
+    every row in one leaves the head (stale), and prompt lookup's histories follow.
   * prompt lookup (speculative/ngram.py; README, Speculative decoding): a row whose latest
     tokens recur earlier in its sequence takes the k tokens that followed there as its drafts.
     When every row has K of them the head does not run, and the round may be up to
@@ -38,7 +41,10 @@ Plans (see _native.pyi and the speculative plan contract):
     Where drafting cannot pay at the batch size new rows join whatever the acceptance (the
     policy measured a round of k = 1 at twice the cost of k = 0: a CPU at large batches), they
     start stale: their prefill neither captures the target's states nor runs the head, and a
-    round whose rows are all stale is a plain target step.
+    round whose rows are all stale is a plain target step. There the worker also asks the
+    scheduler for plain steps (`plain_steps`, eager steps only), so that prompts are computed in
+    chunks riding in decode steps instead of steps of their own; rows drafting by lookup give way
+    too (a k = 1 round at twice a plain step's cost leaves a draft little room to pay).
 Invariant between steps, per running slot s that is not stale: the draft's K/V is valid for
 positions 0..L-2-d (like the target's, less the d = deferred[s] deferred positions) and
 hidden[s] = h^d_{L-2-d}, the draft output at the last extended position.
@@ -96,8 +102,9 @@ class SpecStats:
     lookup_drafted: int = 0
     lookup_accepted: int = 0
     deferred_extends: int = 0  # rows of k = 0 rounds whose draft extend was deferred
-    stale_rows: int = 0  # sequences dropped from the head (more than MAX_DEFERRED deferred)
+    stale_rows: int = 0  # sequences dropped from the head (deferred too long, or plain steps)
     plain_prefills: int = 0  # sequences prefilled without the head (stale from the start)
+    plain_steps: int = 0  # "decode" plans run as plain target steps
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -336,12 +343,23 @@ class SpecWorker:
     def step(self, plan) -> tuple:
         """(tokens int32 [N], num_tokens int32 [B], num_accepted int32 [B]) in plan row order,
         and the tokens' logprobs after them when a row asks for them (`Scheduler.commit`)."""
+        if plan.kind == "decode":  # the target Worker's step copies its own blocks
+            copy_blocks([self.draft_kv], plan.block_copies)
+            return self._plain_step(plan)
         copy_blocks([*self.kv_caches, self.draft_kv], plan.block_copies)  # forked samples
         if plan.kind == "prefill":
             return self._prefill(plan)
-        if plan.kind in ("verify", "decode"):
+        if plan.kind == "verify":
             return self._verify(plan)
         raise ValueError(f"unknown plan kind {plan.kind!r}")
+
+    @property
+    def plain_steps(self) -> bool:
+        """Whether the scheduler should plan plain decode steps instead of verify rounds
+        (`Scheduler.set_plain_steps`): where drafting cannot pay at the running batch size
+        (module doc), eager steps only."""
+        return (self.policy is not None and self.graphs is None
+                and self.policy.drafting_cannot_pay(self.running_rows))  # fmt: skip
 
     # ---- helpers -------------------------------------------------------------------------------
 
@@ -426,6 +444,41 @@ class SpecWorker:
             self.stats.plain_prefills += len(starting) if plain else 0
         self.prefilling[slots] = plan.next_ids >= 0  # a chunk before the prompt's end
         return not bool(self.stale[slots].all())
+
+    # ---- plain steps (module doc) --------------------------------------------------------------
+
+    def _plain_step(self, plan) -> tuple:
+        """A "decode" plan by the target Worker: rows decoding (one token) and, with chunked
+        prefill, rows computing prompt chunks. Every row leaves the head (stale); those whose
+        prompt starts here count as plain prefills."""
+        slots = plan.request_slots
+        cu = plan.cu_seqlens_q
+        # a row whose prompt starts here: not mid-prompt, and its query follows its cached prefix
+        starting = ~self.prefilling[slots] & (plan.positions[cu[:-1]] == np.diff(plan.cu_prefix))
+        self.stats.plain_prefills += int(starting.sum())
+        self.stats.stale_rows += int((~starting & ~self.stale[slots]).sum())
+        self.stats.plain_steps += 1
+        self.stale[slots] = self.ready[slots] = True
+        self.deferred[slots] = 0
+        self.running_rows = plan.num_seqs  # every running row
+        result = self.target.step(plan)
+        if self.lookup is not None:
+            self._plain_lookup(plan, starting, result[0])
+        self.prefilling[slots] = plan.next_ids >= 0  # a chunk before the prompt's end
+        return result
+
+    def _plain_lookup(self, plan, starting: np.ndarray, tokens: np.ndarray) -> None:
+        """Prompt lookup's histories after a plain step: a decoding row appends its token, a
+        row whose prompt is now complete starts over from its whole sequence."""
+        cu, cp = plan.cu_seqlens_q, plan.cu_prefix
+        prompt = starting | self.prefilling[plan.request_slots]
+        for i, slot in enumerate(plan.request_slots.tolist()):
+            if not prompt[i]:
+                self.lookup.extend(slot, tokens[i : i + 1])
+            elif plan.next_ids[i] < 0:
+                prefix = plan.prefix_ids[cp[i] : cp[i + 1]]  # cached, before the query
+                seq = np.concatenate((prefix, plan.input_ids[cu[i] : cu[i + 1]], tokens[i : i + 1]))
+                self.lookup.reset(slot, seq)
 
     # ---- deferred draft extends (module doc) ---------------------------------------------------
 

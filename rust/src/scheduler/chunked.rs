@@ -12,7 +12,8 @@
 //!   assume one uncomputed token per row), so chunks and verify rounds alternate: a step of
 //!   prefill chunks (continuing rows and new ones, within the budget), then a verify round over
 //!   the decoding rows, and so on; either runs alone when the other has nothing to do. A
-//!   chunk's last draft entry needs the token after it: the plan's `next_ids`.
+//!   chunk's last draft entry needs the token after it: the plan's `next_ids`. While the
+//!   worker asks for plain steps (`set_plain_steps`) it is planned as plain decoding.
 //!
 //! Either way the decoding rows advance at least every other step while prompts are admitted,
 //! so a long prompt no longer stalls them for its whole prefill.
@@ -25,7 +26,7 @@ use crate::sequence::Sequence;
 
 impl Scheduler {
     pub(super) fn schedule_chunked(&mut self) -> Result<Option<StepPlan>> {
-        if self.cfg.max_draft_tokens > 0 {
+        if self.lookahead() > 0 {
             return self.schedule_chunked_speculative();
         }
         self.grow_running(0, self.running.len())?; // decoding rows' next slot (may preempt)

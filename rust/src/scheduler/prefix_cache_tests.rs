@@ -4,7 +4,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use super::tests::{check_plan, drive_spec, fixture, read_output, wait_for_reader, words, VOCAB};
+use super::tests::{
+    check_plan, drive_spec_with, fixture, read_output, wait_for_reader, words, VOCAB,
+};
 use super::*;
 use crate::stats::SummaryValue;
 
@@ -129,6 +131,18 @@ fn run_with(
     spec: bool,
     chunk: Option<usize>,
 ) -> (Vec<Vec<i32>>, Vec<i32>, Summary) {
+    run_plain_at(tag, caching, num_blocks, spec, chunk, |_| false)
+}
+
+/// `run_with`, speculative runs asking for plain steps where `plain` says so.
+fn run_plain_at(
+    tag: &str,
+    caching: bool,
+    num_blocks: usize,
+    spec: bool,
+    chunk: Option<usize>,
+    plain: impl Fn(usize) -> bool,
+) -> (Vec<Vec<i32>>, Vec<i32>, Summary) {
     let prompts = shared_prompts();
     let prompts: Vec<Option<&str>> = prompts.iter().map(|p| Some(p.as_str())).collect();
     let mut f = fixture(tag, &prompts);
@@ -143,7 +157,7 @@ fn run_with(
     }
     let mut s = Scheduler::new(f.cfg.clone()).unwrap();
     if spec {
-        drive_spec(&mut s);
+        drive_spec_with(&mut s, plain);
     } else {
         drive_kv(&mut s);
     }
@@ -373,18 +387,34 @@ fn chunked_prefill_equals_whole_prefills_plain_and_speculative() {
     }
 }
 
+/// Plain steps asked for in the middle of a speculative run (`set_plain_steps`: decode plans
+/// without lookahead, carrying prompt chunks) change no output, switched on and off at any step.
+#[test]
+fn plain_steps_in_a_speculative_run_change_no_output() {
+    let (want, _, _) = run_with("ps-ref", false, 64, true, None);
+    for (chunk, caching, blocks) in [(None, true, 64), (Some(3), false, 64), (Some(5), true, 12)] {
+        let tag = format!("ps-{chunk:?}-{caching}-{blocks}");
+        let (got, _, summary) =
+            run_plain_at(&tag, caching, blocks, true, chunk, |step| step % 5 >= 2);
+        assert_eq!(got, want, "{tag}");
+        assert!(int(&summary, "spec_steps") > 0, "{tag}");
+    }
+}
+
 /// A 17-token prompt arrives while another row decodes: with a budget of 4 tokens it is
 /// computed over several steps, and the decoding row takes a step in every one (plain) or in
-/// every other one (speculative: chunks and verify rounds alternate).
+/// every other one (speculative: chunks and verify rounds alternate; in every one with plain
+/// steps asked for).
 #[test]
 fn a_long_prompt_in_chunks_never_stops_the_decoding_rows() {
-    for spec in [false, true] {
+    for (spec, plain) in [(false, false), (true, false), (true, true)] {
         let mut f = fixture("ch-plan", &[Some("w4"), Some(&words(4..20))]);
         (f.cfg.chunked_prefill, f.cfg.max_num_batched_tokens) = (true, 4);
         (f.cfg.max_batch_size, f.cfg.max_new_tokens) = (1, 30); // row 1 waits for row 0's slot
         f.cfg.max_batch_size = 2;
         f.cfg.max_draft_tokens = if spec { 2 } else { 0 };
         let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+        s.set_plain_steps(plain);
         wait_for_reader(&s);
         let mut kinds = Vec::new();
         let mut chunks = Vec::new();
@@ -424,7 +454,7 @@ fn a_long_prompt_in_chunks_never_stops_the_decoding_rows() {
             .iter()
             .map(|&(k, n)| k == StepKind::Verify || (k == StepKind::Decode && n == 2))
             .collect();
-        if spec {
+        if spec && !plain {
             assert!(decodes.windows(2).all(|w| w[0] || w[1]), "{kinds:?}");
         } else {
             assert!(decodes.iter().all(|&d| d), "{kinds:?}");

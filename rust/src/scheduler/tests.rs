@@ -317,11 +317,22 @@ fn max_model_len_and_kv_footprint_errors() {
 /// Drives verify steps like a speculative worker: row r of step n accepts (n + r) % (k + 1)
 /// drafts of the fake model; the outputs must equal plain decoding.
 pub(super) fn drive_spec(s: &mut Scheduler) {
+    drive_spec_with(s, |_| false);
+}
+
+/// `drive_spec`, asking for plain steps (`set_plain_steps`) before the steps where `plain`
+/// says so: those are never verify rounds.
+pub(super) fn drive_spec_with(s: &mut Scheduler, plain: impl Fn(usize) -> bool) {
     let cfg = s.config().clone();
     let k = cfg.max_draft_tokens;
     let mut step = 0usize;
-    while let Some(p) = s.next_plan().unwrap() {
+    loop {
+        s.set_plain_steps(plain(step));
+        let Some(p) = s.next_plan().unwrap() else {
+            break;
+        };
         check_plan(&p, &cfg);
+        assert!(!plain(step) || p.kind != StepKind::Verify, "step {step}");
         let mut tokens = Vec::new();
         let mut counts = Vec::new();
         for r in 0..p.num_seqs() {
