@@ -72,6 +72,10 @@ class StepPlan:
     # [B] the token after each row's query; -1 where the step samples it (a chunked prefill
     # row that stops before its end: its sampled token is dropped at commit)
     next_ids: npt.NDArray[np.int64]
+    # [B] overlap (next_plan_ahead): the row of the pending plan whose sampled token is this
+    # row's last query token, whose input_ids entry is -1 until the worker fills it in on the
+    # device; -1 for every other row (always, in plans from next_plan)
+    prev_rows: npt.NDArray[np.int32]
     max_seqlen_q: int
     max_seqlen_k: int
 
@@ -121,6 +125,14 @@ class Scheduler:
         (chosen float32 [T], top ids int32 [T, K], top logprobs float32 [T, K], aligned with
         `tokens`) is required when a row of the plan asks for logprobs, with K at least the
         most any row asks; each row keeps those of the tokens it appends (its own K)."""
+
+    def next_plan_ahead(self) -> StepPlan | None:
+        """With config.overlap (plain decoding), while exactly one plan is pending: the plan
+        after it, built before it is committed (rows it samples for decode a placeholder:
+        prev_rows), or None when that cannot be done now (rows with penalties, or nothing to
+        run but rows the pending plan ends): then commit and call next_plan. Commits stay in
+        plan order; a row that finishes at the pending plan's commit drops what the plan after
+        it computed for it (scheduler/overlap.rs)."""
 
     def set_plain_steps(self, on: bool) -> None:
         """Speculative decoding: while on, decode steps are planned as plain decoding plans them

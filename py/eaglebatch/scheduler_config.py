@@ -66,6 +66,8 @@ class SchedulerConfig:
     prefix_caching: bool = True
     # Chunked prefill (engine.chunked_prefill): prompts in chunks of max_num_batched_tokens.
     chunked_prefill: bool = False
+    # Overlap (engine.overlap, plain decoding): the next step planned while one is in flight.
+    overlap: bool = False
     # Resume: int64 [N] row indices earlier runs wrote (skipped without tokenizing), or None.
     skip_rows: np.ndarray | None = None
     # Resume with n > 1: int64 keys row_index * n + sample_index of the samples already written

@@ -93,6 +93,9 @@ pub struct SchedulerConfig {
     /// Chunked prefill: prompts are computed `max_num_batched_tokens` tokens per step at most,
     /// in the steps that decode the running requests (scheduler/chunked.rs).
     pub chunked_prefill: bool,
+    /// Plain decoding: allow `next_plan_ahead`, the step after a pending one planned before
+    /// that one is committed (scheduler/overlap.rs).
+    pub overlap: bool,
     pub read_batch_rows: usize,
     pub queue_rows: usize,
 }
@@ -149,6 +152,7 @@ impl SchedulerConfig {
             max_draft_tokens: 0,
             prefix_caching: true,
             chunked_prefill: false,
+            overlap: false,
             read_batch_rows: 1024,
             queue_rows: 4096,
         }
@@ -200,6 +204,12 @@ impl SchedulerConfig {
                 "max_draft_tokens must be <= 64, got {}",
                 self.max_draft_tokens
             )));
+        }
+        if self.overlap && self.max_draft_tokens > 0 {
+            return Err(Error::user(
+                "overlap needs plain decoding (max_draft_tokens 0): a verify round's token \
+                 count is known only at its commit",
+            ));
         }
         if self.max_model_len > i32::MAX as usize {
             return Err(Error::user("max_model_len must fit in int32"));

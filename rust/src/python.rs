@@ -106,6 +106,8 @@ pub struct PyStepPlan {
     #[pyo3(get)]
     next_ids: Py<PyArray1<i64>>,
     #[pyo3(get)]
+    prev_rows: Py<PyArray1<i32>>,
+    #[pyo3(get)]
     max_seqlen_q: usize,
     #[pyo3(get)]
     max_seqlen_k: usize,
@@ -161,6 +163,7 @@ impl PyStepPlan {
             cu_prefix: p.cu_prefix.into_pyarray(py).unbind(),
             block_copies: copies.unbind(),
             next_ids: p.next_ids.into_pyarray(py).unbind(),
+            prev_rows: p.prev_rows.into_pyarray(py).unbind(),
             max_seqlen_q: p.max_seqlen_q,
             max_seqlen_k: p.max_seqlen_k,
         })
@@ -306,6 +309,14 @@ impl PyScheduler {
             )
         })
         .map_err(to_py)
+    }
+
+    fn next_plan_ahead(&mut self, py: Python<'_>) -> PyResult<Option<PyStepPlan>> {
+        let inner = &mut self.inner;
+        match py.detach(|| inner.next_plan_ahead()).map_err(to_py)? {
+            Some(plan) => Ok(Some(PyStepPlan::new(py, plan)?)),
+            None => Ok(None),
+        }
     }
 
     fn set_plain_steps(&mut self, on: bool) {

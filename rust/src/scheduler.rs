@@ -117,6 +117,9 @@ pub struct StepPlan {
     /// The token after each row's query, -1 where the query ends the row's known tokens (the
     /// step samples the next one); chunked prefill rows stop earlier.
     pub next_ids: Vec<i64>,
+    /// Overlap: per row, the row of the pending plan whose sampled token is this row's last
+    /// query token (its `input_ids` entry is -1 until the worker fills it in), else -1.
+    pub prev_rows: Vec<i32>,
     pub max_seqlen_q: usize,
     pub max_seqlen_k: usize,
 }
@@ -168,10 +171,23 @@ impl StepPlan {
             cu_prefix: vec![0],
             block_copies: Vec::new(),
             next_ids: Vec::with_capacity(b),
+            prev_rows: Vec::with_capacity(b),
             max_seqlen_q: 0,
             max_seqlen_k: 0,
         }
     }
+}
+
+/// Per request slot, the row of `plan` holding it (-1: none); empty without a plan.
+fn pending_rows_by_slot(plan: Option<&PendingPlan>, max_batch_size: usize) -> Vec<i32> {
+    let Some(plan) = plan else {
+        return Vec::new();
+    };
+    let mut rows = vec![-1; max_batch_size];
+    for (r, row) in plan.rows.iter().enumerate() {
+        rows[row.slot as usize] = r as i32;
+    }
+    rows
 }
 
 /// Checks that a running sequence can be row of a `kind` plan: it has uncomputed tokens; a
@@ -209,7 +225,11 @@ fn push_plan_row(
     let stop = end + lookahead;
     debug_assert!(seq.block_table.len() >= bm.blocks_needed(stop));
     for pos in seq.num_computed..stop {
-        let id = if pos < len { seq.token(pos) as i64 } else { 0 };
+        let id = match pos {
+            _ if pos >= len => 0,                         // a draft placeholder
+            _ if seq.placeholder && pos + 1 == len => -1, // the pending plan's token
+            _ => seq.token(pos) as i64,
+        };
         p.input_ids.push(id);
         p.positions.push(pos as i64);
         p.slot_mapping.push(bm.slot(&seq.block_table, pos));
@@ -273,25 +293,25 @@ fn push_sampling(p: &mut StepPlan, seq: &Sequence, seed: i64) {
 /// prefill and decode rows may yield several tokens, the next decode query then covers them
 /// all); no token id is negative.
 fn check_commit(
-    plan: PendingPlan,
+    plan: &PendingPlan,
     most_verify_tokens: i32,
     tokens: &[i32],
     num_tokens: &[i32],
     num_accepted: Option<&[i32]>,
 ) -> Result<()> {
-    if num_tokens.len() != plan.rows {
+    if num_tokens.len() != plan.rows.len() {
         return Err(Error::internal(format!(
             "commit() got {} rows but the plan has {}",
             num_tokens.len(),
-            plan.rows
+            plan.rows.len()
         )));
     }
     if let Some(acc) = num_accepted {
-        if acc.len() != plan.rows {
+        if acc.len() != plan.rows.len() {
             return Err(Error::internal(format!(
                 "commit() got num_accepted for {} rows but the plan has {}",
                 acc.len(),
-                plan.rows
+                plan.rows.len()
             )));
         }
         if acc.iter().any(|&a| a < 0) {
@@ -369,12 +389,26 @@ impl Timings {
     }
 }
 
-/// The plan handed out and not yet committed.
-#[derive(Debug, Clone, Copy)]
+/// A plan handed out and not yet committed: its kind and its rows, in plan order.
+#[derive(Debug, Clone)]
 struct PendingPlan {
     kind: StepKind,
-    start: usize,
-    rows: usize,
+    rows: Vec<PlanRow>,
+}
+
+impl PendingPlan {
+    fn holds(&self, run_id: u64) -> bool {
+        self.rows.iter().any(|r| r.run_id == run_id)
+    }
+}
+
+/// A plan row: whose (`run_id`, `slot`) and whether the step samples the row's next token
+/// (its query reaches its last known token; not a chunk short of the prompt's end).
+#[derive(Debug, Clone, Copy)]
+struct PlanRow {
+    run_id: u64,
+    slot: u32,
+    samples: bool,
 }
 
 /// Stop conditions shared by all requests (stop strings, max_new_tokens and min_new_tokens
@@ -510,7 +544,13 @@ pub struct Scheduler {
     waiting: VecDeque<Sequence>,
     running: Vec<Sequence>,
     free_request_slots: BinaryHeap<Reverse<u32>>,
-    pending: Option<PendingPlan>,
+    /// Plans handed out, oldest first: one, or two with overlap (`next_plan_ahead`).
+    pending: VecDeque<PendingPlan>,
+    /// Overlap: block tables and slots of rows that finished while a later plan holding them
+    /// was pending; freed at the next commit (that plan has run by then).
+    draining: Vec<(Vec<u32>, u32)>,
+    /// The last `Sequence::run_id` given out.
+    last_run_id: u64,
     criteria: StopCriteria,
     /// Blocks kept free when admitting next to running requests (vLLM's 1% watermark).
     watermark: usize,
@@ -583,7 +623,9 @@ impl Scheduler {
             writer,
             waiting: VecDeque::new(),
             running: Vec::new(),
-            pending: None,
+            pending: VecDeque::new(),
+            draining: Vec::new(),
+            last_run_id: 0,
             stats,
             finished: false,
         })
@@ -643,7 +685,7 @@ impl Scheduler {
         if self.finished {
             return Err(Error::internal("next_plan() after finish()"));
         }
-        if self.pending.is_some() {
+        if !self.pending.is_empty() {
             return Err(Error::internal(
                 "next_plan() called again before commit() of the previous plan",
             ));
@@ -893,6 +935,7 @@ impl Scheduler {
 
     /// Preemption by recomputation: free the KV blocks and slot, requeue at the front.
     fn preempt(&mut self, mut seq: Sequence) -> Result<()> {
+        seq.drop_placeholder(); // its re-prefill samples that token again
         self.bm.free(&mut seq.block_table)?;
         seq.registered = 0;
         seq.chunk_end = None;
@@ -925,10 +968,23 @@ impl Scheduler {
             .sum();
         let mut p = StepPlan::empty(kind, rows.len(), t, width);
         p.block_copies = std::mem::take(&mut self.block_copies);
+        let prev_rows = pending_rows_by_slot(self.pending.front(), self.cfg.max_batch_size);
+        let mut plan_rows = Vec::with_capacity(rows.len());
         for (r, seq) in rows.iter_mut().enumerate() {
             check_plan_row(kind, seq)?;
             let end = seq.chunk_end.take().unwrap_or(seq.len());
             push_plan_row(&mut p, r, seq, end, lookahead, &self.bm, self.cfg.seed);
+            let slot = seq.slot.expect("running request has a slot");
+            p.prev_rows.push(if seq.placeholder {
+                prev_rows[slot as usize]
+            } else {
+                -1
+            });
+            plan_rows.push(PlanRow {
+                run_id: seq.run_id,
+                slot,
+                samples: kind == StepKind::Verify || end == seq.len(),
+            });
             if seq.prefilling() {
                 self.stats.prefill_tokens += (end - seq.num_computed) as u64;
             }
@@ -940,16 +996,17 @@ impl Scheduler {
                 register_computed(&mut self.bm, seq)?;
             }
         }
-        self.pending = Some(PendingPlan {
+        self.pending.push_back(PendingPlan {
             kind,
-            start,
-            rows: p.num_seqs(),
+            rows: plan_rows,
         });
         Ok(p)
     }
 
-    /// Results of the last plan, rows in plan order (see `_native.pyi`). A malformed result
-    /// is an internal error and changes nothing (the plan stays pending).
+    /// Results of the oldest pending plan, rows in plan order (see `_native.pyi`). A
+    /// malformed result is an internal error and changes nothing (the plan stays pending).
+    /// Rows that left `running` since the plan was built (finished, or preempted while a later
+    /// plan was built: overlap) drop their tokens.
     pub fn commit(
         &mut self,
         tokens: &[i32],
@@ -960,14 +1017,17 @@ impl Scheduler {
     ) -> Result<()> {
         let plan = self
             .pending
+            .front()
             .ok_or_else(|| Error::internal("commit() without a plan from next_plan()"))?;
+        let at = self.locate(plan);
         self.check_prompt_logprobs(plan, prompt_logprobs)?;
         let most_verify_tokens = self.cfg.max_draft_tokens as i32 + 1;
         check_commit(plan, most_verify_tokens, tokens, num_tokens, num_accepted)?;
-        self.check_logprobs(plan, tokens.len(), logprobs)?;
-        self.pending = None;
+        self.check_logprobs(&at, tokens.len(), logprobs)?;
+        let plan = self.pending.pop_front().expect("checked above");
+        self.free_drained()?; // rows of this plan that finished at the previous commit
         if let Some(pl) = prompt_logprobs {
-            self.record_prompt_logprobs(plan, pl);
+            self.record_prompt_logprobs(&at, pl);
         }
         let now = Instant::now();
         let mut offset = 0usize;
@@ -976,22 +1036,40 @@ impl Scheduler {
             let accepted = num_accepted.map(|acc| acc[r]);
             let lp = logprobs.map(|l| (l, offset));
             offset += n as usize;
-            self.commit_row(plan.kind, plan.start + r, toks, accepted, lp, now);
+            if let (Some(i), true) = (at[r], plan.rows[r].samples) {
+                self.commit_row(plan.kind, i, toks, accepted, lp, now);
+            }
         }
         self.retire_finished()
     }
 
+    /// Per row of `plan`, the index in `running` of its sequence, if it is still there (the
+    /// same slot and run_id).
+    fn locate(&self, plan: &PendingPlan) -> Vec<Option<usize>> {
+        let mut by_slot = vec![usize::MAX; self.cfg.max_batch_size];
+        for (i, seq) in self.running.iter().enumerate() {
+            by_slot[seq.slot.expect("running request has a slot") as usize] = i;
+        }
+        plan.rows
+            .iter()
+            .map(|row| {
+                let i = by_slot[row.slot as usize];
+                (i != usize::MAX && self.running[i].run_id == row.run_id).then_some(i)
+            })
+            .collect()
+    }
+
     /// Prompt logprobs, when given: one count per row, one position per entry, in order.
-    fn check_prompt_logprobs(&self, plan: PendingPlan, pl: Option<&PromptLogprobs>) -> Result<()> {
+    fn check_prompt_logprobs(&self, plan: &PendingPlan, pl: Option<&PromptLogprobs>) -> Result<()> {
         let Some(pl) = pl else { return Ok(()) };
         let n: usize = pl.row_counts.iter().map(|&c| c.max(0) as usize).sum();
-        if pl.row_counts.len() != plan.rows || pl.positions.len() != n {
+        if pl.row_counts.len() != plan.rows.len() || pl.positions.len() != n {
             return Err(Error::internal(format!(
                 "commit(): prompt logprobs for {} rows and {} positions, but the plan has {} \
                  rows and the counts sum to {n}",
                 pl.row_counts.len(),
                 pl.positions.len(),
-                plan.rows
+                plan.rows.len()
             )));
         }
         pl.entries.check(n)
@@ -1000,12 +1078,17 @@ impl Scheduler {
     /// Appends each row's prompt logprobs at the next unrecorded position (entry t predicts
     /// prompt token t + 1); positions recorded before (a recomputation after a preemption) are
     /// skipped.
-    fn record_prompt_logprobs(&mut self, plan: PendingPlan, pl: &PromptLogprobs) {
+    fn record_prompt_logprobs(&mut self, at: &[Option<usize>], pl: &PromptLogprobs) {
         let mut j = 0usize;
         for (r, &count) in pl.row_counts.iter().enumerate() {
-            let seq = &mut self.running[plan.start + r];
+            let count = count.max(0) as usize;
+            let Some(i) = at[r] else {
+                j += count;
+                continue;
+            };
+            let seq = &mut self.running[i];
             let k = seq.prompt_logprobs_k as usize;
-            for _ in 0..count.max(0) {
+            for _ in 0..count {
                 let t = pl.positions[j] as usize;
                 if t == seq.prompt_logprobs.len() && t + 1 < seq.prompt_len() {
                     seq.prompt_logprobs.push(pl.entries.entry(j, k));
@@ -1016,9 +1099,14 @@ impl Scheduler {
     }
 
     /// A result carries logprobs of the right shape when a row of its plan asks for them.
-    fn check_logprobs(&self, plan: PendingPlan, t: usize, lp: Option<&StepLogprobs>) -> Result<()> {
-        let rows = &self.running[plan.start..plan.start + plan.rows];
-        let most = rows.iter().map(|s| s.sampling.logprobs).max().unwrap_or(0) as usize;
+    fn check_logprobs(
+        &self,
+        at: &[Option<usize>],
+        t: usize,
+        lp: Option<&StepLogprobs>,
+    ) -> Result<()> {
+        let rows = at.iter().flatten().map(|&i| &self.running[i]);
+        let most = rows.map(|s| s.sampling.logprobs).max().unwrap_or(0) as usize;
         match lp {
             Some(lp) if lp.k < most => Err(Error::internal(format!(
                 "commit(): logprobs with {} alternatives, but a row asks for {most}",
@@ -1046,9 +1134,7 @@ impl Scheduler {
         now: Instant,
     ) {
         let seq = &mut self.running[i];
-        if kind != StepKind::Verify && seq.num_computed < seq.len() {
-            return; // a prefill chunk short of the prompt's end: its token is not the next one
-        }
+        seq.drop_placeholder(); // overlap: these are the tokens it stood for
         let appended = append_tokens(seq, toks, now, &self.tokenizer, &self.criteria);
         let k = seq.sampling.logprobs as usize;
         if let (Some((lp, offset)), true) = (logprobs, k > 0) {
@@ -1081,12 +1167,31 @@ impl Scheduler {
                 self.running.push(seq);
                 continue;
             }
-            self.bm.free(&mut seq.block_table)?;
-            if let Some(slot) = seq.slot.take() {
-                self.free_request_slots.push(Reverse(slot));
+            let (blocks, slot) = (std::mem::take(&mut seq.block_table), seq.slot.take());
+            let in_flight = self.pending.iter().any(|p| p.holds(seq.run_id));
+            match slot {
+                Some(slot) if in_flight => self.draining.push((blocks, slot)),
+                _ => self.free_row(blocks, slot)?,
             }
             let row = self.output_row(seq);
             self.writer.send(row)?;
+        }
+        Ok(())
+    }
+
+    /// Gives a finished row's blocks and slot back.
+    fn free_row(&mut self, mut blocks: Vec<u32>, slot: Option<u32>) -> Result<()> {
+        self.bm.free(&mut blocks)?;
+        if let Some(slot) = slot {
+            self.free_request_slots.push(Reverse(slot));
+        }
+        Ok(())
+    }
+
+    /// Frees the rows that finished while the plan now committed was pending (overlap).
+    fn free_drained(&mut self) -> Result<()> {
+        for (blocks, slot) in std::mem::take(&mut self.draining) {
+            self.free_row(blocks, Some(slot))?;
         }
         Ok(())
     }
@@ -1170,8 +1275,10 @@ impl Scheduler {
         self.finished = true;
         let unfinished = self.running.len() + self.waiting.len();
         let input_left = !self.input_done;
-        let complete =
-            self.input_failed.is_none() && unfinished == 0 && !input_left && self.pending.is_none();
+        let complete = self.input_failed.is_none()
+            && unfinished == 0
+            && !input_left
+            && self.pending.is_empty();
         // An incomplete run closes the rows it finished like `abort` (no empty part).
         let written = if complete {
             self.writer.finish()?
@@ -1236,7 +1343,7 @@ impl Scheduler {
         // Dropping the receiver ends the reader thread at its next send.
         self.input = crossbeam_channel::never();
         self.input_done = true;
-        self.pending = None;
+        self.pending.clear();
         self.waiting.clear();
         self.running.clear();
         self.writer.abort()
@@ -1324,6 +1431,9 @@ fn find_stop(text: &str, old_len: usize, stop: &[String], max_stop_len: usize) -
 
 mod admission;
 mod chunked;
+mod overlap;
+#[cfg(test)]
+mod overlap_tests;
 #[cfg(test)]
 mod prefix_cache_tests;
 #[cfg(test)]

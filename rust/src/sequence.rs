@@ -126,7 +126,16 @@ pub struct Sequence {
     /// Prompt logprob alternatives the job asks for (`SchedulerConfig::prompt_logprobs`; 0 =
     /// none).
     pub prompt_logprobs_k: u32,
+    /// Set at each admission, increasing: tells a plan's row from a later admission of the same
+    /// request (after a preemption) or another request in its slot.
+    pub run_id: u64,
+    /// Overlap: the last output id stands for the token the oldest pending plan samples for
+    /// this row (`PLACEHOLDER`), set by its commit (scheduler/overlap.rs).
+    pub placeholder: bool,
 }
+
+/// The id of a placeholder output token (never a vocabulary id).
+pub const PLACEHOLDER: u32 = u32::MAX;
 
 impl Sequence {
     pub fn new(req: Request, sample_index: u32) -> Self {
@@ -163,6 +172,8 @@ impl Sequence {
             chunk_end: None,
             prefill_pending: false,
             prompt_logprobs_k: 0,
+            run_id: 0,
+            placeholder: false,
         }
     }
 
@@ -177,6 +188,19 @@ impl Sequence {
     /// Prompt + output length.
     pub fn len(&self) -> usize {
         self.prompt_ids.len() + self.output_ids.len()
+    }
+
+    /// Tokens whose ids are known: `len()` less a placeholder.
+    pub fn known_len(&self) -> usize {
+        self.len() - self.placeholder as usize
+    }
+
+    /// Removes the placeholder output token, if any.
+    pub fn drop_placeholder(&mut self) {
+        if self.placeholder {
+            self.output_ids.pop();
+            self.placeholder = false;
+        }
     }
 
     pub fn is_empty(&self) -> bool {

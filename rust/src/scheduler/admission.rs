@@ -90,6 +90,8 @@ impl Scheduler {
         }
         let Reverse(slot) = self.free_request_slots.pop().expect("checked non-empty");
         seq.slot = Some(slot);
+        self.last_run_id += 1;
+        seq.run_id = self.last_run_id;
         seq.status = Status::Running;
         seq.num_computed = cached;
         seq.registered = prefix.len();
@@ -241,11 +243,12 @@ pub(super) fn register_computed(bm: &mut BlockManager, seq: &mut Sequence) -> Re
         return Ok(());
     }
     let bs = bm.block_size();
-    let full = seq.num_computed / bs;
+    let known = seq.known_len(); // a placeholder's block waits for its token (overlap)
+    let full = seq.num_computed.min(known) / bs;
     seq.extend_block_hashes(full, bs);
     for j in seq.registered..full {
         let (parent, hash) = (seq.parent_hash(j), seq.block_hashes[j]);
-        let next = ((j + 1) * bs < seq.len()).then(|| seq.token((j + 1) * bs));
+        let next = ((j + 1) * bs < known).then(|| seq.token((j + 1) * bs));
         bm.register(
             seq.block_table[j],
             parent,

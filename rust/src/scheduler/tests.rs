@@ -117,7 +117,7 @@ pub(super) fn wait_for_reader(s: &Scheduler) {
 }
 
 /// Runs the fake model to the end; `k` tokens per row per commit (speculative-style) when > 1.
-fn drive(s: &mut Scheduler, k: usize) -> usize {
+pub(super) fn drive(s: &mut Scheduler, k: usize) -> usize {
     let cfg = s.config().clone();
     let mut steps = 0;
     while let Some(p) = s.next_plan().unwrap() {

@@ -1,0 +1,86 @@
+//! Overlap (`overlap`, plain decoding): the next plan is built while the pending one runs on
+//! the device, so that planning, the plan's tensors and the last step's commit hide behind
+//! the device's work (SGLang's overlap scheduler, vLLM's async scheduling).
+//!
+//! - `next_plan_ahead` is called with one plan P pending. Each row that P samples a token for
+//!   (its query reaches its last known token) gets a placeholder output token standing for it
+//!   (`Sequence::placeholder`); then the next plan is scheduled as usual, so such a row
+//!   decodes its placeholder: its `input_ids` entry is -1 and `prev_rows` names its row of P,
+//!   whose sampled token the worker puts there on the device. P's commit replaces each
+//!   placeholder with the real token (stop checks as usual).
+//! - A row that finishes at P's commit (EOS, stop string) has computed one token too many in
+//!   the plan after P: that token is dropped, and the row's blocks and slot are freed only at
+//!   the next commit, once that plan has run. Rows whose token in P certainly ends them (their
+//!   length limit) are left out of the plan after P ("parked").
+//! - Not planned ahead (`None`: commit first, then `next_plan`): rows with penalties (the
+//!   placeholder would be in their token counts), or nothing left to run but parked rows.
+//! - A row preempted while P is pending loses its placeholder; P's commit finds its run gone
+//!   (a new `run_id` at readmission) and drops its token. Blocks freed while P is pending may
+//!   be written by a later plan: plans run in order on one device stream, so P's writes come
+//!   first.
+//!
+//! Greedy outputs are those of steps planned one at a time: a row's tokens do not depend on
+//! which rows share its steps, only the step in which a finished row's slot is reused moves.
+
+use super::{Scheduler, StepPlan};
+use crate::error::{Error, Result};
+use crate::sequence::{Sequence, PLACEHOLDER};
+
+impl Scheduler {
+    /// The plan after the pending one, built before that one is committed (module doc), or
+    /// `None` when it cannot be: commit the pending plan, then call `next_plan`.
+    pub fn next_plan_ahead(&mut self) -> Result<Option<StepPlan>> {
+        if self.finished || !self.cfg.overlap || self.pending.len() != 1 {
+            return Err(Error::internal(
+                "next_plan_ahead() needs overlap and exactly one pending plan",
+            ));
+        }
+        if self.running.iter().any(|s| s.sampling.penalized()) {
+            return Ok(None);
+        }
+        self.pull_input(false)?;
+        let parked = self.park_finishing();
+        for seq in self.running.iter_mut() {
+            if seq.num_computed == seq.len() {
+                seq.output_ids.push(PLACEHOLDER);
+                seq.placeholder = true;
+            }
+        }
+        let plan = if self.running.is_empty() {
+            None
+        } else {
+            self.schedule()?
+        };
+        if plan.is_none() {
+            self.running.iter_mut().for_each(Sequence::drop_placeholder);
+        }
+        self.unpark(parked);
+        Ok(plan)
+    }
+
+    /// Takes out of `running` the rows whose token in the pending plan ends them by length
+    /// (max_new_tokens, max_model_len): the next plan has nothing for them to compute.
+    fn park_finishing(&mut self) -> Vec<Sequence> {
+        let max_len = self.criteria.max_len;
+        let ends = |s: &Sequence| {
+            s.num_computed == s.len()
+                && (s.num_output() + 1 >= s.sampling.max_new_tokens || s.len() + 1 >= max_len)
+        };
+        if !self.running.iter().any(ends) {
+            return Vec::new();
+        }
+        let (parked, kept) = std::mem::take(&mut self.running)
+            .into_iter()
+            .partition(ends);
+        self.running = kept;
+        parked
+    }
+
+    /// Puts parked rows back, `running` in admission order again (run_id order).
+    fn unpark(&mut self, parked: Vec<Sequence>) {
+        if !parked.is_empty() {
+            self.running.extend(parked);
+            self.running.sort_by_key(|s| s.run_id);
+        }
+    }
+}
