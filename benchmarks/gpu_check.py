@@ -313,6 +313,7 @@ def _time_round(measure, w, g, b, k, start, tables, slots, first, hidden, rng) -
         slot_mapping = slots[:, 0]
         input_ids = rng.integers(0, model.config.vocab_size, b)
         positions = start
+        prev_rows = np.full(b, -1, dtype=np.int32)  # no placeholders
 
     h0 = torch.randn(b, hidden, dtype=g.h0.dtype, device=dev)
     ids = g.draft_chain(bp, k, h0, start, tables, slots)
@@ -400,6 +401,31 @@ def hf_baseline(model_dir: Path, prompts: Path, batch: int, max_new: int, device
 # ---- main ---------------------------------------------------------------------------------------
 
 
+def report_file(out: Path, report: dict):
+    """(save, section) over the JSON report at `out`: save() writes it; section(name, fn) runs
+    one section (run_section) and saves."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+
+    return save, lambda name, fn: run_section(report, save, name, fn)
+
+
+def run_section(report: dict, save, name: str, fn) -> None:
+    """Runs one section of a device script; an error is recorded with its trace and the script
+    goes on (every section's result is worth having); the JSON is saved after it."""
+    t = time.perf_counter()
+    try:
+        fn()
+    except Exception as e:
+        report["errors"].append({"section": name, "error": repr(e),
+                                 "trace": traceback.format_exc()[-3000:]})
+    report.setdefault("section_s", {})[name] = round(time.perf_counter() - t, 1)
+    save()
+    print(f"[{name}] done in {report['section_s'][name]} s", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -427,22 +453,7 @@ def main(argv=None) -> int:
                     "device": name, "shape": args.shape,
                     "k": args.k, "max_new_tokens": args.max_new, "context": args.context,
                     "fast_backend": fast_backend, "checks": {}, "errors": []}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-
-    def save():
-        out.write_text(json.dumps(report, indent=1, default=str) + "\n")
-
-    def section(name, fn):
-        t = time.perf_counter()
-        try:
-            fn()
-        except Exception as e:  # keep going: every section's result is worth having
-            report["errors"].append({"section": name, "error": repr(e),
-                                     "trace": traceback.format_exc()[-3000:]})
-        report.setdefault("section_s", {})[name] = round(time.perf_counter() - t, 1)
-        save()
-        print(f"[{name}] done in {report['section_s'][name]} s", flush=True)
+    save, section = report_file(Path(args.out), report)
 
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)

@@ -1,7 +1,8 @@
 """Host time per step: the real scheduler and output writer, driven by a worker without model math.
 
     python benchmarks/host_overhead.py [--batch-sizes 1 8 64 256 512] [--steps 200]
-        [--output-tokens 128] [--k 3] [--prep none worker] [--device-ms 5] [--json PATH]
+        [--output-tokens 128] [--k 3] [--prep none worker] [--device-ms 5] [--no-overlap]
+        [--json PATH]
 
 What a GPU step costs the host, measured on the CPU: the Rust scheduler plans each step from
 ShareGPT first-turn prompts (the embedded dataset, tokenized by the model's tokenizer as in a
@@ -19,9 +20,17 @@ worker's host-side preparation of each plan (attention metadata, the CPU attenti
 plan for the embedded model's attention shapes, the step's id / position tensors, logits
 controls and sampling tensors), without a forward.
 
+The fake device is asynchronous like a GPU: `launch` queues a step, which starts when the
+device is free and lasts `--device-ms`; `collect` waits for it. The steps are driven by the
+engine's own loops: one step at a time, and (plain, unless `--no-overlap`) with engine.overlap,
+where step t+1 is planned and launched before step t is committed.
+
 Printed per batch size and mode, over the decode (or verify) steps: rows per step, and host
-microseconds per step split into planning (`next_plan`), preparation, commit, and the writer
-thread's time to build and write parts (spread over all steps; it runs beside the step loop).
+microseconds per step split into planning (`next_plan`, `next_plan_ahead`), preparation,
+commit, and the writer thread's time to build and write parts (spread over all steps; it runs
+beside the step loop); and the device's idle time, between finishing one step (prefills
+included) and being given the next, over the run per decode / verify step: the host time a
+step really costs (hidden by overlap when the host's work is shorter than the device's).
 """
 
 from __future__ import annotations
@@ -31,16 +40,19 @@ import json
 import sys
 import tempfile
 import time
+from collections import deque
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 from rich.console import Console
 from rich.table import Table
 
 from eaglebatch.config import load_job
-from eaglebatch.engine import build_scheduler, prepare
+from eaglebatch.engine import build_scheduler, overlapped_steps, prepare, serial_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 GOAL_US = 200  # per step at batch 256, plain and speculative (issue 32)
@@ -65,32 +77,58 @@ def write_prompts(out: Path, rows: int, output_tokens: int) -> Path:
 class FakeWorker:
     """Answers plans without model math (module doc); times its host-side preparation."""
 
+    plain_steps = False  # what the engine's serial loop asks of a worker
+
     def __init__(self, num_blocks: int, max_model_len: int, prep: str, block_size: int,
                  device_s: float):
         self.num_blocks, self.max_model_len = num_blocks, max_model_len
         self.prep, self.block_size, self.device_s = prep, block_size, device_s
-        self.prep_s = 0.0
+        self.prep_s = self.idle_s = self.busy_until = 0.0
         self.steps = 0
         if prep == "worker":
-            import torch
-
             from eaglebatch.attention import get_backend
             from eaglebatch.logits_processing import LogitsControls
-            from eaglebatch.worker import plan_metadata, sampling_tensors
+            from eaglebatch.transfer import to_device
+            from eaglebatch.worker import fill_placeholders, plan_metadata, sampling_tensors
 
             self.backend = get_backend("cpu")  # configured as the embedded model's layers
             self.backend.configure(9, 3, 64, torch.float32, torch.float32)
             self.end_ids = torch.tensor([0], dtype=torch.long)
             self.cpu = torch.device("cpu")
-            self.host_steps = (torch.from_numpy, LogitsControls.from_plan, plan_metadata,
-                               sampling_tensors)
+            self.host_steps = (to_device, fill_placeholders, LogitsControls.from_plan,
+                               plan_metadata, sampling_tensors)
 
     def step(self, plan) -> tuple:
+        return self.collect(self.launch(plan))
+
+    def launch(self, plan, prev=None) -> tuple:
+        """Queues the plan on the fake device: it starts when the device is free and the host
+        has launched it (the gap before is device idle time) and lasts device_s."""
         start = time.perf_counter()
         if self.prep == "worker":
-            self._prepare(plan)
-        self.prep_s += time.perf_counter() - start
-        time.sleep(self.device_s)  # the device's step, during which the input is read ahead
+            self._prepare(plan, prev)
+        if (plan.prev_rows >= 0).any() and prev is None:
+            raise RuntimeError("placeholders without the step in flight")
+        now = time.perf_counter()
+        if plan.kind != "prefill":
+            self.prep_s += now - start
+        if self.steps:  # idle before any step, prefills included
+            self.idle_s += max(0.0, now - self.busy_until)
+        self.busy_until = max(now, self.busy_until) + self.device_s
+        answer = self._answer(plan)
+        tokens = torch.from_numpy(answer[0].astype(np.int64))  # as Launched.tokens
+        return self.busy_until, answer, SimpleNamespace(tokens=tokens)
+
+    def collect(self, launched) -> tuple:
+        """Waits for the fake device (sleeps, then spins the last 0.2 ms: a GPU's event wait
+        does not oversleep by a scheduler tick); meanwhile the input is read ahead."""
+        done, answer, _ = launched
+        time.sleep(max(0.0, done - time.perf_counter() - 2e-4))
+        while time.perf_counter() < done:
+            pass
+        return answer
+
+    def _answer(self, plan) -> tuple:
         self.steps += 1
         b = plan.num_seqs
         rows = np.arange(b, dtype=np.int64)
@@ -103,12 +141,13 @@ class FakeWorker:
         tokens = _pattern(emitted, np.repeat(rows, counts))
         return tokens, counts.astype(np.int32), accepted
 
-    def _prepare(self, plan) -> None:
-        """What Worker.step does on the host before its forward (worker.py)."""
-        from_numpy, controls, plan_metadata, sampling_tensors = self.host_steps
+    def _prepare(self, plan, prev) -> None:
+        """What Worker.launch does on the host before its forward (worker.py)."""
+        to_device, fill_placeholders, controls, plan_metadata, sampling_tensors = self.host_steps
         self.backend.prepare(plan_metadata(plan, self.block_size, self.cpu))
-        from_numpy(plan.input_ids)
-        from_numpy(plan.positions)
+        fill_placeholders(to_device(plan.input_ids, self.cpu), plan, None if prev is None
+                          else prev[2])
+        to_device(plan.positions, self.cpu)
         controls(plan, self.end_ids, self.cpu)
         sampling_tensors(plan, self.cpu)
 
@@ -125,13 +164,14 @@ def _pattern(generated: np.ndarray, rows: np.ndarray) -> np.ndarray:
 
 
 def measure(prompts: Path, out: Path, batch: int, steps: int, k: int, prep: str,
-            device_s: float) -> dict:
+            device_s: float, overlap: bool = False) -> dict:
     """One run at max batch size `batch` until `steps` decode / verify steps are done."""
     overrides = [
         f"input.path={prompts}", "input.limit=null", f"output.path={out}",
         f"engine.max_batch_size={batch}",
         "input.sampling_columns={max_new_tokens: max_tokens}", "output.part_rows=256",
         "engine.max_num_batched_tokens=16384", "engine.prefix_caching=false",
+        f"engine.overlap={str(overlap).lower()}", "engine.device=cpu",
     ]
     if k == 0:
         overrides.append("draft=null")
@@ -141,34 +181,58 @@ def measure(prompts: Path, out: Path, batch: int, steps: int, k: int, prep: str,
     prep_job = prepare(job)
     worker = FakeWorker(1 << 20, 8192, prep, job.engine.block_size, device_s)
     scheduler = build_scheduler(prep_job, worker, {})
-    return _loop(scheduler, worker, steps)
+    return _loop(scheduler, worker, steps, overlap)
 
 
-def _loop(scheduler, worker: FakeWorker, steps: int) -> dict:
-    """Steps until `steps` decode / verify steps are done (then the rest is aborted: the
-    writer closes the finished rows); the mean host time per such step."""
-    seconds = {"plan": 0.0, "prep": 0.0, "commit": 0.0}
-    decode = rows = 0
-    while decode < steps:
+class TimedScheduler:
+    """The scheduler as the engine's step loops call it, its planning and commits timed for
+    decode / verify steps (commits are in plan order)."""
+
+    def __init__(self, scheduler) -> None:
+        self.scheduler, self.in_flight = scheduler, deque()
+        self.seconds = {"plan": 0.0, "commit": 0.0}
+        self.decode = self.rows = 0
+
+    def _planned(self, plan, start: float):
+        if plan is None or plan.kind != "prefill":
+            self.seconds["plan"] += time.perf_counter() - start
+        if plan is not None:
+            self.in_flight.append(plan)
+        return plan
+
+    def next_plan(self):
         start = time.perf_counter()
-        plan = scheduler.next_plan()
-        if plan is None:
-            break
-        planned, before = time.perf_counter(), worker.prep_s
-        answer = worker.step(plan)
-        stepped = time.perf_counter()  # (the device's sleep is not host time: left out)
-        scheduler.commit(*answer)
+        return self._planned(self.scheduler.next_plan(), start)
+
+    def next_plan_ahead(self):
+        start = time.perf_counter()
+        return self._planned(self.scheduler.next_plan_ahead(), start)
+
+    def commit(self, *answer) -> None:
+        start = time.perf_counter()
+        self.scheduler.commit(*answer)
+        plan = self.in_flight.popleft()
         if plan.kind != "prefill":
-            decode, rows = decode + 1, rows + plan.num_seqs
-            seconds["plan"] += planned - start
-            seconds["prep"] += worker.prep_s - before
-            seconds["commit"] += time.perf_counter() - stepped
+            self.seconds["commit"] += time.perf_counter() - start
+            self.decode, self.rows = self.decode + 1, self.rows + plan.num_seqs
+
+
+def _loop(scheduler, worker: FakeWorker, steps: int, overlap: bool) -> dict:
+    """The engine's step loop (overlapped or not) until `steps` decode / verify steps are
+    committed (then the rest is aborted: the writer closes the finished rows); the mean host
+    time per such step, and the fake device's idle time between its steps."""
+    timed = TimedScheduler(scheduler)
+    for _ in (overlapped_steps if overlap else serial_steps)(timed, worker):
+        if timed.decode >= steps:
+            break
+    decode = timed.decode
     stats = scheduler.abort() if decode >= steps else scheduler.finish()
     per = 1e6 / max(decode, 1)
+    seconds = {**timed.seconds, "prep": worker.prep_s}
     out = {f"{k}_us": v * per for k, v in seconds.items()}
-    out.update(steps=decode, rows_per_step=rows / max(decode, 1),
+    out.update(steps=decode, rows_per_step=timed.rows / max(decode, 1),
                writer_us=float(stats["writer_seconds"] or 0.0) * per,
-               total_us=sum(seconds.values()) * per)
+               total_us=sum(seconds.values()) * per, device_idle_us=worker.idle_s * per)
     return out
 
 
@@ -181,8 +245,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--prep", nargs="+", default=["none", "worker"], choices=["none", "worker"])
     ap.add_argument("--device-ms", type=float, default=5.0,
                     help="the fake device's time per step (the reader tokenizes meanwhile)")
+    ap.add_argument("--no-overlap", dest="overlap", action="store_false",
+                    help="skip the plain runs with engine.overlap on")
     ap.add_argument("--json", type=Path)
     return ap.parse_args(argv)
+
+
+def _modes(args) -> list[tuple[int, bool]]:
+    """(draft tokens, overlap) of each run: plain, plain overlapped, speculative."""
+    return [(0, False), *([(0, True)] if args.overlap else []),
+            *([(args.k, False)] if args.k > 0 else [])]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -190,23 +262,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
     console = Console(width=160)
     table = Table(title="host microseconds per decode / verify step")
     for col in ("mode", "prep", "batch", "rows/step", "plan", "prep", "commit", "on the step "
-                "thread", "writer thread"):
+                "thread", "writer thread", "device idle"):
         table.add_column(col, justify="right")
     results = []
     with tempfile.TemporaryDirectory(prefix="eaglebatch-host-") as tmp:
         # enough rows to keep the largest batch full: each row lasts ~output_tokens steps
         need = max(args.batch_sizes) * (args.steps // args.output_tokens + 2)
         prompts = write_prompts(Path(tmp) / "prompts.parquet", need, args.output_tokens)
-        for k in (0, args.k) if args.k > 0 else (0,):
+        for k, overlap in _modes(args):
             for prep in args.prep:
                 for b in args.batch_sizes:
-                    out = Path(tmp) / f"out-{k}-{prep}-{b}"
-                    r = measure(prompts, out, b, args.steps, k, prep, args.device_ms / 1e3)
-                    r.update(mode="plain" if k == 0 else f"speculative K={k}", prep=prep, batch=b)
+                    out = Path(tmp) / f"out-{k}-{overlap}-{prep}-{b}"
+                    r = measure(prompts, out, b, args.steps, k, prep, args.device_ms / 1e3,
+                                overlap)
+                    mode = "plain" if k == 0 else f"speculative K={k}"
+                    r.update(mode=mode + (" overlap" if overlap else ""), prep=prep, batch=b)
                     results.append(r)
                     table.add_row(r["mode"], prep, str(b), f"{r['rows_per_step']:.0f}",
                                   *(f"{r[c]:.0f}" for c in ("plan_us", "prep_us", "commit_us",
-                                                           "total_us", "writer_us")))
+                                                           "total_us", "writer_us",
+                                                           "device_idle_us")))
     console.print(table)
     for r in results:
         if r["batch"] == 256:

@@ -46,6 +46,20 @@ def test_greedy_rows_in_a_mixed_batch() -> None:
     assert torch.equal(out[::2], logits[::2].argmax(-1))
 
 
+def test_rows_told_by_host_arrays_sample_as_by_the_tensors() -> None:
+    """`host` (a plan's arrays) only decides which rows sample where: the same tokens."""
+    torch.manual_seed(1)
+    logits = torch.randn(6, 400)
+    temperature = torch.tensor([0.0, 0.9, 1.2, 0.0, 0.7, 1.0])
+    top_p = torch.tensor([1.0, 1.0, 0.8, 1.0, 1.0, 0.9])
+    top_k = torch.tensor([0, 0, 0, 5, 1, 30], dtype=torch.int32)
+    seeds, counters = torch.arange(6) * 977, torch.arange(6, dtype=torch.int32)
+    args = (logits, temperature, top_p, top_k, seeds, counters)
+    host = tuple(t.numpy() for t in (temperature, top_p, top_k))
+    assert torch.equal(sample(*args, host=host), sample(*args))
+    assert torch.equal(sample(*args)[[0, 3, 4]], logits[[0, 3, 4]].argmax(-1))
+
+
 def test_top_k_one_is_argmax() -> None:
     logits = torch.randn(16, 1000)
     assert torch.equal(call(logits, temperature=1.5, top_k=1), logits.argmax(-1))

@@ -233,6 +233,10 @@ class EngineConfig(_Section):
     attention_backend: Literal["auto", "torch", "cpu", "flashinfer"] = "auto"
     # CUDA graphs for decode / speculative rounds; unset = on when running on CUDA.
     cuda_graph: bool | None = None
+    # Plan and launch step t+1 before step t's tokens reach the host, hiding the host's time
+    # per step behind the device's (plain decoding; outputs unchanged, docs/overlap.md); unset =
+    # on when plain decoding runs on CUDA.
+    overlap: bool | None = None
     num_threads: int | None = Field(default=None, ge=1, le=MAX_THREADS)
     # CPU steps of up to SMALL_GEMM_MAX_ROWS (128) rows (decode and verify): "native" = the
     # extension's GEMM (model/linear.py; AVX-512F, or AVX2 with FMA) and, with the cpu

@@ -80,6 +80,7 @@ def _check_engine(job: JobConfig, mf: ModelFiles) -> str:
         resolve_device,
         resolve_dtype,
         resolve_graph_mode,
+        resolve_overlap,
         resolve_small_gemm,
         resolve_weights,
     )
@@ -87,6 +88,7 @@ def _check_engine(job: JobConfig, mf: ModelFiles) -> str:
     device = resolve_device(job.engine.device)
     resolve_backend(job.engine.attention_backend, device)
     resolve_graph_mode(job.engine.cuda_graph, device)
+    resolve_overlap(job.engine.overlap, device, job.draft is not None)
     dtype = resolve_dtype(job.engine.dtype, device)
     threads = resolve_small_gemm(job.engine.cpu_gemm, device, dtype)
     resolve_weights(job.engine.weights, threads, mf)
@@ -292,7 +294,16 @@ def scheduler_config(
         skip_rows=skip_rows,
         skip_samples=skip_samples,
         flush_interval_s=job.output.flush_interval_s,
+        overlap=overlapped(job),
     )
+
+
+def overlapped(job: JobConfig) -> bool:
+    """Whether the step loop overlaps steps (engine.overlap, resolved for the job's device)."""
+    from .worker import resolve_device, resolve_overlap
+
+    return resolve_overlap(job.engine.overlap, resolve_device(job.engine.device),
+                           job.draft is not None)
 
 
 def build_scheduler(
@@ -439,20 +450,16 @@ def resident_memory() -> dict[str, float]:
 
 
 def _step_loop(prep: PreparedJob, scheduler, worker, progress: ProgressFn | None) -> dict:
-    """`for plan in scheduler: commit(worker.step(plan))` until every row is written; stops
-    between two steps on SIGINT / SIGTERM (raises Interrupted). Returns the run's stats, with
-    step_seconds: per kind of step (prefill, mixed, decode, verify) the seconds its steps took."""
+    """`for plan in scheduler: commit(worker.step(plan))` until every row is written (overlapped
+    with engine.overlap: `overlapped_steps`); stops between two steps on SIGINT / SIGTERM
+    (raises Interrupted). Returns the run's stats, with step_seconds: per kind of step
+    (prefill, mixed, decode, verify) the seconds its steps took."""
     last_report = 0.0
     seconds: dict[str, float] = {}  # plan kind -> seconds of its steps (planning to commit)
-    plain_steps = False  # what the worker last asked of the scheduler (set_plain_steps)
+    steps = overlapped_steps if overlapped(prep.job) else serial_steps
     with StopSignals() as stop:
         mark = time.monotonic()
-        while (plan := scheduler.next_plan()) is not None:
-            # (tokens, num_tokens) or, speculating, (tokens, num_tokens, num_accepted)
-            scheduler.commit(*worker.step(plan))
-            if worker.plain_steps != plain_steps:
-                plain_steps = worker.plain_steps
-                scheduler.set_plain_steps(plain_steps)
+        for plan in steps(scheduler, worker):
             now = time.monotonic()
             # "mixed": a decode step that also carried prompt chunks (chunked prefill)
             mixed = plan.kind == "decode" and plan.num_tokens > plan.num_seqs
@@ -468,3 +475,35 @@ def _step_loop(prep: PreparedJob, scheduler, worker, progress: ProgressFn | None
         stats = dict(scheduler.finish())
         stats["step_seconds"] = seconds
         return stats
+
+
+def serial_steps(scheduler, worker):
+    """Plans, runs and commits one step at a time; yields each committed plan."""
+    plain_steps = False  # what the worker last asked of the scheduler (set_plain_steps)
+    while (plan := scheduler.next_plan()) is not None:
+        # (tokens, num_tokens) or, speculating, (tokens, num_tokens, num_accepted)
+        scheduler.commit(*worker.step(plan))
+        if worker.plain_steps != plain_steps:
+            plain_steps = worker.plain_steps
+            scheduler.set_plain_steps(plain_steps)
+        yield plan
+
+
+def overlapped_steps(scheduler, worker):
+    """Plain decoding with one step in flight: step t+1 is planned (its placeholders stand for
+    step t's tokens) and launched before step t is committed, so the host's planning, commit
+    and preparation run while the device computes (CUDA). Where the scheduler cannot plan
+    ahead (None) the step in flight is committed first. Yields each committed plan."""
+    plan, pending = scheduler.next_plan(), None  # pending: (plan, Launched) in flight
+    while plan is not None:
+        launched = worker.launch(plan, None if pending is None else pending[1])
+        if pending is not None:
+            scheduler.commit(*worker.collect(pending[1]))
+            yield pending[0]
+        pending = (plan, launched)
+        plan = scheduler.next_plan_ahead()
+        if plan is None:
+            scheduler.commit(*worker.collect(launched))
+            yield pending[0]
+            pending = None
+            plan = scheduler.next_plan()

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from eaglebatch.attention.base import AttentionMetadata
+from eaglebatch.transfer import copy_into
 
 GRAPH_MODES = ("off", "eager", "cuda")
 
@@ -110,24 +111,22 @@ class StaticMeta:
         lens = self.seq_lens_cpu.numpy()
         lens[:b] = seq_lens
         lens[b:bp] = self.q_len
-        self.seq_lens[:bp].copy_(self.seq_lens_cpu[:bp], non_blocking=True)
+        copy_into(self.seq_lens[:bp], self.seq_lens_cpu[:bp])
         tables = self._tables
         tables[:bp] = self.pad_block
         tables[:b, :w] = block_tables
-        self.block_tables[:bp].copy_(torch.from_numpy(tables[:bp]), non_blocking=True)
+        copy_into(self.block_tables[:bp], tables[:bp])
         slots = np.empty((bp, self.q_len), dtype=np.int64)
         slots[:b] = np.asarray(slot_mapping).reshape(b, self.q_len)
         slots[b:] = self.pad_slots
-        self.slot_mapping[: bp * self.q_len].copy_(torch.from_numpy(slots.reshape(-1)))
+        copy_into(self.slot_mapping[: bp * self.q_len], slots.reshape(-1))
         return self.view(bp)
 
 
 def fill_rows(buf: torch.Tensor, values: np.ndarray | torch.Tensor, bp_rows: int) -> None:
     """buf[:n] = values, buf[n:bp_rows] = 0 (padding rows: token 0, position 0, ...)."""
     n = len(values)
-    if isinstance(values, np.ndarray):
-        values = torch.from_numpy(np.ascontiguousarray(values))
-    buf[:n].copy_(values)
+    copy_into(buf[:n], values)
     if bp_rows > n:
         buf[n:bp_rows].zero_()
 

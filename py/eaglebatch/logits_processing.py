@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .transfer import to_device
+
 
 @dataclass(frozen=True)
 class LogitsControls:
@@ -43,7 +45,7 @@ class LogitsControls:
             return None
 
         def dev(a, dtype):
-            return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)).to(device)
+            return to_device(a, torch.device(device), dtype)
 
         return cls(
             end_ids=end_ids.to(device),

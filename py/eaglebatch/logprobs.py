@@ -47,20 +47,25 @@ def distribution(
     return out
 
 
+def top_logprobs_on_device(
+    logprobs: torch.Tensor,  # float32 [N, V]
+    tokens: torch.Tensor,  # int64 [N] the chosen tokens
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(chosen float32 [N], top ids int32 [N, k], top logprobs float32 [N, k]), most likely
+    first, where `logprobs` lives."""
+    chosen = logprobs.gather(1, tokens.long()[:, None]).squeeze(1)
+    values, ids = logprobs.topk(k, dim=-1)
+    return chosen.float(), ids.to(torch.int32), values.float()
+
+
 def top_logprobs(
     logprobs: torch.Tensor,  # float32 [N, V]
     tokens: torch.Tensor,  # int64 [N] the chosen tokens
     k: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(chosen float32 [N], top ids int32 [N, k], top logprobs float32 [N, k]), most likely
-    first: what `Scheduler.commit` takes."""
-    chosen = logprobs.gather(1, tokens.long()[:, None]).squeeze(1)
-    values, ids = logprobs.topk(k, dim=-1)
-    return (
-        chosen.cpu().numpy().astype(np.float32),
-        ids.to(torch.int32).cpu().numpy(),
-        values.cpu().numpy().astype(np.float32),
-    )
+    """top_logprobs_on_device's arrays on the host: what `Scheduler.commit` takes."""
+    return tuple(t.cpu().numpy() for t in top_logprobs_on_device(logprobs, tokens, k))
 
 
 def prompt_logprobs(compute_logits, hidden: torch.Tensor, plan) -> tuple | None:

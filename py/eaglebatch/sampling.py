@@ -16,6 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .transfer import to_device
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -77,29 +79,38 @@ def sample(
     top_k: torch.Tensor,  # int32 [B]; 0 = off
     seeds: torch.Tensor,  # int64 [B]
     num_generated: torch.Tensor,  # int32 [B]; tokens already generated (the sampling counter)
+    host: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> torch.Tensor:  # int64 [B]
     """One token per row. Greedy rows (temperature <= 0) and top_k == 1 rows take the argmax of
-    the raw logits (the first index among equal maxima)."""
+    the raw logits (the first index among equal maxima). `host`: temperature, top_p and top_k
+    as host arrays (a plan's), so that which rows sample is decided without reading the device
+    (on CUDA: no synchronisation for greedy rows; top-k / top-p rows still size their search
+    on the device's values)."""
     greedy = argmax(logits)  # [B]
-    deterministic = deterministic_rows(temperature, top_k)  # [B]
-    if bool(deterministic.all()):
+    if host is None:
+        host = tuple(t.cpu().numpy() for t in (temperature, top_p, top_k))
+    h_temp, h_top_p, h_top_k = host
+    deterministic = deterministic_rows(h_temp, h_top_k)  # bool [B] (host)
+    if deterministic.all():
         return greedy
 
     vocab = logits.shape[-1]
-    temp = torch.where(deterministic, torch.ones_like(temperature), temperature).float()
+    keep = to_device(deterministic, logits.device)
+    temp = torch.where(keep, torch.ones_like(temperature), temperature).float()
     probs = torch.softmax(logits.float() / temp[:, None], dim=-1)  # [B, V]
     u = uniform_from_counter(seeds, num_generated)  # float64 [B]
-    k_on = (top_k > 0) & (top_k < vocab)
-    filtered = ~deterministic & (k_on | (top_p < 1))  # [B]
+    k_on = (h_top_k > 0) & (h_top_k < vocab)
+    filtered = ~deterministic & (k_on | (h_top_p < 1))  # [B]
     plain = ~deterministic & ~filtered  # [B] sampled from the whole distribution
 
     token = greedy.clone()
-    if bool(plain.any()):
-        rows = plain.nonzero().squeeze(1)
+    if plain.any():
+        rows = to_device(np.flatnonzero(plain), logits.device)
         token[rows] = _inverse_cdf(probs[rows], u[rows])
-    if bool(filtered.any()):
-        rows = filtered.nonzero().squeeze(1)
-        k_cap = torch.where(k_on[rows], top_k[rows].long(), vocab)  # [b] vocab = no top-k
+    if filtered.any():
+        rows = to_device(np.flatnonzero(filtered), logits.device)
+        k_cap = torch.where(to_device(k_on[filtered], logits.device),
+                            top_k[rows].long(), vocab)  # [b] vocab = no top-k
         token[rows] = _sample_filtered(probs[rows], u[rows], k_cap, top_p[rows].float())
     return token
 

@@ -18,12 +18,19 @@ from .config import EngineConfig, JobConfig, JobError
 from .cpu import SMALL_GEMM_AVAILABLE, accelerate
 from .graphs import GraphPool, StaticMeta, bucket_for, capture_sizes, fill_rows, graph_reserve_bytes
 from .logits_processing import LogitsControls
-from .logprobs import distribution, prompt_logprobs, top_logprobs, wanted
+from .logprobs import (
+    distribution,
+    prompt_logprobs,
+    top_logprobs,
+    top_logprobs_on_device,
+    wanted,
+)
 from .model import model_class
 from .model.config import ModelConfig
 from .model.llama import LlamaForCausalLM
 from .model_files import ModelFiles
 from .sampling import sample
+from .transfer import HostCopy, to_device
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -143,6 +150,19 @@ def resolve_graph_mode(flag: bool | None, device: torch.device) -> str:
     return "cuda" if flag else "off"
 
 
+def resolve_overlap(flag: bool | None, device: torch.device, speculative: bool) -> bool:
+    """engine.overlap (default: on for plain decoding on CUDA); true with a draft head is a
+    JobError naming the key (a verify round's token counts are known only at its commit)."""
+    if flag and speculative:
+        raise JobError(
+            "engine.overlap: true needs plain decoding (no draft): a verify round's accepted "
+            "tokens are known only when it is committed; unset it or set it to false"
+        )
+    if flag is None:
+        return device.type == "cuda" and not speculative
+    return flag
+
+
 # The longest default max_model_len: the RoPE table and the KV budget are sized by it, and a
 # config.json claiming more positions (1e11) would allocate terabytes.
 DEFAULT_MAX_MODEL_LEN_CAP = 1 << 20
@@ -238,23 +258,48 @@ def sampling_tensors(plan, device: torch.device) -> tuple[torch.Tensor, ...]:
     """temperature (float32), top_p (float32), top_k (int32), seeds (int64), num_generated
     (int32) of a plan's rows [B], on `device` (on the CPU the plan's own arrays: no .to())."""
     arrays = (plan.temperature, plan.top_p, plan.top_k, plan.seeds, plan.num_generated)
-    tensors = tuple(torch.from_numpy(a) for a in arrays)
-    return tensors if device.type == "cpu" else tuple(t.to(device) for t in tensors)
+    return tuple(to_device(a, device) for a in arrays)
 
 
-def sample_rows(worker, plan, logits: torch.Tensor, sampling: tuple[torch.Tensor, ...]):
+def sample_rows(worker, plan, logits: torch.Tensor, sampling: tuple[torch.Tensor, ...],
+                on_device: bool = False):
     """One token per row from logits [B, V] after the plan's logits controls (min tokens,
     penalties), and the rows' logprobs when the plan asks for them: (tokens int64 [B], the
-    logprobs `Scheduler.commit` takes, or None)."""
+    logprobs `Scheduler.commit` takes, or None; `on_device`: those as device tensors)."""
     controls = LogitsControls.from_plan(plan, worker.end_ids, logits.device)
     processed = None if controls is None else controls.apply(logits[:, None])[:, 0]  # [B, V]
-    tokens = sample(logits if processed is None else processed, *sampling)  # [B]
+    host = (plan.temperature, plan.top_p, plan.top_k)  # which rows sample, known on the host
+    tokens = sample(logits if processed is None else processed, *sampling, host=host)  # [B]
     k = wanted(plan)
     if k == 0:
         return tokens, None
     temperature, top_p, top_k = sampling[:3]
     lp = distribution(logits, processed, temperature, top_k, top_p, worker.logprobs_mode)
-    return tokens, top_logprobs(lp, tokens, k)
+    return tokens, (top_logprobs_on_device if on_device else top_logprobs)(lp, tokens, k)
+
+
+@dataclass(frozen=True)
+class Launched:
+    """A step queued on the device (Worker.launch): its tokens there and on their way up."""
+
+    tokens: torch.Tensor  # int64 [B] on the device
+    host: HostCopy  # int32 [B]
+    logprobs: tuple[HostCopy, ...] | None  # Scheduler.commit's logprobs, when a row asks
+    prompt_logprobs: object | None
+
+
+def fill_placeholders(ids: torch.Tensor, plan, prev: Launched | None) -> None:
+    """Writes into `ids` [>= T] (the plan's input_ids on the device) each placeholder's token:
+    row i's last query token is prev.tokens[plan.prev_rows[i]] where prev_rows[i] >= 0."""
+    rows = plan.prev_rows
+    waiting = rows >= 0
+    if not waiting.any():
+        return
+    if prev is None:
+        raise RuntimeError("a plan with placeholders needs the launched step before it")
+    at = plan.cu_seqlens_q[1:][waiting] - 1  # [R] each waiting row's last query token
+    src = to_device(rows[waiting], ids.device, np.int64)
+    ids[to_device(at, ids.device, np.int64)] = prev.tokens.index_select(0, src)
 
 
 class Worker:
@@ -325,7 +370,7 @@ class Worker:
         # float32 logits per bucket would add up; the LM head runs eagerly on the real rows
         return self.model(self._ids[:bp], self._pos[:bp], meta, self.kv_caches)
 
-    def _decode_logits(self, plan) -> torch.Tensor | None:
+    def _decode_logits(self, plan, prev: Launched | None = None) -> torch.Tensor | None:
         """Logits [B, V] of a decode plan through its graph, or None (not a graph step)."""
         b = plan.num_seqs
         if self.graphs is None or int(plan.cu_seqlens_q[-1]) != b:
@@ -336,6 +381,7 @@ class Worker:
             return None
         meta = self._meta.fill(bp, plan.seq_lens, plan.block_tables, plan.slot_mapping)
         fill_rows(self._ids, plan.input_ids.astype(np.int64), bp)
+        fill_placeholders(self._ids, plan, prev)
         fill_rows(self._pos, plan.positions.astype(np.int64), bp)
         state, step = self._decode[bp]
         self.model.backend.prepare_graph(meta, state)
@@ -388,28 +434,46 @@ class Worker:
         worker.weights = weights
         return worker
 
-    @torch.inference_mode()
     def step(self, plan) -> tuple:
         """Runs one plan; returns (tokens int32 [B], num_tokens int32 [B]) — one token per row —
         and, when a row asks for logprobs or prompt logprobs, (None, logprobs, prompt logprobs)
         after them (`Scheduler.commit`)."""
+        return self.collect(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan, prev: Launched | None = None) -> Launched:
+        """Queues one plan's step on the device without waiting for it (CUDA). `prev`: the
+        launched step before it, whose sampled tokens fill the plan's placeholders (prev_rows,
+        a plan from Scheduler.next_plan_ahead)."""
         dev = self.device
         copy_blocks(self.kv_caches, plan.block_copies)  # forked samples' partial blocks
         prompt = bool(plan.prompt_logprobs.any())  # needs every query position's hidden state
-        logits = None if prompt else self._decode_logits(plan)  # [B, V] or None
+        logits = None if prompt else self._decode_logits(plan, prev)  # [B, V] or None
         prompt_lps = None
         if logits is None:
             meta = plan_metadata(plan, self.budget.block_size, dev)
             self.model.backend.prepare(meta)
-            input_ids = torch.from_numpy(plan.input_ids).to(dev)  # [T]
-            positions = torch.from_numpy(plan.positions).to(dev)  # [T]
+            input_ids = to_device(plan.input_ids, dev)  # [T]
+            fill_placeholders(input_ids, plan, prev)
+            positions = to_device(plan.positions, dev)  # [T]
             hidden = self.model(input_ids, positions, meta, self.kv_caches)  # [T, H]
-            last = torch.from_numpy(plan.cu_seqlens_q[1:].astype(np.int64) - 1).to(dev)  # [B]
+            last = to_device(plan.cu_seqlens_q[1:] - 1, dev, np.int64)  # [B]
             logits = self.model.compute_logits(hidden.index_select(0, last))  # [B, V]
             if prompt:
                 prompt_lps = prompt_logprobs(self.model.compute_logits, hidden, plan)
-        tokens, logprobs = sample_rows(self, plan, logits, sampling_tensors(plan, dev))
-        out = tokens.to(torch.int32).cpu().numpy()
-        if logprobs is None and prompt_lps is None:
-            return out, np.ones(len(out), dtype=np.int32)
-        return out, np.ones(len(out), dtype=np.int32), None, logprobs, prompt_lps
+        sampling = sampling_tensors(plan, dev)
+        tokens, logprobs = sample_rows(self, plan, logits, sampling, on_device=True)
+        if logprobs is not None:
+            logprobs = tuple(HostCopy(t) for t in logprobs)
+        return Launched(tokens, HostCopy(tokens.to(torch.int32)), logprobs, prompt_lps)
+
+    @staticmethod
+    def collect(launched: Launched) -> tuple:
+        """What `Scheduler.commit` takes of a launched step (waits for its tokens)."""
+        out = launched.host.numpy()
+        ones = np.ones(len(out), dtype=np.int32)
+        if launched.logprobs is None and launched.prompt_logprobs is None:
+            return out, ones
+        logprobs = None if launched.logprobs is None else tuple(
+            h.numpy() for h in launched.logprobs)
+        return out, ones, None, logprobs, launched.prompt_logprobs

@@ -161,6 +161,12 @@ impl SchedulerConfig {
     /// Checks every setting once, up front (sizes, then sampling, then inputs).
     pub fn validate(&self) -> Result<()> {
         self.validate_sizes()?;
+        if self.overlap && self.max_draft_tokens > 0 {
+            return Err(Error::user(
+                "overlap needs plain decoding (max_draft_tokens 0): a verify round's token \
+                 count is known only at its commit",
+            ));
+        }
         self.validate_sampling()?;
         self.validate_inputs()
     }
@@ -204,12 +210,6 @@ impl SchedulerConfig {
                 "max_draft_tokens must be <= 64, got {}",
                 self.max_draft_tokens
             )));
-        }
-        if self.overlap && self.max_draft_tokens > 0 {
-            return Err(Error::user(
-                "overlap needs plain decoding (max_draft_tokens 0): a verify round's token \
-                 count is known only at its commit",
-            ));
         }
         if self.max_model_len > i32::MAX as usize {
             return Err(Error::user("max_model_len must fit in int32"));

@@ -45,6 +45,7 @@ class FakePlan:
     cu_prefix: np.ndarray | None = None  # int32 [B+1], all 0
     block_copies: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int32))
     next_ids: np.ndarray | None = None  # int64 [B], all -1 (no chunked prefill)
+    prev_rows: np.ndarray | None = None  # int32 [B], all -1 (no overlap placeholders)
     # per-row controls, all off unless given (no min tokens, no penalty, no logprobs)
     min_tokens: np.ndarray | None = None  # int32 [B]
     repetition_penalty: np.ndarray | None = None  # float32 [B]
@@ -72,6 +73,8 @@ class FakePlan:
             self.cu_penalty = np.zeros(b + 1, dtype=np.int32)
         if self.next_ids is None:
             self.next_ids = np.full(self.num_seqs, -1, dtype=np.int64)
+        if self.prev_rows is None:
+            self.prev_rows = np.full(self.num_seqs, -1, dtype=np.int32)
 
 
 @dataclass

@@ -20,6 +20,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from ..transfer import to_device
+
 
 class KVCacheConfig(Protocol):
     """What the cache layout reads of a model's config (model/config.py's ModelConfig): a
@@ -93,7 +95,7 @@ class AttentionMetadata:
         device = torch.device(device)
 
         def put(t: torch.Tensor) -> torch.Tensor:  # a host tensor on `device` (CPU: itself)
-            return t if device.type == "cpu" else t.to(device)
+            return t if device.type == "cpu" else to_device(t.numpy(), device)
 
         def host(a: np.ndarray, dtype: type) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a, dtype=dtype))
@@ -237,7 +239,7 @@ def copy_blocks(caches: list[torch.Tensor], copies: np.ndarray) -> None:
     if len(copies) == 0:
         return
     device = caches[0].device
-    src = torch.from_numpy(copies[:, 0].astype(np.int64)).to(device)  # [C]
-    dst = torch.from_numpy(copies[:, 1].astype(np.int64)).to(device)  # [C]
+    src = to_device(copies[:, 0], device, np.int64)  # [C]
+    dst = to_device(copies[:, 1], device, np.int64)  # [C]
     for cache in caches:
         cache.index_copy_(1, dst, cache.index_select(1, src))
