@@ -76,8 +76,9 @@ fn run(tag: &str, overlap: bool, setup: impl Fn(&mut SchedulerConfig)) -> (Vec<R
     let prompts: Vec<Option<&str>> = prompts.iter().map(|p| Some(p.as_str())).collect();
     let mut f = fixture(tag, &prompts);
     setup(&mut f.cfg);
-    f.cfg.overlap = overlap;
+    (f.cfg.overlap, f.cfg.queue_rows) = (overlap, prompts.len());
     let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    wait_for_reader(&s); // every prompt there from the first plan: admission does not race it
     let ahead = if overlap {
         drive_overlapped(&mut s).1
     } else {
