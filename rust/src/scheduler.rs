@@ -462,7 +462,11 @@ fn sorted_skip_rows(skip_rows: &[i64], (start, end): (u64, u64)) -> (Vec<i64>, u
 
 /// The writer's settings: the job's output settings plus the id column's type, which comes
 /// from the validated input schema.
-fn writer_config(cfg: &SchedulerConfig, id_type: arrow_schema::DataType) -> WriterConfig {
+fn writer_config(
+    cfg: &SchedulerConfig,
+    id_type: arrow_schema::DataType,
+    tokenizer: Arc<Tokenizer>,
+) -> WriterConfig {
     WriterConfig {
         output_dir: cfg.output_dir.clone(),
         part_rows: cfg.part_rows,
@@ -472,6 +476,7 @@ fn writer_config(cfg: &SchedulerConfig, id_type: arrow_schema::DataType) -> Writ
         prompt_logprobs: cfg.prompt_logprobs > 0,
         id_type,
         flush_interval: cfg.flush_interval_s.map(std::time::Duration::from_secs_f64),
+        decoder: Some(tokenizer),
     }
 }
 
@@ -588,7 +593,7 @@ impl Scheduler {
         let n = cfg.n as u64;
         let mut stats = Stats::new((spec.range_rows() - skipped) * n - skip_samples.len() as u64);
         stats.requests_skipped = skipped * n + skip_samples.len() as u64;
-        let writer = Writer::start(writer_config(&cfg, spec.id_type.clone()))?;
+        let writer = Writer::start(writer_config(&cfg, spec.id_type.clone(), tokenizer.clone()))?;
         let (input, reader) = spawn_reader(
             spec,
             ReaderOptions {
@@ -854,6 +859,7 @@ impl Scheduler {
             output_token_ids: Vec::new(),
             logprobs: None,
             prompt_logprobs: None,
+            text_ids: None,
         })
     }
 
@@ -1197,13 +1203,13 @@ impl Scheduler {
     }
 
     /// Turns a finished sequence into its output row (and records its statistics). An error
-    /// row (finish reason or decode error) has no text, no output tokens and no timings.
-    fn output_row(&mut self, mut seq: Sequence) -> OutputRow {
+    /// row has no text, no output tokens and no timings; a row's text is decoded by the
+    /// writer thread (`OutputRow::text_ids`), unless a stop string cut it.
+    fn output_row(&mut self, seq: Sequence) -> OutputRow {
         let reason = seq.finish_reason.unwrap_or(FinishReason::Error);
-        if reason != FinishReason::Error && !seq.stopped_on_string {
-            self.decode_final_text(&mut seq);
-        }
         let error = seq.error.is_some() || reason == FinishReason::Error;
+        // the text of a row without stop strings: one decode, on the writer's thread
+        let text_ids = (!error && !seq.stopped_on_string).then(|| seq.text_ids().to_vec());
         let n = seq.num_output();
         self.stats.requests_done += 1;
         let timings = if error {
@@ -1251,17 +1257,7 @@ impl Scheduler {
             } else {
                 Vec::new()
             },
-        }
-    }
-
-    /// Replaces the incremental text with exactly `decode(output_ids without EOS,
-    /// skip_special_tokens=True)`; a failed decode sets the sequence's error instead.
-    fn decode_final_text(&self, seq: &mut Sequence) {
-        match self.tokenizer.decode(seq.text_ids(), true) {
-            Ok(text) => seq.output_text = text,
-            Err(e) => {
-                seq.error = Some(format!("decode failed: {e}"));
-            }
+            text_ids,
         }
     }
 
@@ -1321,6 +1317,7 @@ impl Scheduler {
             .iter()
             .map(|p| p.display().to_string())
             .collect();
+        self.stats.requests_error += written.decode_errors; // error rows made by the writer
         let mut summary = self.stats.summary(parts);
         let busy = written.busy.as_secs_f64();
         summary.insert("writer_seconds".into(), SummaryValue::Float(Some(busy)));

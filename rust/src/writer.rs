@@ -36,6 +36,7 @@ use parquet::file::properties::WriterProperties;
 use crate::error::{Error, Result};
 use crate::logprobs::LogprobEntry;
 use crate::sequence::FinishReason;
+use tokenizers::Tokenizer;
 
 /// One output row (a finished or failed request).
 #[derive(Debug, Clone)]
@@ -66,6 +67,10 @@ pub struct OutputRow {
     pub logprobs: Option<Vec<LogprobEntry>>,
     /// One entry per prompt token after the first, with `prompt_logprobs`.
     pub prompt_logprobs: Option<Vec<LogprobEntry>>,
+    /// A finished row whose text is still to be decoded: these ids, decoded by the writer
+    /// thread into `output_text` (so a commit does not pay for finished rows' decodes). A
+    /// decode failure makes it an error row there (`WriterSummary::decode_errors`).
+    pub text_ids: Option<Vec<u32>>,
 }
 
 #[derive(Debug, Clone)]
@@ -80,14 +85,19 @@ pub struct WriterConfig {
     pub id_type: DataType,
     /// Close a part once its oldest row is this old (None: only by `part_rows`).
     pub flush_interval: Option<Duration>,
+    /// Decodes rows sent with `text_ids` (required for them).
+    pub decoder: Option<Arc<Tokenizer>>,
 }
 
 #[derive(Debug, Clone, Default)]
 pub struct WriterSummary {
     pub part_files: Vec<PathBuf>,
     pub rows_written: u64,
-    /// Time the writer thread spent building and writing parts (off the step loop's thread).
+    /// Time the writer thread spent decoding rows' texts and building and writing parts (off
+    /// the step loop's thread).
     pub busy: Duration,
+    /// Rows whose text failed to decode, written as error rows.
+    pub decode_errors: u64,
 }
 
 /// Output schema (column order is part of the contract).
@@ -272,6 +282,39 @@ impl WriterThread {
 
     /// Writes rows until the channel closes; then the last part, or an empty part when the
     /// run is `complete` and the directory would hold none.
+    /// The row with its text decoded (`OutputRow::text_ids`); a failed decode makes it an
+    /// error row.
+    fn decoded(&mut self, mut row: OutputRow) -> Result<OutputRow> {
+        let Some(ids) = row.text_ids.take() else {
+            return Ok(row);
+        };
+        let start = Instant::now();
+        let decoder = self.cfg.decoder.as_ref().ok_or_else(|| {
+            Error::internal("a row with text_ids reached a writer without a decoder")
+        })?;
+        match decoder.decode(&ids, true) {
+            Ok(text) => row.output_text = text,
+            Err(e) => {
+                self.summary.decode_errors += 1;
+                row = OutputRow {
+                    output_text: String::new(),
+                    finish_reason: FinishReason::Error,
+                    output_tokens: 0,
+                    queue_s: None,
+                    ttft_s: None,
+                    latency_s: None,
+                    tpot_s: None,
+                    error: Some(format!("decode failed: {e}")),
+                    output_token_ids: Vec::new(),
+                    logprobs: None,
+                    ..row
+                };
+            }
+        }
+        self.summary.busy += start.elapsed();
+        Ok(row)
+    }
+
     fn run(&mut self, rx: Receiver<OutputRow>, complete: &AtomicBool) -> Result<WriterSummary> {
         // When the oldest buffered row must be on disk (None: buffer empty or no interval).
         let mut deadline: Option<Instant> = None;
@@ -294,6 +337,7 @@ impl WriterThread {
             if self.buffer.is_empty() {
                 deadline = self.cfg.flush_interval.map(|iv| Instant::now() + iv);
             }
+            let row = self.decoded(row)?;
             self.buffer.push(row);
             if self.buffer.len() >= self.cfg.part_rows {
                 self.flush()?;
@@ -482,6 +526,7 @@ mod tests {
             output_token_ids: if err { vec![] } else { vec![7, 2] },
             logprobs: None,
             prompt_logprobs: None,
+            text_ids: None,
         }
     }
 
@@ -498,7 +543,30 @@ mod tests {
             prompt_logprobs: false,
             id_type: DataType::Utf8,
             flush_interval: None,
+            decoder: None,
         }
+    }
+
+    #[test]
+    fn rows_with_text_ids_are_decoded_by_the_writer_thread() {
+        let tok = Arc::new(crate::testutil::byte_level_tokenizer());
+        let text = "héllo wörld, 42";
+        let ids = tok.encode(text, false).unwrap().get_ids().to_vec();
+        let dir = TempDir::new("writer-decode");
+        let mut c = cfg(dir.path(), 10);
+        c.decoder = Some(tok);
+        let mut w = Writer::start(c).unwrap();
+        let mut r = row(0, "a", FinishReason::Length);
+        (r.output_text, r.text_ids) = (String::new(), Some(ids));
+        w.send(r).unwrap();
+        w.send(row(1, "b", FinishReason::Length)).unwrap(); // already has its text
+        assert_eq!(w.finish().unwrap().decode_errors, 0);
+        let batches = read_parts(dir.path());
+        let texts = batches[0]
+            .column_by_name("output_text")
+            .unwrap()
+            .as_string::<i32>();
+        assert_eq!((texts.value(0), texts.value(1)), (text, "text 1"));
     }
 
     #[test]
