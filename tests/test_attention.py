@@ -62,8 +62,11 @@ class Harness:
             torch.testing.assert_close(out[lo:hi], ref, atol=1e-5, rtol=1e-5)
 
     def backend_state_chunks(self):
-        """The torch path's chunks of the last step (empty for a native cpu step)."""
-        return getattr(self.last_meta.backend_state, "chunks", [])
+        """The torch path's chunks of the last step (empty for a native cpu step; a split cpu
+        step's long rows)."""
+        state = self.last_meta.backend_state
+        state = getattr(state, "long_meta", None) and state.long_meta.backend_state or state
+        return getattr(state, "chunks", [])
 
     def rollback(self, seq: int, length: int) -> None:
         self.seqs.truncate(seq, length)
@@ -83,6 +86,35 @@ def test_prefill_decode_and_verify(block_size: int, chunk_tokens: int, backend: 
     h.step([(2, 4), (0, 3), (1, 1), (3, 2)])  # verify-like: q_i > 1 on top of a prefix
     h.rollback(2, h.seqs.lengths[2] - 2)  # rejected tokens are overwritten next step
     h.step([(2, 3), (4, 6), (0, 1)])  # mixed with a new prefill
+
+
+def test_cpu_mixed_steps_split_short_rows_to_the_kernel() -> None:
+    """Decode rows beside prompt chunks run through the kernel (the same bits as in a decode
+    step of their own), the chunks through torch's path; both against dense attention."""
+    h = Harness(4, backend="cpu")
+    h.step([(0, 9), (1, 30), (2, 5)])
+    h.step([(0, 1), (1, 1), (3, 40), (2, 3)])  # decode, a new prompt, a verify-like row
+    state = h.last_meta.backend_state
+    assert type(state).__name__ == "_SplitPlan"
+    assert state.short_tokens.tolist() == [0, 1, 42, 43, 44]
+    assert state.long_tokens.tolist() == list(range(2, 42))
+    assert state.native.cu_seqlens_q.tolist() == [0, 1, 2, 5]
+    # the short rows alone, through the kernel: the same outputs bit for bit
+    cache = h.cache.clone()
+    seqs = h.seqs
+    for s in (0, 1, 2):
+        seqs.truncate(s, seqs.lengths[s] - (3 if s == 2 else 1))
+    _, _, meta = seqs.step([(0, [0]), (1, [0]), (2, [0] * 3)])
+    assert meta.seq_lens.tolist() == state.native.seq_lens.tolist()
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(45, HQ, D, generator=gen)
+    k, v = torch.randn(45, HKV, D, generator=gen), torch.randn(45, HKV, D, generator=gen)
+    h.backend.prepare(h.last_meta)
+    mixed = h.backend.forward(0, q, k, v, cache.clone(), h.last_meta, D**-0.5)
+    short = state.short_tokens
+    h.backend.prepare(meta)
+    alone = h.backend.forward(0, q[short], k[short], v[short], cache.clone(), meta, D**-0.5)
+    assert torch.equal(mixed[short], alone)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
@@ -107,11 +139,15 @@ def test_long_prompts_are_not_padded_in_a_prefill_step(backend: str) -> None:
     batch = [(0, 40), (1, 33), (2, 5), (3, 40), (4, 9), (5, 31)]
     _, _, meta = h.seqs.step([(s, [0] * n) for s, n in batch])
     h.backend.prepare(meta)
-    lengths = [sorted(int(meta.seq_lens[i]) for i in range(6)
-                      if c.tok_index is None or int(meta.cu_seqlens_q[i]) in c.tok_index)
-               for c in meta.backend_state.chunks]
-    assert sorted(lengths) == [[5, 9], [31], [33], [40, 40]]  # short prompts still share
-    for c in meta.backend_state.chunks:
+    # the cpu backend runs the short prompts through its kernel, the long ones as torch does
+    torch_meta = getattr(meta.backend_state, "long_meta", meta)
+    n = len(torch_meta.seq_lens)
+    lengths = [sorted(int(torch_meta.seq_lens[i]) for i in range(n)
+                      if c.tok_index is None or int(torch_meta.cu_seqlens_q[i]) in c.tok_index)
+               for c in torch_meta.backend_state.chunks]
+    short = [[5, 9]] if backend == "torch" else []  # short prompts still share
+    assert sorted(lengths) == short + [[31], [33], [40, 40]]
+    for c in torch_meta.backend_state.chunks:
         if c.max_q >= 30:
             assert c.mask is None and c.causal and c.pad_index is None
     for s, _ in batch:

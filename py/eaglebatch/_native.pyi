@@ -154,7 +154,8 @@ class Scheduler:
         (cached_tokens / prompt_tokens, None without prompts), spec_steps, accepted_tokens,
         spec_tokens (tokens produced by verify rounds),
         latency_p50/p90/p99, ttft_p50/p99, tpot_p50/p99 (seconds), writer_seconds (the writer
-        thread's time building and writing parts), part_files. A complete run
+        thread's time decoding finished rows' texts and building and writing parts; errors
+        include rows whose text failed to decode there), part_files. A complete run
         leaves at least one part file (an empty one when nothing else is there). Called before
         next_plan returned None, or after the input failed, it closes the writer like abort()
         and raises (the input's UserInputError again, if that was the failure)."""

@@ -5,15 +5,19 @@ else.
 A step whose sequences all have at most MAX_NATIVE_QUERY rows, with a float32 cache and float32
 queries, attends straight from the paged cache through the block table: no gather into a
 padded buffer, no mask, one pass of online softmax per query row. Such a step's plan is also
-what the native decoder layers (cpu/decoder.py) run on: `native_plan`. Prefill-sized steps,
-other dtypes, CUDA-graph steps (`prepare_graph`) and anything that needs autograd take
-TorchAttentionBackend's path, which this class inherits.
+what the native decoder layers (cpu/decoder.py) run on: `native_plan`. A step that mixes such
+rows with longer queries (decode rows with prompt chunks, chunked prefill) splits: the short
+rows through the kernel, the long ones through TorchAttentionBackend's path (which this class
+inherits), as do prefill-sized steps, other dtypes, CUDA-graph steps (`prepare_graph`) and
+anything that needs autograd.
 
 Each query row's result depends only on its own query and keys, so a verify step's rows equal
 the decode steps' bit for bit (with the native GEMM, so do the logits at batch 1).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -52,20 +56,45 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self._native_dtypes &= not windows
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        if (
-            not self._native_dtypes
-            or meta.max_seqlen_q > MAX_NATIVE_QUERY
-            or meta.seq_lens.device.type != "cpu"
-        ):
+        if not self._native_dtypes or meta.seq_lens.device.type != "cpu":
             super().prepare(meta)
             return
         cu, lens = meta.host_lengths()
-        meta.backend_state = NativeAttentionPlan(
-            cu_seqlens_q=np.ascontiguousarray(cu.numpy(), dtype=np.int32),
-            seq_lens=np.ascontiguousarray(lens.numpy(), dtype=np.int32),
-            block_tables=np.ascontiguousarray(meta.block_tables.numpy(), dtype=np.int32),
+        cu, lens = cu.numpy().astype(np.int64), lens.numpy()
+        short = np.diff(cu) <= MAX_NATIVE_QUERY  # [B]
+        if short.all():
+            meta.backend_state = self._native(cu, lens, meta.block_tables.numpy())
+        elif short.any():
+            meta.backend_state = self._split(meta, cu, lens, short)
+        else:
+            super().prepare(meta)
+
+    @staticmethod
+    def _native(cu: np.ndarray, lens: np.ndarray, tables: np.ndarray) -> NativeAttentionPlan:
+        return NativeAttentionPlan(
+            cu_seqlens_q=np.ascontiguousarray(cu, dtype=np.int32),
+            seq_lens=np.ascontiguousarray(lens, dtype=np.int32),
+            block_tables=np.ascontiguousarray(tables, dtype=np.int32),
             threads=torch.get_num_threads(),
         )
+
+    def _split(self, meta, cu: np.ndarray, lens: np.ndarray, short: np.ndarray) -> _SplitPlan:
+        """A step of short queries (decode, verify) and long ones (prompt chunks): the short
+        rows through the kernel, the long rows through torch's path (its own metadata)."""
+        q_lens = np.diff(cu)
+        tokens = np.arange(cu[-1])
+        row_of = np.repeat(np.arange(len(q_lens)), q_lens)  # [T] row of each query token
+        short_tok, long_tok = tokens[short[row_of]], tokens[~short[row_of]]
+        tables = meta.block_tables.numpy()
+        native = self._native(np.concatenate(([0], np.cumsum(q_lens[short]))), lens[short],
+                              tables[short])
+        long_cu = np.concatenate(([0], np.cumsum(q_lens[~short])))
+        long_meta = AttentionMetadata.from_numpy(
+            long_cu, lens[~short], tables[~short], meta.slot_mapping.numpy()[long_tok],
+            meta.block_size, meta.seq_lens.device)
+        super().prepare(long_meta)
+        return _SplitPlan(native, torch.from_numpy(short_tok), torch.from_numpy(long_tok),
+                          long_meta)
 
     def native_plan(self, meta: AttentionMetadata) -> NativeAttentionPlan | None:
         plan = meta.backend_state
@@ -82,26 +111,52 @@ class CpuAttentionBackend(TorchAttentionBackend):
         scale: float,
         window: int | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
-        plan = self.native_plan(meta)
-        if plan is not None and torch.is_grad_enabled() and (
+        plan = meta.backend_state
+        native = isinstance(plan, (NativeAttentionPlan, _SplitPlan))
+        if native and torch.is_grad_enabled() and (
             q.requires_grad or k.requires_grad or v.requires_grad
         ):
             super().prepare(meta)  # the kernel has no backward: torch's path for this step
-            plan = None
-        if plan is None:
+            native = False
+        if not native:
             return super().forward(layer_idx, q, k, v, kv_cache, meta, scale, window)
-        t, num_heads, head_dim = q.shape
-        _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
-        q = q.contiguous()
-        q_ptr = native_ptr(q, torch.float32, (t, num_heads, head_dim))
-        cache_shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
-        cache_ptr = native_ptr(kv_cache, torch.float32, cache_shape)  # checked before the write
-        write_kv_cache(k, v, kv_cache, meta.slot_mapping)
+        write_kv_cache(k, v, kv_cache, meta.slot_mapping)  # every row's, before any reads it
+        if isinstance(plan, NativeAttentionPlan):
+            return _attend_native(plan, q, kv_cache, scale)
         out = torch.empty_like(q)
-        # the Rust side checks every index before reading
-        _native.paged_attention(
-            q_ptr, cache_ptr, native_ptr(out, torch.float32, (t, num_heads, head_dim)), t,
-            plan.cu_seqlens_q, plan.seq_lens, plan.block_tables,
-            num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, plan.threads,
-        )  # fmt: skip
+        out[plan.short_tokens] = _attend_native(plan.native, q[plan.short_tokens], kv_cache,
+                                                scale)
+        long = plan.long_tokens
+        out[long] = super().forward(layer_idx, q[long], k[long], v[long], kv_cache,
+                                    plan.long_meta, scale, window)
         return out
+
+
+@dataclass(frozen=True)
+class _SplitPlan:
+    """A mixed step (CpuAttentionBackend._split): the short-query rows' kernel plan and the
+    long-query rows' torch metadata, each over its own query tokens."""
+
+    native: NativeAttentionPlan
+    short_tokens: torch.Tensor  # int64 [Ts] the short rows' query tokens, in order
+    long_tokens: torch.Tensor  # int64 [Tl]
+    long_meta: AttentionMetadata
+
+
+def _attend_native(plan: NativeAttentionPlan, q: torch.Tensor, kv_cache: torch.Tensor,
+                   scale: float) -> torch.Tensor:  # [T, Hq, D]
+    """The kernel over queries q [T, Hq, D] whose K/V are already in the cache."""
+    t, num_heads, head_dim = q.shape
+    _, num_blocks, block_size, num_kv_heads, _ = kv_cache.shape
+    q = q.contiguous()
+    q_ptr = native_ptr(q, torch.float32, (t, num_heads, head_dim))
+    cache_shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+    cache_ptr = native_ptr(kv_cache, torch.float32, cache_shape)
+    out = torch.empty_like(q)
+    # the Rust side checks every index before reading
+    _native.paged_attention(
+        q_ptr, cache_ptr, native_ptr(out, torch.float32, (t, num_heads, head_dim)), t,
+        plan.cu_seqlens_q, plan.seq_lens, plan.block_tables,
+        num_heads, num_kv_heads, head_dim, block_size, num_blocks, scale, plan.threads,
+    )  # fmt: skip
+    return out
