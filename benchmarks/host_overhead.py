@@ -104,11 +104,11 @@ class FakeWorker:
     def launch(self, plan, prev=None) -> tuple:
         """Queues the plan on the fake device: it starts when the device is free and the host
         has launched it (the gap before is device idle time) and lasts device_s."""
+        if prev is None and (plan.prev_rows >= 0).any():
+            raise RuntimeError("placeholders without the step in flight")
         start = time.perf_counter()
         if self.prep == "worker":
             self._prepare(plan, prev)
-        if (plan.prev_rows >= 0).any() and prev is None:
-            raise RuntimeError("placeholders without the step in flight")
         now = time.perf_counter()
         if plan.kind != "prefill":
             self.prep_s += now - start

@@ -28,10 +28,13 @@ def test_host_overhead_runs_plain_and_speculative_steps(tmp_path):
         assert r["steps"] == 40 and r["rows_per_step"] <= r["batch"]
         assert r["device_idle_us"] >= 0
         assert r["plan_us"] > 0 and r["commit_us"] > 0 and r["writer_us"] > 0
-        assert (r["prep_us"] > 5) == (r["prep"] == "worker")  # "none": two clock reads
         assert r["total_us"] == pytest.approx(r["plan_us"] + r["prep_us"] + r["commit_us"])
     assert min(r["rows_per_step"] for r in results if r["batch"] == 16) > 8  # rows keep joining
     assert json.loads(out.read_text()) == results
+    prep = {(r["mode"], r["prep"], r["batch"]): r["prep_us"] for r in results}
+    for mode in modes:  # "none" times two clock reads, "worker" the real preparation
+        for b in (1, 16):
+            assert prep[(mode, "worker", b)] > prep[(mode, "none", b)] + 10
     idle = {(r["mode"], r["prep"], r["batch"]): r["device_idle_us"] for r in results}
     for b in (1, 16):  # one step at a time, the device waits out the host's whole step
         assert idle[("plain", "worker", b)] > 0.5 * by_mode(results, "plain", b)["total_us"]

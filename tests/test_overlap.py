@@ -51,7 +51,7 @@ def _pair(tmp_path, model_dir, prompts, overrides, wrap=None):
     on, res = run_job(tmp_path, model_dir, prompts, overrides=[*overrides, "engine.overlap=true"],
                       name="on", wrap=spy)
     keep = ["row_index", "sample_index", "output_token_ids", "output_text", "finish_reason",
-            "num_output_tokens"]
+            "num_output_tokens", "logprobs"]
     keep = [c for c in keep if c in off.column_names]
     order = [(c, "ascending") for c in ("row_index", "sample_index") if c in keep]
 
@@ -109,6 +109,30 @@ def test_sampled_samples_equal_overlap_off(tmp_path, tiny_model_dir, prompts):
              "sampling.seed=3", "sampling.n=3"]
     off, on, spy, _ = _pair(tmp_path, tiny_model_dir, prompts[:5], extra)
     assert on == off and spy.ahead > 0
+
+
+def test_logprobs_equal_overlap_off(tmp_path, tiny_model_dir, prompts):
+    """Logprobs come down behind the step's event (Worker.collect): the same entries, up to
+    float rounding (a finished row's slot is reused one step later, so a step's batch, and the
+    GEMMs' rounding, can differ)."""
+    extra = ["engine.max_batch_size=4", "output.logprobs=3", "sampling.temperature=0.7",
+             "sampling.seed=11"]
+    off, on, spy, _ = _pair(tmp_path, tiny_model_dir, prompts[:6], extra)
+    assert spy.ahead > 0
+
+    def split(rows):
+        lps = [r.pop("logprobs") for r in rows]
+        flat = [(e["token_id"], e["logprob"], [(t["token_id"], t["logprob"])
+                                              for t in e["top_logprobs"]])
+                for row in lps for e in row]
+        return rows, flat
+
+    (on_rows, on_lp), (off_rows, off_lp) = split(on), split(off)
+    assert on_rows == off_rows and len(on_lp) == sum(len(r["output_token_ids"]) for r in on)
+    for (tok, lp, top), (tok2, lp2, top2) in zip(on_lp, off_lp, strict=True):
+        assert tok == tok2 and lp == pytest.approx(lp2, abs=1e-5)
+        assert [t for t, _ in top] == [t for t, _ in top2]
+        assert [v for _, v in top] == pytest.approx([v for _, v in top2], abs=1e-5)
 
 
 def test_penalized_rows_commit_before_the_next_plan(tmp_path, tiny_model_dir, prompts):
