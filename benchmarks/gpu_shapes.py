@@ -26,6 +26,7 @@ which only the job checks read. Sections, the JSON rewritten after each:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import platform
@@ -247,6 +248,9 @@ def parse_args(argv):
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--backend", default="auto", choices=["auto", "torch", "flashinfer"],
+                    help="attention backend (auto: flashinfer on CUDA when installed); torch "
+                    "skips flashinfer's first JIT build")
     ap.add_argument("--skip", default="", help="comma list of: steps,runs,transformers")
     return ap.parse_args(argv)
 
@@ -265,6 +269,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for shape in args.shapes.split(","):
             _one_shape(Path(tmp) / shape, shape, args, report, section)
+            gc.collect()  # captured steps hold their worker in reference cycles
             if cuda:
                 torch.cuda.empty_cache()
     failed = [f"{s}:runs:{b}" for s, r in report["shapes"].items()
@@ -284,7 +289,9 @@ def _one_shape(tmp: Path, shape: str, args, report: dict, section) -> None:
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     dtype = "bfloat16" if cuda else "float32"
-    backend = "flashinfer" if cuda and flashinfer_importable() else "torch"
+    backend = args.backend
+    if backend == "auto":
+        backend = "flashinfer" if cuda and flashinfer_importable() else "torch"
     batches = [int(b) for b in args.batches.split(",")]
     run_batches = [int(b) for b in args.run_batches.split(",")]
     skip = set(filter(None, args.skip.split(",")))
