@@ -290,7 +290,8 @@ class Launched:
 
 def fill_placeholders(ids: torch.Tensor, plan, prev: Launched | None) -> None:
     """Writes into `ids` [>= T] (the plan's input_ids on the device) each placeholder's token:
-    row i's last query token is prev.tokens[plan.prev_rows[i]] where prev_rows[i] >= 0."""
+    row i's last query token is prev.tokens[plan.prev_rows[i]] where prev_rows[i] >= 0. (On
+    the CPU `ids` may share the plan's own array, which then holds those tokens too.)"""
     rows = plan.prev_rows
     waiting = rows >= 0
     if not waiting.any():

@@ -59,13 +59,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if not self._native_dtypes or meta.seq_lens.device.type != "cpu":
             super().prepare(meta)
             return
-        cu, lens = meta.host_lengths()
-        cu, lens = cu.numpy().astype(np.int64), lens.numpy()
-        short = np.diff(cu) <= MAX_NATIVE_QUERY  # [B]
+        cu, lens = (t.numpy() for t in meta.host_lengths())  # int32 [B+1], [B]
+        q_lens = np.diff(cu)  # [B]
+        short = q_lens <= MAX_NATIVE_QUERY  # [B]
         if short.all():
             meta.backend_state = self._native(cu, lens, meta.block_tables.numpy())
         elif short.any():
-            meta.backend_state = self._split(meta, cu, lens, short)
+            meta.backend_state = self._split(meta, q_lens, lens, short)
         else:
             super().prepare(meta)
 
@@ -78,13 +78,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
             threads=torch.get_num_threads(),
         )
 
-    def _split(self, meta, cu: np.ndarray, lens: np.ndarray, short: np.ndarray) -> _SplitPlan:
+    def _split(self, meta, q_lens: np.ndarray, lens: np.ndarray, short: np.ndarray) -> _SplitPlan:
         """A step of short queries (decode, verify) and long ones (prompt chunks): the short
         rows through the kernel, the long rows through torch's path (its own metadata)."""
-        q_lens = np.diff(cu)
-        tokens = np.arange(cu[-1])
-        row_of = np.repeat(np.arange(len(q_lens)), q_lens)  # [T] row of each query token
-        short_tok, long_tok = tokens[short[row_of]], tokens[~short[row_of]]
+        in_short = np.repeat(short, q_lens)  # [T] whether each query token's row is short
+        short_tok, long_tok = np.flatnonzero(in_short), np.flatnonzero(~in_short)
         tables = meta.block_tables.numpy()
         native = self._native(np.concatenate(([0], np.cumsum(q_lens[short]))), lens[short],
                               tables[short])
