@@ -25,9 +25,7 @@ def to_device(array: np.ndarray, device: torch.device, dtype: np.dtype | None = 
 def copy_into(dst: torch.Tensor, array: np.ndarray | torch.Tensor) -> None:
     """dst.copy_(array) from host memory; queued, not waited for, on CUDA."""
     host = torch.from_numpy(np.ascontiguousarray(array)) if isinstance(array, np.ndarray) else array
-    if dst.device.type == "cpu":
-        dst.copy_(host)
-    elif host.device.type == "cpu":
+    if dst.device.type != "cpu" and host.device.type == "cpu":  # up, through pinned staging
         dst.copy_(host.pin_memory(), non_blocking=True)
     else:
         dst.copy_(host)

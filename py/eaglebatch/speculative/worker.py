@@ -77,6 +77,7 @@ from eaglebatch.speculative.eagle import EagleDraft, load_draft
 from eaglebatch.speculative.graphs import SpecGraphs
 from eaglebatch.speculative.ngram import NgramLookup
 from eaglebatch.speculative.verify import deterministic_rows, verify, verify_greedy_host
+from eaglebatch.transfer import to_device
 from eaglebatch.worker import (
     Worker,
     check_graph_support,
@@ -368,7 +369,7 @@ class SpecWorker:
         return t if self.device.type == "cpu" else t.to(self.device)
 
     def _dev(self, a: np.ndarray, dtype=np.int64) -> torch.Tensor:
-        return self._on_device(torch.from_numpy(np.ascontiguousarray(a, dtype=dtype)))
+        return to_device(a, self.device, dtype)
 
     def _sampling(self, plan) -> tuple[torch.Tensor, ...]:
         """temperature, top_p, top_k, seeds, num_generated as device tensors."""
