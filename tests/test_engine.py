@@ -14,6 +14,7 @@ import torch
 
 from eaglebatch.config import load_job
 from eaglebatch.engine import build_worker, prepare, run_prepared
+from support.spies import ReaderWaitSpy
 from support.tiny import byte_tokenizer, write_prompts
 
 pytest.importorskip("eaglebatch._native")
@@ -118,6 +119,7 @@ def test_small_kv_budget_preempts_and_keeps_outputs(tmp_path, tiny_model_dir, pr
         tiny_model_dir,
         prompts,
         overrides=["engine.max_batch_size=8", "engine.kv_cache_tokens=192"],
+        wrap=ReaderWaitSpy,
     )
     assert res.stats["preemptions"] > 0
     assert table.column("output_token_ids").to_pylist() == reference

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from eaglebatch.speculative import init_random_draft
+from support.spies import ReaderWaitSpy
 from support.tiny import byte_tokenizer
 from test_engine import MAX_NEW, hf_model, random_prompts, run_job  # noqa: F401 (fixture)
 
@@ -136,7 +137,8 @@ def test_prompt_logprobs_equal_transformers(tmp_path, tiny_model_dir, prompts, c
         head = init_random_draft(tmp_path / "head", tiny_model_dir, kind="eagle3", seed=2,
                                  aux_layer_ids=(0, 1, 2))  # fmt: skip
         over.append(f"draft={head}")
-    table, res = run_job(tmp_path, tiny_model_dir, shared, overrides=over, name=case)
+    wrap = ReaderWaitSpy if case == "preempting" else None
+    table, res = run_job(tmp_path, tiny_model_dir, shared, overrides=over, name=case, wrap=wrap)
     if case == "preempting":
         assert res.stats["preemptions"] > 0
     tok = byte_tokenizer()

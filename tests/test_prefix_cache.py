@@ -13,6 +13,7 @@ import torch
 from eaglebatch.config import load_job
 from eaglebatch.engine import build_worker, prepare, run_prepared
 from eaglebatch.speculative import init_random_draft
+from support.spies import ReaderWaitSpy
 from support.tiny import write_prompts
 from test_engine import hf_greedy, run_job
 
@@ -75,7 +76,8 @@ def test_outputs_equal_transformers_with_and_without_caching(tmp_path, tiny_mode
 def test_eviction_and_preemption_keep_the_outputs(tmp_path, tiny_model_dir, reference):
     # 12 blocks of 16: a few sequences at a time, cached blocks evicted to make room
     table, res = run_job(tmp_path, tiny_model_dir, shared_prompts(),
-                         overrides=["engine.kv_cache_tokens=192", "engine.max_batch_size=4"])
+                         overrides=["engine.kv_cache_tokens=192", "engine.max_batch_size=4"],
+                         wrap=ReaderWaitSpy)
     assert tokens(table) == reference
     assert res.stats["preemptions"] > 0 and res.stats["evictions"] > 0
     assert res.stats["cached_tokens"] > 0

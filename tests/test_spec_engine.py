@@ -8,8 +8,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from eaglebatch.config import JobError, load_job
-from eaglebatch.engine import prepare, run_prepared
+from eaglebatch.engine import build_worker, prepare, run_prepared
 from eaglebatch.speculative import init_random_draft
+from support.spies import ReaderWaitSpy
 from support.tiny import write_prompts
 from test_engine import random_prompts
 
@@ -30,7 +31,7 @@ def drafts(tiny_model_dir, tmp_path_factory):
     }
 
 
-def run(tmp, model_dir, prompts, name, overrides=()):
+def run(tmp, model_dir, prompts, name, overrides=(), wrap=None):
     inp = write_prompts(tmp / "in.parquet", prompts)
     job_file = tmp / f"{name}.yaml"
     job_file.write_text(
@@ -38,7 +39,8 @@ def run(tmp, model_dir, prompts, name, overrides=()):
         f"  include_token_ids: true\nsampling:\n  max_new_tokens: {MAX_NEW}\n"
         "engine:\n  device: cpu\n  kv_cache_tokens: 4096\n"
     )
-    res = run_prepared(prepare(load_job(job_file, list(overrides))))
+    prep = prepare(load_job(job_file, list(overrides)))
+    res = run_prepared(prep, worker=None if wrap is None else wrap(build_worker(prep)))
     return pq.read_table(tmp / name).sort_by("row_index").to_pylist(), res
 
 
@@ -79,6 +81,7 @@ def test_preemption_with_lookahead_keeps_outputs(tmp_path, tiny_model_dir, draft
         tmp_path, tiny_model_dir, prompts, "spec",
         [f"draft={drafts['eagle1']}", "speculative.num_steps=3", "engine.max_batch_size=8",
          "engine.kv_cache_tokens=192"],
+        wrap=ReaderWaitSpy,
     )
     assert res.stats["preemptions"] > 0
     assert [r["output_token_ids"] for r in rows] == [r["output_token_ids"] for r in plain]
