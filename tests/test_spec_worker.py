@@ -261,7 +261,13 @@ def test_rows_that_left_the_head_are_not_counted_as_drafting(env) -> None:
         current[0] = plan.request_slots
         return verify(plan)
 
+    record = worker.policy.record
+
+    def fixed_record(b, k, draft_s, verify_s, *rest):  # fixed costs: choices not load's
+        return record(b, k, None if draft_s is None else 1e-3, 1e-2 + 1e-3 * k, *rest)
+
     worker.policy.choose = choose
+    worker.policy.record = fixed_record
     worker._verify = hooked
     out, _ = run(worker, reqs, k=3, max_batch=4, eos=env.eos, extra=30)
     plain, _ = run(target_worker(env.target), reqs, eos=env.eos, extra=30)
