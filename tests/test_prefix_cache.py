@@ -230,10 +230,15 @@ def test_plain_steps_where_drafting_cannot_pay(tmp_path, tiny_model_dir, referen
     head = init_random_draft(tmp_path / "head", tiny_model_dir, kind="eagle3", seed=5,
                              aux_layer_ids=(0, 1, 2))  # fmt: skip
     spies = []
+
+    def wrap(worker):  # rows side by side from the first step: batches of 3 and more
+        spies.append(LookupHistorySpy(worker))
+        return ReaderWaitSpy(spies[0])
+
     table, res = run_job(tmp_path, tiny_model_dir, shared_prompts(),
                          overrides=[f"draft={head}", f"engine.chunked_prefill={chunked}",
                                     "engine.max_num_batched_tokens=24", "engine.max_batch_size=4"],
-                         wrap=lambda w: spies.append(LookupHistorySpy(w)) or spies[0])  # fmt: skip
+                         wrap=wrap)  # fmt: skip
     assert tokens(table) == reference
     spy, stats = spies[0], spies[0].worker.stats
     assert stats.plain_steps > 0 and stats.verify_rounds > 0 and stats.stale_rows > 0
