@@ -86,6 +86,17 @@ def test_missing_required_key(tmp_path):
         load_job(write(tmp_path, "model: x\ninput:\n  path: a.parquet\n"))
 
 
+def test_builtin_models_and_drafts_may_be_spelt_as_builtin_inputs_are(tmp_path):
+    over = ["model=builtin:gemma3-270m", "draft=builtin:smollm2-135m-instruct-eagle"]
+    job = load_job(write(tmp_path, BASE), over)
+    assert (job.model, job.draft) == ("gemma3-270m", "smollm2-135m-instruct-eagle")
+    assert load_job(write(tmp_path, BASE), ["model=builtin:nope"]).model == "builtin:nope"
+    from eaglebatch.model_files import resolve_model_dir
+
+    with pytest.raises(JobError, match=r"model: 'builtin:nope' is neither .* smollm2-135m"):
+        resolve_model_dir("builtin:nope")
+
+
 def test_overrides(tmp_path):
     job = load_job(
         write(tmp_path, BASE),

@@ -386,8 +386,14 @@ def _exists(p: Path) -> bool:
 
 
 def resolve_model_ref(m: str | None, base_dir: Path) -> str | None:
-    """A model / draft reference: a path when it looks like one (has a `/`, starts with `.` or
-    `~`) or exists, else a builtin name."""
+    """A model / draft reference: a builtin name, also spelt `builtin:NAME` as inputs are (one
+    spelling kept: NAME); a path when it looks like one (has a `/`, starts with `.` or `~`) or
+    exists; else left as it is (a builtin name, or an error later naming it)."""
+    from .defaults import BUILTIN_DRAFTS, BUILTIN_MODELS  # (defaults imports this module)
+
+    if m is not None and m.startswith("builtin:"):
+        name = m.removeprefix("builtin:")
+        return name if name in BUILTIN_MODELS or name in BUILTIN_DRAFTS else m
     if m is not None and ("/" in m or m.startswith((".", "~")) or _exists(base_dir / m)):
         return resolve_path(m, base_dir)
     return m
