@@ -45,7 +45,7 @@ def batch_job(tmp, model, lines: list[str], name="batch", extra="") -> Path:
 def results(tmp, name="batch") -> dict[str, dict]:
     """The results file by custom_id, checking the OpenAI Batch output shape of every line."""
     out = {}
-    for text in (tmp / f"{name}.jsonl").read_text().splitlines():
+    for text in (tmp / name / "_results.jsonl").read_text().splitlines():
         line = json.loads(text)
         assert set(line) == {"id", "custom_id", "response", "error"}
         assert line["custom_id"] not in out, "a custom_id written twice"
@@ -134,7 +134,7 @@ def test_bad_lines_are_error_lines_naming_the_line(tmp_path, tiny_model_dir):
     with open(tmp_path / "batch-requests.jsonl", "ab") as f:
         f.write(b'{"custom_id": "\xff\xfe"}\n')  # not UTF-8
     run_prepared(prepare(load_job(job)))
-    text = (tmp_path / "batch.jsonl").read_text().splitlines()
+    text = (tmp_path / "batch" / "_results.jsonl").read_text().splitlines()
     assert len(text) == 7  # one line per request, the bad ones included
     by_line = {}
     for t in text:
@@ -179,7 +179,7 @@ def test_killed_and_rerun_writes_each_custom_id_once(tmp_path, tiny_model_dir):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     parts = list(out.glob("part-*.parquet"))
-    assert parts and not (tmp_path / "batch.jsonl").exists()
+    assert parts and not (tmp_path / "batch" / "_results.jsonl").exists()
     done = pq.read_table(out).num_rows
     assert 0 < done < 200, "the kill must land mid-run"
     run_prepared(prepare(load_job(path)))

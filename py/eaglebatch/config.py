@@ -160,13 +160,14 @@ class OutputConfig(_Section):
     prompt_logprobs: int = Field(default=0, ge=0, le=MAX_LOGPROBS)
     # openai-batch: also write the OpenAI Batch results file (JSONL) once every row is done
     format: Literal["parquet", "openai-batch"] = "parquet"
-    results_path: PathStr | None = None  # default: output.path + ".jsonl"
+    # default: output.path/_results.jsonl (results_file.py: where it may go, who owns it)
+    results_path: PathStr | None = None
 
     @property
     def results_file(self) -> Path | None:
         if self.format != "openai-batch":
             return None
-        return Path(self.results_path or self.path.rstrip("/") + ".jsonl")
+        return Path(self.results_path) if self.results_path else Path(self.path) / "_results.jsonl"
 
 
 class SamplingConfig(_Section):
@@ -355,7 +356,11 @@ class JobConfig(_Section):
                     update={"path": resolve_path(self.input.path, base_dir)}
                 ),
                 "output": self.output.model_copy(
-                    update={"path": resolve_path(self.output.path, base_dir)}
+                    update={
+                        "path": resolve_path(self.output.path, base_dir),
+                        "results_path": None if self.output.results_path is None
+                        else resolve_path(self.output.results_path, base_dir),
+                    }
                 ),
             }
         )

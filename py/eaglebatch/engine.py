@@ -24,6 +24,7 @@ from .inputs import BATCH_URLS, check_batch_input, check_input, check_output_apa
 from .interrupt import Interrupted, StopSignals
 from .model_files import ModelFiles, model_files, resolve_draft_dir
 from .output_dir import prepare_output_dir, release_output_dir
+from .results_file import check_results_path
 from .resume import HASH_KEY, IDENTITY_KEY, ResumeState, identity_hash, job_identity, scan_output
 from .shards import Shard, shard_of_dir
 
@@ -126,7 +127,6 @@ def prepare(job: JobConfig) -> PreparedJob:
     else:
         files, total = check_input(job.input)
     check_output_apart(job.input.path, files, job.output.path)
-    _check_results_path(job, files)
     mf = _with_chat_template(model_files(job.model), job.model_chat_template)
     if job.input.renders_chat or endpoint == BATCH_URLS[0]:
         if mf.chat_template is None:
@@ -138,24 +138,13 @@ def prepare(job: JobConfig) -> PreparedJob:
     _check_draft(draft)
     dtype, max_model_len = _check_model_config(job, mf)
     identity = job_identity(job, files, mf, draft, dtype, max_model_len)
+    if job.output.results_file is not None:
+        check_results_path(job.output.results_file, Path(job.output.path),
+                           identity_hash(identity), job.input.path, files)  # fmt: skip
     return PreparedJob(
         job=job, input_files=files, total_rows=total, model=mf, draft_dir=draft, identity=identity,
         openai_endpoint=endpoint,
     )
-
-
-def _check_results_path(job: JobConfig, files: list[Path]) -> None:
-    """output.results_path must not be an input file or lie inside output.path."""
-    results = job.output.results_file
-    if results is None:
-        return
-    out = Path(job.output.path).resolve()
-    r = results.resolve()
-    if r in {f.resolve() for f in files} or out == r or out in r.parents:
-        raise JobError(f"output.results_path: {results} must be neither an input file nor "
-                       f"inside output.path")  # fmt: skip
-    if r.is_dir():
-        raise JobError(f"output.results_path: {results} is a directory")
 
 
 @dataclass(frozen=True)
@@ -378,7 +367,8 @@ def write_batch_results(prep: PreparedJob) -> None:
 
     chat = prep.job.input.renders_chat
     endpoint = prep.openai_endpoint or (CHAT if chat else "/v1/completions")
-    write_results(Path(out.path), out.results_file, endpoint, prep.job.model, prep.job.sampling.n)
+    write_results(Path(out.path), out.results_file, endpoint, prep.job.model, prep.job.sampling.n,
+                  prep.job_hash)  # fmt: skip
 
 
 class RunFailed(Exception):

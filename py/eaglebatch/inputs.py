@@ -62,6 +62,20 @@ def _inside(child: Path, parent: Path) -> bool:
     return child == parent or parent in child.parents
 
 
+def input_may_read(input_path: str, files: list[Path], path: Path) -> bool:
+    """Whether `path` (resolved) is an input file, lies in the input directory or matches the
+    input glob: a file written there would be read as input by the next run."""
+    if any(f.resolve() == path for f in files):
+        return True
+    p = Path(input_path)
+    if p.is_dir():
+        return _inside(path, p.resolve())
+    if p.exists() or not glob.has_magic(input_path):
+        return False
+    pattern = Path(os.path.abspath(input_path)).as_posix().split("/")
+    return _glob_match(path.as_posix().split("/"), pattern)
+
+
 def check_output_apart(input_path: str, files: list[Path], output_path: str) -> None:
     """Refuses an output directory that is, contains or lies inside an input: a later run would
     read its own output as input, and read_table over the mix returns a wrong table."""

@@ -5,9 +5,11 @@ parts once every row is done.
 The parts stay the source of truth (resume, exactly-once and atomicity are theirs); the
 results file is derived from them: streamed part by part (bounded memory: only rows whose n
 samples are not all read yet are held), written to a hidden temporary file, fsynced and renamed
-over `output.results_path`. A rerun of a finished job rewrites the same lines. A request's
-samples are its `choices` (index = sample_index); an error row is a 400 response whose body
-holds the error, as the OpenAI Batch API reports a request it refused.
+over `output.results_path` (results_file.py: where it may go and proof it is ours to replace).
+It reads exactly the parts resume reads (output_dir.scan_tree: `_x` / `.x` copies are not).
+A rerun of a finished job rewrites the same lines. A request's samples are its `choices`
+(index = sample_index); an error row is a 400 response whose body holds the error, as the
+OpenAI Batch API reports a request it refused.
 """
 
 from __future__ import annotations
@@ -20,14 +22,17 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from .output_dir import PART_GLOB
+from .output_dir import scan_tree
+from .results_file import replace_results
 
 CHAT = "/v1/chat/completions"
 _COLUMNS = ["id", "row_index", "sample_index", "output_text", "finish_reason", "prompt_tokens",
             "output_tokens", "error"]  # fmt: skip
 
 
-def write_results(output_path: Path, results: Path, endpoint: str, model: str, n: int) -> int:
+def write_results(
+    output_path: Path, results: Path, endpoint: str, model: str, n: int, job_hash: str
+) -> int:
     """Writes `results` from every part under `output_path`; returns the lines written."""
     tmp = results.with_name(f".{results.name}.tmp")
     results.parent.mkdir(parents=True, exist_ok=True)
@@ -40,19 +45,15 @@ def write_results(output_path: Path, results: Path, endpoint: str, model: str, n
             lines += 1
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, results)
-    dir_fd = os.open(results.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    replace_results(tmp, results, job_hash, output_path)
     return lines
 
 
 def _requests(output_path: Path, n: int):
     """Each request's rows (its samples), in the order their last sample was written."""
     pending: dict[int, list[dict]] = {}
-    for part in sorted(output_path.rglob(PART_GLOB)):
+    parts = sorted(p for contents in scan_tree(output_path).values() for p in contents.ours)
+    for part in parts:
         pf = pq.ParquetFile(part)
         columns = [c for c in [*_COLUMNS, "logprobs"] if c in pf.schema_arrow.names]
         for batch in pf.iter_batches(batch_size=1024, columns=columns):
