@@ -218,3 +218,42 @@ def test_a_shard_and_a_whole_run_never_write_at_once(tmp_path):
         assert r.returncode == 2 and "in use by another running" in r.stdout, r
     finally:
         release_output_dir(out)
+
+
+def test_a_unit_directory_another_process_holds_fences_every_other_run(tmp_path):
+    """An engine actor that outlived its driver holds its unit directory: a whole run, a shard
+    and a restart refuse; a Ray driver leaves it to its unit (which waits for the lock); a unit
+    whose directory its driver never made is refused."""
+    import subprocess
+    import sys
+
+    from eaglebatch.config import JobError
+    from eaglebatch.output_dir import DirectoryInUse, prepare_output_dir, release_output_dir
+
+    out = tmp_path / "out"
+    unit = out / "unit-000000000000-000000000010"
+    unit.mkdir(parents=True)
+    (unit / ".part-00000.parquet.tmp").write_bytes(b"the actor is writing this")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, os, sys, time; "
+         f"fd = os.open({str(unit)!r}, os.O_RDONLY); fcntl.flock(fd, fcntl.LOCK_EX); "
+         "print('locked', flush=True); time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        for kwargs in ({}, {"subdir": "shard-00000-of-00002"}, {"busy_ok": True, "restart": True}):
+            with pytest.raises(DirectoryInUse, match="a Ray engine actor may still be writing"):
+                prepare_output_dir(out, **{"restart": False, **kwargs})
+        busy = prepare_output_dir(out, restart=False, busy_ok=True)  # a Ray driver
+        assert busy == [unit] and (unit / ".part-00000.parquet.tmp").exists()
+        release_output_dir(out)
+        with pytest.raises(JobError, match="does not exist: a Ray unit runs only in a directory"):
+            prepare_output_dir(out, False, "unit-000000000010-000000000020", unit=True)
+        assert not (out / "unit-000000000010-000000000020").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    prepare_output_dir(out, restart=True)  # the holder is gone: a restart may clean it
+    release_output_dir(out)
+    assert not (unit / ".part-00000.parquet.tmp").exists()

@@ -11,8 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+import eaglebatch
 from support.cli import cli, rows
 from support.cli import finish as cli_finish
 from support.tiny import make_tiny_model, write_prompts
@@ -171,3 +173,40 @@ def test_a_unit_locked_by_another_process_waits_for_it(tmp_path, small_model, re
         holder.kill()
         holder.wait()
     check_exactly_once(tmp_path / "out", reference)
+
+
+def test_a_rerun_driver_fences_an_actor_that_outlived_its_driver(tmp_path, small_model, reference):
+    """The dead driver cut units of 40 rows and made their directories; one of its actors still
+    runs its unit. The rerun cuts units of 30: it keeps the 40-row units (names and ranges), so
+    its own actor waits for that unit's lock, then resumes after what the late actor wrote."""
+    import json
+
+    from eaglebatch.ray_executor import cut_units
+
+    job = write_job(tmp_path, small_model, 240, 30)
+    out = tmp_path / "out"
+    out.mkdir()
+    for u in cut_units(240, np.empty(0, np.int64), 40):
+        (out / u.name).mkdir()
+    here = Path(__file__).parent
+    path = f"{Path(eaglebatch.__file__).resolve().parent.parent}:{here}"
+    orphan = subprocess.Popen([sys.executable, str(here / "support" / "race_worker.py")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": path})  # fmt: skip
+    orphan.stdin.write(json.dumps({"unit": [40, 80], "job": str(job)}) + "\n")
+    orphan.stdin.close()
+    try:
+        t0 = time.monotonic()
+        while not list((out / "unit-000000000040-000000000080").glob("part-*.parquet")):
+            assert orphan.poll() is None and time.monotonic() - t0 < 120, "the orphan never ran"
+            time.sleep(0.02)
+        log = finish(cli("run", str(job), "--ray", *RAY))
+        assert "units of about 30 rows" in log, log
+        assert json.loads(orphan.stdout.readline())["result"].get("failed") is None
+    finally:
+        orphan.kill()
+        orphan.wait()
+    check_exactly_once(out, reference)
+    assert sorted(d.name for d in out.iterdir() if d.name.startswith("unit-"))[:3] == [
+        "unit-000000000000-000000000040", "unit-000000000040-000000000080",
+        "unit-000000000080-000000000120"]  # fmt: skip

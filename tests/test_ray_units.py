@@ -49,3 +49,25 @@ def test_missing_ray_and_unreachable_clusters_are_job_errors(monkeypatch):
         check_address("no-such-host.invalid:6379")
     check_address(None)
     check_address("auto")
+
+
+def test_a_rerun_keeps_the_unit_directories_it_finds():
+    """Units of an earlier cut keep their ranges (and names); only rows outside them are cut
+    anew, and every remaining row is in exactly one unit."""
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        total = int(rng.integers(1, 120))
+        done = np.sort(rng.choice(total, int(rng.integers(0, total + 1)), replace=False))
+        first = cut_units(total, np.empty(0, np.int64), int(rng.integers(1, 40)))
+        existing = [(u.start, u.end) for u in first if rng.random() < 0.5]
+        units = cut_units(total, done.astype(np.int64), int(rng.integers(1, 40)), existing)
+        todo = [r for u in units for r in range(u.start, u.end) if r not in set(u.skip)]
+        assert todo == sorted(set(range(total)) - set(done.tolist()))
+        starts = {u.start: u for u in units}
+        for a, b in existing:  # kept as they were, unless nothing is left to do in them
+            assert a not in starts or (starts[a].start, starts[a].end) == (a, b)
+        for u, nxt in zip(units, units[1:], strict=False):
+            assert u.end <= nxt.start
+        for u in units:
+            inside = [(a, b) for a, b in existing if a < u.end and u.start < b]
+            assert inside in ([], [(u.start, u.end)])  # never straddles a kept unit

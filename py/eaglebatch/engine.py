@@ -189,18 +189,22 @@ def check_shard_count(out: Path, subdir: str | None) -> None:
         )
 
 
-def open_output(prep: PreparedJob, restart: bool = False, scope: RunScope = WHOLE) -> ResumeState:
+def open_output(
+    prep: PreparedJob, restart: bool = False, scope: RunScope = WHOLE, ray_driver: bool = False
+) -> ResumeState:
     """Locks and prepares the output directory (the scope's part of it) and reads what earlier
     runs of this job finished anywhere under output.path. Fails (JobError) before any model is
-    loaded if it holds another job's results or another run is writing it. `run_prepared`
-    releases the lock."""
+    loaded if it holds another job's results or another run is writing it (a `ray_driver`
+    leaves unit directories another process holds to its units, which wait for them).
+    `run_prepared` releases the lock."""
     out = Path(prep.job.output.path)
-    check_shard_count(out, scope.subdir)
-    prepare_output_dir(out, restart, scope.subdir, unit=scope.unit)
+    admit = None if scope.unit else lambda: check_shard_count(out, scope.subdir)
+    prepare_output_dir(out, restart, scope.subdir, unit=scope.unit, admit=admit,
+                       busy_ok=ray_driver)  # fmt: skip
     try:
         return scan_output(out, prep.identity, only=out / scope.subdir if scope.unit else None)
     except BaseException:
-        release_output_dir(out, scope.subdir)
+        release_output_dir(out, scope.subdir, scope.unit)
         raise
 
 
@@ -354,7 +358,7 @@ def run_prepared(
             write_batch_results(prep)
         return summary
     finally:
-        release_output_dir(out, scope.subdir)
+        release_output_dir(out, scope.subdir, scope.unit)
 
 
 def write_batch_results(prep: PreparedJob) -> None:

@@ -12,9 +12,14 @@ Invariants:
   (another program's parts, an input file, a subdirectory of another name) makes the run
   refuse, naming it, with or without `--restart`: `read_table(output.path)` would mix it in;
 - locks are flocks on an open descriptor of the directory itself (deleting a file cannot break
-  them; the kernel drops them when the process ends, however it ends): a run over every row
-  and a Ray driver hold output.path exclusively; a shard holds output.path shared and its own
-  subdirectory exclusively; a Ray unit holds its subdirectory exclusively.
+  them; the kernel drops them when the process ends, however it ends; the file system must
+  honour flock across every machine that writes, as local disks and most cluster file systems
+  do): a run over every row holds output.path and every subdirectory exclusively; a Ray driver
+  holds output.path exclusively; a shard holds output.path shared, its own subdirectory
+  exclusively and the unit directories shared; a Ray unit holds its subdirectory exclusively;
+- what a run may write is decided under the locks it depends on: the shard-count check and the
+  claim of a shard's directory happen under the admission lock (`.eaglebatch.lock`), and no
+  run writes rows of a unit directory another process holds.
 Whether our parts belong to this job (resume) or to another one is decided in resume.py.
 """
 
@@ -22,6 +27,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,12 +46,12 @@ PART_GLOB = "part-*.parquet"
 SUBDIR = re.compile(r"shard-\d+-of-\d+|unit-\d+-\d+")  # the subdirectories runs write
 OWNER_KEY = b"eaglebatch.job_hash"  # present in the footer of every part eaglebatch writes
 TMP_GLOB = ".part-*.tmp"
-_held: dict[Path, int] = {}
+ADMISSION_LOCK = ".eaglebatch.lock"  # output_dir._admission
+_held: dict[Path, int] = {}  # directory -> open, locked descriptor of the directory
 
 
 class DirectoryInUse(JobError):
     """Another running eaglebatch process holds the directory's lock."""
-  # directory -> open, locked descriptor of the directory
 
 
 def part_files(path: Path) -> list[Path]:
@@ -132,58 +139,121 @@ def _lock(path: Path, exclusive: bool = True) -> None:
         fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)
+        unit = path.name.startswith("unit-")
+        hint = " (a Ray engine actor may still be writing it)" if unit else ""
         raise DirectoryInUse(
-            f"output.path: {path} is in use by another running eaglebatch job; wait for it to "
-            f"finish or stop it, or choose another output.path"
+            f"output.path: {path} is in use by another running eaglebatch job{hint}; wait for it "
+            f"to finish or stop it, or choose another output.path"
         ) from None
     _held[key] = fd
 
 
-def release_output_dir(path: Path, subdir: str | None = None) -> None:
-    """Drops the locks taken by prepare_output_dir (process exit drops them too)."""
-    for d in ([path / subdir] if subdir else []) + [path]:
-        fd = _held.pop(d.resolve(), None)
+@contextmanager
+def _admission(path: Path):
+    """Serialises, between the runs that share output.path (shards), the checks that decide
+    what a run may write and the claim of its subdirectory: a blocking flock on a hidden file
+    of output.path, held for milliseconds (a run holding output.path exclusively needs none)."""
+    if fcntl is None:
+        yield
+        return
+    fd = os.open(path / ADMISSION_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _lock_subdirs(path: Path, subdir: str | None, busy_ok: bool) -> list[Path]:
+    """Fences the shard and unit directories this run does not own: a run over every row holds
+    each exclusively, a shard holds the unit directories shared (a Ray engine actor that
+    outlived its driver holds its unit exclusively). Raises DirectoryInUse for one another
+    process holds, or (`busy_ok`: a Ray driver, whose units wait for them) returns those."""
+    busy = []
+    for d in sorted(e for e in path.iterdir() if SUBDIR.fullmatch(e.name) and e.is_dir()):
+        if subdir is not None and (d.name == subdir or not d.name.startswith("unit-")):
+            continue  # a shard: its own directory, or another shard's (same N, other rows)
+        try:
+            _lock(d, exclusive=subdir is None)
+        except DirectoryInUse:
+            if not busy_ok:
+                raise
+            busy.append(d)
+    return busy
+
+
+def release_output_dir(path: Path, subdir: str | None = None, unit: bool = False) -> None:
+    """Drops the locks taken by prepare_output_dir (process exit drops them too): a unit's own
+    directory, or output.path and every directory under it this process holds."""
+    top = path.resolve()
+    if unit:
+        held = [(path / subdir).resolve()] if subdir else []
+    else:
+        held = [k for k in _held if k == top or top in k.parents]
+    for key in held:
+        fd = _held.pop(key, None)
         if fd is not None:
             os.close(fd)
 
 
+def release_subdirs(path: Path) -> None:
+    """Drops this process's locks of the directories under output.path, keeping output.path's
+    (a Ray driver, before its actors take their units)."""
+    top = path.resolve()
+    for key in [k for k in _held if top in k.parents]:
+        os.close(_held.pop(key))
+
+
 def prepare_output_dir(
-    path: Path, restart: bool, subdir: str | None = None, unit: bool = False
-) -> None:
+    path: Path, restart: bool, subdir: str | None = None, unit: bool = False,
+    admit: Callable[[], None] | None = None, busy_ok: bool = False,
+) -> list[Path]:  # fmt: skip
     """Locks output.path for this run (module doc), creates it, deletes a killed run's temporary
     files and, with `restart`, eaglebatch's earlier part files. Without `subdir` the run owns
-    the whole tree; with one (a shard or a Ray unit) it owns that subdirectory alone and holds
-    output.path shared; a Ray `unit` runs under its driver's exclusive lock of output.path and
-    checks only its own directory. Refuses (JobError) when the tree holds anything eaglebatch
-    did not write. Earlier parts are otherwise kept: the run resumes after them."""
+    the whole tree; with one (a shard) it owns that subdirectory alone and holds output.path
+    shared; a Ray `unit` runs under its driver's exclusive lock of output.path, in a directory
+    the driver created, and checks only that. `admit` (the shard-count check) runs under the
+    admission lock, before the subdirectory is claimed. Refuses (JobError) when the tree holds
+    anything eaglebatch did not write. Earlier parts are otherwise kept: the run resumes after
+    them. Returns the subdirectories another process holds (`busy_ok`, see _lock_subdirs)."""
     if path.exists() and not path.is_dir():
         raise JobError(f"output.path: {path} exists and is not a directory")
     own = path if subdir is None else path / subdir
+    busy: list[Path] = []
     try:
-        path.mkdir(parents=True, exist_ok=True)
-        if not unit:
-            _lock(path, exclusive=subdir is None)
-        if subdir is not None:
-            own.mkdir(exist_ok=True)
+        if unit:
+            if not own.is_dir():
+                raise JobError(f"output.path: {own} does not exist: a Ray unit runs only in a "
+                               f"directory its driver created")  # fmt: skip
             _lock(own)
+        else:
+            path.mkdir(parents=True, exist_ok=True)
+            _lock(path, exclusive=subdir is None)
+            with _admission(path) if subdir is not None else nullcontext():
+                if admit is not None:
+                    admit()
+                if subdir is not None:
+                    own.mkdir(exist_ok=True)
+                    _lock(own)
+                busy = _lock_subdirs(path, subdir, busy_ok and not restart)
+        _clean(path, own, restart, unit, busy)
     except OSError as e:
-        release_output_dir(path, subdir)
+        release_output_dir(path, subdir, unit)
         raise JobError(f"output.path: cannot prepare {own}: {e.strerror or e}") from None
-    try:
-        _clean(path, own, restart, unit)
     except BaseException:
-        release_output_dir(path, subdir)
+        release_output_dir(path, subdir, unit)
         raise
+    return busy
 
 
-def _clean(path: Path, own: Path, restart: bool, unit: bool) -> None:
+def _clean(path: Path, own: Path, restart: bool, unit: bool, busy: list[Path]) -> None:
     """Checks the tree under `path` (a unit: `own` alone); cleans `own` (with its subdirectories
-    when it is `path`)."""
+    when it is `path`, but those another process holds)."""
     try:
         tree = {own: scan_dir(own)} if unit else scan_tree(path)
         for d, contents in tree.items():
             check_only_ours(d, contents)
-        mine = [d for d in tree if own == path or d == own] or [own]
+        mine = [d for d in tree if (own == path and d not in busy) or d == own] or [own]
         for d in mine:
             for tmp in d.glob(TMP_GLOB):
                 tmp.unlink(missing_ok=True)

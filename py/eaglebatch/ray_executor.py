@@ -12,8 +12,11 @@ Invariants (exactly once):
   retried after its actor died regenerates exactly the rows that never reached a complete part;
 - a driver killed and rerun reads the whole tree again (unit directories included): a unit of
   the new cut skips what any earlier unit finished;
-- the actors of a run live only while its driver does (Ray ends a dead driver's actors), and an
-  actor holds its unit directory's flock while it writes there.
+- the driver creates every unit directory of its cut before any actor runs, an actor runs a
+  unit only in an existing directory and holds its flock while it writes there, and a rerun
+  driver keeps the existing units' ranges and names (cut_units): an actor that outlived its
+  driver (a lost node, a slow teardown) and the rerun's actor contend for the same lock, so the
+  rerun's unit waits for it, then reads what it wrote, and a row range has one directory.
 Engine-fatal errors (CUDA errors, out of memory, any bug) end the actor process; Ray restarts it
 and the driver retries the unit, up to ray.max_attempts. Bad rows stay error rows; a damaged
 input ends the run with the message a single process would print.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import socket
 import time
 import traceback
@@ -41,7 +45,7 @@ from .engine import (
     run_prepared,
     write_batch_results,
 )
-from .output_dir import DirectoryInUse, release_output_dir
+from .output_dir import DirectoryInUse, release_output_dir, release_subdirs
 from .resume import ResumeState
 
 PROGRESS_KEYS = ("requests_done", "requests_error", "output_tokens", "running", "waiting")
@@ -100,29 +104,57 @@ def unit_rows(remaining: int, actors: int, max_batch_size: int) -> int:
     return max(1, min(rows, math.ceil(remaining / actors)))
 
 
-def cut_units(total_rows: int, done: np.ndarray, rows_per_unit: int) -> list[Unit]:
-    """The rows of [0, total_rows) not in `done` (sorted) as contiguous units of about
-    `rows_per_unit` remaining rows each; done rows inside a unit's range are its `skip`."""
-    remaining = total_rows - len(done)
-    bounds = [0]
-    for k in range(1, math.ceil(remaining / rows_per_unit) if remaining else 0):
-        # the first x with k * rows_per_unit rows to do before it (x - done rows below x)
-        want = k * rows_per_unit
-        lo, hi = bounds[-1], total_rows
+def cut_units(
+    total_rows: int, done: np.ndarray, rows_per_unit: int, existing: list[tuple[int, int]] = ()
+) -> list[Unit]:
+    """The rows of [0, total_rows) not in `done` (sorted) as contiguous units; done rows inside
+    a unit's range are its `skip`. `existing`: the ranges of the unit directories already under
+    output.path, which keep their ranges and names (a late actor of an earlier run and this
+    run's actor then contend for one directory lock); only the rows outside them are cut anew,
+    into units of about `rows_per_unit` remaining rows each."""
+    kept: list[tuple[int, int]] = []
+    for a, b in sorted(existing):
+        if a < total_rows and a < b and (not kept or a >= kept[-1][1]):
+            kept.append((a, b))
+    units = [_unit(a, b, done) for a, b in kept]
+    edges = [0, *[x for a, b in kept for x in (a, min(b, total_rows))], total_rows]
+    for a, b in zip(edges[::2], edges[1::2], strict=True):
+        units += [_unit(x, y, done) for x, y in _cut_range(a, b, done, rows_per_unit)]
+    return sorted((u for u in units if u.rows > 0), key=lambda u: u.start)
+
+
+def _unit(a: int, b: int, done: np.ndarray) -> Unit:
+    return Unit(a, b, done[np.searchsorted(done, a) : np.searchsorted(done, b)])
+
+
+def _cut_range(a: int, b: int, done: np.ndarray, rows_per_unit: int) -> list[tuple[int, int]]:
+    """[a, b) cut where each piece but the last has `rows_per_unit` rows not in `done`."""
+    below = int(np.searchsorted(done, a))
+    remaining = (b - a) - (int(np.searchsorted(done, b)) - below)
+    bounds = [a]
+    for k in range(1, math.ceil(remaining / rows_per_unit) if remaining > 0 else 0):
+        # the first x with k * rows_per_unit rows to do in [a, x)
+        want, lo, hi = k * rows_per_unit, bounds[-1], b
         while lo < hi:
             mid = (lo + hi) // 2
-            if mid - int(np.searchsorted(done, mid)) >= want:
+            if mid - a - (int(np.searchsorted(done, mid)) - below) >= want:
                 hi = mid
             else:
                 lo = mid + 1
         bounds.append(lo)
-    bounds.append(total_rows)
-    units = []
-    for a, b in zip(bounds, bounds[1:], strict=False):
-        skip = done[np.searchsorted(done, a) : np.searchsorted(done, b)]
-        if b > a and b - a > len(skip):
-            units.append(Unit(a, b, skip))
-    return units
+    bounds.append(b)
+    return [(x, y) for x, y in zip(bounds, bounds[1:], strict=False) if y > x]
+
+
+UNIT_DIR = re.compile(r"unit-(\d+)-(\d+)")
+
+
+def unit_ranges(out: Path) -> list[tuple[int, int]]:
+    """The (start, end) of the unit directories under output.path."""
+    if not out.is_dir():
+        return []
+    found = (UNIT_DIR.fullmatch(d.name) for d in out.iterdir() if d.is_dir())
+    return [(int(m[1]), int(m[2])) for m in found if m]
 
 
 class EngineActor:
@@ -372,7 +404,8 @@ def run_on_ray(prep: PreparedJob, address: str | None, restart: bool, console) -
     ray = import_ray()
     check_address(address)
     out = Path(prep.job.output.path)
-    resume: ResumeState = open_output(prep, restart=restart)  # exclusive: the whole tree
+    # exclusive: the whole tree, but the unit directories a late actor still holds
+    resume: ResumeState = open_output(prep, restart=restart, ray_driver=True)
     done = resume.done_rows[resume.done_rows < prep.total_rows]
     remaining = prep.total_rows - len(done)
     if not remaining:  # nothing to start Ray and load models for
@@ -390,7 +423,10 @@ def run_on_ray(prep: PreparedJob, address: str | None, restart: bool, console) -
             prep = replace(prep, job=prep.job.model_copy(update={"engine": engine}))
         size = prep.job.ray.unit_rows or unit_rows(remaining, n, prep.job.engine.max_batch_size)
         units = [replace(u, skip_samples=resume.partial_samples)
-                 for u in cut_units(prep.total_rows, done, size)]  # fmt: skip
+                 for u in cut_units(prep.total_rows, done, size, unit_ranges(out))]  # fmt: skip
+        for u in units:  # before any actor runs: a rerun driver sees every unit of this cut
+            (out / u.name).mkdir(exist_ok=True)
+        release_subdirs(out)  # the actors lock their units
         console.print(
             f"eaglebatch on Ray: {prep.total_rows} rows ({remaining} to generate) in "
             f"{len(units)} units of about {size} rows over {n} actor(s) -> {out}",
