@@ -10,10 +10,16 @@
 //!   placeholder with the real token (stop checks as usual).
 //! - A row that finishes at P's commit (EOS, stop string) has computed one token too many in
 //!   the plan after P: that token is dropped, and the row's blocks and slot are freed only at
-//!   the next commit, once that plan has run. Rows whose token in P certainly ends them (their
-//!   length limit) are left out of the plan after P ("parked").
+//!   the next commit, once that plan has run ("draining"). Rows whose token in P certainly ends
+//!   them (their length limit) are left out of the plan after P ("parked"), keeping their
+//!   blocks until P's commit.
 //! - Not planned ahead (`None`: commit first, then `next_plan`): rows with penalties (the
-//!   placeholder would be in their token counts), or nothing left to run but parked rows.
+//!   placeholder would be in their token counts), nothing left to run but parked rows, or
+//!   running[0] not fitting the cache beside the blocks of parked and draining rows. Those
+//!   rows are out of `running`, so `grow_running` cannot preempt them: a plan built ahead keeps
+//!   its invariant (running[0] fits once everyone after it is preempted) only when running[0]
+//!   fits with their blocks held. Nothing is preempted before that check, so a `None` leaves
+//!   the rows as they were.
 //! - A row preempted while P is pending loses its placeholder; P's commit finds its run gone
 //!   (a new `run_id` at readmission) and drops its token. Blocks freed while P is pending may
 //!   be written by a later plan: plans run in order on one device stream, so P's writes come
@@ -21,6 +27,8 @@
 //!
 //! Greedy outputs are those of steps planned one at a time: a row's tokens do not depend on
 //! which rows share its steps, only the step in which a finished row's slot is reused moves.
+
+use std::collections::HashSet;
 
 use super::{Scheduler, StepPlan};
 use crate::error::{Error, Result};
@@ -46,7 +54,7 @@ impl Scheduler {
                 seq.placeholder = true;
             }
         }
-        let plan = if self.running.is_empty() {
+        let plan = if self.running.is_empty() || !self.first_row_fits(&parked) {
             None
         } else {
             self.schedule()?
@@ -56,6 +64,23 @@ impl Scheduler {
         }
         self.unpark(parked);
         Ok(plan)
+    }
+
+    /// Whether running[0], its placeholder included, fits once every other running row is
+    /// preempted, while the blocks of `parked` and draining rows stay held (module doc). The
+    /// blocks then in use are those of running[0], `parked` and `draining`: no other row holds
+    /// any (waiting rows hold none).
+    fn first_row_fits(&self, parked: &[Sequence]) -> bool {
+        let first = &self.running[0];
+        let need = self.bm.blocks_to_grow(&first.block_table, first.len());
+        let held: HashSet<u32> = first
+            .block_table
+            .iter()
+            .chain(parked.iter().flat_map(|s| &s.block_table))
+            .chain(self.draining.iter().flat_map(|(blocks, _)| blocks))
+            .copied()
+            .collect();
+        need + held.len() <= self.bm.num_blocks()
     }
 
     /// Takes out of `running` the rows whose token in the pending plan ends them by length

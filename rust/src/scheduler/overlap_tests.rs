@@ -2,9 +2,16 @@
 //! of plans built one at a time, whatever finishes when (EOS, stop strings, length limits),
 //! with chunked prefill, prefix caching, preemption and n samples.
 
-use super::tests::{check_plan, drive, fixture, read_output, wait_for_reader, words, Row, VOCAB};
+use std::sync::Arc;
+
+use arrow_array::{ArrayRef, Int64Array, StringArray};
+
+use super::tests::{
+    check_plan, drive, fixture, read_output, wait_for_reader, words, Fixture, Row, VOCAB,
+};
 use super::*;
 use crate::stats::SummaryValue;
+use crate::testutil::write_parquet;
 
 /// The tests' fake model over a plan (next token = last query token + 1 mod vocab); a
 /// placeholder (-1, `prev_rows`) is the pending plan's token for the row, from `prev`.
@@ -28,20 +35,25 @@ fn fake_step(p: &StepPlan, prev: &[i32]) -> Vec<i32> {
 /// Runs to the end, each plan built before the previous one's commit whenever the scheduler
 /// can; returns (steps, steps planned ahead).
 fn drive_overlapped(s: &mut Scheduler) -> (usize, usize) {
+    try_drive_overlapped(s).unwrap()
+}
+
+/// `drive_overlapped`, the scheduler's first error returned instead of a panic.
+fn try_drive_overlapped(s: &mut Scheduler) -> Result<(usize, usize)> {
     let cfg = s.config().clone();
     let mut pending: Option<(usize, Vec<i32>)> = None; // (rows, sampled tokens)
     let (mut steps, mut ahead) = (0, 0);
     loop {
         let plan = match pending {
-            Some(_) => s.next_plan_ahead().unwrap(),
-            None => s.next_plan().unwrap(),
+            Some(_) => s.next_plan_ahead()?,
+            None => s.next_plan()?,
         };
         let commit = |s: &mut Scheduler, (rows, toks): (usize, Vec<i32>)| {
-            s.commit(&toks, &vec![1; rows], None, None, None).unwrap()
+            s.commit(&toks, &vec![1; rows], None, None, None)
         };
         let Some(plan) = plan else {
             match pending.take() {
-                Some(p) => commit(s, p),
+                Some(p) => commit(s, p)?,
                 None => break,
             }
             continue;
@@ -51,13 +63,28 @@ fn drive_overlapped(s: &mut Scheduler) -> (usize, usize) {
         let toks = fake_step(&plan, prev);
         ahead += plan.prev_rows.iter().any(|&r| r >= 0) as usize;
         if let Some(p) = pending.take() {
-            commit(s, p);
+            commit(s, p)?;
         }
         pending = Some((plan.num_seqs(), toks));
         steps += 1;
         assert!(steps < 100_000, "no progress");
     }
-    (steps, ahead)
+    Ok((steps, ahead))
+}
+
+/// `drive(s, 1)` (plans one at a time), the scheduler's first error returned instead of a
+/// panic.
+fn try_drive(s: &mut Scheduler) -> Result<usize> {
+    let cfg = s.config().clone();
+    let mut steps = 0;
+    while let Some(p) = s.next_plan()? {
+        check_plan(&p, &cfg);
+        let toks = fake_step(&p, &[]);
+        s.commit(&toks, &vec![1; p.num_seqs()], None, None, None)?;
+        steps += 1;
+        assert!(steps < 100_000, "no progress");
+    }
+    Ok(steps)
 }
 
 fn prompts() -> Vec<String> {
@@ -72,7 +99,16 @@ fn prompts() -> Vec<String> {
 /// One run over `prompts()` with `setup` applied, overlapped or not -> (rows, steps planned
 /// ahead, whether a row was preempted).
 fn run(tag: &str, overlap: bool, setup: impl Fn(&mut SchedulerConfig)) -> (Vec<Row>, usize, bool) {
-    let prompts = prompts();
+    run_over(tag, &prompts(), overlap, setup)
+}
+
+/// `run` over `prompts`.
+fn run_over(
+    tag: &str,
+    prompts: &[String],
+    overlap: bool,
+    setup: impl Fn(&mut SchedulerConfig),
+) -> (Vec<Row>, usize, bool) {
     let prompts: Vec<Option<&str>> = prompts.iter().map(|p| Some(p.as_str())).collect();
     let mut f = fixture(tag, &prompts);
     setup(&mut f.cfg);
@@ -122,6 +158,40 @@ fn overlapped_plans_give_the_outputs_of_plans_one_at_a_time() {
             assert!(ahead > 0, "{name}: nothing planned ahead");
         }
         assert_eq!(preempted, name == "small-cache", "{name}");
+    }
+}
+
+/// Regression: running[0] needs a block while the only ones it could get are held by a row
+/// out of `running` that `grow_running` cannot preempt: parked (its token in the pending plan
+/// ends it by max_model_len) or draining (it ended with EOS at the last commit, and the
+/// pending plan still holds it). The plan ahead failed with "row 0 alone does not fit the KV
+/// cache, though admitted"; now that step is planned after the commit, preempting no one.
+#[test]
+fn no_plan_ahead_while_the_first_row_fits_only_after_the_pending_plan() {
+    type Setup = fn(&mut SchedulerConfig);
+    // "w4".."w15" (13 tokens with BOS: 4 blocks of 5) is parked at length 15 of max_model_len
+    // 16 when "w30" (2 tokens, 1 block) wants its second block
+    let parked: Setup = |c| (c.num_blocks, c.max_model_len, c.max_new_tokens) = (5, 16, 40);
+    // "w4".."w15" (4 blocks of 6) ends with EOS 18, its third token, at the commit before the
+    // one where "w30".."w33" (5 tokens, 2 blocks) wants its third block
+    let draining: Setup = |c| (c.num_blocks, c.eos_token_ids, c.max_new_tokens) = (6, vec![18], 7);
+    let cases = [
+        ("parked", [words(30..31), words(4..16)], parked),
+        ("draining", [words(30..34), words(4..16)], draining),
+    ];
+    for (name, prompts, setup) in cases {
+        let (want, _, _) = run_over(&format!("ov-fit-ref-{name}"), &prompts, false, setup);
+        let (got, ahead, preempted) = run_over(&format!("ov-fit-{name}"), &prompts, true, setup);
+        for (g, w) in got.iter().zip(&want) {
+            assert_eq!(
+                (&g.token_ids, &g.reason),
+                (&w.token_ids, &w.reason),
+                "{name}"
+            );
+        }
+        assert_eq!(want[1].token_ids, vec![16, 17, 18], "{name}");
+        assert!(ahead > 0, "{name}: nothing planned ahead");
+        assert!(!preempted, "{name}: a row was preempted");
     }
 }
 
@@ -175,4 +245,213 @@ fn no_plan_ahead_for_penalized_rows_and_none_without_overlap() {
     let mut f = fixture("ov-spec", &[Some("w5 w6")]);
     (f.cfg.overlap, f.cfg.max_draft_tokens) = (true, 2);
     assert!(Scheduler::new(f.cfg.clone()).is_err());
+}
+
+/// SplitMix64: the randomized test's seeded source of cases.
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `lo..=hi`.
+    fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + (self.next() % (hi - lo + 1) as u64) as usize
+    }
+
+    /// True with probability 1 / `n`.
+    fn one_in(&mut self, n: usize) -> bool {
+        self.range(1, n) == 1
+    }
+}
+
+/// One random job of the randomized test, printed when it fails.
+#[derive(Debug)]
+struct Case {
+    index: usize,
+    prompts: Vec<String>,
+    /// Per-row max_new_tokens (a sampling column; None: the job's).
+    row_max_new: Vec<Option<i64>>,
+    max_new_tokens: usize,
+    eos: Vec<u32>,
+    stop: Vec<String>,
+    n: usize,
+    block_size: usize,
+    num_blocks: usize,
+    max_batch_size: usize,
+    max_model_len: usize,
+    /// Chunked prefill's token budget, or None: whole prompts.
+    chunk: Option<usize>,
+    prefix_caching: bool,
+}
+
+/// Random prompts, several starting alike (prefix cache hits), and their per-row
+/// max_new_tokens.
+fn random_prompts(rng: &mut SplitMix) -> (Vec<String>, Vec<Option<i64>>) {
+    let rows = rng.range(1, 8);
+    let base = rng.range(4, 40);
+    let prompts = (0..rows)
+        .map(|_| {
+            let start = if rng.one_in(2) {
+                base
+            } else {
+                rng.range(4, 62)
+            };
+            words(start..start + rng.range(1, (64 - start).min(20)))
+        })
+        .collect();
+    let max_new = (0..rows)
+        .map(|_| rng.one_in(3).then(|| rng.range(1, 40) as i64))
+        .collect();
+    (prompts, max_new)
+}
+
+/// KV blocks for rows needing `needs` tokens each at worst, `n` samples per row: the longest
+/// row's worst case exactly, a few blocks more, or up to everyone's worst case at once.
+fn random_budget(rng: &mut SplitMix, needs: &[usize], block_size: usize, n: usize) -> usize {
+    let blocks = |t: usize| t.div_ceil(block_size);
+    let least = blocks(needs.iter().copied().max().unwrap_or(0)).max(1);
+    let all: usize = needs.iter().map(|&t| blocks(t) * n).sum();
+    match rng.range(0, 2) {
+        0 => least,
+        1 => rng.range(least, least + 3),
+        _ => rng.range(least, all.max(least)),
+    }
+}
+
+/// A random case; its KV budget from just the longest row's worst case (each row must fit
+/// alone) to roomy.
+fn random_case(index: usize, rng: &mut SplitMix) -> Case {
+    let (prompts, row_max_new) = random_prompts(rng);
+    let max_new_tokens = rng.range(1, 40);
+    let max_model_len = if rng.one_in(3) { rng.range(8, 64) } else { 64 };
+    let block_size = [1, 2, 3, 4, 8][rng.range(0, 4)];
+    let n = if rng.one_in(3) { 3 } else { 1 };
+    // each row's worst case in tokens (a prompt too long for max_model_len is an error row)
+    let needs: Vec<usize> = prompts
+        .iter()
+        .zip(&row_max_new)
+        .map(|(p, m)| {
+            let len = p.split(' ').count() + 1; // and BOS
+            let m = m.map_or(max_new_tokens, |m| m as usize);
+            if len < max_model_len {
+                (len + m).min(max_model_len)
+            } else {
+                0
+            }
+        })
+        .collect();
+    let num_blocks = random_budget(rng, &needs, block_size, n);
+    let mut eos = vec![2];
+    if rng.one_in(2) {
+        eos.push(rng.range(4, 63) as u32);
+    }
+    let stop = (0..rng.range(0, 2))
+        .map(|_| match rng.range(4, 62) {
+            k if rng.one_in(2) => format!("w{k}"),
+            k => format!("w{k} w{}", k + 1),
+        })
+        .collect();
+    Case {
+        index,
+        prompts,
+        row_max_new,
+        max_new_tokens,
+        eos,
+        stop,
+        n,
+        block_size,
+        num_blocks,
+        max_batch_size: rng.range(1, 8),
+        max_model_len,
+        chunk: rng.one_in(3).then(|| rng.range(1, 16)),
+        prefix_caching: rng.one_in(2),
+    }
+}
+
+/// The fixture of `case`: its prompts and per-row max_new_tokens as input, its settings.
+fn case_fixture(case: &Case) -> Fixture {
+    let mut f = fixture(&format!("ov-rand-{}", case.index), &[]);
+    let prompts: Vec<&str> = case.prompts.iter().map(String::as_str).collect();
+    let ids: Vec<String> = (0..prompts.len()).map(|i| format!("r{i}")).collect();
+    let columns: Vec<(&str, ArrayRef)> = vec![
+        ("prompt", Arc::new(StringArray::from(prompts))),
+        ("id", Arc::new(StringArray::from(ids))),
+        ("mt", Arc::new(Int64Array::from(case.row_max_new.clone()))),
+    ];
+    write_parquet(&f.cfg.input_files[0], columns, 1000);
+    let c = &mut f.cfg;
+    c.sampling_columns = [("max_new_tokens".to_string(), "mt".to_string())].into();
+    c.queue_rows = case.prompts.len();
+    (c.part_rows, c.read_batch_rows) = (1000, 1000); // one part file to write and read
+    (c.max_new_tokens, c.max_model_len) = (case.max_new_tokens, case.max_model_len);
+    (c.eos_token_ids, c.stop) = (case.eos.clone(), case.stop.clone());
+    (c.n, c.temperature) = (case.n, if case.n > 1 { 0.8 } else { 0.0 });
+    (c.block_size, c.num_blocks) = (case.block_size, case.num_blocks);
+    (c.max_batch_size, c.prefix_caching) = (case.max_batch_size, case.prefix_caching);
+    if let Some(budget) = case.chunk {
+        (c.chunked_prefill, c.max_num_batched_tokens) = (true, budget);
+    }
+    f
+}
+
+/// One run of `f`'s job, overlapped or not -> its output rows, or the scheduler's error.
+fn run_case(f: &Fixture, overlap: bool) -> Result<Vec<Row>> {
+    let mut cfg = f.cfg.clone();
+    cfg.overlap = overlap;
+    cfg.output_dir = f.dir.path().join(format!("out-{overlap}"));
+    let mut s = Scheduler::new(cfg.clone())?;
+    wait_for_reader(&s); // every prompt there from the first plan: admission does not race it
+    let driven = if overlap {
+        try_drive_overlapped(&mut s).map(|_| ())
+    } else {
+        try_drive(&mut s).map(|_| ())
+    };
+    if let Err(e) = driven {
+        let _ = s.abort();
+        return Err(e);
+    }
+    s.finish()?; // no block or slot leaked
+    Ok(read_output(&cfg.output_dir))
+}
+
+/// Random jobs (KV budgets from just the longest row's worst case to roomy, block sizes,
+/// prompts, length limits, EOS ids and stop strings, n = 1 and 3, chunked prefill and prefix
+/// caching on and off): overlapped or not, the same rows, and no error.
+#[test]
+fn random_jobs_give_the_same_outputs_overlapped_or_not() {
+    let mut rng = SplitMix(0x0E7E_5EED);
+    let cases: Vec<Case> = (0..200).map(|i| random_case(i, &mut rng)).collect();
+    // a run is mostly file work (the input, the output's fsync): four at a time
+    std::thread::scope(|scope| {
+        for chunk in cases.chunks(cases.len().div_ceil(4)) {
+            scope.spawn(|| chunk.iter().for_each(check_case));
+        }
+    });
+}
+
+/// `case` overlapped gives the rows it gives with plans built one at a time; neither fails.
+fn check_case(case: &Case) {
+    let f = case_fixture(case);
+    let want = run_case(&f, false).unwrap_or_else(|e| panic!("{e}, one at a time: {case:?}"));
+    let got = run_case(&f, true).unwrap_or_else(|e| panic!("{e}, overlapped: {case:?}"));
+    assert_eq!(got.len(), case.prompts.len() * case.n, "{case:?}");
+    assert_eq!(want.len(), got.len(), "{case:?}");
+    for (g, w) in got.iter().zip(&want) {
+        let key = |r: &Row| {
+            (
+                r.row_index,
+                r.sample_index,
+                r.token_ids.clone(),
+                r.reason.clone(),
+            )
+        };
+        assert_eq!(key(g), key(w), "{case:?}");
+        assert_eq!((&g.text, &g.error), (&w.text, &w.error), "{case:?}");
+    }
 }
