@@ -129,3 +129,43 @@ def test_junk_job_file(tiny_model_dir, inputs, pos, junk, replace):
         job = tmp / "job.yaml"
         job.write_bytes(text[:pos] + junk + text[end:])
         run_and_check(job, tmp / "out")
+
+
+RESULTS_PATHS = st.one_of(
+    st.sampled_from(["job.yaml", "in.jsonl", "data/in.jsonl", "data/r.jsonl", "out/r.jsonl",
+                     "out/_r.jsonl", "afile/r.jsonl", "afile", "mine.jsonl", "r.jsonl", "out",
+                     "new/dir/r.jsonl", "~/r.jsonl", "data", ".", "../r.jsonl", "./job.yaml"]),
+    st.text(st.sampled_from("ab./_~-"), min_size=1, max_size=8),
+)  # fmt: skip
+
+
+@SETTINGS
+@given(results=st.one_of(st.none(), RESULTS_PATHS), inp=st.sampled_from(
+    ["in.jsonl", "data", "data/*.jsonl", "*.jsonl", "**/*.jsonl"]), twice=st.booleans())
+def test_junk_results_path(tiny_model_dir, results, inp, twice):
+    """Whatever output.results_path says: exit 0 or 2, no traceback, no file eaglebatch did not
+    write is changed, and a finished run's results file has one line per request."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        (tmp / "data").mkdir()
+        line = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                           "body": {"prompt": "hi", "max_tokens": 2}})  # fmt: skip
+        for f in ("in.jsonl", "data/in.jsonl"):
+            (tmp / f).write_text(line + "\n")
+        (tmp / "afile").write_text("a file")
+        (tmp / "mine.jsonl").write_text("the user's\n")
+        res = "" if results is None else f"  results_path: {json.dumps(results)}\n"
+        job = tmp / "job.yaml"
+        job.write_text(f"model: {tiny_model_dir}\ninput:\n  path: '{inp}'\n  format: openai-batch\n"
+                       f"output:\n  path: out\n  format: openai-batch\n{res}"
+                       "engine:\n  device: cpu\n  kv_cache_tokens: 1024\n")  # fmt: skip
+        before = {p: p.read_bytes() for p in tmp.rglob("*") if p.is_file()}
+        for _ in range(2 if twice else 1):
+            r = CliRunner().invoke(main, ["run", str(job)], env={"HOME": str(tmp / "home")})
+            assert r.exit_code in (0, 2), (r.exit_code, r.output, r.exc_info)
+            assert "Traceback" not in r.output
+        for p, data in before.items():
+            assert p.read_bytes() == data, f"{p} was changed"
+        if r.exit_code == 0 and results is None:  # the input's lines (mine.jsonl: an error line)
+            got = (tmp / "out" / "_results.jsonl").read_text().splitlines()
+            assert 1 <= len(got) <= 2 and all("custom_id" in json.loads(t) for t in got)
