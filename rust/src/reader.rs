@@ -932,6 +932,7 @@ impl ReaderThread {
                 "chat template ran too long: it executed more than {n} template instructions \
                  (a loop that does not end?)"
             ),
+            RenderError::OutOfMemory(n) => crate::chat_template::memory_message(n),
         })
     }
 
