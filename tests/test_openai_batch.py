@@ -94,6 +94,30 @@ def test_chat_lines_equal_a_messages_column_job(tmp_path, tiny_model_dir):
         assert body["usage"]["completion_tokens"] == r["output_tokens"]
 
 
+def test_a_bom_and_crlf_lines_are_read(tmp_path, tiny_model_dir):
+    """A file opening with a UTF-8 byte order mark, its lines ending in CRLF (as Windows
+    editors save it): every request generates under its custom_id, as the plain file does."""
+    from support.cli import cli, finish
+
+    prompts = random_prompts(3, seed=6)
+    lines = [request(f"b{i}", COMPLETIONS, {"model": "x", "prompt": p})
+             for i, p in enumerate(prompts)]  # fmt: skip
+    plain = batch_job(tmp_path, tiny_model_dir, lines, name="plain")
+    bom = batch_job(tmp_path, tiny_model_dir, lines, name="bom")
+    (tmp_path / "bom-requests.jsonl").write_bytes(
+        b"\xef\xbb\xbf" + "\r\n".join(lines).encode() + b"\r\n"
+    )
+    out = finish(cli("validate", str(bom)))
+    assert "3 rows" in out, out
+    for job in (plain, bom):
+        finish(cli("run", str(job)))
+    want, got = results(tmp_path, "plain"), results(tmp_path, "bom")
+    assert sorted(got) == ["b0", "b1", "b2"], got
+    for cid, line in got.items():
+        assert line["error"] is None and line["response"]["status_code"] == 200, line
+        assert line["response"]["body"]["choices"] == want[cid]["response"]["body"]["choices"]
+
+
 def test_completion_lines_their_sampling_and_logprobs(tmp_path, tiny_model_dir):
     prompts = random_prompts(4, seed=4)
     bodies = [{"prompt": prompts[0], "max_tokens": 3},

@@ -132,3 +132,86 @@ def test_per_row_logprobs(tmp_path, tiny_model_dir, prompts):
     for r, k in ((rows[0], 2), (rows[2], 4)):
         assert len(r["logprobs"]) == r["output_tokens"]
         assert all(len(e["top_logprobs"]) == k for e in r["logprobs"])
+
+
+def test_tiny_sampling_values_are_refused_not_a_crash(tmp_path, tiny_model_dir, prompts):
+    """A job key under the documented minimum (or lost as an f32) is exit 2 naming the key; a
+    row's 1e-40 temperature is that row's error while the other rows generate."""
+    from support.cli import cli, finish, rows
+
+    path = job_file(tmp_path, tiny_model_dir, {"prompt": prompts[:3]}, "{}", name="job")
+    for key, value in [("sampling.temperature", "1e-38"), ("sampling.temperature", "1e-40"),
+                       ("sampling.temperature", "5e-6"), ("sampling.repetition_penalty", "1e-45"),
+                       ("sampling.top_p", "1e-300")]:  # fmt: skip
+        out = finish(cli("validate", str(path), "--set", f"{key}={value}"), status=2)
+        assert key in out and "Traceback" not in out, out
+    out = finish(cli("run", str(path), "--set", "sampling.temperature=1e-38"), status=2)
+    assert "sampling.temperature" in out and "1e-05" in out and "Traceback" not in out, out
+    greedy = reference(tmp_path, tiny_model_dir, prompts[:3], "greedy")
+    cols = {"prompt": prompts[:3], "temp": [None, 1e-40, 1e-38], "rp": [1e-45, None, None]}
+    path = job_file(tmp_path, tiny_model_dir, cols, "{temperature: temp, "
+                    "repetition_penalty: rp}", name="rows")  # fmt: skip
+    finish(cli("run", str(path)))
+    got = rows(tmp_path / "rows")
+    assert [r["finish_reason"] for r in got] == ["error", "error", "error"], got
+    assert "'rp'" in got[0]["error"] and "'temp'" in got[1]["error"], got
+    cols = {"prompt": prompts[:3], "temp": [None, 1e-40, 0.0]}
+    path = job_file(tmp_path, tiny_model_dir, cols, "{temperature: temp}", name="rows2")
+    finish(cli("run", str(path)))
+    got = rows(tmp_path / "rows2")
+    assert got[1]["finish_reason"] == "error" and "1e-5" in got[1]["error"], got[1]
+    assert "'temp'" in got[1]["error"]
+    for i in (0, 2):
+        assert got[i]["error"] is None
+        assert got[i]["output_token_ids"] == greedy[i]["output_token_ids"]
+
+
+def test_a_rows_overrides_are_checked_together(tmp_path, tiny_model_dir, prompts):
+    """Job min_new_tokens 2 and a row's max_new_tokens 1 with min_new_tokens 0: valid
+    together, so the row generates one token; max_new_tokens 1 alone is the row's error."""
+    cols = {"prompt": prompts[:2], "mt": pa.array([1, 1], pa.int32()),
+            "mn": pa.array([0, None], pa.int32())}  # fmt: skip
+    path = job_file(tmp_path, tiny_model_dir, cols, "{max_new_tokens: mt, min_new_tokens: mn}")
+    run_prepared(prepare(load_job(path, ["sampling.min_new_tokens=2"])))
+    got = pq.read_table(tmp_path / "cols").sort_by("row_index").to_pylist()
+    assert got[0]["error"] is None and len(got[0]["output_token_ids"]) == 1, got[0]
+    assert got[1]["finish_reason"] == "error" and "'mt'" in got[1]["error"], got[1]
+    assert "min_new_tokens (2)" in got[1]["error"]
+
+
+INT_TYPES = [pa.int8(), pa.int16(), pa.int32(), pa.int64(),
+             pa.uint8(), pa.uint16(), pa.uint32(), pa.uint64()]  # fmt: skip
+FLOAT_TYPES = [pa.float16(), pa.float32(), pa.float64()]
+
+
+def test_every_numeric_column_type_is_read(tmp_path, tiny_model_dir, prompts):
+    """A max_new_tokens column of each integer width (and dictionary-encoded) limits the
+    output; a temperature column of each float width (and dictionary-encoded) at 0 gives the
+    job's greedy output, at 0.5 its sampled one: no type is read as null."""
+    greedy = reference(tmp_path, tiny_model_dir, prompts[:2], "greedy")
+    hot = reference(tmp_path, tiny_model_dir, prompts[:2], "hot", ["sampling.temperature=0.5"])
+    cols: dict = {"prompt": prompts[:2]}
+    mapping = []
+    for i, t in enumerate(INT_TYPES):
+        cols[f"i{i}"] = pa.array([2 + i, 2 + i], t)
+    cols["idict"] = pa.array([3, 3], pa.int64()).dictionary_encode()
+    for i, t in enumerate(FLOAT_TYPES):
+        cols[f"f{i}"] = pa.array([0.0, 0.5], t)
+    cols["fdict"] = pa.array([0.0, 0.5]).dictionary_encode()
+    for col in [f"f{i}" for i in range(len(FLOAT_TYPES))] + ["fdict"]:  # float16 first
+        mapping.append((f"float-{col}", f"{{temperature: {col}}}", col))
+    for col in [f"i{i}" for i in range(len(INT_TYPES))] + ["idict"]:
+        mapping.append((f"int-{col}", f"{{max_new_tokens: {col}}}", col))
+    for name, m, col in mapping:
+        path = job_file(tmp_path, tiny_model_dir, cols, m, name=name)
+        checked = CliRunner().invoke(main, ["validate", str(path)])
+        assert checked.exit_code == 0, checked.output
+        run_prepared(prepare(load_job(path)))
+        got = pq.read_table(tmp_path / name).sort_by("row_index").to_pylist()
+        assert all(r["error"] is None for r in got), (col, got)
+        if name.startswith("int-"):
+            want = cols[col].to_pylist()[0] if col != "idict" else 3
+            assert [len(r["output_token_ids"]) for r in got] == [want, want], col
+        else:
+            assert got[0]["output_token_ids"] == greedy[0]["output_token_ids"], col
+            assert got[1]["output_token_ids"] == hot[1]["output_token_ids"], col

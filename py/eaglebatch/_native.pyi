@@ -180,6 +180,10 @@ def render_chat_template(
     that runs too long (minijinja fuel: 10^6 instructions plus 10^4 per message and 4 per byte
     of message text) raises NativeError."""
 
+def check_chat_template(template: str) -> None:
+    """Compiles a chat template as the input reader does (renders nothing); raises ValueError
+    with minijinja's message when it does not compile."""
+
 SMALL_GEMM_AVAILABLE: bool
 """Whether this CPU can run `small_gemm` (x86-64 with AVX-512F, or AVX2 and FMA)."""
 

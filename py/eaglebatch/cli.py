@@ -72,7 +72,9 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
         model = str(check_model_dir(resolve_model_dir(job.model)).dir)  # a GGUF: converted
     draft = f", draft {resolve_draft_dir(job.draft)}" if job.draft is not None else ""
     output = ""
-    if not defaults.is_builtin_model(job.model):  # a builtin would be materialised first
+    if defaults.is_builtin_model(job.model):  # its own template is known good; the job's file
+        _check_job_template(job)
+    else:  # a builtin would be materialised first
         from .engine import prepare
         from .resume import scan_output
 
@@ -83,6 +85,17 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     click.echo(
         f"ok: {job_file}: {len(files)} input file(s), {total} rows, model {model}{draft}{output}"
     )
+
+
+def _check_job_template(job) -> None:
+    """The job's model_chat_template file must compile when prompts go through it."""
+    from .engine import check_chat_template, read_chat_template, renders_chat
+    from .inputs import check_batch_input
+
+    endpoint = check_batch_input(job.input)[2] if job.input.openai_batch else None
+    path = job.model_chat_template
+    if path is not None and renders_chat(job, endpoint):
+        check_chat_template(read_chat_template(path), f"model_chat_template: {path}")
 
 
 def _announce(console, prep, scope, resume) -> tuple[int, int]:

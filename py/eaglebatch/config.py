@@ -13,7 +13,9 @@ for 0.5, no 256.0 for an integer; an integer is accepted where a number is).
 
 from __future__ import annotations
 
+import math
 import os
+import struct
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -73,6 +75,33 @@ SAMPLING_COLUMN_KEYS = (
     "repetition_penalty", "frequency_penalty", "presence_penalty", "stop", "logprobs",
 )
 MAX_LOGPROBS = 20
+# The smallest positive sampling.temperature and the smallest repetition_penalty (the same in
+# rust/src/sampling_params.rs SAMPLING_MIN): logits divided by less overflow f32 and crash the
+# sampler. Both keys, job-wide or per row, are at most SAMPLING_MAX.
+SAMPLING_MIN = 1e-5
+SAMPLING_MAX = 1e6
+_F32_MIN_NORMAL = 2.0**-126
+
+
+def _f32_kept(v: float) -> float:
+    """A float sampling key reaches the scheduler as an f32: a nonzero value that f32 makes 0,
+    subnormal or infinite is refused (the per-row rule of sampling_params.rs `to_f32`)."""
+    try:
+        f = struct.unpack("f", struct.pack("f", v))[0]
+    except OverflowError:
+        f = math.inf
+    if v != 0 and (f == 0 or abs(f) < _F32_MIN_NORMAL or math.isinf(f)):
+        raise ValueError(f"{v!r} is not representable as a 32-bit float (it would become {f!r})")
+    return v
+
+
+def _greedy_or_min(v: float) -> float:
+    if 0 < v < SAMPLING_MIN:
+        raise ValueError(f"must be 0 (greedy) or at least {SAMPLING_MIN:g}")
+    return v
+
+
+F32 = AfterValidator(_f32_kept)
 
 
 class InputConfig(_Section):
@@ -173,8 +202,11 @@ class OutputConfig(_Section):
 class SamplingConfig(_Section):
     # Upper bounds: what the Rust scheduler's types hold (usize, an f32, i32, i64), sensibly.
     max_new_tokens: int = Field(default=256, ge=1, le=I32_MAX)
-    temperature: float = Field(default=0.0, ge=0.0, le=1e6)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    # 0 = greedy, else in [SAMPLING_MIN, SAMPLING_MAX]
+    temperature: Annotated[float, AfterValidator(_greedy_or_min), F32] = Field(
+        default=0.0, ge=0.0, le=SAMPLING_MAX
+    )
+    top_p: Annotated[float, F32] = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, le=I32_MAX)
     seed: int = Field(default=0, ge=0, le=I64_MAX)
     stop: Annotated[tuple[str, ...], LIST_OK] = ()
@@ -186,9 +218,11 @@ class SamplingConfig(_Section):
     min_new_tokens: int = Field(default=0, ge=0, le=I32_MAX)
     # vLLM's penalties: repetition over prompt and output tokens (> 1 discourages repeats;
     # 1 = off), frequency (by count) and presence (once) over output tokens (0 = off)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=1e6)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: Annotated[float, F32] = Field(
+        default=1.0, ge=SAMPLING_MIN, le=SAMPLING_MAX
+    )
+    frequency_penalty: Annotated[float, F32] = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: Annotated[float, F32] = Field(default=0.0, ge=-2.0, le=2.0)
     # samples per input row: n output rows (sample_index 0..n-1) sharing the prompt's KV
     n: int = Field(default=1, ge=1, le=4096)
 

@@ -107,17 +107,46 @@ def _check_draft(draft: Path | None) -> None:
             raise JobError(f"draft: {draft}: {e}") from None
 
 
-def _with_chat_template(mf: ModelFiles, path: str | None) -> ModelFiles:
-    """The model's files with the job's chat template file, if it names one."""
-    if path is None:
-        return mf
+def read_chat_template(path: str) -> str:
+    """The text of the job's model_chat_template file (JobError naming it when unreadable or
+    empty)."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, ValueError) as e:
         raise JobError(f"model_chat_template: cannot read {path}: {e}") from None
     if not text.strip():
         raise JobError(f"model_chat_template: {path} is empty")
-    return dataclasses.replace(mf, chat_template=text)
+    return text
+
+
+def _with_chat_template(mf: ModelFiles, path: str | None) -> ModelFiles:
+    """The model's files with the job's chat template file, if it names one."""
+    if path is None:
+        return mf
+    return dataclasses.replace(mf, chat_template=read_chat_template(path))
+
+
+def renders_chat(job: JobConfig, endpoint: str | None) -> bool:
+    """Whether the job's prompts go through the chat template (so it must compile)."""
+    return job.input.renders_chat or endpoint == BATCH_URLS[0]
+
+
+def check_chat_template(text: str, origin: str) -> None:
+    """Raises JobError naming `origin` (the job key and file, or the model's template) when the
+    chat template does not compile: the check the reader's compile makes, before any model."""
+    from . import _native
+
+    try:
+        _native.check_chat_template(text)
+    except ValueError as e:
+        raise JobError(f"{origin}: the chat template does not compile: {e}") from None
+
+
+def template_origin(job: JobConfig, mf: ModelFiles) -> str:
+    """Where the job's chat template comes from, for messages."""
+    if job.model_chat_template is not None:
+        return f"model_chat_template: {job.model_chat_template}"
+    return f"model: {mf.dir}'s chat template"
 
 
 def prepare(job: JobConfig) -> PreparedJob:
@@ -128,12 +157,13 @@ def prepare(job: JobConfig) -> PreparedJob:
         files, total = check_input(job.input)
     check_output_apart(job.input.path, files, job.output.path)
     mf = _with_chat_template(model_files(job.model), job.model_chat_template)
-    if job.input.renders_chat or endpoint == BATCH_URLS[0]:
+    if renders_chat(job, endpoint):
         if mf.chat_template is None:
             raise JobError(
                 f"input: chat messages need a chat template, and model {job.model} has none; "
                 f"name a template file with model_chat_template: path/to/template.jinja"
             )
+        check_chat_template(mf.chat_template, template_origin(job, mf))
     draft = resolve_draft_dir(job.draft) if job.draft is not None else None
     _check_draft(draft)
     dtype, max_model_len = _check_model_config(job, mf)

@@ -111,17 +111,27 @@ def _is_id(t: pa.DataType) -> bool:
     return pa.types.is_integer(t) or _is_string(t)
 
 
+def _dense(t: pa.DataType) -> pa.DataType:
+    """A dictionary-encoded column's value type (the reader reads through the keys)."""
+    return t.value_type if pa.types.is_dictionary(t) else t
+
+
+def _is_int(t: pa.DataType) -> bool:
+    return pa.types.is_integer(_dense(t))  # int8..int64, uint8..uint64
+
+
 def _is_number(t: pa.DataType) -> bool:
-    return pa.types.is_integer(t) or pa.types.is_floating(t)
+    return _is_int(t) or pa.types.is_floating(_dense(t))  # and float16, float32, float64
 
 
 def _is_stop(t: pa.DataType) -> bool:
+    t = _dense(t)
     listed = pa.types.is_list(t) or pa.types.is_large_list(t)
     return _is_string(t) or (listed and _is_string(t.value_type))
 
 
-# The column types of each sampling key (input.sampling_columns; rust/src/sampling_params.rs
-# checks the same rule again when it opens the files).
+# The column types of each sampling key (input.sampling_columns): the rule of
+# rust/src/sampling_params.rs `check_column_type`, which checks again when it opens the files.
 _INT_KEYS = ("max_new_tokens", "min_new_tokens", "top_k", "seed", "logprobs")
 
 
@@ -129,24 +139,32 @@ def _sampling_check(key: str) -> tuple:
     if key == "stop":
         return _is_stop, "a string or list<string>"
     if key in _INT_KEYS:
-        return pa.types.is_integer, "an integer"
-    return _is_number, "a number"
+        return _is_int, "an integer"
+    return _is_number, "a number (integer or float)"
+
+
+# The Parquet codecs the Rust reader decodes (rust/src/reader.rs `codec_supported`): every
+# one pyarrow writes.
+_READABLE_CODECS = ("UNCOMPRESSED", "SNAPPY", "GZIP", "LZ4", "LZ4_RAW", "ZSTD", "BROTLI")
 
 
 BATCH_URLS = ("/v1/chat/completions", "/v1/completions")
 _BLANK = b" \t\n\r\x0c"  # ASCII whitespace as Rust's is_ascii_whitespace
+_BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark opening a file is not part of line 1
 
 
 def check_batch_input(cfg: InputConfig) -> tuple[list[Path], int, str]:
     """OpenAI Batch JSONL: the files, their requests (non-blank lines, capped by input.limit)
     and the endpoint of the job: the url of the first line that names a supported one (every
-    other line must use it: a line that does not is an error row, openai_batch.rs)."""
+    other line must use it: a line that does not is an error row, openai_batch.rs). A file may
+    open with a UTF-8 byte order mark and end its lines in CRLF, as openai_batch.rs reads it."""
     files = resolve_input_files(cfg.path, ".jsonl")
     total, endpoint = 0, None
     for f in files:
         try:
             with open(f, "rb") as lines:
-                for line in lines:
+                for i, line in enumerate(lines):
+                    line = line.removeprefix(_BOM) if i == 0 else line
                     if not line.strip(_BLANK):  # the reader's rule (openai_batch.rs is_blank)
                         continue
                     total += 1
@@ -184,6 +202,7 @@ def check_input(cfg: InputConfig) -> tuple[list[Path], int]:
             raise JobError(f"input.path: {f} is not a readable Parquet file ({e})") from None
         total += meta.num_rows
         _check_columns(cfg, f, schema)
+        _check_codecs(cfg, f, meta)
         if cfg.id_column is not None:
             id_types.setdefault(str(schema.field(cfg.id_column).type), f)
         if len(id_types) > 1:
@@ -218,3 +237,20 @@ def _check_columns(cfg: InputConfig, f: Path, schema: pa.Schema) -> None:
         typ = schema.field(column).type
         if not ok(typ):
             raise JobError(f"{key}: column '{column}' in {f} has type {typ}, expected {want}")
+
+
+def _check_codecs(cfg: InputConfig, f: Path, meta: pq.FileMetaData) -> None:
+    """Raises JobError naming the file, column and codec when a column the reader reads is
+    compressed with a codec it cannot decode (the check rust/src/reader.rs makes again)."""
+    read = {cfg.text_column, cfg.messages_column, cfg.id_column, *cfg.sampling_columns.values()}
+    for g in range(meta.num_row_groups):
+        rg = meta.row_group(g)
+        for c in range(rg.num_columns):
+            col = rg.column(c)
+            root = col.path_in_schema.split(".")[0]
+            if root in read and col.compression not in _READABLE_CODECS:
+                raise JobError(
+                    f"input.path: column '{root}' of {f} is compressed with {col.compression}, "
+                    f"which eaglebatch cannot read (supported: "
+                    f"{', '.join(c.lower() for c in _READABLE_CODECS)}); rewrite the file"
+                )

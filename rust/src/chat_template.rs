@@ -6,20 +6,33 @@
 //! Context: `messages`, `add_generation_prompt`, and `bos_token` / `eos_token` when known
 //! (transformers passes only the special tokens the tokenizer has, so unknown ones stay
 //! undefined and render as "").
+//!
+//! A render is bounded in instructions (minijinja's fuel, `fuel_budget`) and in memory
+//! (`memory_limit`, template_memory.rs): the compiled code is rewritten (`guarded`) so that
+//! after every instruction that can allocate a check runs, and `~` measures its text first.
+//! The rewrite uses minijinja's `unstable_machinery` API, so minijinja is pinned exactly.
 
+use std::collections::HashSet;
 use std::fmt::Write as _;
+use std::sync::{Arc, Mutex};
 
+use minijinja::machinery::{
+    make_string_output, CompiledTemplate, Instruction, Instructions, TemplateConfig, Vm,
+    WhitespaceConfig,
+};
 use minijinja::value::{Kwargs, Value, ValueKind};
-use minijinja::{Environment, ErrorKind};
+use minijinja::{AutoEscape, Environment, ErrorKind};
 
 use crate::error::{Error, Result};
+use crate::template_memory::{self, Metered};
 
 /// One chat message: its fields in order (`role`, `content`, ...). `None` is Python's `None`.
 pub type Message = Vec<(String, Option<String>)>;
 
-/// A compiled chat template.
+/// A compiled chat template: the environment (functions, filters, checks) and the guarded code.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    code: CompiledTemplate<'static>,
 }
 
 const TEMPLATE_NAME: &str = "chat_template";
@@ -33,6 +46,19 @@ const FUEL_BASE: u64 = 1_000_000;
 const FUEL_PER_MESSAGE: u64 = 10_000;
 const FUEL_PER_BYTE: u64 = 4;
 
+/// The guards `guarded` adds cost fuel too (at most 2 per instruction of the template): the
+/// environment's fuel is this many times the budget, which counts the template's own.
+const GUARD_FUEL_FACTOR: u64 = 3;
+
+/// Memory (bytes held at once, template_memory.rs) a render may use: a base, plus some per
+/// byte of message text, plus twice its output limit (the output's own buffer grows by
+/// doubling). Rendering a conversation needs about its size a few times over.
+pub const MEMORY_BASE: usize = 16 << 20;
+pub const MEMORY_PER_BYTE: usize = 8;
+
+/// The output limit of `render_chat_template` (the Python helper), which has no text limit.
+pub const HELPER_MAX_OUTPUT: usize = 64 << 20;
+
 /// Why a render produced no text.
 #[derive(Debug)]
 pub enum RenderError {
@@ -42,6 +68,8 @@ pub enum RenderError {
     OutputTooLong,
     /// The template executed more instructions than this budget.
     OutOfFuel(u64),
+    /// The render held more memory than this many bytes (`memory_limit`).
+    OutOfMemory(usize),
 }
 
 impl From<RenderError> for Error {
@@ -52,67 +80,206 @@ impl From<RenderError> for Error {
             RenderError::OutOfFuel(n) => Error::Template(format!(
                 "chat template ran too long (more than {n} template instructions)"
             )),
+            RenderError::OutOfMemory(n) => Error::Template(memory_message(n)),
         }
     }
+}
+
+/// Bytes of message text (keys and values) of a conversation.
+fn conversation_bytes(messages: &[Message]) -> usize {
+    messages
+        .iter()
+        .flatten()
+        .map(|(k, v)| k.len() + v.as_ref().map_or(0, String::len))
+        .sum()
 }
 
 /// Instructions a render of `messages` may execute: linear in the conversation's size, so
 /// a long conversation never runs out while a template loop that does not end stops.
 fn fuel_budget(messages: &[Message]) -> u64 {
-    let bytes: usize = messages
-        .iter()
-        .flatten()
-        .map(|(k, v)| k.len() + v.as_ref().map_or(0, String::len))
-        .sum();
     FUEL_BASE
         .saturating_add(FUEL_PER_MESSAGE.saturating_mul(messages.len() as u64))
-        .saturating_add(FUEL_PER_BYTE.saturating_mul(bytes as u64))
+        .saturating_add(FUEL_PER_BYTE.saturating_mul(conversation_bytes(messages) as u64))
 }
 
-/// An output buffer that refuses any write taking it past `limit` bytes (and remembers it).
-struct BoundedBuf {
-    buf: Vec<u8>,
-    limit: usize,
-    exceeded: bool,
+/// Bytes a render of `messages` with output limit `max_output_bytes` may hold at once.
+pub fn memory_limit(messages: &[Message], max_output_bytes: usize) -> usize {
+    MEMORY_BASE
+        .saturating_add(MEMORY_PER_BYTE.saturating_mul(conversation_bytes(messages)))
+        .saturating_add(max_output_bytes.saturating_mul(2))
 }
 
-impl std::io::Write for BoundedBuf {
-    fn write(&mut self, data: &[u8]) -> std::io::Result<usize> {
-        if self.buf.len().saturating_add(data.len()) > self.limit {
-            self.exceeded = true;
-            return Err(std::io::Error::other("chat template output limit reached"));
+/// The error of a render over its memory limit of `limit` bytes.
+pub fn memory_message(limit: usize) -> String {
+    format!(
+        "chat template used more than its memory limit of {:.1} MiB (16 MiB + 8 bytes per \
+         byte of the conversation + twice the output limit): a template building huge \
+         strings or lists?",
+        limit as f64 / (1 << 20) as f64
+    )
+}
+
+/// Sources of compiled templates, kept for the process's life (compiled code borrows its
+/// source for `'static`): each distinct source is kept once however often it is compiled.
+fn intern(source: String) -> &'static str {
+    static SOURCES: Mutex<Option<HashSet<&'static str>>> = Mutex::new(None);
+    let mut sources = SOURCES.lock().unwrap_or_else(|e| e.into_inner());
+    let sources = sources.get_or_insert_with(HashSet::new);
+    if let Some(s) = sources.get(source.as_str()) {
+        return s;
+    }
+    let s: &'static str = Box::leak(source.into_boxed_str());
+    sources.insert(s);
+    s
+}
+
+/// The environment a template renders in: transformers' settings, functions and filters,
+/// and the memory checks (template_memory.rs).
+fn environment() -> Environment<'static> {
+    let mut env = Environment::new();
+    minijinja_contrib::add_to_environment(&mut env);
+    env.add_function("raise_exception", raise_exception);
+    env.add_function("strftime_now", strftime_now);
+    env.add_filter("tojson", tojson);
+    template_memory::install(&mut env);
+    env
+}
+
+/// The compile settings: Jinja2's whitespace (trim_blocks, lstrip_blocks, a single trailing
+/// newline of the source dropped) and no autoescape.
+fn template_config() -> TemplateConfig {
+    TemplateConfig {
+        syntax_config: Default::default(),
+        ws_config: WhitespaceConfig {
+            keep_trailing_newline: false,
+            lstrip_blocks: true,
+            trim_blocks: true,
+        },
+        default_auto_escape: Arc::new(|_: &str| AutoEscape::None),
+    }
+}
+
+/// What runs after an instruction: nothing, a check of the value it pushed, or a check that
+/// leaves the stack as it is.
+#[derive(Clone, Copy, PartialEq)]
+enum Guard {
+    None,
+    Value,
+    Neutral,
+}
+
+const CHECK: &str = template_memory::CHECK_FILTER;
+const CONCAT: &str = template_memory::CONCAT_FILTER;
+
+/// The guard after `instr`: a value check after the operators that can build a lazy
+/// sequence (`+`, `*`) and after `~`; a neutral check after every other instruction that can
+/// allocate or repeat (output, calls, lookups that copy, builders, loop steps); none after
+/// control flow and stack moves.
+fn guard(instr: &Instruction) -> Guard {
+    use Instruction as I;
+    match instr {
+        I::Add | I::Mul | I::StringConcat => Guard::Value,
+        I::EmitRaw(_)
+        | I::Emit
+        | I::GetAttr(_)
+        | I::SetAttr(_)
+        | I::GetItem
+        | I::Slice
+        | I::BuildMap(_)
+        | I::BuildKwargs(_)
+        | I::MergeKwargs(_)
+        | I::BuildList(_)
+        | I::UnpackList(_)
+        | I::UnpackLists(_)
+        | I::ApplyFilter(..)
+        | I::PerformTest(..)
+        | I::CallFunction(..)
+        | I::CallMethod(..)
+        | I::CallObject(_)
+        | I::FastSuper
+        | I::FastRecurse
+        | I::CallBlock(_)
+        | I::Include(_)
+        | I::EndCapture
+        | I::PushLoop(_)
+        | I::Iterate(_) => Guard::Neutral,
+        _ => Guard::None,
+    }
+}
+
+/// The instructions a guard adds.
+fn guard_code(g: Guard) -> Vec<Instruction<'static>> {
+    let check = Instruction::ApplyFilter(CHECK, Some(1), !0);
+    match g {
+        Guard::None => vec![],
+        Guard::Value => vec![check],
+        Guard::Neutral => vec![
+            Instruction::LoadConst(Value::UNDEFINED),
+            check,
+            Instruction::DiscardTop,
+        ],
+    }
+}
+
+/// `instr` with its jump target (an index of the old code) moved to `at[target]`, and `~`
+/// turned into the measuring concat filter (the same two operands, in the same order).
+fn moved(instr: &Instruction<'static>, at: &[u32]) -> Instruction<'static> {
+    use Instruction as I;
+    let to = |t: &u32| at[*t as usize];
+    match instr {
+        I::Jump(t) => I::Jump(to(t)),
+        I::JumpIfFalse(t) => I::JumpIfFalse(to(t)),
+        I::JumpIfFalseOrPop(t) => I::JumpIfFalseOrPop(to(t)),
+        I::JumpIfTrueOrPop(t) => I::JumpIfTrueOrPop(to(t)),
+        I::Iterate(t) => I::Iterate(to(t)),
+        I::BuildMacro(name, t, flags) => I::BuildMacro(name, to(t), *flags),
+        I::StringConcat => I::ApplyFilter(CONCAT, Some(2), !0),
+        other => other.clone(),
+    }
+}
+
+/// `code` with each instruction's guard after it. Invariant: every jump lands on the
+/// instruction it landed on before (targets are moved by the instructions added before
+/// them), so the template runs as compiled, checked between instructions.
+fn guarded(code: &Instructions<'static>) -> Instructions<'static> {
+    let n = code.len() as u32;
+    let instrs: Vec<&Instruction<'static>> = (0..n).filter_map(|i| code.get(i)).collect();
+    let mut at = Vec::with_capacity(instrs.len() + 1);
+    let mut next = 0u32;
+    for instr in &instrs {
+        at.push(next);
+        next += 1 + guard_code(guard(instr)).len() as u32;
+    }
+    at.push(next); // a jump to the end stays at the end
+    let mut out = Instructions::new(code.name(), code.source());
+    for (i, instr) in instrs.iter().enumerate() {
+        let line = code.get_line(i as u32).unwrap_or(0).min(u16::MAX as usize) as u16;
+        out.add_with_line(moved(instr, &at), line);
+        for g in guard_code(guard(instr)) {
+            out.add_with_line(g, line);
         }
-        self.buf.extend_from_slice(data);
-        Ok(data.len())
     }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
+    out
 }
 
 impl ChatTemplate {
     /// Compiles `source`; a syntax error is a `Template` error.
     pub fn new(source: &str) -> Result<Self> {
-        let mut env = Environment::new();
-        env.set_trim_blocks(true);
-        env.set_lstrip_blocks(true);
-        // Jinja2's default: a single trailing newline of the template source is dropped.
-        env.set_keep_trailing_newline(false);
-        minijinja_contrib::add_to_environment(&mut env);
-        // Python string / dict / list methods: .strip(), .startswith(), .items(), ...
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
-        env.add_function("raise_exception", raise_exception);
-        env.add_function("strftime_now", strftime_now);
-        env.add_filter("tojson", tojson);
-        env.add_template_owned(TEMPLATE_NAME, rewrite_generation_tags(source))
+        let source = intern(rewrite_generation_tags(source));
+        let mut code = CompiledTemplate::new(TEMPLATE_NAME, source, &template_config())
             .map_err(|e| Error::Template(format_minijinja_error(&e)))?;
-        Ok(ChatTemplate { env })
+        code.instructions = guarded(&code.instructions);
+        for block in code.blocks.values_mut() {
+            *block = guarded(block);
+        }
+        Ok(ChatTemplate {
+            env: environment(),
+            code,
+        })
     }
 
-    /// Renders `messages`; the output never exceeds `max_output_bytes` and the work is
-    /// bounded by `fuel_budget`. (Values a template builds in its own variables are bounded
-    /// only by the fuel: a few instructions can still double a string many times.)
+    /// Renders `messages`; the output never exceeds `max_output_bytes`, the work is bounded
+    /// by `fuel_budget` and the memory held at once by `memory_limit`.
     pub fn render(
         &mut self,
         messages: &[Message],
@@ -123,25 +290,34 @@ impl ChatTemplate {
     ) -> std::result::Result<String, RenderError> {
         let fuel = fuel_budget(messages);
         let ctx = context(messages, add_generation_prompt, bos_token, eos_token);
-        self.env.set_fuel(Some(fuel));
-        let template_error = |e: &minijinja::Error| {
-            RenderError::Template(Error::Template(format_minijinja_error(e)))
+        self.env
+            .set_fuel(Some(fuel.saturating_mul(GUARD_FUEL_FACTOR)));
+        let limit = memory_limit(messages, max_output_bytes);
+        let mut buf = String::new();
+        let meter = Metered::start(limit);
+        let result = {
+            let mut out = make_string_output(&mut buf);
+            let code = &self.code;
+            Vm::new(&self.env)
+                .eval(
+                    &code.instructions,
+                    ctx,
+                    &code.blocks,
+                    &mut out,
+                    code.initial_auto_escape,
+                )
+                .map(drop)
         };
-        let tmpl = self
-            .env
-            .get_template(TEMPLATE_NAME)
-            .map_err(|e| template_error(&e))?;
-        let mut out = BoundedBuf {
-            buf: Vec::new(),
-            limit: max_output_bytes,
-            exceeded: false,
-        };
-        match tmpl.render_captured_to(ctx, &mut out) {
-            Ok(_) => String::from_utf8(out.buf)
-                .map_err(|_| RenderError::Template(Error::Template("output is not UTF-8".into()))),
-            Err(_) if out.exceeded => Err(RenderError::OutputTooLong),
+        let tripped = meter.tripped();
+        drop(meter);
+        match result {
+            _ if buf.len() > max_output_bytes => Err(RenderError::OutputTooLong),
+            Ok(()) => Ok(buf),
+            Err(_) if tripped => Err(RenderError::OutOfMemory(limit)),
             Err(e) if e.kind() == ErrorKind::OutOfFuel => Err(RenderError::OutOfFuel(fuel)),
-            Err(e) => Err(template_error(&e)),
+            Err(e) => Err(RenderError::Template(Error::Template(
+                format_minijinja_error(&e),
+            ))),
         }
     }
 }
@@ -180,8 +356,8 @@ fn context(
     ctx.into_iter().collect()
 }
 
-/// One-shot render (compiles the template each call) with no output limit beyond the fuel
-/// budget; used by the Python parity helper.
+/// One-shot render (compiles the template each call) with output limit `HELPER_MAX_OUTPUT`;
+/// used by the Python parity helper.
 pub fn render_chat_template(
     template: &str,
     messages: &[Message],
@@ -195,7 +371,7 @@ pub fn render_chat_template(
             add_generation_prompt,
             bos_token,
             eos_token,
-            usize::MAX,
+            HELPER_MAX_OUTPUT,
         )
         .map_err(Error::from)
 }
@@ -266,6 +442,8 @@ fn rewrite_generation_tags(source: &str) -> String {
 /// transformers' `tojson`: `json.dumps(x, ensure_ascii=False, indent=None, separators=None,
 /// sort_keys=False)`, with Python's default separators (", " and ": "; "," with an indent).
 fn tojson(value: &Value, kwargs: Kwargs) -> std::result::Result<Value, minijinja::Error> {
+    // The JSON is the value's text within a small factor (escapes): measured first.
+    template_memory::fits_as_text(std::slice::from_ref(value), 0, "a tojson result")?;
     let indent: Option<Value> = kwargs.get("indent")?;
     let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
     let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
@@ -788,6 +966,101 @@ mod tests {
         let mut t = ChatTemplate::new(src).unwrap();
         assert_eq!(t.render(&msgs, true, None, None, 1000).unwrap().len(), 1000);
         assert!(t.render(&msgs, true, None, None, 999).is_err());
+    }
+
+    /// This process's peak resident memory so far (VmHWM), in bytes.
+    fn peak_rss() -> usize {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<usize>().ok())
+            .map_or(0, |kib| kib << 10)
+    }
+
+    #[test]
+    fn templates_building_huge_values_stop_at_the_memory_limit() {
+        let before = peak_rss();
+        for src in [
+            // 34 doublings would be 16 GiB: by `~`, `+`, a capture, a macro, a namespace.
+            "{% set s = namespace(v='x') %}{% for i in range(34) %}{% set s.v = s.v ~ s.v %}\
+             {% endfor %}{{ s.v }}",
+            "{% set ns = namespace(v='x') %}{% for i in range(34) %}{% set ns.v = ns.v + ns.v %}\
+             {% endfor %}{{ ns.v }}",
+            "{% set ns = namespace(v='x') %}{% for i in range(34) %}{% set t %}{{ ns.v }}\
+             {{ ns.v }}{% endset %}{% set ns.v = t %}{% endfor %}",
+            "{% macro d(s, n) %}{% if n %}{{ d(s ~ s, n - 1) }}{% else %}{{ s }}{% endif %}\
+             {% endmacro %}{{ d('x', 34) }}",
+            "{% set ns = namespace(v=['x']) %}{% for i in range(34) %}{% set ns.v = ns.v + ns.v \
+             %}{% endfor %}{{ ns.v | list | length }}",
+            // Many references to one string, written out in one step.
+            "{% set s = 'x' * 10000000 %}{{ ([s] * 1000) | join }}",
+            "{% set s = 'x' * 10000000 %}{{ ([s] * 1000) ~ '' }}",
+            "{% set s = 'x' * 10000000 %}{{ [s] * 1000 }}",
+            "{% set s = 'x' * 10000000 %}{{ ([s] * 1000) | string | length }}",
+            "{% set s = 'x' * 10000000 %}{{ ([s] * 1000) | tojson | length }}",
+            "{% set s = 'x' * 10000000 %}{{ ([s] * 1000) | upper | length }}",
+            "{{ ([0] * 10000000000) | list | length }}",
+            // A size given as a number.
+            "{{ 'x' | indent(100000000000) }}",
+            "{{ ('x' * 1000) | replace('', 'y' * 10000000) | length }}",
+            "{{ ('x' * 1000).replace('x', 'y' * 10000000) | length }}",
+            "{{ ('y' * 10000000).join(['a'] * 1000) | length }}",
+            "{{ '{:>99999999999}'.format(1) }}",
+            "{{ '%99999999999d' | format(1) }}",
+            // Growth in a loop, each step small (a new 100 KB string per step).
+            "{% set ns = namespace(l=[]) %}{% for i in range(100000) %}\
+             {% set ns.l = ns.l + [('x' * 100000) ~ i] %}{% endfor %}{{ ns.l | length }}",
+        ] {
+            let mut t = ChatTemplate::new(src).unwrap();
+            let msgs = [msg("user", "hi")];
+            let err = t.render(&msgs, true, None, None, 1 << 20).unwrap_err();
+            assert!(matches!(err, RenderError::OutOfMemory(_)), "{src}: {err:?}");
+            assert!(
+                Error::from(err).to_string().contains("memory limit"),
+                "{src}"
+            );
+        }
+        let grown = peak_rss().saturating_sub(before);
+        assert!(grown < 1 << 30, "peak RSS grew by {} MiB", grown >> 20);
+    }
+
+    /// `src` rendered by minijinja as compiled, unguarded, with the same settings.
+    fn unguarded(src: &str, messages: &[Message]) -> String {
+        let mut env = Environment::new();
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_filter("tojson", tojson);
+        env.add_template("t", src).unwrap();
+        let ctx = context(messages, true, Some("<s>"), None);
+        env.get_template("t").unwrap().render(ctx).unwrap()
+    }
+
+    #[test]
+    fn guarded_code_renders_as_compiled() {
+        // Jumps land where they did: loops, conditions, macros, loop.cycle, recursion, sets.
+        let msgs = [msg("user", "x"), msg("assistant", "y z")];
+        for src in [
+            "{% macro m(x) %}<{{ x }}>{% endmacro %}{% for i in range(3) %}{% if i is even \
+             and i > 0 %}{{ m(i) }}{% elif i == 1 %}one{% else %}z{% endif %}\
+             {{ loop.cycle('a', 'b') }}{% endfor %}",
+            "{% for x in [[1, [2]], [3]] recursive %}{% if x is iterable %}[{{ loop(x) }}]\
+             {% else %}{{ x }}{% endif %}{% endfor %}",
+            "{{ 'a' ~ 1 ~ none }}{{ [1] + [2] }}{{ 'ab' * 2 }}{{ 2 * 3 }}{{ 1 + 2.5 }}\
+             {% set x %}cap{{ 1 }}{% endset %}{{ x }}",
+            "{{ (messages | map(attribute='role') | join(',')) | upper }}\
+             {{ '{}-{}'.format(1, 2) }}{{ 'a b'.split() | length }}{{ messages | tojson }}\
+             {{ 'x y' | replace('x', 'q') | indent(2, true) }}{{ [3, 1] | sort | list }}",
+            "{% for m in messages if m.role != 'system' %}{{ loop.index }}{{ m.content | trim }}\
+             {% if not loop.last %},{% endif %}{% else %}none{% endfor %}{{ bos_token }}",
+            SMOLLM2,
+            LLAMA3,
+        ] {
+            let out = render_chat_template(src, &msgs, true, Some("<s>"), None).unwrap();
+            assert_eq!(out, unguarded(src, &msgs), "{src}");
+        }
     }
 
     #[test]

@@ -8,7 +8,8 @@
 //! min_tokens, repetition_penalty). Anything wrong with a line (not JSON, a missing field, a
 //! value out of range, a body asking for what eaglebatch does not do) makes that line an error
 //! row whose message names the line number; it never fails the job. Blank lines are not
-//! requests (and not counted).
+//! requests (and not counted). A UTF-8 byte order mark opening the file is not part of line 1,
+//! and a line may end in CRLF (the `\r` is JSON whitespace).
 
 use std::io::BufRead;
 use std::path::Path;
@@ -18,7 +19,7 @@ use serde_json::{Map, Value};
 
 use crate::chat_template::Message;
 use crate::error::{Error, Result};
-use crate::sampling_params::SamplingParams;
+use crate::sampling_params::{to_f32, SamplingParams};
 
 pub const CHAT_URL: &str = "/v1/chat/completions";
 pub const COMPLETIONS_URL: &str = "/v1/completions";
@@ -52,11 +53,23 @@ const UNSUPPORTED: [&str; 7] = [
 pub fn count_requests(path: &Path) -> Result<u64> {
     let file = std::fs::File::open(path).map_err(|e| Error::io("cannot open input", path, e))?;
     let mut n = 0;
-    for line in std::io::BufReader::new(file).split(b'\n') {
+    for (i, line) in std::io::BufReader::new(file).split(b'\n').enumerate() {
         let line = line.map_err(|e| Error::user(format!("{}: {e}", path.display())))?;
-        n += u64::from(!is_blank(&line));
+        n += u64::from(!is_blank(without_bom(&line, i)));
     }
     Ok(n)
+}
+
+/// The UTF-8 byte order mark, which some editors write at the start of a text file.
+const BOM: &[u8] = b"\xEF\xBB\xBF";
+
+/// Line `index` (0-based) of a file without the byte order mark that may open the file (only
+/// line 0 can have one; elsewhere the bytes are the line's own).
+pub fn without_bom(line: &[u8], index: usize) -> &[u8] {
+    match index {
+        0 => line.strip_prefix(BOM).unwrap_or(line),
+        _ => line,
+    }
 }
 
 /// Whether a line (bytes, maybe not UTF-8) holds only whitespace: not a request.
@@ -200,10 +213,10 @@ fn body_sampling(
     let num = |k: &str| -> std::result::Result<Option<f32>, String> {
         match body.get(k) {
             None | Some(Value::Null) => Ok(None),
-            Some(v) => v
-                .as_f64()
-                .map(|x| Some(x as f32))
-                .ok_or_else(|| format!("body.{k} must be a number, got {v}")),
+            Some(v) => match v.as_f64() {
+                Some(x) => to_f32(x).map(Some).map_err(|e| format!("body.{k}: {e}")),
+                None => Err(format!("body.{k} must be a number, got {v}")),
+            },
         }
     };
     let to_usize = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
@@ -294,6 +307,28 @@ mod tests {
             r#"{{"custom_id": "a", "method": "POST", "url": "{CHAT_URL}", "body": {body}}}"#
         );
         parse_line(&line, 3, CHAT_URL, &job(), 1)
+    }
+
+    #[test]
+    fn a_bom_opening_the_file_and_crlf_endings_are_read() {
+        let dir = crate::testutil::TempDir::new("bom");
+        let path = dir.path().join("b.jsonl");
+        let line = format!(
+            r#"{{"custom_id": "a", "method": "POST", "url": "{COMPLETIONS_URL}", "body": {{"prompt": "x"}}}}"#
+        );
+        let text = format!("\u{feff}{line}\r\n\r\n{line}\r\n");
+        std::fs::write(&path, text).unwrap();
+        assert_eq!(count_requests(&path).unwrap(), 2);
+        let first = format!("\u{feff}{line}\r");
+        let bare = std::str::from_utf8(without_bom(first.as_bytes(), 0)).unwrap();
+        let l = parse_line(bare, 1, COMPLETIONS_URL, &job(), 1);
+        assert_eq!(l.custom_id.as_deref(), Some("a"), "{:?}", l.request);
+        assert!(l.request.is_ok());
+        // Only the file's first line loses a BOM: later, the bytes are the line's own.
+        assert_eq!(without_bom(first.as_bytes(), 1), first.as_bytes());
+        // A tiny float a 32-bit float loses is the line's error, not greedy decoding.
+        let e = chat(r#"{"messages": [{"role": "user", "content": "x"}], "temperature": 1e-300}"#);
+        assert!(e.request.unwrap_err().contains("body.temperature"));
     }
 
     #[test]

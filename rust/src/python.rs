@@ -404,6 +404,15 @@ fn render_chat_template(
     .map_err(to_py)
 }
 
+/// Compiles a chat template as the reader would (nothing is rendered); a template that does not
+/// compile raises ValueError with minijinja's message. `validate` and `prepare` call it so a
+/// broken template fails the job before any model is loaded.
+#[pyfunction]
+fn check_chat_template(py: Python<'_>, template: String) -> PyResult<()> {
+    py.detach(|| chat_template::ChatTemplate::new(&template).map(drop))
+        .map_err(|e| PyValueError::new_err(e.to_string()))
+}
+
 /// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight over `rows` rows of `h` values, by raw
 /// addresses like `small_gemm`: a draft head's RMSNorm of a few CPU rows, which torch runs as
 /// several small ops (~20 µs, ~100 µs between a verify round's kernels). The caller
@@ -920,6 +929,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyStepPlan>()?;
     m.add_class::<CpuDecoder>()?;
     m.add_function(wrap_pyfunction!(render_chat_template, m)?)?;
+    m.add_function(wrap_pyfunction!(check_chat_template, m)?)?;
     m.add_function(wrap_pyfunction!(small_gemm, m)?)?;
     m.add_function(wrap_pyfunction!(gather_rows, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm, m)?)?;

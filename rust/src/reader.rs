@@ -155,11 +155,12 @@ fn find_column<'a>(schema: &'a Schema, path: &Path, role: &str, name: &str) -> R
 }
 
 /// Compression codecs this build can decode.
+/// (Every codec pyarrow writes; inputs.py `_READABLE_CODECS` is the same list.)
 fn codec_supported(c: parquet::basic::Compression) -> bool {
     use parquet::basic::Compression as C;
     matches!(
         c,
-        C::UNCOMPRESSED | C::SNAPPY | C::GZIP(_) | C::LZ4 | C::LZ4_RAW | C::ZSTD(_)
+        C::UNCOMPRESSED | C::SNAPPY | C::GZIP(_) | C::LZ4 | C::LZ4_RAW | C::ZSTD(_) | C::BROTLI(_)
     )
 }
 
@@ -172,6 +173,7 @@ fn check_codecs(
     let wanted: Vec<&str> = [&cfg.prompt_column, &cfg.messages_column, &cfg.id_column]
         .into_iter()
         .flatten()
+        .chain(cfg.sampling_columns.values())
         .map(String::as_str)
         .collect();
     for rg in builder.metadata().row_groups() {
@@ -180,7 +182,7 @@ fn check_codecs(
             if root.is_some_and(|r| wanted.contains(&r)) && !codec_supported(col.compression()) {
                 return Err(Error::user(format!(
                     "{}: column '{}' is compressed with {}, which eaglebatch cannot read \
-                     (supported: snappy, zstd, gzip, lz4, uncompressed); rewrite the file",
+                     (supported: snappy, zstd, gzip, lz4, lz4_raw, brotli, uncompressed); rewrite the file",
                     path.display(),
                     root.unwrap_or_default(),
                     col.compression()
@@ -742,7 +744,9 @@ impl ReaderThread {
             if self.next_row + lines.len() as u64 >= self.spec.row_end {
                 break;
             }
-            let line = line.map_err(|e| fail(&e))?;
+            let mut line = line.map_err(|e| fail(&e))?;
+            let bom = line.len() - crate::openai_batch::without_bom(&line, i).len();
+            line.drain(..bom);
             if crate::openai_batch::is_blank(&line) {
                 continue;
             }
@@ -928,6 +932,7 @@ impl ReaderThread {
                 "chat template ran too long: it executed more than {n} template instructions \
                  (a loop that does not end?)"
             ),
+            RenderError::OutOfMemory(n) => crate::chat_template::memory_message(n),
         })
     }
 

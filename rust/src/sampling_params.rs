@@ -10,8 +10,8 @@ use std::sync::Arc;
 
 use arrow_array::cast::AsArray;
 use arrow_array::types::{
-    Float32Type, Float64Type, Int16Type, Int32Type, Int64Type, Int8Type, UInt16Type, UInt32Type,
-    UInt64Type, UInt8Type,
+    Float16Type, Float32Type, Float64Type, Int16Type, Int32Type, Int64Type, Int8Type, UInt16Type,
+    UInt32Type, UInt64Type, UInt8Type,
 };
 use arrow_array::{Array, ArrayRef};
 use arrow_schema::DataType;
@@ -20,6 +20,13 @@ use crate::config::SchedulerConfig;
 
 /// The most top-logprob alternatives a request may ask for (vLLM's default limit).
 pub const MAX_LOGPROBS: u32 = 20;
+
+/// The smallest positive `temperature` and the smallest `repetition_penalty` (config.py's
+/// SAMPLING_MIN is the same): logits divided by less overflow f32 and crash the sampler.
+pub const SAMPLING_MIN: f32 = 1e-5;
+
+/// The largest `temperature` and `repetition_penalty`.
+pub const SAMPLING_MAX: f32 = 1e6;
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
@@ -94,56 +101,101 @@ impl SamplingParams {
 
     /// Why the parameters are invalid (naming the key), if they are.
     pub fn check(&self) -> Result<(), String> {
-        let finite_in = |v: f32, lo: f32, hi: f32| v.is_finite() && v >= lo && v <= hi;
+        match self.violation() {
+            Some((_, msg)) => Err(msg),
+            None => Ok(()),
+        }
+    }
+
+    /// The first rule the parameters break: the keys it involves and the message (naming
+    /// them). Every float is finite, and a nonzero one a normal f32 (never subnormal).
+    fn violation(&self) -> Option<(&'static [&'static str], String)> {
+        self.length_violation()
+            .or_else(|| self.float_violation())
+            .or_else(|| self.integer_violation())
+    }
+
+    fn length_violation(&self) -> Option<(&'static [&'static str], String)> {
         if self.max_new_tokens == 0 || self.max_new_tokens > i32::MAX as usize {
-            return Err(format!(
+            let msg = format!(
                 "max_new_tokens must be in 1..={}, got {}",
                 i32::MAX,
                 self.max_new_tokens
-            ));
+            );
+            return Some((&["max_new_tokens"], msg));
         }
         if self.min_new_tokens > self.max_new_tokens {
-            return Err(format!(
+            let msg = format!(
                 "min_new_tokens ({}) must be <= max_new_tokens ({})",
                 self.min_new_tokens, self.max_new_tokens
+            );
+            return Some((&["min_new_tokens", "max_new_tokens"], msg));
+        }
+        None
+    }
+
+    fn float_violation(&self) -> Option<(&'static [&'static str], String)> {
+        let normal = |v: f32| v == 0.0 || v.is_normal();
+        let in_range = |v: f32, lo: f32, hi: f32| normal(v) && v >= lo && v <= hi;
+        let t = self.temperature;
+        if !(t == 0.0 || in_range(t, SAMPLING_MIN, SAMPLING_MAX)) {
+            let msg = format!(
+                "temperature must be 0 (greedy) or a number in [{SAMPLING_MIN:e}, \
+                 {SAMPLING_MAX:e}], got {}",
+                num(t)
+            );
+            return Some((&["temperature"], msg));
+        }
+        if !(normal(self.top_p) && self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Some((
+                &["top_p"],
+                format!("top_p must be in (0, 1], got {}", num(self.top_p)),
             ));
         }
-        if !finite_in(self.temperature, 0.0, 1e6) {
-            return Err(format!(
-                "temperature must be a finite number in [0, 1e6], got {}",
-                self.temperature
-            ));
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(format!("top_p must be in (0, 1], got {}", self.top_p));
-        }
-        if self.top_k < 0 {
-            return Err(format!("top_k must be >= 0 (0 = off), got {}", self.top_k));
-        }
-        if let Some(s) = self.seed.filter(|&s| s < 0) {
-            return Err(format!("seed must be >= 0, got {s}"));
-        }
-        if !(self.repetition_penalty.is_finite() && self.repetition_penalty > 0.0) {
-            return Err(format!(
-                "repetition_penalty must be a finite number > 0 (1 = off), got {}",
-                self.repetition_penalty
-            ));
+        let r = self.repetition_penalty;
+        if !in_range(r, SAMPLING_MIN, SAMPLING_MAX) {
+            let msg = format!(
+                "repetition_penalty must be a number in [{SAMPLING_MIN:e}, {SAMPLING_MAX:e}] \
+                 (1 = off), got {}",
+                num(r)
+            );
+            return Some((&["repetition_penalty"], msg));
         }
         for (name, v) in [
             ("frequency_penalty", self.frequency_penalty),
             ("presence_penalty", self.presence_penalty),
         ] {
-            if !finite_in(v, -2.0, 2.0) {
-                return Err(format!("{name} must be in [-2, 2] (0 = off), got {v}"));
+            if !in_range(v, -2.0, 2.0) {
+                let keys: &'static [&'static str] = if name == "frequency_penalty" {
+                    &["frequency_penalty"]
+                } else {
+                    &["presence_penalty"]
+                };
+                return Some((
+                    keys,
+                    format!("{name} must be in [-2, 2] (0 = off), got {}", num(v)),
+                ));
             }
         }
+        None
+    }
+
+    fn integer_violation(&self) -> Option<(&'static [&'static str], String)> {
+        if self.top_k < 0 {
+            let msg = format!("top_k must be >= 0 (0 = off), got {}", self.top_k);
+            return Some((&["top_k"], msg));
+        }
+        if let Some(s) = self.seed.filter(|&s| s < 0) {
+            return Some((&["seed"], format!("seed must be >= 0, got {s}")));
+        }
         if self.logprobs > MAX_LOGPROBS {
-            return Err(format!(
+            let msg = format!(
                 "logprobs must be in 0..={MAX_LOGPROBS}, got {}",
                 self.logprobs
-            ));
+            );
+            return Some((&["logprobs"], msg));
         }
-        Ok(())
+        None
     }
 
     /// Whether any of the three penalties is on (the worker then needs the row's tokens).
@@ -159,8 +211,21 @@ impl SamplingParams {
     }
 }
 
+/// `v` for a message: plain digits for ordinary magnitudes, exponent form for tiny or huge ones
+/// (1e-40 rather than forty zeros).
+fn num(v: impl Into<f64>) -> String {
+    let v: f64 = v.into();
+    if v != 0.0 && v.is_finite() && !(1e-4..1e7).contains(&v.abs()) {
+        format!("{v:e}")
+    } else {
+        format!("{v}")
+    }
+}
+
 /// Whether an input column of type `dt` can hold values of sampling key `key`; the error names
-/// the key, the column and the expected type.
+/// the key, the column and the expected type. The rule (inputs.py `_sampling_check` is the same
+/// over pyarrow's types): integer keys take Int8..UInt64, float keys those and Float16..Float64,
+/// `stop` a string or a list of strings; a dictionary-encoded column is judged by its values.
 pub fn check_column_type(key: &str, column: &str, dt: &DataType) -> Result<(), String> {
     let Some(kind) = kind_of(key) else {
         return Err(format!(
@@ -168,12 +233,16 @@ pub fn check_column_type(key: &str, column: &str, dt: &DataType) -> Result<(), S
             COLUMN_KEYS.join(", ")
         ));
     };
+    let values = match dt {
+        DataType::Dictionary(_, v) => v.as_ref(),
+        _ => dt,
+    };
     let ok = match kind {
-        Kind::Int => dt.is_integer(),
-        Kind::Float => dt.is_integer() || dt.is_floating(),
+        Kind::Int => is_int(values),
+        Kind::Float => is_int(values) || is_float(values),
         Kind::Strings => {
-            is_text(dt)
-                || matches!(dt, DataType::List(f) | DataType::LargeList(f) if is_text(f.data_type()))
+            is_text(values)
+                || matches!(values, DataType::List(f) | DataType::LargeList(f) if is_text(f.data_type()))
         }
     };
     if ok {
@@ -181,12 +250,29 @@ pub fn check_column_type(key: &str, column: &str, dt: &DataType) -> Result<(), S
     }
     let expected = match kind {
         Kind::Int => "an integer column",
-        Kind::Float => "a numeric column",
+        Kind::Float => "a numeric (integer or float) column",
         Kind::Strings => "a string or list<string> column",
     };
     Err(format!(
         "sampling_columns.{key}: column '{column}' has type {dt}; expected {expected}"
     ))
+}
+
+/// The integer types `int_value` reads (every width, signed and unsigned).
+fn is_int(dt: &DataType) -> bool {
+    use DataType as D;
+    matches!(
+        dt,
+        D::Int8 | D::Int16 | D::Int32 | D::Int64 | D::UInt8 | D::UInt16 | D::UInt32 | D::UInt64
+    )
+}
+
+/// The float types `float_value` reads besides the integers.
+fn is_float(dt: &DataType) -> bool {
+    matches!(
+        dt,
+        DataType::Float16 | DataType::Float32 | DataType::Float64
+    )
 }
 
 fn is_text(dt: &DataType) -> bool {
@@ -227,13 +313,14 @@ fn int_value(a: &dyn Array, i: usize) -> Option<i128> {
     }
 }
 
-/// Row `i` of a numeric column as f64 (None when null).
+/// Row `i` of a numeric column (`is_int` or `is_float`) as f64 (None when null).
 fn float_value(a: &dyn Array, i: usize) -> Option<f64> {
     if a.is_null(i) {
         return None;
     }
     match a.data_type() {
-        DataType::Float32 => Some(a.as_primitive::<Float32Type>().value(i) as f64),
+        DataType::Float16 => Some(f64::from(a.as_primitive::<Float16Type>().value(i))),
+        DataType::Float32 => Some(f64::from(a.as_primitive::<Float32Type>().value(i))),
         DataType::Float64 => Some(a.as_primitive::<Float64Type>().value(i)),
         _ => int_value(a, i).map(|v| v as f64),
     }
@@ -257,7 +344,19 @@ fn strings_value(a: &dyn Array, i: usize) -> Option<Vec<String>> {
     )
 }
 
+/// Row `i` of `a` with a dictionary looked through: the array holding its value and the
+/// value's index there (None when the row's key is null).
+fn dense(a: &dyn Array, i: usize) -> Option<(&dyn Array, usize)> {
+    let Some(dict) = a.as_any_dictionary_opt() else {
+        return Some((a, i));
+    };
+    let key = usize::try_from(int_value(dict.keys(), i)?).ok()?;
+    let values = dict.values().as_ref();
+    (key < values.len()).then_some((values, key))
+}
+
 fn read_value(key: &str, a: &dyn Array, i: usize) -> Option<Value> {
+    let (a, i) = dense(a, i)?;
     match kind_of(key)? {
         Kind::Int => int_value(a, i).map(Value::Int),
         Kind::Float => float_value(a, i).map(Value::Float),
@@ -265,7 +364,23 @@ fn read_value(key: &str, a: &dyn Array, i: usize) -> Option<Value> {
     }
 }
 
-/// Sets `key` to `v`; an integer out of the field's range is an error.
+/// `v` as the f32 a float key holds; a nonzero value that f32 turns into 0, a subnormal or an
+/// infinity is an error (NaN and infinities pass on, for `check` to refuse).
+pub fn to_f32(v: f64) -> Result<f32, String> {
+    let f = v as f32;
+    let lost = f == 0.0 || f.is_subnormal() || f.is_infinite();
+    if v != 0.0 && v.is_finite() && lost {
+        return Err(format!(
+            "{} is not representable as a 32-bit float (it would become {})",
+            num(v),
+            num(f)
+        ));
+    }
+    Ok(f)
+}
+
+/// Sets `key` to `v`; an integer out of the field's range, or a float f32 cannot hold, is an
+/// error.
 fn set(p: &mut SamplingParams, key: &str, v: Value) -> Result<(), String> {
     let range = |v: i128| format!("{v} is out of range");
     match (key, v) {
@@ -278,11 +393,23 @@ fn set(p: &mut SamplingParams, key: &str, v: Value) -> Result<(), String> {
         ("top_k", Value::Int(v)) => p.top_k = i32::try_from(v).map_err(|_| range(v))?,
         ("seed", Value::Int(v)) => p.seed = Some(i64::try_from(v).map_err(|_| range(v))?),
         ("logprobs", Value::Int(v)) => p.logprobs = u32::try_from(v).map_err(|_| range(v))?,
-        ("temperature", Value::Float(v)) => p.temperature = v as f32,
-        ("top_p", Value::Float(v)) => p.top_p = v as f32,
-        ("repetition_penalty", Value::Float(v)) => p.repetition_penalty = v as f32,
-        ("frequency_penalty", Value::Float(v)) => p.frequency_penalty = v as f32,
-        ("presence_penalty", Value::Float(v)) => p.presence_penalty = v as f32,
+        ("temperature", Value::Float(v)) if v > 0.0 && v < f64::from(SAMPLING_MIN) => {
+            return Err(format!(
+                "temperature must be 0 (greedy) or at least {SAMPLING_MIN:e}, got {}",
+                num(v)
+            ))
+        }
+        ("repetition_penalty", Value::Float(v)) if v < f64::from(SAMPLING_MIN) => {
+            return Err(format!(
+                "repetition_penalty must be at least {SAMPLING_MIN:e}, got {}",
+                num(v)
+            ))
+        }
+        ("temperature", Value::Float(v)) => p.temperature = to_f32(v)?,
+        ("top_p", Value::Float(v)) => p.top_p = to_f32(v)?,
+        ("repetition_penalty", Value::Float(v)) => p.repetition_penalty = to_f32(v)?,
+        ("frequency_penalty", Value::Float(v)) => p.frequency_penalty = to_f32(v)?,
+        ("presence_penalty", Value::Float(v)) => p.presence_penalty = to_f32(v)?,
         ("stop", Value::Strings(v)) => p.stop = v.into_iter().filter(|s| !s.is_empty()).collect(),
         (key, v) => return Err(format!("internal: {key} cannot take {v:?}")),
     }
@@ -309,25 +436,46 @@ impl RowSampling {
         RowSampling { columns }
     }
 
-    /// Row `i`'s parameters: `job`'s with the row's non-null values; the error names the
-    /// column and key when a value is invalid.
+    /// Row `i`'s parameters: `job`'s with every one of the row's non-null values set, then
+    /// checked once by the job's rule (so values valid together pass whatever their order);
+    /// the error names the row's columns (and keys) the broken rule involves.
     pub fn params(
         &self,
         job: &Arc<SamplingParams>,
         i: usize,
     ) -> Result<Arc<SamplingParams>, String> {
         let mut p: Option<SamplingParams> = None;
+        let mut set_by: Vec<(&str, &str)> = Vec::new();
         for (key, column, a) in &self.columns {
             let Some(v) = read_value(key, a.as_ref(), i) else {
                 continue;
             };
             let params = p.get_or_insert_with(|| job.as_ref().clone());
-            set(params, key, v)
-                .and_then(|_| params.check())
-                .map_err(|e| format!("sampling column '{column}' ({key}): {e}"))?;
+            set(params, key, v).map_err(|e| format!("sampling column '{column}' ({key}): {e}"))?;
+            set_by.push((key, column));
         }
-        Ok(p.map(Arc::new).unwrap_or_else(|| job.clone()))
+        let Some(p) = p else {
+            return Ok(job.clone());
+        };
+        match p.violation() {
+            None => Ok(Arc::new(p)),
+            Some((keys, msg)) => Err(format!("{}: {msg}", columns_named(&set_by, keys))),
+        }
     }
+}
+
+/// "sampling column 'c' (key)" for the row's columns whose keys a broken rule involves (all
+/// the row's columns when none does: the rule then broke on the job's values alone).
+fn columns_named(set_by: &[(&str, &str)], keys: &[&str]) -> String {
+    let involved: Vec<&(&str, &str)> = set_by.iter().filter(|(k, _)| keys.contains(k)).collect();
+    let named = if involved.is_empty() {
+        set_by.iter().collect()
+    } else {
+        involved
+    };
+    let list: Vec<String> = named.iter().map(|(k, c)| format!("'{c}' ({k})")).collect();
+    let s = if list.len() == 1 { "" } else { "s" };
+    format!("sampling column{s} {}", list.join(", "))
 }
 
 #[cfg(test)]
@@ -400,6 +548,167 @@ mod tests {
         assert!(check_column_type("stop", "s", StringArray::from(vec!["x"]).data_type()).is_ok());
         assert!(check_column_type("top_k", "k", &DataType::Float64).is_err());
         assert!(check_column_type("bogus", "k", &DataType::Int64).is_err());
+    }
+
+    fn mapping(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, c)| (k.to_string(), c.to_string()))
+            .collect()
+    }
+
+    /// Row 0's parameters with column `c` (of `arr`) mapped to `key`.
+    fn one(key: &str, arr: ArrayRef) -> Result<Arc<SamplingParams>, String> {
+        let b = batch(vec![("c", arr)]);
+        RowSampling::new(&mapping(&[(key, "c")]), &b).params(&job(), 0)
+    }
+
+    #[test]
+    fn tiny_subnormal_and_overflowing_floats_are_refused() {
+        for (key, v) in [
+            ("temperature", 1e-38),
+            ("temperature", 1e-40),
+            ("temperature", 5e-6),
+            ("temperature", 1e39),
+            ("repetition_penalty", 1e-45),
+            ("repetition_penalty", 1e-6),
+            ("top_p", 1e-300),
+            ("frequency_penalty", 1e-300),
+            ("presence_penalty", -1e-42),
+        ] {
+            let e = one(key, Arc::new(Float64Array::from(vec![v]))).unwrap_err();
+            assert!(e.contains("'c'") && e.contains(key), "{key} {v}: {e}");
+        }
+        let e = one("temperature", Arc::new(Float64Array::from(vec![1e-6]))).unwrap_err();
+        assert!(e.contains("1e-5") && e.contains("0 (greedy)"), "{e}");
+        for (key, v) in [
+            ("temperature", 1e-5),
+            ("temperature", 0.0),
+            ("repetition_penalty", 1e-5),
+            ("repetition_penalty", 1e6),
+            ("frequency_penalty", -0.0),
+        ] {
+            assert!(
+                one(key, Arc::new(Float64Array::from(vec![v]))).is_ok(),
+                "{key} {v}"
+            );
+        }
+        // The job's own values follow the same rule.
+        let mut p = job().as_ref().clone();
+        p.temperature = 1e-6;
+        assert!(p.check().unwrap_err().contains("temperature"));
+        p.temperature = 1e-40;
+        assert!(p.check().unwrap_err().contains("temperature"));
+        p.temperature = 0.0;
+        p.top_p = 1e-40;
+        assert!(p.check().unwrap_err().contains("top_p"));
+    }
+
+    /// Every integer and float width reads as a number (max_new_tokens 3, temperature 0.5,
+    /// row 1 null), dictionary-encoded columns through their keys.
+    #[test]
+    fn every_numeric_type_and_dictionaries_are_read() {
+        use arrow_array::types::Int32Type as K;
+        use arrow_array::*;
+        type F16 = <Float16Type as arrow_array::ArrowPrimitiveType>::Native;
+        let f16 = F16::from_f32;
+        let ints: Vec<ArrayRef> = vec![
+            Arc::new(Int8Array::from(vec![Some(3), None])),
+            Arc::new(Int16Array::from(vec![Some(3), None])),
+            Arc::new(Int32Array::from(vec![Some(3), None])),
+            Arc::new(Int64Array::from(vec![Some(3), None])),
+            Arc::new(UInt8Array::from(vec![Some(3), None])),
+            Arc::new(UInt16Array::from(vec![Some(3), None])),
+            Arc::new(UInt32Array::from(vec![Some(3), None])),
+            Arc::new(UInt64Array::from(vec![Some(3), None])),
+            Arc::new(DictionaryArray::<K>::new(
+                Int32Array::from(vec![Some(0), None]),
+                Arc::new(Int64Array::from(vec![3])),
+            )),
+        ];
+        let floats: Vec<ArrayRef> = vec![
+            Arc::new(Float16Array::from(vec![Some(f16(0.5)), None])),
+            Arc::new(Float32Array::from(vec![Some(0.5), None])),
+            Arc::new(Float64Array::from(vec![Some(0.5), None])),
+            Arc::new(DictionaryArray::<arrow_array::types::Int8Type>::new(
+                Int8Array::from(vec![Some(1), None]),
+                Arc::new(Float64Array::from(vec![0.7, 0.5])),
+            )),
+        ];
+        let job = job();
+        for a in &ints {
+            check_column_type("max_new_tokens", "c", a.data_type()).unwrap();
+            check_column_type("temperature", "c", a.data_type()).unwrap();
+            let b = batch(vec![("c", a.clone())]);
+            let rows = RowSampling::new(&mapping(&[("max_new_tokens", "c")]), &b);
+            assert_eq!(
+                rows.params(&job, 0).unwrap().max_new_tokens,
+                3,
+                "{}",
+                a.data_type()
+            );
+            assert!(Arc::ptr_eq(&rows.params(&job, 1).unwrap(), &job));
+        }
+        for a in &floats {
+            check_column_type("temperature", "c", a.data_type()).unwrap();
+            assert!(check_column_type("top_k", "c", a.data_type()).is_err());
+            let b = batch(vec![("c", a.clone())]);
+            let rows = RowSampling::new(&mapping(&[("temperature", "c")]), &b);
+            assert_eq!(
+                rows.params(&job, 0).unwrap().temperature,
+                0.5,
+                "{}",
+                a.data_type()
+            );
+            assert!(Arc::ptr_eq(&rows.params(&job, 1).unwrap(), &job));
+        }
+        let stops: ArrayRef = Arc::new(DictionaryArray::<K>::new(
+            Int32Array::from(vec![Some(0), None]),
+            Arc::new(StringArray::from(vec!["END"])),
+        ));
+        check_column_type("stop", "s", stops.data_type()).unwrap();
+        assert_eq!(one("stop", stops).unwrap().stop, vec!["END".to_string()]);
+        for dt in [
+            DataType::Boolean,
+            DataType::Decimal128(10, 2),
+            DataType::Utf8,
+            DataType::Null,
+            DataType::Dictionary(Box::new(DataType::Int32), Box::new(DataType::Utf8)),
+        ] {
+            let e = check_column_type("temperature", "c", &dt).unwrap_err();
+            assert!(e.contains("'c'") && e.contains("numeric"), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_rows_overrides_are_checked_together() {
+        let mut job = job().as_ref().clone();
+        job.min_new_tokens = 2;
+        let job = Arc::new(job);
+        let b = batch(vec![
+            ("mt", Arc::new(Int64Array::from(vec![1, 1])) as ArrayRef),
+            ("mn", Arc::new(Int64Array::from(vec![Some(0), None]))),
+        ]);
+        let map = mapping(&[("max_new_tokens", "mt"), ("min_new_tokens", "mn")]);
+        let rows = RowSampling::new(&map, &b);
+        let p = rows.params(&job, 0).unwrap();
+        assert_eq!((p.max_new_tokens, p.min_new_tokens), (1, 0));
+        // Row 1 keeps the job's min_new_tokens 2 over its max_new_tokens 1: its column named.
+        let e = rows.params(&job, 1).unwrap_err();
+        assert!(
+            e.starts_with("sampling column 'mt' (max_new_tokens): min_new_tokens (2)"),
+            "{e}"
+        );
+        // Both columns break the rule together: both named.
+        let b = batch(vec![
+            ("mt", Arc::new(Int64Array::from(vec![1])) as ArrayRef),
+            ("mn", Arc::new(Int64Array::from(vec![5]))),
+        ]);
+        let e = RowSampling::new(&map, &b).params(&job, 0).unwrap_err();
+        assert!(
+            e.contains("'mt' (max_new_tokens)") && e.contains("'mn' (min_new_tokens)"),
+            "{e}"
+        );
     }
 
     #[test]
