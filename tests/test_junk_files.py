@@ -169,3 +169,102 @@ def test_junk_results_path(tiny_model_dir, results, inp, twice):
         if r.exit_code == 0 and results is None:  # the input's lines (mine.jsonl: an error line)
             got = (tmp / "out" / "_results.jsonl").read_text().splitlines()
             assert 1 <= len(got) <= 2 and all("custom_id" in json.loads(t) for t in got)
+
+
+NUMERIC_TYPES = [pa.int8(), pa.int16(), pa.int32(), pa.int64(), pa.uint8(), pa.uint16(),
+                 pa.uint32(), pa.uint64(), pa.float16(), pa.float32(), pa.float64()]  # fmt: skip
+FLOAT_KEYS = ["temperature", "top_p", "repetition_penalty", "frequency_penalty",
+              "presence_penalty"]  # fmt: skip
+INT_KEYS = ["max_new_tokens", "min_new_tokens", "top_k", "seed", "logprobs"]
+EXTREME = st.one_of(
+    st.none(), st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=True),
+    st.sampled_from([0.0, -0.0, 1e-45, 1e-40, 1e-38, 5e-6, 1e-5, 1.0, 1e6, 1e7, 2.0, -2.0,
+                     65504.0, 2**63, -(2**63), 2**64]),
+)  # fmt: skip
+
+
+def _column(values: list, t: pa.DataType) -> pa.Array:
+    """`values` as type `t` where they fit (out-of-range / non-finite ones become null for an
+    integer type, as a producer with that type could not write them)."""
+    if pa.types.is_integer(t):
+        lo, hi = (0, 2 ** t.bit_width - 1) if pa.types.is_unsigned_integer(t) else (
+            -(2 ** (t.bit_width - 1)), 2 ** (t.bit_width - 1) - 1)  # fmt: skip
+        ok = [None if v is None or v != v or v in (float("inf"), float("-inf"))
+              or not lo <= int(v) <= hi else int(v) for v in values]  # fmt: skip
+        return pa.array(ok, t)
+    if pa.types.is_float16(t):
+        import numpy as np
+
+        arr = np.array([np.nan if v is None else v for v in values], np.float64)
+        with np.errstate(over="ignore"):
+            return pa.array(arr.astype(np.float16), mask=np.array([v is None for v in values]))
+    return pa.array(values, t)
+
+
+@SETTINGS
+@given(key=st.sampled_from(FLOAT_KEYS + INT_KEYS), t=st.sampled_from(NUMERIC_TYPES),
+       values=st.lists(EXTREME, min_size=1, max_size=4), dictionary=st.booleans())
+def test_junk_sampling_column(tiny_model_dir, key, t, values, dictionary):
+    """A sampling column of any numeric type holding extreme values: exit 0 or 2 (a type the key
+    cannot take, refused by name), never a traceback; a run writes one row per input row, a
+    value the sampler cannot compute being that row's error."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        col = _column(values, t)
+        if dictionary:
+            col = col.dictionary_encode()
+        table = pa.table({"prompt": [f"p{i}" for i in range(len(values))], "v": col})
+        pq.write_table(table, tmp / "in.parquet")
+        job = tmp / "job.yaml"
+        text = job_text(tiny_model_dir, tmp / "in.parquet", tmp / "out")
+        job.write_text(text.replace("output:", f"  sampling_columns: {{{key}: v}}\noutput:")
+                       .replace("sampling:\n", "sampling:\n  temperature: 0.5\n"))  # fmt: skip
+        r = CliRunner().invoke(main, ["run", str(job)])
+        assert r.exit_code in (0, 2), (r.exit_code, r.output, r.exc_info)
+        assert "Traceback" not in r.output
+        if key in INT_KEYS and pa.types.is_floating(t):
+            assert r.exit_code == 2 and "sampling_columns" in r.output, r.output
+            return
+        assert r.exit_code == 0, r.output
+        stored = pq.read_table(tmp / "in.parquet").column("v").to_pylist()
+        got = pq.read_table(tmp / "out").sort_by("row_index").column("finish_reason").to_pylist()
+        assert [f == "error" for f in got] == [not valid(key, v) for v in stored], (stored, got)
+
+
+def valid(key: str, v) -> bool:
+    """The documented rule for one row's value of `key` (job max_new_tokens 3): a float key's
+    nonzero value must also be a normal float32 (the sampler's type)."""
+    if v is None:
+        return True
+    if key in FLOAT_KEYS:
+        f32 = v == 0 or 1.1754943508222875e-38 <= abs(v) <= 3.4028234663852886e38
+        rng = {"temperature": v == 0 or 1e-5 <= v <= 1e6, "top_p": 0 < v <= 1,
+               "repetition_penalty": 1e-5 <= v <= 1e6}.get(key, -2 <= v <= 2)  # fmt: skip
+        return f32 and rng
+    i32, i64 = 2**31 - 1, 2**63 - 1
+    lo, hi = {"max_new_tokens": (1, i32), "min_new_tokens": (0, 3), "top_k": (0, i32),
+              "seed": (0, i64), "logprobs": (0, 20)}[key]  # fmt: skip
+    return lo <= v <= hi
+
+
+@SETTINGS
+@given(bom=st.booleans(), crlf=st.booleans(), blank=st.booleans(), n=st.integers(1, 4))
+def test_junk_batch_line_endings(tiny_model_dir, bom, crlf, blank, n):
+    """An OpenAI Batch file with a UTF-8 BOM, CRLF line endings or blank lines: every request is
+    generated under its custom_id."""
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        lines = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                             "body": {"prompt": f"hi {i}", "max_tokens": 2}}) for i in range(n)]
+        sep = "\r\n" if crlf else "\n"
+        text = (sep * 2 if blank else sep).join(lines) + sep
+        (tmp / "in.jsonl").write_bytes((b"\xef\xbb\xbf" if bom else b"") + text.encode())
+        job = tmp / "job.yaml"
+        job.write_text(f"model: {tiny_model_dir}\ninput:\n  path: {tmp / 'in.jsonl'}\n"
+                       f"output:\n  path: {tmp / 'out'}\n  format: openai-batch\n"
+                       "engine:\n  device: cpu\n  kv_cache_tokens: 1024\n")  # fmt: skip
+        r = CliRunner().invoke(main, ["run", str(job)])
+        assert r.exit_code == 0, r.output
+        got = [json.loads(t) for t in (tmp / "out" / "_results.jsonl").read_text().splitlines()]
+        assert sorted(g["custom_id"] for g in got) == [f"c{i}" for i in range(n)]
+        assert all(g["response"]["status_code"] == 200 for g in got), got
