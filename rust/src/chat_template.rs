@@ -170,6 +170,7 @@ enum Guard {
 
 const CHECK: &str = template_memory::CHECK_FILTER;
 const CONCAT: &str = template_memory::CONCAT_FILTER;
+const IN: &str = template_memory::IN_FILTER;
 
 /// The guard after `instr`: a value check after the operators that can build a lazy
 /// sequence (`+`, `*`) and after `~`; a neutral check after every other instruction that can
@@ -178,7 +179,7 @@ const CONCAT: &str = template_memory::CONCAT_FILTER;
 fn guard(instr: &Instruction) -> Guard {
     use Instruction as I;
     match instr {
-        I::Add | I::Mul | I::StringConcat => Guard::Value,
+        I::Add | I::Mul | I::StringConcat | I::In => Guard::Value,
         I::EmitRaw(_)
         | I::Emit
         | I::GetAttr(_)
@@ -221,8 +222,8 @@ fn guard_code(g: Guard) -> Vec<Instruction<'static>> {
     }
 }
 
-/// `instr` with its jump target (an index of the old code) moved to `at[target]`, and `~`
-/// turned into the measuring concat filter (the same two operands, in the same order).
+/// `instr` with its jump target (an index of the old code) moved to `at[target]`, and `~` and
+/// `in` turned into their measuring filters (the same two operands, in the same order).
 fn moved(instr: &Instruction<'static>, at: &[u32]) -> Instruction<'static> {
     use Instruction as I;
     let to = |t: &u32| at[*t as usize];
@@ -234,6 +235,7 @@ fn moved(instr: &Instruction<'static>, at: &[u32]) -> Instruction<'static> {
         I::Iterate(t) => I::Iterate(to(t)),
         I::BuildMacro(name, t, flags) => I::BuildMacro(name, to(t), *flags),
         I::StringConcat => I::ApplyFilter(CONCAT, Some(2), !0),
+        I::In => I::ApplyFilter(IN, Some(2), !0),
         other => other.clone(),
     }
 }
@@ -1000,6 +1002,9 @@ mod tests {
             "{% set s = 'x' * 10000000 %}{{ ([s] * 1000) | string | length }}",
             "{% set s = 'x' * 10000000 %}{{ ([s] * 1000) | tojson | length }}",
             "{% set s = 'x' * 10000000 %}{{ ([s] * 1000) | upper | length }}",
+            "{% set s = 'x' * 10000000 %}{{ ([s] * 1000) in 'x' }}",
+            "{% set s = 'x' * 10000000 %}{{ ([s] * 1000) is in 'x' }}",
+            "{% set s = 'x' * 10000000 %}{{ ([s] * 1000) is startingwith 'x' }}",
             "{{ ([0] * 10000000000) | list | length }}",
             // A size given as a number.
             "{{ 'x' | indent(100000000000) }}",
@@ -1052,7 +1057,11 @@ mod tests {
              {% set x %}cap{{ 1 }}{% endset %}{{ x }}",
             "{{ (messages | map(attribute='role') | join(',')) | upper }}\
              {{ '{}-{}'.format(1, 2) }}{{ 'a b'.split() | length }}{{ messages | tojson }}\
-             {{ 'x y' | replace('x', 'q') | indent(2, true) }}{{ [3, 1] | sort | list }}",
+             {{ 'x y' | replace('x', 'q') | indent(2, true) }}{{ [3, 1] | sort | list }}\
+             {{ 'us' in 'user' }}{{ 1 in [1, 2] }}{{ 'role' in messages[0] }}{{ 3 not in [1] }}\
+             {{ 'x' is in 'xy' }}{{ 'q' in messages[0] }}{{ [1] in 'a[1]' }}{{ y in nothing }}\
+             {{ 'ab' is startingwith 'a' }}{{ 'ab' is endingwith 'a' }}{{ 1 is in 3 }}\
+             {{ messages[0] | attr('role') }}",
             "{% for m in messages if m.role != 'system' %}{{ loop.index }}{{ m.content | trim }}\
              {% if not loop.last %},{% endif %}{% else %}none{% endfor %}{{ bos_token }}",
             SMOLLM2,

@@ -9,9 +9,9 @@
 //! * checks after every instruction of the template that can allocate (chat_template.rs
 //!   rewrites the compiled code): `check` fails the render once the scope holds more than its
 //!   limit, and refuses a lazy sequence (`[x] * n`, `a + b`) of more items than fit the limit.
-//! * measuring before writing out: a value written as text (`~`, `{{ }}`, text filters and
-//!   string methods) can be far larger than the memory it holds (a list of many references to
-//!   one string), so its text is counted first against what is left of the limit.
+//! * measuring before writing out: a value written as text (`~`, `{{ }}`, `in` on a string,
+//!   text filters and string methods) can be far larger than the memory it holds (a list of
+//!   many references to one string), so its text is counted first against what is left.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -293,6 +293,39 @@ pub fn fits_format_widths(fmt: &Value) -> Result<(), Error> {
 /// (`concat`). Names with a colon: no template can write them, so none can shadow them.
 pub const CHECK_FILTER: &str = "eb:check";
 pub const CONCAT_FILTER: &str = "eb:concat";
+pub const IN_FILTER: &str = "eb:in";
+
+/// `needle in container`, as minijinja's operator: a string container writes a needle that is
+/// not a string as text (measured first); other containers are searched as minijinja does.
+pub fn contains(needle: &Value, container: &Value) -> Result<Value, Error> {
+    if container.is_undefined() {
+        return Ok(Value::from(false));
+    }
+    if let Some(s) = container.as_str() {
+        if let Some(n) = needle.as_str() {
+            return Ok(Value::from(s.contains(n)));
+        }
+        fits_as_text(std::slice::from_ref(needle), 0, "an `in` operand")?;
+        return Ok(Value::from(s.contains(&needle.to_string())));
+    }
+    use minijinja::value::ValueKind as K;
+    match container.kind() {
+        K::Map => {
+            let found = container.as_object().and_then(|o| o.get_value(needle));
+            return Ok(Value::from(found.is_some()));
+        }
+        K::Seq | K::Iterable => {
+            let mut items = container.try_iter()?;
+            return Ok(Value::from(items.any(|v| &v == needle)));
+        }
+        K::Plain => return Ok(Value::from(false)),
+        _ => {}
+    }
+    Err(Error::new(
+        ErrorKind::InvalidOperation,
+        "cannot perform a containment check on this value",
+    ))
+}
 
 /// How a wrapped builtin filter is measured before it runs.
 #[derive(Clone, Copy)]
@@ -353,6 +386,30 @@ pub fn install(env: &mut minijinja::Environment<'static>) {
     use minijinja::filters as f;
     env.add_filter(CHECK_FILTER, check);
     env.add_filter(CONCAT_FILTER, concat);
+    env.add_filter(IN_FILTER, contains);
+    env.add_test(
+        "in",
+        |state: &minijinja::State, needle: &Value, container: &Value| {
+            if container.as_str().is_some() && needle.as_str().is_none() {
+                fits_as_text(std::slice::from_ref(needle), 0, "an `in` operand")?;
+            }
+            minijinja::tests::is_in(state, needle, container)
+        },
+    );
+    env.add_test("startingwith", |v: &Value, other: &Value| {
+        fits_as_text(&[v.clone(), other.clone()], 0, "a startingwith operand")?;
+        Ok::<_, Error>(minijinja::tests::is_startingwith(
+            v.to_string().into(),
+            other.to_string().into(),
+        ))
+    });
+    env.add_test("endingwith", |v: &Value, other: &Value| {
+        fits_as_text(&[v.clone(), other.clone()], 0, "an endingwith operand")?;
+        Ok::<_, Error>(minijinja::tests::is_endingwith(
+            v.to_string().into(),
+            other.to_string().into(),
+        ))
+    });
     env.set_formatter(|out, state, v| {
         fits_as_text(std::slice::from_ref(v), 0, "an output value")?;
         minijinja::escape_formatter(out, state, v)
@@ -372,6 +429,7 @@ pub fn install(env: &mut minijinja::Environment<'static>) {
         "escape" => f::escape, Measure::Text;
         "e" => f::escape, Measure::Text;
         "pprint" => f::pprint, Measure::Text;
+        "attr" => f::attr, Measure::Text;
         "split" => f::split, Measure::List;
         "lines" => f::lines, Measure::List;
         "striptags" => minijinja_contrib::filters::striptags, Measure::Text;
