@@ -24,6 +24,7 @@ pub mod scheduler;
 pub mod sequence;
 pub mod small_gemm;
 pub mod stats;
+pub mod template_guard;
 pub mod template_memory;
 pub mod writer;
 
