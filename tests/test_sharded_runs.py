@@ -134,3 +134,44 @@ def test_bad_shards_are_refused_before_any_model_is_loaded(tmp_path, small_model
     env = {"SLURM_ARRAY_TASK_ID": "1", "SLURM_ARRAY_TASK_COUNT": "2"}
     assert "rows [5, 10) of 10" in finish(cli("run", str(job), "--shard", "auto", env=env))
     assert finish(cli("status", str(job)), 0).endswith("complete\n")
+
+
+def slurm(task: int, array: list[int]) -> dict:
+    """The array variables SLURM sets for task `task` of `sbatch --array=<array>`."""
+    return {"SLURM_ARRAY_TASK_ID": str(task), "SLURM_ARRAY_TASK_MIN": str(min(array)),
+            "SLURM_ARRAY_TASK_MAX": str(max(array)), "SLURM_ARRAY_TASK_COUNT": str(len(array)),
+            "SLURM_ARRAY_TASK_STEP": "1", "SLURM_ARRAY_JOB_ID": "77"}  # fmt: skip
+
+
+def test_slurm_retries_of_any_subset_run_exactly_those_shards(tmp_path, small_model):
+    """`--array=0-3`, tasks 1-3 killed, then `--array=1` and `--array=2,3` resubmitted: each
+    task runs the shard of its own array id; every shard complete, each row once."""
+    ids = [f"r{i}" for i in range(40)]
+    job = write_job(tmp_path, small_model, ids)
+    first = [cli("run", str(job), "--shard", "auto", env=slurm(t, [0, 1, 2, 3])) for t in range(4)]
+    finish(first[0])
+    for proc in first[1:]:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate()
+    for array in ([1], [2, 3]):
+        logs = [finish(cli("run", str(job), "--shard", "auto", env=slurm(t, array)))
+                for t in array]  # fmt: skip
+        for t, log in zip(array, logs, strict=True):
+            assert f"shard-0000{t}-of-00004" in log, log
+    text = finish(cli("status", str(job)))
+    assert "40/40 rows done" in text and "complete" in text, text
+    assert [r["row_index"] for r in rows(tmp_path / "out")] == list(range(40))
+    for env, message in [
+        (slurm(4, [4]), "shard index 4 is outside 0..3"),  # an id past the shards written
+        ({**slurm(1, [1]), "SLURM_ARRAY_TASK_ID": "1"}, None),  # fine: shard 1 of 4, done
+    ]:
+        proc = cli("run", str(job), "--shard", "auto", env=env)
+        if message is None:
+            finish(proc)
+        else:
+            assert message in finish(proc, 2)
+    assert "--shards 3, but output.path holds shards of N = 4" in finish(
+        cli("run", str(job), "--shard", "auto", "--shards", "3", env=slurm(1, [1])), 2)
+    other = tmp_path / "fresh"
+    assert "pass --shards N" in finish(cli("run", str(job), "--shard", "auto", "--set",
+                                           f"output.path={other}", env=slurm(1, [1])), 2)

@@ -47,17 +47,26 @@ def test_bad_shards_name_the_option(text, count, message):
 
 
 def test_auto_reads_slurm_and_kubernetes():
-    slurm = {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_COUNT": "8"}
-    assert parse_shard("auto", env=slurm) == Shard(5, 8)
-    # --array=1-8 numbers tasks from 1; --array=0-12:4 steps by 4
-    from_one = {"SLURM_ARRAY_TASK_ID": "8", "SLURM_ARRAY_TASK_MIN": "1",
-                "SLURM_ARRAY_TASK_COUNT": "8"}  # fmt: skip
-    assert parse_shard("auto", env=from_one) == Shard(7, 8)
-    stepped = {"SLURM_ARRAY_TASK_ID": "8", "SLURM_ARRAY_TASK_MIN": "0",
-               "SLURM_ARRAY_TASK_STEP": "4", "SLURM_ARRAY_TASK_COUNT": "4"}  # fmt: skip
-    assert parse_shard("auto", env=stepped) == Shard(2, 4)
-    assert parse_shard("auto", 16, env=slurm) == Shard(5, 16)  # --shards wins
+    full = {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "0", "SLURM_ARRAY_TASK_MAX": "7",
+            "SLURM_ARRAY_TASK_COUNT": "8"}  # fmt: skip
+    assert parse_shard("auto", env=full) == Shard(5, 8)  # --array=0-7: provably 8 shards
+    assert parse_shard("auto", 16, env=full) == Shard(5, 16)  # --shards wins
+    # a resubmitted subset (--array=1, --array=3,5): the array id is the shard, N from the
+    # output's shard directories or --shards; never the id's rank within the subset
+    retry = {"SLURM_ARRAY_TASK_ID": "5", "SLURM_ARRAY_TASK_MIN": "3", "SLURM_ARRAY_TASK_MAX": "5",
+             "SLURM_ARRAY_TASK_COUNT": "2"}  # fmt: skip
+    assert parse_shard("auto", env=retry, written={8}) == Shard(5, 8)
+    assert parse_shard("auto", 8, env=retry) == Shard(5, 8)
+    with pytest.raises(JobError, match="not --array=0-\\(N-1\\).*pass --shards N"):
+        parse_shard("auto", env=retry)
+    with pytest.raises(JobError, match="--shards 4, but output.path holds shards of N = 8"):
+        parse_shard("auto", 4, env=retry, written={8})
+    with pytest.raises(JobError, match="holds shards of N = 2 and N = 8"):
+        parse_shard("auto", env=retry, written={2, 8})
+    with pytest.raises(JobError, match="index 8 is outside 0..7"):  # --array=1-8: ids from 1
+        parse_shard("auto", env={**full, "SLURM_ARRAY_TASK_ID": "8"}, written={8})
     assert parse_shard("auto", 4, env={"JOB_COMPLETION_INDEX": "3"}) == Shard(3, 4)
+    assert parse_shard("auto", env={"JOB_COMPLETION_INDEX": "3"}, written={4}) == Shard(3, 4)
     with pytest.raises(JobError, match="pass --shards N"):
         parse_shard("auto", env={"JOB_COMPLETION_INDEX": "3"})
     with pytest.raises(JobError, match="outside 0..3"):

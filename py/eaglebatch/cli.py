@@ -168,10 +168,10 @@ def run(
     Running it again continues after the rows earlier runs finished (resume). With --shard it
     generates one shard, with --ray it runs on a Ray cluster; with --restart it deletes the
     results of this run's scope first."""
-    from .shards import parse_shard
+    from .shards import parse_shard, written_counts
 
-    shard = parse_shard(shard_text, shard_count)
     job = load_job(job_file, overrides)
+    shard = parse_shard(shard_text, shard_count, written=written_counts(job.output.path))
     if ray_address is not None or job.engine.executor == "ray":
         if shard is not None:
             raise JobError("--shard and --ray: a Ray run spreads the whole job; choose one")

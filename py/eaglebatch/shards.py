@@ -17,6 +17,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from .errors import JobError
 
@@ -58,43 +59,74 @@ def _checked(index: int, count: int, source: str) -> Shard:
     return Shard(index, count)
 
 
-def _from_env(count: int | None, env: Mapping[str, str]) -> Shard:
-    """--shard auto: SLURM_ARRAY_TASK_ID (relative to SLURM_ARRAY_TASK_MIN, in steps of
-    SLURM_ARRAY_TASK_STEP) of SLURM_ARRAY_TASK_COUNT, or Kubernetes' JOB_COMPLETION_INDEX."""
-    if "SLURM_ARRAY_TASK_ID" in env:
-        task = _int(env["SLURM_ARRAY_TASK_ID"], "SLURM_ARRAY_TASK_ID")
-        low = _int(env.get("SLURM_ARRAY_TASK_MIN", "0"), "SLURM_ARRAY_TASK_MIN")
-        step = max(1, _int(env.get("SLURM_ARRAY_TASK_STEP", "1"), "SLURM_ARRAY_TASK_STEP"))
-        if count is None:
-            if "SLURM_ARRAY_TASK_COUNT" not in env:
-                raise JobError("--shard auto: SLURM_ARRAY_TASK_COUNT is not set; pass --shards N")
-            count = _int(env["SLURM_ARRAY_TASK_COUNT"], "SLURM_ARRAY_TASK_COUNT")
-        return _checked((task - low) // step, count, "from SLURM_ARRAY_TASK_ID")
-    if "JOB_COMPLETION_INDEX" in env:
-        if count is None:
-            raise JobError(
-                "--shard auto: JOB_COMPLETION_INDEX is set but the number of shards is not; "
-                "pass --shards N (the Indexed Job's completions)"
-            )
-        index = _int(env["JOB_COMPLETION_INDEX"], "JOB_COMPLETION_INDEX")
-        return _checked(index, count, "from JOB_COMPLETION_INDEX")
+def _count(count: int | None, written: set[int], env: Mapping[str, str], source: str) -> int:
+    """The number of shards: --shards, else the one the output's shard directories were
+    written with, else a SLURM array that is provably the whole job (`--array=0-(N-1)`: ids
+    0..COUNT-1 in steps of 1). Anything that cannot be proven is a JobError."""
+    if count is not None:
+        if written and written != {count}:
+            raise JobError(f"--shard auto: --shards {count}, but output.path holds shards of "
+                           f"{_counts(written)}; run every shard with the same N")  # fmt: skip
+        return count
+    if len(written) == 1:
+        return next(iter(written))
+    if len(written) > 1:
+        raise JobError(f"--shard auto: output.path holds shards of {_counts(written)}; pass "
+                       f"--shards N")  # fmt: skip
+    if "SLURM_ARRAY_TASK_COUNT" in env:
+        n = _int(env["SLURM_ARRAY_TASK_COUNT"], "SLURM_ARRAY_TASK_COUNT")
+        full = (env.get("SLURM_ARRAY_TASK_MIN", "0").strip() == "0"
+                and env.get("SLURM_ARRAY_TASK_MAX", str(n - 1)).strip() == str(n - 1)
+                and env.get("SLURM_ARRAY_TASK_STEP", "1").strip() == "1")  # fmt: skip
+        if full:
+            return n
+        raise JobError(
+            "--shard auto: this SLURM array is not --array=0-(N-1) (a resubmitted subset?) and "
+            "output.path holds no shard yet, so the number of shards is unknown: pass --shards N"
+        )
+    raise JobError(f"--shard auto: {source} is set but the number of shards is not; pass "
+                   f"--shards N")  # fmt: skip
+
+
+def _counts(written: set[int]) -> str:
+    return " and ".join(f"N = {n}" for n in sorted(written))
+
+
+def _from_env(count: int | None, env: Mapping[str, str], written: set[int]) -> Shard:
+    """--shard auto: the shard is SLURM_ARRAY_TASK_ID itself (array ids are shard ids, so a
+    resubmitted subset, `--array=1` or `--array=3,5`, runs exactly those shards), or
+    Kubernetes' JOB_COMPLETION_INDEX; the count as `_count` proves it."""
+    for var in ("SLURM_ARRAY_TASK_ID", "JOB_COMPLETION_INDEX"):
+        if var in env:
+            index = _int(env[var], var)
+            return _checked(index, _count(count, written, env, var), f"{var}={index}")
     raise JobError(
         "--shard auto: neither SLURM_ARRAY_TASK_ID (a SLURM job array) nor JOB_COMPLETION_INDEX "
         "(a Kubernetes Indexed Job) is set; pass --shard i/N"
     )
 
 
+def written_counts(output_path: str | Path) -> set[int]:
+    """The shard counts N of the shard directories under output.path."""
+    out = Path(output_path)
+    if not out.is_dir():
+        return set()
+    return {s.count for d in out.iterdir() if (s := shard_of_dir(d.name)) and d.is_dir()}
+
+
 def parse_shard(
-    text: str | None, count: int | None = None, env: Mapping[str, str] | None = None
-) -> Shard | None:
-    """`--shard i/N` or `--shard auto` (with `--shards N` where the environment lacks the
-    count); None without --shard. Raises JobError, naming the option, on anything else."""
+    text: str | None, count: int | None = None, env: Mapping[str, str] | None = None,
+    written: set[int] = frozenset(),
+) -> Shard | None:  # fmt: skip
+    """`--shard i/N` or `--shard auto` (the count from `--shards N`, or `written`: the counts
+    of the output's shard directories, or the environment); None without --shard. Raises
+    JobError, naming the option, on anything else."""
     if text is None:
         if count is not None:
             raise JobError("--shards N needs --shard auto (or give --shard i/N alone)")
         return None
     if text.strip() == "auto":
-        return _from_env(count, os.environ if env is None else env)
+        return _from_env(count, os.environ if env is None else env, set(written))
     index, sep, total = text.partition("/")
     if not sep:
         raise JobError(f"--shard: expected i/N (e.g. 3/8) or auto, got {text!r}")
