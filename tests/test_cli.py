@@ -109,3 +109,35 @@ def test_validate_reports_resume_state_and_other_jobs_output(tmp_path, tiny_mode
     assert r.exit_code == 0 and "2 rows already done" in r.output, r.output
     r = invoke("validate", j, "--set", "sampling.temperature=0.5")
     assert r.exit_code == 2 and "different job" in r.output and "sampling.temperature" in r.output
+
+
+def test_summary_json_and_status_json_for_pipelines(tmp_path, tiny_model_dir):
+    import json
+
+    inp = write_prompts(tmp_path / "in.parquet", ["a", "b", "c"])
+    p = job(tmp_path, tiny_model_dir, inp)
+    r = invoke("status", str(p), "--json")
+    st = json.loads(r.output)
+    assert r.exit_code == 1 and st["complete"] is False and st["rows"] == 3 and st["rows_done"] == 0
+    r = invoke("run", str(p), "--summary-json", str(tmp_path / "s" / "summary.json"))
+    assert r.exit_code == 0, r.output
+    s = json.loads((tmp_path / "s" / "summary.json").read_text())
+    assert s["exit_reason"] == "complete" and s["exit_status"] == 0 and s["error"] is None
+    assert s["requests"] == 3 and s["errors"] == 0 and s["output_tokens"] > 0
+    assert s["output_path"] == str(tmp_path / "out") and s["results_file"] is None
+    assert s["output_tok_s"] > 0 and s["latency_p50"] is not None
+    r = invoke("status", str(p), "--json")
+    st = json.loads(r.output)
+    assert r.exit_code == 0 and st["complete"] and st["rows_done"] == 3 and st["part_files"] >= 1
+    # refused before any work: still one object, naming why
+    r = invoke("run", str(p), "--set", "sampling.temperature=-1", "--summary-json",
+               str(tmp_path / "bad.json"))  # fmt: skip
+    bad = json.loads((tmp_path / "bad.json").read_text())
+    assert r.exit_code == 2 and bad["exit_reason"] == "refused" and bad["exit_status"] == 2
+    assert "sampling.temperature" in bad["error"]
+
+
+def test_dash_h_is_help():
+    for args in (["-h"], ["run", "-h"], ["status", "-h"]):
+        r = invoke(*args)
+        assert r.exit_code == 0 and "Usage:" in r.output, (args, r.output)

@@ -47,7 +47,7 @@ def _user_errors(fn: Callable) -> Callable:
     return wrapper
 
 
-@click.group()
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="eaglebatch")
 def main() -> None:
     """Offline batch LLM generation: Parquet in, Parquet out."""
@@ -154,6 +154,9 @@ _ray_option = click.option(
 @_shard_option
 @_shards_option
 @_ray_option
+@click.option("--summary-json", "summary_json", type=click.Path(dir_okay=False),
+              help="Also write the run's summary (rows, tokens, throughput, latency, exit "
+              "reason) to this file as one JSON object, however the run ends.")  # fmt: skip
 @_user_errors
 def run(
     job_file: str,
@@ -162,6 +165,7 @@ def run(
     shard_text: str | None,
     shard_count: int | None,
     ray_address: str | None,
+    summary_json: str | None,
 ) -> None:
     """Run a job: generate every prompt of the input and write Parquet part files.
 
@@ -170,17 +174,41 @@ def run(
     results of this run's scope first."""
     from .shards import parse_shard, written_counts
 
-    job = load_job(job_file, overrides)
-    shard = parse_shard(shard_text, shard_count, written=written_counts(job.output.path))
-    if ray_address is not None or job.engine.executor == "ray":
-        if shard is not None:
-            raise JobError("--shard and --ray: a Ray run spreads the whole job; choose one")
-        _run_on_ray(job, ray_address or job.ray.address, restart)
-    else:
-        _run_here(job, shard, restart)
+    report = _Report(summary_json)
+    try:
+        report.job = job = load_job(job_file, overrides)
+        shard = parse_shard(shard_text, shard_count, written=written_counts(job.output.path))
+        if ray_address is not None or job.engine.executor == "ray":
+            if shard is not None:
+                raise JobError("--shard and --ray: a Ray run spreads the whole job; choose one")
+            _run_on_ray(job, ray_address or job.ray.address, restart, report)
+        else:
+            _run_here(job, shard, restart, report)
+    except JobError as e:  # refused (before any work) or a user error while it ran
+        report.write(None, None, "refused", USER_ERROR, str(e))
+        raise
 
 
-def _run_on_ray(job, address: str | None, restart: bool) -> None:
+class _Report:
+    """Writes `run --summary-json` (summary_json.py) once, however the run ends."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path, self.job, self.written = path, None, False
+
+    def write(self, stats, wall_s, reason: str, status: int, error: str | None = None) -> None:
+        if self.path is None or self.written:
+            return
+        from .summary_json import run_summary, write_json
+
+        write_json(self.path, run_summary(self.job, stats, wall_s, reason, status, error))
+        self.written = True
+
+    def exit(self, reason: str, status: int, error: str) -> None:
+        self.write(None, None, reason, status, error)
+        sys.exit(status)
+
+
+def _run_on_ray(job, address: str | None, restart: bool, report: _Report) -> None:
     from rich.console import Console
 
     from .engine import RunFailed, prepare
@@ -193,16 +221,17 @@ def _run_on_ray(job, address: str | None, restart: bool) -> None:
         stats, wall = run_on_ray(prepare(job), address, restart, console)
     except RunFailed as e:
         click.echo(f"error: {e}", err=True)
-        sys.exit(e.exit_status)
+        report.exit("failed", e.exit_status, str(e))
     except KeyboardInterrupt:
         console.print(f"interrupted; rows finished so far are in {job.output.path}; run the "
                       "same command again to resume", markup=False, soft_wrap=True)  # fmt: skip
-        sys.exit(130)
+        report.exit("interrupted", 130, "interrupted")
     console.print(summary_table(stats, wall))
     console.print(ray_summary_table(stats))
+    report.write(stats, wall, "complete", 0)
 
 
-def _run_here(job, shard, restart: bool) -> None:
+def _run_here(job, shard, restart: bool, report: _Report) -> None:
     from rich.console import Console
 
     from .engine import WHOLE, RunFailed, RunScope, open_output, prepare, run_prepared
@@ -219,11 +248,11 @@ def _run_here(job, shard, restart: bool) -> None:
             result = run_prepared(prep, progress=view, resume=resume, scope=scope)
     except RunFailed as e:
         click.echo(f"error: {e}", err=True)
-        sys.exit(e.exit_status)
+        report.exit("failed", e.exit_status, str(e))
     except Interrupted as e:
         in_all = done + e.rows_written
         console.print(f"{e} ({in_all} of {rows} rows done in all)", markup=False, soft_wrap=True)
-        sys.exit(e.exit_status)
+        report.exit("interrupted", e.exit_status, str(e))
     except KeyboardInterrupt:
         # Before or after the step loop (which handles signals itself): nothing half-written.
         console.print(
@@ -232,22 +261,31 @@ def _run_here(job, shard, restart: bool) -> None:
             markup=False,
             soft_wrap=True,
         )
-        sys.exit(130)
+        report.exit("interrupted", 130, "interrupted")
     console.print(summary_table(result.stats, result.wall_s))
+    report.write(result.stats, result.wall_s, "complete", 0)
 
 
 @main.command()
 @click.argument("job_file", type=click.Path(dir_okay=False))
 @_set_option
+@click.option("--json", "as_json", is_flag=True, help="Print the status as one JSON object.")
 @_user_errors
-def status(job_file: str, overrides: tuple[str, ...]) -> None:
+def status(job_file: str, overrides: tuple[str, ...], as_json: bool) -> None:
     """Rows done per shard and overall. Exit status 0 only when the job is complete: every row
     of the input is in the output exactly once (1 while rows are missing)."""
     from .status import job_status, status_lines
 
     st = job_status(load_job(job_file, overrides))
-    for line in status_lines(st):
-        click.echo(line)
+    if as_json:
+        import json
+
+        from .summary_json import status_summary
+
+        click.echo(json.dumps(status_summary(st)))
+    else:
+        for line in status_lines(st):
+            click.echo(line)
     sys.exit(0 if st.complete else 1)
 
 

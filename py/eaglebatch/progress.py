@@ -7,7 +7,7 @@ import sys
 import time
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 
@@ -20,6 +20,9 @@ class ProgressView:
         self.start = time.monotonic()
         self.log_every_s = log_every_s
         self._last_log = self.start
+        # (time, requests done, output tokens) at the first generated token: rates and the
+        # ETA count from there, not from the model load and the first prefills
+        self._first: tuple[float, int, int] | None = None
         self._bar: Progress | None = None
         if self.console.is_terminal:
             self._bar = Progress(
@@ -28,11 +31,12 @@ class ProgressView:
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[tok_s]:>8.1f} tok/s"),
                 TextColumn("run {task.fields[running]} wait {task.fields[waiting]}"),
-                TimeRemainingColumn(),
+                TextColumn("ETA {task.fields[eta]}"),
                 console=self.console,
                 transient=False,
             )
-            self._task = self._bar.add_task("gen", total=total, tok_s=0.0, running=0, waiting=0)
+            self._task = self._bar.add_task("gen", total=total, tok_s=0.0, running=0, waiting=0,
+                                            eta="-")  # fmt: skip
 
     def __enter__(self) -> ProgressView:
         if self._bar is not None:
@@ -43,26 +47,30 @@ class ProgressView:
         if self._bar is not None:
             self._bar.stop()
 
+    def eta(self, now: float, done: int, total: int) -> str:
+        """Seconds left at the rate of requests finished since the first generated token;
+        "unknown" before one finished since then."""
+        if self._first is None or done <= self._first[1]:
+            return "unknown"
+        t0, done0, _ = self._first
+        return f"{(now - t0) / (done - done0) * (total - done):.0f}s"
+
     def __call__(self, p: dict) -> None:
         now = time.monotonic()
-        tok_s = p["output_tokens"] / max(now - self.start, 1e-9)
+        if self._first is None and p["output_tokens"] > 0:
+            self._first = (now, p["requests_done"], p["output_tokens"])
+        t0, _, tokens0 = self._first or (now, 0, 0)
+        tok_s = (p["output_tokens"] - tokens0) / (now - t0) if now > t0 else 0.0
+        done, total = p["requests_done"], max(p["requests_total"], self.total, 1)
         if self._bar is not None:
-            self._bar.update(
-                self._task,
-                completed=p["requests_done"],
-                total=max(p["requests_total"], self.total),
-                tok_s=tok_s,
-                running=p["running"],
-                waiting=p["waiting"],
-            )
+            self._bar.update(self._task, completed=done, total=total, tok_s=tok_s,
+                             running=p["running"], waiting=p["waiting"],
+                             eta=self.eta(now, done, total))  # fmt: skip
         elif now - self._last_log >= self.log_every_s:
             self._last_log = now
-            done, total = p["requests_done"], max(p["requests_total"], 1)
-            # no finished request yet (the first prefills): no rate to extrapolate from
-            eta = f"{(now - self.start) / done * (total - done):.0f}s" if done else "unknown"
             print(
                 f"[eaglebatch] {done}/{total} requests, {tok_s:.1f} output tok/s, "
-                f"ETA {eta}",
+                f"ETA {self.eta(now, done, total)}",
                 file=sys.stderr,
                 flush=True,
             )

@@ -1,0 +1,86 @@
+"""Machine-readable summaries for pipelines: `run --summary-json PATH` and `status --json`.
+
+`run` writes one JSON object however it ends (`exit_reason`: "complete" when every row of the
+run's scope is done, "interrupted", "failed" or "refused", with `exit_status` and `error`), so
+a pipeline step reads one file instead of parsing the summary table. The file is written under
+a hidden temporary name and renamed: a reader never sees half of it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from .progress import accept_length, generation_seconds
+
+# the run's counters and figures, as the scheduler's summary names them (None when absent)
+STAT_KEYS = ("requests", "errors", "skipped", "prompt_tokens", "output_tokens", "cached_tokens",
+             "prefill_tokens", "preemptions", "latency_p50", "latency_p90", "latency_p99",
+             "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "spec_steps", "spec_tokens",
+             "units", "units_retried", "actors", "startup_s", "resident_mib",
+             "peak_resident_mib", "weights")  # fmt: skip
+
+
+def _plain(v):
+    """A JSON value: numpy scalars as Python numbers, non-finite floats as null."""
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def run_summary(job, stats: dict | None, wall_s: float | None, exit_reason: str,
+                exit_status: int, error: str | None = None) -> dict:  # fmt: skip
+    """The summary object of one `run` (see the module doc); `job` None: the job file itself
+    was refused."""
+    stats = stats or {}
+    out = stats.get("output_tokens")
+    rate = out / wall_s if out is not None and wall_s else None
+    results = None if job is None else job.output.results_file
+    summary = {
+        "exit_reason": exit_reason,
+        "exit_status": exit_status,
+        "error": error,
+        "output_path": None if job is None else str(job.output.path),
+        "results_file": None if results is None else str(results),
+        "wall_s": wall_s,
+        "output_tok_s": rate,
+        "generation_s": generation_seconds(stats.get("step_seconds")),
+        "acceptance_length": accept_length(stats) if stats.get("spec_steps") else None,
+    }
+    summary |= {k: _plain(stats.get(k)) for k in STAT_KEYS}
+    return summary
+
+
+def write_json(path: str | Path, obj: dict) -> None:
+    """Writes `obj` to `path` atomically (hidden temporary file, fsync, rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, default=_plain)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def status_summary(st) -> dict:
+    """`status --json`: status.JobStatus as one object."""
+    def one(r) -> dict:
+        return {"name": r.name, "start": r.start, "end": r.end, "done": r.done,
+                "error_rows": r.errors, "complete": r.complete}  # fmt: skip
+
+    return {
+        "complete": st.complete,
+        "output_path": st.output_path,
+        "rows": st.total.end,
+        "rows_done": st.total.done,
+        "error_rows": st.total.errors,
+        "part_files": st.part_files,
+        "unit_dirs": st.unit_dirs,
+        "shards": [one(r) for r in st.shards],
+    }
