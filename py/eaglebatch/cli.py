@@ -189,6 +189,34 @@ def run(
         raise
 
 
+@main.command("run-batch")
+@click.option("-i", "--input-file", "inp", required=True, type=click.Path(dir_okay=False),
+              help="The OpenAI Batch requests (JSONL).")
+@click.option("-o", "--output-file", "out", required=True, type=click.Path(dir_okay=False),
+              help="The OpenAI Batch results file to write.")
+@click.option("--model", required=True, help="A model folder, a .gguf file or a builtin name.")
+@click.option("--draft", default=None, help="An EAGLE draft head (speculative decoding).")
+@_set_option
+@click.option("--restart", is_flag=True, help="Delete results of an earlier run and start over.")
+@click.option("--summary-json", "summary_json", type=click.Path(dir_okay=False),
+              help="Also write the run's summary to this file as one JSON object.")
+@_user_errors
+@click.pass_context
+def run_batch(
+    ctx, inp: str, out: str, model: str, draft: str | None, overrides: tuple[str, ...],
+    restart: bool, summary_json: str | None,
+) -> None:  # fmt: skip
+    """vLLM's run-batch form: write OUT.job.yaml for the batch file and run it (parts in
+    OUT.parts/, results in OUT). Rerun the same command to resume."""
+    from .run_batch import write_job
+
+    job_file = write_job(inp, out, model, draft, list(overrides))  # the --set keys written in
+    click.echo(f"job file: {job_file}", err=True)
+    ctx.invoke(run, job_file=str(job_file), overrides=(), restart=restart,
+               shard_text=None, shard_count=None, ray_address=None,
+               summary_json=summary_json)  # fmt: skip
+
+
 class _Report:
     """Writes `run --summary-json` (summary_json.py) once, however the run ends."""
 

@@ -1,0 +1,73 @@
+"""`eaglebatch run-batch -i in.jsonl -o out.jsonl --model M [--draft D]`: vLLM's `run-batch`
+form. It writes the job file a user would have written and runs it, so it resumes, shards and
+reports as any job:
+
+- `OUT.job.yaml`: the job (input: the batch file, format openai-batch; output: the parts
+  directory and the results file OUT), marked as written by run-batch on its first line;
+- `OUT.parts/`: the job's Parquet parts (resume reads them; a rerun continues after them);
+- OUT: the OpenAI Batch results file, written once every request is done.
+
+A job file already there is rewritten only if run-batch wrote it (its marker line); anything
+else at that path is refused, as every file eaglebatch did not write.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from .config import JobError, apply_overrides
+
+MARKER = "# written by `eaglebatch run-batch`; rerun the same command (or `eaglebatch run` on"
+MARKER_2 = "# this file) to resume"
+
+
+def job_path(out: Path) -> Path:
+    return out.with_name(out.name + ".job.yaml")
+
+
+def job_text(inp: Path, out: Path, model: str, draft: str | None, overrides: list[str]) -> str:
+    """The job file for `-i inp -o out --model model [--draft draft]` (absolute paths), with
+    the `--set` overrides written in, so that `eaglebatch run` / `status` on it is this job."""
+    job = {
+        "model": model,
+        **({"draft": draft} if draft else {}),
+        "input": {"path": str(inp), "format": "openai-batch"},
+        "output": {"path": str(out.with_name(out.name + ".parts")), "format": "openai-batch",
+                   "results_path": str(out)},  # fmt: skip
+    }
+    job = apply_overrides(job, overrides)
+    return f"{MARKER}\n{MARKER_2}\n" + yaml.safe_dump(job, sort_keys=False)
+
+
+def _model_ref(model: str) -> str:
+    """A model path as an absolute path (the job file's directory is not the shell's), a
+    builtin name as it is."""
+    from . import defaults
+
+    if model.startswith("builtin:") or defaults.is_builtin_model(model):
+        return model
+    return str(Path(model).expanduser().resolve())
+
+
+def write_job(inp: str, out: str, model: str, draft: str | None, overrides: list[str]) -> Path:
+    """Writes (or rewrites, when run-batch wrote it) OUT.job.yaml; returns its path."""
+    inp_p, out_p = Path(inp).expanduser().resolve(), Path(out).expanduser().resolve()
+    if not inp_p.is_file():
+        raise JobError(f"-i: {inp} is not a file")
+    path = job_path(out_p)
+    text = job_text(inp_p, out_p, _model_ref(model), draft and _model_ref(draft), overrides)
+    if path.exists():
+        try:
+            ours = path.read_text(encoding="utf-8").startswith(MARKER)
+        except (OSError, UnicodeDecodeError):
+            ours = False
+        if not ours:
+            raise JobError(f"-o: {path} exists and run-batch did not write it; eaglebatch never "
+                           f"replaces another file: move it away or choose another -o")  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+    return path

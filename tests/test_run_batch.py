@@ -1,0 +1,49 @@
+"""`eaglebatch run-batch -i IN -o OUT --model M` (run_batch.py): vLLM's form writes the job a
+user would write and runs it: the results equal `run` of that job written by hand, a rerun
+resumes, and a file run-batch did not write is never replaced."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from eaglebatch.cli import main
+from test_openai_batch import COMPLETIONS, batch_job, request, results
+
+pytest.importorskip("eaglebatch._native")
+
+
+def invoke(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_run_batch_is_the_job_a_user_would_write(tmp_path, tiny_model_dir, monkeypatch):
+    lines = [request(f"c{i}", COMPLETIONS, {"prompt": f"say {i}", "max_tokens": 5})
+             for i in range(4)]  # fmt: skip
+    job = batch_job(tmp_path, tiny_model_dir, lines)  # reads tmp/batch-requests.jsonl
+    assert invoke("run", job).exit_code == 0
+    want = results(tmp_path)
+    monkeypatch.chdir(tmp_path)  # relative -i / -o, as a shell passes them
+    args = ["run-batch", "-i", "batch-requests.jsonl", "-o", "res/out.jsonl", "--model",
+            tiny_model_dir, "--set", "engine.device=cpu", "--set", "engine.kv_cache_tokens=4096",
+            "--set", "sampling.max_new_tokens=16"]  # fmt: skip
+    r = invoke(*args)
+    assert r.exit_code == 0, r.output
+    got = {json.loads(t)["custom_id"]: json.loads(t)
+           for t in (tmp_path / "res" / "out.jsonl").read_text().splitlines()}  # fmt: skip
+    assert sorted(got) == sorted(want) == [f"c{i}" for i in range(4)]
+    for cid in got:
+        a, b = got[cid]["response"]["body"], want[cid]["response"]["body"]
+        assert a["choices"] == b["choices"] and a["usage"] == b["usage"]
+    assert (tmp_path / "res" / "out.jsonl.parts").is_dir()
+    r = invoke(*args)  # a rerun: every request is done, the same results
+    assert r.exit_code == 0 and "4 of 4 rows already done" in r.output, r.output
+    assert invoke("status", tmp_path / "res" / "out.jsonl.job.yaml").exit_code == 0
+    (tmp_path / "mine.job.yaml").write_text("model: x\n")  # not run-batch's
+    r = invoke("run-batch", "-i", "batch-requests.jsonl", "-o", "mine", "--model",
+               tiny_model_dir)  # fmt: skip
+    assert r.exit_code == 2 and "run-batch did not write it" in r.output, r.output
+    assert (tmp_path / "mine.job.yaml").read_text() == "model: x\n"
+    assert invoke("run-batch", "-h").exit_code == 0
