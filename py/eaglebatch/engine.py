@@ -401,8 +401,7 @@ def write_batch_results(prep: PreparedJob) -> None:
 
     chat = prep.job.input.renders_chat
     endpoint = prep.openai_endpoint or (CHAT if chat else "/v1/completions")
-    write_results(Path(out.path), out.results_file, endpoint, prep.job.model, prep.job.sampling.n,
-                  prep.job_hash)  # fmt: skip
+    write_results(Path(out.path), out.results_file, endpoint, prep.job.model, prep.job_hash)
 
 
 class RunFailed(Exception):

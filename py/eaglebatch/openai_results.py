@@ -3,8 +3,10 @@
 parts once every row is done.
 
 The parts stay the source of truth (resume, exactly-once and atomicity are theirs); the
-results file is derived from them: streamed part by part (bounded memory: only rows whose n
-samples are not all read yet are held), written to a hidden temporary file, fsynced and renamed
+results file is derived from them: one line per request in input order (row_index), as vLLM's
+run-batch writes them, streamed part by part (`_requests`: bounded memory), with
+`usage.prompt_tokens_details.cached_tokens` from the prefix cache; written to a hidden
+temporary file, fsynced and renamed
 over `output.results_path` (results_file.py: where it may go and proof it is ours to replace).
 It reads exactly the parts resume reads (output_dir.scan_tree: `_x` / `.x` copies are not).
 A rerun of a finished job rewrites the same lines. A request's samples are its `choices`
@@ -14,6 +16,7 @@ OpenAI Batch API reports a request it refused.
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 import os
@@ -31,7 +34,7 @@ _COLUMNS = ["id", "row_index", "sample_index", "output_text", "finish_reason", "
 
 
 def write_results(
-    output_path: Path, results: Path, endpoint: str, model: str, n: int, job_hash: str
+    output_path: Path, results: Path, endpoint: str, model: str, job_hash: str
 ) -> int:
     """Writes `results` from every part under `output_path`; returns the lines written."""
     tmp = results.with_name(f".{results.name}.tmp")
@@ -39,7 +42,7 @@ def write_results(
     created = int(time.time())
     lines = 0
     with open(tmp, "w", encoding="utf-8") as f:
-        for samples in _requests(output_path, n):
+        for samples in _requests(output_path):
             f.write(json.dumps(_line(samples, endpoint, model, created), ensure_ascii=False))
             f.write("\n")
             lines += 1
@@ -49,21 +52,46 @@ def write_results(
     return lines
 
 
-def _requests(output_path: Path, n: int):
-    """Each request's rows (its samples), in the order their last sample was written."""
-    pending: dict[int, list[dict]] = {}
-    parts = sorted(p for contents in scan_tree(output_path).values() for p in contents.ours)
-    for part in parts:
-        pf = pq.ParquetFile(part)
-        columns = [c for c in [*_COLUMNS, "logprobs"] if c in pf.schema_arrow.names]
-        for batch in pf.iter_batches(batch_size=1024, columns=columns):
-            for row in batch.to_pylist():
-                samples = pending.setdefault(row["row_index"], [])
-                samples.append(row)
-                if len(samples) == n:
-                    yield sorted(pending.pop(row["row_index"]), key=lambda r: r["sample_index"])
-    for samples in pending.values():  # an incomplete run's leftovers: what there is
-        yield sorted(samples, key=lambda r: r["sample_index"])
+def _requests(output_path: Path):
+    """Each request's rows (its samples), in input order (row_index), streamed: the parts are
+    opened in the order of their smallest row_index, and a request is yielded once no part
+    still unopened can hold a row before it. Memory holds the rows of the opened parts not yet
+    yielded: about one part when parts follow the input order, as continuous batching writes
+    them (a straggler row keeps its part's rows until the others catch up)."""
+    parts = sorted((_first_row(p), p) for contents in scan_tree(output_path).values()
+                   for p in contents.ours)  # fmt: skip
+    heap: list[tuple[int, int, int, dict]] = []  # (row_index, sample_index, seq, row)
+    seq = 0
+    for k in range(len(parts) + 1):
+        frontier = parts[k][0] if k < len(parts) else math.inf
+        while heap and heap[0][0] < frontier:  # no unopened part holds this row_index
+            row = heap[0][0]
+            samples = []
+            while heap and heap[0][0] == row:
+                samples.append(heapq.heappop(heap)[3])
+            yield samples
+        if k < len(parts):
+            for r in _rows(parts[k][1]):
+                heapq.heappush(heap, (r["row_index"], r["sample_index"], seq, r))
+                seq += 1
+
+
+def _first_row(part: Path) -> int:
+    """The smallest row_index of a part (its footer's statistics when written, else read)."""
+    md = pq.ParquetFile(part).metadata
+    i = md.schema.to_arrow_schema().get_field_index("row_index")
+    mins = [md.row_group(g).column(i).statistics for g in range(md.num_row_groups)]
+    if mins and all(s is not None and s.has_min_max for s in mins):
+        return min(int(s.min) for s in mins)
+    col = pq.read_table(part, columns=["row_index"]).column("row_index")
+    return min(col.to_pylist(), default=0)
+
+
+def _rows(part: Path):
+    pf = pq.ParquetFile(part)
+    columns = [c for c in [*_COLUMNS, "cached_tokens", "logprobs"] if c in pf.schema_arrow.names]
+    for batch in pf.iter_batches(batch_size=1024, columns=columns):
+        yield from batch.to_pylist()
 
 
 def _line(samples: list[dict], endpoint: str, model: str, created: int) -> dict:
@@ -88,7 +116,8 @@ def _line(samples: list[dict], endpoint: str, model: str, created: int) -> dict:
         "model": model,
         "choices": [_choice(s, chat) for s in samples],
         "usage": {"prompt_tokens": first["prompt_tokens"], "completion_tokens": completion,
-                  "total_tokens": first["prompt_tokens"] + completion},
+                  "total_tokens": first["prompt_tokens"] + completion,
+                  "prompt_tokens_details": {"cached_tokens": first.get("cached_tokens") or 0}},
     }  # fmt: skip
     line["response"] = {"status_code": 200, "request_id": request_id, "body": body}
     return line
