@@ -1,6 +1,8 @@
 """Inputs as other tools write them: dictionary-encoded strings (pandas `category`, polars
-`Categorical`, `dictionary_encode()`) read as strings. `validate` and `run` accept exactly the
-same inputs (inputs.py and reader.rs share one rule)."""
+`Categorical`, `dictionary_encode()`) read as strings, and the string spellings of different
+writers (polars' large_string, duckdb's and pyarrow's string, string_view) mixed in one input
+directory. `validate` and `run` accept exactly the same inputs (inputs.py and reader.rs share
+one rule); a kind that truly differs between files is refused naming both."""
 
 from __future__ import annotations
 
@@ -126,6 +128,84 @@ def test_a_dictionary_of_numbers_is_still_no_prompt(tmp_path, tiny_model_dir):
     for r in (checked, ran):
         assert r.exit_code == 2 and "Traceback" not in r.output, r.output
         assert "'prompt'" in r.output and "dictionary" in r.output, r.output
+
+
+def split_writers(tmp: Path, cols: dict) -> Path:
+    """The rows in two files of one directory: the first half written by polars (large_string,
+    large_list), the second by duckdb (string, list)."""
+    pl = pytest.importorskip("polars")
+    duckdb = pytest.importorskip("duckdb")
+    d = tmp / "mixed"
+    d.mkdir()
+    half = len(PROMPTS) // 2
+    pl.DataFrame({k: v[:half] for k, v in cols.items()}).write_parquet(d / "a.parquet")
+    rest = pa.table({k: v[half:] for k, v in cols.items()})  # noqa: F841 (read by duckdb)
+    duckdb.sql(f"COPY rest TO '{d / 'b.parquet'}' (FORMAT parquet)")
+    a, b = pq.read_schema(d / "a.parquet"), pq.read_schema(d / "b.parquet")
+    assert a.field(next(iter(cols))).type != b.field(next(iter(cols))).type
+    return d
+
+
+def test_polars_and_duckdb_files_with_prompts_and_ids_run_together(tmp_path, tiny_model_dir):
+    keys = "  id_column: id\n"
+    ref = reference(tmp_path, tiny_model_dir, {"prompt": PROMPTS, "id": IDS}, keys, "plain")
+    d = split_writers(tmp_path, {"prompt": PROMPTS, "id": IDS})
+    assert pq.read_schema(d / "a.parquet").field("id").type == pa.large_string()
+    assert pq.read_schema(d / "b.parquet").field("id").type == pa.string()
+    out = run_ok(tmp_path, tiny_model_dir, d, keys, "mixed-out")
+    assert tokens(out) == tokens(ref)
+    assert out.column("id").to_pylist() == IDS
+    assert out.schema.field("id").type == pa.large_string()  # string spellings differ: large
+
+
+def test_polars_and_duckdb_files_with_messages_run_together(tmp_path, tiny_model_dir):
+    keys = "  messages_column: messages\n"
+    ref = reference(tmp_path, tiny_model_dir, {"messages": MESSAGES}, keys, "plain")
+    d = split_writers(tmp_path, {"messages": MESSAGES})
+    out = run_ok(tmp_path, tiny_model_dir, d, keys, "mixed-out")
+    assert tokens(out) == tokens(ref)
+
+
+def test_string_view_and_dictionary_ids_mix_with_strings(tmp_path, tiny_model_dir):
+    d = tmp_path / "views"
+    d.mkdir()
+    pq.write_table(pa.table({"prompt": pa.array(PROMPTS[:2], pa.string_view()),
+                             "id": pa.array(IDS[:2], pa.string_view())}), d / "a.parquet")
+    pq.write_table(pa.table({"prompt": PROMPTS[2:4],
+                             "id": pa.array(IDS[2:4]).dictionary_encode()}), d / "b.parquet")
+    pq.write_table(pa.table({"prompt": PROMPTS[4:], "id": IDS[4:]}), d / "c.parquet")
+    out = run_ok(tmp_path, tiny_model_dir, d, "  id_column: id\n", "views-out")
+    assert out.column("id").to_pylist() == IDS
+
+
+def test_integer_widths_mix_and_keep_one_id_type(tmp_path, tiny_model_dir):
+    d = tmp_path / "ints"
+    d.mkdir()
+    pq.write_table(pa.table({"prompt": PROMPTS[:3], "id": pa.array([1, 2, 3], pa.int32())}),
+                   d / "a.parquet")
+    pq.write_table(pa.table({"prompt": PROMPTS[3:], "id": pa.array([4, 5, 6], pa.uint8())}),
+                   d / "b.parquet")
+    out = run_ok(tmp_path, tiny_model_dir, d, "  id_column: id\n", "ints-out")
+    assert out.column("id").to_pylist() == [1, 2, 3, 4, 5, 6]
+    assert out.schema.field("id").type == pa.int64()
+
+
+@pytest.mark.parametrize("second, kind", [
+    (pa.array([4, 5, 6], pa.int64()), "an integer"),
+    (pa.array([4, 5, 6], pa.uint64()), "uint64"),
+])  # fmt: skip
+def test_ids_of_different_kinds_are_refused_naming_both_files(tmp_path, tiny_model_dir, second,
+                                                              kind):
+    d = tmp_path / "clash"
+    d.mkdir()
+    first = pa.array(IDS[:3]) if kind == "an integer" else pa.array([1, 2, 3], pa.int32())
+    pq.write_table(pa.table({"prompt": PROMPTS[:3], "id": first}), d / "a.parquet")
+    pq.write_table(pa.table({"prompt": PROMPTS[3:], "id": second}), d / "b.parquet")
+    checked, ran, _ = validate_and_run(tmp_path, tiny_model_dir, d, "  id_column: id\n", "out")
+    for r in (checked, ran):
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+        msg = " ".join(r.output.split())
+        assert "input.id_column" in msg and "a.parquet" in msg and "b.parquet" in msg, msg
 
 
 def test_the_identity_of_a_single_type_input_is_unchanged(tmp_path, tiny_model_dir):

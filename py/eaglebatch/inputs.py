@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import defaults
-from .column_types import dense, is_int, is_list_of, is_number, is_text
+from .column_types import MIXING_RULE, dense, is_int, is_list_of, is_number, is_text, unified
 from .config import InputConfig, JobError
 
 
@@ -174,7 +174,7 @@ def check_input(cfg: InputConfig) -> tuple[list[Path], int]:
         return check_batch_input(cfg)[:2]
     files = resolve_input_files(cfg.path)
     total = 0
-    id_types: dict[str, Path] = {}
+    types = ColumnTypes()
     for f in files:
         try:
             meta = pq.read_metadata(f)
@@ -185,16 +185,36 @@ def check_input(cfg: InputConfig) -> tuple[list[Path], int]:
         _check_columns(cfg, f, schema)
         _check_codecs(cfg, f, meta)
         if cfg.id_column is not None:  # ids are written decoded: by the dictionary's values
-            id_types.setdefault(str(dense(schema.field(cfg.id_column).type)), f)
-        if len(id_types) > 1:
-            (t1, f1), (t2, f2) = list(id_types.items())[:2]
-            raise JobError(
-                f"input.id_column: column '{cfg.id_column}' has type {t1} in {f1} but {t2} in "
-                f"{f2}; the output id column has one type, so every input file must agree"
-            )
+            types.add("input.id_column", cfg.id_column, dense(schema.field(cfg.id_column).type), f)
     if cfg.limit is not None:
         total = min(total, cfg.limit)
     return files, total
+
+
+class ColumnTypes:
+    """The output type of each column written from the input, over the files seen so far
+    (`column_types.unified`); a file whose type is of another kind than an earlier file's is
+    a JobError naming the key, the column and both files."""
+
+    def __init__(self) -> None:
+        # column -> (unified type so far, first file's type, first file)
+        self._seen: dict[str, tuple[pa.DataType, pa.DataType, Path]] = {}
+
+    def add(self, key: str, column: str, t: pa.DataType, f: Path) -> None:
+        if column not in self._seen:
+            self._seen[column] = (t, t, f)
+            return
+        out, first, first_file = self._seen[column]
+        both = unified(out, t)
+        if both is None:
+            raise JobError(
+                f"{key}: column '{column}' has type {first} in {first_file} but {t} in {f}; "
+                f"the output column has one type, so every input file must agree: {MIXING_RULE}"
+            )
+        self._seen[column] = (both, first, first_file)
+
+    def output_type(self, column: str) -> pa.DataType:
+        return self._seen[column][0]
 
 
 def _check_columns(cfg: InputConfig, f: Path, schema: pa.Schema) -> None:

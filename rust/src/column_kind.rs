@@ -1,5 +1,5 @@
 //! The kinds of input column types, and reading values through them: the rule by which the
-//! reader checks a column's type and reads a value
+//! reader checks a column's type, compares one file's type with another's and reads a value
 //! (py/eaglebatch/column_types.py is the same rule over pyarrow's types, checked first).
 //!
 //! Writers spell one logical type several ways: pyarrow and duckdb write `string`, polars
@@ -7,9 +7,13 @@
 //! `dictionary_encode()` write dictionaries. So:
 //! - a dictionary-encoded column is judged and read by its values (`dense`): a dictionary of
 //!   strings is a string column wherever one is expected, also inside a list or a struct;
-//! - `conform` converts an array to the type its values are written as (a dictionary's value
-//!   type, for the output id).
+//! - a column whose type differs between files has one output type when both are of one kind
+//!   (`unified`): strings of any spelling (and dictionaries of them) become LargeUtf8,
+//!   integers of any width (and dictionaries of them) Int64, but UInt64 mixes with no other
+//!   type (Int64 cannot hold its values); `conform` converts a file's array to that type.
 
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use arrow_array::builder::{Int64Builder, StringViewBuilder};
@@ -19,6 +23,14 @@ use arrow_array::types::{
 };
 use arrow_array::{Array, ArrayRef, LargeStringArray, StringArray};
 use arrow_schema::DataType;
+
+use crate::error::Error;
+
+/// How the rule for mixing types across files reads in messages (column_types.py's
+/// MIXING_RULE is the same text).
+pub const MIXING_RULE: &str = "types of one kind mix (string, large_string, string_view and \
+     their dictionaries as large_string; integers of any width as int64, but uint64 only with \
+     uint64)";
 
 /// A dictionary-encoded type's value type; any other type itself.
 pub fn dense_type(dt: &DataType) -> &DataType {
@@ -48,6 +60,64 @@ pub fn is_int(dt: &DataType) -> bool {
 /// A list or large list whose item type passes `item`.
 pub fn is_list_of(dt: &DataType, item: impl Fn(&DataType) -> bool) -> bool {
     matches!(dt, DataType::List(f) | DataType::LargeList(f) if item(f.data_type()))
+}
+
+/// The one output type of a column of type `a` in one file and `b` in another (see the module
+/// header), or None when they are of different kinds.
+pub fn unified(a: &DataType, b: &DataType) -> Option<DataType> {
+    let uint64 = |t: &DataType| *dense_type(t) == DataType::UInt64;
+    if a == b {
+        Some(a.clone())
+    } else if is_text(a) && is_text(b) {
+        Some(DataType::LargeUtf8)
+    } else if is_int(a) && is_int(b) && !uint64(a) && !uint64(b) {
+        Some(DataType::Int64)
+    } else {
+        None
+    }
+}
+
+/// The output type of each column written from the input, over the files seen so far
+/// (`unified`); inputs.py `ColumnTypes` is the same.
+#[derive(Debug, Default)]
+pub struct FileTypes {
+    /// column -> (unified type so far, the first file's type, the first file)
+    seen: BTreeMap<String, (DataType, DataType, PathBuf)>,
+}
+
+impl FileTypes {
+    /// Records `column`'s type `dt` in file `path`; a type of another kind than an earlier
+    /// file's is a user error naming the key, the column and both files.
+    pub fn add(
+        &mut self,
+        key: &str,
+        column: &str,
+        dt: &DataType,
+        path: &Path,
+    ) -> crate::error::Result<()> {
+        let Some((out, first, first_path)) = self.seen.get_mut(column) else {
+            let entry = (dt.clone(), dt.clone(), path.to_path_buf());
+            self.seen.insert(column.to_string(), entry);
+            return Ok(());
+        };
+        match unified(out, dt) {
+            Some(both) => *out = both,
+            None => {
+                return Err(Error::user(format!(
+                    "{key}: column '{column}' has type {first} in {} but {dt} in {}; the \
+                     output column has one type, so every input file must agree: {MIXING_RULE}",
+                    first_path.display(),
+                    path.display()
+                )))
+            }
+        }
+        Ok(())
+    }
+
+    /// The type `column` is written as (None before any file recorded it).
+    pub fn output_type(&self, column: &str) -> Option<DataType> {
+        self.seen.get(column).map(|(t, _, _)| t.clone())
+    }
 }
 
 /// Row `i` of an integer array of any width, widened (None when null or not an integer).
@@ -99,8 +169,8 @@ pub fn str_value(a: &dyn Array, i: usize) -> Option<&str> {
     }
 }
 
-/// `a` as an array of type `target` (a dictionary's value type, to decode it; another
-/// spelling of its strings; Int64 for any integer width): the same values, nulls kept. Other targets are an
+/// `a` as an array of type `target`, which `unified` chose for `a`'s type and others (or a
+/// dictionary's value type, to decode it): the same values, nulls kept. Other targets are an
 /// internal error (the schema checks allowed no such pair).
 pub fn conform(a: &ArrayRef, target: &DataType) -> Result<ArrayRef, String> {
     if a.data_type() == target {
@@ -182,6 +252,20 @@ mod tests {
             true,
         )));
         assert!(is_list_of(&listed, is_text));
+    }
+
+    #[test]
+    fn types_of_one_kind_unify_and_others_do_not() {
+        use DataType as D;
+        let dict = |v: D| D::Dictionary(Box::new(D::Int32), Box::new(v));
+        assert_eq!(unified(&D::Utf8, &D::Utf8), Some(D::Utf8));
+        assert_eq!(unified(&D::Utf8, &D::LargeUtf8), Some(D::LargeUtf8));
+        assert_eq!(unified(&D::Utf8View, &dict(D::Utf8)), Some(D::LargeUtf8));
+        assert_eq!(unified(&D::Int32, &D::UInt8), Some(D::Int64));
+        assert_eq!(unified(&D::UInt64, &D::UInt64), Some(D::UInt64));
+        assert_eq!(unified(&D::UInt64, &D::Int64), None);
+        assert_eq!(unified(&D::Int64, &D::Utf8), None);
+        assert_eq!(unified(&D::Float32, &D::Float64), None);
     }
 
     #[test]

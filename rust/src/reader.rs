@@ -40,7 +40,7 @@ use parquet::arrow::ProjectionMask;
 use tokenizers::Tokenizer;
 
 use crate::chat_template::{ChatTemplate, Message, RenderError};
-use crate::column_kind::{conform, dense_type, is_int, is_list_of, is_text, str_value};
+use crate::column_kind::{conform, dense_type, is_int, is_list_of, is_text, str_value, FileTypes};
 use crate::config::SchedulerConfig;
 use crate::error::{Error, Result};
 use crate::sampling_params::{check_column_type, RowSampling, SamplingParams};
@@ -192,7 +192,7 @@ pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
         return validate_batch_files(cfg);
     }
     let mut files = Vec::with_capacity(cfg.input_files.len());
-    let mut id_type: Option<(DataType, PathBuf)> = None;
+    let mut types = FileTypes::default();
     let mut total: u64 = 0;
     for path in &cfg.input_files {
         let builder = open_parquet(path)?;
@@ -201,7 +201,7 @@ pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
         check_sampling_columns(&schema, path, &cfg.sampling_columns)?;
         if let Some(col) = &cfg.id_column {
             let dt = check_id_column(&schema, path, col)?;
-            check_same_id_type(&mut id_type, dt, path, col)?;
+            types.add("input.id_column", col, &dt, path)?;
         }
         check_codecs(&builder, path, cfg)?;
         let num_rows = builder.metadata().file_metadata().num_rows().max(0) as u64;
@@ -224,7 +224,11 @@ pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
         id_column: cfg.id_column.clone(),
         sampling_columns: cfg.sampling_columns.clone(),
         openai_endpoint: None,
-        id_type: id_type.map(|(t, _)| t).unwrap_or(DataType::Int64),
+        id_type: cfg
+            .id_column
+            .as_ref()
+            .and_then(|c| types.output_type(c))
+            .unwrap_or(DataType::Int64),
         total_rows,
         row_start: start.min(row_end),
         row_end,
@@ -323,29 +327,6 @@ fn check_id_column(schema: &Schema, path: &Path, col: &str) -> Result<DataType> 
         )));
     }
     Ok(dense_type(dt).clone())
-}
-
-/// Records the first file's id type in `first` (with that file's path); a later file whose id
-/// type differs is a user error naming both files.
-fn check_same_id_type(
-    first: &mut Option<(DataType, PathBuf)>,
-    dt: DataType,
-    path: &Path,
-    col: &str,
-) -> Result<()> {
-    match first {
-        None => *first = Some((dt, path.to_path_buf())),
-        Some((first, first_path)) if *first != dt => {
-            return Err(Error::user(format!(
-                "id column '{col}' has type {first} in {} but {dt} in {}; all input \
-                 files must use the same id type",
-                first_path.display(),
-                path.display()
-            )));
-        }
-        Some(_) => {}
-    }
-    Ok(())
 }
 
 /// Normalizers can shrink a text before it is split into tokens (NFC composition, stripping);
@@ -1206,7 +1187,8 @@ mod tests {
         c.id_column = Some("id".into());
         let err = validate_inputs(&c).unwrap_err();
         assert!(
-            matches!(&err, Error::UserInput(m) if m.contains("same id type")),
+            matches!(&err, Error::UserInput(m) if m.contains("input.id_column: column 'id' has \
+                type Int32 in") && m.contains("a.parquet but Utf8 in") && m.contains("b.parquet")),
             "{err}"
         );
     }
@@ -1225,6 +1207,39 @@ mod tests {
     }
 
     #[test]
+    fn string_ids_of_any_spelling_and_dictionaries_are_written_as_one_type() {
+        use arrow_array::types::Int8Type;
+        use arrow_array::{DictionaryArray, LargeStringArray, StringViewArray};
+        let dir = TempDir::new("reader-idmix");
+        let dict: DictionaryArray<Int8Type> = vec!["c", "d", "c"].into_iter().collect();
+        let ids: Vec<ArrayRef> = vec![
+            Arc::new(StringArray::from(vec!["a"])),
+            Arc::new(LargeStringArray::from(vec!["b"])),
+            Arc::new(dict),
+            Arc::new(StringViewArray::from(vec!["e"])),
+        ];
+        let mut c = cfg(id_files(&dir, ids));
+        c.id_column = Some("id".into());
+        let spec = validate_inputs(&c).unwrap();
+        assert_eq!(spec.id_type, DataType::LargeUtf8);
+        let reqs = collect(spec, None, false, 16);
+        let read: Vec<(&str, Option<&str>)> = reqs
+            .iter()
+            .map(|r| (r.id.as_string::<i64>().value(0), r.error.as_deref()))
+            .collect();
+        let dup = "duplicate id: an earlier row has the same value in id column 'id' (only \
+                   the first row with an id is generated)";
+        let want = [
+            ("a", None),
+            ("b", None),
+            ("c", None),
+            ("d", None),
+            ("c", Some(dup)),
+        ];
+        assert_eq!(read, [&want[..], &[("e", None)]].concat());
+    }
+
+    #[test]
     fn a_dictionary_id_alone_is_written_as_its_values() {
         use arrow_array::types::UInt32Type;
         use arrow_array::DictionaryArray;
@@ -1238,6 +1253,40 @@ mod tests {
         assert_eq!(reqs[0].id.as_string::<i32>().value(0), "x");
         assert!(reqs[1].id.is_null(0));
         assert_eq!(reqs[1].error.as_deref(), Some("id column 'id' is null"));
+    }
+
+    #[test]
+    fn integer_ids_of_any_width_are_written_as_int64_but_uint64_mixes_with_none() {
+        use arrow_array::{UInt64Array, UInt8Array};
+        let dir = TempDir::new("reader-intmix");
+        let narrow: Vec<ArrayRef> = vec![
+            Arc::new(Int32Array::from(vec![-1])),
+            Arc::new(UInt8Array::from(vec![200])),
+        ];
+        let mut c = cfg(id_files(&dir, narrow));
+        c.id_column = Some("id".into());
+        let spec = validate_inputs(&c).unwrap();
+        assert_eq!(spec.id_type, DataType::Int64);
+        let ids: Vec<i64> = collect(spec, None, false, 16)
+            .iter()
+            .map(|r| {
+                r.id.as_primitive::<arrow_array::types::Int64Type>()
+                    .value(0)
+            })
+            .collect();
+        assert_eq!(ids, vec![-1, 200]);
+        let wide = TempDir::new("reader-u64mix");
+        let mix: Vec<ArrayRef> = vec![
+            Arc::new(Int32Array::from(vec![1])),
+            Arc::new(UInt64Array::from(vec![u64::MAX])),
+        ];
+        c.input_files = id_files(&wide, mix);
+        let err = validate_inputs(&c).unwrap_err().to_string();
+        assert!(
+            err.contains("Int32 in") && err.contains("but UInt64 in"),
+            "{err}"
+        );
+        assert!(err.contains("uint64 only with uint64"), "{err}");
     }
 
     #[test]
