@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import defaults
+from .column_types import MIXING_RULE, dense, is_int, is_list_of, is_number, is_text, unified
 from .config import InputConfig, JobError
 
 
@@ -93,41 +94,21 @@ def check_output_apart(input_path: str, files: list[Path], output_path: str) -> 
             raise JobError(f"{clash}: its part files would match the glob '{input_path}'")
 
 
-def _is_string(t: pa.DataType) -> bool:
-    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)
-
-
 def _is_messages(t: pa.DataType) -> bool:
-    if not (pa.types.is_list(t) or pa.types.is_large_list(t)):
+    """A list of structs with string (or dictionary-of-string) fields role and content."""
+    if not is_list_of(t, pa.types.is_struct):
         return False
     item = t.value_type
-    if not pa.types.is_struct(item):
-        return False
     names = {item.field(i).name: item.field(i).type for i in range(item.num_fields)}
-    return all(k in names and _is_string(names[k]) for k in ("role", "content"))
+    return all(k in names and is_text(names[k]) for k in ("role", "content"))
 
 
 def _is_id(t: pa.DataType) -> bool:
-    return pa.types.is_integer(t) or _is_string(t)
-
-
-def _dense(t: pa.DataType) -> pa.DataType:
-    """A dictionary-encoded column's value type (the reader reads through the keys)."""
-    return t.value_type if pa.types.is_dictionary(t) else t
-
-
-def _is_int(t: pa.DataType) -> bool:
-    return pa.types.is_integer(_dense(t))  # int8..int64, uint8..uint64
-
-
-def _is_number(t: pa.DataType) -> bool:
-    return _is_int(t) or pa.types.is_floating(_dense(t))  # and float16, float32, float64
+    return is_int(t) or is_text(t)
 
 
 def _is_stop(t: pa.DataType) -> bool:
-    t = _dense(t)
-    listed = pa.types.is_list(t) or pa.types.is_large_list(t)
-    return _is_string(t) or (listed and _is_string(t.value_type))
+    return is_text(t) or is_list_of(dense(t), is_text)
 
 
 # The column types of each sampling key (input.sampling_columns): the rule of
@@ -139,8 +120,8 @@ def _sampling_check(key: str) -> tuple:
     if key == "stop":
         return _is_stop, "a string or list<string>"
     if key in _INT_KEYS:
-        return _is_int, "an integer"
-    return _is_number, "a number (integer or float)"
+        return is_int, "an integer"
+    return is_number, "a number (integer or float)"
 
 
 # The Parquet codecs the Rust reader decodes (rust/src/reader.rs `codec_supported`): every
@@ -193,7 +174,7 @@ def check_input(cfg: InputConfig) -> tuple[list[Path], int]:
         return check_batch_input(cfg)[:2]
     files = resolve_input_files(cfg.path)
     total = 0
-    id_types: dict[str, Path] = {}
+    types = ColumnTypes()
     for f in files:
         try:
             meta = pq.read_metadata(f)
@@ -203,17 +184,37 @@ def check_input(cfg: InputConfig) -> tuple[list[Path], int]:
         total += meta.num_rows
         _check_columns(cfg, f, schema)
         _check_codecs(cfg, f, meta)
-        if cfg.id_column is not None:
-            id_types.setdefault(str(schema.field(cfg.id_column).type), f)
-        if len(id_types) > 1:
-            (t1, f1), (t2, f2) = list(id_types.items())[:2]
-            raise JobError(
-                f"input.id_column: column '{cfg.id_column}' has type {t1} in {f1} but {t2} in "
-                f"{f2}; the output id column has one type, so every input file must agree"
-            )
+        if cfg.id_column is not None:  # ids are written decoded: by the dictionary's values
+            types.add("input.id_column", cfg.id_column, dense(schema.field(cfg.id_column).type), f)
     if cfg.limit is not None:
         total = min(total, cfg.limit)
     return files, total
+
+
+class ColumnTypes:
+    """The output type of each column written from the input, over the files seen so far
+    (`column_types.unified`); a file whose type is of another kind than an earlier file's is
+    a JobError naming the key, the column and both files."""
+
+    def __init__(self) -> None:
+        # column -> (unified type so far, first file's type, first file)
+        self._seen: dict[str, tuple[pa.DataType, pa.DataType, Path]] = {}
+
+    def add(self, key: str, column: str, t: pa.DataType, f: Path) -> None:
+        if column not in self._seen:
+            self._seen[column] = (t, t, f)
+            return
+        out, first, first_file = self._seen[column]
+        both = unified(out, t)
+        if both is None:
+            raise JobError(
+                f"{key}: column '{column}' has type {first} in {first_file} but {t} in {f}; "
+                f"the output column has one type, so every input file must agree: {MIXING_RULE}"
+            )
+        self._seen[column] = (both, first, first_file)
+
+    def output_type(self, column: str) -> pa.DataType:
+        return self._seen[column][0]
 
 
 def _check_columns(cfg: InputConfig, f: Path, schema: pa.Schema) -> None:
@@ -225,7 +226,7 @@ def _check_columns(cfg: InputConfig, f: Path, schema: pa.Schema) -> None:
              "a list of {role: string, content: string} structs")
         )
     else:
-        checks.append((cfg.text_column, "input.prompt_column", _is_string, "a string"))
+        checks.append((cfg.text_column, "input.prompt_column", is_text, "a string"))
     for key, column in sorted(cfg.sampling_columns.items()):
         checks.append((column, f"input.sampling_columns.{key}", *_sampling_check(key)))
     for column, key, ok, want in checks:

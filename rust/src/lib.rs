@@ -9,6 +9,7 @@
 
 pub mod block_manager;
 pub mod chat_template;
+pub mod column_kind;
 pub mod config;
 pub mod decoder_layer;
 pub mod detokenizer;

@@ -40,6 +40,7 @@ use parquet::arrow::ProjectionMask;
 use tokenizers::Tokenizer;
 
 use crate::chat_template::{ChatTemplate, Message, RenderError};
+use crate::column_kind::{conform, dense_type, is_int, is_list_of, is_text, str_value, FileTypes};
 use crate::config::SchedulerConfig;
 use crate::error::{Error, Result};
 use crate::sampling_params::{check_column_type, RowSampling, SamplingParams};
@@ -111,36 +112,25 @@ fn check_input_paths(paths: &[PathBuf]) -> Result<()> {
     Ok(())
 }
 
-fn is_string(dt: &DataType) -> bool {
-    matches!(
-        dt,
-        DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View
-    )
-}
-
-/// The struct fields of a `list<struct<role: string, content: string>>` type, if it is one.
+/// Whether `dt` is a `list<struct<role: string, content: string>>` type (its strings of any
+/// spelling, dictionaries included: column_kind.rs; inputs.py `_is_messages` is the same rule).
 fn messages_struct_ok(dt: &DataType) -> bool {
-    let item = match dt {
-        DataType::List(f) | DataType::LargeList(f) => f,
-        _ => return false,
+    let struct_ok = |item: &DataType| {
+        let DataType::Struct(fields) = item else {
+            return false;
+        };
+        ["role", "content"].iter().all(|name| {
+            fields
+                .iter()
+                .any(|f| f.name() == name && is_text(f.data_type()))
+        })
     };
-    let DataType::Struct(fields) = item.data_type() else {
-        return false;
-    };
-    ["role", "content"].iter().all(|name| {
-        fields
-            .iter()
-            .any(|f| f.name() == name && is_string(f.data_type()))
-    })
+    is_list_of(dt, struct_ok)
 }
 
+/// An integer or string column, or a dictionary of one (inputs.py `_is_id`).
 fn id_type_ok(dt: &DataType) -> bool {
-    dt.is_primitive()
-        || is_string(dt)
-        || matches!(
-            dt,
-            DataType::Boolean | DataType::Binary | DataType::LargeBinary | DataType::BinaryView
-        )
+    is_int(dt) || is_text(dt)
 }
 
 fn find_column<'a>(schema: &'a Schema, path: &Path, role: &str, name: &str) -> Result<&'a Field> {
@@ -202,7 +192,7 @@ pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
         return validate_batch_files(cfg);
     }
     let mut files = Vec::with_capacity(cfg.input_files.len());
-    let mut id_type: Option<(DataType, PathBuf)> = None;
+    let mut types = FileTypes::default();
     let mut total: u64 = 0;
     for path in &cfg.input_files {
         let builder = open_parquet(path)?;
@@ -211,7 +201,7 @@ pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
         check_sampling_columns(&schema, path, &cfg.sampling_columns)?;
         if let Some(col) = &cfg.id_column {
             let dt = check_id_column(&schema, path, col)?;
-            check_same_id_type(&mut id_type, dt, path, col)?;
+            types.add("input.id_column", col, &dt, path)?;
         }
         check_codecs(&builder, path, cfg)?;
         let num_rows = builder.metadata().file_metadata().num_rows().max(0) as u64;
@@ -234,7 +224,11 @@ pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
         id_column: cfg.id_column.clone(),
         sampling_columns: cfg.sampling_columns.clone(),
         openai_endpoint: None,
-        id_type: id_type.map(|(t, _)| t).unwrap_or(DataType::Int64),
+        id_type: cfg
+            .id_column
+            .as_ref()
+            .and_then(|c| types.output_type(c))
+            .unwrap_or(DataType::Int64),
         total_rows,
         row_start: start.min(row_end),
         row_end,
@@ -285,7 +279,7 @@ fn open_parquet(path: &Path) -> Result<ParquetRecordBatchReaderBuilder<File>> {
 fn check_text_columns(schema: &Schema, path: &Path, cfg: &SchedulerConfig) -> Result<()> {
     if let Some(col) = &cfg.prompt_column {
         let f = find_column(schema, path, "prompt", col)?;
-        if !is_string(f.data_type()) {
+        if !is_text(f.data_type()) {
             return Err(Error::user(format!(
                 "{}: prompt column '{col}' has type {}; expected a string column",
                 path.display(),
@@ -321,40 +315,18 @@ fn check_sampling_columns(
     Ok(())
 }
 
-/// The type of id column `col`, which must exist and be a primitive, string or binary column.
+/// The type the ids of column `col` are written as (a dictionary's value type), which must
+/// exist and be an integer or string column.
 fn check_id_column(schema: &Schema, path: &Path, col: &str) -> Result<DataType> {
     let f = find_column(schema, path, "id", col)?;
     let dt = f.data_type();
     if !id_type_ok(dt) {
         return Err(Error::user(format!(
-            "{}: id column '{col}' has type {dt}; expected a primitive or string column",
+            "{}: id column '{col}' has type {dt}; expected an integer or string column",
             path.display()
         )));
     }
-    Ok(dt.clone())
-}
-
-/// Records the first file's id type in `first` (with that file's path); a later file whose id
-/// type differs is a user error naming both files.
-fn check_same_id_type(
-    first: &mut Option<(DataType, PathBuf)>,
-    dt: DataType,
-    path: &Path,
-    col: &str,
-) -> Result<()> {
-    match first {
-        None => *first = Some((dt, path.to_path_buf())),
-        Some((first, first_path)) if *first != dt => {
-            return Err(Error::user(format!(
-                "id column '{col}' has type {first} in {} but {dt} in {}; all input \
-                 files must use the same id type",
-                first_path.display(),
-                path.display()
-            )));
-        }
-        Some(_) => {}
-    }
-    Ok(())
+    Ok(dense_type(dt).clone())
 }
 
 /// Normalizers can shrink a text before it is split into tokens (NFC composition, stripping);
@@ -678,7 +650,12 @@ impl ReaderThread {
         let column = |name: &Option<String>| name.as_ref().and_then(|n| batch.column_by_name(n));
         let prompts = column(&self.spec.prompt_column);
         let messages = column(&self.spec.messages_column);
-        let ids = column(&self.spec.id_column);
+        // Every file's ids as the output's one id type (decoded, widened: column_kind.rs).
+        let ids = column(&self.spec.id_column)
+            .map(|a| conform(a, &self.spec.id_type))
+            .transpose()
+            .map_err(|e| Stop::Failed(Error::internal(format!("id column: {e}"))))?;
+        let ids = ids.as_ref();
         let sampling = RowSampling::new(&self.spec.sampling_columns, batch);
         let mut rows = Vec::with_capacity(batch.num_rows());
         for i in 0..batch.num_rows() {
@@ -990,19 +967,6 @@ impl ReaderThread {
     }
 }
 
-/// String value at `i` of a Utf8 / LargeUtf8 / Utf8View array (None when null or not a string).
-pub fn str_value(a: &dyn Array, i: usize) -> Option<&str> {
-    if a.is_null(i) {
-        return None;
-    }
-    match a.data_type() {
-        DataType::Utf8 => Some(a.as_string::<i32>().value(i)),
-        DataType::LargeUtf8 => Some(a.as_string::<i64>().value(i)),
-        DataType::Utf8View => Some(a.as_string_view().value(i)),
-        _ => None,
-    }
-}
-
 /// A 64-bit hash of the id at `i` (None when null). Equal values hash equally; distinct ids
 /// collide with probability about n^2 / 2^65 over n rows.
 fn id_hash(a: &dyn Array, i: usize) -> Option<u64> {
@@ -1223,9 +1187,155 @@ mod tests {
         c.id_column = Some("id".into());
         let err = validate_inputs(&c).unwrap_err();
         assert!(
-            matches!(&err, Error::UserInput(m) if m.contains("same id type")),
+            matches!(&err, Error::UserInput(m) if m.contains("input.id_column: column 'id' has \
+                type Int32 in") && m.contains("a.parquet but Utf8 in") && m.contains("b.parquet")),
             "{err}"
         );
+    }
+
+    /// A one-column file per array, `prompt` w4.. and ids `ids`, in `dir`.
+    fn id_files(dir: &TempDir, ids: Vec<ArrayRef>) -> Vec<PathBuf> {
+        let mut files = Vec::new();
+        for (k, id) in ids.into_iter().enumerate() {
+            let path = dir.path().join(format!("{k}.parquet"));
+            let words: Vec<String> = (0..id.len()).map(|i| format!("w{}", 4 + i)).collect();
+            let prompts = Arc::new(StringArray::from(words)) as ArrayRef;
+            write_parquet(&path, vec![("prompt", prompts), ("id", id)], 10);
+            files.push(path);
+        }
+        files
+    }
+
+    #[test]
+    fn string_ids_of_any_spelling_and_dictionaries_are_written_as_one_type() {
+        use arrow_array::types::Int8Type;
+        use arrow_array::{DictionaryArray, LargeStringArray, StringViewArray};
+        let dir = TempDir::new("reader-idmix");
+        let dict: DictionaryArray<Int8Type> = vec!["c", "d", "c"].into_iter().collect();
+        let ids: Vec<ArrayRef> = vec![
+            Arc::new(StringArray::from(vec!["a"])),
+            Arc::new(LargeStringArray::from(vec!["b"])),
+            Arc::new(dict),
+            Arc::new(StringViewArray::from(vec!["e"])),
+        ];
+        let mut c = cfg(id_files(&dir, ids));
+        c.id_column = Some("id".into());
+        let spec = validate_inputs(&c).unwrap();
+        assert_eq!(spec.id_type, DataType::LargeUtf8);
+        let reqs = collect(spec, None, false, 16);
+        let read: Vec<(&str, Option<&str>)> = reqs
+            .iter()
+            .map(|r| (r.id.as_string::<i64>().value(0), r.error.as_deref()))
+            .collect();
+        let dup = "duplicate id: an earlier row has the same value in id column 'id' (only \
+                   the first row with an id is generated)";
+        let want = [
+            ("a", None),
+            ("b", None),
+            ("c", None),
+            ("d", None),
+            ("c", Some(dup)),
+        ];
+        assert_eq!(read, [&want[..], &[("e", None)]].concat());
+    }
+
+    #[test]
+    fn a_dictionary_id_alone_is_written_as_its_values() {
+        use arrow_array::types::UInt32Type;
+        use arrow_array::DictionaryArray;
+        let dir = TempDir::new("reader-iddict");
+        let dict: DictionaryArray<UInt32Type> = vec![Some("x"), None].into_iter().collect();
+        let mut c = cfg(id_files(&dir, vec![Arc::new(dict)]));
+        c.id_column = Some("id".into());
+        let spec = validate_inputs(&c).unwrap();
+        assert_eq!(spec.id_type, DataType::Utf8);
+        let reqs = collect(spec, None, false, 16);
+        assert_eq!(reqs[0].id.as_string::<i32>().value(0), "x");
+        assert!(reqs[1].id.is_null(0));
+        assert_eq!(reqs[1].error.as_deref(), Some("id column 'id' is null"));
+    }
+
+    #[test]
+    fn integer_ids_of_any_width_are_written_as_int64_but_uint64_mixes_with_none() {
+        use arrow_array::{UInt64Array, UInt8Array};
+        let dir = TempDir::new("reader-intmix");
+        let narrow: Vec<ArrayRef> = vec![
+            Arc::new(Int32Array::from(vec![-1])),
+            Arc::new(UInt8Array::from(vec![200])),
+        ];
+        let mut c = cfg(id_files(&dir, narrow));
+        c.id_column = Some("id".into());
+        let spec = validate_inputs(&c).unwrap();
+        assert_eq!(spec.id_type, DataType::Int64);
+        let ids: Vec<i64> = collect(spec, None, false, 16)
+            .iter()
+            .map(|r| {
+                r.id.as_primitive::<arrow_array::types::Int64Type>()
+                    .value(0)
+            })
+            .collect();
+        assert_eq!(ids, vec![-1, 200]);
+        let wide = TempDir::new("reader-u64mix");
+        let mix: Vec<ArrayRef> = vec![
+            Arc::new(Int32Array::from(vec![1])),
+            Arc::new(UInt64Array::from(vec![u64::MAX])),
+        ];
+        c.input_files = id_files(&wide, mix);
+        let err = validate_inputs(&c).unwrap_err().to_string();
+        assert!(
+            err.contains("Int32 in") && err.contains("but UInt64 in"),
+            "{err}"
+        );
+        assert!(err.contains("uint64 only with uint64"), "{err}");
+    }
+
+    #[test]
+    fn dictionary_prompts_and_messages_are_read_as_strings() {
+        use arrow_array::types::Int32Type;
+        use arrow_array::DictionaryArray;
+        let dir = TempDir::new("reader-dicttext");
+        let a = dir.path().join("p.parquet");
+        let prompts: DictionaryArray<Int32Type> = vec![Some("w4 w5"), None, Some("w4 w5")]
+            .into_iter()
+            .collect();
+        write_parquet(&a, vec![("prompt", Arc::new(prompts) as ArrayRef)], 10);
+        let reqs = collect(validate_inputs(&cfg(vec![a])).unwrap(), None, false, 16);
+        assert_eq!(reqs[0].prompt_ids, vec![1, 4, 5]);
+        assert_eq!(reqs[2].prompt_ids, vec![1, 4, 5]);
+        assert!(reqs[1].error.as_deref().unwrap().contains("is null"));
+
+        let m = dir.path().join("m.parquet");
+        write_parquet(&m, vec![("messages", dictionary_messages())], 10);
+        let mut c = cfg(vec![m]);
+        c.prompt_column = None;
+        c.messages_column = Some("messages".into());
+        let tmpl = "{% for m in messages %}{{ m.role }} {{ m.content }} {% endfor %}";
+        let reqs = collect(validate_inputs(&c).unwrap(), Some(tmpl), false, 16);
+        assert_eq!(reqs[0].prompt_ids, vec![9, 5, 6]);
+        assert_eq!(reqs[1].prompt_ids, vec![9, 7]);
+    }
+
+    /// Two rows of one message each, role and content dictionary-encoded strings.
+    fn dictionary_messages() -> ArrayRef {
+        use arrow_array::builder::{ArrayBuilder, StringDictionaryBuilder};
+        use arrow_array::types::Int8Type;
+        type Dict = StringDictionaryBuilder<Int8Type>;
+        let dict = DataType::Dictionary(Box::new(DataType::Int8), Box::new(DataType::Utf8));
+        let fields = Fields::from(vec![
+            Field::new("role", dict.clone(), true),
+            Field::new("content", dict, true),
+        ]);
+        let builders: Vec<Box<dyn ArrayBuilder>> =
+            vec![Box::new(Dict::new()), Box::new(Dict::new())];
+        let mut lb = ListBuilder::new(StructBuilder::new(fields, builders));
+        for content in ["w5 w6", "w7"] {
+            let s = lb.values();
+            s.field_builder::<Dict>(0).unwrap().append_value("w9");
+            s.field_builder::<Dict>(1).unwrap().append_value(content);
+            s.append(true);
+            lb.append(true);
+        }
+        Arc::new(lb.finish())
     }
 
     #[test]

@@ -9,13 +9,11 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use arrow_array::cast::AsArray;
-use arrow_array::types::{
-    Float16Type, Float32Type, Float64Type, Int16Type, Int32Type, Int64Type, Int8Type, UInt16Type,
-    UInt32Type, UInt64Type, UInt8Type,
-};
+use arrow_array::types::{Float16Type, Float32Type, Float64Type};
 use arrow_array::{Array, ArrayRef};
 use arrow_schema::DataType;
 
+use crate::column_kind::{dense, dense_type, int_value, is_int, is_list_of, is_text, str_value};
 use crate::config::SchedulerConfig;
 
 /// The most top-logprob alternatives a request may ask for (vLLM's default limit).
@@ -233,17 +231,11 @@ pub fn check_column_type(key: &str, column: &str, dt: &DataType) -> Result<(), S
             COLUMN_KEYS.join(", ")
         ));
     };
-    let values = match dt {
-        DataType::Dictionary(_, v) => v.as_ref(),
-        _ => dt,
-    };
+    let values = dense_type(dt);
     let ok = match kind {
         Kind::Int => is_int(values),
         Kind::Float => is_int(values) || is_float(values),
-        Kind::Strings => {
-            is_text(values)
-                || matches!(values, DataType::List(f) | DataType::LargeList(f) if is_text(f.data_type()))
-        }
+        Kind::Strings => is_text(values) || is_list_of(values, is_text),
     };
     if ok {
         return Ok(());
@@ -258,27 +250,11 @@ pub fn check_column_type(key: &str, column: &str, dt: &DataType) -> Result<(), S
     ))
 }
 
-/// The integer types `int_value` reads (every width, signed and unsigned).
-fn is_int(dt: &DataType) -> bool {
-    use DataType as D;
-    matches!(
-        dt,
-        D::Int8 | D::Int16 | D::Int32 | D::Int64 | D::UInt8 | D::UInt16 | D::UInt32 | D::UInt64
-    )
-}
-
-/// The float types `float_value` reads besides the integers.
+/// The float types `float_value` reads besides the integers (column_kind.rs `is_int`).
 fn is_float(dt: &DataType) -> bool {
     matches!(
         dt,
         DataType::Float16 | DataType::Float32 | DataType::Float64
-    )
-}
-
-fn is_text(dt: &DataType) -> bool {
-    matches!(
-        dt,
-        DataType::Utf8 | DataType::LargeUtf8 | DataType::Utf8View
     )
 }
 
@@ -288,29 +264,6 @@ enum Value {
     Int(i128),
     Float(f64),
     Strings(Vec<String>),
-}
-
-/// Row `i` of an integer column, widened (None when null or not an integer type).
-fn int_value(a: &dyn Array, i: usize) -> Option<i128> {
-    if a.is_null(i) {
-        return None;
-    }
-    macro_rules! get {
-        ($t:ty) => {
-            Some(a.as_primitive::<$t>().value(i) as i128)
-        };
-    }
-    match a.data_type() {
-        DataType::Int8 => get!(Int8Type),
-        DataType::Int16 => get!(Int16Type),
-        DataType::Int32 => get!(Int32Type),
-        DataType::Int64 => get!(Int64Type),
-        DataType::UInt8 => get!(UInt8Type),
-        DataType::UInt16 => get!(UInt16Type),
-        DataType::UInt32 => get!(UInt32Type),
-        DataType::UInt64 => get!(UInt64Type),
-        _ => None,
-    }
 }
 
 /// Row `i` of a numeric column (`is_int` or `is_float`) as f64 (None when null).
@@ -335,24 +288,13 @@ fn strings_value(a: &dyn Array, i: usize) -> Option<Vec<String>> {
     let items = match a.data_type() {
         DataType::List(_) => a.as_list::<i32>().value(i),
         DataType::LargeList(_) => a.as_list::<i64>().value(i),
-        _ => return crate::reader::str_value(a, i).map(|s| vec![s.to_string()]),
+        _ => return str_value(a, i).map(|s| vec![s.to_string()]),
     };
     Some(
         (0..items.len())
-            .filter_map(|j| crate::reader::str_value(items.as_ref(), j).map(str::to_string))
+            .filter_map(|j| str_value(items.as_ref(), j).map(str::to_string))
             .collect(),
     )
-}
-
-/// Row `i` of `a` with a dictionary looked through: the array holding its value and the
-/// value's index there (None when the row's key is null).
-fn dense(a: &dyn Array, i: usize) -> Option<(&dyn Array, usize)> {
-    let Some(dict) = a.as_any_dictionary_opt() else {
-        return Some((a, i));
-    };
-    let key = usize::try_from(int_value(dict.keys(), i)?).ok()?;
-    let values = dict.values().as_ref();
-    (key < values.len()).then_some((values, key))
 }
 
 fn read_value(key: &str, a: &dyn Array, i: usize) -> Option<Value> {
