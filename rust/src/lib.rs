@@ -17,6 +17,7 @@ pub mod error;
 pub mod logprobs;
 pub mod omp;
 pub mod openai_batch;
+pub mod openai_keys;
 pub mod paged_attention;
 pub mod quant;
 pub mod reader;

@@ -19,6 +19,7 @@ use serde_json::{Map, Value};
 
 use crate::chat_template::Message;
 use crate::error::{Error, Result};
+use crate::openai_keys::{check_body, check_message_key, shown, Body, Endpoint};
 use crate::sampling_params::{to_f32, SamplingParams};
 
 pub const CHAT_URL: &str = "/v1/chat/completions";
@@ -38,16 +39,14 @@ pub struct BatchLine {
     pub request: std::result::Result<(Prompt, Arc<SamplingParams>), String>,
 }
 
-/// Body keys that ask for something eaglebatch does not do: a line with one is an error row.
-const UNSUPPORTED: [&str; 7] = [
-    "tools",
-    "functions",
-    "logit_bias",
-    "response_format",
-    "echo",
-    "suffix",
-    "prompt_logprobs",
-];
+/// The endpoint a url names (None: not one eaglebatch serves).
+pub fn endpoint_of(url: &str) -> Option<Endpoint> {
+    match url {
+        CHAT_URL => Some(Endpoint::Chat),
+        COMPLETIONS_URL => Some(Endpoint::Completions),
+        _ => None,
+    }
+}
 
 /// The requests (non-blank lines) of a JSONL file, counted by streaming it.
 pub fn count_requests(path: &Path) -> Result<u64> {
@@ -121,32 +120,32 @@ fn parse_request(
         return Err(format!("method must be \"POST\", got {m}"));
     }
     let url = obj.get("url").and_then(Value::as_str).unwrap_or_default();
-    if url != endpoint {
-        return Err(format!(
+    let e = endpoint_of(url)
+        .filter(|_| url == endpoint)
+        .ok_or_else(|| {
+            format!(
             "url must be \"{endpoint}\" (one endpoint per batch file, as the first request's), \
-             got {:?}",
-            url
-        ));
-    }
+             got {url:?}"
+        )
+        })?;
     let Some(Value::Object(body)) = obj.get("body") else {
         return Err("body is missing or not an object".into());
     };
-    if let Some(k) = UNSUPPORTED.iter().find(|k| body.contains_key(**k)) {
-        return Err(format!("body.{k} is not supported"));
-    }
-    let prompt = if url == CHAT_URL {
-        Prompt::Chat(messages(body)?)
-    } else {
-        match body.get("prompt") {
+    let samples = body.get("n").and_then(Value::as_u64).unwrap_or(n as u64);
+    check_body(&Body { body, n: samples }, e, url)?;
+    let prompt = match e {
+        Endpoint::Chat => Prompt::Chat(messages(body)?),
+        Endpoint::Completions => match body.get("prompt") {
             Some(Value::String(s)) => Prompt::Text(s.clone()),
             _ => return Err("body.prompt must be one string".into()),
-        }
+        },
     };
-    let params = body_sampling(body, job, n, url == CHAT_URL)?;
+    let params = body_sampling(body, job, n, e == Endpoint::Chat)?;
     Ok((prompt, params))
 }
 
-/// body.messages as (role, content) messages; content is a string or a list of text parts.
+/// body.messages as chat-template messages: role, content (a string, text parts, or null for
+/// an assistant's: no text) and name when given; other message keys only empty.
 fn messages(body: &Map<String, Value>) -> std::result::Result<Vec<Message>, String> {
     let Some(Value::Array(list)) = body.get("messages") else {
         return Err("body.messages must be a list".into());
@@ -154,23 +153,44 @@ fn messages(body: &Map<String, Value>) -> std::result::Result<Vec<Message>, Stri
     if list.is_empty() {
         return Err("body.messages is empty".into());
     }
-    let mut out = Vec::with_capacity(list.len());
-    for (j, m) in list.iter().enumerate() {
-        let role = m.get("role").and_then(Value::as_str);
-        let role = role.ok_or_else(|| format!("body.messages[{j}].role must be a string"))?;
-        let content = match m.get("content") {
-            Some(Value::String(s)) => s.clone(),
-            Some(Value::Array(parts)) => text_parts(parts, j)?,
-            _ => {
-                return Err(format!(
-                    "body.messages[{j}].content must be a string or parts"
-                ))
-            }
-        };
-        out.push(vec![
-            ("role".to_string(), Some(role.to_string())),
-            ("content".to_string(), Some(content)),
-        ]);
+    list.iter()
+        .enumerate()
+        .map(|(j, m)| message(j, m))
+        .collect()
+}
+
+fn message(j: usize, m: &Value) -> std::result::Result<Message, String> {
+    let Some(m) = m.as_object() else {
+        return Err(format!("body.messages[{j}] must be an object"));
+    };
+    for (k, v) in m {
+        check_message_key(j, k, v)?;
+    }
+    let role = m.get("role").and_then(Value::as_str);
+    let role = role.ok_or_else(|| format!("body.messages[{j}].role must be a string"))?;
+    let content = match m.get("content") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => text_parts(parts, j)?,
+        None | Some(Value::Null) if role == "assistant" => String::new(),
+        _ => {
+            return Err(format!(
+                "body.messages[{j}].content must be a string or parts"
+            ))
+        }
+    };
+    let mut out = vec![
+        ("role".to_string(), Some(role.to_string())),
+        ("content".to_string(), Some(content)),
+    ];
+    match m.get("name") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(name)) => out.push(("name".to_string(), Some(name.clone()))),
+        Some(v) => {
+            return Err(format!(
+                "body.messages[{j}].name must be a string, got {}",
+                shown(v)
+            ))
+        }
     }
     Ok(out)
 }
@@ -281,7 +301,17 @@ fn logprobs(body: &Map<String, Value>, chat: bool) -> std::result::Result<Option
             .ok_or_else(|| format!("body.{key} must be an integer >= 0, got {v}"))
     };
     match (chat, body.get("logprobs")) {
-        (_, None | Some(Value::Null)) | (true, Some(Value::Bool(false))) => Ok(None),
+        (true, None | Some(Value::Null) | Some(Value::Bool(false))) => {
+            match body.get("top_logprobs") {
+                None | Some(Value::Null) => Ok(None),
+                Some(v) if v.as_u64() == Some(0) => Ok(None),
+                Some(v) => Err(format!(
+                    "body.top_logprobs = {} needs body.logprobs: true",
+                    shown(v)
+                )),
+            }
+        }
+        (false, None | Some(Value::Null)) => Ok(None),
         (true, Some(Value::Bool(true))) => match body.get("top_logprobs") {
             None | Some(Value::Null) => Ok(Some(1)),
             Some(v) => k(v, "top_logprobs").map(|k| Some(k.max(1))),
@@ -358,11 +388,11 @@ mod tests {
         let e = chat(r#"{"messages": [{"role": "user", "content": "hi"}], "temperature": -1}"#);
         assert_eq!(e.custom_id.as_deref(), Some("a"));
         assert!(e.request.unwrap_err().contains("temperature"));
-        let e = chat(r#"{"messages": [{"role": "user", "content": "hi"}], "tools": []}"#);
+        let e = chat(r#"{"messages": [{"role": "user", "content": "hi"}], "tools": [{}]}"#);
         assert!(e
             .request
             .unwrap_err()
-            .contains("body.tools is not supported"));
+            .contains("body.tools = [{}] is not supported"));
         let e = chat(r#"{"messages": [{"role": "user", "content": "hi"}], "n": 2}"#);
         assert!(e.request.unwrap_err().contains("sampling.n"));
         let line = format!(
@@ -383,5 +413,87 @@ mod tests {
             1,
         );
         assert!(e.request.unwrap_err().contains("custom_id"));
+    }
+
+    const HI: &str = r#""messages": [{"role": "user", "content": "hi"}]"#;
+
+    /// Lines as the OpenAI SDK and vLLM clients write them: every no-op value and metadata key
+    /// is accepted, and changes nothing.
+    #[test]
+    fn no_op_values_and_metadata_keys_are_accepted() {
+        let l = chat(&format!(
+            r#"{{{HI}, "model": "gpt-4o", "response_format": {{"type": "text"}}, "logit_bias": {{}},
+                "tools": null, "tool_choice": "none", "functions": null, "stream": false,
+                "parallel_tool_calls": true, "logprobs": false, "user": "u1", "store": false,
+                "metadata": {{"k": "v"}}, "service_tier": "auto", "n": 1, "echo": false,
+                "top_logprobs": null, "stream_options": null, "seed": null,
+                "spaces_between_special_tokens": true, "modalities": ["text"]}}"#
+        ));
+        assert_eq!(l.request.unwrap().1.as_ref(), job().as_ref());
+        let line = format!(
+            r#"{{"custom_id": "c", "url": "{COMPLETIONS_URL}", "body": {{"prompt": "x",
+                "suffix": null, "echo": false, "best_of": 1, "logprobs": null, "user": "u"}}}}"#
+        );
+        let l = parse_line(&line, 1, COMPLETIONS_URL, &job(), 1);
+        assert_eq!(l.request.unwrap().1.as_ref(), job().as_ref());
+    }
+
+    /// A value that asks for something eaglebatch does not do, or a key it does not know, is
+    /// the line's error naming the key (and the value); never dropped.
+    #[test]
+    fn other_values_and_unknown_keys_are_error_lines_naming_them() {
+        for (extra, want) in [
+            (
+                r#""response_format": {"type": "json_object"}"#,
+                "body.response_format = ",
+            ),
+            (r#""logit_bias": {"7": 5}"#, "body.logit_bias = "),
+            (r#""tool_choice": "required""#, "body.tool_choice = "),
+            (r#""stream": true"#, "body.stream = true"),
+            (r#""store": true"#, "body.store = true"),
+            (r#""prompt_logprobs": 2"#, "body.prompt_logprobs = 2"),
+            (
+                r#""top_logprobs": 3"#,
+                "body.top_logprobs = 3 needs body.logprobs",
+            ),
+            (
+                r#""temprature": 0.5"#,
+                "body.temprature is not a /v1/chat/completions key",
+            ),
+            (
+                r#""suffix": "x""#,
+                "body.suffix is not a /v1/chat/completions key",
+            ),
+        ] {
+            let e = chat(&format!("{{{HI}, {extra}}}")).request.unwrap_err();
+            assert!(e.starts_with(&format!("line 3: {want}")), "{extra}: {e}");
+        }
+    }
+
+    #[test]
+    fn message_keys_an_assistants_null_content_and_a_name() {
+        let l = chat(
+            r#"{"messages": [{"role": "user", "content": "hi", "name": "ann"},
+                {"role": "assistant", "content": null, "tool_calls": [], "refusal": null},
+                {"role": "user", "content": "more"}]}"#,
+        );
+        let Prompt::Chat(m) = l.request.unwrap().0 else {
+            panic!()
+        };
+        assert_eq!(m[0][2], ("name".to_string(), Some("ann".to_string())));
+        assert_eq!(m[1][1].1.as_deref(), Some(""));
+        let e = chat(r#"{"messages": [{"role": "user", "content": null}]}"#);
+        assert!(e.request.unwrap_err().contains("content must be"));
+        let e =
+            chat(r#"{"messages": [{"role": "assistant", "content": "x", "tool_calls": [{}]}]}"#);
+        assert!(e
+            .request
+            .unwrap_err()
+            .contains("body.messages[0].tool_calls = "));
+        let e = chat(r#"{"messages": [{"role": "user", "content": "x", "mood": "ok"}]}"#);
+        assert!(e
+            .request
+            .unwrap_err()
+            .contains("body.messages[0].mood is not"));
     }
 }
