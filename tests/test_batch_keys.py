@@ -1,8 +1,12 @@
 """OpenAI Batch lines as OpenAI's SDK and vLLM clients write them: every no-op value the SDKs
-emit generates its line (no 400), and the same line without them generates the same text."""
+emit generates its line (no 400), and the same line without them generates the same text; vLLM's
+per-line keys give the rows the same job keys give."""
 
 from __future__ import annotations
 
+import json
+
+import pyarrow.parquet as pq
 import pytest
 
 from eaglebatch.config import load_job
@@ -62,3 +66,52 @@ def test_every_no_op_value_generates_its_line(tmp_path, tiny_model_dir):
             assert line["response"]["status_code"] == 200, line["response"]
             choices = line["response"]["body"]["choices"]
             assert choices == want[cid]["response"]["body"]["choices"], cid
+
+
+def _rows(tmp, name) -> dict:
+    cols = ["id", "output_text", "output_token_ids", "finish_reason", "output_tokens"]
+    return {r["id"]: r for r in pq.read_table(tmp / name, columns=cols).to_pylist()}
+
+
+def _run(tmp, model, lines, name, sampling="") -> dict:
+    job = batch_job(tmp, model, lines, name=name)
+    job.write_text(job.read_text().replace("sampling:\n", "sampling:\n" + sampling))
+    run_prepared(prepare(load_job(job)))
+    return _rows(tmp, name)
+
+
+def _clean_pair(text: str, start: int) -> str | None:
+    """Two printable ASCII characters of `text` from `start` on (a stop string that occurs)."""
+    for j in range(start, len(text) - 1):
+        pair = text[j:j + 2]
+        if pair.isascii() and pair.isprintable():
+            return pair
+    return None
+
+
+def test_vllm_keys_per_line_equal_the_same_job_keys(tmp_path, tiny_model_dir):
+    """top_k -1, ignore_eos, stop_token_ids, min_tokens and include_stop_str_in_output on each
+    line give the rows the same values as job keys give (greedy lines, and two sampled ones
+    with their own temperature and seed in both files)."""
+    prompts = random_prompts(6, seed=12)
+    own = [{"temperature": 0.8, "seed": 3} if i >= 4 else {} for i in range(6)]
+    lines = lambda keys: [request(f"v{i}", COMPLETIONS, {"prompt": p, **own[i], **keys})  # noqa: E731
+                          for i, p in enumerate(prompts)]  # fmt: skip
+    keys = {"top_k": -1, "ignore_eos": True, "min_tokens": 2}
+    pre = _run(tmp_path, tiny_model_dir, lines(keys), "pre")
+    # a stop token row 0 emits after its first two tokens (not one of them: masking it there
+    # changes nothing greedy), and a stop string another greedy row's text holds
+    first = pre["v0"]["output_token_ids"]
+    stop_id = next(t for t in first[3:] if t not in first[:2])
+    stop_str = next(filter(None, (_clean_pair(pre[f"v{i}"]["output_text"], 2) for i in (1, 2, 3))))
+    keys |= {"stop_token_ids": [stop_id], "include_stop_str_in_output": True, "stop": [stop_str]}
+    got = _run(tmp_path, tiny_model_dir, lines(keys), "vllm")
+    job_keys = (f"  top_k: 0\n  ignore_eos: true\n  stop_token_ids: [{stop_id}]\n"
+                f"  min_new_tokens: 2\n  include_stop_str_in_output: true\n"
+                f"  stop: [{json.dumps(stop_str)}]\n")  # fmt: skip
+    want = _run(tmp_path, tiny_model_dir, lines({}), "ref", job_keys)
+    assert got == want
+    ends = [r for r in got.values() if r["finish_reason"] == "stop"]
+    assert any(r["output_token_ids"][-1] == stop_id for r in ends), got
+    assert any(r["output_text"].endswith(stop_str) for r in ends), got
+    assert all(r["output_tokens"] >= 2 for r in got.values())

@@ -42,16 +42,18 @@ class PreparedJob:
     identity: dict
     # OpenAI Batch input: the endpoint its requests use (inputs.check_batch_input)
     openai_endpoint: str | None = None
+    # config.json's vocab_size: a row's stop_token_ids must be below it
+    vocab_size: int = 0
 
     @property
     def job_hash(self) -> str:
         return identity_hash(self.identity)
 
 
-def _check_model_config(job: JobConfig, mf: ModelFiles) -> tuple[str, int]:
+def _check_model_config(job: JobConfig, mf: ModelFiles) -> tuple[str, int, int]:
     """Checks config.json, the checkpoint's tensor names and shapes (headers only) and
-    engine.max_model_len without loading weights; returns the dtype the worker will use and
-    the resolved max_model_len."""
+    engine.max_model_len without loading weights; returns the dtype the worker will use, the
+    resolved max_model_len and the vocab_size."""
     from .model import ModelConfig, model_class
     from .worker import resolve_max_model_len
 
@@ -71,7 +73,7 @@ def _check_model_config(job: JobConfig, mf: ModelFiles) -> tuple[str, int]:
         raise JobError(f"sampling.stop_token_ids: {bad} are not ids of model {mf.dir}, whose "
                        f"vocab_size is {cfg.vocab_size}")  # fmt: skip
     max_model_len = resolve_max_model_len(job.engine.max_model_len, cfg.max_model_len)
-    return _check_engine(job, mf), max_model_len
+    return _check_engine(job, mf), max_model_len, cfg.vocab_size
 
 
 def _check_engine(job: JobConfig, mf: ModelFiles) -> str:
@@ -166,14 +168,14 @@ def prepare(job: JobConfig) -> PreparedJob:
         check_chat_template(mf.chat_template, template_origin(job, mf))
     draft = resolve_draft_dir(job.draft) if job.draft is not None else None
     _check_draft(draft)
-    dtype, max_model_len = _check_model_config(job, mf)
+    dtype, max_model_len, vocab_size = _check_model_config(job, mf)
     identity = job_identity(job, files, mf, draft, dtype, max_model_len)
     if job.output.results_file is not None:
         check_results_path(job.output.results_file, Path(job.output.path),
                            identity_hash(identity), job.input.path, files)  # fmt: skip
     return PreparedJob(
         job=job, input_files=files, total_rows=total, model=mf, draft_dir=draft, identity=identity,
-        openai_endpoint=endpoint,
+        openai_endpoint=endpoint, vocab_size=vocab_size,
     )
 
 
@@ -287,7 +289,8 @@ def scheduler_config(
         chat_template=mf.chat_template,
         bos_token=mf.bos_token,
         eos_token=mf.eos_token,
-        eos_token_ids=smp.end_token_ids(mf.eos_token_ids),
+        eos_token_ids=list(mf.eos_token_ids),
+        vocab_size=prep.vocab_size,
         output_dir=scope.output_dir(job.output.path),
         part_rows=job.output.part_rows,
         file_metadata=metadata,
@@ -300,6 +303,11 @@ def scheduler_config(
         seed=smp.seed,
         n=smp.n,
         min_new_tokens=smp.min_new_tokens,
+        min_p=smp.min_p,
+        ignore_eos=smp.ignore_eos,
+        stop_token_ids=list(smp.stop_token_ids),
+        include_stop_str_in_output=smp.include_stop_str_in_output,
+        skip_special_tokens=smp.skip_special_tokens,
         repetition_penalty=smp.repetition_penalty,
         frequency_penalty=smp.frequency_penalty,
         presence_penalty=smp.presence_penalty,

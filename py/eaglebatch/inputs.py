@@ -130,16 +130,31 @@ def _is_stop(t: pa.DataType) -> bool:
     return _is_string(t) or (listed and _is_string(t.value_type))
 
 
+def _is_bool(t: pa.DataType) -> bool:
+    return pa.types.is_boolean(_dense(t))
+
+
+def _is_ids(t: pa.DataType) -> bool:
+    t = _dense(t)
+    listed = pa.types.is_list(t) or pa.types.is_large_list(t)
+    return listed and pa.types.is_integer(t.value_type)
+
+
 # The column types of each sampling key (input.sampling_columns): the rule of
 # rust/src/sampling_params.rs `check_column_type`, which checks again when it opens the files.
 _INT_KEYS = ("max_new_tokens", "min_new_tokens", "top_k", "seed", "logprobs")
+_BOOL_KEYS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 
 
 def _sampling_check(key: str) -> tuple:
     if key == "stop":
         return _is_stop, "a string or list<string>"
+    if key == "stop_token_ids":
+        return _is_ids, "a list of integers"
     if key in _INT_KEYS:
         return _is_int, "an integer"
+    if key in _BOOL_KEYS:
+        return _is_bool, "a boolean"
     return _is_number, "a number (integer or float)"
 
 

@@ -44,7 +44,10 @@ pub struct SchedulerConfig {
     pub chat_template: Option<String>,
     pub bos_token: Option<String>,
     pub eos_token: Option<String>,
+    /// The model's EOS ids: a row stops at them unless it ignores EOS.
     pub eos_token_ids: Vec<u32>,
+    /// The model's vocabulary size: every stop token id is below it (0: unchecked).
+    pub vocab_size: usize,
     // Output.
     pub output_dir: PathBuf,
     pub part_rows: usize,
@@ -62,6 +65,16 @@ pub struct SchedulerConfig {
     pub seed: i64,
     /// EOS / stop token ids masked and stop strings unchecked before this many output tokens.
     pub min_new_tokens: usize,
+    /// vLLM's min-p (0 = off), applied by the worker.
+    pub min_p: f32,
+    /// Do not stop at `eos_token_ids` (`stop_token_ids` still stop).
+    pub ignore_eos: bool,
+    /// Ids that end a request like EOS.
+    pub stop_token_ids: Vec<u32>,
+    /// The text keeps the stop string that ended it.
+    pub include_stop_str_in_output: bool,
+    /// Decode texts without special tokens (false: they appear in them).
+    pub skip_special_tokens: bool,
     /// vLLM's penalties: repetition (1 = off) over prompt and output tokens, frequency and
     /// presence (0 = off) over output tokens; applied by the worker.
     pub repetition_penalty: f32,
@@ -125,6 +138,7 @@ impl SchedulerConfig {
             bos_token: None,
             eos_token: None,
             eos_token_ids: Vec::new(),
+            vocab_size: 0,
             output_dir,
             part_rows: 10_000,
             file_metadata: BTreeMap::new(),
@@ -137,6 +151,11 @@ impl SchedulerConfig {
             top_k: 0,
             seed: 0,
             min_new_tokens: 0,
+            min_p: 0.0,
+            ignore_eos: false,
+            stop_token_ids: Vec::new(),
+            include_stop_str_in_output: false,
+            skip_special_tokens: true,
             repetition_penalty: 1.0,
             frequency_penalty: 0.0,
             presence_penalty: 0.0,

@@ -20,7 +20,7 @@ use serde_json::{Map, Value};
 use crate::chat_template::Message;
 use crate::error::{Error, Result};
 use crate::openai_keys::{check_body, check_message_key, shown, Body, Endpoint};
-use crate::sampling_params::{to_f32, SamplingParams};
+use crate::sampling_params::{row_seed, to_f32, SamplingParams};
 
 pub const CHAT_URL: &str = "/v1/chat/completions";
 pub const COMPLETIONS_URL: &str = "/v1/completions";
@@ -213,7 +213,67 @@ fn text_parts(parts: &[Value], j: usize) -> std::result::Result<String, String> 
     Ok(text)
 }
 
-/// The job's parameters with the body's sampling keys applied, checked.
+type Parsed<T> = std::result::Result<Option<T>, String>;
+
+/// body.k when present and not null.
+fn given<'a>(body: &'a Map<String, Value>, k: &str) -> Option<&'a Value> {
+    body.get(k).filter(|v| !v.is_null())
+}
+
+fn uint(body: &Map<String, Value>, k: &str) -> Parsed<u64> {
+    given(body, k)
+        .map(|v| {
+            v.as_u64()
+                .ok_or_else(|| format!("body.{k} must be an integer >= 0, got {}", shown(v)))
+        })
+        .transpose()
+}
+
+fn int(body: &Map<String, Value>, k: &str) -> Parsed<i64> {
+    given(body, k)
+        .map(|v| {
+            v.as_i64()
+                .ok_or_else(|| format!("body.{k} must be a 64-bit integer, got {}", shown(v)))
+        })
+        .transpose()
+}
+
+fn num(body: &Map<String, Value>, k: &str) -> Parsed<f32> {
+    given(body, k)
+        .map(|v| match v.as_f64() {
+            Some(x) => to_f32(x).map_err(|e| format!("body.{k}: {e}")),
+            None => Err(format!("body.{k} must be a number, got {}", shown(v))),
+        })
+        .transpose()
+}
+
+fn flag(body: &Map<String, Value>, k: &str) -> Parsed<bool> {
+    given(body, k)
+        .map(|v| {
+            v.as_bool()
+                .ok_or_else(|| format!("body.{k} must be true or false, got {}", shown(v)))
+        })
+        .transpose()
+}
+
+fn token_ids(body: &Map<String, Value>, k: &str) -> Parsed<Vec<u32>> {
+    let bad = |v: &Value| format!("body.{k} must be a list of token ids, got {}", shown(v));
+    given(body, k)
+        .map(|v| {
+            let list = v.as_array().ok_or_else(|| bad(v))?;
+            list.iter()
+                .map(|t| {
+                    t.as_u64()
+                        .and_then(|t| u32::try_from(t).ok())
+                        .ok_or_else(|| bad(v))
+                })
+                .collect()
+        })
+        .transpose()
+}
+
+/// The job's parameters with the body's sampling keys applied, checked (vLLM's conventions:
+/// `top_k: -1` is off, `seed: -1` no seed of the line's own).
 fn body_sampling(
     body: &Map<String, Value>,
     job: &Arc<SamplingParams>,
@@ -221,38 +281,21 @@ fn body_sampling(
     chat: bool,
 ) -> std::result::Result<Arc<SamplingParams>, String> {
     let mut p = job.as_ref().clone();
-    let int = |k: &str| -> std::result::Result<Option<u64>, String> {
-        match body.get(k) {
-            None | Some(Value::Null) => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .map(Some)
-                .ok_or_else(|| format!("body.{k} must be an integer >= 0, got {v}")),
-        }
-    };
-    let num = |k: &str| -> std::result::Result<Option<f32>, String> {
-        match body.get(k) {
-            None | Some(Value::Null) => Ok(None),
-            Some(v) => match v.as_f64() {
-                Some(x) => to_f32(x).map(Some).map_err(|e| format!("body.{k}: {e}")),
-                None => Err(format!("body.{k} must be a number, got {v}")),
-            },
-        }
-    };
     let to_usize = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
-    if let Some(v) = int("max_completion_tokens")?.or(int("max_tokens")?) {
+    if let Some(v) = uint(body, "max_completion_tokens")?.or(uint(body, "max_tokens")?) {
         p.max_new_tokens = to_usize(v);
     }
-    if let Some(v) = int("min_tokens")? {
+    if let Some(v) = uint(body, "min_tokens")? {
         p.min_new_tokens = to_usize(v);
     }
-    if let Some(v) = int("top_k")? {
+    if let Some(v) = int(body, "top_k")? {
+        let v = if v == -1 { 0 } else { v };
         p.top_k = i32::try_from(v).map_err(|_| format!("body.top_k {v} is out of range"))?;
     }
-    if let Some(v) = int("seed")? {
-        p.seed = Some(i64::try_from(v).map_err(|_| format!("body.seed {v} is out of range"))?);
+    if let Some(v) = int(body, "seed")? {
+        p.seed = row_seed(v);
     }
-    if let Some(v) = int("n")?.filter(|&v| v as usize != n) {
+    if let Some(v) = uint(body, "n")?.filter(|&v| v as usize != n) {
         return Err(format!(
             "body.n = {v}, but the job's sampling.n is {n} (one n per job)"
         ));
@@ -263,11 +306,21 @@ fn body_sampling(
         ("frequency_penalty", &mut p.frequency_penalty),
         ("presence_penalty", &mut p.presence_penalty),
         ("repetition_penalty", &mut p.repetition_penalty),
+        ("min_p", &mut p.min_p),
     ] {
-        if let Some(v) = num(k)? {
-            *field = v;
-        }
+        *field = num(body, k)?.unwrap_or(*field);
     }
+    for (k, field) in [
+        ("ignore_eos", &mut p.ignore_eos),
+        (
+            "include_stop_str_in_output",
+            &mut p.include_stop_str_in_output,
+        ),
+        ("skip_special_tokens", &mut p.skip_special_tokens),
+    ] {
+        *field = flag(body, k)?.unwrap_or(*field);
+    }
+    p.stop_token_ids = token_ids(body, "stop_token_ids")?.unwrap_or(p.stop_token_ids);
     p.stop = stop(body)?.unwrap_or(p.stop);
     p.logprobs = logprobs(body, chat)?.unwrap_or(p.logprobs);
     p.check().map_err(|e| format!("body: {e}"))?;
@@ -495,5 +548,57 @@ mod tests {
             .request
             .unwrap_err()
             .contains("body.messages[0].mood is not"));
+    }
+
+    /// vLLM's per-line keys are the line's own: top_k -1 is off, seed -1 no seed of the
+    /// line's (others, negative too, its seed), and min_p, ignore_eos, stop_token_ids,
+    /// include_stop_str_in_output, skip_special_tokens, min_tokens, repetition_penalty apply.
+    #[test]
+    fn vllm_keys_apply_per_line() {
+        let l = chat(&format!(
+            r#"{{{HI}, "top_k": -1, "seed": -1, "min_p": 0.05, "ignore_eos": true,
+                "stop_token_ids": [7, 9], "include_stop_str_in_output": true,
+                "skip_special_tokens": false, "min_tokens": 2, "repetition_penalty": 1.1}}"#
+        ));
+        let p = l.request.unwrap().1;
+        assert_eq!((p.top_k, p.seed, p.min_p), (0, None, 0.05));
+        assert!(p.ignore_eos && p.include_stop_str_in_output && !p.skip_special_tokens);
+        assert_eq!(p.stop_token_ids, vec![7, 9]);
+        assert_eq!((p.min_new_tokens, p.repetition_penalty), (2, 1.1));
+        let p = chat(&format!(r#"{{{HI}, "seed": -42, "top_k": 5}}"#))
+            .request
+            .unwrap()
+            .1;
+        assert_eq!((p.seed, p.top_k), (Some(-42), 5));
+        for (extra, want) in [
+            (r#""top_k": -2"#, "top_k must be >= 0"),
+            (r#""min_p": 1.5"#, "min_p must be in [0, 1]"),
+            (
+                r#""ignore_eos": 1"#,
+                "body.ignore_eos must be true or false",
+            ),
+            (
+                r#""stop_token_ids": [-1]"#,
+                "body.stop_token_ids must be a list of token ids",
+            ),
+            (
+                r#""stop_token_ids": 7"#,
+                "body.stop_token_ids must be a list",
+            ),
+            (r#""seed": 1e30"#, "body.seed must be a 64-bit integer"),
+        ] {
+            let e = chat(&format!("{{{HI}, {extra}}}")).request.unwrap_err();
+            assert!(e.contains(want), "{extra}: {e}");
+        }
+        // a stop token id outside the model's vocabulary
+        let mut j = job().as_ref().clone();
+        j.vocab_size = 8;
+        let line = format!(
+            r#"{{"custom_id": "a", "url": "{CHAT_URL}", "body": {{{HI}, "stop_token_ids": [8]}}}}"#
+        );
+        let e = parse_line(&line, 1, CHAT_URL, &Arc::new(j), 1)
+            .request
+            .unwrap_err();
+        assert!(e.contains("stop_token_ids: 8 is not an id"), "{e}");
     }
 }

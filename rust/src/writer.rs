@@ -71,6 +71,8 @@ pub struct OutputRow {
     /// thread into `output_text` (so a commit does not pay for finished rows' decodes). A
     /// decode failure makes it an error row there (`WriterSummary::decode_errors`).
     pub text_ids: Option<Vec<u32>>,
+    /// How `text_ids` are decoded: without special tokens (the default), or with them.
+    pub skip_special_tokens: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -292,7 +294,7 @@ impl WriterThread {
         let decoder = self.cfg.decoder.as_ref().ok_or_else(|| {
             Error::internal("a row with text_ids reached a writer without a decoder")
         })?;
-        match decoder.decode(&ids, true) {
+        match decoder.decode(&ids, row.skip_special_tokens) {
             Ok(text) => row.output_text = text,
             Err(e) => {
                 self.summary.decode_errors += 1;
@@ -527,6 +529,7 @@ mod tests {
             logprobs: None,
             prompt_logprobs: None,
             text_ids: None,
+            skip_special_tokens: true,
         }
     }
 

@@ -235,3 +235,122 @@ fn prompt_logprobs_are_recorded_once_per_position() {
         .collect();
     assert_eq!(rows, vec![want]);
 }
+
+/// `(key, column)` pairs as a sampling_columns map.
+fn columns_map(pairs: &[(&str, &str)]) -> std::collections::BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, c)| (k.to_string(), c.to_string()))
+        .collect()
+}
+
+fn id_lists(rows: &[Option<&[i64]>]) -> ArrayRef {
+    use arrow_array::builder::{Int64Builder, ListBuilder};
+    let mut b = ListBuilder::new(Int64Builder::new());
+    for r in rows {
+        match r {
+            Some(ids) => {
+                b.values().append_slice(ids);
+                b.append(true);
+            }
+            None => b.append(false),
+        }
+    }
+    Arc::new(b.finish())
+}
+
+/// Each row stops on its own ids: the model's EOS unless it ignores it, and its own stop token
+/// ids; a row below its min_new_tokens masks exactly those (the plan's end_ids).
+#[test]
+fn rows_stop_on_their_own_end_ids() {
+    use arrow_array::BooleanArray;
+    let mut f = with_columns(
+        "samp-ends",
+        &["w5", "w6", "w7", "w8"],
+        vec![
+            (
+                "ie",
+                Arc::new(BooleanArray::from(vec![None, None, Some(true), Some(true)])),
+            ),
+            ("st", id_lists(&[None, Some(&[7]), Some(&[7, 9]), None])),
+            (
+                "mn",
+                Arc::new(Int64Array::from(vec![None, None, Some(3), Some(2)])),
+            ),
+        ],
+    );
+    let map = [
+        ("ignore_eos", "ie"),
+        ("stop_token_ids", "st"),
+        ("min_new_tokens", "mn"),
+    ];
+    f.cfg.sampling_columns = columns_map(&map);
+    f.cfg.queue_rows = 16;
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    wait_for_reader(&s);
+    let plans = drive_constant(&mut s, 7, 0);
+    s.finish().unwrap();
+    // rows 2 and 3 mask while below 3 and 2 outputs: row 2 its stop ids only (it ignores EOS),
+    // row 3 nothing (no stop id, EOS ignored); rows 0 and 1 never mask
+    let first = &plans[0];
+    assert_eq!(first.end_ids, vec![7, 9]);
+    assert_eq!(first.cu_end_ids, vec![0, 0, 0, 2, 2]);
+    let rows = read_output(&f.cfg.output_dir);
+    let got: Vec<(i32, &str)> = rows
+        .iter()
+        .map(|r| (r.output_tokens, r.reason.as_str()))
+        .collect();
+    assert_eq!(
+        got,
+        vec![(8, "length"), (1, "stop"), (3, "stop"), (8, "length")]
+    );
+    assert_eq!(rows[1].text, "", "a stop token id is not in the text");
+    // the EOS id: row 0 stops on it, an ignore_eos row runs on
+    let mut f = with_columns(
+        "samp-ends-eos",
+        &["w5", "w6"],
+        vec![("ie", Arc::new(BooleanArray::from(vec![None, Some(true)])))],
+    );
+    f.cfg.sampling_columns = columns_map(&[("ignore_eos", "ie")]);
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    drive_constant(&mut s, 2, 0);
+    s.finish().unwrap();
+    let rows = read_output(&f.cfg.output_dir);
+    assert_eq!(
+        (rows[0].output_tokens, rows[0].reason.as_str()),
+        (1, "stop")
+    );
+    assert_eq!(
+        (rows[1].output_tokens, rows[1].reason.as_str()),
+        (8, "length")
+    );
+}
+
+/// include_stop_str_in_output keeps the stop string; skip_special_tokens false keeps special
+/// tokens in the text, on both paths (the incremental one of rows with stop strings, and the
+/// writer's decode of the others).
+#[test]
+fn stop_strings_kept_and_special_tokens_shown_per_row() {
+    use arrow_array::BooleanArray;
+    let texts = |tag: &str, token: i32, cols: Vec<(&str, ArrayRef)>, keys: &[(&str, &str)]| {
+        let mut f = with_columns(tag, &["w5", "w6", "w7"], cols);
+        f.cfg.sampling_columns = columns_map(keys);
+        f.cfg.max_new_tokens = 2;
+        let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+        drive_constant(&mut s, token, 0);
+        s.finish().unwrap();
+        let rows = read_output(&f.cfg.output_dir);
+        rows.into_iter().map(|r| r.text).collect::<Vec<_>>()
+    };
+    let inc = Arc::new(BooleanArray::from(vec![Some(true), None, Some(false)]));
+    let stop = Arc::new(StringArray::from(vec!["w9", "w9", "w9"]));
+    let keys = [("include_stop_str_in_output", "inc"), ("stop", "stop")];
+    let got = texts("samp-inc", 9, vec![("inc", inc), ("stop", stop)], &keys);
+    assert_eq!(got, vec!["w9", "", ""]);
+    // token 3 is <pad>, a special token: shown only where skip_special_tokens is false
+    let sk = Arc::new(BooleanArray::from(vec![Some(false), Some(false), None]));
+    let stop = Arc::new(StringArray::from(vec![Some("zz"), None, None]));
+    let keys = [("skip_special_tokens", "sk"), ("stop", "stop")];
+    let got = texts("samp-special", 3, vec![("sk", sk), ("stop", stop)], &keys);
+    assert_eq!(got, vec!["<pad> <pad>", "<pad> <pad>", ""]);
+}
