@@ -274,7 +274,7 @@ def scheduler_config(
     from .scheduler_config import SchedulerConfig
 
     job, mf = prep.job, prep.model
-    eng, smp = job.engine, job.sampling
+    eng = job.engine
     return SchedulerConfig(
         input_files=[str(f) for f in prep.input_files],
         prompt_column=job.input.text_column,
@@ -295,22 +295,7 @@ def scheduler_config(
         part_rows=job.output.part_rows,
         file_metadata=metadata,
         include_token_ids=job.output.include_token_ids,
-        max_new_tokens=smp.max_new_tokens,
-        stop=list(smp.stop),
-        temperature=smp.temperature,
-        top_p=smp.top_p,
-        top_k=smp.top_k,
-        seed=smp.seed,
-        n=smp.n,
-        min_new_tokens=smp.min_new_tokens,
-        min_p=smp.min_p,
-        ignore_eos=smp.ignore_eos,
-        stop_token_ids=list(smp.stop_token_ids),
-        include_stop_str_in_output=smp.include_stop_str_in_output,
-        skip_special_tokens=smp.skip_special_tokens,
-        repetition_penalty=smp.repetition_penalty,
-        frequency_penalty=smp.frequency_penalty,
-        presence_penalty=smp.presence_penalty,
+        **sampling_settings(job.sampling),
         logprobs=job.output.logprobs,
         prompt_logprobs=job.output.prompt_logprobs,
         sampling_columns=dict(job.input.sampling_columns),
@@ -327,6 +312,15 @@ def scheduler_config(
         flush_interval_s=job.output.flush_interval_s,
         overlap=overlapped(job),
     )
+
+
+def sampling_settings(smp) -> dict:
+    """The scheduler's sampling settings: the job's `sampling` section, key for key."""
+    keys = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "n", "min_new_tokens",
+            "min_p", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+            "repetition_penalty", "frequency_penalty", "presence_penalty")  # fmt: skip
+    out = {k: getattr(smp, k) for k in keys}
+    return {**out, "stop": list(smp.stop), "stop_token_ids": list(smp.stop_token_ids)}
 
 
 def overlapped(job: JobConfig) -> bool:

@@ -305,7 +305,12 @@ fn rows_stop_on_their_own_end_ids() {
         vec![(8, "length"), (1, "stop"), (3, "stop"), (8, "length")]
     );
     assert_eq!(rows[1].text, "", "a stop token id is not in the text");
-    // the EOS id: row 0 stops on it, an ignore_eos row runs on
+}
+
+/// The EOS id ends a row unless the row ignores EOS.
+#[test]
+fn ignore_eos_is_a_rows_own() {
+    use arrow_array::BooleanArray;
     let mut f = with_columns(
         "samp-ends-eos",
         &["w5", "w6"],
