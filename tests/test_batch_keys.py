@@ -115,3 +115,28 @@ def test_vllm_keys_per_line_equal_the_same_job_keys(tmp_path, tiny_model_dir):
     assert any(r["output_token_ids"][-1] == stop_id for r in ends), got
     assert any(r["output_text"].endswith(stop_str) for r in ends), got
     assert all(r["output_tokens"] >= 2 for r in got.values())
+
+
+def test_one_file_mixes_endpoints(tmp_path, tiny_model_dir):
+    """Chat and completion lines in one file: each line's results body is shaped by its own
+    url and holds what a file of that endpoint alone generates; a line to an endpoint
+    eaglebatch does not serve is a 400 line naming the url."""
+    prompts = random_prompts(6, seed=13)
+    chat = [request(f"c{i}", CHAT, {"messages": [{"role": "user", "content": p}]})
+            for i, p in enumerate(prompts[:3])]  # fmt: skip
+    completions = [request(f"p{i}", COMPLETIONS, {"prompt": p}) for i, p in enumerate(prompts[3:])]
+    mixed = [chat[0], completions[0], completions[1], chat[1], chat[2], completions[2],
+             request("e", "/v1/embeddings", {"input": "x"})]  # fmt: skip
+    for name, lines in [("mixed", mixed), ("chat", chat), ("completions", completions)]:
+        run_prepared(prepare(load_job(batch_job(tmp_path, tiny_model_dir, lines, name=name))))
+    got = results(tmp_path, "mixed")
+    alone = {**results(tmp_path, "chat"), **results(tmp_path, "completions")}
+    assert sorted(got) == sorted([*alone, "e"])
+    for cid, want in alone.items():
+        body = got[cid]["response"]["body"]
+        assert body["object"] == ("chat.completion" if cid[0] == "c" else "text_completion")
+        assert body["choices"] == want["response"]["body"]["choices"], cid
+    error = got["e"]["response"]
+    assert error["status_code"] == 400
+    assert "url must be" in error["body"]["error"]["message"]
+

@@ -20,7 +20,7 @@ from pathlib import Path
 from . import __version__
 from .config import JobConfig, JobError, job_to_dict
 from .errors import native_error
-from .inputs import BATCH_URLS, check_batch_input, check_input, check_output_apart
+from .inputs import check_batch_input, check_input, check_output_apart
 from .interrupt import Interrupted, StopSignals
 from .model_files import ModelFiles, model_files, resolve_draft_dir
 from .output_dir import prepare_output_dir, release_output_dir
@@ -40,8 +40,10 @@ class PreparedJob:
     draft_dir: Path | None
     # What decides the outputs (resume.py); recorded in every part file.
     identity: dict
-    # OpenAI Batch input: the endpoint its requests use (inputs.check_batch_input)
+    # OpenAI Batch input: its first line's url (the endpoint of rows whose parts have no
+    # endpoint column), and whether a line is a chat request (inputs.check_batch_input)
     openai_endpoint: str | None = None
+    batch_chat: bool = False
     # config.json's vocab_size: a row's stop_token_ids must be below it
     vocab_size: int = 0
 
@@ -128,9 +130,10 @@ def _with_chat_template(mf: ModelFiles, path: str | None) -> ModelFiles:
     return dataclasses.replace(mf, chat_template=read_chat_template(path))
 
 
-def renders_chat(job: JobConfig, endpoint: str | None) -> bool:
-    """Whether the job's prompts go through the chat template (so it must compile)."""
-    return job.input.renders_chat or endpoint == BATCH_URLS[0]
+def renders_chat(job: JobConfig, batch_chat: bool) -> bool:
+    """Whether the job's prompts (some of them, with batch input) go through the chat
+    template (so it must compile)."""
+    return job.input.renders_chat or batch_chat
 
 
 def check_chat_template(text: str, origin: str) -> None:
@@ -152,14 +155,15 @@ def template_origin(job: JobConfig, mf: ModelFiles) -> str:
 
 
 def prepare(job: JobConfig) -> PreparedJob:
-    endpoint = None
+    endpoint, batch_chat = None, False
     if job.input.openai_batch:
-        files, total, endpoint = check_batch_input(job.input)
+        batch = check_batch_input(job.input)
+        files, total, endpoint, batch_chat = batch.files, batch.total, batch.first_url, batch.chat
     else:
         files, total = check_input(job.input)
     check_output_apart(job.input.path, files, job.output.path)
     mf = _with_chat_template(model_files(job.model), job.model_chat_template)
-    if renders_chat(job, endpoint):
+    if renders_chat(job, batch_chat):
         if mf.chat_template is None:
             raise JobError(
                 f"input: chat messages need a chat template, and model {job.model} has none; "
@@ -175,7 +179,7 @@ def prepare(job: JobConfig) -> PreparedJob:
                            identity_hash(identity), job.input.path, files)  # fmt: skip
     return PreparedJob(
         job=job, input_files=files, total_rows=total, model=mf, draft_dir=draft, identity=identity,
-        openai_endpoint=endpoint, vocab_size=vocab_size,
+        openai_endpoint=endpoint, batch_chat=batch_chat, vocab_size=vocab_size,
     )
 
 
@@ -282,11 +286,10 @@ def scheduler_config(
         id_column=job.input.id_column,
         limit=job.input.limit,
         input_format="openai-batch" if job.input.openai_batch else "parquet",
-        openai_endpoint=prep.openai_endpoint,
         row_range=scope.row_range,
         apply_chat_template=job.input.apply_chat_template,
         tokenizer_file=str(mf.tokenizer_file),
-        chat_template=mf.chat_template,
+        chat_template=mf.chat_template if renders_chat(job, prep.batch_chat) else None,
         bos_token=mf.bos_token,
         eos_token=mf.eos_token,
         eos_token_ids=list(mf.eos_token_ids),

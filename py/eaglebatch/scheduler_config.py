@@ -21,9 +21,8 @@ class SchedulerConfig:
     messages_column: str | None
     id_column: str | None
     limit: int | None
-    # "parquet", or "openai-batch" (JSONL lines whose url must be openai_endpoint)
+    # "parquet", or "openai-batch" (JSONL lines, each naming its endpoint)
     input_format: str = "parquet"
-    openai_endpoint: str | None = None
     # Rows [start, end) of the input's row_index (after limit) to generate; None = all.
     row_range: tuple[int, int] | None = None
     # Prompt construction / tokenization.

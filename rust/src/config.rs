@@ -22,9 +22,6 @@ pub struct SchedulerConfig {
     pub id_column: Option<String>,
     /// The input files' format: "parquet", or "openai-batch" (JSONL requests, openai_batch.rs).
     pub input_format: String,
-    /// openai-batch: the one endpoint (url) the job's requests use; a line with another is an
-    /// error row.
-    pub openai_endpoint: Option<String>,
     pub limit: Option<u64>,
     /// Rows `[start, end)` of the input (by `row_index`, after `limit`) this run generates;
     /// None = all (a shard or a unit of a scaled-out job). Rows before `start` are read for
@@ -127,7 +124,6 @@ impl SchedulerConfig {
             messages_column: None,
             id_column: None,
             input_format: "parquet".to_string(),
-            openai_endpoint: None,
             limit: None,
             row_range: None,
             skip_rows: Vec::new(),
@@ -265,31 +261,24 @@ impl SchedulerConfig {
                 "input_files is empty: give at least one Parquet file",
             ));
         }
-        if self.openai_batch() {
-            let known = [
-                crate::openai_batch::CHAT_URL,
-                crate::openai_batch::COMPLETIONS_URL,
-            ];
-            if !known.contains(&self.openai_endpoint.as_deref().unwrap_or_default()) {
-                return Err(Error::user(format!(
-                    "openai-batch input needs openai_endpoint {} or {}, got {:?}",
-                    known[0], known[1], self.openai_endpoint
-                )));
-            }
-        } else if self.input_format != "parquet" {
+        // openai-batch: each line names its endpoint (openai_batch.rs)
+        if self.input_format != "parquet" && !self.openai_batch() {
             return Err(Error::user(format!(
                 "input_format must be parquet or openai-batch, got {:?}",
                 self.input_format
             )));
-        } else if self.prompt_column.is_none() && self.messages_column.is_none() {
+        } else if !self.openai_batch()
+            && self.prompt_column.is_none()
+            && self.messages_column.is_none()
+        {
             return Err(Error::user(
                 "neither prompt_column nor messages_column is set: one of them is required",
             ));
         }
         if self.needs_chat_template() && self.chat_template.as_deref().is_none_or(str::is_empty) {
             return Err(Error::user(
-                "a chat template is required (messages_column, apply_chat_template or chat \
-                 completion requests) but chat_template is empty: the tokenizer has no chat template; pass one",
+                "a chat template is required (messages_column or apply_chat_template) but \
+                 chat_template is empty: the tokenizer has no chat template; pass one",
             ));
         }
         Ok(())
@@ -337,12 +326,16 @@ impl SchedulerConfig {
         self.logprobs > 0 || self.sampling_columns.contains_key("logprobs") || self.openai_batch()
     }
 
-    /// Whether prompts are rendered with the chat template: a messages column, the
-    /// apply_chat_template setting, or chat-completion batch requests.
+    /// Whether every prompt is rendered with the chat template: a messages column or the
+    /// apply_chat_template setting (then a template is required).
     pub fn needs_chat_template(&self) -> bool {
-        let chat_batch = self.openai_batch()
-            && self.openai_endpoint.as_deref() == Some(crate::openai_batch::CHAT_URL);
-        self.messages_column.is_some() || self.apply_chat_template || chat_batch
+        self.messages_column.is_some() || self.apply_chat_template
+    }
+
+    /// Whether the chat template, when given, is compiled: prompts need it, or batch lines may
+    /// (chat lines; without a template each is an error row).
+    pub fn uses_chat_template(&self) -> bool {
+        self.needs_chat_template() || self.openai_batch()
     }
 
     /// Whether the input is OpenAI Batch JSONL.

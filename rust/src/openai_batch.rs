@@ -1,13 +1,12 @@
 //! OpenAI Batch input: one JSON request per line, `{custom_id, method, url, body}`, for
-//! `/v1/chat/completions` (body.messages) and `/v1/completions` (body.prompt, one string).
+//! `/v1/chat/completions` (body.messages) and `/v1/completions` (body.prompt, one string);
+//! each line's url is its own, so one file may mix them.
 //!
 //! A line becomes a request whose id is its `custom_id`, whose prompt is its messages (rendered
 //! with the chat template) or its prompt text, and whose sampling parameters are the job's with
-//! the body's overriding them (max_tokens / max_completion_tokens, temperature, top_p, stop,
-//! seed, frequency_penalty, presence_penalty, logprobs / top_logprobs, and vLLM's top_k,
-//! min_tokens, repetition_penalty). Anything wrong with a line (not JSON, a missing field, a
-//! value out of range, a body asking for what eaglebatch does not do) makes that line an error
-//! row whose message names the line number; it never fails the job. Blank lines are not
+//! the body's overriding them (the keys openai_keys.rs applies). Anything wrong with a line
+//! (not JSON, a missing field, a value out of range, a key or value eaglebatch would not apply)
+//! makes that line an error row whose message names the line number; it never fails the job. Blank lines are not
 //! requests (and not counted). A UTF-8 byte order mark opening the file is not part of line 1,
 //! and a line may end in CRLF (the `\r` is JSON whitespace).
 
@@ -20,10 +19,8 @@ use serde_json::{Map, Value};
 use crate::chat_template::Message;
 use crate::error::{Error, Result};
 use crate::openai_keys::{check_body, check_message_key, shown, Body, Endpoint};
+pub use crate::openai_keys::{CHAT_URL, COMPLETIONS_URL};
 use crate::sampling_params::{row_seed, to_f32, SamplingParams};
-
-pub const CHAT_URL: &str = "/v1/chat/completions";
-pub const COMPLETIONS_URL: &str = "/v1/completions";
 
 /// What a line asks to generate from.
 #[derive(Debug, Clone, PartialEq)]
@@ -32,20 +29,13 @@ pub enum Prompt {
     Text(String),
 }
 
-/// One parsed line: its custom_id when it has one, and its prompt and sampling or its error.
+/// One parsed line: its custom_id and endpoint when it has them, and its prompt and sampling
+/// or its error.
 #[derive(Debug)]
 pub struct BatchLine {
     pub custom_id: Option<String>,
+    pub endpoint: Option<Endpoint>,
     pub request: std::result::Result<(Prompt, Arc<SamplingParams>), String>,
-}
-
-/// The endpoint a url names (None: not one eaglebatch serves).
-pub fn endpoint_of(url: &str) -> Option<Endpoint> {
-    match url {
-        CHAT_URL => Some(Endpoint::Chat),
-        COMPLETIONS_URL => Some(Endpoint::Completions),
-        _ => None,
-    }
 }
 
 /// The requests (non-blank lines) of a JSONL file, counted by streaming it.
@@ -76,15 +66,8 @@ pub fn is_blank(line: &[u8]) -> bool {
     line.iter().all(u8::is_ascii_whitespace)
 }
 
-/// Parses line `line_no` (1-based) for a job whose requests use `endpoint` and whose sampling
-/// is `job` with `n` samples per row.
-pub fn parse_line(
-    text: &str,
-    line_no: u64,
-    endpoint: &str,
-    job: &Arc<SamplingParams>,
-    n: usize,
-) -> BatchLine {
+/// Parses line `line_no` (1-based) for a job whose sampling is `job` with `n` samples per row.
+pub fn parse_line(text: &str, line_no: u64, job: &Arc<SamplingParams>, n: usize) -> BatchLine {
     let at = |e: String| format!("line {line_no}: {e}");
     let obj = match serde_json::from_str::<Value>(text) {
         Ok(Value::Object(o)) => o,
@@ -95,39 +78,46 @@ pub fn parse_line(
         .get("custom_id")
         .and_then(Value::as_str)
         .map(str::to_string);
+    let endpoint = obj
+        .get("url")
+        .and_then(Value::as_str)
+        .and_then(Endpoint::of);
     let request = parse_request(&obj, endpoint, job, n).map_err(at);
     let request = match custom_id {
         None if request.is_ok() => Err(at("custom_id is missing or not a string".into())),
         _ => request,
     };
-    BatchLine { custom_id, request }
+    BatchLine {
+        custom_id,
+        endpoint,
+        request,
+    }
 }
 
 fn failed(custom_id: Option<String>, msg: String) -> BatchLine {
     BatchLine {
         custom_id,
+        endpoint: None,
         request: Err(msg),
     }
 }
 
 fn parse_request(
     obj: &Map<String, Value>,
-    endpoint: &str,
+    endpoint: Option<Endpoint>,
     job: &Arc<SamplingParams>,
     n: usize,
 ) -> std::result::Result<(Prompt, Arc<SamplingParams>), String> {
     if let Some(m) = obj.get("method").filter(|m| m.as_str() != Some("POST")) {
         return Err(format!("method must be \"POST\", got {m}"));
     }
-    let url = obj.get("url").and_then(Value::as_str).unwrap_or_default();
-    let e = endpoint_of(url)
-        .filter(|_| url == endpoint)
-        .ok_or_else(|| {
-            format!(
-            "url must be \"{endpoint}\" (one endpoint per batch file, as the first request's), \
-             got {url:?}"
-        )
-        })?;
+    let Some(e) = endpoint else {
+        let url = obj.get("url").map_or("nothing".to_string(), shown);
+        return Err(format!(
+            "url must be \"{CHAT_URL}\" or \"{COMPLETIONS_URL}\", got {url}"
+        ));
+    };
+    let url = e.url();
     let Some(Value::Object(body)) = obj.get("body") else {
         return Err("body is missing or not an object".into());
     };
@@ -389,7 +379,7 @@ mod tests {
         let line = format!(
             r#"{{"custom_id": "a", "method": "POST", "url": "{CHAT_URL}", "body": {body}}}"#
         );
-        parse_line(&line, 3, CHAT_URL, &job(), 1)
+        parse_line(&line, 3, &job(), 1)
     }
 
     #[test]
@@ -404,7 +394,7 @@ mod tests {
         assert_eq!(count_requests(&path).unwrap(), 2);
         let first = format!("\u{feff}{line}\r");
         let bare = std::str::from_utf8(without_bom(first.as_bytes(), 0)).unwrap();
-        let l = parse_line(bare, 1, COMPLETIONS_URL, &job(), 1);
+        let l = parse_line(bare, 1, &job(), 1);
         assert_eq!(l.custom_id.as_deref(), Some("a"), "{:?}", l.request);
         assert!(l.request.is_ok());
         // Only the file's first line loses a BOM: later, the bytes are the line's own.
@@ -434,7 +424,7 @@ mod tests {
 
     #[test]
     fn bad_lines_name_their_line_and_keep_a_custom_id() {
-        let e = parse_line("{not json", 7, CHAT_URL, &job(), 1);
+        let e = parse_line("{not json", 7, &job(), 1);
         assert!(
             e.custom_id.is_none() && e.request.unwrap_err().starts_with("line 7: not valid JSON")
         );
@@ -451,17 +441,20 @@ mod tests {
         let line = format!(
             r#"{{"custom_id": "b", "url": "{COMPLETIONS_URL}", "body": {{"prompt": "x"}}}}"#
         );
-        let e = parse_line(&line, 2, CHAT_URL, &job(), 1);
-        assert!(e
-            .request
-            .unwrap_err()
-            .contains("one endpoint per batch file"));
-        let l = parse_line(&line, 2, COMPLETIONS_URL, &job(), 1);
+        let l = parse_line(&line, 2, &job(), 1);
+        assert_eq!(l.endpoint, Some(Endpoint::Completions));
         assert_eq!(l.request.unwrap().0, Prompt::Text("x".into()));
+        let line = r#"{"custom_id": "c", "url": "/v1/embeddings", "body": {"input": "x"}}"#;
+        let e = parse_line(line, 5, &job(), 1);
+        assert_eq!((e.endpoint, e.custom_id.as_deref()), (None, Some("c")));
+        let e = e.request.unwrap_err();
+        assert!(
+            e.starts_with("line 5: url must be \"/v1/chat/completions\" or"),
+            "{e}"
+        );
         let e = parse_line(
             r#"{"url": "/v1/completions", "body": {"prompt": "x"}}"#,
             4,
-            COMPLETIONS_URL,
             &job(),
             1,
         );
@@ -487,7 +480,7 @@ mod tests {
             r#"{{"custom_id": "c", "url": "{COMPLETIONS_URL}", "body": {{"prompt": "x",
                 "suffix": null, "echo": false, "best_of": 1, "logprobs": null, "user": "u"}}}}"#
         );
-        let l = parse_line(&line, 1, COMPLETIONS_URL, &job(), 1);
+        let l = parse_line(&line, 1, &job(), 1);
         assert_eq!(l.request.unwrap().1.as_ref(), job().as_ref());
     }
 
@@ -596,9 +589,7 @@ mod tests {
         let line = format!(
             r#"{{"custom_id": "a", "url": "{CHAT_URL}", "body": {{{HI}, "stop_token_ids": [8]}}}}"#
         );
-        let e = parse_line(&line, 1, CHAT_URL, &Arc::new(j), 1)
-            .request
-            .unwrap_err();
+        let e = parse_line(&line, 1, &Arc::new(j), 1).request.unwrap_err();
         assert!(e.contains("stop_token_ids: 8 is not an id"), "{e}");
     }
 }

@@ -20,6 +20,27 @@ pub enum Endpoint {
     Completions,
 }
 
+pub const CHAT_URL: &str = "/v1/chat/completions";
+pub const COMPLETIONS_URL: &str = "/v1/completions";
+
+impl Endpoint {
+    /// The endpoint a url names (None: not one eaglebatch serves).
+    pub fn of(url: &str) -> Option<Endpoint> {
+        match url {
+            CHAT_URL => Some(Endpoint::Chat),
+            COMPLETIONS_URL => Some(Endpoint::Completions),
+            _ => None,
+        }
+    }
+
+    pub fn url(self) -> &'static str {
+        match self {
+            Endpoint::Chat => CHAT_URL,
+            Endpoint::Completions => COMPLETIONS_URL,
+        }
+    }
+}
+
 /// Which endpoints a key belongs to.
 #[derive(Debug, Clone, Copy)]
 enum Scope {

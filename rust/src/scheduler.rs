@@ -46,6 +46,7 @@ use crate::chat_template::ChatTemplate;
 use crate::config::SchedulerConfig;
 use crate::error::{Error, Result};
 use crate::logprobs::{self, PromptLogprobs, StepLogprobs};
+use crate::openai_keys::Endpoint;
 use crate::reader::{spawn_reader, validate_inputs, ReaderMsg, ReaderOptions, TextLimit};
 use crate::sampling_params::SamplingParams;
 use crate::sequence::{FinishReason, Request, Sequence, Status, Timing};
@@ -480,7 +481,7 @@ fn untruncated(mut tokenizer: Tokenizer) -> Result<Arc<Tokenizer>> {
 /// The job's chat template, compiled only when it is used (a messages column, or
 /// `apply_chat_template`); a template that does not compile is a user error.
 fn compile_template(cfg: &SchedulerConfig) -> Result<Option<ChatTemplate>> {
-    match (&cfg.chat_template, cfg.needs_chat_template()) {
+    match (&cfg.chat_template, cfg.uses_chat_template()) {
         (Some(src), true) => ChatTemplate::new(src)
             .map(Some)
             .map_err(|e| Error::user(format!("the chat template does not compile: {e}"))),
@@ -513,6 +514,7 @@ fn writer_config(
         include_token_ids: cfg.include_token_ids,
         logprobs: cfg.writes_logprobs(),
         prompt_logprobs: cfg.prompt_logprobs > 0,
+        endpoint: cfg.openai_batch(),
         id_type,
         flush_interval: cfg.flush_interval_s.map(std::time::Duration::from_secs_f64),
         decoder: Some(tokenizer),
@@ -900,6 +902,7 @@ impl Scheduler {
             prompt_logprobs: None,
             text_ids: None,
             skip_special_tokens: true,
+            endpoint: req.endpoint.map(Endpoint::url),
         })
     }
 
@@ -1302,6 +1305,7 @@ impl Scheduler {
             },
             text_ids,
             skip_special_tokens: seq.sampling.skip_special_tokens,
+            endpoint: seq.endpoint.map(Endpoint::url),
         }
     }
 

@@ -73,6 +73,9 @@ pub struct OutputRow {
     pub text_ids: Option<Vec<u32>>,
     /// How `text_ids` are decoded: without special tokens (the default), or with them.
     pub skip_special_tokens: bool,
+    /// OpenAI Batch input: the url of the row's line, when it named one eaglebatch serves
+    /// (written with `WriterConfig::endpoint`).
+    pub endpoint: Option<&'static str>,
 }
 
 #[derive(Debug, Clone)]
@@ -84,6 +87,8 @@ pub struct WriterConfig {
     /// Write the `logprobs` / `prompt_logprobs` columns (logprobs.rs).
     pub logprobs: bool,
     pub prompt_logprobs: bool,
+    /// Write the `endpoint` column (OpenAI Batch input: each line's url).
+    pub endpoint: bool,
     pub id_type: DataType,
     /// Close a part once its oldest row is this old (None: only by `part_rows`).
     pub flush_interval: Option<Duration>,
@@ -135,6 +140,9 @@ pub fn output_schema(cfg: &WriterConfig) -> SchemaRef {
     }
     if cfg.prompt_logprobs {
         fields.push(crate::logprobs::field("prompt_logprobs"));
+    }
+    if cfg.endpoint {
+        fields.push(Field::new("endpoint", DataType::Utf8, true));
     }
     Arc::new(Schema::new(fields))
 }
@@ -435,6 +443,9 @@ fn build_batch(schema: &SchemaRef, rows: &[OutputRow], cfg: &WriterConfig) -> Re
             rows.iter().map(|r| r.prompt_logprobs.as_deref()),
         ));
     }
+    if cfg.endpoint {
+        columns.push(string_column(rows, rows.len() * 20, |r| r.endpoint));
+    }
     Ok(RecordBatch::try_new(schema.clone(), columns)?)
 }
 
@@ -530,6 +541,7 @@ mod tests {
             prompt_logprobs: None,
             text_ids: None,
             skip_special_tokens: true,
+            endpoint: None,
         }
     }
 
@@ -544,6 +556,7 @@ mod tests {
             include_token_ids: true,
             logprobs: false,
             prompt_logprobs: false,
+            endpoint: false,
             id_type: DataType::Utf8,
             flush_interval: None,
             decoder: None,

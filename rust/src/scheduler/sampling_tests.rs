@@ -1,6 +1,7 @@
-//! Per-request sampling parameters through the scheduler: sampling columns reach the plan's
-//! per-row arrays (and penalised rows' tokens), per-row max_new_tokens and min_new_tokens
-//! decide where rows stop, and logprobs stay aligned with the output tokens they describe.
+//! Per-request parameters through the scheduler: sampling columns reach the plan's per-row
+//! arrays (and penalised rows' tokens), per-row max_new_tokens, min_new_tokens and end ids
+//! decide where rows stop, per-row text rules shape output_text, logprobs stay aligned with the
+//! output tokens they describe, and batch lines keep their own endpoints.
 
 use std::sync::Arc;
 
@@ -11,6 +12,7 @@ use arrow_array::{Array, ArrayRef, Float64Array, Int64Array, StringArray};
 use super::tests::{fixture, read_output, wait_for_reader, Fixture};
 use super::*;
 use crate::logprobs::PromptLogprobs;
+use crate::openai_batch::{CHAT_URL, COMPLETIONS_URL};
 use crate::testutil::{read_parts, write_parquet};
 
 /// The fixture with its input rewritten with extra columns.
@@ -358,4 +360,66 @@ fn stop_strings_kept_and_special_tokens_shown_per_row() {
     let keys = [("skip_special_tokens", "sk"), ("stop", "stop")];
     let got = texts("samp-special", 3, vec![("sk", sk), ("stop", stop)], &keys);
     assert_eq!(got, vec!["<pad> <pad>", "<pad> <pad>", ""]);
+}
+
+/// One OpenAI Batch file may mix endpoints: each row's `endpoint` column is its line's url
+/// (null where the line names none eaglebatch serves, an error row).
+#[test]
+fn batch_lines_keep_their_own_endpoints() {
+    let mut f = fixture("batch-mixed", &[]);
+    let input = f.dir.path().join("in.jsonl");
+    let line = |id: &str, url: &str, body: &str| {
+        format!(r#"{{"custom_id": "{id}", "method": "POST", "url": "{url}", "body": {body}}}"#)
+    };
+    let lines = [
+        line(
+            "c",
+            CHAT_URL,
+            r#"{"messages": [{"role": "user", "content": "w5 w6"}]}"#,
+        ),
+        line("p", COMPLETIONS_URL, r#"{"prompt": "w7"}"#),
+        String::new(),
+        line("e", "/v1/embeddings", r#"{"input": "w8"}"#),
+    ];
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    f.cfg.input_files = vec![input];
+    f.cfg.input_format = "openai-batch".into();
+    (f.cfg.prompt_column, f.cfg.id_column) = (None, None);
+    f.cfg.chat_template = Some("{% for m in messages %}{{ m.content }} {% endfor %}".into());
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    drive_constant(&mut s, 2, 0);
+    s.finish().unwrap();
+    let batches = read_parts(&f.cfg.output_dir);
+    let mut got: Vec<(String, Option<String>)> = Vec::new();
+    for b in &batches {
+        let (ids, urls) = (
+            b.column_by_name("id").unwrap(),
+            b.column_by_name("endpoint").unwrap(),
+        );
+        for i in 0..b.num_rows() {
+            let url = urls
+                .is_valid(i)
+                .then(|| urls.as_string::<i32>().value(i).to_string());
+            got.push((ids.as_string::<i32>().value(i).to_string(), url));
+        }
+    }
+    got.sort();
+    let want = [
+        ("c", Some(CHAT_URL)),
+        ("e", None),
+        ("p", Some(COMPLETIONS_URL)),
+    ];
+    let want: Vec<_> = want
+        .iter()
+        .map(|(i, u)| (i.to_string(), u.map(str::to_string)))
+        .collect();
+    assert_eq!(got, want);
+    // a Parquet job has no endpoint column
+    let f = fixture("batch-none", &[Some("w5")]);
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    drive_constant(&mut s, 2, 0);
+    s.finish().unwrap();
+    assert!(read_parts(&f.cfg.output_dir)[0]
+        .column_by_name("endpoint")
+        .is_none());
 }
