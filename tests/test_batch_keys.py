@@ -140,3 +140,50 @@ def test_one_file_mixes_endpoints(tmp_path, tiny_model_dir):
     assert error["status_code"] == 400
     assert "url must be" in error["body"]["error"]["message"]
 
+
+def test_lines_of_openai_sdk_types_and_results_its_types_read(tmp_path, tiny_model_dir):
+    """Bodies typed by the openai SDK's request types (checked by pydantic against them), one
+    file of chat and completion lines; every results body validates as the SDK's
+    ChatCompletion or Completion."""
+    openai = pytest.importorskip("openai")
+    from openai.types import completion_create_params as completion_params
+    from openai.types.chat import completion_create_params as chat_params
+    from pydantic import TypeAdapter
+
+    prompts = random_prompts(4, seed=14)
+    chat_bodies = [
+        {"model": "gpt-4o-mini", "messages": [{"role": "system", "content": "be brief"},
+                                              {"role": "user", "content": prompts[0]}],
+         "max_completion_tokens": 6, "temperature": 0.7, "seed": 1, "logprobs": True,
+         "top_logprobs": 2, "response_format": {"type": "text"}, "tool_choice": "none",
+         "store": False, "user": "u", "metadata": {"k": "v"}, "n": 1, "stop": ["\n\n"]},
+        {"model": "gpt-4o-mini", "messages": [
+            {"role": "user", "content": [{"type": "text", "text": prompts[1]}]},
+            {"role": "assistant", "content": None, "tool_calls": []},
+            {"role": "user", "content": "and?"}], "max_tokens": 5, "logit_bias": {},
+         "parallel_tool_calls": False, "service_tier": "auto"},
+    ]  # fmt: skip
+    completion_bodies = [
+        {"model": "gpt-3.5-turbo-instruct", "prompt": prompts[2], "max_tokens": 6,
+         "logprobs": 2, "echo": False, "suffix": None, "best_of": 1, "stop": "zz"},
+        {"model": "gpt-3.5-turbo-instruct", "prompt": prompts[3], "max_tokens": 4,
+         "temperature": 0.5, "presence_penalty": 0.5, "user": "u"},
+    ]  # fmt: skip
+    for typed, bodies in [(chat_params.CompletionCreateParamsNonStreaming, chat_bodies),
+                          (completion_params.CompletionCreateParamsNonStreaming,
+                           completion_bodies)]:  # fmt: skip
+        for b in bodies:
+            TypeAdapter(typed).validate_python(b)  # a body the SDK's types accept
+    lines = [request(f"c{i}", CHAT, b) for i, b in enumerate(chat_bodies)]
+    lines += [request(f"p{i}", COMPLETIONS, b) for i, b in enumerate(completion_bodies)]
+    run_prepared(prepare(load_job(batch_job(tmp_path, tiny_model_dir, lines, name="sdk"))))
+    got = results(tmp_path, "sdk")
+    assert sorted(got) == ["c0", "c1", "p0", "p1"]
+    for cid, line in got.items():
+        assert line["response"]["status_code"] == 200, line["response"]
+        body = line["response"]["body"]
+        typed = openai.types.chat.ChatCompletion if cid[0] == "c" else openai.types.Completion
+        parsed = typed.model_validate(body)
+        assert parsed.choices and parsed.usage.completion_tokens >= 1
+    chat_lp = openai.types.chat.ChatCompletion.model_validate(got["c0"]["response"]["body"])
+    assert chat_lp.choices[0].logprobs.content[0].top_logprobs
