@@ -152,7 +152,7 @@ def test_bad_lines_are_error_lines_naming_the_line(tmp_path, tiny_model_dir):
         request("neg", COMPLETIONS, {"prompt": "hi", "max_tokens": -2}),
         request("ok", COMPLETIONS, {"prompt": "dup"}),
         json.dumps({"method": "POST", "url": COMPLETIONS, "body": {"prompt": "x"}}),
-        request("chat", CHAT, {"messages": [{"role": "user", "content": "x"}]}),
+        request("emb", "/v1/embeddings", {"input": "x"}),
     ]
     job = batch_job(tmp_path, tiny_model_dir, lines)
     with open(tmp_path / "batch-requests.jsonl", "ab") as f:

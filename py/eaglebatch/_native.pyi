@@ -52,6 +52,11 @@ class StepPlan:
     seeds: npt.NDArray[np.int64]  # [B] per-request seed (the row's, or job seed x row index)
     num_generated: npt.NDArray[np.int32]  # [B] output tokens committed so far (sampling key)
     min_tokens: npt.NDArray[np.int32]  # [B] end ids masked while num_generated (+ j) is below
+    # rows below their min_tokens: their end ids (EOS unless the row ignores it, then its
+    # stop_token_ids), row i's are end_ids[cu_end_ids[i]:cu_end_ids[i+1]]; none for other rows
+    end_ids: npt.NDArray[np.int64]  # [E]
+    cu_end_ids: npt.NDArray[np.int32]  # [B+1]
+    min_p: npt.NDArray[np.float32]  # [B] 0 = off
     repetition_penalty: npt.NDArray[np.float32]  # [B] 1 = off
     frequency_penalty: npt.NDArray[np.float32]  # [B] 0 = off
     presence_penalty: npt.NDArray[np.float32]  # [B] 0 = off

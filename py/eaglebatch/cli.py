@@ -92,9 +92,9 @@ def _check_job_template(job) -> None:
     from .engine import check_chat_template, read_chat_template, renders_chat
     from .inputs import check_batch_input
 
-    endpoint = check_batch_input(job.input)[2] if job.input.openai_batch else None
+    batch_chat = job.input.openai_batch and check_batch_input(job.input).chat
     path = job.model_chat_template
-    if path is not None and renders_chat(job, endpoint):
+    if path is not None and renders_chat(job, batch_chat):
         check_chat_template(read_chat_template(path), f"model_chat_template: {path}")
 
 

@@ -72,7 +72,8 @@ class _Section(BaseModel):
 # The sampling keys a row may set from an input column (rust/src/sampling_params.rs).
 SAMPLING_COLUMN_KEYS = (
     "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "seed",
-    "repetition_penalty", "frequency_penalty", "presence_penalty", "stop", "logprobs",
+    "repetition_penalty", "frequency_penalty", "presence_penalty", "stop", "logprobs", "min_p",
+    "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
 )
 MAX_LOGPROBS = 20
 # The smallest positive sampling.temperature and the smallest repetition_penalty (the same in
@@ -214,6 +215,13 @@ class SamplingConfig(_Section):
     stop_token_ids: Annotated[tuple[Annotated[int, Field(ge=0, le=I32_MAX)], ...], LIST_OK] = ()
     # do not stop at the model's EOS tokens (stop_token_ids still stop)
     ignore_eos: bool = False
+    # min-p sampling (vLLM's): keep the tokens whose probability, after temperature, is at
+    # least min_p times the most likely one's (0 = off; greedy rows are never filtered)
+    min_p: Annotated[float, F32] = Field(default=0.0, ge=0.0, le=1.0)
+    # the output text keeps the stop string that ended it
+    include_stop_str_in_output: bool = False
+    # false: special tokens (other than an ending EOS or stop token id) appear in output_text
+    skip_special_tokens: bool = True
     # EOS and stop_token_ids are masked (stop strings unchecked) before this many output tokens
     min_new_tokens: int = Field(default=0, ge=0, le=I32_MAX)
     # vLLM's penalties: repetition over prompt and output tokens (> 1 discourages repeats;

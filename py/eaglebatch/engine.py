@@ -20,7 +20,7 @@ from pathlib import Path
 from . import __version__
 from .config import JobConfig, JobError, job_to_dict
 from .errors import native_error
-from .inputs import BATCH_URLS, check_batch_input, check_input, check_output_apart
+from .inputs import check_batch_input, check_input, check_output_apart
 from .interrupt import Interrupted, StopSignals
 from .model_files import ModelFiles, model_files, resolve_draft_dir
 from .output_dir import prepare_output_dir, release_output_dir
@@ -40,18 +40,22 @@ class PreparedJob:
     draft_dir: Path | None
     # What decides the outputs (resume.py); recorded in every part file.
     identity: dict
-    # OpenAI Batch input: the endpoint its requests use (inputs.check_batch_input)
+    # OpenAI Batch input: its first line's url (the endpoint of rows whose parts have no
+    # endpoint column), and whether a line is a chat request (inputs.check_batch_input)
     openai_endpoint: str | None = None
+    batch_chat: bool = False
+    # config.json's vocab_size: a row's stop_token_ids must be below it
+    vocab_size: int = 0
 
     @property
     def job_hash(self) -> str:
         return identity_hash(self.identity)
 
 
-def _check_model_config(job: JobConfig, mf: ModelFiles) -> tuple[str, int]:
+def _check_model_config(job: JobConfig, mf: ModelFiles) -> tuple[str, int, int]:
     """Checks config.json, the checkpoint's tensor names and shapes (headers only) and
-    engine.max_model_len without loading weights; returns the dtype the worker will use and
-    the resolved max_model_len."""
+    engine.max_model_len without loading weights; returns the dtype the worker will use, the
+    resolved max_model_len and the vocab_size."""
     from .model import ModelConfig, model_class
     from .worker import resolve_max_model_len
 
@@ -71,7 +75,7 @@ def _check_model_config(job: JobConfig, mf: ModelFiles) -> tuple[str, int]:
         raise JobError(f"sampling.stop_token_ids: {bad} are not ids of model {mf.dir}, whose "
                        f"vocab_size is {cfg.vocab_size}")  # fmt: skip
     max_model_len = resolve_max_model_len(job.engine.max_model_len, cfg.max_model_len)
-    return _check_engine(job, mf), max_model_len
+    return _check_engine(job, mf), max_model_len, cfg.vocab_size
 
 
 def _check_engine(job: JobConfig, mf: ModelFiles) -> str:
@@ -126,9 +130,10 @@ def _with_chat_template(mf: ModelFiles, path: str | None) -> ModelFiles:
     return dataclasses.replace(mf, chat_template=read_chat_template(path))
 
 
-def renders_chat(job: JobConfig, endpoint: str | None) -> bool:
-    """Whether the job's prompts go through the chat template (so it must compile)."""
-    return job.input.renders_chat or endpoint == BATCH_URLS[0]
+def renders_chat(job: JobConfig, batch_chat: bool) -> bool:
+    """Whether the job's prompts (some of them, with batch input) go through the chat
+    template (so it must compile)."""
+    return job.input.renders_chat or batch_chat
 
 
 def check_chat_template(text: str, origin: str) -> None:
@@ -150,14 +155,15 @@ def template_origin(job: JobConfig, mf: ModelFiles) -> str:
 
 
 def prepare(job: JobConfig) -> PreparedJob:
-    endpoint = None
+    endpoint, batch_chat = None, False
     if job.input.openai_batch:
-        files, total, endpoint = check_batch_input(job.input)
+        batch = check_batch_input(job.input)
+        files, total, endpoint, batch_chat = batch.files, batch.total, batch.first_url, batch.chat
     else:
         files, total = check_input(job.input)
     check_output_apart(job.input.path, files, job.output.path)
     mf = _with_chat_template(model_files(job.model), job.model_chat_template)
-    if renders_chat(job, endpoint):
+    if renders_chat(job, batch_chat):
         if mf.chat_template is None:
             raise JobError(
                 f"input: chat messages need a chat template, and model {job.model} has none; "
@@ -166,14 +172,14 @@ def prepare(job: JobConfig) -> PreparedJob:
         check_chat_template(mf.chat_template, template_origin(job, mf))
     draft = resolve_draft_dir(job.draft) if job.draft is not None else None
     _check_draft(draft)
-    dtype, max_model_len = _check_model_config(job, mf)
+    dtype, max_model_len, vocab_size = _check_model_config(job, mf)
     identity = job_identity(job, files, mf, draft, dtype, max_model_len)
     if job.output.results_file is not None:
         check_results_path(job.output.results_file, Path(job.output.path),
                            identity_hash(identity), job.input.path, files)  # fmt: skip
     return PreparedJob(
         job=job, input_files=files, total_rows=total, model=mf, draft_dir=draft, identity=identity,
-        openai_endpoint=endpoint,
+        openai_endpoint=endpoint, batch_chat=batch_chat, vocab_size=vocab_size,
     )
 
 
@@ -272,7 +278,7 @@ def scheduler_config(
     from .scheduler_config import SchedulerConfig
 
     job, mf = prep.job, prep.model
-    eng, smp = job.engine, job.sampling
+    eng = job.engine
     return SchedulerConfig(
         input_files=[str(f) for f in prep.input_files],
         prompt_column=job.input.text_column,
@@ -280,29 +286,19 @@ def scheduler_config(
         id_column=job.input.id_column,
         limit=job.input.limit,
         input_format="openai-batch" if job.input.openai_batch else "parquet",
-        openai_endpoint=prep.openai_endpoint,
         row_range=scope.row_range,
         apply_chat_template=job.input.apply_chat_template,
         tokenizer_file=str(mf.tokenizer_file),
-        chat_template=mf.chat_template,
+        chat_template=mf.chat_template if renders_chat(job, prep.batch_chat) else None,
         bos_token=mf.bos_token,
         eos_token=mf.eos_token,
-        eos_token_ids=smp.end_token_ids(mf.eos_token_ids),
+        eos_token_ids=list(mf.eos_token_ids),
+        vocab_size=prep.vocab_size,
         output_dir=scope.output_dir(job.output.path),
         part_rows=job.output.part_rows,
         file_metadata=metadata,
         include_token_ids=job.output.include_token_ids,
-        max_new_tokens=smp.max_new_tokens,
-        stop=list(smp.stop),
-        temperature=smp.temperature,
-        top_p=smp.top_p,
-        top_k=smp.top_k,
-        seed=smp.seed,
-        n=smp.n,
-        min_new_tokens=smp.min_new_tokens,
-        repetition_penalty=smp.repetition_penalty,
-        frequency_penalty=smp.frequency_penalty,
-        presence_penalty=smp.presence_penalty,
+        **sampling_settings(job.sampling),
         logprobs=job.output.logprobs,
         prompt_logprobs=job.output.prompt_logprobs,
         sampling_columns=dict(job.input.sampling_columns),
@@ -319,6 +315,15 @@ def scheduler_config(
         flush_interval_s=job.output.flush_interval_s,
         overlap=overlapped(job),
     )
+
+
+def sampling_settings(smp) -> dict:
+    """The scheduler's sampling settings: the job's `sampling` section, key for key."""
+    keys = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "n", "min_new_tokens",
+            "min_p", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+            "repetition_penalty", "frequency_penalty", "presence_penalty")  # fmt: skip
+    out = {k: getattr(smp, k) for k in keys}
+    return {**out, "stop": list(smp.stop), "stop_token_ids": list(smp.stop_token_ids)}
 
 
 def overlapped(job: JobConfig) -> bool:

@@ -10,6 +10,7 @@ import fnmatch
 import glob
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -111,16 +112,31 @@ def _is_stop(t: pa.DataType) -> bool:
     return is_text(t) or is_list_of(dense(t), is_text)
 
 
+def _is_bool(t: pa.DataType) -> bool:
+    return pa.types.is_boolean(dense(t))
+
+
+def _is_ids(t: pa.DataType) -> bool:
+    t = dense(t)
+    listed = pa.types.is_list(t) or pa.types.is_large_list(t)
+    return listed and pa.types.is_integer(t.value_type)
+
+
 # The column types of each sampling key (input.sampling_columns): the rule of
 # rust/src/sampling_params.rs `check_column_type`, which checks again when it opens the files.
 _INT_KEYS = ("max_new_tokens", "min_new_tokens", "top_k", "seed", "logprobs")
+_BOOL_KEYS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 
 
 def _sampling_check(key: str) -> tuple:
     if key == "stop":
         return _is_stop, "a string or list<string>"
+    if key == "stop_token_ids":
+        return _is_ids, "a list of integers"
     if key in _INT_KEYS:
         return is_int, "an integer"
+    if key in _BOOL_KEYS:
+        return _is_bool, "a boolean"
     return is_number, "a number (integer or float)"
 
 
@@ -134,13 +150,24 @@ _BLANK = b" \t\n\r\x0c"  # ASCII whitespace as Rust's is_ascii_whitespace
 _BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark opening a file is not part of line 1
 
 
-def check_batch_input(cfg: InputConfig) -> tuple[list[Path], int, str]:
-    """OpenAI Batch JSONL: the files, their requests (non-blank lines, capped by input.limit)
-    and the endpoint of the job: the url of the first line that names a supported one (every
-    other line must use it: a line that does not is an error row, openai_batch.rs). A file may
-    open with a UTF-8 byte order mark and end its lines in CRLF, as openai_batch.rs reads it."""
+@dataclass(frozen=True)
+class BatchInput:
+    """What an OpenAI Batch input holds, read before any work (inputs.check_batch_input)."""
+
+    files: list[Path]
+    total: int  # requests: non-blank lines, capped by input.limit
+    first_url: str  # the first line's served url (the default of parts without `endpoint`)
+    chat: bool  # a line is a chat request: its messages need the chat template
+
+
+def check_batch_input(cfg: InputConfig) -> BatchInput:
+    """OpenAI Batch JSONL: the files, their requests and what they ask. Each line names its
+    own endpoint (openai_batch.rs; one file may mix them); at least one line must be a request
+    to one eaglebatch serves. Lines are parsed only while that is unknown, and then only those
+    that may be chat requests (they hold "chat"), until one is. A file may open with a UTF-8
+    byte order mark and end its lines in CRLF, as openai_batch.rs reads it."""
     files = resolve_input_files(cfg.path, ".jsonl")
-    total, endpoint = 0, None
+    total, first, chat = 0, None, False
     for f in files:
         try:
             with open(f, "rb") as lines:
@@ -149,15 +176,18 @@ def check_batch_input(cfg: InputConfig) -> tuple[list[Path], int, str]:
                     if not line.strip(_BLANK):  # the reader's rule (openai_batch.rs is_blank)
                         continue
                     total += 1
-                    endpoint = endpoint or _line_url(line)
+                    if first is None or (not chat and b"chat" in line):
+                        url = _line_url(line)
+                        first = first or url
+                        chat = url == BATCH_URLS[0]
         except OSError as e:
             raise JobError(f"input.path: cannot read {f} ({e})") from None
-    if endpoint is None and total:
+    if first is None and total:
         raise JobError(f"input.path: no line of {cfg.path} is a request to "
                        f"{' or '.join(BATCH_URLS)}")  # fmt: skip
     if cfg.limit is not None:
         total = min(total, cfg.limit)
-    return files, total, endpoint or BATCH_URLS[0]
+    return BatchInput(files, total, first or BATCH_URLS[0], chat)
 
 
 def _line_url(line: bytes) -> str | None:
@@ -171,7 +201,8 @@ def _line_url(line: bytes) -> str | None:
 def check_input(cfg: InputConfig) -> tuple[list[Path], int]:
     """Returns the input files and their total row count (capped by input.limit)."""
     if cfg.openai_batch:
-        return check_batch_input(cfg)[:2]
+        batch = check_batch_input(cfg)
+        return batch.files, batch.total
     files = resolve_input_files(cfg.path)
     total = 0
     types = ColumnTypes()

@@ -1,4 +1,5 @@
-"""Per-row logits processing before sampling: `min_new_tokens` and vLLM's three penalties.
+"""Per-row logits processing before sampling: `min_new_tokens`, vLLM's three penalties and
+min-p.
 
 Applied to the target's logits of a step, [B, Q, V] with Q = 1 (plain decoding, prefill) or
 k + 1 (a verify round). Position j of row i is processed as plain decoding would process it
@@ -6,16 +7,22 @@ after the row's tokens plus drafts d_0..d_{j-1} (the ones verification must have
 reach j): so greedy verification of processed logits equals plain greedy decoding, and
 speculative sampling from them stays exact.
 
-- min_new_tokens: the end ids (EOS unless ignore_eos, and stop_token_ids) are -inf while the
-  row has generated fewer tokens (num_generated + j < min_tokens).
+- min_new_tokens: the row's end ids (the plan's `end_ids`: EOS unless the row ignores it, and
+  its stop_token_ids) are -inf while the row has generated fewer tokens (num_generated + j <
+  min_tokens).
 - repetition_penalty r (1 = off), over every token in the prompt or the output: a positive
   logit is divided by r, a non-positive one multiplied by it;
 - frequency_penalty f and presence_penalty p (0 = off), over output tokens only: logit -= f *
   count - p * (count > 0).
+- min_p m (0 = off), sampled rows only: a token whose probability after temperature,
+  softmax(logits / T), is below m times the most likely token's is -inf. The sampler divides
+  by T afterwards and filters by top-k and top-p, so this is vLLM's order (temperature, min-p,
+  top-k, top-p) and greedy rows are untouched.
 In that order, on the raw logits (before temperature, top-k and top-p), as vLLM does.
 
 Sparse: only the tokens a row has seen (its penalty ids and drafts) are gathered, penalised and
-scattered back, so the cost is O(B * Q * distinct tokens), not O(B * Q * V).
+scattered back, so the cost is O(B * Q * distinct tokens), not O(B * Q * V); min-p is dense
+over the rows that ask for it.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .sampling import deterministic_rows
 from .transfer import to_device
 
 
@@ -32,26 +40,25 @@ from .transfer import to_device
 class LogitsControls:
     """What a plan asks of its logits. Built by `from_plan`, None when it asks nothing."""
 
-    end_ids: torch.Tensor  # int64 [S] ids min_new_tokens masks
-    min_tokens: torch.Tensor | None  # int64 [B]; None: no row masks at this step
-    num_generated: torch.Tensor  # int64 [B]
+    ends: _EndMask | None  # rows below their min_tokens: their end ids
     penalties: _Penalties | None
+    min_p: _MinP | None
 
     @classmethod
-    def from_plan(cls, plan, end_ids: torch.Tensor, device) -> LogitsControls | None:
-        masking = bool((plan.min_tokens > plan.num_generated).any())
+    def from_plan(cls, plan, device) -> LogitsControls | None:
+        masking = bool((plan.min_tokens > plan.num_generated).any()) and len(plan.end_ids) > 0
         penalised = int(plan.cu_penalty[-1]) > 0
-        if not masking and not penalised:
+        min_p_rows = (plan.min_p > 0) & ~deterministic_rows(plan.temperature, plan.top_k)
+        if not (masking or penalised or min_p_rows.any()):
             return None
 
         def dev(a, dtype):
             return to_device(a, torch.device(device), dtype)
 
         return cls(
-            end_ids=end_ids.to(device),
-            min_tokens=dev(plan.min_tokens, np.int64) if masking else None,
-            num_generated=dev(plan.num_generated, np.int64),
+            ends=_EndMask.from_plan(plan, dev) if masking else None,
             penalties=_Penalties.from_plan(plan, dev) if penalised else None,
+            min_p=_MinP.from_plan(plan, min_p_rows, dev) if min_p_rows.any() else None,
         )
 
     def apply(
@@ -60,15 +67,66 @@ class LogitsControls:
         drafts: torch.Tensor | None = None,  # int64 [B, Q-1]: the tokens before positions 1..
     ) -> torch.Tensor:  # float32 [B, Q, V]
         out = logits.float().clone()
-        b, q, _ = out.shape
-        if self.min_tokens is not None and len(self.end_ids):
-            generated = self.num_generated[:, None] + torch.arange(q, device=out.device)
-            masked = generated < self.min_tokens[:, None]  # [B, Q]
-            ends = out[:, :, self.end_ids]  # [B, Q, S]
-            out[:, :, self.end_ids] = torch.where(masked[:, :, None], float("-inf"), ends)
+        if self.ends is not None:
+            self.ends.apply(out)
         if self.penalties is not None:
             self.penalties.apply(out, drafts)
+        if self.min_p is not None:
+            self.min_p.apply(out)
         return out
+
+
+@dataclass(frozen=True)
+class _EndMask:
+    """(row, end id) pairs of the rows below their min_tokens, and each row's counts."""
+
+    rows: torch.Tensor  # int64 [E]
+    ids: torch.Tensor  # int64 [E]
+    min_tokens: torch.Tensor  # int64 [B]
+    num_generated: torch.Tensor  # int64 [B]
+
+    @classmethod
+    def from_plan(cls, plan, dev) -> _EndMask:
+        lens = np.diff(plan.cu_end_ids.astype(np.int64))
+        return cls(
+            rows=dev(np.repeat(np.arange(len(lens)), lens), np.int64),
+            ids=dev(plan.end_ids, np.int64),
+            min_tokens=dev(plan.min_tokens, np.int64),
+            num_generated=dev(plan.num_generated, np.int64),
+        )
+
+    def apply(self, out: torch.Tensor) -> None:
+        """-inf at each pair's id in `out` [B, Q, V] where position j is below min_tokens."""
+        pos = torch.arange(out.shape[1], device=out.device)
+        generated = self.num_generated[self.rows][:, None] + pos[None, :]  # [E, Q]
+        masked = generated < self.min_tokens[self.rows][:, None]
+        at = (self.rows[:, None], pos[None, :], self.ids[:, None])
+        out[at] = torch.where(masked, float("-inf"), out[at])
+
+
+@dataclass(frozen=True)
+class _MinP:
+    """The min-p rows: their indices, min_p and temperature."""
+
+    rows: torch.Tensor  # int64 [R]
+    min_p: torch.Tensor  # float32 [R, 1, 1]
+    temperature: torch.Tensor  # float32 [R, 1, 1], > 0
+
+    @classmethod
+    def from_plan(cls, plan, rows: np.ndarray, dev) -> _MinP:
+        index = np.flatnonzero(rows)
+        return cls(
+            rows=dev(index, np.int64),
+            min_p=dev(plan.min_p[index], np.float32)[:, None, None],
+            temperature=dev(plan.temperature[index], np.float32)[:, None, None],
+        )
+
+    def apply(self, out: torch.Tensor) -> None:
+        """-inf where softmax(logits / T) < min_p * its maximum, per row and position."""
+        x = out[self.rows]  # [R, Q, V]
+        probs = torch.softmax(x / self.temperature, dim=-1)
+        cut = probs < self.min_p * probs.amax(dim=-1, keepdim=True)
+        out[self.rows] = x.masked_fill(cut, float("-inf"))
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,9 @@ over `output.results_path` (results_file.py: where it may go and proof it is our
 It reads exactly the parts resume reads (output_dir.scan_tree: `_x` / `.x` copies are not).
 A rerun of a finished job rewrites the same lines. A request's samples are its `choices`
 (index = sample_index); an error row is a 400 response whose body holds the error, as the
-OpenAI Batch API reports a request it refused.
+OpenAI Batch API reports a request it refused. A line's body is shaped by its own endpoint:
+the parts' `endpoint` column (OpenAI Batch input, whose lines may mix endpoints), else the
+job's (`default_endpoint`: a Parquet input's, or parts written before the column existed).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ _COLUMNS = ["id", "row_index", "sample_index", "output_text", "finish_reason", "
 
 
 def write_results(
-    output_path: Path, results: Path, endpoint: str, model: str, job_hash: str
+    output_path: Path, results: Path, default_endpoint: str, model: str, job_hash: str
 ) -> int:
     """Writes `results` from every part under `output_path`; returns the lines written."""
     tmp = results.with_name(f".{results.name}.tmp")
@@ -43,6 +45,7 @@ def write_results(
     lines = 0
     with open(tmp, "w", encoding="utf-8") as f:
         for samples in _requests(output_path):
+            endpoint = samples[0].get("endpoint") or default_endpoint
             f.write(json.dumps(_line(samples, endpoint, model, created), ensure_ascii=False))
             f.write("\n")
             lines += 1
@@ -89,7 +92,8 @@ def _first_row(part: Path) -> int:
 
 def _rows(part: Path):
     pf = pq.ParquetFile(part)
-    columns = [c for c in [*_COLUMNS, "cached_tokens", "logprobs"] if c in pf.schema_arrow.names]
+    wanted = [*_COLUMNS, "cached_tokens", "logprobs", "endpoint"]
+    columns = [c for c in wanted if c in pf.schema_arrow.names]
     for batch in pf.iter_batches(batch_size=1024, columns=columns):
         yield from batch.to_pylist()
 

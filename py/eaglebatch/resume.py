@@ -145,6 +145,7 @@ def job_identity(
 _LATER_SAMPLING_DEFAULTS = {
     "stop_token_ids": [], "ignore_eos": False, "n": 1, "min_new_tokens": 0,
     "repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+    "min_p": 0.0, "include_stop_str_in_output": False, "skip_special_tokens": True,
 }
 
 

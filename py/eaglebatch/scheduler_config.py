@@ -21,9 +21,8 @@ class SchedulerConfig:
     messages_column: str | None
     id_column: str | None
     limit: int | None
-    # "parquet", or "openai-batch" (JSONL lines whose url must be openai_endpoint)
+    # "parquet", or "openai-batch" (JSONL lines, each naming its endpoint)
     input_format: str = "parquet"
-    openai_endpoint: str | None = None
     # Rows [start, end) of the input's row_index (after limit) to generate; None = all.
     row_range: tuple[int, int] | None = None
     # Prompt construction / tokenization.
@@ -32,7 +31,11 @@ class SchedulerConfig:
     chat_template: str | None
     bos_token: str | None
     eos_token: str | None
-    eos_token_ids: list[int]  # ids < the model's vocab_size (checked by engine.prepare)
+    # the model's EOS ids, < its vocab_size (checked by engine.prepare); a row stops at them
+    # unless it ignores EOS
+    eos_token_ids: list[int]
+    # config.json's vocab_size: a row's stop_token_ids must be below it (0 = unchecked)
+    vocab_size: int = 0
     # Output.
     output_dir: str
     part_rows: int
@@ -47,6 +50,11 @@ class SchedulerConfig:
     seed: int
     n: int = 1  # samples per input row
     min_new_tokens: int = 0
+    min_p: float = 0.0  # vLLM's min-p (0 = off)
+    ignore_eos: bool = False  # do not stop at eos_token_ids
+    stop_token_ids: list[int] = field(default_factory=list)  # ids that end a row like EOS
+    include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it
+    skip_special_tokens: bool = True  # false: special tokens appear in output_text
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0

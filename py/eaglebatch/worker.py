@@ -266,7 +266,7 @@ def sample_rows(worker, plan, logits: torch.Tensor, sampling: tuple[torch.Tensor
     """One token per row from logits [B, V] after the plan's logits controls (min tokens,
     penalties), and the rows' logprobs when the plan asks for them: (tokens int64 [B], the
     logprobs `Scheduler.commit` takes, or None; `on_device`: those as device tensors)."""
-    controls = LogitsControls.from_plan(plan, worker.end_ids, logits.device)
+    controls = LogitsControls.from_plan(plan, logits.device)
     processed = None if controls is None else controls.apply(logits[:, None])[:, 0]  # [B, V]
     host = (plan.temperature, plan.top_p, plan.top_k)  # which rows sample, known on the host
     tokens = sample(logits if processed is None else processed, *sampling, host=host)  # [B]
@@ -304,9 +304,8 @@ def fill_placeholders(ids: torch.Tensor, plan, prev: Launched | None) -> None:
 
 
 class Worker:
-    # What sampling needs of the job (from_job sets them): the ids min_new_tokens masks, and
-    # which distribution logprobs report (logprobs.py).
-    end_ids: torch.Tensor = torch.empty(0, dtype=torch.long)
+    # What sampling needs of the job (from_job sets it): which distribution logprobs report
+    # (logprobs.py). The ids min_new_tokens masks are each row's, in the plan.
     logprobs_mode: str = "raw"
     # plain decoding plans plain steps anyway (`SpecWorker.plain_steps`)
     plain_steps: bool = False
@@ -429,8 +428,6 @@ class Worker:
         budget = plan_kv_budget(eng, cfg, seq_tokens, dtype, device, extra_kv_layers, reserve)
         kv = allocate_kv_cache(cfg, budget.num_blocks + 1, budget.block_size, dtype, device)
         worker = cls(model, kv, budget, max_model_len, graph_reserve_bytes=reserve)
-        worker.end_ids = torch.tensor(job.sampling.end_token_ids(mf.eos_token_ids),
-                                      dtype=torch.long, device=device)
         worker.logprobs_mode = job.output.logprobs_mode
         worker.weights = weights
         return worker

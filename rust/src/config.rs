@@ -22,9 +22,6 @@ pub struct SchedulerConfig {
     pub id_column: Option<String>,
     /// The input files' format: "parquet", or "openai-batch" (JSONL requests, openai_batch.rs).
     pub input_format: String,
-    /// openai-batch: the one endpoint (url) the job's requests use; a line with another is an
-    /// error row.
-    pub openai_endpoint: Option<String>,
     pub limit: Option<u64>,
     /// Rows `[start, end)` of the input (by `row_index`, after `limit`) this run generates;
     /// None = all (a shard or a unit of a scaled-out job). Rows before `start` are read for
@@ -44,7 +41,10 @@ pub struct SchedulerConfig {
     pub chat_template: Option<String>,
     pub bos_token: Option<String>,
     pub eos_token: Option<String>,
+    /// The model's EOS ids: a row stops at them unless it ignores EOS.
     pub eos_token_ids: Vec<u32>,
+    /// The model's vocabulary size: every stop token id is below it (0: unchecked).
+    pub vocab_size: usize,
     // Output.
     pub output_dir: PathBuf,
     pub part_rows: usize,
@@ -62,6 +62,16 @@ pub struct SchedulerConfig {
     pub seed: i64,
     /// EOS / stop token ids masked and stop strings unchecked before this many output tokens.
     pub min_new_tokens: usize,
+    /// vLLM's min-p (0 = off), applied by the worker.
+    pub min_p: f32,
+    /// Do not stop at `eos_token_ids` (`stop_token_ids` still stop).
+    pub ignore_eos: bool,
+    /// Ids that end a request like EOS.
+    pub stop_token_ids: Vec<u32>,
+    /// The text keeps the stop string that ended it.
+    pub include_stop_str_in_output: bool,
+    /// Decode texts without special tokens (false: they appear in them).
+    pub skip_special_tokens: bool,
     /// vLLM's penalties: repetition (1 = off) over prompt and output tokens, frequency and
     /// presence (0 = off) over output tokens; applied by the worker.
     pub repetition_penalty: f32,
@@ -114,7 +124,6 @@ impl SchedulerConfig {
             messages_column: None,
             id_column: None,
             input_format: "parquet".to_string(),
-            openai_endpoint: None,
             limit: None,
             row_range: None,
             skip_rows: Vec::new(),
@@ -125,6 +134,7 @@ impl SchedulerConfig {
             bos_token: None,
             eos_token: None,
             eos_token_ids: Vec::new(),
+            vocab_size: 0,
             output_dir,
             part_rows: 10_000,
             file_metadata: BTreeMap::new(),
@@ -137,6 +147,11 @@ impl SchedulerConfig {
             top_k: 0,
             seed: 0,
             min_new_tokens: 0,
+            min_p: 0.0,
+            ignore_eos: false,
+            stop_token_ids: Vec::new(),
+            include_stop_str_in_output: false,
+            skip_special_tokens: true,
             repetition_penalty: 1.0,
             frequency_penalty: 0.0,
             presence_penalty: 0.0,
@@ -246,31 +261,24 @@ impl SchedulerConfig {
                 "input_files is empty: give at least one Parquet file",
             ));
         }
-        if self.openai_batch() {
-            let known = [
-                crate::openai_batch::CHAT_URL,
-                crate::openai_batch::COMPLETIONS_URL,
-            ];
-            if !known.contains(&self.openai_endpoint.as_deref().unwrap_or_default()) {
-                return Err(Error::user(format!(
-                    "openai-batch input needs openai_endpoint {} or {}, got {:?}",
-                    known[0], known[1], self.openai_endpoint
-                )));
-            }
-        } else if self.input_format != "parquet" {
+        // openai-batch: each line names its endpoint (openai_batch.rs)
+        if self.input_format != "parquet" && !self.openai_batch() {
             return Err(Error::user(format!(
                 "input_format must be parquet or openai-batch, got {:?}",
                 self.input_format
             )));
-        } else if self.prompt_column.is_none() && self.messages_column.is_none() {
+        } else if !self.openai_batch()
+            && self.prompt_column.is_none()
+            && self.messages_column.is_none()
+        {
             return Err(Error::user(
                 "neither prompt_column nor messages_column is set: one of them is required",
             ));
         }
         if self.needs_chat_template() && self.chat_template.as_deref().is_none_or(str::is_empty) {
             return Err(Error::user(
-                "a chat template is required (messages_column, apply_chat_template or chat \
-                 completion requests) but chat_template is empty: the tokenizer has no chat template; pass one",
+                "a chat template is required (messages_column or apply_chat_template) but \
+                 chat_template is empty: the tokenizer has no chat template; pass one",
             ));
         }
         Ok(())
@@ -318,12 +326,16 @@ impl SchedulerConfig {
         self.logprobs > 0 || self.sampling_columns.contains_key("logprobs") || self.openai_batch()
     }
 
-    /// Whether prompts are rendered with the chat template: a messages column, the
-    /// apply_chat_template setting, or chat-completion batch requests.
+    /// Whether every prompt is rendered with the chat template: a messages column or the
+    /// apply_chat_template setting (then a template is required).
     pub fn needs_chat_template(&self) -> bool {
-        let chat_batch = self.openai_batch()
-            && self.openai_endpoint.as_deref() == Some(crate::openai_batch::CHAT_URL);
-        self.messages_column.is_some() || self.apply_chat_template || chat_batch
+        self.messages_column.is_some() || self.apply_chat_template
+    }
+
+    /// Whether the chat template, when given, is compiled: prompts need it, or batch lines may
+    /// (chat lines; without a template each is an error row).
+    pub fn uses_chat_template(&self) -> bool {
+        self.needs_chat_template() || self.openai_batch()
     }
 
     /// Whether the input is OpenAI Batch JSONL.

@@ -7,7 +7,7 @@
 //! back until the next token completes it.
 //!
 //! Invariant: the concatenation of all returned deltas is a prefix of
-//! `tokenizer.decode(ids, skip_special_tokens = true)` for the usual decoders; the scheduler
+//! `tokenizer.decode(ids, skip_special_tokens)` for the usual decoders; the scheduler
 //! still re-decodes the full output once when a request finishes, so the final `output_text`
 //! equals that decode exactly (unless a stop string cut it).
 
@@ -28,15 +28,21 @@ impl IncrementalDetokenizer {
         Self::default()
     }
 
-    /// `ids` are all output ids so far, including the ones just appended (EOS never included).
-    /// Returns the text that became final with them (possibly empty).
-    pub fn step(&mut self, tokenizer: &Tokenizer, ids: &[u32]) -> Result<String> {
+    /// `ids` are all output ids so far, including the ones just appended (EOS never included),
+    /// decoded without special tokens when `skip_special_tokens`. Returns the text that became
+    /// final with them (possibly empty).
+    pub fn step(
+        &mut self,
+        tokenizer: &Tokenizer,
+        ids: &[u32],
+        skip_special_tokens: bool,
+    ) -> Result<String> {
         if ids.len() <= self.read_offset {
             return Ok(String::new());
         }
         let decode = |s: &[u32]| {
             tokenizer
-                .decode(s, true)
+                .decode(s, skip_special_tokens)
                 .map_err(|e| Error::Tokenizer(format!("decode failed: {e}")))
         };
         let prefix_text = decode(&ids[self.prefix_offset..self.read_offset])?;
@@ -62,7 +68,7 @@ pub(crate) mod tests {
         let mut d = IncrementalDetokenizer::new();
         let mut out = String::new();
         for n in 1..=ids.len() {
-            out.push_str(&d.step(tok, &ids[..n]).unwrap());
+            out.push_str(&d.step(tok, &ids[..n], true).unwrap());
         }
         out
     }
@@ -93,7 +99,7 @@ pub(crate) mod tests {
         let mut d = IncrementalDetokenizer::new();
         let mut out = String::new();
         for n in 1..=ids.len() {
-            let delta = d.step(&tok, &ids[..n]).unwrap();
+            let delta = d.step(&tok, &ids[..n], true).unwrap();
             assert!(!delta.contains('\u{FFFD}'), "emitted a partial character");
             out.push_str(&delta);
         }

@@ -1,13 +1,12 @@
 //! OpenAI Batch input: one JSON request per line, `{custom_id, method, url, body}`, for
-//! `/v1/chat/completions` (body.messages) and `/v1/completions` (body.prompt, one string).
+//! `/v1/chat/completions` (body.messages) and `/v1/completions` (body.prompt, one string);
+//! each line's url is its own, so one file may mix them.
 //!
 //! A line becomes a request whose id is its `custom_id`, whose prompt is its messages (rendered
 //! with the chat template) or its prompt text, and whose sampling parameters are the job's with
-//! the body's overriding them (max_tokens / max_completion_tokens, temperature, top_p, stop,
-//! seed, frequency_penalty, presence_penalty, logprobs / top_logprobs, and vLLM's top_k,
-//! min_tokens, repetition_penalty). Anything wrong with a line (not JSON, a missing field, a
-//! value out of range, a body asking for what eaglebatch does not do) makes that line an error
-//! row whose message names the line number; it never fails the job. Blank lines are not
+//! the body's overriding them (the keys openai_keys.rs applies). Anything wrong with a line
+//! (not JSON, a missing field, a value out of range, a key or value eaglebatch would not apply)
+//! makes that line an error row whose message names the line number; it never fails the job. Blank lines are not
 //! requests (and not counted). A UTF-8 byte order mark opening the file is not part of line 1,
 //! and a line may end in CRLF (the `\r` is JSON whitespace).
 
@@ -20,10 +19,8 @@ use serde_json::{Map, Value};
 use crate::chat_template::Message;
 use crate::error::{Error, Result};
 use crate::openai_keys::{check_body, check_message_key, shown, Body, Endpoint};
-use crate::sampling_params::{to_f32, SamplingParams};
-
-pub const CHAT_URL: &str = "/v1/chat/completions";
-pub const COMPLETIONS_URL: &str = "/v1/completions";
+pub use crate::openai_keys::{CHAT_URL, COMPLETIONS_URL};
+use crate::sampling_params::{row_seed, to_f32, SamplingParams};
 
 /// What a line asks to generate from.
 #[derive(Debug, Clone, PartialEq)]
@@ -32,20 +29,13 @@ pub enum Prompt {
     Text(String),
 }
 
-/// One parsed line: its custom_id when it has one, and its prompt and sampling or its error.
+/// One parsed line: its custom_id and endpoint when it has them, and its prompt and sampling
+/// or its error.
 #[derive(Debug)]
 pub struct BatchLine {
     pub custom_id: Option<String>,
+    pub endpoint: Option<Endpoint>,
     pub request: std::result::Result<(Prompt, Arc<SamplingParams>), String>,
-}
-
-/// The endpoint a url names (None: not one eaglebatch serves).
-pub fn endpoint_of(url: &str) -> Option<Endpoint> {
-    match url {
-        CHAT_URL => Some(Endpoint::Chat),
-        COMPLETIONS_URL => Some(Endpoint::Completions),
-        _ => None,
-    }
 }
 
 /// The requests (non-blank lines) of a JSONL file, counted by streaming it.
@@ -76,15 +66,8 @@ pub fn is_blank(line: &[u8]) -> bool {
     line.iter().all(u8::is_ascii_whitespace)
 }
 
-/// Parses line `line_no` (1-based) for a job whose requests use `endpoint` and whose sampling
-/// is `job` with `n` samples per row.
-pub fn parse_line(
-    text: &str,
-    line_no: u64,
-    endpoint: &str,
-    job: &Arc<SamplingParams>,
-    n: usize,
-) -> BatchLine {
+/// Parses line `line_no` (1-based) for a job whose sampling is `job` with `n` samples per row.
+pub fn parse_line(text: &str, line_no: u64, job: &Arc<SamplingParams>, n: usize) -> BatchLine {
     let at = |e: String| format!("line {line_no}: {e}");
     let obj = match serde_json::from_str::<Value>(text) {
         Ok(Value::Object(o)) => o,
@@ -95,39 +78,46 @@ pub fn parse_line(
         .get("custom_id")
         .and_then(Value::as_str)
         .map(str::to_string);
+    let endpoint = obj
+        .get("url")
+        .and_then(Value::as_str)
+        .and_then(Endpoint::of);
     let request = parse_request(&obj, endpoint, job, n).map_err(at);
     let request = match custom_id {
         None if request.is_ok() => Err(at("custom_id is missing or not a string".into())),
         _ => request,
     };
-    BatchLine { custom_id, request }
+    BatchLine {
+        custom_id,
+        endpoint,
+        request,
+    }
 }
 
 fn failed(custom_id: Option<String>, msg: String) -> BatchLine {
     BatchLine {
         custom_id,
+        endpoint: None,
         request: Err(msg),
     }
 }
 
 fn parse_request(
     obj: &Map<String, Value>,
-    endpoint: &str,
+    endpoint: Option<Endpoint>,
     job: &Arc<SamplingParams>,
     n: usize,
 ) -> std::result::Result<(Prompt, Arc<SamplingParams>), String> {
     if let Some(m) = obj.get("method").filter(|m| m.as_str() != Some("POST")) {
         return Err(format!("method must be \"POST\", got {m}"));
     }
-    let url = obj.get("url").and_then(Value::as_str).unwrap_or_default();
-    let e = endpoint_of(url)
-        .filter(|_| url == endpoint)
-        .ok_or_else(|| {
-            format!(
-            "url must be \"{endpoint}\" (one endpoint per batch file, as the first request's), \
-             got {url:?}"
-        )
-        })?;
+    let Some(e) = endpoint else {
+        let url = obj.get("url").map_or("nothing".to_string(), shown);
+        return Err(format!(
+            "url must be \"{CHAT_URL}\" or \"{COMPLETIONS_URL}\", got {url}"
+        ));
+    };
+    let url = e.url();
     let Some(Value::Object(body)) = obj.get("body") else {
         return Err("body is missing or not an object".into());
     };
@@ -213,7 +203,67 @@ fn text_parts(parts: &[Value], j: usize) -> std::result::Result<String, String> 
     Ok(text)
 }
 
-/// The job's parameters with the body's sampling keys applied, checked.
+type Parsed<T> = std::result::Result<Option<T>, String>;
+
+/// body.k when present and not null.
+fn given<'a>(body: &'a Map<String, Value>, k: &str) -> Option<&'a Value> {
+    body.get(k).filter(|v| !v.is_null())
+}
+
+fn uint(body: &Map<String, Value>, k: &str) -> Parsed<u64> {
+    given(body, k)
+        .map(|v| {
+            v.as_u64()
+                .ok_or_else(|| format!("body.{k} must be an integer >= 0, got {}", shown(v)))
+        })
+        .transpose()
+}
+
+fn int(body: &Map<String, Value>, k: &str) -> Parsed<i64> {
+    given(body, k)
+        .map(|v| {
+            v.as_i64()
+                .ok_or_else(|| format!("body.{k} must be a 64-bit integer, got {}", shown(v)))
+        })
+        .transpose()
+}
+
+fn num(body: &Map<String, Value>, k: &str) -> Parsed<f32> {
+    given(body, k)
+        .map(|v| match v.as_f64() {
+            Some(x) => to_f32(x).map_err(|e| format!("body.{k}: {e}")),
+            None => Err(format!("body.{k} must be a number, got {}", shown(v))),
+        })
+        .transpose()
+}
+
+fn flag(body: &Map<String, Value>, k: &str) -> Parsed<bool> {
+    given(body, k)
+        .map(|v| {
+            v.as_bool()
+                .ok_or_else(|| format!("body.{k} must be true or false, got {}", shown(v)))
+        })
+        .transpose()
+}
+
+fn token_ids(body: &Map<String, Value>, k: &str) -> Parsed<Vec<u32>> {
+    let bad = |v: &Value| format!("body.{k} must be a list of token ids, got {}", shown(v));
+    given(body, k)
+        .map(|v| {
+            let list = v.as_array().ok_or_else(|| bad(v))?;
+            list.iter()
+                .map(|t| {
+                    t.as_u64()
+                        .and_then(|t| u32::try_from(t).ok())
+                        .ok_or_else(|| bad(v))
+                })
+                .collect()
+        })
+        .transpose()
+}
+
+/// The job's parameters with the body's sampling keys applied, checked (vLLM's conventions:
+/// `top_k: -1` is off, `seed: -1` no seed of the line's own).
 fn body_sampling(
     body: &Map<String, Value>,
     job: &Arc<SamplingParams>,
@@ -221,38 +271,21 @@ fn body_sampling(
     chat: bool,
 ) -> std::result::Result<Arc<SamplingParams>, String> {
     let mut p = job.as_ref().clone();
-    let int = |k: &str| -> std::result::Result<Option<u64>, String> {
-        match body.get(k) {
-            None | Some(Value::Null) => Ok(None),
-            Some(v) => v
-                .as_u64()
-                .map(Some)
-                .ok_or_else(|| format!("body.{k} must be an integer >= 0, got {v}")),
-        }
-    };
-    let num = |k: &str| -> std::result::Result<Option<f32>, String> {
-        match body.get(k) {
-            None | Some(Value::Null) => Ok(None),
-            Some(v) => match v.as_f64() {
-                Some(x) => to_f32(x).map(Some).map_err(|e| format!("body.{k}: {e}")),
-                None => Err(format!("body.{k} must be a number, got {v}")),
-            },
-        }
-    };
     let to_usize = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
-    if let Some(v) = int("max_completion_tokens")?.or(int("max_tokens")?) {
+    if let Some(v) = uint(body, "max_completion_tokens")?.or(uint(body, "max_tokens")?) {
         p.max_new_tokens = to_usize(v);
     }
-    if let Some(v) = int("min_tokens")? {
+    if let Some(v) = uint(body, "min_tokens")? {
         p.min_new_tokens = to_usize(v);
     }
-    if let Some(v) = int("top_k")? {
+    if let Some(v) = int(body, "top_k")? {
+        let v = if v == -1 { 0 } else { v };
         p.top_k = i32::try_from(v).map_err(|_| format!("body.top_k {v} is out of range"))?;
     }
-    if let Some(v) = int("seed")? {
-        p.seed = Some(i64::try_from(v).map_err(|_| format!("body.seed {v} is out of range"))?);
+    if let Some(v) = int(body, "seed")? {
+        p.seed = row_seed(v);
     }
-    if let Some(v) = int("n")?.filter(|&v| v as usize != n) {
+    if let Some(v) = uint(body, "n")?.filter(|&v| v as usize != n) {
         return Err(format!(
             "body.n = {v}, but the job's sampling.n is {n} (one n per job)"
         ));
@@ -263,11 +296,21 @@ fn body_sampling(
         ("frequency_penalty", &mut p.frequency_penalty),
         ("presence_penalty", &mut p.presence_penalty),
         ("repetition_penalty", &mut p.repetition_penalty),
+        ("min_p", &mut p.min_p),
     ] {
-        if let Some(v) = num(k)? {
-            *field = v;
-        }
+        *field = num(body, k)?.unwrap_or(*field);
     }
+    for (k, field) in [
+        ("ignore_eos", &mut p.ignore_eos),
+        (
+            "include_stop_str_in_output",
+            &mut p.include_stop_str_in_output,
+        ),
+        ("skip_special_tokens", &mut p.skip_special_tokens),
+    ] {
+        *field = flag(body, k)?.unwrap_or(*field);
+    }
+    p.stop_token_ids = token_ids(body, "stop_token_ids")?.unwrap_or(p.stop_token_ids);
     p.stop = stop(body)?.unwrap_or(p.stop);
     p.logprobs = logprobs(body, chat)?.unwrap_or(p.logprobs);
     p.check().map_err(|e| format!("body: {e}"))?;
@@ -336,7 +379,7 @@ mod tests {
         let line = format!(
             r#"{{"custom_id": "a", "method": "POST", "url": "{CHAT_URL}", "body": {body}}}"#
         );
-        parse_line(&line, 3, CHAT_URL, &job(), 1)
+        parse_line(&line, 3, &job(), 1)
     }
 
     #[test]
@@ -351,7 +394,7 @@ mod tests {
         assert_eq!(count_requests(&path).unwrap(), 2);
         let first = format!("\u{feff}{line}\r");
         let bare = std::str::from_utf8(without_bom(first.as_bytes(), 0)).unwrap();
-        let l = parse_line(bare, 1, COMPLETIONS_URL, &job(), 1);
+        let l = parse_line(bare, 1, &job(), 1);
         assert_eq!(l.custom_id.as_deref(), Some("a"), "{:?}", l.request);
         assert!(l.request.is_ok());
         // Only the file's first line loses a BOM: later, the bytes are the line's own.
@@ -381,7 +424,7 @@ mod tests {
 
     #[test]
     fn bad_lines_name_their_line_and_keep_a_custom_id() {
-        let e = parse_line("{not json", 7, CHAT_URL, &job(), 1);
+        let e = parse_line("{not json", 7, &job(), 1);
         assert!(
             e.custom_id.is_none() && e.request.unwrap_err().starts_with("line 7: not valid JSON")
         );
@@ -398,17 +441,20 @@ mod tests {
         let line = format!(
             r#"{{"custom_id": "b", "url": "{COMPLETIONS_URL}", "body": {{"prompt": "x"}}}}"#
         );
-        let e = parse_line(&line, 2, CHAT_URL, &job(), 1);
-        assert!(e
-            .request
-            .unwrap_err()
-            .contains("one endpoint per batch file"));
-        let l = parse_line(&line, 2, COMPLETIONS_URL, &job(), 1);
+        let l = parse_line(&line, 2, &job(), 1);
+        assert_eq!(l.endpoint, Some(Endpoint::Completions));
         assert_eq!(l.request.unwrap().0, Prompt::Text("x".into()));
+        let line = r#"{"custom_id": "c", "url": "/v1/embeddings", "body": {"input": "x"}}"#;
+        let e = parse_line(line, 5, &job(), 1);
+        assert_eq!((e.endpoint, e.custom_id.as_deref()), (None, Some("c")));
+        let e = e.request.unwrap_err();
+        assert!(
+            e.starts_with("line 5: url must be \"/v1/chat/completions\" or"),
+            "{e}"
+        );
         let e = parse_line(
             r#"{"url": "/v1/completions", "body": {"prompt": "x"}}"#,
             4,
-            COMPLETIONS_URL,
             &job(),
             1,
         );
@@ -434,7 +480,7 @@ mod tests {
             r#"{{"custom_id": "c", "url": "{COMPLETIONS_URL}", "body": {{"prompt": "x",
                 "suffix": null, "echo": false, "best_of": 1, "logprobs": null, "user": "u"}}}}"#
         );
-        let l = parse_line(&line, 1, COMPLETIONS_URL, &job(), 1);
+        let l = parse_line(&line, 1, &job(), 1);
         assert_eq!(l.request.unwrap().1.as_ref(), job().as_ref());
     }
 
@@ -495,5 +541,55 @@ mod tests {
             .request
             .unwrap_err()
             .contains("body.messages[0].mood is not"));
+    }
+
+    /// vLLM's per-line keys are the line's own: top_k -1 is off, seed -1 no seed of the
+    /// line's (others, negative too, its seed), and min_p, ignore_eos, stop_token_ids,
+    /// include_stop_str_in_output, skip_special_tokens, min_tokens, repetition_penalty apply.
+    #[test]
+    fn vllm_keys_apply_per_line() {
+        let l = chat(&format!(
+            r#"{{{HI}, "top_k": -1, "seed": -1, "min_p": 0.05, "ignore_eos": true,
+                "stop_token_ids": [7, 9], "include_stop_str_in_output": true,
+                "skip_special_tokens": false, "min_tokens": 2, "repetition_penalty": 1.1}}"#
+        ));
+        let p = l.request.unwrap().1;
+        assert_eq!((p.top_k, p.seed, p.min_p), (0, None, 0.05));
+        assert!(p.ignore_eos && p.include_stop_str_in_output && !p.skip_special_tokens);
+        assert_eq!(p.stop_token_ids, vec![7, 9]);
+        assert_eq!((p.min_new_tokens, p.repetition_penalty), (2, 1.1));
+        let p = chat(&format!(r#"{{{HI}, "seed": -42, "top_k": 5}}"#))
+            .request
+            .unwrap()
+            .1;
+        assert_eq!((p.seed, p.top_k), (Some(-42), 5));
+        for (extra, want) in [
+            (r#""top_k": -2"#, "top_k must be >= 0"),
+            (r#""min_p": 1.5"#, "min_p must be in [0, 1]"),
+            (
+                r#""ignore_eos": 1"#,
+                "body.ignore_eos must be true or false",
+            ),
+            (
+                r#""stop_token_ids": [-1]"#,
+                "body.stop_token_ids must be a list of token ids",
+            ),
+            (
+                r#""stop_token_ids": 7"#,
+                "body.stop_token_ids must be a list",
+            ),
+            (r#""seed": 1e30"#, "body.seed must be a 64-bit integer"),
+        ] {
+            let e = chat(&format!("{{{HI}, {extra}}}")).request.unwrap_err();
+            assert!(e.contains(want), "{extra}: {e}");
+        }
+        // a stop token id outside the model's vocabulary
+        let mut j = job().as_ref().clone();
+        j.vocab_size = 8;
+        let line = format!(
+            r#"{{"custom_id": "a", "url": "{CHAT_URL}", "body": {{{HI}, "stop_token_ids": [8]}}}}"#
+        );
+        let e = parse_line(&line, 1, &Arc::new(j), 1).request.unwrap_err();
+        assert!(e.contains("stop_token_ids: 8 is not an id"), "{e}");
     }
 }

@@ -20,6 +20,27 @@ pub enum Endpoint {
     Completions,
 }
 
+pub const CHAT_URL: &str = "/v1/chat/completions";
+pub const COMPLETIONS_URL: &str = "/v1/completions";
+
+impl Endpoint {
+    /// The endpoint a url names (None: not one eaglebatch serves).
+    pub fn of(url: &str) -> Option<Endpoint> {
+        match url {
+            CHAT_URL => Some(Endpoint::Chat),
+            COMPLETIONS_URL => Some(Endpoint::Completions),
+            _ => None,
+        }
+    }
+
+    pub fn url(self) -> &'static str {
+        match self {
+            Endpoint::Chat => CHAT_URL,
+            Endpoint::Completions => COMPLETIONS_URL,
+        }
+    }
+}
+
 /// Which endpoints a key belongs to.
 #[derive(Debug, Clone, Copy)]
 enum Scope {
@@ -123,15 +144,11 @@ const KEYS: &[(&str, Scope, Rule)] = &[
     ("top_k", Scope::Both, Rule::Applied),
     ("min_tokens", Scope::Both, Rule::Applied),
     ("repetition_penalty", Scope::Both, Rule::Applied),
-    (
-        "min_p",
-        Scope::Both,
-        Rule::NoOp(|v, _| v.as_f64() == Some(0.0), "0"),
-    ),
-    ("ignore_eos", Scope::Both, FALSE),
-    ("stop_token_ids", Scope::Both, EMPTY_LIST),
-    ("include_stop_str_in_output", Scope::Both, FALSE),
-    ("skip_special_tokens", Scope::Both, TRUE),
+    ("min_p", Scope::Both, Rule::Applied),
+    ("ignore_eos", Scope::Both, Rule::Applied),
+    ("stop_token_ids", Scope::Both, Rule::Applied),
+    ("include_stop_str_in_output", Scope::Both, Rule::Applied),
+    ("skip_special_tokens", Scope::Both, Rule::Applied),
     // Names, billing and routing: the output is the same whatever they say.
     ("model", Scope::Both, Rule::Metadata),
     ("user", Scope::Both, Rule::Metadata),

@@ -80,6 +80,12 @@ pub struct PyStepPlan {
     #[pyo3(get)]
     min_tokens: Py<PyArray1<i32>>,
     #[pyo3(get)]
+    end_ids: Py<PyArray1<i64>>,
+    #[pyo3(get)]
+    cu_end_ids: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    min_p: Py<PyArray1<f32>>,
+    #[pyo3(get)]
     repetition_penalty: Py<PyArray1<f32>>,
     #[pyo3(get)]
     frequency_penalty: Py<PyArray1<f32>>,
@@ -150,6 +156,9 @@ impl PyStepPlan {
             seeds: p.seeds.into_pyarray(py).unbind(),
             num_generated: p.num_generated.into_pyarray(py).unbind(),
             min_tokens: p.min_tokens.into_pyarray(py).unbind(),
+            end_ids: p.end_ids.into_pyarray(py).unbind(),
+            cu_end_ids: p.cu_end_ids.into_pyarray(py).unbind(),
+            min_p: p.min_p.into_pyarray(py).unbind(),
             repetition_penalty: p.repetition_penalty.into_pyarray(py).unbind(),
             frequency_penalty: p.frequency_penalty.into_pyarray(py).unbind(),
             presence_penalty: p.presence_penalty.into_pyarray(py).unbind(),

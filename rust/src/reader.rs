@@ -70,8 +70,8 @@ pub struct InputSpec {
     pub id_column: Option<String>,
     /// Sampling key -> input column of per-row values (sampling_params.rs).
     pub sampling_columns: BTreeMap<String, String>,
-    /// OpenAI Batch JSONL input: the endpoint its requests use (None: Parquet input).
-    pub openai_endpoint: Option<String>,
+    /// OpenAI Batch JSONL input (each line names its endpoint), else Parquet.
+    pub openai_batch: bool,
     /// Arrow type of the output `id` column (the input id column's type, or Int64).
     pub id_type: DataType,
     /// The input's rows: the footers' row counts summed, capped by `limit`.
@@ -223,7 +223,7 @@ pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
         messages_column: cfg.messages_column.clone(),
         id_column: cfg.id_column.clone(),
         sampling_columns: cfg.sampling_columns.clone(),
-        openai_endpoint: None,
+        openai_batch: false,
         id_type: cfg
             .id_column
             .as_ref()
@@ -255,7 +255,7 @@ fn validate_batch_files(cfg: &SchedulerConfig) -> Result<InputSpec> {
         messages_column: None,
         id_column: Some("custom_id".to_string()),
         sampling_columns: BTreeMap::new(),
-        openai_endpoint: cfg.openai_endpoint.clone(),
+        openai_batch: true,
         id_type: DataType::Utf8,
         total_rows,
         row_start: start.min(row_end),
@@ -501,6 +501,8 @@ struct PendingRow {
     id: ArrayRef,
     sampling: Arc<SamplingParams>,
     input: RowResult<(String, bool)>,
+    /// An OpenAI Batch line's endpoint.
+    endpoint: Option<crate::openai_keys::Endpoint>,
 }
 
 impl ReaderThread {
@@ -514,7 +516,7 @@ impl ReaderThread {
                 self.next_row += file.num_rows; // no id to see: not even opened
                 continue;
             }
-            let read = match self.spec.openai_endpoint.is_some() {
+            let read = match self.spec.openai_batch {
                 true => self.read_batch_file(&file.path),
                 false => self.read_file(&file.path),
             };
@@ -680,6 +682,7 @@ impl ReaderThread {
                 id,
                 sampling: params.unwrap_or_else(|_| self.opts.sampling.clone()),
                 input,
+                endpoint: None,
             });
         }
         self.send_rows(rows, read_at)
@@ -704,6 +707,7 @@ impl ReaderThread {
                 sampling: row.sampling,
                 read_at,
                 error,
+                endpoint: row.endpoint,
             };
             self.tx
                 .send(ReaderMsg::Request(req))
@@ -739,18 +743,16 @@ impl ReaderThread {
     /// (A line that is not UTF-8 has no text.)
     fn process_lines(&mut self, lines: &[(u64, Option<String>)]) -> std::result::Result<(), Stop> {
         let read_at = Instant::now();
-        let endpoint = self.spec.openai_endpoint.clone().unwrap_or_default();
         let mut rows = Vec::with_capacity(lines.len());
         for (line_no, text) in lines {
             let row_index = self.next_row as i64;
             self.next_row += 1;
             let job = &self.opts.sampling;
             let parsed = match text {
-                Some(t) => {
-                    crate::openai_batch::parse_line(t, *line_no, &endpoint, job, self.opts.n)
-                }
+                Some(t) => crate::openai_batch::parse_line(t, *line_no, job, self.opts.n),
                 None => crate::openai_batch::BatchLine {
                     custom_id: None,
+                    endpoint: None,
                     request: Err(format!("line {line_no}: not valid UTF-8")),
                 },
             };
@@ -775,6 +777,7 @@ impl ReaderThread {
                 id,
                 sampling,
                 input,
+                endpoint: parsed.endpoint,
             });
         }
         self.send_rows(rows, read_at)
@@ -886,11 +889,11 @@ impl ReaderThread {
     /// <= bytes, so no rendered text over the character limit reaches the tokenizer).
     fn render(&mut self, messages: &[Message]) -> RowResult<String> {
         let limit = self.opts.text_limit;
-        let template = self
-            .opts
-            .template
-            .as_mut()
-            .ok_or_else(|| "no chat template available".to_string())?;
+        let template = self.opts.template.as_mut().ok_or_else(|| {
+            "no chat template available: the model has none; name one with \
+                 model_chat_template"
+                .to_string()
+        })?;
         let rendered = template.render(
             messages,
             true,

@@ -44,6 +44,20 @@ pub struct SamplingParams {
     pub stop: Vec<String>,
     /// Top alternatives per output token in the `logprobs` column (0 = none).
     pub logprobs: u32,
+    /// vLLM's min-p (0 = off): the worker keeps the tokens whose probability after temperature
+    /// is at least `min_p` times the most likely one's.
+    pub min_p: f32,
+    /// Do not stop at the model's EOS ids (`stop_token_ids` still stop).
+    pub ignore_eos: bool,
+    /// Ids that end the request like EOS (counted as an output token, not in the text).
+    pub stop_token_ids: Vec<u32>,
+    /// The text keeps the stop string that ended it.
+    pub include_stop_str_in_output: bool,
+    /// Decode the text without special tokens (false: they appear in it).
+    pub skip_special_tokens: bool,
+    /// The model's vocabulary size, the job's (no row sets it): every stop token id is below
+    /// it (0: unchecked).
+    pub vocab_size: usize,
 }
 
 /// The value kinds of the keys a column may set.
@@ -52,10 +66,13 @@ enum Kind {
     Int,
     Float,
     Strings,
+    Bool,
+    /// A list of token ids.
+    Ids,
 }
 
 /// Keys `sampling_columns` may map, with their kinds.
-pub const COLUMN_KEYS: [&str; 11] = [
+pub const COLUMN_KEYS: [&str; 16] = [
     "max_new_tokens",
     "min_new_tokens",
     "temperature",
@@ -67,14 +84,21 @@ pub const COLUMN_KEYS: [&str; 11] = [
     "presence_penalty",
     "stop",
     "logprobs",
+    "min_p",
+    "ignore_eos",
+    "stop_token_ids",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
 ];
 
 fn kind_of(key: &str) -> Option<Kind> {
     match key {
         "max_new_tokens" | "min_new_tokens" | "top_k" | "seed" | "logprobs" => Some(Kind::Int),
         "temperature" | "top_p" | "repetition_penalty" | "frequency_penalty"
-        | "presence_penalty" => Some(Kind::Float),
+        | "presence_penalty" | "min_p" => Some(Kind::Float),
         "stop" => Some(Kind::Strings),
+        "ignore_eos" | "include_stop_str_in_output" | "skip_special_tokens" => Some(Kind::Bool),
+        "stop_token_ids" => Some(Kind::Ids),
         _ => None,
     }
 }
@@ -94,6 +118,12 @@ impl SamplingParams {
             presence_penalty: cfg.presence_penalty,
             stop: cfg.stop.iter().filter(|s| !s.is_empty()).cloned().collect(),
             logprobs: cfg.logprobs,
+            min_p: cfg.min_p,
+            ignore_eos: cfg.ignore_eos,
+            stop_token_ids: cfg.stop_token_ids.clone(),
+            include_stop_str_in_output: cfg.include_stop_str_in_output,
+            skip_special_tokens: cfg.skip_special_tokens,
+            vocab_size: cfg.vocab_size,
         }
     }
 
@@ -159,6 +189,10 @@ impl SamplingParams {
             );
             return Some((&["repetition_penalty"], msg));
         }
+        if !(normal(self.min_p) && (0.0..=1.0).contains(&self.min_p)) {
+            let msg = format!("min_p must be in [0, 1] (0 = off), got {}", num(self.min_p));
+            return Some((&["min_p"], msg));
+        }
         for (name, v) in [
             ("frequency_penalty", self.frequency_penalty),
             ("presence_penalty", self.presence_penalty),
@@ -183,8 +217,14 @@ impl SamplingParams {
             let msg = format!("top_k must be >= 0 (0 = off), got {}", self.top_k);
             return Some((&["top_k"], msg));
         }
-        if let Some(s) = self.seed.filter(|&s| s < 0) {
-            return Some((&["seed"], format!("seed must be >= 0, got {s}")));
+        let v = self.vocab_size;
+        if let Some(t) = self
+            .stop_token_ids
+            .iter()
+            .find(|&&t| v > 0 && t as usize >= v)
+        {
+            let msg = format!("stop_token_ids: {t} is not an id of the model (vocab_size {v})");
+            return Some((&["stop_token_ids"], msg));
         }
         if self.logprobs > MAX_LOGPROBS {
             let msg = format!(
@@ -223,7 +263,8 @@ fn num(v: impl Into<f64>) -> String {
 /// Whether an input column of type `dt` can hold values of sampling key `key`; the error names
 /// the key, the column and the expected type. The rule (inputs.py `_sampling_check` is the same
 /// over pyarrow's types): integer keys take Int8..UInt64, float keys those and Float16..Float64,
-/// `stop` a string or a list of strings; a dictionary-encoded column is judged by its values.
+/// `stop` a string or a list of strings, boolean keys Boolean, `stop_token_ids` a list of
+/// integers; a dictionary-encoded column is judged by its values.
 pub fn check_column_type(key: &str, column: &str, dt: &DataType) -> Result<(), String> {
     let Some(kind) = kind_of(key) else {
         return Err(format!(
@@ -236,6 +277,8 @@ pub fn check_column_type(key: &str, column: &str, dt: &DataType) -> Result<(), S
         Kind::Int => is_int(values),
         Kind::Float => is_int(values) || is_float(values),
         Kind::Strings => is_text(values) || is_list_of(values, is_text),
+        Kind::Bool => values == &DataType::Boolean,
+        Kind::Ids => is_list_of(values, is_int),
     };
     if ok {
         return Ok(());
@@ -244,6 +287,8 @@ pub fn check_column_type(key: &str, column: &str, dt: &DataType) -> Result<(), S
         Kind::Int => "an integer column",
         Kind::Float => "a numeric (integer or float) column",
         Kind::Strings => "a string or list<string> column",
+        Kind::Bool => "a boolean column",
+        Kind::Ids => "a list<integer> column",
     };
     Err(format!(
         "sampling_columns.{key}: column '{column}' has type {dt}; expected {expected}"
@@ -264,6 +309,8 @@ enum Value {
     Int(i128),
     Float(f64),
     Strings(Vec<String>),
+    Bool(bool),
+    Ids(Vec<i128>),
 }
 
 /// Row `i` of a numeric column (`is_int` or `is_float`) as f64 (None when null).
@@ -297,13 +344,41 @@ fn strings_value(a: &dyn Array, i: usize) -> Option<Vec<String>> {
     )
 }
 
+/// Row `i` of a list<integer> column (null items dropped; None when the row is null).
+fn ids_value(a: &dyn Array, i: usize) -> Option<Vec<i128>> {
+    if a.is_null(i) {
+        return None;
+    }
+    let items = match a.data_type() {
+        DataType::List(_) => a.as_list::<i32>().value(i),
+        DataType::LargeList(_) => a.as_list::<i64>().value(i),
+        _ => return None,
+    };
+    Some(
+        (0..items.len())
+            .filter_map(|j| int_value(items.as_ref(), j))
+            .collect(),
+    )
+}
+
 fn read_value(key: &str, a: &dyn Array, i: usize) -> Option<Value> {
     let (a, i) = dense(a, i)?;
     match kind_of(key)? {
         Kind::Int => int_value(a, i).map(Value::Int),
         Kind::Float => float_value(a, i).map(Value::Float),
         Kind::Strings => strings_value(a, i).map(Value::Strings),
+        Kind::Bool => (!a.is_null(i))
+            .then(|| a.as_boolean().value(i))
+            .map(Value::Bool),
+        Kind::Ids => ids_value(a, i).map(Value::Ids),
     }
+}
+
+/// A row's seed as vLLM reads one: -1 is no seed of its own (the row is seeded by the job seed
+/// and its row index), any other value (negative ones too, as their 64-bit patterns) is its
+/// seed.
+pub fn row_seed(v: i64) -> Option<i64> {
+    (v != -1).then_some(v)
 }
 
 /// `v` as the f32 a float key holds; a nonzero value that f32 turns into 0, a subnormal or an
@@ -333,7 +408,7 @@ fn set(p: &mut SamplingParams, key: &str, v: Value) -> Result<(), String> {
             p.min_new_tokens = usize::try_from(v).map_err(|_| range(v))?
         }
         ("top_k", Value::Int(v)) => p.top_k = i32::try_from(v).map_err(|_| range(v))?,
-        ("seed", Value::Int(v)) => p.seed = Some(i64::try_from(v).map_err(|_| range(v))?),
+        ("seed", Value::Int(v)) => p.seed = row_seed(i64::try_from(v).map_err(|_| range(v))?),
         ("logprobs", Value::Int(v)) => p.logprobs = u32::try_from(v).map_err(|_| range(v))?,
         ("temperature", Value::Float(v)) if v > 0.0 && v < f64::from(SAMPLING_MIN) => {
             return Err(format!(
@@ -353,6 +428,16 @@ fn set(p: &mut SamplingParams, key: &str, v: Value) -> Result<(), String> {
         ("frequency_penalty", Value::Float(v)) => p.frequency_penalty = to_f32(v)?,
         ("presence_penalty", Value::Float(v)) => p.presence_penalty = to_f32(v)?,
         ("stop", Value::Strings(v)) => p.stop = v.into_iter().filter(|s| !s.is_empty()).collect(),
+        ("min_p", Value::Float(v)) => p.min_p = to_f32(v)?,
+        ("ignore_eos", Value::Bool(v)) => p.ignore_eos = v,
+        ("include_stop_str_in_output", Value::Bool(v)) => p.include_stop_str_in_output = v,
+        ("skip_special_tokens", Value::Bool(v)) => p.skip_special_tokens = v,
+        ("stop_token_ids", Value::Ids(v)) => {
+            p.stop_token_ids = v
+                .into_iter()
+                .map(|t| u32::try_from(t).map_err(|_| format!("token id {t} is out of range")))
+                .collect::<Result<_, _>>()?
+        }
         (key, v) => return Err(format!("internal: {key} cannot take {v:?}")),
     }
     Ok(())
@@ -669,5 +754,60 @@ mod tests {
         assert!(p.check().is_ok() && p.penalized());
         p.logprobs = MAX_LOGPROBS + 1;
         assert!(p.check().unwrap_err().contains("logprobs"));
+    }
+
+    /// The boolean and token-id keys: Boolean and list<integer> columns, read per row (a null
+    /// falls back to the job's), other types refused by name; a row's seed -1 is no seed of its
+    /// own, another negative one its seed.
+    #[test]
+    fn boolean_and_token_id_columns() {
+        use arrow_array::builder::{Int32Builder, ListBuilder};
+        use arrow_array::BooleanArray;
+        let mut ids = ListBuilder::new(Int32Builder::new());
+        ids.values().append_slice(&[5, 9]);
+        ids.append(true);
+        ids.append(false);
+        let b = batch(vec![
+            (
+                "ie",
+                Arc::new(BooleanArray::from(vec![Some(true), None])) as ArrayRef,
+            ),
+            ("st", Arc::new(ids.finish())),
+            ("mp", Arc::new(Float64Array::from(vec![Some(0.1), None]))),
+            ("sd", Arc::new(Int64Array::from(vec![-1, -7]))),
+        ]);
+        let map = mapping(&[
+            ("ignore_eos", "ie"),
+            ("stop_token_ids", "st"),
+            ("min_p", "mp"),
+            ("seed", "sd"),
+        ]);
+        let rows = RowSampling::new(&map, &b);
+        let p = rows.params(&job(), 0).unwrap();
+        assert!(p.ignore_eos && p.stop_token_ids == vec![5, 9] && p.min_p == 0.1);
+        assert_eq!(p.seed, None);
+        let p = rows.params(&job(), 1).unwrap();
+        assert!(!p.ignore_eos && p.stop_token_ids.is_empty() && p.min_p == 0.0);
+        assert_eq!(p.seed, Some(-7));
+        let list_of =
+            |t: DataType| DataType::List(Arc::new(arrow_schema::Field::new("item", t, true)));
+        assert!(check_column_type("stop_token_ids", "c", &list_of(DataType::UInt16)).is_ok());
+        let e = check_column_type("stop_token_ids", "c", &list_of(DataType::Utf8)).unwrap_err();
+        assert!(e.contains("list<integer>"), "{e}");
+        assert!(check_column_type("ignore_eos", "c", &DataType::Boolean).is_ok());
+        let e = check_column_type("skip_special_tokens", "c", &DataType::Int8).unwrap_err();
+        assert!(e.contains("a boolean column"), "{e}");
+        assert!(check_column_type("min_p", "c", &DataType::Float32).is_ok());
+        // out of range: a negative id, min_p above 1, an id past the vocabulary
+        let mut neg = ListBuilder::new(Int32Builder::new());
+        neg.values().append_value(-3);
+        neg.append(true);
+        let e = one("stop_token_ids", Arc::new(neg.finish())).unwrap_err();
+        assert!(e.contains("'c'") && e.contains("-3"), "{e}");
+        let e = one("min_p", Arc::new(Float64Array::from(vec![1.5]))).unwrap_err();
+        assert!(e.contains("min_p must be in [0, 1]"), "{e}");
+        let mut p = job().as_ref().clone();
+        (p.vocab_size, p.stop_token_ids) = (10, vec![10]);
+        assert!(p.check().unwrap_err().contains("stop_token_ids: 10"));
     }
 }

@@ -46,6 +46,7 @@ use crate::chat_template::ChatTemplate;
 use crate::config::SchedulerConfig;
 use crate::error::{Error, Result};
 use crate::logprobs::{self, PromptLogprobs, StepLogprobs};
+use crate::openai_keys::Endpoint;
 use crate::reader::{spawn_reader, validate_inputs, ReaderMsg, ReaderOptions, TextLimit};
 use crate::sampling_params::SamplingParams;
 use crate::sequence::{FinishReason, Request, Sequence, Status, Timing};
@@ -91,6 +92,13 @@ pub struct StepPlan {
     pub num_generated: Vec<i32>,
     /// Per row: EOS / stop ids masked while num_generated (+ j in a verify row) is below it.
     pub min_tokens: Vec<i32>,
+    /// Rows below their min_tokens: the ids they mask (EOS unless the row ignores it, then its
+    /// stop token ids; sorted, distinct), row i's `end_ids[cu_end_ids[i]..cu_end_ids[i + 1]]`;
+    /// none for other rows.
+    pub end_ids: Vec<i64>,
+    pub cu_end_ids: Vec<i32>,
+    /// Per row: vLLM's min-p (0 = off).
+    pub min_p: Vec<f32>,
     pub repetition_penalty: Vec<f32>,
     pub frequency_penalty: Vec<f32>,
     pub presence_penalty: Vec<f32>,
@@ -158,6 +166,9 @@ impl StepPlan {
             seeds: Vec::with_capacity(b),
             num_generated: Vec::with_capacity(b),
             min_tokens: Vec::with_capacity(b),
+            end_ids: Vec::new(),
+            cu_end_ids: vec![0],
+            min_p: Vec::with_capacity(b),
             repetition_penalty: Vec::with_capacity(b),
             frequency_penalty: Vec::with_capacity(b),
             presence_penalty: Vec::with_capacity(b),
@@ -265,6 +276,7 @@ fn push_sampling(p: &mut StepPlan, seq: &Sequence, seed: i64) {
     p.seeds.push(sample_seed(base, seq.sample_index));
     p.num_generated.push(seq.num_output() as i32);
     p.min_tokens.push(token_count(sp.min_new_tokens));
+    p.min_p.push(sp.min_p);
     p.repetition_penalty.push(sp.repetition_penalty);
     p.frequency_penalty.push(sp.frequency_penalty);
     p.presence_penalty.push(sp.presence_penalty);
@@ -285,6 +297,24 @@ fn push_sampling(p: &mut StepPlan, seq: &Sequence, seed: i64) {
     };
     p.cu_penalty.push(p.penalty_ids.len() as i32);
     p.penalty_prompt_lens.push(prompt_len as i32);
+}
+
+/// Appends the ids `seq` masks at this step: while it is below its min_new_tokens, its end ids
+/// (the model's EOS `eos`, sorted, unless it ignores EOS, and its stop token ids).
+fn push_end_ids(p: &mut StepPlan, seq: &Sequence, eos: &[u32]) {
+    let sp = &seq.sampling;
+    if seq.num_output() < sp.min_new_tokens {
+        let mut ids: Vec<u32> = if sp.ignore_eos {
+            Vec::new()
+        } else {
+            eos.to_vec()
+        };
+        ids.extend(&sp.stop_token_ids);
+        ids.sort_unstable();
+        ids.dedup();
+        p.end_ids.extend(ids.into_iter().map(i64::from));
+    }
+    p.cu_end_ids.push(p.end_ids.len() as i32);
 }
 
 /// Checks a step result against its plan: one `num_tokens` (>= 1) and, if given, one
@@ -411,20 +441,30 @@ struct PlanRow {
     samples: bool,
 }
 
-/// Stop conditions shared by all requests (stop strings, max_new_tokens and min_new_tokens
-/// are each request's own: `Sequence::sampling`).
+/// Stop conditions shared by all requests (stop strings and token ids, ignore_eos,
+/// max_new_tokens and min_new_tokens are each request's own: `Sequence::sampling`).
 struct StopCriteria {
-    eos: HashSet<u32>,
+    /// The model's EOS ids, sorted and distinct.
+    eos: Vec<u32>,
     /// max_model_len: never the KV capacity, so an output does not depend on the budget.
     max_len: usize,
 }
 
 impl StopCriteria {
     fn new(cfg: &SchedulerConfig) -> Self {
+        let mut eos = cfg.eos_token_ids.clone();
+        eos.sort_unstable();
+        eos.dedup();
         StopCriteria {
-            eos: cfg.eos_token_ids.iter().copied().collect(),
+            eos,
             max_len: cfg.max_model_len,
         }
+    }
+
+    /// Whether token `t` ends `sp`'s request: an EOS id (unless it ignores EOS) or one of its
+    /// stop token ids.
+    fn ends(&self, sp: &SamplingParams, t: u32) -> bool {
+        (!sp.ignore_eos && self.eos.binary_search(&t).is_ok()) || sp.stop_token_ids.contains(&t)
     }
 }
 
@@ -441,7 +481,7 @@ fn untruncated(mut tokenizer: Tokenizer) -> Result<Arc<Tokenizer>> {
 /// The job's chat template, compiled only when it is used (a messages column, or
 /// `apply_chat_template`); a template that does not compile is a user error.
 fn compile_template(cfg: &SchedulerConfig) -> Result<Option<ChatTemplate>> {
-    match (&cfg.chat_template, cfg.needs_chat_template()) {
+    match (&cfg.chat_template, cfg.uses_chat_template()) {
         (Some(src), true) => ChatTemplate::new(src)
             .map(Some)
             .map_err(|e| Error::user(format!("the chat template does not compile: {e}"))),
@@ -474,6 +514,7 @@ fn writer_config(
         include_token_ids: cfg.include_token_ids,
         logprobs: cfg.writes_logprobs(),
         prompt_logprobs: cfg.prompt_logprobs > 0,
+        endpoint: cfg.openai_batch(),
         id_type,
         flush_interval: cfg.flush_interval_s.map(std::time::Duration::from_secs_f64),
         decoder: Some(tokenizer),
@@ -860,6 +901,8 @@ impl Scheduler {
             logprobs: None,
             prompt_logprobs: None,
             text_ids: None,
+            skip_special_tokens: true,
+            endpoint: req.endpoint.map(Endpoint::url),
         })
     }
 
@@ -982,6 +1025,7 @@ impl Scheduler {
             check_plan_row(kind, seq)?;
             let end = seq.chunk_end.take().unwrap_or(seq.len());
             push_plan_row(&mut p, r, seq, end, lookahead, &self.bm, self.cfg.seed);
+            push_end_ids(&mut p, seq, &self.criteria.eos);
             let slot = seq.slot.expect("running request has a slot");
             p.prev_rows.push(if seq.placeholder {
                 prev_rows[slot as usize]
@@ -1260,6 +1304,8 @@ impl Scheduler {
                 Vec::new()
             },
             text_ids,
+            skip_special_tokens: seq.sampling.skip_special_tokens,
+            endpoint: seq.endpoint.map(Endpoint::url),
         }
     }
 
@@ -1370,7 +1416,7 @@ fn append_tokens(
         seq.timing.first_token.get_or_insert(now);
         // vLLM: no stop condition but the length ones before min_new_tokens outputs
         let may_stop = seq.num_output() >= seq.sampling.min_new_tokens;
-        if may_stop && c.eos.contains(&t) {
+        if may_stop && c.ends(&seq.sampling, t) {
             // vLLM: the EOS token counts as an output token but is not part of the text.
             seq.stopped_on_eos = true;
             seq.finish(FinishReason::Stop, now);
@@ -1381,7 +1427,8 @@ fn append_tokens(
         let step = if seq.sampling.stop.is_empty() {
             Ok(String::new())
         } else {
-            seq.detok.step(tokenizer, &seq.output_ids)
+            let skip = seq.sampling.skip_special_tokens;
+            seq.detok.step(tokenizer, &seq.output_ids, skip)
         };
         match step {
             Ok(delta) if !delta.is_empty() => {
@@ -1389,8 +1436,9 @@ fn append_tokens(
                 seq.output_text.push_str(&delta);
                 let (stop, longest) = (&seq.sampling.stop, seq.sampling.max_stop_len());
                 let found = find_stop(&seq.output_text, old_len, stop, longest);
-                if let Some(pos) = found.filter(|_| may_stop) {
-                    seq.output_text.truncate(pos);
+                if let Some((pos, len)) = found.filter(|_| may_stop) {
+                    let keep = seq.sampling.include_stop_str_in_output;
+                    seq.output_text.truncate(if keep { pos + len } else { pos });
                     seq.stopped_on_string = true;
                     seq.finish(FinishReason::Stop, now);
                     break;
@@ -1411,9 +1459,15 @@ fn append_tokens(
     appended
 }
 
-/// Earliest occurrence of a stop string that ends in the text appended after `old_len`. Only
-/// the tail that could contain such a match is searched, so the cost is O(new text).
-fn find_stop(text: &str, old_len: usize, stop: &[String], max_stop_len: usize) -> Option<usize> {
+/// Earliest occurrence of a stop string that ends in the text appended after `old_len`, and
+/// that string's length (at one position, the first such string in `stop`). Only the tail that
+/// could contain such a match is searched, so the cost is O(new text).
+fn find_stop(
+    text: &str,
+    old_len: usize,
+    stop: &[String],
+    max_stop_len: usize,
+) -> Option<(usize, usize)> {
     if stop.is_empty() {
         return None;
     }
@@ -1423,9 +1477,8 @@ fn find_stop(text: &str, old_len: usize, stop: &[String], max_stop_len: usize) -
     }
     let tail = &text[start..];
     stop.iter()
-        .filter_map(|s| tail.find(s.as_str()))
-        .min()
-        .map(|p| start + p)
+        .filter_map(|s| tail.find(s.as_str()).map(|p| (start + p, s.len())))
+        .min_by_key(|&(p, _)| p)
 }
 
 mod admission;

@@ -19,6 +19,7 @@ use arrow_array::ArrayRef;
 use crate::block_manager::{chain_hash, ROOT_HASH};
 use crate::detokenizer::IncrementalDetokenizer;
 use crate::logprobs::TokenLogprob;
+use crate::openai_keys::Endpoint;
 use crate::sampling_params::SamplingParams;
 
 /// One input row after reading, templating and tokenization.
@@ -37,6 +38,9 @@ pub struct Request {
     /// Set when the row cannot be generated (null prompt, template/tokenizer failure, ...):
     /// it is written as an error row and never scheduled.
     pub error: Option<String>,
+    /// OpenAI Batch input: the endpoint the row's line asks (None: Parquet input, or a line
+    /// without a url eaglebatch serves).
+    pub endpoint: Option<Endpoint>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,6 +86,8 @@ pub struct Sequence {
     pub id: ArrayRef,
     pub prompt_ids: Vec<u32>,
     pub sampling: Arc<SamplingParams>,
+    /// The request's endpoint (`Request::endpoint`).
+    pub endpoint: Option<Endpoint>,
     /// Generated ids, including a final EOS token if generation stopped on one.
     pub output_ids: Vec<u32>,
     /// Number of tokens (prompt + output) whose K/V is in the cache.
@@ -145,6 +151,7 @@ impl Sequence {
             id: req.id,
             prompt_ids: req.prompt_ids,
             sampling: req.sampling,
+            endpoint: req.endpoint,
             output_ids: Vec::new(),
             num_computed: 0,
             status: Status::Waiting,

@@ -71,6 +71,11 @@ pub struct OutputRow {
     /// thread into `output_text` (so a commit does not pay for finished rows' decodes). A
     /// decode failure makes it an error row there (`WriterSummary::decode_errors`).
     pub text_ids: Option<Vec<u32>>,
+    /// How `text_ids` are decoded: without special tokens (the default), or with them.
+    pub skip_special_tokens: bool,
+    /// OpenAI Batch input: the url of the row's line, when it named one eaglebatch serves
+    /// (written with `WriterConfig::endpoint`).
+    pub endpoint: Option<&'static str>,
 }
 
 #[derive(Debug, Clone)]
@@ -82,6 +87,8 @@ pub struct WriterConfig {
     /// Write the `logprobs` / `prompt_logprobs` columns (logprobs.rs).
     pub logprobs: bool,
     pub prompt_logprobs: bool,
+    /// Write the `endpoint` column (OpenAI Batch input: each line's url).
+    pub endpoint: bool,
     pub id_type: DataType,
     /// Close a part once its oldest row is this old (None: only by `part_rows`).
     pub flush_interval: Option<Duration>,
@@ -133,6 +140,9 @@ pub fn output_schema(cfg: &WriterConfig) -> SchemaRef {
     }
     if cfg.prompt_logprobs {
         fields.push(crate::logprobs::field("prompt_logprobs"));
+    }
+    if cfg.endpoint {
+        fields.push(Field::new("endpoint", DataType::Utf8, true));
     }
     Arc::new(Schema::new(fields))
 }
@@ -292,7 +302,7 @@ impl WriterThread {
         let decoder = self.cfg.decoder.as_ref().ok_or_else(|| {
             Error::internal("a row with text_ids reached a writer without a decoder")
         })?;
-        match decoder.decode(&ids, true) {
+        match decoder.decode(&ids, row.skip_special_tokens) {
             Ok(text) => row.output_text = text,
             Err(e) => {
                 self.summary.decode_errors += 1;
@@ -433,6 +443,9 @@ fn build_batch(schema: &SchemaRef, rows: &[OutputRow], cfg: &WriterConfig) -> Re
             rows.iter().map(|r| r.prompt_logprobs.as_deref()),
         ));
     }
+    if cfg.endpoint {
+        columns.push(string_column(rows, rows.len() * 20, |r| r.endpoint));
+    }
     Ok(RecordBatch::try_new(schema.clone(), columns)?)
 }
 
@@ -527,6 +540,8 @@ mod tests {
             logprobs: None,
             prompt_logprobs: None,
             text_ids: None,
+            skip_special_tokens: true,
+            endpoint: None,
         }
     }
 
@@ -541,6 +556,7 @@ mod tests {
             include_token_ids: true,
             logprobs: false,
             prompt_logprobs: false,
+            endpoint: false,
             id_type: DataType::Utf8,
             flush_interval: None,
             decoder: None,

@@ -48,6 +48,9 @@ class FakePlan:
     prev_rows: np.ndarray | None = None  # int32 [B], all -1 (no overlap placeholders)
     # per-row controls, all off unless given (no min tokens, no penalty, no logprobs)
     min_tokens: np.ndarray | None = None  # int32 [B]
+    end_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    cu_end_ids: np.ndarray | None = None  # int32 [B+1], all 0
+    min_p: np.ndarray | None = None  # float32 [B]
     repetition_penalty: np.ndarray | None = None  # float32 [B]
     frequency_penalty: np.ndarray | None = None  # float32 [B]
     presence_penalty: np.ndarray | None = None  # float32 [B]
@@ -62,7 +65,8 @@ class FakePlan:
         b = self.num_seqs
         if self.cu_prefix is None:
             self.cu_prefix = np.zeros(b + 1, dtype=np.int32)
-        defaults = {"min_tokens": (0, np.int32), "repetition_penalty": (1, np.float32),
+        defaults = {"min_tokens": (0, np.int32), "min_p": (0, np.float32),
+                    "repetition_penalty": (1, np.float32),
                     "frequency_penalty": (0, np.float32), "presence_penalty": (0, np.float32),
                     "logprobs": (0, np.int32), "penalty_prompt_lens": (0, np.int32),
                     "prompt_logprobs": (0, np.int32), "prompt_lens": (1, np.int32)}
@@ -71,6 +75,8 @@ class FakePlan:
                 setattr(self, name, np.full(b, value, dtype=dtype))
         if self.cu_penalty is None:
             self.cu_penalty = np.zeros(b + 1, dtype=np.int32)
+        if self.cu_end_ids is None:
+            self.cu_end_ids = np.zeros(b + 1, dtype=np.int32)
         if self.next_ids is None:
             self.next_ids = np.full(self.num_seqs, -1, dtype=np.int64)
         if self.prev_rows is None:

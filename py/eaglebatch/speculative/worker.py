@@ -199,7 +199,7 @@ class SpecWorker:
         # K: the head's longest chain; max_draft_tokens: the widest round (lookup rounds)
         self.max_draft_tokens = widest_round(num_steps, lookup_tokens if prompt_lookup else None)
         self.target = target
-        self.end_ids, self.logprobs_mode = target.end_ids, target.logprobs_mode  # sample_rows
+        self.logprobs_mode = target.logprobs_mode  # sample_rows
         self.model = target.model
         self.kv_caches = target.kv_caches
         self.budget = target.budget
@@ -718,7 +718,7 @@ class SpecWorker:
         and r.accepted int64 [B], by verify.py; rows drafting fewer than k are masked."""
         plan = r.plan
         padded = bool((r.n < r.k).any())
-        controls = LogitsControls.from_plan(plan, self.end_ids, self.device)
+        controls = LogitsControls.from_plan(plan, self.device)
         # position j as plain decoding sees it after the drafts before j (logits_processing.py)
         logits = r.logits if controls is None else controls.apply(r.logits, r.draft_ids)
         if logits.is_cpu and bool(deterministic_rows(plan.temperature, plan.top_k).all()):

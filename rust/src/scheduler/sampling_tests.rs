@@ -1,6 +1,7 @@
-//! Per-request sampling parameters through the scheduler: sampling columns reach the plan's
-//! per-row arrays (and penalised rows' tokens), per-row max_new_tokens and min_new_tokens
-//! decide where rows stop, and logprobs stay aligned with the output tokens they describe.
+//! Per-request parameters through the scheduler: sampling columns reach the plan's per-row
+//! arrays (and penalised rows' tokens), per-row max_new_tokens, min_new_tokens and end ids
+//! decide where rows stop, per-row text rules shape output_text, logprobs stay aligned with the
+//! output tokens they describe, and batch lines keep their own endpoints.
 
 use std::sync::Arc;
 
@@ -11,6 +12,7 @@ use arrow_array::{Array, ArrayRef, Float64Array, Int64Array, StringArray};
 use super::tests::{fixture, read_output, wait_for_reader, Fixture};
 use super::*;
 use crate::logprobs::PromptLogprobs;
+use crate::openai_batch::{CHAT_URL, COMPLETIONS_URL};
 use crate::testutil::{read_parts, write_parquet};
 
 /// The fixture with its input rewritten with extra columns.
@@ -234,4 +236,190 @@ fn prompt_logprobs_are_recorded_once_per_position() {
         .map(|i| -(i as f32))
         .collect();
     assert_eq!(rows, vec![want]);
+}
+
+/// `(key, column)` pairs as a sampling_columns map.
+fn columns_map(pairs: &[(&str, &str)]) -> std::collections::BTreeMap<String, String> {
+    pairs
+        .iter()
+        .map(|(k, c)| (k.to_string(), c.to_string()))
+        .collect()
+}
+
+fn id_lists(rows: &[Option<&[i64]>]) -> ArrayRef {
+    use arrow_array::builder::{Int64Builder, ListBuilder};
+    let mut b = ListBuilder::new(Int64Builder::new());
+    for r in rows {
+        match r {
+            Some(ids) => {
+                b.values().append_slice(ids);
+                b.append(true);
+            }
+            None => b.append(false),
+        }
+    }
+    Arc::new(b.finish())
+}
+
+/// Each row stops on its own ids: the model's EOS unless it ignores it, and its own stop token
+/// ids; a row below its min_new_tokens masks exactly those (the plan's end_ids).
+#[test]
+fn rows_stop_on_their_own_end_ids() {
+    use arrow_array::BooleanArray;
+    let mut f = with_columns(
+        "samp-ends",
+        &["w5", "w6", "w7", "w8"],
+        vec![
+            (
+                "ie",
+                Arc::new(BooleanArray::from(vec![None, None, Some(true), Some(true)])),
+            ),
+            ("st", id_lists(&[None, Some(&[7]), Some(&[7, 9]), None])),
+            (
+                "mn",
+                Arc::new(Int64Array::from(vec![None, None, Some(3), Some(2)])),
+            ),
+        ],
+    );
+    let map = [
+        ("ignore_eos", "ie"),
+        ("stop_token_ids", "st"),
+        ("min_new_tokens", "mn"),
+    ];
+    f.cfg.sampling_columns = columns_map(&map);
+    f.cfg.queue_rows = 16;
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    wait_for_reader(&s);
+    let plans = drive_constant(&mut s, 7, 0);
+    s.finish().unwrap();
+    // rows 2 and 3 mask while below 3 and 2 outputs: row 2 its stop ids only (it ignores EOS),
+    // row 3 nothing (no stop id, EOS ignored); rows 0 and 1 never mask
+    let first = &plans[0];
+    assert_eq!(first.end_ids, vec![7, 9]);
+    assert_eq!(first.cu_end_ids, vec![0, 0, 0, 2, 2]);
+    let rows = read_output(&f.cfg.output_dir);
+    let got: Vec<(i32, &str)> = rows
+        .iter()
+        .map(|r| (r.output_tokens, r.reason.as_str()))
+        .collect();
+    assert_eq!(
+        got,
+        vec![(8, "length"), (1, "stop"), (3, "stop"), (8, "length")]
+    );
+    assert_eq!(rows[1].text, "", "a stop token id is not in the text");
+}
+
+/// The EOS id ends a row unless the row ignores EOS.
+#[test]
+fn ignore_eos_is_a_rows_own() {
+    use arrow_array::BooleanArray;
+    let mut f = with_columns(
+        "samp-ends-eos",
+        &["w5", "w6"],
+        vec![("ie", Arc::new(BooleanArray::from(vec![None, Some(true)])))],
+    );
+    f.cfg.sampling_columns = columns_map(&[("ignore_eos", "ie")]);
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    drive_constant(&mut s, 2, 0);
+    s.finish().unwrap();
+    let rows = read_output(&f.cfg.output_dir);
+    assert_eq!(
+        (rows[0].output_tokens, rows[0].reason.as_str()),
+        (1, "stop")
+    );
+    assert_eq!(
+        (rows[1].output_tokens, rows[1].reason.as_str()),
+        (8, "length")
+    );
+}
+
+/// include_stop_str_in_output keeps the stop string; skip_special_tokens false keeps special
+/// tokens in the text, on both paths (the incremental one of rows with stop strings, and the
+/// writer's decode of the others).
+#[test]
+fn stop_strings_kept_and_special_tokens_shown_per_row() {
+    use arrow_array::BooleanArray;
+    let texts = |tag: &str, token: i32, cols: Vec<(&str, ArrayRef)>, keys: &[(&str, &str)]| {
+        let mut f = with_columns(tag, &["w5", "w6", "w7"], cols);
+        f.cfg.sampling_columns = columns_map(keys);
+        f.cfg.max_new_tokens = 2;
+        let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+        drive_constant(&mut s, token, 0);
+        s.finish().unwrap();
+        let rows = read_output(&f.cfg.output_dir);
+        rows.into_iter().map(|r| r.text).collect::<Vec<_>>()
+    };
+    let inc = Arc::new(BooleanArray::from(vec![Some(true), None, Some(false)]));
+    let stop = Arc::new(StringArray::from(vec!["w9", "w9", "w9"]));
+    let keys = [("include_stop_str_in_output", "inc"), ("stop", "stop")];
+    let got = texts("samp-inc", 9, vec![("inc", inc), ("stop", stop)], &keys);
+    assert_eq!(got, vec!["w9", "", ""]);
+    // token 3 is <pad>, a special token: shown only where skip_special_tokens is false
+    let sk = Arc::new(BooleanArray::from(vec![Some(false), Some(false), None]));
+    let stop = Arc::new(StringArray::from(vec![Some("zz"), None, None]));
+    let keys = [("skip_special_tokens", "sk"), ("stop", "stop")];
+    let got = texts("samp-special", 3, vec![("sk", sk), ("stop", stop)], &keys);
+    assert_eq!(got, vec!["<pad> <pad>", "<pad> <pad>", ""]);
+}
+
+/// One OpenAI Batch file may mix endpoints: each row's `endpoint` column is its line's url
+/// (null where the line names none eaglebatch serves, an error row).
+#[test]
+fn batch_lines_keep_their_own_endpoints() {
+    let mut f = fixture("batch-mixed", &[]);
+    let input = f.dir.path().join("in.jsonl");
+    let line = |id: &str, url: &str, body: &str| {
+        format!(r#"{{"custom_id": "{id}", "method": "POST", "url": "{url}", "body": {body}}}"#)
+    };
+    let lines = [
+        line(
+            "c",
+            CHAT_URL,
+            r#"{"messages": [{"role": "user", "content": "w5 w6"}]}"#,
+        ),
+        line("p", COMPLETIONS_URL, r#"{"prompt": "w7"}"#),
+        String::new(),
+        line("e", "/v1/embeddings", r#"{"input": "w8"}"#),
+    ];
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    f.cfg.input_files = vec![input];
+    f.cfg.input_format = "openai-batch".into();
+    (f.cfg.prompt_column, f.cfg.id_column) = (None, None);
+    f.cfg.chat_template = Some("{% for m in messages %}{{ m.content }} {% endfor %}".into());
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    drive_constant(&mut s, 2, 0);
+    s.finish().unwrap();
+    let batches = read_parts(&f.cfg.output_dir);
+    let mut got: Vec<(String, Option<String>)> = Vec::new();
+    for b in &batches {
+        let (ids, urls) = (
+            b.column_by_name("id").unwrap(),
+            b.column_by_name("endpoint").unwrap(),
+        );
+        for i in 0..b.num_rows() {
+            let url = urls
+                .is_valid(i)
+                .then(|| urls.as_string::<i32>().value(i).to_string());
+            got.push((ids.as_string::<i32>().value(i).to_string(), url));
+        }
+    }
+    got.sort();
+    let want = [
+        ("c", Some(CHAT_URL)),
+        ("e", None),
+        ("p", Some(COMPLETIONS_URL)),
+    ];
+    let want: Vec<_> = want
+        .iter()
+        .map(|(i, u)| (i.to_string(), u.map(str::to_string)))
+        .collect();
+    assert_eq!(got, want);
+    // a Parquet job has no endpoint column
+    let f = fixture("batch-none", &[Some("w5")]);
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    drive_constant(&mut s, 2, 0);
+    s.finish().unwrap();
+    assert!(read_parts(&f.cfg.output_dir)[0]
+        .column_by_name("endpoint")
+        .is_none());
 }
