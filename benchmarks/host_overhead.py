@@ -93,7 +93,6 @@ class FakeWorker:
 
             self.backend = get_backend("cpu")  # configured as the embedded model's layers
             self.backend.configure(9, 3, 64, torch.float32, torch.float32)
-            self.end_ids = torch.tensor([0], dtype=torch.long)
             self.cpu = torch.device("cpu")
             self.host_steps = (to_device, fill_placeholders, LogitsControls.from_plan,
                                plan_metadata, sampling_tensors)
@@ -148,7 +147,7 @@ class FakeWorker:
         fill_placeholders(to_device(plan.input_ids, self.cpu), plan, None if prev is None
                           else prev[2])
         to_device(plan.positions, self.cpu)
-        controls(plan, self.end_ids, self.cpu)
+        controls(plan, self.cpu)  # the plan carries each row's end ids
         sampling_tensors(plan, self.cpu)
 
 
