@@ -68,6 +68,28 @@ def test_results_are_in_input_order_with_every_sample(tmp_path):
         assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": i % 5}
 
 
+def test_each_choice_carries_vllms_stop_reason(tmp_path):
+    """The stop string, else the stop token id, else null (EOS, length); parts written before
+    the columns existed give null."""
+    from eaglebatch.openai_results import write_results
+
+    out = tmp_path / "out"
+    fake_output(out, 4, 1)
+    part = out / "part-00000.parquet"
+    t = pq.read_table(part).sort_by("row_index")
+    t = t.append_column("stop_reason", pa.array(["###", None, None, None], pa.string()))
+    t = t.append_column("stop_token_id", pa.array([None, 7, None, None], pa.int32()))
+    pq.write_table(t.replace_schema_metadata({OWNER_KEY: b"hash"}), part)
+    write_results(out, out / "_results.jsonl", "/v1/chat/completions", "m", "hash")
+    lines = [json.loads(t) for t in (out / "_results.jsonl").read_text().splitlines()]
+    got = [line["response"]["body"]["choices"][0]["stop_reason"] for line in lines]
+    assert got == ["###", 7, None, None]
+    pq.write_table(pq.read_table(part).drop_columns(["stop_reason", "stop_token_id"]), part)
+    write_results(out, out / "_results.jsonl", "/v1/completions", "m", "hash")
+    lines = [json.loads(t) for t in (out / "_results.jsonl").read_text().splitlines()]
+    assert all(line["response"]["body"]["choices"][0]["stop_reason"] is None for line in lines)
+
+
 def test_memory_stays_flat_in_the_number_of_requests(tmp_path):
     """200,000 requests take about the memory of 20,000 (the rows held are those of the parts
     open at once, not all of them)."""

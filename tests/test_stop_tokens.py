@@ -31,6 +31,7 @@ def test_stop_token_ids_and_ignore_eos(tmp_path, tiny_model_dir):
     plain = run(tmp_path, tiny_model_dir, prompts, "plain")
     for r, p in zip(ref, plain, strict=True):  # what the model's EOS cuts off
         assert p["output_token_ids"] == cut_at(r["output_token_ids"], {EOS})
+        assert (p["stop_reason"], p["stop_token_id"]) == (None, None)  # EOS: vLLM's None
     # a token that occurs mid-output in some rows, not as their first token
     counts: dict[int, int] = {}
     for r in ref:
@@ -48,7 +49,30 @@ def test_stop_token_ids_and_ignore_eos(tmp_path, tiny_model_dir):
             if want[-1] == stop:
                 assert g["finish_reason"] == "stop"
                 assert g["output_text"] == byte_tokenizer().decode(want[:-1])
+            ended = stop if want[-1] == stop else None
+            assert (g["stop_reason"], g["stop_token_id"]) == (None, ended)
     assert sum(r["finish_reason"] == "stop" for r in got) >= 2
+
+
+def test_the_stop_string_that_ended_a_row_is_its_stop_reason(tmp_path, tiny_model_dir):
+    prompts = random_prompts(10, seed=5)
+    ref = run(tmp_path, tiny_model_dir, prompts, "ref", ["sampling.ignore_eos=true"])
+    texts = [r["output_text"] for r in ref]
+    # two 2-character strings from inside the outputs: each row stops at the earlier one
+    found = [t[3:5] for t in texts if len(t) >= 8]
+    stops = sorted(set(found), key=found.count)[-2:]
+    over = ["sampling.ignore_eos=true", f"sampling.stop={stops}".replace("'", '"')]
+    got = run(tmp_path, tiny_model_dir, prompts, "stopped", over)
+    for text, g in zip(texts, got, strict=True):
+        hits = [(text.find(s), k) for k, s in enumerate(stops) if s in text]
+        if not hits:
+            assert (g["finish_reason"], g["stop_reason"]) == ("length", None)
+            continue
+        at, k = min(hits)
+        assert g["output_text"] == text[:at]
+        assert (g["finish_reason"], g["stop_reason"], g["stop_token_id"]) == ("stop", stops[k],
+                                                                            None)  # fmt: skip
+    assert sum(g["stop_reason"] is not None for g in got) >= 2
 
 
 def test_a_stop_token_id_outside_the_vocabulary_is_a_job_error(tmp_path, tiny_model_dir):

@@ -189,6 +189,10 @@ def check_chat_template(template: str) -> None:
     """Compiles a chat template as the input reader does (renders nothing); raises ValueError
     with minijinja's message when it does not compile."""
 
+OUTPUT_COLUMNS: list[str]
+"""Every column name an output part may have (whatever the settings): kept input columns
+(`output.keep_columns`) may take none of them."""
+
 SMALL_GEMM_AVAILABLE: bool
 """Whether this CPU can run `small_gemm` (x86-64 with AVX-512F, or AVX2 and FMA)."""
 

@@ -60,11 +60,12 @@ def main() -> None:
 def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     """Check a job (schema, input files and columns, model files) without generating."""
     from . import defaults
-    from .inputs import check_input
+    from .inputs import check_input, kept_columns
     from .model_files import check_model_dir, resolve_draft_dir, resolve_model_dir
 
     job = load_job(job_file, overrides)
     files, total = check_input(job.input)
+    kept_columns(job, files)
     if defaults.is_builtin_model(job.model):
         defaults.require_builtin_model_package(job.model)
         model = f"{job.model} (builtin)"

@@ -27,6 +27,7 @@ from pydantic import (
     Field,
     StringConstraints,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -192,6 +193,22 @@ class OutputConfig(_Section):
     format: Literal["parquet", "openai-batch"] = "parquet"
     # default: output.path/_results.jsonl (results_file.py: where it may go, who owns it)
     results_path: PathStr | None = None
+    # input columns copied into each output row with their types, after the output's own
+    # columns: a list of names, or "*" for every input column (but an id column named `id`,
+    # which is the output's `id`); resolved against the files by inputs.kept_columns
+    keep_columns: Annotated[tuple[str, ...], LIST_OK] | Literal["*"] = ()
+
+    @field_validator("keep_columns")
+    @classmethod
+    def _named_once(cls, v):
+        if v == "*":
+            return v
+        if any(c == "" for c in v):
+            raise ValueError("a column name must not be empty")
+        twice = sorted({c for c in v if v.count(c) > 1})
+        if twice:
+            raise ValueError(f"column '{twice[0]}' is named twice")
+        return v
 
     @property
     def results_file(self) -> Path | None:
@@ -374,6 +391,15 @@ class JobConfig(_Section):
     def _prompt_logprobs_once_per_row(self) -> JobConfig:
         if self.output.prompt_logprobs and self.sampling.n > 1:
             raise ValueError("output.prompt_logprobs: not supported with sampling.n > 1")
+        return self
+
+    @model_validator(mode="after")
+    def _kept_columns_need_columns(self) -> JobConfig:
+        if self.output.keep_columns and self.input.openai_batch:
+            raise ValueError(
+                "output.keep_columns: an openai-batch input has no columns to keep (a line's "
+                "custom_id is the output's id)"
+            )
         return self
 
     @property

@@ -20,7 +20,7 @@ from pathlib import Path
 from . import __version__
 from .config import JobConfig, JobError, job_to_dict
 from .errors import native_error
-from .inputs import check_batch_input, check_input, check_output_apart
+from .inputs import check_batch_input, check_input, check_output_apart, kept_columns
 from .interrupt import Interrupted, StopSignals
 from .model_files import ModelFiles, model_files, resolve_draft_dir
 from .output_dir import prepare_output_dir, release_output_dir
@@ -46,6 +46,8 @@ class PreparedJob:
     batch_chat: bool = False
     # config.json's vocab_size: a row's stop_token_ids must be below it
     vocab_size: int = 0
+    # output.keep_columns resolved against the input files (inputs.kept_columns)
+    kept_columns: tuple[str, ...] = ()
 
     @property
     def job_hash(self) -> str:
@@ -161,6 +163,7 @@ def prepare(job: JobConfig) -> PreparedJob:
         files, total, endpoint, batch_chat = batch.files, batch.total, batch.first_url, batch.chat
     else:
         files, total = check_input(job.input)
+    kept = kept_columns(job, files)
     check_output_apart(job.input.path, files, job.output.path)
     mf = _with_chat_template(model_files(job.model), job.model_chat_template)
     if renders_chat(job, batch_chat):
@@ -179,7 +182,7 @@ def prepare(job: JobConfig) -> PreparedJob:
                            identity_hash(identity), job.input.path, files)  # fmt: skip
     return PreparedJob(
         job=job, input_files=files, total_rows=total, model=mf, draft_dir=draft, identity=identity,
-        openai_endpoint=endpoint, batch_chat=batch_chat, vocab_size=vocab_size,
+        openai_endpoint=endpoint, batch_chat=batch_chat, vocab_size=vocab_size, kept_columns=kept,
     )
 
 
@@ -298,6 +301,7 @@ def scheduler_config(
         part_rows=job.output.part_rows,
         file_metadata=metadata,
         include_token_ids=job.output.include_token_ids,
+        keep_columns=list(prep.kept_columns),
         **sampling_settings(job.sampling),
         logprobs=job.output.logprobs,
         prompt_logprobs=job.output.prompt_logprobs,

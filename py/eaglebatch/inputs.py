@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from . import defaults
 from .column_types import MIXING_RULE, dense, is_int, is_list_of, is_number, is_text, unified
-from .config import InputConfig, JobError
+from .config import InputConfig, JobConfig, JobError
 
 
 def resolve_input_files(path: str, suffix: str = ".parquet") -> list[Path]:
@@ -214,12 +214,48 @@ def check_input(cfg: InputConfig) -> tuple[list[Path], int]:
             raise JobError(f"input.path: {f} is not a readable Parquet file ({e})") from None
         total += meta.num_rows
         _check_columns(cfg, f, schema)
-        _check_codecs(cfg, f, meta)
+        read = {cfg.text_column, cfg.messages_column, cfg.id_column, *cfg.sampling_columns.values()}
+        _check_codecs(read, f, meta)
         if cfg.id_column is not None:  # ids are written decoded: by the dictionary's values
             types.add("input.id_column", cfg.id_column, dense(schema.field(cfg.id_column).type), f)
     if cfg.limit is not None:
         total = min(total, cfg.limit)
     return files, total
+
+
+def kept_columns(job: JobConfig, files: list[Path]) -> tuple[str, ...]:
+    """`output.keep_columns` resolved against the input files: the names to copy into each
+    output row ("*": every column of the first file but an id column named `id`), each in
+    every file, of one type across them (`ColumnTypes`, by a dictionary's values), readable,
+    and named as no output column. The Rust reader makes the same checks."""
+    keep = job.output.keep_columns
+    if not keep or not files:
+        return ()
+    from ._native import OUTPUT_COLUMNS
+
+    if keep == "*":
+        first = pq.read_schema(files[0]).names
+        keep = tuple(c for c in first if not (c == "id" == job.input.id_column))
+    for c in keep:
+        if c in OUTPUT_COLUMNS:
+            star = job.output.keep_columns == "*"
+            hint = ' (list the columns to keep instead of "*")' if star else ""
+            raise JobError(
+                f"output.keep_columns: column '{c}' clashes with the output column of that "
+                f"name{hint}; the output's own columns are {', '.join(OUTPUT_COLUMNS)}"
+            )
+    types = ColumnTypes()
+    for f in files:
+        schema = pq.read_schema(f)
+        for c in keep:
+            if c not in schema.names:
+                raise JobError(
+                    f"output.keep_columns: column '{c}' not found in {f} "
+                    f"(columns: {', '.join(schema.names)})"
+                )
+            types.add("output.keep_columns", c, dense(schema.field(c).type), f)
+        _check_codecs(set(keep), f, pq.read_metadata(f))
+    return tuple(keep)
 
 
 class ColumnTypes:
@@ -271,10 +307,9 @@ def _check_columns(cfg: InputConfig, f: Path, schema: pa.Schema) -> None:
             raise JobError(f"{key}: column '{column}' in {f} has type {typ}, expected {want}")
 
 
-def _check_codecs(cfg: InputConfig, f: Path, meta: pq.FileMetaData) -> None:
+def _check_codecs(read: set, f: Path, meta: pq.FileMetaData) -> None:
     """Raises JobError naming the file, column and codec when a column the reader reads is
     compressed with a codec it cannot decode (the check rust/src/reader.rs makes again)."""
-    read = {cfg.text_column, cfg.messages_column, cfg.id_column, *cfg.sampling_columns.values()}
     for g in range(meta.num_row_groups):
         rg = meta.row_group(g)
         for c in range(rg.num_columns):

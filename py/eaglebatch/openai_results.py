@@ -5,7 +5,8 @@ parts once every row is done.
 The parts stay the source of truth (resume, exactly-once and atomicity are theirs); the
 results file is derived from them: one line per request in input order (row_index), as vLLM's
 run-batch writes them, streamed part by part (`_requests`: bounded memory), with
-`usage.prompt_tokens_details.cached_tokens` from the prefix cache; written to a hidden
+`usage.prompt_tokens_details.cached_tokens` from the prefix cache and each choice's
+`stop_reason` as vLLM's (the stop string or stop token id that ended it); written to a hidden
 temporary file, fsynced and renamed
 over `output.results_path` (results_file.py: where it may go and proof it is ours to replace).
 It reads exactly the parts resume reads (output_dir.scan_tree: `_x` / `.x` copies are not).
@@ -92,7 +93,7 @@ def _first_row(part: Path) -> int:
 
 def _rows(part: Path):
     pf = pq.ParquetFile(part)
-    wanted = [*_COLUMNS, "cached_tokens", "logprobs", "endpoint"]
+    wanted = [*_COLUMNS, "cached_tokens", "logprobs", "endpoint", "stop_reason", "stop_token_id"]
     columns = [c for c in wanted if c in pf.schema_arrow.names]
     for batch in pf.iter_batches(batch_size=1024, columns=columns):
         yield from batch.to_pylist()
@@ -129,7 +130,8 @@ def _line(samples: list[dict], endpoint: str, model: str, created: int) -> dict:
 
 def _choice(s: dict, chat: bool) -> dict:
     lps = s.get("logprobs")
-    choice: dict = {"index": s["sample_index"], "finish_reason": s["finish_reason"]}
+    choice: dict = {"index": s["sample_index"], "finish_reason": s["finish_reason"],
+                    "stop_reason": _stop_reason(s)}  # fmt: skip
     if chat:
         choice["message"] = {"role": "assistant", "content": s["output_text"]}
         choice["logprobs"] = None if lps is None else {"content": [_chat_lp(e) for e in lps]}
@@ -137,6 +139,14 @@ def _choice(s: dict, chat: bool) -> dict:
         choice["text"] = s["output_text"]
         choice["logprobs"] = None if lps is None else _completion_lp(lps)
     return choice
+
+
+def _stop_reason(s: dict) -> str | int | None:
+    """vLLM's `stop_reason`: the stop string or stop token id that ended the sample; None for
+    an EOS token, a length or parts written before the columns existed."""
+    if s.get("stop_reason") is not None:
+        return s["stop_reason"]
+    return s.get("stop_token_id")
 
 
 def _finite(x: float) -> float:

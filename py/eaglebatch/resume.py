@@ -159,6 +159,9 @@ def _output_identity(job: JobConfig) -> dict:
         out["logprobs_mode"] = job.output.logprobs_mode
     if job.output.prompt_logprobs:
         out["prompt_logprobs"] = job.output.prompt_logprobs
+    if job.output.keep_columns:  # "*" resolves by the input files, which the identity holds
+        keep = job.output.keep_columns
+        out["keep_columns"] = keep if keep == "*" else list(keep)
     return out
 
 

@@ -41,6 +41,8 @@ class SchedulerConfig:
     part_rows: int
     file_metadata: dict[str, str]
     include_token_ids: bool
+    # input columns copied into each output row (output.keep_columns, resolved)
+    keep_columns: list[str] = field(default_factory=list)
     # Sampling / stopping.
     max_new_tokens: int
     stop: list[str]

@@ -50,6 +50,9 @@ pub struct SchedulerConfig {
     pub part_rows: usize,
     pub file_metadata: BTreeMap<String, String>,
     pub include_token_ids: bool,
+    /// Input columns copied into each output row (after the output's own columns), with their
+    /// types (`output.keep_columns`, resolved: no "*" here).
+    pub keep_columns: Vec<String>,
     /// Close the current part file once its oldest row has waited this long (None = only by
     /// `part_rows`), so a crash of a slow job loses at most about this much finished work.
     pub flush_interval_s: Option<f64>,
@@ -139,6 +142,7 @@ impl SchedulerConfig {
             part_rows: 10_000,
             file_metadata: BTreeMap::new(),
             include_token_ids: false,
+            keep_columns: Vec::new(),
             flush_interval_s: None,
             max_new_tokens: 16,
             stop: Vec::new(),
@@ -275,11 +279,38 @@ impl SchedulerConfig {
                 "neither prompt_column nor messages_column is set: one of them is required",
             ));
         }
+        self.validate_keep_columns()?;
         if self.needs_chat_template() && self.chat_template.as_deref().is_none_or(str::is_empty) {
             return Err(Error::user(
                 "a chat template is required (messages_column or apply_chat_template) but \
                  chat_template is empty: the tokenizer has no chat template; pass one",
             ));
+        }
+        Ok(())
+    }
+
+    /// Kept input columns: distinct, none named as an output column, Parquet input only.
+    fn validate_keep_columns(&self) -> Result<()> {
+        let key = "output.keep_columns";
+        if self.openai_batch() && !self.keep_columns.is_empty() {
+            return Err(Error::user(format!(
+                "{key}: an OpenAI Batch input has no columns to keep (its lines' custom_id is \
+                 the id column)"
+            )));
+        }
+        for (i, name) in self.keep_columns.iter().enumerate() {
+            if self.keep_columns[..i].contains(name) {
+                return Err(Error::user(format!(
+                    "{key}: column '{name}' is named twice"
+                )));
+            }
+            if crate::writer::OUTPUT_COLUMNS.contains(&name.as_str()) {
+                return Err(Error::user(format!(
+                    "{key}: column '{name}' clashes with the output column of that name; the \
+                     output's own columns are {}",
+                    crate::writer::OUTPUT_COLUMNS.join(", ")
+                )));
+            }
         }
         Ok(())
     }

@@ -943,6 +943,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gather_rows, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(paged_attention, m)?)?;
+    m.add("OUTPUT_COLUMNS", crate::writer::OUTPUT_COLUMNS.to_vec())?;
     m.add("SMALL_GEMM_AVAILABLE", gemm::available())?;
     m.add("SMALL_GEMM_MAX_ROWS", gemm::MAX_ROWS)?;
     Ok(())

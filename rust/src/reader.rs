@@ -74,6 +74,9 @@ pub struct InputSpec {
     pub openai_batch: bool,
     /// Arrow type of the output `id` column (the input id column's type, or Int64).
     pub id_type: DataType,
+    /// Kept input columns (`SchedulerConfig::keep_columns`) and their output types: a
+    /// dictionary's values type, unified across files as the id column's is.
+    pub kept: Vec<(String, DataType)>,
     /// The input's rows: the footers' row counts summed, capped by `limit`.
     pub total_rows: u64,
     /// The rows this run generates, `[row_start, row_end)` (`row_range` clipped to
@@ -164,6 +167,7 @@ fn check_codecs(
         .into_iter()
         .flatten()
         .chain(cfg.sampling_columns.values())
+        .chain(&cfg.keep_columns)
         .map(String::as_str)
         .collect();
     for rg in builder.metadata().row_groups() {
@@ -203,6 +207,15 @@ pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
             let dt = check_id_column(&schema, path, col)?;
             types.add("input.id_column", col, &dt, path)?;
         }
+        for col in &cfg.keep_columns {
+            let field = find_column(&schema, path, "output.keep_columns", col)?;
+            types.add(
+                "output.keep_columns",
+                col,
+                dense_type(field.data_type()),
+                path,
+            )?;
+        }
         check_codecs(&builder, path, cfg)?;
         let num_rows = builder.metadata().file_metadata().num_rows().max(0) as u64;
         total += num_rows;
@@ -229,6 +242,9 @@ pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
             .as_ref()
             .and_then(|c| types.output_type(c))
             .unwrap_or(DataType::Int64),
+        kept: (cfg.keep_columns.iter())
+            .filter_map(|c| Some((c.clone(), types.output_type(c)?)))
+            .collect(),
         total_rows,
         row_start: start.min(row_end),
         row_end,
@@ -257,6 +273,7 @@ fn validate_batch_files(cfg: &SchedulerConfig) -> Result<InputSpec> {
         sampling_columns: BTreeMap::new(),
         openai_batch: true,
         id_type: DataType::Utf8,
+        kept: Vec::new(),
         total_rows,
         row_start: start.min(row_end),
         row_end,
@@ -503,6 +520,8 @@ struct PendingRow {
     input: RowResult<(String, bool)>,
     /// An OpenAI Batch line's endpoint.
     endpoint: Option<crate::openai_keys::Endpoint>,
+    /// `Request::kept`.
+    kept: Vec<ArrayRef>,
 }
 
 impl ReaderThread {
@@ -570,7 +589,13 @@ impl ReaderThread {
             &self.spec.id_column,
         ];
         let sampling = self.spec.sampling_columns.values();
-        for col in text_and_id.into_iter().flatten().chain(sampling) {
+        let kept = self.spec.kept.iter().map(|(c, _)| c);
+        for col in text_and_id
+            .into_iter()
+            .flatten()
+            .chain(sampling)
+            .chain(kept)
+        {
             let idx = meta.schema().index_of(col).map_err(|e| fail(&e))?;
             if !roots.contains(&idx) {
                 roots.push(idx);
@@ -658,6 +683,7 @@ impl ReaderThread {
             .transpose()
             .map_err(|e| Stop::Failed(Error::internal(format!("id column: {e}"))))?;
         let ids = ids.as_ref();
+        let kept = self.kept_columns(batch)?;
         let sampling = RowSampling::new(&self.spec.sampling_columns, batch);
         let mut rows = Vec::with_capacity(batch.num_rows());
         for i in 0..batch.num_rows() {
@@ -683,9 +709,23 @@ impl ReaderThread {
                 sampling: params.unwrap_or_else(|_| self.opts.sampling.clone()),
                 input,
                 endpoint: None,
+                kept: kept_values(&kept, i)?,
             });
         }
         self.send_rows(rows, read_at)
+    }
+
+    /// The batch's kept columns, each as its output type (decoded, widened: column_kind.rs).
+    fn kept_columns(&self, batch: &RecordBatch) -> std::result::Result<Vec<ArrayRef>, Stop> {
+        let conformed = |(name, dt): &(String, DataType)| {
+            let a = batch
+                .column_by_name(name)
+                .ok_or_else(|| format!("column '{name}' not read"))?;
+            conform(a, dt).map_err(|e| format!("column '{name}': {e}"))
+        };
+        (self.spec.kept.iter().map(conformed))
+            .collect::<std::result::Result<_, String>>()
+            .map_err(|e| Stop::Failed(Error::internal(format!("output.keep_columns: {e}"))))
     }
 
     /// Tokenizes the rows and sends them as requests, in order.
@@ -708,6 +748,7 @@ impl ReaderThread {
                 read_at,
                 error,
                 endpoint: row.endpoint,
+                kept: row.kept,
             };
             self.tx
                 .send(ReaderMsg::Request(req))
@@ -778,6 +819,7 @@ impl ReaderThread {
                 sampling,
                 input,
                 endpoint: parsed.endpoint,
+                kept: Vec::new(),
             });
         }
         self.send_rows(rows, read_at)
@@ -968,6 +1010,16 @@ impl ReaderThread {
         }
         out
     }
+}
+
+/// Row `i` of each kept column, copied out of the batch (a slice would keep the whole batch
+/// alive as long as the row runs).
+fn kept_values(kept: &[ArrayRef], i: usize) -> std::result::Result<Vec<ArrayRef>, Stop> {
+    let index = arrow_array::UInt32Array::from(vec![i as u32]);
+    kept.iter()
+        .map(|a| arrow_select::take::take(a.as_ref(), &index, None))
+        .collect::<std::result::Result<_, _>>()
+        .map_err(|e| Stop::Failed(Error::internal(format!("output.keep_columns: {e}"))))
 }
 
 /// A 64-bit hash of the id at `i` (None when null). Equal values hash equally; distinct ids

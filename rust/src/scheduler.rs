@@ -47,9 +47,11 @@ use crate::config::SchedulerConfig;
 use crate::error::{Error, Result};
 use crate::logprobs::{self, PromptLogprobs, StepLogprobs};
 use crate::openai_keys::Endpoint;
-use crate::reader::{spawn_reader, validate_inputs, ReaderMsg, ReaderOptions, TextLimit};
+use crate::reader::{
+    spawn_reader, validate_inputs, InputSpec, ReaderMsg, ReaderOptions, TextLimit,
+};
 use crate::sampling_params::SamplingParams;
-use crate::sequence::{FinishReason, Request, Sequence, Status, Timing};
+use crate::sequence::{FinishReason, Request, Sequence, Status, StopReason, Timing};
 use crate::stats::{Stats, Summary, SummaryValue};
 use crate::writer::{OutputRow, Writer, WriterConfig, WriterSummary};
 use admission::register_computed;
@@ -464,7 +466,12 @@ impl StopCriteria {
     /// Whether token `t` ends `sp`'s request: an EOS id (unless it ignores EOS) or one of its
     /// stop token ids.
     fn ends(&self, sp: &SamplingParams, t: u32) -> bool {
-        (!sp.ignore_eos && self.eos.binary_search(&t).is_ok()) || sp.stop_token_ids.contains(&t)
+        self.is_eos(sp, t) || sp.stop_token_ids.contains(&t)
+    }
+
+    /// Whether `t` is an EOS id `sp`'s request stops at (vLLM: no `stop_reason` then).
+    fn is_eos(&self, sp: &SamplingParams, t: u32) -> bool {
+        !sp.ignore_eos && self.eos.binary_search(&t).is_ok()
     }
 }
 
@@ -504,7 +511,7 @@ fn sorted_skip_rows(skip_rows: &[i64], (start, end): (u64, u64)) -> (Vec<i64>, u
 /// from the validated input schema.
 fn writer_config(
     cfg: &SchedulerConfig,
-    id_type: arrow_schema::DataType,
+    spec: &InputSpec,
     tokenizer: Arc<Tokenizer>,
 ) -> WriterConfig {
     WriterConfig {
@@ -515,7 +522,8 @@ fn writer_config(
         logprobs: cfg.writes_logprobs(),
         prompt_logprobs: cfg.prompt_logprobs > 0,
         endpoint: cfg.openai_batch(),
-        id_type,
+        id_type: spec.id_type.clone(),
+        kept: spec.kept.clone(),
         flush_interval: cfg.flush_interval_s.map(std::time::Duration::from_secs_f64),
         decoder: Some(tokenizer),
     }
@@ -634,7 +642,7 @@ impl Scheduler {
         let n = cfg.n as u64;
         let mut stats = Stats::new((spec.range_rows() - skipped) * n - skip_samples.len() as u64);
         stats.requests_skipped = skipped * n + skip_samples.len() as u64;
-        let writer = Writer::start(writer_config(&cfg, spec.id_type.clone(), tokenizer.clone()))?;
+        let writer = Writer::start(writer_config(&cfg, &spec, tokenizer.clone()))?;
         let (input, reader) = spawn_reader(
             spec,
             ReaderOptions {
@@ -897,6 +905,8 @@ impl Scheduler {
             spec_steps: None,
             accepted_tokens: None,
             accept_length: None,
+            stop_reason: None,
+            kept: req.kept,
             output_token_ids: Vec::new(),
             logprobs: None,
             prompt_logprobs: None,
@@ -1292,6 +1302,8 @@ impl Scheduler {
             spec_steps: seq.spec_steps,
             accepted_tokens: seq.accepted_tokens,
             accept_length,
+            stop_reason: if error { None } else { seq.stop_reason },
+            kept: seq.kept,
             logprobs: (!error && seq.sampling.logprobs > 0)
                 .then(|| logprobs::entries(&self.tokenizer, &seq.output_ids, &seq.logprobs)),
             prompt_logprobs: (!error && seq.prompt_logprobs_k > 0).then(|| {
@@ -1419,6 +1431,7 @@ fn append_tokens(
         if may_stop && c.ends(&seq.sampling, t) {
             // vLLM: the EOS token counts as an output token but is not part of the text.
             seq.stopped_on_eos = true;
+            seq.stop_reason = (!c.is_eos(&seq.sampling, t)).then_some(StopReason::Token(t));
             seq.finish(FinishReason::Stop, now);
             break;
         }
@@ -1436,7 +1449,10 @@ fn append_tokens(
                 seq.output_text.push_str(&delta);
                 let (stop, longest) = (&seq.sampling.stop, seq.sampling.max_stop_len());
                 let found = find_stop(&seq.output_text, old_len, stop, longest);
-                if let Some((pos, len)) = found.filter(|_| may_stop) {
+                if let Some((pos, which)) = found.filter(|_| may_stop) {
+                    let matched = seq.sampling.stop[which].clone();
+                    let len = matched.len();
+                    seq.stop_reason = Some(StopReason::Text(matched));
                     let keep = seq.sampling.include_stop_str_in_output;
                     seq.output_text.truncate(if keep { pos + len } else { pos });
                     seq.stopped_on_string = true;
@@ -1460,7 +1476,7 @@ fn append_tokens(
 }
 
 /// Earliest occurrence of a stop string that ends in the text appended after `old_len`, and
-/// that string's length (at one position, the first such string in `stop`). Only the tail that
+/// that string's index in `stop` (at one position, the first such string in `stop`). Only the tail that
 /// could contain such a match is searched, so the cost is O(new text).
 fn find_stop(
     text: &str,
@@ -1477,12 +1493,15 @@ fn find_stop(
     }
     let tail = &text[start..];
     stop.iter()
-        .filter_map(|s| tail.find(s.as_str()).map(|p| (start + p, s.len())))
+        .enumerate()
+        .filter_map(|(i, s)| tail.find(s.as_str()).map(|p| (start + p, i)))
         .min_by_key(|&(p, _)| p)
 }
 
 mod admission;
 mod chunked;
+#[cfg(test)]
+mod kept_tests;
 mod overlap;
 #[cfg(test)]
 mod overlap_tests;

@@ -41,6 +41,9 @@ pub struct Request {
     /// OpenAI Batch input: the endpoint the row's line asks (None: Parquet input, or a line
     /// without a url eaglebatch serves).
     pub endpoint: Option<Endpoint>,
+    /// The kept input columns' values (`SchedulerConfig::keep_columns`), each a length-1
+    /// array of the column's output type, copied out of the read batch.
+    pub kept: Vec<ArrayRef>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,6 +61,15 @@ pub enum FinishReason {
     /// outgrow the cache is refused at admission).
     Length,
     Error,
+}
+
+/// What ended a row that stopped other than at an EOS id (vLLM's `stop_reason`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StopReason {
+    /// The stop string found in the text.
+    Text(String),
+    /// One of the row's `stop_token_ids` (not an EOS id it stops at).
+    Token(u32),
 }
 
 impl FinishReason {
@@ -88,6 +100,10 @@ pub struct Sequence {
     pub sampling: Arc<SamplingParams>,
     /// The request's endpoint (`Request::endpoint`).
     pub endpoint: Option<Endpoint>,
+    /// `Request::kept`.
+    pub kept: Vec<ArrayRef>,
+    /// Set with `finish_reason` Stop when a stop string or stop token id (not EOS) ended it.
+    pub stop_reason: Option<StopReason>,
     /// Generated ids, including a final EOS token if generation stopped on one.
     pub output_ids: Vec<u32>,
     /// Number of tokens (prompt + output) whose K/V is in the cache.
@@ -152,6 +168,8 @@ impl Sequence {
             prompt_ids: req.prompt_ids,
             sampling: req.sampling,
             endpoint: req.endpoint,
+            kept: req.kept,
+            stop_reason: None,
             output_ids: Vec::new(),
             num_computed: 0,
             status: Status::Waiting,

@@ -35,7 +35,7 @@ use parquet::file::properties::WriterProperties;
 
 use crate::error::{Error, Result};
 use crate::logprobs::LogprobEntry;
-use crate::sequence::FinishReason;
+use crate::sequence::{FinishReason, StopReason};
 use tokenizers::Tokenizer;
 
 /// One output row (a finished or failed request).
@@ -61,6 +61,11 @@ pub struct OutputRow {
     pub spec_steps: Option<i32>,
     pub accepted_tokens: Option<i32>,
     pub accept_length: Option<f64>,
+    /// What ended a row that stopped other than at EOS: a stop string or a stop token id
+    /// (vLLM's `stop_reason`); None for EOS, a length or an error.
+    pub stop_reason: Option<StopReason>,
+    /// One length-1 array per kept input column (`WriterConfig::kept`, same order and types).
+    pub kept: Vec<ArrayRef>,
     /// All generated ids (including a final EOS); written only with `include_token_ids`.
     pub output_token_ids: Vec<u32>,
     /// One entry per output token, for a row that asked for logprobs (else None: null).
@@ -90,6 +95,8 @@ pub struct WriterConfig {
     /// Write the `endpoint` column (OpenAI Batch input: each line's url).
     pub endpoint: bool,
     pub id_type: DataType,
+    /// Kept input columns: (name, output type), written after every other column.
+    pub kept: Vec<(String, DataType)>,
     /// Close a part once its oldest row is this old (None: only by `part_rows`).
     pub flush_interval: Option<Duration>,
     /// Decodes rows sent with `text_ids` (required for them).
@@ -106,6 +113,33 @@ pub struct WriterSummary {
     /// Rows whose text failed to decode, written as error rows.
     pub decode_errors: u64,
 }
+
+/// Every column name the output may have (those of `output_schema`, whatever the settings):
+/// kept input columns may not take one.
+pub const OUTPUT_COLUMNS: &[&str] = &[
+    "id",
+    "row_index",
+    "sample_index",
+    "output_text",
+    "finish_reason",
+    "prompt_tokens",
+    "output_tokens",
+    "cached_tokens",
+    "queue_s",
+    "ttft_s",
+    "latency_s",
+    "tpot_s",
+    "error",
+    "spec_steps",
+    "accepted_tokens",
+    "accept_length",
+    "stop_reason",
+    "stop_token_id",
+    "output_token_ids",
+    "logprobs",
+    "prompt_logprobs",
+    "endpoint",
+];
 
 /// Output schema (column order is part of the contract).
 pub fn output_schema(cfg: &WriterConfig) -> SchemaRef {
@@ -127,6 +161,8 @@ pub fn output_schema(cfg: &WriterConfig) -> SchemaRef {
         Field::new("spec_steps", DataType::Int32, true),
         Field::new("accepted_tokens", DataType::Int32, true),
         Field::new("accept_length", DataType::Float64, true),
+        Field::new("stop_reason", DataType::Utf8, true),
+        Field::new("stop_token_id", DataType::Int32, true),
     ];
     if include_token_ids {
         fields.push(Field::new(
@@ -143,6 +179,9 @@ pub fn output_schema(cfg: &WriterConfig) -> SchemaRef {
     }
     if cfg.endpoint {
         fields.push(Field::new("endpoint", DataType::Utf8, true));
+    }
+    for (name, dt) in &cfg.kept {
+        fields.push(Field::new(name, dt.clone(), true));
     }
     Arc::new(Schema::new(fields))
 }
@@ -315,6 +354,7 @@ impl WriterThread {
                     latency_s: None,
                     tpot_s: None,
                     error: Some(format!("decode failed: {e}")),
+                    stop_reason: None,
                     output_token_ids: Vec::new(),
                     logprobs: None,
                     ..row
@@ -429,6 +469,14 @@ fn build_batch(schema: &SchemaRef, rows: &[OutputRow], cfg: &WriterConfig) -> Re
         int32_column(rows, |r| r.spec_steps),
         int32_column(rows, |r| r.accepted_tokens),
         float64_column(rows, |r| r.accept_length),
+        string_column(rows, 0, |r| match &r.stop_reason {
+            Some(StopReason::Text(s)) => Some(s.as_str()),
+            _ => None,
+        }),
+        int32_column(rows, |r| match r.stop_reason {
+            Some(StopReason::Token(t)) => i32::try_from(t).ok(),
+            _ => None,
+        }),
     ];
     if cfg.include_token_ids {
         columns.push(token_ids_column(rows));
@@ -446,7 +494,20 @@ fn build_batch(schema: &SchemaRef, rows: &[OutputRow], cfg: &WriterConfig) -> Re
     if cfg.endpoint {
         columns.push(string_column(rows, rows.len() * 20, |r| r.endpoint));
     }
+    for (k, (_, dt)) in cfg.kept.iter().enumerate() {
+        columns.push(kept_column(dt, rows, k)?);
+    }
     Ok(RecordBatch::try_new(schema.clone(), columns)?)
+}
+
+/// Kept column `k` of the rows: their length-1 arrays concatenated (an empty array of the
+/// column's type when there are no rows).
+fn kept_column(dt: &DataType, rows: &[OutputRow], k: usize) -> Result<ArrayRef> {
+    if rows.is_empty() {
+        return Ok(arrow_array::new_empty_array(dt));
+    }
+    let parts: Vec<&dyn arrow_array::Array> = rows.iter().map(|r| r.kept[k].as_ref()).collect();
+    Ok(arrow_select::concat::concat(&parts)?)
 }
 
 /// The rows' ids concatenated (each `OutputRow::id` is a one-element array of the id type);
@@ -542,6 +603,8 @@ mod tests {
             text_ids: None,
             skip_special_tokens: true,
             endpoint: None,
+            stop_reason: None,
+            kept: Vec::new(),
         }
     }
 
@@ -558,6 +621,7 @@ mod tests {
             prompt_logprobs: false,
             endpoint: false,
             id_type: DataType::Utf8,
+            kept: Vec::new(),
             flush_interval: None,
             decoder: None,
         }
@@ -631,6 +695,8 @@ mod tests {
                 "spec_steps",
                 "accepted_tokens",
                 "accept_length",
+                "stop_reason",
+                "stop_token_id",
                 "output_token_ids"
             ]
         );
@@ -642,7 +708,7 @@ mod tests {
         assert_eq!(b.column(3).as_string::<i32>().value(0), "text 2");
         assert_eq!(b.column(11).as_primitive::<Float64Type>().value(0), 0.75);
         assert!(b.column(13).is_null(0));
-        let ids = b.column(16).as_list::<i32>().value(0);
+        let ids = b.column(18).as_list::<i32>().value(0);
         assert_eq!(ids.as_primitive::<Int32Type>().values(), &[7, 2]);
 
         let reader =
@@ -749,6 +815,6 @@ mod tests {
         assert_eq!(s.rows_written, 0);
         let b = ParquetRecordBatchReaderBuilder::try_new(File::open(&s.part_files[0]).unwrap())
             .unwrap();
-        assert_eq!(b.schema().fields().len(), 17);
+        assert_eq!(b.schema().fields().len(), 19);
     }
 }

@@ -307,6 +307,12 @@ fn rows_stop_on_their_own_end_ids() {
         vec![(8, "length"), (1, "stop"), (3, "stop"), (8, "length")]
     );
     assert_eq!(rows[1].text, "", "a stop token id is not in the text");
+    // vLLM's stop_reason: the stop token id that ended the row; none for a length
+    let stops: Vec<_> = rows.iter().map(|r| r.stop.clone()).collect();
+    assert_eq!(
+        stops,
+        vec![(None, None), (None, Some(7)), (None, Some(7)), (None, None)]
+    );
 }
 
 /// The EOS id ends a row unless the row ignores EOS.
@@ -331,6 +337,8 @@ fn ignore_eos_is_a_rows_own() {
         (rows[1].output_tokens, rows[1].reason.as_str()),
         (8, "length")
     );
+    // an EOS id is no stop_reason (vLLM: None)
+    assert!(rows.iter().all(|r| r.stop == (None, None)));
 }
 
 /// include_stop_str_in_output keeps the stop string; skip_special_tokens false keeps special
@@ -347,18 +355,24 @@ fn stop_strings_kept_and_special_tokens_shown_per_row() {
         drive_constant(&mut s, token, 0);
         s.finish().unwrap();
         let rows = read_output(&f.cfg.output_dir);
-        rows.into_iter().map(|r| r.text).collect::<Vec<_>>()
+        rows.into_iter()
+            .map(|r| (r.text, r.stop.0))
+            .collect::<Vec<_>>()
     };
     let inc = Arc::new(BooleanArray::from(vec![Some(true), None, Some(false)]));
     let stop = Arc::new(StringArray::from(vec!["w9", "w9", "w9"]));
     let keys = [("include_stop_str_in_output", "inc"), ("stop", "stop")];
     let got = texts("samp-inc", 9, vec![("inc", inc), ("stop", stop)], &keys);
-    assert_eq!(got, vec!["w9", "", ""]);
+    // the stop string is the row's stop_reason, whether the text keeps it or not
+    let w9 = Some("w9".to_string());
+    let want = [("w9", w9.clone()), ("", w9.clone()), ("", w9)];
+    assert_eq!(got, want.map(|(t, s)| (t.to_string(), s)));
     // token 3 is <pad>, a special token: shown only where skip_special_tokens is false
     let sk = Arc::new(BooleanArray::from(vec![Some(false), Some(false), None]));
     let stop = Arc::new(StringArray::from(vec![Some("zz"), None, None]));
     let keys = [("skip_special_tokens", "sk"), ("stop", "stop")];
     let got = texts("samp-special", 3, vec![("sk", sk), ("stop", stop)], &keys);
+    let got: Vec<_> = got.into_iter().map(|(t, _)| t).collect();
     assert_eq!(got, vec!["<pad> <pad>", "<pad> <pad>", ""]);
 }
 

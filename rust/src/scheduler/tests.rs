@@ -150,6 +150,8 @@ pub(super) struct Row {
     pub(super) cached_tokens: i32,
     pub(super) error: Option<String>,
     pub(super) token_ids: Vec<i32>,
+    /// (stop_reason, stop_token_id): the stop string or stop token id that ended the row.
+    pub(super) stop: (Option<String>, Option<i32>),
 }
 
 pub(super) fn read_output(dir: &std::path::Path) -> Vec<Row> {
@@ -177,6 +179,15 @@ pub(super) fn read_output(dir: &std::path::Path) -> Vec<Row> {
                     .as_primitive::<Int32Type>()
                     .values()
                     .to_vec(),
+                stop: {
+                    let (s, t) = (col("stop_reason"), col("stop_token_id"));
+                    (
+                        s.is_valid(i)
+                            .then(|| s.as_string::<i32>().value(i).to_string()),
+                        t.is_valid(i)
+                            .then(|| t.as_primitive::<Int32Type>().value(i)),
+                    )
+                },
             });
         }
     }
