@@ -137,6 +137,32 @@ def test_summary_json_and_status_json_for_pipelines(tmp_path, tiny_model_dir):
     assert "sampling.temperature" in bad["error"]
 
 
+def test_summary_json_never_replaces_what_eaglebatch_did_not_write(tmp_path, tiny_model_dir):
+    """An input, a foreign file, a path inside output.path or an unwritable place: exit 2
+    before any work, the file untouched; an earlier summary is replaced."""
+    import json
+
+    inp = write_prompts(tmp_path / "in.parquet", ["a", "b"])
+    p = job(tmp_path, tiny_model_dir, inp)
+    before = inp.read_bytes()
+    (tmp_path / "notes.json").write_text('{"mine": 1}')
+    for target, why in ((inp, "is not a summary"), (tmp_path / "notes.json", "is not a summary"),
+                        (tmp_path / "out" / "s.json", "inside output.path"),
+                        (tmp_path / "in.parquet.d" / ".." / "in.parquet", "is not a summary"),
+                        (tmp_path / "job.yaml", "is not a summary"),
+                        (tmp_path / "notes.json" / "s.json", "cannot write")):  # fmt: skip
+        r = invoke("run", str(p), "--summary-json", str(target))
+        assert r.exit_code == 2 and why in r.output and "Traceback" not in r.output, r.output
+        assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob("part-*"))
+    assert inp.read_bytes() == before and (tmp_path / "notes.json").read_text() == '{"mine": 1}'
+    ok = tmp_path / "summary.json"
+    for _ in range(2):  # the second run replaces the first run's summary
+        r = invoke("run", str(p), "--summary-json", str(ok))
+        assert r.exit_code == 0, r.output
+        assert json.loads(ok.read_text())["exit_reason"] == "complete"
+    assert sorted(f.name for f in tmp_path.iterdir() if f.name.startswith(".")) == []
+
+
 def test_dash_h_is_help():
     for args in (["-h"], ["run", "-h"], ["status", "-h"]):
         r = invoke(*args)

@@ -54,6 +54,23 @@ def test_an_input_glob_beside_the_output_never_reads_the_default_results(tmp_pat
     job2 = batch_dir_job(tmp_path, tiny_model_dir, "../data", out="../out2", name="dir")
     assert invoke("run", job2).exit_code == 0
     assert invoke("run", job2, "--restart").exit_code == 0
+    # a recursive glob reaches into output.path, whose `_results.jsonl` it does not read
+    job3 = batch_dir_job(tmp_path, tiny_model_dir, "../data/**/*.jsonl", out="../data/out3",
+                         name="deep")  # fmt: skip
+    for _ in range(2):
+        r = invoke("run", job3)
+        assert r.exit_code == 0, r.output
+    assert custom_ids(tmp_path / "data" / "out3" / "_results.jsonl") == ["c0", "c1", "c2"]
+
+
+def test_validate_checks_the_results_path_of_a_builtin_model_too(tmp_path, tiny_model_dir):
+    """validate does not convert a builtin model, yet refuses what run would refuse."""
+    job = batch_dir_job(tmp_path, "builtin:smollm2-135m-instruct", "../data/a.jsonl",
+                        results="mine.jsonl")  # fmt: skip
+    (tmp_path / "jobs" / "mine.jsonl").write_text("my own data\n")
+    r = invoke("validate", job)
+    assert r.exit_code == 2 and "output.results_path" in r.output, r.output
+    assert (tmp_path / "jobs" / "mine.jsonl").read_text() == "my own data\n"
 
 
 def test_a_relative_results_path_is_relative_to_the_job_file(tmp_path, tiny_model_dir, monkeypatch):

@@ -75,6 +75,7 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     output = ""
     if defaults.is_builtin_model(job.model):  # its own template is known good; the job's file
         _check_job_template(job)
+        _check_outputs(job, files)
     else:  # a builtin would be materialised first
         from .engine import prepare
         from .resume import scan_output
@@ -86,6 +87,19 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     click.echo(
         f"ok: {job_file}: {len(files)} input file(s), {total} rows, model {model}{draft}{output}"
     )
+
+
+def _check_outputs(job, files) -> None:
+    """`prepare`'s output checks that need no model identity (a builtin model is not converted
+    by validate): output.path apart from the input, and the results path's rules, a file there
+    counting as ours only when written for this output.path."""
+    from .inputs import check_output_apart
+    from .results_file import check_results_path
+
+    check_output_apart(job.input.path, files, job.output.path)
+    if job.output.results_file is not None:
+        check_results_path(job.output.results_file, Path(job.output.path), "",
+                           job.input.path, files)  # fmt: skip
 
 
 def _check_job_template(job) -> None:
@@ -178,6 +192,7 @@ def run(
     report = _Report(summary_json)
     try:
         report.job = job = load_job(job_file, overrides)
+        report.check_apart(job)
         shard = parse_shard(shard_text, shard_count, written=written_counts(job.output.path))
         if ray_address is not None or job.engine.executor == "ray":
             if shard is not None:
@@ -185,8 +200,9 @@ def run(
             _run_on_ray(job, ray_address or job.ray.address, restart, report)
         else:
             _run_here(job, shard, restart, report)
-    except JobError as e:  # refused (before any work) or a user error while it ran
-        report.write(None, None, "refused", USER_ERROR, str(e))
+    except Exception as e:  # refused (before any work) or a user error while it ran
+        if isinstance(e, JobError) or native_error(e) == "user":
+            report.write(None, None, "refused", USER_ERROR, str(e))
         raise
 
 
@@ -222,15 +238,30 @@ class _Report:
     """Writes `run --summary-json` (summary_json.py) once, however the run ends."""
 
     def __init__(self, path: str | None) -> None:
-        self.path, self.job, self.written = path, None, False
+        from .summary_json import check_summary_path
+
+        self.path = None if path is None else check_summary_path(path)  # JobError: exit 2
+        self.job, self.written = None, False
+
+    def check_apart(self, job) -> None:
+        """The path against the job's output and input; a refused path is never written."""
+        from .summary_json import check_summary_apart
+
+        if self.path is not None:
+            path, self.path = self.path, None
+            check_summary_apart(path, job)
+            self.path = path
 
     def write(self, stats, wall_s, reason: str, status: int, error: str | None = None) -> None:
         if self.path is None or self.written:
             return
         from .summary_json import run_summary, write_json
 
-        write_json(self.path, run_summary(self.job, stats, wall_s, reason, status, error))
         self.written = True
+        try:
+            write_json(self.path, run_summary(self.job, stats, wall_s, reason, status, error))
+        except OSError as e:
+            raise JobError(f"--summary-json: cannot write {self.path}: {e}") from None
 
     def exit(self, reason: str, status: int, error: str) -> None:
         self.write(None, None, reason, status, error)

@@ -37,7 +37,9 @@ def resolve_input_files(path: str, suffix: str = ".parquet") -> list[Path]:
     if p.is_file():
         return [p]
     if glob.has_magic(path):
-        files = sorted(Path(f) for f in glob.glob(path, recursive=True) if Path(f).is_file())
+        pattern = Path(os.path.abspath(path)).as_posix().split("/")
+        files = sorted(Path(f) for f in glob.glob(path, recursive=True)
+                       if Path(f).is_file() and _glob_visible(Path(os.path.abspath(f)), pattern))
         if not files:
             raise JobError(f"input.path: glob '{path}' matches no files")
         return files
@@ -47,6 +49,18 @@ def resolve_input_files(path: str, suffix: str = ".parquet") -> list[Path]:
 def _visible(rel: Path) -> bool:
     """pyarrow's (and Spark's) rule: files and directories named `.x` or `_x` are not data."""
     return not any(part.startswith((".", "_")) for part in rel.parts)
+
+
+def _glob_visible(f: Path, pattern: list[str]) -> bool:
+    """The directory rule (`_visible`) for a glob's matches: a `.x` / `_x` component is data only
+    where the pattern names it by a component opening with the same character (`_raw/*.jsonl`,
+    `_x*.parquet`), so `out/**/*.jsonl` does not read `out/run/_results.jsonl`."""
+    for c in f.as_posix().split("/"):
+        if c.startswith((".", "_")) and not any(
+            pc[:1] == c[:1] and fnmatch.fnmatchcase(c, pc) for pc in pattern
+        ):
+            return False
+    return True
 
 
 def _glob_match(parts: list[str], pattern: list[str]) -> bool:
@@ -75,7 +89,7 @@ def input_may_read(input_path: str, files: list[Path], path: Path) -> bool:
     if p.exists() or not glob.has_magic(input_path):
         return False
     pattern = Path(os.path.abspath(input_path)).as_posix().split("/")
-    return _glob_match(path.as_posix().split("/"), pattern)
+    return _glob_match(path.as_posix().split("/"), pattern) and _glob_visible(path, pattern)
 
 
 def check_output_apart(input_path: str, files: list[Path], output_path: str) -> None:

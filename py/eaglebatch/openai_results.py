@@ -23,6 +23,7 @@ import heapq
 import json
 import math
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -40,19 +41,24 @@ def write_results(
     output_path: Path, results: Path, default_endpoint: str, model: str, job_hash: str
 ) -> int:
     """Writes `results` from every part under `output_path`; returns the lines written."""
-    tmp = results.with_name(f".{results.name}.tmp")
     results.parent.mkdir(parents=True, exist_ok=True)
+    # a new name of our own: no file beside the results is ever truncated
+    fd, name = tempfile.mkstemp(dir=results.parent, prefix=f".{results.name}.", suffix=".tmp")
+    tmp = Path(name)
     created = int(time.time())
     lines = 0
-    with open(tmp, "w", encoding="utf-8") as f:
-        for samples in _requests(output_path):
-            endpoint = samples[0].get("endpoint") or default_endpoint
-            f.write(json.dumps(_line(samples, endpoint, model, created), ensure_ascii=False))
-            f.write("\n")
-            lines += 1
-        f.flush()
-        os.fsync(f.fileno())
-    replace_results(tmp, results, job_hash, output_path)
+    try:
+        with open(fd, "w", encoding="utf-8") as f:
+            for samples in _requests(output_path):
+                endpoint = samples[0].get("endpoint") or default_endpoint
+                f.write(json.dumps(_line(samples, endpoint, model, created), ensure_ascii=False))
+                f.write("\n")
+                lines += 1
+            f.flush()
+            os.fsync(f.fileno())
+        replace_results(tmp, results, job_hash, output_path)
+    finally:
+        tmp.unlink(missing_ok=True)  # gone after the rename; left only by a failure
     return lines
 
 

@@ -111,7 +111,10 @@ def written_counts(output_path: str | Path) -> set[int]:
     out = Path(output_path)
     if not out.is_dir():
         return set()
-    return {s.count for d in out.iterdir() if (s := shard_of_dir(d.name)) and d.is_dir()}
+    try:
+        return {s.count for d in out.iterdir() if (s := shard_of_dir(d.name)) and d.is_dir()}
+    except OSError as e:
+        raise JobError(f"output.path: cannot read {out}: {e}") from None
 
 
 def parse_shard(

@@ -3,7 +3,10 @@
 `run` writes one JSON object however it ends (`exit_reason`: "complete" when every row of the
 run's scope is done, "interrupted", "failed" or "refused", with `exit_status` and `error`), so
 a pipeline step reads one file instead of parsing the summary table. The file is written under
-a hidden temporary name and renamed: a reader never sees half of it.
+a hidden temporary name and renamed: a reader never sees half of it. Its path is checked before
+any work (`check_summary_path`, JobError): an existing file is replaced only when it is a summary
+eaglebatch wrote (its `eaglebatch_summary` key), never inside output.path or where the input
+would read it, and its directory must be writable.
 """
 
 from __future__ import annotations
@@ -11,9 +14,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from pathlib import Path
 
+from .errors import JobError
 from .progress import accept_length, generation_seconds
+
+MARK = "eaglebatch_summary"  # key (value: format version) of every summary this module writes
 
 # the run's counters and figures, as the scheduler's summary names them (None when absent)
 STAT_KEYS = ("requests", "errors", "skipped", "prompt_tokens", "output_tokens", "cached_tokens",
@@ -41,6 +48,7 @@ def run_summary(job, stats: dict | None, wall_s: float | None, exit_reason: str,
     rate = out / wall_s if out is not None and wall_s else None
     results = None if job is None else job.output.results_file
     summary = {
+        MARK: 1,
         "exit_reason": exit_reason,
         "exit_status": exit_status,
         "error": error,
@@ -56,16 +64,61 @@ def run_summary(job, stats: dict | None, wall_s: float | None, exit_reason: str,
 
 
 def write_json(path: str | Path, obj: dict) -> None:
-    """Writes `obj` to `path` atomically (hidden temporary file, fsync, rename)."""
+    """Writes `obj` to `path` atomically (a new hidden temporary file, fsync, rename)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, default=_plain)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with open(fd, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, default=_plain)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def check_summary_path(path: str) -> Path:
+    """`--summary-json PATH` before any work: the resolved path, or JobError when it names a
+    directory, an existing file that is no summary of ours, or a place that cannot be written."""
+    key = f"--summary-json: {path}"
+    p = Path(os.path.abspath(os.path.expanduser(path)))
+    if p.is_dir():
+        raise JobError(f"{key} is a directory")
+    if p.exists() and not _is_summary(p):
+        raise JobError(f"{key} exists and is not a summary eaglebatch wrote; it is never "
+                       f"replaced: choose another path")  # fmt: skip
+    d = p.parent
+    while not d.exists() and d != d.parent:
+        d = d.parent
+    if not d.is_dir() or not os.access(d, os.W_OK | os.X_OK):
+        raise JobError(f"{key}: cannot write in {d}")
+    return p
+
+
+def check_summary_apart(p: Path, job) -> None:
+    """Refuses a summary path inside output.path (resume would find a file it did not write) or
+    where the job's input would read it."""
+    from .inputs import input_may_read
+
+    out = Path(job.output.path).resolve()
+    if p.resolve() == out or out in p.resolve().parents:
+        raise JobError(f"--summary-json: {p} lies inside output.path, which holds only the "
+                       f"job's parts; choose a path outside it")  # fmt: skip
+    if input_may_read(job.input.path, [], p.resolve()):
+        raise JobError(f"--summary-json: {p} would be read as input (input.path "
+                       f"{job.input.path}); choose a path outside the input")  # fmt: skip
+
+
+def _is_summary(p: Path) -> bool:
+    try:
+        with open(p, "rb") as f:
+            obj = json.loads(f.read(1 << 20))
+    except (OSError, ValueError):
+        return False
+    return isinstance(obj, dict) and MARK in obj
 
 
 def status_summary(st) -> dict:

@@ -23,7 +23,7 @@ use minijinja::value::{Kwargs, Value, ValueKind};
 use minijinja::{AutoEscape, Environment, ErrorKind};
 
 use crate::error::{Error, Result};
-use crate::template_guard::guarded;
+use crate::template_guard::{guarded, has_lazy_constant};
 use crate::template_memory::{self, Metered};
 
 /// One chat message: its fields in order (`role`, `content`, ...). `None` is Python's `None`.
@@ -165,6 +165,13 @@ impl ChatTemplate {
         let source = intern(rewrite_generation_tags(source));
         let mut code = CompiledTemplate::new(TEMPLATE_NAME, source, &template_config())
             .map_err(|e| Error::Template(format_minijinja_error(&e)))?;
+        if has_lazy_constant(&code.instructions) || code.blocks.values().any(has_lazy_constant) {
+            return Err(Error::Template(
+                "the template joins or repeats constant lists (`[..] + [..]`, `[..] * n`), \
+                 whose size eaglebatch cannot bound; write the list out"
+                    .into(),
+            ));
+        }
         code.instructions = guarded(&code.instructions);
         for block in code.blocks.values_mut() {
             *block = guarded(block);
@@ -900,12 +907,16 @@ mod tests {
             "{% set s = 'x' * 10000000 %}{{ ([s] * 1000) in 'x' }}",
             "{% set s = 'x' * 10000000 %}{{ ([s] * 1000) is in 'x' }}",
             "{% set s = 'x' * 10000000 %}{{ ([s] * 1000) is startingwith 'x' }}",
-            "{{ ([0] * 10000000000) | list | length }}",
+            "{% set n = 10000000000 %}{{ ([0] * n) | list | length }}",
+            // A repeat whose length would wrap minijinja's unchecked `len * n` (to 0 here),
+            // made at render time (constants folded at compile time are refused there).
+            "{% set n = 2**63 %}{{ ([\"\", \"\"] * n) | list | length }}",
+            "{% set e = '' %}{{ (2**63 * [e, e]) | join | length }}",
             // A size given as a number.
             "{{ 'x' | indent(100000000000) }}",
             "{{ ('x' * 1000) | replace('', 'y' * 10000000) | length }}",
             "{{ ('x' * 1000).replace('x', 'y' * 10000000) | length }}",
-            "{{ ('y' * 10000000).join(['a'] * 1000) | length }}",
+            "{% set a = 'a' %}{{ ('y' * 10000000).join([a] * 1000) | length }}",
             "{{ '{:>99999999999}'.format(1) }}",
             "{{ '%99999999999d' | format(1) }}",
             // Growth in a loop, each step small (a new 100 KB string per step).
@@ -923,6 +934,27 @@ mod tests {
         }
         let grown = peak_rss().saturating_sub(before);
         assert!(grown < 1 << 30, "peak RSS grew by {} MiB", grown >> 20);
+    }
+
+    /// Constant lists joined or repeated are folded by minijinja's compiler into lazy
+    /// sequences no check can measure: refused at compile time; a constant list, a repeated
+    /// string and a repeat at render time are not.
+    #[test]
+    fn constant_lazy_sequences_are_refused_when_compiled() {
+        for src in [
+            "{{ ([\"\", \"\"] * 2**63) | list | length }}",
+            "{{ 2**63 * ['', ''] }}",
+            "{% for x in [1] + [2] %}{{ x }}{% endfor %}",
+        ] {
+            let err = ChatTemplate::new(src).err().expect(src).to_string();
+            assert!(err.contains("constant lists"), "{src}: {err}");
+        }
+        let src = "{% set n = 2 %}{{ [1, 2] | join }}{{ 'ab' * 2 }}{{ ([3] * n) | join }}";
+        let mut t = ChatTemplate::new(src).unwrap();
+        let out = t
+            .render(&[msg("user", "hi")], true, None, None, 1000)
+            .unwrap();
+        assert_eq!(out, "12abab33");
     }
 
     /// `src` rendered by minijinja as compiled, unguarded, with the same settings.
@@ -948,7 +980,7 @@ mod tests {
              {{ loop.cycle('a', 'b') }}{% endfor %}",
             "{% for x in [[1, [2]], [3]] recursive %}{% if x is iterable %}[{{ loop(x) }}]\
              {% else %}{{ x }}{% endif %}{% endfor %}",
-            "{{ 'a' ~ 1 ~ none }}{{ [1] + [2] }}{{ 'ab' * 2 }}{{ 2 * 3 }}{{ 1 + 2.5 }}\
+            "{{ 'a' ~ 1 ~ none }}{{ [1] + [y] }}{{ 'ab' * 2 }}{{ 2 * 3 }}{{ 1 + 2.5 }}\
              {% set x %}cap{{ 1 }}{% endset %}{{ x }}",
             "{{ (messages | map(attribute='role') | join(',')) | upper }}\
              {{ '{}-{}'.format(1, 2) }}{{ 'a b'.split() | length }}{{ messages | tojson }}\

@@ -4,7 +4,7 @@
 //! `unstable_machinery` API, so minijinja is pinned exactly (Cargo.toml).
 
 use minijinja::machinery::{Instruction, Instructions};
-use minijinja::value::Value;
+use minijinja::value::{ObjectRepr, Value};
 
 use crate::template_memory;
 
@@ -20,6 +20,21 @@ enum Guard {
 const CHECK: &str = template_memory::CHECK_FILTER;
 const CONCAT: &str = template_memory::CONCAT_FILTER;
 const IN: &str = template_memory::IN_FILTER;
+const MUL: &str = template_memory::MUL_OPERANDS_FILTER;
+
+/// What runs before `instr`: for `*`, its two operands measured (a repeat whose length would
+/// not fit the limit, or would overflow minijinja's unchecked `len * n`, is refused before it
+/// exists) and put back in their order (the filter returns them reversed, as `UnpackList`
+/// pushes a list's items last-first).
+fn pre(instr: &Instruction) -> Vec<Instruction<'static>> {
+    match instr {
+        Instruction::Mul => vec![
+            Instruction::ApplyFilter(MUL, Some(2), !0),
+            Instruction::UnpackList(2),
+        ],
+        _ => vec![],
+    }
+}
 
 /// The guard after `instr`: a value check after the operators that can build a lazy
 /// sequence (`+`, `*`) and after `~`; a neutral check after every other instruction that can
@@ -89,9 +104,22 @@ fn moved(instr: &Instruction<'static>, at: &[u32]) -> Instruction<'static> {
     }
 }
 
-/// `code` with each instruction's guard after it. Invariant: every jump lands on the
-/// instruction it landed on before (targets are moved by the instructions added before
-/// them), so the template runs as compiled, checked between instructions.
+/// Whether `code` loads a lazy sequence constant: minijinja folds `+` and `*` of constants
+/// at compile time (`["", ""] * 2**63`), and such a value's length is computed unchecked when
+/// first asked (it wraps, or panics in a debug build), so no check can measure it.
+pub fn has_lazy_constant(code: &Instructions<'static>) -> bool {
+    (0..code.len() as u32)
+        .filter_map(|i| code.get(i))
+        .any(|instr| {
+            matches!(instr, Instruction::LoadConst(v)
+            if v.as_object().is_some_and(|o| o.repr() == ObjectRepr::Iterable))
+        })
+}
+
+/// `code` with each instruction's guard after it (and `pre` code before it). Invariant: every
+/// jump lands on the instruction it landed on before, or on its `pre` code (targets are moved
+/// by the instructions added before them), so the template runs as compiled, checked between
+/// instructions.
 pub fn guarded(code: &Instructions<'static>) -> Instructions<'static> {
     let n = code.len() as u32;
     let instrs: Vec<&Instruction<'static>> = (0..n).filter_map(|i| code.get(i)).collect();
@@ -99,12 +127,15 @@ pub fn guarded(code: &Instructions<'static>) -> Instructions<'static> {
     let mut next = 0u32;
     for instr in &instrs {
         at.push(next);
-        next += 1 + guard_code(guard(instr)).len() as u32;
+        next += (pre(instr).len() + 1 + guard_code(guard(instr)).len()) as u32;
     }
     at.push(next); // a jump to the end stays at the end
     let mut out = Instructions::new(code.name(), code.source());
     for (i, instr) in instrs.iter().enumerate() {
         let line = code.get_line(i as u32).unwrap_or(0).min(u16::MAX as usize) as u16;
+        for p in pre(instr) {
+            out.add_with_line(p, line);
+        }
         out.add_with_line(moved(instr, &at), line);
         for g in guard_code(guard(instr)) {
             out.add_with_line(g, line);

@@ -218,6 +218,28 @@ pub fn fits_as_list(v: &Value, what: &str) -> Result<(), Error> {
     Ok(())
 }
 
+/// Before `a * b`: refuses a string or sequence repeated past the limit (its length times the
+/// count, checked: minijinja multiplies a sequence's length unchecked, and a wrapped length
+/// would pass every later check), else returns `[b, a]` for `UnpackList` to push back.
+pub fn mul_operands(a: Value, b: Value) -> Result<Value, Error> {
+    for (x, n) in [(&a, &b), (&b, &a)] {
+        let Some(n) = n.as_usize() else {
+            continue;
+        };
+        let per_item = if x.as_str().is_some() { 1 } else { ITEM_BYTES };
+        let len = match (x.as_str(), x.as_object()) {
+            (Some(s), _) => s.len(),
+            (None, Some(_)) => x.len().unwrap_or(0),
+            _ => continue,
+        };
+        let bytes = len.checked_mul(n).and_then(|k| k.checked_mul(per_item));
+        if bytes.is_none_or(|b| b > left()) {
+            return Err(over("a repeated string or sequence would not fit"));
+        }
+    }
+    Ok(Value::from(vec![b, a]))
+}
+
 /// Occurrences of `pat` in `s` (`s.len() + 1` for an empty pattern, as `replace` counts).
 fn occurrences(s: &str, pat: &str) -> usize {
     if pat.is_empty() {
@@ -293,6 +315,7 @@ pub fn fits_format_widths(fmt: &Value) -> Result<(), Error> {
 /// (`concat`). Names with a colon: no template can write them, so none can shadow them.
 pub const CHECK_FILTER: &str = "eb:check";
 pub const CONCAT_FILTER: &str = "eb:concat";
+pub const MUL_OPERANDS_FILTER: &str = "eb:mul";
 pub const IN_FILTER: &str = "eb:in";
 
 /// `needle in container`, as minijinja's operator: a string container writes a needle that is
@@ -386,6 +409,7 @@ pub fn install(env: &mut minijinja::Environment<'static>) {
     use minijinja::filters as f;
     env.add_filter(CHECK_FILTER, check);
     env.add_filter(CONCAT_FILTER, concat);
+    env.add_filter(MUL_OPERANDS_FILTER, mul_operands);
     env.add_filter(IN_FILTER, contains);
     env.add_test(
         "in",
