@@ -215,3 +215,28 @@ def test_every_numeric_column_type_is_read(tmp_path, tiny_model_dir, prompts):
         else:
             assert got[0]["output_token_ids"] == greedy[0]["output_token_ids"], col
             assert got[1]["output_token_ids"] == hot[1]["output_token_ids"], col
+
+
+def test_stop_token_id_lists_of_any_integer_spelling_stop_alike(tmp_path, tiny_model_dir, prompts):
+    """A stop_token_ids column whose items are int8 or dictionary-encoded stops rows where the
+    int64 list does (the Python check and the Rust reader read the items by one rule)."""
+    ref = reference(tmp_path, tiny_model_dir, prompts[:3], "ids-ref", ["sampling.ignore_eos=true"])
+    first = [r["output_token_ids"][1] for r in ref]  # each row's second token ends it
+    spellings = {
+        "plain": pa.array([[t] for t in first], pa.list_(pa.int64())),
+        "narrow": pa.array([[t] for t in first], pa.large_list(pa.int16())),
+        "dict": pa.array([[t] for t in first], pa.list_(pa.dictionary(pa.int8(), pa.int32()))),
+    }
+    for name, col in spellings.items():
+        cols = {"prompt": prompts[:3], "st": col}
+        path = job_file(tmp_path, tiny_model_dir, cols, "{stop_token_ids: st}", name=name)
+        path.write_text(path.read_text().replace("max_new_tokens: 24\n",
+                                                 "max_new_tokens: 24\n  ignore_eos: true\n"))
+        checked = CliRunner().invoke(main, ["validate", str(path)])
+        assert checked.exit_code == 0, checked.output
+        run_prepared(prepare(load_job(path)))
+        got = pq.read_table(tmp_path / name).sort_by("row_index").to_pylist()
+        want = [r["output_token_ids"][: r["output_token_ids"].index(t) + 1]
+                for r, t in zip(ref, first)]  # fmt: skip
+        assert [g["output_token_ids"] for g in got] == want, name
+        assert [g["stop_token_id"] for g in got] == first, name

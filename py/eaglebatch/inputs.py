@@ -133,7 +133,7 @@ def _is_bool(t: pa.DataType) -> bool:
 def _is_ids(t: pa.DataType) -> bool:
     t = dense(t)
     listed = pa.types.is_list(t) or pa.types.is_large_list(t)
-    return listed and pa.types.is_integer(t.value_type)
+    return listed and is_int(t.value_type)  # items of any width, dictionaries by their values
 
 
 # The column types of each sampling key (input.sampling_columns): the rule of

@@ -356,7 +356,7 @@ fn ids_value(a: &dyn Array, i: usize) -> Option<Vec<i128>> {
     };
     Some(
         (0..items.len())
-            .filter_map(|j| int_value(items.as_ref(), j))
+            .filter_map(|j| dense(items.as_ref(), j).and_then(|(v, k)| int_value(v, k)))
             .collect(),
     )
 }
