@@ -187,3 +187,55 @@ def test_lines_of_openai_sdk_types_and_results_its_types_read(tmp_path, tiny_mod
         assert parsed.choices and parsed.usage.completion_tokens >= 1
     chat_lp = openai.types.chat.ChatCompletion.model_validate(got["c0"]["response"]["body"])
     assert chat_lp.choices[0].logprobs.content[0].top_logprobs
+
+
+def test_a_lines_own_n_gives_the_samples_a_job_n_gives_and_resumes(tmp_path, tiny_model_dir):
+    """Lines with n 1, 3 and the job's 2 in one file: each line's choices are the samples a
+    job with that sampling.n generates for it (samples are seeded by row and sample, not by
+    the batch); with one sample deleted from the parts, a rerun generates exactly that one,
+    and `status` counts a line done only with its own n samples."""
+    import pyarrow as pa
+    from click.testing import CliRunner
+
+    from eaglebatch.cli import main
+    from eaglebatch.output_dir import OWNER_KEY
+
+    prompts = random_prompts(3, seed=15)
+    own = [{"n": 1}, {"n": 3}, {}]
+    lines = [request(f"n{i}", COMPLETIONS, {"prompt": p, "temperature": 1.0, "seed": 7, **own[i]})
+             for i, p in enumerate(prompts)]  # fmt: skip
+    job = batch_job(tmp_path, tiny_model_dir, lines, name="own", extra="  part_rows: 2\n")
+    job.write_text(job.read_text().replace("sampling:\n", "sampling:\n  n: 2\n  temperature: 1\n"))
+    run_prepared(prepare(load_job(job)))
+    got = results(tmp_path, "own")
+    for i, n in enumerate([1, 3, 2]):
+        ref = batch_job(tmp_path, tiny_model_dir, [lines[i]], name=f"ref{i}")
+        ref.write_text(ref.read_text().replace("sampling:\n", f"sampling:\n  n: {n}\n"
+                                                                 "  temperature: 1\n"))
+        if "n" in own[i]:  # the line's n would have to equal the job's: drop it
+            body = json.loads(lines[i])["body"]
+            del body["n"]
+            (tmp_path / f"ref{i}-requests.jsonl").write_text(
+                request(f"n{i}", COMPLETIONS, body) + "\n")
+        run_prepared(prepare(load_job(ref)))
+        want = results(tmp_path, f"ref{i}")[f"n{i}"]["response"]["body"]["choices"]
+        assert got[f"n{i}"]["response"]["body"]["choices"] == want, i
+        assert len(want) == n
+    table = pq.read_table(tmp_path / "own")
+    assert sorted(table.column("n").to_pylist()) == [1, 2, 2, 3, 3, 3]
+    # delete sample 2 of line n1 from its part: the job is no longer complete
+    for part in sorted((tmp_path / "own").glob("part-*.parquet")):
+        t = pq.read_table(part)
+        keep = [not (r == 1 and s == 2) for r, s in zip(t.column("row_index").to_pylist(),
+                                                         t.column("sample_index").to_pylist())]
+        if not all(keep):
+            meta = pq.ParquetFile(part).metadata.metadata  # the file's key-value metadata
+            pq.write_table(t.filter(pa.array(keep)).replace_schema_metadata(meta), part)
+            assert OWNER_KEY in meta
+    assert CliRunner().invoke(main, ["status", str(job)]).exit_code == 1
+    r = CliRunner().invoke(main, ["run", str(job)])
+    assert r.exit_code == 0, r.output
+    assert CliRunner().invoke(main, ["status", str(job)]).exit_code == 0
+    assert pq.read_table(tmp_path / "own").num_rows == 6
+    choices = lambda res: {k: v["response"]["body"]["choices"] for k, v in res.items()}  # noqa: E731
+    assert choices(results(tmp_path, "own")) == choices(got)

@@ -35,6 +35,8 @@ from .output_dir import OWNER_KEY, SUBDIR, check_only_ours, scan_dir, scan_tree
 
 HASH_KEY = OWNER_KEY.decode()  # the key that marks a part as ours (output_dir.py)
 IDENTITY_KEY = "eaglebatch.job_identity"
+# sample keys are row_index * SAMPLE_STRIDE + sample_index: the most samples of a row (n)
+SAMPLE_STRIDE = 4096
 IDENTITY_VERSION = 2
 
 # Small text files of a model / draft folder whose exact content matters.
@@ -184,8 +186,8 @@ class ResumeState:
     error_rows: np.ndarray  # int64 the done rows that have an error row (sorted)
     # subdirectory name ("" for output.path itself) -> how many part files it holds
     dirs: dict[str, int]
-    # sampling.n > 1: keys row_index * n + sample_index of the samples written of rows that
-    # are not done (sorted); the scheduler generates only their other samples
+    # keys row_index * SAMPLE_STRIDE + sample_index of the samples written of rows that are not
+    # done (sorted); the scheduler generates only their other samples
     partial_samples: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64))
 
     def skipped_in(self, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
@@ -244,18 +246,20 @@ def _what_changed(ours: dict, theirs_json: bytes | None) -> str:
     return "it differs in " + "; ".join(shown) + more
 
 
-def _read_part(part: Path, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """The sample keys (row_index * n + sample_index) of one of our part files and the row
-    indices of its error rows, after reading every column of every row group (a damaged page
-    fails here, not in a user's read_table). Raises JobError naming the file."""
+def _read_part(part: Path, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The sample keys (`sample_key`) of one of our part files, each row's n (its `n` column:
+    an OpenAI Batch line's own; else the job's) and the row indices of its error rows, after
+    reading every column of every row group (a damaged page fails here, not in a user's
+    read_table). Raises JobError naming the file."""
     try:
         pf = pq.ParquetFile(part)
-        rows, errors = [], []
+        rows, ns, errors = [], [], []
         for g in range(pf.num_row_groups):
             table = pf.read_row_group(g)
             index = table.column("row_index").to_numpy()
-            sample = table.column("sample_index").to_numpy() if n > 1 else 0
-            rows.append(index * n + sample)
+            rows.append(sample_key(index, table.column("sample_index").to_numpy()))
+            own = "n" in table.column_names
+            ns.append(table.column("n").to_numpy() if own else np.full(len(index), n))
             errors.append(index[table.column("error").is_valid().to_numpy(zero_copy_only=False)])
     except (pa.ArrowException, OSError, KeyError, ValueError) as e:
         raise JobError(
@@ -263,13 +267,19 @@ def _read_part(part: Path, n: int) -> tuple[np.ndarray, np.ndarray]:
             f"or pass --restart to delete all of this directory's eaglebatch results"
         ) from None
     if not rows:
-        return np.empty(0, np.int64), np.empty(0, np.int64)
-    return np.concatenate(rows), np.concatenate(errors)
+        return np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64)
+    return np.concatenate(rows), np.concatenate(ns).astype(np.int64), np.concatenate(errors)
 
 
-def _check_unique(rows: list[np.ndarray], parts: list[Path], n: int) -> np.ndarray:
-    """All sample keys (row_index * n + sample_index), sorted; raises JobError naming a row
-    (and sample) written twice and its parts."""
+def sample_key(row_index, sample_index):
+    """Resume's key of a sample (rust/src/scheduler.rs `sample_key`: the same), whatever the
+    row's n (at most SAMPLE_STRIDE)."""
+    return np.asarray(row_index, np.int64) * SAMPLE_STRIDE + np.asarray(sample_index, np.int64)
+
+
+def _check_unique(rows: list[np.ndarray], parts: list[Path]) -> np.ndarray:
+    """All sample keys (`sample_key`), sorted; raises JobError naming a row (and sample)
+    written twice and its parts."""
     done = np.concatenate(rows) if rows else np.empty(0, np.int64)
     order = np.argsort(done, kind="stable")
     sorted_rows = done[order]
@@ -279,7 +289,8 @@ def _check_unique(rows: list[np.ndarray], parts: list[Path], n: int) -> np.ndarr
     key = int(sorted_rows[twice[0]])
     owner = np.repeat(np.arange(len(parts)), [len(r) for r in rows])
     names = sorted({_relative(parts[i]) for i in owner[done == key]})
-    row, what = key // n, "" if n == 1 else f" (sample_index {key % n})"
+    row, sample = divmod(key, SAMPLE_STRIDE)
+    what = "" if sample == 0 else f" (sample_index {sample})"
     raise JobError(
         f"output.path: row_index {row}{what} was written more than once ({twice.size} "
         f"duplicate row(s); it is in {' and '.join(names)}): the directory was written by two "
@@ -303,6 +314,7 @@ def scan_output(path: Path, identity: dict, only: Path | None = None) -> ResumeS
     ours = identity_hash(identity).encode()
     n = identity["sampling"].get("n", 1)
     done: list[np.ndarray] = []
+    needed: list[np.ndarray] = []
     errors: list[np.ndarray] = []
     parts: list[Path] = []
     dirs: dict[str, int] = {}
@@ -318,16 +330,28 @@ def scan_output(path: Path, identity: dict, only: Path | None = None) -> ResumeS
                     f"({_relative(part)}: {why}); pass --restart to delete them and start "
                     f"over, or choose another output.path"
                 )
-            rows, errs = _read_part(part, n)
+            rows, ns, errs = _read_part(part, n)
             done.append(rows)
+            needed.append(ns)
             errors.append(errs)
             parts.append(part)
-    keys = _check_unique(done, parts, n)
+    keys = _check_unique(done, parts)
     error_rows = np.unique(np.concatenate(errors)) if errors else np.empty(0, np.int64)
-    rows, counts = np.unique(keys // n, return_counts=True)
-    complete = np.isin(keys // n, rows[counts == n])
+    done_rows = _complete_rows(done, needed)
+    complete = np.isin(keys // SAMPLE_STRIDE, done_rows)
     return ResumeState(
-        done_rows=rows[counts == n].astype(np.int64), part_files=len(parts),
+        done_rows=done_rows, part_files=len(parts),
         error_rows=error_rows.astype(np.int64), dirs=dirs,
         partial_samples=keys[~complete].astype(np.int64),
     )  # fmt: skip
+
+
+def _complete_rows(keys: list[np.ndarray], needed: list[np.ndarray]) -> np.ndarray:
+    """The rows (sorted) whose samples written number their n (every sample of a row
+    carries its row's n)."""
+    if not keys:
+        return np.empty(0, np.int64)
+    rows = np.concatenate(keys) // SAMPLE_STRIDE
+    need = np.concatenate(needed)
+    uniq, first, counts = np.unique(rows, return_index=True, return_counts=True)
+    return uniq[counts >= need[first]].astype(np.int64)

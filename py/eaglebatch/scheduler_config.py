@@ -80,7 +80,7 @@ class SchedulerConfig:
     overlap: bool = False
     # Resume: int64 [N] row indices earlier runs wrote (skipped without tokenizing), or None.
     skip_rows: np.ndarray | None = None
-    # Resume with n > 1: int64 keys row_index * n + sample_index of the samples already written
+    # Resume: int64 keys row_index * 4096 + sample_index (resume.sample_key) of the samples written
     # of rows not in skip_rows (those samples are not generated again).
     skip_samples: np.ndarray | None = None
     # Also close a part once its oldest row has waited this long (None = by part_rows only).

@@ -221,7 +221,7 @@ impl SchedulerConfig {
                 self.num_blocks, self.block_size
             )));
         }
-        if self.n > 4096 {
+        if self.n > crate::sampling_params::MAX_SAMPLES {
             return Err(Error::user(format!("n must be <= 4096, got {}", self.n)));
         }
         if self.max_draft_tokens > 64 {

@@ -20,7 +20,7 @@ use crate::chat_template::Message;
 use crate::error::{Error, Result};
 use crate::openai_keys::{check_body, check_message_key, shown, Body, Endpoint};
 pub use crate::openai_keys::{CHAT_URL, COMPLETIONS_URL};
-use crate::sampling_params::{row_seed, to_f32, SamplingParams};
+use crate::sampling_params::{row_seed, to_f32, SamplingParams, MAX_SAMPLES};
 
 /// What a line asks to generate from.
 #[derive(Debug, Clone, PartialEq)]
@@ -130,7 +130,7 @@ fn parse_request(
             _ => return Err("body.prompt must be one string".into()),
         },
     };
-    let params = body_sampling(body, job, n, e == Endpoint::Chat)?;
+    let params = body_sampling(body, job, e == Endpoint::Chat)?;
     Ok((prompt, params))
 }
 
@@ -267,7 +267,6 @@ fn token_ids(body: &Map<String, Value>, k: &str) -> Parsed<Vec<u32>> {
 fn body_sampling(
     body: &Map<String, Value>,
     job: &Arc<SamplingParams>,
-    n: usize,
     chat: bool,
 ) -> std::result::Result<Arc<SamplingParams>, String> {
     let mut p = job.as_ref().clone();
@@ -285,10 +284,11 @@ fn body_sampling(
     if let Some(v) = int(body, "seed")? {
         p.seed = row_seed(v);
     }
-    if let Some(v) = uint(body, "n")?.filter(|&v| v as usize != n) {
-        return Err(format!(
-            "body.n = {v}, but the job's sampling.n is {n} (one n per job)"
-        ));
+    if let Some(v) = uint(body, "n")? {
+        if v == 0 || v > MAX_SAMPLES as u64 {
+            return Err(format!("body.n = {v} is out of range (1 to {MAX_SAMPLES})"));
+        }
+        p.n = v as usize;
     }
     for (k, field) in [
         ("temperature", &mut p.temperature),
@@ -314,6 +314,12 @@ fn body_sampling(
     p.stop = stop(body)?.unwrap_or(p.stop);
     p.logprobs = logprobs(body, chat)?.unwrap_or(p.logprobs);
     p.check().map_err(|e| format!("body: {e}"))?;
+    if p.n > 1 && p.temperature == 0.0 {
+        return Err(format!(
+            "body.n = {} needs a temperature above 0 (greedy samples would all be the same)",
+            p.n
+        ));
+    }
     Ok(Arc::new(p))
 }
 
@@ -437,7 +443,21 @@ mod tests {
             .unwrap_err()
             .contains("body.tools = [{}] is not supported"));
         let e = chat(r#"{"messages": [{"role": "user", "content": "hi"}], "n": 2}"#);
-        assert!(e.request.unwrap_err().contains("sampling.n"));
+        assert!(e
+            .request
+            .unwrap_err()
+            .contains("needs a temperature above 0"));
+        for (n, ok) in [(0, false), (3, true), (4096, true), (4097, false)] {
+            let body = format!(
+                r#"{{"messages": [{{"role": "user", "content": "hi"}}], "n": {n}, "temperature": 1}}"#
+            );
+            let e = chat(&body);
+            assert_eq!(
+                e.request.as_ref().map(|r| r.1.n).ok(),
+                ok.then_some(n),
+                "{n}"
+            );
+        }
         let line = format!(
             r#"{{"custom_id": "b", "url": "{COMPLETIONS_URL}", "body": {{"prompt": "x"}}}}"#
         );

@@ -58,7 +58,13 @@ pub struct SamplingParams {
     /// The model's vocabulary size, the job's (no row sets it): every stop token id is below
     /// it (0: unchecked).
     pub vocab_size: usize,
+    /// Samples of the row (`sampling.n`, or an OpenAI Batch line's `n`), 1..=`MAX_SAMPLES`.
+    pub n: usize,
 }
+
+/// The most samples of one row; resume keys a row's samples `row_index * MAX_SAMPLES +
+/// sample_index` (py/eaglebatch/resume.py `SAMPLE_STRIDE`), whatever each row's n.
+pub const MAX_SAMPLES: usize = 4096;
 
 /// The value kinds of the keys a column may set.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,6 +130,7 @@ impl SamplingParams {
             include_stop_str_in_output: cfg.include_stop_str_in_output,
             skip_special_tokens: cfg.skip_special_tokens,
             vocab_size: cfg.vocab_size,
+            n: cfg.n,
         }
     }
 

@@ -50,7 +50,7 @@ use crate::openai_keys::Endpoint;
 use crate::reader::{
     spawn_reader, validate_inputs, InputSpec, ReaderMsg, ReaderOptions, TextLimit,
 };
-use crate::sampling_params::SamplingParams;
+use crate::sampling_params::{SamplingParams, MAX_SAMPLES};
 use crate::sequence::{FinishReason, Request, Sequence, Status, StopReason, Timing};
 use crate::stats::{Stats, Summary, SummaryValue};
 use crate::writer::{OutputRow, Writer, WriterConfig, WriterSummary};
@@ -545,19 +545,23 @@ pub fn sample_seed(row: i64, sample: u32) -> i64 {
     }
 }
 
-/// The keys of `cfg.skip_samples` that name a sample this run would generate: of a row in
-/// `[start, end)` not skipped whole, and a sample index below n.
+/// Resume's key of sample `s` of row `row` (py/eaglebatch/resume.py: the same).
+fn sample_key(row: i64, s: u32) -> i64 {
+    row * MAX_SAMPLES as i64 + s as i64
+}
+
+/// The keys of `cfg.skip_samples` (`sample_key`) that name a sample this run would generate:
+/// of a row in `[start, end)` not skipped whole.
 fn samples_to_skip(
     cfg: &SchedulerConfig,
     skip_rows: &[i64],
     (start, end): (u64, u64),
 ) -> HashSet<i64> {
-    let n = cfg.n as i64;
     cfg.skip_samples
         .iter()
         .copied()
         .filter(|&k| {
-            let row = k / n;
+            let row = k / MAX_SAMPLES as i64;
             row >= 0
                 && (start..end).contains(&(row as u64))
                 && skip_rows.binary_search(&row).is_err()
@@ -811,11 +815,15 @@ impl Scheduler {
     /// Queues the request's samples not written yet (one sequence each), or writes them as
     /// error rows when the request can never run.
     fn accept(&mut self, req: Request) -> Result<()> {
-        let n = self.cfg.n as u32;
-        let key = |s: u32| req.row_index * n as i64 + s as i64;
+        let n = req.sampling.n as u32;
+        // the total counted the job's n per row: a batch line's own n corrects it
+        let total = self.stats.requests_total as i64 + n as i64 - self.cfg.n as i64;
+        self.stats.requests_total = total.max(0) as u64;
+        let key = |s: u32| sample_key(req.row_index, s);
         let samples: Vec<u32> = (0..n)
             .filter(|&s| !self.skip_samples.contains(&key(s)))
             .collect();
+
         match self.admission_error(&req) {
             Some(msg) => {
                 for s in samples {
@@ -891,6 +899,7 @@ impl Scheduler {
             id: req.id,
             row_index: req.row_index,
             sample_index: sample as i32,
+            num_samples: req.sampling.n as i32,
             output_text: String::new(),
             finish_reason: FinishReason::Error,
             // The real count when the prompt was tokenized (e.g. too long), else 0.
@@ -1285,6 +1294,7 @@ impl Scheduler {
             id: seq.id,
             row_index: seq.row_index,
             sample_index: seq.sample_index as i32,
+            num_samples: seq.sampling.n as i32,
             output_text: if error {
                 String::new()
             } else {

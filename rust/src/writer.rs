@@ -46,6 +46,8 @@ pub struct OutputRow {
     pub row_index: i64,
     /// Which of the row's samples (0 when sampling.n = 1).
     pub sample_index: i32,
+    /// How many samples the row has (its n: `sampling.n`, or its batch line's).
+    pub num_samples: i32,
     /// Generated text ("" for error rows).
     pub output_text: String,
     pub finish_reason: FinishReason,
@@ -92,7 +94,7 @@ pub struct WriterConfig {
     /// Write the `logprobs` / `prompt_logprobs` columns (logprobs.rs).
     pub logprobs: bool,
     pub prompt_logprobs: bool,
-    /// Write the `endpoint` column (OpenAI Batch input: each line's url).
+    /// Write the `endpoint` and `n` columns (OpenAI Batch input: each line's url and n).
     pub endpoint: bool,
     pub id_type: DataType,
     /// Kept input columns: (name, output type), written after every other column.
@@ -139,6 +141,7 @@ pub const OUTPUT_COLUMNS: &[&str] = &[
     "logprobs",
     "prompt_logprobs",
     "endpoint",
+    "n",
 ];
 
 /// Output schema (column order is part of the contract).
@@ -179,6 +182,7 @@ pub fn output_schema(cfg: &WriterConfig) -> SchemaRef {
     }
     if cfg.endpoint {
         fields.push(Field::new("endpoint", DataType::Utf8, true));
+        fields.push(Field::new("n", DataType::Int32, false));
     }
     for (name, dt) in &cfg.kept {
         fields.push(Field::new(name, dt.clone(), true));
@@ -493,6 +497,7 @@ fn build_batch(schema: &SchemaRef, rows: &[OutputRow], cfg: &WriterConfig) -> Re
     }
     if cfg.endpoint {
         columns.push(string_column(rows, rows.len() * 20, |r| r.endpoint));
+        columns.push(int32_column(rows, |r| Some(r.num_samples)));
     }
     for (k, (_, dt)) in cfg.kept.iter().enumerate() {
         columns.push(kept_column(dt, rows, k)?);
@@ -580,6 +585,7 @@ mod tests {
             id: Arc::new(StringArray::from(vec![id])),
             row_index: i,
             sample_index: 0,
+            num_samples: 1,
             output_text: if err {
                 String::new()
             } else {

@@ -358,7 +358,8 @@ fn resume_skips_written_samples_and_counts_the_rest() {
     let mut f = fixture("n-resume", &[Some("w4 w5"), Some("w6"), Some("w7 w8")]);
     (f.cfg.n, f.cfg.temperature) = (2, 1.0);
     f.cfg.skip_rows = vec![1];
-    f.cfg.skip_samples = vec![5, 2, 99]; // keys row * 2 + sample: (2, 1), (1, 0) skipped whole
+    // keys row * 4096 + sample: (2, 1), (1, 0) skipped whole, a row past the input
+    f.cfg.skip_samples = vec![2 * 4096 + 1, 4096, 99 * 4096];
     let mut s = Scheduler::new(f.cfg.clone()).unwrap();
     assert_eq!(s.progress()[0], ("requests_total", 3));
     drive_kv(&mut s);
