@@ -139,3 +139,23 @@ def test_star_names_a_clash_and_a_batch_input_has_no_columns(tmp_path, tiny_mode
     job.write_text(job.read_text().replace(str(inp), str(batch)))
     res = CliRunner().invoke(main, ["validate", str(job)])
     assert res.exit_code == 2 and "openai-batch input has no columns" in res.output, res.output
+
+
+def test_columns_a_polars_frame_wrote_come_back_as_polars_reads_them(tmp_path, tiny_model_dir):
+    pl = pytest.importorskip("polars")
+    frame = pl.DataFrame({
+        "prompt": ["a b", "c d", "e f"],
+        "label": pl.Series(["x", "y", "x"], dtype=pl.Categorical),
+        "scores": [[0.5, 1.5], [], [2.0]],
+        "doc": [{"title": "t0", "pages": 3}, {"title": "t1", "pages": 1}, {"title": None,
+                                                                           "pages": 2}],
+    })  # fmt: skip
+    inp = tmp_path / "polars.parquet"
+    frame.write_parquet(inp)
+    job = write_job(tmp_path, tiny_model_dir, inp, "pl", "  keep_columns: [label, scores, doc]\n")
+    job.write_text(job.read_text().replace("  id_column: id\n", ""))
+    run(job)
+    out = pl.read_parquet(tmp_path / "pl").sort("row_index")
+    for c in ("scores", "doc"):
+        assert out[c].to_list() == frame[c].to_list(), c
+    assert out["label"].cast(pl.String).to_list() == ["x", "y", "x"]
