@@ -32,7 +32,7 @@ pub struct SchedulerConfig {
     #[cfg_attr(feature = "python", pyo3(from_py_with = crate::python::int64_array))]
     pub skip_rows: Vec<i64>,
     /// Resume with `n > 1`: the samples already written of rows not in `skip_rows`, as keys
-    /// `row_index * n + sample_index`; those samples are not generated again.
+    /// `row_index * MAX_SAMPLES + sample_index`; those samples are not generated again.
     #[cfg_attr(feature = "python", pyo3(from_py_with = crate::python::int64_array))]
     pub skip_samples: Vec<i64>,
     // Prompt construction / tokenization.

@@ -586,7 +586,7 @@ pub struct Scheduler {
     last_step_prefill: bool,
     /// Speculative decoding: plan plain decode steps, not verify rounds (`set_plain_steps`).
     plain_steps: bool,
-    /// `cfg.skip_samples` as a set (keys row_index * n + sample_index).
+    /// `cfg.skip_samples` as a set (`sample_key`s).
     skip_samples: HashSet<i64>,
     /// Block copies of forked samples admitted this step, for the next plan.
     block_copies: Vec<i32>,
