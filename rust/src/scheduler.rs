@@ -588,6 +588,10 @@ pub struct Scheduler {
     plain_steps: bool,
     /// `cfg.skip_samples` as a set (`sample_key`s).
     skip_samples: HashSet<i64>,
+    /// The samples this run is to generate, as far as known: rows times the job's n, less
+    /// the samples written before, corrected by each batch line's own n as it is read
+    /// (`stats.requests_total` is this, at least 0).
+    requests_expected: i64,
     /// Block copies of forked samples admitted this step, for the next plan.
     block_copies: Vec<i32>,
     tokenizer: Arc<Tokenizer>,
@@ -644,7 +648,9 @@ impl Scheduler {
         let (skip_rows, skipped) = sorted_skip_rows(&cfg.skip_rows, range);
         let skip_samples = samples_to_skip(&cfg, &skip_rows, range);
         let n = cfg.n as u64;
-        let mut stats = Stats::new((spec.range_rows() - skipped) * n - skip_samples.len() as u64);
+        // signed: a batch line's own n may exceed the job's, its written samples too
+        let expected = ((spec.range_rows() - skipped) * n) as i64 - skip_samples.len() as i64;
+        let mut stats = Stats::new(expected.max(0) as u64);
         stats.requests_skipped = skipped * n + skip_samples.len() as u64;
         let writer = Writer::start(writer_config(&cfg, &spec, tokenizer.clone()))?;
         let (input, reader) = spawn_reader(
@@ -667,6 +673,7 @@ impl Scheduler {
             last_step_prefill: false,
             plain_steps: false,
             skip_samples,
+            requests_expected: expected,
             block_copies: Vec::new(),
             bm: BlockManager::new(cfg.num_blocks, cfg.block_size, cfg.prefix_caching),
             free_request_slots: (0..cfg.max_batch_size as u32).map(Reverse).collect(),
@@ -816,14 +823,12 @@ impl Scheduler {
     /// error rows when the request can never run.
     fn accept(&mut self, req: Request) -> Result<()> {
         let n = req.sampling.n as u32;
-        // the total counted the job's n per row: a batch line's own n corrects it
-        let total = self.stats.requests_total as i64 + n as i64 - self.cfg.n as i64;
-        self.stats.requests_total = total.max(0) as u64;
+        self.requests_expected += n as i64 - self.cfg.n as i64;
+        self.stats.requests_total = self.requests_expected.max(0) as u64;
         let key = |s: u32| sample_key(req.row_index, s);
         let samples: Vec<u32> = (0..n)
             .filter(|&s| !self.skip_samples.contains(&key(s)))
             .collect();
-
         match self.admission_error(&req) {
             Some(msg) => {
                 for s in samples {

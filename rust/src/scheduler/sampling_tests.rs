@@ -437,3 +437,43 @@ fn batch_lines_keep_their_own_endpoints() {
         .column_by_name("endpoint")
         .is_none());
 }
+
+/// A batch line's own n: its samples (the parts' `n` column), resumed by the stride keys even
+/// where the written samples outnumber the job's n per row; the progress total follows.
+#[test]
+fn batch_lines_bring_their_own_n() {
+    let mut f = fixture("batch-n", &[]);
+    let input = f.dir.path().join("in.jsonl");
+    let line = |id: &str, extra: &str| {
+        format!(
+            r#"{{"custom_id": "{id}", "url": "{COMPLETIONS_URL}", "body": {{"prompt": "w5 w6", "temperature": 1{extra}}}}}"#
+        )
+    };
+    let lines = [line("a", r#", "n": 3"#), line("b", "")];
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    f.cfg.input_files = vec![input];
+    f.cfg.input_format = "openai-batch".into();
+    (f.cfg.prompt_column, f.cfg.id_column) = (None, None);
+    // line a's samples 0 and 2 were written, and line b's one: more than rows x the job's n
+    f.cfg.skip_samples = vec![0, 2, 4096];
+    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    wait_for_reader(&s);
+    drive_constant(&mut s, 9, 0);
+    assert_eq!(s.progress()[0], ("requests_total", 1), "a's sample 1");
+    s.finish().unwrap();
+    let mut got: Vec<(i64, i32, i32)> = Vec::new();
+    for b in read_parts(&f.cfg.output_dir) {
+        let col = |n: &str| b.column_by_name(n).unwrap().clone();
+        for i in 0..b.num_rows() {
+            got.push((
+                col("row_index")
+                    .as_primitive::<arrow_array::types::Int64Type>()
+                    .value(i),
+                col("sample_index").as_primitive::<Int32Type>().value(i),
+                col("n").as_primitive::<Int32Type>().value(i),
+            ));
+        }
+    }
+    got.sort();
+    assert_eq!(got, vec![(0, 1, 3)]);
+}
