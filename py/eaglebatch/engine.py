@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__
-from .config import JobConfig, JobError, job_to_dict
-from .errors import native_error
+from .config import JobConfig, job_to_dict
+from .errors import JobError, native_error
 from .inputs import check_batch_input, check_input, check_output_apart, kept_columns
 from .interrupt import Interrupted, StopSignals
 from .model_files import ModelFiles, model_files, resolve_draft_dir

@@ -18,7 +18,8 @@ import pyarrow.parquet as pq
 
 from . import defaults
 from .column_types import MIXING_RULE, dense, is_int, is_list_of, is_number, is_text, unified
-from .config import InputConfig, JobConfig, JobError
+from .config import InputConfig, JobConfig
+from .errors import JobError
 
 
 def resolve_input_files(path: str, suffix: str = ".parquet") -> list[Path]:

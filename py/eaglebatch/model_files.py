@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import defaults
-from .config import JobError
+from .errors import JobError
 
 
 @dataclass(frozen=True)

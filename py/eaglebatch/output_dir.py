@@ -35,7 +35,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .config import JobError
+from .errors import JobError
 
 try:
     import fcntl

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import JobConfig, JobError
+from .config import JobConfig
 from .engine import (
     PreparedJob,
     RunFailed,
@@ -45,6 +45,7 @@ from .engine import (
     run_prepared,
     write_batch_results,
 )
+from .errors import JobError
 from .output_dir import DirectoryInUse, release_output_dir, release_subdirs
 from .resume import ResumeState
 

@@ -25,7 +25,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .config import JobError
+from .errors import JobError
 from .inputs import input_may_read
 
 DEFAULT_NAME = "_results.jsonl"

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import yaml
 
-from .config import JobError, apply_overrides
+from .config import apply_overrides
+from .errors import JobError
 
 MARKER = "# written by `eaglebatch run-batch`; rerun the same command (or `eaglebatch run` on"
 MARKER_2 = "# this file) to resume"

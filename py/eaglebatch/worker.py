@@ -14,8 +14,9 @@ import torch
 
 from .attention import AttentionMetadata, allocate_kv_cache, get_backend, kv_cache_bytes_per_block
 from .attention.base import copy_blocks
-from .config import EngineConfig, JobConfig, JobError
+from .config import EngineConfig, JobConfig
 from .cpu import SMALL_GEMM_AVAILABLE, accelerate
+from .errors import JobError
 from .graphs import GraphPool, StaticMeta, bucket_for, capture_sizes, fill_rows, graph_reserve_bytes
 from .logits_processing import LogitsControls
 from .logprobs import (

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use crate::error::{Error, Result};
 use crate::sampling_params::{SamplingParams, COLUMN_KEYS};
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 #[cfg_attr(feature = "python", derive(pyo3::FromPyObject))]
 pub struct SchedulerConfig {
     // Input.
@@ -114,7 +114,8 @@ pub struct SchedulerConfig {
 }
 
 impl SchedulerConfig {
-    /// A config with the given input/tokenizer/output and conservative defaults for the rest.
+    /// A config with the given input/tokenizer/output and conservative defaults for the rest
+    /// (every setting not named here is its type's zero, empty or false).
     pub fn new(
         input_files: Vec<PathBuf>,
         prompt_column: &str,
@@ -124,56 +125,24 @@ impl SchedulerConfig {
         SchedulerConfig {
             input_files,
             prompt_column: Some(prompt_column.to_string()),
-            messages_column: None,
-            id_column: None,
             input_format: "parquet".to_string(),
-            limit: None,
-            row_range: None,
-            skip_rows: Vec::new(),
-            skip_samples: Vec::new(),
-            apply_chat_template: false,
             tokenizer_file,
-            chat_template: None,
-            bos_token: None,
-            eos_token: None,
-            eos_token_ids: Vec::new(),
-            vocab_size: 0,
             output_dir,
             part_rows: 10_000,
-            file_metadata: BTreeMap::new(),
-            include_token_ids: false,
-            keep_columns: Vec::new(),
-            flush_interval_s: None,
             max_new_tokens: 16,
-            stop: Vec::new(),
-            temperature: 0.0,
             top_p: 1.0,
-            top_k: 0,
-            seed: 0,
-            min_new_tokens: 0,
-            min_p: 0.0,
-            ignore_eos: false,
-            stop_token_ids: Vec::new(),
-            include_stop_str_in_output: false,
             skip_special_tokens: true,
             repetition_penalty: 1.0,
-            frequency_penalty: 0.0,
-            presence_penalty: 0.0,
-            logprobs: 0,
-            prompt_logprobs: 0,
-            sampling_columns: BTreeMap::new(),
             n: 1,
             num_blocks: 1024,
             block_size: 16,
             max_batch_size: 64,
             max_num_batched_tokens: 8192,
             max_model_len: 4096,
-            max_draft_tokens: 0,
             prefix_caching: true,
-            chunked_prefill: false,
-            overlap: false,
             read_batch_rows: 1024,
             queue_rows: 4096,
+            ..Default::default()
         }
     }
 

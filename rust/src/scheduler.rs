@@ -1450,37 +1450,8 @@ fn append_tokens(
             seq.finish(FinishReason::Stop, now);
             break;
         }
-        // The text so far only matters to stop strings: without any, the row's text is its
-        // one decode when it finishes (`output_row`), not a decode window per token.
-        let step = if seq.sampling.stop.is_empty() {
-            Ok(String::new())
-        } else {
-            let skip = seq.sampling.skip_special_tokens;
-            seq.detok.step(tokenizer, &seq.output_ids, skip)
-        };
-        match step {
-            Ok(delta) if !delta.is_empty() => {
-                let old_len = seq.output_text.len();
-                seq.output_text.push_str(&delta);
-                let (stop, longest) = (&seq.sampling.stop, seq.sampling.max_stop_len());
-                let found = find_stop(&seq.output_text, old_len, stop, longest);
-                if let Some((pos, which)) = found.filter(|_| may_stop) {
-                    let matched = seq.sampling.stop[which].clone();
-                    let len = matched.len();
-                    seq.stop_reason = Some(StopReason::Text(matched));
-                    let keep = seq.sampling.include_stop_str_in_output;
-                    seq.output_text.truncate(if keep { pos + len } else { pos });
-                    seq.stopped_on_string = true;
-                    seq.finish(FinishReason::Stop, now);
-                    break;
-                }
-            }
-            Ok(_) => {}
-            Err(e) => {
-                seq.error = Some(e.to_string());
-                seq.finish(FinishReason::Error, now);
-                break;
-            }
+        if extend_text(seq, tokenizer, may_stop, now) {
+            break;
         }
         if seq.num_output() >= seq.sampling.max_new_tokens || seq.len() >= c.max_len {
             seq.finish(FinishReason::Length, now);
@@ -1490,9 +1461,46 @@ fn append_tokens(
     appended
 }
 
+/// Appends the text of a stop-string row's newest token and finishes the row when a stop
+/// string ends in it (`may_stop`) or the text cannot be decoded; returns whether it finished.
+/// The text so far only matters to stop strings: without any, the row's text is its one
+/// decode when it finishes (`output_row`), not a decode window per token.
+fn extend_text(seq: &mut Sequence, tokenizer: &Tokenizer, may_stop: bool, now: Instant) -> bool {
+    if seq.sampling.stop.is_empty() {
+        return false;
+    }
+    let skip = seq.sampling.skip_special_tokens;
+    let delta = match seq.detok.step(tokenizer, &seq.output_ids, skip) {
+        Ok(delta) => delta,
+        Err(e) => {
+            seq.error = Some(e.to_string());
+            seq.finish(FinishReason::Error, now);
+            return true;
+        }
+    };
+    if delta.is_empty() {
+        return false;
+    }
+    let old_len = seq.output_text.len();
+    seq.output_text.push_str(&delta);
+    let (stop, longest) = (&seq.sampling.stop, seq.sampling.max_stop_len());
+    let found = find_stop(&seq.output_text, old_len, stop, longest);
+    let Some((pos, which)) = found.filter(|_| may_stop) else {
+        return false;
+    };
+    let matched = seq.sampling.stop[which].clone();
+    let keep = seq.sampling.include_stop_str_in_output;
+    seq.output_text
+        .truncate(if keep { pos + matched.len() } else { pos });
+    seq.stop_reason = Some(StopReason::Text(matched));
+    seq.stopped_on_string = true;
+    seq.finish(FinishReason::Stop, now);
+    true
+}
+
 /// Earliest occurrence of a stop string that ends in the text appended after `old_len`, and
-/// that string's index in `stop` (at one position, the first such string in `stop`). Only the tail that
-/// could contain such a match is searched, so the cost is O(new text).
+/// that string's index in `stop` (at one position, the first such string in `stop`). Only the
+/// tail that could contain such a match is searched, so the cost is O(new text).
 fn find_stop(
     text: &str,
     old_len: usize,

@@ -125,21 +125,6 @@ pub fn linear(x: &[f32], w: &[f32], out: &mut [f32], m: usize, n: usize, k: usiz
     linear_typed(WeightType::F32, x, as_bytes(w), out, (m, n, k), threads)
 }
 
-/// `linear` with bfloat16 weights (raw u16 bits) widened to float32 as they are loaded. The
-/// widening is exact, so the result is bit for bit `linear` of the float32 copy of `w`, from
-/// half the bytes: for weights that are bfloat16 originals (e.g. a draft head shipped in bf16).
-pub fn linear_bf16_weights(
-    x: &[f32],
-    w: &[u16],
-    out: &mut [f32],
-    m: usize,
-    n: usize,
-    k: usize,
-    threads: usize,
-) {
-    linear_typed(WeightType::Bf16, x, as_bytes(w), out, (m, n, k), threads)
-}
-
 /// `linear` over weights `w` of any `WeightType` (n rows of `ty.row_bytes(k)` bytes): bit for
 /// bit `linear` of their float32 values (`quant::dequantize_row`).
 pub fn linear_typed(

@@ -406,7 +406,6 @@ macro_rules! wrap_filters {
 /// Adds the checks to `env`: `check` and `concat` for guarded code, a measuring formatter, the
 /// text and list filters wrapped, and string methods measured (see the module doc).
 pub fn install(env: &mut minijinja::Environment<'static>) {
-    use minijinja::filters as f;
     env.add_filter(CHECK_FILTER, check);
     env.add_filter(CONCAT_FILTER, concat);
     env.add_filter(MUL_OPERANDS_FILTER, mul_operands);
@@ -442,6 +441,12 @@ pub fn install(env: &mut minijinja::Environment<'static>) {
         measure_method(value, method, args)?;
         minijinja_contrib::pycompat::unknown_method_callback(state, value, method, args)
     });
+    install_filters(env);
+}
+
+/// The builtin text and list filters, each measuring its arguments before it runs.
+fn install_filters(env: &mut minijinja::Environment<'static>) {
+    use minijinja::filters as f;
     wrap_filters!(env,
         "lower" => f::lower, Measure::Text;
         "upper" => f::upper, Measure::Text;

@@ -364,10 +364,6 @@ class SpecWorker:
 
     # ---- helpers -------------------------------------------------------------------------------
 
-    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A host tensor on the worker's device (itself on the CPU: no .to() dispatch)."""
-        return t if self.device.type == "cpu" else t.to(self.device)
-
     def _dev(self, a: np.ndarray, dtype=np.int64) -> torch.Tensor:
         return to_device(a, self.device, dtype)
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eaglebatch.config import EngineConfig, JobConfig, JobError, OutputConfig, SamplingConfig
+from eaglebatch.config import EngineConfig, JobConfig, OutputConfig, SamplingConfig
+from eaglebatch.errors import JobError
 from eaglebatch.inputs import check_input
 from eaglebatch.model_files import ModelFiles
 

@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglebatch.config import JobError
+from eaglebatch.errors import JobError
+from eaglebatch.fingerprint import sha256_file
 from eaglebatch.model.llama import LlamaForCausalLM
 from eaglebatch.model_files import model_files, resolve_draft_dir
-from eaglebatch.resume import sha256_file
 from eaglebatch.speculative import init_random_draft
 from eaglebatch.speculative.draft_config import default_aux_layer_ids
 from eaglebatch.speculative.eagle import EagleDraft, load_draft

@@ -1,0 +1,77 @@
+"""Fingerprints of what decides a job's outputs, for its identity (resume.py): model folders by
+their small files' contents and their weights' names, sizes and mtimes; input files by their
+content (a Parquet footer's hash, a JSONL file's whole hash), not by where they live. Plain
+functions of files, imported by resume and by the model converters (no package imports)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+# Small text files of a model / draft folder whose exact content matters.
+_MODEL_TEXT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "model.safetensors.index.json",
+)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def folder_fingerprint(d: Path) -> dict:
+    """Content hashes of the small files; name, size and mtime of the weight files (hashing
+    gigabytes of weights on every start would be too slow; an in-place overwrite changes the
+    mtime)."""
+    texts = {n: sha256_file(d / n) for n in _MODEL_TEXT_FILES if (d / n).is_file()}
+    weights = sorted(
+        [f.name, f.stat().st_size, f.stat().st_mtime_ns // 1_000_000_000]
+        for pattern in ("*.safetensors", "*.bin")
+        for f in d.glob(pattern)
+    )
+    return {"files": texts, "weights": weights}
+
+
+def footer_sha256(path: Path) -> str:
+    """sha256 of a Parquet file's footer (schema, row groups, statistics): cheap to read and it
+    changes with almost any rewrite of the data."""
+    with path.open("rb") as f:
+        f.seek(-8, 2)
+        tail = f.read(8)
+        size = int.from_bytes(tail[:4], "little")
+        f.seek(-(8 + size), 2)
+        return hashlib.sha256(f.read(size) + tail).hexdigest()
+
+
+def input_fingerprint(files: list[Path], jsonl: bool = False) -> list[list]:
+    """[name relative to the files' common directory, rows, bytes, footer hash] per input file:
+    the content, not where it lives, so a moved or differently spelled input is the same."""
+    base = Path(os.path.commonpath([f.resolve().parent for f in files])) if files else Path()
+    return [
+        [f.resolve().relative_to(base).as_posix(), *_content_fingerprint(f, jsonl)]
+        for f in files
+    ]
+
+
+def _content_fingerprint(f: Path, jsonl: bool) -> list:
+    """[rows, bytes, hash]: a Parquet file's footer hash, or a JSONL file's whole-content hash
+    (it has no footer; rows None), streamed."""
+    if not jsonl:
+        return [pq.read_metadata(f).num_rows, f.stat().st_size, footer_sha256(f)]
+    h = hashlib.sha256()
+    with f.open("rb") as data:
+        while chunk := data.read(1 << 20):
+            h.update(chunk)
+    return [None, f.stat().st_size, h.hexdigest()]
