@@ -7,7 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eaglebatch.config import JobError, load_job
+from eaglebatch.config import load_job
+from eaglebatch.errors import JobError
 
 BASE = """
 model: smollm2-135m-instruct

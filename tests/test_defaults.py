@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from eaglebatch import defaults
-from eaglebatch.config import JobError
+from eaglebatch.errors import JobError
 from eaglebatch.inputs import resolve_input_files
 
 

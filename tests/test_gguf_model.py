@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from eaglebatch import defaults
 from eaglebatch.cli import main
-from eaglebatch.config import JobError
+from eaglebatch.errors import JobError
 from eaglebatch.gguf_model import gguf_model_dir
 from support.tiny import write_prompts
 

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from eaglebatch.attention import get_backend
-from eaglebatch.config import JobError, load_job
+from eaglebatch.config import load_job
 from eaglebatch.cpu import SMALL_GEMM_AVAILABLE
 from eaglebatch.engine import build_worker, prepare, run_prepared
+from eaglebatch.errors import JobError
 from eaglebatch.graphs import StaticMeta, bucket_for, capture_sizes, fill_rows
 from eaglebatch.speculative import init_random_draft
 from paged_kv import PagedSequences

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn import Linear
 
-from eaglebatch.config import JobError
 from eaglebatch.cpu import gemm as linear_mod
 from eaglebatch.cpu.gemm import SMALL_GEMM_MAX_ROWS, linear, use_small_gemm
+from eaglebatch.errors import JobError
 from eaglebatch.worker import resolve_small_gemm
 
 native = pytest.mark.skipif(

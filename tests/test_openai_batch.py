@@ -17,8 +17,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eaglebatch.config import JobError, load_job
+from eaglebatch.config import load_job
 from eaglebatch.engine import prepare, run_prepared
+from eaglebatch.errors import JobError
 from test_engine import random_prompts
 
 pytest.importorskip("eaglebatch._native")

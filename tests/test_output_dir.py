@@ -195,7 +195,7 @@ def test_a_shard_and_a_whole_run_never_write_at_once(tmp_path):
     # another process (locks are per open file, like another run's) tries while a shard runs
     probe = (
         "import sys; from pathlib import Path; from eaglebatch.output_dir import "
-        "prepare_output_dir as p; from eaglebatch.config import JobError\n"
+        "prepare_output_dir as p; from eaglebatch.errors import JobError\n"
         "try:\n    p(Path(sys.argv[1]), False, sys.argv[2] or None)\nexcept JobError as e:\n"
         "    print(e); sys.exit(2)"
     )
@@ -227,7 +227,7 @@ def test_a_unit_directory_another_process_holds_fences_every_other_run(tmp_path)
     import subprocess
     import sys
 
-    from eaglebatch.config import JobError
+    from eaglebatch.errors import JobError
     from eaglebatch.output_dir import DirectoryInUse, prepare_output_dir, release_output_dir
 
     out = tmp_path / "out"

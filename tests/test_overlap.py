@@ -11,8 +11,8 @@ from collections import Counter
 import pytest
 import torch
 
-from eaglebatch.config import JobError
 from eaglebatch.engine import overlapped
+from eaglebatch.errors import JobError
 from eaglebatch.worker import resolve_overlap
 from test_engine import random_prompts, run_job
 

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from eaglebatch import defaults
-from eaglebatch.config import JobError, load_job
+from eaglebatch.config import load_job
 from eaglebatch.cpu.gemm import SMALL_GEMM_AVAILABLE, linear
 from eaglebatch.cpu.quantized import BLOCK_TYPES, QuantizedWeight
 from eaglebatch.engine import prepare, run_prepared
+from eaglebatch.errors import JobError
 from support.tiny import write_prompts
 
 pytest.importorskip("eaglebatch._native")

@@ -15,8 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 
 import eaglebatch
-from eaglebatch.config import JobError, load_job
+from eaglebatch.config import load_job
 from eaglebatch.engine import prepare, run_prepared
+from eaglebatch.errors import JobError
 from support.tiny import make_tiny_model, write_prompts
 
 pytest.importorskip("eaglebatch._native")

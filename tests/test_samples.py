@@ -7,7 +7,7 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 
-from eaglebatch.config import JobError
+from eaglebatch.errors import JobError
 from eaglebatch.speculative import init_random_draft
 from test_engine import random_prompts, run_job
 

@@ -14,8 +14,9 @@ import transformers
 from rich.console import Console
 from safetensors.torch import load_file
 
-from eaglebatch.config import JobError, load_job
+from eaglebatch.config import load_job
 from eaglebatch.engine import prepare, run_prepared
+from eaglebatch.errors import JobError
 from eaglebatch.model.llama import LlamaForCausalLM
 from eaglebatch.speculative import init_random_draft
 from eaglebatch.speculative.eagle import load_draft
