@@ -165,7 +165,8 @@ def test_speculative_through_graph_steps_equals_plain(tmp_path, tiny_model_dir, 
     assert got == ref
     g = res.stats["cuda_graphs"]
     assert g["replays"] > 0 and res.stats["spec_steps"] > 0
-    if lookup == 1:
+    if lookup == 1 and not adaptive:  # the adaptive policy prices rounds by measured step
+        # times, so whether it runs lookup rounds at all depends on the machine's load
         assert res.stats["drafts"]["lookup_rows"] > 0
     # per bucket: verify + extend for k = 0..W (W = max(K, lookup_tokens)), the loop for 1..K
     assert g["graphs"] == len(capture_sizes(batch)) * (2 * (max(k, lookup_tokens) + 1) + k)
