@@ -81,31 +81,39 @@ def check_results_path(
             f"{sidecar(results).name} beside it): eaglebatch never replaces another file; move it "
             f"away or choose another results_path"
         )
-    _check_writable(r.parent, key)
+    check_writable(r.parent, key)
 
 
-def _check_writable(parent: Path, key: str) -> None:
-    """The first existing ancestor of `parent` must be a writable directory."""
+def check_writable(parent: Path, key: str) -> None:
+    """Refuses (JobError naming `key`) unless the first existing ancestor of `parent` is a
+    writable directory: a file can then be written there, its missing folders created."""
     d = parent
     while not d.exists() and d != d.parent:
         d = d.parent
     if not d.is_dir():
-        raise JobError(f"{key}: {d} is not a directory, so the results file cannot be written")
+        raise JobError(f"{key}: cannot write in {d}: it is not a directory")
     if not os.access(d, os.W_OK | os.X_OK):
         raise JobError(f"{key}: cannot write in {d} (permission denied)")
 
 
-def _write_sidecar(results: Path, meta: dict) -> None:
-    path = sidecar(results)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{path.name}.", suffix=".tmp")
+def write_json_atomic(path: Path, obj, default=None) -> None:
+    """Writes `obj` as JSON to `path`: a new hidden temporary file beside it (no namesake is
+    truncated), fsynced, renamed over `path`; nothing is left behind on a failure."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with open(fd, "w", encoding="utf-8") as f:
-            json.dump(meta, f)
+            json.dump(obj, f, indent=2, default=default)
+            f.write("\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         Path(tmp).unlink(missing_ok=True)
+
+
+def _write_sidecar(results: Path, meta: dict) -> None:
+    write_json_atomic(sidecar(results), meta)
 
 
 def replace_results(tmp: Path, results: Path, job_hash: str, output_path: Path) -> None:

@@ -14,11 +14,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 
 from .errors import JobError
+from .inputs import input_may_read
 from .progress import accept_length, generation_seconds
+from .results_file import check_writable, write_json_atomic
 
 MARK = "eaglebatch_summary"  # key (value: format version) of every summary this module writes
 
@@ -64,20 +65,8 @@ def run_summary(job, stats: dict | None, wall_s: float | None, exit_reason: str,
 
 
 def write_json(path: str | Path, obj: dict) -> None:
-    """Writes `obj` to `path` atomically (a new hidden temporary file, fsync, rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with open(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, default=_plain)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Writes the summary `obj` to `path` atomically (numpy scalars as numbers)."""
+    write_json_atomic(Path(path), obj, default=_plain)
 
 
 def check_summary_path(path: str) -> Path:
@@ -90,19 +79,13 @@ def check_summary_path(path: str) -> Path:
     if p.exists() and not _is_summary(p):
         raise JobError(f"{key} exists and is not a summary eaglebatch wrote; it is never "
                        f"replaced: choose another path")  # fmt: skip
-    d = p.parent
-    while not d.exists() and d != d.parent:
-        d = d.parent
-    if not d.is_dir() or not os.access(d, os.W_OK | os.X_OK):
-        raise JobError(f"{key}: cannot write in {d}")
+    check_writable(p.parent, key)
     return p
 
 
 def check_summary_apart(p: Path, job) -> None:
     """Refuses a summary path inside output.path (resume would find a file it did not write) or
     where the job's input would read it."""
-    from .inputs import input_may_read
-
     out = Path(job.output.path).resolve()
     if p.resolve() == out or out in p.resolve().parents:
         raise JobError(f"--summary-json: {p} lies inside output.path, which holds only the "

@@ -812,6 +812,21 @@ mod tests {
         assert_eq!(read_parts(empty.path())[0].num_rows(), 1);
     }
 
+    /// `OUTPUT_COLUMNS` is exactly the schema's own columns with every optional one on, so the
+    /// names kept input columns may not take cannot drift from what is written.
+    #[test]
+    fn output_columns_list_every_column_the_schema_may_have() {
+        let dir = TempDir::new("writer-names");
+        let mut c = cfg(dir.path(), 1);
+        (c.logprobs, c.prompt_logprobs, c.endpoint) = (true, true, true);
+        let schema = output_schema(&c);
+        let mut names: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
+        let mut want = OUTPUT_COLUMNS.to_vec();
+        names.sort_unstable();
+        want.sort_unstable();
+        assert_eq!(names, want);
+    }
+
     #[test]
     fn no_rows_still_writes_a_readable_empty_part() {
         let dir = TempDir::new("writer-empty");
