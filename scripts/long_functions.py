@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # SIMD kernel bodies whose splitting would cost speed (see docs/architecture.md): the AVX-512
 # and AVX2 copies of the multi-row paged-attention kernel, and of the small GEMM's register
 # tile (its accumulators must stay in registers across the whole k loop).
-KERNELS: set[tuple[str, str]] = {("rust/src/paged_attention.rs", "heads"),
-                                 ("rust/src/small_gemm.rs", "tile")}  # fmt: skip
+KERNELS: set[tuple[str, str]] = {("rust/src/cpu/paged_attention.rs", "heads"),
+                                 ("rust/src/cpu/small_gemm.rs", "tile")}  # fmt: skip
 
 
 def python_functions(path: Path):

@@ -1,6 +1,6 @@
 //! The kinds of input column types, and reading values through them: the rule by which the
 //! reader checks a column's type, compares one file's type with another's and reads a value
-//! (py/eaglebatch/column_types.py is the same rule over pyarrow's types, checked first).
+//! (py/eaglebatch/job/column_types.py is the same rule over pyarrow's types, checked first).
 //!
 //! Writers spell one logical type several ways: pyarrow and duckdb write `string`, polars
 //! `large_string`, some `string_view`; pandas `category`, polars `Categorical` and

@@ -1,10 +1,12 @@
 //! `SchedulerConfig`: the scheduler's settings, the one object that crosses the boundary.
 //!
-//! The Python side builds its twin (`eaglebatch.scheduler_config.SchedulerConfig`, a frozen
-//! dataclass with the same field names) once from the job; with the `python` feature this struct
-//! is extracted from it field by field (by attribute name). Plain data; `validate` checks the
-//! options once, up front, so the rest of the crate can rely on them (e.g. `block_size >= 1`).
-//! Adding a setting touches this struct, the dataclass, `validate` and its use — nowhere else.
+//! The Python side builds its twin (`eaglebatch.job.scheduler_config.SchedulerConfig`, a frozen
+//! dataclass with the same field names) once from the job; with the `python` feature the
+//! bindings read this struct from it field by field, by attribute name
+//! (python/scheduler_config.rs: this module knows nothing of Python). Plain data; `validate`
+//! checks the options once, up front, so the rest of the crate can rely on them (e.g.
+//! `block_size >= 1`). Adding a setting touches this struct, the dataclass, the bindings' field
+//! list, `validate` and its use — nowhere else.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -13,7 +15,6 @@ use crate::error::{Error, Result};
 use crate::sampling_params::{SamplingParams, COLUMN_KEYS};
 
 #[derive(Debug, Clone, Default)]
-#[cfg_attr(feature = "python", derive(pyo3::FromPyObject))]
 pub struct SchedulerConfig {
     // Input.
     pub input_files: Vec<PathBuf>,
@@ -29,11 +30,9 @@ pub struct SchedulerConfig {
     pub row_range: Option<(u64, u64)>,
     /// Resume: row indices already written by an earlier run of the same job (any order,
     /// duplicates allowed). The reader skips them without tokenizing; they are never written.
-    #[cfg_attr(feature = "python", pyo3(from_py_with = crate::python::int64_array))]
     pub skip_rows: Vec<i64>,
     /// Resume with `n > 1`: the samples already written of rows not in `skip_rows`, as keys
     /// `row_index * MAX_SAMPLES + sample_index`; those samples are not generated again.
-    #[cfg_attr(feature = "python", pyo3(from_py_with = crate::python::int64_array))]
     pub skip_samples: Vec<i64>,
     // Prompt construction / tokenization.
     pub apply_chat_template: bool,
@@ -87,7 +86,7 @@ pub struct SchedulerConfig {
     /// such requests compute their whole prompt (no prefix-cache hit).
     pub prompt_logprobs: u32,
     /// Per-row sampling: sampling key -> input column whose non-null values override the job's
-    /// (sampling_params.rs).
+    /// (sampling_params.rs; read by reader/columns.rs).
     pub sampling_columns: BTreeMap<String, String>,
     /// Samples per input row (`sample_index` 0..n-1), each its own sequence; they share the
     /// prompt's blocks.
@@ -98,8 +97,10 @@ pub struct SchedulerConfig {
     pub max_batch_size: usize,
     pub max_num_batched_tokens: usize,
     pub max_model_len: usize,
-    /// K, the most draft tokens a verify step checks (0 = plain decoding). With K > 0 decode
-    /// steps are "verify" steps whose per-row query is the last token plus K placeholders.
+    /// W, the most draft tokens a verify step checks (0 = plain decoding; the draft head's
+    /// chain K = `speculative.num_steps` is at most W, prompt lookup may draft up to W). With
+    /// W > 0 decode steps are "verify" steps whose per-row query is the last token plus W
+    /// placeholders.
     pub max_draft_tokens: usize,
     /// Automatic prefix caching: full KV blocks are shared by requests whose tokens start alike.
     pub prefix_caching: bool,
@@ -284,12 +285,40 @@ impl SchedulerConfig {
         Ok(())
     }
 
+    /// The job's sampling parameters (`sampling` section), unchecked: the defaults of every
+    /// row, which a row's sampling columns or batch line override.
+    pub fn sampling_params(&self) -> SamplingParams {
+        SamplingParams {
+            max_new_tokens: self.max_new_tokens,
+            min_new_tokens: self.min_new_tokens,
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            seed: None,
+            repetition_penalty: self.repetition_penalty,
+            frequency_penalty: self.frequency_penalty,
+            presence_penalty: self.presence_penalty,
+            stop: self
+                .stop
+                .iter()
+                .filter(|s| !s.is_empty())
+                .cloned()
+                .collect(),
+            logprobs: self.logprobs,
+            min_p: self.min_p,
+            ignore_eos: self.ignore_eos,
+            stop_token_ids: self.stop_token_ids.clone(),
+            include_stop_str_in_output: self.include_stop_str_in_output,
+            skip_special_tokens: self.skip_special_tokens,
+            vocab_size: self.vocab_size,
+            n: self.n,
+        }
+    }
+
     /// Sampling parameters: in their ranges (`SamplingParams::check`, the rule every row's
     /// overrides meet too), n > 1 only when sampling, known sampling-column keys.
     fn validate_sampling(&self) -> Result<()> {
-        SamplingParams::from_config(self)
-            .check()
-            .map_err(Error::user)?;
+        self.sampling_params().check().map_err(Error::user)?;
         if self.n > 1 && self.temperature == 0.0 {
             return Err(Error::user(format!(
                 "n = {} samples per row need temperature > 0: greedy samples are all the same",

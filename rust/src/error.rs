@@ -2,8 +2,8 @@
 //!
 //! Invariant: `UserInput` is reserved for problems the user can fix (missing file, missing
 //! column, wrong column type, bad option value) and its message names the offending file /
-//! column / option. Everything else is a `NativeError` on the Python side (see `python.rs`,
-//! the only place errors are converted to Python exceptions).
+//! column / option. Everything else is a `NativeError` on the Python side (see
+//! `exceptions.rs`, the only place errors are converted to Python exceptions).
 
 use std::path::Path;
 

@@ -378,7 +378,7 @@ mod tests {
 
     fn job() -> Arc<SamplingParams> {
         let cfg = SchedulerConfig::new(vec![], "p", PathBuf::new(), PathBuf::new());
-        Arc::new(SamplingParams::from_config(&cfg))
+        Arc::new(cfg.sampling_params())
     }
 
     fn chat(body: &str) -> BatchLine {

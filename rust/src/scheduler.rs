@@ -60,7 +60,7 @@ use admission::register_computed;
 pub enum StepKind {
     Prefill,
     Decode,
-    /// Speculative decoding: per row the last committed token plus K draft placeholders.
+    /// Speculative decoding: per row the last committed token plus W draft placeholders.
     Verify,
 }
 
@@ -321,7 +321,7 @@ fn push_end_ids(p: &mut StepPlan, seq: &Sequence, eos: &[u32]) {
 
 /// Checks a step result against its plan: one `num_tokens` (>= 1) and, if given, one
 /// non-negative `num_accepted` per row; `num_tokens` sums to `tokens.len()`; a verify row
-/// yields at most K accepted drafts plus one target token (`most_verify_tokens` = K + 1;
+/// yields at most W accepted drafts plus one target token (`most_verify_tokens` = W + 1;
 /// prefill and decode rows may yield several tokens, the next decode query then covers them
 /// all); no token id is negative.
 fn check_commit(
@@ -366,7 +366,7 @@ fn check_commit(
     if plan.kind == StepKind::Verify {
         if let Some(n) = num_tokens.iter().find(|&&n| n > most) {
             return Err(Error::internal(format!(
-                "commit(): a verify row produced {n} tokens; at most K + 1 = {most}"
+                "commit(): a verify row produced {n} tokens; at most W + 1 = {most}"
             )));
         }
     }
@@ -545,7 +545,7 @@ pub fn sample_seed(row: i64, sample: u32) -> i64 {
     }
 }
 
-/// Resume's key of sample `s` of row `row` (py/eaglebatch/resume.py: the same).
+/// Resume's key of sample `s` of row `row` (py/eaglebatch/output/resume.py: the same).
 fn sample_key(row: i64, s: u32) -> i64 {
     row * MAX_SAMPLES as i64 + s as i64
 }
@@ -665,7 +665,7 @@ impl Scheduler {
                 queue_rows: cfg.queue_rows,
                 skip_rows,
                 text_limit: TextLimit::new(&tokenizer, cfg.max_model_len),
-                sampling: Arc::new(SamplingParams::from_config(&cfg)),
+                sampling: Arc::new(cfg.sampling_params()),
                 n: cfg.n,
             },
         )?;
@@ -847,7 +847,7 @@ impl Scheduler {
     }
 
     /// Why a request can never run, if it cannot. Invariant of every admitted request: its
-    /// worst case, min(prompt + max_new_tokens, max_model_len) tokens plus the K lookahead
+    /// worst case, min(prompt + max_new_tokens, max_model_len) tokens plus the W lookahead
     /// slots of a verify step, fits the whole cache, so alone it can always run to the end.
     fn admission_error(&self, req: &Request) -> Option<String> {
         if let Some(e) = &req.error {
@@ -1027,7 +1027,7 @@ impl Scheduler {
 
     /// Plan over `running[start..start + rows]`; marks the query tokens as computed (up to a
     /// row's `chunk_end`, if set). A verify row's query is its uncomputed token at position L-1
-    /// followed by K placeholders (0) at L..L+K-1; the worker fills them with draft tokens and
+    /// followed by W placeholders (0) at L..L+W-1; the worker fills them with draft tokens and
     /// the commit decides how many became real.
     fn build_plan(&mut self, kind: StepKind, start: usize, rows: usize) -> Result<StepPlan> {
         let lookahead = if kind == StepKind::Verify {

@@ -10,6 +10,8 @@ use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 use parquet::arrow::ArrowWriter;
 use tokenizers::Tokenizer;
 
+use crate::cpu::quant::WeightType;
+
 /// Word-level tokenizer: ids 0..3 are `<unk> <bos> <eos> <pad>` (special), then `w4 .. w{n-1}`;
 /// whitespace pre-tokenizer, no decoder (decode joins tokens with spaces).
 pub fn word_level_tokenizer(n: usize) -> Tokenizer {
@@ -229,8 +231,8 @@ pub fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
 
 /// `rows` rows of `k` elements of block type `ty` with random contents whose fp16 scale and
 /// offset fields are finite (normal or subnormal, either sign): every such block is valid.
-pub fn random_blocks(ty: crate::quant::WeightType, rows: usize, k: usize, seed: u64) -> Vec<u8> {
-    use crate::quant::WeightType as T;
+pub fn random_blocks(ty: WeightType, rows: usize, k: usize, seed: u64) -> Vec<u8> {
+    use WeightType as T;
     let (elems, bytes) = ty.block();
     let mut data = random_bytes(rows * k / elems * bytes, seed);
     let halves: &[usize] = match ty {

@@ -695,7 +695,7 @@ fn a_dropped_failed_run_writes_no_empty_part() {
     assert!(file_names(&f.cfg.output_dir).is_empty());
 }
 
-/// Verify steps (K > 0): each row's query is its last token plus K placeholders, and a
+/// Verify steps (W > 0): each row's query is its last token plus W placeholders, and a
 /// commit of n tokens advances the sequence by n (accepted drafts + the target's token). A
 /// fake speculative model accepts a varying number of drafts per row; outputs must equal
 /// plain decoding, also under preemption with a tiny cache.

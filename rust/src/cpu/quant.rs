@@ -767,7 +767,7 @@ pub mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::small_gemm as gemm;
+    use crate::cpu::small_gemm as gemm;
     use crate::testutil::random_blocks;
 
     #[test]

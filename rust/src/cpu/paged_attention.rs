@@ -25,7 +25,7 @@
 //! of them, and 16 keys' lane reductions share their shuffles. Per row, the operations and
 //! their order are still those of the generic `head`.
 
-use crate::omp;
+use crate::cpu::omp;
 
 /// The largest head_dim the kernel takes (its accumulator lives on the stack).
 pub const MAX_HEAD_DIM: usize = 256;

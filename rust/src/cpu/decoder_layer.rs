@@ -21,9 +21,9 @@
 //! of the call: a verify step reproduces a decode step bit for bit. RoPE computes x * cos +
 //! rotated * sin with separate roundings, as torch does.
 
-use crate::paged_attention as attn;
-use crate::quant::WeightType;
-use crate::small_gemm as gemm;
+use crate::cpu::paged_attention as attn;
+use crate::cpu::quant::WeightType;
+use crate::cpu::small_gemm as gemm;
 
 /// A weight matrix [n, k], row-major: n rows of `ty.row_bytes(k)` bytes (float32, bfloat16
 /// bits or GGUF blocks, `quant`), read by `small_gemm::linear_typed`.
@@ -454,7 +454,7 @@ unsafe fn silu_mul_avx2(g: &mut [f32], u: &[f32]) -> usize {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use crate::paged_attention::avx512::exp16;
+    use crate::cpu::paged_attention::avx512::exp16;
     use std::arch::x86_64::*;
 
     /// `silu(g) * u` over the first multiple of 16 values, operation for operation as the

@@ -20,13 +20,13 @@
 //! weights give bit for bit the result of their dequantized float32 copy. The two copies sum in
 //! different orders: results agree to rounding, not bit for bit, across CPUs.
 
-use crate::omp;
-use crate::quant::WeightType;
+use crate::cpu::omp;
+use crate::cpu::quant::WeightType;
 
 /// Runs `$body` with `$w` the loader type of `$ty` (one monomorphised copy per format).
 macro_rules! dispatch {
     ($ty:expr, $w:ident => $body:expr) => {{
-        use crate::quant::avx512 as q;
+        use crate::cpu::quant::avx512 as q;
         match $ty {
             WeightType::F32 => {
                 type $w = q::F32;
@@ -244,14 +244,14 @@ const BLOCK: usize = 2;
 
 /// A weight format both copies load (`quant::avx512::Load`, `quant::avx2::Load`).
 #[cfg(target_arch = "x86_64")]
-pub trait Weight: crate::quant::avx512::Load + crate::quant::avx2::Load {
+pub trait Weight: crate::cpu::quant::avx512::Load + crate::cpu::quant::avx2::Load {
     /// Bytes per `PER` elements, for the software prefetch's distance along a row.
     const PER: (usize, usize);
 }
 #[cfg(target_arch = "x86_64")]
 mod weights {
     use super::Weight;
-    use crate::quant::avx512::*;
+    use crate::cpu::quant::avx512::*;
     impl Weight for F32 {
         const PER: (usize, usize) = (1, 4);
     }
@@ -347,7 +347,7 @@ unsafe fn pair_rows<K: Kernel, W: Weight>(
                 K::expand_row::<W>(pair[1], k, s.add(k));
             }
             let rows = [s as *const u8, s.add(k) as *const u8];
-            tile_rows::<K, crate::quant::avx512::F32>(x, rows, out, (m, n, k), [a, b], cols.end);
+            tile_rows::<K, super::quant::avx512::F32>(x, rows, out, (m, n, k), [a, b], cols.end);
         } else {
             tile_rows::<K, W>(x, pair, out, (m, n, k), [a, b], cols.end);
         }
@@ -381,7 +381,7 @@ unsafe fn tile_rows<K: Kernel, W: Weight>(
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::{byte_offset, Geometry, Kernel, Weight};
-    use crate::quant::avx512::Load;
+    use crate::cpu::quant::avx512::Load;
     use std::arch::x86_64::*;
 
     /// x rows per register tile: GROUP x BLOCK accumulators + BLOCK weights + 1 x register
@@ -539,7 +539,7 @@ mod avx512 {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{byte_offset, Geometry, Kernel, Weight};
-    use crate::quant::avx2::Load;
+    use crate::cpu::quant::avx2::Load;
     use std::arch::x86_64::*;
 
     /// x rows per register tile: GROUP x BLOCK accumulators + 2 x BLOCK weight halves + 1 x
@@ -810,7 +810,7 @@ mod tests {
 
     #[test]
     fn quantized_weights_give_the_dequantized_results_bit_for_bit() {
-        use crate::quant::{dequantize_row, ALL};
+        use crate::cpu::quant::{dequantize_row, ALL};
         for isa in supported() {
             for ty in ALL.into_iter().filter(|t| t.is_quantized()) {
                 // 1 row, a full tile, one over (the expanded pair path), many groups; n odd

@@ -1,0 +1,308 @@
+//! Input validation, up front: every input file exists and is readable, its columns have
+//! types the reader can read (the sampling columns' rule is `columns::check_column_type`), and
+//! the row counts come from the Parquet footers (or a count of an OpenAI Batch file's
+//! requests). The result, `InputSpec`, is what the reader thread reads.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+use arrow_schema::{DataType, Field, Schema};
+use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
+
+use super::columns::check_column_type;
+use crate::column_kind::{dense_type, is_int, is_list_of, is_text, FileTypes};
+use crate::config::SchedulerConfig;
+use crate::error::{Error, Result};
+
+/// One validated input file.
+#[derive(Debug, Clone)]
+pub struct InputFile {
+    pub path: PathBuf,
+    pub num_rows: u64,
+}
+
+/// The validated input: files in order, the column names and the id type.
+#[derive(Debug, Clone)]
+pub struct InputSpec {
+    pub files: Vec<InputFile>,
+    pub prompt_column: Option<String>,
+    pub messages_column: Option<String>,
+    pub id_column: Option<String>,
+    /// Sampling key -> input column of per-row values (read by `columns`).
+    pub sampling_columns: BTreeMap<String, String>,
+    /// OpenAI Batch JSONL input (each line names its endpoint), else Parquet.
+    pub openai_batch: bool,
+    /// Arrow type of the output `id` column (the input id column's type, or Int64).
+    pub id_type: DataType,
+    /// Kept input columns (`SchedulerConfig::keep_columns`) and their output types: a
+    /// dictionary's values type, unified across files as the id column's is.
+    pub kept: Vec<(String, DataType)>,
+    /// The input's rows: the footers' row counts summed, capped by `limit`.
+    pub total_rows: u64,
+    /// The rows this run generates, `[row_start, row_end)` (`row_range` clipped to
+    /// `total_rows`; the whole input without one).
+    pub row_start: u64,
+    pub row_end: u64,
+}
+
+impl InputSpec {
+    /// How many rows this run is to generate (before resume).
+    pub fn range_rows(&self) -> u64 {
+        self.row_end - self.row_start
+    }
+}
+
+/// Checks that every input path names an existing file, before any is opened. Input
+/// discovery (directories, globs, pyarrow's skipping of '.*' / '_*' names) is one rule on the
+/// Python side (`inputs.py`), which passes the resolved files; a directory here is a user
+/// error, so no second rule can drift from it.
+fn check_input_paths(paths: &[PathBuf]) -> Result<()> {
+    for path in paths {
+        let meta = std::fs::metadata(path).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                Error::user(format!("input file not found: {}", path.display()))
+            } else {
+                Error::io("cannot access input", path, e)
+            }
+        })?;
+        if meta.is_dir() {
+            return Err(Error::user(format!(
+                "input {} is a directory; pass its files (the Python side resolves directories)",
+                path.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Whether `dt` is a `list<struct<role: string, content: string>>` type (its strings of any
+/// spelling, dictionaries included: column_kind.rs; inputs.py `_is_messages` is the same rule).
+fn messages_struct_ok(dt: &DataType) -> bool {
+    let struct_ok = |item: &DataType| {
+        let DataType::Struct(fields) = item else {
+            return false;
+        };
+        ["role", "content"].iter().all(|name| {
+            fields
+                .iter()
+                .any(|f| f.name() == name && is_text(f.data_type()))
+        })
+    };
+    is_list_of(dt, struct_ok)
+}
+
+/// An integer or string column, or a dictionary of one (inputs.py `_is_id`).
+fn id_type_ok(dt: &DataType) -> bool {
+    is_int(dt) || is_text(dt)
+}
+
+fn find_column<'a>(schema: &'a Schema, path: &Path, role: &str, name: &str) -> Result<&'a Field> {
+    schema.field_with_name(name).map_err(|_| {
+        let available: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
+        Error::user(format!(
+            "{}: {role} column '{name}' not found (columns: {})",
+            path.display(),
+            available.join(", ")
+        ))
+    })
+}
+
+/// Compression codecs this build can decode.
+/// (Every codec pyarrow writes; inputs.py `_READABLE_CODECS` is the same list.)
+fn codec_supported(c: parquet::basic::Compression) -> bool {
+    use parquet::basic::Compression as C;
+    matches!(
+        c,
+        C::UNCOMPRESSED | C::SNAPPY | C::GZIP(_) | C::LZ4 | C::LZ4_RAW | C::ZSTD(_) | C::BROTLI(_)
+    )
+}
+
+/// Fails early (naming file and column) if a column we read uses an unsupported codec.
+fn check_codecs(
+    builder: &ParquetRecordBatchReaderBuilder<File>,
+    path: &Path,
+    cfg: &SchedulerConfig,
+) -> Result<()> {
+    let wanted: Vec<&str> = [&cfg.prompt_column, &cfg.messages_column, &cfg.id_column]
+        .into_iter()
+        .flatten()
+        .chain(cfg.sampling_columns.values())
+        .chain(&cfg.keep_columns)
+        .map(String::as_str)
+        .collect();
+    for rg in builder.metadata().row_groups() {
+        for col in rg.columns() {
+            let root = col.column_path().parts().first().map(String::as_str);
+            if root.is_some_and(|r| wanted.contains(&r)) && !codec_supported(col.compression()) {
+                return Err(Error::user(format!(
+                    "{}: column '{}' is compressed with {}, which eaglebatch cannot read \
+                     (supported: snappy, zstd, gzip, lz4, lz4_raw, brotli, uncompressed); rewrite the file",
+                    path.display(),
+                    root.unwrap_or_default(),
+                    col.compression()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks every input file (exists, is Parquet, has usable columns) and counts rows from the
+/// footers. Errors are `UserInput` and name the file and column. Files are checked in order
+/// and the first failure is the error; every file's id column must have the first one's type.
+pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
+    check_input_paths(&cfg.input_files)?;
+    if cfg.openai_batch() {
+        return validate_batch_files(cfg);
+    }
+    let mut files = Vec::with_capacity(cfg.input_files.len());
+    let mut types = FileTypes::default();
+    let mut total: u64 = 0;
+    for path in &cfg.input_files {
+        let builder = open_parquet(path)?;
+        let schema = builder.schema().clone();
+        check_text_columns(&schema, path, cfg)?;
+        check_sampling_columns(&schema, path, &cfg.sampling_columns)?;
+        if let Some(col) = &cfg.id_column {
+            let dt = check_id_column(&schema, path, col)?;
+            types.add("input.id_column", col, &dt, path)?;
+        }
+        for col in &cfg.keep_columns {
+            let field = find_column(&schema, path, "output.keep_columns", col)?;
+            types.add(
+                "output.keep_columns",
+                col,
+                dense_type(field.data_type()),
+                path,
+            )?;
+        }
+        check_codecs(&builder, path, cfg)?;
+        let num_rows = builder.metadata().file_metadata().num_rows().max(0) as u64;
+        total += num_rows;
+        files.push(InputFile {
+            path: path.clone(),
+            num_rows,
+        });
+    }
+    let total_rows = match cfg.limit {
+        Some(limit) => total.min(limit),
+        None => total,
+    };
+    let (start, end) = cfg.row_range.unwrap_or((0, total_rows));
+    let row_end = end.min(total_rows);
+    Ok(InputSpec {
+        files,
+        prompt_column: cfg.prompt_column.clone(),
+        messages_column: cfg.messages_column.clone(),
+        id_column: cfg.id_column.clone(),
+        sampling_columns: cfg.sampling_columns.clone(),
+        openai_batch: false,
+        id_type: cfg
+            .id_column
+            .as_ref()
+            .and_then(|c| types.output_type(c))
+            .unwrap_or(DataType::Int64),
+        kept: (cfg.keep_columns.iter())
+            .filter_map(|c| Some((c.clone(), types.output_type(c)?)))
+            .collect(),
+        total_rows,
+        row_start: start.min(row_end),
+        row_end,
+    })
+}
+
+/// OpenAI Batch JSONL files: requests counted by streaming each file; ids are custom_ids.
+fn validate_batch_files(cfg: &SchedulerConfig) -> Result<InputSpec> {
+    let mut files = Vec::with_capacity(cfg.input_files.len());
+    for path in &cfg.input_files {
+        let num_rows = crate::openai_batch::count_requests(path)?;
+        files.push(InputFile {
+            path: path.clone(),
+            num_rows,
+        });
+    }
+    let total: u64 = files.iter().map(|f| f.num_rows).sum();
+    let total_rows = cfg.limit.map_or(total, |l| total.min(l));
+    let (start, end) = cfg.row_range.unwrap_or((0, total_rows));
+    let row_end = end.min(total_rows);
+    Ok(InputSpec {
+        files,
+        prompt_column: None,
+        messages_column: None,
+        id_column: Some("custom_id".to_string()),
+        sampling_columns: BTreeMap::new(),
+        openai_batch: true,
+        id_type: DataType::Utf8,
+        kept: Vec::new(),
+        total_rows,
+        row_start: start.min(row_end),
+        row_end,
+    })
+}
+
+/// Opens a file and reads its Parquet footer; a file that is not Parquet is a user error.
+fn open_parquet(path: &Path) -> Result<ParquetRecordBatchReaderBuilder<File>> {
+    let file = File::open(path).map_err(|e| Error::io("cannot open input", path, e))?;
+    ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| {
+        Error::user(format!(
+            "{}: not a readable Parquet file ({e})",
+            path.display()
+        ))
+    })
+}
+
+/// The configured prompt column must be a string column and the messages column a
+/// `list<struct<role: string, content: string>>`, when configured.
+fn check_text_columns(schema: &Schema, path: &Path, cfg: &SchedulerConfig) -> Result<()> {
+    if let Some(col) = &cfg.prompt_column {
+        let f = find_column(schema, path, "prompt", col)?;
+        if !is_text(f.data_type()) {
+            return Err(Error::user(format!(
+                "{}: prompt column '{col}' has type {}; expected a string column",
+                path.display(),
+                f.data_type()
+            )));
+        }
+    }
+    if let Some(col) = &cfg.messages_column {
+        let f = find_column(schema, path, "messages", col)?;
+        if !messages_struct_ok(f.data_type()) {
+            return Err(Error::user(format!(
+                "{}: messages column '{col}' has type {}; expected \
+                 list<struct<role: string, content: string>>",
+                path.display(),
+                f.data_type()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Every sampling column exists and has a type its key can read.
+fn check_sampling_columns(
+    schema: &Schema,
+    path: &Path,
+    columns: &BTreeMap<String, String>,
+) -> Result<()> {
+    for (key, col) in columns {
+        let f = find_column(schema, path, &format!("sampling_columns.{key}"), col)?;
+        check_column_type(key, col, f.data_type())
+            .map_err(|e| Error::user(format!("{}: {e}", path.display())))?;
+    }
+    Ok(())
+}
+
+/// The type the ids of column `col` are written as (a dictionary's value type), which must
+/// exist and be an integer or string column.
+fn check_id_column(schema: &Schema, path: &Path, col: &str) -> Result<DataType> {
+    let f = find_column(schema, path, "id", col)?;
+    let dt = f.data_type();
+    if !id_type_ok(dt) {
+        return Err(Error::user(format!(
+            "{}: id column '{col}' has type {dt}; expected an integer or string column",
+            path.display()
+        )));
+    }
+    Ok(dense_type(dt).clone())
+}
