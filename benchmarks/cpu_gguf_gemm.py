@@ -51,8 +51,8 @@ def timed(fn, iters: int) -> float:
 
 
 def main() -> None:
-    from eaglebatch import defaults
     from eaglebatch.cpu.gemm import linear
+    from eaglebatch.job import builtin
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gguf", default=None)
@@ -60,7 +60,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--iters", type=int, default=7)
     args = ap.parse_args()
-    path = args.gguf or str(defaults.builtin_gguf())
+    path = args.gguf or str(builtin.builtin_gguf())
     mats = matrices(path)
     f32_mb = sum(w.numel() * 4 for _, w in mats) / 1e6
     q_mb = sum(q.blocks.numel() for q, _ in mats) / 1e6

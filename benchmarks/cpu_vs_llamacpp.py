@@ -45,10 +45,10 @@ import pyarrow.parquet as pq
 from rich.console import Console
 from rich.table import Table
 
-from eaglebatch import defaults
-from eaglebatch.bench import eaglebatch_rows
-from eaglebatch.config import JobConfig, load_job
+from eaglebatch.commands.bench import eaglebatch_rows
 from eaglebatch.engine import prepare
+from eaglebatch.job import builtin
+from eaglebatch.job.config import JobConfig, load_job
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llamacpp import find_llama_server, run_llama_server  # noqa: E402
@@ -100,7 +100,7 @@ def prompt_token_ids(job: JobConfig) -> list[list[int]]:
     """The job's prompts as the token ids eaglebatch feeds its model (chat template applied)."""
     from transformers import AutoTokenizer
 
-    from eaglebatch.bench import read_prompts
+    from eaglebatch.commands.bench import read_prompts
 
     prep = prepare(job)
     tok = AutoTokenizer.from_pretrained(str(prep.model.dir))
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         short_prompts(Path(tmp) / PROMPTS, args.prompts)
         ids = prompt_token_ids(quickstart_job(Path(tmp) / "ids", Path(tmp) / PROMPTS,
                                               args.prompts, args.max_tokens, []))
-        llama = llama_rows(defaults.builtin_gguf(), ids, n1, args, console)
+        llama = llama_rows(builtin.builtin_gguf(), ids, n1, args, console)
         rows = eagle_rows("quantized", args.batch_sizes, n1, args, Path(tmp), console)
         rows += eagle_rows("dequantized", args.dequantized_batch_sizes, n1, args, Path(tmp),
                            console)

@@ -31,7 +31,7 @@ xz -T0 -6 -c py/eaglebatch/_native.abi3.so > .gpu/native.so.xz
 python3 - <<'PY'
 import pyarrow.parquet as pq
 
-from eaglebatch.defaults import require_builtin_model_package, sharegpt_parquet
+from eaglebatch.job.builtin import require_builtin_model_package, sharegpt_parquet
 
 table = pq.read_table(sharegpt_parquet(), columns=["id", "messages"])
 pq.write_table(table, ".gpu/sharegpt.parquet", compression="zstd", compression_level=19)
@@ -41,5 +41,5 @@ for i in range(3):
     with open(f".gpu/g{i}", "wb") as f:
         f.write(gguf[cuts[i] : cuts[i + 1]])
 PY
-sha256sum "$(python3 -c 'from eaglebatch.defaults import require_builtin_model_package as p; print(p())')"
+sha256sum "$(python3 -c 'from eaglebatch.job.builtin import require_builtin_model_package as p; print(p())')"
 du -cb .whl/*.whl .gpu/native.so.xz .gpu/sharegpt.parquet .gpu/g0 | tail -n 1

@@ -126,8 +126,8 @@ def run_job(tmp: Path, model_dir: Path, prompts: Path, name: str, *, batch: int,
             k: int = 3) -> dict:
     import pyarrow.parquet as pq
 
-    from eaglebatch.config import load_job
     from eaglebatch.engine import build_worker, prepare, run_prepared
+    from eaglebatch.job.config import load_job
 
     job = tmp / f"{name}.yaml"
     job.write_text(
@@ -444,7 +444,7 @@ def main(argv=None) -> int:
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     graphs = "cuda" if cuda else "eager"
-    from eaglebatch.worker import flashinfer_importable
+    from eaglebatch.job.engine_settings import flashinfer_importable
 
     fast_backend = "flashinfer" if cuda and flashinfer_importable() else "torch"
     name = torch.cuda.get_device_name(dev) if cuda else platform.processor() or "cpu"

@@ -178,8 +178,8 @@ def run_engine(tmp: Path, stand_in: Path, worker, prompts: Path, name: str, *, b
     """A whole greedy run through the engine with `worker` doing the steps."""
     import pyarrow.parquet as pq
 
-    from eaglebatch.config import load_job
     from eaglebatch.engine import prepare, run_prepared
+    from eaglebatch.job.config import load_job
 
     job = tmp / f"{name}.yaml"
     job.write_text(
@@ -282,9 +282,9 @@ def main(argv=None) -> int:
 
 def _one_shape(tmp: Path, shape: str, args, report: dict, section) -> None:
     """Builds the shape's target, head and workers, then runs its sections."""
+    from eaglebatch.job.engine_settings import flashinfer_importable
     from eaglebatch.model.config import ModelConfig
     from eaglebatch.speculative import init_random_draft
-    from eaglebatch.worker import flashinfer_importable
 
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"

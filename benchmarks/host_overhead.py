@@ -51,8 +51,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from eaglebatch.config import load_job
 from eaglebatch.engine import build_scheduler, overlapped_steps, prepare, serial_steps
+from eaglebatch.job.config import load_job
 
 ROOT = Path(__file__).resolve().parent.parent
 GOAL_US = 200  # per step at batch 256, plain and speculative (issue 32)
@@ -87,7 +87,7 @@ class FakeWorker:
         self.steps = 0
         if prep == "worker":
             from eaglebatch.attention import get_backend
-            from eaglebatch.logits_processing import LogitsControls
+            from eaglebatch.sampling.logits_processing import LogitsControls
             from eaglebatch.transfer import to_device
             from eaglebatch.worker import fill_placeholders, plan_metadata, sampling_tensors
 

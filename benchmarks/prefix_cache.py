@@ -33,9 +33,9 @@ import pyarrow.parquet as pq
 from rich.console import Console
 from rich.table import Table
 
-from eaglebatch import defaults
-from eaglebatch.config import load_job
 from eaglebatch.engine import build_worker, prepare, run_prepared
+from eaglebatch.job import builtin
+from eaglebatch.job.config import load_job
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = [
@@ -67,7 +67,7 @@ def preamble() -> str:
 
 
 def preamble_job(tmp: Path) -> Path:
-    table = pq.ParquetFile(defaults.sharegpt_parquet()).read_row_group(0)
+    table = pq.ParquetFile(builtin.sharegpt_parquet()).read_row_group(0)
     rows = [r for r in table.to_pylist() if 20 <= len(r["prompt"]) <= 400][:64]
     system = preamble()
     msgs = [[{"role": "system", "content": system}, {"role": "user", "content": r["prompt"]}]

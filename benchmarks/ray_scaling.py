@@ -19,8 +19,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from rich.console import Console
 
-from eaglebatch.config import load_job
 from eaglebatch.engine import build_worker, prepare, run_prepared
+from eaglebatch.job.config import load_job
 from eaglebatch.ray_executor import run_on_ray
 
 

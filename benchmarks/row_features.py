@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from eaglebatch.config import load_job
 from eaglebatch.engine import build_worker, prepare, run_prepared
+from eaglebatch.job.config import load_job
 
 CONFIGS = {
     "off": [],

@@ -21,7 +21,7 @@ from pathlib import Path
 CHILD = r"""
 import json, resource, sys, time
 sys.path.insert(0, sys.argv[1])
-from eaglebatch.config import load_job
+from eaglebatch.job.config import load_job
 from eaglebatch.engine import prepare, run_prepared
 t = time.monotonic()
 res = run_prepared(prepare(load_job(sys.argv[2])))

@@ -1,16 +1,24 @@
-"""Fails (exit 1) when modules of py/eaglebatch import each other in a loop, counting imports
-inside functions too (a loop hidden in a function is still a loop a reader must follow).
+"""Fails (exit 1) when py/eaglebatch's import graph has a loop or an unexplained lazy import:
+
+- modules importing each other in a loop, counting imports inside functions too (a loop hidden
+  in a function is still a loop a reader must follow);
+- wings importing each other in a loop (a wing is a subpackage such as `job/` or `output/`, or a
+  root module), so every import between wings points one way, from a higher layer down;
+- an import of the package's own modules inside a function whose module, with what it imports at
+  its top, pulls in nothing heavy (torch, numpy, pyarrow, the extension, an optional extra): such
+  an import belongs at the top of the file. A lazy import that is heavy must carry a reason, as
+  a comment on its line or on the line above (one comment serves a run of lazy imports).
 
     python scripts/import_cycles.py
 
-Prints each loop as its modules; the edges are `import eaglebatch.x`, `from eaglebatch.x import
-y` and relative imports, wherever they stand.
+The edges are `import eaglebatch.x`, `from eaglebatch.x import y` and relative imports.
 """
 
 from __future__ import annotations
 
 import ast
 import sys
+from functools import cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "py"
@@ -90,12 +98,94 @@ def loops(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+HEAVY = {"torch", "numpy", "pyarrow", "eaglebatch._native", "ray", "transformers", "flashinfer",
+         "safetensors", "gguf", "datasets", "lm_eval", "rich"}
+
+
+def wing(module: str) -> str:
+    """`eaglebatch.job.config` -> `eaglebatch.job`; root modules are wings of their own."""
+    return ".".join(module.split(".")[:2])
+
+
+def wing_edges(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {wing(m): set() for m in graph}
+    for a, targets in graph.items():
+        out[wing(a)] |= {wing(b) for b in targets if wing(b) != wing(a)}
+    return out
+
+
+def top_imports(f: Path, name: str, known) -> tuple[set[str], set[str]]:
+    """(package modules, other top-level names) imported at the top of module `name`."""
+    body = [n for n in ast.parse(f.read_text()).body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    own = set().union(*(imported(name, f, n, known) for n in body))
+    other = {a.name.split(".")[0] for n in body if isinstance(n, ast.Import) for a in n.names}
+    other |= {(n.module or "").split(".")[0] for n in body if isinstance(n, ast.ImportFrom)
+              and not n.level}
+    other |= {f"{n.module}.{a.name}" for n in body if isinstance(n, ast.ImportFrom)
+              and n.module == "eaglebatch" for a in n.names}
+    return own, other
+
+
+def lazy_import_faults(mods: dict[str, Path]) -> list[str]:
+    @cache
+    def heavy(name: str) -> bool:
+        own, other = top_imports(mods[name], name, mods.keys())
+        return bool(other & HEAVY) or any(heavy(m) for m in own if m != name)
+
+    faults = []
+    for name, f in mods.items():
+        lines = f.read_text().splitlines()
+        for node in lazy_imports(ast.parse("\n".join(lines))):
+            targets = imported(name, f, node, mods.keys())
+            names = {a.name for a in node.names} if isinstance(node, ast.Import) else set()
+            if not targets and not (names & HEAVY or getattr(node, "module", "") == "eaglebatch"):
+                continue
+            where = f"{f.relative_to(ROOT)}:{node.lineno}"
+            if names_native(node):
+                targets = set()
+            if targets and not any(heavy(m) for m in targets):
+                faults.append(f"{where}: lazy import of {sorted(targets)} pulls nothing heavy:"
+                              " import it at the top")
+            elif not _explained(lines, node.lineno - 1):
+                faults.append(f"{where}: lazy import without a reason (a comment on its line "
+                              "or above)")
+    return faults
+
+
+def lazy_imports(tree: ast.Module):
+    """The import statements inside the module's functions."""
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield from (n for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom)))
+
+
+def names_native(node: ast.Import | ast.ImportFrom) -> bool:
+    """`from eaglebatch import _native` or `import eaglebatch._native`: the extension (heavy)."""
+    if isinstance(node, ast.ImportFrom):
+        return node.module == "eaglebatch" and any(a.name == "_native" for a in node.names)
+    return any(a.name == "eaglebatch._native" for a in node.names)
+
+
+def _explained(lines: list[str], i: int) -> bool:
+    """A comment on line i, or on the nearest line above that is not a lazy import."""
+    while True:
+        if "#" in lines[i]:
+            return True
+        i -= 1
+        if i < 0 or not lines[i].strip().startswith(("from ", "import ")):
+            return i >= 0 and lines[i].strip().startswith("#")
+
+
 def main() -> int:
-    found = loops(edges(modules()))
+    mods = modules()
+    graph = edges(mods)
+    found = loops(graph) + loops(wing_edges(graph))
     for comp in found:
         print("import loop: " + " <-> ".join(comp))
-    print(f"{len(found)} import loop(s) in py/eaglebatch")
-    return 1 if found else 0
+    faults = lazy_import_faults(mods)
+    print("\n".join(faults))
+    print(f"{len(found)} import loop(s), {len(faults)} lazy import fault(s) in py/eaglebatch")
+    return 1 if found or faults else 0
 
 
 if __name__ == "__main__":

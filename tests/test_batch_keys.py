@@ -9,8 +9,8 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from eaglebatch.config import load_job
 from eaglebatch.engine import prepare, run_prepared
+from eaglebatch.job.config import load_job
 from test_engine import random_prompts
 from test_openai_batch import CHAT, COMPLETIONS, batch_job, request, results
 
@@ -198,7 +198,7 @@ def test_a_lines_own_n_gives_the_samples_a_job_n_gives_and_resumes(tmp_path, tin
     from click.testing import CliRunner
 
     from eaglebatch.cli import main
-    from eaglebatch.output_dir import OWNER_KEY
+    from eaglebatch.output.directory import OWNER_KEY
 
     prompts = random_prompts(3, seed=15)
     own = [{"n": 1}, {"n": 3}, {}]

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from eaglebatch.bench import _same_tokens, _token_digests, run_bench
-from eaglebatch.config import load_job
+from eaglebatch.commands.bench import _same_tokens, _token_digests, run_bench
+from eaglebatch.job.config import load_job
 from eaglebatch.speculative import init_random_draft
 from support.tiny import write_prompts
 from test_engine import random_prompts
@@ -93,7 +93,7 @@ def test_bench_repeat_alternates_runs_and_takes_the_median_pair(tmp_path, tiny_m
 
 def test_batch_one_alternates_the_engines_request_by_request(tmp_path, tiny_model_dir, capsys,
                                                              monkeypatch):
-    import eaglebatch.bench as bench
+    import eaglebatch.commands.bench as bench
 
     calls = []
     real = bench._eaglebatch_row
@@ -122,7 +122,7 @@ def test_batch_one_alternates_the_engines_request_by_request(tmp_path, tiny_mode
 
 
 def test_merged_runs_sum_tokens_and_time_and_take_percentiles_over_requests():
-    from eaglebatch.bench import _merge_runs
+    from eaglebatch.commands.bench import _merge_runs
 
     def run(tokens, wall, latency, steps, spec_tokens, tpot):
         return {"digests": {tokens: b"x"}, "engine": "eaglebatch+eagle", "batch_size": 1,

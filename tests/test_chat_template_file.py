@@ -8,9 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eaglebatch.config import load_job
 from eaglebatch.engine import prepare, run_prepared
 from eaglebatch.errors import JobError
+from eaglebatch.job.config import load_job
 
 pytest.importorskip("eaglebatch._native")
 

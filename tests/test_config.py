@@ -7,8 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eaglebatch.config import load_job
 from eaglebatch.errors import JobError
+from eaglebatch.job.config import load_job
 
 BASE = """
 model: smollm2-135m-instruct
@@ -92,7 +92,7 @@ def test_builtin_models_and_drafts_may_be_spelt_as_builtin_inputs_are(tmp_path):
     job = load_job(write(tmp_path, BASE), over)
     assert (job.model, job.draft) == ("gemma3-270m", "smollm2-135m-instruct-eagle")
     assert load_job(write(tmp_path, BASE), ["model=builtin:nope"]).model == "builtin:nope"
-    from eaglebatch.model_files import resolve_model_dir
+    from eaglebatch.job.model_files import resolve_model_dir
 
     with pytest.raises(JobError, match=r"model: 'builtin:nope' is neither .* smollm2-135m"):
         resolve_model_dir("builtin:nope")
@@ -483,7 +483,7 @@ overrides = st.lists(
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=job_texts(), sets=overrides, train=st.booleans())
 def test_any_job_file_loads_or_raises_a_short_job_error(tmp_path_factory, data, sets, train):
-    from eaglebatch.config import JobConfig
+    from eaglebatch.job.config import JobConfig
     from eaglebatch.train.job import TrainJob, load_train_job
 
     d = tmp_path_factory.getbasetemp() / "junk"

@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from eaglebatch.config import load_job
 from eaglebatch.engine import build_worker, prepare, run_prepared
+from eaglebatch.job.config import load_job
 from support.spies import ReaderWaitSpy
 from support.tiny import byte_tokenizer, write_prompts
 

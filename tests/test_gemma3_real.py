@@ -9,9 +9,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from eaglebatch import defaults
-from eaglebatch.config import load_job
 from eaglebatch.engine import prepare, run_prepared
+from eaglebatch.job import builtin
+from eaglebatch.job.config import load_job
 from support.tiny import write_prompts
 
 pytest.importorskip("eaglebatch._native")
@@ -24,7 +24,7 @@ MAX_NEW = 64
 
 @pytest.fixture(scope="module")
 def prompts():
-    table = pq.ParquetFile(defaults.sharegpt_parquet()).read_row_group(0)
+    table = pq.ParquetFile(builtin.sharegpt_parquet()).read_row_group(0)
     rows = [r["prompt"] for r in table.slice(0, 64).to_pylist() if len(r["prompt"]) < 600]
     assert len(rows) >= NUM_PROMPTS
     return rows[:NUM_PROMPTS]
@@ -42,7 +42,7 @@ def test_greedy_equals_transformers_on_sharegpt(tmp_path, prompts):
     )
     run_prepared(prepare(load_job(job)))
     got = pq.read_table(tmp_path / "out").sort_by("row_index").column("output_token_ids")
-    folder = defaults.builtin_model_dir(defaults.BUILTIN_GEMMA)
+    folder = builtin.builtin_model_dir(builtin.BUILTIN_GEMMA)
     tok = AutoTokenizer.from_pretrained(str(folder))
     hf = Gemma3ForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     eos = set(hf.generation_config.eos_token_id if isinstance(

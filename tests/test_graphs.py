@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from eaglebatch.attention import get_backend
-from eaglebatch.config import load_job
 from eaglebatch.cpu import SMALL_GEMM_AVAILABLE
 from eaglebatch.engine import build_worker, prepare, run_prepared
 from eaglebatch.errors import JobError
 from eaglebatch.graphs import StaticMeta, bucket_for, capture_sizes, fill_rows
+from eaglebatch.job.config import load_job
 from eaglebatch.speculative import init_random_draft
 from paged_kv import PagedSequences
 from support.tiny import write_prompts
@@ -224,7 +224,7 @@ def test_cuda_graph_run_equals_eager(tmp_path, tiny_model_dir, graph_prompts, ea
 
 
 def test_backend_and_graph_mode_selection(monkeypatch):
-    from eaglebatch import worker as w
+    from eaglebatch.job import engine_settings as w
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setattr(w, "flashinfer_importable", lambda: True)

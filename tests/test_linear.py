@@ -10,7 +10,7 @@ from torch.nn import Linear
 from eaglebatch.cpu import gemm as linear_mod
 from eaglebatch.cpu.gemm import SMALL_GEMM_MAX_ROWS, linear, use_small_gemm
 from eaglebatch.errors import JobError
-from eaglebatch.worker import resolve_small_gemm
+from eaglebatch.job.engine_settings import resolve_small_gemm
 
 native = pytest.mark.skipif(
     not linear_mod.SMALL_GEMM_AVAILABLE, reason="the CPU has neither AVX-512F nor AVX2+FMA"

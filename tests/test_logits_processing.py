@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from eaglebatch.logits_processing import LogitsControls
+from eaglebatch.sampling.logits_processing import LogitsControls
 
 V = 40
 
@@ -120,7 +120,7 @@ def min_p_reference(logits: np.ndarray, min_p: float, temperature: float) -> np.
 
 @pytest.mark.parametrize("seed", range(4))
 def test_min_p_keeps_what_numpy_keeps_and_samples_from_it(seed):
-    from eaglebatch.sampling import sample, uniform_from_counter
+    from eaglebatch.sampling.sampler import sample, uniform_from_counter
 
     rng = np.random.default_rng(seed)
     b = 6

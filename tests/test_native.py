@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eaglebatch.scheduler_config import SchedulerConfig
+from eaglebatch.job.scheduler_config import SchedulerConfig
 
 tokenizers = pytest.importorskip("tokenizers")
 native = pytest.importorskip("eaglebatch._native")

@@ -17,9 +17,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eaglebatch.config import load_job
 from eaglebatch.engine import prepare, run_prepared
 from eaglebatch.errors import JobError
+from eaglebatch.job.config import load_job
 from test_engine import random_prompts
 
 pytest.importorskip("eaglebatch._native")
@@ -184,7 +184,7 @@ def test_an_input_without_a_request_line_is_a_job_error(tmp_path, tiny_model_dir
 KILL_CHILD = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
-from eaglebatch.config import load_job
+from eaglebatch.job.config import load_job
 from eaglebatch.engine import prepare, run_prepared
 run_prepared(prepare(load_job(sys.argv[2])))
 """

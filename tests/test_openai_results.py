@@ -14,14 +14,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 import eaglebatch
-from eaglebatch.output_dir import OWNER_KEY
+from eaglebatch.output.directory import OWNER_KEY
 
 WRITE = r"""
 import resource, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from test_openai_results import fake_output
-from eaglebatch.openai_results import write_results
+from eaglebatch.output.openai_results import write_results
 out = Path(sys.argv[2])
 fake_output(out, int(sys.argv[3]), int(sys.argv[4]))
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -55,7 +55,7 @@ def fake_output(out: Path, rows: int, n: int, part_rows: int = 1000, seed: int =
 
 def test_results_are_in_input_order_with_every_sample(tmp_path):
     fake_output(tmp_path / "out", 3000, 3, part_rows=700, seed=4)
-    from eaglebatch.openai_results import write_results
+    from eaglebatch.output.openai_results import write_results
 
     out = tmp_path / "out"
     assert write_results(out, out / "_results.jsonl", "/v1/completions", "m", "hash") == 3000
@@ -71,7 +71,7 @@ def test_results_are_in_input_order_with_every_sample(tmp_path):
 def test_each_choice_carries_vllms_stop_reason(tmp_path):
     """The stop string, else the stop token id, else null (EOS, length); parts written before
     the columns existed give null."""
-    from eaglebatch.openai_results import write_results
+    from eaglebatch.output.openai_results import write_results
 
     out = tmp_path / "out"
     fake_output(out, 4, 1)

@@ -1,5 +1,6 @@
 """The output directory: eaglebatch deletes only what it wrote, never writes a row twice, and
-refuses an output that would mix with an input (output_dir.py, resume.py, inputs.py)."""
+refuses an output that would mix with an input (output/directory.py, output/resume.py,
+job/inputs.py)."""
 
 from __future__ import annotations
 
@@ -189,12 +190,12 @@ def test_a_shard_and_a_whole_run_never_write_at_once(tmp_path):
     import subprocess
     import sys
 
-    from eaglebatch.output_dir import prepare_output_dir, release_output_dir
+    from eaglebatch.output.directory import prepare_output_dir, release_output_dir
 
     out = tmp_path / "out"
     # another process (locks are per open file, like another run's) tries while a shard runs
     probe = (
-        "import sys; from pathlib import Path; from eaglebatch.output_dir import "
+        "import sys; from pathlib import Path; from eaglebatch.output.directory import "
         "prepare_output_dir as p; from eaglebatch.errors import JobError\n"
         "try:\n    p(Path(sys.argv[1]), False, sys.argv[2] or None)\nexcept JobError as e:\n"
         "    print(e); sys.exit(2)"
@@ -228,7 +229,7 @@ def test_a_unit_directory_another_process_holds_fences_every_other_run(tmp_path)
     import sys
 
     from eaglebatch.errors import JobError
-    from eaglebatch.output_dir import DirectoryInUse, prepare_output_dir, release_output_dir
+    from eaglebatch.output.directory import DirectoryInUse, prepare_output_dir, release_output_dir
 
     out = tmp_path / "out"
     unit = out / "unit-000000000000-000000000010"

@@ -11,9 +11,9 @@ from collections import Counter
 import pytest
 import torch
 
-from eaglebatch.engine import overlapped
 from eaglebatch.errors import JobError
-from eaglebatch.worker import resolve_overlap
+from eaglebatch.job.engine_settings import resolve_engine, resolve_overlap
+from eaglebatch.job.model_files import model_files
 from test_engine import random_prompts, run_job
 
 pytest.importorskip("eaglebatch._native")
@@ -167,11 +167,11 @@ def test_resolution_and_errors():
 
 
 def test_overlap_with_a_draft_is_a_job_error(tmp_path, tiny_model_dir):
-    from eaglebatch.config import load_job
+    from eaglebatch.job.config import load_job
 
     job_file = tmp_path / "j.yaml"
     job_file.write_text(f"model: {tiny_model_dir}\ninput:\n  path: x.parquet\noutput:\n  path: o\n"
                         "draft: builtin\nengine:\n  device: cpu\n  overlap: true\n")
     job = load_job(job_file, [])
     with pytest.raises(JobError, match="engine.overlap: true needs plain decoding"):
-        overlapped(job)
+        resolve_engine(job, model_files(job.model), 128)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from eaglebatch.config import load_job
 from eaglebatch.engine import build_worker, prepare, run_prepared
+from eaglebatch.job.config import load_job
 from eaglebatch.speculative import init_random_draft
 from support.spies import ReaderWaitSpy
 from support.tiny import write_prompts
@@ -216,7 +216,7 @@ class LookupHistorySpy:
             for i, slot in enumerate(plan.request_slots):
                 at = int(plan.positions[cu[i]])  # a decoding row's query starts at L - 1
                 if plan.kind == "verify" or plan.next_ids[i] < 0 and cu[i + 1] - cu[i] == 1 \
-                        and not self.worker.prefilling[slot] and at > 0:
+                        and not self.worker.slots.prefilling[slot] and at > 0:
                     assert lookup.lengths[slot] == at + 1, (plan.kind, i)
                     assert lookup.tokens[slot, at] == plan.input_ids[cu[i]], (plan.kind, i)
         return self.worker.step(plan)
@@ -257,9 +257,9 @@ def test_default_model_outputs_equal_with_and_without_caching_and_chunks(tmp_pat
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from eaglebatch import defaults
+    from eaglebatch.job import builtin
 
-    rows = pq.ParquetFile(defaults.sharegpt_parquet()).read_row_group(0).to_pylist()
+    rows = pq.ParquetFile(builtin.sharegpt_parquet()).read_row_group(0).to_pylist()
     rows = [r for r in rows if 20 <= len(r["prompt"]) <= 300][:8]
     system = "You are a careful assistant. Answer in two short sentences, plainly. " * 4
     msgs = [[{"role": "system", "content": system}, {"role": "user", "content": r["prompt"]}]

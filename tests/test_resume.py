@@ -15,9 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 
 import eaglebatch
-from eaglebatch.config import load_job
 from eaglebatch.engine import prepare, run_prepared
 from eaglebatch.errors import JobError
+from eaglebatch.job.config import load_job
 from support.tiny import make_tiny_model, write_prompts
 
 pytest.importorskip("eaglebatch._native")

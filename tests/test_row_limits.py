@@ -15,9 +15,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eaglebatch.config import load_job
 from eaglebatch.engine import prepare, run_prepared
-from eaglebatch.scheduler_config import SchedulerConfig
+from eaglebatch.job.config import load_job
+from eaglebatch.job.scheduler_config import SchedulerConfig
 
 native = pytest.importorskip("eaglebatch._native")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from eaglebatch.sampling import argmax, sample, uniform_from_counter
+from eaglebatch.sampling.sampler import argmax, sample, uniform_from_counter
 
 
 def call(logits, temperature=1.0, top_p=1.0, top_k=0, seeds=None, num_generated=None):

@@ -11,9 +11,9 @@ import pytest
 from click.testing import CliRunner
 
 from eaglebatch.cli import main
-from eaglebatch.config import load_job
 from eaglebatch.engine import prepare, run_prepared
 from eaglebatch.errors import JobError
+from eaglebatch.job.config import load_job
 from test_engine import random_prompts, run_job
 
 pytest.importorskip("eaglebatch._native")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from eaglebatch.errors import JobError
-from eaglebatch.shards import Shard, parse_shard, shard_of_dir
+from eaglebatch.output.shards import Shard, parse_shard, shard_of_dir
 
 
 @pytest.mark.parametrize("total", [0, 1, 2, 7, 10, 101])

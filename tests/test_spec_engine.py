@@ -7,9 +7,9 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 
-from eaglebatch.config import load_job
 from eaglebatch.engine import build_worker, prepare, run_prepared
 from eaglebatch.errors import JobError
+from eaglebatch.job.config import load_job
 from eaglebatch.speculative import init_random_draft
 from support.spies import ReaderWaitSpy
 from support.tiny import write_prompts

@@ -192,7 +192,7 @@ def test_deferred_extends_catch_up_to_the_same_draft_state(env, kind, max_batch)
     recomputed state. Past MAX_DEFERRED deferred rounds a row leaves the head (stale): its
     drafts are never made or accepted, and the output stays plain greedy. At batch size 2 rows
     join while others have rounds deferred (catch-ups of different lengths per row)."""
-    from eaglebatch.speculative.worker import MAX_DEFERRED
+    from eaglebatch.speculative.slots import MAX_DEFERRED
 
     k = 3
     reqs = env.reqs[:4]
@@ -212,7 +212,7 @@ def test_deferred_extends_catch_up_to_the_same_draft_state(env, kind, max_batch)
     checked = [0]
 
     def hooked(plan):
-        stale = worker.stale[plan.request_slots].copy()
+        stale = worker.slots.stale[plan.request_slots].copy()
         seqs = [next(r.seq for r in sched.requests if r.slot == int(s)) for s in plan.request_slots]
         expected = [None if stale[i] else recompute(model, draft, real, seq, k)[1]
                     for i, seq in enumerate(seqs)]  # fmt: skip
@@ -239,7 +239,7 @@ def test_rows_that_left_the_head_are_not_counted_as_drafting(env) -> None:
     the number of rows that can still draft (not stale; no prompt lookup here), so a batch of
     stale rows decodes with k = 0 instead of verifying k + 1 tokens a row for nothing; rows
     that join later draft again. Output stays plain greedy."""
-    from eaglebatch.speculative.worker import MAX_DEFERRED
+    from eaglebatch.speculative.slots import MAX_DEFERRED
 
     reqs = env.reqs[:12]
     worker = spec_worker(env, "eagle3", 3, adaptive=True, max_batch=4)
@@ -251,7 +251,7 @@ def test_rows_that_left_the_head_are_not_counted_as_drafting(env) -> None:
         k = next(forced, None)
         if k is None:
             k = real(b, drafting=drafting)
-            asked.append((b, drafting, int((~worker.stale[current[0]]).sum()), k))
+            asked.append((b, drafting, int((~worker.slots.stale[current[0]]).sum()), k))
         return k
 
     current = [np.zeros(0, dtype=np.int64)]
@@ -460,7 +460,7 @@ def test_draft_state_matches_recomputation(env, kind, oracle) -> None:
         for slot in plan.request_slots:
             seq = next(r.seq for r in sched.requests if r.slot == int(slot))
             h, chain = recompute(model, draft, real, seq, k)
-            torch.testing.assert_close(worker.hidden[int(slot)], h, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(worker.slots.hidden[int(slot)], h, atol=1e-4, rtol=1e-4)
             expected_chains.append(chain)
             checked[0] += 1
         recorded.clear()

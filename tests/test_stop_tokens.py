@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from eaglebatch.config import load_job
 from eaglebatch.engine import prepare
 from eaglebatch.errors import JobError
+from eaglebatch.job.config import load_job
 from eaglebatch.speculative import init_random_draft
 from support.tiny import byte_tokenizer, write_prompts
 from test_engine import EOS, MAX_NEW, random_prompts, run_job

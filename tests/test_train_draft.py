@@ -14,9 +14,9 @@ import transformers
 from rich.console import Console
 from safetensors.torch import load_file
 
-from eaglebatch.config import load_job
 from eaglebatch.engine import prepare, run_prepared
 from eaglebatch.errors import JobError
+from eaglebatch.job.config import load_job
 from eaglebatch.model.llama import LlamaForCausalLM
 from eaglebatch.speculative import init_random_draft
 from eaglebatch.speculative.eagle import load_draft
@@ -265,7 +265,7 @@ def test_prompt_selection_by_length_and_its_key(tiny_model_dir, tmp_path):
     pytest.importorskip("eaglebatch._native")
     import pyarrow as pa
 
-    from eaglebatch.model_files import model_files
+    from eaglebatch.job.model_files import model_files
     from eaglebatch.train.data import PromptEncoder, select_prompts
 
     prompts = random_prompts(40, seed=5)

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from eaglebatch.sampling import sample
+from eaglebatch.sampling.distribution import filtered_probs
+from eaglebatch.sampling.sampler import sample
 from eaglebatch.speculative import verify, verify_greedy, verify_sampling
-from eaglebatch.speculative.verify import filtered_probs
 
 
 def cols(b: int, temperature=1.0, top_p=1.0, top_k=0, seed0=0, num_generated=0):

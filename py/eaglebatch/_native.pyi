@@ -32,9 +32,10 @@ class StepPlan:
     #   with chunked prefill the next chunk of it;
     # "decode" with chunked prefill may also hold such prefill chunks (plain decoding);
     # "decode": the tokens not yet in the KV cache (normally one);
-    # "verify" (max_draft_tokens = K > 0): the last committed token at position L-1 then K
-    #   placeholders (0) at L..L+K-1 that the worker overwrites with draft tokens; seq_lens = L+K
-    #   and slot_mapping / block_tables cover all K+1 positions.
+    # "verify" (W = max_draft_tokens > 0; K = speculative.num_steps <= W is the head's chain):
+    #   the last committed token at position L-1 then W placeholders (0) at L..L+W-1 that the
+    #   worker overwrites with draft tokens; seq_lens = L+W and slot_mapping / block_tables
+    #   cover all W+1 positions.
     kind: str
     num_seqs: int
     num_tokens: int
@@ -124,12 +125,12 @@ class Scheduler:
         """Results of the last plan, rows in plan order: row i produced
         tokens[sum(num_tokens[:i]) : sum(num_tokens[:i+1])]. The scheduler truncates at EOS,
         stop strings, max_new_tokens and max_model_len, frees finished requests' blocks and hands
-        finished rows to the writer. A verify row yields 1..K+1 tokens (accepted drafts, then
+        finished rows to the writer. A verify row yields 1..W+1 tokens (accepted drafts, then
         the target's token); its K/V is then valid for every appended token but the last.
         `num_accepted` (accepted drafts per row) is accumulated for verify rows. `logprobs`
-        (chosen float32 [T], top ids int32 [T, K], top logprobs float32 [T, K], aligned with
-        `tokens`) is required when a row of the plan asks for logprobs, with K at least the
-        most any row asks; each row keeps those of the tokens it appends (its own K)."""
+        (chosen float32 [T], top ids int32 [T, N], top logprobs float32 [T, N], aligned with
+        `tokens`) is required when a row of the plan asks for logprobs, with N at least the
+        most any row asks; each row keeps those of the tokens it appends (its own N)."""
 
     def next_plan_ahead(self) -> StepPlan | None:
         """With config.overlap (plain decoding), while exactly one plan is pending: the plan
@@ -193,6 +194,10 @@ OUTPUT_COLUMNS: list[str]
 """Every column name an output part may have (whatever the settings): kept input columns
 (`output.keep_columns`) may take none of them."""
 
+SCHEDULER_CONFIG_FIELDS: list[str]
+"""The Rust SchedulerConfig's fields, each read by name from the config object: the settings
+job/scheduler_config.py's SchedulerConfig must have (a test holds the two sets equal)."""
+
 SMALL_GEMM_AVAILABLE: bool
 """Whether this CPU can run `small_gemm` (x86-64 with AVX-512F, or AVX2 and FMA)."""
 
@@ -250,7 +255,7 @@ def paged_attention(
     `cpu/attention.py` is the caller (addresses through `cpu/tensors.py::native_ptr`)."""
 
 class CpuDecoder:
-    """A model's decoder layers for few-row CPU steps (rust/src/decoder_layer.rs), held as raw
+    """A model's decoder layers for few-row CPU steps (rust/src/cpu/decoder_layer.rs), held as raw
     addresses: per layer [input_norm (0: the layer is given its input), q, k, v, o, post_norm,
     gate, up, down, then the q, k, v, o, gate, up, down biases (0: none), then the per-head
     q_norm and k_norm weights [D] (0: none)], the seven weights' formats (GGML type numbers,

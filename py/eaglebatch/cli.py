@@ -13,9 +13,16 @@ from pathlib import Path
 
 import click
 
-from . import __version__
-from .config import load_job
-from .errors import JobError, native_error
+from eaglebatch import __version__
+from eaglebatch.commands.run_batch import write_job
+from eaglebatch.commands.status import job_status, status_lines
+from eaglebatch.errors import JobError, native_error
+from eaglebatch.interrupt import Interrupted
+from eaglebatch.job import builtin
+from eaglebatch.job.config import load_job
+from eaglebatch.job.model_files import check_model_dir, resolve_draft_dir, resolve_model_dir
+from eaglebatch.output.shards import parse_shard, written_counts
+from eaglebatch.train.job import load_train_job
 
 USER_ERROR = 2
 
@@ -59,26 +66,26 @@ def main() -> None:
 @_user_errors
 def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     """Check a job (schema, input files and columns, model files) without generating."""
-    from . import defaults
-    from .inputs import check_input, kept_columns
-    from .model_files import check_model_dir, resolve_draft_dir, resolve_model_dir
+    # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
+    from eaglebatch.job.inputs import check_input, kept_columns
 
     job = load_job(job_file, overrides)
     files, total = check_input(job.input)
     kept_columns(job, files)
-    if defaults.is_builtin_model(job.model):
-        defaults.require_builtin_model_package(job.model)
+    if builtin.is_builtin_model(job.model):
+        builtin.require_builtin_model_package(job.model)
         model = f"{job.model} (builtin)"
     else:
         model = str(check_model_dir(resolve_model_dir(job.model)).dir)  # a GGUF: converted
     draft = f", draft {resolve_draft_dir(job.draft)}" if job.draft is not None else ""
     output = ""
-    if defaults.is_builtin_model(job.model):  # its own template is known good; the job's file
+    if builtin.is_builtin_model(job.model):  # its own template is known good; the job's file
         _check_job_template(job)
         _check_outputs(job, files)
     else:  # a builtin would be materialised first
-        from .engine import prepare
-        from .resume import scan_output
+        # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
+        from eaglebatch.engine import prepare
+        from eaglebatch.output.resume import scan_output
 
         prep = prepare(job)  # the output directory must hold this job's results, if any
         state = scan_output(Path(job.output.path), prep.identity)
@@ -93,8 +100,9 @@ def _check_outputs(job, files) -> None:
     """`prepare`'s output checks that need no model identity (a builtin model is not converted
     by validate): output.path apart from the input, and the results path's rules, a file there
     counting as ours only when written for this output.path."""
-    from .inputs import check_output_apart
-    from .results_file import check_results_path
+    # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
+    from eaglebatch.job.inputs import check_output_apart
+    from eaglebatch.output.results_file import check_results_path
 
     check_output_apart(job.input.path, files, job.output.path)
     if job.output.results_file is not None:
@@ -104,8 +112,9 @@ def _check_outputs(job, files) -> None:
 
 def _check_job_template(job) -> None:
     """The job's model_chat_template file must compile when prompts go through it."""
-    from .engine import check_chat_template, read_chat_template, renders_chat
-    from .inputs import check_batch_input
+    # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
+    from eaglebatch.engine import check_chat_template, read_chat_template, renders_chat
+    from eaglebatch.job.inputs import check_batch_input
 
     batch_chat = job.input.openai_batch and check_batch_input(job.input).chat
     path = job.model_chat_template
@@ -187,7 +196,6 @@ def run(
     Running it again continues after the rows earlier runs finished (resume). With --shard it
     generates one shard, with --ray it runs on a Ray cluster; with --restart it deletes the
     results of this run's scope first."""
-    from .shards import parse_shard, written_counts
 
     report = _Report(summary_json)
     try:
@@ -225,7 +233,6 @@ def run_batch(
 ) -> None:  # fmt: skip
     """vLLM's run-batch form: write OUT.job.yaml for the batch file and run it (parts in
     OUT.parts/, results in OUT). Rerun the same command to resume."""
-    from .run_batch import write_job
 
     job_file = write_job(inp, out, model, draft, list(overrides))  # the --set keys written in
     click.echo(f"job file: {job_file}", err=True)
@@ -238,14 +245,16 @@ class _Report:
     """Writes `run --summary-json` (summary_json.py) once, however the run ends."""
 
     def __init__(self, path: str | None) -> None:
-        from .summary_json import check_summary_path
+        # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
+        from eaglebatch.output.summary_json import check_summary_path
 
         self.path = None if path is None else check_summary_path(path)  # JobError: exit 2
         self.job, self.written = None, False
 
     def check_apart(self, job) -> None:
         """The path against the job's output and input; a refused path is never written."""
-        from .summary_json import check_summary_apart
+        # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
+        from eaglebatch.output.summary_json import check_summary_apart
 
         if self.path is not None:
             path, self.path = self.path, None
@@ -255,7 +264,8 @@ class _Report:
     def write(self, stats, wall_s, reason: str, status: int, error: str | None = None) -> None:
         if self.path is None or self.written:
             return
-        from .summary_json import run_summary, write_json
+        # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
+        from eaglebatch.output.summary_json import run_summary, write_json
 
         self.written = True
         try:
@@ -271,9 +281,10 @@ class _Report:
 def _run_on_ray(job, address: str | None, restart: bool, report: _Report) -> None:
     from rich.console import Console
 
-    from .engine import RunFailed, prepare
-    from .progress import ray_summary_table, summary_table
-    from .ray_executor import import_ray, run_on_ray
+    # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
+    from eaglebatch.engine import RunFailed, prepare
+    from eaglebatch.progress import ray_summary_table, summary_table
+    from eaglebatch.ray_executor import import_ray, run_on_ray
 
     import_ray()  # before anything else: a missing Ray is one message
     console = Console(stderr=True)
@@ -294,9 +305,9 @@ def _run_on_ray(job, address: str | None, restart: bool, report: _Report) -> Non
 def _run_here(job, shard, restart: bool, report: _Report) -> None:
     from rich.console import Console
 
-    from .engine import WHOLE, RunFailed, RunScope, open_output, prepare, run_prepared
-    from .interrupt import Interrupted
-    from .progress import ProgressView, summary_table
+    # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
+    from eaglebatch.engine import WHOLE, RunFailed, RunScope, open_output, prepare, run_prepared
+    from eaglebatch.progress import ProgressView, summary_table
 
     console = Console(stderr=True)
     try:
@@ -334,13 +345,13 @@ def _run_here(job, shard, restart: bool, report: _Report) -> None:
 def status(job_file: str, overrides: tuple[str, ...], as_json: bool) -> None:
     """Rows done per shard and overall. Exit status 0 only when the job is complete: every row
     of the input is in the output exactly once (1 while rows are missing)."""
-    from .status import job_status, status_lines
 
     st = job_status(load_job(job_file, overrides))
     if as_json:
         import json
 
-        from .summary_json import status_summary
+        # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
+        from eaglebatch.output.summary_json import status_summary
 
         click.echo(json.dumps(status_summary(st)))
     else:
@@ -386,7 +397,8 @@ def bench(
     repeat: int,
 ) -> None:
     """Measure output tok/s and latency on the job's prompts, side by side with baselines."""
-    from .bench import run_bench
+    # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
+    from eaglebatch.commands.bench import run_bench
 
     job = load_job(job_file, overrides)
     run_bench(job, list(batch_sizes), list(hf_batch_sizes), json_path, repeat=repeat)
@@ -400,8 +412,8 @@ def train_draft(job_file: str, overrides: tuple[str, ...]) -> None:
     """Train an EAGLE-3 draft head for the job's model (self-distillation); resumable."""
     from rich.console import Console
 
-    from .train.job import load_train_job
-    from .train.trainer import train_draft as run_training
+    # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
+    from eaglebatch.train.trainer import train_draft as run_training
 
     job = load_train_job(job_file, list(overrides))
     run_training(job, Console(stderr=True))

@@ -16,17 +16,28 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from . import __version__
-from .config import JobConfig, job_to_dict
-from .errors import JobError, native_error
-from .inputs import check_batch_input, check_input, check_output_apart, kept_columns
-from .interrupt import Interrupted, StopSignals
-from .model_files import ModelFiles, model_files, resolve_draft_dir
-from .output_dir import prepare_output_dir, release_output_dir
-from .results_file import check_results_path
-from .resume import HASH_KEY, IDENTITY_KEY, ResumeState, identity_hash, job_identity, scan_output
-from .shards import Shard, shard_of_dir
+from eaglebatch import __version__
+from eaglebatch.errors import JobError, native_error
+from eaglebatch.interrupt import Interrupted, StopSignals
+from eaglebatch.job.config import JobConfig, job_to_dict
+from eaglebatch.job.inputs import check_batch_input, check_input, check_output_apart, kept_columns
+from eaglebatch.job.model_files import ModelFiles, model_files, resolve_draft_dir
+from eaglebatch.output.directory import prepare_output_dir, release_output_dir
+from eaglebatch.output.results_file import check_results_path
+from eaglebatch.output.resume import (
+    HASH_KEY,
+    IDENTITY_KEY,
+    ResumeState,
+    identity_hash,
+    job_identity,
+    scan_output,
+)
+from eaglebatch.output.shards import Shard, shard_of_dir
+
+if TYPE_CHECKING:  # torch: imported only when a run needs it
+    from eaglebatch.job.engine_settings import EngineSettings
 
 
 @dataclass(frozen=True)
@@ -48,18 +59,21 @@ class PreparedJob:
     vocab_size: int = 0
     # output.keep_columns resolved against the input files (inputs.kept_columns)
     kept_columns: tuple[str, ...] = ()
+    # the engine section resolved once (job/engine_settings.py); None only in tests' stand-ins
+    engine: EngineSettings | None = None
 
     @property
     def job_hash(self) -> str:
         return identity_hash(self.identity)
 
 
-def _check_model_config(job: JobConfig, mf: ModelFiles) -> tuple[str, int, int]:
-    """Checks config.json, the checkpoint's tensor names and shapes (headers only) and
-    engine.max_model_len without loading weights; returns the dtype the worker will use, the
-    resolved max_model_len and the vocab_size."""
-    from .model import ModelConfig, model_class
-    from .worker import resolve_max_model_len
+def _check_model_config(job: JobConfig, mf: ModelFiles) -> tuple[EngineSettings, int]:
+    """Checks config.json, the checkpoint's tensor names and shapes (headers only) and the
+    engine section without loading weights; returns the engine settings resolved (the one
+    resolution of this process) and the vocab_size."""
+    # lazy: torch and the extension, which validate and status never need
+    from eaglebatch.job.engine_settings import resolve_engine
+    from eaglebatch.model import ModelConfig, model_class
 
     try:
         cfg = ModelConfig.from_dir(mf.dir)
@@ -76,35 +90,13 @@ def _check_model_config(job: JobConfig, mf: ModelFiles) -> tuple[str, int, int]:
     if bad:
         raise JobError(f"sampling.stop_token_ids: {bad} are not ids of model {mf.dir}, whose "
                        f"vocab_size is {cfg.vocab_size}")  # fmt: skip
-    max_model_len = resolve_max_model_len(job.engine.max_model_len, cfg.max_model_len)
-    return _check_engine(job, mf), max_model_len, cfg.vocab_size
-
-
-def _check_engine(job: JobConfig, mf: ModelFiles) -> str:
-    """Checks the device-dependent engine settings; returns the resolved dtype's name."""
-    from .worker import (
-        resolve_backend,
-        resolve_device,
-        resolve_dtype,
-        resolve_graph_mode,
-        resolve_overlap,
-        resolve_small_gemm,
-        resolve_weights,
-    )
-
-    device = resolve_device(job.engine.device)
-    resolve_backend(job.engine.attention_backend, device)
-    resolve_graph_mode(job.engine.cuda_graph, device)
-    resolve_overlap(job.engine.overlap, device, job.draft is not None)
-    dtype = resolve_dtype(job.engine.dtype, device)
-    threads = resolve_small_gemm(job.engine.cpu_gemm, device, dtype)
-    resolve_weights(job.engine.weights, threads, mf)
-    return str(dtype).removeprefix("torch.")
+    return resolve_engine(job, mf, cfg.max_model_len), cfg.vocab_size
 
 
 def _check_draft(draft: Path | None) -> None:
     """A draft head's checkpoint files must be whole (headers against file sizes)."""
-    from .model.weights import checkpoint_shapes
+    # lazy: torch and the extension, which validate and status never need
+    from eaglebatch.model.weights import checkpoint_shapes
 
     if draft is not None and any(draft.glob("*.safetensors")):
         try:
@@ -141,7 +133,8 @@ def renders_chat(job: JobConfig, batch_chat: bool) -> bool:
 def check_chat_template(text: str, origin: str) -> None:
     """Raises JobError naming `origin` (the job key and file, or the model's template) when the
     chat template does not compile: the check the reader's compile makes, before any model."""
-    from . import _native
+    # lazy: torch and the extension, which validate and status never need
+    from eaglebatch import _native
 
     try:
         _native.check_chat_template(text)
@@ -175,21 +168,22 @@ def prepare(job: JobConfig) -> PreparedJob:
         check_chat_template(mf.chat_template, template_origin(job, mf))
     draft = resolve_draft_dir(job.draft) if job.draft is not None else None
     _check_draft(draft)
-    dtype, max_model_len, vocab_size = _check_model_config(job, mf)
-    identity = job_identity(job, files, mf, draft, dtype, max_model_len)
+    engine, vocab_size = _check_model_config(job, mf)
+    identity = job_identity(job, files, mf, draft, engine.dtype_name, engine.max_model_len)
     if job.output.results_file is not None:
         check_results_path(job.output.results_file, Path(job.output.path),
                            identity_hash(identity), job.input.path, files)  # fmt: skip
     return PreparedJob(
         job=job, input_files=files, total_rows=total, model=mf, draft_dir=draft, identity=identity,
         openai_endpoint=endpoint, batch_chat=batch_chat, vocab_size=vocab_size, kept_columns=kept,
+        engine=engine,
     )
 
 
 @dataclass(frozen=True)
 class RunScope:
     """The rows a run generates and where it writes them: every row into output.path, or a
-    row range into a subdirectory of it (a shard, a Ray unit; output_dir.py)."""
+    row range into a subdirectory of it (a shard, a Ray unit; output/directory.py)."""
 
     subdir: str | None = None
     row_range: tuple[int, int] | None = None  # [start, end) of the input's row_index
@@ -261,6 +255,7 @@ ProgressFn = Callable[[dict], None]
 
 
 def file_metadata(prep: PreparedJob) -> dict[str, str]:
+    # lazy: torch and the extension, which validate and status never need
     import torch
 
     return {
@@ -278,19 +273,16 @@ def scheduler_config(
 ):
     """The scheduler's settings for this job, worker (KV blocks, max_model_len) and scope;
     `skip_rows` / `skip_samples`: what earlier runs wrote (ResumeState.skipped_in)."""
-    from .scheduler_config import SchedulerConfig
+    # lazy: numpy, which validate and status never need
+    from eaglebatch.job.scheduler_config import from_job
 
     job, mf = prep.job, prep.model
-    eng = job.engine
-    return SchedulerConfig(
+    return from_job(
+        job,
         input_files=[str(f) for f in prep.input_files],
         prompt_column=job.input.text_column,
-        messages_column=job.input.messages_column,
-        id_column=job.input.id_column,
-        limit=job.input.limit,
         input_format="openai-batch" if job.input.openai_batch else "parquet",
         row_range=scope.row_range,
-        apply_chat_template=job.input.apply_chat_template,
         tokenizer_file=str(mf.tokenizer_file),
         chat_template=mf.chat_template if renders_chat(job, prep.batch_chat) else None,
         bos_token=mf.bos_token,
@@ -298,51 +290,22 @@ def scheduler_config(
         eos_token_ids=list(mf.eos_token_ids),
         vocab_size=prep.vocab_size,
         output_dir=scope.output_dir(job.output.path),
-        part_rows=job.output.part_rows,
         file_metadata=metadata,
-        include_token_ids=job.output.include_token_ids,
         keep_columns=list(prep.kept_columns),
-        **sampling_settings(job.sampling),
-        logprobs=job.output.logprobs,
-        prompt_logprobs=job.output.prompt_logprobs,
-        sampling_columns=dict(job.input.sampling_columns),
         num_blocks=worker.num_blocks,
-        block_size=eng.block_size,
-        max_batch_size=eng.max_batch_size,
-        max_num_batched_tokens=eng.max_num_batched_tokens,
         max_model_len=worker.max_model_len,
-        max_draft_tokens=job.max_draft_tokens,
-        prefix_caching=eng.prefix_caching,
-        chunked_prefill=eng.chunked_prefill,
+        max_draft_tokens=prep.engine.max_draft_tokens,
+        overlap=prep.engine.overlap,
         skip_rows=skip_rows,
         skip_samples=skip_samples,
-        flush_interval_s=job.output.flush_interval_s,
-        overlap=overlapped(job),
     )
-
-
-def sampling_settings(smp) -> dict:
-    """The scheduler's sampling settings: the job's `sampling` section, key for key."""
-    keys = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "n", "min_new_tokens",
-            "min_p", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
-            "repetition_penalty", "frequency_penalty", "presence_penalty")  # fmt: skip
-    out = {k: getattr(smp, k) for k in keys}
-    return {**out, "stop": list(smp.stop), "stop_token_ids": list(smp.stop_token_ids)}
-
-
-def overlapped(job: JobConfig) -> bool:
-    """Whether the step loop overlaps steps (engine.overlap, resolved for the job's device)."""
-    from .worker import resolve_device, resolve_overlap
-
-    return resolve_overlap(job.engine.overlap, resolve_device(job.engine.device),
-                           job.draft is not None)
 
 
 def build_scheduler(
     prep: PreparedJob, worker, metadata: dict[str, str], skip_rows=None, scope: RunScope = WHOLE,
     skip_samples=None,
 ):
-    from ._native import Scheduler
+    from eaglebatch._native import Scheduler
 
     return Scheduler(scheduler_config(prep, worker, metadata, skip_rows, scope, skip_samples))
 
@@ -351,21 +314,24 @@ def build_worker(prep: PreparedJob, graph_mode: str | None = None):
     """The plain Worker, or a SpecWorker around it when the job names a draft head, with its
     graph steps captured (`graph_mode`: "cuda" | "eager" | "off"; default from engine.cuda_graph
     and the device)."""
-    from .worker import Worker, resolve_device, resolve_graph_mode
+    # lazy: torch and the extension, which validate and status never need
+    from eaglebatch.worker import Worker
 
-    job = prep.job
+    job, settings = prep.job, prep.engine
     eng = job.engine
-    mode = graph_mode or resolve_graph_mode(eng.cuda_graph, resolve_device(eng.device))
+    mode = graph_mode or settings.graph_mode
     rows = 0 if mode == "off" else eng.max_batch_size  # the largest capture bucket
     if prep.draft_dir is None:
-        worker = Worker.from_job(job, prep.model, graph_rows=rows)
+        worker = Worker.from_job(job, prep.model, settings, graph_rows=rows)
         worker.enable_graphs(mode, eng.max_batch_size)
         return worker
-    from .speculative.worker import SpecWorker
+    # lazy: torch and the extension, which validate and status never need
+    from eaglebatch.speculative.worker import SpecWorker
 
     target = Worker.from_job(
-        job, prep.model, extra_kv_layers=1, graph_rows=rows, graph_q=job.max_draft_tokens + 1
-    )
+        job, prep.model, settings, extra_kv_layers=1, graph_rows=rows,
+        graph_q=settings.max_draft_tokens + 1,
+    )  # fmt: skip
     try:
         worker = SpecWorker.from_job(target, prep.draft_dir, job.speculative, eng.max_batch_size)
     except ValueError as e:
@@ -406,7 +372,8 @@ def write_batch_results(prep: PreparedJob) -> None:
     out = prep.job.output
     if out.results_file is None:
         return
-    from .openai_results import CHAT, write_results
+    # lazy: torch and the extension, which validate and status never need
+    from eaglebatch.output.openai_results import CHAT, write_results
 
     chat = prep.job.input.renders_chat
     endpoint = prep.openai_endpoint or (CHAT if chat else "/v1/completions")
@@ -488,7 +455,7 @@ def _step_loop(prep: PreparedJob, scheduler, worker, progress: ProgressFn | None
     (prefill, mixed, decode, verify) the seconds its steps took."""
     last_report = 0.0
     seconds: dict[str, float] = {}  # plan kind -> seconds of its steps (planning to commit)
-    steps = overlapped_steps if overlapped(prep.job) else serial_steps
+    steps = overlapped_steps if prep.engine.overlap else serial_steps
     with StopSignals() as stop:
         mark = time.monotonic()
         for plan in steps(scheduler, worker):

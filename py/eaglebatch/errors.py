@@ -17,7 +17,8 @@ def native_error(e: BaseException) -> str | None:
     """"user" for the extension's UserInputError (the user can fix it: exit 2), "native" for its
     other errors (NativeError), None for anything else. The one place that tells them apart."""
     try:
-        from . import _native
+        # lazy: every module imports errors.py; the extension only when mapping its error
+        from eaglebatch import _native
     except ImportError:  # no extension: nothing it raised
         return None
     if isinstance(e, _native.UserInputError):

@@ -4,7 +4,7 @@ The driver prepares and checks the job once (a bad job fails before Ray starts),
 output.path exclusively, reads what is done anywhere under it and cuts the remaining rows into
 units: contiguous row ranges of several batches each. Each actor loads the model once and runs
 units one after another with the ordinary scheduler, worker and atomic part writer, each into
-its own `unit-<start>-<end>/` directory (output_dir.py).
+its own `unit-<start>-<end>/` directory (output/directory.py).
 
 Invariants (exactly once):
 - a unit writes only rows of its range, only into its directory, and skips the rows the driver
@@ -36,8 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import JobConfig
-from .engine import (
+from eaglebatch.engine import (
     PreparedJob,
     RunFailed,
     RunScope,
@@ -45,9 +44,10 @@ from .engine import (
     run_prepared,
     write_batch_results,
 )
-from .errors import JobError
-from .output_dir import DirectoryInUse, release_output_dir, release_subdirs
-from .resume import ResumeState
+from eaglebatch.errors import JobError
+from eaglebatch.job.config import JobConfig
+from eaglebatch.output.directory import DirectoryInUse, release_output_dir, release_subdirs
+from eaglebatch.output.resume import ResumeState
 
 PROGRESS_KEYS = ("requests_done", "requests_error", "output_tokens", "running", "waiting")
 SUM_KEYS = ("requests", "errors", "prompt_tokens", "output_tokens", "preemptions",
@@ -58,6 +58,7 @@ SUM_KEYS = ("requests", "errors", "prompt_tokens", "output_tokens", "preemptions
 def import_ray():
     """Ray, or a JobError saying how to install it."""
     try:
+        # lazy: ray is an optional extra; torch only in the actors, not the driver
         import ray
     except ImportError:
         raise JobError(
@@ -163,7 +164,8 @@ class EngineActor:
     `_actor_class`; `progress` is answered while `run_unit` runs (max_concurrency=2)."""
 
     def __init__(self, prep: PreparedJob) -> None:
-        from .engine import build_worker
+        # lazy: ray is an optional extra; torch only in the actors, not the driver
+        from eaglebatch.engine import build_worker
 
         self.prep = prep
         self.worker = build_worker(prep)
@@ -207,9 +209,7 @@ def _actor_class(ray, prep: PreparedJob, cpus: int):
 
 
 def _on_cuda(prep: PreparedJob) -> bool:
-    from .worker import resolve_device
-
-    return resolve_device(prep.job.engine.device).type == "cuda"
+    return prep.engine.device.type == "cuda"
 
 
 def actor_plan(ray, job: JobConfig, cuda: bool) -> tuple[int, int]:
@@ -400,7 +400,8 @@ def summary(run: RayRun, wall_s: float, actors: int) -> dict:
 
 def run_on_ray(prep: PreparedJob, address: str | None, restart: bool, console) -> tuple:
     """The whole job on Ray; returns (stats, wall seconds). See the module docstring."""
-    from .progress import ProgressView
+    # lazy: ray is an optional extra; torch only in the actors, not the driver
+    from eaglebatch.progress import ProgressView
 
     ray = import_ray()
     check_address(address)

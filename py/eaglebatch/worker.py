@@ -7,84 +7,47 @@ the Rust scheduler. Inputs arrive as numpy arrays and are moved to the device on
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from .attention import AttentionMetadata, allocate_kv_cache, get_backend, kv_cache_bytes_per_block
-from .attention.base import copy_blocks
-from .config import EngineConfig, JobConfig
-from .cpu import SMALL_GEMM_AVAILABLE, accelerate
-from .errors import JobError
-from .graphs import GraphPool, StaticMeta, bucket_for, capture_sizes, fill_rows, graph_reserve_bytes
-from .logits_processing import LogitsControls
-from .logprobs import (
+from eaglebatch.attention import (
+    AttentionMetadata,
+    allocate_kv_cache,
+    get_backend,
+    kv_cache_bytes_per_block,
+)
+from eaglebatch.attention.base import copy_blocks
+from eaglebatch.cpu import accelerate
+from eaglebatch.cpu.gguf_blocks import kept_names, quantized_weights
+from eaglebatch.cpu.quantized import use_quantized_weights
+from eaglebatch.errors import JobError
+from eaglebatch.graphs import (
+    GraphPool,
+    StaticMeta,
+    bucket_for,
+    capture_sizes,
+    fill_rows,
+    graph_reserve_bytes,
+)
+from eaglebatch.job.config import EngineConfig, JobConfig
+from eaglebatch.job.engine_settings import EngineSettings
+from eaglebatch.job.model_files import ModelFiles
+from eaglebatch.model import model_class
+from eaglebatch.model.config import ModelConfig
+from eaglebatch.model.llama import LlamaForCausalLM
+from eaglebatch.sampling.logits_processing import LogitsControls
+from eaglebatch.sampling.logprobs import (
     distribution,
     prompt_logprobs,
     top_logprobs,
     top_logprobs_on_device,
     wanted,
 )
-from .model import model_class
-from .model.config import ModelConfig
-from .model.llama import LlamaForCausalLM
-from .model_files import ModelFiles
-from .sampling import sample
-from .transfer import HostCopy, to_device
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str, key: str = "engine.device") -> torch.device:
-    """auto = CUDA when there is one; 'cuda' without one is a JobError naming `key`."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise JobError(f"{key}: 'cuda' requested but no CUDA device is available")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return _DTYPES[name]
-
-
-def resolve_small_gemm(name: str, device: torch.device, dtype: torch.dtype) -> int:
-    """Threads for the native small GEMM (0 = off, F.linear everywhere): see engine.cpu_gemm.
-    'native' where the kernel cannot run is a JobError naming the key."""
-    fits = device.type == "cpu" and dtype == torch.float32
-    if name == "native":
-        if not fits:
-            raise JobError("engine.cpu_gemm: 'native' needs engine.device cpu and float32")
-        if not SMALL_GEMM_AVAILABLE:
-            raise JobError(
-                "engine.cpu_gemm: 'native' needs a CPU with AVX-512F or AVX2 and FMA; use 'torch'"
-            )
-    if name == "torch" or not fits or not SMALL_GEMM_AVAILABLE:
-        return 0
-    return torch.get_num_threads()
-
-
-def resolve_weights(name: str, gemm_threads: int, mf: ModelFiles) -> bool:
-    """Whether the CPU steps read the model's GGUF blocks (engine.weights); 'quantized' where
-    they cannot is a JobError naming the key."""
-    from .gguf_blocks import BLOCKS_FILE
-
-    has_blocks = mf.gguf is not None or (mf.dir / BLOCKS_FILE).is_file()
-    if name == "quantized":
-        if gemm_threads <= 0:
-            raise JobError(
-                "engine.weights: 'quantized' needs the native CPU kernels: engine.device cpu, "
-                "float32 and engine.cpu_gemm auto or native on a CPU with AVX-512F or AVX2+FMA"
-            )
-        if not has_blocks:
-            raise JobError(
-                f"engine.weights: 'quantized' needs a GGUF model (model: {mf.dir} is a folder "
-                "without GGUF blocks)"
-            )
-    return name != "dequantized" and gemm_threads > 0 and has_blocks
+from eaglebatch.sampling.sampler import sample
+from eaglebatch.transfer import HostCopy, to_device
 
 
 def _use_blocks(
@@ -92,11 +55,6 @@ def _use_blocks(
 ) -> str:
     """Swaps the model's GGUF blocks in (cpu/quantized.py), which must replace every weight
     left `unloaded`; returns what the weights are."""
-    from collections import Counter
-
-    from .cpu.quantized import use_quantized_weights
-    from .gguf_blocks import quantized_weights
-
     blocks = quantized_weights(mf.dir, mf.gguf, model, model.config.num_hidden_layers)
     names = use_quantized_weights(model, blocks, threads)
     if missing := sorted(unloaded - set(names)):  # the blocks file changed under this run
@@ -112,76 +70,6 @@ def _weights_line(model: torch.nn.Module) -> str:
     size = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     return f"{dtype} ({size:.0f} MiB)"
-
-
-def flashinfer_importable() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("flashinfer") is not None
-
-
-def resolve_backend(name: str, device: torch.device) -> str:
-    """auto: cpu on the CPU; on CUDA flashinfer when it is installed, else torch. flashinfer is
-    never imported on CPU, and asking for a backend where it cannot run is an error naming the
-    key."""
-    if name == "auto":
-        if device.type == "cpu":
-            return "cpu"
-        usable = device.type == "cuda" and flashinfer_importable()
-        return "flashinfer" if usable else "torch"
-    if name == "cpu" and device.type != "cpu":
-        raise JobError("engine.attention_backend: 'cpu' needs engine.device cpu")
-    if name == "flashinfer":
-        if device.type != "cuda":
-            raise JobError("engine.attention_backend: 'flashinfer' needs engine.device cuda")
-        if not flashinfer_importable():
-            raise JobError(
-                "engine.attention_backend: 'flashinfer' is not installed "
-                "(pip install 'eaglebatch[flashinfer]'), or use 'auto' / 'torch'"
-            )
-    return name
-
-
-def resolve_graph_mode(flag: bool | None, device: torch.device) -> str:
-    """engine.cuda_graph -> "cuda" | "off" (default: on when running on CUDA)."""
-    if flag is None:
-        return "cuda" if device.type == "cuda" else "off"
-    if flag and device.type != "cuda":
-        raise JobError("engine.cuda_graph: true needs engine.device cuda (graphs are CUDA-only)")
-    return "cuda" if flag else "off"
-
-
-def resolve_overlap(flag: bool | None, device: torch.device, speculative: bool) -> bool:
-    """engine.overlap (default: on for plain decoding on CUDA); true with a draft head is a
-    JobError naming the key (a verify round's token counts are known only at its commit)."""
-    if flag and speculative:
-        raise JobError(
-            "engine.overlap: true needs plain decoding (no draft): a verify round's accepted "
-            "tokens are known only when it is committed; unset it or set it to false"
-        )
-    if flag is None:
-        return device.type == "cuda" and not speculative
-    return flag
-
-
-# The longest default max_model_len: the RoPE table and the KV budget are sized by it, and a
-# config.json claiming more positions (1e11) would allocate terabytes.
-DEFAULT_MAX_MODEL_LEN_CAP = 1 << 20
-
-
-def resolve_max_model_len(asked: int | None, model_len: int) -> int:
-    """engine.max_model_len, or the model's when unset (within DEFAULT_MAX_MODEL_LEN_CAP)."""
-    if asked is not None and asked > model_len:
-        raise JobError(
-            f"engine.max_model_len: {asked} exceeds the model's {model_len} positions"
-        )
-    if asked is None and model_len > DEFAULT_MAX_MODEL_LEN_CAP:
-        raise JobError(
-            f"engine.max_model_len: the model claims {model_len} positions (config.json), more "
-            f"than eaglebatch sizes by default ({DEFAULT_MAX_MODEL_LEN_CAP}); set "
-            f"engine.max_model_len to the longest sequence you need"
-        )
-    return asked or model_len
 
 
 @dataclass(frozen=True)
@@ -391,25 +279,23 @@ class Worker:
 
     @classmethod
     def from_job(
-        cls, job: JobConfig, mf: ModelFiles, extra_kv_layers: int = 0, graph_rows: int = 0,
-        graph_q: int = 1,
+        cls, job: JobConfig, mf: ModelFiles, settings: EngineSettings, extra_kv_layers: int = 0,
+        graph_rows: int = 0, graph_q: int = 1,
     ) -> Worker:
-        """`graph_rows` x `graph_q`: sequences x query tokens of the largest CUDA-graph step that
-        will be captured (its pool is reserved out of the KV budget); 0 rows = no graphs."""
+        """The job's model on `settings` (PreparedJob.engine). `graph_rows` x `graph_q`:
+        sequences x query tokens of the largest CUDA-graph step that will be captured (its pool
+        is reserved out of the KV budget); 0 rows = no graphs."""
         eng = job.engine
-        if eng.num_threads is not None:
+        if eng.num_threads is not None:  # this process's threads (a Ray actor's too)
             torch.set_num_threads(eng.num_threads)
-        device = resolve_device(eng.device)
-        dtype = resolve_dtype(eng.dtype, device)
+        device, dtype, max_model_len = settings.device, settings.dtype, settings.max_model_len
         try:
             cfg = ModelConfig.from_dir(mf.dir)
         except ValueError as e:
             raise JobError(f"model: {mf.dir}: {e}") from None
-        max_model_len = resolve_max_model_len(eng.max_model_len, cfg.max_model_len)
-        backend = get_backend(resolve_backend(eng.attention_backend, device))
-        gemm_threads = resolve_small_gemm(eng.cpu_gemm, device, dtype)
-        blocks = resolve_weights(eng.weights, gemm_threads, mf)
-        from .gguf_blocks import kept_names
+        backend = get_backend(settings.attention_backend)
+        gemm_threads = torch.get_num_threads() if settings.cpu_gemm else 0
+        blocks = settings.quantized
         # the float32 copies of weights with kept blocks are never read (not resident)
         skip = kept_names(mf.dir) if blocks else frozenset()
         model = model_class(cfg).from_pretrained(
@@ -425,7 +311,7 @@ class Worker:
         if graph_rows and device.type == "cuda":
             itemsize = torch.empty((), dtype=dtype).element_size()
             reserve = graph_reserve_bytes(cfg, graph_rows, graph_q, max_model_len, itemsize)
-        seq_tokens = max_model_len + job.max_draft_tokens
+        seq_tokens = max_model_len + settings.max_draft_tokens
         budget = plan_kv_budget(eng, cfg, seq_tokens, dtype, device, extra_kv_layers, reserve)
         kv = allocate_kv_cache(cfg, budget.num_blocks + 1, budget.block_size, dtype, device)
         worker = cls(model, kv, budget, max_model_len, graph_reserve_bytes=reserve)

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from ..transfer import to_device
+from eaglebatch.transfer import to_device
 
 
 class KVCacheConfig(Protocol):

@@ -36,9 +36,11 @@ import pyarrow.parquet as pq
 from rich.console import Console
 from rich.table import Table
 
-from .config import JobConfig
-from .engine import open_output, prepare, run_prepared
-from .progress import accept_length, generation_seconds, lookup_line
+from eaglebatch.engine import open_output, prepare, run_prepared
+from eaglebatch.job.config import JobConfig
+from eaglebatch.progress import accept_length, generation_seconds, lookup_line
+from eaglebatch.speculative.worker import SpecWorker
+from eaglebatch.worker import Worker
 
 
 def _eaglebatch_row(
@@ -185,6 +187,7 @@ def read_prompts(job: JobConfig, files: list[Path], limit: int) -> list:
 
 
 def _hf_row(job: JobConfig, prep, batch_size: int) -> dict:
+    # lazy: torch, only for the transformers baseline
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -326,13 +329,12 @@ def _eaglebatch_rows(
 ) -> tuple[list[dict], dict[int, list[float]]]:
     """eaglebatch's rows at each max batch size over one loaded target (freed on return), and
     per batch size the speedups of the speculative runs over their plain runs."""
-    from .worker import Worker
 
     biggest = job.model_copy(
         update={"engine": job.engine.model_copy(update={"max_batch_size": max(batch_sizes)})}
     )
     spec = prep.draft_dir is not None
-    target = Worker.from_job(biggest, prep.model, extra_kv_layers=1 if spec else 0)
+    target = Worker.from_job(biggest, prep.model, prep.engine, extra_kv_layers=1 if spec else 0)
     compare = spec and job.sampling.temperature == 0  # greedy: the tokens must be identical
     rows = []
     pair_speedups: dict[int, list[float]] = {}
@@ -393,7 +395,6 @@ def _measure(setup: _Setup, b: int, rep: int) -> tuple[dict, dict | None]:
         plain = _eaglebatch_row(job, b, target, tmp, spec=False, compare=setup.compare)
         _report(console, plain)
         return plain, None
-    from .speculative.worker import SpecWorker
 
     # a fresh worker per run: the adaptive policy starts from nothing every time
     worker = SpecWorker.from_job(target, setup.prep.draft_dir, job.speculative, setup.max_batch)

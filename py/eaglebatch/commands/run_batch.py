@@ -17,8 +17,9 @@ from pathlib import Path
 
 import yaml
 
-from .config import apply_overrides
-from .errors import JobError
+from eaglebatch.errors import JobError
+from eaglebatch.job import builtin
+from eaglebatch.job.config import apply_overrides
 
 MARKER = "# written by `eaglebatch run-batch`; rerun the same command (or `eaglebatch run` on"
 MARKER_2 = "# this file) to resume"
@@ -45,9 +46,8 @@ def job_text(inp: Path, out: Path, model: str, draft: str | None, overrides: lis
 def _model_ref(model: str) -> str:
     """A model path as an absolute path (the job file's directory is not the shell's), a
     builtin name as it is."""
-    from . import defaults
 
-    if model.startswith("builtin:") or defaults.is_builtin_model(model):
+    if model.startswith("builtin:") or builtin.is_builtin_model(model):
         return model
     return str(Path(model).expanduser().resolve())
 

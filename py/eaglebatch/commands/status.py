@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import JobConfig
-from .shards import Shard, shard_of_dir
+from eaglebatch.job.config import JobConfig
+from eaglebatch.output.shards import Shard, shard_of_dir
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,9 @@ class JobStatus:
 
 def job_status(job: JobConfig) -> JobStatus:
     """Checks the job as `run` does (a bad job is a JobError) and reads what is done."""
-    from .engine import prepare
-    from .resume import scan_output
+    # lazy: the engine pulls pyarrow; cli imports this module at start
+    from eaglebatch.engine import prepare
+    from eaglebatch.output.resume import scan_output
 
     prep = prepare(job)
     out = Path(job.output.path)

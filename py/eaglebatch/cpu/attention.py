@@ -1,5 +1,5 @@
 """Paged attention for CPU runs (the "cpu" attention backend): the extension's kernel
-(`rust/src/paged_attention.rs`) for decode and verify steps, the torch backend for everything
+(`rust/src/cpu/paged_attention.rs`) for decode and verify steps, the torch backend for everything
 else.
 
 A step whose sequences all have at most MAX_NATIVE_QUERY rows, with a float32 cache and float32

@@ -1,6 +1,7 @@
-"""`NativeDecoder`: whole decoder layers on the extension's CPU path (`rust/src/decoder_layer.rs`)
-for the few query rows of CPU decode and verify steps, and the fast paths of the target
-(`NativeTargetLayers`) and of an EAGLE draft head (`NativeDraftLayer`) that run them.
+"""`NativeDecoder`: whole decoder layers on the extension's CPU path
+(`rust/src/cpu/decoder_layer.rs`) for the few query rows of CPU decode and verify steps, and the
+fast paths of the target (`NativeTargetLayers`) and of an EAGLE draft head (`NativeDraftLayer`)
+that run them.
 
 Why: at batch 1 torch spends ~0.1 ms per layer dispatching the small ops around a layer's
 GEMMs (norms, RoPE, views, cache writes), ~3 ms of a ~20 ms target forward on this project's

@@ -1,4 +1,4 @@
-"""The extension's small GEMM (`rust/src/small_gemm.rs`) for few-row float32 products on the
+"""The extension's small GEMM (`rust/src/cpu/small_gemm.rs`) for few-row float32 products on the
 CPU, and the `nn.Linear` fast path built on it.
 
 Why: a CPU decode step multiplies a handful of rows (1 per sequence, k + 1 in a verify step)

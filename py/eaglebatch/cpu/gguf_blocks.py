@@ -35,6 +35,7 @@ VERSION = "1"  # of the file's layout; another version is rebuilt
 
 def _tensor_name_map(reader, num_layers: int):
     """gguf's HF -> GGUF tensor-name map for the file's architecture."""
+    # lazy: the gguf package, only when GGUF blocks are matched
     import gguf
 
     field = reader.fields["general.architecture"]

@@ -3,7 +3,7 @@
 A `QuantizedWeight` holds one weight matrix [n, k] as the GGUF file stores it: n rows of
 `row_bytes` bytes of blocks (rows in the checkpoint's order, gguf_blocks.py). The extension's
 GEMM and embedding gather expand the blocks in registers to the exact float32 values of the
-dequantized checkpoint (rust/src/quant.rs), so a model that reads them computes bit for bit what
+dequantized checkpoint (rust/src/cpu/quant.rs), so a model that reads them computes bit for bit what
 the float32 model computes, from ~7x fewer bytes for Q4_1 (the memory-bound part of a CPU decode
 step is reading the weights).
 
@@ -28,7 +28,7 @@ from eaglebatch.cpu.gemm import SMALL_GEMM_MAX_ROWS
 from eaglebatch.cpu.swap import become
 from eaglebatch.cpu.tensors import eligible, native_ptr
 
-# GGML type numbers the kernels read from blocks (rust/src/quant.rs), with (elements, bytes)
+# GGML type numbers the kernels read from blocks (rust/src/cpu/quant.rs), with (elements, bytes)
 # per block.
 BLOCK_TYPES: dict[int, tuple[str, int, int]] = {
     2: ("Q4_0", 32, 18),

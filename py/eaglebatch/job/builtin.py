@@ -18,8 +18,14 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from .errors import JobError
-from .gguf_model import FORMAT_VERSION, cache_dir, convert_gguf, gguf_model_dir, publish
+from eaglebatch.errors import JobError
+from eaglebatch.job.gguf_model import (
+    FORMAT_VERSION,
+    cache_dir,
+    convert_gguf,
+    gguf_model_dir,
+    publish,
+)
 
 BUILTIN_MODEL = "smollm2-135m-instruct"  # the default, always installed with the quickstart
 BUILTIN_GEMMA = "gemma3-270m"  # Gemma 3 270M (pretrained, Q4_K_M): the `gemma` extra
@@ -146,6 +152,7 @@ def _reply(turns: list[dict], i: int) -> str | None:
 
 def _chat_type():
     """The `messages` column type: list<struct<role: string, content: string>>."""
+    # lazy: pyarrow, only when the builtin prompt file is built
     import pyarrow as pa
 
     return pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
@@ -154,6 +161,7 @@ def _chat_type():
 def _write_rows(final: Path, schema, rows: Iterator[dict]) -> Path:
     """Streams `rows` into the Parquet file `final` (a pyarrow `schema`), 2,048 rows per row
     group, written under a temporary name and renamed when complete."""
+    # lazy: pyarrow, only when the builtin prompt file is built
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -182,6 +190,7 @@ def sharegpt_parquet() -> Path:
     (list<struct<role, content>>, a single user turn) and `response` (string or null: the
     assistant's reply to that turn in the recorded conversation). Built once from the shipped
     JSON; the row order (and so every row index) is the order of the JSON file."""
+    # lazy: pyarrow, only when the builtin prompt file is built
     import pyarrow as pa
 
     final = cache_dir() / "datasets" / f"sharegpt-first-turn-v{_SHAREGPT_VERSION}.parquet"
@@ -208,6 +217,7 @@ def sharegpt_turns_parquet() -> Path:
     SHAREGPT_EVAL_ROWS rows of `builtin:sharegpt`, the evaluation prompts of jobs/eval-eagle.yaml,
     are left out, so none of them appears in a context trained on. Rows follow the order of
     `builtin:sharegpt`; built once, like it."""
+    # lazy: pyarrow, only when the builtin prompt file is built
     import pyarrow as pa
 
     final = cache_dir() / "datasets" / f"sharegpt-later-turns-v{_SHAREGPT_TURNS_VERSION}.parquet"
@@ -289,4 +299,4 @@ def builtin_draft_dir(name: str) -> Path | None:
     """The folder of a builtin draft head, or None if `name` is not one."""
     if name not in BUILTIN_DRAFTS:
         return None
-    return Path(__file__).resolve().parent / "drafts" / BUILTIN_DRAFTS[name]
+    return Path(__file__).resolve().parent.parent / "drafts" / BUILTIN_DRAFTS[name]

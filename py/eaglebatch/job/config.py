@@ -31,8 +31,9 @@ from pydantic import (
     model_validator,
 )
 
-from .errors import JobError, echo
-from .job_yaml import load_yaml, read_job_text
+from eaglebatch.errors import JobError, echo
+from eaglebatch.job.builtin import BUILTIN_DRAFTS, BUILTIN_MODELS
+from eaglebatch.job.loading import load_yaml, read_job_text
 
 _M = TypeVar("_M", bound=BaseModel)
 
@@ -462,7 +463,6 @@ def resolve_model_ref(m: str | None, base_dir: Path) -> str | None:
     """A model / draft reference: a builtin name, also spelt `builtin:NAME` as inputs are (one
     spelling kept: NAME); a path when it looks like one (has a `/`, starts with `.` or `~`) or
     exists; else left as it is (a builtin name, or an error later naming it)."""
-    from .defaults import BUILTIN_DRAFTS, BUILTIN_MODELS  # (defaults imports this module)
 
     if m is not None and m.startswith("builtin:"):
         name = m.removeprefix("builtin:")

@@ -19,7 +19,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .errors import JobError
+from eaglebatch.errors import JobError
 
 MAGIC = b"GGUF"
 FORMAT_VERSION = "1"  # the converted model folder
@@ -86,7 +86,8 @@ def _content_hash(path: Path, index: Path) -> str:
         known = {}
     if isinstance(known.get(key), str):
         return known[key]
-    from .fingerprint import sha256_file
+    # lazy: pyarrow (via fingerprint), only when a GGUF file is converted
+    from eaglebatch.job.fingerprint import sha256_file
 
     digest = sha256_file(path)
     known[key] = digest

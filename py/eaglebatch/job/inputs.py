@@ -16,15 +16,23 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import defaults
-from .column_types import MIXING_RULE, dense, is_int, is_list_of, is_number, is_text, unified
-from .config import InputConfig, JobConfig
-from .errors import JobError
+from eaglebatch.errors import JobError
+from eaglebatch.job import builtin
+from eaglebatch.job.column_types import (
+    MIXING_RULE,
+    dense,
+    is_int,
+    is_list_of,
+    is_number,
+    is_text,
+    unified,
+)
+from eaglebatch.job.config import InputConfig, JobConfig
 
 
 def resolve_input_files(path: str, suffix: str = ".parquet") -> list[Path]:
-    builtins = {defaults.BUILTIN_SHAREGPT: defaults.sharegpt_parquet,
-                defaults.BUILTIN_SHAREGPT_TURNS: defaults.sharegpt_turns_parquet}
+    builtins = {builtin.BUILTIN_SHAREGPT: builtin.sharegpt_parquet,
+                builtin.BUILTIN_SHAREGPT_TURNS: builtin.sharegpt_turns_parquet}
     if path in builtins:
         return [builtins[path]()]
     if path.startswith("builtin:"):
@@ -138,7 +146,7 @@ def _is_ids(t: pa.DataType) -> bool:
 
 
 # The column types of each sampling key (input.sampling_columns): the rule of
-# rust/src/sampling_params.rs `check_column_type`, which checks again when it opens the files.
+# rust/src/reader/columns.rs `check_column_type`, which checks again when it opens the files.
 _INT_KEYS = ("max_new_tokens", "min_new_tokens", "top_k", "seed", "logprobs")
 _BOOL_KEYS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 
@@ -155,7 +163,7 @@ def _sampling_check(key: str) -> tuple:
     return is_number, "a number (integer or float)"
 
 
-# The Parquet codecs the Rust reader decodes (rust/src/reader.rs `codec_supported`): every
+# The Parquet codecs the Rust reader decodes (rust/src/reader/validate.rs `codec_supported`): every
 # one pyarrow writes.
 _READABLE_CODECS = ("UNCOMPRESSED", "SNAPPY", "GZIP", "LZ4", "LZ4_RAW", "ZSTD", "BROTLI")
 
@@ -246,7 +254,7 @@ def kept_columns(job: JobConfig, files: list[Path]) -> tuple[str, ...]:
     keep = job.output.keep_columns
     if not keep or not files:
         return ()
-    from ._native import OUTPUT_COLUMNS
+    from eaglebatch._native import OUTPUT_COLUMNS
 
     if keep == "*":
         first = pq.read_schema(files[0]).names
@@ -324,7 +332,7 @@ def _check_columns(cfg: InputConfig, f: Path, schema: pa.Schema) -> None:
 
 def _check_codecs(read: set, f: Path, meta: pq.FileMetaData) -> None:
     """Raises JobError naming the file, column and codec when a column the reader reads is
-    compressed with a codec it cannot decode (the check rust/src/reader.rs makes again)."""
+    compressed with a codec it cannot decode (the check rust/src/reader/validate.rs makes again)."""
     for g in range(meta.num_row_groups):
         rg = meta.row_group(g)
         for c in range(rg.num_columns):

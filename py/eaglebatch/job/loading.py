@@ -16,7 +16,7 @@ from yaml.events import AliasEvent
 from yaml.nodes import MappingNode, ScalarNode, SequenceNode
 from yaml.reader import ReaderError
 
-from .errors import JobError, echo
+from eaglebatch.errors import JobError, echo
 
 MAX_JOB_FILE_BYTES = 1 << 20  # 1 MiB: a job file holds a few dozen keys
 MAX_DEPTH = 64  # nesting levels of a job file (a job needs 3)

@@ -1,6 +1,6 @@
 """A model folder on disk: where its weights, tokenizer and chat template are, checked up front.
 
-A model is a builtin name (materialised by `defaults`), a GGUF file (converted once by
+A model is a builtin name (materialised by `job/builtin.py`), a GGUF file (converted once by
 `gguf_model`) or a Hugging Face-style folder:
 config.json, *.safetensors (or model.safetensors.index.json shards), tokenizer.json, and a chat
 template in chat_template.jinja or tokenizer_config.json.
@@ -13,8 +13,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import defaults
-from .errors import JobError
+from eaglebatch.errors import JobError
+from eaglebatch.job import builtin
+from eaglebatch.job.gguf_model import gguf_model_dir, is_gguf_path
 
 
 @dataclass(frozen=True)
@@ -77,9 +78,8 @@ def _chat_template(d: Path, tok_cfg: dict) -> str | None:
 def resolve_model_dir(model: str) -> Path:
     """The folder of `model`: a builtin name, a GGUF file (converted once, gguf_model.py) or a
     Hugging Face-style folder."""
-    if defaults.is_builtin_model(model):
-        return defaults.builtin_model_dir(model)
-    from .gguf_model import gguf_model_dir, is_gguf_path
+    if builtin.is_builtin_model(model):
+        return builtin.builtin_model_dir(model)
 
     if is_gguf_path(model):
         return gguf_model_dir(model)
@@ -87,7 +87,7 @@ def resolve_model_dir(model: str) -> Path:
     if not d.is_dir():
         raise JobError(
             f"model: '{model}' is neither a folder, a .gguf file nor a builtin model "
-            f"(builtin: {', '.join(defaults.BUILTIN_MODELS)})"
+            f"(builtin: {', '.join(builtin.BUILTIN_MODELS)})"
         )
     return d
 
@@ -129,9 +129,8 @@ def check_model_dir(d: Path) -> ModelFiles:
 
 def source_gguf(model: str) -> Path | None:
     """The GGUF file `model` is converted from (a builtin's or the given file), else None."""
-    if defaults.is_builtin_model(model):
-        return defaults.builtin_gguf(model)
-    from .gguf_model import is_gguf_path
+    if builtin.is_builtin_model(model):
+        return builtin.builtin_gguf(model)
 
     return Path(model) if is_gguf_path(model) else None
 
@@ -144,13 +143,13 @@ def model_files(model: str) -> ModelFiles:
 def resolve_draft_dir(draft: str, key: str = "draft") -> Path:
     """A draft head folder (config.json + weights), or a builtin draft name. Errors name `key`,
     the job key that gave `draft`."""
-    d = defaults.builtin_draft_dir(draft)
+    d = builtin.builtin_draft_dir(draft)
     if d is None:
         d = Path(draft)
         if not d.is_dir():
             raise JobError(
                 f"{key}: '{draft}' is neither a folder nor a builtin draft "
-                f"(builtin: {', '.join(defaults.BUILTIN_DRAFTS) or 'none'})"
+                f"(builtin: {', '.join(builtin.BUILTIN_DRAFTS) or 'none'})"
             )
     if not (d / "config.json").is_file():
         raise JobError(f"{key}: {d} has no config.json")

@@ -1,32 +1,66 @@
 """`SchedulerConfig`: the Rust scheduler's settings, the one object that crosses the boundary.
 
-Built once from the job (engine.build_scheduler) and handed to `_native.Scheduler(config)`,
-which reads it by attribute into the Rust struct of the same name (rust/src/config.rs, same
-field names) and validates it there once. Adding a setting touches this class, the Rust struct,
-its validation and its use — nowhere else.
+Built once from the job (`from_job`, called by engine.build_scheduler) and handed to
+`_native.Scheduler(config)`, which reads it by attribute into the Rust struct of the same name
+(rust/src/config.rs; rust/src/python/scheduler_config.rs reads it, and a test holds the two
+field lists equal) and validates it there once.
+
+One declaration per setting on this side: a setting the job spells (`sampling.temperature`,
+`engine.block_size`, `output.part_rows`, ...) is declared by the job schema (job/config.py:
+its key, type, default and check) and copied here by name (`JOB_SECTIONS`); its field below
+takes its default from the schema (`_job`), so the two cannot disagree. The other fields are
+what the run resolves (files, the model's tokens, the worker's sizes, the engine settings, the
+scope, resume) and are passed to `from_job` by name.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import numpy as np
+
+from eaglebatch.job.config import (
+    EngineConfig,
+    InputConfig,
+    JobConfig,
+    OutputConfig,
+    SamplingConfig,
+)
+
+# the job's sections whose keys are scheduler settings of the same name
+JOB_SECTIONS = {"input": InputConfig, "output": OutputConfig, "sampling": SamplingConfig,
+                "engine": EngineConfig}  # fmt: skip
+
+
+def _job(section: str, key: str) -> Any:
+    """The field's default: the job schema's default of `section.key` (copied when mutable)."""
+    info = JOB_SECTIONS[section].model_fields[key]
+    default = info.get_default(call_default_factory=True)
+    if isinstance(default, tuple | list):
+        return field(default_factory=lambda: list(default))
+    if isinstance(default, Mapping):
+        return field(default_factory=lambda: dict(default))
+    return default
 
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
     # Input: Parquet files (already resolved from the job's input.path) and their columns.
     input_files: list[str]
-    prompt_column: str | None
-    messages_column: str | None
-    id_column: str | None
-    limit: int | None
+    prompt_column: str | None  # the job's, or None when prompts are messages or batch lines
+    messages_column: str | None = _job("input", "messages_column")
+    id_column: str | None = _job("input", "id_column")
+    limit: int | None = _job("input", "limit")
     # "parquet", or "openai-batch" (JSONL lines, each naming its endpoint)
     input_format: str = "parquet"
     # Rows [start, end) of the input's row_index (after limit) to generate; None = all.
     row_range: tuple[int, int] | None = None
+    # sampling key -> input column of per-row values
+    sampling_columns: dict[str, str] = _job("input", "sampling_columns")
     # Prompt construction / tokenization.
-    apply_chat_template: bool
+    apply_chat_template: bool = _job("input", "apply_chat_template")
     tokenizer_file: str
     chat_template: str | None
     bos_token: str | None
@@ -38,53 +72,72 @@ class SchedulerConfig:
     vocab_size: int = 0
     # Output.
     output_dir: str
-    part_rows: int
+    part_rows: int = _job("output", "part_rows")
     file_metadata: dict[str, str]
-    include_token_ids: bool
-    # input columns copied into each output row (output.keep_columns, resolved)
+    include_token_ids: bool = _job("output", "include_token_ids")
+    # input columns copied into each output row (output.keep_columns, "*" resolved)
     keep_columns: list[str] = field(default_factory=list)
-    # Sampling / stopping.
-    max_new_tokens: int
-    stop: list[str]
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int
-    n: int = 1  # samples per input row
-    min_new_tokens: int = 0
-    min_p: float = 0.0  # vLLM's min-p (0 = off)
-    ignore_eos: bool = False  # do not stop at eos_token_ids
-    stop_token_ids: list[int] = field(default_factory=list)  # ids that end a row like EOS
-    include_stop_str_in_output: bool = False  # the text keeps the stop string that ended it
-    skip_special_tokens: bool = True  # false: special tokens appear in output_text
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logprobs: int = 0  # top alternatives per output token (output.logprobs; 0 = no column)
-    prompt_logprobs: int = 0  # top alternatives per prompt token (output.prompt_logprobs)
-    # sampling key -> input column of per-row values (input.sampling_columns)
-    sampling_columns: dict[str, str] = field(default_factory=dict)
+    logprobs: int = _job("output", "logprobs")  # top alternatives per output token
+    prompt_logprobs: int = _job("output", "prompt_logprobs")  # ... per prompt token
+    # Also close a part once its oldest row has waited this long (None = by part_rows only).
+    flush_interval_s: float | None = _job("output", "flush_interval_s")
+    # Sampling / stopping: the job's `sampling` section, key for key.
+    max_new_tokens: int = _job("sampling", "max_new_tokens")
+    stop: list[str] = _job("sampling", "stop")
+    temperature: float = _job("sampling", "temperature")
+    top_p: float = _job("sampling", "top_p")
+    top_k: int = _job("sampling", "top_k")
+    seed: int = _job("sampling", "seed")
+    n: int = _job("sampling", "n")
+    min_new_tokens: int = _job("sampling", "min_new_tokens")
+    min_p: float = _job("sampling", "min_p")
+    ignore_eos: bool = _job("sampling", "ignore_eos")
+    stop_token_ids: list[int] = _job("sampling", "stop_token_ids")
+    include_stop_str_in_output: bool = _job("sampling", "include_stop_str_in_output")
+    skip_special_tokens: bool = _job("sampling", "skip_special_tokens")
+    repetition_penalty: float = _job("sampling", "repetition_penalty")
+    frequency_penalty: float = _job("sampling", "frequency_penalty")
+    presence_penalty: float = _job("sampling", "presence_penalty")
     # Paged KV cache and batching.
-    num_blocks: int
-    block_size: int
-    max_batch_size: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    # W, the most draft tokens of one verify round (0 = plain decoding): the lookahead.
+    num_blocks: int  # the worker's KV budget
+    block_size: int = _job("engine", "block_size")
+    max_batch_size: int = _job("engine", "max_batch_size")
+    max_num_batched_tokens: int = _job("engine", "max_num_batched_tokens")
+    max_model_len: int  # resolved (EngineSettings)
+    # W, the most draft tokens of one verify round (0 = plain decoding): the lookahead
+    # (EngineSettings.max_draft_tokens; K = speculative.num_steps is the head's chain)
     max_draft_tokens: int = 0
-    # Automatic prefix caching (engine.prefix_caching): requests share their prompts' full blocks.
-    prefix_caching: bool = True
-    # Chunked prefill (engine.chunked_prefill): prompts in chunks of max_num_batched_tokens.
-    chunked_prefill: bool = False
-    # Overlap (engine.overlap, plain decoding): the next step planned while one is in flight.
-    overlap: bool = False
+    prefix_caching: bool = _job("engine", "prefix_caching")
+    chunked_prefill: bool = _job("engine", "chunked_prefill")
+    overlap: bool = False  # resolved (EngineSettings): plain decoding, a step in flight
     # Resume: int64 [N] row indices earlier runs wrote (skipped without tokenizing), or None.
     skip_rows: np.ndarray | None = None
-    # Resume: int64 keys row_index * 4096 + sample_index (resume.sample_key) of the samples written
-    # of rows not in skip_rows (those samples are not generated again).
+    # Resume: int64 keys row_index * 4096 + sample_index (resume.sample_key) of the samples
+    # written of rows not in skip_rows (those samples are not generated again).
     skip_samples: np.ndarray | None = None
-    # Also close a part once its oldest row has waited this long (None = by part_rows only).
-    flush_interval_s: float | None = None
-    # Reader: rows per Parquet batch, and the most rows queued between reader and scheduler.
+    # Reader: rows per Parquet batch, and the most rows queued between reader and scheduler
+    # (not job keys: the streaming test's bound and the throughput both hold at these).
     read_batch_rows: int = 1024
     queue_rows: int = 4096
+
+
+def from_job(job: JobConfig, **resolved: Any) -> SchedulerConfig:
+    """The job's settings of the same name from its sections (JOB_SECTIONS), with `resolved`,
+    the rest, by name (a resolved value replaces the job's: `prompt_column` after the input
+    format, `keep_columns` after "*", `max_model_len` and `overlap` as the engine resolved)."""
+    names = {f.name for f in fields(SchedulerConfig)}
+    taken = {}
+    for section in JOB_SECTIONS:
+        values = getattr(job, section)
+        for key in type(values).model_fields.keys() & names - resolved.keys():
+            taken[key] = _plain(getattr(values, key))
+    return SchedulerConfig(**taken, **resolved)
+
+
+def _plain(value: Any) -> Any:
+    """Tuples as lists and mappings as dicts, as the Rust side reads them."""
+    if isinstance(value, tuple):
+        return list(value)
+    if isinstance(value, Mapping):
+        return dict(value)
+    return value

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from eaglebatch.attention.base import AttentionBackend, AttentionMetadata
+from eaglebatch.attention.torch_backend import TorchAttentionBackend
 from eaglebatch.model.config import ModelConfig
 from eaglebatch.model.rotary import RotaryEmbedding, apply_rotary
 from eaglebatch.model.weights import (
@@ -165,8 +166,6 @@ class LlamaForCausalLM(nn.Module):
         """`max_positions` bounds the RoPE table (default: cfg.max_model_len)."""
         super().__init__()
         if backend is None:
-            from eaglebatch.attention.torch_backend import TorchAttentionBackend
-
             backend = TorchAttentionBackend()
         self.config = cfg
         self.backend = backend

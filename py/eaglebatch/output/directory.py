@@ -35,7 +35,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .errors import JobError
+from eaglebatch.errors import JobError
 
 try:
     import fcntl

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from .output_dir import scan_tree
-from .results_file import replace_results
+from eaglebatch.output.directory import scan_tree
+from eaglebatch.output.results_file import replace_results
 
 CHAT = "/v1/chat/completions"
 _COLUMNS = ["id", "row_index", "sample_index", "output_text", "finish_reason", "prompt_tokens",

@@ -25,8 +25,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from .errors import JobError
-from .inputs import input_may_read
+from eaglebatch.errors import JobError
+from eaglebatch.job.inputs import input_may_read
 
 DEFAULT_NAME = "_results.jsonl"
 

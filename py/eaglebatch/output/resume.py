@@ -4,7 +4,7 @@ Invariants:
 - every part file a run writes carries `eaglebatch.job_hash`, the sha256 of the canonical JSON
   of the job's identity (kept in full under `eaglebatch.job_identity` for error messages);
 - a run continues output.path only if every part file under it (its shard and unit
-  directories included, output_dir.py) carries its own hash; the rows in those parts (by
+  directories included, directory.py) carries its own hash; the rows in those parts (by
   `row_index`, the stable input position) are skipped by the Rust reader, so over all runs of
   a job, sharded or not, each input row is written exactly once;
 - resume reads every page of those parts: a damaged part or a row_index written twice is
@@ -29,12 +29,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .config import JobConfig
-from .errors import JobError
-from .fingerprint import folder_fingerprint, input_fingerprint
-from .output_dir import OWNER_KEY, SUBDIR, check_only_ours, scan_dir, scan_tree
+from eaglebatch.errors import JobError
+from eaglebatch.job.config import JobConfig
+from eaglebatch.job.fingerprint import folder_fingerprint, input_fingerprint
+from eaglebatch.output.directory import OWNER_KEY, SUBDIR, check_only_ours, scan_dir, scan_tree
 
-HASH_KEY = OWNER_KEY.decode()  # the key that marks a part as ours (output_dir.py)
+HASH_KEY = OWNER_KEY.decode()  # the key that marks a part as ours (directory.py)
 IDENTITY_KEY = "eaglebatch.job_identity"
 # sample keys are row_index * SAMPLE_STRIDE + sample_index: the most samples of a row (n)
 SAMPLE_STRIDE = 4096

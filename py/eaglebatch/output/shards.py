@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import JobError
+from eaglebatch.errors import JobError
 
 SHARD_DIR = re.compile(r"shard-(\d+)-of-(\d+)")
 

@@ -16,10 +16,10 @@ import math
 import os
 from pathlib import Path
 
-from .errors import JobError
-from .inputs import input_may_read
-from .progress import accept_length, generation_seconds
-from .results_file import check_writable, write_json_atomic
+from eaglebatch.errors import JobError
+from eaglebatch.job.inputs import input_may_read
+from eaglebatch.output.results_file import check_writable, write_json_atomic
+from eaglebatch.progress import accept_length, generation_seconds
 
 MARK = "eaglebatch_summary"  # key (value: format version) of every summary this module writes
 

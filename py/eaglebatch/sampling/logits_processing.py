@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .sampling import deterministic_rows
-from .transfer import to_device
+from eaglebatch.sampling.sampler import deterministic_rows
+from eaglebatch.transfer import to_device
 
 
 @dataclass(frozen=True)

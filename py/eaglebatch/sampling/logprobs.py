@@ -16,7 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .sampling import deterministic_rows
+from eaglebatch.sampling.distribution import filtered_probs
+from eaglebatch.sampling.sampler import deterministic_rows
 
 
 def wanted(plan) -> int:
@@ -34,8 +35,6 @@ def distribution(
 ) -> torch.Tensor:  # float32 [N, V] log-probabilities
     if mode == "raw":
         return torch.log_softmax(raw.float(), dim=-1)
-    from .speculative.verify import filtered_probs
-
     logits = (raw if processed is None else processed).float()
     greedy = deterministic_rows(temperature, top_k) & (temperature <= 0)
     out = torch.log_softmax(logits, dim=-1)

@@ -16,7 +16,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .transfer import to_device
+from eaglebatch.sampling.distribution import inverse_cdf
+from eaglebatch.transfer import to_device
 
 _MASK64 = (1 << 64) - 1
 
@@ -106,7 +107,7 @@ def sample(
     token = greedy.clone()
     if plain.any():
         rows = to_device(np.flatnonzero(plain), logits.device)
-        token[rows] = _inverse_cdf(probs[rows], u[rows])
+        token[rows] = inverse_cdf(probs[rows], u[rows])
     if filtered.any():
         rows = to_device(np.flatnonzero(filtered), logits.device)
         k_cap = torch.where(to_device(k_on[filtered], logits.device),
@@ -152,18 +153,5 @@ def _sample_filtered(
         size = min(limit, size * 16)
     mass_before = torch.cumsum(values, dim=-1) - values  # [b, K] exclusive prefix sums
     keep = in_top_k & ((mass_before < (top_p * mass)[:, None]) | (rank[None, :] == 0))
-    index = _inverse_cdf(values * keep, u)  # [b] into the candidates
+    index = inverse_cdf(values * keep, u)  # [b] into the candidates
     return order.gather(1, index[:, None]).squeeze(1)
-
-
-def _inverse_cdf(
-    probs: torch.Tensor,  # [B, V], rows non-negative with a positive sum (need not be 1)
-    u: torch.Tensor,  # float64 [B] in [0, 1)
-) -> torch.Tensor:  # int64 [B]
-    """Index i with cdf[i-1] <= u * total < cdf[i]; never a zero-probability entry."""
-    cdf = torch.cumsum(probs.double(), dim=-1)  # [B, V], non-decreasing
-    total = cdf[:, -1:]  # [B, 1]
-    # Strictly below total even where u * total rounds up to it, so cdf[index] > target >=
-    # cdf[index - 1] exists and that step (the token's probability) is positive.
-    target = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1)

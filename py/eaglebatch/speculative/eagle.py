@@ -29,7 +29,7 @@ from eaglebatch.model.config import ModelConfig
 from eaglebatch.model.llama import MLP, LlamaForCausalLM, RMSNorm
 from eaglebatch.model.rotary import RotaryEmbedding, apply_rotary
 from eaglebatch.model.weights import load_named_tensors
-from eaglebatch.sampling import argmax
+from eaglebatch.sampling.sampler import argmax
 from eaglebatch.speculative.checkpoint import read_draft_tensors
 from eaglebatch.speculative.draft_config import (
     EAGLE1,

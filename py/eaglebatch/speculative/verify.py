@@ -9,7 +9,7 @@ with draft[j] == argmax logits[j]; the emitted tokens are then exactly argmax lo
 correction at the first mismatch, or the bonus after all k). Only argmax: no softmax.
 
 Sampling rows (speculative sampling with a point-mass draft q = delta(d)): with p_j the target's
-distribution at j after temperature / top-k / top-p (sampling.py's order), accept d_j with
+distribution at j after temperature / top-k / top-p (sampling/sampler.py's order), accept d_j with
 probability min(1, p_j(d_j) / q(d_j)) = p_j(d_j); at the first rejection emit a token from the
 residual max(0, p_j - q) normalised, i.e. p_j with d_j removed; if all k are accepted, emit the
 bonus from p_k. Each emitted token is then distributed exactly as the target's own sample.
@@ -28,8 +28,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from eaglebatch.sampling import (
-    _inverse_cdf,
+from eaglebatch.sampling.distribution import filtered_probs, inverse_cdf
+from eaglebatch.sampling.sampler import (
     argmax,
     deterministic_rows,
     sample,
@@ -67,32 +67,6 @@ def accepted_prefix(match: torch.Tensor) -> torch.Tensor:  # bool [B, k] -> int6
     return match.long().cumprod(dim=-1).sum(dim=-1)
 
 
-def filtered_probs(
-    logits: torch.Tensor,  # [N, V]
-    temperature: torch.Tensor,  # float32 [N], > 0
-    top_k: torch.Tensor,  # int [N], 0 = off
-    top_p: torch.Tensor,  # float32 [N], 1 = off
-) -> torch.Tensor:  # float32 [N, V], rows sum to 1, zero outside the kept set
-    """The distribution sampling.sample draws from: softmax(logits / T), then top-k, then top-p
-    on the renormalised top-k set (the smallest most-likely set reaching top_p; the most likely
-    token is always kept)."""
-    probs = torch.softmax(logits.float() / temperature[:, None].float(), dim=-1)  # [N, V]
-    vocab = probs.shape[-1]
-    k_on = (top_k > 0) & (top_k < vocab)
-    if not bool((k_on | (top_p < 1)).any()):
-        return probs
-    values, order = probs.sort(dim=-1, descending=True)  # [N, V]
-    rank = torch.arange(vocab, device=probs.device)
-    k_cap = torch.where(k_on, top_k.long(), vocab)  # [N]
-    values = values * (rank[None, :] < k_cap[:, None])
-    mass = values.sum(dim=-1, keepdim=True)  # [N, 1] the renormalised top-k mass
-    before = torch.cumsum(values, dim=-1) - values  # exclusive prefix sums
-    keep = (before < top_p[:, None].float() * mass) | (rank[None, :] == 0)
-    values = values * keep
-    kept = torch.zeros_like(probs).scatter_(1, order, values)
-    return kept / kept.sum(dim=-1, keepdim=True)
-
-
 def verify_sampling(
     logits: torch.Tensor,  # [B, k+1, V] target logits (all rows sampled: temperature > 0)
     draft: torch.Tensor,  # int64 [B, k]
@@ -127,7 +101,7 @@ def verify_sampling(
         # non-empty row will do there
         residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, probs)
         u_token = uniform_from_counter(seeds.repeat_interleave(k), counters[:, :k].reshape(-1))
-        tokens[:, :k] = _inverse_cdf(residual, u_token).view(b, k)
+        tokens[:, :k] = inverse_cdf(residual, u_token).view(b, k)
         j = torch.arange(k, device=logits.device)
         tokens[:, :k] = torch.where(j[None, :] < accepted[:, None], draft, tokens[:, :k])
     else:

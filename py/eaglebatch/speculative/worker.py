@@ -45,9 +45,10 @@ Plans (see _native.pyi and the speculative plan contract):
     scheduler for plain steps (`plain_steps`, eager steps only), so that prompts are computed in
     chunks riding in decode steps instead of steps of their own; rows drafting by lookup give way
     too (a k = 1 round at twice a plain step's cost leaves a draft little room to pay).
-Invariant between steps, per running slot s that is not stale: the draft's K/V is valid for
-positions 0..L-2-d (like the target's, less the d = deferred[s] deferred positions) and
-hidden[s] = h^d_{L-2-d}, the draft output at the last extended position.
+Invariant between steps, per running slot s that is not stale (speculative/slots.py names the
+slot states and their transitions): the draft's K/V is valid for positions 0..L-2-d (like the
+target's, less the d = deferred[s] deferred positions) and hidden[s] = h^d_{L-2-d}, the draft
+output at the last extended position. A round's values are speculative/round.py's, one per phase.
 K/V slots are the plan's: the draft's K/V of position p sits at the target's slot of p.
 
 Output per plan row: accepted drafts then the target's token (1..k+1 tokens), num_accepted.
@@ -62,20 +63,27 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from eaglebatch.attention.base import AttentionMetadata, copy_blocks
-from eaglebatch.config import SpeculativeConfig, widest_round
 from eaglebatch.cpu import accelerate, gemm_threads
-from eaglebatch.logits_processing import LogitsControls
-from eaglebatch.logprobs import distribution, prompt_logprobs, top_logprobs, wanted
+from eaglebatch.job.config import SpeculativeConfig, widest_round
+from eaglebatch.sampling.logits_processing import LogitsControls
+from eaglebatch.sampling.logprobs import distribution, prompt_logprobs, top_logprobs, wanted
 from eaglebatch.speculative.adaptive import AdaptiveDraftLength
 from eaglebatch.speculative.eagle import EagleDraft, load_draft
 from eaglebatch.speculative.graphs import SpecGraphs
 from eaglebatch.speculative.ngram import NgramLookup
+from eaglebatch.speculative.round import (
+    Accepted,
+    Marks,
+    Round,
+    RoundShape,
+    Verified,
+)
+from eaglebatch.speculative.slots import MAX_DEFERRED, SlotStates
 from eaglebatch.speculative.verify import deterministic_rows, verify, verify_greedy_host
 from eaglebatch.transfer import to_device
 from eaglebatch.worker import (
@@ -87,8 +95,7 @@ from eaglebatch.worker import (
 )
 
 TREE_UNSUPPORTED = "speculative.topk > 1 (tree drafting) is not supported yet"
-# the most k = 0 rounds a row's draft extend waits for before the row leaves the head (module doc)
-MAX_DEFERRED = 8
+__all__ = ["MAX_DEFERRED", "SpecStats", "SpecWorker", "TREE_UNSUPPORTED"]
 
 
 @dataclass
@@ -111,7 +118,7 @@ class SpecStats:
         return dataclasses.asdict(self)
 
 
-class _Clock:
+class Clock:
     """Wall-clock marks; CUDA events on GPU so that timing adds no synchronisation (the marks
     are read after the step's final device-to-host copy)."""
 
@@ -130,47 +137,6 @@ class _Clock:
             return end - start
         end.synchronize()
         return start.elapsed_time(end) / 1000.0
-
-
-@dataclass(slots=True)
-class _Round:
-    """One verify round over a plan's B rows (module doc): its shape (`_round_shape`), then what
-    `_begin_round` reads from the plan and the phases hand each other."""
-
-    k: int  # the round's width: a query of k + 1 tokens per row
-    k_head: int  # the head's chain length (0: the head does not run)
-    n: np.ndarray  # int64 [B] each row's own number of drafts (<= k)
-    by_lookup: np.ndarray  # bool [B] the row drafts by prompt lookup
-    proposals: list[np.ndarray]  # each row's lookup proposal
-    lookup_round: bool  # every row drafts by lookup (the lookup policy's round)
-    # _begin_round
-    plan: Any = None
-    b: int = 0
-    cu: np.ndarray | None = None  # int64 [B+1] the plan's query offsets
-    stale: np.ndarray | None = None  # bool [B] rows the head no longer serves, at the start
-    head_rows: bool = False  # the head still serves some row: the target's states are captured
-    lookup_ids: np.ndarray | None = None  # int64 [B, k] lookup rows' drafts, 0 after n
-    head_drafts: bool = False  # the head drafts for some row
-    start: np.ndarray | None = None  # int64 [B] L-1
-    kv_slots: np.ndarray | None = None  # [B, W+1] the plan's KV slots of L-1..L-1+W
-    block_tables: torch.Tensor | None = None  # int32 [B, M] on the device
-    request_slots: torch.Tensor | None = None  # int64 [B] the rows' request slots, on the device
-    per_row: np.ndarray | None = None  # [B+1] 0..B: offsets of one query token a row
-    bp: int | None = None  # padded batch size of the graph steps; None: eager
-    defer: bool = False  # the draft extend waits (module doc)
-    # the phases
-    draft_ids: torch.Tensor | None = None  # int64 [B, k] target ids
-    logits: torch.Tensor | None = None  # [B, k+1, V]
-    captured: dict[int, torch.Tensor] | None = None  # eager: layer -> [B*(k+1), H]
-    positions: torch.Tensor | None = None  # eager: int64 [B*(k+1)]
-    meta: AttentionMetadata | None = None  # eager: the verify query's
-    tokens: torch.Tensor | None = None  # int64 [B, k+1]
-    accepted: torch.Tensor | None = None  # int64 [B]
-    logprobs: tuple | None = None  # of r.tokens at all B*(k+1) positions (logprobs.py)
-    tc: Any = None  # clock marks: catch-up, drafting, verify..sync
-    t0: Any = None
-    t1: Any = None
-    t2: Any = None
 
 
 class SpecWorker:
@@ -215,10 +181,12 @@ class SpecWorker:
         # verify queries reach position max_model_len - 1 + max_draft_tokens
         most = self.max_model_len + self.max_draft_tokens
         self._fit_rotary(most)
-        self._init_slot_state(max_batch_size)
+        self.slots = SlotStates(max_batch_size, draft.config.hidden_size, draft.dtype, self.device)
+        # rows of the last verify round: about the batch new rows join (as many finished)
+        self.running_rows = 0
         self._init_policies(max_batch_size, adaptive, prompt_lookup, most)
         self.stats = SpecStats()
-        self._clock = _Clock(self.device)
+        self._clock = Clock(self.device)
         self.graphs: SpecGraphs | None = None  # enable_graphs
 
     def _fit_rotary(self, most: int) -> None:
@@ -227,24 +195,6 @@ class SpecWorker:
             if rotary.max_positions < most:
                 rotary.max_positions = most
                 rotary.rebuild()
-
-    def _init_slot_state(self, max_batch_size: int) -> None:
-        """Per-slot draft state (module doc): h^d at the last extended position, whether the
-        slot was prefilled, and its deferred extends (count, tokens, captured states)."""
-        draft = self.draft
-        self.hidden = torch.zeros(
-            max_batch_size, draft.config.hidden_size, dtype=draft.dtype, device=self.device
-        )  # [max_batch_size, h]
-        self.ready = np.zeros(max_batch_size, dtype=bool)  # slot has been prefilled
-        self.deferred = np.zeros(max_batch_size, dtype=np.int64)
-        self.stale = np.zeros(max_batch_size, dtype=bool)
-        self.prefilling = np.zeros(max_batch_size, dtype=bool)  # a prompt is partly prefilled
-        # rows of the last verify round: about the batch new rows join (as many finished)
-        self.running_rows = 0
-        self.deferred_ids = torch.zeros(
-            max_batch_size, MAX_DEFERRED, dtype=torch.long, device=self.device
-        )  # [max_batch_size, MAX_DEFERRED]
-        self.deferred_states: dict[int, torch.Tensor] = {}  # layer -> [slots, MAX_DEFERRED, H]
 
     def _init_policies(
         self,
@@ -409,9 +359,8 @@ class SpecWorker:
             h = self._draft_forward(
                 next_ids, self.draft.target_features(captured), positions, meta, select=last
             )  # [B, h]
-            self.hidden.index_copy_(0, self._dev(plan.request_slots), h)
-        self.ready[plan.request_slots] = True
-        self.deferred[plan.request_slots] = 0
+            self.slots.set_hidden(self._dev(plan.request_slots), h)
+        self.slots.prefilled(plan.request_slots, plan.next_ids >= 0)
         self.stats.prefill_steps += 1
         out = tokens.to(torch.int32).cpu().numpy()
         n = len(out)
@@ -433,14 +382,13 @@ class SpecWorker:
         joins (module doc): then it starts stale, and a prefill of such rows only neither
         captures the target's states nor runs the head."""
         slots = plan.request_slots
-        starting = slots[~self.prefilling[slots]]
+        starting = self.slots.starting(slots)
         if len(starting):
             plain = (self.policy is not None and self.graphs is None
                      and self.policy.drafting_cannot_pay(max(self.running_rows, plan.num_seqs)))
-            self.stale[starting] = plain
+            self.slots.start(starting, plain)
             self.stats.plain_prefills += len(starting) if plain else 0
-        self.prefilling[slots] = plan.next_ids >= 0  # a chunk before the prompt's end
-        return not bool(self.stale[slots].all())
+        return bool(self.slots.drafting(slots).any())
 
     # ---- plain steps (module doc) --------------------------------------------------------------
 
@@ -450,25 +398,24 @@ class SpecWorker:
         prompt starts here count as plain prefills."""
         slots = plan.request_slots
         cu = plan.cu_seqlens_q
+        mid_prompt = self.slots.prefilling[slots]  # [B] (a copy)
         # a row whose prompt starts here: not mid-prompt, and its query follows its cached prefix
-        starting = ~self.prefilling[slots] & (plan.positions[cu[:-1]] == np.diff(plan.cu_prefix))
+        starting = ~mid_prompt & (plan.positions[cu[:-1]] == np.diff(plan.cu_prefix))
         self.stats.plain_prefills += int(starting.sum())
-        self.stats.stale_rows += int((~starting & ~self.stale[slots]).sum())
+        self.stats.stale_rows += int((~starting & self.slots.drafting(slots)).sum())
         self.stats.plain_steps += 1
-        self.stale[slots] = self.ready[slots] = True
-        self.deferred[slots] = 0
+        self.slots.to_plain(slots, plan.next_ids >= 0)
         self.running_rows = plan.num_seqs  # every running row
         result = self.target.step(plan)
         if self.lookup is not None:
-            self._plain_lookup(plan, starting, result[0])
-        self.prefilling[slots] = plan.next_ids >= 0  # a chunk before the prompt's end
+            self._plain_lookup(plan, starting | mid_prompt, result[0])
         return result
 
-    def _plain_lookup(self, plan, starting: np.ndarray, tokens: np.ndarray) -> None:
+    def _plain_lookup(self, plan, prompt: np.ndarray, tokens: np.ndarray) -> None:
         """Prompt lookup's histories after a plain step: a decoding row appends its token, a
-        row whose prompt is now complete starts over from its whole sequence."""
+        row whose prompt is now complete (prompt [B]: its query is prompt tokens) starts over
+        from its whole sequence."""
         cu, cp = plan.cu_seqlens_q, plan.cu_prefix
-        prompt = starting | self.prefilling[plan.request_slots]
         for i, slot in enumerate(plan.request_slots.tolist()):
             if not prompt[i]:
                 self.lookup.extend(slot, tokens[i : i + 1])
@@ -482,38 +429,19 @@ class SpecWorker:
     def _defer(
         self, request_slots: np.ndarray, tokens: torch.Tensor, captured: dict[int, torch.Tensor]
     ) -> None:
-        """Keeps a k = 0 round's draft-extend input per row: the new token x_L (int64 [B]) and
-        the target's captured states at L-1 ({layer: [B, H]}). A row with MAX_DEFERRED already
-        kept becomes stale instead."""
-        live = ~self.stale[request_slots]
-        full = live & (self.deferred[request_slots] >= MAX_DEFERRED)
-        self.stale[request_slots[full]] = True
-        self.stats.stale_rows += int(full.sum())
-        keep = np.flatnonzero(live & ~full)
-        if len(keep) == 0:
-            return
-        rows = self._dev(keep)
-        kept = request_slots[keep]
-        at = (self._dev(kept), self._dev(self.deferred[kept]))  # (request slot, index)
-        self.deferred_ids.index_put_(at, tokens.index_select(0, rows))
-        for layer, state in captured.items():
-            if layer not in self.deferred_states:
-                self.deferred_states[layer] = torch.zeros(
-                    *self.deferred_ids.shape, state.shape[-1], dtype=state.dtype,
-                    device=self.device,
-                )  # fmt: skip
-            self.deferred_states[layer].index_put_(at, state.index_select(0, rows))
-        self.deferred[request_slots[keep]] += 1
-        self.stats.deferred_extends += len(keep)
+        """Keeps a k = 0 round's draft-extend input per row (SlotStates.defer)."""
+        kept, stale = self.slots.defer(request_slots, tokens, captured)
+        self.stats.stale_rows += stale
+        self.stats.deferred_extends += kept
 
     def _catch_up(self, plan, start: np.ndarray, block_tables: torch.Tensor) -> None:
         """The deferred draft extends of the plan's rows (row i: positions start[i] - d_i ..
         start[i] - 1, d_i = deferred[slot]) as one draft forward; restores the invariant."""
         request_slots = plan.request_slots
-        rows = np.flatnonzero((self.deferred[request_slots] > 0) & ~self.stale[request_slots])
+        rows = self.slots.waiting(request_slots)
         if len(rows) == 0:
             return
-        d = self.deferred[request_slots[rows]]  # [R]
+        d = self.slots.deferred[request_slots[rows]]  # [R]
         cu = np.concatenate(([0], np.cumsum(d)))  # [R+1]
         index = np.concatenate([np.arange(x) for x in d])  # [T] deferral index of each query
         row_of = np.repeat(rows, d)  # [T] plan row of each query
@@ -523,17 +451,16 @@ class SpecWorker:
             positions % bs
         )
         at = (self._dev(request_slots[row_of]), self._dev(index))
-        captured = {layer: t[at] for layer, t in self.deferred_states.items()}
+        captured = {layer: t[at] for layer, t in self.slots.deferred_states.items()}
         meta = self._meta(cu, start[rows], block_tables[self._dev(rows)], slot_mapping)
         h = self._draft_forward(
-            self.deferred_ids[at],
+            self.slots.deferred_ids[at],
             self.draft.target_features(captured),
             self._dev(positions),
             meta,
             select=self._dev(cu[1:] - 1),
         )  # [R, h] h^d at start - 1
-        self.hidden.index_copy_(0, self._dev(request_slots[rows]), h)
-        self.deferred[request_slots[rows]] = 0
+        self.slots.caught_up(request_slots[rows], self._dev(request_slots[rows]), h)
 
     # ---- verify round --------------------------------------------------------------------------
 
@@ -543,9 +470,9 @@ class SpecWorker:
             return None
         return [self.lookup.propose(int(slot), k_plan) for slot in request_slots]
 
-    def _round_shape(self, request_slots: np.ndarray, k_plan: int) -> _Round:
+    def _round_shape(self, request_slots: np.ndarray, k_plan: int) -> RoundShape:
         """The shape of a round (module doc): its width k, the head's chain length, each
-        row's own number of drafts and whether it drafts by lookup (see `_Round`)."""
+        row's own number of drafts and whether it drafts by lookup (round.py)."""
         b = len(request_slots)
         K = min(self.num_steps, k_plan)
         # proposals of K tokens (the head's width), and of k_plan where a row may draft more
@@ -558,7 +485,7 @@ class SpecWorker:
             k = K
         else:
             # rows that left the head (stale) draft only by lookup; the rest may draft
-            drafting = int((~self.stale[request_slots] | (lens > 0)).sum())
+            drafting = int((~self.slots.stale[request_slots] | (lens > 0)).sum())
             k = min(K, self.policy.choose(b, drafting=drafting))
         by_lookup = (lens >= k) & (k > 0)
         n = np.full(b, k, dtype=np.int64)
@@ -567,15 +494,16 @@ class SpecWorker:
                 proposals[i] = self.lookup.propose(int(request_slots[i]), k_plan)
                 n[i] = len(proposals[i])
         # stale rows (module doc; only with the policy) never draft by the head
-        head_rows = ~by_lookup & ~self.stale[request_slots]
-        n[~by_lookup & self.stale[request_slots]] = 0
+        stale = self.slots.stale[request_slots]  # [B]
+        head_rows = ~by_lookup & ~stale
+        n[~by_lookup & stale] = 0
         k_head = k if head_rows.any() else 0
-        return _Round(int(n.max(initial=0)), k_head, n, by_lookup, proposals, False)
+        return RoundShape(int(n.max(initial=0)), k_head, n, by_lookup, proposals, False)
 
     def _lookup_round_shape(
         self, request_slots: np.ndarray, k_plan: int, K: int, proposals: list[np.ndarray],
         lens: np.ndarray,
-    ) -> _Round:  # fmt: skip
+    ) -> RoundShape:  # fmt: skip
         """A round where every row has K lookup drafts (lens [B] >= K): the head does not run,
         rows may draft up to k_plan copied tokens, the lookup policy sets the width."""
         if k_plan > K:
@@ -584,7 +512,7 @@ class SpecWorker:
         policy = self.lookup_policy
         k = k_plan if policy is None else min(k_plan, policy.choose(len(request_slots)))
         n = np.minimum(lens, k)
-        return _Round(int(n.max()), 0, n, n > 0, proposals, True)
+        return RoundShape(int(n.max()), 0, n, n > 0, proposals, True)
 
     def _check_verify_plan(self, plan) -> tuple[np.ndarray, int]:
         """(cu_seqlens_q int64 [B+1], W the plan's placeholders per row) of a verify or decode
@@ -597,35 +525,41 @@ class SpecWorker:
                 f"verify plan: every row needs the same query length in 1.."
                 f"{self.max_draft_tokens + 1}, got {sorted(set(q_lens.tolist()))}"
             )
-        if not self.ready[plan.request_slots].all():
-            bad = plan.request_slots[~self.ready[plan.request_slots]].tolist()
-            raise RuntimeError(f"verify plan uses request slots {bad} that were never prefilled")
+        bad = plan.request_slots[~self.slots.ready[plan.request_slots]]  # never prefilled
+        if len(bad):
+            raise RuntimeError(
+                f"verify plan uses request slots {bad.tolist()} that were never prefilled"
+            )
         return cu, k_plan
 
-    def _begin_round(self, plan) -> _Round:
+    def _begin_round(self, plan) -> Round:
         """The round over `plan`: its shape, the plan's arrays its phases read, the lookup rows'
         drafts, its graph bucket and whether its extend is deferred (module doc)."""
         cu, k_plan = self._check_verify_plan(plan)
         b = plan.num_seqs
-        stale = self.stale[plan.request_slots]  # [B] rows the head no longer serves (module doc)
-        r = self._round_shape(plan.request_slots, k_plan)
-        r.plan, r.b, r.cu, r.stale = plan, b, cu, stale
+        stale = self.slots.stale[plan.request_slots]  # [B] rows the head no longer serves
+        shape = self._round_shape(plan.request_slots, k_plan)
         self.running_rows = b
-        r.head_rows = not bool(stale.all())
-        r.lookup_ids = np.zeros((b, r.k), dtype=np.int64)  # padding (0) after each row's n
-        for i in np.flatnonzero(r.by_lookup):
-            r.lookup_ids[i, : r.n[i]] = r.proposals[i][: r.n[i]]
-        r.head_drafts = r.k_head > 0 and not r.by_lookup.all()
-        r.start = plan.positions[cu[:-1]].astype(np.int64)  # [B] L-1
-        r.kv_slots = plan.slot_mapping.reshape(b, k_plan + 1)  # [B, W+1] KV slots of L-1..L-1+W
-        r.block_tables = self._dev(plan.block_tables, np.int32)
-        r.request_slots = self._dev(plan.request_slots)
-        r.per_row = np.arange(b + 1, dtype=np.int64)
-        r.bp = None if self.graphs is None else self.graphs.bucket(b)
-        # a round of k = 0 chosen by the policy defers its draft extend; any other first
-        # extends the draft over what earlier rounds deferred (module doc)
-        r.defer = r.k == 0 and self.policy is not None and r.bp is None
-        return r
+        lookup_ids = np.zeros((b, shape.k), dtype=np.int64)  # padding (0) after each row's n
+        for i in np.flatnonzero(shape.by_lookup):
+            lookup_ids[i, : shape.n[i]] = shape.proposals[i][: shape.n[i]]
+        bp = None if self.graphs is None else self.graphs.bucket(b)
+        return Round(
+            shape.k, shape.k_head, shape.n, shape.by_lookup, shape.lookup_round, plan, b, cu,
+            stale,
+            head_rows=not bool(stale.all()),
+            lookup_ids=lookup_ids,
+            head_drafts=shape.k_head > 0 and not shape.by_lookup.all(),
+            start=plan.positions[cu[:-1]].astype(np.int64),  # [B] L-1
+            kv_slots=plan.slot_mapping.reshape(b, k_plan + 1),  # [B, W+1] of L-1..L-1+W
+            block_tables=self._dev(plan.block_tables, np.int32),
+            request_slots=self._dev(plan.request_slots),
+            per_row=np.arange(b + 1, dtype=np.int64),
+            bp=bp,
+            # a round of k = 0 chosen by the policy defers its draft extend; any other first
+            # extends the draft over what earlier rounds deferred (module doc)
+            defer=shape.k == 0 and self.policy is not None and bp is None,
+        )  # fmt: skip
 
     def _verify(self, plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """One round over a verify or decode plan (module doc): draft, verify, accept, extend,
@@ -636,180 +570,190 @@ class SpecWorker:
         else:
             chain, target = self._chain_eager, self._target_eager
             extend = self._extend_deferred if r.defer else self._extend_eager
-        r.tc = self._clock.mark()
+        marks = Marks(tc=self._clock.mark())
         if not r.defer:
             self._catch_up(plan, r.start, r.block_tables)
-        r.t0 = self._clock.mark()
-        self._draft(r, chain)
-        r.t1 = self._clock.mark()
-        target(r)
-        self._accept(r)
-        extend(r)
-        return self._record(r)
+        marks.t0 = self._clock.mark()
+        draft_ids = self._draft(r, chain)
+        marks.t1 = self._clock.mark()
+        verified = target(r, draft_ids)
+        accepted = self._accept(r, draft_ids, verified)
+        extend(r, verified, accepted)
+        return self._record(r, accepted, marks)
 
     # ---- 1. draft ------------------------------------------------------------------------------
 
-    def _draft(self, r: _Round, chain) -> None:
-        """r.draft_ids int64 [B, k]: the head's k_head drafts by `chain` (argmax only, topk ==
-        1), padded to k, and the lookup rows' copied tokens in place of them."""
-        r.draft_ids = torch.zeros(r.b, r.k, dtype=torch.long, device=self.device)  # [B, k]
+    def _draft(self, r: Round, chain) -> torch.Tensor:
+        """int64 [B, k]: the head's k_head drafts by `chain` (argmax only, topk == 1), padded to
+        k, and the lookup rows' copied tokens in place of them."""
+        draft_ids = torch.zeros(r.b, r.k, dtype=torch.long, device=self.device)  # [B, k]
         if r.head_drafts:  # else k == 0, or every row drafts by lookup
-            chain(r, self.hidden.index_select(0, r.request_slots))  # from h^d_{L-2} [B, h]
+            h = self.slots.hidden.index_select(0, r.request_slots)  # h^d_{L-2} [B, h]
+            chain(r, h, draft_ids)
             self.stats.draft_steps += r.k_head - 1
         if r.by_lookup.any():
             use = self._dev(r.by_lookup, bool)[:, None]  # [B, 1]
-            r.draft_ids = torch.where(use, self._dev(r.lookup_ids), r.draft_ids)
+            draft_ids = torch.where(use, self._dev(r.lookup_ids), draft_ids)
+        return draft_ids
 
-    def _chain_eager(self, r: _Round, h: torch.Tensor) -> None:
-        """The head's chain into r.draft_ids[:, :k_head], one draft forward per step."""
-        d = self.draft.argmax_tokens(h)
-        r.draft_ids[:, 0] = d
-        for j in range(1, r.k_head):
-            p = r.start + j - 1  # this step's position L-2+j
-            meta = self._meta(r.per_row, p + 1, r.block_tables, r.kv_slots[:, j - 1])
-            h = self._draft_forward(d, h, self._dev(p), meta)  # [B, h] h^d_p
-            d = self.draft.argmax_tokens(h)
-            r.draft_ids[:, j] = d
+    def _chain_eager(self, r: Round, h: torch.Tensor, draft_ids: torch.Tensor) -> None:
+        """The head's chain into draft_ids[:, :k_head], one draft forward per step."""
+        d = None  # [B] the previous step's draft d_j
+        for j in range(r.k_head):
+            if j:  # one draft step at p = L-2+j from (h^d_{p-1}, d_j)
+                p = r.start + j - 1
+                meta = self._meta(r.per_row, p + 1, r.block_tables, r.kv_slots[:, j - 1])
+                h = self._draft_forward(d, h, self._dev(p), meta)  # [B, h] h^d_p
+            d = self.draft.argmax_tokens(h)  # [B] d_{j+1}
+            draft_ids[:, j] = d
 
-    def _chain_graph(self, r: _Round, h: torch.Tensor) -> None:
-        """The head's chain into r.draft_ids[:, :k_head], one graph replay."""
-        r.draft_ids[:, : r.k_head] = self.graphs.draft_chain(
+    def _chain_graph(self, r: Round, h: torch.Tensor, draft_ids: torch.Tensor) -> None:
+        """The head's chain into draft_ids[:, :k_head], one graph replay."""
+        draft_ids[:, : r.k_head] = self.graphs.draft_chain(
             r.bp, r.k_head, h, r.start, r.plan.block_tables, r.kv_slots
         )
 
     # ---- 2. verify -----------------------------------------------------------------------------
 
-    def _target_eager(self, r: _Round) -> None:
-        """r.logits [B, k+1, V] of the target over [x_{L-1}, d_1..d_k] at L-1..L-1+k; keeps the
-        captured states, positions and metadata for the extend."""
+    def _target_eager(self, r: Round, draft_ids: torch.Tensor) -> Verified:
+        """The target over [x_{L-1}, d_1..d_k] at L-1..L-1+k: logits [B, k+1, V], and the
+        captured states, positions and metadata the extend reuses."""
         b, k = r.b, r.k
         first = self._dev(r.plan.input_ids[r.cu[:-1]])  # [B] x_{L-1}
-        ids = torch.cat((first[:, None], r.draft_ids), dim=1).reshape(-1)  # [B*(k+1)]
+        ids = torch.cat((first[:, None], draft_ids), dim=1).reshape(-1)  # [B*(k+1)]
         pos_np = (r.start[:, None] + np.arange(k + 1)).reshape(-1)  # [B*(k+1)]
-        r.positions = self._dev(pos_np)
-        r.meta = self._meta(
+        positions = self._dev(pos_np)
+        meta = self._meta(
             r.per_row * (k + 1), r.start + k + 1, r.block_tables,
             r.kv_slots[:, : k + 1].reshape(-1),
         )  # fmt: skip
-        self.model.backend.prepare(r.meta)
+        self.model.backend.prepare(meta)
+        captured = None
         if r.head_rows:
-            hidden, r.captured = self.model(
-                ids, r.positions, r.meta, self.kv_caches, capture_layers=self.draft.capture_layers
+            hidden, captured = self.model(
+                ids, positions, meta, self.kv_caches, capture_layers=self.draft.capture_layers
             )  # [B*(k+1), H]
         else:  # every row left the head: nothing extends it, so nothing is captured
-            hidden = self.model(ids, r.positions, r.meta, self.kv_caches)
-        r.logits = self.model.compute_logits(hidden).view(b, k + 1, -1)  # [B, k+1, V]
+            hidden = self.model(ids, positions, meta, self.kv_caches)
+        logits = self.model.compute_logits(hidden).view(b, k + 1, -1)  # [B, k+1, V]
+        return Verified(logits, captured, positions, meta)
 
-    def _target_graph(self, r: _Round) -> None:
-        """r.logits [B, k+1, V] as `_target_eager`, by a graph replay (features stay in it)."""
+    def _target_graph(self, r: Round, draft_ids: torch.Tensor) -> Verified:
+        """As `_target_eager`, by a graph replay (the features stay in the graph)."""
         first = self._dev(r.plan.input_ids[r.cu[:-1]])  # [B] x_{L-1}
-        r.logits = self.graphs.target_verify(
-            r.bp, r.k, first, r.draft_ids, r.start, r.plan.block_tables, r.kv_slots
-        )  # [B, k+1, V]
+        return Verified(self.graphs.target_verify(
+            r.bp, r.k, first, draft_ids, r.start, r.plan.block_tables, r.kv_slots
+        ))  # fmt: skip
 
     # ---- 3. accept -----------------------------------------------------------------------------
 
-    def _accept(self, r: _Round) -> None:
-        """r.tokens int64 [B, k+1] (accepted drafts, then the target's token; the rest unused)
-        and r.accepted int64 [B], by verify.py; rows drafting fewer than k are masked."""
+    def _accept(self, r: Round, draft_ids: torch.Tensor, v: Verified) -> Accepted:
+        """tokens int64 [B, k+1] (accepted drafts, then the target's token; the rest unused)
+        and accepted int64 [B], by verify.py; rows drafting fewer than k are masked."""
         plan = r.plan
         padded = bool((r.n < r.k).any())
         controls = LogitsControls.from_plan(plan, self.device)
         # position j as plain decoding sees it after the drafts before j (logits_processing.py)
-        logits = r.logits if controls is None else controls.apply(r.logits, r.draft_ids)
+        logits = v.logits if controls is None else controls.apply(v.logits, draft_ids)
         if logits.is_cpu and bool(deterministic_rows(plan.temperature, plan.top_k).all()):
             # every row greedy: the same tokens and counts from a few numpy operations
-            r.tokens, r.accepted = verify_greedy_host(logits, r.draft_ids, r.n if padded else None)
+            tokens, accepted = verify_greedy_host(logits, draft_ids, r.n if padded else None)
         else:
-            r.tokens, r.accepted = verify(
-                logits, r.draft_ids, *self._sampling(plan), self._dev(r.n) if padded else None
+            tokens, accepted = verify(
+                logits, draft_ids, *self._sampling(plan), self._dev(r.n) if padded else None
             )
+        logprobs = None
         if wanted(plan):
-            r.logprobs = self._round_logprobs(r, None if controls is None else logits)
+            processed = None if controls is None else logits
+            logprobs = self._round_logprobs(r, v.logits, tokens, processed)
+        return Accepted(tokens, accepted, logprobs)
 
-    def _round_logprobs(self, r: _Round, processed: torch.Tensor | None) -> tuple:
-        """The logprobs of r.tokens at every position of the round, [B*(k+1)] rows (what
+    def _round_logprobs(
+        self, r: Round, raw: torch.Tensor, tokens: torch.Tensor, processed: torch.Tensor | None
+    ) -> tuple:
+        """The logprobs of tokens [B, k+1] at every position of the round, [B*(k+1)] rows (what
         `_record` keeps of them: the emitted tokens')."""
         plan, k1 = r.plan, r.k + 1
-        vocab = r.logits.shape[-1]
+        vocab = raw.shape[-1]
         temperature, top_p, top_k = (t.repeat_interleave(k1) for t in self._sampling(plan)[:3])
         flat = None if processed is None else processed.reshape(-1, vocab)
-        lp = distribution(r.logits.reshape(-1, vocab), flat, temperature, top_k, top_p,
+        lp = distribution(raw.reshape(-1, vocab), flat, temperature, top_k, top_p,
                           self.logprobs_mode)  # [B*(k+1), V]
-        return top_logprobs(lp, r.tokens.reshape(-1), wanted(plan))
+        return top_logprobs(lp, tokens.reshape(-1), wanted(plan))
 
     # ---- 4. extend: the draft over L-1..L-1+k, keeping h^d at L-1+a ----------------------------
 
-    def _extend_eager(self, r: _Round) -> None:
+    def _extend_eager(self, r: Round, v: Verified, a: Accepted) -> None:
         if not r.head_rows:  # no row keeps a draft state
             return
-        select = torch.arange(r.b, device=self.device) * (r.k + 1) + r.accepted  # [B]
-        features = self.draft.target_features(r.captured)  # [B*(k+1), h]
-        h = self._draft_forward(r.tokens.reshape(-1), features, r.positions, r.meta, select)
-        self.hidden.index_copy_(0, r.request_slots, h)
+        select = torch.arange(r.b, device=self.device) * (r.k + 1) + a.accepted  # [B]
+        features = self.draft.target_features(v.captured)  # [B*(k+1), h]
+        h = self._draft_forward(a.tokens.reshape(-1), features, v.positions, v.meta, select)
+        self.slots.set_hidden(r.request_slots, h)
 
-    def _extend_graph(self, r: _Round) -> None:
-        h = self.graphs.draft_extend(r.bp, r.k, r.tokens, r.accepted)  # [B, h]
-        self.hidden.index_copy_(0, r.request_slots, h)
+    def _extend_graph(self, r: Round, v: Verified, a: Accepted) -> None:
+        h = self.graphs.draft_extend(r.bp, r.k, a.tokens, a.accepted)  # [B, h]
+        self.slots.set_hidden(r.request_slots, h)
 
-    def _extend_deferred(self, r: _Round) -> None:
+    def _extend_deferred(self, r: Round, v: Verified, a: Accepted) -> None:
         """A k = 0 round of the policy: the extend waits for the next round with drafts."""
-        self._defer(r.plan.request_slots, r.tokens[:, 0], r.captured or {})
+        self._defer(r.plan.request_slots, a.tokens[:, 0], v.captured or {})
 
     # ---- 5. record -----------------------------------------------------------------------------
 
-    def _record(self, r: _Round) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _record(self, r: Round, a: Accepted, marks: Marks) -> tuple:
         """The round's one synchronisation, its stats, lookup histories and cost; returns
         (tokens int32 [N], num_tokens int32 [B], num_accepted int32 [B]) as `step` does."""
-        tokens_np = r.tokens.cpu().numpy()  # the step's only synchronisation
-        accepted_np = r.accepted.cpu().numpy()
-        r.t2 = self._clock.mark()
+        tokens_np = a.tokens.cpu().numpy()  # the step's only synchronisation
+        accepted_np = a.accepted.cpu().numpy()
+        marks.t2 = self._clock.mark()
         num_tokens = accepted_np + 1
         keep = np.arange(r.k + 1)[None, :] < num_tokens[:, None]  # [B, k+1]
-        n, by_lookup = r.n, r.by_lookup
-        self.stats.verify_rounds += 1
-        self.stats.drafted += int(n.sum())
-        self.stats.accepted += int(accepted_np.sum())
-        self.stats.emitted += int(num_tokens.sum())
+        self._record_stats(r, accepted_np, num_tokens)
         if self.lookup is not None:
             for i, slot in enumerate(r.plan.request_slots):
                 self.lookup.extend(int(slot), tokens_np[i, : num_tokens[i]])
-        if by_lookup.any():
-            self.stats.lookup_rows += int(by_lookup.sum())
-            self.stats.lookup_drafted += int(n[by_lookup].sum())
-            self.stats.lookup_accepted += int(accepted_np[by_lookup].sum())
-        self._record_cost(r, accepted_np)
+        self._record_cost(r, accepted_np, marks)
         result = (
             tokens_np[keep].astype(np.int32),
             num_tokens.astype(np.int32),
             accepted_np.astype(np.int32),
         )
-        if r.logprobs is None:
+        if a.logprobs is None:
             return result
-        chosen, ids, lps = r.logprobs
+        chosen, ids, lps = a.logprobs
         k_lp = ids.shape[1]
         flat = keep.reshape(-1)  # the emitted tokens, in the order of result[0]
         return (*result, (chosen[flat], ids.reshape(-1, k_lp)[flat], lps.reshape(-1, k_lp)[flat]))
 
-    def _record_cost(self, r: _Round, accepted: np.ndarray) -> None:
+    def _record_stats(self, r: Round, accepted: np.ndarray, num_tokens: np.ndarray) -> None:
+        n, by_lookup = r.n, r.by_lookup
+        self.stats.verify_rounds += 1
+        self.stats.drafted += int(n.sum())
+        self.stats.accepted += int(accepted.sum())
+        self.stats.emitted += int(num_tokens.sum())
+        if by_lookup.any():
+            self.stats.lookup_rows += int(by_lookup.sum())
+            self.stats.lookup_drafted += int(n[by_lookup].sum())
+            self.stats.lookup_accepted += int(accepted[by_lookup].sum())
+
+    def _record_cost(self, r: Round, accepted: np.ndarray, marks: Marks) -> None:
         """Tells the round's policy its cost at width k and its acceptance (accepted [B])."""
         clock = self._clock
         # a catch-up extend is part of its round's cost (the rounds that deferred cost less)
-        catch_up = clock.seconds(r.tc, r.t0)
+        catch_up = clock.seconds(marks.tc, marks.t0)
+        verify_s = catch_up + clock.seconds(marks.t1, marks.t2)
         if r.lookup_round and self.lookup_policy is not None:
             # copied drafts cost nothing to make: the round's cost is its verify
-            self.lookup_policy.record(
-                r.b, r.k, None, catch_up + clock.seconds(r.t1, r.t2), accepted.tolist(),
-                r.n.tolist(),
-            )  # fmt: skip
+            self.lookup_policy.record(r.b, r.k, None, verify_s, accepted.tolist(), r.n.tolist())
         elif self.policy is not None:
             # every round's cost at its width k (also when only lookup rows drafted: the others
             # were padded to k + 1 query tokens all the same); acceptance from the head's drafts
-            drafting = clock.seconds(r.t0, r.t1)
+            drafting = clock.seconds(marks.t0, marks.t1)
             self.policy.record(
                 r.b,
                 r.k,
                 drafting / r.k if r.head_drafts else None,
-                catch_up + clock.seconds(r.t1, r.t2),
+                verify_s,
                 accepted[~r.by_lookup & ~r.stale].tolist() if r.head_drafts else [],
             )

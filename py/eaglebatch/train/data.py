@@ -18,12 +18,13 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eaglebatch.config import EngineConfig, JobConfig, OutputConfig, SamplingConfig
+from eaglebatch.engine import prepare, run_prepared
 from eaglebatch.errors import JobError
-from eaglebatch.inputs import check_input
-from eaglebatch.model_files import ModelFiles
-
-from .job import TrainJob
+from eaglebatch.job.config import EngineConfig, JobConfig, OutputConfig, SamplingConfig
+from eaglebatch.job.inputs import check_input
+from eaglebatch.job.model_files import ModelFiles
+from eaglebatch.progress import ProgressView
+from eaglebatch.train.job import TrainJob
 
 
 class PromptEncoder:
@@ -200,8 +201,6 @@ def generation_job(job: TrainJob, prompts: Path, gen_dir: Path) -> JobConfig:
 
 def generate_answers(job: TrainJob, mf: ModelFiles, console) -> Path:
     """Runs stage 1 unless `work/gen.done` says it finished. Returns the generation folder."""
-    from eaglebatch.engine import prepare, run_prepared
-    from eaglebatch.progress import ProgressView
 
     work = job.work_dir
     work.mkdir(parents=True, exist_ok=True)

@@ -27,8 +27,7 @@ from safetensors.torch import save_file
 
 from eaglebatch.attention import AttentionMetadata, allocate_kv_cache
 from eaglebatch.model.llama import LlamaForCausalLM
-
-from .data import PromptEncoder
+from eaglebatch.train.data import PromptEncoder
 
 SHARD_SEQS = 64
 

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from eaglebatch.config import (
+from eaglebatch.job.config import (
     I32_MAX,
     I64_MAX,
     LIST_OK,

@@ -29,24 +29,23 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eaglebatch.errors import JobError
-from eaglebatch.fingerprint import sha256_file
+from eaglebatch.job.engine_settings import resolve_device
+from eaglebatch.job.fingerprint import sha256_file
+from eaglebatch.job.model_files import model_files, resolve_draft_dir
 from eaglebatch.model.llama import LlamaForCausalLM
-from eaglebatch.model_files import model_files, resolve_draft_dir
 from eaglebatch.speculative import init_random_draft
 from eaglebatch.speculative.draft_config import default_aux_layer_ids
 from eaglebatch.speculative.eagle import EagleDraft, load_draft
-from eaglebatch.worker import resolve_device
-
-from .data import (
+from eaglebatch.train.data import (
     PromptEncoder,
     answers_are_greedy,
     generate_answers,
     reference_sequences,
     select_reference,
 )
-from .features import capture, training_sequences
-from .job import TrainJob
-from .ttt import step_mask, ttt_forward
+from eaglebatch.train.features import capture, training_sequences
+from eaglebatch.train.job import TrainJob
+from eaglebatch.train.ttt import step_mask, ttt_forward
 
 
 def draft_vocabulary(data: ShardData, size: int, eos_ids: tuple[int, ...]) -> list[int]:

@@ -1,0 +1,181 @@
+"""The engine section resolved once per process into `EngineSettings` (engine.prepare): the
+device, dtype, attention backend, graph mode, overlap, the CPU kernels and the weights the worker
+will use, and W. Each `resolve_*` turns one `engine.*` key into what runs, or a JobError naming
+the key where it cannot; nothing else re-resolves them (the worker, the scheduler's settings,
+the step loop and Ray's actor placement read `PreparedJob.engine`)."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from eaglebatch.cpu import SMALL_GEMM_AVAILABLE
+from eaglebatch.cpu.gguf_blocks import BLOCKS_FILE
+from eaglebatch.errors import JobError
+from eaglebatch.job.config import JobConfig
+from eaglebatch.job.model_files import ModelFiles
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    device: torch.device
+    dtype: torch.dtype
+    attention_backend: str  # "cpu" | "torch" | "flashinfer"
+    graph_mode: str  # "cuda" | "off"
+    overlap: bool  # the step loop plans a step while one is in flight
+    cpu_gemm: bool  # the native small GEMM runs the linears (threads: the worker's process's)
+    quantized: bool  # the CPU steps read the model's GGUF blocks
+    max_model_len: int
+    # K (speculative.num_steps, 0 without a draft) and W = max_draft_tokens >= K, the widest
+    # round (prompt lookup's width when larger): JobConfig.max_draft_tokens, the one rule
+    num_steps: int
+    max_draft_tokens: int
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def resolve_engine(job: JobConfig, mf: ModelFiles, model_len: int) -> EngineSettings:
+    """The job's engine section for this process's machine (model_len: config.json's)."""
+    eng = job.engine
+    if eng.num_threads is not None:  # before the CPU kernels' thread count is read
+        torch.set_num_threads(eng.num_threads)
+    device = resolve_device(eng.device)
+    dtype = resolve_dtype(eng.dtype, device)
+    threads = resolve_small_gemm(eng.cpu_gemm, device, dtype)
+    return EngineSettings(
+        device=device,
+        dtype=dtype,
+        attention_backend=resolve_backend(eng.attention_backend, device),
+        graph_mode=resolve_graph_mode(eng.cuda_graph, device),
+        overlap=resolve_overlap(eng.overlap, device, job.draft is not None),
+        cpu_gemm=threads > 0,
+        quantized=resolve_weights(eng.weights, threads, mf),
+        max_model_len=resolve_max_model_len(eng.max_model_len, model_len),
+        num_steps=job.speculative.num_steps if job.draft is not None else 0,
+        max_draft_tokens=job.max_draft_tokens,
+    )
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str, key: str = "engine.device") -> torch.device:
+    """auto = CUDA when there is one; 'cuda' without one is a JobError naming `key`."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise JobError(f"{key}: 'cuda' requested but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def resolve_small_gemm(name: str, device: torch.device, dtype: torch.dtype) -> int:
+    """Threads for the native small GEMM (0 = off, F.linear everywhere): see engine.cpu_gemm.
+    'native' where the kernel cannot run is a JobError naming the key."""
+    fits = device.type == "cpu" and dtype == torch.float32
+    if name == "native":
+        if not fits:
+            raise JobError("engine.cpu_gemm: 'native' needs engine.device cpu and float32")
+        if not SMALL_GEMM_AVAILABLE:
+            raise JobError(
+                "engine.cpu_gemm: 'native' needs a CPU with AVX-512F or AVX2 and FMA; use 'torch'"
+            )
+    if name == "torch" or not fits or not SMALL_GEMM_AVAILABLE:
+        return 0
+    return torch.get_num_threads()
+
+
+def resolve_weights(name: str, gemm_threads: int, mf: ModelFiles) -> bool:
+    """Whether the CPU steps read the model's GGUF blocks (engine.weights); 'quantized' where
+    they cannot is a JobError naming the key."""
+
+    has_blocks = mf.gguf is not None or (mf.dir / BLOCKS_FILE).is_file()
+    if name == "quantized":
+        if gemm_threads <= 0:
+            raise JobError(
+                "engine.weights: 'quantized' needs the native CPU kernels: engine.device cpu, "
+                "float32 and engine.cpu_gemm auto or native on a CPU with AVX-512F or AVX2+FMA"
+            )
+        if not has_blocks:
+            raise JobError(
+                f"engine.weights: 'quantized' needs a GGUF model (model: {mf.dir} is a folder "
+                "without GGUF blocks)"
+            )
+    return name != "dequantized" and gemm_threads > 0 and has_blocks
+
+
+def flashinfer_importable() -> bool:
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    """auto: cpu on the CPU; on CUDA flashinfer when it is installed, else torch. flashinfer is
+    never imported on CPU, and asking for a backend where it cannot run is an error naming the
+    key."""
+    if name == "auto":
+        if device.type == "cpu":
+            return "cpu"
+        usable = device.type == "cuda" and flashinfer_importable()
+        return "flashinfer" if usable else "torch"
+    if name == "cpu" and device.type != "cpu":
+        raise JobError("engine.attention_backend: 'cpu' needs engine.device cpu")
+    if name == "flashinfer":
+        if device.type != "cuda":
+            raise JobError("engine.attention_backend: 'flashinfer' needs engine.device cuda")
+        if not flashinfer_importable():
+            raise JobError(
+                "engine.attention_backend: 'flashinfer' is not installed "
+                "(pip install 'eaglebatch[flashinfer]'), or use 'auto' / 'torch'"
+            )
+    return name
+
+
+def resolve_graph_mode(flag: bool | None, device: torch.device) -> str:
+    """engine.cuda_graph -> "cuda" | "off" (default: on when running on CUDA)."""
+    if flag is None:
+        return "cuda" if device.type == "cuda" else "off"
+    if flag and device.type != "cuda":
+        raise JobError("engine.cuda_graph: true needs engine.device cuda (graphs are CUDA-only)")
+    return "cuda" if flag else "off"
+
+
+def resolve_overlap(flag: bool | None, device: torch.device, speculative: bool) -> bool:
+    """engine.overlap (default: on for plain decoding on CUDA); true with a draft head is a
+    JobError naming the key (a verify round's token counts are known only at its commit)."""
+    if flag and speculative:
+        raise JobError(
+            "engine.overlap: true needs plain decoding (no draft): a verify round's accepted "
+            "tokens are known only when it is committed; unset it or set it to false"
+        )
+    if flag is None:
+        return device.type == "cuda" and not speculative
+    return flag
+
+
+# The longest default max_model_len: the RoPE table and the KV budget are sized by it, and a
+# config.json claiming more positions (1e11) would allocate terabytes.
+DEFAULT_MAX_MODEL_LEN_CAP = 1 << 20
+
+
+def resolve_max_model_len(asked: int | None, model_len: int) -> int:
+    """engine.max_model_len, or the model's when unset (within DEFAULT_MAX_MODEL_LEN_CAP)."""
+    if asked is not None and asked > model_len:
+        raise JobError(
+            f"engine.max_model_len: {asked} exceeds the model's {model_len} positions"
+        )
+    if asked is None and model_len > DEFAULT_MAX_MODEL_LEN_CAP:
+        raise JobError(
+            f"engine.max_model_len: the model claims {model_len} positions (config.json), more "
+            f"than eaglebatch sizes by default ({DEFAULT_MAX_MODEL_LEN_CAP}); set "
+            f"engine.max_model_len to the longest sequence you need"
+        )
+    return asked or model_len
