@@ -115,8 +115,11 @@ pub struct SchedulerConfig {
 }
 
 impl SchedulerConfig {
-    /// A config with the given input/tokenizer/output and conservative defaults for the rest
-    /// (every setting not named here is its type's zero, empty or false).
+    /// For the crate's tests: a config with the given input/tokenizer/output and small sizes
+    /// for the rest (every setting not named here is its type's zero, empty or false). A run's
+    /// config names every setting (the bindings read each field from Python, whose defaults
+    /// are the job schema's), so no default here decides what a job does.
+    #[cfg(test)]
     pub fn new(
         input_files: Vec<PathBuf>,
         prompt_column: &str,
