@@ -29,6 +29,7 @@ pub mod sampling_params;
 pub mod scheduler;
 pub mod sequence;
 pub mod stats;
+pub mod structured;
 pub mod template_guard;
 pub mod template_memory;
 pub mod writer;

@@ -1,0 +1,26 @@
+//! Structured output's grammar engine (llguidance): a row's `response_format` compiled into a
+//! grammar, and a matcher per row that says which tokens may come next.
+//!
+//! - `response_format`: the request as OpenAI spells it (`json_schema`, `json_object`) plus
+//!   `regex`, `grammar` (Lark) and `choice`, parsed strictly; a format that does not compile is
+//!   the row's error, naming the reason.
+//! - `token_env`: the tokenizer's vocabulary as the bytes each token stands for (byte-level BPE
+//!   and SentencePiece-style vocabularies), which llguidance's token trie is built from.
+//! - `matcher`: `Grammars` compiles each distinct format once (keyed by its canonical text) and
+//!   hands out `RowMatcher`s, deep clones of the compiled prototype; a `RowMatcher` packs its
+//!   token mask into u32 words (bit `t % 32` of word `t / 32` set: token t allowed), consumes
+//!   committed tokens, validates drafts, rolls back and proposes the tokens the grammar forces.
+//!
+//! Invariant: a mask has the model's vocabulary width; ids the tokenizer does not define (a
+//! checkpoint's padding rows) are never allowed.
+
+mod matcher;
+mod response_format;
+pub(crate) mod token_env;
+
+pub use matcher::{Grammars, RowMatcher};
+pub use response_format::ResponseFormat;
+pub use token_env::token_env;
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,125 @@
+//! `response_format`: what a row's output must match, from its JSON text.
+
+use llguidance::api::TopLevelGrammar;
+use serde_json::{json, Map, Value};
+
+/// One row's constraint. OpenAI's spellings: `{"type": "json_schema", "json_schema": {"name",
+/// "schema", "strict", "description"}}` and `{"type": "json_object"}`; ours: `{"type": "regex",
+/// "pattern"}`, `{"type": "grammar", "lark"}`, `{"type": "choice", "choices": [..]}`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ResponseFormat {
+    JsonSchema(Value),
+    JsonObject,
+    Regex(String),
+    Lark(String),
+    Choice(Vec<String>),
+}
+
+const TYPES: &str = "json_schema, json_object, regex, grammar or choice";
+
+impl ResponseFormat {
+    /// Parses the JSON text of a response_format; the error names what is wrong.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let value: Value =
+            serde_json::from_str(text).map_err(|e| format!("response_format is not JSON: {e}"))?;
+        Self::from_value(&value)
+    }
+
+    pub fn from_value(value: &Value) -> Result<Self, String> {
+        let obj = value
+            .as_object()
+            .ok_or("response_format must be a JSON object")?;
+        let kind = obj
+            .get("type")
+            .and_then(Value::as_str)
+            .ok_or_else(|| format!("response_format needs a \"type\": {TYPES}"))?;
+        let (payload, format) = match kind {
+            "json_schema" => ("json_schema", json_schema(obj)?),
+            "json_object" => ("", ResponseFormat::JsonObject),
+            "regex" => ("pattern", ResponseFormat::Regex(text_key(obj, "pattern")?)),
+            "grammar" => ("lark", ResponseFormat::Lark(text_key(obj, "lark")?)),
+            "choice" => ("choices", ResponseFormat::Choice(choices(obj)?)),
+            other => return Err(format!("response_format type {other:?}: expected {TYPES}")),
+        };
+        if let Some(k) = obj.keys().find(|k| *k != "type" && *k != payload) {
+            return Err(format!("response_format of type {kind}: unknown key {k:?}"));
+        }
+        Ok(format)
+    }
+
+    /// The grammar llguidance compiles.
+    pub fn grammar(&self) -> TopLevelGrammar {
+        match self {
+            ResponseFormat::JsonSchema(schema) => TopLevelGrammar::from_json_schema(schema.clone()),
+            ResponseFormat::JsonObject => {
+                TopLevelGrammar::from_json_schema(json!({"type": "object"}))
+            }
+            ResponseFormat::Regex(pattern) => TopLevelGrammar::from_regex(pattern),
+            ResponseFormat::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
+            ResponseFormat::Choice(choices) => {
+                let alts: Vec<String> = choices
+                    .iter()
+                    .map(|c| Value::from(c.as_str()).to_string())
+                    .collect();
+                TopLevelGrammar::from_lark(format!("start: {}", alts.join(" | ")))
+            }
+        }
+    }
+
+    /// The format's canonical text: equal for formats that compile to the same grammar
+    /// (object keys sorted), the key of the compiled-grammar cache.
+    pub fn key(&self) -> String {
+        match self {
+            ResponseFormat::JsonSchema(s) => format!("json_schema:{s}"),
+            ResponseFormat::JsonObject => "json_object".to_string(),
+            ResponseFormat::Regex(p) => format!("regex:{p}"),
+            ResponseFormat::Lark(l) => format!("lark:{l}"),
+            ResponseFormat::Choice(c) => format!("choice:{}", Value::from(c.clone())),
+        }
+    }
+}
+
+fn json_schema(obj: &Map<String, Value>) -> Result<ResponseFormat, String> {
+    let spec = obj
+        .get("json_schema")
+        .and_then(Value::as_object)
+        .ok_or("response_format json_schema needs a \"json_schema\" object")?;
+    if let Some(k) = spec
+        .keys()
+        .find(|k| !["name", "schema", "strict", "description"].contains(&k.as_str()))
+    {
+        return Err(format!("response_format json_schema: unknown key {k:?}"));
+    }
+    match spec.get("schema") {
+        Some(schema @ (Value::Object(_) | Value::Bool(_))) => {
+            Ok(ResponseFormat::JsonSchema(schema.clone()))
+        }
+        Some(_) => Err("response_format json_schema.schema must be a JSON object".to_string()),
+        None => Err("response_format json_schema needs a \"schema\"".to_string()),
+    }
+}
+
+fn text_key(obj: &Map<String, Value>, key: &str) -> Result<String, String> {
+    match obj.get(key) {
+        Some(Value::String(s)) if !s.is_empty() => Ok(s.clone()),
+        _ => Err(format!(
+            "response_format needs a non-empty string \"{key}\""
+        )),
+    }
+}
+
+fn choices(obj: &Map<String, Value>) -> Result<Vec<String>, String> {
+    let list = obj.get("choices").and_then(Value::as_array);
+    let texts: Option<Vec<String>> = list.map(|l| {
+        l.iter()
+            .filter_map(|v| v.as_str().filter(|s| !s.is_empty()).map(str::to_string))
+            .collect()
+    });
+    match (list, texts) {
+        (Some(l), Some(t)) if !t.is_empty() && t.len() == l.len() => Ok(t),
+        _ => Err(
+            "response_format choice needs \"choices\": a non-empty list of non-empty strings"
+                .to_string(),
+        ),
+    }
+}
