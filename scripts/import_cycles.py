@@ -121,8 +121,7 @@ def top_imports(f: Path, name: str, known) -> tuple[set[str], set[str]]:
     other = {a.name.split(".")[0] for n in body if isinstance(n, ast.Import) for a in n.names}
     other |= {(n.module or "").split(".")[0] for n in body if isinstance(n, ast.ImportFrom)
               and not n.level}
-    other |= {f"{n.module}.{a.name}" for n in body if isinstance(n, ast.ImportFrom)
-              and n.module == "eaglebatch" for a in n.names}
+    other |= {"eaglebatch._native" for n in body if names_native(n)}
     return own, other
 
 
@@ -138,11 +137,11 @@ def lazy_import_faults(mods: dict[str, Path]) -> list[str]:
         for node in lazy_imports(ast.parse("\n".join(lines))):
             targets = imported(name, f, node, mods.keys())
             names = {a.name for a in node.names} if isinstance(node, ast.Import) else set()
-            if not targets and not (names & HEAVY or getattr(node, "module", "") == "eaglebatch"):
-                continue
-            where = f"{f.relative_to(ROOT)}:{node.lineno}"
             if names_native(node):
                 targets = set()
+            elif not targets and not names & HEAVY:
+                continue
+            where = f"{f.relative_to(ROOT)}:{node.lineno}"
             if targets and not any(heavy(m) for m in targets):
                 faults.append(f"{where}: lazy import of {sorted(targets)} pulls nothing heavy:"
                               " import it at the top")
@@ -152,17 +151,22 @@ def lazy_import_faults(mods: dict[str, Path]) -> list[str]:
     return faults
 
 
-def lazy_imports(tree: ast.Module):
-    """The import statements inside the module's functions."""
+def lazy_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """The import statements inside the module's functions, each once (a nested function's
+    are inside its enclosing one too)."""
+    found = {}
     for fn in ast.walk(tree):
         if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            yield from (n for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom)))
+            found |= {id(n): n for n in ast.walk(fn) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    return sorted(found.values(), key=lambda n: n.lineno)
 
 
 def names_native(node: ast.Import | ast.ImportFrom) -> bool:
-    """`from eaglebatch import _native` or `import eaglebatch._native`: the extension (heavy)."""
+    """`from eaglebatch import _native`, `from eaglebatch._native import x` or `import
+    eaglebatch._native`: the extension (heavy)."""
     if isinstance(node, ast.ImportFrom):
-        return node.module == "eaglebatch" and any(a.name == "_native" for a in node.names)
+        return node.module == "eaglebatch._native" or (
+            node.module == "eaglebatch" and any(a.name == "_native" for a in node.names))
     return any(a.name == "eaglebatch._native" for a in node.names)
 
 

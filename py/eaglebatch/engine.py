@@ -133,7 +133,7 @@ def renders_chat(job: JobConfig, batch_chat: bool) -> bool:
 def check_chat_template(text: str, origin: str) -> None:
     """Raises JobError naming `origin` (the job key and file, or the model's template) when the
     chat template does not compile: the check the reader's compile makes, before any model."""
-    # lazy: torch and the extension, which validate and status never need
+    # lazy: the extension, loaded only when a template is checked
     from eaglebatch import _native
 
     try:
@@ -305,6 +305,7 @@ def build_scheduler(
     prep: PreparedJob, worker, metadata: dict[str, str], skip_rows=None, scope: RunScope = WHOLE,
     skip_samples=None,
 ):
+    # lazy: the extension, which validate and status never need
     from eaglebatch._native import Scheduler
 
     return Scheduler(scheduler_config(prep, worker, metadata, skip_rows, scope, skip_samples))
@@ -372,7 +373,7 @@ def write_batch_results(prep: PreparedJob) -> None:
     out = prep.job.output
     if out.results_file is None:
         return
-    # lazy: torch and the extension, which validate and status never need
+    # lazy: pyarrow, only for an openai-batch job's results file
     from eaglebatch.output.openai_results import CHAT, write_results
 
     chat = prep.job.input.renders_chat

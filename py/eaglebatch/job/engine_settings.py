@@ -28,9 +28,8 @@ class EngineSettings:
     cpu_gemm: bool  # the native small GEMM runs the linears (threads: the worker's process's)
     quantized: bool  # the CPU steps read the model's GGUF blocks
     max_model_len: int
-    # K (speculative.num_steps, 0 without a draft) and W = max_draft_tokens >= K, the widest
-    # round (prompt lookup's width when larger): JobConfig.max_draft_tokens, the one rule
-    num_steps: int
+    # W, the widest verify round (0 without a draft): K = speculative.num_steps, or prompt
+    # lookup's width when larger (JobConfig.max_draft_tokens, the one rule)
     max_draft_tokens: int
 
     @property
@@ -41,8 +40,6 @@ class EngineSettings:
 def resolve_engine(job: JobConfig, mf: ModelFiles, model_len: int) -> EngineSettings:
     """The job's engine section for this process's machine (model_len: config.json's)."""
     eng = job.engine
-    if eng.num_threads is not None:  # before the CPU kernels' thread count is read
-        torch.set_num_threads(eng.num_threads)
     device = resolve_device(eng.device)
     dtype = resolve_dtype(eng.dtype, device)
     threads = resolve_small_gemm(eng.cpu_gemm, device, dtype)
@@ -55,7 +52,6 @@ def resolve_engine(job: JobConfig, mf: ModelFiles, model_len: int) -> EngineSett
         cpu_gemm=threads > 0,
         quantized=resolve_weights(eng.weights, threads, mf),
         max_model_len=resolve_max_model_len(eng.max_model_len, model_len),
-        num_steps=job.speculative.num_steps if job.draft is not None else 0,
         max_draft_tokens=job.max_draft_tokens,
     )
 

@@ -254,6 +254,7 @@ def kept_columns(job: JobConfig, files: list[Path]) -> tuple[str, ...]:
     keep = job.output.keep_columns
     if not keep or not files:
         return ()
+    # lazy: the extension, only for a job that keeps input columns
     from eaglebatch._native import OUTPUT_COLUMNS
 
     if keep == "*":

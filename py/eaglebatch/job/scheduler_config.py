@@ -36,12 +36,9 @@ JOB_SECTIONS = {"input": InputConfig, "output": OutputConfig, "sampling": Sampli
 
 def _job(section: str, key: str) -> Any:
     """The field's default: the job schema's default of `section.key` (copied when mutable)."""
-    info = JOB_SECTIONS[section].model_fields[key]
-    default = info.get_default(call_default_factory=True)
-    if isinstance(default, tuple | list):
-        return field(default_factory=lambda: list(default))
-    if isinstance(default, Mapping):
-        return field(default_factory=lambda: dict(default))
+    default = JOB_SECTIONS[section].model_fields[key].get_default(call_default_factory=True)
+    if isinstance(default, tuple | list | Mapping):
+        return field(default_factory=lambda: _plain(default))
     return default
 
 
@@ -135,8 +132,8 @@ def from_job(job: JobConfig, **resolved: Any) -> SchedulerConfig:
 
 
 def _plain(value: Any) -> Any:
-    """Tuples as lists and mappings as dicts, as the Rust side reads them."""
-    if isinstance(value, tuple):
+    """Tuples (and lists) as new lists and mappings as dicts, as the Rust side reads them."""
+    if isinstance(value, tuple | list):
         return list(value)
     if isinstance(value, Mapping):
         return dict(value)

@@ -34,10 +34,11 @@ Plans (see _native.pyi and the speculative plan contract):
     Without the adaptive policy a row's n_i depends only on its own sequence, so sampled
     output does not depend on the batch.
   * deferred extends (adaptive policy, eager steps; README): a round of k = 0 keeps each row's
-    extend input (its new token, the target's captured states) for up to MAX_DEFERRED rounds,
-    and the next round with k > 0 first extends the draft over all of them in one forward. A
-    row with more deferred rounds becomes "stale": it leaves the head for good (drafts by
-    prompt lookup or not at all), and the policy counts only the rows that can still draft.
+    extend input (its new token, the target's captured states) for up to MAX_DEFERRED rounds
+    (slots.py), and the next round with k > 0 first extends the draft over all of them in one
+    forward. A row with more deferred rounds becomes "stale": it leaves the head for good
+    (drafts by prompt lookup or not at all), and the policy counts only the rows that can still
+    draft.
     Where drafting cannot pay at the batch size new rows join whatever the acceptance (the
     policy measured a round of k = 1 at twice the cost of k = 0: a CPU at large batches), they
     start stale: their prefill neither captures the target's states nor runs the head, and a
@@ -83,7 +84,7 @@ from eaglebatch.speculative.round import (
     RoundShape,
     Verified,
 )
-from eaglebatch.speculative.slots import MAX_DEFERRED, SlotStates
+from eaglebatch.speculative.slots import SlotStates
 from eaglebatch.speculative.verify import deterministic_rows, verify, verify_greedy_host
 from eaglebatch.transfer import to_device
 from eaglebatch.worker import (
@@ -95,7 +96,6 @@ from eaglebatch.worker import (
 )
 
 TREE_UNSUPPORTED = "speculative.topk > 1 (tree drafting) is not supported yet"
-__all__ = ["MAX_DEFERRED", "SpecStats", "SpecWorker", "TREE_UNSUPPORTED"]
 
 
 @dataclass
@@ -118,7 +118,7 @@ class SpecStats:
         return dataclasses.asdict(self)
 
 
-class Clock:
+class _Clock:
     """Wall-clock marks; CUDA events on GPU so that timing adds no synchronisation (the marks
     are read after the step's final device-to-host copy)."""
 
@@ -186,7 +186,7 @@ class SpecWorker:
         self.running_rows = 0
         self._init_policies(max_batch_size, adaptive, prompt_lookup, most)
         self.stats = SpecStats()
-        self._clock = Clock(self.device)
+        self._clock = _Clock(self.device)
         self.graphs: SpecGraphs | None = None  # enable_graphs
 
     def _fit_rotary(self, most: int) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from eaglebatch._native import render_chat_template
 from eaglebatch.engine import prepare, run_prepared
 from eaglebatch.errors import JobError
 from eaglebatch.job.config import EngineConfig, JobConfig, OutputConfig, SamplingConfig
@@ -40,8 +41,6 @@ class PromptEncoder:
         self.column = job.input.messages_column or job.input.text_column
 
     def __call__(self, value) -> list[int] | None:
-        from eaglebatch._native import render_chat_template
-
         if value is None or (isinstance(value, str) and not value.strip()):
             return None
         if not self.chat:

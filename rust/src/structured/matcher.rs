@@ -1,6 +1,7 @@
 //! Compiled grammars, once per distinct format, and one matcher per row.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use llguidance::toktrie::TokEnv;
@@ -19,7 +20,7 @@ pub struct Grammars {
     vocab_size: usize,
     // format key -> the compiled prototype (rows get deep clones), or why it does not compile
     cache: Mutex<HashMap<String, std::result::Result<Matcher, String>>>,
-    compiled: Mutex<usize>,
+    compiled: AtomicUsize,
 }
 
 impl Grammars {
@@ -32,7 +33,7 @@ impl Grammars {
             factory,
             vocab_size,
             cache: Mutex::new(HashMap::new()),
-            compiled: Mutex::new(0),
+            compiled: AtomicUsize::new(0),
         })
     }
 
@@ -45,7 +46,7 @@ impl Grammars {
             if cache.len() >= MOST_CACHED {
                 cache.clear();
             }
-            *self.compiled.lock().expect("compile count") += 1;
+            self.compiled.fetch_add(1, Ordering::Relaxed);
             cache.insert(key.clone(), self.compile(format));
         }
         let prototype = cache[&key].as_ref().map_err(Clone::clone)?;
@@ -65,7 +66,7 @@ impl Grammars {
 
     /// How many formats were compiled so far (cache misses).
     pub fn compiled(&self) -> usize {
-        *self.compiled.lock().expect("compile count")
+        self.compiled.load(Ordering::Relaxed)
     }
 
     /// u32 words of one mask.
