@@ -142,6 +142,23 @@ def check_chat_template(text: str, origin: str) -> None:
         raise JobError(f"{origin}: the chat template does not compile: {e}") from None
 
 
+def check_response_format(job: JobConfig, mf: ModelFiles, vocab_size: int) -> None:
+    """Raises JobError when the job's sampling.response_format does not compile for the model's
+    tokenizer: before any model loads (a row's own format is that row's error instead)."""
+    if job.sampling.response_format is None:
+        return
+    # lazy: the extension, loaded only when a job constrains its outputs
+    from eaglebatch import _native
+
+    try:
+        _native.check_response_format(
+            job.sampling.response_format_json(), str(mf.tokenizer_file), vocab_size,
+            list(mf.eos_token_ids),
+        )  # fmt: skip
+    except _native.UserInputError as e:
+        raise JobError(str(e)) from None
+
+
 def template_origin(job: JobConfig, mf: ModelFiles) -> str:
     """Where the job's chat template comes from, for messages."""
     if job.model_chat_template is not None:
@@ -169,6 +186,7 @@ def prepare(job: JobConfig) -> PreparedJob:
     draft = resolve_draft_dir(job.draft) if job.draft is not None else None
     _check_draft(draft)
     engine, vocab_size = _check_model_config(job, mf)
+    check_response_format(job, mf, vocab_size)
     identity = job_identity(job, files, mf, draft, engine.dtype_name, engine.max_model_len)
     if job.output.results_file is not None:
         check_results_path(job.output.results_file, Path(job.output.path),
@@ -308,7 +326,10 @@ def build_scheduler(
     # lazy: the extension, which validate and status never need
     from eaglebatch._native import Scheduler
 
-    return Scheduler(scheduler_config(prep, worker, metadata, skip_rows, scope, skip_samples))
+    scheduler = Scheduler(scheduler_config(prep, worker, metadata, skip_rows, scope, skip_samples))
+    if hasattr(worker, "grammar"):  # a SpecWorker validates its drafts against the grammars
+        worker.grammar = scheduler.draft_masks
+    return scheduler
 
 
 def build_worker(prep: PreparedJob, graph_mode: str | None = None):

@@ -10,9 +10,11 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::sampling_params::{SamplingParams, COLUMN_KEYS};
+use crate::structured::ResponseFormat;
 
 #[derive(Debug, Clone, Default)]
 pub struct SchedulerConfig {
@@ -85,6 +87,9 @@ pub struct SchedulerConfig {
     /// Top alternatives per prompt token in the `prompt_logprobs` column (0 = no column);
     /// such requests compute their whole prompt (no prefix-cache hit).
     pub prompt_logprobs: u32,
+    /// Structured output: the job's `sampling.response_format` as JSON text ("" = none; a
+    /// row's column or batch line may set its own).
+    pub response_format: String,
     /// Per-row sampling: sampling key -> input column whose non-null values override the job's
     /// (sampling_params.rs; read by reader/columns.rs).
     pub sampling_columns: BTreeMap<String, String>,
@@ -315,12 +320,31 @@ impl SchedulerConfig {
             skip_special_tokens: self.skip_special_tokens,
             vocab_size: self.vocab_size,
             n: self.n,
+            response_format: self.job_response_format().ok().flatten().map(Arc::new),
         }
+    }
+
+    /// The job's response_format, parsed (None: none, or `{"type": "text"}`).
+    pub fn job_response_format(&self) -> std::result::Result<Option<ResponseFormat>, String> {
+        match self.response_format.trim() {
+            "" => Ok(None),
+            text => ResponseFormat::parse_request(text),
+        }
+    }
+
+    /// Whether a row may be structured: the job, a sampling column or a batch line may set a
+    /// response_format (the output then has a `structured` column).
+    pub fn may_be_structured(&self) -> bool {
+        !self.response_format.trim().is_empty()
+            || self.sampling_columns.contains_key("response_format")
+            || self.openai_batch()
     }
 
     /// Sampling parameters: in their ranges (`SamplingParams::check`, the rule every row's
     /// overrides meet too), n > 1 only when sampling, known sampling-column keys.
     fn validate_sampling(&self) -> Result<()> {
+        self.job_response_format()
+            .map_err(|e| Error::user(format!("sampling.{e}")))?;
         self.sampling_params().check().map_err(Error::user)?;
         if self.n > 1 && self.temperature == 0.0 {
             return Err(Error::user(format!(

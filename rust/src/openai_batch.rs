@@ -21,6 +21,7 @@ use crate::error::{Error, Result};
 use crate::openai_keys::{check_body, check_message_key, shown, Body, Endpoint};
 pub use crate::openai_keys::{CHAT_URL, COMPLETIONS_URL};
 use crate::sampling_params::{row_seed, to_f32, SamplingParams, MAX_SAMPLES};
+use crate::structured::ResponseFormat;
 
 /// What a line asks to generate from.
 #[derive(Debug, Clone, PartialEq)]
@@ -284,12 +285,7 @@ fn body_sampling(
     if let Some(v) = int(body, "seed")? {
         p.seed = row_seed(v);
     }
-    if let Some(v) = uint(body, "n")? {
-        if v == 0 || v > MAX_SAMPLES as u64 {
-            return Err(format!("body.n = {v} is out of range (1 to {MAX_SAMPLES})"));
-        }
-        p.n = v as usize;
-    }
+    p.n = samples(body)?.unwrap_or(p.n);
     for (k, field) in [
         ("temperature", &mut p.temperature),
         ("top_p", &mut p.top_p),
@@ -313,6 +309,10 @@ fn body_sampling(
     p.stop_token_ids = token_ids(body, "stop_token_ids")?.unwrap_or(p.stop_token_ids);
     p.stop = stop(body)?.unwrap_or(p.stop);
     p.logprobs = logprobs(body, chat)?.unwrap_or(p.logprobs);
+    if let Some(v) = given(body, "response_format") {
+        let format = ResponseFormat::of_request(v).map_err(|e| format!("body.{e}"))?;
+        p.response_format = format.map(Arc::new);
+    }
     p.check().map_err(|e| format!("body: {e}"))?;
     if p.n > 1 && p.temperature == 0.0 {
         return Err(format!(
@@ -321,6 +321,16 @@ fn body_sampling(
         ));
     }
     Ok(Arc::new(p))
+}
+
+/// `n`, in 1..=MAX_SAMPLES.
+fn samples(body: &Map<String, Value>) -> Parsed<usize> {
+    match uint(body, "n")? {
+        Some(v) if v == 0 || v > MAX_SAMPLES as u64 => {
+            Err(format!("body.n = {v} is out of range (1 to {MAX_SAMPLES})"))
+        }
+        v => Ok(v.map(|v| v as usize)),
+    }
 }
 
 fn stop(body: &Map<String, Value>) -> std::result::Result<Option<Vec<String>>, String> {
@@ -510,8 +520,8 @@ mod tests {
     fn other_values_and_unknown_keys_are_error_lines_naming_them() {
         for (extra, want) in [
             (
-                r#""response_format": {"type": "json_object"}"#,
-                "body.response_format = ",
+                r#""response_format": {"type": "json"}"#,
+                "body.response_format type \"json\"",
             ),
             (r#""logit_bias": {"7": 5}"#, "body.logit_bias = "),
             (r#""tool_choice": "required""#, "body.tool_choice = "),

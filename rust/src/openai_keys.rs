@@ -110,15 +110,6 @@ const NO_BIAS: Rule = Rule::NoOp(
     "{} or biases of 0",
 );
 
-/// `response_format`: plain text, what every line generates.
-const TEXT_FORMAT: Rule = Rule::NoOp(
-    |v, _| {
-        v.as_object()
-            .is_some_and(|m| m.len() == 1 && m.get("type").is_some_and(|t| t == "text"))
-    },
-    "{\"type\": \"text\"}",
-);
-
 /// `tool_choice` / `function_call`: no call ("none", or "auto" with nothing to call).
 const NO_CALL: Rule = Rule::NoOp(
     |v, b| v == "none" || (v == "auto" && b.no_tools()),
@@ -149,6 +140,7 @@ const KEYS: &[(&str, Scope, Rule)] = &[
     ("stop_token_ids", Scope::Both, Rule::Applied),
     ("include_stop_str_in_output", Scope::Both, Rule::Applied),
     ("skip_special_tokens", Scope::Both, Rule::Applied),
+    ("response_format", Scope::Both, Rule::Applied),
     // Names, billing and routing: the output is the same whatever they say.
     ("model", Scope::Both, Rule::Metadata),
     ("user", Scope::Both, Rule::Metadata),
@@ -166,7 +158,6 @@ const KEYS: &[(&str, Scope, Rule)] = &[
     ("stream_options", Scope::Both, NULL_ONLY),
     ("store", Scope::Chat, FALSE),
     ("logit_bias", Scope::Both, NO_BIAS),
-    ("response_format", Scope::Both, TEXT_FORMAT),
     ("tools", Scope::Chat, EMPTY_LIST),
     ("functions", Scope::Chat, EMPTY_LIST),
     ("tool_choice", Scope::Chat, NO_CALL),
@@ -341,10 +332,6 @@ mod tests {
             {"50256": 0}, "add_special_tokens": true});
         assert_eq!(check(completions, Endpoint::Completions), Ok(()));
         for (body, key) in [
-            (
-                json!({"response_format": {"type": "json_object"}}),
-                "response_format",
-            ),
             (json!({"tools": [{"type": "function"}]}), "tools"),
             (json!({"tool_choice": "required"}), "tool_choice"),
             (json!({"stream": true}), "stream"),

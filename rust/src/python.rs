@@ -92,6 +92,14 @@ pub struct PyStepPlan {
     #[pyo3(get)]
     prev_rows: Py<PyArray1<i32>>,
     #[pyo3(get)]
+    mask_rows: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    token_masks: Py<PyArray2<u32>>,
+    #[pyo3(get)]
+    forced_ids: Py<PyArray1<i64>>,
+    #[pyo3(get)]
+    cu_forced: Py<PyArray1<i32>>,
+    #[pyo3(get)]
     max_seqlen_q: usize,
     #[pyo3(get)]
     max_seqlen_k: usize,
@@ -117,6 +125,9 @@ impl PyStepPlan {
             .reshape([b, p.block_table_width])?;
         let num_copies = p.block_copies.len() / 2;
         let copies = p.block_copies.into_pyarray(py).reshape([num_copies, 2])?;
+        let words = p.mask_words.max(1);
+        let num_masks = p.token_masks.len() / words;
+        let masks = p.token_masks.into_pyarray(py).reshape([num_masks, words])?;
         Ok(PyStepPlan {
             kind: p.kind.as_str(),
             num_seqs: b,
@@ -151,6 +162,10 @@ impl PyStepPlan {
             block_copies: copies.unbind(),
             next_ids: p.next_ids.into_pyarray(py).unbind(),
             prev_rows: p.prev_rows.into_pyarray(py).unbind(),
+            mask_rows: p.mask_rows.into_pyarray(py).unbind(),
+            token_masks: masks.unbind(),
+            forced_ids: p.forced_ids.into_pyarray(py).unbind(),
+            cu_forced: p.cu_forced.into_pyarray(py).unbind(),
             max_seqlen_q: p.max_seqlen_q,
             max_seqlen_k: p.max_seqlen_k,
         })
@@ -285,6 +300,30 @@ impl PyScheduler {
         }
     }
 
+    /// Structured output: the pending verify plan's constrained rows, their valid draft
+    /// counts and their masks per verify position, given the worker's drafts int64 [B, k]
+    /// (`Scheduler::draft_masks`): (rows int32 [R], valid int32 [R], masks uint32 [R, k+1,
+    /// words]).
+    #[allow(clippy::type_complexity)]
+    fn draft_masks<'py>(
+        &mut self,
+        py: Python<'py>,
+        drafts: PyReadonlyArray2<'py, i64>,
+    ) -> PyResult<(
+        Bound<'py, PyArray1<i32>>,
+        Bound<'py, PyArray1<i32>>,
+        Bound<'py, numpy::PyArray3<u32>>,
+    )> {
+        let k = drafts.shape()[1];
+        let flat: Vec<i64> = drafts.as_array().iter().copied().collect();
+        let inner = &mut self.inner;
+        let m = py.detach(|| inner.draft_masks(&flat, k)).map_err(to_py)?;
+        let r = m.rows.len();
+        let words = m.words.max(1);
+        let masks = m.masks.into_pyarray(py).reshape([r, k + 1, words])?;
+        Ok((m.rows.into_pyarray(py), m.valid.into_pyarray(py), masks))
+    }
+
     fn set_plain_steps(&mut self, on: bool) {
         self.inner.set_plain_steps(on);
     }
@@ -325,6 +364,22 @@ impl PyScheduler {
         }
         Ok(d)
     }
+}
+
+/// Structured output: raises UserInputError when a job's response_format (JSON text) does not
+/// parse or compile for the tokenizer file; called before the model loads.
+#[pyfunction]
+fn check_response_format(
+    py: Python<'_>,
+    text: String,
+    tokenizer_file: std::path::PathBuf,
+    vocab_size: usize,
+    eos_token_ids: Vec<u32>,
+) -> PyResult<()> {
+    py.detach(|| {
+        crate::structured::check_job_format(&text, &tokenizer_file, vocab_size, &eos_token_ids)
+    })
+    .map_err(to_py)
 }
 
 /// Renders a Hugging Face chat template (minijinja); exposed for parity tests.
@@ -389,6 +444,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyStepPlan>()?;
     m.add_function(wrap_pyfunction!(render_chat_template, m)?)?;
     m.add_function(wrap_pyfunction!(check_chat_template, m)?)?;
+    m.add_function(wrap_pyfunction!(check_response_format, m)?)?;
     m.add("OUTPUT_COLUMNS", crate::writer::OUTPUT_COLUMNS.to_vec())?;
     m.add("SCHEDULER_CONFIG_FIELDS", scheduler_config::FIELDS.to_vec())?;
     crate::cpu::bindings::register(m)

@@ -8,6 +8,10 @@
 //! the column. The scheduler reads its stop conditions from here, the plan its per-row arrays.
 //! A domain type: this module reads neither the config nor Arrow.
 
+use std::sync::Arc;
+
+use crate::structured::ResponseFormat;
+
 /// The most top-logprob alternatives a request may ask for (vLLM's default limit).
 pub const MAX_LOGPROBS: u32 = 20;
 
@@ -52,6 +56,9 @@ pub struct SamplingParams {
     pub vocab_size: usize,
     /// Samples of the row (`sampling.n`, or an OpenAI Batch line's `n`), 1..=`MAX_SAMPLES`.
     pub n: usize,
+    /// What the output must match (structured output), if anything: the job's
+    /// `sampling.response_format`, a row's column or a batch line's body.
+    pub response_format: Option<Arc<ResponseFormat>>,
 }
 
 /// The most samples of one row; resume keys a row's samples `row_index * MAX_SAMPLES +
@@ -59,7 +66,7 @@ pub struct SamplingParams {
 pub const MAX_SAMPLES: usize = 4096;
 
 /// Keys `sampling_columns` may map (reader/columns.rs reads each by its kind).
-pub const COLUMN_KEYS: [&str; 16] = [
+pub const COLUMN_KEYS: [&str; 17] = [
     "max_new_tokens",
     "min_new_tokens",
     "temperature",
@@ -76,6 +83,7 @@ pub const COLUMN_KEYS: [&str; 16] = [
     "stop_token_ids",
     "include_stop_str_in_output",
     "skip_special_tokens",
+    "response_format",
 ];
 
 impl SamplingParams {

@@ -53,6 +53,7 @@ use crate::reader::{
 use crate::sampling_params::{SamplingParams, MAX_SAMPLES};
 use crate::sequence::{FinishReason, Request, Sequence, Status, StopReason, Timing};
 use crate::stats::{Stats, Summary, SummaryValue};
+use crate::structured::{Grammars, RowMatcher};
 use crate::writer::{OutputRow, Writer, WriterConfig, WriterSummary};
 use admission::register_computed;
 
@@ -130,6 +131,16 @@ pub struct StepPlan {
     /// Overlap: per row, the row of the pending plan whose sampled token is this row's last
     /// query token (its `input_ids` entry is -1 until the worker fills it in), else -1.
     pub prev_rows: Vec<i32>,
+    /// Structured output (scheduler/structured.rs): per row, its mask's index in
+    /// `token_masks` (-1: none; prefill and decode rows that sample only), and the masks,
+    /// `[M, mask_words]` u32 (bit t % 32 of word t / 32: token t allowed).
+    pub mask_rows: Vec<i32>,
+    pub token_masks: Vec<u32>,
+    pub mask_words: usize,
+    /// Verify plans: each constrained row's forced tokens (at most W), row i's
+    /// `forced_ids[cu_forced[i]..cu_forced[i + 1]]`.
+    pub forced_ids: Vec<i64>,
+    pub cu_forced: Vec<i32>,
     pub max_seqlen_q: usize,
     pub max_seqlen_k: usize,
 }
@@ -185,6 +196,11 @@ impl StepPlan {
             block_copies: Vec::new(),
             next_ids: Vec::with_capacity(b),
             prev_rows: Vec::with_capacity(b),
+            mask_rows: vec![-1; b],
+            token_masks: Vec::new(),
+            mask_words: 0,
+            forced_ids: Vec::new(),
+            cu_forced: vec![0],
             max_seqlen_q: 0,
             max_seqlen_k: 0,
         }
@@ -521,6 +537,7 @@ fn writer_config(
         include_token_ids: cfg.include_token_ids,
         logprobs: cfg.writes_logprobs(),
         prompt_logprobs: cfg.prompt_logprobs > 0,
+        structured: cfg.may_be_structured(),
         endpoint: cfg.openai_batch(),
         id_type: spec.id_type.clone(),
         kept: spec.kept.clone(),
@@ -618,6 +635,8 @@ pub struct Scheduler {
     watermark: usize,
     stats: Stats,
     finished: bool,
+    /// Structured output's grammar compiler, built at the first constrained row.
+    grammars: Option<Arc<Grammars>>,
 }
 
 impl Scheduler {
@@ -693,6 +712,7 @@ impl Scheduler {
             last_run_id: 0,
             stats,
             finished: false,
+            grammars: None,
         })
     }
 
@@ -829,7 +849,16 @@ impl Scheduler {
         let samples: Vec<u32> = (0..n)
             .filter(|&s| !self.skip_samples.contains(&key(s)))
             .collect();
-        match self.admission_error(&req) {
+        let mut error = self.admission_error(&req);
+        let mut matcher = None;
+        if error.is_none() && !samples.is_empty() {
+            match self.row_matcher(&req.sampling)? {
+                Some(Err(msg)) => error = Some(msg),
+                Some(Ok(m)) => matcher = Some(m),
+                None => {}
+            }
+        }
+        match error {
             Some(msg) => {
                 for s in samples {
                     self.write_error_row(req.clone(), s, msg.clone())?;
@@ -839,6 +868,8 @@ impl Scheduler {
                 for s in samples {
                     let mut seq = Sequence::new(req.clone(), s);
                     seq.prompt_logprobs_k = self.cfg.prompt_logprobs;
+                    seq.matcher = matcher.as_ref().map(RowMatcher::fork);
+                    self.stats.structured_rows += seq.matcher.is_some() as u64;
                     self.waiting.push_back(seq);
                 }
             }
@@ -925,6 +956,7 @@ impl Scheduler {
             logprobs: None,
             prompt_logprobs: None,
             text_ids: None,
+            structured: None,
             skip_special_tokens: true,
             endpoint: req.endpoint.map(Endpoint::url),
         })
@@ -1030,6 +1062,7 @@ impl Scheduler {
     /// followed by W placeholders (0) at L..L+W-1; the worker fills them with draft tokens and
     /// the commit decides how many became real.
     fn build_plan(&mut self, kind: StepKind, start: usize, rows: usize) -> Result<StepPlan> {
+        let rows_n = rows;
         let lookahead = if kind == StepKind::Verify {
             self.cfg.max_draft_tokens
         } else {
@@ -1072,6 +1105,13 @@ impl Scheduler {
                 register_computed(&mut self.bm, seq)?;
             }
         }
+        if kind == StepKind::Verify {
+            self.push_forced(&mut p, start, rows_n);
+        } else {
+            let samples: Vec<bool> = plan_rows.iter().map(|r| r.samples).collect();
+            self.push_masks(&mut p, start, &samples);
+        }
+        p.mask_words = self.grammars.as_ref().map_or(0, |g| g.mask_words());
         self.pending.push_back(PendingPlan {
             kind,
             rows: plan_rows,
@@ -1275,7 +1315,7 @@ impl Scheduler {
     /// Turns a finished sequence into its output row (and records its statistics). An error
     /// row has no text, no output tokens and no timings; a row's text is decoded by the
     /// writer thread (`OutputRow::text_ids`), unless a stop string cut it.
-    fn output_row(&mut self, seq: Sequence) -> OutputRow {
+    fn output_row(&mut self, mut seq: Sequence) -> OutputRow {
         let reason = seq.finish_reason.unwrap_or(FinishReason::Error);
         let error = seq.error.is_some() || reason == FinishReason::Error;
         // the text of a row without stop strings: one decode, on the writer's thread
@@ -1290,11 +1330,8 @@ impl Scheduler {
             t.record(&mut self.stats);
             t
         };
-        // Mean tokens per verify round (accepted drafts + the target's token, after truncation).
-        let accept_length = match (seq.spec_steps, seq.spec_tokens) {
-            (Some(steps), Some(toks)) if steps > 0 => Some(toks as f64 / steps as f64),
-            _ => None,
-        };
+        let accept_length = seq.accept_length();
+        let structured = seq.matcher.as_mut().map(RowMatcher::is_accepting);
         OutputRow {
             id: seq.id,
             row_index: seq.row_index,
@@ -1331,6 +1368,7 @@ impl Scheduler {
                 Vec::new()
             },
             text_ids,
+            structured: structured.filter(|_| !error),
             skip_special_tokens: seq.sampling.skip_special_tokens,
             endpoint: seq.endpoint.map(Endpoint::url),
         }
@@ -1450,6 +1488,9 @@ fn append_tokens(
             seq.finish(FinishReason::Stop, now);
             break;
         }
+        if advance_grammar(seq, t, now) {
+            break;
+        }
         if extend_text(seq, tokenizer, may_stop, now) {
             break;
         }
@@ -1459,6 +1500,27 @@ fn append_tokens(
         }
     }
     appended
+}
+
+/// A constrained row's matcher consumes its new token `t`; returns whether the row finished:
+/// its grammar admits nothing more (`stop`), or it refused `t` (an error row: the worker
+/// sampled outside the row's mask).
+fn advance_grammar(seq: &mut Sequence, t: u32, now: Instant) -> bool {
+    let Some(m) = seq.matcher.as_mut() else {
+        return false;
+    };
+    if let Err(e) = m.consume(&[t]) {
+        seq.error = Some(format!(
+            "token {t} is outside the row's response_format: {e}"
+        ));
+        seq.finish(FinishReason::Error, now);
+        return true;
+    }
+    if m.is_stopped() {
+        seq.finish(FinishReason::Stop, now);
+        return true;
+    }
+    false
 }
 
 /// Appends the text of a stop-string row's newest token and finishes the row when a stop
@@ -1526,6 +1588,8 @@ mod chunked;
 #[cfg(test)]
 mod kept_tests;
 mod overlap;
+mod structured;
+pub use structured::DraftMasks;
 #[cfg(test)]
 mod overlap_tests;
 #[cfg(test)]

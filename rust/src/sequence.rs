@@ -21,6 +21,7 @@ use crate::detokenizer::IncrementalDetokenizer;
 use crate::logprobs::TokenLogprob;
 use crate::openai_keys::Endpoint;
 use crate::sampling_params::SamplingParams;
+use crate::structured::RowMatcher;
 
 /// One input row after reading, templating and tokenization.
 #[derive(Debug, Clone)]
@@ -154,6 +155,9 @@ pub struct Sequence {
     /// Overlap: the last output id stands for the token the oldest pending plan samples for
     /// this row (`PLACEHOLDER`), set by its commit (scheduler/overlap.rs).
     pub placeholder: bool,
+    /// Structured output: where the row's output stands in its grammar (a response_format
+    /// row), having consumed exactly its committed output tokens.
+    pub matcher: Option<RowMatcher>,
 }
 
 /// The id of a placeholder output token (never a vocabulary id).
@@ -199,6 +203,15 @@ impl Sequence {
             prompt_logprobs_k: 0,
             run_id: 0,
             placeholder: false,
+            matcher: None,
+        }
+    }
+
+    /// Mean tokens per verify round (accepted drafts + the target's token, after truncation).
+    pub fn accept_length(&self) -> Option<f64> {
+        match (self.spec_steps, self.spec_tokens) {
+            (Some(steps), Some(toks)) if steps > 0 => Some(toks as f64 / steps as f64),
+            _ => None,
         }
     }
 

@@ -83,6 +83,11 @@ pub struct Stats {
     pub latency: Reservoir,
     pub ttft: Reservoir,
     pub tpot: Reservoir,
+    /// Structured output: rows with a response_format, grammars compiled, and the seconds each
+    /// step spent computing token masks (steps with a constrained row).
+    pub structured_rows: u64,
+    pub grammar_compiles: u64,
+    pub mask_seconds: Reservoir,
 }
 
 impl Stats {
@@ -104,6 +109,9 @@ impl Stats {
             latency: Reservoir::new(RESERVOIR),
             ttft: Reservoir::new(RESERVOIR),
             tpot: Reservoir::new(RESERVOIR),
+            structured_rows: 0,
+            grammar_compiles: 0,
+            mask_seconds: Reservoir::new(RESERVOIR),
         }
     }
 }
@@ -137,10 +145,13 @@ impl Stats {
         s.insert("spec_steps".into(), int(self.spec_steps));
         s.insert("accepted_tokens".into(), int(self.accepted_tokens));
         s.insert("spec_tokens".into(), int(self.spec_tokens));
+        s.insert("structured_rows".into(), int(self.structured_rows));
+        s.insert("grammar_compiles".into(), int(self.grammar_compiles));
         for (name, r, qs) in [
             ("latency", &self.latency, &[50.0, 90.0, 99.0][..]),
             ("ttft", &self.ttft, &[50.0, 99.0][..]),
             ("tpot", &self.tpot, &[50.0, 99.0][..]),
+            ("mask_seconds", &self.mask_seconds, &[50.0, 99.0][..]),
         ] {
             for &q in qs {
                 s.insert(format!("{name}_p{q}"), SummaryValue::Float(r.percentile(q)));

@@ -22,5 +22,25 @@ pub use matcher::{Grammars, RowMatcher};
 pub use response_format::ResponseFormat;
 pub use token_env::token_env;
 
+/// Whether the JSON text of a job's response_format compiles for the tokenizer at `path`
+/// (the model's `vocab_size` and EOS ids); the user error names the reason.
+pub fn check_job_format(
+    text: &str,
+    path: &std::path::Path,
+    vocab_size: usize,
+    eos: &[u32],
+) -> crate::error::Result<()> {
+    use crate::error::Error;
+    let user = |e: String| Error::user(format!("sampling.{e}"));
+    let Some(format) = ResponseFormat::parse_request(text).map_err(user)? else {
+        return Ok(());
+    };
+    let tok = tokenizers::Tokenizer::from_file(path)
+        .map_err(|e| Error::user(format!("cannot load tokenizer {}: {e}", path.display())))?;
+    let vocab = vocab_size.max(tok.get_vocab_size(true));
+    let grammars = Grammars::new(&token_env(&tok, vocab, eos)?, vocab)?;
+    grammars.matcher(&format).map(drop).map_err(user)
+}
+
 #[cfg(test)]
 mod tests;

@@ -78,6 +78,9 @@ pub struct OutputRow {
     /// thread into `output_text` (so a commit does not pay for finished rows' decodes). A
     /// decode failure makes it an error row there (`WriterSummary::decode_errors`).
     pub text_ids: Option<Vec<u32>>,
+    /// A response_format row's output matches its format completely (None: no format, or an
+    /// error row).
+    pub structured: Option<bool>,
     /// How `text_ids` are decoded: without special tokens (the default), or with them.
     pub skip_special_tokens: bool,
     /// OpenAI Batch input: the url of the row's line, when it named one eaglebatch serves
@@ -94,6 +97,8 @@ pub struct WriterConfig {
     /// Write the `logprobs` / `prompt_logprobs` columns (logprobs.rs).
     pub logprobs: bool,
     pub prompt_logprobs: bool,
+    /// Write the `structured` column (a row may have a response_format).
+    pub structured: bool,
     /// Write the `endpoint` and `n` columns (OpenAI Batch input: each line's url and n).
     pub endpoint: bool,
     pub id_type: DataType,
@@ -140,6 +145,7 @@ pub const OUTPUT_COLUMNS: &[&str] = &[
     "output_token_ids",
     "logprobs",
     "prompt_logprobs",
+    "structured",
     "endpoint",
     "n",
 ];
@@ -179,6 +185,9 @@ pub fn output_schema(cfg: &WriterConfig) -> SchemaRef {
     }
     if cfg.prompt_logprobs {
         fields.push(crate::logprobs::field("prompt_logprobs"));
+    }
+    if cfg.structured {
+        fields.push(Field::new("structured", DataType::Utf8, true));
     }
     if cfg.endpoint {
         fields.push(Field::new("endpoint", DataType::Utf8, true));
@@ -495,6 +504,12 @@ fn build_batch(schema: &SchemaRef, rows: &[OutputRow], cfg: &WriterConfig) -> Re
             rows.iter().map(|r| r.prompt_logprobs.as_deref()),
         ));
     }
+    if cfg.structured {
+        columns.push(string_column(rows, rows.len() * 10, |r| {
+            r.structured
+                .map(|done| if done { "complete" } else { "incomplete" })
+        }));
+    }
     if cfg.endpoint {
         columns.push(string_column(rows, rows.len() * 20, |r| r.endpoint));
         columns.push(int32_column(rows, |r| Some(r.num_samples)));
@@ -607,6 +622,7 @@ mod tests {
             logprobs: None,
             prompt_logprobs: None,
             text_ids: None,
+            structured: None,
             skip_special_tokens: true,
             endpoint: None,
             stop_reason: None,
@@ -625,6 +641,7 @@ mod tests {
             include_token_ids: true,
             logprobs: false,
             prompt_logprobs: false,
+            structured: false,
             endpoint: false,
             id_type: DataType::Utf8,
             kept: Vec::new(),
@@ -819,6 +836,7 @@ mod tests {
         let dir = TempDir::new("writer-names");
         let mut c = cfg(dir.path(), 1);
         (c.logprobs, c.prompt_logprobs, c.endpoint) = (true, true, true);
+        c.structured = true;
         let schema = output_schema(&c);
         let mut names: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
         let mut want = OUTPUT_COLUMNS.to_vec();

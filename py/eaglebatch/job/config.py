@@ -13,6 +13,7 @@ for 0.5, no 256.0 for an integer; an integer is accepted where a number is).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import struct
@@ -76,6 +77,7 @@ SAMPLING_COLUMN_KEYS = (
     "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "seed",
     "repetition_penalty", "frequency_penalty", "presence_penalty", "stop", "logprobs", "min_p",
     "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
+    "response_format",
 )
 MAX_LOGPROBS = 20
 # The smallest positive sampling.temperature and the smallest repetition_penalty (the same in
@@ -251,6 +253,17 @@ class SamplingConfig(_Section):
     presence_penalty: Annotated[float, F32] = Field(default=0.0, ge=-2.0, le=2.0)
     # samples per input row: n output rows (sample_index 0..n-1) sharing the prompt's KV
     n: int = Field(default=1, ge=1, le=4096)
+    # structured output (docs/structured-output.md): what every row's output must match, as
+    # OpenAI spells it ({type: json_schema, json_schema: {name, schema}}, {type: json_object})
+    # or {type: regex, pattern}, {type: grammar, lark}, {type: choice, choices}; checked and
+    # compiled by the extension before the model loads
+    response_format: dict[str, Any] | None = None
+
+    def response_format_json(self) -> str:
+        """The response_format as the JSON text the scheduler parses ("" = none)."""
+        if self.response_format is None:
+            return ""
+        return json.dumps(self.response_format)  # key order kept: a schema's property order
 
     def end_token_ids(self, eos_token_ids) -> list[int]:
         """The ids that end a request: the model's EOS (unless ignore_eos) and stop_token_ids."""
@@ -326,6 +339,8 @@ class SpeculativeConfig(_Section):
     prompt_lookup_min: int = Field(default=3, ge=0, le=I32_MAX)
     prompt_lookup_max: int = Field(default=5, ge=1, le=I32_MAX)
     prompt_lookup_tokens: int = Field(default=8, ge=1, le=32)
+    # structured output: the tokens a row's grammar forces next are its first drafts
+    forced_drafts: bool = True
 
     @model_validator(mode="after")
     def _chain_only(self) -> SpeculativeConfig:

@@ -156,6 +156,8 @@ def _sampling_check(key: str) -> tuple:
         return _is_stop, "a string or list<string>"
     if key == "stop_token_ids":
         return _is_ids, "a list of integers"
+    if key == "response_format":
+        return is_text, "a string (a response_format's JSON text)"
     if key in _INT_KEYS:
         return is_int, "an integer"
     if key in _BOOL_KEYS:

@@ -95,6 +95,8 @@ class SchedulerConfig:
     repetition_penalty: float = _job("sampling", "repetition_penalty")
     frequency_penalty: float = _job("sampling", "frequency_penalty")
     presence_penalty: float = _job("sampling", "presence_penalty")
+    # structured output: the job's format (read as JSON text by the Rust side; None = none)
+    response_format: dict[str, Any] | None = _job("sampling", "response_format")
     # Paged KV cache and batching.
     num_blocks: int  # the worker's KV budget
     block_size: int = _job("engine", "block_size")

@@ -1,5 +1,5 @@
-"""Per-row logits processing before sampling: `min_new_tokens`, vLLM's three penalties and
-min-p.
+"""Per-row logits processing before sampling: `min_new_tokens`, structured output's token
+masks, vLLM's three penalties and min-p.
 
 Applied to the target's logits of a step, [B, Q, V] with Q = 1 (plain decoding, prefill) or
 k + 1 (a verify round). Position j of row i is processed as plain decoding would process it
@@ -10,6 +10,9 @@ speculative sampling from them stays exact.
 - min_new_tokens: the row's end ids (the plan's `end_ids`: EOS unless the row ignores it, and
   its stop_token_ids) are -inf while the row has generated fewer tokens (num_generated + j <
   min_tokens).
+- structured output: a constrained row's disallowed tokens are -inf, by the packed mask the
+  scheduler computed for that (row, position) (rust/src/scheduler/structured.rs: bit t % 32 of
+  u32 word t / 32 set = token t allowed); greedy rows stay an argmax over the masked logits.
 - repetition_penalty r (1 = off), over every token in the prompt or the output: a positive
   logit is divided by r, a non-positive one multiplied by it;
 - frequency_penalty f and presence_penalty p (0 = off), over output tokens only: logit -= f *
@@ -41,15 +44,20 @@ class LogitsControls:
     """What a plan asks of its logits. Built by `from_plan`, None when it asks nothing."""
 
     ends: _EndMask | None  # rows below their min_tokens: their end ids
+    grammar: GrammarMask | None  # constrained rows: their allowed tokens
     penalties: _Penalties | None
     min_p: _MinP | None
 
     @classmethod
-    def from_plan(cls, plan, device) -> LogitsControls | None:
+    def from_plan(cls, plan, device, grammar: GrammarMask | None = None) -> LogitsControls | None:
+        """`grammar`: a verify round's masks (`GrammarMask.of_drafts`); other plans carry
+        their own (one position per constrained row)."""
         masking = bool((plan.min_tokens > plan.num_generated).any()) and len(plan.end_ids) > 0
         penalised = int(plan.cu_penalty[-1]) > 0
         min_p_rows = (plan.min_p > 0) & ~deterministic_rows(plan.temperature, plan.top_k)
-        if not (masking or penalised or min_p_rows.any()):
+        if grammar is None and plan.kind != "verify":
+            grammar = GrammarMask.of_plan(plan, device)
+        if not (masking or grammar is not None or penalised or min_p_rows.any()):
             return None
 
         def dev(a, dtype):
@@ -57,6 +65,7 @@ class LogitsControls:
 
         return cls(
             ends=_EndMask.from_plan(plan, dev) if masking else None,
+            grammar=grammar,
             penalties=_Penalties.from_plan(plan, dev) if penalised else None,
             min_p=_MinP.from_plan(plan, min_p_rows, dev) if min_p_rows.any() else None,
         )
@@ -69,6 +78,8 @@ class LogitsControls:
         out = logits.float().clone()
         if self.ends is not None:
             self.ends.apply(out)
+        if self.grammar is not None:
+            self.grammar.apply(out)
         if self.penalties is not None:
             self.penalties.apply(out, drafts)
         if self.min_p is not None:
@@ -102,6 +113,47 @@ class _EndMask:
         masked = generated < self.min_tokens[self.rows][:, None]
         at = (self.rows[:, None], pos[None, :], self.ids[:, None])
         out[at] = torch.where(masked, float("-inf"), out[at])
+
+
+@dataclass(frozen=True)
+class GrammarMask:
+    """Structured output: the constrained rows and their allowed tokens per position."""
+
+    rows: torch.Tensor  # int64 [R] plan rows
+    allowed: torch.Tensor  # bool [R, Q, W*32] (sliced to V when applied)
+
+    @classmethod
+    def of_plan(cls, plan, device) -> GrammarMask | None:
+        """A prefill or decode plan's masks: one position per constrained row that samples."""
+        rows = np.flatnonzero(plan.mask_rows >= 0)
+        if len(rows) == 0:
+            return None
+        packed = plan.token_masks[plan.mask_rows[rows]][:, None, :]  # [R, 1, W]
+        return cls._of(rows, packed, device)
+
+    @classmethod
+    def of_drafts(cls, rows: np.ndarray, masks: np.ndarray, device) -> GrammarMask | None:
+        """A verify round's masks from `Scheduler.draft_masks`: rows [R], masks [R, k+1, W]."""
+        if len(rows) == 0:
+            return None
+        return cls._of(rows, masks, device)
+
+    @classmethod
+    def _of(cls, rows: np.ndarray, packed: np.ndarray, device) -> GrammarMask:
+        # little-endian u32 words as bytes, little bit order: bit t of the row is token t
+        bits = np.unpackbits(np.ascontiguousarray(packed).view(np.uint8), axis=-1,
+                             bitorder="little")  # fmt: skip
+        dev = torch.device(device)
+        return cls(
+            rows=to_device(rows, dev, np.int64),
+            allowed=to_device(bits.view(np.bool_), dev, np.bool_),
+        )
+
+    def apply(self, out: torch.Tensor) -> None:
+        """-inf in `out` [B, Q, V] at the constrained rows' disallowed tokens."""
+        v = out.shape[-1]
+        allowed = self.allowed[:, : out.shape[1], :v]  # [R, Q, V]
+        out[self.rows] = out[self.rows].masked_fill(~allowed, float("-inf"))
 
 
 @dataclass(frozen=True)

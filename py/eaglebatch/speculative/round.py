@@ -55,6 +55,9 @@ class Round:
     per_row: np.ndarray  # [B+1] 0..B: offsets of one query token a row
     bp: int | None  # padded batch size of the graph steps; None: eager
     defer: bool  # the draft extend waits (worker.py's module doc)
+    # structured output: the tokens each constrained row's grammar forces next, drafted first
+    forced_ids: torch.Tensor | None = None  # int64 [B, k] (0 past a row's forced_lens)
+    forced_lens: np.ndarray | None = None  # int64 [B] <= k
 
 
 @dataclass(frozen=True, slots=True)

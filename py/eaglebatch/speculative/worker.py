@@ -71,7 +71,7 @@ import torch
 from eaglebatch.attention.base import AttentionMetadata, copy_blocks
 from eaglebatch.cpu import accelerate, gemm_threads
 from eaglebatch.job.config import SpeculativeConfig, widest_round
-from eaglebatch.sampling.logits_processing import LogitsControls
+from eaglebatch.sampling.logits_processing import GrammarMask, LogitsControls
 from eaglebatch.sampling.logprobs import distribution, prompt_logprobs, top_logprobs, wanted
 from eaglebatch.speculative.adaptive import AdaptiveDraftLength
 from eaglebatch.speculative.eagle import EagleDraft, load_draft
@@ -113,6 +113,11 @@ class SpecStats:
     stale_rows: int = 0  # sequences dropped from the head (deferred too long, or plain steps)
     plain_prefills: int = 0  # sequences prefilled without the head (stale from the start)
     plain_steps: int = 0  # "decode" plans run as plain target steps
+    # structured output: drafts the grammar forced, how many were accepted, and drafts cut
+    # because the grammar refused them (or a draft before them)
+    forced_drafted: int = 0
+    forced_accepted: int = 0
+    grammar_cut: int = 0
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -188,6 +193,10 @@ class SpecWorker:
         self.stats = SpecStats()
         self._clock = _Clock(self.device)
         self.graphs: SpecGraphs | None = None  # enable_graphs
+        # structured output: the scheduler's `draft_masks` (the engine sets it), and whether
+        # the tokens a grammar forces are drafted ahead of the head's
+        self.grammar = None
+        self.forced_drafts = True
 
     def _fit_rotary(self, most: int) -> None:
         """Grows the target's and the draft's rotary tables to `most` positions if shorter."""
@@ -239,7 +248,7 @@ class SpecWorker:
         max_batch_size: int,
     ) -> SpecWorker:
         """The job's `speculative` section over `target` (the engine and bench build it so)."""
-        return cls.from_target(
+        worker = cls.from_target(
             target,
             draft_path,
             num_steps=spec.num_steps,
@@ -249,6 +258,8 @@ class SpecWorker:
             prompt_lookup=spec.prompt_lookup,
             lookup_tokens=spec.prompt_lookup_tokens,
         )
+        worker.forced_drafts = spec.forced_drafts
+        return worker
 
     @classmethod
     def from_target(
@@ -544,6 +555,7 @@ class SpecWorker:
         for i in np.flatnonzero(shape.by_lookup):
             lookup_ids[i, : shape.n[i]] = shape.proposals[i][: shape.n[i]]
         bp = None if self.graphs is None else self.graphs.bucket(b)
+        forced_ids, forced_lens = self._forced(plan, shape)
         return Round(
             shape.k, shape.k_head, shape.n, shape.by_lookup, shape.lookup_round, plan, b, cu,
             stale,
@@ -559,6 +571,8 @@ class SpecWorker:
             # a round of k = 0 chosen by the policy defers its draft extend; any other first
             # extends the draft over what earlier rounds deferred (module doc)
             defer=shape.k == 0 and self.policy is not None and bp is None,
+            forced_ids=forced_ids,
+            forced_lens=forced_lens,
         )  # fmt: skip
 
     def _verify(self, plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -575,11 +589,41 @@ class SpecWorker:
             self._catch_up(plan, r.start, r.block_tables)
         marks.t0 = self._clock.mark()
         draft_ids = self._draft(r, chain)
+        grammar = self._grammar(r, draft_ids)
         marks.t1 = self._clock.mark()
         verified = target(r, draft_ids)
-        accepted = self._accept(r, draft_ids, verified)
+        accepted = self._accept(r, draft_ids, verified, grammar)
         extend(r, verified, accepted)
         return self._record(r, accepted, marks)
+
+    # ---- structured output (docs/structured-output.md) ----------------------------------------
+
+    def _forced(self, plan, shape: RoundShape) -> tuple[torch.Tensor | None, np.ndarray | None]:
+        """The round's forced drafts: (ids int64 [B, k] on the device, lens int64 [B]), each
+        constrained row's forced tokens up to the round width (a row drafts at least those); (None,
+        None) without any. The shape's n is raised in place to cover them."""
+        lens = np.minimum(np.diff(plan.cu_forced.astype(np.int64)), shape.k)  # [B]
+        if not self.forced_drafts or shape.k == 0 or not lens.any():
+            return None, None
+        ids = np.zeros((len(lens), shape.k), dtype=np.int64)
+        for i in np.flatnonzero(lens):
+            start = int(plan.cu_forced[i])
+            ids[i, : lens[i]] = plan.forced_ids[start : start + lens[i]]
+        np.maximum(shape.n, lens, out=shape.n)
+        return self._dev(ids), lens
+
+    def _grammar(self, r: Round, draft_ids: torch.Tensor) -> GrammarMask | None:
+        """The constrained rows' masks per verify position, from the scheduler, which validates
+        their drafts: a row's drafts are cut (its n lowered in place) at the first one its
+        grammar refuses. None when the plan has no constrained row."""
+        constrained = r.plan.mask_rows >= 0
+        if self.grammar is None or not constrained.any():
+            return None
+        rows, valid, masks = self.grammar(draft_ids.cpu().numpy())
+        cut = np.minimum(r.n[rows], valid)
+        self.stats.grammar_cut += int((r.n[rows] - cut).sum())
+        r.n[rows] = cut
+        return GrammarMask.of_drafts(rows, masks, self.device)
 
     # ---- 1. draft ------------------------------------------------------------------------------
 
@@ -594,6 +638,9 @@ class SpecWorker:
         if r.by_lookup.any():
             use = self._dev(r.by_lookup, bool)[:, None]  # [B, 1]
             draft_ids = torch.where(use, self._dev(r.lookup_ids), draft_ids)
+        if r.forced_ids is not None:  # forced tokens first (the eager chain drafted after them)
+            forced = np.arange(r.k)[None, :] < r.forced_lens[:, None]  # [B, k]
+            draft_ids = torch.where(self._dev(forced, bool), r.forced_ids, draft_ids)
         return draft_ids
 
     def _chain_eager(self, r: Round, h: torch.Tensor, draft_ids: torch.Tensor) -> None:
@@ -605,6 +652,9 @@ class SpecWorker:
                 meta = self._meta(r.per_row, p + 1, r.block_tables, r.kv_slots[:, j - 1])
                 h = self._draft_forward(d, h, self._dev(p), meta)  # [B, h] h^d_p
             d = self.draft.argmax_tokens(h)  # [B] d_{j+1}
+            if r.forced_ids is not None and bool((r.forced_lens > j).any()):
+                # a forced token is the row's draft: the head goes on from it
+                d = torch.where(self._dev(r.forced_lens > j, bool), r.forced_ids[:, j], d)
             draft_ids[:, j] = d
 
     def _chain_graph(self, r: Round, h: torch.Tensor, draft_ids: torch.Tensor) -> None:
@@ -647,12 +697,14 @@ class SpecWorker:
 
     # ---- 3. accept -----------------------------------------------------------------------------
 
-    def _accept(self, r: Round, draft_ids: torch.Tensor, v: Verified) -> Accepted:
+    def _accept(
+        self, r: Round, draft_ids: torch.Tensor, v: Verified, grammar: GrammarMask | None = None
+    ) -> Accepted:
         """tokens int64 [B, k+1] (accepted drafts, then the target's token; the rest unused)
         and accepted int64 [B], by verify.py; rows drafting fewer than k are masked."""
         plan = r.plan
         padded = bool((r.n < r.k).any())
-        controls = LogitsControls.from_plan(plan, self.device)
+        controls = LogitsControls.from_plan(plan, self.device, grammar)
         # position j as plain decoding sees it after the drafts before j (logits_processing.py)
         logits = v.logits if controls is None else controls.apply(v.logits, draft_ids)
         if logits.is_cpu and bool(deterministic_rows(plan.temperature, plan.top_k).all()):
@@ -732,6 +784,9 @@ class SpecWorker:
         self.stats.drafted += int(n.sum())
         self.stats.accepted += int(accepted.sum())
         self.stats.emitted += int(num_tokens.sum())
+        if r.forced_lens is not None:
+            self.stats.forced_drafted += int(r.forced_lens.sum())
+            self.stats.forced_accepted += int(np.minimum(accepted, r.forced_lens).sum())
         if by_lookup.any():
             self.stats.lookup_rows += int(by_lookup.sum())
             self.stats.lookup_drafted += int(n[by_lookup].sum())

@@ -42,7 +42,7 @@ config_fields! {
     max_new_tokens, stop, temperature, top_p, top_k, seed, min_new_tokens, min_p,
     ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens,
     repetition_penalty, frequency_penalty, presence_penalty, logprobs, prompt_logprobs,
-    sampling_columns, n,
+    response_format with json_text, sampling_columns, n,
     num_blocks, block_size, max_batch_size, max_num_batched_tokens, max_model_len,
     max_draft_tokens, prefix_caching, chunked_prefill, overlap, read_batch_rows,
     queue_rows,
@@ -74,6 +74,19 @@ fn attribute<'py, T>(
 
 fn extract<'py, T: FromPyObjectOwned<'py>>(value: &Bound<'py, PyAny>) -> PyResult<T> {
     value.extract().map_err(Into::into)
+}
+
+/// `response_format`: a mapping (or None: "") as the JSON text `json.dumps` makes of it (key
+/// order kept: a schema's properties are generated in their order); a str is that text.
+fn json_text(obj: &Bound<'_, PyAny>) -> PyResult<String> {
+    if obj.is_none() {
+        return Ok(String::new());
+    }
+    if let Ok(s) = obj.extract::<String>() {
+        return Ok(s);
+    }
+    let json = obj.py().import("json")?;
+    json.call_method1("dumps", (obj,))?.extract()
 }
 
 /// `skip_rows` and `skip_samples`: an int64 (or int32) numpy array, a sequence of ints, or None.

@@ -12,6 +12,7 @@ use arrow_schema::DataType;
 
 use crate::column_kind::{dense, dense_type, int_value, is_int, is_list_of, is_text, str_value};
 use crate::sampling_params::{num, row_seed, to_f32, SamplingParams, COLUMN_KEYS, SAMPLING_MIN};
+use crate::structured::ResponseFormat;
 
 /// The value kinds of the keys a column may set.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,6 +23,8 @@ enum Kind {
     Bool,
     /// A list of token ids.
     Ids,
+    /// A JSON text (`response_format`).
+    Json,
 }
 
 fn kind_of(key: &str) -> Option<Kind> {
@@ -32,6 +35,7 @@ fn kind_of(key: &str) -> Option<Kind> {
         "stop" => Some(Kind::Strings),
         "ignore_eos" | "include_stop_str_in_output" | "skip_special_tokens" => Some(Kind::Bool),
         "stop_token_ids" => Some(Kind::Ids),
+        "response_format" => Some(Kind::Json),
         _ => None,
     }
 }
@@ -55,6 +59,7 @@ pub fn check_column_type(key: &str, column: &str, dt: &DataType) -> Result<(), S
         Kind::Strings => is_text(values) || is_list_of(values, is_text),
         Kind::Bool => values == &DataType::Boolean,
         Kind::Ids => is_list_of(values, is_int),
+        Kind::Json => is_text(values),
     };
     if ok {
         return Ok(());
@@ -65,6 +70,7 @@ pub fn check_column_type(key: &str, column: &str, dt: &DataType) -> Result<(), S
         Kind::Strings => "a string or list<string> column",
         Kind::Bool => "a boolean column",
         Kind::Ids => "a list<integer> column",
+        Kind::Json => "a string column (JSON text)",
     };
     Err(format!(
         "sampling_columns.{key}: column '{column}' has type {dt}; expected {expected}"
@@ -87,6 +93,7 @@ enum Value {
     Strings(Vec<String>),
     Bool(bool),
     Ids(Vec<i128>),
+    Json(String),
 }
 
 /// Row `i` of a numeric column (`is_int` or `is_float`) as f64 (None when null).
@@ -147,6 +154,7 @@ fn read_value(key: &str, a: &dyn Array, i: usize) -> Option<Value> {
             .then(|| a.as_boolean().value(i))
             .map(Value::Bool),
         Kind::Ids => ids_value(a, i).map(Value::Ids),
+        Kind::Json => str_value(a, i).map(|s| Value::Json(s.to_string())),
     }
 }
 
@@ -191,6 +199,9 @@ fn set(p: &mut SamplingParams, key: &str, v: Value) -> Result<(), String> {
                 .into_iter()
                 .map(|t| u32::try_from(t).map_err(|_| format!("token id {t} is out of range")))
                 .collect::<Result<_, _>>()?
+        }
+        ("response_format", Value::Json(text)) => {
+            p.response_format = ResponseFormat::parse_request(&text)?.map(Arc::new)
         }
         (key, v) => return Err(format!("internal: {key} cannot take {v:?}")),
     }

@@ -14,7 +14,8 @@
 //!   them (their length limit) are left out of the plan after P ("parked"), keeping their
 //!   blocks until P's commit.
 //! - Not planned ahead (`None`: commit first, then `next_plan`): rows with penalties (the
-//!   placeholder would be in their token counts), nothing left to run but parked rows, or
+//!   placeholder would be in their token counts), constrained rows (structured output: the
+//!   next mask follows the token in flight), nothing left to run but parked rows, or
 //!   running[0] not fitting the cache beside the blocks of parked and draining rows. Those
 //!   rows are out of `running`, so `grow_running` cannot preempt them: a plan built ahead keeps
 //!   its invariant (running[0] fits once everyone after it is preempted) only when running[0]
@@ -43,7 +44,8 @@ impl Scheduler {
                 "next_plan_ahead() needs overlap and exactly one pending plan",
             ));
         }
-        if self.running.iter().any(|s| s.sampling.penalized()) {
+        let ahead_blocked = |s: &Sequence| s.sampling.penalized() || s.matcher.is_some();
+        if self.running.iter().any(ahead_blocked) {
             return Ok(None);
         }
         self.pull_input(false)?;

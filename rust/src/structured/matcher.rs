@@ -81,7 +81,23 @@ pub struct RowMatcher {
     vocab_size: usize,
 }
 
+impl std::fmt::Debug for RowMatcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RowMatcher")
+            .field("stopped", &self.matcher.is_stopped())
+            .finish()
+    }
+}
+
 impl RowMatcher {
+    /// An independent copy at the same position (each of a row's samples gets its own).
+    pub fn fork(&self) -> RowMatcher {
+        RowMatcher {
+            matcher: self.matcher.deep_clone(),
+            vocab_size: self.vocab_size,
+        }
+    }
+
     /// The tokens allowed next, packed into `out` (`mask_words` u32: bit t % 32 of word t / 32);
     /// EOS is allowed where the grammar may end, and is all a stopped grammar allows. Ids at or
     /// past the model's vocabulary are not.

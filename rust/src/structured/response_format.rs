@@ -15,7 +15,7 @@ pub enum ResponseFormat {
     Choice(Vec<String>),
 }
 
-const TYPES: &str = "json_schema, json_object, regex, grammar or choice";
+const TYPES: &str = "text, json_schema, json_object, regex, grammar or choice";
 
 impl ResponseFormat {
     /// Parses the JSON text of a response_format; the error names what is wrong.
@@ -23,6 +23,23 @@ impl ResponseFormat {
         let value: Value =
             serde_json::from_str(text).map_err(|e| format!("response_format is not JSON: {e}"))?;
         Self::from_value(&value)
+    }
+
+    /// A request's format from its JSON text: None for `{"type": "text"}` (free text, OpenAI's
+    /// default), else as `parse`.
+    pub fn parse_request(text: &str) -> Result<Option<Self>, String> {
+        let value: Value =
+            serde_json::from_str(text).map_err(|e| format!("response_format is not JSON: {e}"))?;
+        Self::of_request(&value)
+    }
+
+    /// As `parse_request`, from a parsed value (an OpenAI Batch line's body).
+    pub fn of_request(value: &Value) -> Result<Option<Self>, String> {
+        let is_text = value.get("type").and_then(Value::as_str) == Some("text");
+        if is_text && value.as_object().is_some_and(|o| o.len() == 1) {
+            return Ok(None);
+        }
+        Self::from_value(value).map(Some)
     }
 
     pub fn from_value(value: &Value) -> Result<Self, String> {
@@ -66,8 +83,8 @@ impl ResponseFormat {
         }
     }
 
-    /// The format's canonical text: equal for formats that compile to the same grammar
-    /// (object keys sorted), the key of the compiled-grammar cache.
+    /// The format's text, the key of the compiled-grammar cache: equal for equal formats (object
+    /// keys in their order: a schema's property order is the order it generates them in).
     pub fn key(&self) -> String {
         match self {
             ResponseFormat::JsonSchema(s) => format!("json_schema:{s}"),

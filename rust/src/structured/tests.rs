@@ -158,7 +158,7 @@ fn bad_formats_are_refused_with_the_reason() {
     let s = setup();
     let cases = [
         ("[1]", "must be a JSON object"),
-        (r#"{"type": "xml"}"#, "expected json_schema"),
+        (r#"{"type": "xml"}"#, "expected text, json_schema"),
         (r#"{"type": "regex"}"#, "\"pattern\""),
         (r#"{"type": "choice", "choices": []}"#, "non-empty list"),
         (

@@ -1,0 +1,223 @@
+//! Structured output in the scheduler (docs/structured-output.md): each sequence with a
+//! `response_format` owns a `RowMatcher`, made at admission from the format's compiled grammar
+//! (a format that does not compile is the row's error); the matcher consumes exactly the
+//! committed tokens (`append_tokens`).
+//!
+//! - Prefill and decode plans carry the token mask of each constrained row that samples
+//!   (`StepPlan::mask_rows`, `token_masks`), computed when the plan is built, on rayon threads.
+//! - Verify plans carry each constrained row's forced tokens (the grammar's only continuation,
+//!   up to W) for the worker to draft; once the worker has its drafts, `draft_masks` validates
+//!   them (how many leading drafts the grammar accepts) and returns one mask per verify
+//!   position up to and including the first refused or missing draft (the bonus position);
+//!   the matcher is rolled back, so it still stands where the commit left it.
+//! - EOS: a mask allows every EOS id of the model where the grammar may end. A row whose
+//!   grammar admits no more tokens finishes (`stop`) without one.
+//! - Overlap plans no constrained row ahead (overlap.rs): its mask needs the token in flight.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use rayon::prelude::*;
+
+use super::{Scheduler, StepPlan};
+use crate::error::{Error, Result};
+use crate::sampling_params::SamplingParams;
+use crate::structured::{token_env, Grammars, RowMatcher};
+
+impl Scheduler {
+    /// The grammar compiler over the tokenizer, built at the first constrained row.
+    fn grammars(&mut self) -> Result<Arc<Grammars>> {
+        if let Some(g) = &self.grammars {
+            return Ok(g.clone());
+        }
+        let vocab = self.cfg.vocab_size.max(self.tokenizer.get_vocab_size(true));
+        let env = token_env(&self.tokenizer, vocab, &self.criteria.eos)?;
+        let g = Arc::new(Grammars::new(&env, vocab)?);
+        self.grammars = Some(g.clone());
+        Ok(g)
+    }
+
+    /// A fresh matcher for `sp`'s format (None: the row is not constrained); Err(message):
+    /// the format does not compile, the row's error.
+    pub(super) fn row_matcher(
+        &mut self,
+        sp: &SamplingParams,
+    ) -> Result<Option<std::result::Result<RowMatcher, String>>> {
+        let Some(format) = &sp.response_format else {
+            return Ok(None);
+        };
+        let grammars = self.grammars()?;
+        let before = grammars.compiled();
+        let matcher = grammars.matcher(format);
+        self.stats.grammar_compiles += (grammars.compiled() - before) as u64;
+        Ok(Some(matcher))
+    }
+
+    /// Fills the plan's masks: one per constrained row of `running[start..]` that samples
+    /// (`samples[r]`), at its next token.
+    pub(super) fn push_masks(&mut self, p: &mut StepPlan, start: usize, samples: &[bool]) {
+        let Some(grammars) = self.grammars.clone() else {
+            return;
+        };
+        let rows = &mut self.running[start..start + samples.len()];
+        let mut matchers: Vec<&mut RowMatcher> = Vec::new();
+        for (r, seq) in rows.iter_mut().enumerate() {
+            match (&mut seq.matcher, samples[r]) {
+                (Some(m), true) => {
+                    p.mask_rows[r] = matchers.len() as i32;
+                    matchers.push(m);
+                }
+                _ => continue,
+            }
+        }
+        if matchers.is_empty() {
+            return;
+        }
+        let words = grammars.mask_words();
+        let t0 = Instant::now();
+        p.token_masks = vec![0u32; matchers.len() * words];
+        let eos = &self.criteria.eos;
+        p.token_masks
+            .par_chunks_mut(words)
+            .zip(matchers.par_iter_mut())
+            .for_each(|(out, m)| fill(m, out, eos));
+        self.stats.mask_seconds.push(t0.elapsed().as_secs_f64());
+    }
+
+    /// The verify plan's forced drafts: per row, the tokens its grammar forces next, at most
+    /// W (none for unconstrained rows); `mask_rows` marks the constrained rows (their masks
+    /// come from `draft_masks`).
+    pub(super) fn push_forced(&mut self, p: &mut StepPlan, start: usize, rows: usize) {
+        let w = self.cfg.max_draft_tokens;
+        let mut constrained = 0;
+        for (r, seq) in self.running[start..start + rows].iter_mut().enumerate() {
+            if let Some(m) = &mut seq.matcher {
+                p.mask_rows[r] = constrained; // draft_masks numbers them so
+                constrained += 1;
+                let forced = m.forced();
+                p.forced_ids
+                    .extend(forced.iter().take(w).map(|&t| i64::from(t)));
+            }
+            p.cu_forced.push(p.forced_ids.len() as i32);
+        }
+    }
+
+    /// For the pending verify plan, given the worker's drafts (`drafts` row-major [B, k]):
+    /// the plan rows that are constrained (R, ascending), how many leading drafts each one's
+    /// grammar accepts (a), and its masks at verify positions 0..=k ([R, k + 1, words];
+    /// position j's mask follows drafts 1..j; positions past a allow everything: verification
+    /// never reaches them, the draft at a + 1 being refused by the mask at a).
+    pub fn draft_masks(&mut self, drafts: &[i64], k: usize) -> Result<DraftMasks> {
+        let plan = self
+            .pending
+            .front()
+            .ok_or_else(|| Error::internal("draft_masks() without a pending plan"))?;
+        if drafts.len() != plan.rows.len() * k {
+            return Err(Error::internal(format!(
+                "draft_masks(): {} drafts for {} rows of width {k}",
+                drafts.len(),
+                plan.rows.len()
+            )));
+        }
+        let Some(grammars) = self.grammars.clone() else {
+            return Ok(DraftMasks::default());
+        };
+        let mut row_of = vec![None; self.running.len()]; // running index -> plan row
+        for (r, i) in self.locate(plan).into_iter().enumerate() {
+            if let Some(i) = i {
+                row_of[i] = Some(r);
+            }
+        }
+        let mut jobs: Vec<(usize, &mut RowMatcher, Vec<u32>)> = Vec::new();
+        for (seq, r) in self.running.iter_mut().zip(row_of) {
+            if let (Some(r), Some(m)) = (r, seq.matcher.as_mut()) {
+                // a draft id that is no token (negative) ends the row's valid drafts
+                let ids = drafts[r * k..(r + 1) * k]
+                    .iter()
+                    .map_while(|&t| u32::try_from(t).ok())
+                    .collect();
+                jobs.push((r, m, ids));
+            }
+        }
+        jobs.sort_by_key(|(r, _, _)| *r);
+        let (words, eos) = (grammars.mask_words(), self.criteria.eos.clone());
+        let t0 = Instant::now();
+        let mut masks = vec![u32::MAX; jobs.len() * (k + 1) * words];
+        let valid: Vec<Result<i32>> = masks
+            .par_chunks_mut((k + 1) * words)
+            .zip(jobs.par_iter_mut())
+            .map(|(out, (_, m, ids))| row_masks(m, ids, out, words, &eos))
+            .collect();
+        self.stats.mask_seconds.push(t0.elapsed().as_secs_f64());
+        Ok(DraftMasks {
+            rows: jobs.iter().map(|(r, _, _)| *r as i32).collect(),
+            valid: valid.into_iter().collect::<Result<_>>()?,
+            masks,
+            words,
+        })
+    }
+}
+
+/// `Scheduler::draft_masks`'s answer.
+#[derive(Debug, Default)]
+pub struct DraftMasks {
+    pub rows: Vec<i32>,
+    pub valid: Vec<i32>,
+    pub masks: Vec<u32>,
+    pub words: usize,
+}
+
+/// `m`'s mask into `out`, with every EOS id allowed where the grammar may end.
+fn fill(m: &mut RowMatcher, out: &mut [u32], eos: &[u32]) {
+    if let Err(e) = m.fill_mask(out) {
+        // a matcher in error allows nothing but EOS: the row ends rather than going astray
+        out.fill(0);
+        log_once(&e);
+        for &t in eos {
+            set_bit(out, t);
+        }
+        return;
+    }
+    if eos.iter().any(|&t| get_bit(out, t)) {
+        for &t in eos {
+            set_bit(out, t);
+        }
+    }
+}
+
+/// One row's verify masks (`out`: k + 1 masks of `words`): consumes its valid drafts to
+/// compute each position's mask, then rolls them back. Returns how many drafts are valid.
+fn row_masks(
+    m: &mut RowMatcher,
+    ids: &[u32],
+    out: &mut [u32],
+    words: usize,
+    eos: &[u32],
+) -> Result<i32> {
+    let valid = m.valid_prefix(ids);
+    for j in 0..=valid {
+        fill(m, &mut out[j * words..(j + 1) * words], eos);
+        if j < valid {
+            m.consume(&ids[j..j + 1])?;
+        }
+    }
+    m.rollback(valid)?;
+    Ok(valid as i32)
+}
+
+fn set_bit(words: &mut [u32], t: u32) {
+    if let Some(w) = words.get_mut(t as usize / 32) {
+        *w |= 1 << (t % 32);
+    }
+}
+
+fn get_bit(words: &[u32], t: u32) -> bool {
+    words
+        .get(t as usize / 32)
+        .is_some_and(|w| w >> (t % 32) & 1 == 1)
+}
+
+fn log_once(e: &Error) {
+    static LOGGED: std::sync::Once = std::sync::Once::new();
+    LOGGED.call_once(|| eprintln!("eaglebatch: structured output: {e}"));
+}
