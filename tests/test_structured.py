@@ -1,0 +1,229 @@
+"""Structured output end to end on the tiny random model (every byte one token): greedy
+constrained outputs equal a reference loop over transformers' logits masked by the `llguidance`
+Python package; speculative decoding (both head formats, prompt lookup, forced drafts on and
+off, batch 1 and 8, a KV budget that preempts) equals constrained plain decoding; a bad format is
+its row's error (the job's: a JobError before the model loads); overlap and a resumed job keep
+the outputs; OpenAI Batch lines carry response_format."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from eaglebatch.engine import prepare, run_prepared
+from eaglebatch.errors import JobError
+from eaglebatch.job.config import load_job
+from eaglebatch.speculative import init_random_draft
+from test_engine import random_prompts
+
+pytest.importorskip("eaglebatch._native")
+llguidance = pytest.importorskip("llguidance")
+
+MAX_NEW = 24
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"enum": ["a", "bc"]}, "maxItems": 2},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+# one of each kind, cycled over the rows
+FORMATS = [
+    {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+    {"type": "regex", "pattern": "[a-c]{2,5}(-[0-9]{1,3})?"},
+    {"type": "choice", "choices": ["yes", "no", "maybe not"]},
+    {"type": "grammar", "lark": 'start: "(" item ("," item)* ")"\nitem: /[xyz]+/'},
+    {"type": "json_object"},
+    {"type": "regex", "pattern": "[a-z]+"},  # accepting after one letter: EOS may end it
+]
+
+
+def formats_for(n: int) -> list[str]:
+    return [json.dumps(FORMATS[i % len(FORMATS)]) for i in range(n)]
+
+
+def run(tmp, model_dir, n=12, name="out", formats=None, extra="", engine="", overrides=()):
+    prompts = random_prompts(n, seed=7)
+    formats = formats_for(n) if formats is None else formats
+    inp = tmp / f"{name}-in.parquet"
+    pq.write_table(pa.table({"prompt": prompts, "rf": pa.array(formats, pa.string())}), inp)
+    job = tmp / f"{name}.yaml"
+    job.write_text(
+        f"model: {model_dir}\ninput:\n  path: {inp}\n  sampling_columns:\n    response_format: rf\n"
+        f"output:\n  path: {tmp / name}\n  include_token_ids: true\n"
+        f"sampling:\n  max_new_tokens: {MAX_NEW}\n"
+        f"engine:\n  device: cpu\n  kv_cache_tokens: 4096\n{engine}{extra}"
+    )
+    res = run_prepared(prepare(load_job(job, list(overrides))))
+    return pq.read_table(tmp / name).sort_by("row_index").to_pylist(), res
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_model_dir, tmp_path_factory):
+    rows, _ = run(tmp_path_factory.mktemp("plain"), tiny_model_dir)
+    return rows
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("drafts")
+    return {
+        "eagle1": init_random_draft(root / "e1", tiny_model_dir, kind="eagle1", seed=1),
+        "eagle3": init_random_draft(
+            root / "e3", tiny_model_dir, kind="eagle3", draft_vocab_size=200, seed=2,
+            aux_layer_ids=(0, 1, 2),
+        ),
+    }
+
+
+def reference_grammar(fmt: dict) -> str:
+    """The format as the llguidance package's own grammar constructors read it."""
+    kind = fmt["type"]
+    if kind == "json_schema":
+        return llguidance.grammar_from("json_schema", json.dumps(fmt["json_schema"]["schema"]))
+    if kind == "json_object":
+        return llguidance.grammar_from("json_schema", json.dumps({"type": "object"}))
+    if kind == "regex":
+        return llguidance.grammar_from("regex", fmt["pattern"])
+    if kind == "choice":
+        return llguidance.grammar_from("choice", json.dumps(fmt["choices"]))
+    return llguidance.grammar_from("lark", fmt["lark"])
+
+
+def reference_tokens(model, lltok, prompt_ids: list[int], fmt: dict, eos: int) -> list[int]:
+    """Greedy decoding over transformers' logits masked by llguidance's matcher: stops at EOS,
+    where the grammar admits nothing more, or at MAX_NEW tokens."""
+    import llguidance.torch as llt
+
+    matcher = llguidance.LLMatcher(lltok, reference_grammar(fmt))
+    assert not matcher.is_error(), matcher.get_error()
+    mask = llt.allocate_token_bitmask(1, lltok.vocab_size)
+    ids, out = list(prompt_ids), []
+    while len(out) < MAX_NEW:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+        llt.fill_next_token_bitmask(matcher, mask, 0)
+        llt.apply_token_bitmask_inplace(logits, mask.to(logits.device))
+        t = int(logits.argmax())
+        out.append(t)
+        if t == eos:
+            break
+        assert matcher.consume_token(t)
+        ids.append(t)
+        if matcher.is_stopped():
+            break
+    return out
+
+
+def test_greedy_constrained_equals_the_llguidance_reference(plain, tiny_model_dir):
+    import llguidance.hf
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(tiny_model_dir / "tokenizer.json"))
+    lltok = llguidance.hf.from_tokenizer(tok, n_vocab=320, eos_token=258)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), torch_dtype=torch.float32)
+    prompts = random_prompts(len(plain), seed=7)
+    for i, row in enumerate(plain):
+        fmt = FORMATS[i % len(FORMATS)]
+        prompt_ids = tok.encode(prompts[i])
+        want = reference_tokens(model, lltok, prompt_ids, fmt, eos=258)
+        assert row["output_token_ids"] == want, (i, fmt["type"])
+        assert row["structured"] == ("complete" if row["finish_reason"] == "stop" else "incomplete")
+    assert {r["finish_reason"] for r in plain} == {"stop", "length"}  # both kinds are covered
+
+
+def test_complete_json_rows_parse_and_match_their_schema(plain):
+    jsonschema = pytest.importorskip("jsonschema")
+    complete = [r for i, r in enumerate(plain) if i % len(FORMATS) == 0 and
+                r["structured"] == "complete"]  # fmt: skip
+    for r in complete:
+        jsonschema.validate(json.loads(r["output_text"]), PERSON)
+    choices = [r["output_text"] for i, r in enumerate(plain) if i % len(FORMATS) == 2]
+    assert set(choices) <= {"yes", "no", "maybe not"}
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+@pytest.mark.parametrize(
+    "k, batch, lookup, forced",
+    [(3, 8, False, True), (5, 1, False, True), (3, 8, True, True), (4, 8, False, False)],
+)
+def test_speculative_equals_plain(plain, tiny_model_dir, drafts, tmp_path, kind, k, batch,
+                                  lookup, forced):  # fmt: skip
+    spec = (f"draft: {drafts[kind]}\nspeculative:\n  num_steps: {k}\n  adaptive: false\n"
+            f"  forced_drafts: {str(forced).lower()}\n"
+            f"  prompt_lookup_min: {1 if lookup else 0}\n")  # fmt: skip
+    rows, res = run(tmp_path, tiny_model_dir, engine=f"  max_batch_size: {batch}\n", extra=spec)
+    for got, want in zip(rows, plain, strict=True):
+        assert got["output_token_ids"] == want["output_token_ids"], got["row_index"]
+        assert (got["finish_reason"], got["structured"]) == (want["finish_reason"],
+                                                             want["structured"])  # fmt: skip
+    draft = res.stats["drafts"]
+    assert draft["grammar_cut"] > 0  # random drafts: many are refused, some at the first token
+    if forced:
+        assert draft["forced_drafted"] > 0 and draft["forced_accepted"] > 0
+    else:
+        assert draft["forced_drafted"] == 0
+
+
+def test_preempted_rows_keep_their_grammar_state(plain, tiny_model_dir, drafts, tmp_path):
+    spec = f"draft: {drafts['eagle1']}\nspeculative:\n  num_steps: 3\n"
+    rows, res = run(tmp_path, tiny_model_dir, extra=spec,
+                    overrides=["engine.kv_cache_tokens=160", "engine.block_size=4"])  # fmt: skip
+    assert res.stats["preemptions"] > 0
+    assert [r["output_token_ids"] for r in rows] == [r["output_token_ids"] for r in plain]
+
+
+def test_overlap_plans_constrained_rows_one_step_at_a_time(plain, tiny_model_dir, tmp_path):
+    rows, _ = run(tmp_path, tiny_model_dir, engine="  overlap: true\n")
+    assert [r["output_token_ids"] for r in rows] == [r["output_token_ids"] for r in plain]
+
+
+def test_a_resumed_job_generates_the_rest_the_same(plain, tiny_model_dir, tmp_path):
+    run(tmp_path, tiny_model_dir, overrides=["output.part_rows=4"])
+    parts = sorted((tmp_path / "out").glob("part-*.parquet"))
+    assert len(parts) == 3
+    parts[1].unlink()  # as if the run had died before writing it
+    rows, res = run(tmp_path, tiny_model_dir, overrides=["output.part_rows=4"])
+    assert res.stats["requests"] == 4
+    assert [r["output_token_ids"] for r in rows] == [r["output_token_ids"] for r in plain]
+
+
+def test_a_format_that_does_not_compile_is_its_rows_error(plain, tiny_model_dir, tmp_path):
+    formats = formats_for(12)
+    formats[3] = json.dumps({"type": "regex", "pattern": "(unclosed"})
+    formats[4] = '{"type": "xml"}'
+    rows, res = run(tmp_path, tiny_model_dir, formats=formats)
+    assert res.stats["errors"] == 2
+    assert rows[3]["finish_reason"] == "error" and "does not compile" in rows[3]["error"]
+    assert "response_format type \"xml\"" in rows[4]["error"]
+    assert rows[4]["structured"] is None
+    for i in (0, 1, 2, 5, 6):
+        assert rows[i]["output_token_ids"] == plain[i]["output_token_ids"]
+
+
+def test_the_jobs_format_is_checked_before_the_model_loads(tiny_model_dir, tmp_path):
+    job = tmp_path / "job.yaml"
+    pq.write_table(pa.table({"prompt": ["x"]}), tmp_path / "in.parquet")
+    job.write_text(
+        f"model: {tiny_model_dir}\ninput:\n  path: {tmp_path / 'in.parquet'}\noutput:\n"
+        f"  path: {tmp_path / 'out'}\nsampling:\n  response_format:\n    type: grammar\n"
+        "    lark: 'start: missing_rule'\n"
+    )
+    with pytest.raises(JobError, match="sampling.response_format does not compile"):
+        prepare(load_job(job, []))
+
+
+def test_job_level_format_applies_to_every_row(tiny_model_dir, tmp_path):
+    formats = [None] * 6  # no column value: the job's format
+    job_rf = ["sampling.response_format={type: choice, choices: [left, right]}"]
+    rows, res = run(tmp_path, tiny_model_dir, n=6, formats=formats, overrides=job_rf)
+    assert {r["output_text"] for r in rows} <= {"left", "right"}
+    assert {r["structured"] for r in rows} == {"complete"}
+    assert res.stats["grammar_compiles"] == 1 and res.stats["structured_rows"] == 6
