@@ -262,3 +262,30 @@ def test_a_batch_jobs_identity_covers_the_logprobs_mode(tmp_path, tiny_model_dir
     raw = prepare(load_job(job)).identity["output"]
     processed = prepare(load_job(job, ["output.logprobs_mode=processed"])).identity["output"]
     assert raw["logprobs_mode"] == "raw" and processed["logprobs_mode"] == "processed"
+
+
+def test_response_format_lines_are_structured_like_a_column_job(tmp_path, tiny_model_dir):
+    """Chat and completion lines with a response_format generate what the same format from a
+    sampling column generates; their content is the structured text; {"type": "text"} is free
+    text and a format that does not compile is the line's error."""
+    prompts = random_prompts(3, seed=4)
+    rf = {"type": "regex", "pattern": "[a-c]{3}-[0-9]{2}"}
+    lines = [request("chat", CHAT, {"messages": [{"role": "user", "content": prompts[0]}],
+                                    "response_format": rf}),
+             request("comp", COMPLETIONS, {"prompt": prompts[1], "response_format": rf}),
+             request("text", COMPLETIONS, {"prompt": prompts[2],
+                                           "response_format": {"type": "text"}}),
+             request("bad", COMPLETIONS, {"prompt": prompts[2], "response_format":
+                                          {"type": "regex", "pattern": "("}})]  # fmt: skip
+    run_prepared(prepare(load_job(batch_job(tmp_path, tiny_model_dir, lines))))
+    got = results(tmp_path)
+    ref = parquet_job(tmp_path, tiny_model_dir, pa.table({"id": ["comp"], "prompt": [prompts[1]],
+                      "rf": [json.dumps(rf)]}), "ref",
+                      "  prompt_column: prompt\n  sampling_columns:\n    response_format: rf\n")
+    comp = got["comp"]["response"]["body"]["choices"][0]
+    assert comp["text"] == ref[0]["output_text"] and ref[0]["structured"] == "complete"
+    chat = got["chat"]["response"]["body"]["choices"][0]["message"]["content"]
+    for text in (comp["text"], chat):
+        assert len(text) == 6 and text[3] == "-" and set(text[:3]) <= set("abc")
+    assert got["text"]["response"]["status_code"] == 200
+    assert "does not compile" in got["bad"]["response"]["body"]["error"]["message"]

@@ -49,8 +49,9 @@ def formats_for(n: int) -> list[str]:
     return [json.dumps(FORMATS[i % len(FORMATS)]) for i in range(n)]
 
 
-def run(tmp, model_dir, n=12, name="out", formats=None, extra="", engine="", overrides=()):
-    prompts = random_prompts(n, seed=7)
+def run(tmp, model_dir, n=12, name="out", formats=None, extra="", engine="", overrides=(),
+        prompts=None):  # fmt: skip
+    prompts = random_prompts(n, seed=7) if prompts is None else prompts
     formats = formats_for(n) if formats is None else formats
     inp = tmp / f"{name}-in.parquet"
     pq.write_table(pa.table({"prompt": prompts, "rf": pa.array(formats, pa.string())}), inp)
@@ -128,7 +129,7 @@ def test_greedy_constrained_equals_the_llguidance_reference(plain, tiny_model_di
 
     tok = PreTrainedTokenizerFast(tokenizer_file=str(tiny_model_dir / "tokenizer.json"))
     lltok = llguidance.hf.from_tokenizer(tok, n_vocab=320, eos_token=258)
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
     prompts = random_prompts(len(plain), seed=7)
     for i, row in enumerate(plain):
         fmt = FORMATS[i % len(FORMATS)]
@@ -227,3 +228,37 @@ def test_job_level_format_applies_to_every_row(tiny_model_dir, tmp_path):
     assert {r["output_text"] for r in rows} <= {"left", "right"}
     assert {r["structured"] for r in rows} == {"complete"}
     assert res.stats["grammar_compiles"] == 1 and res.stats["structured_rows"] == 6
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_sampled_rows_follow_the_masked_distribution(tiny_model_dir, drafts, tmp_path,
+                                                     speculative):  # fmt: skip
+    """2000 samples of one prompt under the regex x[a-e]: the first token is forced (x), the
+    second is sampled (by a verify round when speculating) from the softmax over a..e only;
+    its frequencies pass a chi-square test against that masked softmax from transformers."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    samples, prompt = 2000, "the cat sat on"
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(tiny_model_dir / "tokenizer.json"))
+    allowed = [tok.convert_tokens_to_ids(c) for c in "abcde"]
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    ids = tok.encode(prompt) + [tok.convert_tokens_to_ids("x")]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1].double()
+    expected = torch.softmax(logits[allowed], dim=0) * samples
+    spec = (f"draft: {drafts['eagle1']}\nspeculative:\n  num_steps: 3\n  adaptive: false\n"
+            if speculative else "")  # fmt: skip
+    rows, _ = run(tmp_path, tiny_model_dir, n=1, formats=[json.dumps({"type": "regex",
+                  "pattern": "x[a-e]"})], extra=spec, engine="  max_batch_size: 64\n",
+                  prompts=[prompt],
+                  overrides=[f"sampling.n={samples}", "sampling.temperature=1.0"])  # fmt: skip
+    assert all(r["output_token_ids"][0] == ids[-1] for r in rows)
+    counts = torch.zeros(5, dtype=torch.float64)
+    for r in rows:
+        counts[allowed.index(r["output_token_ids"][1])] += 1
+    keep = expected >= 5  # bins expected this rarely are pooled
+    obs = torch.cat((counts[keep], counts[~keep].sum()[None]))
+    exp = torch.cat((expected[keep], expected[~keep].sum()[None]))
+    obs, exp = obs[exp > 0], exp[exp > 0]
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    assert chi2 < 18.47, (counts.tolist(), expected.tolist())  # df <= 4, p = 0.001

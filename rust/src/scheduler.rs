@@ -1597,4 +1597,6 @@ mod prefix_cache_tests;
 #[cfg(test)]
 mod sampling_tests;
 #[cfg(test)]
+mod structured_tests;
+#[cfg(test)]
 mod tests;
