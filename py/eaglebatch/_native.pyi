@@ -82,6 +82,16 @@ class StepPlan:
     # row's last query token, whose input_ids entry is -1 until the worker fills it in on the
     # device; -1 for every other row (always, in plans from next_plan)
     prev_rows: npt.NDArray[np.int32]
+    # Structured output (docs/structured-output.md). [B] prefill and decode plans: the row's
+    # mask in token_masks, -1 for a row without one (free, or a chunk that samples nothing);
+    # verify plans: its index in draft_masks' rows, -1 for a free row
+    mask_rows: npt.NDArray[np.int32]
+    # [M, words] packed allowed tokens (bit t % 32 of word t // 32), one per masked row
+    token_masks: npt.NDArray[np.uint32]
+    # verify plans: each constrained row's forced tokens (at most W), row i's
+    # forced_ids[cu_forced[i]:cu_forced[i + 1]]
+    forced_ids: npt.NDArray[np.int64]
+    cu_forced: npt.NDArray[np.int32]
     max_seqlen_q: int
     max_seqlen_k: int
 
@@ -135,10 +145,20 @@ class Scheduler:
     def next_plan_ahead(self) -> StepPlan | None:
         """With config.overlap (plain decoding), while exactly one plan is pending: the plan
         after it, built before it is committed (rows it samples for decode a placeholder:
-        prev_rows), or None when that cannot be done now (rows with penalties, or nothing to
+        prev_rows), or None when that cannot be done now (rows with penalties or a
+        response_format, or nothing to
         run but rows the pending plan ends): then commit and call next_plan. Commits stay in
         plan order; a row that finishes at the pending plan's commit drops what the plan after
         it computed for it (scheduler/overlap.rs)."""
+
+    def draft_masks(
+        self, drafts: npt.NDArray[np.int64]
+    ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32], npt.NDArray[np.uint32]]:
+        """Structured output, for the pending verify plan and the worker's drafts [B, k]:
+        (rows [R] the constrained plan rows ascending, valid [R] how many leading drafts each
+        one's grammar accepts, masks [R, k + 1, words] the allowed tokens at each verify
+        position, position j's after drafts 1..j; positions past valid allow everything). The
+        rows' grammars stand where the last commit left them afterwards."""
 
     def set_plain_steps(self, on: bool) -> None:
         """Speculative decoding: while on, decode steps are planned as plain decoding plans them
@@ -189,6 +209,12 @@ def render_chat_template(
 def check_chat_template(template: str) -> None:
     """Compiles a chat template as the input reader does (renders nothing); raises ValueError
     with minijinja's message when it does not compile."""
+
+def check_response_format(
+    text: str, tokenizer_file: str, vocab_size: int, eos_token_ids: list[int]
+) -> None:
+    """Parses and compiles a job's response_format (JSON text) for the tokenizer; raises
+    UserInputError naming what is wrong."""
 
 OUTPUT_COLUMNS: list[str]
 """Every column name an output part may have (whatever the settings): kept input columns

@@ -190,7 +190,7 @@ fn verify_drafts_are_cut_at_the_first_refused_one_with_a_mask_per_position() {
         let at = (row * 4 + j) * m.words;
         allowed(&m.masks[at..at + m.words])
     };
-    assert_eq!(mask(0, 0), vec![id(&s, b'b') as u32, id(&s, b'c') as u32]);
+    assert_eq!(mask(0, 0), vec![id(&s, b'b'), id(&s, b'c')]);
     assert_eq!(mask(0, 1), vec![id(&s, b'd')]);
     assert_eq!(mask(0, 2), vec![EOT]); // the grammar completed inside the round: EOS only
     assert_eq!(mask(1, 0), vec![id(&s, b'b')]); // the bonus position of a cut-at-once row
