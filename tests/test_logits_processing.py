@@ -46,6 +46,7 @@ def plan_of(rows, min_tokens, end_ids=(3, 7), min_p=None, temperature=None):
         cu_ends.append(len(ends))
     b = len(rows)
     return SimpleNamespace(
+        kind="verify",  # grammar masks, if any, come with the round (none here)
         min_tokens=np.asarray(min_tokens, np.int32),
         end_ids=np.asarray(ends, np.int64),
         cu_end_ids=np.asarray(cu_ends, np.int32),
@@ -151,3 +152,29 @@ def test_min_p_keeps_what_numpy_keeps_and_samples_from_it(seed):
     # greedy rows are never filtered
     greedy = plan_of(rows, [0] * b, min_p=min_p)
     assert LogitsControls.from_plan(greedy, "cpu") is None
+
+
+def test_grammar_masks_leave_only_allowed_tokens_per_row_and_position():
+    """Packed masks (bit t % 32 of word t // 32) from a decode plan and from a verify round:
+    the masked rows keep exactly their allowed tokens at each position, other rows untouched."""
+    from eaglebatch.sampling.logits_processing import GrammarMask
+
+    rng = np.random.default_rng(0)
+    v, words = 70, 3
+    allowed = rng.random((2, 3, words * 32)) < 0.3  # [R, Q, 96]
+    allowed[..., v:] = False
+    packed = np.packbits(allowed, axis=-1, bitorder="little").view(np.uint32)  # [R, Q, words]
+    logits = torch.randn(4, 3, v)
+    grammar = GrammarMask.of_drafts(np.array([1, 3]), packed, "cpu")
+    out = logits.clone()
+    grammar.apply(out)
+    assert torch.equal(out[[0, 2]], logits[[0, 2]])
+    for i, row in enumerate((1, 3)):
+        keep = torch.from_numpy(allowed[i, :, :v])
+        assert torch.equal(out[row][keep], logits[row][keep])
+        assert bool(torch.isneginf(out[row][~keep]).all())
+    plan = SimpleNamespace(kind="decode", mask_rows=np.array([-1, 0, -1, 1], np.int32),
+                           token_masks=packed[:, 0, :])  # fmt: skip
+    one = logits[:, :1].clone()
+    GrammarMask.of_plan(plan, "cpu").apply(one)
+    assert torch.equal(one, out[:, :1])

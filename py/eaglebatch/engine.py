@@ -355,7 +355,8 @@ def build_worker(prep: PreparedJob, graph_mode: str | None = None):
         graph_q=settings.max_draft_tokens + 1,
     )  # fmt: skip
     try:
-        worker = SpecWorker.from_job(target, prep.draft_dir, job.speculative, eng.max_batch_size)
+        worker = SpecWorker.from_job(target, prep.draft_dir, job.speculative, eng.max_batch_size,
+                                     job.forced_draft_tokens)  # fmt: skip
     except ValueError as e:
         raise JobError(f"draft: {prep.draft_dir}: {e}") from None
     worker.enable_graphs(mode, eng.max_batch_size)

@@ -60,6 +60,11 @@ class FakePlan:
     penalty_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     cu_penalty: np.ndarray | None = None  # int32 [B+1], all 0
     penalty_prompt_lens: np.ndarray | None = None  # int32 [B]
+    # structured output: no constrained row
+    mask_rows: np.ndarray | None = None  # int32 [B], all -1
+    token_masks: np.ndarray = field(default_factory=lambda: np.zeros((0, 1), np.uint32))
+    forced_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    cu_forced: np.ndarray | None = None  # int32 [B+1], all 0
 
     def __post_init__(self) -> None:
         b = self.num_seqs
@@ -81,6 +86,10 @@ class FakePlan:
             self.next_ids = np.full(self.num_seqs, -1, dtype=np.int64)
         if self.prev_rows is None:
             self.prev_rows = np.full(self.num_seqs, -1, dtype=np.int32)
+        if self.mask_rows is None:
+            self.mask_rows = np.full(self.num_seqs, -1, dtype=np.int32)
+        if self.cu_forced is None:
+            self.cu_forced = np.zeros(b + 1, dtype=np.int32)
 
 
 @dataclass

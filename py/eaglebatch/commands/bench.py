@@ -397,7 +397,8 @@ def _measure(setup: _Setup, b: int, rep: int) -> tuple[dict, dict | None]:
         return plain, None
 
     # a fresh worker per run: the adaptive policy starts from nothing every time
-    worker = SpecWorker.from_job(target, setup.prep.draft_dir, job.speculative, setup.max_batch)
+    worker = SpecWorker.from_job(target, setup.prep.draft_dir, job.speculative, setup.max_batch,
+                                 job.forced_draft_tokens)  # fmt: skip
     k = job.speculative.num_steps
     if b == 1 and setup.prep.total_rows > 1:
         console.print(f"eaglebatch, plain decoding and EAGLE (K={k}) alternating request by "

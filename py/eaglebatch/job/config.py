@@ -363,10 +363,17 @@ class SpeculativeConfig(_Section):
         return self.prompt_lookup_min, self.prompt_lookup_max
 
 
-def widest_round(num_steps: int, lookup_tokens: int | None) -> int:
+# Structured output: a round of forced drafts is up to this wide (a JSON key with its quotes and
+# separators is about 4-8 tokens), where rows may have a response_format.
+FORCED_DRAFT_TOKENS = 8
+
+
+def widest_round(num_steps: int, lookup_tokens: int | None, forced_tokens: int | None = None
+                 ) -> int:  # fmt: skip
     """W, the most draft tokens of one round: K (num_steps), or prompt lookup's width when it is
-    on (`lookup_tokens` not None) and larger. The one rule for the job, scheduler and worker."""
-    return num_steps if lookup_tokens is None else max(num_steps, lookup_tokens)
+    on (`lookup_tokens` not None), or forced drafts' (`forced_tokens` not None), the largest.
+    The one rule for the job, scheduler and worker."""
+    return max(num_steps, lookup_tokens or 0, forced_tokens or 0)
 
 
 class RayConfig(_Section):
@@ -425,7 +432,19 @@ class JobConfig(_Section):
             return 0
         spec = self.speculative
         lookup = spec.prompt_lookup_tokens if spec.prompt_lookup is not None else None
-        return widest_round(spec.num_steps, lookup)
+        return widest_round(spec.num_steps, lookup, self.forced_draft_tokens)
+
+    @property
+    def may_be_structured(self) -> bool:
+        """Whether a row may have a response_format: the job's, a column's or a batch line's."""
+        return (self.sampling.response_format is not None
+                or "response_format" in self.input.sampling_columns or self.input.openai_batch)
+
+    @property
+    def forced_draft_tokens(self) -> int | None:
+        """How wide a round of forced drafts may be (None: no such rounds)."""
+        forced = self.draft is not None and self.speculative.forced_drafts
+        return FORCED_DRAFT_TOKENS if forced and self.may_be_structured else None
 
     def resolved(self, base_dir: Path) -> JobConfig:
         """Relative paths in the job file are relative to the job file's directory."""

@@ -157,18 +157,23 @@ class SpecWorker:
         draft_kv_cache: torch.Tensor | None = None,
         prompt_lookup: tuple[int, int] | None = None,
         lookup_tokens: int | None = None,
+        forced_tokens: int | None = None,
     ) -> None:
         """Shares the target Worker's model, KV caches and budget; allocates the draft's one-layer
         cache over the same blocks unless given. adaptive=False drafts K tokens every round.
         prompt_lookup: (min_n, max_n) n-gram sizes of prompt-lookup drafts, None = off.
         lookup_tokens: the most tokens a row drafts by lookup in a round without the head
-        (default and minimum K). Plans then carry `max_draft_tokens` placeholders per row."""
+        (default and minimum K). forced_tokens: how wide a round of a grammar's forced drafts may
+        be (structured output; None: at most K). Plans then carry `max_draft_tokens` placeholders
+        per row."""
         if topk > 1:
             raise ValueError(TREE_UNSUPPORTED)
         if topk < 1 or num_steps < 1:
             raise ValueError("speculative: topk and num_steps must be >= 1")
         # K: the head's longest chain; max_draft_tokens: the widest round (lookup rounds)
-        self.max_draft_tokens = widest_round(num_steps, lookup_tokens if prompt_lookup else None)
+        self.max_draft_tokens = widest_round(
+            num_steps, lookup_tokens if prompt_lookup else None, forced_tokens
+        )
         self.target = target
         self.logprobs_mode = target.logprobs_mode  # sample_rows
         self.model = target.model
@@ -246,8 +251,10 @@ class SpecWorker:
         draft_path: str | os.PathLike[str],
         spec: SpeculativeConfig,
         max_batch_size: int,
+        forced_tokens: int | None = None,
     ) -> SpecWorker:
-        """The job's `speculative` section over `target` (the engine and bench build it so)."""
+        """The job's `speculative` section over `target` (the engine and bench build it so);
+        forced_tokens: the job's `forced_draft_tokens`."""
         worker = cls.from_target(
             target,
             draft_path,
@@ -257,6 +264,7 @@ class SpecWorker:
             adaptive=spec.adaptive,
             prompt_lookup=spec.prompt_lookup,
             lookup_tokens=spec.prompt_lookup_tokens,
+            forced_tokens=forced_tokens,
         )
         worker.forced_drafts = spec.forced_drafts
         return worker
@@ -273,6 +281,7 @@ class SpecWorker:
         adaptive: bool = True,
         prompt_lookup: tuple[int, int] | None = None,
         lookup_tokens: int | None = None,
+        forced_tokens: int | None = None,
     ) -> SpecWorker:
         if topk > 1:
             raise ValueError(TREE_UNSUPPORTED)
@@ -281,7 +290,7 @@ class SpecWorker:
             target.model.config,
             target.model,
             max_positions=target.max_model_len
-            + widest_round(num_steps, lookup_tokens if prompt_lookup else None),
+            + widest_round(num_steps, lookup_tokens if prompt_lookup else None, forced_tokens),
         )
         # as the target runs; a head shipped in bf16 is read from exact bf16 copies (same bits),
         # and the head's norms of few CPU rows are one native call each
@@ -295,6 +304,7 @@ class SpecWorker:
             topk=topk,
             prompt_lookup=prompt_lookup,
             lookup_tokens=lookup_tokens,
+            forced_tokens=forced_tokens,
         )
 
     @property
@@ -550,12 +560,13 @@ class SpecWorker:
         b = plan.num_seqs
         stale = self.slots.stale[plan.request_slots]  # [B] rows the head no longer serves
         shape = self._round_shape(plan.request_slots, k_plan)
+        shape, forced_ids, forced_lens = self._forced(plan, shape, k_plan)
         self.running_rows = b
         lookup_ids = np.zeros((b, shape.k), dtype=np.int64)  # padding (0) after each row's n
         for i in np.flatnonzero(shape.by_lookup):
-            lookup_ids[i, : shape.n[i]] = shape.proposals[i][: shape.n[i]]
+            proposal = shape.proposals[i][: shape.n[i]]  # forced drafts may have raised n
+            lookup_ids[i, : len(proposal)] = proposal
         bp = None if self.graphs is None else self.graphs.bucket(b)
-        forced_ids, forced_lens = self._forced(plan, shape)
         return Round(
             shape.k, shape.k_head, shape.n, shape.by_lookup, shape.lookup_round, plan, b, cu,
             stale,
@@ -598,19 +609,22 @@ class SpecWorker:
 
     # ---- structured output (docs/structured-output.md) ----------------------------------------
 
-    def _forced(self, plan, shape: RoundShape) -> tuple[torch.Tensor | None, np.ndarray | None]:
-        """The round's forced drafts: (ids int64 [B, k] on the device, lens int64 [B]), each
-        constrained row's forced tokens up to the round width (a row drafts at least those); (None,
-        None) without any. The shape's n is raised in place to cover them."""
-        lens = np.minimum(np.diff(plan.cu_forced.astype(np.int64)), shape.k)  # [B]
+    def _forced(self, plan, shape: RoundShape, k_plan: int) -> tuple:
+        """The round's forced drafts: (shape, ids int64 [B, k] on the device, lens int64 [B]),
+        each constrained row's forced tokens, at most W (k_plan); a row drafts at least those,
+        and the round widens to the longest (eager rounds only: graphs are captured per K).
+        (shape, None, None) without any."""
+        lens = np.diff(plan.cu_forced.astype(np.int64))  # [B]
         if not self.forced_drafts or shape.k == 0 or not lens.any():
-            return None, None
-        ids = np.zeros((len(lens), shape.k), dtype=np.int64)
+            return shape, None, None
+        k = shape.k if self.graphs is not None else max(shape.k, min(int(lens.max()), k_plan))
+        lens = np.minimum(lens, k)
+        ids = np.zeros((len(lens), k), dtype=np.int64)
         for i in np.flatnonzero(lens):
             start = int(plan.cu_forced[i])
             ids[i, : lens[i]] = plan.forced_ids[start : start + lens[i]]
-        np.maximum(shape.n, lens, out=shape.n)
-        return self._dev(ids), lens
+        shape = dataclasses.replace(shape, k=k, n=np.maximum(shape.n, lens))
+        return shape, self._dev(ids), lens
 
     def _grammar(self, r: Round, draft_ids: torch.Tensor) -> GrammarMask | None:
         """The constrained rows' masks per verify position, from the scheduler, which validates
@@ -801,7 +815,7 @@ class SpecWorker:
         if r.lookup_round and self.lookup_policy is not None:
             # copied drafts cost nothing to make: the round's cost is its verify
             self.lookup_policy.record(r.b, r.k, None, verify_s, accepted.tolist(), r.n.tolist())
-        elif self.policy is not None:
+        elif self.policy is not None and r.k <= self.num_steps:  # not widened by forced drafts
             # every round's cost at its width k (also when only lookup rows drafted: the others
             # were padded to k + 1 query tokens all the same); acceptance from the head's drafts
             drafting = clock.seconds(marks.t0, marks.t1)
