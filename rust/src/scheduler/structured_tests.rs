@@ -173,17 +173,12 @@ fn verify_drafts_are_cut_at_the_first_refused_one_with_a_mask_per_position() {
     assert_eq!(p.cu_forced, vec![0, 0, 0, 3]);
     assert_eq!(p.forced_ids, vec![t(b'b'), t(b'c'), t(b'd')]);
     // row 0 drafts "b", "d" (valid), then "x" (refused); row 2 a refused first draft
-    let drafts = vec![
-        t(b'b'),
-        t(b'd'),
-        t(b'x'),
-        0,
-        0,
-        0,
-        t(b'z'),
-        t(b'c'),
-        t(b'd'),
-    ];
+    let drafts: Vec<i64> = "bdx"
+        .bytes()
+        .map(t)
+        .chain([0; 3])
+        .chain("zcd".bytes().map(t))
+        .collect();
     let m = sch.draft_masks(&drafts, 3).unwrap();
     assert_eq!((m.rows.clone(), m.valid.clone()), (vec![0, 2], vec![2, 0]));
     let mask = |row: usize, j: usize| {
