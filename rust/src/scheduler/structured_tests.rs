@@ -189,8 +189,7 @@ fn verify_drafts_are_cut_at_the_first_refused_one_with_a_mask_per_position() {
     assert_eq!(mask(0, 1), vec![id(&s, b'd')]);
     assert_eq!(mask(0, 2), vec![EOT]); // the grammar completed inside the round: EOS only
     assert_eq!(mask(1, 0), vec![id(&s, b'b')]); // the bonus position of a cut-at-once row
-                                                // the matchers were rolled back: the same drafts give the same answer
-    let again = sch.draft_masks(&drafts, 3).unwrap();
+    let again = sch.draft_masks(&drafts, 3).unwrap(); // the matchers were rolled back
     assert_eq!((again.valid, again.masks), (m.valid, m.masks));
     // commit row 0: "b", "d" accepted, then the target's EOS; row 2: its bonus "b"
     sch.commit(
