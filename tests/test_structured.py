@@ -262,3 +262,64 @@ def test_sampled_rows_follow_the_masked_distribution(tiny_model_dir, drafts, tmp
     obs, exp = obs[exp > 0], exp[exp > 0]
     chi2 = float(((obs - exp) ** 2 / exp).sum())
     assert chi2 < 18.47, (counts.tolist(), expected.tolist())  # df <= 4, p = 0.001
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tmp_path_factory):
+    """The tiny model with <think> and </think> as special tokens (ids 259, 260) and the end
+    tag's lm_head row scaled up, so that rows close their reasoning after a few tokens."""
+    from safetensors.torch import load_file, save_file
+
+    from support.tiny import make_tiny_model
+
+    d = make_tiny_model(tmp_path_factory.mktemp("thinking"), seed=3)
+    tok = json.loads((d / "tokenizer.json").read_text())
+    for i, tag in ((259, "<think>"), (260, "</think>")):
+        tok["added_tokens"].append({"id": i, "content": tag, "single_word": False,
+                                    "lstrip": False, "rstrip": False, "normalized": False,
+                                    "special": True})  # fmt: skip
+    (d / "tokenizer.json").write_text(json.dumps(tok))
+    weights = load_file(str(d / "model.safetensors"))
+    weights["lm_head.weight"][260] *= THINK_SCALE
+    save_file(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d
+
+
+THINK_SCALE = 4.0
+
+
+def test_reasoning_rows_think_freely_then_answer_in_their_format(thinking_model, tmp_path):
+    formats = [json.dumps({"type": "choice", "choices": ["yes", "no"]}),
+               json.dumps({"type": "regex", "pattern": "[0-9]{2}"})] * 4  # fmt: skip
+    rows, res = run(tmp_path, thinking_model, n=8, formats=formats,
+                    overrides=["output.reasoning=think"])  # fmt: skip
+    closed = [r for r in rows if 260 in r["output_token_ids"]]
+    ends = [r["output_token_ids"].index(260) for r in closed]
+    assert len(closed) >= 4 and max(ends) >= 2, [r["output_token_ids"] for r in rows]
+    for r in closed:
+        assert r["reasoning_text"] is not None
+        answer = r["output_text"]
+        if r["structured"] == "complete":
+            assert answer in ("yes", "no") or (len(answer) == 2 and answer.isdigit())
+    for r in rows:
+        if 260 not in r["output_token_ids"]:  # never closed: all reasoning, no answer
+            assert r["output_text"] == "" and r["structured"] == "incomplete"
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_reasoning_end_inside_a_draft_window_keeps_outputs(thinking_model, tmp_path, kind):
+    formats = [json.dumps({"type": "choice", "choices": ["yes", "no"]}),
+               json.dumps(FORMATS[0])] * 4  # fmt: skip
+    plain, _ = run(tmp_path, thinking_model, n=8, formats=formats, name="plain",
+                   overrides=["output.reasoning=think"])  # fmt: skip
+    draft = init_random_draft(tmp_path / "d", thinking_model, kind=kind, seed=4,
+                              **({"draft_vocab_size": 280, "aux_layer_ids": (0, 1, 2)}
+                                 if kind == "eagle3" else {}))  # fmt: skip
+    spec = (f"draft: {draft}\nspeculative:\n  num_steps: 4\n  adaptive: false\n"
+            "  prompt_lookup_min: 0\n")  # fmt: skip
+    rows, res = run(tmp_path, thinking_model, n=8, formats=formats, name="spec", extra=spec,
+                    overrides=["output.reasoning=think"])  # fmt: skip
+    for got, want in zip(rows, plain, strict=True):
+        assert got["output_token_ids"] == want["output_token_ids"]
+        assert (got["reasoning_text"], got["output_text"]) == (want["reasoning_text"],
+                                                               want["output_text"])  # fmt: skip

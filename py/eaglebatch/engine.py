@@ -61,6 +61,8 @@ class PreparedJob:
     kept_columns: tuple[str, ...] = ()
     # the engine section resolved once (job/engine_settings.py); None only in tests' stand-ins
     engine: EngineSettings | None = None
+    # output.reasoning: the ids of its (start, end) tags; () when off
+    reasoning_ids: tuple[int, ...] = ()
 
     @property
     def job_hash(self) -> str:
@@ -159,6 +161,25 @@ def check_response_format(job: JobConfig, mf: ModelFiles, vocab_size: int) -> No
         raise JobError(str(e)) from None
 
 
+def reasoning_ids(job: JobConfig, mf: ModelFiles) -> tuple[int, ...]:
+    """output.reasoning's tag ids (start, end): each tag must be one token of the model's
+    tokenizer (the scheduler watches for the end tag's id); () when reasoning is off."""
+    if job.output.reasoning is None:
+        return ()
+    # lazy: the tokenizers library, loaded only for reasoning jobs
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(mf.tokenizer_file))
+    ids = []
+    for tag in job.output.reasoning_tags:
+        got = tok.encode(tag, add_special_tokens=False).ids
+        if len(got) != 1:
+            raise JobError(f"output.reasoning_tags: {tag!r} is {len(got)} tokens of the model's "
+                           "tokenizer; each tag must be one token (a reasoning model's own)")
+        ids.append(got[0])
+    return tuple(ids)
+
+
 def template_origin(job: JobConfig, mf: ModelFiles) -> str:
     """Where the job's chat template comes from, for messages."""
     if job.model_chat_template is not None:
@@ -194,7 +215,7 @@ def prepare(job: JobConfig) -> PreparedJob:
     return PreparedJob(
         job=job, input_files=files, total_rows=total, model=mf, draft_dir=draft, identity=identity,
         openai_endpoint=endpoint, batch_chat=batch_chat, vocab_size=vocab_size, kept_columns=kept,
-        engine=engine,
+        engine=engine, reasoning_ids=reasoning_ids(job, mf),
     )
 
 
@@ -307,6 +328,7 @@ def scheduler_config(
         eos_token=mf.eos_token,
         eos_token_ids=list(mf.eos_token_ids),
         vocab_size=prep.vocab_size,
+        reasoning_ids=list(prep.reasoning_ids),
         output_dir=scope.output_dir(job.output.path),
         file_metadata=metadata,
         keep_columns=list(prep.kept_columns),

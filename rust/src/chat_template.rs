@@ -33,6 +33,8 @@ pub type Message = Vec<(String, Option<String>)>;
 pub struct ChatTemplate {
     env: Environment<'static>,
     code: CompiledTemplate<'static>,
+    /// The `enable_thinking` variable of every render (reasoning models), when set.
+    enable_thinking: Option<bool>,
 }
 
 const TEMPLATE_NAME: &str = "chat_template";
@@ -179,7 +181,14 @@ impl ChatTemplate {
         Ok(ChatTemplate {
             env: environment(),
             code,
+            enable_thinking: None,
         })
+    }
+
+    /// Renders with `enable_thinking` set to `on` (Qwen 3's switch) when given.
+    pub fn with_enable_thinking(mut self, on: Option<bool>) -> Self {
+        self.enable_thinking = on;
+        self
     }
 
     /// Renders `messages`; the output never exceeds `max_output_bytes`, the work is bounded
@@ -193,7 +202,10 @@ impl ChatTemplate {
         max_output_bytes: usize,
     ) -> std::result::Result<String, RenderError> {
         let fuel = fuel_budget(messages);
-        let ctx = context(messages, add_generation_prompt, bos_token, eos_token);
+        let mut ctx = context(messages, add_generation_prompt, bos_token, eos_token);
+        if let Some(on) = self.enable_thinking {
+            ctx = minijinja::context! { enable_thinking => on, ..ctx };
+        }
         self.env
             .set_fuel(Some(fuel.saturating_mul(GUARD_FUEL_FACTOR)));
         let limit = memory_limit(messages, max_output_bytes);

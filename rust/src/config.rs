@@ -87,6 +87,11 @@ pub struct SchedulerConfig {
     /// Top alternatives per prompt token in the `prompt_logprobs` column (0 = no column);
     /// such requests compute their whole prompt (no prefix-cache hit).
     pub prompt_logprobs: u32,
+    /// Reasoning models: the chat template's `enable_thinking` variable (None: unset).
+    pub enable_thinking: Option<bool>,
+    /// `output.reasoning`: the ids of its (start, end) tags, empty when off; the text between
+    /// them is the `reasoning_text` column and a response_format applies after the end tag.
+    pub reasoning_ids: Vec<u32>,
     /// Structured output: the job's `sampling.response_format` as JSON text ("" = none; a
     /// row's column or batch line may set its own).
     pub response_format: String,

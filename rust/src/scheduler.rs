@@ -466,6 +466,8 @@ struct StopCriteria {
     eos: Vec<u32>,
     /// max_model_len: never the KV capacity, so an output does not depend on the budget.
     max_len: usize,
+    /// Reasoning: the ids of the (start, end) tags.
+    reasoning: Option<(u32, u32)>,
 }
 
 impl StopCriteria {
@@ -473,9 +475,14 @@ impl StopCriteria {
         let mut eos = cfg.eos_token_ids.clone();
         eos.sort_unstable();
         eos.dedup();
+        let reasoning = match cfg.reasoning_ids[..] {
+            [start, end] => Some((start, end)),
+            _ => None,
+        };
         StopCriteria {
             eos,
             max_len: cfg.max_model_len,
+            reasoning,
         }
     }
 
@@ -506,7 +513,7 @@ fn untruncated(mut tokenizer: Tokenizer) -> Result<Arc<Tokenizer>> {
 fn compile_template(cfg: &SchedulerConfig) -> Result<Option<ChatTemplate>> {
     match (&cfg.chat_template, cfg.uses_chat_template()) {
         (Some(src), true) => ChatTemplate::new(src)
-            .map(Some)
+            .map(|t| Some(t.with_enable_thinking(cfg.enable_thinking)))
             .map_err(|e| Error::user(format!("the chat template does not compile: {e}"))),
         _ => Ok(None),
     }
@@ -538,6 +545,7 @@ fn writer_config(
         logprobs: cfg.writes_logprobs(),
         prompt_logprobs: cfg.prompt_logprobs > 0,
         structured: cfg.may_be_structured(),
+        reasoning: cfg.reasoning_ids.len() == 2,
         endpoint: cfg.openai_batch(),
         id_type: spec.id_type.clone(),
         kept: spec.kept.clone(),
@@ -869,6 +877,10 @@ impl Scheduler {
                     let mut seq = Sequence::new(req.clone(), s);
                     seq.prompt_logprobs_k = self.cfg.prompt_logprobs;
                     seq.matcher = matcher.as_ref().map(RowMatcher::fork);
+                    seq.thinking = self
+                        .criteria
+                        .reasoning
+                        .is_some_and(|tags| reasoning_open(&seq.prompt_ids, tags));
                     self.stats.structured_rows += seq.matcher.is_some() as u64;
                     self.waiting.push_back(seq);
                 }
@@ -956,6 +968,8 @@ impl Scheduler {
             logprobs: None,
             prompt_logprobs: None,
             text_ids: None,
+            reasoning_ids: None,
+            reasoning_text: None,
             structured: None,
             skip_special_tokens: true,
             endpoint: req.endpoint.map(Endpoint::url),
@@ -1319,7 +1333,25 @@ impl Scheduler {
         let reason = seq.finish_reason.unwrap_or(FinishReason::Error);
         let error = seq.error.is_some() || reason == FinishReason::Error;
         // the text of a row without stop strings: one decode, on the writer's thread
-        let text_ids = (!error && !seq.stopped_on_string).then(|| seq.text_ids().to_vec());
+        let (mut text_ids, mut reasoning_ids) = (
+            (!error && !seq.stopped_on_string).then(|| seq.text_ids().to_vec()),
+            None,
+        );
+        if let (Some(tags), false) = (self.criteria.reasoning, error) {
+            let (reasoning, answer) = seq.reasoning_split(tags);
+            reasoning_ids = Some(reasoning.to_vec());
+            if seq.stopped_on_string {
+                // the text was cut by a stop string: the answer is what follows the reasoning
+                let r = self
+                    .tokenizer
+                    .decode(reasoning, seq.sampling.skip_special_tokens);
+                let r = r.unwrap_or_default();
+                let rest = seq.output_text.strip_prefix(r.as_str()).map(str::to_string);
+                seq.output_text = rest.unwrap_or_else(|| seq.output_text.clone());
+            } else {
+                text_ids = Some(answer.to_vec());
+            }
+        }
         let n = seq.num_output();
         self.stats.requests_done += 1;
         let timings = if error {
@@ -1368,6 +1400,8 @@ impl Scheduler {
                 Vec::new()
             },
             text_ids,
+            reasoning_ids,
+            reasoning_text: None,
             structured: structured.filter(|_| !error),
             skip_special_tokens: seq.sampling.skip_special_tokens,
             endpoint: seq.endpoint.map(Endpoint::url),
@@ -1488,7 +1522,12 @@ fn append_tokens(
             seq.finish(FinishReason::Stop, now);
             break;
         }
-        if advance_grammar(seq, t, now) {
+        if seq.thinking {
+            if c.reasoning.is_some_and(|(_, end)| t == end) {
+                seq.thinking = false;
+                seq.reasoning_end = Some(seq.num_output() - 1);
+            }
+        } else if advance_grammar(seq, t, now) {
             break;
         }
         if extend_text(seq, tokenizer, may_stop, now) {
@@ -1500,6 +1539,18 @@ fn append_tokens(
         }
     }
     appended
+}
+
+/// Whether a prompt leaves reasoning open: its last end tag does not follow its last start tag
+/// (vLLM's rule: the output reasons until the end tag unless the prompt closed it, as Qwen 3's
+/// template does with thinking off).
+fn reasoning_open(prompt: &[u32], (start, end): (u32, u32)) -> bool {
+    let last = |t: u32| prompt.iter().rposition(|&x| x == t);
+    match (last(start), last(end)) {
+        (_, None) => true,
+        (Some(s), Some(e)) => s > e,
+        (None, Some(_)) => false,
+    }
 }
 
 /// A constrained row's matcher consumes its new token `t`; returns whether the row finished:

@@ -158,6 +158,11 @@ pub struct Sequence {
     /// Structured output: where the row's output stands in its grammar (a response_format
     /// row), having consumed exactly its committed output tokens.
     pub matcher: Option<RowMatcher>,
+    /// Reasoning (`output.reasoning`): the row is still reasoning (its end tag not yet in the
+    /// prompt's last turn or the output): no response_format applies yet.
+    pub thinking: bool,
+    /// Where the output's end tag is (an index into `output_ids`), once generated.
+    pub reasoning_end: Option<usize>,
 }
 
 /// The id of a placeholder output token (never a vocabulary id).
@@ -204,6 +209,8 @@ impl Sequence {
             run_id: 0,
             placeholder: false,
             matcher: None,
+            thinking: false,
+            reasoning_end: None,
         }
     }
 
@@ -296,6 +303,25 @@ impl Sequence {
         } else {
             &self.output_ids
         }
+    }
+
+    /// Reasoning (`output.reasoning`, tags (start, end)): the text ids of the reasoning (a
+    /// leading start tag dropped) and of the answer. A row that never closed its reasoning is
+    /// all reasoning; one whose prompt closed it, all answer.
+    pub fn reasoning_split(&self, (start, _): (u32, u32)) -> (&[u32], &[u32]) {
+        let ids = self.text_ids();
+        let (reasoning, answer) = match self.reasoning_end {
+            Some(e) => (
+                &ids[..e.min(ids.len())],
+                ids.get(e + 1..).unwrap_or_default(),
+            ),
+            None if self.thinking => (ids, &ids[ids.len()..]),
+            None => (&ids[..0], ids),
+        };
+        (
+            reasoning.strip_prefix(&[start]).unwrap_or(reasoning),
+            answer,
+        )
     }
 
     pub fn is_finished(&self) -> bool {

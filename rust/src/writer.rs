@@ -81,6 +81,10 @@ pub struct OutputRow {
     /// A response_format row's output matches its format completely (None: no format, or an
     /// error row).
     pub structured: Option<bool>,
+    /// `output.reasoning`: the ids of the row's reasoning, decoded by the writer into
+    /// `reasoning_text` like `text_ids` (None: no reasoning column, or an error row).
+    pub reasoning_ids: Option<Vec<u32>>,
+    pub reasoning_text: Option<String>,
     /// How `text_ids` are decoded: without special tokens (the default), or with them.
     pub skip_special_tokens: bool,
     /// OpenAI Batch input: the url of the row's line, when it named one eaglebatch serves
@@ -99,6 +103,8 @@ pub struct WriterConfig {
     pub prompt_logprobs: bool,
     /// Write the `structured` column (a row may have a response_format).
     pub structured: bool,
+    /// Write the `reasoning_text` column (`output.reasoning`).
+    pub reasoning: bool,
     /// Write the `endpoint` and `n` columns (OpenAI Batch input: each line's url and n).
     pub endpoint: bool,
     pub id_type: DataType,
@@ -146,6 +152,7 @@ pub const OUTPUT_COLUMNS: &[&str] = &[
     "logprobs",
     "prompt_logprobs",
     "structured",
+    "reasoning_text",
     "endpoint",
     "n",
 ];
@@ -188,6 +195,9 @@ pub fn output_schema(cfg: &WriterConfig) -> SchemaRef {
     }
     if cfg.structured {
         fields.push(Field::new("structured", DataType::Utf8, true));
+    }
+    if cfg.reasoning {
+        fields.push(Field::new("reasoning_text", DataType::Utf8, true));
     }
     if cfg.endpoint {
         fields.push(Field::new("endpoint", DataType::Utf8, true));
@@ -347,15 +357,22 @@ impl WriterThread {
     /// The row with its text decoded (`OutputRow::text_ids`); a failed decode makes it an
     /// error row.
     fn decoded(&mut self, mut row: OutputRow) -> Result<OutputRow> {
-        let Some(ids) = row.text_ids.take() else {
+        if row.text_ids.is_none() && row.reasoning_ids.is_none() {
             return Ok(row);
-        };
+        }
         let start = Instant::now();
         let decoder = self.cfg.decoder.as_ref().ok_or_else(|| {
             Error::internal("a row with text_ids reached a writer without a decoder")
         })?;
-        match decoder.decode(&ids, row.skip_special_tokens) {
-            Ok(text) => row.output_text = text,
+        let skip = row.skip_special_tokens;
+        let decode = |ids: Option<Vec<u32>>| ids.map(|ids| decoder.decode(&ids, skip)).transpose();
+        let texts =
+            decode(row.text_ids.take()).and_then(|t| Ok((t, decode(row.reasoning_ids.take())?)));
+        match texts {
+            Ok((text, reasoning)) => {
+                row.output_text = text.unwrap_or(std::mem::take(&mut row.output_text));
+                row.reasoning_text = reasoning;
+            }
             Err(e) => {
                 self.summary.decode_errors += 1;
                 row = OutputRow {
@@ -510,6 +527,9 @@ fn build_batch(schema: &SchemaRef, rows: &[OutputRow], cfg: &WriterConfig) -> Re
                 .map(|done| if done { "complete" } else { "incomplete" })
         }));
     }
+    if cfg.reasoning {
+        columns.push(string_column(rows, 0, |r| r.reasoning_text.as_deref()));
+    }
     if cfg.endpoint {
         columns.push(string_column(rows, rows.len() * 20, |r| r.endpoint));
         columns.push(int32_column(rows, |r| Some(r.num_samples)));
@@ -622,6 +642,8 @@ mod tests {
             logprobs: None,
             prompt_logprobs: None,
             text_ids: None,
+            reasoning_ids: None,
+            reasoning_text: None,
             structured: None,
             skip_special_tokens: true,
             endpoint: None,
@@ -642,6 +664,7 @@ mod tests {
             logprobs: false,
             prompt_logprobs: false,
             structured: false,
+            reasoning: false,
             endpoint: false,
             id_type: DataType::Utf8,
             kept: Vec::new(),
@@ -836,7 +859,7 @@ mod tests {
         let dir = TempDir::new("writer-names");
         let mut c = cfg(dir.path(), 1);
         (c.logprobs, c.prompt_logprobs, c.endpoint) = (true, true, true);
-        c.structured = true;
+        (c.structured, c.reasoning) = (true, true);
         let schema = output_schema(&c);
         let mut names: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
         let mut want = OUTPUT_COLUMNS.to_vec();

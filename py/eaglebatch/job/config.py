@@ -117,6 +117,9 @@ class InputConfig(_Section):
     limit: int | None = Field(default=None, ge=0, le=I64_MAX)
     # Wrap each `prompt_column` text as one user message and render the model's chat template.
     apply_chat_template: bool = False
+    # reasoning models: the chat template's `enable_thinking` variable (Qwen 3's switch);
+    # unset: the template's own default
+    enable_thinking: bool | None = None
     # Per-row sampling: sampling key -> input column; a row's non-null value overrides the job's.
     sampling_columns: dict[str, str] = Field(default_factory=dict)
     # parquet, or openai-batch (JSONL request lines); auto: openai-batch for a .jsonl path
@@ -200,6 +203,11 @@ class OutputConfig(_Section):
     # columns: a list of names, or "*" for every input column (but an id column named `id`,
     # which is the output's `id`); resolved against the files by inputs.kept_columns
     keep_columns: Annotated[tuple[str, ...], LIST_OK] | Literal["*"] = ()
+    # reasoning models (docs/structured-output.md#reasoning): "think" splits the text between
+    # reasoning_tags (each one token of the model's tokenizer) into a `reasoning_text` column,
+    # keeps the answer after it in output_text, and applies a response_format to the answer only
+    reasoning: Literal["think"] | None = None
+    reasoning_tags: Annotated[tuple[str, str], LIST_OK] = ("<think>", "</think>")
 
     @field_validator("keep_columns")
     @classmethod

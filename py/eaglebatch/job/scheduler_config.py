@@ -67,6 +67,10 @@ class SchedulerConfig:
     eos_token_ids: list[int]
     # config.json's vocab_size: a row's stop_token_ids must be below it (0 = unchecked)
     vocab_size: int = 0
+    # reasoning models: the template's enable_thinking (None: its default), and the ids of
+    # output.reasoning's (start, end) tags ([] = no reasoning split)
+    enable_thinking: bool | None = _job("input", "enable_thinking")
+    reasoning_ids: list[int] = field(default_factory=list)
     # Output.
     output_dir: str
     part_rows: int = _job("output", "part_rows")

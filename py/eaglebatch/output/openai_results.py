@@ -99,7 +99,8 @@ def _first_row(part: Path) -> int:
 
 def _rows(part: Path):
     pf = pq.ParquetFile(part)
-    wanted = [*_COLUMNS, "cached_tokens", "logprobs", "endpoint", "stop_reason", "stop_token_id"]
+    wanted = [*_COLUMNS, "cached_tokens", "logprobs", "endpoint", "stop_reason", "stop_token_id",
+              "reasoning_text"]  # fmt: skip
     columns = [c for c in wanted if c in pf.schema_arrow.names]
     for batch in pf.iter_batches(batch_size=1024, columns=columns):
         yield from batch.to_pylist()
@@ -140,6 +141,8 @@ def _choice(s: dict, chat: bool) -> dict:
                     "stop_reason": _stop_reason(s)}  # fmt: skip
     if chat:
         choice["message"] = {"role": "assistant", "content": s["output_text"]}
+        if s.get("reasoning_text") is not None:  # output.reasoning (vLLM's field)
+            choice["message"]["reasoning_content"] = s["reasoning_text"]
         choice["logprobs"] = None if lps is None else {"content": [_chat_lp(e) for e in lps]}
     else:
         choice["text"] = s["output_text"]

@@ -42,7 +42,7 @@ config_fields! {
     max_new_tokens, stop, temperature, top_p, top_k, seed, min_new_tokens, min_p,
     ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens,
     repetition_penalty, frequency_penalty, presence_penalty, logprobs, prompt_logprobs,
-    response_format with json_text, sampling_columns, n,
+    response_format with json_text, enable_thinking, reasoning_ids, sampling_columns, n,
     num_blocks, block_size, max_batch_size, max_num_batched_tokens, max_model_len,
     max_draft_tokens, prefix_caching, chunked_prefill, overlap, read_batch_rows,
     queue_rows,

@@ -13,6 +13,9 @@
 //! - EOS: a mask allows every EOS id of the model where the grammar may end. A row whose
 //!   grammar admits no more tokens finishes (`stop`) without one.
 //! - Overlap plans no constrained row ahead (overlap.rs): its mask needs the token in flight.
+//! - Reasoning (`output.reasoning`): a row that still reasons has no mask and no forced
+//!   tokens; in a verify round its drafts up to and including the end tag are free, its grammar
+//!   masks the positions after it.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -62,7 +65,7 @@ impl Scheduler {
         let rows = &mut self.running[start..start + samples.len()];
         let mut matchers: Vec<&mut RowMatcher> = Vec::new();
         for (r, seq) in rows.iter_mut().enumerate() {
-            match (&mut seq.matcher, samples[r]) {
+            match (&mut seq.matcher, samples[r] && !seq.thinking) {
                 (Some(m), true) => {
                     p.mask_rows[r] = matchers.len() as i32;
                     matchers.push(m);
@@ -94,6 +97,10 @@ impl Scheduler {
             if let Some(m) = &mut seq.matcher {
                 p.mask_rows[r] = constrained; // draft_masks numbers them so
                 constrained += 1;
+                if seq.thinking {
+                    p.cu_forced.push(p.forced_ids.len() as i32);
+                    continue; // nothing is forced while the row reasons
+                }
                 let forced = m.forced();
                 p.forced_ids
                     .extend(forced.iter().take(w).map(|&t| i64::from(t)));
@@ -128,29 +135,44 @@ impl Scheduler {
                 row_of[i] = Some(r);
             }
         }
-        let mut jobs: Vec<(usize, &mut RowMatcher, Vec<u32>)> = Vec::new();
+        let end_tag = self.criteria.reasoning.map(|(_, end)| end);
+        let mut jobs: Vec<(usize, &mut RowMatcher, Vec<u32>, usize)> = Vec::new();
         for (seq, r) in self.running.iter_mut().zip(row_of) {
             if let (Some(r), Some(m)) = (r, seq.matcher.as_mut()) {
                 // a draft id that is no token (negative) ends the row's valid drafts
-                let ids = drafts[r * k..(r + 1) * k]
+                let ids: Vec<u32> = drafts[r * k..(r + 1) * k]
                     .iter()
                     .map_while(|&t| u32::try_from(t).ok())
                     .collect();
-                jobs.push((r, m, ids));
+                // a reasoning row: its grammar starts after the end tag, if drafted
+                let free = match (seq.thinking, end_tag) {
+                    (true, Some(end)) => {
+                        ids.iter().position(|&t| t == end).map_or(k + 1, |e| e + 1)
+                    }
+                    _ => 0,
+                };
+                jobs.push((r, m, ids, free));
             }
         }
-        jobs.sort_by_key(|(r, _, _)| *r);
+        jobs.sort_by_key(|job| job.0);
         let (words, eos) = (grammars.mask_words(), self.criteria.eos.clone());
         let t0 = Instant::now();
         let mut masks = vec![u32::MAX; jobs.len() * (k + 1) * words];
         let valid: Vec<Result<i32>> = masks
             .par_chunks_mut((k + 1) * words)
             .zip(jobs.par_iter_mut())
-            .map(|(out, (_, m, ids))| row_masks(m, ids, out, words, &eos))
+            .map(|(out, (_, m, ids, free))| {
+                let (free, ids) = (*free, &ids[..]);
+                if free > ids.len() {
+                    return Ok(ids.len() as i32); // still reasoning: nothing is masked
+                }
+                let grammar_out = &mut out[free * words..];
+                Ok(free as i32 + row_masks(m, &ids[free..], grammar_out, words, &eos)?)
+            })
             .collect();
         self.stats.mask_seconds.push(t0.elapsed().as_secs_f64());
         Ok(DraftMasks {
-            rows: jobs.iter().map(|(r, _, _)| *r as i32).collect(),
+            rows: jobs.iter().map(|job| job.0 as i32).collect(),
             valid: valid.into_iter().collect::<Result<_>>()?,
             masks,
             words,
@@ -185,8 +207,9 @@ fn fill(m: &mut RowMatcher, out: &mut [u32], eos: &[u32]) {
     }
 }
 
-/// One row's verify masks (`out`: k + 1 masks of `words`): consumes its valid drafts to
-/// compute each position's mask, then rolls them back. Returns how many drafts are valid.
+/// One row's verify masks (`out`: a mask of `words` per draft and one more): consumes its
+/// valid drafts to compute each position's mask, then rolls them back. Returns how many drafts
+/// are valid.
 fn row_masks(
     m: &mut RowMatcher,
     ids: &[u32],
