@@ -1544,7 +1544,7 @@ fn append_tokens(
 /// Whether a prompt leaves reasoning open: its last end tag does not follow its last start tag
 /// (vLLM's rule: the output reasons until the end tag unless the prompt closed it, as Qwen 3's
 /// template does with thinking off).
-fn reasoning_open(prompt: &[u32], (start, end): (u32, u32)) -> bool {
+pub(super) fn reasoning_open(prompt: &[u32], (start, end): (u32, u32)) -> bool {
     let last = |t: u32| prompt.iter().rposition(|&x| x == t);
     match (last(start), last(end)) {
         (_, None) => true,

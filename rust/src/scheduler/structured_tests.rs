@@ -211,3 +211,55 @@ fn verify_drafts_are_cut_at_the_first_refused_one_with_a_mask_per_position() {
     assert_eq!(p.num_seqs(), 2);
     assert_eq!(p.forced_ids, vec![t(b'c'), t(b'd')]);
 }
+
+#[test]
+fn a_reasoning_rows_grammar_starts_after_its_end_tag_even_inside_a_round() {
+    let mut s = setup(
+        "structured-reasoning",
+        &[Some(r#"{"type": "regex", "pattern": "ab"}"#)],
+        3,
+    );
+    let (open, close) = (id(&s, b'<'), id(&s, b'>'));
+    s.cfg.reasoning_ids = vec![open, close];
+    let t = |b: u8| id(&s, b) as i64;
+    assert!(reasoning_open(&[1, 2], (open, close)));
+    assert!(!reasoning_open(&[open, 1, close, 2], (open, close)));
+    assert!(reasoning_open(&[close, open, 1], (open, close)));
+    let mut sch = Scheduler::new(s.cfg.clone()).unwrap();
+    wait_for_reader(&sch);
+    let p = sch.next_plan().unwrap().unwrap();
+    assert_eq!(p.mask_rows, vec![-1]); // reasoning: no mask
+    sch.commit(&[t(b'q') as i32], &[1], None, None, None)
+        .unwrap();
+    let p = sch.next_plan().unwrap().unwrap();
+    assert_eq!(
+        (p.mask_rows.clone(), p.cu_forced.clone()),
+        (vec![0], vec![0, 0])
+    );
+    let m = sch.draft_masks(&[t(b'r'), t(b'>'), t(b'a')], 3).unwrap();
+    assert_eq!(m.valid, vec![3]); // two free drafts, then "a" under the grammar
+    let mask = |j: usize| allowed(&m.masks[j * m.words..(j + 1) * m.words]);
+    assert_eq!(mask(0).len(), m.words * 32); // still reasoning: everything allowed
+    assert_eq!(mask(1).len(), m.words * 32);
+    assert_eq!((mask(2), mask(3)), (vec![id(&s, b'a')], vec![id(&s, b'b')]));
+    let toks: Vec<i32> = [b'r', b'>', b'a', b'b'].map(|b| id(&s, b) as i32).to_vec();
+    sch.commit(&toks, &[4], Some(&[3]), None, None).unwrap();
+    assert!(sch.next_plan().unwrap().is_none());
+    sch.finish().unwrap();
+    let b = &read_parts(&s.cfg.output_dir)[0];
+    let col = |n: &str| {
+        b.column_by_name(n)
+            .unwrap()
+            .as_string::<i32>()
+            .value(0)
+            .to_string()
+    };
+    assert_eq!(
+        (col("reasoning_text"), col("output_text")),
+        ("qr".into(), "ab".into())
+    );
+    assert_eq!(
+        (col("finish_reason"), col("structured")),
+        ("stop".into(), "complete".into())
+    );
+}
