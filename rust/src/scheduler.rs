@@ -1333,25 +1333,7 @@ impl Scheduler {
         let reason = seq.finish_reason.unwrap_or(FinishReason::Error);
         let error = seq.error.is_some() || reason == FinishReason::Error;
         // the text of a row without stop strings: one decode, on the writer's thread
-        let (mut text_ids, mut reasoning_ids) = (
-            (!error && !seq.stopped_on_string).then(|| seq.text_ids().to_vec()),
-            None,
-        );
-        if let (Some(tags), false) = (self.criteria.reasoning, error) {
-            let (reasoning, answer) = seq.reasoning_split(tags);
-            reasoning_ids = Some(reasoning.to_vec());
-            if seq.stopped_on_string {
-                // the text was cut by a stop string: the answer is what follows the reasoning
-                let r = self
-                    .tokenizer
-                    .decode(reasoning, seq.sampling.skip_special_tokens);
-                let r = r.unwrap_or_default();
-                let rest = seq.output_text.strip_prefix(r.as_str()).map(str::to_string);
-                seq.output_text = rest.unwrap_or_else(|| seq.output_text.clone());
-            } else {
-                text_ids = Some(answer.to_vec());
-            }
-        }
+        let (text_ids, reasoning_ids) = self.output_ids(&mut seq, error);
         let n = seq.num_output();
         self.stats.requests_done += 1;
         let timings = if error {
@@ -1406,6 +1388,27 @@ impl Scheduler {
             skip_special_tokens: seq.sampling.skip_special_tokens,
             endpoint: seq.endpoint.map(Endpoint::url),
         }
+    }
+
+    /// The ids the writer decodes into a finished row's `output_text` (None: the text is
+    /// already made, a stop string cut it, or an error row) and, with reasoning, into its
+    /// `reasoning_text`; a stop-string row's answer is its text after the reasoning's.
+    fn output_ids(&self, seq: &mut Sequence, error: bool) -> (Option<Vec<u32>>, Option<Vec<u32>>) {
+        let text_ids = (!error && !seq.stopped_on_string).then(|| seq.text_ids().to_vec());
+        let (Some(tags), false) = (self.criteria.reasoning, error) else {
+            return (text_ids, None);
+        };
+        let (reasoning, answer) = seq.reasoning_split(tags);
+        let reasoning_ids = Some(reasoning.to_vec());
+        if !seq.stopped_on_string {
+            return (Some(answer.to_vec()), reasoning_ids);
+        }
+        let skip = seq.sampling.skip_special_tokens;
+        let r = self.tokenizer.decode(reasoning, skip).unwrap_or_default();
+        if let Some(rest) = seq.output_text.strip_prefix(r.as_str()) {
+            seq.output_text = rest.to_string();
+        }
+        (None, reasoning_ids)
     }
 
     /// Waits for the writer, checks that no KV block or slot leaked and returns the summary.

@@ -508,6 +508,16 @@ fn build_batch(schema: &SchemaRef, rows: &[OutputRow], cfg: &WriterConfig) -> Re
             _ => None,
         }),
     ];
+    columns.extend(optional_columns(rows, cfg));
+    for (k, (_, dt)) in cfg.kept.iter().enumerate() {
+        columns.push(kept_column(dt, rows, k)?);
+    }
+    Ok(RecordBatch::try_new(schema.clone(), columns)?)
+}
+
+/// The columns the settings add (output_schema's order), kept columns aside.
+fn optional_columns(rows: &[OutputRow], cfg: &WriterConfig) -> Vec<ArrayRef> {
+    let mut columns = Vec::new();
     if cfg.include_token_ids {
         columns.push(token_ids_column(rows));
     }
@@ -534,10 +544,7 @@ fn build_batch(schema: &SchemaRef, rows: &[OutputRow], cfg: &WriterConfig) -> Re
         columns.push(string_column(rows, rows.len() * 20, |r| r.endpoint));
         columns.push(int32_column(rows, |r| Some(r.num_samples)));
     }
-    for (k, (_, dt)) in cfg.kept.iter().enumerate() {
-        columns.push(kept_column(dt, rows, k)?);
-    }
-    Ok(RecordBatch::try_new(schema.clone(), columns)?)
+    columns
 }
 
 /// Kept column `k` of the rows: their length-1 arrays concatenated (an empty array of the

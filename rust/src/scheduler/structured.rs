@@ -129,34 +129,9 @@ impl Scheduler {
         let Some(grammars) = self.grammars.clone() else {
             return Ok(DraftMasks::default());
         };
-        let mut row_of = vec![None; self.running.len()]; // running index -> plan row
-        for (r, i) in self.locate(plan).into_iter().enumerate() {
-            if let Some(i) = i {
-                row_of[i] = Some(r);
-            }
-        }
-        let end_tag = self.criteria.reasoning.map(|(_, end)| end);
-        let mut jobs: Vec<(usize, &mut RowMatcher, Vec<u32>, usize)> = Vec::new();
-        for (seq, r) in self.running.iter_mut().zip(row_of) {
-            if let (Some(r), Some(m)) = (r, seq.matcher.as_mut()) {
-                // a draft id that is no token (negative) ends the row's valid drafts
-                let ids: Vec<u32> = drafts[r * k..(r + 1) * k]
-                    .iter()
-                    .map_while(|&t| u32::try_from(t).ok())
-                    .collect();
-                // a reasoning row: its grammar starts after the end tag, if drafted
-                let free = match (seq.thinking, end_tag) {
-                    (true, Some(end)) => {
-                        ids.iter().position(|&t| t == end).map_or(k + 1, |e| e + 1)
-                    }
-                    _ => 0,
-                };
-                jobs.push((r, m, ids, free));
-            }
-        }
-        jobs.sort_by_key(|job| job.0);
         let (words, eos) = (grammars.mask_words(), self.criteria.eos.clone());
         let t0 = Instant::now();
+        let mut jobs = self.draft_jobs(drafts, k);
         let mut masks = vec![u32::MAX; jobs.len() * (k + 1) * words];
         let valid: Vec<Result<i32>> = masks
             .par_chunks_mut((k + 1) * words)
@@ -170,15 +145,55 @@ impl Scheduler {
                 Ok(free as i32 + row_masks(m, &ids[free..], grammar_out, words, &eos)?)
             })
             .collect();
+        let rows = jobs.iter().map(|job| job.0 as i32).collect();
+        drop(jobs);
         self.stats.mask_seconds.push(t0.elapsed().as_secs_f64());
         Ok(DraftMasks {
-            rows: jobs.iter().map(|job| job.0 as i32).collect(),
+            rows,
             valid: valid.into_iter().collect::<Result<_>>()?,
             masks,
             words,
         })
     }
 }
+
+impl Scheduler {
+    /// The pending plan's constrained rows with their drafts, in plan order: (plan row, its
+    /// matcher, its drafts as token ids, how many of them come before its grammar starts: a
+    /// reasoning row's drafts up to its end tag, k + 1 when none is drafted).
+    fn draft_jobs(&mut self, drafts: &[i64], k: usize) -> Vec<DraftJob<'_>> {
+        let plan = self.pending.front().expect("checked by draft_masks");
+        let mut row_of = vec![None; self.running.len()]; // running index -> plan row
+        for (r, i) in self.locate(plan).into_iter().enumerate() {
+            if let Some(i) = i {
+                row_of[i] = Some(r);
+            }
+        }
+        let end_tag = self.criteria.reasoning.map(|(_, end)| end);
+        let mut jobs = Vec::new();
+        for (seq, r) in self.running.iter_mut().zip(row_of) {
+            if let (Some(r), Some(m)) = (r, seq.matcher.as_mut()) {
+                // a draft id that is no token (negative) ends the row's valid drafts
+                let ids: Vec<u32> = drafts[r * k..(r + 1) * k]
+                    .iter()
+                    .map_while(|&t| u32::try_from(t).ok())
+                    .collect();
+                let free = match (seq.thinking, end_tag) {
+                    (true, Some(end)) => {
+                        ids.iter().position(|&t| t == end).map_or(k + 1, |e| e + 1)
+                    }
+                    _ => 0,
+                };
+                jobs.push((r, m, ids, free));
+            }
+        }
+        jobs.sort_by_key(|job| job.0);
+        jobs
+    }
+}
+
+/// A constrained row of a verify round: `Scheduler::draft_jobs`.
+type DraftJob<'a> = (usize, &'a mut RowMatcher, Vec<u32>, usize);
 
 /// `Scheduler::draft_masks`'s answer.
 #[derive(Debug, Default)]
