@@ -611,19 +611,25 @@ class SpecWorker:
 
     def _forced(self, plan, shape: RoundShape, k_plan: int) -> tuple:
         """The round's forced drafts: (shape, ids int64 [B, k] on the device, lens int64 [B]),
-        each constrained row's forced tokens, at most W (k_plan); a row drafts at least those,
-        and the round widens to the longest (eager rounds only: graphs are captured per K).
-        (shape, None, None) without any."""
-        lens = np.diff(plan.cu_forced.astype(np.int64))  # [B]
-        if not self.forced_drafts or shape.k == 0 or not lens.any():
+        each constrained row's forced tokens, at most W (k_plan). A row drafts those first; a
+        row the head serves then drafts its own n head tokens after them (the head's chain runs
+        through the forced tokens and on), so the round widens to fit, up to W, also where the
+        policy chose not to draft (forced drafts cost no draft step). Eager rounds only widen:
+        graphs are captured per K. (shape, None, None) without any."""
+        lens = np.minimum(np.diff(plan.cu_forced.astype(np.int64)), k_plan)  # [B]
+        graphs = self.graphs is not None
+        if not self.forced_drafts or not lens.any() or (graphs and shape.k == 0):
             return shape, None, None
-        k = shape.k if self.graphs is not None else max(shape.k, min(int(lens.max()), k_plan))
-        lens = np.minimum(lens, k)
+        head = ~shape.by_lookup & (shape.k_head > 0)  # [B] rows whose drafts the head makes
+        n = np.where(lens > 0, np.where(head, lens + shape.n, np.maximum(lens, shape.n)), shape.n)
+        k = shape.k if graphs else min(max(shape.k, int(n.max())), k_plan)
+        lens, n = np.minimum(lens, k), np.minimum(n, k)
         ids = np.zeros((len(lens), k), dtype=np.int64)
         for i in np.flatnonzero(lens):
             start = int(plan.cu_forced[i])
             ids[i, : lens[i]] = plan.forced_ids[start : start + lens[i]]
-        shape = dataclasses.replace(shape, k=k, n=np.maximum(shape.n, lens))
+        k_head = k if shape.k_head > 0 else 0
+        shape = dataclasses.replace(shape, k=k, k_head=k_head, n=n)
         return shape, self._dev(ids), lens
 
     def _grammar(self, r: Round, draft_ids: torch.Tensor) -> GrammarMask | None:
