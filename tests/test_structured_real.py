@@ -93,9 +93,8 @@ def reference(model, tok, lltok, text: str, fmt: dict, max_new: int) -> list[int
 
 
 def test_greedy_constrained_equals_transformers_with_llguidance(tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     import llguidance.hf
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = builtin.builtin_model_dir()
     tok = AutoTokenizer.from_pretrained(str(model_dir))

@@ -349,8 +349,8 @@ def build_scheduler(
     from eaglebatch._native import Scheduler
 
     scheduler = Scheduler(scheduler_config(prep, worker, metadata, skip_rows, scope, skip_samples))
-    if hasattr(worker, "grammar"):  # a SpecWorker validates its drafts against the grammars
-        worker.grammar = scheduler.draft_masks
+    if hasattr(worker, "grammar"):  # a SpecWorker drafts under the grammars and validates
+        worker.grammar, worker.grammar_step = scheduler.draft_masks, scheduler.draft_step_masks
     return scheduler
 
 

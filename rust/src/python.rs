@@ -324,6 +324,31 @@ impl PyScheduler {
         Ok((m.rows.into_pyarray(py), m.valid.into_pyarray(py), masks))
     }
 
+    /// Structured output, masked drafting (`Scheduler::draft_step_masks`): `tokens` None starts
+    /// a session over the pending verify plan, else int64 [B] the drafts just chosen; returns
+    /// (rows int32 [R], masks uint32 [R, words]) at the next draft position.
+    #[pyo3(signature = (tokens = None))]
+    #[allow(clippy::type_complexity)]
+    fn draft_step_masks<'py>(
+        &mut self,
+        py: Python<'py>,
+        tokens: Option<PyReadonlyArray1<'py, i64>>,
+    ) -> PyResult<(Bound<'py, PyArray1<i32>>, Bound<'py, PyArray2<u32>>)> {
+        let tokens: Option<Vec<i64>> = tokens.map(|t| t.as_array().to_vec());
+        let inner = &mut self.inner;
+        let (rows, masks) = py
+            .detach(|| inner.draft_step_masks(tokens.as_deref()))
+            .map_err(to_py)?;
+        let words = if rows.is_empty() {
+            1
+        } else {
+            masks.len() / rows.len()
+        };
+        let r = rows.len();
+        let masks = masks.into_pyarray(py).reshape([r, words])?;
+        Ok((rows.into_pyarray(py), masks))
+    }
+
     fn set_plain_steps(&mut self, on: bool) {
         self.inner.set_plain_steps(on);
     }

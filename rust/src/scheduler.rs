@@ -645,6 +645,8 @@ pub struct Scheduler {
     finished: bool,
     /// Structured output's grammar compiler, built at the first constrained row.
     grammars: Option<Arc<Grammars>>,
+    /// Masked drafting's rows in the pending verify plan (scheduler/structured.rs).
+    session: Vec<structured::DraftSession>,
 }
 
 impl Scheduler {
@@ -721,6 +723,7 @@ impl Scheduler {
             stats,
             finished: false,
             grammars: None,
+            session: Vec::new(),
         })
     }
 
@@ -1145,6 +1148,7 @@ impl Scheduler {
         logprobs: Option<&StepLogprobs>,
         prompt_logprobs: Option<&PromptLogprobs>,
     ) -> Result<()> {
+        self.end_session()?; // masked drafting's matchers back where the last commit left them
         let plan = self
             .pending
             .front()

@@ -234,10 +234,16 @@ class EagleDraft(nn.Module):
         h = residual + attn
         return h + layer.mlp(layer.post_attention_layernorm(h))
 
-    def argmax_tokens(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, h] -> int64 [N]
+    def argmax_tokens(
+        self, hidden: torch.Tensor, allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:  # [N, h] -> int64 [N]
         """The draft's greedy token for each row, as TARGET ids. Only an argmax over the raw
-        logits: no softmax, no probabilities (topk == 1 drafting)."""
+        logits: no softmax, no probabilities (topk == 1 drafting). `allowed` (structured
+        output): (rows int64 [R], bool [R, >= V] over TARGET ids), those rows' argmax is taken
+        over the allowed ids only."""
         logits = self._head(hidden)  # [N, Vd]
+        if allowed is not None:
+            logits = self._masked(logits, *allowed)
         ids = argmax(logits)  # [N] draft ids
         if self.eagle3 and self.d2t is not None:
             if ids.is_cpu:  # numpy: two small torch ops cost ~50 µs in a CPU round
@@ -245,6 +251,18 @@ class EagleDraft(nn.Module):
                 return torch.from_numpy(ids_np + self.d2t.numpy()[ids_np])
             ids = ids + self.d2t.index_select(0, ids)
         return ids
+
+    def _masked(self, logits: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor):
+        """logits [N, Vd] with -inf at the rows' draft ids whose target ids are not allowed."""
+        vd = logits.shape[-1]
+        if self.eagle3 and self.d2t is not None:  # draft id i is target id i + d2t[i]
+            target_ids = torch.arange(vd, device=logits.device) + self.d2t
+            allowed = allowed.index_select(1, target_ids)  # [R, Vd]
+        else:
+            allowed = allowed[:, :vd]
+        logits = logits.clone()
+        logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+        return logits
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, h] -> f32 [N, Vd]
         """Draft-vocabulary logits (for tests and training; drafting uses argmax_tokens)."""

@@ -198,9 +198,10 @@ class SpecWorker:
         self.stats = SpecStats()
         self._clock = _Clock(self.device)
         self.graphs: SpecGraphs | None = None  # enable_graphs
-        # structured output: the scheduler's `draft_masks` (the engine sets it), and whether
-        # the tokens a grammar forces are drafted ahead of the head's
+        # structured output: the scheduler's `draft_masks` and `draft_step_masks` (the engine
+        # sets them), and whether the tokens a grammar forces are drafted ahead of the head's
         self.grammar = None
+        self.grammar_step = None
         self.forced_drafts = True
 
     def _fit_rotary(self, most: int) -> None:
@@ -632,6 +633,16 @@ class SpecWorker:
         shape = dataclasses.replace(shape, k=k, k_head=k_head, n=n)
         return shape, self._dev(ids), lens
 
+    def _head_masks(self, r: Round, drafts: torch.Tensor | None):
+        """Masked drafting (eager chains): the constrained rows' allowed tokens at the next
+        draft position, from the scheduler (`drafts` [B]: the ones just chosen; None starts the
+        round), as `argmax_tokens` takes them; None when the plan has no constrained row."""
+        if self.grammar_step is None or not bool((r.plan.mask_rows >= 0).any()):
+            return None
+        rows, packed = self.grammar_step(None if drafts is None else drafts.cpu().numpy())
+        mask = GrammarMask.of_drafts(rows, packed[:, None, :], self.device)
+        return None if mask is None else (mask.rows, mask.allowed[:, 0])
+
     def _grammar(self, r: Round, draft_ids: torch.Tensor) -> GrammarMask | None:
         """The constrained rows' masks per verify position, from the scheduler, which validates
         their drafts: a row's drafts are cut (its n lowered in place) at the first one its
@@ -666,16 +677,19 @@ class SpecWorker:
     def _chain_eager(self, r: Round, h: torch.Tensor, draft_ids: torch.Tensor) -> None:
         """The head's chain into draft_ids[:, :k_head], one draft forward per step."""
         d = None  # [B] the previous step's draft d_j
+        allowed = self._head_masks(r, None)  # constrained rows: their grammars' next tokens
         for j in range(r.k_head):
             if j:  # one draft step at p = L-2+j from (h^d_{p-1}, d_j)
                 p = r.start + j - 1
                 meta = self._meta(r.per_row, p + 1, r.block_tables, r.kv_slots[:, j - 1])
                 h = self._draft_forward(d, h, self._dev(p), meta)  # [B, h] h^d_p
-            d = self.draft.argmax_tokens(h)  # [B] d_{j+1}
+            d = self.draft.argmax_tokens(h, allowed)  # [B] d_{j+1}
             if r.forced_ids is not None and bool((r.forced_lens > j).any()):
                 # a forced token is the row's draft: the head goes on from it
                 d = torch.where(self._dev(r.forced_lens > j, bool), r.forced_ids[:, j], d)
             draft_ids[:, j] = d
+            if allowed is not None and j + 1 < r.k_head:
+                allowed = self._head_masks(r, d)
 
     def _chain_graph(self, r: Round, h: torch.Tensor, draft_ids: torch.Tensor) -> None:
         """The head's chain into draft_ids[:, :k_head], one graph replay."""

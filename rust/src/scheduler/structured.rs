@@ -109,6 +109,97 @@ impl Scheduler {
         }
     }
 
+    /// Masked drafting (module doc): with `tokens` None, starts a session over the pending
+    /// verify plan's constrained rows that do not reason and returns their masks at verify
+    /// position 0; each later call consumes the drafts `tokens` [B] just chosen (the plan's
+    /// rows) and returns the masks at the next position (everything allowed for a row whose
+    /// grammar refused one of its drafts). `draft_masks` ends the session (rolled back).
+    /// Returns (plan rows [R] ascending, masks [R * words]).
+    pub fn draft_step_masks(&mut self, tokens: Option<&[i64]>) -> Result<(Vec<i32>, Vec<u32>)> {
+        let Some(grammars) = self.grammars.clone() else {
+            return Ok((Vec::new(), Vec::new()));
+        };
+        match tokens {
+            None => self.start_session()?,
+            Some(t) => self.session_consume(t)?,
+        }
+        let (words, eos) = (grammars.mask_words(), self.criteria.eos.clone());
+        let t0 = Instant::now();
+        let mut masks = vec![u32::MAX; self.session.len() * words];
+        // the session's rows in `running` order (plans list running rows in order)
+        let mut outs = self.session.iter().zip(masks.chunks_mut(words)).peekable();
+        let mut pairs: Vec<(&mut [u32], &mut RowMatcher)> = Vec::new();
+        for (i, seq) in self.running.iter_mut().enumerate() {
+            let Some((d, _)) = outs.peek() else { break };
+            if d.index != i {
+                continue;
+            }
+            let (d, out) = outs.next().expect("peeked");
+            if let (true, Some(m)) = (d.ok, seq.matcher.as_mut()) {
+                pairs.push((out, m));
+            }
+        }
+        pairs
+            .into_par_iter()
+            .for_each(|(out, m)| fill(m, out, &eos));
+        self.stats.mask_seconds.push(t0.elapsed().as_secs_f64());
+        Ok((self.session.iter().map(|d| d.row as i32).collect(), masks))
+    }
+
+    /// Opens a masked-drafting session over the pending plan's constrained rows.
+    fn start_session(&mut self) -> Result<()> {
+        self.end_session()?;
+        let plan = self
+            .pending
+            .front()
+            .ok_or_else(|| Error::internal("draft_step_masks() without a pending plan"))?;
+        for (row, i) in self.locate(plan).into_iter().enumerate() {
+            let Some(index) = i else { continue };
+            let seq = &self.running[index];
+            if seq.matcher.is_some() && !seq.thinking {
+                let ok = true;
+                self.session.push(DraftSession {
+                    row,
+                    index,
+                    consumed: 0,
+                    ok,
+                });
+            }
+        }
+        self.session.sort_by_key(|d| d.index);
+        Ok(())
+    }
+
+    /// The session's rows consume the drafts just chosen (`tokens`: one per plan row).
+    fn session_consume(&mut self, tokens: &[i64]) -> Result<()> {
+        for d in self.session.iter_mut().filter(|d| d.ok) {
+            let m = self.running[d.index].matcher.as_mut().expect("session row");
+            let t = tokens.get(d.row).and_then(|&t| u32::try_from(t).ok());
+            match t {
+                Some(t) if !m.is_stopped() && m.valid_prefix(&[t]) == 1 => {
+                    m.consume(&[t])?;
+                    d.consumed += 1;
+                }
+                _ => d.ok = false,
+            }
+        }
+        Ok(())
+    }
+
+    /// Rolls the session's rows back to their committed tokens and closes it.
+    pub(super) fn end_session(&mut self) -> Result<()> {
+        for d in std::mem::take(&mut self.session) {
+            if let Some(m) = self
+                .running
+                .get_mut(d.index)
+                .and_then(|s| s.matcher.as_mut())
+            {
+                m.rollback(d.consumed)?;
+            }
+        }
+        Ok(())
+    }
+
     /// For the pending verify plan, given the worker's drafts (`drafts` row-major [B, k]):
     /// the plan rows that are constrained (R, ascending), how many leading drafts each one's
     /// grammar accepts (a), and its masks at verify positions 0..=k ([R, k + 1, words];
@@ -126,6 +217,7 @@ impl Scheduler {
                 plan.rows.len()
             )));
         }
+        self.end_session()?;
         let Some(grammars) = self.grammars.clone() else {
             return Ok(DraftMasks::default());
         };
@@ -192,6 +284,16 @@ impl Scheduler {
     }
 }
 
+/// A row of a masked-drafting session: its plan row, its index in `running`, the drafts its
+/// matcher consumed and whether all of them were valid so far.
+#[derive(Debug)]
+pub(super) struct DraftSession {
+    row: usize,
+    index: usize,
+    consumed: usize,
+    ok: bool,
+}
+
 /// A constrained row of a verify round: `Scheduler::draft_jobs`.
 type DraftJob<'a> = (usize, &'a mut RowMatcher, Vec<u32>, usize);
 
@@ -232,12 +334,16 @@ fn row_masks(
     words: usize,
     eos: &[u32],
 ) -> Result<i32> {
-    let valid = m.valid_prefix(ids);
-    for j in 0..=valid {
-        fill(m, &mut out[j * words..(j + 1) * words], eos);
-        if j < valid {
-            m.consume(&ids[j..j + 1])?;
+    let most = m.valid_prefix(ids);
+    let mut valid = 0;
+    loop {
+        fill(m, &mut out[valid * words..(valid + 1) * words], eos);
+        // nothing is consumed past a completed grammar (an EOS there ends the row)
+        if valid == most || m.is_stopped() {
+            break;
         }
+        m.consume(&ids[valid..valid + 1])?;
+        valid += 1;
     }
     m.rollback(valid)?;
     Ok(valid as i32)

@@ -127,6 +127,9 @@ impl RowMatcher {
 
     /// How many leading `drafts` the grammar accepts from here (the matcher does not move).
     pub fn valid_prefix(&mut self, drafts: &[u32]) -> usize {
+        if self.matcher.is_stopped() {
+            return 0; // nothing follows a completed grammar (an EOS would end the row)
+        }
         self.matcher.validate_tokens(drafts).unwrap_or(0)
     }
 
