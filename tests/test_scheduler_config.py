@@ -18,8 +18,8 @@ FIELDS = {f.name: f for f in dataclasses.fields(SchedulerConfig)}
 RESOLVED = {"input_files", "prompt_column", "input_format", "row_range", "tokenizer_file",
             "chat_template", "bos_token", "eos_token", "eos_token_ids", "vocab_size",
             "reasoning_ids", "output_dir", "file_metadata", "keep_columns", "num_blocks",
-            "max_model_len", "max_draft_tokens", "overlap", "skip_rows", "skip_samples", "read_batch_rows",
-            "queue_rows"}  # fmt: skip
+            "max_model_len", "max_draft_tokens", "overlap", "skip_rows", "skip_samples",
+            "read_batch_rows", "queue_rows"}  # fmt: skip
 
 
 def job_sources(name: str) -> list[str]:
