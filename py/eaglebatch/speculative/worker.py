@@ -683,7 +683,8 @@ class SpecWorker:
                 p = r.start + j - 1
                 meta = self._meta(r.per_row, p + 1, r.block_tables, r.kv_slots[:, j - 1])
                 h = self._draft_forward(d, h, self._dev(p), meta)  # [B, h] h^d_p
-            d = self.draft.argmax_tokens(h, allowed)  # [B] d_{j+1}
+            d = self.draft.argmax_tokens(h) if allowed is None else (
+                self.draft.argmax_tokens(h, allowed))  # [B] d_{j+1}
             if r.forced_ids is not None and bool((r.forced_lens > j).any()):
                 # a forced token is the row's draft: the head goes on from it
                 d = torch.where(self._dev(r.forced_lens > j, bool), r.forced_ids[:, j], d)
