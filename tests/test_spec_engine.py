@@ -10,7 +10,6 @@ import pytest
 from eaglebatch.engine import build_worker, prepare, run_prepared
 from eaglebatch.errors import JobError
 from eaglebatch.job.config import load_job
-from eaglebatch.speculative import init_random_draft
 from support.spies import ReaderWaitSpy
 from support.tiny import write_prompts
 from test_engine import random_prompts
@@ -18,18 +17,6 @@ from test_engine import random_prompts
 pytest.importorskip("eaglebatch._native")
 
 MAX_NEW = 20
-
-
-@pytest.fixture(scope="module")
-def drafts(tiny_model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("drafts")
-    return {
-        "eagle1": init_random_draft(root / "e1", tiny_model_dir, kind="eagle1", seed=1),
-        "eagle3": init_random_draft(
-            root / "e3", tiny_model_dir, kind="eagle3", draft_vocab_size=200, seed=2,
-            aux_layer_ids=(0, 1, 2),
-        ),
-    }
 
 
 def run(tmp, model_dir, prompts, name, overrides=(), wrap=None):

@@ -72,18 +72,6 @@ def plain(tiny_model_dir, tmp_path_factory):
     return rows
 
 
-@pytest.fixture(scope="module")
-def drafts(tiny_model_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("drafts")
-    return {
-        "eagle1": init_random_draft(root / "e1", tiny_model_dir, kind="eagle1", seed=1),
-        "eagle3": init_random_draft(
-            root / "e3", tiny_model_dir, kind="eagle3", draft_vocab_size=200, seed=2,
-            aux_layer_ids=(0, 1, 2),
-        ),
-    }
-
-
 def reference_grammar(fmt: dict) -> str:
     """The format as the llguidance package's own grammar constructors read it."""
     kind = fmt["type"]
