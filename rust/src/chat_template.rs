@@ -710,6 +710,22 @@ mod tests {
         ]
     }
 
+    /// `enable_thinking` reaches the template when set (Qwen 3's switch), and is undefined
+    /// otherwise, so a template's own default applies.
+    #[test]
+    fn enable_thinking_is_a_template_variable_when_set() {
+        let src = "{% if enable_thinking is defined and not enable_thinking %}<think></think>\
+                   {% endif %}{{ messages[0]['content'] }}";
+        let msgs = [msg("user", "hi")];
+        let render = |on: Option<bool>| {
+            let mut t = ChatTemplate::new(src).unwrap().with_enable_thinking(on);
+            t.render(&msgs, true, None, None, 1 << 20).unwrap()
+        };
+        assert_eq!(render(Some(false)), "<think></think>hi");
+        assert_eq!(render(Some(true)), "hi");
+        assert_eq!(render(None), "hi");
+    }
+
     /// SmolLM2's template (ChatML with a default system prompt).
     pub const SMOLLM2: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 

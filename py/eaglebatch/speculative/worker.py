@@ -647,9 +647,11 @@ class SpecWorker:
         """The constrained rows' masks per verify position, from the scheduler, which validates
         their drafts: a row's drafts are cut (its n lowered in place) at the first one its
         grammar refuses. None when the plan has no constrained row."""
-        constrained = r.plan.mask_rows >= 0
-        if self.grammar is None or not constrained.any():
+        if not bool((r.plan.mask_rows >= 0).any()):
             return None
+        if self.grammar is None:  # verifying without the masks would not be exact
+            raise RuntimeError("a verify plan with constrained rows needs the scheduler's "
+                               "draft_masks (SpecWorker.grammar, set by build_scheduler)")
         rows, valid, masks = self.grammar(draft_ids.cpu().numpy())
         cut = np.minimum(r.n[rows], valid)
         self.stats.grammar_cut += int((r.n[rows] - cut).sum())
