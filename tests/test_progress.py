@@ -30,3 +30,14 @@ def test_the_eta_counts_from_the_first_generated_token(capsys, monkeypatch):
     eta = int(re.search(r"ETA (\d+)s", later).group(1))
     assert "2/4 requests" in later and eta == 10, later
     assert "8.0 output tok/s" in later  # 80 tokens in the 10 s since the first
+
+
+def test_the_summary_reports_structured_output():
+    from eaglebatch.progress import structured_line
+
+    assert structured_line({"structured_rows": 0}) is None
+    stats = {"structured_rows": 64, "grammar_compiles": 1, "mask_seconds_p50": 0.0047,
+             "mask_seconds_p99": 0.0104, "output_tokens": 1000,
+             "drafts": {"forced_accepted": 127}}  # fmt: skip
+    assert structured_line(stats) == ("64 rows, 1 grammars compiled, masks 4.70 / 10.40 ms a "
+                                      "step (p50 / p99), 12.7% of output tokens forced drafts")

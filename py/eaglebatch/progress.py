@@ -105,6 +105,22 @@ def lookup_line(drafts: dict | None) -> str | None:
     return f"{rows} rows of rounds, {accepted}/{drafted} drafts accepted"
 
 
+def structured_line(stats: dict) -> str | None:
+    """Structured output: rows with a format, grammars compiled, mask time per step and the
+    share of output tokens from forced drafts; None without constrained rows."""
+    rows = stats.get("structured_rows")
+    if not rows:
+        return None
+    line = f"{rows} rows, {stats.get('grammar_compiles', 0)} grammars compiled"
+    if stats.get("mask_seconds_p50") is not None:
+        line += (f", masks {stats['mask_seconds_p50'] * 1e3:.2f} / "
+                 f"{stats['mask_seconds_p99'] * 1e3:.2f} ms a step (p50 / p99)")  # fmt: skip
+    forced = (stats.get("drafts") or {}).get("forced_accepted", 0)
+    if forced and stats.get("output_tokens"):
+        line += f", {forced / stats['output_tokens']:.1%} of output tokens forced drafts"
+    return line
+
+
 def cache_line(stats: dict) -> str:
     """Prompt tokens served from the prefix cache and tokens prefilled, from a summary."""
     prompt, cached = stats.get("prompt_tokens", 0), stats.get("cached_tokens", 0)
@@ -156,6 +172,8 @@ def summary_table(stats: dict, wall_s: float, title: str = "eaglebatch summary")
         rows.append(("verify rounds", f"{stats['spec_steps']}"))
         if line := lookup_line(stats.get("drafts")):
             rows.append(("  drafted by prompt lookup", line))
+    if line := structured_line(stats):
+        rows.append(("structured output", line))
     rows.append(("CUDA graphs", graph_line(stats.get("cuda_graphs"))))
     if stats.get("weights"):
         rows.append(("weights", stats["weights"]))
