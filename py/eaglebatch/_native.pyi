@@ -211,9 +211,10 @@ def check_chat_template(template: str) -> None:
     with minijinja's message when it does not compile."""
 
 def check_response_format(
-    text: str, tokenizer_file: str, vocab_size: int, eos_token_ids: list[int]
+    format: dict | str | None, tokenizer_file: str, vocab_size: int, eos_token_ids: list[int]
 ) -> None:
-    """Parses and compiles a job's response_format (JSON text) for the tokenizer; raises
+    """Parses and compiles a job's response_format (a mapping, JSON text, or None: nothing to
+    check) for the tokenizer, read as SchedulerConfig.response_format is; raises
     UserInputError naming what is wrong."""
 
 OUTPUT_COLUMNS: list[str]

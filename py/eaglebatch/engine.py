@@ -154,7 +154,7 @@ def check_response_format(job: JobConfig, mf: ModelFiles, vocab_size: int) -> No
 
     try:
         _native.check_response_format(
-            job.sampling.response_format_json(), str(mf.tokenizer_file), vocab_size,
+            job.sampling.response_format, str(mf.tokenizer_file), vocab_size,
             list(mf.eos_token_ids),
         )  # fmt: skip
     except _native.UserInputError as e:

@@ -391,16 +391,18 @@ impl PyScheduler {
     }
 }
 
-/// Structured output: raises UserInputError when a job's response_format (JSON text) does not
-/// parse or compile for the tokenizer file; called before the model loads.
+/// Structured output: raises UserInputError when a job's response_format (a mapping, read as
+/// the scheduler config reads it) does not parse or compile for the tokenizer file; called
+/// before the model loads.
 #[pyfunction]
 fn check_response_format(
     py: Python<'_>,
-    text: String,
+    format: &Bound<'_, PyAny>,
     tokenizer_file: std::path::PathBuf,
     vocab_size: usize,
     eos_token_ids: Vec<u32>,
 ) -> PyResult<()> {
+    let text = scheduler_config::json_text(format)?;
     py.detach(|| {
         crate::structured::check_job_format(&text, &tokenizer_file, vocab_size, &eos_token_ids)
     })

@@ -1079,7 +1079,6 @@ impl Scheduler {
     /// followed by W placeholders (0) at L..L+W-1; the worker fills them with draft tokens and
     /// the commit decides how many became real.
     fn build_plan(&mut self, kind: StepKind, start: usize, rows: usize) -> Result<StepPlan> {
-        let rows_n = rows;
         let lookahead = if kind == StepKind::Verify {
             self.cfg.max_draft_tokens
         } else {
@@ -1123,7 +1122,7 @@ impl Scheduler {
             }
         }
         if kind == StepKind::Verify {
-            self.push_forced(&mut p, start, rows_n);
+            self.push_forced(&mut p, start, plan_rows.len());
         } else {
             let samples: Vec<bool> = plan_rows.iter().map(|r| r.samples).collect();
             self.push_masks(&mut p, start, &samples);

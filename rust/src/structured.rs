@@ -31,6 +31,9 @@ pub fn check_job_format(
     eos: &[u32],
 ) -> crate::error::Result<()> {
     use crate::error::Error;
+    if text.trim().is_empty() {
+        return Ok(()); // no format
+    }
     let user = |e: String| Error::user(format!("sampling.{e}"));
     let Some(format) = ResponseFormat::parse_request(text).map_err(user)? else {
         return Ok(());

@@ -13,7 +13,6 @@ for 0.5, no 256.0 for an integer; an integer is accepted where a number is).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
@@ -266,12 +265,6 @@ class SamplingConfig(_Section):
     # or {type: regex, pattern}, {type: grammar, lark}, {type: choice, choices}; checked and
     # compiled by the extension before the model loads
     response_format: dict[str, Any] | None = None
-
-    def response_format_json(self) -> str:
-        """The response_format as the JSON text the scheduler parses ("" = none)."""
-        if self.response_format is None:
-            return ""
-        return json.dumps(self.response_format)  # key order kept: a schema's property order
 
     def end_token_ids(self, eos_token_ids) -> list[int]:
         """The ids that end a request: the model's EOS (unless ignore_eos) and stop_token_ids."""

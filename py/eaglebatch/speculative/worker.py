@@ -164,8 +164,8 @@ class SpecWorker:
         prompt_lookup: (min_n, max_n) n-gram sizes of prompt-lookup drafts, None = off.
         lookup_tokens: the most tokens a row drafts by lookup in a round without the head
         (default and minimum K). forced_tokens: how wide a round of a grammar's forced drafts may
-        be (structured output; None: at most K). Plans then carry `max_draft_tokens` placeholders
-        per row."""
+        be (structured output; None: no forced drafts). Plans then carry `max_draft_tokens`
+        placeholders per row."""
         if topk > 1:
             raise ValueError(TREE_UNSUPPORTED)
         if topk < 1 or num_steps < 1:
@@ -202,7 +202,7 @@ class SpecWorker:
         # sets them), and whether the tokens a grammar forces are drafted ahead of the head's
         self.grammar = None
         self.grammar_step = None
-        self.forced_drafts = True
+        self.forced_drafts = forced_tokens is not None
 
     def _fit_rotary(self, most: int) -> None:
         """Grows the target's and the draft's rotary tables to `most` positions if shorter."""
@@ -256,7 +256,7 @@ class SpecWorker:
     ) -> SpecWorker:
         """The job's `speculative` section over `target` (the engine and bench build it so);
         forced_tokens: the job's `forced_draft_tokens`."""
-        worker = cls.from_target(
+        return cls.from_target(
             target,
             draft_path,
             num_steps=spec.num_steps,
@@ -267,8 +267,6 @@ class SpecWorker:
             lookup_tokens=spec.prompt_lookup_tokens,
             forced_tokens=forced_tokens,
         )
-        worker.forced_drafts = spec.forced_drafts
-        return worker
 
     @classmethod
     def from_target(

@@ -78,7 +78,7 @@ fn extract<'py, T: FromPyObjectOwned<'py>>(value: &Bound<'py, PyAny>) -> PyResul
 
 /// `response_format`: a mapping (or None: "") as the JSON text `json.dumps` makes of it (key
 /// order kept: a schema's properties are generated in their order); a str is that text.
-fn json_text(obj: &Bound<'_, PyAny>) -> PyResult<String> {
+pub(super) fn json_text(obj: &Bound<'_, PyAny>) -> PyResult<String> {
     if obj.is_none() {
         return Ok(String::new());
     }

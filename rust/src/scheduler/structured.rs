@@ -65,12 +65,9 @@ impl Scheduler {
         let rows = &mut self.running[start..start + samples.len()];
         let mut matchers: Vec<&mut RowMatcher> = Vec::new();
         for (r, seq) in rows.iter_mut().enumerate() {
-            match (&mut seq.matcher, samples[r] && !seq.thinking) {
-                (Some(m), true) => {
-                    p.mask_rows[r] = matchers.len() as i32;
-                    matchers.push(m);
-                }
-                _ => continue,
+            if let (Some(m), true) = (&mut seq.matcher, samples[r] && !seq.thinking) {
+                p.mask_rows[r] = matchers.len() as i32;
+                matchers.push(m);
             }
         }
         if matchers.is_empty() {
