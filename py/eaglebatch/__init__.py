@@ -1,7 +1,29 @@
 """eaglebatch: offline batch LLM generation with EAGLE speculative decoding.
 
 Parquet in, Parquet out. The Rust extension (`eaglebatch._native`) schedules; torch computes.
-Importing the package is cheap: torch and the extension load only when a job runs.
+Importing the package is cheap: torch and the extension load only when a job runs, and the
+Python API's names (`Engine`, `run`, docs/python-api.md) when first used.
 """
 
+from typing import Any
+
 __version__ = "0.1.0"
+
+_API = {"Engine": "eaglebatch.api.engine", "run": "eaglebatch.api.run",
+        "JobError": "eaglebatch.errors",
+        "RunSummary": "eaglebatch.engine", "RunFailed": "eaglebatch.engine",
+        "Interrupted": "eaglebatch.interrupt"}  # fmt: skip
+
+__all__ = ["Engine", "Interrupted", "JobError", "RunFailed", "RunSummary", "run",
+           "__version__"]  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    """The API's names, imported when first used (they pull pyarrow and the engine)."""
+    if name not in _API:
+        raise AttributeError(f"module 'eaglebatch' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_API[name]), name)
+    globals()[name] = value
+    return value

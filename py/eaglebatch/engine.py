@@ -321,6 +321,7 @@ def scheduler_config(
         input_files=[str(f) for f in prep.input_files],
         prompt_column=job.input.text_column,
         input_format="openai-batch" if job.input.openai_batch else "parquet",
+        task=job.task,
         row_range=scope.row_range,
         tokenizer_file=str(mf.tokenizer_file),
         chat_template=mf.chat_template if renders_chat(job, prep.batch_chat) else None,

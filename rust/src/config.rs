@@ -14,6 +14,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::sampling_params::{SamplingParams, COLUMN_KEYS};
+use crate::score::{ScoreShape, Task};
 use crate::structured::ResponseFormat;
 
 #[derive(Debug, Clone, Default)]
@@ -36,7 +37,18 @@ pub struct SchedulerConfig {
     /// Resume with `n > 1`: the samples already written of rows not in `skip_rows`, as keys
     /// `row_index * MAX_SAMPLES + sample_index`; those samples are not generated again.
     pub skip_samples: Vec<i64>,
+    /// What each row computes: "generate" (the default), "score" (the continuation or
+    /// choices column's log-probabilities after the prompt) or "perplexity" (the prompt's own
+    /// rolling log-probability); score.rs.
+    pub task: String,
+    /// `task: score`: a string column of continuations, or a list<string> column of choices
+    /// (exactly one of them).
+    pub continuation_column: Option<String>,
+    pub choices_column: Option<String>,
     // Prompt construction / tokenization.
+    /// Raw prompts are encoded with the tokenizer's special tokens (BOS, ...); rendered chats
+    /// never are (their template writes them).
+    pub add_special_tokens: bool,
     pub apply_chat_template: bool,
     pub tokenizer_file: PathBuf,
     pub chat_template: Option<String>,
@@ -140,6 +152,8 @@ impl SchedulerConfig {
             input_files,
             prompt_column: Some(prompt_column.to_string()),
             input_format: "parquet".to_string(),
+            task: "generate".to_string(),
+            add_special_tokens: true,
             tokenizer_file,
             output_dir,
             part_rows: 10_000,
@@ -170,7 +184,53 @@ impl SchedulerConfig {
             ));
         }
         self.validate_sampling()?;
+        self.validate_task()?;
         self.validate_inputs()
+    }
+
+    /// The job's task.
+    pub fn task(&self) -> Result<Task> {
+        Task::parse(&self.task)
+    }
+
+    /// A scoring job's output shape (None: generation).
+    pub fn score_shape(&self) -> Option<ScoreShape> {
+        match self.task().ok()? {
+            Task::Generate => None,
+            Task::Perplexity => Some(ScoreShape::Rolling),
+            Task::Score if self.choices_column.is_some() => Some(ScoreShape::Choices),
+            Task::Score => Some(ScoreShape::Pair),
+        }
+    }
+
+    /// A scoring task names its columns and generates nothing else.
+    fn validate_task(&self) -> Result<()> {
+        let task = self.task()?;
+        let columns = [&self.continuation_column, &self.choices_column];
+        let named = columns.iter().filter(|c| c.is_some()).count();
+        match task {
+            Task::Score if named != 1 => Err(Error::user(
+                "task score needs exactly one of input.continuation_column and \
+                 input.choices_column",
+            )),
+            Task::Generate | Task::Perplexity if named > 0 => Err(Error::user(format!(
+                "input.continuation_column and input.choices_column are for task score, not \
+                 {}",
+                self.task
+            ))),
+            Task::Score | Task::Perplexity if self.n > 1 || self.prompt_logprobs > 0 => {
+                Err(Error::user(format!(
+                    "task {}: sampling.n and output.prompt_logprobs do not apply to a scoring \
+                     task",
+                    self.task
+                )))
+            }
+            Task::Score | Task::Perplexity if self.openai_batch() => Err(Error::user(format!(
+                "task {}: OpenAI Batch input is for generation",
+                self.task
+            ))),
+            _ => Ok(()),
+        }
     }
 
     /// Counts and sizes: positive, and within what the crate's index types hold.

@@ -27,6 +27,7 @@ pub mod openai_keys;
 pub mod reader;
 pub mod sampling_params;
 pub mod scheduler;
+pub mod score;
 pub mod sequence;
 pub mod stats;
 pub mod structured;

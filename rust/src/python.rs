@@ -76,6 +76,8 @@ pub struct PyStepPlan {
     #[pyo3(get)]
     prompt_lens: Py<PyArray1<i32>>,
     #[pyo3(get)]
+    prompt_logprobs_from: Py<PyArray1<i32>>,
+    #[pyo3(get)]
     penalty_ids: Py<PyArray1<i64>>,
     #[pyo3(get)]
     cu_penalty: Py<PyArray1<i32>>,
@@ -154,6 +156,7 @@ impl PyStepPlan {
             logprobs: p.logprobs.into_pyarray(py).unbind(),
             prompt_logprobs: p.prompt_logprobs.into_pyarray(py).unbind(),
             prompt_lens: p.prompt_lens.into_pyarray(py).unbind(),
+            prompt_logprobs_from: p.prompt_logprobs_from.into_pyarray(py).unbind(),
             penalty_ids: p.penalty_ids.into_pyarray(py).unbind(),
             cu_penalty: p.cu_penalty.into_pyarray(py).unbind(),
             penalty_prompt_lens: p.penalty_prompt_lens.into_pyarray(py).unbind(),

@@ -46,6 +46,7 @@ use crate::chat_template::{ChatTemplate, Message, RenderError};
 use crate::column_kind::{conform, str_value};
 use crate::error::{Error, Result};
 use crate::sampling_params::SamplingParams;
+use crate::score::{ScorePart, ScoreShape, Splitter};
 use crate::sequence::Request;
 
 mod batch_lines;
@@ -149,6 +150,20 @@ pub struct ReaderOptions {
     pub sampling: Arc<SamplingParams>,
     /// Samples per row (an OpenAI Batch line's `n` must equal it).
     pub n: usize,
+    /// Raw prompts are encoded with the tokenizer's special tokens.
+    pub add_special_tokens: bool,
+    /// A scoring task's settings (None: the rows generate).
+    pub score: Option<ScoreOptions>,
+}
+
+/// How a scoring task splits its rows into parts (score.rs).
+#[derive(Debug, Clone, Copy)]
+pub struct ScoreOptions {
+    pub shape: ScoreShape,
+    /// The token standing for an empty context (BOS, else EOS).
+    pub prefix_id: u32,
+    /// The longest part (`max_model_len`).
+    pub max_len: usize,
 }
 
 /// Starts the reader thread; it stops early (quietly) when the receiver is dropped. A panic
@@ -239,6 +254,8 @@ struct PendingRow {
     endpoint: Option<crate::openai_keys::Endpoint>,
     /// `Request::kept`.
     kept: Vec<ArrayRef>,
+    /// `task: score`: the row's continuation (one) or choices (any number).
+    score_texts: RowResult<Vec<String>>,
 }
 
 impl ReaderThread {
@@ -304,6 +321,7 @@ impl ReaderThread {
             &self.spec.prompt_column,
             &self.spec.messages_column,
             &self.spec.id_column,
+            &self.spec.score_column,
         ];
         let sampling = self.spec.sampling_columns.values();
         let kept = self.spec.kept.iter().map(|(c, _)| c);
@@ -394,6 +412,7 @@ impl ReaderThread {
         let column = |name: &Option<String>| name.as_ref().and_then(|n| batch.column_by_name(n));
         let prompts = column(&self.spec.prompt_column);
         let messages = column(&self.spec.messages_column);
+        let score = column(&self.spec.score_column);
         // Every file's ids as the output's one id type (decoded, widened: column_kind.rs).
         let ids = column(&self.spec.id_column)
             .map(|a| conform(a, &self.spec.id_type))
@@ -427,6 +446,7 @@ impl ReaderThread {
                 input,
                 endpoint: None,
                 kept: kept_values(&kept, i)?,
+                score_texts: score.map_or(Ok(Vec::new()), |c| self.score_texts(c, i)),
             });
         }
         self.send_rows(rows, read_at)
@@ -445,17 +465,70 @@ impl ReaderThread {
             .map_err(|e| Stop::Failed(Error::internal(format!("output.keep_columns: {e}"))))
     }
 
+    /// Row `i` of the score column: a continuation, or the choices (none null or empty).
+    fn score_texts(&self, col: &ArrayRef, i: usize) -> RowResult<Vec<String>> {
+        let name = self.spec.score_column.as_deref().unwrap_or_default();
+        if col.is_null(i) {
+            return Err(format!("column '{name}' is null"));
+        }
+        let texts = match col.data_type() {
+            DataType::List(_) | DataType::LargeList(_) => {
+                let items = match col.data_type() {
+                    DataType::List(_) => col.as_list::<i32>().value(i),
+                    _ => col.as_list::<i64>().value(i),
+                };
+                let texts: Option<Vec<String>> = (0..items.len())
+                    .map(|j| str_value(items.as_ref(), j).map(str::to_string))
+                    .collect();
+                texts.ok_or_else(|| format!("choices column '{name}' holds a null choice"))?
+            }
+            _ => vec![str_value(col.as_ref(), i).unwrap_or_default().to_string()],
+        };
+        if texts.is_empty() || texts.iter().any(String::is_empty) {
+            return Err(format!("column '{name}' holds no choice or an empty text"));
+        }
+        for t in &texts {
+            self.opts
+                .text_limit
+                .check("a continuation has", t.len(), || t.chars().count())?;
+        }
+        Ok(texts)
+    }
+
+    /// A scoring row's parts (score.rs), or its error.
+    fn score_parts(&self, row: &PendingRow, opts: ScoreOptions) -> RowResult<Vec<ScorePart>> {
+        let (context, add_special) = row.input.as_ref().map_err(Clone::clone)?;
+        let splitter = Splitter {
+            tokenizer: &self.opts.tokenizer,
+            add_special: *add_special,
+            prefix_id: opts.prefix_id,
+            max_len: opts.max_len,
+        };
+        if opts.shape == ScoreShape::Rolling {
+            return splitter.rolling(context);
+        }
+        let texts = row.score_texts.as_ref().map_err(Clone::clone)?;
+        texts.iter().map(|t| splitter.pair(context, t)).collect()
+    }
+
     /// Tokenizes the rows and sends them as requests, in order.
     fn send_rows(
         &mut self,
         rows: Vec<PendingRow>,
         read_at: Instant,
     ) -> std::result::Result<(), Stop> {
-        let token_ids = self.tokenize(&rows);
-        for (row, ids) in rows.into_iter().zip(token_ids) {
-            let (prompt_ids, error) = match ids {
-                Ok(ids) => (ids, None),
-                Err(msg) => (Vec::new(), Some(msg)),
+        let (token_ids, parts) = match self.opts.score {
+            None => (self.tokenize(&rows), vec![Ok(Vec::new()); rows.len()]),
+            Some(o) => (
+                vec![Ok(Vec::new()); rows.len()],
+                rows.iter().map(|r| self.score_parts(r, o)).collect(),
+            ),
+        };
+        for ((row, ids), parts) in rows.into_iter().zip(token_ids).zip(parts) {
+            let (prompt_ids, error) = match (ids, &parts) {
+                (Err(msg), _) => (Vec::new(), Some(msg)),
+                (_, Err(msg)) => (Vec::new(), Some(msg.clone())),
+                (Ok(ids), Ok(_)) => (ids, None),
             };
             let req = Request {
                 row_index: row.row_index,
@@ -466,6 +539,7 @@ impl ReaderThread {
                 error,
                 endpoint: row.endpoint,
                 kept: row.kept,
+                score_parts: parts.unwrap_or_default(),
             };
             self.tx
                 .send(ReaderMsg::Request(req))
@@ -526,7 +600,13 @@ impl ReaderThread {
         let Some(text) = str_value(p.as_ref(), i) else {
             return Err(format!("prompt column '{name}' is null"));
         };
-        if text.is_empty() {
+        if text.is_empty()
+            && self
+                .opts
+                .score
+                .is_none_or(|o| o.shape == ScoreShape::Rolling)
+        {
+            // a scored continuation's context may be empty: the prefix token stands for it
             return Err(format!("prompt column '{name}' is empty"));
         }
         self.opts
@@ -539,7 +619,7 @@ impl ReaderThread {
             ]];
             self.render(&msgs).map(|t| (t, false))
         } else {
-            Ok((text.to_string(), true))
+            Ok((text.to_string(), self.opts.add_special_tokens))
         }
     }
 
@@ -784,6 +864,8 @@ mod tests {
             skip_rows: Vec::new(),
             sampling: Arc::new(cfg(vec![]).sampling_params()),
             n: 1,
+            add_special_tokens: true,
+            score: None,
         }
     }
 

@@ -48,9 +48,10 @@ use crate::error::{Error, Result};
 use crate::logprobs::{self, PromptLogprobs, StepLogprobs};
 use crate::openai_keys::Endpoint;
 use crate::reader::{
-    spawn_reader, validate_inputs, InputSpec, ReaderMsg, ReaderOptions, TextLimit,
+    spawn_reader, validate_inputs, InputSpec, ReaderMsg, ReaderOptions, ScoreOptions, TextLimit,
 };
 use crate::sampling_params::{SamplingParams, MAX_SAMPLES};
+use crate::score::Gather;
 use crate::sequence::{FinishReason, Request, Sequence, Status, StopReason, Timing};
 use crate::stats::{Stats, Summary, SummaryValue};
 use crate::structured::{Grammars, RowMatcher};
@@ -111,6 +112,9 @@ pub struct StepPlan {
     /// logprobs (0 otherwise), and each row's prompt length.
     pub prompt_logprobs: Vec<i32>,
     pub prompt_lens: Vec<i32>,
+    /// Per row: the first query position whose prompt logprob is wanted (0, or a scored
+    /// part's first scored token - 1: score.rs); earlier positions' logits are not needed.
+    pub prompt_logprobs_from: Vec<i32>,
     /// Rows with a penalty on: their known tokens (prompt then output, rows concatenated; row
     /// i's are `penalty_ids[cu_penalty[i]..cu_penalty[i + 1]]`, the first
     /// `penalty_prompt_lens[i]` of them prompt tokens); empty for other rows.
@@ -188,6 +192,7 @@ impl StepPlan {
             logprobs: Vec::with_capacity(b),
             prompt_logprobs: Vec::with_capacity(b),
             prompt_lens: Vec::with_capacity(b),
+            prompt_logprobs_from: Vec::with_capacity(b),
             penalty_ids: Vec::new(),
             cu_penalty: vec![0],
             penalty_prompt_lens: Vec::with_capacity(b),
@@ -299,13 +304,14 @@ fn push_sampling(p: &mut StepPlan, seq: &Sequence, seed: i64) {
     p.frequency_penalty.push(sp.frequency_penalty);
     p.presence_penalty.push(sp.presence_penalty);
     p.logprobs.push(sp.logprobs as i32);
-    let missing = seq.prompt_logprobs.len() + 1 < seq.prompt_len();
-    p.prompt_logprobs.push(if missing {
+    p.prompt_logprobs.push(if seq.prompt_logprobs_missing() {
         seq.prompt_logprobs_k as i32
     } else {
         0
     });
     p.prompt_lens.push(token_count(seq.prompt_len()));
+    p.prompt_logprobs_from
+        .push(token_count(seq.prompt_logprobs_from()));
     let prompt_len = if sp.penalized() {
         p.penalty_ids
             .extend((0..seq.len()).map(|pos| seq.token(pos) as i64));
@@ -547,11 +553,50 @@ fn writer_config(
         structured: cfg.may_be_structured(),
         reasoning: cfg.reasoning_ids.len() == 2,
         endpoint: cfg.openai_batch(),
+        score: cfg.score_shape(),
         id_type: spec.id_type.clone(),
         kept: spec.kept.clone(),
         flush_interval: cfg.flush_interval_s.map(std::time::Duration::from_secs_f64),
         decoder: Some(tokenizer),
     }
+}
+
+/// The reader thread's settings for this job.
+fn reader_options(
+    cfg: &SchedulerConfig,
+    tokenizer: &Arc<Tokenizer>,
+    template: Option<ChatTemplate>,
+    skip_rows: Vec<i64>,
+) -> ReaderOptions {
+    ReaderOptions {
+        tokenizer: tokenizer.clone(),
+        template,
+        apply_chat_template: cfg.apply_chat_template,
+        bos_token: cfg.bos_token.clone(),
+        eos_token: cfg.eos_token.clone(),
+        read_batch_rows: cfg.read_batch_rows,
+        queue_rows: cfg.queue_rows,
+        skip_rows,
+        text_limit: TextLimit::new(tokenizer, cfg.max_model_len),
+        sampling: Arc::new(cfg.sampling_params()),
+        n: cfg.n,
+        add_special_tokens: cfg.add_special_tokens,
+        score: score_options(cfg, tokenizer),
+    }
+}
+
+/// A scoring task's reader settings: the prefix token is BOS, else the first EOS id (lm-eval's
+/// `prefix_token_id`), else 0.
+fn score_options(cfg: &SchedulerConfig, tokenizer: &Tokenizer) -> Option<ScoreOptions> {
+    let bos = cfg
+        .bos_token
+        .as_deref()
+        .and_then(|t| tokenizer.token_to_id(t));
+    Some(ScoreOptions {
+        shape: cfg.score_shape()?,
+        prefix_id: bos.or(cfg.eos_token_ids.first().copied()).unwrap_or(0),
+        max_len: cfg.max_model_len,
+    })
 }
 
 /// A token count as an output column value (int32).
@@ -647,6 +692,8 @@ pub struct Scheduler {
     grammars: Option<Arc<Grammars>>,
     /// Masked drafting's rows in the pending verify plan (scheduler/structured.rs).
     session: Vec<structured::DraftSession>,
+    /// Scoring tasks: the finished parts of rows whose other parts still run.
+    gather: Gather,
 }
 
 impl Scheduler {
@@ -676,28 +723,14 @@ impl Scheduler {
         let range = (spec.row_start, spec.row_end);
         let (skip_rows, skipped) = sorted_skip_rows(&cfg.skip_rows, range);
         let skip_samples = samples_to_skip(&cfg, &skip_rows, range);
-        let n = cfg.n as u64;
         // signed: a batch line's own n may exceed the job's, its written samples too
-        let expected = ((spec.range_rows() - skipped) * n) as i64 - skip_samples.len() as i64;
+        let expected =
+            ((spec.range_rows() - skipped) * cfg.n as u64) as i64 - skip_samples.len() as i64;
         let mut stats = Stats::new(expected.max(0) as u64);
-        stats.requests_skipped = skipped * n + skip_samples.len() as u64;
+        stats.requests_skipped = skipped * cfg.n as u64 + skip_samples.len() as u64;
         let writer = Writer::start(writer_config(&cfg, &spec, tokenizer.clone()))?;
-        let (input, reader) = spawn_reader(
-            spec,
-            ReaderOptions {
-                tokenizer: tokenizer.clone(),
-                template,
-                apply_chat_template: cfg.apply_chat_template,
-                bos_token: cfg.bos_token.clone(),
-                eos_token: cfg.eos_token.clone(),
-                read_batch_rows: cfg.read_batch_rows,
-                queue_rows: cfg.queue_rows,
-                skip_rows,
-                text_limit: TextLimit::new(&tokenizer, cfg.max_model_len),
-                sampling: Arc::new(cfg.sampling_params()),
-                n: cfg.n,
-            },
-        )?;
+        let options = reader_options(&cfg, &tokenizer, template, skip_rows);
+        let (input, reader) = spawn_reader(spec, options)?;
         Ok(Scheduler {
             last_step_prefill: false,
             plain_steps: false,
@@ -724,6 +757,7 @@ impl Scheduler {
             finished: false,
             grammars: None,
             session: Vec::new(),
+            gather: Gather::default(),
         })
     }
 
@@ -853,6 +887,9 @@ impl Scheduler {
     /// Queues the request's samples not written yet (one sequence each), or writes them as
     /// error rows when the request can never run.
     fn accept(&mut self, req: Request) -> Result<()> {
+        if self.cfg.score_shape().is_some() {
+            return self.accept_scored(req);
+        }
         let n = req.sampling.n as u32;
         self.requests_expected += n as i64 - self.cfg.n as i64;
         self.stats.requests_total = self.requests_expected.max(0) as u64;
@@ -976,6 +1013,7 @@ impl Scheduler {
             structured: None,
             skip_special_tokens: true,
             endpoint: req.endpoint.map(Endpoint::url),
+            score: None,
         })
     }
 
@@ -1221,9 +1259,10 @@ impl Scheduler {
             };
             let seq = &mut self.running[i];
             let k = seq.prompt_logprobs_k as usize;
+            let from = seq.prompt_logprobs_from();
             for _ in 0..count {
                 let t = pl.positions[j] as usize;
-                if t == seq.prompt_logprobs.len() && t + 1 < seq.prompt_len() {
+                if t == from + seq.prompt_logprobs.len() && t + 1 < seq.prompt_len() {
                     seq.prompt_logprobs.push(pl.entries.entry(j, k));
                 }
                 j += 1;
@@ -1267,6 +1306,12 @@ impl Scheduler {
         now: Instant,
     ) {
         let seq = &mut self.running[i];
+        if seq.score_from.is_some() {
+            // a scored part generates nothing: its prompt's logprobs are recorded
+            seq.timing.first_token.get_or_insert(now);
+            seq.finish(FinishReason::Stop, now);
+            return;
+        }
         seq.drop_placeholder(); // overlap: these are the tokens it stood for
         let appended = append_tokens(seq, toks, now, &self.tokenizer, &self.criteria);
         let k = seq.sampling.logprobs as usize;
@@ -1306,8 +1351,13 @@ impl Scheduler {
                 Some(slot) if in_flight => self.draining.push((blocks, slot)),
                 _ => self.free_row(blocks, slot)?,
             }
-            let row = self.output_row(seq);
-            self.writer.send(row)?;
+            let row = match seq.score_from {
+                Some(_) => self.scored_row(seq),
+                None => Some(self.output_row(seq)),
+            };
+            if let Some(row) = row {
+                self.writer.send(row)?;
+            }
         }
         Ok(())
     }
@@ -1338,15 +1388,7 @@ impl Scheduler {
         // the text of a row without stop strings: one decode, on the writer's thread
         let (text_ids, reasoning_ids) = self.output_ids(&mut seq, error);
         let n = seq.num_output();
-        self.stats.requests_done += 1;
-        let timings = if error {
-            self.stats.requests_error += 1;
-            Timings::default()
-        } else {
-            let t = Timings::of(&seq.timing, n);
-            t.record(&mut self.stats);
-            t
-        };
+        let timings = self.count_row(&seq, error);
         let accept_length = seq.accept_length();
         let structured = seq.matcher.as_mut().map(RowMatcher::is_accepting);
         OutputRow {
@@ -1375,7 +1417,7 @@ impl Scheduler {
             kept: seq.kept,
             logprobs: (!error && seq.sampling.logprobs > 0)
                 .then(|| logprobs::entries(&self.tokenizer, &seq.output_ids, &seq.logprobs)),
-            prompt_logprobs: (!error && seq.prompt_logprobs_k > 0).then(|| {
+            prompt_logprobs: (!error && self.cfg.prompt_logprobs > 0).then(|| {
                 let ids = seq.prompt_ids.get(1..).unwrap_or_default();
                 logprobs::entries(&self.tokenizer, ids, &seq.prompt_logprobs)
             }),
@@ -1390,7 +1432,20 @@ impl Scheduler {
             structured: structured.filter(|_| !error),
             skip_special_tokens: seq.sampling.skip_special_tokens,
             endpoint: seq.endpoint.map(Endpoint::url),
+            score: None,
         }
+    }
+
+    /// Counts a finished row in the stats; its timings (none for an error row).
+    fn count_row(&mut self, seq: &Sequence, error: bool) -> Timings {
+        self.stats.requests_done += 1;
+        if error {
+            self.stats.requests_error += 1;
+            return Timings::default();
+        }
+        let t = Timings::of(&seq.timing, seq.num_output());
+        t.record(&mut self.stats);
+        t
     }
 
     /// The ids the writer decodes into a finished row's `output_text` (None: the text is
@@ -1645,6 +1700,7 @@ mod chunked;
 #[cfg(test)]
 mod kept_tests;
 mod overlap;
+mod scoring;
 mod structured;
 pub use structured::DraftMasks;
 #[cfg(test)]

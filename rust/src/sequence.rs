@@ -21,6 +21,7 @@ use crate::detokenizer::IncrementalDetokenizer;
 use crate::logprobs::TokenLogprob;
 use crate::openai_keys::Endpoint;
 use crate::sampling_params::SamplingParams;
+use crate::score::ScorePart;
 use crate::structured::RowMatcher;
 
 /// One input row after reading, templating and tokenization.
@@ -45,6 +46,9 @@ pub struct Request {
     /// The kept input columns' values (`SchedulerConfig::keep_columns`), each a length-1
     /// array of the column's output type, copied out of the read batch.
     pub kept: Vec<ArrayRef>,
+    /// A scoring task's parts (score.rs), each scored as its own sequence; empty when the row
+    /// generates (then `prompt_ids` is its prompt).
+    pub score_parts: Vec<ScorePart>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -163,6 +167,10 @@ pub struct Sequence {
     pub thinking: bool,
     /// Where the output's end tag is (an index into `output_ids`), once generated.
     pub reasoning_end: Option<usize>,
+    /// A scored part (score.rs): the index of its first scored prompt token (>= 1), and how
+    /// many parts its row has (`sample_index` is the part's index). It generates nothing.
+    pub score_from: Option<usize>,
+    pub num_parts: usize,
 }
 
 /// The id of a placeholder output token (never a vocabulary id).
@@ -211,7 +219,21 @@ impl Sequence {
             matcher: None,
             thinking: false,
             reasoning_end: None,
+            score_from: None,
+            num_parts: 1,
         }
+    }
+
+    /// The first prompt position whose logits' prompt logprob is recorded: entry t of
+    /// `prompt_logprobs` is position `prompt_logprobs_from() + t` (it predicts the token after).
+    pub fn prompt_logprobs_from(&self) -> usize {
+        self.score_from.map_or(0, |f| f - 1)
+    }
+
+    /// Whether prompt logprobs are still to be computed for some position.
+    pub fn prompt_logprobs_missing(&self) -> bool {
+        self.prompt_logprobs_k > 0
+            && self.prompt_logprobs_from() + self.prompt_logprobs.len() + 1 < self.prompt_len()
     }
 
     /// Mean tokens per verify round (accepted drafts + the target's token, after truncation).

@@ -35,6 +35,7 @@ use parquet::file::properties::WriterProperties;
 
 use crate::error::{Error, Result};
 use crate::logprobs::LogprobEntry;
+use crate::score::{RowScore, ScoreShape};
 use crate::sequence::{FinishReason, StopReason};
 use tokenizers::Tokenizer;
 
@@ -90,6 +91,8 @@ pub struct OutputRow {
     /// OpenAI Batch input: the url of the row's line, when it named one eaglebatch serves
     /// (written with `WriterConfig::endpoint`).
     pub endpoint: Option<&'static str>,
+    /// A scoring task's row scores (None: generation, or an error row).
+    pub score: Option<RowScore>,
 }
 
 #[derive(Debug, Clone)]
@@ -107,6 +110,8 @@ pub struct WriterConfig {
     pub reasoning: bool,
     /// Write the `endpoint` and `n` columns (OpenAI Batch input: each line's url and n).
     pub endpoint: bool,
+    /// A scoring task: write its score columns (score.rs) in this shape.
+    pub score: Option<ScoreShape>,
     pub id_type: DataType,
     /// Kept input columns: (name, output type), written after every other column.
     pub kept: Vec<(String, DataType)>,
@@ -155,6 +160,9 @@ pub const OUTPUT_COLUMNS: &[&str] = &[
     "reasoning_text",
     "endpoint",
     "n",
+    "logprob",
+    "num_tokens",
+    "is_greedy",
 ];
 
 /// Output schema (column order is part of the contract).
@@ -202,6 +210,9 @@ pub fn output_schema(cfg: &WriterConfig) -> SchemaRef {
     if cfg.endpoint {
         fields.push(Field::new("endpoint", DataType::Utf8, true));
         fields.push(Field::new("n", DataType::Int32, false));
+    }
+    if let Some(shape) = cfg.score {
+        fields.extend(crate::score::fields(shape));
     }
     for (name, dt) in &cfg.kept {
         fields.push(Field::new(name, dt.clone(), true));
@@ -544,6 +555,12 @@ fn optional_columns(rows: &[OutputRow], cfg: &WriterConfig) -> Vec<ArrayRef> {
         columns.push(string_column(rows, rows.len() * 20, |r| r.endpoint));
         columns.push(int32_column(rows, |r| Some(r.num_samples)));
     }
+    if let Some(shape) = cfg.score {
+        columns.extend(crate::score::columns(
+            shape,
+            rows.iter().map(|r| r.score.as_ref()),
+        ));
+    }
     columns
 }
 
@@ -654,6 +671,7 @@ mod tests {
             structured: None,
             skip_special_tokens: true,
             endpoint: None,
+            score: None,
             stop_reason: None,
             kept: Vec::new(),
         }
@@ -673,6 +691,7 @@ mod tests {
             structured: false,
             reasoning: false,
             endpoint: false,
+            score: None,
             id_type: DataType::Utf8,
             kept: Vec::new(),
             flush_interval: None,
@@ -867,6 +886,7 @@ mod tests {
         let mut c = cfg(dir.path(), 1);
         (c.logprobs, c.prompt_logprobs, c.endpoint) = (true, true, true);
         (c.structured, c.reasoning) = (true, true);
+        c.score = Some(crate::score::ScoreShape::Pair);
         let schema = output_schema(&c);
         let mut names: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
         let mut want = OUTPUT_COLUMNS.to_vec();

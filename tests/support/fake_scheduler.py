@@ -57,6 +57,7 @@ class FakePlan:
     logprobs: np.ndarray | None = None  # int32 [B]
     prompt_logprobs: np.ndarray | None = None  # int32 [B]
     prompt_lens: np.ndarray | None = None  # int32 [B]
+    prompt_logprobs_from: np.ndarray | None = None  # int32 [B]
     penalty_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     cu_penalty: np.ndarray | None = None  # int32 [B+1], all 0
     penalty_prompt_lens: np.ndarray | None = None  # int32 [B]
@@ -74,7 +75,8 @@ class FakePlan:
                     "repetition_penalty": (1, np.float32),
                     "frequency_penalty": (0, np.float32), "presence_penalty": (0, np.float32),
                     "logprobs": (0, np.int32), "penalty_prompt_lens": (0, np.int32),
-                    "prompt_logprobs": (0, np.int32), "prompt_lens": (1, np.int32)}
+                    "prompt_logprobs": (0, np.int32), "prompt_lens": (1, np.int32),
+                    "prompt_logprobs_from": (0, np.int32)}
         for name, (value, dtype) in defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, np.full(b, value, dtype=dtype))

@@ -13,6 +13,7 @@ for 0.5, no 256.0 for an integer; an integer is accepted where a number is).
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import struct
@@ -123,6 +124,12 @@ class InputConfig(_Section):
     sampling_columns: dict[str, str] = Field(default_factory=dict)
     # parquet, or openai-batch (JSONL request lines); auto: openai-batch for a .jsonl path
     format: Literal["auto", "parquet", "openai-batch"] = "auto"
+    # raw prompts (and scoring contexts) are encoded with the tokenizer's special tokens (BOS)
+    add_special_tokens: bool = True
+    # task score: a string column of continuations scored after each prompt, or a
+    # list<string> column of choices (exactly one of the two)
+    continuation_column: str | None = None
+    choices_column: str | None = None
 
     @property
     def openai_batch(self) -> bool:
@@ -410,6 +417,33 @@ class JobConfig(_Section):
     draft: PathStr | None = None
     speculative: SpeculativeConfig = SpeculativeConfig()
     ray: RayConfig = RayConfig()
+    # generate (default); score: log-probabilities of input.continuation_column (or each of
+    # input.choices_column) after the prompt; perplexity: each prompt's rolling log-probability
+    task: Literal["generate", "score", "perplexity"] = "generate"
+
+    @model_validator(mode="after")
+    def _scoring_columns(self) -> JobConfig:
+        inp = self.input
+        named = [k for k in ("continuation_column", "choices_column") if getattr(inp, k)]
+        if self.task == "score" and len(named) != 1:
+            raise ValueError("task: score needs exactly one of input.continuation_column and "
+                             "input.choices_column")  # fmt: skip
+        if self.task != "score" and named:
+            raise ValueError(f"input.{named[0]}: only for task: score")
+        if self.task == "generate":
+            return self
+        if self.sampling.n > 1 or self.output.prompt_logprobs or inp.openai_batch:
+            raise ValueError(f"task: {self.task} scores given text: sampling.n, output."
+                             "prompt_logprobs and openai-batch input do not apply")  # fmt: skip
+        if self.sampling.response_format is not None or self.output.reasoning is not None:
+            raise ValueError(f"task: {self.task}: sampling.response_format and "
+                             "output.reasoning are for generation")  # fmt: skip
+        return self
+
+    @property
+    def scoring(self) -> bool:
+        """The rows are scored (task score or perplexity), not generated."""
+        return self.task != "generate"
 
     @model_validator(mode="after")
     def _prompt_logprobs_once_per_row(self) -> JobConfig:
@@ -584,17 +618,35 @@ def load_validated(path: Path, overrides: list[str], cls: type[_M]) -> _M:
         raise JobError(
             f"{path}: the job must be a mapping of keys (model, input, output, ...), not {kind}"
         )
+    return validated(data, overrides, cls, str(path))
+
+
+def validated(data: dict, overrides: list[str], cls: type[_M], source: str) -> _M:
+    """`data` (a job as a mapping) with `--set` overrides applied, validated as `cls`; JobError
+    naming `source` and the key on any problem."""
     data = apply_overrides(data, list(overrides))
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        raise JobError(_format_error(e, str(path))) from None
+        raise JobError(_format_error(e, source)) from None
 
 
 def load_job(path: str | Path, overrides: list[str] = ()) -> JobConfig:
     """Reads, overrides, validates and resolves a job file. Raises JobError on any problem."""
     path = Path(path)
     return load_validated(path, list(overrides), JobConfig).resolved(path.parent.resolve())
+
+
+def job_from_dict(
+    data: dict, overrides: list[str] = (), base_dir: Path | None = None
+) -> JobConfig:
+    """A job given as a mapping (the Python API): validated like a job file's, relative paths
+    against `base_dir` (default: the working directory). Raises JobError on any problem."""
+    if not isinstance(data, dict):
+        raise JobError(f"the job must be a mapping of keys (model, input, output, ...), not "
+                       f"{type(data).__name__}")  # fmt: skip
+    job = validated(copy.deepcopy(data), list(overrides), JobConfig, "job")
+    return job.resolved((base_dir or Path.cwd()).resolve())
 
 
 def job_to_dict(job: JobConfig) -> dict:

@@ -56,7 +56,12 @@ class SchedulerConfig:
     row_range: tuple[int, int] | None = None
     # sampling key -> input column of per-row values
     sampling_columns: dict[str, str] = _job("input", "sampling_columns")
+    # generate | score | perplexity (the job's task; score.rs)
+    task: str = "generate"
+    continuation_column: str | None = _job("input", "continuation_column")
+    choices_column: str | None = _job("input", "choices_column")
     # Prompt construction / tokenization.
+    add_special_tokens: bool = _job("input", "add_special_tokens")
     apply_chat_template: bool = _job("input", "apply_chat_template")
     tokenizer_file: str
     chat_template: str | None

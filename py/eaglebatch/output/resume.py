@@ -63,6 +63,9 @@ def job_identity(
             "limit": inp.limit,
             **({"sampling_columns": dict(inp.sampling_columns)} if inp.sampling_columns else {}),
             **({"format": "openai-batch"} if inp.openai_batch else {}),
+            # added later: left out at their defaults so that earlier jobs still resume
+            **({"add_special_tokens": False} if not inp.add_special_tokens else {}),
+            **_scoring_identity(job),
         },
         "sampling": _sampling_identity(job),
         "engine": {"max_model_len": max_model_len, "dtype": dtype},
@@ -76,6 +79,14 @@ def job_identity(
             "speculative": job.speculative.model_dump(mode="json"),
         }
     return identity
+
+
+def _scoring_identity(job: JobConfig) -> dict:
+    """A scoring job's task and columns (nothing for generation: earlier jobs resume)."""
+    if not job.scoring:
+        return {}
+    return {"task": job.task, "continuation_column": job.input.continuation_column,
+            "choices_column": job.input.choices_column}  # fmt: skip
 
 
 # Sampling keys added after identity version 2, left out while at their defaults so that a job

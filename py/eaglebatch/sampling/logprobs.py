@@ -69,10 +69,10 @@ def top_logprobs(
 
 def prompt_logprobs(compute_logits, hidden: torch.Tensor, plan) -> tuple | None:
     """The prompt logprobs of a prefill (or chunk) step, or None when no row asks: for each
-    row with plan.prompt_logprobs > 0, every query position t whose next token t + 1 is a
-    prompt token, from the raw logits at t (hidden [T, H] of all query tokens). Returns what
-    `Scheduler.commit` takes: (row_counts int32 [B], positions int32 [N], chosen, top ids,
-    top logprobs)."""
+    row with plan.prompt_logprobs > 0, every query position t >= plan.prompt_logprobs_from
+    whose next token t + 1 is a prompt token, from the raw logits at t (hidden [T, H] of all
+    query tokens). Returns what `Scheduler.commit` takes: (row_counts int32 [B], positions
+    int32 [N], chosen, top ids, top logprobs)."""
     k = int(plan.prompt_logprobs.max()) if len(plan.prompt_logprobs) else 0
     if k == 0:
         return None
@@ -81,7 +81,9 @@ def prompt_logprobs(compute_logits, hidden: torch.Tensor, plan) -> tuple | None:
     for r in np.flatnonzero(plan.prompt_logprobs > 0):
         start, end = cu[r], cu[r + 1]
         following = np.append(plan.input_ids[start + 1 : end], plan.next_ids[r])  # token t + 1
-        keep = plan.positions[start:end] + 1 < plan.prompt_lens[r]
+        pos = plan.positions[start:end]
+        # a scored part needs no logits before its first scored token (score.rs)
+        keep = (pos + 1 < plan.prompt_lens[r]) & (pos >= plan.prompt_logprobs_from[r])
         index.append(np.arange(start, end)[keep])
         nxt.append(following[keep])
         counts[r] = int(keep.sum())

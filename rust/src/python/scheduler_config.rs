@@ -35,7 +35,7 @@ macro_rules! config_fields {
 config_fields! {
     input_files, prompt_column, messages_column, id_column, input_format, limit,
     row_range, skip_rows with int64_array, skip_samples with int64_array,
-    apply_chat_template, tokenizer_file, chat_template, bos_token, eos_token,
+    task, continuation_column, choices_column, add_special_tokens, apply_chat_template, tokenizer_file, chat_template, bos_token, eos_token,
     eos_token_ids, vocab_size,
     output_dir, part_rows, file_metadata, include_token_ids, keep_columns,
     flush_interval_s,

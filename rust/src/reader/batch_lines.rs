@@ -76,6 +76,7 @@ impl ReaderThread {
                 input,
                 endpoint: parsed.endpoint,
                 kept: Vec::new(),
+                score_texts: Ok(Vec::new()),
             });
         }
         self.send_rows(rows, read_at)

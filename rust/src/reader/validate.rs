@@ -31,6 +31,8 @@ pub struct InputSpec {
     pub id_column: Option<String>,
     /// Sampling key -> input column of per-row values (read by `columns`).
     pub sampling_columns: BTreeMap<String, String>,
+    /// `task: score`: the continuation (string) or choices (list<string>) column.
+    pub score_column: Option<String>,
     /// OpenAI Batch JSONL input (each line names its endpoint), else Parquet.
     pub openai_batch: bool,
     /// Arrow type of the output `id` column (the input id column's type, or Int64).
@@ -126,6 +128,7 @@ fn check_codecs(
 ) -> Result<()> {
     let wanted: Vec<&str> = [&cfg.prompt_column, &cfg.messages_column, &cfg.id_column]
         .into_iter()
+        .chain([&cfg.continuation_column, &cfg.choices_column])
         .flatten()
         .chain(cfg.sampling_columns.values())
         .chain(&cfg.keep_columns)
@@ -185,10 +188,7 @@ pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
             num_rows,
         });
     }
-    let total_rows = match cfg.limit {
-        Some(limit) => total.min(limit),
-        None => total,
-    };
+    let total_rows = cfg.limit.map_or(total, |limit| total.min(limit));
     let (start, end) = cfg.row_range.unwrap_or((0, total_rows));
     let row_end = end.min(total_rows);
     Ok(InputSpec {
@@ -197,6 +197,7 @@ pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
         messages_column: cfg.messages_column.clone(),
         id_column: cfg.id_column.clone(),
         sampling_columns: cfg.sampling_columns.clone(),
+        score_column: score_column(cfg).cloned(),
         openai_batch: false,
         id_type: cfg
             .id_column
@@ -210,6 +211,13 @@ pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
         row_start: start.min(row_end),
         row_end,
     })
+}
+
+/// `task: score`'s column of continuations or choices.
+fn score_column(cfg: &SchedulerConfig) -> Option<&String> {
+    cfg.continuation_column
+        .as_ref()
+        .or(cfg.choices_column.as_ref())
 }
 
 /// OpenAI Batch JSONL files: requests counted by streaming each file; ids are custom_ids.
@@ -230,6 +238,7 @@ fn validate_batch_files(cfg: &SchedulerConfig) -> Result<InputSpec> {
         files,
         prompt_column: None,
         messages_column: None,
+        score_column: None,
         id_column: Some("custom_id".to_string()),
         sampling_columns: BTreeMap::new(),
         openai_batch: true,
@@ -260,6 +269,26 @@ fn check_text_columns(schema: &Schema, path: &Path, cfg: &SchedulerConfig) -> Re
         if !is_text(f.data_type()) {
             return Err(Error::user(format!(
                 "{}: prompt column '{col}' has type {}; expected a string column",
+                path.display(),
+                f.data_type()
+            )));
+        }
+    }
+    if let Some(col) = &cfg.continuation_column {
+        let f = find_column(schema, path, "continuation", col)?;
+        if !is_text(f.data_type()) {
+            return Err(Error::user(format!(
+                "{}: continuation column '{col}' has type {}; expected a string column",
+                path.display(),
+                f.data_type()
+            )));
+        }
+    }
+    if let Some(col) = &cfg.choices_column {
+        let f = find_column(schema, path, "choices", col)?;
+        if !is_list_of(f.data_type(), is_text) {
+            return Err(Error::user(format!(
+                "{}: choices column '{col}' has type {}; expected list<string>",
                 path.display(),
                 f.data_type()
             )));

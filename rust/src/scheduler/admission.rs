@@ -185,8 +185,10 @@ fn sibling_start(
     rows_now: &HashSet<i64>,
     bs: usize,
 ) -> Start {
-    if seq.num_output() > 0 {
-        return Start::Fresh; // resumed after a preemption: its own tokens
+    if seq.num_output() > 0 || seq.score_from.is_some() {
+        // resumed after a preemption: its own tokens; a scored part: its own prompt (parts
+        // of a row share their context through the prefix cache)
+        return Start::Fresh;
     }
     if rows_now.contains(&seq.row_index) {
         return Start::Wait;
@@ -209,8 +211,13 @@ fn sibling_start(
 /// The cached blocks a waiting sequence starts from (the scheduler's module doc says which),
 /// and how many of its full blocks were found in the cache.
 fn cached_prefix(bm: &BlockManager, seq: &mut Sequence, speculative: bool) -> (Vec<u32>, usize) {
-    if !bm.caching() || seq.prompt_logprobs_k > 0 {
-        // a prompt's logprobs need its logits at every position: nothing comes from the cache
+    // a prompt's logprobs need the logits at every position from the first one not yet
+    // recorded: only the blocks before it may come from the cache
+    let logits_from = match seq.prompt_logprobs_k {
+        0 => usize::MAX,
+        _ => seq.prompt_logprobs_from() + seq.prompt_logprobs.len(),
+    };
+    if !bm.caching() || logits_from == 0 {
         return (Vec::new(), 0);
     }
     let bs = bm.block_size();
@@ -225,7 +232,7 @@ fn cached_prefix(bm: &BlockManager, seq: &mut Sequence, speculative: bool) -> (V
         }
     }
     let found = prefix.len();
-    prefix.truncate((seq.len() - 1) / bs);
+    prefix.truncate(((seq.len() - 1) / bs).min(logits_from / bs));
     if speculative && prefix.len() == found && found > 0 {
         // the next block was not found: the draft's entry at this block's last position holds
         // for us only if the token after the block is the one it was computed from

@@ -14,7 +14,7 @@
 //!   them (their length limit) are left out of the plan after P ("parked"), keeping their
 //!   blocks until P's commit.
 //! - Not planned ahead (`None`: commit first, then `next_plan`): rows with penalties (the
-//!   placeholder would be in their token counts), constrained rows (structured output: the
+//!   placeholder would be in their token counts), scored parts (score.rs), constrained rows (structured output: the
 //!   next mask follows the token in flight), nothing left to run but parked rows, or
 //!   running[0] not fitting the cache beside the blocks of parked and draining rows. Those
 //!   rows are out of `running`, so `grow_running` cannot preempt them: a plan built ahead keeps
@@ -44,7 +44,8 @@ impl Scheduler {
                 "next_plan_ahead() needs overlap and exactly one pending plan",
             ));
         }
-        let ahead_blocked = |s: &Sequence| s.sampling.penalized() || s.matcher.is_some();
+        let ahead_blocked =
+            |s: &Sequence| s.sampling.penalized() || s.matcher.is_some() || s.score_from.is_some();
         if self.running.iter().any(ahead_blocked) {
             return Ok(None);
         }

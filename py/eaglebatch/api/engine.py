@@ -1,0 +1,220 @@
+"""`Engine`: a model loaded once, serving many calls from Python.
+
+Each call is a job like any other (the same checks, scheduler, worker and output columns): its
+inputs are written to a temporary Parquet file, the job runs on the engine's loaded worker
+into a temporary output directory, and the rows come back as a `pyarrow.Table` in input order
+(`row_index`, then `sample_index`). Temporary files live under the engine's work directory and
+are removed when the call returns.
+"""
+
+from __future__ import annotations
+
+import gc
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from eaglebatch.api.inputs import write_inputs
+from eaglebatch.engine import PreparedJob, RunScope, RunSummary, build_worker, prepare
+from eaglebatch.engine import run_prepared as _run_prepared
+from eaglebatch.errors import JobError, native_error
+from eaglebatch.job.config import job_from_dict
+
+Section = Mapping[str, Any] | None
+ORDER = [("row_index", "ascending"), ("sample_index", "ascending")]
+
+
+class Engine:
+    """A model (and optionally an EAGLE draft head) loaded once. `engine` and `speculative`
+    are the job file's sections of those names; `model` and `draft` take what the job's keys
+    take (a folder, a .gguf file, a builtin name). Use as a context manager, or call close()."""
+
+    def __init__(self, model: str, draft: str | None = None, *, engine: Section = None,
+                 speculative: Section = None, model_chat_template: str | None = None,
+                 progress: bool = False) -> None:  # fmt: skip
+        self._base = {"model": str(model), "engine": dict(engine or {}),
+                      "speculative": dict(speculative or {})}  # fmt: skip
+        if draft is not None:
+            self._base["draft"] = str(draft)
+        if model_chat_template is not None:
+            self._base["model_chat_template"] = str(model_chat_template)
+        self._progress = progress
+        self._dir = Path(tempfile.mkdtemp(prefix="eaglebatch-engine-"))
+        self._worker, self._worker_key = None, None
+        try:
+            prep, call = self._prepare(["x"], "generate", {}, {}, {})
+            shutil.rmtree(call, ignore_errors=True)
+            self._ensure_worker(prep)
+            self.max_model_len: int = prep.engine.max_model_len
+            self.model_dir: Path = prep.model.dir
+            self.chat_template: str | None = prep.model.chat_template
+            self.bos_token, self.eos_token = prep.model.bos_token, prep.model.eos_token
+        except BaseException:
+            self.close()
+            raise
+
+    # -- the calls ---------------------------------------------------------------------------
+
+    def generate(self, inputs, *, sampling: Section = None, output: Section = None,
+                 input: Section = None) -> pa.Table:  # fmt: skip
+        """Generates every input row; returns the job's output columns, in input order.
+        `sampling`, `output`, `input`: the job's sections (`output.path` is the engine's)."""
+        return self._call(inputs, "generate", input, sampling, output)
+
+    def generate_stream(self, inputs, *, sampling: Section = None, output: Section = None,
+                        input: Section = None,
+                        chunk_rows: int = 4096) -> Iterator[pa.RecordBatch]:  # fmt: skip
+        """As `generate`, yielding the rows in input order as record batches of `chunk_rows`
+        input rows at most: the inputs go to disk first (a RecordBatchReader batch by batch),
+        then each chunk of rows is generated and yielded, so memory holds one chunk."""
+        if chunk_rows < 1:
+            raise JobError(f"chunk_rows must be >= 1, got {chunk_rows}")
+        call = Path(tempfile.mkdtemp(dir=self._dir))
+        try:
+            prep, _ = self._prepare(inputs, "generate", input, sampling, output, call)
+            for start in range(0, prep.total_rows, chunk_rows):
+                scope = RunScope(row_range=(start, min(start + chunk_rows, prep.total_rows)))
+                chunk = _with_output(prep, call / f"out-{start}")
+                self._run(chunk, scope)
+                table = pq.read_table(chunk.job.output.path).sort_by(ORDER)
+                shutil.rmtree(chunk.job.output.path, ignore_errors=True)
+                yield from table.to_batches()
+        finally:
+            shutil.rmtree(call, ignore_errors=True)
+
+    def score(self, contexts: Sequence[str], continuations: Sequence[str], *,
+              add_special_tokens: bool = True) -> pa.Table:  # fmt: skip
+        """One row per (context, continuation) pair: `logprob` (the continuation tokens' summed
+        log-probability), `num_tokens`, `is_greedy` (each is the argmax) and `error`. The split
+        is lm-evaluation-harness's; a context shared by several pairs is computed once."""
+        if len(contexts) != len(continuations):
+            raise JobError(f"score: {len(contexts)} contexts but {len(continuations)} "
+                           "continuations")  # fmt: skip
+        groups: dict[str, list[int]] = {}
+        for i, c in enumerate(contexts):
+            groups.setdefault(c, []).append(i)
+        choices = [[continuations[i] for i in g] for g in groups.values()]
+        table = pa.table({"prompt": pa.array(list(groups), pa.string()), "choices": choices})
+        keys = {"prompt_column": "prompt", "choices_column": "choices",
+                "add_special_tokens": add_special_tokens}  # fmt: skip
+        out = self._call(table, "score", keys, None, None)
+        return _pairs(out, list(groups.values()), len(contexts))
+
+    def score_rolling(self, texts: Sequence[str], *, add_special_tokens: bool = True) -> pa.Table:
+        """Per text: `logprob` (the whole text's log-probability, lm-eval's rolling windows of
+        `max_model_len` tokens when longer), `num_tokens` and `error`."""
+        keys = {"prompt_column": "prompt", "add_special_tokens": add_special_tokens}
+        out = self._call(list(texts), "perplexity", keys, None, None)
+        return out.select(["logprob", "num_tokens", "error"])
+
+    def close(self) -> None:
+        """Frees the worker (weights, KV cache, threads' buffers) and the work directory."""
+        self._worker = self._worker_key = None
+        gc.collect()
+        try:
+            import torch  # lazy: only to give the device's cached memory back
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except ImportError:
+            pass
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- how a call runs ---------------------------------------------------------------------
+
+    def _call(self, inputs, task: str, keys: Section, sampling: Section,
+              output: Section) -> pa.Table:  # fmt: skip
+        call = Path(tempfile.mkdtemp(dir=self._dir))
+        try:
+            prep, _ = self._prepare(inputs, task, keys, sampling, output, call)
+            self._run(prep, RunScope())
+            return pq.read_table(prep.job.output.path).sort_by(ORDER)
+        finally:
+            shutil.rmtree(call, ignore_errors=True)
+
+    def _prepare(self, inputs, task: str, keys: Section, sampling: Section, output: Section,
+                 call: Path | None = None) -> tuple[PreparedJob, Path]:  # fmt: skip
+        call = call or Path(tempfile.mkdtemp(dir=self._dir))
+        section = write_inputs(inputs, call / "input.parquet", dict(keys or {}))
+        data = {**self._base, "task": task, "input": section,
+                "output": {**dict(output or {}), "path": str(call / "out")},
+                "sampling": dict(sampling or {})}  # fmt: skip
+        return _user_errors(lambda: prepare(job_from_dict(data)))(), call
+
+    def _ensure_worker(self, prep: PreparedJob):
+        """The loaded worker, built again only when a job needs a wider speculative round
+        (structured output's forced drafts) than the one it was built for."""
+        key = (prep.engine.max_draft_tokens, prep.job.forced_draft_tokens)
+        if self._worker is None or key != self._worker_key:
+            self._worker = None
+            gc.collect()
+            self._worker = _user_errors(lambda: build_worker(prep))()
+            self._worker_key = key
+        return self._worker
+
+    def _run(self, prep: PreparedJob, scope: RunScope) -> RunSummary:
+        worker = self._ensure_worker(prep)
+        view = _progress_view(prep, scope) if self._progress else None
+        run = lambda: _run_prepared(prep, worker=worker, progress=view, scope=scope)  # noqa: E731
+        if view is None:
+            return _user_errors(run)()
+        with view:
+            return _user_errors(run)()
+
+
+def _with_output(prep: PreparedJob, path: Path) -> PreparedJob:
+    """The prepared job writing to `path` (the same identity: the outputs do not change)."""
+    import dataclasses
+
+    out = prep.job.output.model_copy(update={"path": str(path)})
+    return dataclasses.replace(prep, job=prep.job.model_copy(update={"output": out}))
+
+
+def _progress_view(prep: PreparedJob, scope: RunScope):
+    # lazy: rich, only when the engine shows progress
+    from eaglebatch.progress import ProgressView
+
+    first, end = scope.rows(prep.total_rows)
+    return ProgressView((end - first) * prep.job.sampling.n)
+
+
+def _user_errors(fn):
+    """`fn` with the extension's user errors raised as JobError (the CLI's exit-2 message)."""
+
+    def call():
+        try:
+            return fn()
+        except Exception as e:
+            if native_error(e) == "user":
+                raise JobError(str(e)) from None
+            raise
+
+    return call
+
+
+def _pairs(out: pa.Table, groups: list[list[int]], n: int) -> pa.Table:
+    """The choices rows of `score` back into one row per pair, in the pairs' order."""
+    logprob, num, greedy, error = [None] * n, [None] * n, [None] * n, [None] * n
+    rows = out.select(["logprob", "num_tokens", "is_greedy", "error"]).to_pylist()
+    for group, row in zip(groups, rows, strict=True):
+        for j, i in enumerate(group):
+            error[i] = row["error"]
+            if row["logprob"] is not None:
+                logprob[i], num[i] = row["logprob"][j], row["num_tokens"][j]
+                greedy[i] = row["is_greedy"][j]
+    return pa.table({"logprob": pa.array(logprob, pa.float64()),
+                     "num_tokens": pa.array(num, pa.int32()),
+                     "is_greedy": pa.array(greedy, pa.bool_()),
+                     "error": pa.array(error, pa.string())})  # fmt: skip
+
