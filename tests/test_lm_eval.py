@@ -1,0 +1,136 @@
+"""lm-evaluation-harness on eaglebatch: local tasks (files written here, no hub), run with
+`simple_evaluate` once with lm-eval's own `hf` model and once with `EaglebatchLM` on the same
+weights: multiple choice (loglikelihood), generation (generate_until, greedy, stop sequences)
+and perplexity (loglikelihood_rolling over texts longer than the window) give the same
+per-sample results (1e-4) and metrics."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from support.tiny import make_tiny_model
+from test_engine import random_prompts
+
+pytest.importorskip("eaglebatch._native")
+lm_eval = pytest.importorskip("lm_eval")
+
+MAX_LEN = 128  # the engine's max_model_len; lm-eval's max_length is one less
+TASKS = ["eb_mc", "eb_gen", "eb_ppl"]
+
+
+def task_files(root):
+    qs = random_prompts(12, seed=5)
+    rows = {
+        "mc": [{"question": q + " ", "choices": ["cat", "the mat", "42", "über alles"],
+                "answer": i % 4} for i, q in enumerate(qs)],
+        "gen": [{"question": q, "answer": "x"} for q in qs[:6]],
+        "ppl": [{"text": (q + " ") * 30} for q in qs[:4]],
+    }  # fmt: skip
+    for name, items in rows.items():
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in items))
+    head = "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {}\ntest_split: test\n"
+    specs = {
+        "eb_mc": ("mc", "output_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
+                  "doc_to_choice: '{{choices}}'\ndoc_to_target: answer\n"
+                  "metric_list:\n  - metric: acc\n  - metric: acc_norm\n"),
+        "eb_gen": ("gen", "output_type: generate_until\ndoc_to_text: '{{question}}'\n"
+                   "doc_to_target: '{{answer}}'\ngeneration_kwargs:\n  until: ['ab', 'Q']\n"
+                   "  max_gen_toks: 12\n  do_sample: false\n"
+                   "metric_list:\n  - metric: exact_match\n"),
+        "eb_ppl": ("ppl", "output_type: loglikelihood_rolling\ndoc_to_text: ''\n"
+                   "doc_to_target: '{{text}}'\nmetric_list:\n  - metric: word_perplexity\n"
+                   "  - metric: bits_per_byte\n"),
+    }  # fmt: skip
+    for task, (data, body) in specs.items():
+        text = f"task: {task}\n" + head.format(root / f"{data}.jsonl") + body
+        (root / f"{task}.yaml").write_text(text)
+    return root
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model = make_tiny_model(tmp_path_factory.mktemp("lm-eval-model"),
+                            max_position_embeddings=MAX_LEN)  # fmt: skip
+    return model, task_files(tmp_path_factory.mktemp("tasks"))
+
+
+@pytest.fixture(scope="module")
+def results(setup):
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from eaglebatch.integrations.lm_eval import EaglebatchLM
+
+    model, tasks = setup
+    manager = TaskManager(include_path=str(tasks))
+    hf_model = LlamaForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    tok = PreTrainedTokenizerFast(tokenizer_file=str(model / "tokenizer.json"),
+                                  bos_token="<|im_start|>", eos_token="<|im_end|>")  # fmt: skip
+    hf = HFLM(pretrained=hf_model, tokenizer=tok, batch_size=4, max_length=MAX_LEN - 1)
+    ours = EaglebatchLM(model=str(model), engine={"device": "cpu", "kv_cache_tokens": 8192})
+    assert ours.max_length == MAX_LEN - 1
+
+    def run(lm):
+        return lm_eval.simple_evaluate(model=lm, tasks=TASKS, task_manager=manager,
+                                       log_samples=True)  # fmt: skip
+
+    return run(hf), run(ours)
+
+
+def close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-7, abs_tol=1e-4)
+
+
+def test_multiple_choice_loglikelihoods_and_metrics_equal_hf(results):
+    hf, ours = results
+    pairs = list(zip(hf["samples"]["eb_mc"], ours["samples"]["eb_mc"], strict=True))
+    assert len(pairs) == 12
+    for a, b in pairs:
+        for (lp_a, greedy_a), (lp_b, greedy_b) in zip(
+            [r[0] for r in a["resps"]], [r[0] for r in b["resps"]], strict=True
+        ):
+            assert close(lp_a, lp_b) and greedy_a == greedy_b
+    for metric in ("acc,none", "acc_norm,none"):
+        assert hf["results"]["eb_mc"][metric] == ours["results"]["eb_mc"][metric]
+
+
+def test_generation_outputs_equal_hf_greedy(results):
+    hf, ours = results
+    got = [s["resps"][0][0] for s in ours["samples"]["eb_gen"]]
+    want = [s["resps"][0][0] for s in hf["samples"]["eb_gen"]]
+    assert got == want and any(got)
+    assert hf["results"]["eb_gen"]["exact_match,none"] == ours["results"]["eb_gen"][
+        "exact_match,none"]
+
+
+def test_rolling_loglikelihoods_over_several_windows_equal_hf(results):
+    hf, ours = results
+    for a, b in zip(hf["samples"]["eb_ppl"], ours["samples"]["eb_ppl"], strict=True):
+        assert close(a["resps"][0][0], b["resps"][0][0])
+        assert len(a["doc"]["text"]) > MAX_LEN  # bytes = tokens: more than one window
+    for metric in ("word_perplexity,none", "bits_per_byte,none"):
+        assert math.isclose(hf["results"]["eb_ppl"][metric], ours["results"]["eb_ppl"][metric],
+                            rel_tol=1e-6)  # fmt: skip
+
+
+def test_lm_eval_command_line_reaches_the_model(setup, tmp_path):
+    model, tasks = setup
+    args = ["--model", "eaglebatch", "--model_args",
+            f"model={model},engine.device=cpu,engine.kv_cache_tokens=4096",
+            "--tasks", "eb_mc", "--include_path", str(tasks), "--output_path", str(tmp_path),
+            "--limit", "3"]  # fmt: skip
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "eaglebatch.integrations.lm_eval", *args],
+                          capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "eb_mc" in proc.stdout and "acc" in proc.stdout

@@ -1,0 +1,48 @@
+"""The Ray Data processor: a Dataset through preprocess -> engine actors -> postprocess gives
+the rows `Engine.generate` gives, with the input's columns carried through."""
+
+from __future__ import annotations
+
+import pytest
+
+from test_engine import random_prompts
+
+pytest.importorskip("eaglebatch._native")
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.data")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import logging
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             logging_level=logging.WARNING)  # fmt: skip
+    yield
+    ray.shutdown()
+
+
+def test_a_dataset_through_the_processor_equals_engine_generate(local_ray, tiny_model_dir):
+    import eaglebatch
+    from eaglebatch.integrations.ray_data import ProcessorConfig, build_processor
+
+    prompts = random_prompts(20, seed=9)
+    sections = {"engine": {"device": "cpu", "kv_cache_tokens": 4096},
+                "sampling": {"max_new_tokens": 6},
+                "output": {"include_token_ids": True}}  # fmt: skip
+    config = ProcessorConfig(model=str(tiny_model_dir), batch_size=8, concurrency=1,
+                             **sections)  # fmt: skip
+    processor = build_processor(
+        config,
+        preprocess=lambda row: {"prompt": row["text"][1:-1], "key": row["key"]},
+        postprocess=lambda row: {"key": row["key"], "answer": row["output_text"],
+                                 "tokens": list(row["output_token_ids"])},
+    )  # fmt: skip
+    ds = ray.data.from_items([{"text": f" {p} ", "key": i} for i, p in enumerate(prompts)])
+    got = sorted(processor(ds).take_all(), key=lambda r: r["key"])
+    with eaglebatch.Engine(str(tiny_model_dir), engine=sections["engine"]) as engine:
+        want = engine.generate(prompts, sampling=sections["sampling"],
+                               output=sections["output"]).to_pylist()  # fmt: skip
+    assert [r["key"] for r in got] == list(range(20))
+    assert [r["tokens"] for r in got] == [r["output_token_ids"] for r in want]
+    assert [r["answer"] for r in got] == [r["output_text"] for r in want]
