@@ -30,7 +30,8 @@
 //! shifted input; blocks computed by rows the draft does not follow, such as plain steps', hold
 //! none: a row drafting from them drafts worse, never wrongly). A request whose next uncached blocks (64 tokens or more) requests admitted
 //! in the same step compute waits one step, to find them cached instead of computing them twice
-//! (admission.rs).
+//! (admission.rs); a scored part (scheduler/scoring.rs) waits for a single such block, and
+//! the requests behind it are admitted meanwhile.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashSet, VecDeque};
@@ -1709,6 +1710,8 @@ mod overlap_tests;
 mod prefix_cache_tests;
 #[cfg(test)]
 mod sampling_tests;
+#[cfg(test)]
+mod scoring_tests;
 #[cfg(test)]
 mod structured_tests;
 #[cfg(test)]

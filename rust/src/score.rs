@@ -379,6 +379,28 @@ mod tests {
     }
 
     #[test]
+    fn pairs_split_as_lm_eval_does() {
+        let tok = crate::testutil::word_level_tokenizer(16); // adds <bos> = 1
+        let s = Splitter {
+            tokenizer: &tok,
+            add_special: true,
+            prefix_id: 1,
+            max_len: 16,
+        };
+        let part = |c: &str, x: &str| s.pair(c, x).map(|p| (p.prompt_ids, p.from));
+        // the context's trailing space moves to the continuation
+        assert_eq!(part("w5 w6 ", "w7"), Ok((vec![1, 5, 6, 7], 3)));
+        // an empty context: the prefix token, the continuation without special tokens
+        assert_eq!(part("", "w7 w8"), Ok((vec![1, 7, 8], 1)));
+        assert!(part("w5", "").is_err());
+        // too long: the first tokens go
+        let short = Splitter { max_len: 3, ..s };
+        let p = short.pair("w5 w6 w8", " w7 w9").unwrap();
+        assert_eq!((p.prompt_ids, p.from), (vec![8, 7, 9], 1));
+        assert!(short.pair("w5", " w7 w8 w9").is_err());
+    }
+
+    #[test]
     fn part_scores_sum_and_check_the_argmax() {
         let s = PartScore::of(&[5, 6], [(-1.0, Some(5)), (-0.5, Some(6))].into_iter());
         assert_eq!((s.logprob, s.num_tokens, s.is_greedy), (-1.5, 2, true));

@@ -19,7 +19,23 @@ impl Scheduler {
     /// tokens in all, a request's first chunk cut to what is left (`chunk_end`). Each admitted
     /// request gets its cached prefix (module doc), blocks for all its tokens and the smallest
     /// free slot. Returns how many were admitted (they are `running[len - admitted..]`).
+    /// A scored part that waits for a sibling's blocks (`entry`) lets the requests behind it
+    /// by, and keeps its place at the front.
     pub(super) fn admit(&mut self, now: Instant, chunk_budget: Option<usize>) -> Result<usize> {
+        let mut held = Vec::new();
+        let admitted = self.admit_fifo(now, chunk_budget, &mut held);
+        for seq in held.into_iter().rev() {
+            self.waiting.push_front(seq);
+        }
+        admitted
+    }
+
+    fn admit_fifo(
+        &mut self,
+        now: Instant,
+        chunk_budget: Option<usize>,
+        held: &mut Vec<Sequence>,
+    ) -> Result<usize> {
         let mut admitted = 0usize;
         let mut budget_used = 0usize;
         let speculative = self.cfg.max_draft_tokens > 0;
@@ -37,7 +53,11 @@ impl Scheduler {
                 &computing,
                 speculative,
             ) else {
-                break; // admitted next step (see `entry`)
+                if seq.score_from.is_none() {
+                    break; // admitted next step (see `entry`)
+                }
+                held.push(self.waiting.pop_front().expect("front exists"));
+                continue;
             };
             let n = seq.len();
             let chunk = match chunk_budget {
@@ -130,7 +150,8 @@ impl Scheduler {
 
 /// A request waits a step for blocks another request computes in this one only when that
 /// saves at least this many tokens: a step's wait is not worth a block or two (a chat
-/// template's system prompt) but is for a shared preamble or a duplicate prompt.
+/// template's system prompt) but is for a shared preamble or a duplicate prompt. A scored
+/// part (score.rs), whose latency matters to nobody, waits for a single block.
 const WAIT_FOR_TOKENS: usize = 64;
 
 /// How the front waiting sequence starts: (blocks it takes, a block to copy into its next
@@ -153,7 +174,12 @@ fn entry(
             let bs = bm.block_size();
             let after = seq.block_hashes.get(found..).unwrap_or_default();
             let computed_now = after.iter().take_while(|h| computing.contains(h)).count();
-            if computed_now * bs >= WAIT_FOR_TOKENS {
+            // a scored part waits for any block: nobody waits on its first token
+            let enough = match seq.score_from {
+                Some(_) => 1,
+                None => WAIT_FOR_TOKENS,
+            };
+            if computed_now * bs >= enough {
                 return None;
             }
             let cached = prefix.len() * bs;
