@@ -15,7 +15,8 @@ import sys
 import pytest
 import torch
 
-from support.tiny import make_tiny_model
+from eaglebatch.speculative import init_random_draft
+from support.tiny import CHAT_TEMPLATE, make_tiny_model
 from test_engine import random_prompts
 
 pytest.importorskip("eaglebatch._native")
@@ -77,14 +78,18 @@ def results(setup):
     tok = PreTrainedTokenizerFast(tokenizer_file=str(model / "tokenizer.json"),
                                   bos_token="<|im_start|>", eos_token="<|im_end|>")  # fmt: skip
     hf = HFLM(pretrained=hf_model, tokenizer=tok, batch_size=4, max_length=MAX_LEN - 1)
-    ours = EaglebatchLM(model=str(model), engine={"device": "cpu", "kv_cache_tokens": 8192})
+    # with a draft head: generate_until speculates, and its greedy outputs stay hf's
+    head = init_random_draft(model.parent / "head", model, kind="eagle3", seed=2,
+                             draft_vocab_size=200, aux_layer_ids=(0, 1, 2))  # fmt: skip
+    ours = EaglebatchLM(model=str(model), draft=str(head),
+                        engine={"device": "cpu", "kv_cache_tokens": 8192})  # fmt: skip
     assert ours.max_length == MAX_LEN - 1
 
     def run(lm):
         return lm_eval.simple_evaluate(model=lm, tasks=TASKS, task_manager=manager,
                                        log_samples=True)  # fmt: skip
 
-    return run(hf), run(ours)
+    return run(hf), run(ours), ours
 
 
 def close(a: float, b: float) -> bool:
@@ -92,7 +97,7 @@ def close(a: float, b: float) -> bool:
 
 
 def test_multiple_choice_loglikelihoods_and_metrics_equal_hf(results):
-    hf, ours = results
+    hf, ours, _ = results
     pairs = list(zip(hf["samples"]["eb_mc"], ours["samples"]["eb_mc"], strict=True))
     assert len(pairs) == 12
     for a, b in pairs:
@@ -105,7 +110,8 @@ def test_multiple_choice_loglikelihoods_and_metrics_equal_hf(results):
 
 
 def test_generation_outputs_equal_hf_greedy(results):
-    hf, ours = results
+    hf, ours, lm = results
+    assert lm.engine._worker.draft_stats() is not None  # the rounds were speculative
     got = [s["resps"][0][0] for s in ours["samples"]["eb_gen"]]
     want = [s["resps"][0][0] for s in hf["samples"]["eb_gen"]]
     assert got == want and any(got)
@@ -114,7 +120,7 @@ def test_generation_outputs_equal_hf_greedy(results):
 
 
 def test_rolling_loglikelihoods_over_several_windows_equal_hf(results):
-    hf, ours = results
+    hf, ours, _ = results
     for a, b in zip(hf["samples"]["eb_ppl"], ours["samples"]["eb_ppl"], strict=True):
         assert close(a["resps"][0][0], b["resps"][0][0])
         assert len(a["doc"]["text"]) > MAX_LEN  # bytes = tokens: more than one window
@@ -134,3 +140,17 @@ def test_lm_eval_command_line_reaches_the_model(setup, tmp_path):
                           capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "eb_mc" in proc.stdout and "acc" in proc.stdout
+
+
+def test_chat_template_and_generation_arguments(results):
+    import jinja2
+
+    lm = results[2]
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    want = jinja2.Template(CHAT_TEMPLATE).render(messages=chat, add_generation_prompt=True)
+    assert lm.apply_chat_template(chat) == want
+    sampling = lm.sampling_of({"until": "\n\n", "max_gen_toks": 7, "do_sample": True,
+                               "temperature": 0.7, "top_p": 0.9})  # fmt: skip
+    assert sampling == {"max_new_tokens": 7, "stop": ["\n\n"], "temperature": 0.7, "top_p": 0.9}
+    greedy = lm.sampling_of({"until": ["Q:"], "temperature": 0.7, "do_sample": False})
+    assert greedy["temperature"] == 0.0 and greedy["max_new_tokens"] == 256

@@ -184,6 +184,7 @@ def test_run_is_the_cli_run_and_resumes(tmp_path, tiny_model_dir):
     (lambda e: e.generate(["a"], sampling={"temprature": 1}), "sampling.temprature"),
     (lambda e: e.generate(["a"], input={"prompt_column": "nope"}), "nope"),
     (lambda e: e.score(["a"], ["b", "c"]), "1 contexts but 2 continuations"),
+    (lambda e: e.score(["a", None], ["b", "c"]), "pair 1 is not two strings"),
     (lambda e: list(e.generate_stream(["a"], chunk_rows=0)), "chunk_rows"),
 ])  # fmt: skip
 def test_user_errors_are_job_errors(engine, call, message):

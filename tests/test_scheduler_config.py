@@ -19,7 +19,8 @@ RESOLVED = {"input_files", "prompt_column", "input_format", "row_range", "tokeni
             "chat_template", "bos_token", "eos_token", "eos_token_ids", "vocab_size",
             "reasoning_ids", "output_dir", "file_metadata", "keep_columns", "num_blocks",
             "max_model_len", "max_draft_tokens", "overlap", "skip_rows", "skip_samples",
-            "read_batch_rows", "queue_rows"}  # fmt: skip
+            "read_batch_rows", "queue_rows",
+            "task"}  # fmt: skip  (task: the job's top-level key, passed by name)
 
 
 def job_sources(name: str) -> list[str]:

@@ -227,3 +227,19 @@ def test_shards_and_resume_write_each_scored_row_once(tmp_path, tiny_model_dir):
     rows = pq.read_table(tmp_path / "sharded").to_pylist()
     assert sorted(r["row_index"] for r in rows) == list(range(12))
     assert all(abs(r["logprob"] - whole[r["row_index"]]) < 1e-6 for r in rows)
+
+
+def test_a_scoring_job_on_ray_equals_one_process(tmp_path, tiny_model_dir):
+    pytest.importorskip("ray")
+    texts = [f"ray row {i} " * (1 + i % 4) for i in range(10)]
+    table = pa.table({"prompt": texts, "choices": [[" a", f" b {i}"] for i in range(10)]})
+    job = write_job(tmp_path, tiny_model_dir, table, "score", "  choices_column: choices")
+    whole = {r["row_index"]: r["logprob"] for r in run(job)}
+    over = [f"output.path={tmp_path / 'ray'}", "engine.executor=ray", "ray.actors=1",
+            "ray.cpus_per_actor=1", "ray.unit_rows=4"]  # fmt: skip
+    eaglebatch.run(job, over)
+    rows = pq.read_table(tmp_path / "ray").to_pylist()
+    assert sorted(r["row_index"] for r in rows) == list(range(10))
+    for r in rows:
+        diffs = [abs(a - b) for a, b in zip(r["logprob"], whole[r["row_index"]], strict=True)]
+        assert max(diffs) < 1e-4, diffs  # 1 thread there, 2 here: float sums differ

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 from eaglebatch.api.inputs import write_inputs
 from eaglebatch.engine import PreparedJob, RunScope, RunSummary, build_worker, prepare
 from eaglebatch.engine import run_prepared as _run_prepared
-from eaglebatch.errors import JobError, native_error
+from eaglebatch.errors import JobError, echo, native_error
 from eaglebatch.job.config import job_from_dict
 
 Section = Mapping[str, Any] | None
@@ -95,6 +95,9 @@ class Engine:
         if len(contexts) != len(continuations):
             raise JobError(f"score: {len(contexts)} contexts but {len(continuations)} "
                            "continuations")  # fmt: skip
+        for i, pair in enumerate(zip(contexts, continuations, strict=True)):
+            if not all(isinstance(x, str) for x in pair):
+                raise JobError(f"score: pair {i} is not two strings: {echo(pair)}")
         groups: dict[str, list[int]] = {}
         for i, c in enumerate(contexts):
             groups.setdefault(c, []).append(i)
