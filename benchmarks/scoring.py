@@ -5,7 +5,8 @@ dequantized, float32):
 - multiple choice: a 4-choice task built from ShareGPT (context: a first-turn prompt and
   "Answer:", choices: four snippets of responses), `loglikelihood` requests per second, hf at
   each `--hf-batch-size` (its best reported), with the largest difference between the two
-  engines' log-likelihoods and whether their answers agree;
+  engines' log-likelihoods and whether their answers agree; the contexts are ShareGPT prompts
+  of 200-1200 characters (`--context-chars`), about a few-shot prompt's length;
 - generation: ShareGPT first turns as `generate_until` requests (greedy, stop at a blank line),
   requests per second, eaglebatch with its builtin EAGLE head, and whether the outputs are
   equal.
@@ -31,17 +32,18 @@ MODEL = "builtin:smollm2-135m-instruct"
 DRAFT = "builtin:smollm2-135m-instruct-eagle"
 
 
-def sharegpt(n: int) -> list[dict]:
+def sharegpt(n: int, chars: tuple[int, int] = (20, 400)) -> list[dict]:
     from eaglebatch.job import builtin
 
     rows = pq.ParquetFile(builtin.sharegpt_parquet()).read_row_group(0).to_pylist()
-    rows = [r for r in rows if 20 <= len(r["prompt"]) <= 400 and len(r["response"] or "") > 200]
+    lo, hi = chars
+    rows = [r for r in rows if lo <= len(r["prompt"]) <= hi and len(r["response"] or "") > 200]
     return rows[:n]
 
 
-def mc_requests(docs: int) -> list[tuple[str, str]]:
+def mc_requests(docs: int, chars: tuple[int, int]) -> list[tuple[str, str]]:
     """4 choices per doc: the doc's own response start and three others'."""
-    rows = sharegpt(docs + 3)
+    rows = sharegpt(docs + 3, chars)
     snippet = [" " + " ".join(r["response"].split()[:8]) for r in rows]
     reqs = []
     for i, r in enumerate(rows[:docs]):
@@ -62,23 +64,26 @@ def timed(fn, *args):
     return out, time.perf_counter() - start
 
 
-def hf_model(batch_size: int):
+def hf_model(folder: str, batch_size: int):
     from lm_eval.models.huggingface import HFLM
 
-    from eaglebatch.job.model_files import model_files
-
-    folder = str(model_files(MODEL).dir)
     return HFLM(pretrained=folder, batch_size=batch_size, device="cpu", dtype="float32")
 
 
 def run_mc(args, ours, result: dict) -> None:
-    reqs = mc_requests(args.docs)
+    reqs = mc_requests(args.docs, tuple(args.context_chars))
+    tok = ours.engine.tokenizer
+    ctx = sum(len(tok.encode(c).ids) for c, _ in reqs[::4]) / args.docs
+    cont = sum(len(tok.encode(c + x).ids) for c, x in reqs) / len(reqs) - ctx
     got, wall = timed(ours.loglikelihood, instances("loglikelihood", reqs))
-    result["mc"] = {"requests": len(reqs), "eaglebatch_req_s": len(reqs) / wall, "hf": {}}
-    print(f"multiple choice: {len(reqs)} loglikelihood requests ({args.docs} docs x 4)")
+    result["mc"] = {"requests": len(reqs), "eaglebatch_req_s": len(reqs) / wall, "hf": {},
+                    "context_tokens": ctx, "continuation_tokens": cont}  # fmt: skip
+    print(f"multiple choice: {len(reqs)} loglikelihood requests ({args.docs} docs x 4), "
+          f"contexts {ctx:.0f} tokens, continuations {cont:.0f} tokens on average")
     print(f"  eaglebatch              {len(reqs) / wall:8.1f} req/s  ({wall:.1f} s)")
     for bs in args.hf_batch_size:
-        want, hf_wall = timed(hf_model(bs).loglikelihood, instances("loglikelihood", reqs))
+        hf = hf_model(str(ours.engine.model_dir), bs)
+        want, hf_wall = timed(hf.loglikelihood, instances("loglikelihood", reqs))
         diff = max(abs(a[0] - b[0]) for a, b in zip(got, want, strict=True))
         agree = sum(_answer(got, d) == _answer(want, d) for d in range(args.docs))
         result["mc"]["hf"][bs] = {"req_s": len(reqs) / hf_wall, "max_abs_diff": diff,
@@ -104,7 +109,8 @@ def run_gen(args, ours, result: dict) -> None:
     print(f"  eaglebatch + EAGLE head {len(reqs) / wall:8.2f} req/s  ({wall:.1f} s)")
     result["gen"] = {"requests": len(reqs), "eaglebatch_req_s": len(reqs) / wall, "hf": {}}
     for bs in args.hf_batch_size:
-        want, hf_wall = timed(hf_model(bs).generate_until, instances("generate_until", reqs))
+        hf = hf_model(str(ours.engine.model_dir), bs)
+        want, hf_wall = timed(hf.generate_until, instances("generate_until", reqs))
         same = sum(a == b for a, b in zip(got, want, strict=True))
         result["gen"]["hf"][bs] = {"req_s": len(reqs) / hf_wall, "equal_outputs": same}
         print(f"  hf batch {bs:<3}            {len(reqs) / hf_wall:8.2f} req/s  ({hf_wall:.1f} s)"
@@ -122,6 +128,8 @@ def cpu_flags() -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--docs", type=int, default=100)
+    p.add_argument("--context-chars", type=int, nargs=2, default=[200, 1200],
+                   metavar=("MIN", "MAX"), help="the prompts' length in characters")
     p.add_argument("--gen", type=int, default=16)
     p.add_argument("--max-gen-toks", type=int, default=64)
     p.add_argument("--hf-batch-size", type=int, action="append")

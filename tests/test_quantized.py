@@ -75,18 +75,23 @@ def test_every_block_type_expands_to_the_gguf_dequantizer_bit_for_bit(ggml_type)
 @pytest.mark.parametrize("ggml_type", sorted(BLOCK_TYPES))
 def test_products_from_blocks_equal_the_float32_kernel_bit_for_bit(ggml_type):
     """m = 1 and a full tile (blocks expanded in registers), past a tile (expanded once per
-    row pair), and past SMALL_GEMM_MAX_ROWS (chunked, as prefill runs)."""
+    row pair); past SMALL_GEMM_MAX_ROWS (prefill) the dequantized model's torch GEMM, here
+    over slices of rows smaller than the weight."""
     n, k = 45, 256
     blocks = random_blocks(ggml_type, n, k, 100 + ggml_type)
     weight = dequantized(blocks, ggml_type)
     qw = QuantizedWeight(torch.from_numpy(blocks), ggml_type, (n, k))
     g = torch.Generator().manual_seed(ggml_type)
     with torch.inference_mode():
-        for m in (1, 8, 9, 130):
+        for m in (1, 8, 9, 130, 700):
             x = torch.randn(m, k, generator=g)
-            want = torch.cat([linear(x[i : i + 128], weight, threads=2)
-                              for i in range(0, m, 128)])  # fmt: skip
+            want = linear(x, weight, threads=2)  # the float32 model: native up to 128 rows
             assert same_bits(qw.linear(x, threads=2), want), m
+        with pytest.MonkeyPatch.context() as mp:  # slices of rows: equal to float rounding
+            mp.setattr("eaglebatch.cpu.quantized.EXPANDED_SLICE_ELEMENTS", 10 * k)
+            x = torch.randn(300, k, generator=g)
+            got, want = qw.linear(x, threads=2), linear(x, weight, threads=2)
+            assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 @native

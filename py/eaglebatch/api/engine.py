@@ -54,6 +54,7 @@ class Engine:
             self.model_dir: Path = prep.model.dir
             self.chat_template: str | None = prep.model.chat_template
             self.bos_token, self.eos_token = prep.model.bos_token, prep.model.eos_token
+            self.tokenizer_file: Path = prep.model.tokenizer_file
         except BaseException:
             self.close()
             raise
@@ -133,6 +134,16 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer (a `tokenizers.Tokenizer`), loaded when first asked for."""
+        if getattr(self, "_tokenizer", None) is None:
+            # lazy: the tokenizers library, only when a caller wants the tokenizer
+            from tokenizers import Tokenizer
+
+            self._tokenizer = Tokenizer.from_file(str(self.tokenizer_file))
+        return self._tokenizer
 
     # -- how a call runs ---------------------------------------------------------------------
 

@@ -11,8 +11,10 @@ step is reading the weights).
 nn.Linear whose weight has blocks becomes a QuantizedLinear (swapped in as NativeLinear), the
 embedding a QuantizedEmbedding, and their float32 `weight` parameters are dropped (the memory
 is returned). A tied LM head becomes a QuantizedLinear `lm_head` over the embedding's blocks.
-Every call then runs natively: a product of more than SMALL_GEMM_MAX_ROWS rows (prefill) runs
-in chunks of that many rows; a call that needs a gradient is an error, never a silent fallback.
+A product of up to SMALL_GEMM_MAX_ROWS rows runs natively from the blocks; a larger one
+(prefill, which is compute-bound) expands the weight (in slices past 64 MiB) and runs torch's
+GEMM on it, the dequantized model's own path for such rows; a call that needs a gradient is
+an error, never a silent fallback.
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ from eaglebatch import _native
 from eaglebatch.cpu.gemm import SMALL_GEMM_MAX_ROWS
 from eaglebatch.cpu.swap import become
 from eaglebatch.cpu.tensors import eligible, native_ptr
+
+# A prefill product expands at most this many weight elements (64 MiB of float32) at a time:
+# a whole weight up to 16M elements (every matrix of a 1B-3B model but the LM head), whose
+# product is then the dequantized model's bit for bit; a larger one in slices of rows, whose
+# products torch's GEMM may sum in another order (equal to float rounding).
+EXPANDED_SLICE_ELEMENTS = 1 << 24
 
 # GGML type numbers the kernels read from blocks (rust/src/cpu/quant.rs), with (elements, bytes)
 # per block.
@@ -66,8 +74,10 @@ class QuantizedWeight:
         return BLOCK_TYPES[self.ggml_type][0]
 
     def linear(self, x: torch.Tensor, threads: int) -> torch.Tensor:  # [m, k] -> [m, n]
-        """x @ W^T in float32 on the native kernel, in chunks of SMALL_GEMM_MAX_ROWS rows (each
-        row's result does not depend on the others, so chunking changes nothing)."""
+        """x @ W^T in float32: up to SMALL_GEMM_MAX_ROWS rows (decode, verify) on the native
+        kernel from the blocks; more rows (prefill) as the dequantized model computes them,
+        torch's GEMM over the exact float32 values, expanded EXPANDED_SLICE_ELEMENTS at most
+        at a time."""
         if x.shape[0] == 0 and x.dtype == torch.float32 and x.is_cpu:
             return torch.empty((0, self.shape[0]), dtype=torch.float32)  # nothing to compute
         if not eligible(x, None):
@@ -77,15 +87,23 @@ class QuantizedWeight:
             )
         n, k = self.shape
         x = x.contiguous()
+        m = x.shape[0]
+        if m > SMALL_GEMM_MAX_ROWS:
+            return self._expanded_linear(x)
+        out = torch.empty((m, n), dtype=torch.float32)
+        _native.small_gemm(
+            native_ptr(x, torch.float32, (m, k)), self.blocks.data_ptr(),
+            native_ptr(out, torch.float32, (m, n)), m, n, k, threads, self.ggml_type,
+        )  # fmt: skip
+        return out
+
+    def _expanded_linear(self, x: torch.Tensor) -> torch.Tensor:  # [m, k] -> [m, n]
+        n, k = self.shape
         out = torch.empty((x.shape[0], n), dtype=torch.float32)
-        w = self.blocks.data_ptr()
-        for i in range(0, x.shape[0], SMALL_GEMM_MAX_ROWS):
-            xs, outs = x[i : i + SMALL_GEMM_MAX_ROWS], out[i : i + SMALL_GEMM_MAX_ROWS]
-            m = xs.shape[0]
-            _native.small_gemm(
-                native_ptr(xs, torch.float32, (m, k)), w, native_ptr(outs, torch.float32, (m, n)),
-                m, n, k, threads, self.ggml_type,
-            )  # fmt: skip
+        step = max(1, EXPANDED_SLICE_ELEMENTS // k)
+        for r in range(0, n, step):
+            rows = self.rows(torch.arange(r, min(n, r + step)))  # [s, k] exact float32
+            out[:, r : r + step] = torch.nn.functional.linear(x, rows)
         return out
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:  # int [T] -> float32 [T, k]

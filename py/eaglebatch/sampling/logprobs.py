@@ -91,7 +91,21 @@ def prompt_logprobs(compute_logits, hidden: torch.Tensor, plan) -> tuple | None:
     if len(index) == 0:
         return None
     rows = torch.from_numpy(index).to(hidden.device)
-    lp = torch.log_softmax(compute_logits(hidden.index_select(0, rows)).float(), dim=-1)
+    logits = compute_logits(hidden.index_select(0, rows)).float()  # [N, V]
     next_ids = torch.from_numpy(np.concatenate(nxt).astype(np.int64)).to(hidden.device)
     positions = plan.positions[index].astype(np.int32)
-    return (counts, positions, *top_logprobs(lp, next_ids, min(k, lp.shape[-1])))
+    return (counts, positions, *raw_top_logprobs(logits, next_ids, min(k, logits.shape[-1])))
+
+
+def raw_top_logprobs(
+    logits: torch.Tensor,  # float32 [N, V] raw logits
+    tokens: torch.Tensor,  # int64 [N]
+    k: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """top_logprobs of log_softmax(logits) without materialising it: a logit minus the row's
+    logsumexp (the top k of the logits are the top k of their log-probabilities)."""
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [N, 1]
+    chosen = (logits.gather(1, tokens[:, None]) - lse).squeeze(1)
+    values, ids = logits.topk(k, dim=-1)
+    out = (chosen, ids.to(torch.int32), values - lse)
+    return tuple(t.cpu().numpy() for t in out)
