@@ -167,6 +167,8 @@ def summary_table(stats: dict, wall_s: float, title: str = "eaglebatch summary")
     ]
     if stats.get("skipped"):
         rows.insert(1, ("skipped (done by an earlier run)", f"{stats['skipped']}"))
+    if out == 0 and stats["prompt_tokens"] and wall_s > 0:  # a scoring job: prompts only
+        rows.insert(6, ("prompt tok/s", f"{stats['prompt_tokens'] / wall_s:.1f}"))
     if stats.get("spec_steps"):
         rows.append(("acceptance length", f"{accept_length(stats):.2f}"))
         rows.append(("verify rounds", f"{stats['spec_steps']}"))
