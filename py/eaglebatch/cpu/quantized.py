@@ -99,8 +99,10 @@ class QuantizedWeight:
 
     def _expanded_linear(self, x: torch.Tensor) -> torch.Tensor:  # [m, k] -> [m, n]
         n, k = self.shape
-        out = torch.empty((x.shape[0], n), dtype=torch.float32)
         step = max(1, EXPANDED_SLICE_ELEMENTS // k)
+        if step >= n:  # one slice: the whole weight
+            return torch.nn.functional.linear(x, self.rows(torch.arange(n)))
+        out = torch.empty((x.shape[0], n), dtype=torch.float32)
         for r in range(0, n, step):
             rows = self.rows(torch.arange(r, min(n, r + step)))  # [s, k] exact float32
             out[:, r : r + step] = torch.nn.functional.linear(x, rows)
