@@ -154,3 +154,19 @@ def test_chat_template_and_generation_arguments(results):
     assert sampling == {"max_new_tokens": 7, "stop": ["\n\n"], "temperature": 0.7, "top_p": 0.9}
     greedy = lm.sampling_of({"until": ["Q:"], "temperature": 0.7, "do_sample": False})
     assert greedy["temperature"] == 0.0 and greedy["max_new_tokens"] == 256
+
+
+def test_contexts_that_start_with_bos_get_no_second_bos(results, monkeypatch):
+    import pyarrow as pa
+
+    lm, calls = results[2], []
+
+    def generate(contexts, sampling, input):
+        calls.append((contexts, input["add_special_tokens"]))
+        return pa.table({"output_text": ["x"] * len(contexts), "error": [None] * len(contexts)})
+
+    monkeypatch.setattr(lm.engine, "generate", generate)
+    bos = lm.engine.bos_token
+    assert bos
+    assert lm._generate([bos + "a", "b"], {"until": ["\n"], "max_gen_toks": 2}) == ["x", "x"]
+    assert calls == [(["b"], True), ([bos + "a"], False)]

@@ -501,6 +501,7 @@ impl ReaderThread {
         let splitter = Splitter {
             tokenizer: &self.opts.tokenizer,
             add_special: *add_special,
+            bos_text: self.opts.bos_token.as_deref(),
             prefix_id: opts.prefix_id,
             max_len: opts.max_len,
         };

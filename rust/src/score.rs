@@ -107,8 +107,10 @@ impl PartScore {
 /// Splits rows' texts into parts (module doc) with the job's tokenizer.
 pub struct Splitter<'a> {
     pub tokenizer: &'a Tokenizer,
-    /// Encode with the tokenizer's special tokens (`input.add_special_tokens`).
+    /// Encode with the tokenizer's special tokens (`input.add_special_tokens`), unless the
+    /// text starts with `bos_text` already (lm-eval's rule: a chat-templated context holds it).
     pub add_special: bool,
+    pub bos_text: Option<&'a str>,
     /// The token standing for an empty context (BOS, else the first EOS id).
     pub prefix_id: u32,
     /// The longest part (`max_model_len`).
@@ -119,7 +121,10 @@ type RowResult<T> = std::result::Result<T, String>;
 
 impl Splitter<'_> {
     fn encode(&self, text: &str) -> RowResult<Vec<u32>> {
-        self.encode_with(text, self.add_special)
+        let has_bos = self
+            .bos_text
+            .is_some_and(|b| !b.is_empty() && text.starts_with(b));
+        self.encode_with(text, self.add_special && !has_bos)
     }
 
     fn encode_with(&self, text: &str, add_special: bool) -> RowResult<Vec<u32>> {
@@ -384,6 +389,7 @@ mod tests {
         let s = Splitter {
             tokenizer: &tok,
             add_special: true,
+            bos_text: Some("<bos>"),
             prefix_id: 1,
             max_len: 16,
         };
@@ -398,6 +404,8 @@ mod tests {
         let p = short.pair("w5 w6 w8", " w7 w9").unwrap();
         assert_eq!((p.prompt_ids, p.from), (vec![8, 7, 9], 1));
         assert!(short.pair("w5", " w7 w8 w9").is_err());
+        // a context that starts with the BOS text gets no second BOS
+        assert_eq!(part("<bos> w5", " w6"), Ok((vec![1, 5, 6], 2)));
     }
 
     #[test]

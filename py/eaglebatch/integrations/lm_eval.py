@@ -122,13 +122,23 @@ class EaglebatchLM(LM):
         return out
 
     def _generate(self, contexts: list[str], gen_kwargs: dict) -> list[str]:
-        table = self.engine.generate(contexts, sampling=self.sampling_of(gen_kwargs),
-                                     input={"add_special_tokens": self.add_special})  # fmt: skip
-        texts = []
-        for row in table.select(["output_text", "error"]).to_pylist():
-            if row["error"] is not None:
-                log.warning("generate_until: a request failed: %s", row["error"])
-            texts.append(row["output_text"] or "")
+        """One Engine call per kind of context: those that start with the BOS text (a chat
+        template's) are encoded without special tokens, as lm-eval's hf model does."""
+        sampling, bos = self.sampling_of(gen_kwargs), self.engine.bos_token
+        has_bos = [bool(bos) and c.startswith(bos) for c in contexts]
+        texts = [""] * len(contexts)
+        for flag in (False, True):
+            members = [i for i, h in enumerate(has_bos) if h == flag]
+            if not members:
+                continue
+            keys = {"add_special_tokens": self.add_special and not flag}
+            table = self.engine.generate([contexts[i] for i in members], sampling=sampling,
+                                         input=keys)  # fmt: skip
+            rows = table.select(["output_text", "error"]).to_pylist()
+            for i, row in zip(members, rows, strict=True):
+                if row["error"] is not None:
+                    log.warning("generate_until: a request failed: %s", row["error"])
+                texts[i] = row["output_text"] or ""
         return texts
 
     def sampling_of(self, gen_kwargs: dict) -> dict:
