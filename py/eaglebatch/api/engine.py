@@ -9,6 +9,7 @@ are removed when the call returns.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import shutil
 import tempfile
@@ -189,8 +190,6 @@ class Engine:
 
 def _with_output(prep: PreparedJob, path: Path) -> PreparedJob:
     """The prepared job writing to `path` (the same identity: the outputs do not change)."""
-    import dataclasses
-
     out = prep.job.output.model_copy(update={"path": str(path)})
     return dataclasses.replace(prep, job=prep.job.model_copy(update={"output": out}))
 

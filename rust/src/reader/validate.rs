@@ -261,45 +261,36 @@ fn open_parquet(path: &Path) -> Result<ParquetRecordBatchReaderBuilder<File>> {
     })
 }
 
-/// The configured prompt column must be a string column and the messages column a
-/// `list<struct<role: string, content: string>>`, when configured.
+/// (column, what it holds, its type check, the type expected).
+type TextCheck<'a> = (&'a Option<String>, &'a str, fn(&DataType) -> bool, &'a str);
+
+/// The configured text columns have the types their rows are read as: prompt and
+/// continuation a string, choices a list<string>, messages a
+/// `list<struct<role: string, content: string>>`.
 fn check_text_columns(schema: &Schema, path: &Path, cfg: &SchedulerConfig) -> Result<()> {
-    if let Some(col) = &cfg.prompt_column {
-        let f = find_column(schema, path, "prompt", col)?;
-        if !is_text(f.data_type()) {
+    let list_of_text = |dt: &DataType| is_list_of(dt, is_text);
+    let checks: [TextCheck<'_>; 4] = [
+        (&cfg.prompt_column, "prompt", is_text, "a string column"),
+        (
+            &cfg.continuation_column,
+            "continuation",
+            is_text,
+            "a string column",
+        ),
+        (&cfg.choices_column, "choices", list_of_text, "list<string>"),
+        (
+            &cfg.messages_column,
+            "messages",
+            messages_struct_ok,
+            "list<struct<role: string, content: string>>",
+        ),
+    ];
+    for (column, what, ok, expected) in checks {
+        let Some(col) = column else { continue };
+        let f = find_column(schema, path, what, col)?;
+        if !ok(f.data_type()) {
             return Err(Error::user(format!(
-                "{}: prompt column '{col}' has type {}; expected a string column",
-                path.display(),
-                f.data_type()
-            )));
-        }
-    }
-    if let Some(col) = &cfg.continuation_column {
-        let f = find_column(schema, path, "continuation", col)?;
-        if !is_text(f.data_type()) {
-            return Err(Error::user(format!(
-                "{}: continuation column '{col}' has type {}; expected a string column",
-                path.display(),
-                f.data_type()
-            )));
-        }
-    }
-    if let Some(col) = &cfg.choices_column {
-        let f = find_column(schema, path, "choices", col)?;
-        if !is_list_of(f.data_type(), is_text) {
-            return Err(Error::user(format!(
-                "{}: choices column '{col}' has type {}; expected list<string>",
-                path.display(),
-                f.data_type()
-            )));
-        }
-    }
-    if let Some(col) = &cfg.messages_column {
-        let f = find_column(schema, path, "messages", col)?;
-        if !messages_struct_ok(f.data_type()) {
-            return Err(Error::user(format!(
-                "{}: messages column '{col}' has type {}; expected \
-                 list<struct<role: string, content: string>>",
+                "{}: {what} column '{col}' has type {}; expected {expected}",
                 path.display(),
                 f.data_type()
             )));
