@@ -16,12 +16,13 @@ import click
 from eaglebatch import __version__
 from eaglebatch.commands.run_batch import write_job
 from eaglebatch.commands.status import job_status, status_lines
-from eaglebatch.errors import JobError, native_error
+from eaglebatch.errors import JobError, StorageFailed, native_error
 from eaglebatch.interrupt import Interrupted
 from eaglebatch.job import builtin
 from eaglebatch.job.config import load_job
 from eaglebatch.job.model_files import check_model_dir, resolve_draft_dir, resolve_model_dir
 from eaglebatch.output.shards import parse_shard, written_counts
+from eaglebatch.storage import location
 from eaglebatch.train.job import load_train_job
 
 USER_ERROR = 2
@@ -45,6 +46,9 @@ def _user_errors(fn: Callable) -> Callable:
         except JobError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(USER_ERROR)
+        except StorageFailed as e:  # an object store refused or failed: names the URL
+            click.echo(f"error: {e}", err=True)
+            sys.exit(1)
         except Exception as e:  # the native extension's user-facing error class
             if native_error(e) == "user":
                 click.echo(f"error: {e}", err=True)
@@ -70,7 +74,7 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     from eaglebatch.job.inputs import check_input, kept_columns
 
     job = load_job(job_file, overrides)
-    files, total = check_input(job.input)
+    files, total = check_input(job.input, job.storage)
     kept_columns(job, files)
     if builtin.is_builtin_model(job.model):
         builtin.require_builtin_model_package(job.model)
@@ -88,7 +92,7 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
         from eaglebatch.output.resume import scan_output
 
         prep = prepare(job)  # the output directory must hold this job's results, if any
-        state = scan_output(Path(job.output.path), prep.identity)
+        state = scan_output(location(job.output.path, job.storage), prep.identity)
         if state.part_files:
             output = f", output: {state.rows_done(total)} rows already done (run resumes)"
     click.echo(
@@ -116,7 +120,7 @@ def _check_job_template(job) -> None:
     from eaglebatch.engine import check_chat_template, read_chat_template, renders_chat
     from eaglebatch.job.inputs import check_batch_input
 
-    batch_chat = job.input.openai_batch and check_batch_input(job.input).chat
+    batch_chat = job.input.openai_batch and check_batch_input(job.input, job.storage).chat
     path = job.model_chat_template
     if path is not None and renders_chat(job, batch_chat):
         check_chat_template(read_chat_template(path), f"model_chat_template: {path}")
@@ -201,7 +205,8 @@ def run(
     try:
         report.job = job = load_job(job_file, overrides)
         report.check_apart(job)
-        shard = parse_shard(shard_text, shard_count, written=written_counts(job.output.path))
+        written = written_counts(location(job.output.path, job.storage))
+        shard = parse_shard(shard_text, shard_count, written=written)
         if ray_address is not None or job.engine.executor == "ray":
             if shard is not None:
                 raise JobError("--shard and --ray: a Ray run spreads the whole job; choose one")

@@ -35,6 +35,7 @@ from eaglebatch.output.resume import (
     scan_output,
 )
 from eaglebatch.output.shards import Shard, shard_of_dir
+from eaglebatch.storage import location
 
 if TYPE_CHECKING:  # torch: imported only when a run needs it
     from eaglebatch.job.engine_settings import EngineSettings
@@ -190,10 +191,10 @@ def template_origin(job: JobConfig, mf: ModelFiles) -> str:
 def prepare(job: JobConfig) -> PreparedJob:
     endpoint, batch_chat = None, False
     if job.input.openai_batch:
-        batch = check_batch_input(job.input)
+        batch = check_batch_input(job.input, job.storage)
         files, total, endpoint, batch_chat = batch.files, batch.total, batch.first_url, batch.chat
     else:
-        files, total = check_input(job.input)
+        files, total = check_input(job.input, job.storage)
     kept = kept_columns(job, files)
     check_output_apart(job.input.path, files, job.output.path)
     mf = _with_chat_template(model_files(job.model), job.model_chat_template)
@@ -238,7 +239,7 @@ class RunScope:
         return self.row_range or (0, total_rows)
 
     def output_dir(self, output_path: str) -> str:
-        return output_path if self.subdir is None else str(Path(output_path) / self.subdir)
+        return output_path if self.subdir is None else f"{output_path.rstrip('/')}/{self.subdir}"
 
 
 WHOLE = RunScope()
@@ -269,10 +270,10 @@ def open_output(
     loaded if it holds another job's results or another run is writing it (a `ray_driver`
     leaves unit directories another process holds to its units, which wait for them).
     `run_prepared` releases the lock."""
-    out = Path(prep.job.output.path)
+    out = location(prep.job.output.path, prep.job.storage)
     admit = None if scope.unit else lambda: check_shard_count(out, scope.subdir)
     prepare_output_dir(out, restart, scope.subdir, unit=scope.unit, admit=admit,
-                       busy_ok=ray_driver)  # fmt: skip
+                       busy_ok=ray_driver, storage=prep.job.storage)  # fmt: skip
     try:
         return scan_output(out, prep.identity, only=out / scope.subdir if scope.unit else None)
     except BaseException:
@@ -331,6 +332,9 @@ def scheduler_config(
         vocab_size=prep.vocab_size,
         reasoning_ids=list(prep.reasoning_ids),
         output_dir=scope.output_dir(job.output.path),
+        storage_endpoint=job.storage.endpoint,
+        storage_options=dict(job.storage.options),
+        storage_unconditional=job.storage.unsafe_no_conditional_writes,
         file_metadata=metadata,
         keep_columns=list(prep.kept_columns),
         num_blocks=worker.num_blocks,
@@ -400,7 +404,7 @@ def run_prepared(
 
     On SIGINT / SIGTERM it stops between two steps, writes the finished rows and raises
     `Interrupted` (see interrupt.py). `scope`: the rows and the directory (a shard's)."""
-    out = Path(prep.job.output.path)
+    out = location(prep.job.output.path, prep.job.storage)
     try:
         if resume is None:
             resume = open_output(prep, restart=restart, scope=scope)

@@ -13,6 +13,11 @@ class JobError(Exception):
     """A problem in the job the user can fix. The CLI prints it and exits with status 2."""
 
 
+class StorageFailed(Exception):
+    """An object-store request failed for good (403, a missing bucket, out of retries). The CLI
+    prints it (it names the URL, never a credential) and exits with status 1."""
+
+
 def native_error(e: BaseException) -> str | None:
     """"user" for the extension's UserInputError (the user can fix it: exit 2), "native" for its
     other errors (NativeError), None for anything else. The one place that tells them apart."""

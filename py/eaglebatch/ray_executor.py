@@ -48,6 +48,7 @@ from eaglebatch.errors import JobError
 from eaglebatch.job.config import JobConfig
 from eaglebatch.output.directory import DirectoryInUse, release_output_dir, release_subdirs
 from eaglebatch.output.resume import ResumeState
+from eaglebatch.storage import SCHEMES
 
 PROGRESS_KEYS = ("requests_done", "requests_error", "output_tokens", "running", "waiting")
 SUM_KEYS = ("requests", "errors", "prompt_tokens", "output_tokens", "preemptions",
@@ -403,6 +404,9 @@ def run_on_ray(prep: PreparedJob, address: str | None, restart: bool, console) -
     # lazy: ray is an optional extra; torch only in the actors, not the driver
     from eaglebatch.progress import ProgressView
 
+    if str(prep.job.output.path).startswith(SCHEMES):
+        raise JobError("--ray: an object-store output.path is written by shards (--shard i/N, "
+                       "one per array task) or one process; a Ray run writes to shared disk")
     ray = import_ray()
     check_address(address)
     out = Path(prep.job.output.path)

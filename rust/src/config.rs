@@ -58,6 +58,11 @@ pub struct SchedulerConfig {
     pub eos_token_ids: Vec<u32>,
     /// The model's vocabulary size: every stop token id is below it (0: unchecked).
     pub vocab_size: usize,
+    /// Object storage (`storage.endpoint`, `storage.options`): how `s3://`, `gs://` and
+    /// `az://` input files and output directories are reached (storage.rs).
+    pub storage_endpoint: Option<String>,
+    pub storage_options: BTreeMap<String, String>,
+    pub storage_unconditional: bool,
     // Output.
     pub output_dir: PathBuf,
     pub part_rows: usize,
@@ -186,6 +191,15 @@ impl SchedulerConfig {
         self.validate_sampling()?;
         self.validate_task()?;
         self.validate_inputs()
+    }
+
+    /// The object-store settings, as storage.rs takes them.
+    pub fn storage(&self) -> crate::storage::StorageSettings {
+        crate::storage::StorageSettings {
+            endpoint: self.storage_endpoint.clone(),
+            options: self.storage_options.clone(),
+            unconditional: self.storage_unconditional,
+        }
     }
 
     /// The job's task.

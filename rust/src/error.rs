@@ -19,6 +19,9 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// An object-store request that failed for good (storage.rs): the message names the URL.
+    #[error("{0}")]
+    Storage(String),
     #[error("parquet error: {0}")]
     Parquet(String),
     #[error("arrow error: {0}")]
@@ -64,6 +67,7 @@ impl Error {
             Error::Internal(m) => Error::Internal(format!("{prefix}: {m}")),
             Error::Parquet(m) => Error::Parquet(format!("{prefix}: {m}")),
             Error::Arrow(m) => Error::Arrow(format!("{prefix}: {m}")),
+            Error::Storage(m) => Error::Storage(format!("{prefix}: {m}")),
         }
     }
 }

@@ -21,6 +21,13 @@ create_exception!(
     "An error the user can fix (missing file / column, wrong column type): message names it."
 );
 
+create_exception!(
+    eaglebatch._native,
+    StorageConflict,
+    NativeError,
+    "A compare-and-swap on an object store lost: another writer changed the object first."
+);
+
 pub(crate) fn to_py(e: Error) -> PyErr {
     match e {
         Error::UserInput(msg) => UserInputError::new_err(msg),

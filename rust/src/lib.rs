@@ -30,6 +30,7 @@ pub mod scheduler;
 pub mod score;
 pub mod sequence;
 pub mod stats;
+pub mod storage;
 pub mod structured;
 pub mod template_guard;
 pub mod template_memory;

@@ -40,8 +40,8 @@ pub struct BatchLine {
 }
 
 /// The requests (non-blank lines) of a JSONL file, counted by streaming it.
-pub fn count_requests(path: &Path) -> Result<u64> {
-    let file = std::fs::File::open(path).map_err(|e| Error::io("cannot open input", path, e))?;
+pub fn count_requests(path: &Path, storage: &crate::storage::StorageSettings) -> Result<u64> {
+    let file = crate::storage::Source::open(path, storage)?.into_read();
     let mut n = 0;
     for (i, line) in std::io::BufReader::new(file).split(b'\n').enumerate() {
         let line = line.map_err(|e| Error::user(format!("{}: {e}", path.display())))?;
@@ -407,7 +407,7 @@ mod tests {
         );
         let text = format!("\u{feff}{line}\r\n\r\n{line}\r\n");
         std::fs::write(&path, text).unwrap();
-        assert_eq!(count_requests(&path).unwrap(), 2);
+        assert_eq!(count_requests(&path, &Default::default()).unwrap(), 2);
         let first = format!("\u{feff}{line}\r");
         let bare = std::str::from_utf8(without_bom(first.as_bytes(), 0)).unwrap();
         let l = parse_line(bare, 1, &job(), 1);

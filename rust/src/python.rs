@@ -20,6 +20,7 @@ use crate::logprobs::{PromptLogprobs, StepLogprobs};
 use crate::scheduler::{Scheduler, StepPlan};
 use crate::stats::SummaryValue;
 
+mod object_store;
 mod scheduler_config;
 
 /// One forward step (see the .pyi for every field).
@@ -470,6 +471,12 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("NativeError", py.get_type::<NativeError>())?;
     m.add("UserInputError", py.get_type::<UserInputError>())?;
+    m.add(
+        "StorageConflict",
+        py.get_type::<crate::exceptions::StorageConflict>(),
+    )?;
+    m.add_class::<object_store::PyObjectStore>()?;
+    m.add_class::<object_store::PyRemoteFile>()?;
     m.add_class::<PyScheduler>()?;
     m.add_class::<PyStepPlan>()?;
     m.add_function(wrap_pyfunction!(render_chat_template, m)?)?;

@@ -24,7 +24,6 @@
 //!   the stream.
 
 use std::collections::HashSet;
-use std::fs::File;
 use std::hash::{Hash, Hasher};
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
@@ -48,6 +47,7 @@ use crate::error::{Error, Result};
 use crate::sampling_params::SamplingParams;
 use crate::score::{ScorePart, ScoreShape, Splitter};
 use crate::sequence::Request;
+use crate::storage::Source;
 
 mod batch_lines;
 pub mod columns;
@@ -313,7 +313,7 @@ impl ReaderThread {
     /// groups before the range are skipped, or read for the id column alone when there is one.
     fn read_file(&mut self, path: &Path) -> std::result::Result<(), Stop> {
         let fail = |e: &dyn std::fmt::Display| Stop::Failed(unreadable(path, None, e));
-        let file = File::open(path).map_err(|e| fail(&e))?;
+        let file = Source::open(path, &self.spec.storage).map_err(|e| fail(&e))?;
         let meta = ArrowReaderMetadata::load(&file, ArrowReaderOptions::default())
             .map_err(|e| fail(&e))?;
         let mut roots = Vec::new();
@@ -361,7 +361,7 @@ impl ReaderThread {
     fn read_row_group(
         &mut self,
         path: &Path,
-        file: &File,
+        file: &Source,
         meta: &ArrowReaderMetadata,
         mask: &ProjectionMask,
         g: usize,

@@ -546,6 +546,7 @@ fn writer_config(
 ) -> WriterConfig {
     WriterConfig {
         output_dir: cfg.output_dir.clone(),
+        storage: cfg.storage(),
         part_rows: cfg.part_rows,
         file_metadata: cfg.file_metadata.clone(),
         include_token_ids: cfg.include_token_ids,

@@ -4,7 +4,8 @@
 //! Invariants:
 //! - each row handed to `Writer::send` is written exactly once, in the order received;
 //! - a part file becomes visible only complete: it is written as `.part-NNNNN.parquet.tmp`,
-//!   closed (footer), fsynced, renamed, and the directory is fsynced;
+//!   closed (footer), fsynced, renamed, and the directory is fsynced; on an object store it is
+//!   one create-only PUT under its final name (remote_parts.rs);
 //! - numbering starts after the highest existing `part-N.parquet`, so earlier results in the
 //!   same directory are never overwritten;
 //! - a part is closed when it has `part_rows` rows, when its oldest row has waited
@@ -38,6 +39,8 @@ use crate::logprobs::LogprobEntry;
 use crate::score::{RowScore, ScoreShape};
 use crate::sequence::{FinishReason, StopReason};
 use tokenizers::Tokenizer;
+
+mod remote_parts;
 
 /// One output row (a finished or failed request).
 #[derive(Debug, Clone)]
@@ -97,7 +100,10 @@ pub struct OutputRow {
 
 #[derive(Debug, Clone)]
 pub struct WriterConfig {
+    /// A local directory or an object-store URL (`storage::remote_url`).
     pub output_dir: PathBuf,
+    /// How a remote `output_dir` is reached.
+    pub storage: crate::storage::StorageSettings,
     pub part_rows: usize,
     pub file_metadata: BTreeMap<String, String>,
     pub include_token_ids: bool,
@@ -220,24 +226,42 @@ pub fn output_schema(cfg: &WriterConfig) -> SchemaRef {
     Arc::new(Schema::new(fields))
 }
 
+/// N of a `part-N.parquet` name.
+fn part_number(name: &str) -> Option<u64> {
+    let num = name.strip_prefix("part-")?.strip_suffix(".parquet")?;
+    num.parse().ok()
+}
+
 /// Highest N among `part-N.parquet` files in `dir` (None if there are none).
 fn highest_part_number(dir: &Path) -> Result<Option<u64>> {
-    let mut max = None;
     let entries = std::fs::read_dir(dir).map_err(|e| Error::io("cannot list", dir, e))?;
-    for entry in entries.flatten() {
-        let name = entry.file_name();
-        let Some(name) = name.to_str() else { continue };
-        let Some(num) = name
-            .strip_prefix("part-")
-            .and_then(|s| s.strip_suffix(".parquet"))
-        else {
-            continue;
-        };
-        if let Ok(n) = num.parse::<u64>() {
-            max = Some(max.map_or(n, |m: u64| m.max(n)));
+    let names = entries.flatten().map(|e| e.file_name());
+    Ok(names.filter_map(|n| n.to_str().and_then(part_number)).max())
+}
+
+/// Where parts go: the output directory, or (a URL) its object-store prefix.
+enum Destination {
+    Local,
+    Remote(remote_parts::RemoteDir),
+}
+
+impl Destination {
+    /// Opens (creating a local directory) the output directory; returns the next part number.
+    fn open(cfg: &WriterConfig) -> Result<(Destination, u64)> {
+        if let Some(url) = crate::storage::remote_url(&cfg.output_dir) {
+            let dir = remote_parts::RemoteDir::open(url, &cfg.storage)?;
+            let next = dir.highest_part_number()?.map_or(0, |n| n + 1);
+            return Ok((Destination::Remote(dir), next));
         }
+        std::fs::create_dir_all(&cfg.output_dir).map_err(|e| {
+            Error::user(format!(
+                "cannot create output directory {}: {e}",
+                cfg.output_dir.display()
+            ))
+        })?;
+        let next = highest_part_number(&cfg.output_dir)?.map_or(0, |n| n + 1);
+        Ok((Destination::Local, next))
     }
-    Ok(max)
 }
 
 /// Handle to the writer thread.
@@ -252,20 +276,14 @@ pub struct Writer {
 impl Writer {
     /// Creates the output directory if needed and starts the writer thread.
     pub fn start(cfg: WriterConfig) -> Result<Writer> {
-        std::fs::create_dir_all(&cfg.output_dir).map_err(|e| {
-            Error::user(format!(
-                "cannot create output directory {}: {e}",
-                cfg.output_dir.display()
-            ))
-        })?;
-        let next_part = highest_part_number(&cfg.output_dir)?.map_or(0, |n| n + 1);
+        let (dest, next_part) = Destination::open(&cfg)?;
         let (tx, rx) = crossbeam_channel::bounded(cfg.part_rows.clamp(1, 4096));
         let complete = Arc::new(AtomicBool::new(false));
         let done = complete.clone();
         let handle = std::thread::Builder::new()
             .name("eaglebatch-writer".into())
             .spawn(move || {
-                let mut state = WriterThread::new(cfg, next_part, next_part > 0);
+                let mut state = WriterThread::new(cfg, dest, next_part, next_part > 0);
                 state.run(rx, &done)
             })
             .map_err(|e| Error::internal(format!("cannot start writer thread: {e}")))?;
@@ -329,6 +347,7 @@ impl Drop for Writer {
 
 struct WriterThread {
     cfg: WriterConfig,
+    dest: Destination,
     schema: SchemaRef,
     props: WriterProperties,
     next_part: u64,
@@ -339,7 +358,7 @@ struct WriterThread {
 }
 
 impl WriterThread {
-    fn new(cfg: WriterConfig, next_part: u64, had_parts: bool) -> Self {
+    fn new(cfg: WriterConfig, dest: Destination, next_part: u64, had_parts: bool) -> Self {
         let schema = output_schema(&cfg);
         let kv: Vec<KeyValue> = cfg
             .file_metadata
@@ -355,6 +374,7 @@ impl WriterThread {
         WriterThread {
             buffer: Vec::with_capacity(cfg.part_rows.min(65_536)),
             cfg,
+            dest,
             schema,
             props,
             next_part,
@@ -455,10 +475,31 @@ impl WriterThread {
         let batch = build_batch(&self.schema, &rows, &self.cfg)?;
         let name = format!("part-{:05}.parquet", self.next_part);
         self.next_part += 1;
+        let written = match &self.dest {
+            Destination::Remote(dir) => dir.put_part(&name, self.encode(&batch)?)?,
+            Destination::Local => self.write_local(&name, &batch)?,
+        };
+        self.summary.rows_written += rows.len() as u64;
+        self.summary.part_files.push(written);
+        Ok(())
+    }
+
+    /// `batch` as the bytes of a complete Parquet file (a remote part: one PUT).
+    fn encode(&self, batch: &RecordBatch) -> Result<Vec<u8>> {
+        let mut data = Vec::new();
+        let mut w = ArrowWriter::try_new(&mut data, self.schema.clone(), Some(self.props.clone()))?;
+        w.write(batch)?;
+        w.close()?;
+        Ok(data)
+    }
+
+    /// Writes `batch` as `name` in the output directory: a hidden temporary file, fsynced and
+    /// renamed, and the directory fsynced. Returns the part's path.
+    fn write_local(&self, name: &str, batch: &RecordBatch) -> Result<PathBuf> {
         let dir = &self.cfg.output_dir;
         let tmp = dir.join(format!(".{name}.tmp"));
-        let dst = dir.join(&name);
-        if let Err(e) = self.write_tmp(&tmp, &batch) {
+        let dst = dir.join(name);
+        if let Err(e) = self.write_tmp(&tmp, batch) {
             let _ = std::fs::remove_file(&tmp);
             return Err(e);
         }
@@ -470,9 +511,7 @@ impl WriterThread {
         if let Ok(d) = File::open(dir) {
             let _ = d.sync_all();
         }
-        self.summary.rows_written += rows.len() as u64;
-        self.summary.part_files.push(dst);
-        Ok(())
+        Ok(dst)
     }
 
     /// Writes `batch` as a complete Parquet file at `tmp` and fsyncs it.
@@ -680,6 +719,7 @@ mod tests {
     fn cfg(dir: &Path, part_rows: usize) -> WriterConfig {
         WriterConfig {
             output_dir: dir.to_path_buf(),
+            storage: Default::default(),
             part_rows,
             file_metadata: BTreeMap::from([(
                 "eaglebatch.job".to_string(),

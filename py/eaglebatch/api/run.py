@@ -11,6 +11,7 @@ from eaglebatch.engine import WHOLE, RunScope, RunSummary, open_output, prepare,
 from eaglebatch.errors import JobError, native_error
 from eaglebatch.job.config import JobConfig, job_from_dict, load_job
 from eaglebatch.output.shards import parse_shard, written_counts
+from eaglebatch.storage import location
 
 
 def load(job: str | Path | Mapping[str, Any], overrides: Sequence[str] = ()) -> JobConfig:
@@ -46,7 +47,8 @@ def _here(cfg: JobConfig, shard_text: str | None, restart: bool, progress: bool)
     prep = prepare(cfg)
     shard = None
     if shard_text is not None:
-        shard = parse_shard(shard_text, None, written=written_counts(cfg.output.path))
+        written = written_counts(location(cfg.output.path, cfg.storage))
+        shard = parse_shard(shard_text, None, written=written)
     scope = WHOLE if shard is None else RunScope.shard(shard, prep.total_rows)
     resume = open_output(prep, restart=restart, scope=scope)
     if not progress:

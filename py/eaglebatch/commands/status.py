@@ -9,10 +9,10 @@ taken while runs are writing is a consistent lower bound.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from eaglebatch.job.config import JobConfig
 from eaglebatch.output.shards import Shard, shard_of_dir
+from eaglebatch.storage import location
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def job_status(job: JobConfig) -> JobStatus:
     from eaglebatch.output.resume import scan_output
 
     prep = prepare(job)
-    out = Path(job.output.path)
+    out = location(job.output.path, job.storage)
     state = scan_output(out, prep.identity)
     t = prep.total_rows
 

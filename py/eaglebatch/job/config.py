@@ -35,6 +35,7 @@ from pydantic import (
 from eaglebatch.errors import JobError, echo
 from eaglebatch.job.builtin import BUILTIN_DRAFTS, BUILTIN_MODELS
 from eaglebatch.job.loading import load_yaml, read_job_text
+from eaglebatch.storage.paths import SCHEMES as REMOTE_SCHEMES
 
 _M = TypeVar("_M", bound=BaseModel)
 
@@ -233,6 +234,16 @@ class OutputConfig(_Section):
             return None
         return Path(self.results_path) if self.results_path else Path(self.path) / "_results.jsonl"
 
+    @model_validator(mode="after")
+    def _results_file_local(self) -> OutputConfig:
+        paths = ("path", "results_path")
+        remote = [k for k in paths if str(getattr(self, k)).startswith(REMOTE_SCHEMES)]
+        if self.format == "openai-batch" and remote:
+            raise ValueError(f"output.{remote[0]}: the OpenAI Batch results file is written to "
+                             "local or shared disk only; write the job's output there and copy "
+                             "it")  # fmt: skip
+        return self
+
 
 class SamplingConfig(_Section):
     # Upper bounds: what the Rust scheduler's types hold (usize, an f32, i32, i64), sensibly.
@@ -404,6 +415,21 @@ class RayConfig(_Section):
     max_attempts: int = Field(default=4, ge=1, le=1000)
 
 
+class StorageConfig(_Section):
+    """How `s3://`, `gs://` and `az://` paths are reached (docs/scale-out.md "Object
+    storage"). Credentials come from each cloud's standard environment variables; options
+    hold the `object_store` crate's keys (`aws_region`, `google_service_account`, ...)."""
+
+    # an S3-compatible store or an emulator, e.g. http://minio:9000 (http:// allows plain HTTP)
+    endpoint: str | None = Field(default=None, min_length=1)
+    options: dict[str, str] = {}
+    # a store that ignores create-only writes: parts and the lease become plain writes, and
+    # two runs over one output can overwrite each other (no exactly-once guarantee)
+    unsafe_no_conditional_writes: bool = False
+    # the run's lease on its output: renewed every third of this, taken over once expired
+    lease_ttl_s: float = Field(default=60.0, ge=2.0, le=86400.0)
+
+
 class JobConfig(_Section):
     model: PathStr
     # A Jinja chat template file used instead of the model's (a model without one, e.g. a base
@@ -417,6 +443,7 @@ class JobConfig(_Section):
     draft: PathStr | None = None
     speculative: SpeculativeConfig = SpeculativeConfig()
     ray: RayConfig = RayConfig()
+    storage: StorageConfig = StorageConfig()
     # generate (default); score: log-probabilities of input.continuation_column (or each of
     # input.choices_column) after the prompt; perplexity: each prompt's rolling log-probability
     task: Literal["generate", "score", "perplexity"] = "generate"
@@ -513,7 +540,7 @@ def expand_home(p: str) -> str:
 def resolve_path(p: str, base_dir: Path) -> str:
     """A job-file path: builtin names as they are; `~` expanded; absolute paths as they are,
     others under base_dir."""
-    if p.startswith("builtin:"):
+    if p.startswith(("builtin:", *REMOTE_SCHEMES)):
         return p
     p = expand_home(p)
     if Path(p).is_absolute():

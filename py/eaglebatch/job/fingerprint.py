@@ -58,18 +58,29 @@ def footer_sha256(path: Path) -> str:
 def input_fingerprint(files: list[Path], jsonl: bool = False) -> list[list]:
     """[name relative to the files' common directory, rows, bytes, footer hash] per input file:
     the content, not where it lives, so a moved or differently spelled input is the same."""
-    base = Path(os.path.commonpath([f.resolve().parent for f in files])) if files else Path()
-    return [
-        [f.resolve().relative_to(base).as_posix(), *_content_fingerprint(f, jsonl)]
-        for f in files
-    ]
+    names = _relative_names(files)
+    return [[name, *_content_fingerprint(f, jsonl)] for name, f in zip(names, files)]
+
+
+def _relative_names(files: list) -> list[str]:
+    """Each file's name relative to the files' common directory (local paths resolved; remote
+    ones, which have a `url`, by their URLs' common prefix)."""
+    if not files:
+        return []
+    if hasattr(files[0], "url"):
+        dirs = [f.url.rsplit("/", 1)[0].split("/") for f in files]
+        common = os.path.commonprefix(dirs)
+        return [f.url[len("/".join(common)) + 1:] for f in files]
+    base = Path(os.path.commonpath([f.resolve().parent for f in files]))
+    return [f.resolve().relative_to(base).as_posix() for f in files]
 
 
 def _content_fingerprint(f: Path, jsonl: bool) -> list:
     """[rows, bytes, hash]: a Parquet file's footer hash, or a JSONL file's whole-content hash
     (it has no footer; rows None), streamed."""
     if not jsonl:
-        return [pq.read_metadata(f).num_rows, f.stat().st_size, footer_sha256(f)]
+        source = f if isinstance(f, Path) else f.open("rb")  # a remote object (storage/)
+        return [pq.read_metadata(source).num_rows, f.stat().st_size, footer_sha256(f)]
     h = hashlib.sha256()
     with f.open("rb") as data:
         while chunk := data.read(1 << 20):

@@ -28,15 +28,20 @@ from eaglebatch.job.column_types import (
     unified,
 )
 from eaglebatch.job.config import InputConfig, JobConfig
+from eaglebatch.storage import RemotePath, is_remote, location, parquet_source
 
 
-def resolve_input_files(path: str, suffix: str = ".parquet") -> list[Path]:
+def resolve_input_files(path: str, suffix: str = ".parquet", storage=None) -> list[Path]:
+    """input.path's files: a builtin, a file, a directory's visible `suffix` files at any depth,
+    or a glob's visible matches (remote paths: the same rules over a listing)."""
     builtins = {builtin.BUILTIN_SHAREGPT: builtin.sharegpt_parquet,
                 builtin.BUILTIN_SHAREGPT_TURNS: builtin.sharegpt_turns_parquet}
     if path in builtins:
         return [builtins[path]()]
     if path.startswith("builtin:"):
         raise JobError(f"input.path: unknown builtin '{path}' (known: {', '.join(builtins)})")
+    if is_remote(path):
+        return _remote_input_files(location(path, storage), path, suffix)
     p = Path(path)
     if p.is_dir():
         files = sorted(f for f in p.rglob(f"*{suffix}") if _visible(f.relative_to(p)))
@@ -53,6 +58,32 @@ def resolve_input_files(path: str, suffix: str = ".parquet") -> list[Path]:
             raise JobError(f"input.path: glob '{path}' matches no files")
         return files
     raise JobError(f"input.path: {path} does not exist")
+
+
+def _remote_input_files(root: RemotePath, path: str, suffix: str) -> list[RemotePath]:
+    """resolve_input_files' rules for an object-store URL: one listing of the longest prefix
+    before any wildcard."""
+    if glob.has_magic(path):
+        scheme, rest = path.split("://", 1)
+        parts = rest.split("/")
+        fixed = next(i for i, c in enumerate(parts) if glob.has_magic(c))
+        base = RemotePath(f"{scheme}://{'/'.join(parts[:fixed])}", root.store)
+        pattern = parts[fixed:]
+        files = [f for f in base.walk_objects()
+                 if _glob_match(rel := f.url[len(base.url) + 1:].split("/"), pattern)
+                 and _glob_visible(Path(*rel), pattern)]  # fmt: skip
+        if not files:
+            raise JobError(f"input.path: glob '{path}' matches no objects")
+        return files
+    if path.endswith(suffix) and root.is_file():
+        return [root]
+    objects = root.walk_objects()
+    files = [f for f in objects if f.name.endswith(suffix)
+             and _visible(Path(f.url[len(root.url) + 1:]))]  # fmt: skip
+    if not files:
+        what = "holds no " + suffix + " objects" if objects else "does not exist"
+        raise JobError(f"input.path: {path} {what}")
+    return files
 
 
 def _visible(rel: Path) -> bool:
@@ -83,6 +114,17 @@ def _glob_match(parts: list[str], pattern: list[str]) -> bool:
     )
 
 
+def _check_remote_apart(input_path: str, files: list, output_path: str) -> None:
+    """check_output_apart by URL prefixes (a local path and a URL never overlap)."""
+    if not (is_remote(input_path) and is_remote(output_path)):
+        return
+    out = output_path.rstrip("/") + "/"
+    base = input_path.split("*")[0].split("?")[0].split("[")[0].rstrip("/") + "/"
+    if any(str(f).startswith(out) for f in files) or out.startswith(base) or base.startswith(out):
+        raise JobError(f"output.path: {output_path} must not be, contain or lie inside "
+                       f"input.path ({input_path}): a later run would read its parts as input")
+
+
 def _inside(child: Path, parent: Path) -> bool:
     return child == parent or parent in child.parents
 
@@ -104,6 +146,9 @@ def input_may_read(input_path: str, files: list[Path], path: Path) -> bool:
 def check_output_apart(input_path: str, files: list[Path], output_path: str) -> None:
     """Refuses an output directory that is, contains or lies inside an input: a later run would
     read its own output as input, and read_table over the mix returns a wrong table."""
+    if is_remote(input_path) or is_remote(output_path):
+        _check_remote_apart(input_path, files, output_path)
+        return
     out = Path(output_path).expanduser().resolve()
     clash = f"output.path: {output_path} must not be, contain or lie inside input.path"
     if any(_inside(f.resolve(), out) for f in files):
@@ -185,17 +230,17 @@ class BatchInput:
     chat: bool  # a line is a chat request: its messages need the chat template
 
 
-def check_batch_input(cfg: InputConfig) -> BatchInput:
+def check_batch_input(cfg: InputConfig, storage=None) -> BatchInput:
     """OpenAI Batch JSONL: the files, their requests and what they ask. Each line names its
     own endpoint (openai_batch.rs; one file may mix them); at least one line must be a request
     to one eaglebatch serves. Lines are parsed only while that is unknown, and then only those
     that may be chat requests (they hold "chat"), until one is. A file may open with a UTF-8
     byte order mark and end its lines in CRLF, as openai_batch.rs reads it."""
-    files = resolve_input_files(cfg.path, ".jsonl")
+    files = resolve_input_files(cfg.path, ".jsonl", storage)
     total, first, chat = 0, None, False
     for f in files:
         try:
-            with open(f, "rb") as lines:
+            with f.open("rb") if is_remote(f) else open(f, "rb") as lines:
                 for i, line in enumerate(lines):
                     line = line.removeprefix(_BOM) if i == 0 else line
                     if not line.strip(_BLANK):  # the reader's rule (openai_batch.rs is_blank)
@@ -223,18 +268,19 @@ def _line_url(line: bytes) -> str | None:
     return url if url in BATCH_URLS else None
 
 
-def check_input(cfg: InputConfig) -> tuple[list[Path], int]:
-    """Returns the input files and their total row count (capped by input.limit)."""
+def check_input(cfg: InputConfig, storage=None) -> tuple[list[Path], int]:
+    """Returns the input files and their total row count (capped by input.limit); `storage`:
+    the job's storage section, for remote paths."""
     if cfg.openai_batch:
-        batch = check_batch_input(cfg)
+        batch = check_batch_input(cfg, storage)
         return batch.files, batch.total
-    files = resolve_input_files(cfg.path)
+    files = resolve_input_files(cfg.path, storage=storage)
     total = 0
     types = ColumnTypes()
     for f in files:
         try:
-            meta = pq.read_metadata(f)
-            schema = pq.read_schema(f)
+            meta = pq.read_metadata(parquet_source(f))
+            schema = meta.schema.to_arrow_schema()
         except (pa.ArrowException, OSError) as e:
             raise JobError(f"input.path: {f} is not a readable Parquet file ({e})") from None
         total += meta.num_rows
@@ -260,7 +306,7 @@ def kept_columns(job: JobConfig, files: list[Path]) -> tuple[str, ...]:
     from eaglebatch._native import OUTPUT_COLUMNS
 
     if keep == "*":
-        first = pq.read_schema(files[0]).names
+        first = pq.read_schema(parquet_source(files[0])).names
         keep = tuple(c for c in first if not (c == "id" == job.input.id_column))
     for c in keep:
         if c in OUTPUT_COLUMNS:
@@ -272,7 +318,8 @@ def kept_columns(job: JobConfig, files: list[Path]) -> tuple[str, ...]:
             )
     types = ColumnTypes()
     for f in files:
-        schema = pq.read_schema(f)
+        meta = pq.read_metadata(parquet_source(f))
+        schema = meta.schema.to_arrow_schema()
         for c in keep:
             if c not in schema.names:
                 raise JobError(
@@ -280,7 +327,7 @@ def kept_columns(job: JobConfig, files: list[Path]) -> tuple[str, ...]:
                     f"(columns: {', '.join(schema.names)})"
                 )
             types.add("output.keep_columns", c, dense(schema.field(c).type), f)
-        _check_codecs(set(keep), f, pq.read_metadata(f))
+        _check_codecs(set(keep), f, meta)
     return tuple(keep)
 
 

@@ -76,7 +76,11 @@ class SchedulerConfig:
     # output.reasoning's (start, end) tags ([] = no reasoning split)
     enable_thinking: bool | None = _job("input", "enable_thinking")
     reasoning_ids: list[int] = field(default_factory=list)
-    # Output.
+    # Object storage (the job's storage section): how s3:// gs:// az:// paths are reached.
+    storage_endpoint: str | None = None
+    storage_options: dict[str, str] = field(default_factory=dict)
+    storage_unconditional: bool = False
+    # Output: a directory or an object-store URL.
     output_dir: str
     part_rows: int = _job("output", "part_rows")
     file_metadata: dict[str, str]

@@ -36,6 +36,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eaglebatch.errors import JobError
+from eaglebatch.output.remote_dir import prepare_remote, release_remote
+from eaglebatch.storage import RemotePath, parquet_source
+from eaglebatch.storage.lease import LeaseHeld
 
 try:
     import fcntl
@@ -71,7 +74,7 @@ class DirContents:
 
 def _footer_metadata(part: Path) -> dict[bytes, bytes]:
     """`part`'s footer key-value metadata. Raises on an unreadable footer."""
-    return pq.read_metadata(part).metadata or {}
+    return pq.read_metadata(parquet_source(part)).metadata or {}
 
 
 def scan_dir(path: Path, top: bool = False) -> DirContents:
@@ -130,6 +133,14 @@ def check_only_ours(path: Path, contents: DirContents) -> None:
         )
 
 
+def _checked_tree(path) -> dict[Path, DirContents]:
+    """scan_tree(path), refused (JobError) where it holds what eaglebatch did not write."""
+    tree = scan_tree(path)
+    for d, contents in tree.items():
+        check_only_ours(d, contents)
+    return tree
+
+
 def _lock(path: Path, exclusive: bool = True) -> None:
     key = path.resolve()
     if fcntl is None or key in _held:
@@ -184,7 +195,11 @@ def _lock_subdirs(path: Path, subdir: str | None, busy_ok: bool) -> list[Path]:
 
 def release_output_dir(path: Path, subdir: str | None = None, unit: bool = False) -> None:
     """Drops the locks taken by prepare_output_dir (process exit drops them too): a unit's own
-    directory, or output.path and every directory under it this process holds."""
+    directory, or output.path and every directory under it this process holds (an object
+    store: the leases, remote_dir.py)."""
+    if isinstance(path, RemotePath):
+        release_remote(path, subdir)
+        return
     top = path.resolve()
     if unit:
         held = [(path / subdir).resolve()] if subdir else []
@@ -206,7 +221,7 @@ def release_subdirs(path: Path) -> None:
 
 def prepare_output_dir(
     path: Path, restart: bool, subdir: str | None = None, unit: bool = False,
-    admit: Callable[[], None] | None = None, busy_ok: bool = False,
+    admit: Callable[[], None] | None = None, busy_ok: bool = False, storage=None,
 ) -> list[Path]:  # fmt: skip
     """Locks output.path for this run (module doc), creates it, deletes a killed run's temporary
     files and, with `restart`, eaglebatch's earlier part files. Without `subdir` the run owns
@@ -215,7 +230,16 @@ def prepare_output_dir(
     the driver created, and checks only that. `admit` (the shard-count check) runs under the
     admission lock, before the subdirectory is claimed. Refuses (JobError) when the tree holds
     anything eaglebatch did not write. Earlier parts are otherwise kept: the run resumes after
-    them. Returns the subdirectories another process holds (`busy_ok`, see _lock_subdirs)."""
+    them. Returns the subdirectories another process holds (`busy_ok`, see _lock_subdirs).
+    On an object store (`path` a RemotePath, `storage` the job's section) leases stand in for
+    the locks (remote_dir.py); Ray units do not run there."""
+    if isinstance(path, RemotePath):
+        try:
+            prepare_remote(path, restart, subdir, admit, storage, lambda: _checked_tree(path))
+        except LeaseHeld as e:
+            raise DirectoryInUse(f"output.path: {e}; wait for it to finish or stop it, or "
+                                 f"choose another output.path") from None  # fmt: skip
+        return []
     if path.exists() and not path.is_dir():
         raise JobError(f"output.path: {path} exists and is not a directory")
     own = path if subdir is None else path / subdir

@@ -33,6 +33,7 @@ from eaglebatch.errors import JobError
 from eaglebatch.job.config import JobConfig
 from eaglebatch.job.fingerprint import folder_fingerprint, input_fingerprint
 from eaglebatch.output.directory import OWNER_KEY, SUBDIR, check_only_ours, scan_dir, scan_tree
+from eaglebatch.storage import parquet_source
 
 HASH_KEY = OWNER_KEY.decode()  # the key that marks a part as ours (directory.py)
 IDENTITY_KEY = "eaglebatch.job_identity"
@@ -199,7 +200,7 @@ def _read_part(part: Path, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     reading every column of every row group (a damaged page fails here, not in a user's
     read_table). Raises JobError naming the file."""
     try:
-        pf = pq.ParquetFile(part)
+        pf = pq.ParquetFile(parquet_source(part))
         rows, ns, errors = [], [], []
         for g in range(pf.num_row_groups):
             table = pf.read_row_group(g)

@@ -108,7 +108,7 @@ def _from_env(count: int | None, env: Mapping[str, str], written: set[int]) -> S
 
 def written_counts(output_path: str | Path) -> set[int]:
     """The shard counts N of the shard directories under output.path."""
-    out = Path(output_path)
+    out = output_path if hasattr(output_path, "url") else Path(output_path)  # storage.location
     if not out.is_dir():
         return set()
     try:

@@ -20,6 +20,7 @@ from eaglebatch.errors import JobError
 from eaglebatch.job.inputs import input_may_read
 from eaglebatch.output.results_file import check_writable, write_json_atomic
 from eaglebatch.progress import accept_length, generation_seconds
+from eaglebatch.storage import is_remote
 
 MARK = "eaglebatch_summary"  # key (value: format version) of every summary this module writes
 
@@ -87,6 +88,8 @@ def check_summary_path(path: str) -> Path:
 def check_summary_apart(p: Path, job) -> None:
     """Refuses a summary path inside output.path (resume would find a file it did not write) or
     where the job's input would read it."""
+    if is_remote(job.output.path):
+        return
     out = Path(job.output.path).resolve()
     if p.resolve() == out or out in p.resolve().parents:
         raise JobError(f"--summary-json: {p} lies inside output.path, which holds only the "

@@ -1,7 +1,6 @@
 //! The reader thread's OpenAI Batch input: JSONL files read `read_batch_rows` lines at a time,
 //! each line parsed (openai_batch.rs) into a request whose problems make an error row.
 
-use std::fs::File;
 use std::io::BufRead;
 use std::path::Path;
 use std::sync::Arc;
@@ -11,14 +10,18 @@ use arrow_array::{ArrayRef, StringArray};
 
 use super::{unreadable, PendingRow, ReaderThread, RowResult, Stop};
 use crate::chat_template::Message;
+use crate::storage::Source;
 
 impl ReaderThread {
     /// Reads an OpenAI Batch JSONL file `read_batch_rows` requests at a time.
     pub(super) fn read_batch_file(&mut self, path: &Path) -> std::result::Result<(), Stop> {
         let fail = |e: &dyn std::fmt::Display| Stop::Failed(unreadable(path, None, e));
-        let file = File::open(path).map_err(|e| fail(&e))?;
+        let file = Source::open(path, &self.spec.storage).map_err(|e| fail(&e))?;
         let mut lines = Vec::with_capacity(self.opts.read_batch_rows);
-        for (i, line) in std::io::BufReader::new(file).split(b'\n').enumerate() {
+        for (i, line) in std::io::BufReader::new(file.into_read())
+            .split(b'\n')
+            .enumerate()
+        {
             if self.next_row + lines.len() as u64 >= self.spec.row_end {
                 break;
             }

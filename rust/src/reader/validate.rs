@@ -4,7 +4,6 @@
 //! requests). The result, `InputSpec`, is what the reader thread reads.
 
 use std::collections::BTreeMap;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 use arrow_schema::{DataType, Field, Schema};
@@ -14,6 +13,7 @@ use super::columns::check_column_type;
 use crate::column_kind::{dense_type, is_int, is_list_of, is_text, FileTypes};
 use crate::config::SchedulerConfig;
 use crate::error::{Error, Result};
+use crate::storage::{remote_url, Source, StorageSettings};
 
 /// One validated input file.
 #[derive(Debug, Clone)]
@@ -46,6 +46,8 @@ pub struct InputSpec {
     /// `total_rows`; the whole input without one).
     pub row_start: u64,
     pub row_end: u64,
+    /// How remote input files are reached (storage.rs).
+    pub storage: StorageSettings,
 }
 
 impl InputSpec {
@@ -59,8 +61,12 @@ impl InputSpec {
 /// discovery (directories, globs, pyarrow's skipping of '.*' / '_*' names) is one rule on the
 /// Python side (`inputs.py`), which passes the resolved files; a directory here is a user
 /// error, so no second rule can drift from it.
-fn check_input_paths(paths: &[PathBuf]) -> Result<()> {
+fn check_input_paths(paths: &[PathBuf], storage: &StorageSettings) -> Result<()> {
     for path in paths {
+        if remote_url(path).is_some() {
+            Source::open(path, storage)?; // exists and is readable (one HEAD request)
+            continue;
+        }
         let meta = std::fs::metadata(path).map_err(|e| {
             if e.kind() == std::io::ErrorKind::NotFound {
                 Error::user(format!("input file not found: {}", path.display()))
@@ -122,7 +128,7 @@ fn codec_supported(c: parquet::basic::Compression) -> bool {
 
 /// Fails early (naming file and column) if a column we read uses an unsupported codec.
 fn check_codecs(
-    builder: &ParquetRecordBatchReaderBuilder<File>,
+    builder: &ParquetRecordBatchReaderBuilder<Source>,
     path: &Path,
     cfg: &SchedulerConfig,
 ) -> Result<()> {
@@ -155,7 +161,7 @@ fn check_codecs(
 /// footers. Errors are `UserInput` and name the file and column. Files are checked in order
 /// and the first failure is the error; every file's id column must have the first one's type.
 pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
-    check_input_paths(&cfg.input_files)?;
+    check_input_paths(&cfg.input_files, &cfg.storage())?;
     if cfg.openai_batch() {
         return validate_batch_files(cfg);
     }
@@ -163,7 +169,7 @@ pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
     let mut types = FileTypes::default();
     let mut total: u64 = 0;
     for path in &cfg.input_files {
-        let builder = open_parquet(path)?;
+        let builder = open_parquet(path, &cfg.storage())?;
         let schema = builder.schema().clone();
         check_text_columns(&schema, path, cfg)?;
         check_sampling_columns(&schema, path, &cfg.sampling_columns)?;
@@ -210,6 +216,7 @@ pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
         total_rows,
         row_start: start.min(row_end),
         row_end,
+        storage: cfg.storage(),
     })
 }
 
@@ -224,7 +231,7 @@ fn score_column(cfg: &SchedulerConfig) -> Option<&String> {
 fn validate_batch_files(cfg: &SchedulerConfig) -> Result<InputSpec> {
     let mut files = Vec::with_capacity(cfg.input_files.len());
     for path in &cfg.input_files {
-        let num_rows = crate::openai_batch::count_requests(path)?;
+        let num_rows = crate::openai_batch::count_requests(path, &cfg.storage())?;
         files.push(InputFile {
             path: path.clone(),
             num_rows,
@@ -247,12 +254,16 @@ fn validate_batch_files(cfg: &SchedulerConfig) -> Result<InputSpec> {
         total_rows,
         row_start: start.min(row_end),
         row_end,
+        storage: cfg.storage(),
     })
 }
 
 /// Opens a file and reads its Parquet footer; a file that is not Parquet is a user error.
-fn open_parquet(path: &Path) -> Result<ParquetRecordBatchReaderBuilder<File>> {
-    let file = File::open(path).map_err(|e| Error::io("cannot open input", path, e))?;
+fn open_parquet(
+    path: &Path,
+    storage: &StorageSettings,
+) -> Result<ParquetRecordBatchReaderBuilder<Source>> {
+    let file = Source::open(path, storage)?;
     ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| {
         Error::user(format!(
             "{}: not a readable Parquet file ({e})",
