@@ -1,7 +1,8 @@
 """Fingerprints of what decides a job's outputs, for its identity (resume.py): model folders by
 their small files' contents and their weights' names, sizes and mtimes; input files by their
 content (a Parquet footer's hash, a JSONL file's whole hash), not by where they live. Plain
-functions of files, imported by resume and by the model converters (no package imports)."""
+functions of files, imported by resume and by the model converters (of the package: only
+storage, for remote input files)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import os
 from pathlib import Path
 
 import pyarrow.parquet as pq
+
+from eaglebatch.storage import parquet_footer
 
 # Small text files of a model / draft folder whose exact content matters.
 _MODEL_TEXT_FILES = (
@@ -79,7 +82,7 @@ def _content_fingerprint(f: Path, jsonl: bool) -> list:
     """[rows, bytes, hash]: a Parquet file's footer hash, or a JSONL file's whole-content hash
     (it has no footer; rows None), streamed."""
     if not jsonl:
-        source = f if isinstance(f, Path) else f.open("rb")  # a remote object (storage/)
+        source = f if isinstance(f, Path) else parquet_footer(f)  # a remote object
         return [pq.read_metadata(source).num_rows, f.stat().st_size, footer_sha256(f)]
     h = hashlib.sha256()
     with f.open("rb") as data:

@@ -28,7 +28,7 @@ from eaglebatch.job.column_types import (
     unified,
 )
 from eaglebatch.job.config import InputConfig, JobConfig
-from eaglebatch.storage import RemotePath, is_remote, location, parquet_source
+from eaglebatch.storage import RemotePath, is_remote, location, parquet_footer
 
 
 def resolve_input_files(path: str, suffix: str = ".parquet", storage=None) -> list[Path]:
@@ -279,7 +279,7 @@ def check_input(cfg: InputConfig, storage=None) -> tuple[list[Path], int]:
     types = ColumnTypes()
     for f in files:
         try:
-            meta = pq.read_metadata(parquet_source(f))
+            meta = pq.read_metadata(parquet_footer(f))
             schema = meta.schema.to_arrow_schema()
         except (pa.ArrowException, OSError) as e:
             raise JobError(f"input.path: {f} is not a readable Parquet file ({e})") from None
@@ -306,7 +306,7 @@ def kept_columns(job: JobConfig, files: list[Path]) -> tuple[str, ...]:
     from eaglebatch._native import OUTPUT_COLUMNS
 
     if keep == "*":
-        first = pq.read_schema(parquet_source(files[0])).names
+        first = pq.read_schema(parquet_footer(files[0])).names
         keep = tuple(c for c in first if not (c == "id" == job.input.id_column))
     for c in keep:
         if c in OUTPUT_COLUMNS:
@@ -318,7 +318,7 @@ def kept_columns(job: JobConfig, files: list[Path]) -> tuple[str, ...]:
             )
     types = ColumnTypes()
     for f in files:
-        meta = pq.read_metadata(parquet_source(f))
+        meta = pq.read_metadata(parquet_footer(f))
         schema = meta.schema.to_arrow_schema()
         for c in keep:
             if c not in schema.names:

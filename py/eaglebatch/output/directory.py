@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 
 from eaglebatch.errors import JobError
 from eaglebatch.output.remote_dir import prepare_remote, release_remote
-from eaglebatch.storage import RemotePath, parquet_source
+from eaglebatch.storage import RemotePath, parquet_footer
 from eaglebatch.storage.lease import LeaseHeld
 
 try:
@@ -74,7 +74,7 @@ class DirContents:
 
 def _footer_metadata(part: Path) -> dict[bytes, bytes]:
     """`part`'s footer key-value metadata. Raises on an unreadable footer."""
-    return pq.read_metadata(parquet_source(part)).metadata or {}
+    return pq.read_metadata(parquet_footer(part)).metadata or {}
 
 
 def scan_dir(path: Path, top: bool = False) -> DirContents:

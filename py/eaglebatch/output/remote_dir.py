@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from eaglebatch.errors import JobError
 from eaglebatch.storage.lease import LEASE_NAME, Lease, LeaseHeld, live_holder
-from eaglebatch.storage.paths import RemotePath
+from eaglebatch.storage.paths import RemotePath, checked
 
 _held: dict[str, Lease] = {}  # directory URL -> this process's lease on it
 
@@ -28,9 +28,9 @@ def check_conditional_writes(own: RemotePath, unsafe: bool) -> None:
     if unsafe:
         return
     probe = own / f".eaglebatch.probe-{uuid.uuid4().hex}"
-    probe.store.put(probe.url, b"", "create")
+    checked(probe.store.put, probe.url, b"probe", "create")
     try:
-        probe.store.put(probe.url, b"", "create")
+        checked(probe.store.put, probe.url, b"probe", "create")
         honoured = False
     except FileExistsError:
         honoured = True

@@ -14,9 +14,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow as pa
+
 from eaglebatch.storage.paths import SCHEMES, RemotePath, is_remote, store_for
 
-__all__ = ["SCHEMES", "RemotePath", "is_remote", "location", "parquet_source", "store_for"]
+__all__ = ["SCHEMES", "RemotePath", "is_remote", "location", "parquet_footer", "parquet_source",
+           "store_for"]
 
 
 def location(path: str | Path, storage) -> Path | RemotePath:
@@ -29,6 +32,23 @@ def location(path: str | Path, storage) -> Path | RemotePath:
 
 
 def parquet_source(path: Path | RemotePath):
-    """What pyarrow.parquet opens for `path`: the path itself, or a seekable reader of the
-    remote object (ranged reads)."""
-    return path.open("rb") if isinstance(path, RemotePath) else path
+    """What pyarrow.parquet opens to read `path`'s data: the path itself, or the remote
+    object's bytes in memory (parts are small: output.part_rows rows). pyarrow never reads
+    through a Python file object here: its I/O threads would call back into Python."""
+    return pa.BufferReader(path.read_bytes()) if isinstance(path, RemotePath) else path
+
+
+def parquet_footer(path: Path | RemotePath):
+    """What pyarrow.parquet opens to read `path`'s footer alone (metadata, schema): the path,
+    or for a remote object a buffer of its footer between the magic bytes (two ranged reads,
+    whatever the object's size)."""
+    if not isinstance(path, RemotePath):
+        return path
+    with path.open("rb") as f:
+        f.seek(-8, 2)
+        tail = f.read(8)
+        size = int.from_bytes(tail[:4], "little")
+        if tail[4:] != b"PAR1" or size + 12 > f.raw.size():
+            raise OSError(f"{path}: not a Parquet file (no footer)")
+        f.seek(-(8 + size), 2)
+        return pa.BufferReader(b"PAR1" + f.read(size) + tail)

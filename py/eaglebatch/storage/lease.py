@@ -25,7 +25,7 @@ import threading
 import time
 import uuid
 
-from eaglebatch.storage.paths import RemotePath
+from eaglebatch.storage.paths import RemotePath, checked
 
 LEASE_NAME = ".eaglebatch.lease"
 
@@ -85,7 +85,7 @@ class Lease:
     def _put(self, mode: str, body: bytes, version: tuple = (None, None)) -> None:
         if self.unconditional:
             mode, version = "overwrite", (None, None)
-        self.version = self.obj.store.put(self.obj.url, body, mode, *version)
+        self.version = checked(self.obj.store.put, self.obj.url, body, mode, *version)
 
     def _take(self) -> None:
         from eaglebatch._native import StorageConflict  # lazy: only remote runs take leases
@@ -99,7 +99,7 @@ class Lease:
         except FileExistsError:
             pass
         try:
-            data, e_tag, version = self.obj.store.get(self.obj.url)
+            data, e_tag, version = checked(self.obj.store.get, self.obj.url)
         except FileNotFoundError:  # released and gone meanwhile
             return self._put("create", body)
         why = describe(json.loads(data or b"{}"))
@@ -122,14 +122,16 @@ class Lease:
                 print(f"eaglebatch: warning: {self.lost}; a part it writes now fails rather "
                       f"than duplicate rows", file=sys.stderr)  # fmt: skip
                 return
-            except OSError as e:  # transient beyond the retries: try again next period
+            except Exception as e:  # noqa: BLE001 - beyond the retries: try again next period
                 print(f"eaglebatch: warning: cannot renew {self.obj}: {e}", file=sys.stderr)
 
     def release(self) -> None:
         """Stops renewing and marks the lease released (best effort: it expires anyway)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout=5)  # a renewal retrying a slow store: it expires anyway
+            if self._thread.is_alive():
+                return
         if self.lost is None:
             try:
                 self._put("replace", _record(0, self.holder, released=True), self.version)
@@ -140,7 +142,7 @@ class Lease:
 def live_holder(obj: RemotePath) -> str | None:
     """Why the lease object `obj` excludes others now (None: absent, released or expired)."""
     try:
-        data = obj.store.get(obj.url)[0]
+        data = checked(obj.store.get, obj.url)[0]
     except FileNotFoundError:
         return None
     return describe(json.loads(data or b"{}"))

@@ -43,7 +43,7 @@ def store_for(storage):
                   storage.unsafe_no_conditional_writes)  # fmt: skip
 
 
-def _checked(fn, *args):
+def checked(fn, *args):
     """A store call whose permanent failures (denied, missing bucket, out of retries) become
     StorageFailed; not found and name-taken stay FileNotFoundError / FileExistsError."""
     try:
@@ -117,7 +117,7 @@ class RemotePath:
     # listing
     def walk_objects(self) -> list[RemotePath]:
         """Every object under this directory, at any depth, sorted."""
-        entries = _checked(self.store.list, self.url + "/")
+        entries = checked(self.store.list, self.url + "/")
         return [RemotePath(u, self.store, size, True) for u, size, _, _ in entries]
 
     def iterdir(self) -> list[RemotePath]:
@@ -140,7 +140,7 @@ class RemotePath:
     def is_file(self) -> bool:
         if self._is_object is None:
             try:
-                self._size = _checked(self.store.head, self.url)[1]
+                self._size = checked(self.store.head, self.url)[1]
                 self._is_object = True
             except FileNotFoundError:
                 self._is_object = False
@@ -149,7 +149,7 @@ class RemotePath:
     def is_dir(self) -> bool:
         if self._is_object:
             return False
-        return bool(_checked(self.store.list, self.url + "/"))
+        return bool(checked(self.store.list, self.url + "/"))
 
     def exists(self) -> bool:
         return self.is_file() or self.is_dir()
@@ -162,22 +162,22 @@ class RemotePath:
 
     def stat(self) -> SimpleNamespace:
         if self._size is None:
-            self._size = _checked(self.store.head, self.url)[1]
+            self._size = checked(self.store.head, self.url)[1]
         return SimpleNamespace(st_size=self._size)
 
     # contents
     def open(self, mode: str = "rb"):
         if mode != "rb":
             raise ValueError(f"{self.url}: remote objects open for reading only")
-        raw = RemoteFile(_checked(self.store.open_file, self.url), self.url)
+        raw = RemoteFile(checked(self.store.open_file, self.url), self.url)
         return io.BufferedReader(raw, buffer_size=1 << 20)
 
     def read_bytes(self) -> bytes:
-        return _checked(self.store.get, self.url)[0]
+        return checked(self.store.get, self.url)[0]
 
     def unlink(self, missing_ok: bool = False) -> None:
         try:
-            _checked(self.store.delete, self.url)
+            checked(self.store.delete, self.url)
         except FileNotFoundError:
             if not missing_ok:
                 raise

@@ -43,12 +43,17 @@ impl RemoteFile {
     pub fn open(url: &str, settings: &StorageSettings) -> Result<RemoteFile> {
         let (store, key) = Store::open(url, settings)?;
         let size = store.head(&key)?.size;
-        Ok(RemoteFile(Arc::new(Inner {
+        Ok(RemoteFile::new(store, key, size))
+    }
+
+    /// The object `key` of `store`, `size` bytes long.
+    pub fn new(store: Store, key: Key, size: u64) -> RemoteFile {
+        RemoteFile(Arc::new(Inner {
             store,
             key,
             size,
             blocks: Mutex::new(VecDeque::new()),
-        })))
+        }))
     }
 
     pub fn url(&self) -> String {

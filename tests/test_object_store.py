@@ -1,0 +1,215 @@
+"""Object storage (docs/scale-out.md "Object storage") against real protocol servers on
+127.0.0.1: moto's S3 server and the GCS emulator. A job from and to each equals the local run
+row for row; shards equal one run; a live lease keeps a run out and an expired one is taken
+over; transient faults are retried without duplicates; a 403 is exit 1 naming the URL and no
+credential."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from support.cli import cli, finish
+from support.object_servers import (
+    KEY_ID,
+    SECRET,
+    FaultProxy,
+    GcsServer,
+    S3Server,
+    eaglebatch_env,
+    gcs_xml_shim,
+)
+from support.tiny import make_tiny_model, write_prompts
+
+pytest.importorskip("eaglebatch._native")
+pytest.importorskip("moto.server")
+
+COLS = ["row_index", "id", "output_token_ids", "output_text", "finish_reason", "error"]
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("os-llama"), hidden_size=32, num_layers=1,
+                           num_heads=2, num_kv_heads=1)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = S3Server()
+    yield server
+    server.stop()
+
+
+def _prompts(n: int) -> list[str]:
+    rng = random.Random(n)
+    words = ["the", "cat", "sat", "on", "a", "mat", "42", "code", "über"]
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(1, 6))) for _ in range(n)]
+
+
+def _inputs(tmp: Path, n: int) -> Path:
+    """Two input files (shards straddle them) and a hidden one that is not input."""
+    prompts, ids = _prompts(n), [f"r{i}" for i in range(n)]
+    d = tmp / "in"
+    write_prompts(d / "a.parquet", prompts[: n // 2], ids=ids[: n // 2])
+    write_prompts(d / "b.parquet", prompts[n // 2:], ids=ids[n // 2:])
+    write_prompts(d / "_skip" / "c.parquet", ["not input"], ids=["x"])
+    return d
+
+
+def _job(tmp: Path, model: Path, inp: str, out: str, endpoint: str, extra: str = "",
+         rows_per_part: int = 7, max_new: int = 5) -> Path:  # fmt: skip
+    job = tmp / f"job-{random.randrange(1 << 30)}.yaml"
+    job.write_text(
+        f"model: {model}\ninput:\n  path: {inp}\n  id_column: id\n"
+        f"output:\n  path: {out}\n  part_rows: {rows_per_part}\n  flush_interval_s: 0.2\n"
+        f"  include_token_ids: true\nsampling:\n  max_new_tokens: {max_new}\n"
+        "engine:\n  device: cpu\n  kv_cache_tokens: 2048\n  max_batch_size: 4\n"
+        f"  num_threads: 1\nstorage:\n  endpoint: {endpoint}\n  lease_ttl_s: 6\n{extra}"
+    )
+    return job
+
+
+def _upload(server, d: Path, bucket: str) -> None:
+    for f in sorted(d.rglob("*.parquet")):
+        server.upload(f, bucket, f"in/{f.relative_to(d).as_posix()}")
+    return "in"
+
+
+def _rows(table) -> list[dict]:
+    return sorted(table.select(COLS).to_pylist(), key=lambda r: r["row_index"])
+
+
+def run(job: Path, *args: str, status: int = 0, env: dict | None = None) -> str:
+    return finish(cli("run", str(job), *args, env=eaglebatch_env(env)), status)
+
+
+@pytest.fixture
+def local_ref(tmp_path, small_model):
+    def make(n: int, max_new: int = 5) -> list[dict]:
+        d = _inputs(tmp_path, n)
+        job = _job(tmp_path, small_model, str(d), str(tmp_path / "ref"), "http://unused",
+                   max_new=max_new)  # fmt: skip
+        finish(cli("run", str(job)))
+        return _rows(pq.read_table(tmp_path / "ref")), d
+    return make
+
+
+def test_s3_job_equals_the_local_run_resumes_and_restarts(tmp_path, small_model, s3, local_ref):
+    want, d = local_ref(40)
+    b = s3.bucket("plain")
+    _upload(s3, d, b)
+    job = _job(tmp_path, small_model, f"s3://{b}/in", f"s3://{b}/out", s3.endpoint)
+    log = run(job)
+    assert "40 (0 errors)" in log
+    assert _rows(s3.table(b, "out/")) == want
+    keys = s3.keys(b, "out/")
+    assert ".eaglebatch.lease" in {k.rsplit("/", 1)[-1] for k in keys}
+    assert not [k for k in keys if k.endswith(".tmp")]  # no temporary objects
+    assert "40 of 40 rows already done" in run(job)
+    assert "40/40 rows done, 0 error rows" in finish(cli("status", str(job), env=eaglebatch_env()))
+    run(job, "--restart")
+    assert _rows(s3.table(b, "out/")) == want  # restart deleted the old parts first
+    # a glob over the bucket reads the same rows; the `_skip/` object is not input
+    glob_job = _job(tmp_path, small_model, f"s3://{b}/in/*.parquet", f"s3://{b}/glob",
+                    s3.endpoint)  # fmt: skip
+    run(glob_job)
+    assert _rows(s3.table(b, "glob/")) == want
+
+
+def test_shards_on_s3_equal_one_run(tmp_path, small_model, s3, local_ref):
+    want, d = local_ref(30)
+    b = s3.bucket("shards")
+    _upload(s3, d, b)
+    job = _job(tmp_path, small_model, f"s3://{b}/in", f"s3://{b}/out", s3.endpoint)
+    procs = [cli("run", str(job), "--shard", f"{i}/3", env=eaglebatch_env()) for i in range(3)]
+    for p in procs:
+        finish(p)
+    assert _rows(s3.table(b, "out/")) == want
+    dirs = {k.split("/")[1] for k in s3.keys(b, "out/")}
+    assert dirs == {f"shard-0000{i}-of-00003" for i in range(3)}
+    # a run over every row finds the job done; a shard of another count is refused
+    assert "30 of 30 rows already done" in run(job)
+    assert "another number of shards" in run(job, "--shard", "0/2", status=2)
+
+
+def test_gcs_without_conditional_writes_is_refused_unless_unsafe(tmp_path, small_model,
+                                                                 local_ref):  # fmt: skip
+    pytest.importorskip("gcp_storage_emulator")
+    want, d = local_ref(20)
+    gcs = GcsServer(tmp_path)
+    shim = FaultProxy(gcs.endpoint, translate=gcs_xml_shim(gcs.endpoint))
+    gcs.endpoint = shim.endpoint  # the crate's XML requests; uploads go through it too
+    try:
+        b = gcs.bucket("gbkt")
+        for f in sorted(d.glob("*.parquet")):
+            gcs.upload(f, b, f"in/{f.name}")
+        opts = "  options:\n    google_bearer_token: emulator-token\n"
+        job = _job(tmp_path, small_model, f"gs://{b}/in", f"gs://{b}/out", gcs.endpoint, opts)
+        assert "storage.unsafe_no_conditional_writes" in run(job, status=2)
+        unsafe = _job(tmp_path, small_model, f"gs://{b}/in", f"gs://{b}/out", gcs.endpoint,
+                      opts + "  unsafe_no_conditional_writes: true\n")  # fmt: skip
+        assert "20 (0 errors)" in run(unsafe)
+        from eaglebatch import _native
+        from eaglebatch.storage import RemotePath
+
+        store = _native.ObjectStore(gcs.endpoint, {"google_bearer_token": "x"}, True)
+        out = RemotePath(f"gs://{b}/out", store)
+        parts = [p for p in out.iterdir() if p.name.startswith("part-")]
+        got = [r for p in parts for r in pq.read_table(p.open()).select(COLS).to_pylist()]
+        assert sorted(got, key=lambda r: r["row_index"]) == want
+        assert "20 of 20 rows already done" in run(unsafe)
+    finally:
+        shim.stop()
+        gcs.stop()
+
+
+def test_an_expired_lease_is_taken_over_a_live_one_is_not(tmp_path, small_model, s3, local_ref):
+    want, d = local_ref(20)
+    b = s3.bucket("expiry")
+    _upload(s3, d, b)
+    job = _job(tmp_path, small_model, f"s3://{b}/in", f"s3://{b}/out", s3.endpoint)
+
+    def lease(expires_in: float) -> None:
+        s3.put(b, "out/.eaglebatch.lease", json.dumps({
+            "holder": "x", "host": "another-host", "pid": 1, "ttl_s": 6,
+            "expires_at": time.time() + expires_in, "released": False}).encode())  # fmt: skip
+
+    lease(300)
+    assert "held by process 1 on another-host" in run(job, status=2)
+    lease(-1)
+    assert "20 (0 errors)" in run(job)
+    assert _rows(s3.table(b, "out/")) == want
+    held = json.loads(s3.get(b, "out/.eaglebatch.lease"))
+    assert held["released"] and held["host"] == socket.gethostname()
+
+
+def test_transient_faults_are_retried_without_duplicates(tmp_path, small_model, s3, local_ref):
+    want, d = local_ref(60)
+    b = s3.bucket("faults")
+    _upload(s3, d, b)
+    proxy = FaultProxy(s3.endpoint, fail_every=4)
+    try:
+        job = _job(tmp_path, small_model, f"s3://{b}/in", f"s3://{b}/out", proxy.endpoint,
+                   rows_per_part=4)  # fmt: skip
+        run(job)
+        assert proxy.injected >= 5
+    finally:
+        proxy.stop()
+    assert _rows(s3.table(b, "out/")) == want
+
+
+def test_access_denied_is_exit_1_naming_the_url_without_credentials(tmp_path, small_model, s3):
+    proxy = FaultProxy(s3.endpoint, deny=True)
+    try:
+        job = _job(tmp_path, small_model, "s3://denied/in", "s3://denied/out", proxy.endpoint)
+        text = run(job, status=1)
+    finally:
+        proxy.stop()
+    assert "s3://denied/" in text and "403 Forbidden" in text and "Traceback" not in text
+    assert SECRET not in text and KEY_ID not in text
