@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import socket
 import time
 from pathlib import Path
@@ -167,6 +168,55 @@ def test_gcs_without_conditional_writes_is_refused_unless_unsafe(tmp_path, small
     finally:
         shim.stop()
         gcs.stop()
+
+
+def test_kills_at_random_moments_then_rerun_write_each_row_once(tmp_path, small_model, s3,
+                                                                local_ref):  # fmt: skip
+    want, d = local_ref(300, max_new=12)
+    b = s3.bucket("kills")
+    _upload(s3, d, b)
+    slow = FaultProxy(s3.endpoint, delay_s=0.1)  # 60 parts: about 6 s of uploads
+    job = _job(tmp_path, small_model, f"s3://{b}/in", f"s3://{b}/out", slow.endpoint,
+               rows_per_part=5, max_new=12)  # fmt: skip
+    rng = random.Random(7)
+    try:
+        for _ in range(3):
+            p = cli("run", str(job), env=eaglebatch_env())
+            time.sleep(rng.uniform(2.0, 5.0))
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+        run(job)  # a killed run's lease: this host, its process gone -> taken over at once
+    finally:
+        slow.stop()
+    got = _rows(s3.table(b, "out/"))  # every part readable
+    assert [r["row_index"] for r in got] == list(range(300))  # each row once
+    assert got == want
+
+
+def test_a_second_run_is_refused_while_the_first_holds_the_lease(tmp_path, small_model, s3,
+                                                                 local_ref):  # fmt: skip
+    want, d = local_ref(300, max_new=12)
+    b = s3.bucket("lease")
+    _upload(s3, d, b)
+    slow = FaultProxy(s3.endpoint, delay_s=0.5)  # 60 parts: about 30 s of uploads
+    job = _job(tmp_path, small_model, f"s3://{b}/in", f"s3://{b}/out", slow.endpoint,
+               rows_per_part=5, max_new=12)  # fmt: skip
+    try:
+        first = cli("run", str(job), env=eaglebatch_env())
+        for _ in range(600):
+            if "out/.eaglebatch.lease" in s3.keys(b, "out/"):
+                break
+            time.sleep(0.05)
+        second = run(job, status=2)
+        assert f"held by process {first.pid} on {socket.gethostname()}" in second
+        assert "in use by a run over every row" in run(job, "--shard", "0/2", status=2)
+        assert first.poll() is None  # still running: the refusals were no accident
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        run(job)  # takes the dead process's lease over and finishes
+    finally:
+        slow.stop()
+    assert _rows(s3.table(b, "out/")) == want
 
 
 def test_an_expired_lease_is_taken_over_a_live_one_is_not(tmp_path, small_model, s3, local_ref):

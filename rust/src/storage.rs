@@ -346,9 +346,49 @@ fn redact(text: &str, secrets: &[String]) -> String {
         .fold(text.to_string(), |t, s| t.replace(s.as_str(), "***"))
 }
 
+impl Store {
+    /// An in-memory store (the crate's), for tests of what is built on `Store`.
+    #[cfg(test)]
+    pub(crate) fn memory() -> Store {
+        Store {
+            inner: Arc::new(object_store::memory::InMemory::new()),
+            base: "memory://test".into(),
+            secrets: Arc::new(Vec::new()),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn create_only_and_compare_and_swap() {
+        let s = Store::memory();
+        let k = Key::from("d/x");
+        let first = s.put(&k, Bytes::from_static(b"1"), Put::Create).unwrap();
+        let again = s.put(&k, Bytes::from_static(b"2"), Put::Create);
+        assert!(matches!(again, Err(StoreError::Exists(_))), "{again:?}");
+        let stale = Put::Replace {
+            e_tag: Some("\"nope\"".into()),
+            version: None,
+        };
+        assert!(matches!(
+            s.put(&k, Bytes::from_static(b"3"), stale),
+            Err(StoreError::Conflict(_))
+        ));
+        let current = Put::Replace {
+            e_tag: first.e_tag,
+            version: first.version,
+        };
+        s.put(&k, Bytes::from_static(b"4"), current).unwrap();
+        assert_eq!(&s.get(&k).unwrap().0[..], b"4");
+        assert_eq!(s.list(&Key::from("d")).unwrap().len(), 1);
+        assert!(matches!(
+            s.head(&Key::from("d/y")),
+            Err(StoreError::NotFound(_))
+        ));
+    }
 
     #[test]
     fn remote_urls_are_recognised_by_scheme() {

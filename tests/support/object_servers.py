@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -31,10 +32,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait(url: str, proc: subprocess.Popen, what: str) -> None:
+def _log() -> tempfile._TemporaryFileWrapper:
+    """Where a server's request log goes: a file, never a pipe nobody reads (a full pipe
+    blocks the server's request threads)."""
+    return tempfile.NamedTemporaryFile("w+", prefix="eb-server-", suffix=".log")
+
+
+def _wait(url: str, proc: subprocess.Popen, what: str, log) -> None:
     for _ in range(200):
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited: {proc.stderr.read() if proc.stderr else ''}")
+            log.seek(0)
+            raise RuntimeError(f"{what} exited: {log.read()[-2000:]}")
         try:
             urllib.request.urlopen(url, timeout=1)
             return
@@ -53,11 +61,12 @@ class S3Server:
     def __init__(self):
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.log = _log()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            stdout=subprocess.DEVNULL, stderr=self.log,
         )  # fmt: skip
-        _wait(self.endpoint + "/", self.proc, "moto")
+        _wait(self.endpoint + "/", self.proc, "moto", self.log)
         import boto3
 
         self.client = boto3.client(
@@ -91,18 +100,20 @@ class S3Server:
     def stop(self) -> None:
         self.proc.kill()
         self.proc.wait()
+        self.log.close()
 
 
 class GcsServer:
     def __init__(self, data_dir: Path):
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.log = _log()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1",
              "--port", str(self.port), "--in-memory"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=data_dir,
+            stdout=self.log, stderr=self.log, cwd=data_dir,
         )  # fmt: skip
-        _wait(self.endpoint + "/", self.proc, "gcp-storage-emulator")
+        _wait(self.endpoint + "/", self.proc, "gcp-storage-emulator", self.log)
 
     def bucket(self, name: str) -> str:
         body = json.dumps({"name": name}).encode()
@@ -119,16 +130,19 @@ class GcsServer:
     def stop(self) -> None:
         self.proc.kill()
         self.proc.wait()
+        self.log.close()
 
 
 class FaultProxy:
-    """Forwards HTTP requests to `upstream`; `fail_every` k: every k-th request gets a 503
-    (SlowDown) and every (k+2)-th connection is dropped before any answer; `deny`: every
-    request gets a 403 (AccessDenied)."""
+    """Forwards HTTP requests to `upstream` (`delay_s` before each PUT); `fail_every` k: every
+    k-th request gets a 503 (SlowDown) and every (k+2)-th connection is dropped before any
+    answer; `deny`: every request gets a 403 (AccessDenied)."""
 
-    def __init__(self, upstream: str, fail_every: int = 0, deny: bool = False, translate=None):
+    def __init__(self, upstream: str, fail_every: int = 0, deny: bool = False, translate=None,
+                 delay_s: float = 0.0):  # fmt: skip
         self.upstream = upstream.removeprefix("http://")
         self.translate = translate  # (method, path) -> (status, body) | None: answered here
+        self.delay_s = delay_s  # before each PUT: a slow store, so runs can be caught mid-way
         self.fail_every, self.deny = fail_every, deny
         self.count = 0
         self.injected = 0
@@ -157,6 +171,8 @@ class FaultProxy:
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return None
+                if proxy.delay_s and self.command == "PUT":
+                    time.sleep(proxy.delay_s)
                 if proxy.translate and (got := proxy.translate(self.command, self.path)):
                     return self._answer(*got)
                 conn = http.client.HTTPConnection(proxy.upstream, timeout=60)

@@ -230,3 +230,45 @@ impl ChunkReader for Source {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::Put;
+
+    fn file(len: usize) -> (RemoteFile, Vec<u8>) {
+        let store = Store::memory();
+        let data: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+        let key = Key::from("f.bin");
+        store
+            .put(&key, Bytes::from(data.clone()), Put::Create)
+            .unwrap();
+        (RemoteFile::new(store, key, len as u64), data)
+    }
+
+    #[test]
+    fn reads_equal_the_bytes_across_blocks_and_the_cache_stays_bounded() {
+        let len = (BLOCK as usize) * 40 + 12_345;
+        let (f, data) = file(len);
+        let b = BLOCK as usize;
+        for (start, n) in [
+            (0, 10),
+            (b - 3, 7),
+            (3 * b + 5, 2 * b),
+            (len - 5, 100),
+            (len, 1),
+        ] {
+            let got = f.read_at(start as u64, n).unwrap();
+            let end = (start + n).min(len);
+            assert_eq!(&got[..], &data[start..end], "{start} {n}");
+        }
+        let mut r = f.get_read(0).unwrap();
+        let mut all = Vec::new();
+        r.read_to_end(&mut all).unwrap();
+        assert_eq!(all, data);
+        assert!(f.0.blocks.lock().unwrap().len() <= CACHED_BLOCKS);
+        let big = f.get_bytes(0, len).unwrap(); // longer than the cache: fetched directly
+        assert_eq!(&big[..], &data[..]);
+        assert!(f.get_bytes(len as u64 - 2, 5).is_err()); // past the end
+    }
+}

@@ -64,3 +64,32 @@ impl RemoteDir {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_continue_and_a_taken_name_stops_the_writer() {
+        let dir = RemoteDir {
+            store: Store::memory(),
+            prefix: Key::from("out/shard-00000-of-00002"),
+            create_only: true,
+        };
+        assert_eq!(dir.highest_part_number().unwrap(), None);
+        dir.put_part("part-00000.parquet", b"a".to_vec()).unwrap();
+        dir.put_part("part-00007.parquet", b"b".to_vec()).unwrap();
+        dir.put_part(".part-00009.parquet.tmp", b"c".to_vec())
+            .unwrap();
+        assert_eq!(dir.highest_part_number().unwrap(), Some(7));
+        let e = dir
+            .put_part("part-00007.parquet", b"d".to_vec())
+            .unwrap_err();
+        assert!(e.to_string().contains("another run wrote this part"), "{e}");
+        let (kept, _) = dir
+            .store
+            .get(&Key::from("out/shard-00000-of-00002/part-00007.parquet"))
+            .unwrap();
+        assert_eq!(&kept[..], b"b"); // never overwritten
+    }
+}
