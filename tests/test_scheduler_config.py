@@ -20,7 +20,9 @@ RESOLVED = {"input_files", "prompt_column", "input_format", "row_range", "tokeni
             "reasoning_ids", "output_dir", "file_metadata", "keep_columns", "num_blocks",
             "max_model_len", "max_draft_tokens", "overlap", "skip_rows", "skip_samples",
             "read_batch_rows", "queue_rows",
-            "task"}  # fmt: skip  (task: the job's top-level key, passed by name)
+            "task",  # the job's top-level key, passed by name
+            # the job's storage section, renamed (engine.scheduler_config)
+            "storage_endpoint", "storage_options", "storage_unconditional"}  # fmt: skip
 
 
 def job_sources(name: str) -> list[str]:

@@ -6,7 +6,8 @@
 //!   than the cache is fetched directly and not kept;
 //! - the object is read at the size it had when opened (`head`); a part of it that changes
 //!   meanwhile is the caller's problem, as for a local file;
-//! - missing contiguous blocks of one read are fetched in one request.
+//! - missing contiguous blocks of one read are fetched in one request, with `READ_AHEAD`
+//!   more when the read continues the previous block (a column chunk, a JSONL file).
 
 use std::collections::VecDeque;
 use std::fs::File;
@@ -26,6 +27,9 @@ use crate::error::{Error, Result};
 pub const BLOCK: u64 = 1 << 20;
 /// Blocks kept per open file (16 MiB).
 pub const CACHED_BLOCKS: usize = 16;
+/// Blocks fetched past a miss that continues the block read before it (sequential reads:
+/// fewer, larger requests).
+pub const READ_AHEAD: u64 = 7;
 
 struct Inner {
     store: Store,
@@ -98,6 +102,20 @@ impl RemoteFile {
         };
         let (Some(&lo), Some(&hi)) = (missing.first(), missing.last()) else {
             return Ok(());
+        };
+        let sequential = lo > 0
+            && self
+                .0
+                .blocks
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|(n, _)| *n == lo - 1);
+        let last_block = self.0.size.div_ceil(BLOCK).saturating_sub(1);
+        let hi = if sequential {
+            (hi + READ_AHEAD).min(last_block)
+        } else {
+            hi
         };
         let end = ((hi + 1) * BLOCK).min(self.0.size);
         let data = self.0.store.get_range(&self.0.key, lo * BLOCK..end)?;
