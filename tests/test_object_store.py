@@ -1,11 +1,13 @@
 """Object storage (docs/scale-out.md "Object storage") against real protocol servers on
 127.0.0.1: moto's S3 server and the GCS emulator. A job from and to each equals the local run
-row for row; shards equal one run; a live lease keeps a run out and an expired one is taken
-over; transient faults are retried without duplicates; a 403 is exit 1 naming the URL and no
-credential."""
+row for row (OpenAI Batch lines too); shards equal one run; SIGKILL at random points and a
+rerun write every row once; a live lease keeps a second run out and a killed or expired one's
+is taken over; transient faults are retried without duplicates; a 403 is exit 1 naming the URL
+and no credential, and no credential reaches the parts' metadata."""
 
 from __future__ import annotations
 
+import io
 import json
 import random
 import signal
@@ -82,6 +84,14 @@ def _upload(server, d: Path, bucket: str) -> None:
     return "in"
 
 
+def _on_s3(s3, bucket: str, local_ref, n: int, max_new: int = 5) -> tuple[list[dict], str]:
+    """The local run's rows of `n` prompts, and a new bucket holding the same inputs."""
+    want, d = local_ref(n, max_new=max_new)
+    b = s3.bucket(bucket)
+    _upload(s3, d, b)
+    return want, b
+
+
 def _rows(table) -> list[dict]:
     return sorted(table.select(COLS).to_pylist(), key=lambda r: r["row_index"])
 
@@ -102,13 +112,15 @@ def local_ref(tmp_path, small_model):
 
 
 def test_s3_job_equals_the_local_run_resumes_and_restarts(tmp_path, small_model, s3, local_ref):
-    want, d = local_ref(40)
-    b = s3.bucket("plain")
-    _upload(s3, d, b)
-    job = _job(tmp_path, small_model, f"s3://{b}/in", f"s3://{b}/out", s3.endpoint)
+    want, b = _on_s3(s3, "plain", local_ref, 40)
+    secret = f"  options:\n    aws_secret_access_key: {SECRET}\n"  # as well as the env's
+    job = _job(tmp_path, small_model, f"s3://{b}/in", f"s3://{b}/out", s3.endpoint, secret)
     log = run(job)
-    assert "40 (0 errors)" in log
+    assert "40 (0 errors)" in log and SECRET not in log
     assert _rows(s3.table(b, "out/")) == want
+    footer = pq.read_metadata(io.BytesIO(s3.get(b, "out/part-00000.parquet"))).metadata
+    assert b"aws_secret_access_key" in footer[b"eaglebatch.job"]  # the job's record ...
+    assert SECRET.encode() not in b"".join(footer.values())  # ... without the credential
     keys = s3.keys(b, "out/")
     assert ".eaglebatch.lease" in {k.rsplit("/", 1)[-1] for k in keys}
     assert not [k for k in keys if k.endswith(".tmp")]  # no temporary objects
@@ -124,9 +136,7 @@ def test_s3_job_equals_the_local_run_resumes_and_restarts(tmp_path, small_model,
 
 
 def test_shards_on_s3_equal_one_run(tmp_path, small_model, s3, local_ref):
-    want, d = local_ref(30)
-    b = s3.bucket("shards")
-    _upload(s3, d, b)
+    want, b = _on_s3(s3, "shards", local_ref, 30)
     job = _job(tmp_path, small_model, f"s3://{b}/in", f"s3://{b}/out", s3.endpoint)
     procs = [cli("run", str(job), "--shard", f"{i}/3", env=eaglebatch_env()) for i in range(3)]
     for p in procs:
@@ -172,9 +182,7 @@ def test_gcs_without_conditional_writes_is_refused_unless_unsafe(tmp_path, small
 
 def test_kills_at_random_moments_then_rerun_write_each_row_once(tmp_path, small_model, s3,
                                                                 local_ref):  # fmt: skip
-    want, d = local_ref(300, max_new=12)
-    b = s3.bucket("kills")
-    _upload(s3, d, b)
+    want, b = _on_s3(s3, "kills", local_ref, 300, max_new=12)
     slow = FaultProxy(s3.endpoint, delay_s=0.1)  # 60 parts: about 6 s of uploads
     job = _job(tmp_path, small_model, f"s3://{b}/in", f"s3://{b}/out", slow.endpoint,
                rows_per_part=5, max_new=12)  # fmt: skip
@@ -195,9 +203,7 @@ def test_kills_at_random_moments_then_rerun_write_each_row_once(tmp_path, small_
 
 def test_a_second_run_is_refused_while_the_first_holds_the_lease(tmp_path, small_model, s3,
                                                                  local_ref):  # fmt: skip
-    want, d = local_ref(300, max_new=12)
-    b = s3.bucket("lease")
-    _upload(s3, d, b)
+    want, b = _on_s3(s3, "lease", local_ref, 300, max_new=12)
     slow = FaultProxy(s3.endpoint, delay_s=0.5)  # 60 parts: about 30 s of uploads
     job = _job(tmp_path, small_model, f"s3://{b}/in", f"s3://{b}/out", slow.endpoint,
                rows_per_part=5, max_new=12)  # fmt: skip
@@ -220,9 +226,7 @@ def test_a_second_run_is_refused_while_the_first_holds_the_lease(tmp_path, small
 
 
 def test_an_expired_lease_is_taken_over_a_live_one_is_not(tmp_path, small_model, s3, local_ref):
-    want, d = local_ref(20)
-    b = s3.bucket("expiry")
-    _upload(s3, d, b)
+    want, b = _on_s3(s3, "expiry", local_ref, 20)
     job = _job(tmp_path, small_model, f"s3://{b}/in", f"s3://{b}/out", s3.endpoint)
 
     def lease(expires_in: float) -> None:
@@ -240,9 +244,7 @@ def test_an_expired_lease_is_taken_over_a_live_one_is_not(tmp_path, small_model,
 
 
 def test_transient_faults_are_retried_without_duplicates(tmp_path, small_model, s3, local_ref):
-    want, d = local_ref(60)
-    b = s3.bucket("faults")
-    _upload(s3, d, b)
+    want, b = _on_s3(s3, "faults", local_ref, 60)
     proxy = FaultProxy(s3.endpoint, fail_every=4)
     try:
         job = _job(tmp_path, small_model, f"s3://{b}/in", f"s3://{b}/out", proxy.endpoint,
@@ -263,3 +265,24 @@ def test_access_denied_is_exit_1_naming_the_url_without_credentials(tmp_path, sm
         proxy.stop()
     assert "s3://denied/" in text and "403 Forbidden" in text and "Traceback" not in text
     assert SECRET not in text and KEY_ID not in text
+
+
+def test_openai_batch_lines_read_from_s3_equal_the_local_file(tmp_path, small_model, s3):
+    lines = [json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+                         "body": {"model": "m", "prompt": p, "max_tokens": 4}})
+             for i, p in enumerate(_prompts(12))]  # fmt: skip
+    local = tmp_path / "batch" / "requests.jsonl"
+    local.parent.mkdir()
+    local.write_text("\n".join(lines) + "\n")
+    b = s3.bucket("batch")
+    s3.upload(local, b, "in/requests.jsonl")
+    outs = []
+    for inp, out in [(str(local), tmp_path / "a"), (f"s3://{b}/in/requests.jsonl", tmp_path / "b")]:
+        job = tmp_path / f"{out.name}.yaml"
+        job.write_text(f"model: {small_model}\ninput:\n  path: {inp}\noutput:\n  path: {out}\n"
+                       "  include_token_ids: true\nengine:\n  device: cpu\n"
+                       "  kv_cache_tokens: 2048\n"
+                       f"  num_threads: 1\nstorage:\n  endpoint: {s3.endpoint}\n")  # fmt: skip
+        run(job)
+        outs.append(_rows(pq.read_table(out)))
+    assert outs[0] == outs[1] and len(outs[0]) == 12

@@ -37,7 +37,7 @@ from rich.console import Console
 from rich.table import Table
 
 from eaglebatch.engine import open_output, prepare, run_prepared
-from eaglebatch.job.config import JobConfig
+from eaglebatch.job.config import JobConfig, job_to_dict
 from eaglebatch.progress import accept_length, generation_seconds, lookup_line
 from eaglebatch.speculative.worker import SpecWorker
 from eaglebatch.worker import Worker
@@ -296,7 +296,7 @@ def run_bench(
     _print_table(console, rows, f"{prep.total_rows} prompts, {job.sampling.max_new_tokens} new "
                  "tokens")
     _drop_internal(rows)
-    result: dict = {"job": job.model_dump(mode="json"), "rows": rows}
+    result: dict = {"job": job_to_dict(job), "rows": rows}
     result["plain"] = next(r for r in rows if r["engine"] == "eaglebatch")
     if prep.draft_dir is not None:
         _spec_summary(console, result, pair_speedups, repeat)

@@ -677,4 +677,8 @@ def job_from_dict(
 
 
 def job_to_dict(job: JobConfig) -> dict:
-    return job.model_dump(mode="json")
+    """The job as JSON-ready values, for output metadata and reports: `storage.options`
+    values are masked (they may hold credentials; no output carries one)."""
+    out = job.model_dump(mode="json")
+    out["storage"]["options"] = {k: "***" for k in out["storage"]["options"]}
+    return out
