@@ -180,6 +180,18 @@ def test_gcs_without_conditional_writes_is_refused_unless_unsafe(tmp_path, small
         gcs.stop()
 
 
+def test_s3_without_create_only_writes_is_refused_unless_unsafe(tmp_path, small_model, s3):
+    b = s3.bucket("nocond")
+    _upload(s3, _inputs(tmp_path, 6), b)
+    off = "  options:\n    aws_conditional_put: disabled\n"  # the crate then cannot create-only
+    job = _job(tmp_path, small_model, f"s3://{b}/in", f"s3://{b}/out", s3.endpoint, off)
+    assert "storage.unsafe_no_conditional_writes: true" in run(job, status=2)
+    unsafe = _job(tmp_path, small_model, f"s3://{b}/in", f"s3://{b}/out", s3.endpoint,
+                  off + "  unsafe_no_conditional_writes: true\n")  # fmt: skip
+    assert "6 (0 errors)" in run(unsafe)
+    assert len(_rows(s3.table(b, "out/"))) == 6
+
+
 def test_kills_at_random_moments_then_rerun_write_each_row_once(tmp_path, small_model, s3,
                                                                 local_ref):  # fmt: skip
     want, b = _on_s3(s3, "kills", local_ref, 300, max_new=12)

@@ -28,13 +28,13 @@ def check_conditional_writes(own: RemotePath, unsafe: bool) -> None:
     if unsafe:
         return
     probe = own / f".eaglebatch.probe-{uuid.uuid4().hex}"
-    checked(probe.store.put, probe.url, b"probe", "create")
     try:
         checked(probe.store.put, probe.url, b"probe", "create")
-        honoured = False
+        checked(probe.store.put, probe.url, b"probe", "create")
+        honoured = False  # the second create overwrote the first
     except FileExistsError:
         honoured = True
-    except NotImplementedError:
+    except NotImplementedError:  # e.g. S3 with `aws_conditional_put: disabled`
         honoured = False
     finally:
         try:
