@@ -298,3 +298,23 @@ def test_openai_batch_lines_read_from_s3_equal_the_local_file(tmp_path, small_mo
         run(job)
         outs.append(_rows(pq.read_table(out)))
     assert outs[0] == outs[1] and len(outs[0]) == 12
+
+
+def test_a_model_folder_on_s3_is_copied_once_and_gives_the_local_models_rows(
+    tmp_path, small_model, s3, local_ref,
+):  # fmt: skip
+    want, d = local_ref(10)
+    b = s3.bucket("models")
+    for f in sorted(small_model.rglob("*")):
+        if f.is_file():
+            s3.upload(f, b, f"tiny/{f.relative_to(small_model).as_posix()}")
+    cache = tmp_path / "cache"
+    env = {"EAGLEBATCH_CACHE": str(cache)}
+    job = _job(tmp_path, f"s3://{b}/tiny", str(d), str(tmp_path / "out"), s3.endpoint)
+    run(job, env=env)
+    assert _rows(pq.read_table(tmp_path / "out")) == want
+    copies = [p for p in (cache / "remote-models").rglob("*") if p.is_file()]
+    stamps = {p: p.stat().st_mtime_ns for p in copies}
+    assert any(p.name == "config.json" for p in copies)
+    run(job, "--restart", env=env)  # the copy is reused: nothing rewritten
+    assert {p: p.stat().st_mtime_ns for p in copies} == stamps

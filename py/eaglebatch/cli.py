@@ -80,7 +80,8 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
         builtin.require_builtin_model_package(job.model)
         model = f"{job.model} (builtin)"
     else:
-        model = str(check_model_dir(resolve_model_dir(job.model)).dir)  # a GGUF: converted
+        model_dir = resolve_model_dir(job.model, job.storage)  # a GGUF: converted; a URL: copied
+        model = str(check_model_dir(model_dir).dir)
     draft = f", draft {resolve_draft_dir(job.draft)}" if job.draft is not None else ""
     output = ""
     if builtin.is_builtin_model(job.model):  # its own template is known good; the job's file

@@ -197,7 +197,7 @@ def prepare(job: JobConfig) -> PreparedJob:
         files, total = check_input(job.input, job.storage)
     kept = kept_columns(job, files)
     check_output_apart(job.input.path, files, job.output.path)
-    mf = _with_chat_template(model_files(job.model), job.model_chat_template)
+    mf = _with_chat_template(model_files(job.model, job.storage), job.model_chat_template)
     if renders_chat(job, batch_chat):
         if mf.chat_template is None:
             raise JobError(

@@ -15,7 +15,9 @@ from pathlib import Path
 
 from eaglebatch.errors import JobError
 from eaglebatch.job import builtin
-from eaglebatch.job.gguf_model import gguf_model_dir, is_gguf_path
+from eaglebatch.job.gguf_model import cache_dir, gguf_model_dir, is_gguf_path
+from eaglebatch.storage import is_remote, location
+from eaglebatch.storage.download import cached_copy
 
 
 @dataclass(frozen=True)
@@ -75,11 +77,13 @@ def _chat_template(d: Path, tok_cfg: dict) -> str | None:
     return tmpl if isinstance(tmpl, str) else None
 
 
-def resolve_model_dir(model: str) -> Path:
+def resolve_model_dir(model: str, storage=None) -> Path:
     """The folder of `model`: a builtin name, a GGUF file (converted once, gguf_model.py) or a
-    Hugging Face-style folder."""
+    Hugging Face-style folder; an object-store URL of either is copied into the cache first
+    (storage/download.py; `storage`: the job's section)."""
     if builtin.is_builtin_model(model):
         return builtin.builtin_model_dir(model)
+    model = local_model(model, storage)
 
     if is_gguf_path(model):
         return gguf_model_dir(model)
@@ -135,7 +139,15 @@ def source_gguf(model: str) -> Path | None:
     return Path(model) if is_gguf_path(model) else None
 
 
-def model_files(model: str) -> ModelFiles:
+def local_model(model: str, storage=None) -> str:
+    """`model`, or for an object-store URL its local copy in the cache (storage/download.py)."""
+    if not is_remote(model):
+        return model
+    return str(cached_copy(location(model, storage), cache_dir() / "remote-models"))
+
+
+def model_files(model: str, storage=None) -> ModelFiles:
+    model = local_model(model, storage)
     mf = check_model_dir(resolve_model_dir(model))
     return dataclasses.replace(mf, gguf=source_gguf(model))
 

@@ -57,12 +57,14 @@ def checked(fn, *args):
 class RemotePath:
     """An object-store URL (`scheme://bucket/key`), without a trailing slash."""
 
-    def __init__(self, url: str, store, size: int | None = None, is_object: bool | None = None):
+    def __init__(self, url: str, store, size: int | None = None, is_object: bool | None = None,
+                 e_tag: str | None = None):  # fmt: skip
         scheme, rest = url.split("://", 1)
         self.url = f"{scheme}://{rest.rstrip('/')}"
         self.store = store
         self._size = size
         self._is_object = is_object
+        self.e_tag = e_tag  # of a listed object
 
     # naming
     @property
@@ -118,7 +120,7 @@ class RemotePath:
     def walk_objects(self) -> list[RemotePath]:
         """Every object under this directory, at any depth, sorted."""
         entries = checked(self.store.list, self.url + "/")
-        return [RemotePath(u, self.store, size, True) for u, size, _, _ in entries]
+        return [RemotePath(u, self.store, size, True, tag) for u, size, tag, _ in entries]
 
     def iterdir(self) -> list[RemotePath]:
         """The objects and directories directly under this one, sorted."""
