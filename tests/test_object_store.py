@@ -318,3 +318,17 @@ def test_a_model_folder_on_s3_is_copied_once_and_gives_the_local_models_rows(
     assert any(p.name == "config.json" for p in copies)
     run(job, "--restart", env=env)  # the copy is reused: nothing rewritten
     assert {p: p.stat().st_mtime_ns for p in copies} == stamps
+
+
+def test_a_ray_run_on_s3_equals_the_local_run(tmp_path, small_model, s3, local_ref):
+    pytest.importorskip("ray")
+    want, b = _on_s3(s3, "ray", local_ref, 40)
+    job = _job(tmp_path, small_model, f"s3://{b}/in", f"s3://{b}/out", s3.endpoint,
+               "ray:\n  unit_rows: 10\n")  # fmt: skip
+    ray = ["--ray", "--set", "ray.actors=1", "--set", "ray.cpus_per_actor=1"]
+    run(job, *ray)
+    assert _rows(s3.table(b, "out/")) == want
+    units = {k.split("/")[1] for k in s3.keys(b, "out/") if k.split("/")[1].startswith("unit-")}
+    assert len(units) == 4  # each unit in its own directory, created by the driver
+    assert "all 40 rows are done" in run(job, *ray)
+    assert "40/40 rows done" in finish(cli("status", str(job), env=eaglebatch_env()))

@@ -48,7 +48,7 @@ from eaglebatch.errors import JobError
 from eaglebatch.job.config import JobConfig
 from eaglebatch.output.directory import DirectoryInUse, release_output_dir, release_subdirs
 from eaglebatch.output.resume import ResumeState
-from eaglebatch.storage import SCHEMES
+from eaglebatch.storage import location, parquet_source
 
 PROGRESS_KEYS = ("requests_done", "requests_error", "output_tokens", "running", "waiting")
 SUM_KEYS = ("requests", "errors", "prompt_tokens", "output_tokens", "preemptions",
@@ -375,7 +375,8 @@ def latency_stats(out: Path, units: list[Unit]) -> dict:
     stats = {}
     for name, col in cols.items():
         values = np.concatenate([
-            pq.read_table(p, columns=[col]).column(col).to_numpy(zero_copy_only=False)
+            pq.read_table(parquet_source(p), columns=[col])
+            .column(col).to_numpy(zero_copy_only=False)
             for p in parts
         ]).astype(np.float64)  # fmt: skip
         values = values[~np.isnan(values)]
@@ -404,12 +405,9 @@ def run_on_ray(prep: PreparedJob, address: str | None, restart: bool, console) -
     # lazy: ray is an optional extra; torch only in the actors, not the driver
     from eaglebatch.progress import ProgressView
 
-    if str(prep.job.output.path).startswith(SCHEMES):
-        raise JobError("--ray: an object-store output.path is written by shards (--shard i/N, "
-                       "one per array task) or one process; a Ray run writes to shared disk")
     ray = import_ray()
     check_address(address)
-    out = Path(prep.job.output.path)
+    out = location(prep.job.output.path, prep.job.storage)
     # exclusive: the whole tree, but the unit directories a late actor still holds
     resume: ResumeState = open_output(prep, restart=restart, ray_driver=True)
     done = resume.done_rows[resume.done_rows < prep.total_rows]

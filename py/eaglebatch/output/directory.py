@@ -141,6 +141,13 @@ def _checked_tree(path) -> dict[Path, DirContents]:
     return tree
 
 
+def _checked_dir(d) -> dict[Path, DirContents]:
+    """A Ray unit's own directory, checked as _checked_tree checks a tree."""
+    contents = scan_dir(d)
+    check_only_ours(d, contents)
+    return {d: contents}
+
+
 def _lock(path: Path, exclusive: bool = True) -> None:
     key = path.resolve()
     if fcntl is None or key in _held:
@@ -213,7 +220,9 @@ def release_output_dir(path: Path, subdir: str | None = None, unit: bool = False
 
 def release_subdirs(path: Path) -> None:
     """Drops this process's locks of the directories under output.path, keeping output.path's
-    (a Ray driver, before its actors take their units)."""
+    (a Ray driver, before its actors take their units; on an object store it holds none)."""
+    if isinstance(path, RemotePath):
+        return
     top = path.resolve()
     for key in [k for k in _held if top in k.parents]:
         os.close(_held.pop(key))
@@ -234,8 +243,10 @@ def prepare_output_dir(
     On an object store (`path` a RemotePath, `storage` the job's section) leases stand in for
     the locks (remote_dir.py); Ray units do not run there."""
     if isinstance(path, RemotePath):
+        own = path / subdir if unit else None
+        scan = (lambda: _checked_tree(path)) if own is None else (lambda: _checked_dir(own))
         try:
-            prepare_remote(path, restart, subdir, admit, storage, lambda: _checked_tree(path))
+            prepare_remote(path, restart, subdir, admit, storage, scan, unit)
         except LeaseHeld as e:
             raise DirectoryInUse(f"output.path: {e}; wait for it to finish or stop it, or "
                                  f"choose another output.path") from None  # fmt: skip

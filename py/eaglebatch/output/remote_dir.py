@@ -42,16 +42,23 @@ def check_conditional_writes(own: RemotePath, unsafe: bool) -> None:
         except Exception:  # noqa: BLE001 - a hidden leftover is harmless (scans skip '.x')
             pass
     if not honoured:
-        raise JobError(
-            f"output.path: {own} is on a store that does not refuse create-only writes of an "
-            f"existing name, which exactly-once needs (docs/scale-out.md, Object storage); "
-            f"set storage.unsafe_no_conditional_writes: true to run without that guarantee"
-        )
+        raise _no_create_only(own)
+
+
+def _no_create_only(own: RemotePath) -> JobError:
+    return JobError(
+        f"output.path: {own} is on a store that does not refuse create-only writes of an "
+        f"existing name, which exactly-once needs (docs/scale-out.md, Object storage); "
+        f"set storage.unsafe_no_conditional_writes: true to run without that guarantee"
+    )
 
 
 def _take(d: RemotePath, job_storage) -> None:
-    _held[d.url] = Lease.acquire(d / LEASE_NAME, job_storage.lease_ttl_s,
-                                 job_storage.unsafe_no_conditional_writes)  # fmt: skip
+    try:
+        _held[d.url] = Lease.acquire(d / LEASE_NAME, job_storage.lease_ttl_s,
+                                     job_storage.unsafe_no_conditional_writes)  # fmt: skip
+    except NotImplementedError:  # no create-only PUT at all (S3 with conditional puts off)
+        raise _no_create_only(d) from None
 
 
 def _others_live(path: RemotePath, subdir: str | None, dirs: list[RemotePath]) -> str | None:
@@ -68,21 +75,26 @@ def _others_live(path: RemotePath, subdir: str | None, dirs: list[RemotePath]) -
 
 def prepare_remote(
     path: RemotePath, restart: bool, subdir: str | None, admit: Callable[[], None] | None,
-    job_storage, scan: Callable[[], dict],
+    job_storage, scan: Callable[[], dict], unit: bool = False,
 ) -> None:  # fmt: skip
     """directory.prepare_output_dir for an object store (module doc). `scan`: the checked tree
-    (directory -> DirContents, output.path first). Raises LeaseHeld while another run holds
-    what this one needs."""
+    (directory -> DirContents, output.path first; a Ray `unit`: its own directory, which its
+    driver created and whose output.path lease the driver holds). Raises LeaseHeld while
+    another run holds what this one needs."""
     if path.is_file():
         raise JobError(f"output.path: {path} is an object, not a directory (a prefix)")
     own = path if subdir is None else path / subdir
-    check_conditional_writes(own, job_storage.unsafe_no_conditional_writes)
-    _take(own, job_storage)
+    if unit and not own.is_dir():
+        raise JobError(f"output.path: {own} does not exist: a Ray unit runs only in a "
+                       f"directory its driver created")  # fmt: skip
+    _take(own, job_storage)  # first: the lease object makes `own` exist while this run lasts
     try:
+        check_conditional_writes(own, job_storage.unsafe_no_conditional_writes)
         if admit is not None:
             admit()
         tree = scan()
-        if (why := _others_live(path, subdir, [d for d in tree if d != path])) is not None:
+        why = None if unit else _others_live(path, subdir, [d for d in tree if d != path])
+        if why is not None:
             raise LeaseHeld(why)
         if restart:
             for d in list(tree) if own == path else [own]:

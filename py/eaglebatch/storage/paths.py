@@ -2,9 +2,9 @@
 
 Object stores have objects and key prefixes, not directories: a RemotePath is a directory when
 some object's key continues it with `/`, and it exists when it is an object or a directory.
-Creating a directory does nothing (a prefix exists once an object is written under it), and
-neither does removing one. Renames, symlinks and locks do not exist (output/remote_dir.py keeps
-its runs apart with a lease object instead).
+Creating a directory writes a hidden marker object under it (a prefix exists once an object is
+written under it); removing one does nothing. Renames, symlinks and locks do not exist
+(output/remote_dir.py keeps its runs apart with a lease object instead).
 
 A listing is one request per call (`iterdir`, `is_dir`); objects listed carry their size, so
 `stat()` of a listed object asks nothing more.
@@ -22,17 +22,29 @@ from eaglebatch.errors import StorageFailed
 from eaglebatch.storage.remote_file import RemoteFile
 
 SCHEMES = ("s3://", "gs://", "az://", "abfs://", "abfss://")
+DIR_MARKER = ".eaglebatch.dir"  # RemotePath.mkdir
 
 
 def is_remote(path) -> bool:
     return isinstance(path, RemotePath) or str(path).startswith(SCHEMES)
 
 
+_SETTINGS: dict[int, tuple] = {}  # id(native store) -> its _store arguments (pickling)
+
+
 @functools.lru_cache(maxsize=8)
 def _store(endpoint, options: tuple, unconditional: bool):
     from eaglebatch import _native  # lazy: validate and status need it only for remote paths
 
-    return _native.ObjectStore(endpoint, dict(options), unconditional)
+    store = _native.ObjectStore(endpoint, dict(options), unconditional)
+    _SETTINGS[id(store)] = (endpoint, options, unconditional)
+    return store
+
+
+def _rebuild(url: str, settings: tuple, size, is_object, e_tag, listed_dir) -> RemotePath:
+    path = RemotePath(url, _store(*settings), size, is_object, e_tag)
+    path._listed_dir = listed_dir
+    return path
 
 
 def store_for(storage):
@@ -65,6 +77,13 @@ class RemotePath:
         self._size = size
         self._is_object = is_object
         self.e_tag = e_tag  # of a listed object
+        self._listed_dir = False  # seen as a directory by the listing that made it
+
+    def __reduce__(self):
+        """Pickled (a Ray actor's job) with its store's settings, not the native store."""
+        settings = _SETTINGS[id(self.store)]
+        return _rebuild, (self.url, settings, self._size, self._is_object, self.e_tag,
+                          self._listed_dir)  # fmt: skip
 
     # naming
     @property
@@ -129,9 +148,10 @@ class RemotePath:
         for obj in self.walk_objects():
             rest = obj.url[len(prefix):]
             head = rest.split("/", 1)[0]
-            if "/" in rest:
-                children.setdefault(head, RemotePath(prefix + head, self.store, None, False))
-            else:
+            if "/" in rest and head not in children:
+                children[head] = RemotePath(prefix + head, self.store, None, False)
+                children[head]._listed_dir = True
+            elif "/" not in rest:
                 children[head] = obj
         return [children[k] for k in sorted(children)]
 
@@ -149,6 +169,10 @@ class RemotePath:
         return self._is_object
 
     def is_dir(self) -> bool:
+        """Whether objects lie under this prefix (as of the listing that found it, if one
+        did: a directory seen by a scan stays one for that scan)."""
+        if self._listed_dir:
+            return True
         if self._is_object:
             return False
         return bool(checked(self.store.list, self.url + "/"))
@@ -185,7 +209,9 @@ class RemotePath:
                 raise
 
     def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
-        """Nothing to do: a prefix exists once an object is written under it."""
+        """Makes the prefix exist: a hidden, empty marker object `.eaglebatch.dir` under it
+        (scans skip hidden names). A Ray driver creates its unit directories so."""
+        checked(self.store.put, f"{self.url}/{DIR_MARKER}", b"", "overwrite")
 
     def rmdir(self) -> None:
         """Nothing to do: a prefix without objects does not exist."""
