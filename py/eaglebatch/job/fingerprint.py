@@ -10,9 +10,10 @@ import hashlib
 import os
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eaglebatch.storage import parquet_footer
+from eaglebatch.storage import footer_bytes
 
 # Small text files of a model / draft folder whose exact content matters.
 _MODEL_TEXT_FILES = (
@@ -81,9 +82,12 @@ def _relative_names(files: list) -> list[str]:
 def _content_fingerprint(f: Path, jsonl: bool) -> list:
     """[rows, bytes, hash]: a Parquet file's footer hash, or a JSONL file's whole-content hash
     (it has no footer; rows None), streamed."""
+    if not jsonl and not isinstance(f, Path):  # a remote object: its footer read once
+        footer = footer_bytes(f)
+        rows = pq.read_metadata(pa.BufferReader(b"PAR1" + footer)).num_rows
+        return [rows, f.stat().st_size, hashlib.sha256(footer).hexdigest()]
     if not jsonl:
-        source = f if isinstance(f, Path) else parquet_footer(f)  # a remote object
-        return [pq.read_metadata(source).num_rows, f.stat().st_size, footer_sha256(f)]
+        return [pq.read_metadata(f).num_rows, f.stat().st_size, footer_sha256(f)]
     h = hashlib.sha256()
     with f.open("rb") as data:
         while chunk := data.read(1 << 20):

@@ -18,8 +18,8 @@ import pyarrow as pa
 
 from eaglebatch.storage.paths import SCHEMES, RemotePath, is_remote, store_for
 
-__all__ = ["SCHEMES", "RemotePath", "is_remote", "location", "parquet_footer", "parquet_source",
-           "store_for"]
+__all__ = ["SCHEMES", "RemotePath", "footer_bytes", "is_remote", "location", "parquet_footer",
+           "parquet_source", "store_for"]
 
 
 def location(path: str | Path, storage) -> Path | RemotePath:
@@ -40,10 +40,15 @@ def parquet_source(path: Path | RemotePath):
 
 def parquet_footer(path: Path | RemotePath):
     """What pyarrow.parquet opens to read `path`'s footer alone (metadata, schema): the path,
-    or for a remote object a buffer of its footer between the magic bytes (two ranged reads,
-    whatever the object's size)."""
+    or for a remote object a buffer of its footer between the magic bytes."""
     if not isinstance(path, RemotePath):
         return path
+    return pa.BufferReader(b"PAR1" + footer_bytes(path))
+
+
+def footer_bytes(path: RemotePath) -> bytes:
+    """A remote Parquet object's footer and its 8-byte tail (two ranged reads, whatever the
+    object's size): what fingerprint.footer_sha256 hashes of a local file."""
     with path.open("rb") as f:
         f.seek(-8, 2)
         tail = f.read(8)
@@ -51,4 +56,4 @@ def parquet_footer(path: Path | RemotePath):
         if tail[4:] != b"PAR1" or size + 12 > f.raw.size():
             raise OSError(f"{path}: not a Parquet file (no footer)")
         f.seek(-(8 + size), 2)
-        return pa.BufferReader(b"PAR1" + f.read(size) + tail)
+        return f.read(size) + tail
