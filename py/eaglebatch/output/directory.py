@@ -285,9 +285,7 @@ def _clean(path: Path, own: Path, restart: bool, unit: bool, busy: list[Path]) -
     """Checks the tree under `path` (a unit: `own` alone); cleans `own` (with its subdirectories
     when it is `path`, but those another process holds)."""
     try:
-        tree = {own: scan_dir(own)} if unit else scan_tree(path)
-        for d, contents in tree.items():
-            check_only_ours(d, contents)
+        tree = _checked_dir(own) if unit else _checked_tree(path)
         mine = [d for d in tree if (own == path and d not in busy) or d == own] or [own]
         for d in mine:
             for tmp in d.glob(TMP_GLOB):
