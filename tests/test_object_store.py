@@ -15,6 +15,7 @@ import socket
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -332,3 +333,19 @@ def test_a_ray_run_on_s3_equals_the_local_run(tmp_path, small_model, s3, local_r
     assert len(units) == 4  # each unit in its own directory, created by the driver
     assert "all 40 rows are done" in run(job, *ray)
     assert "40/40 rows done" in finish(cli("status", str(job), env=eaglebatch_env()))
+
+
+def test_pyarrow_reads_remote_bytes_from_its_own_memory():
+    """A remote part's or footer's bytes reach pyarrow copied into Arrow's memory: a buffer
+    Python owns would be freed by an Arrow I/O thread taking the GIL, which aborts the process
+    when that happens during interpreter shutdown (seen: `status` exiting with SIGABRT)."""
+    from eaglebatch.storage import arrow_reader
+
+    table = pa.table({"row_index": list(range(50)), "ids": [[1, 2]] * 50})
+    sink = io.BytesIO()
+    pq.write_table(table, sink, row_group_size=10)
+    data = sink.getvalue()
+    reader = arrow_reader(data)
+    assert reader.read_buffer(4).address != pa.py_buffer(data).address  # a copy
+    reader.seek(0)
+    assert pq.ParquetFile(reader).read().equals(table)

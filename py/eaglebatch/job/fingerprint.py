@@ -10,10 +10,9 @@ import hashlib
 import os
 from pathlib import Path
 
-import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eaglebatch.storage import footer_bytes
+from eaglebatch.storage import arrow_reader, footer_bytes
 
 # Small text files of a model / draft folder whose exact content matters.
 _MODEL_TEXT_FILES = (
@@ -84,7 +83,7 @@ def _content_fingerprint(f: Path, jsonl: bool) -> list:
     (it has no footer; rows None), streamed."""
     if not jsonl and not isinstance(f, Path):  # a remote object: its footer read once
         footer = footer_bytes(f)
-        rows = pq.read_metadata(pa.BufferReader(b"PAR1" + footer)).num_rows
+        rows = pq.read_metadata(arrow_reader(b"PAR1" + footer)).num_rows
         return [rows, f.stat().st_size, hashlib.sha256(footer).hexdigest()]
     if not jsonl:
         return [pq.read_metadata(f).num_rows, f.stat().st_size, footer_sha256(f)]

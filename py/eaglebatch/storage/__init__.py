@@ -18,8 +18,8 @@ import pyarrow as pa
 
 from eaglebatch.storage.paths import SCHEMES, RemotePath, is_remote, store_for
 
-__all__ = ["SCHEMES", "RemotePath", "footer_bytes", "is_remote", "location", "parquet_footer",
-           "parquet_source", "store_for"]
+__all__ = ["SCHEMES", "RemotePath", "arrow_reader", "footer_bytes", "is_remote", "location",
+           "parquet_footer", "parquet_source", "store_for"]
 
 
 def location(path: str | Path, storage) -> Path | RemotePath:
@@ -35,7 +35,7 @@ def parquet_source(path: Path | RemotePath):
     """What pyarrow.parquet opens to read `path`'s data: the path itself, or the remote
     object's bytes in memory (parts are small: output.part_rows rows). pyarrow never reads
     through a Python file object here: its I/O threads would call back into Python."""
-    return pa.BufferReader(path.read_bytes()) if isinstance(path, RemotePath) else path
+    return arrow_reader(path.read_bytes()) if isinstance(path, RemotePath) else path
 
 
 def parquet_footer(path: Path | RemotePath):
@@ -43,7 +43,19 @@ def parquet_footer(path: Path | RemotePath):
     or for a remote object a buffer of its footer between the magic bytes."""
     if not isinstance(path, RemotePath):
         return path
-    return pa.BufferReader(b"PAR1" + footer_bytes(path))
+    return arrow_reader(b"PAR1" + footer_bytes(path))
+
+
+def arrow_reader(data: bytes) -> pa.BufferReader:
+    """A reader over a copy of `data` in Arrow's own memory. Invariant: pyarrow never holds a
+    Python-owned buffer here. Its I/O threads may drop the last reference to the buffer after
+    the read returned, even while the interpreter shuts down; freeing a Python buffer takes the
+    GIL, and a thread that asks for it then is ended inside a noexcept destructor: the process
+    aborts ("terminate called without an active exception") after its work is done."""
+    buf = pa.allocate_buffer(len(data))
+    with memoryview(buf) as view, view.cast("B") as out:  # Arrow's format is "b"
+        out[:] = data
+    return pa.BufferReader(buf)
 
 
 def footer_bytes(path: RemotePath) -> bytes:
