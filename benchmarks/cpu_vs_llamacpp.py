@@ -3,6 +3,7 @@
     python benchmarks/cpu_vs_llamacpp.py [--batch1-prompts 24] [--prompts 64]
         [--max-tokens 128] [--batch-sizes 1 8 16 32 64] [--dequantized-batch-sizes 1 64]
         [--llama-parallel 16 32 64] [--threads 2] [--repeat 1] [--json PATH]
+        [--model-shape 1b|3b]
 
 The prompts are the first ShareGPT first-turn prompts of 20-400 characters in the quickstart's
 input (the embedded dataset), rendered with the model's chat template by its tokenizer;
@@ -52,6 +53,7 @@ from eaglebatch.job.config import JobConfig, load_job
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llamacpp import find_llama_server, run_llama_server  # noqa: E402
+from synthetic_gguf import write_llama_gguf  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 GOAL_BATCH1, GOAL_BATCHED = 1.5, 2.0  # EAGLE over llama.cpp (issue 31)
@@ -118,7 +120,7 @@ def llama_rows(gguf: Path, ids: list[list[int]], n1: int, args, console: Console
     runs = [(1, ids[:n1])] + [(p, ids) for p in args.llama_parallel]
     for parallel, prompts in runs:
         r = run_llama_server(gguf, prompts, args.max_tokens, parallel, threads=args.threads,
-                             binary=binary)
+                             binary=binary, ignore_eos=bool(args.model_shape))
         r.pop("per_request")
         console.print(f"llama.cpp, {parallel} slot(s), {len(prompts)} prompts: "
                       f"{r['output_tok_s_gen']:.1f} gen tok/s ({r['output_tok_s_wall']:.1f} wall)")
@@ -130,13 +132,14 @@ def llama_rows(gguf: Path, ids: list[list[int]], n1: int, args, console: Console
 
 
 def eagle_rows(weights: str, batch_sizes: list[int], n1: int, args, tmp: Path,
-               console: Console) -> list[dict]:
-    """eaglebatch plain and EAGLE rows at each batch size with engine.weights = weights."""
+               console: Console, model: list[str]) -> list[dict]:  # fmt: skip
+    """eaglebatch plain and EAGLE rows at each batch size with engine.weights = weights
+    (`model`: overrides naming another model than the quickstart's)."""
     rows = []
     for b in batch_sizes:
         n = n1 if b == 1 else args.prompts
         job = quickstart_job(tmp / f"{weights}-{b}", tmp / PROMPTS, n, args.max_tokens,
-                             [f"engine.weights={weights}"])
+                             [f"engine.weights={weights}", *model])
         console.print(f"eaglebatch, weights {weights}, batch {b}, {n} prompts ...")
         got, pairs = eaglebatch_rows(job, [b], repeat=args.repeat, console=console)
         for r in got:
@@ -206,18 +209,20 @@ def spec_table(rows: list[dict], weights: str, batch_sizes: list[int]) -> Table:
     return t
 
 
-def goal_lines(llama: dict, rows: list[dict], batched: int) -> list[str]:
+def goal_lines(llama: dict, rows: list[dict], batched: int,
+               goals: tuple[float, float] = (GOAL_BATCH1, GOAL_BATCHED)) -> list[str]:  # fmt: skip
     best = max(r["output_tok_s_gen"] for r in llama["batched"])
     out = []
-    for label, b, ref, goal in (("batch 1", 1, llama["batch1"]["output_tok_s_gen"], GOAL_BATCH1),
-                                ("batched", batched, best, GOAL_BATCHED)):
+    for label, b, ref, goal in (("batch 1", 1, llama["batch1"]["output_tok_s_gen"], goals[0]),
+                                ("batched", batched, best, goals[1])):
         for weights in ("quantized", "dequantized"):
             e = _find(rows, weights, "eaglebatch+eagle", b)
             p = _find(rows, weights, "eaglebatch", b)
-            if e is None or p is None:
+            if p is None:
                 continue
-            fastest = max(e["generation_tok_s"], p["generation_tok_s"])
-            out.append(f"{label}, weights {weights}: EAGLE {e['generation_tok_s'] / ref:.2f}x, "
+            fastest = max(r["generation_tok_s"] for r in (e, p) if r is not None)
+            eagle = f"EAGLE {e['generation_tok_s'] / ref:.2f}x, " if e is not None else ""
+            out.append(f"{label}, weights {weights}: {eagle}"
                        f"plain {p['generation_tok_s'] / ref:.2f}x llama.cpp "
                        f"(goal {goal}x: {'met' if fastest / ref >= goal else 'not met'})")
     return out
@@ -235,7 +240,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--repeat", type=int, default=1,
                     help="eaglebatch plain / EAGLE pairs per batch size (the median is shown)")
     ap.add_argument("--json", type=Path)
-    return ap.parse_args(argv)
+    ap.add_argument("--model-shape", choices=["1b", "3b"],
+                    help="a synthetic Llama GGUF of this size (benchmarks/synthetic_gguf.py, "
+                    "random weights, plain decoding with EOS ignored) instead of the embedded "
+                    "model")
+    args = ap.parse_args(argv)
+    if args.model_shape and "--dequantized-batch-sizes" not in (argv or sys.argv):
+        args.dequantized_batch_sizes = []  # float32 copies of 1-3B weights: not the point
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -244,17 +256,23 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"CPU: {cpu_line()}")
     n1, batched = args.batch1_prompts, max(args.batch_sizes)
     with tempfile.TemporaryDirectory(prefix="eaglebatch-vs-llamacpp-") as tmp:
+        gguf, model = builtin.builtin_gguf(), []
+        if args.model_shape:
+            gguf = write_llama_gguf(Path(tmp) / f"{args.model_shape}.gguf", args.model_shape)
+            model = [f"model={gguf}", "draft=null", "sampling.ignore_eos=true"]
+            console.print(f"synthetic {args.model_shape} GGUF: {gguf.stat().st_size / 1e9:.2f} GB")
         short_prompts(Path(tmp) / PROMPTS, args.prompts)
         ids = prompt_token_ids(quickstart_job(Path(tmp) / "ids", Path(tmp) / PROMPTS,
-                                              args.prompts, args.max_tokens, []))
-        llama = llama_rows(builtin.builtin_gguf(), ids, n1, args, console)
-        rows = eagle_rows("quantized", args.batch_sizes, n1, args, Path(tmp), console)
+                                              args.prompts, args.max_tokens, model))
+        llama = llama_rows(gguf, ids, n1, args, console)
+        rows = eagle_rows("quantized", args.batch_sizes, n1, args, Path(tmp), console, model)
         rows += eagle_rows("dequantized", args.dequantized_batch_sizes, n1, args, Path(tmp),
-                           console)
+                           console, model)
     console.print(side_by_side(llama, rows, n1, args.prompts, batched))
     for weights in sorted({r["weights"] for r in rows}, reverse=True):
         console.print(spec_table(rows, weights, args.batch_sizes))
-    for line in goal_lines(llama, rows, batched):
+    goals = (1.0, 1.5) if args.model_shape else (GOAL_BATCH1, GOAL_BATCHED)
+    for line in goal_lines(llama, rows, batched, goals):
         console.print(line, highlight=False)
     if args.json:
         result = {"cpu": cpu_line(), "args": {k: str(v) for k, v in vars(args).items()},

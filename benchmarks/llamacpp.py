@@ -309,12 +309,13 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def _complete(port: int, prompt: str | list[int], max_tokens: int) -> dict:
+def _complete(port: int, prompt: str | list[int], max_tokens: int,
+              ignore_eos: bool = False) -> dict:  # fmt: skip
     """Send one greedy ``/completion`` request (text, or token ids sent as they are); return
     its timings."""
     body = {
         "prompt": prompt, "n_predict": max_tokens, "temperature": 0,
-        "top_k": 1, "cache_prompt": False, "seed": 0,
+        "top_k": 1, "cache_prompt": False, "seed": 0, "ignore_eos": ignore_eos,
     }
     start = time.perf_counter()
     status, raw = _request(port, "POST", "/completion", body)
@@ -361,6 +362,7 @@ def run_llama_server(
     *,
     binary: tuple[Path, str] | None = None,
     startup_timeout: float = 300.0,
+    ignore_eos: bool = False,
 ) -> dict:
     """Serve ``gguf`` with ``parallel`` slots and time generating for ``prompts``.
 
@@ -392,7 +394,8 @@ def run_llama_server(
         try:
             _wait_healthy(proc, port, log, startup_timeout)
             with ThreadPoolExecutor(max_workers=parallel) as pool:
-                futures = [pool.submit(_complete, port, p, max_tokens) for p in prompts]
+                futures = [pool.submit(_complete, port, p, max_tokens, ignore_eos)
+                           for p in prompts]
                 records = [f.result() for f in futures]
         finally:
             _stop(proc)

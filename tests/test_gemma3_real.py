@@ -42,7 +42,7 @@ def test_greedy_equals_transformers_on_sharegpt(tmp_path, prompts):
     )
     run_prepared(prepare(load_job(job)))
     got = pq.read_table(tmp_path / "out").sort_by("row_index").column("output_token_ids")
-    folder = builtin.builtin_model_dir(builtin.BUILTIN_GEMMA)
+    folder = builtin.builtin_reference_dir(builtin.BUILTIN_GEMMA)
     tok = AutoTokenizer.from_pretrained(str(folder))
     hf = Gemma3ForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     eos = set(hf.generation_config.eos_token_id if isinstance(

@@ -21,7 +21,7 @@ MAX_NEW = 128
 
 @pytest.fixture(scope="module")
 def model_dir():
-    return builtin.builtin_model_dir()
+    return builtin.builtin_reference_dir()  # transformers' float32 conversion
 
 
 @pytest.fixture(scope="module")

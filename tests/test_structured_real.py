@@ -96,7 +96,7 @@ def test_greedy_constrained_equals_transformers_with_llguidance(tmp_path):
     import llguidance.hf
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir = builtin.builtin_model_dir()
+    model_dir = builtin.builtin_reference_dir()
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     lltok = llguidance.hf.from_tokenizer(tok, n_vocab=model.config.vocab_size)

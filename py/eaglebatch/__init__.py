@@ -5,9 +5,17 @@ Importing the package is cheap: torch and the extension load only when a job run
 Python API's names (`Engine`, `run`, docs/python-api.md) when first used.
 """
 
+import os as _os
 from typing import Any
 
 __version__ = "0.1.0"
+
+# torch's OpenMP runtime (libgomp, whose team the native kernels join, cpu/omp.rs) reads this
+# once, when torch loads it: an idle thread then spins 10k iterations (tens of microseconds)
+# before it sleeps instead of 300k (milliseconds), so processes sharing cores stop burning each
+# other's time (two quickstart shards at 2 threads each: 1.57x -> 1.05x their sequential time,
+# the same alone; docs/performance.md). A value set by the user wins.
+_os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 _API = {"Engine": "eaglebatch.api.engine", "run": "eaglebatch.api.run",
         "JobError": "eaglebatch.errors",

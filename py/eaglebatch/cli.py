@@ -96,6 +96,8 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
         state = scan_output(location(job.output.path, job.storage), prep.identity)
         if state.part_files:
             output = f", output: {state.rows_done(total)} rows already done (run resumes)"
+        if prep.memory_plan is not None:
+            output += f"\nmemory: {prep.memory_plan.describe()}"
     click.echo(
         f"ok: {job_file}: {len(files)} input file(s), {total} rows, model {model}{draft}{output}"
     )
@@ -139,6 +141,8 @@ def _announce(console, prep, scope, resume) -> tuple[int, int]:
         f"{scope.output_dir(prep.job.output.path)}",
         soft_wrap=True,
     )
+    if prep.memory_plan is not None:
+        console.print(f"memory: {prep.memory_plan.describe()}", soft_wrap=True)
     if done:
         console.print(
             f"resuming: {done} of {end - start} rows already done in {resume.part_files} part "

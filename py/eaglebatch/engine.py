@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 from eaglebatch import __version__
 from eaglebatch.errors import JobError, native_error
 from eaglebatch.interrupt import Interrupted, StopSignals
+from eaglebatch.job import memory
 from eaglebatch.job.config import JobConfig, job_to_dict
 from eaglebatch.job.inputs import check_batch_input, check_input, check_output_apart, kept_columns
 from eaglebatch.job.model_files import ModelFiles, model_files, resolve_draft_dir
@@ -64,23 +66,26 @@ class PreparedJob:
     engine: EngineSettings | None = None
     # output.reasoning: the ids of its (start, end) tags; () when off
     reasoning_ids: tuple[int, ...] = ()
+    # what a CPU run will hold in memory (job/memory.py); None on other devices
+    memory_plan: memory.MemoryPlan | None = None
 
     @property
     def job_hash(self) -> str:
         return identity_hash(self.identity)
 
 
-def _check_model_config(job: JobConfig, mf: ModelFiles) -> tuple[EngineSettings, int]:
-    """Checks config.json, the checkpoint's tensor names and shapes (headers only) and the
-    engine section without loading weights; returns the engine settings resolved (the one
-    resolution of this process) and the vocab_size."""
+def _check_model_config(job: JobConfig, mf: ModelFiles):
+    """Checks config.json, the checkpoint's tensor names and shapes (headers only), the engine
+    section and the memory the run will take without loading weights; returns the engine
+    settings resolved (the one resolution of this process), the vocab_size and the memory
+    plan."""
     # lazy: torch and the extension, which validate and status never need
     from eaglebatch.job.engine_settings import resolve_engine
     from eaglebatch.model import ModelConfig, model_class
 
     try:
         cfg = ModelConfig.from_dir(mf.dir)
-        model_class(cfg).check_checkpoint(mf.dir, cfg)
+        shapes = model_class(cfg).check_checkpoint(mf.dir, cfg, gguf=mf.gguf)
     except (ValueError, OSError) as e:
         raise JobError(f"model: {mf.dir}: {e}") from None
     if max(mf.max_token_id, *mf.eos_token_ids, -1) >= cfg.vocab_size:
@@ -93,7 +98,39 @@ def _check_model_config(job: JobConfig, mf: ModelFiles) -> tuple[EngineSettings,
     if bad:
         raise JobError(f"sampling.stop_token_ids: {bad} are not ids of model {mf.dir}, whose "
                        f"vocab_size is {cfg.vocab_size}")  # fmt: skip
-    return resolve_engine(job, mf, cfg.max_model_len), cfg.vocab_size
+    settings = resolve_engine(job, mf, cfg.max_model_len)
+    return settings, cfg.vocab_size, _memory_plan(job, mf, cfg, settings, shapes)
+
+
+def _memory_plan(job: JobConfig, mf: ModelFiles, cfg, settings: EngineSettings, shapes: dict):
+    """What a CPU run will hold (job/memory.py), refused here when it cannot fit; None on
+    other devices."""
+    # lazy: torch and the extension, which validate and status never need
+    from eaglebatch.attention import kv_cache_bytes_per_block
+    from eaglebatch.cpu.gguf_blocks import block_bytes, checkpoint
+
+    if settings.device.type != "cpu":
+        return None
+    eng = job.engine
+    blocks = block_bytes(checkpoint(mf.gguf, cfg)) if settings.quantized else {}
+    itemsize = settings.dtype.itemsize
+    available = memory.available_memory()
+    per_block = kv_cache_bytes_per_block(cfg, eng.block_size, settings.dtype)
+    if eng.kv_cache_tokens is not None:
+        kv, key = math.ceil(eng.kv_cache_tokens / eng.block_size), "engine.kv_cache_tokens"
+    else:  # as worker.plan_kv_budget will size it
+        seq = settings.max_model_len + settings.max_draft_tokens
+        useful = eng.max_batch_size * math.ceil(seq / eng.block_size)
+        kv = min(int(available * eng.kv_cache_memory_fraction) // per_block, useful)
+        key = "engine.kv_cache_memory_fraction"
+    plan = memory.MemoryPlan(
+        model_bytes=memory.model_bytes(shapes, itemsize, blocks), kv_bytes=kv * per_block,
+        kv_key=key, available_bytes=available,
+        buffer_bytes=memory.buffer_bytes(cfg, eng.max_num_batched_tokens, eng.max_batch_size,
+                                         itemsize),
+    )  # fmt: skip
+    memory.check(plan, eng.kv_cache_tokens, str(job.model))
+    return plan
 
 
 def _check_draft(draft: Path | None) -> None:
@@ -207,7 +244,7 @@ def prepare(job: JobConfig) -> PreparedJob:
         check_chat_template(mf.chat_template, template_origin(job, mf))
     draft = resolve_draft_dir(job.draft) if job.draft is not None else None
     _check_draft(draft)
-    engine, vocab_size = _check_model_config(job, mf)
+    engine, vocab_size, mem = _check_model_config(job, mf)
     check_response_format(job, mf, vocab_size)
     identity = job_identity(job, files, mf, draft, engine.dtype_name, engine.max_model_len)
     if job.output.results_file is not None:
@@ -216,7 +253,7 @@ def prepare(job: JobConfig) -> PreparedJob:
     return PreparedJob(
         job=job, input_files=files, total_rows=total, model=mf, draft_dir=draft, identity=identity,
         openai_endpoint=endpoint, batch_chat=batch_chat, vocab_size=vocab_size, kept_columns=kept,
-        engine=engine, reasoning_ids=reasoning_ids(job, mf),
+        engine=engine, reasoning_ids=reasoning_ids(job, mf), memory_plan=mem,
     )
 
 
@@ -478,7 +515,9 @@ def _run(prep: PreparedJob, worker, progress, resume: ResumeState, scope: RunSco
     drafts = worker.draft_stats()  # SpecWorker: where the drafts came from; Worker: None
     if drafts is not None:
         stats["drafts"] = drafts
-    stats["weights"] = getattr(getattr(worker, "target", worker), "weights", None)
+    target = getattr(worker, "target", worker)
+    stats["weights"] = getattr(target, "weights", None)
+    stats["threads"] = getattr(target, "threads", None)
     stats.update(resident_memory())
     if progress is not None:
         progress(scheduler.progress())

@@ -179,6 +179,8 @@ def summary_table(stats: dict, wall_s: float, title: str = "eaglebatch summary")
     rows.append(("CUDA graphs", graph_line(stats.get("cuda_graphs"))))
     if stats.get("weights"):
         rows.append(("weights", stats["weights"]))
+    if stats.get("threads"):
+        rows.append(("CPU threads", stats["threads"]))
     if "resident_mib" in stats:
         mem = f"{stats['resident_mib']:.0f} MiB (peak {stats['peak_resident_mib']:.0f} MiB)"
         rows.append(("resident memory", mem))

@@ -21,8 +21,10 @@ from eaglebatch.attention import (
 )
 from eaglebatch.attention.base import copy_blocks
 from eaglebatch.cpu import accelerate
-from eaglebatch.cpu.gguf_blocks import kept_names, quantized_weights
+from eaglebatch.cpu.gguf_blocks import checkpoint, kept_names, quantized_weights
 from eaglebatch.cpu.quantized import use_quantized_weights
+from eaglebatch.cpu.threads import join as join_workers
+from eaglebatch.cpu.threads import set_threads
 from eaglebatch.errors import JobError
 from eaglebatch.graphs import (
     GraphPool,
@@ -37,6 +39,7 @@ from eaglebatch.job.engine_settings import EngineSettings
 from eaglebatch.job.model_files import ModelFiles
 from eaglebatch.model import model_class
 from eaglebatch.model.config import ModelConfig
+from eaglebatch.model.gguf_checkpoint import GgufCheckpoint
 from eaglebatch.model.llama import LlamaForCausalLM
 from eaglebatch.sampling.logits_processing import LogitsControls
 from eaglebatch.sampling.logprobs import (
@@ -51,11 +54,11 @@ from eaglebatch.transfer import HostCopy, to_device
 
 
 def _use_blocks(
-    model: LlamaForCausalLM, mf: ModelFiles, threads: int, unloaded: frozenset[str]
+    model: LlamaForCausalLM, ck: GgufCheckpoint, threads: int, unloaded: frozenset[str]
 ) -> str:
     """Swaps the model's GGUF blocks in (cpu/quantized.py), which must replace every weight
     left `unloaded`; returns what the weights are."""
-    blocks = quantized_weights(mf.dir, mf.gguf, model, model.config.num_hidden_layers)
+    blocks = quantized_weights(ck)
     names = use_quantized_weights(model, blocks, threads)
     if missing := sorted(unloaded - set(names)):  # the blocks file changed under this run
         raise RuntimeError(f"weights: no blocks replaced the unloaded {missing[:3]}")
@@ -286,25 +289,27 @@ class Worker:
         sequences x query tokens of the largest CUDA-graph step that will be captured (its pool
         is reserved out of the KV budget); 0 rows = no graphs."""
         eng = job.engine
-        if eng.num_threads is not None:  # this process's threads (a Ray actor's too)
-            torch.set_num_threads(eng.num_threads)
         device, dtype, max_model_len = settings.device, settings.dtype, settings.max_model_len
+        if eng.num_threads is None and device.type == "cpu":
+            join_workers()  # before the load: workers started together see each other
         try:
             cfg = ModelConfig.from_dir(mf.dir)
         except ValueError as e:
             raise JobError(f"model: {mf.dir}: {e}") from None
         backend = get_backend(settings.attention_backend)
-        gemm_threads = torch.get_num_threads() if settings.cpu_gemm else 0
         blocks = settings.quantized
-        # the float32 copies of weights with kept blocks are never read (not resident)
-        skip = kept_names(mf.dir) if blocks else frozenset()
+        ck = checkpoint(mf.gguf, cfg) if mf.gguf is not None else None
+        # the float32 parameters of weights read as blocks are never filled (not resident)
+        skip = kept_names(ck) if blocks and ck is not None else frozenset()
         model = model_class(cfg).from_pretrained(
             mf.dir, dtype=dtype, device=device, backend=backend, max_positions=max_model_len,
-            skip=skip,
+            skip=skip, gguf=ck,
         )
+        threads = set_threads(eng.num_threads, device)
+        gemm_threads = torch.get_num_threads() if settings.cpu_gemm else 0
         accelerate(model, gemm_threads)  # a float32 CPU run: the CPU fast path
         if blocks:
-            weights = _use_blocks(model, mf, gemm_threads, skip)
+            weights = _use_blocks(model, ck, gemm_threads, skip)
         else:
             weights = _weights_line(model)
         reserve = 0
@@ -317,6 +322,7 @@ class Worker:
         worker = cls(model, kv, budget, max_model_len, graph_reserve_bytes=reserve)
         worker.logprobs_mode = job.output.logprobs_mode
         worker.weights = weights
+        worker.threads = threads
         return worker
 
     def step(self, plan) -> tuple:

@@ -38,6 +38,7 @@ from rich.table import Table
 
 from eaglebatch.engine import open_output, prepare, run_prepared
 from eaglebatch.job.config import JobConfig, job_to_dict
+from eaglebatch.job.gguf_model import gguf_reference_dir
 from eaglebatch.progress import accept_length, generation_seconds, lookup_line
 from eaglebatch.speculative.worker import SpecWorker
 from eaglebatch.worker import Worker
@@ -192,11 +193,13 @@ def _hf_row(job: JobConfig, prep, batch_size: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     mf = prep.model
-    tok = AutoTokenizer.from_pretrained(str(mf.dir))
+    # a GGUF model: transformers' own float32 conversion of the file (cached)
+    folder = gguf_reference_dir(str(mf.gguf)) if mf.gguf is not None else mf.dir
+    tok = AutoTokenizer.from_pretrained(str(folder))
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(str(mf.dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     prompts = read_prompts(job, prep.input_files, prep.total_rows)
     if job.input.messages_column or job.input.apply_chat_template:
         msgs = [p if job.input.messages_column else [{"role": "user", "content": p}]

@@ -13,19 +13,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from eaglebatch.errors import JobError
-from eaglebatch.job.gguf_model import (
-    FORMAT_VERSION,
-    cache_dir,
-    convert_gguf,
-    gguf_model_dir,
-    publish,
-)
+from eaglebatch.job.gguf_model import cache_dir, gguf_model_dir, gguf_reference_dir
 
 BUILTIN_MODEL = "smollm2-135m-instruct"  # the default, always installed with the quickstart
 BUILTIN_GEMMA = "gemma3-270m"  # Gemma 3 270M (pretrained, Q4_K_M): the `gemma` extra
@@ -80,21 +73,15 @@ def builtin_gguf(name: str = BUILTIN_MODEL) -> Path:
 
 
 def builtin_model_dir(name: str = BUILTIN_MODEL) -> Path:
-    """The converted folder of a builtin model, converting its GGUF file on first use."""
-    if name == BUILTIN_GEMMA:
-        return gguf_model_dir(str(gemma_gguf()))
-    final = cache_dir() / "models" / f"{BUILTIN_MODEL}-v{FORMAT_VERSION}"
-    if (final / "config.json").is_file():
-        return final
-    gguf = builtin_gguf(name)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=final.parent))
-    try:
-        convert_gguf(gguf, tmp)
-        publish(tmp, final)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    """The folder of a builtin model (config, tokenizer, template; its weights are read from
+    its GGUF file), written on first use."""
+    return gguf_model_dir(str(builtin_gguf(name)))
+
+
+def builtin_reference_dir(name: str = BUILTIN_MODEL) -> Path:
+    """A builtin model as a float32 checkpoint by transformers' GGUF loader (the tests' and
+    benchmarks' reference), converted on first use."""
+    return gguf_reference_dir(str(builtin_gguf(name)))
 
 
 def iter_sharegpt(path: Path | None = None, chunk_chars: int = 1 << 20) -> Iterator[dict]:

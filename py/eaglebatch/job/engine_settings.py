@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 
 from eaglebatch.cpu import SMALL_GEMM_AVAILABLE
-from eaglebatch.cpu.gguf_blocks import BLOCKS_FILE
 from eaglebatch.errors import JobError
 from eaglebatch.job.config import JobConfig
 from eaglebatch.job.model_files import ModelFiles
@@ -94,7 +93,7 @@ def resolve_weights(name: str, gemm_threads: int, mf: ModelFiles) -> bool:
     """Whether the CPU steps read the model's GGUF blocks (engine.weights); 'quantized' where
     they cannot is a JobError naming the key."""
 
-    has_blocks = mf.gguf is not None or (mf.dir / BLOCKS_FILE).is_file()
+    has_blocks = mf.gguf is not None
     if name == "quantized":
         if gemm_threads <= 0:
             raise JobError(

@@ -23,6 +23,7 @@ _MODEL_TEXT_FILES = (
     "special_tokens_map.json",
     "chat_template.jinja",
     "model.safetensors.index.json",
+    "eaglebatch_source.json",  # a GGUF model's folder: the file's sha256 (job/gguf_model.py)
 )
 
 

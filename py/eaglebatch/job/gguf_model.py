@@ -1,14 +1,19 @@
-"""A GGUF file as `model:`: converted once into a cached Hugging Face-style folder, then loaded
-like any folder.
+"""A GGUF file as `model:`: its config, tokenizer and chat template are written once into a
+small cached folder (a few MB); the weights are read from the file itself at every start
+(model/gguf_checkpoint.py: a memory map, no float32 copy).
 
-The conversion (`convert_gguf`, also the embedded defaults': transformers' GGUF loader and
-the `gguf` package dequantize; nothing hand-written) and its cache live here. Invariants:
+Invariants:
 - the cache is keyed by the file's content (sha256), so a moved or renamed file is not
   converted again and an edited one is; the hash of a (path, size, mtime) seen before is
   remembered in `gguf-hashes.json` next to the folders, so a start does not reread gigabytes;
 - a folder is published by an atomic rename once complete (a crash leaves none behind);
+- a folder's `eaglebatch_source.json` says its weights are the GGUF file's and holds that
+  file's sha256 (so the run's identity changes with the weights);
 - a file that is not GGUF, or whose architecture the loader cannot convert, is a JobError
   naming the file and the architecture, before any work.
+
+`gguf_reference_dir` is the other kind: the whole model dequantized to float32 safetensors by
+transformers' GGUF loader, for the tests and benchmarks that compare with transformers.
 """
 
 from __future__ import annotations
@@ -22,7 +27,11 @@ from pathlib import Path
 from eaglebatch.errors import JobError
 
 MAGIC = b"GGUF"
-FORMAT_VERSION = "1"  # the converted model folder
+FORMAT_VERSION = "2"  # the folder of config + tokenizer (weights read from the GGUF file)
+REFERENCE_VERSION = "1"  # the float32 folder of gguf_reference_dir
+SOURCE_FILE = "eaglebatch_source.json"
+# GGUF `general.architecture`s of the families model/ implements (Mistral files say "llama")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
 
 def cache_dir() -> Path:
@@ -38,25 +47,58 @@ def publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def convert_gguf(gguf: Path, out: Path) -> None:
-    """GGUF -> config.json + model.safetensors (fp32, dequantised by transformers' GGUF loader)
-    + tokenizer.json + chat template. The model is then loaded like any other checkpoint."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _quiet_transformers() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+
+
+def convert_gguf(gguf: Path, out: Path, digest: str) -> None:
+    """GGUF -> config.json + generation_config.json + tokenizer.json + chat template (what
+    transformers' GGUF loader reads from the header; no tensor is read)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    _quiet_transformers()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    try:
+        config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__]
+    except KeyError:
+        raise ValueError(f"no causal LM for config {type(config).__name__}") from None
+    config.dtype = "float32"  # the dequantized values' type
+    config.save_pretrained(str(out))
+    GenerationConfig.from_model_config(config).save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    source = {"converted_from": gguf.name, "format_version": FORMAT_VERSION,
+              "weights": "gguf", "gguf_sha256": digest}  # fmt: skip
+    (out / SOURCE_FILE).write_text(json.dumps(source) + "\n")
+
+
+def convert_gguf_float32(gguf: Path, out: Path, digest: str) -> None:
+    """GGUF -> a whole float32 checkpoint folder (transformers' loader dequantizes every
+    tensor in memory: about 8 bytes per parameter at its peak)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _quiet_transformers()
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))
-    (out / "eaglebatch_source.json").write_text(
-        json.dumps({"converted_from": gguf.name, "format_version": FORMAT_VERSION}) + "\n"
-    )
+    source = {"converted_from": gguf.name, "format_version": REFERENCE_VERSION,
+              "weights": "float32", "gguf_sha256": digest}  # fmt: skip
+    (out / SOURCE_FILE).write_text(json.dumps(source) + "\n")
 
 
+def weights_in_gguf(d: Path) -> bool:
+    """Whether folder `d` is a GGUF model's folder whose weights are read from the file."""
+    try:
+        return json.loads((d / SOURCE_FILE).read_text(encoding="utf-8")).get("weights") == "gguf"
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def is_gguf_path(model: str) -> bool:
@@ -97,8 +139,9 @@ def _content_hash(path: Path, index: Path) -> str:
     return digest
 
 
-def gguf_model_dir(model: str) -> Path:
-    """The converted folder of GGUF file `model`, converting it on first use."""
+def _converted(model: str, kind: str, convert, runnable: bool) -> Path:
+    """The cached folder `kind` of GGUF file `model`, made by convert(path, tmp, digest) on
+    first use; `runnable`: refuse an architecture eaglebatch does not run."""
     path = Path(model)
     if not path.is_file():
         raise JobError(f"model: GGUF file {model} not found")
@@ -106,16 +149,19 @@ def gguf_model_dir(model: str) -> Path:
         if f.read(4) != MAGIC:
             raise JobError(f"model: {path} does not start with the GGUF magic: not a GGUF file")
     arch = _architecture(path)
+    if runnable and arch not in ARCHITECTURES:
+        raise JobError(f"model: {model}: cannot run a GGUF file of architecture {arch!r} "
+                       f"(eaglebatch runs {', '.join(ARCHITECTURES)})")  # fmt: skip
     root = cache_dir() / "models"
     root.mkdir(parents=True, exist_ok=True)
     digest = _content_hash(path, root / "gguf-hashes.json")
-    final = root / f"gguf-{digest[:24]}-v{FORMAT_VERSION}"
+    final = root / f"gguf-{digest[:24]}-{kind}"
     if (final / "config.json").is_file():
         return final
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=root))
     try:
         try:
-            convert_gguf(path, tmp)
+            convert(path, tmp, digest)
         except (ValueError, KeyError, NotImplementedError, RuntimeError) as e:
             raise JobError(
                 f"model: {path}: cannot convert a GGUF file of architecture {arch!r} "
@@ -126,3 +172,13 @@ def gguf_model_dir(model: str) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
 
+
+def gguf_model_dir(model: str) -> Path:
+    """The folder (config, tokenizer, template) of GGUF file `model`, written on first use."""
+    return _converted(model, f"v{FORMAT_VERSION}", convert_gguf, runnable=True)
+
+
+def gguf_reference_dir(model: str) -> Path:
+    """GGUF file `model` as a float32 checkpoint folder by transformers' loader (the reference
+    of the tests and benchmarks), converted on first use."""
+    return _converted(model, f"f32-v{REFERENCE_VERSION}", convert_gguf_float32, runnable=False)

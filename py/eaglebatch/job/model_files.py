@@ -1,7 +1,8 @@
 """A model folder on disk: where its weights, tokenizer and chat template are, checked up front.
 
-A model is a builtin name (materialised by `job/builtin.py`), a GGUF file (converted once by
-`gguf_model`) or a Hugging Face-style folder:
+A model is a builtin name (materialised by `job/builtin.py`), a GGUF file (its config and
+tokenizer written once by `gguf_model`, its weights read from the file) or a Hugging Face-style
+folder:
 config.json, *.safetensors (or model.safetensors.index.json shards), tokenizer.json, and a chat
 template in chat_template.jinja or tokenizer_config.json.
 """
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from eaglebatch.errors import JobError
 from eaglebatch.job import builtin
-from eaglebatch.job.gguf_model import cache_dir, gguf_model_dir, is_gguf_path
+from eaglebatch.job.gguf_model import cache_dir, gguf_model_dir, is_gguf_path, weights_in_gguf
 from eaglebatch.storage import is_remote, location
 from eaglebatch.storage.download import cached_copy
 
@@ -29,7 +30,7 @@ class ModelFiles:
     eos_token: str | None
     eos_token_ids: tuple[int, ...]
     max_token_id: int  # the tokenizer's largest id (vocabulary and added tokens)
-    gguf: Path | None = None  # the GGUF file the folder was converted from (its blocks)
+    gguf: Path | None = None  # the GGUF file the folder was written from: its weights
 
 
 def _token_text(value) -> str | None:
@@ -100,7 +101,8 @@ def check_model_dir(d: Path) -> ModelFiles:
     """Checks the folder has everything a run needs; raises JobError naming what is missing."""
     if not (d / "config.json").is_file():
         raise JobError(f"model: {d} has no config.json")
-    if not (any(d.glob("*.safetensors")) or (d / "model.safetensors.index.json").is_file()):
+    weights = any(d.glob("*.safetensors")) or (d / "model.safetensors.index.json").is_file()
+    if not (weights or weights_in_gguf(d)):
         raise JobError(f"model: {d} has no *.safetensors weights")
     tokenizer_file = d / "tokenizer.json"
     if not tokenizer_file.is_file():
@@ -148,8 +150,11 @@ def local_model(model: str, storage=None) -> str:
 
 def model_files(model: str, storage=None) -> ModelFiles:
     model = local_model(model, storage)
-    mf = check_model_dir(resolve_model_dir(model))
-    return dataclasses.replace(mf, gguf=source_gguf(model))
+    mf = dataclasses.replace(check_model_dir(resolve_model_dir(model)), gguf=source_gguf(model))
+    if mf.gguf is None and weights_in_gguf(mf.dir):
+        raise JobError(f"model: {mf.dir} is eaglebatch's cache of a GGUF file's config and "
+                       f"tokenizer, without weights: name the .gguf file as model")  # fmt: skip
+    return mf
 
 
 def resolve_draft_dir(draft: str, key: str = "draft") -> Path:

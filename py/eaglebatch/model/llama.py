@@ -17,6 +17,7 @@ from torch import nn
 from eaglebatch.attention.base import AttentionBackend, AttentionMetadata
 from eaglebatch.attention.torch_backend import TorchAttentionBackend
 from eaglebatch.model.config import ModelConfig
+from eaglebatch.model.gguf_checkpoint import GgufCheckpoint
 from eaglebatch.model.rotary import RotaryEmbedding, apply_rotary
 from eaglebatch.model.weights import (
     check_shapes,
@@ -202,30 +203,58 @@ class LlamaForCausalLM(nn.Module):
         backend: AttentionBackend | None = None,
         max_positions: int | None = None,
         skip: frozenset[str] = frozenset(),
+        gguf: GgufCheckpoint | str | os.PathLike[str] | None = None,
     ) -> LlamaForCausalLM:
-        """Config + weights from a Hugging Face checkpoint directory, without random init.
-        Parameters named in `skip` are left unloaded (allocated, never written, so not resident
-        until used): the caller replaces them (GGUF blocks, cpu/quantized.py)."""
+        """Config + weights from a Hugging Face checkpoint directory, without random init; the
+        weights from GGUF file `gguf` when given (model/gguf_checkpoint.py). Parameters named
+        in `skip` are left unloaded (allocated, never written, so not resident until used):
+        the caller replaces them (GGUF blocks, cpu/quantized.py)."""
         cfg = ModelConfig.from_dir(path)
         with torch.device("meta"):
             model = cls(cfg, backend=backend, dtype=dtype, max_positions=max_positions)
         model.to_empty(device=device)
         for rotary in model.rotaries():
             rotary.rebuild()
-        model.load_weights(path, skip)
+        if gguf is not None:
+            model.load_gguf(gguf, skip)
+        else:
+            model.load_weights(path, skip)
         return model.eval()
 
     @classmethod
-    def check_checkpoint(cls, path: str | os.PathLike[str], cfg: ModelConfig) -> None:
-        """Raises ValueError when the checkpoint in `path` cannot load into a model of `cfg`
-        (a truncated file, a missing, unexpected or misshapen tensor), reading headers only."""
+    def check_checkpoint(
+        cls, path: str | os.PathLike[str], cfg: ModelConfig,
+        gguf: str | os.PathLike[str] | None = None,
+    ) -> dict[str, tuple[int, ...]]:  # fmt: skip
+        """Raises ValueError when the checkpoint in `path` (or GGUF file `gguf`) cannot load
+        into a model of `cfg` (a truncated file, a missing, unexpected or misshapen tensor),
+        reading headers only; returns the checkpoint's {name: shape} of the model's tensors."""
         with torch.device("meta"):
             model = cls(cfg, max_positions=2)
         expected = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        found = checkpoint_shapes(path)
+        if gguf is not None:
+            found = model.gguf_checkpoint(gguf).shapes()
+        else:
+            found = checkpoint_shapes(path)
         if cfg.text_tower:
             found = {m: s for n, s in found.items() if (m := text_tower_name(n)) is not None}
-        check_shapes(expected, found, ignore=model._ignored_tensors(), source=f"checkpoint {path}")
+        source = f"checkpoint {gguf or path}"
+        check_shapes(expected, found, ignore=model._ignored_tensors(), source=source)
+        return {n: s for n, s in found.items() if n in expected}
+
+    def gguf_checkpoint(self, gguf: str | os.PathLike[str]) -> GgufCheckpoint:
+        """GGUF file `gguf`'s tensors for this model's parameters."""
+        return GgufCheckpoint(gguf, self.config, [n for n, _ in self.named_parameters()])
+
+    def load_gguf(
+        self, gguf: GgufCheckpoint | str | os.PathLike[str], skip: frozenset[str] = frozenset()
+    ) -> None:
+        """Loads every parameter but those in `skip` from GGUF file `gguf` (or its opened
+        checkpoint), one dequantized tensor at a time (raises on missing tensors)."""
+        ck = gguf if isinstance(gguf, GgufCheckpoint) else self.gguf_checkpoint(gguf)
+        wanted = [n for n, _ in self.named_parameters() if n not in skip]
+        load_named_tensors(self, ck.iter_float32(wanted), source=f"checkpoint {ck.path}",
+                           skip=skip)  # fmt: skip
 
     def _ignored_tensors(self) -> tuple[str, ...]:
         """A tied checkpoint may or may not contain lm_head.weight."""

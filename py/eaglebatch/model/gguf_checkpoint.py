@@ -1,0 +1,137 @@
+"""A GGUF file as the checkpoint: its tensors by Hugging Face parameter name, read from a
+read-only memory map of the file (no float32 copy on disk, none in memory but one tensor at a
+time while a dequantized parameter is filled).
+
+Invariants:
+- a tensor reaches the model as transformers' GGUF loader converts it (the tests' reference):
+  the `gguf` package's dequantizer to float32, then the architecture's fix-up, FIXUPS: llama
+  un-permutes the rows of q_proj and k_proj (llama.cpp interleaves each head's two RoPE halves),
+  gemma2 / gemma3 store norm weights plus one;
+- `blocks(name)` is the file's bytes of a quantized weight in the parameter's row order: a view
+  of the map when the order is the file's (nothing read until a kernel reads it), else a copy
+  of the rows whose mapped pages are dropped from this process again (not resident twice);
+- opening reads the header only; a parameter without its tensor, or of another shape, is a
+  ValueError naming both (before anything is loaded, `check`).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+PAGE = mmap.PAGESIZE
+
+
+def _qk_rows(rows: int, heads: int) -> np.ndarray:
+    """The row order that undoes llama.cpp's permute of a q or k weight of `heads` heads:
+    HF row i is the file's row order[i]."""
+    half = rows // heads // 2
+    return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(-1)
+
+
+def _row_order(arch: str, gguf_name: str, rows: int, cfg) -> np.ndarray | None:
+    if arch != "llama":
+        return None
+    if ".attn_q." in gguf_name:
+        return _qk_rows(rows, cfg.num_attention_heads)
+    if ".attn_k." in gguf_name:
+        return _qk_rows(rows, cfg.num_key_value_heads)
+    return None
+
+
+def _plus_one_norm(arch: str, gguf_name: str) -> bool:
+    return arch in ("gemma2", "gemma3") and "norm.weight" in gguf_name
+
+
+class GgufCheckpoint:
+    """The tensors of GGUF file `path` for the parameters `names` of a model of config `cfg`
+    (ModelConfig). Parameters without a tensor are left out of `shapes` (check names them).
+    `expand(data, ggml_type, (n, k))`: a faster dequantizer of 2-D quantized tensors giving
+    the gguf package's values bit for bit, or None where it does not apply (the CPU kernels',
+    cpu/gguf_blocks.py; this package does not import cpu/)."""
+
+    def __init__(self, path: str | os.PathLike[str], cfg, names: Iterable[str],
+                 expand: Callable | None = None) -> None:  # fmt: skip
+        # lazy: the gguf package, only for a GGUF model
+        import gguf
+
+        self.path = Path(path)
+        self.cfg = cfg
+        self.expand = expand
+        self.reader = gguf.GGUFReader(str(self.path))  # np.memmap, mode "r"
+        field = self.reader.fields["general.architecture"]
+        self.arch = bytes(field.parts[field.data[0]]).decode()
+        by_name = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
+        if self.arch not in by_name:
+            raise ValueError(f"architecture {self.arch!r} unknown to the gguf package")
+        mapping = gguf.get_tensor_name_map(by_name[self.arch], cfg.num_hidden_layers)
+        tensors = {t.name: t for t in self.reader.tensors}
+        self.tensors = {}
+        for name in names:
+            base = mapping.get_name(name.removesuffix(".weight").removesuffix(".bias"))
+            suffix = name[len(name.rsplit(".", 1)[0]):]
+            t = tensors.get(f"{base}{suffix}") if base else None
+            if t is not None:
+                self.tensors[name] = t
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """{parameter name: shape} of the tensors found (GGUF lists dimensions reversed)."""
+        return {n: tuple(int(d) for d in reversed(t.shape)) for n, t in self.tensors.items()}
+
+    def ggml_type(self, name: str) -> int:
+        return int(self.tensors[name].tensor_type)
+
+    def nbytes(self, name: str) -> int:
+        return int(self.tensors[name].n_bytes)
+
+    def float32(self, name: str) -> torch.Tensor:
+        """Parameter `name` dequantized to float32, fixed up as transformers does."""
+        # lazy: the gguf package, only for a GGUF model
+        from gguf.quants import dequantize
+
+        t = self.tensors[name]
+        shape = self.shapes()[name]
+        w = None
+        if self.expand is not None and len(shape) == 2:
+            w = self.expand(t.data, int(t.tensor_type), shape)
+        if w is None:
+            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+        order = _row_order(self.arch, t.name, shape[0], self.cfg) if len(shape) == 2 else None
+        if order is not None:
+            w = w[order]
+        if _plus_one_norm(self.arch, t.name):
+            w = w - np.float32(1)
+        return torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+
+    def iter_float32(self, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in names:
+            if name in self.tensors:
+                yield name, self.float32(name)
+
+    def blocks(self, name: str) -> torch.Tensor:
+        """uint8 [rows, row bytes]: quantized weight `name`'s blocks in its row order."""
+        t = self.tensors[name]
+        data = t.data  # a view of the map: [rows, row bytes]
+        order = _row_order(self.arch, t.name, data.shape[0], self.cfg)
+        if order is None:
+            with warnings.catch_warnings():  # read-only: the kernels never write blocks
+                warnings.simplefilter("ignore", UserWarning)
+                return torch.from_numpy(data)
+        rows = np.ascontiguousarray(data[order])
+        self._drop_pages(int(t.data_offset), int(t.n_bytes))
+        return torch.from_numpy(rows)
+
+    def _drop_pages(self, offset: int, size: int) -> None:
+        """Drops the whole pages of [offset, offset + size) of the map from this process (read
+        again from the file if ever touched)."""
+        start = -(-(self.reader.data.offset + offset) // PAGE) * PAGE  # the first whole page
+        end = (self.reader.data.offset + offset + size) // PAGE * PAGE
+        mm = getattr(self.reader.data, "_mmap", None)
+        if mm is not None and end > start and hasattr(mm, "madvise"):
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)

@@ -1,0 +1,103 @@
+"""A GGUF file read as the checkpoint (model/gguf_checkpoint.py, cpu/gguf_blocks.py) against
+transformers' GGUF loader, which shares none of its code: every parameter of both embedded
+files equals transformers' float32 conversion bit for bit (llama's un-permuted q/k rows,
+Gemma's norms), and every weight read as blocks expands to it; unpermuted blocks are the
+file's own mapped bytes; the cached folder holds no weights."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from click.testing import CliRunner
+
+from eaglebatch.cpu.gemm import SMALL_GEMM_AVAILABLE
+from eaglebatch.cpu.gguf_blocks import checkpoint, kept_names, quantized_weights
+from eaglebatch.job import builtin
+from eaglebatch.model import ModelConfig, model_class
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from synthetic_gguf import write_llama_gguf  # noqa: E402
+
+from support.tiny import write_prompts  # noqa: E402
+
+pytest.importorskip("eaglebatch._native")
+pytestmark = pytest.mark.skipif(not SMALL_GEMM_AVAILABLE, reason="needs the native kernels")
+
+
+def _names():
+    names = [builtin.BUILTIN_MODEL]
+    try:
+        builtin.builtin_gguf(builtin.BUILTIN_GEMMA)
+        names.append(builtin.BUILTIN_GEMMA)
+    except Exception:  # the Gemma package is not installed
+        pass
+    return names
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", _names())
+def test_parameters_and_blocks_equal_transformers_conversion(name):
+    folder, gguf = builtin.builtin_model_dir(name), builtin.builtin_gguf(name)
+    cfg = ModelConfig.from_dir(folder)
+    ref = dict(model_class(cfg).from_pretrained(builtin.builtin_reference_dir(name))
+               .named_parameters())  # fmt: skip
+    ours = dict(model_class(cfg).from_pretrained(folder, gguf=gguf).named_parameters())
+    assert ref.keys() == ours.keys()
+    assert [n for n in ref if not same_bits(ref[n], ours[n])] == []
+    ck = checkpoint(gguf, cfg)
+    blocks = quantized_weights(ck)
+    assert blocks.keys() == kept_names(ck) and len(blocks) > len(ref) // 2
+    for n, qw in blocks.items():
+        assert same_bits(qw.rows(torch.arange(qw.shape[0])), ref[n]), n
+    assert any(".q_proj." in n for n in blocks) or name == builtin.BUILTIN_GEMMA
+
+
+def test_blocks_in_file_order_are_the_mapped_bytes_and_the_folder_holds_no_weights():
+    folder, gguf = builtin.builtin_model_dir(), builtin.builtin_gguf()
+    ck = checkpoint(gguf, ModelConfig.from_dir(folder))
+    base = ck.reader.data.ctypes.data
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert ck.blocks(name).data_ptr() == base + int(ck.tensors[name].data_offset)
+    q = "model.layers.0.self_attn.q_proj.weight"  # llama: rows reordered, a copy
+    assert ck.blocks(q).data_ptr() != base + int(ck.tensors[q].data_offset)
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    assert not [p for p in files if p.suffix in (".safetensors", ".bin", ".blocks")]
+    assert sum(p.stat().st_size for p in files) < 50 << 20
+
+
+def test_a_synthetic_mixed_gguf_equals_transformers_and_runs_both_ways(tmp_path, monkeypatch):
+    """Q4_0 / Q8_0 / float32, 4 heads over 2 KV heads: every parameter as transformers
+    converts it, and greedy output from the blocks equals the dequantized model's."""
+    from eaglebatch.cli import main
+    from eaglebatch.job.gguf_model import gguf_model_dir, gguf_reference_dir
+
+    monkeypatch.setenv("EAGLEBATCH_CACHE", str(tmp_path / "cache"))
+    gguf = write_llama_gguf(tmp_path / "tiny.gguf", "tiny")
+    folder = gguf_model_dir(str(gguf))
+    cfg = ModelConfig.from_dir(folder)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 2)
+    ref = dict(model_class(cfg).from_pretrained(gguf_reference_dir(str(gguf))).named_parameters())
+    ours = dict(model_class(cfg).from_pretrained(folder, gguf=gguf).named_parameters())
+    assert [n for n in ref if not same_bits(ref[n], ours[n])] == []
+    inp = write_prompts(tmp_path / "in.parquet", ["the cat", "1, 2, 3", "hello there"])
+    got = {}
+    for weights in ("quantized", "dequantized"):
+        job = tmp_path / f"{weights}.yaml"
+        job.write_text(
+            f"model: {gguf}\ninput:\n  path: {inp}\noutput:\n  path: {tmp_path / weights}\n"
+            "  include_token_ids: true\nsampling:\n  max_new_tokens: 12\n  ignore_eos: true\n"
+            f"engine:\n  device: cpu\n  kv_cache_tokens: 1024\n  weights: {weights}\n"
+        )
+        r = CliRunner().invoke(main, ["run", str(job)])
+        assert r.exit_code == 0, r.output
+        table = pq.read_table(tmp_path / weights).sort_by("row_index")
+        got[weights] = table.column("output_token_ids").to_pylist()
+    assert got["quantized"] == got["dequantized"] and all(len(t) == 12 for t in got["quantized"])

@@ -1,0 +1,79 @@
+"""The memory promise (job/memory.py): `validate` and `run` say what the model, the KV cache
+and the buffers will take, and refuse with exit 2 naming engine.kv_cache_tokens or the model
+what cannot fit, before any work; the model's figure is what the loaded model holds."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from eaglebatch.cli import main
+from eaglebatch.job import memory
+from support.tiny import make_tiny_model, write_prompts
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("mem"), hidden_size=32, num_layers=2,
+                           num_heads=2, num_kv_heads=1)  # fmt: skip
+
+
+def _job(tmp_path, model, engine: str = "") -> str:
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        f"model: {model}\ninput:\n  path: {write_prompts(tmp_path / 'in.parquet', ['hi'])}\n"
+        f"output:\n  path: {tmp_path / 'out'}\nsampling:\n  max_new_tokens: 2\n"
+        f"engine:\n  device: cpu\n{engine}"
+    )
+    return str(job)
+
+
+def test_validate_and_run_say_what_the_run_will_hold(tmp_path, model):
+    job = _job(tmp_path, model, "  kv_cache_tokens: 1024\n")
+    for cmd in ("validate", "run"):
+        r = CliRunner().invoke(main, [cmd, job])
+        assert r.exit_code == 0, r.output
+        line = "memory: model 0.00 GiB + KV cache 0.00 GiB (engine.kv_cache_tokens) + buffers"
+        assert line in r.output, r.output
+
+
+def test_a_kv_cache_larger_than_memory_is_refused_naming_the_key(tmp_path, model):
+    r = CliRunner().invoke(main, ["run", _job(tmp_path, model, "  kv_cache_tokens: 2000000000\n")])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert r.output.startswith("error: engine.kv_cache_tokens: 2000000000 tokens take"), r.output
+    assert "at most" in r.output and not (tmp_path / "out").exists()
+
+
+def test_a_model_larger_than_memory_is_refused_naming_it(tmp_path, model, monkeypatch):
+    monkeypatch.setattr(memory, "available_memory", lambda: 64 << 10)
+    r = CliRunner().invoke(main, ["validate", _job(tmp_path, model)])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert f"error: model: {model} needs" in r.output and "cannot run here" in r.output
+
+
+def test_the_model_figure_is_what_the_loaded_model_holds(model):
+    from eaglebatch.model.llama import LlamaForCausalLM
+    from eaglebatch.model.weights import checkpoint_shapes
+
+    loaded = LlamaForCausalLM.from_pretrained(model)
+    held = sum(p.numel() * p.element_size() for p in loaded.parameters())
+    assert memory.model_bytes(checkpoint_shapes(model), 4, {}) == held
+    blocks = {"model.embed_tokens.weight": 100}
+    emb = loaded.model.embed_tokens.weight
+    want = held - emb.numel() * 4 + 100
+    assert memory.model_bytes(checkpoint_shapes(model), 4, blocks) == want
+
+
+def test_a_cgroup_memory_limit_caps_what_is_available(tmp_path):
+    (tmp_path / "memory.max").write_text("1073741824\n")
+    (tmp_path / "memory.current").write_text("268435456\n")
+    assert memory._cgroup_memory_left(tmp_path) == 768 << 20
+    (tmp_path / "memory.max").write_text("max\n")
+    assert memory._cgroup_memory_left(tmp_path) is None
+    v1 = tmp_path / "v1" / "memory"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text(str(1 << 62))  # v1's "no limit"
+    (v1 / "memory.usage_in_bytes").write_text("5")
+    assert memory._cgroup_memory_left(tmp_path / "v1") is None
+    (v1 / "memory.limit_in_bytes").write_text(str(2 << 30))
+    assert memory._cgroup_memory_left(tmp_path / "v1") == (2 << 30) - 5
