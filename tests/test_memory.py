@@ -42,6 +42,9 @@ def test_a_kv_cache_larger_than_memory_is_refused_naming_the_key(tmp_path, model
     assert r.exit_code == 2 and "Traceback" not in r.output
     assert r.output.startswith("error: engine.kv_cache_tokens: 2000000000 tokens take"), r.output
     assert "at most" in r.output and not (tmp_path / "out").exists()
+    job = _job(tmp_path, model, "  kv_cache_tokens: 2000000000\n")
+    r = CliRunner().invoke(main, ["status", job])  # the job may run on a bigger machine
+    assert r.output.startswith("0/1 rows done"), r.output  # exit 1: rows to go
 
 
 def test_a_model_larger_than_memory_is_refused_naming_it(tmp_path, model, monkeypatch):

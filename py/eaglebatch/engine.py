@@ -103,8 +103,7 @@ def _check_model_config(job: JobConfig, mf: ModelFiles):
 
 
 def _memory_plan(job: JobConfig, mf: ModelFiles, cfg, settings: EngineSettings, shapes: dict):
-    """What a CPU run will hold (job/memory.py), refused here when it cannot fit; None on
-    other devices."""
+    """What a CPU run will hold (job/memory.py); None on other devices."""
     # lazy: torch and the extension, which validate and status never need
     from eaglebatch.attention import kv_cache_bytes_per_block
     from eaglebatch.cpu.gguf_blocks import block_bytes, checkpoint
@@ -129,7 +128,6 @@ def _memory_plan(job: JobConfig, mf: ModelFiles, cfg, settings: EngineSettings, 
         buffer_bytes=memory.buffer_bytes(cfg, eng.max_num_batched_tokens, eng.max_batch_size,
                                          itemsize),
     )  # fmt: skip
-    memory.check(plan, eng.kv_cache_tokens, str(job.model))
     return plan
 
 
@@ -225,7 +223,10 @@ def template_origin(job: JobConfig, mf: ModelFiles) -> str:
     return f"model: {mf.dir}'s chat template"
 
 
-def prepare(job: JobConfig) -> PreparedJob:
+def prepare(job: JobConfig, check_memory: bool = True) -> PreparedJob:
+    """Checks the job and everything it names before any work (a bad job is a JobError);
+    `check_memory`: also refuse a run this machine's memory cannot hold (`status` reports
+    on a job that may run elsewhere)."""
     endpoint, batch_chat = None, False
     if job.input.openai_batch:
         batch = check_batch_input(job.input, job.storage)
@@ -245,6 +246,8 @@ def prepare(job: JobConfig) -> PreparedJob:
     draft = resolve_draft_dir(job.draft) if job.draft is not None else None
     _check_draft(draft)
     engine, vocab_size, mem = _check_model_config(job, mf)
+    if mem is not None and check_memory:
+        memory.check(mem, job.engine.kv_cache_tokens, str(job.model))
     check_response_format(job, mf, vocab_size)
     identity = job_identity(job, files, mf, draft, engine.dtype_name, engine.max_model_len)
     if job.output.results_file is not None:

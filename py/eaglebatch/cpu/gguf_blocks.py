@@ -69,7 +69,7 @@ def quantized_weights(ck: GgufCheckpoint) -> dict[str, QuantizedWeight]:
     """The blocks of every weight read as blocks, logging once what is dequantized instead."""
     kept = kept_names(ck)
     other = Counter(
-        ck.tensors[n].tensor_type.name for n in ck.tensors
+        ck.tensors[n].type_name for n in ck.tensors
         if n not in kept and ck.ggml_type(n) not in _FLOAT_TYPES
     )  # fmt: skip
     if other:

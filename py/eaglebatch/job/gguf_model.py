@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
@@ -106,13 +107,13 @@ def is_gguf_path(model: str) -> bool:
 
 
 def _architecture(path: Path) -> str:
-    """`general.architecture` from the file's header (the `gguf` package's reader)."""
-    from gguf import GGUFReader
+    """`general.architecture` from the file's header."""
+    # lazy: numpy (the header reader's views), only for a GGUF model
+    from eaglebatch.model.gguf_file import GgufFile
 
     try:
-        field = GGUFReader(str(path)).fields["general.architecture"]
-        return bytes(field.parts[field.data[0]]).decode("utf-8", "replace")
-    except (KeyError, IndexError, ValueError, OSError) as e:
+        return GgufFile(path).architecture
+    except (ValueError, OSError, struct.error) as e:
         raise JobError(f"model: {path} is not a readable GGUF file ({e})") from None
 
 

@@ -16,7 +16,6 @@ Invariants:
 
 from __future__ import annotations
 
-import mmap
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -25,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-PAGE = mmap.PAGESIZE
+from eaglebatch.model.gguf_file import GgufFile
 
 
 def _qk_rows(rows: int, heads: int) -> np.ndarray:
@@ -64,19 +63,17 @@ class GgufCheckpoint:
         self.path = Path(path)
         self.cfg = cfg
         self.expand = expand
-        self.reader = gguf.GGUFReader(str(self.path))  # np.memmap, mode "r"
-        field = self.reader.fields["general.architecture"]
-        self.arch = bytes(field.parts[field.data[0]]).decode()
+        self.reader = GgufFile(self.path)
+        self.arch = self.reader.architecture
         by_name = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
         if self.arch not in by_name:
             raise ValueError(f"architecture {self.arch!r} unknown to the gguf package")
         mapping = gguf.get_tensor_name_map(by_name[self.arch], cfg.num_hidden_layers)
-        tensors = {t.name: t for t in self.reader.tensors}
         self.tensors = {}
         for name in names:
             base = mapping.get_name(name.removesuffix(".weight").removesuffix(".bias"))
             suffix = name[len(name.rsplit(".", 1)[0]):]
-            t = tensors.get(f"{base}{suffix}") if base else None
+            t = self.reader.tensors.get(f"{base}{suffix}") if base else None
             if t is not None:
                 self.tensors[name] = t
 
@@ -85,7 +82,7 @@ class GgufCheckpoint:
         return {n: tuple(int(d) for d in reversed(t.shape)) for n, t in self.tensors.items()}
 
     def ggml_type(self, name: str) -> int:
-        return int(self.tensors[name].tensor_type)
+        return self.tensors[name].ggml_type
 
     def nbytes(self, name: str) -> int:
         return int(self.tensors[name].n_bytes)
@@ -93,15 +90,17 @@ class GgufCheckpoint:
     def float32(self, name: str) -> torch.Tensor:
         """Parameter `name` dequantized to float32, fixed up as transformers does."""
         # lazy: the gguf package, only for a GGUF model
+        from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
         t = self.tensors[name]
         shape = self.shapes()[name]
         w = None
         if self.expand is not None and len(shape) == 2:
-            w = self.expand(t.data, int(t.tensor_type), shape)
+            w = self.expand(t.data, t.ggml_type, shape)
         if w is None:
-            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+            qtype = GGMLQuantizationType(t.ggml_type)
+            w = np.asarray(dequantize(t.data, qtype), dtype=np.float32).reshape(shape)
         order = _row_order(self.arch, t.name, shape[0], self.cfg) if len(shape) == 2 else None
         if order is not None:
             w = w[order]
@@ -124,14 +123,5 @@ class GgufCheckpoint:
                 warnings.simplefilter("ignore", UserWarning)
                 return torch.from_numpy(data)
         rows = np.ascontiguousarray(data[order])
-        self._drop_pages(int(t.data_offset), int(t.n_bytes))
+        self.reader.drop_pages(t.data_offset, t.n_bytes)
         return torch.from_numpy(rows)
-
-    def _drop_pages(self, offset: int, size: int) -> None:
-        """Drops the whole pages of [offset, offset + size) of the map from this process (read
-        again from the file if ever touched)."""
-        start = -(-(self.reader.data.offset + offset) // PAGE) * PAGE  # the first whole page
-        end = (self.reader.data.offset + offset + size) // PAGE * PAGE
-        mm = getattr(self.reader.data, "_mmap", None)
-        if mm is not None and end > start and hasattr(mm, "madvise"):
-            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
