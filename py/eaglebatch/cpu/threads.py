@@ -179,13 +179,21 @@ def join(where: Path | None = None) -> None:
         _joined[d] = register(usable_cpus()[0], d)
 
 
+_plans: dict[Path, ThreadPlan] = {}  # registry -> this process's plan, decided once
+
+
 def default_threads(where: Path | None = None) -> ThreadPlan:
     """The thread count of a worker without engine.num_threads: its share of the usable CPUs
-    among the registered live workers on them (this one joins first if it has not)."""
-    join(where)
-    cpus, usable = usable_cpus()
-    workers = sharing(cpus, where)
-    return ThreadPlan(max(1, usable // workers), usable, workers)
+    among the registered live workers on them (this one joins first if it has not). Decided
+    once per process: every run of a process computes with the same thread count (torch's
+    reductions may round differently with another)."""
+    d = where or workers_dir()
+    if d not in _plans:
+        join(d)
+        cpus, usable = usable_cpus()
+        workers = sharing(cpus, d)
+        _plans[d] = ThreadPlan(max(1, usable // workers), usable, workers)
+    return _plans[d]
 
 
 def set_threads(num_threads: int | None, device: torch.device) -> str | None:
