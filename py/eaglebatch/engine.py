@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import time
 from collections.abc import Callable
@@ -105,26 +104,22 @@ def _check_model_config(job: JobConfig, mf: ModelFiles):
 def _memory_plan(job: JobConfig, mf: ModelFiles, cfg, settings: EngineSettings, shapes: dict):
     """What a CPU run will hold (job/memory.py); None on other devices."""
     # lazy: torch and the extension, which validate and status never need
-    from eaglebatch.attention import kv_cache_bytes_per_block
     from eaglebatch.cpu.gguf_blocks import block_bytes, checkpoint
+    from eaglebatch.worker import plan_kv_budget
 
     if settings.device.type != "cpu":
         return None
     eng = job.engine
     blocks = block_bytes(checkpoint(mf.gguf, cfg)) if settings.quantized else {}
     itemsize = settings.dtype.itemsize
-    available = memory.available_memory()
-    per_block = kv_cache_bytes_per_block(cfg, eng.block_size, settings.dtype)
-    if eng.kv_cache_tokens is not None:
-        kv, key = math.ceil(eng.kv_cache_tokens / eng.block_size), "engine.kv_cache_tokens"
-    else:  # as worker.plan_kv_budget will size it
-        seq = settings.max_model_len + settings.max_draft_tokens
-        useful = eng.max_batch_size * math.ceil(seq / eng.block_size)
-        kv = min(int(available * eng.kv_cache_memory_fraction) // per_block, useful)
-        key = "engine.kv_cache_memory_fraction"
+    seq = settings.max_model_len + settings.max_draft_tokens
+    kv = plan_kv_budget(eng, cfg, seq, settings.dtype, settings.device)  # the worker's rule
+    key = "engine.kv_cache_tokens" if eng.kv_cache_tokens is not None else (
+        "engine.kv_cache_memory_fraction")  # fmt: skip
     plan = memory.MemoryPlan(
-        model_bytes=memory.model_bytes(shapes, itemsize, blocks), kv_bytes=kv * per_block,
-        kv_key=key, available_bytes=available,
+        model_bytes=memory.model_bytes(shapes, itemsize, blocks),
+        kv_bytes=kv.num_blocks * kv.bytes_per_block, kv_key=key,
+        available_bytes=memory.available_memory(),
         buffer_bytes=memory.buffer_bytes(cfg, eng.max_num_batched_tokens, eng.max_batch_size,
                                          itemsize),
     )  # fmt: skip

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -79,6 +80,10 @@ class GgufCheckpoint:
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """{parameter name: shape} of the tensors found (GGUF lists dimensions reversed)."""
+        return self._shapes
+
+    @cached_property
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
         return {n: tuple(int(d) for d in reversed(t.shape)) for n, t in self.tensors.items()}
 
     def ggml_type(self, name: str) -> int:
