@@ -4,7 +4,9 @@ writer and quantizer, for the CPU-at-scale benchmarks (no model hub is reachable
     python benchmarks/synthetic_gguf.py --model-shape 1b|3b|7b|tiny OUT.gguf
 
 Types are mixed like a real Q4_0 file's: Q4_0 for the embedding and most matrices, Q8_0 for
-attn_v, ffn_down and the (untied) output matrix, float32 norms. Weights are normal with
+attn_v, ffn_down and the (untied) output matrix, float32 norms; the tiny shape (for tests)
+stores attn_output as F16 and ffn_up as BF16 too, so every kind of tensor a file may hold is
+read. Weights are normal with
 std 0.02 (norms 1), so activations stay finite; the text generated is noise. The tokenizer
 (metadata only) is the embedded SmolLM2's, so transformers' GGUF loader reads the file.
 """
@@ -71,13 +73,14 @@ def _matrix(rng, rows: int, cols: int, qtype) -> np.ndarray:
 def _layer_tensors(i: int, s: Shape) -> list[tuple[str, int, int, str]]:
     """(name, rows, cols, type) of layer i's matrices."""
     hd = s.hidden // s.heads
+    tiny = s == SHAPES["tiny"]
     return [
         (f"blk.{i}.attn_q.weight", s.hidden, s.hidden, "Q4_0"),
         (f"blk.{i}.attn_k.weight", s.kv_heads * hd, s.hidden, "Q4_0"),
         (f"blk.{i}.attn_v.weight", s.kv_heads * hd, s.hidden, "Q8_0"),
-        (f"blk.{i}.attn_output.weight", s.hidden, s.hidden, "Q4_0"),
+        (f"blk.{i}.attn_output.weight", s.hidden, s.hidden, "F16" if tiny else "Q4_0"),
         (f"blk.{i}.ffn_gate.weight", s.intermediate, s.hidden, "Q4_0"),
-        (f"blk.{i}.ffn_up.weight", s.intermediate, s.hidden, "Q4_0"),
+        (f"blk.{i}.ffn_up.weight", s.intermediate, s.hidden, "BF16" if tiny else "Q4_0"),
         (f"blk.{i}.ffn_down.weight", s.hidden, s.intermediate, "Q8_0"),
     ]
 
@@ -110,7 +113,8 @@ def write_llama_gguf(path: Path, shape: str, seed: int = 0) -> Path:
     w.add_tensor("output_norm.weight", np.ones(s.hidden, dtype=np.float32))
     for name, rows, cols, ty in matrices:
         qtype = GGMLQuantizationType[ty]
-        w.add_tensor(name, _matrix(rng, rows, cols, qtype), raw_dtype=qtype)
+        data = _matrix(rng, rows, cols, qtype)
+        w.add_tensor(name, data, raw_dtype=None if ty == "F16" else qtype)  # F16: float16
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -75,8 +75,9 @@ def test_blocks_in_file_order_are_the_mapped_bytes_and_the_folder_holds_no_weigh
 
 
 def test_a_synthetic_mixed_gguf_equals_transformers_and_runs_both_ways(tmp_path, monkeypatch):
-    """Q4_0 / Q8_0 / float32, 4 heads over 2 KV heads: every parameter as transformers
-    converts it, and greedy output from the blocks equals the dequantized model's."""
+    """Q4_0 / Q8_0 / F16 / BF16 / float32, 4 heads over 2 KV heads: every parameter as
+    transformers converts it, every 2-D tensor read as blocks (F16 and BF16 too), and greedy
+    output from the blocks equals the dequantized model's."""
     from eaglebatch.cli import main
     from eaglebatch.job.gguf_model import gguf_model_dir, gguf_reference_dir
 
@@ -88,6 +89,11 @@ def test_a_synthetic_mixed_gguf_equals_transformers_and_runs_both_ways(tmp_path,
     ref = dict(model_class(cfg).from_pretrained(gguf_reference_dir(str(gguf))).named_parameters())
     ours = dict(model_class(cfg).from_pretrained(folder, gguf=gguf).named_parameters())
     assert [n for n in ref if not same_bits(ref[n], ours[n])] == []
+    blocks = quantized_weights(checkpoint(gguf, cfg))
+    assert {qw.type_name for qw in blocks.values()} == {"Q4_0", "Q8_0", "F16", "BF16"}
+    assert blocks.keys() == {n for n, p in ref.items() if p.dim() == 2}
+    for n, qw in blocks.items():
+        assert same_bits(qw.rows(torch.arange(qw.shape[0])), ref[n]), n
     inp = write_prompts(tmp_path / "in.parquet", ["the cat", "1, 2, 3", "hello there"])
     got = {}
     for weights in ("quantized", "dequantized"):

@@ -31,6 +31,12 @@ def random_blocks(ggml_type: int, n: int, k: int, seed: int) -> np.ndarray:
 
     _, elems, nbytes = BLOCK_TYPES[ggml_type]
     rng = np.random.default_rng(seed)
+    if elems == 1:  # fp16 / bf16 of normal values, a few of them subnormal
+        v = rng.standard_normal((n, k)).astype(np.float32)
+        v[:, ::7] *= np.float32(1e-6 if ggml_type == 1 else 1e-39)
+        if ggml_type == 1:
+            return v.astype(np.float16).view(np.uint8)
+        return (v.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
     if ggml_type in (2, 3, 6, 7, 8):  # the gguf package quantizes these itself
         from gguf import GGMLQuantizationType
 
@@ -176,7 +182,8 @@ def test_gemma_from_blocks_equals_the_dequantized_model(tmp_path, monkeypatch, c
 
 
 def test_quantized_weights_need_a_gguf_model_and_the_native_kernels(tmp_path, tiny_model_dir):
-    with pytest.raises(JobError, match="engine.weights: 'quantized' needs a GGUF model"):
+    with pytest.raises(JobError, match="engine.weights: 'quantized' needs a GGUF model or "
+                       "bf16/fp16 weights"):  # fmt: skip
         prepare(_job(tmp_path, str(tiny_model_dir), ["hi"], "quantized"))
     with pytest.raises(JobError, match="engine.weights: 'quantized' needs the native CPU"):
         prepare(_job(tmp_path, builtin.BUILTIN_MODEL, ["hi"], "quantized",

@@ -104,13 +104,13 @@ def _check_model_config(job: JobConfig, mf: ModelFiles):
 def _memory_plan(job: JobConfig, mf: ModelFiles, cfg, settings: EngineSettings, shapes: dict):
     """What a CPU run will hold (job/memory.py); None on other devices."""
     # lazy: torch and the extension, which validate and status never need
-    from eaglebatch.cpu.gguf_blocks import block_bytes, checkpoint
+    from eaglebatch.cpu.stored import stored_bytes
     from eaglebatch.worker import plan_kv_budget
 
     if settings.device.type != "cpu":
         return None
     eng = job.engine
-    blocks = block_bytes(checkpoint(mf.gguf, cfg)) if settings.quantized else {}
+    blocks = stored_bytes(mf.dir, mf.gguf, cfg) if settings.quantized else {}
     itemsize = settings.dtype.itemsize
     seq = settings.max_model_len + settings.max_draft_tokens
     kv = plan_kv_budget(eng, cfg, seq, settings.dtype, settings.device)  # the worker's rule

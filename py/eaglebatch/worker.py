@@ -21,8 +21,9 @@ from eaglebatch.attention import (
 )
 from eaglebatch.attention.base import copy_blocks
 from eaglebatch.cpu import accelerate
-from eaglebatch.cpu.gguf_blocks import checkpoint, kept_names, quantized_weights
-from eaglebatch.cpu.quantized import use_quantized_weights
+from eaglebatch.cpu.gguf_blocks import checkpoint
+from eaglebatch.cpu.quantized import QuantizedWeight, use_quantized_weights
+from eaglebatch.cpu.stored import load_stored, stored_names
 from eaglebatch.cpu.threads import join as join_workers
 from eaglebatch.cpu.threads import set_threads
 from eaglebatch.errors import JobError
@@ -39,7 +40,6 @@ from eaglebatch.job.engine_settings import EngineSettings
 from eaglebatch.job.model_files import ModelFiles
 from eaglebatch.model import model_class
 from eaglebatch.model.config import ModelConfig
-from eaglebatch.model.gguf_checkpoint import GgufCheckpoint
 from eaglebatch.model.llama import LlamaForCausalLM
 from eaglebatch.sampling.logits_processing import LogitsControls
 from eaglebatch.sampling.logprobs import (
@@ -53,20 +53,23 @@ from eaglebatch.sampling.sampler import sample
 from eaglebatch.transfer import HostCopy, to_device
 
 
-def _use_blocks(
-    model: LlamaForCausalLM, ck: GgufCheckpoint, threads: int, unloaded: frozenset[str]
+def _use_stored(
+    model: LlamaForCausalLM,
+    stored: tuple[str, dict[str, QuantizedWeight]],  # cpu/stored.py's load_stored
+    threads: int,
+    unloaded: frozenset[str],
 ) -> str:
-    """Swaps the model's GGUF blocks in (cpu/quantized.py), which must replace every weight
-    left `unloaded`; returns what the weights are."""
-    blocks = quantized_weights(ck)
+    """Swaps the weights read as the checkpoint stores them in (cpu/quantized.py), which must
+    replace every weight left `unloaded`; returns what the weights are."""
+    label, blocks = stored
     names = use_quantized_weights(model, blocks, threads)
-    if missing := sorted(unloaded - set(names)):  # the blocks file changed under this run
-        raise RuntimeError(f"weights: no blocks replaced the unloaded {missing[:3]}")
+    if missing := sorted(unloaded - set(names)):  # the checkpoint changed under this run
+        raise RuntimeError(f"weights: nothing replaced the unloaded {missing[:3]}")
     kinds = Counter(blocks[n].type_name for n in names)
     size = sum(blocks[n].blocks.numel() for n in names) / 2**20
     rest = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     kinds_text = ", ".join(f"{c} x {k}" for k, c in sorted(kinds.items()))
-    return f"GGUF blocks ({kinds_text}: {size:.0f} MiB) + {rest:.0f} MiB float32"
+    return f"{label} ({kinds_text}: {size:.0f} MiB) + {rest:.0f} MiB float32"
 
 
 def _weights_line(model: torch.nn.Module) -> str:
@@ -299,8 +302,8 @@ class Worker:
         backend = get_backend(settings.attention_backend)
         blocks = settings.quantized
         ck = checkpoint(mf.gguf, cfg) if mf.gguf is not None else None
-        # the float32 parameters of weights read as blocks are never filled (not resident)
-        skip = kept_names(ck) if blocks and ck is not None else frozenset()
+        # the float32 parameters of weights read as stored are never filled (not resident)
+        skip = stored_names(mf.dir, cfg, ck) if blocks else frozenset()
         model = model_class(cfg).from_pretrained(
             mf.dir, dtype=dtype, device=device, backend=backend, max_positions=max_model_len,
             skip=skip, gguf=ck,
@@ -309,7 +312,7 @@ class Worker:
         gemm_threads = torch.get_num_threads() if settings.cpu_gemm else 0
         accelerate(model, gemm_threads)  # a float32 CPU run: the CPU fast path
         if blocks:
-            weights = _use_blocks(model, ck, gemm_threads, skip)
+            weights = _use_stored(model, load_stored(mf.dir, cfg, ck), gemm_threads, skip)
         else:
             weights = _weights_line(model)
         reserve = 0

@@ -239,7 +239,7 @@ pub fn random_blocks(ty: WeightType, rows: usize, k: usize, seed: u64) -> Vec<u8
         T::Q4_0 | T::Q5_0 | T::Q8_0 => &[0],
         T::Q4_1 | T::Q5_1 | T::Q4K => &[0, 2],
         T::Q6K => &[208],
-        T::F32 | T::Bf16 => &[],
+        T::F32 | T::F16 | T::Bf16 => &[],
     };
     for (i, block) in data.chunks_exact_mut(bytes).enumerate() {
         for &at in halves {

@@ -3,9 +3,9 @@ cpu/quantized.py runs them), straight from the file's memory map (model/gguf_che
 
 Invariants:
 - a weight is read as blocks when its tensor is 2-D, of a block type the kernels read
-  (`BLOCK_TYPES`) and whole blocks per row; its float32 parameter is then never filled (not
-  resident); the kernels expand the blocks to exactly the gguf dequantizer's values, so the
-  run computes what the dequantized float32 model computes;
+  (`BLOCK_TYPES`, F16 and BF16 included) and whole blocks per row; its float32 parameter is
+  then never filled (not resident); the kernels expand the blocks to exactly the gguf
+  dequantizer's values, so the run computes what the dequantized float32 model computes;
 - every other tensor (other quantized types, float tensors) is dequantized into its float32
   parameter at load, said once in the log for quantized types.
 """
@@ -45,7 +45,8 @@ def expand(data: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> np.ndarr
         return None
     with warnings.catch_warnings():  # a read-only map: only read
         warnings.simplefilter("ignore", UserWarning)
-        qw = QuantizedWeight(torch.from_numpy(data), ggml_type, shape)
+        raw = data.reshape(shape[0], -1).view(np.uint8)  # fp16 tensors come as float16
+        qw = QuantizedWeight(torch.from_numpy(raw), ggml_type, shape)
     return qw.rows(torch.arange(shape[0])).numpy()
 
 

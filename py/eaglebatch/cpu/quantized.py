@@ -1,11 +1,13 @@
-"""CPU steps straight from a GGUF checkpoint's quantized blocks (`engine.weights: quantized`).
+"""CPU steps straight from a checkpoint's stored weights (`engine.weights: quantized`): a GGUF
+file's quantized blocks, or the 16-bit floats of a bf16/fp16 checkpoint (half_weights.py).
 
-A `QuantizedWeight` holds one weight matrix [n, k] as the GGUF file stores it: n rows of
-`row_bytes` bytes of blocks (rows in the checkpoint's order, gguf_blocks.py). The extension's
-GEMM and embedding gather expand the blocks in registers to the exact float32 values of the
-dequantized checkpoint (rust/src/cpu/quant.rs), so a model that reads them computes bit for bit what
-the float32 model computes, from ~7x fewer bytes for Q4_1 (the memory-bound part of a CPU decode
-step is reading the weights).
+A `QuantizedWeight` holds one weight matrix [n, k] as the checkpoint stores it: n rows of
+`row_bytes` bytes of blocks (rows in the checkpoint's order, gguf_blocks.py; a 16-bit float
+is a block of one element). The extension's GEMM and embedding gather expand the blocks in
+registers to the exact float32 values of the dequantized checkpoint
+(rust/src/cpu/quant.rs), so a model that reads them computes bit for bit what the float32
+model computes, from ~7x fewer bytes for Q4_1 and 2x for bf16 (the memory-bound part of a CPU
+decode step is reading the weights).
 
 `use_quantized_weights` swaps them into a built, accelerated float32 CPU model, one way: each
 nn.Linear whose weight has blocks becomes a QuantizedLinear (swapped in as NativeLinear), the
@@ -39,6 +41,8 @@ EXPANDED_SLICE_ELEMENTS = 1 << 24
 # GGML type numbers the kernels read from blocks (rust/src/cpu/quant.rs), with (elements, bytes)
 # per block.
 BLOCK_TYPES: dict[int, tuple[str, int, int]] = {
+    1: ("F16", 1, 2),
+    30: ("BF16", 1, 2),
     2: ("Q4_0", 32, 18),
     3: ("Q4_1", 32, 20),
     6: ("Q5_0", 32, 22),

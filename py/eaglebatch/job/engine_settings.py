@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from eaglebatch.cpu import SMALL_GEMM_AVAILABLE
+from eaglebatch.cpu.stored import has_stored_weights
 from eaglebatch.errors import JobError
 from eaglebatch.job.config import JobConfig
 from eaglebatch.job.model_files import ModelFiles
@@ -90,22 +91,26 @@ def resolve_small_gemm(name: str, device: torch.device, dtype: torch.dtype) -> i
 
 
 def resolve_weights(name: str, gemm_threads: int, mf: ModelFiles) -> bool:
-    """Whether the CPU steps read the model's GGUF blocks (engine.weights); 'quantized' where
-    they cannot is a JobError naming the key."""
-
-    has_blocks = mf.gguf is not None
-    if name == "quantized":
-        if gemm_threads <= 0:
-            raise JobError(
-                "engine.weights: 'quantized' needs the native CPU kernels: engine.device cpu, "
-                "float32 and engine.cpu_gemm auto or native on a CPU with AVX-512F or AVX2+FMA"
-            )
-        if not has_blocks:
-            raise JobError(
-                f"engine.weights: 'quantized' needs a GGUF model (model: {mf.dir} is a folder "
-                "without GGUF blocks)"
-            )
-    return name != "dequantized" and gemm_threads > 0 and has_blocks
+    """Whether the CPU steps read the model's weights as its checkpoint stores them
+    (engine.weights): a GGUF file's blocks, a bf16/fp16 folder's 16-bit floats; 'quantized'
+    where they cannot is a JobError naming the key."""
+    if name == "dequantized":
+        return False
+    if name == "quantized" and gemm_threads <= 0:
+        raise JobError(
+            "engine.weights: 'quantized' needs the native CPU kernels: engine.device cpu, "
+            "float32 and engine.cpu_gemm auto or native on a CPU with AVX-512F or AVX2+FMA"
+        )
+    try:
+        stored = gemm_threads > 0 and has_stored_weights(mf.dir, mf.gguf)
+    except (OSError, ValueError):  # an unreadable checkpoint: its own check names it
+        stored = False
+    if name == "quantized" and not stored:
+        raise JobError(
+            f"engine.weights: 'quantized' needs a GGUF model or bf16/fp16 weights (model: "
+            f"{mf.dir} holds float32 safetensors)"
+        )
+    return stored
 
 
 def flashinfer_importable() -> bool:

@@ -2,8 +2,8 @@
 when it cannot fit, instead of the kernel killing the process mid-run.
 
 Three parts, from headers and the job alone (nothing is loaded):
-- the model: every checkpoint tensor at the run's dtype, but those read as GGUF blocks
-  (engine.weights: quantized), which count their blocks' bytes;
+- the model: every checkpoint tensor at the run's dtype, but those read as stored
+  (engine.weights: quantized: GGUF blocks, bf16/fp16 floats), which count their bytes;
 - the KV cache: engine.kv_cache_tokens at the run's dtype; unset, what the worker will take:
   kv_cache_memory_fraction of the available memory, at most max_batch_size whole sequences;
 - working buffers: one step's activations (max_num_batched_tokens rows through the widest
@@ -72,8 +72,8 @@ def available_memory() -> int:
 
 def model_bytes(shapes: dict[str, tuple[int, ...]], itemsize: int,
                 blocks: dict[str, int]) -> int:  # fmt: skip
-    """Bytes of the checkpoint `shapes` at `itemsize`, but `blocks` (name -> bytes of its GGUF
-    blocks) counted as their blocks."""
+    """Bytes of the checkpoint `shapes` at `itemsize`, but `blocks` (name -> bytes of a weight
+    read as stored: GGUF blocks, 16-bit floats) counted as stored."""
     total = sum(blocks.values())
     return total + sum(math.prod(s) * itemsize for n, s in shapes.items() if n not in blocks)
 

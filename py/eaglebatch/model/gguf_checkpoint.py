@@ -119,9 +119,10 @@ class GgufCheckpoint:
                 yield name, self.float32(name)
 
     def blocks(self, name: str) -> torch.Tensor:
-        """uint8 [rows, row bytes]: quantized weight `name`'s blocks in its row order."""
+        """uint8 [rows, row bytes]: 2-D weight `name`'s blocks (its raw bytes for a float type)
+        in its row order, a view of the map where the order is the file's."""
         t = self.tensors[name]
-        data = t.data  # a view of the map: [rows, row bytes]
+        data = t.data.reshape(t.data.shape[0], -1).view(np.uint8)  # [rows, row bytes] of the map
         order = _row_order(self.arch, t.name, data.shape[0], self.cfg)
         if order is None:
             with warnings.catch_warnings():  # read-only: the kernels never write blocks

@@ -265,7 +265,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         """Loads every parameter but those in `skip` from the *.safetensors files in `path`
         (raises on missing or unexpected tensors)."""
-        tensors = iter_tensors(path)
+        rename = text_tower_name if self.config.text_tower else (lambda n: n)
+        tensors = iter_tensors(path, skip=lambda n: rename(n) in skip)  # left unread
         if self.config.text_tower:
             tensors = ((m, t) for n, t in tensors if (m := text_tower_name(n)) is not None)
         load_named_tensors(self, tensors, ignore=self._ignored_tensors(),

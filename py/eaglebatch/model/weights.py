@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
@@ -45,10 +46,22 @@ _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 
-def read_safetensors_header(file: str) -> dict[str, tuple[int, ...]]:
-    """{tensor name: shape} from a safetensors file's header, after checking that the header
-    parses and that every tensor's bytes lie inside the file (a truncated download fails
-    here). Reads only the header. Raises ValueError naming the file."""
+@dataclass(frozen=True)
+class SafetensorsEntry:
+    """One tensor of a safetensors file: its bytes are file[data_start + begin : data_start +
+    end]."""
+
+    dtype: str  # safetensors' name: "BF16", "F16", "F32", ...
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def read_safetensors_entries(file: str) -> tuple[int, dict[str, SafetensorsEntry]]:
+    """(offset of the data in the file, {tensor name: entry}) from a safetensors file's header,
+    after checking that the header parses and that every tensor's bytes lie inside the file (a
+    truncated download fails here). Reads only the header. Raises ValueError naming the
+    file."""
     size = os.path.getsize(file)
     with open(file, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
@@ -61,15 +74,20 @@ def read_safetensors_header(file: str) -> dict[str, tuple[int, ...]]:
     if not isinstance(header, dict):
         raise ValueError(f"{file} has an unreadable safetensors header")
     data_bytes = size - 8 - n
-    shapes = {}
+    entries = {}
     for name, t in header.items():
         if name != "__metadata__":
-            shapes[name] = _checked_entry(file, name, t, data_bytes)
-    return shapes
+            entries[name] = _checked_entry(file, name, t, data_bytes)
+    return 8 + n, entries
 
 
-def _checked_entry(file: str, name: str, t: object, data_bytes: int) -> tuple[int, ...]:
-    """The shape of header entry `t`, after checking its dtype, shape and byte range."""
+def read_safetensors_header(file: str) -> dict[str, tuple[int, ...]]:
+    """{tensor name: shape} from a safetensors file's header (`read_safetensors_entries`)."""
+    return {name: e.shape for name, e in read_safetensors_entries(file)[1].items()}
+
+
+def _checked_entry(file: str, name: str, t: object, data_bytes: int) -> SafetensorsEntry:
+    """Header entry `t`, after checking its dtype, shape and byte range."""
     try:
         shape = tuple(t["shape"])
         begin, end = t["data_offsets"]
@@ -84,7 +102,7 @@ def _checked_entry(file: str, name: str, t: object, data_bytes: int) -> tuple[in
             f"{file}: tensor {name!r} needs bytes {begin}..{end} of {data_bytes} "
             f"(the file is truncated or damaged)"
         )
-    return shape
+    return SafetensorsEntry(t["dtype"], shape, begin, end)
 
 
 def checkpoint_shapes(path: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
@@ -144,12 +162,16 @@ def text_tower_name(name: str) -> str | None:
     return name
 
 
-def iter_tensors(path: str | os.PathLike[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, CPU tensor) for every tensor of the checkpoint, one at a time."""
+def iter_tensors(
+    path: str | os.PathLike[str], skip: Callable[[str], bool] = lambda name: False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every tensor of the checkpoint, one at a time, but those whose
+    name `skip` says (never read)."""
     for file in checkpoint_files(path):
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                yield name, f.get_tensor(name)
+                if not skip(name):
+                    yield name, f.get_tensor(name)
 
 
 def load_named_tensors(

@@ -1,4 +1,4 @@
-//! Weight formats the CPU kernels read: float32, bfloat16 bits, and GGUF's quantized blocks
+//! Weight formats the CPU kernels read: float32, bfloat16 and fp16 bits, and GGUF's quantized blocks
 //! (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K), expanded in registers to the exact float32
 //! values the `gguf` package's dequantizer produces.
 //!
@@ -24,6 +24,7 @@
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum WeightType {
     F32,
+    F16,
     Bf16,
     Q4_0,
     Q4_1,
@@ -34,8 +35,9 @@ pub enum WeightType {
     Q6K,
 }
 
-pub const ALL: [WeightType; 9] = [
+pub const ALL: [WeightType; 10] = [
     WeightType::F32,
+    WeightType::F16,
     WeightType::Bf16,
     WeightType::Q4_0,
     WeightType::Q4_1,
@@ -51,6 +53,7 @@ impl WeightType {
     pub fn ggml_id(self) -> u32 {
         match self {
             WeightType::F32 => 0,
+            WeightType::F16 => 1,
             WeightType::Q4_0 => 2,
             WeightType::Q4_1 => 3,
             WeightType::Q5_0 => 6,
@@ -71,7 +74,7 @@ impl WeightType {
     pub fn block(self) -> (usize, usize) {
         match self {
             WeightType::F32 => (1, 4),
-            WeightType::Bf16 => (1, 2),
+            WeightType::F16 | WeightType::Bf16 => (1, 2),
             WeightType::Q4_0 => (32, 18),
             WeightType::Q4_1 => (32, 20),
             WeightType::Q5_0 => (32, 22),
@@ -156,6 +159,7 @@ fn element(ty: WeightType, b: &[u8], e: usize) -> f32 {
     };
     match ty {
         WeightType::F32 => f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        WeightType::F16 => half(b, 0),
         WeightType::Bf16 => f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16),
         WeightType::Q4_0 => half(b, 0) * (nibble(2, e) as i8 - 8) as f32,
         WeightType::Q4_1 => half(b, 0) * nibble(4, e) as f32 + half(b, 2),
@@ -308,6 +312,8 @@ pub mod avx512 {
     #[derive(Clone, Copy)]
     pub struct F32;
     #[derive(Clone, Copy)]
+    pub struct F16;
+    #[derive(Clone, Copy)]
     pub struct Bf16;
     #[derive(Clone, Copy)]
     pub struct Q4_0;
@@ -335,6 +341,23 @@ pub mod avx512 {
         #[target_feature(enable = "avx512f")]
         unsafe fn load_tail(row: *const u8, t: usize, len: usize) -> __m512 {
             _mm512_maskz_loadu_ps((1u16 << len) - 1, (row as *const f32).add(t))
+        }
+    }
+
+    /// IEEE half bits, widened by F16C's conversion (exact: every fp16 value is a float32).
+    impl Load for F16 {
+        float_format!();
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        unsafe fn load(row: *const u8, t: usize) -> __m512 {
+            _mm512_cvtph_ps(_mm256_loadu_si256((row as *const u16).add(t) as *const __m256i))
+        }
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        unsafe fn load_tail(row: *const u8, t: usize, len: usize) -> __m512 {
+            let mut padded = [0u16; 16];
+            std::ptr::copy_nonoverlapping((row as *const u16).add(t), padded.as_mut_ptr(), len);
+            Self::load(padded.as_ptr() as *const u8, 0)
         }
     }
 
@@ -634,7 +657,7 @@ pub mod avx2 {
         };
     }
 
-    pub use super::avx512::{Bf16, F32, Q4K, Q4_0, Q4_1, Q5_0, Q5_1, Q6K, Q8_0};
+    pub use super::avx512::{Bf16, F16, F32, Q4K, Q4_0, Q4_1, Q5_0, Q5_1, Q6K, Q8_0};
 
     impl Load for F32 {
         float_format!();
@@ -649,6 +672,22 @@ pub mod avx2 {
             let mut padded = [0f32; 8];
             std::ptr::copy_nonoverlapping((row as *const f32).add(t), padded.as_mut_ptr(), len);
             _mm256_loadu_ps(padded.as_ptr())
+        }
+    }
+
+    impl Load for F16 {
+        float_format!();
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load(row: *const u8, t: usize) -> __m256 {
+            _mm256_cvtph_ps(_mm_loadu_si128((row as *const u16).add(t) as *const __m128i))
+        }
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load_tail(row: *const u8, t: usize, len: usize) -> __m256 {
+            let mut padded = [0u16; 8];
+            std::ptr::copy_nonoverlapping((row as *const u16).add(t), padded.as_mut_ptr(), len);
+            Self::load(padded.as_ptr() as *const u8, 0)
         }
     }
 

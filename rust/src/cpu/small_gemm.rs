@@ -32,6 +32,10 @@ macro_rules! dispatch {
                 type $w = q::F32;
                 $body
             }
+            WeightType::F16 => {
+                type $w = q::F16;
+                $body
+            }
             WeightType::Bf16 => {
                 type $w = q::Bf16;
                 $body
@@ -254,6 +258,9 @@ mod weights {
     use crate::cpu::quant::avx512::*;
     impl Weight for F32 {
         const PER: (usize, usize) = (1, 4);
+    }
+    impl Weight for F16 {
+        const PER: (usize, usize) = (1, 2);
     }
     impl Weight for Bf16 {
         const PER: (usize, usize) = (1, 2);
@@ -765,45 +772,36 @@ mod tests {
     }
 
     #[test]
-    fn bf16_weights_give_the_float32_results_bit_for_bit() {
+    fn sixteen_bit_weights_give_the_float32_results_bit_for_bit() {
         for isa in supported() {
-            bf16_weights(isa);
+            for ty in [WeightType::Bf16, WeightType::F16] {
+                sixteen_bit_weights(isa, ty);
+            }
         }
     }
 
-    fn bf16_weights(isa: Isa) {
+    fn sixteen_bit_weights(isa: Isa, ty: WeightType) {
         for &(m, n, k) in &[(1, 130, 576), (4, 67, 37), (16, 9, 1152), (5, 33, 27)] {
             let x = values(m * k, 5);
-            // bf16 values: float32 bits with the low half cleared
+            // the top half of float32 bits: bf16 values; as fp16, finite ones (inf/NaN
+            // exponents lowered), subnormals included
             let bits: Vec<u16> = values(n * k, 6)
                 .iter()
                 .map(|v| (v.to_bits() >> 16) as u16)
+                .map(|h| match ty {
+                    WeightType::F16 if h & 0x7c00 == 0x7c00 => h & !0x4000,
+                    _ => h,
+                })
                 .collect();
-            let wide: Vec<f32> = bits
-                .iter()
-                .map(|b| f32::from_bits((*b as u32) << 16))
-                .collect();
+            let mut wide = vec![0f32; n * k];
+            crate::cpu::quant::dequantize_row(ty, as_bytes(&bits), &mut wide);
             for threads in [1, 2] {
                 let (mut a, mut b) = (vec![0.0; m * n], vec![0.0; m * n]);
-                run(
-                    isa,
-                    WeightType::F32,
-                    &x,
-                    as_bytes(&wide),
-                    &mut a,
-                    (m, n, k),
-                    threads,
-                );
-                run(
-                    isa,
-                    WeightType::Bf16,
-                    &x,
-                    as_bytes(&bits),
-                    &mut b,
-                    (m, n, k),
-                    threads,
-                );
-                assert_eq!(a, b, "{isa:?} {m}x{n}x{k}");
+                let w32 = as_bytes(&wide);
+                run(isa, WeightType::F32, &x, w32, &mut a, (m, n, k), threads);
+                run(isa, ty, &x, as_bytes(&bits), &mut b, (m, n, k), threads);
+                let same = a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits());
+                assert!(same, "{isa:?} {ty:?} {m}x{n}x{k}");
             }
         }
     }

@@ -1,0 +1,116 @@
+"""bf16 and fp16 safetensors checkpoints on the CPU straight from their 16-bit weights
+(cpu/half_weights.py, cpu/stored.py) against references that do not share that code: the same
+checkpoint loaded into float32 parameters (`engine.weights: dequantized`), and the widening
+done by torch."""
+
+from __future__ import annotations
+
+import shutil
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eaglebatch.cpu.gemm import SMALL_GEMM_AVAILABLE
+from eaglebatch.cpu.half_weights import half_bytes, half_weights, has_half_weights, kept_names
+from eaglebatch.engine import prepare, run_prepared
+from eaglebatch.job.config import load_job
+from eaglebatch.model.config import ModelConfig
+from support.tiny import make_tiny_model, write_prompts
+
+pytest.importorskip("eaglebatch._native")
+native = pytest.mark.skipif(not SMALL_GEMM_AVAILABLE, reason="CPU without AVX-512F / AVX2+FMA")
+
+PROMPTS = ["Hello there", "What is 2+2?", "Name three colours.", "Why is the sky blue?",
+           "Count to five", "a", "Write a haiku about rain."]  # fmt: skip
+
+
+def _sixteen_bit(src, out, dtype: torch.dtype, keep_float32: tuple[str, ...] = ()):
+    """A copy of checkpoint folder `src` with every tensor cast to `dtype` (those whose name
+    contains one of `keep_float32` left float32), split over two files with an index."""
+    shutil.copytree(src, out)
+    tensors = load_file(src / "model.safetensors")
+    cast = {n: t if any(s in n for s in keep_float32) else t.to(dtype) for n, t in tensors.items()}
+    (out / "model.safetensors").unlink()
+    names = sorted(cast)
+    halves = {"model-1.safetensors": names[::2], "model-2.safetensors": names[1::2]}
+    for file, part in halves.items():
+        save_file({n: cast[n].contiguous() for n in part}, out / file)
+    index = {"weight_map": {n: f for f, part in halves.items() for n in part}}
+    (out / "model.safetensors.index.json").write_text(__import__("json").dumps(index))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tied_model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tied"), tie_word_embeddings=True, seed=3)
+
+
+def _job(d, model, weights: str):
+    d.mkdir(parents=True, exist_ok=True)
+    job = d / "job.yaml"
+    job.write_text(
+        f"model: {model}\ninput:\n  path: {write_prompts(d / 'in.parquet', PROMPTS)}\n"
+        f"output:\n  path: {d / 'out'}\n  include_token_ids: true\n"
+        "sampling:\n  max_new_tokens: 20\nengine:\n  device: cpu\n  dtype: float32\n"
+        f"  max_batch_size: 4\n  kv_cache_tokens: 2048\n  weights: {weights}\n"
+    )
+    return load_job(job)
+
+
+def _run(d, model, weights: str):
+    summary = run_prepared(prepare(_job(d, model, weights)))
+    ids = pq.read_table(d / "out").sort_by("row_index").column("output_token_ids").to_pylist()
+    return ids, summary.stats["weights"]
+
+
+def test_kept_names_are_the_2d_sixteen_bit_tensors(tiny_model_dir, tmp_path):
+    model = _sixteen_bit(tiny_model_dir, tmp_path / "bf16", torch.bfloat16, ("mlp.up_proj",))
+    cfg = ModelConfig.from_dir(model)
+    names = kept_names(model, cfg)
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" in names
+    assert "model.layers.0.self_attn.q_proj.weight" in names
+    assert not any("norm" in n or "up_proj" in n for n in names)  # 1-D, float32
+    sizes = half_bytes(model, cfg)
+    assert sizes["lm_head.weight"] == cfg.vocab_size * cfg.hidden_size * 2
+    assert has_half_weights(model) and not has_half_weights(tiny_model_dir)
+    assert not kept_names(tiny_model_dir, ModelConfig.from_dir(tiny_model_dir))
+
+
+@native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sixteen_bit_views_widen_to_the_checkpoint_values(tiny_model_dir, tmp_path, dtype):
+    """Every weight, read through the kernels' loaders, is torch's float32 widening of the
+    stored tensor bit for bit (fp16 subnormals included)."""
+    model = _sixteen_bit(tiny_model_dir, tmp_path / "m", dtype)
+    stored = {n: t for f in model.glob("*.safetensors") for n, t in load_file(f).items()}
+    stored["model.layers.0.mlp.up_proj.weight"][0, :4] = torch.tensor([6e-8, -3e-5, 0.0, -0.0])
+    save_file({n: t for n, t in stored.items()}, model / "model-extra.safetensors")
+    for f in ("model-1.safetensors", "model-2.safetensors", "model.safetensors.index.json"):
+        (model / f).unlink()
+    for name, qw in half_weights(model, ModelConfig.from_dir(model)).items():
+        want = stored[name].to(torch.float32)
+        got = qw.rows(torch.arange(qw.shape[0]))
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), name
+
+
+@native
+@pytest.mark.parametrize(("dtype", "tied"), [(torch.bfloat16, False), (torch.float16, True)])
+def test_greedy_from_sixteen_bits_equals_the_float32_model(
+    tiny_model_dir, tied_model, tmp_path, dtype, tied
+):
+    """The same tokens as the checkpoint loaded into float32 parameters, from the 16-bit
+    weights (a tied LM head reads the embedding's), with the memory estimate counting them at
+    2 bytes."""
+    src = tied_model if tied else tiny_model_dir
+    model = _sixteen_bit(src, tmp_path / "model", dtype)
+    want, float32_line = _run(tmp_path / "f32", model, "dequantized")
+    got, line = _run(tmp_path / "auto", model, "auto")
+    assert got == want
+    assert float32_line.startswith("float32") and line.startswith("safetensors 16-bit (")
+    assert ("x BF16" if dtype == torch.bfloat16 else "x F16") in line
+    plans = [prepare(_job(tmp_path / w, model, w)).memory_plan for w in ("quantized", "dequantized")]
+    cfg = ModelConfig.from_dir(model)
+    matrices = sum(half_bytes(model, cfg).values())
+    assert plans[1].model_bytes - plans[0].model_bytes == matrices  # 4 bytes -> 2 bytes each
