@@ -336,10 +336,11 @@ class EngineConfig(_Section):
     # attention backend, whole layers (cpu/decoder.py); "torch" = torch's layers and
     # F.linear (MKL); auto = native on a float32 CPU run when the CPU has AVX-512F or AVX2+FMA.
     cpu_gemm: Literal["auto", "native", "torch"] = "auto"
-    # A GGUF model's weights on the CPU: "quantized" = its blocks, expanded in registers to
-    # the dequantized float32 values (the same outputs from ~7x fewer bytes, cpu/quantized.py);
-    # "dequantized" = the converted float32 checkpoint; auto = quantized on a float32 CPU run
-    # with the native kernels when the model has GGUF blocks.
+    # A GGUF or bf16/fp16 model's weights on the CPU: "quantized" = as the checkpoint stores
+    # them (GGUF blocks, 16-bit floats), widened in registers to the exact float32 values (the
+    # same outputs from ~7x / 2x fewer bytes, cpu/quantized.py); "dequantized" = float32
+    # parameters; auto = quantized on a float32 CPU run with the native kernels when the
+    # model has GGUF blocks or 16-bit matrices.
     weights: Literal["auto", "quantized", "dequantized"] = "auto"
     # local: this process; ray: engine actors on a Ray cluster (the job's `ray` section).
     executor: Literal["local", "ray"] = "local"
