@@ -184,6 +184,20 @@ fn element(ty: WeightType, b: &[u8], e: usize) -> f32 {
     }
 }
 
+/// `load_tail` of a 16-bit float format: the last elements copied into a zeroed full step of
+/// `$lanes`, then loaded as one.
+macro_rules! padded_tail {
+    ($lanes:expr, $vec:ty, $features:literal) => {
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn load_tail(row: *const u8, t: usize, len: usize) -> $vec {
+            let mut padded = [0u16; $lanes];
+            std::ptr::copy_nonoverlapping((row as *const u16).add(t), padded.as_mut_ptr(), len);
+            Self::load(padded.as_ptr() as *const u8, 0)
+        }
+    };
+}
+
 /// The 16-lane loaders. Float formats: `load(row, t)` is elements t..t + 16 (t a multiple of
 /// 16) and `load_tail` a shorter last step. Block formats: `load32(row, t)` is elements
 /// t..t + 32 (t a multiple of 32) as two vectors, one block or sub-block of 32 with its scales
@@ -350,15 +364,11 @@ pub mod avx512 {
         #[inline]
         #[target_feature(enable = "avx512f")]
         unsafe fn load(row: *const u8, t: usize) -> __m512 {
-            _mm512_cvtph_ps(_mm256_loadu_si256((row as *const u16).add(t) as *const __m256i))
+            _mm512_cvtph_ps(_mm256_loadu_si256(
+                (row as *const u16).add(t) as *const __m256i
+            ))
         }
-        #[inline]
-        #[target_feature(enable = "avx512f")]
-        unsafe fn load_tail(row: *const u8, t: usize, len: usize) -> __m512 {
-            let mut padded = [0u16; 16];
-            std::ptr::copy_nonoverlapping((row as *const u16).add(t), padded.as_mut_ptr(), len);
-            Self::load(padded.as_ptr() as *const u8, 0)
-        }
+        padded_tail!(16, __m512, "avx512f");
     }
 
     /// bfloat16 bits: a float32 with the low 16 bits zero, so widening is exact.
@@ -371,13 +381,7 @@ pub mod avx512 {
             let bits = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p));
             _mm512_castsi512_ps(_mm512_slli_epi32::<16>(bits))
         }
-        #[inline]
-        #[target_feature(enable = "avx512f")]
-        unsafe fn load_tail(row: *const u8, t: usize, len: usize) -> __m512 {
-            let mut padded = [0u16; 16];
-            std::ptr::copy_nonoverlapping((row as *const u16).add(t), padded.as_mut_ptr(), len);
-            Self::load(padded.as_ptr() as *const u8, 0)
-        }
+        padded_tail!(16, __m512, "avx512f");
     }
 
     /// d * (q - 8); block: d, qs[16] (element j: nibble j / 16 of qs[j % 16]).
@@ -682,13 +686,7 @@ pub mod avx2 {
         unsafe fn load(row: *const u8, t: usize) -> __m256 {
             _mm256_cvtph_ps(_mm_loadu_si128((row as *const u16).add(t) as *const __m128i))
         }
-        #[inline]
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn load_tail(row: *const u8, t: usize, len: usize) -> __m256 {
-            let mut padded = [0u16; 8];
-            std::ptr::copy_nonoverlapping((row as *const u16).add(t), padded.as_mut_ptr(), len);
-            Self::load(padded.as_ptr() as *const u8, 0)
-        }
+        padded_tail!(8, __m256, "avx2,fma,f16c");
     }
 
     impl Load for Bf16 {
@@ -700,13 +698,7 @@ pub mod avx2 {
             let bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(p));
             _mm256_castsi256_ps(_mm256_slli_epi32::<16>(bits))
         }
-        #[inline]
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn load_tail(row: *const u8, t: usize, len: usize) -> __m256 {
-            let mut padded = [0u16; 8];
-            std::ptr::copy_nonoverlapping((row as *const u16).add(t), padded.as_mut_ptr(), len);
-            Self::load(padded.as_ptr() as *const u8, 0)
-        }
+        padded_tail!(8, __m256, "avx2,fma");
     }
 
     impl Load for Q4_0 {
