@@ -47,20 +47,20 @@ def tied_model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tied"), tie_word_embeddings=True, seed=3)
 
 
-def _job(d, model, weights: str):
+def _job(d, model, weights: str, extra: str = ""):
     d.mkdir(parents=True, exist_ok=True)
     job = d / "job.yaml"
     job.write_text(
         f"model: {model}\ninput:\n  path: {write_prompts(d / 'in.parquet', PROMPTS)}\n"
         f"output:\n  path: {d / 'out'}\n  include_token_ids: true\n"
         "sampling:\n  max_new_tokens: 20\nengine:\n  device: cpu\n  dtype: float32\n"
-        f"  max_batch_size: 4\n  kv_cache_tokens: 2048\n  weights: {weights}\n"
+        f"  max_batch_size: 4\n  kv_cache_tokens: 2048\n  weights: {weights}\n{extra}"
     )
     return load_job(job)
 
 
-def _run(d, model, weights: str):
-    summary = run_prepared(prepare(_job(d, model, weights)))
+def _run(d, model, weights: str, extra: str = ""):
+    summary = run_prepared(prepare(_job(d, model, weights, extra)))
     ids = pq.read_table(d / "out").sort_by("row_index").column("output_token_ids").to_pylist()
     return ids, summary.stats["weights"]
 
@@ -110,7 +110,31 @@ def test_greedy_from_sixteen_bits_equals_the_float32_model(
     assert got == want
     assert float32_line.startswith("float32") and line.startswith("safetensors 16-bit (")
     assert ("x BF16" if dtype == torch.bfloat16 else "x F16") in line
-    plans = [prepare(_job(tmp_path / w, model, w)).memory_plan for w in ("quantized", "dequantized")]
+    weights = ("quantized", "dequantized")
+    plans = [prepare(_job(tmp_path / w, model, w)).memory_plan for w in weights]
     cfg = ModelConfig.from_dir(model)
     matrices = sum(half_bytes(model, cfg).values())
     assert plans[1].model_bytes - plans[0].model_bytes == matrices  # 4 bytes -> 2 bytes each
+
+
+@native
+def test_gemma3_and_an_eagle3_head_over_sixteen_bits_equal_the_float32_model(tmp_path):
+    """Gemma 3 (scaled embeddings, (1 + w) norms, sliding layers) stored in bf16, plain and with
+    a random EAGLE-3 head that reads the target's 16-bit embedding: the float32 load's tokens."""
+    from eaglebatch.speculative import init_random_draft
+
+    src = make_tiny_model(
+        tmp_path / "gemma", num_layers=3, head_dim=24, hidden_size=64, num_heads=4,
+        num_kv_heads=2, model_type="gemma3_text", sliding_window=8, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        hidden_activation="gelu_pytorch_tanh",
+    )  # fmt: skip
+    model = _sixteen_bit(src, tmp_path / "bf16", torch.bfloat16)
+    head = init_random_draft(tmp_path / "e3", model, kind="eagle3", draft_vocab_size=200, seed=2,
+                             aux_layer_ids=(0, 1, 2))  # fmt: skip
+    want, _ = _run(tmp_path / "f32", model, "dequantized")
+    got, line = _run(tmp_path / "auto", model, "auto")
+    assert got == want and line.startswith("safetensors 16-bit (")
+    spec = f"draft: {head}\nspeculative:\n  num_steps: 3\n"
+    got, _ = _run(tmp_path / "spec", model, "auto", spec)
+    assert got == want
