@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from eaglebatch.cpu.quantized import QuantizedWeight
+from eaglebatch.model import model_class
 from eaglebatch.model.weights import (
     SafetensorsEntry,
     checkpoint_files,
@@ -34,14 +35,21 @@ from eaglebatch.model.weights import (
 HALF_TYPES = {"F16": 1, "BF16": 30}
 
 
-def _tensors(path: Path, text_tower: bool) -> dict[str, tuple[str, int, SafetensorsEntry]]:
-    """model parameter name -> (file, data offset, entry) of the 2-D 16-bit tensors."""
+def _tensors(path: Path, cfg=None) -> dict[str, tuple[str, int, SafetensorsEntry]]:
+    """parameter name -> (file, data offset, entry) of the 2-D 16-bit tensors; with `cfg`
+    (ModelConfig) only those of a model of `cfg`'s parameters (a tied checkpoint's own
+    lm_head.weight, other towers' tensors are left out), named as the model names them."""
+    wanted = None
+    if cfg is not None:
+        with torch.device("meta"):
+            model = model_class(cfg)(cfg, max_positions=2)
+        wanted = {n for n, p in model.named_parameters() if p.dim() == 2}
     found = {}
     for file in checkpoint_files(path):
         start, entries = read_safetensors_entries(file)
         for name, e in entries.items():
-            name = text_tower_name(name) if text_tower else name
-            if name is not None and len(e.shape) == 2 and e.dtype in HALF_TYPES:
+            name = text_tower_name(name) if cfg is not None and cfg.text_tower else name
+            if len(e.shape) == 2 and e.dtype in HALF_TYPES and (wanted is None or name in wanted):
                 found[name] = (file, start, e)
     return found
 
@@ -49,25 +57,24 @@ def _tensors(path: Path, text_tower: bool) -> dict[str, tuple[str, int, Safetens
 def kept_names(path: str | os.PathLike[str], cfg) -> frozenset[str]:
     """The parameters read in 16 bits (module doc) of the checkpoint in folder `path` of a
     model of `cfg` (ModelConfig); empty for a float32 checkpoint."""
-    return frozenset(_tensors(Path(path), bool(cfg.text_tower)))
+    return frozenset(_tensors(Path(path), cfg))
 
 
 def half_bytes(path: str | os.PathLike[str], cfg) -> dict[str, int]:
     """name -> bytes of the weights read in 16 bits (the memory estimate)."""
-    found = _tensors(Path(path), bool(cfg.text_tower))
-    return {n: e.end - e.begin for n, (_, _, e) in found.items()}
+    return {n: e.end - e.begin for n, (_, _, e) in _tensors(Path(path), cfg).items()}
 
 
 def has_half_weights(path: str | os.PathLike[str]) -> bool:
     """Whether the checkpoint in folder `path` holds any 2-D bf16 or fp16 tensor (headers
     only)."""
-    return bool(_tensors(Path(path), text_tower=False))
+    return bool(_tensors(Path(path)))
 
 
 def half_weights(path: str | os.PathLike[str], cfg) -> dict[str, QuantizedWeight]:
     """The 16-bit weights (module doc) as views of the files' memory maps."""
     weights, maps = {}, {}
-    for name, (file, start, e) in _tensors(Path(path), bool(cfg.text_tower)).items():
+    for name, (file, start, e) in _tensors(Path(path), cfg).items():
         if file not in maps:  # one map per file; each view keeps its map open
             maps[file] = np.memmap(file, dtype=np.uint8, mode="r")
         rows, k = e.shape
