@@ -5,8 +5,8 @@ writer and quantizer, for the CPU-at-scale benchmarks (no model hub is reachable
 
 Types are mixed like a real Q4_0 file's: Q4_0 for the embedding and most matrices, Q8_0 for
 attn_v, ffn_down and the (untied) output matrix, float32 norms; the tiny shape (for tests)
-stores attn_output as F16 and ffn_up as BF16 too, so every kind of tensor a file may hold is
-read. Weights are normal with
+stores attn_k and attn_output as F16 and ffn_up as BF16 too, so every kind of tensor a file
+may hold is read (a llama k matrix's rows reordered as well). Weights are normal with
 std 0.02 (norms 1), so activations stay finite; the text generated is noise. The tokenizer
 (metadata only) is the embedded SmolLM2's, so transformers' GGUF loader reads the file.
 """
@@ -76,7 +76,7 @@ def _layer_tensors(i: int, s: Shape) -> list[tuple[str, int, int, str]]:
     tiny = s == SHAPES["tiny"]
     return [
         (f"blk.{i}.attn_q.weight", s.hidden, s.hidden, "Q4_0"),
-        (f"blk.{i}.attn_k.weight", s.kv_heads * hd, s.hidden, "Q4_0"),
+        (f"blk.{i}.attn_k.weight", s.kv_heads * hd, s.hidden, "F16" if tiny else "Q4_0"),
         (f"blk.{i}.attn_v.weight", s.kv_heads * hd, s.hidden, "Q8_0"),
         (f"blk.{i}.attn_output.weight", s.hidden, s.hidden, "F16" if tiny else "Q4_0"),
         (f"blk.{i}.ffn_gate.weight", s.intermediate, s.hidden, "Q4_0"),
