@@ -143,3 +143,52 @@ def test_gemma3_and_an_eagle3_head_over_sixteen_bits_equal_the_float32_model(tmp
     spec = f"draft: {head}\nspeculative:\n  num_steps: 3\n"
     got, _ = _run(tmp_path / "spec", model, "auto", spec)
     assert got == want
+
+
+def _hf_bf16(tmp_path, variant: str):
+    """A random transformers checkpoint of test_llama's VARIANTS (or a multimodal Gemma 3)
+    saved in bfloat16."""
+    import transformers
+
+    from test_llama import VARIANTS
+
+    torch.manual_seed(7)
+    if variant == "gemma3_multimodal":
+        vision = transformers.SiglipVisionConfig(hidden_size=16, intermediate_size=32,
+                                                 num_hidden_layers=1, num_attention_heads=2,
+                                                 image_size=28, patch_size=14)  # fmt: skip
+        cfg = transformers.Gemma3Config(text_config=VARIANTS["gemma3"](), vision_config=vision,
+                                        mm_tokens_per_image=4, image_token_index=255,
+                                        boi_token_index=253, eoi_token_index=254)  # fmt: skip
+        hf = transformers.Gemma3ForConditionalGeneration(cfg)
+    else:
+        hf = transformers.AutoModelForCausalLM.from_config(VARIANTS[variant]())
+    hf.to(torch.bfloat16).save_pretrained(tmp_path)
+    return tmp_path
+
+
+@native
+@pytest.mark.parametrize("variant", ["llama_tied_3layers", "llama3_rope_bias", "qwen2", "mistral",
+                                     "qwen3", "qwen3_bias", "gemma3", "gemma3_multimodal"])
+def test_every_family_from_sixteen_bits_equals_its_float32_load(tmp_path, variant):
+    """Biases, tied heads, q/k norms, Gemma's norms and a multimodal checkpoint's text tower
+    (vision tensors left out): greedy tokens and logits from the 16-bit weights are the
+    float32 load's, bit for bit."""
+    from eaglebatch.cpu import accelerate
+    from eaglebatch.cpu.quantized import use_quantized_weights
+    from eaglebatch.model import model_class
+    from test_llama import Runner, greedy_generate
+
+    path = _hf_bf16(tmp_path, variant)
+    cfg = ModelConfig.from_dir(path)
+    ref = model_class(cfg).from_pretrained(path)
+    kept = kept_names(path, cfg)
+    assert kept and not any("vision" in n or "norm" in n for n in kept)
+    ours = model_class(cfg).from_pretrained(path, skip=kept)
+    accelerate(ref, 2)
+    accelerate(ours, 2)
+    assert set(use_quantized_weights(ours, half_weights(path, cfg), 2)) == kept
+    prompts = [list(range(100, 130)), [7, 8, 9], list(range(40, 45))]
+    first = [Runner(m, num_blocks=64).step(list(enumerate(prompts))) for m in (ours, ref)]
+    assert all(torch.equal(a, b) for a, b in zip(*first, strict=True))
+    assert greedy_generate(ours, prompts, 10) == greedy_generate(ref, prompts, 10)

@@ -163,7 +163,24 @@ def _native_decoder(
     return native, plan
 
 
-class NativeTargetLayers:
+class NativeLmHead:
+    """The fast path of a target whose decoder layers run as torch's (Gemma 3; swapped in as
+    NativeGemma3ForCausalLM): its LM head on the native GEMM, tied or not, as every other
+    linear of it (and a tied head read as stored, cpu/quantized.py) -- one rule for which
+    kernel computes a product, so a float32 load and one from GGUF blocks or 16-bit weights
+    give the same logits bit for bit."""
+
+    state = ("small_gemm_threads",)
+    small_gemm_threads: int
+
+    def lm_head_forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
+        if self.lm_head is not None:  # a NativeLinear (float32 or GGUF blocks)
+            return self.lm_head(hidden)
+        weight = self.model.embed_tokens.weight  # tied
+        return linear(hidden, weight, threads=self.small_gemm_threads)
+
+
+class NativeTargetLayers(NativeLmHead):
     """The fast path of a `LlamaForCausalLM` (swapped in as NativeLlamaForCausalLM): runs of its
     decoder layers in one native call each, and its LM head on the native GEMM."""
 
@@ -189,12 +206,6 @@ class NativeTargetLayers:
         h = h.clone()  # updated in place; the caller may hold the input (a captured state)
         native.forward(h, positions, attn, plan, kv_caches[first:last], first, last)
         return h
-
-    def lm_head_forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
-        if self.lm_head is not None:  # a NativeLinear (float32 or GGUF blocks)
-            return self.lm_head(hidden)
-        weight = self.model.embed_tokens.weight  # tied
-        return linear(hidden, weight, threads=self.small_gemm_threads)
 
 
 class NativeDraftLayer:
@@ -230,7 +241,9 @@ def use_native_layers(model: nn.Module, threads: int) -> None:
     if threads <= 0:
         restore(model)
     elif isinstance(model, LlamaForCausalLM) and model.config.family == "llama":
-        # (Gemma 3's layers are not Llama's: its linears alone run natively, cpu/gemm.py)
         become(model, NativeTargetLayers, small_gemm_threads=threads, native_decoder=None)
+    elif isinstance(model, LlamaForCausalLM):
+        # Gemma 3's layers are not Llama's: its linears (cpu/gemm.py) and LM head run natively
+        become(model, NativeLmHead, small_gemm_threads=threads)
     elif hasattr(model, "run_layer"):
         become(model, NativeDraftLayer, small_gemm_threads=threads, native_decoder=None)
