@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eaglebatch.cpu.gemm import SMALL_GEMM_AVAILABLE
-from eaglebatch.cpu.half_weights import half_bytes, half_weights, has_half_weights, kept_names
+from eaglebatch.cpu.half_weights import half_bytes, half_weights, kept_names
+from eaglebatch.cpu.stored import has_stored_weights
 from eaglebatch.engine import prepare, run_prepared
 from eaglebatch.job.config import load_job
 from eaglebatch.model.config import ModelConfig
@@ -65,7 +66,7 @@ def _run(d, model, weights: str, extra: str = ""):
     return ids, summary.stats["weights"]
 
 
-def test_kept_names_are_the_2d_sixteen_bit_tensors(tiny_model_dir, tmp_path):
+def test_kept_names_are_the_2d_sixteen_bit_tensors(tiny_model_dir, tied_model, tmp_path):
     model = _sixteen_bit(tiny_model_dir, tmp_path / "bf16", torch.bfloat16, ("mlp.up_proj",))
     cfg = ModelConfig.from_dir(model)
     names = kept_names(model, cfg)
@@ -74,8 +75,14 @@ def test_kept_names_are_the_2d_sixteen_bit_tensors(tiny_model_dir, tmp_path):
     assert not any("norm" in n or "up_proj" in n for n in names)  # 1-D, float32
     sizes = half_bytes(model, cfg)
     assert sizes["lm_head.weight"] == cfg.vocab_size * cfg.hidden_size * 2
-    assert has_half_weights(model) and not has_half_weights(tiny_model_dir)
+    assert has_stored_weights(model, None) and not has_stored_weights(tiny_model_dir, None)
     assert not kept_names(tiny_model_dir, ModelConfig.from_dir(tiny_model_dir))
+    # a float32 tied checkpoint with a bf16 lm_head.weight the model does not have
+    extra = shutil.copytree(tied_model, tmp_path / "extra")
+    t = load_file(extra / "model.safetensors")
+    t["lm_head.weight"] = t["model.embed_tokens.weight"].to(torch.bfloat16)
+    save_file(t, extra / "model.safetensors")
+    assert not has_stored_weights(extra, None)
 
 
 @native

@@ -35,21 +35,19 @@ from eaglebatch.model.weights import (
 HALF_TYPES = {"F16": 1, "BF16": 30}
 
 
-def _tensors(path: Path, cfg=None) -> dict[str, tuple[str, int, SafetensorsEntry]]:
-    """parameter name -> (file, data offset, entry) of the 2-D 16-bit tensors; with `cfg`
-    (ModelConfig) only those of a model of `cfg`'s parameters (a tied checkpoint's own
-    lm_head.weight, other towers' tensors are left out), named as the model names them."""
-    wanted = None
-    if cfg is not None:
-        with torch.device("meta"):
-            model = model_class(cfg)(cfg, max_positions=2)
-        wanted = {n for n, p in model.named_parameters() if p.dim() == 2}
+def _tensors(path: Path, cfg) -> dict[str, tuple[str, int, SafetensorsEntry]]:
+    """parameter name -> (file, data offset, entry) of the 2-D 16-bit tensors that are
+    parameters of a model of `cfg` (ModelConfig), named as the model names them (a tied
+    checkpoint's own lm_head.weight and other towers' tensors are left out)."""
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg, max_positions=2)
+    wanted = {n for n, p in model.named_parameters() if p.dim() == 2}
     found = {}
     for file in checkpoint_files(path):
         start, entries = read_safetensors_entries(file)
         for name, e in entries.items():
-            name = text_tower_name(name) if cfg is not None and cfg.text_tower else name
-            if len(e.shape) == 2 and e.dtype in HALF_TYPES and (wanted is None or name in wanted):
+            name = text_tower_name(name) if cfg.text_tower else name
+            if name in wanted and len(e.shape) == 2 and e.dtype in HALF_TYPES:
                 found[name] = (file, start, e)
     return found
 
@@ -63,12 +61,6 @@ def kept_names(path: str | os.PathLike[str], cfg) -> frozenset[str]:
 def half_bytes(path: str | os.PathLike[str], cfg) -> dict[str, int]:
     """name -> bytes of the weights read in 16 bits (the memory estimate)."""
     return {n: e.end - e.begin for n, (_, _, e) in _tensors(Path(path), cfg).items()}
-
-
-def has_half_weights(path: str | os.PathLike[str]) -> bool:
-    """Whether the checkpoint in folder `path` holds any 2-D bf16 or fp16 tensor (headers
-    only)."""
-    return bool(_tensors(Path(path)))
 
 
 def half_weights(path: str | os.PathLike[str], cfg) -> dict[str, QuantizedWeight]:

@@ -11,14 +11,15 @@ from pathlib import Path
 
 from eaglebatch.cpu import gguf_blocks, half_weights
 from eaglebatch.cpu.quantized import QuantizedWeight
+from eaglebatch.model.config import ModelConfig
 from eaglebatch.model.gguf_checkpoint import GgufCheckpoint
 
 
 def has_stored_weights(folder: Path, gguf: Path | None) -> bool:
     """Whether the model (its folder, the GGUF file of its weights if any: job/model_files.py)
-    has weights the kernels read as stored: a GGUF file, or 2-D bf16 or fp16 tensors in its
-    safetensors files."""
-    return gguf is not None or half_weights.has_half_weights(folder)
+    has weights the kernels read as stored: a GGUF file, or 2-D bf16 or fp16 parameters in its
+    safetensors files (headers and config only)."""
+    return gguf is not None or bool(half_weights.kept_names(folder, ModelConfig.from_dir(folder)))
 
 
 def stored_names(folder: Path, cfg, ck: GgufCheckpoint | None) -> frozenset[str]:
