@@ -4,9 +4,9 @@ memory map of the files: no float32 copy, and the pages are the page cache's, sh
 process that maps the same files (shards of one job on a node).
 
 Invariants:
-- a weight is read in 16 bits when its tensor is 2-D and BF16 or F16 (the matrices of the
-  decoder layers, the embedding and an untied LM head); its float32 parameter is then never
-  filled (not resident);
+- a weight is read in 16 bits when it is an nn.Linear's or nn.Embedding's (the matrices of
+  the decoder layers, the embedding and an untied LM head) and its tensor is 2-D BF16 or F16;
+  its float32 parameter is then never filled (not resident);
 - widening bf16 or fp16 to float32 is exact and the kernels widen in registers the very
   values the float32 model holds, so the run computes what the float32 model computes, bit for
   bit, from half the bytes;
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 from eaglebatch.cpu.quantized import QuantizedWeight
 from eaglebatch.model import model_class
@@ -36,12 +37,13 @@ HALF_TYPES = {"F16": 1, "BF16": 30}
 
 
 def _tensors(path: Path, cfg) -> dict[str, tuple[str, int, SafetensorsEntry]]:
-    """parameter name -> (file, data offset, entry) of the 2-D 16-bit tensors that are
-    parameters of a model of `cfg` (ModelConfig), named as the model names them (a tied
-    checkpoint's own lm_head.weight and other towers' tensors are left out)."""
+    """parameter name -> (file, data offset, entry) of the 16-bit tensors that are the weights
+    of a model of `cfg` (ModelConfig)'s linears and embedding, named as the model names them
+    (a tied checkpoint's own lm_head.weight and other towers' tensors are left out)."""
     with torch.device("meta"):
         model = model_class(cfg)(cfg, max_positions=2)
-    wanted = {n for n, p in model.named_parameters() if p.dim() == 2}
+    kinds = (nn.Linear, nn.Embedding)  # what cpu/quantized.py swaps
+    wanted = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, kinds)}
     found = {}
     for file in checkpoint_files(path):
         start, entries = read_safetensors_entries(file)
