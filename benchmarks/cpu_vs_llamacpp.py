@@ -2,16 +2,17 @@
 
     python benchmarks/cpu_vs_llamacpp.py [--batch1-prompts 24] [--prompts 64]
         [--max-tokens 128] [--batch-sizes 1 8 16 32 64] [--dequantized-batch-sizes 1 64]
-        [--llama-parallel 16 32 64] [--threads 2] [--repeat 1] [--json PATH]
-        [--model-shape 1b|3b]
+        [--int8-batch-sizes 1 64] [--llama-parallel 16 32 64] [--threads 2] [--repeat 1]
+        [--json PATH] [--model-shape 1b|3b]
 
 The prompts are the first ShareGPT first-turn prompts of 20-400 characters in the quickstart's
 input (the embedded dataset), rendered with the model's chat template by its tokenizer;
 llama.cpp receives those token ids, so both engines see exactly the same input. The model is
 the embedded SmolLM2-135M-Instruct Q4_1 GGUF: llama.cpp's `llama-server` serves the file itself
 (`benchmarks/llamacpp.py` finds or builds it and says how); eaglebatch runs it with
-`engine.weights: quantized` (steps read the GGUF's blocks) and `dequantized` (float32 copies),
-plain and with the builtin EAGLE head.
+`engine.weights: quantized` (steps read the GGUF's blocks), the same with `engine.activations:
+int8` (x quantized to 8 bits in the block products, as llama.cpp does: another function than
+the float32 model's) and `dequantized` (float32 copies), plain and with the builtin EAGLE head.
 
 Batch 1 is the first `--batch1-prompts` prompts one at a time (llama.cpp with one slot;
 eaglebatch with plain and EAGLE alternating request by request); "batched" is all `--prompts`
@@ -58,6 +59,13 @@ from synthetic_gguf import write_llama_gguf  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 GOAL_BATCH1, GOAL_BATCHED = 1.5, 2.0  # EAGLE over llama.cpp (issue 31)
 PROMPTS = "prompts.parquet"
+# eaglebatch's variants: (label, job overrides); a row's "weights" is its variant's key
+VARIANTS = {
+    "quantized": ("weights quantized", ["engine.weights=quantized"]),
+    "int8": ("weights quantized, int8 activations",
+             ["engine.weights=quantized", "engine.activations=int8"]),
+    "dequantized": ("weights dequantized", ["engine.weights=dequantized"]),
+}
 
 
 def cpu_line() -> str:
@@ -133,14 +141,15 @@ def llama_rows(gguf: Path, ids: list[list[int]], n1: int, args, console: Console
 
 def eagle_rows(weights: str, batch_sizes: list[int], n1: int, args, tmp: Path,
                console: Console, model: list[str]) -> list[dict]:  # fmt: skip
-    """eaglebatch plain and EAGLE rows at each batch size with engine.weights = weights
-    (`model`: overrides naming another model than the quickstart's)."""
+    """eaglebatch plain and EAGLE rows at each batch size for the variant `weights` (a key of
+    VARIANTS; `model`: overrides naming another model than the quickstart's)."""
     rows = []
+    label, overrides = VARIANTS[weights]
     for b in batch_sizes:
         n = n1 if b == 1 else args.prompts
         job = quickstart_job(tmp / f"{weights}-{b}", tmp / PROMPTS, n, args.max_tokens,
-                             [f"engine.weights={weights}", *model])
-        console.print(f"eaglebatch, weights {weights}, batch {b}, {n} prompts ...")
+                             [*overrides, *model])
+        console.print(f"eaglebatch, {label}, batch {b}, {n} prompts ...")
         got, pairs = eaglebatch_rows(job, [b], repeat=args.repeat, console=console)
         for r in got:
             r["weights"] = weights
@@ -173,7 +182,7 @@ def side_by_side(llama: dict, rows: list[dict], n1: int, n: int, batched: int) -
               f"{one['output_tok_s_gen']:.1f} ({one['output_tok_s_wall']:.1f})",
               f"{best['output_tok_s_gen']:.1f} ({best['output_tok_s_wall']:.1f}), "
               f"{best['parallel']} slots", "-")
-    for weights in ("quantized", "dequantized"):
+    for weights, (variant, _) in VARIANTS.items():
         for engine, label in (("eaglebatch", "plain"), ("eaglebatch+eagle", "EAGLE")):
             a, b = _find(rows, weights, engine, 1), _find(rows, weights, engine, batched)
             if a is None and b is None:
@@ -181,7 +190,7 @@ def side_by_side(llama: dict, rows: list[dict], n1: int, n: int, batched: int) -
             cells = [f"{_f(r['generation_tok_s'])} ({r['output_tok_s']:.1f})" if r else "-"
                      for r in (a, b)]
             acc = " / ".join(_f(r and r["accept_length"], ".2f") for r in (a, b))
-            t.add_row(f"eaglebatch {label}, weights {weights}", *cells, acc)
+            t.add_row(f"eaglebatch {label}, {variant}", *cells, acc)
     return t
 
 
@@ -189,7 +198,7 @@ def spec_table(rows: list[dict], weights: str, batch_sizes: list[int]) -> Table:
     """EAGLE over plain at each batch size (the pair measured back to back), by wall time:
     the speculative run's prefills also prefill its head, so generation time alone would
     leave a cost of speculation out."""
-    t = Table(title=f"EAGLE / plain, weights {weights} (output tok/s, wall time)")
+    t = Table(title=f"EAGLE / plain, {VARIANTS[weights][0]} (output tok/s, wall time)")
     for col in ("batch", "plain", "EAGLE", "EAGLE / plain", "generation only", "accept len",
                 "identical"):
         t.add_column(col, justify="right")
@@ -215,14 +224,14 @@ def goal_lines(llama: dict, rows: list[dict], batched: int,
     out = []
     for label, b, ref, goal in (("batch 1", 1, llama["batch1"]["output_tok_s_gen"], goals[0]),
                                 ("batched", batched, best, goals[1])):
-        for weights in ("quantized", "dequantized"):
+        for weights, (variant, _) in VARIANTS.items():
             e = _find(rows, weights, "eaglebatch+eagle", b)
             p = _find(rows, weights, "eaglebatch", b)
             if p is None:
                 continue
             fastest = max(r["generation_tok_s"] for r in (e, p) if r is not None)
             eagle = f"EAGLE {e['generation_tok_s'] / ref:.2f}x, " if e is not None else ""
-            out.append(f"{label}, weights {weights}: {eagle}"
+            out.append(f"{label}, {variant}: {eagle}"
                        f"plain {p['generation_tok_s'] / ref:.2f}x llama.cpp "
                        f"(goal {goal}x: {'met' if fastest / ref >= goal else 'not met'})")
     return out
@@ -235,6 +244,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 16, 32, 64])
     ap.add_argument("--dequantized-batch-sizes", type=int, nargs="*", default=[1, 64])
+    ap.add_argument("--int8-batch-sizes", type=int, nargs="*",
+                    help="batch sizes of the engine.activations: int8 runs (default: "
+                    "--batch-sizes)")
     ap.add_argument("--llama-parallel", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=1,
@@ -247,6 +259,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.model_shape and "--dequantized-batch-sizes" not in (argv or sys.argv):
         args.dequantized_batch_sizes = []  # float32 copies of 1-3B weights: not the point
+    if args.int8_batch_sizes is None:
+        args.int8_batch_sizes = args.batch_sizes
     return args
 
 
@@ -266,11 +280,13 @@ def main(argv: list[str] | None = None) -> int:
                                               args.prompts, args.max_tokens, model))
         llama = llama_rows(gguf, ids, n1, args, console)
         rows = eagle_rows("quantized", args.batch_sizes, n1, args, Path(tmp), console, model)
+        rows += eagle_rows("int8", args.int8_batch_sizes, n1, args, Path(tmp), console, model)
         rows += eagle_rows("dequantized", args.dequantized_batch_sizes, n1, args, Path(tmp),
                            console, model)
     console.print(side_by_side(llama, rows, n1, args.prompts, batched))
-    for weights in sorted({r["weights"] for r in rows}, reverse=True):
-        console.print(spec_table(rows, weights, args.batch_sizes))
+    for weights in VARIANTS:
+        if any(r["weights"] == weights for r in rows):
+            console.print(spec_table(rows, weights, args.batch_sizes))
     goals = (1.0, 1.5) if args.model_shape else (GOAL_BATCH1, GOAL_BATCHED)
     for line in goal_lines(llama, rows, batched, goals):
         console.print(line, highlight=False)

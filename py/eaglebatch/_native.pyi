@@ -232,7 +232,15 @@ SMALL_GEMM_MAX_ROWS: int
 """The most rows of x one `small_gemm` call takes (128)."""
 
 def small_gemm(
-    x: int, w: int, out: int, m: int, n: int, k: int, threads: int, weight_type: int = 0
+    x: int,
+    w: int,
+    out: int,
+    m: int,
+    n: int,
+    k: int,
+    threads: int,
+    weight_type: int = 0,
+    int8_activations: bool = False,
 ) -> None:
     """out = x @ w.T in float32 by raw addresses (tensor.data_ptr()): x [m, k], w [n, k],
     out [m, n], all C-contiguous CPU buffers that stay alive for the call, out not overlapping
@@ -241,7 +249,10 @@ def small_gemm(
     8 Q8_0, 12 Q4_K, 14 Q6_K; w then n rows of whole blocks), expanded exactly, so the result
     is bit for bit that of w's float32 values. Runs on up to `threads` threads of the OpenMP
     team torch uses. Each output is computed in the same order whatever m and the thread
-    count. Unsafe by contract: `cpu/gemm.py::linear` and `cpu/quantized.py` are the callers;
+    count. `int8_activations` (block formats only; `engine.activations: int8`): x is quantized
+    to 8-bit blocks of 32 and multiplied in integers (rust/src/cpu/int8_gemm.rs defines the
+    result), not the float32 product. Unsafe by contract: `cpu/gemm.py::linear` and
+    `cpu/quantized.py` are the callers;
     they take every address through `cpu/tensors.py::native_ptr`, which checks it."""
 
 def gather_rows(
@@ -287,7 +298,8 @@ class CpuDecoder:
     gate, up, down, then the q, k, v, o, gate, up, down biases (0: none), then the per-head
     q_norm and k_norm weights [D] (0: none)], the seven weights' formats (GGML type numbers,
     as `small_gemm`'s `weight_type`) and the q/k/v input width; RoPE tables [max_positions,
-    head_dim]. Unsafe by contract:
+    head_dim]. `int8_activations`: the block-format projections take x as `small_gemm`'s flag
+    says. Unsafe by contract:
     `cpu/decoder.py::NativeDecoder` takes every address through `cpu/tensors.py::native_ptr`
     and keeps every tensor alive."""
 
@@ -306,6 +318,7 @@ class CpuDecoder:
         cos: int,
         sin: int,
         max_positions: int,
+        int8_activations: bool = False,
     ) -> None: ...
     def forward(
         self,

@@ -58,18 +58,21 @@ def _use_stored(
     stored: tuple[str, dict[str, QuantizedWeight]],  # cpu/stored.py's load_stored
     threads: int,
     unloaded: frozenset[str],
+    int8: bool = False,
 ) -> str:
     """Swaps the weights read as the checkpoint stores them in (cpu/quantized.py), which must
-    replace every weight left `unloaded`; returns what the weights are."""
+    replace every weight left `unloaded`; returns what the weights are. int8: the block
+    formats' products quantize x to 8 bits (engine.activations)."""
     label, blocks = stored
-    names = use_quantized_weights(model, blocks, threads)
+    names = use_quantized_weights(model, blocks, threads, int8)
     if missing := sorted(unloaded - set(names)):  # the checkpoint changed under this run
         raise RuntimeError(f"weights: nothing replaced the unloaded {missing[:3]}")
     kinds = Counter(blocks[n].type_name for n in names)
     size = sum(blocks[n].blocks.numel() for n in names) / 2**20
     rest = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     kinds_text = ", ".join(f"{c} x {k}" for k, c in sorted(kinds.items()))
-    return f"{label} ({kinds_text}: {size:.0f} MiB) + {rest:.0f} MiB float32"
+    acts = ", int8 activations" if int8 else ""
+    return f"{label} ({kinds_text}: {size:.0f} MiB{acts}) + {rest:.0f} MiB float32"
 
 
 def _weights_line(model: torch.nn.Module) -> str:
@@ -312,7 +315,8 @@ class Worker:
         gemm_threads = torch.get_num_threads() if settings.cpu_gemm else 0
         accelerate(model, gemm_threads)  # a float32 CPU run: the CPU fast path
         if blocks:
-            weights = _use_stored(model, load_stored(mf.dir, cfg, ck), gemm_threads, skip)
+            weights = _use_stored(model, load_stored(mf.dir, cfg, ck), gemm_threads, skip,
+                                  settings.int8_activations)  # fmt: skip
         else:
             weights = _weights_line(model)
         reserve = 0

@@ -8,6 +8,7 @@
 //! their headers say why each is native. `bindings` (feature "python") exposes them.
 
 pub mod decoder_layer;
+pub mod int8_gemm;
 pub mod omp;
 pub mod paged_attention;
 pub mod quant;

@@ -37,6 +37,12 @@ from eaglebatch.model.llama import LlamaForCausalLM
 from eaglebatch.model.rotary import RotaryEmbedding
 
 
+def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
+    """A layer's q, k, v, o, gate, up, down projections (the native side's order)."""
+    a, m = layer.self_attn, layer.mlp
+    return a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj
+
+
 class NativeDecoder:
     """The decoder layers `layers` (each with input_layernorm or None, self_attn.{q,k,v,o}_proj,
     post_attention_layernorm, mlp.{gate,up,down}_proj) and their RoPE table."""
@@ -59,8 +65,8 @@ class NativeDecoder:
         self.hidden = mlp0.down_proj.out_features
         self.num_kv_heads, self.head_dim = attn0.num_kv_heads, attn0.head_dim
         for layer in layers:
-            a, m = layer.self_attn, layer.mlp
-            projs = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+            a = layer.self_attn
+            projs = _projections(layer)
             w = [self._weight(p) for p in projs]
             norm_in = None if given_input else layer.input_layernorm.weight
             n_in = self._hold(norm_in, (self.hidden,))
@@ -73,13 +79,16 @@ class NativeDecoder:
             )
             types.append([ty for _, ty in w])
             self.in_features.append(a.q_proj.in_features)
+        # engine.activations: int8, which use_quantized_weights set on every block weight
+        int8 = any(getattr(getattr(p, "quantized", None), "takes_int8", False)
+                   for layer in layers for p in _projections(layer))  # fmt: skip
         table = (rotary.cos_table.shape[0], self.head_dim)
         cos, sin = self._hold(rotary.cos_table, table), self._hold(rotary.sin_table, table)
         self._decoder = _native.CpuDecoder(
             addrs, types, self.in_features,
             self.hidden, mlp0.gate_proj.out_features,
             attn0.num_heads, attn0.num_kv_heads, attn0.head_dim, eps, attn0.scale,
-            cos, sin, table[0],
+            cos, sin, table[0], int8,
         )  # fmt: skip
 
     def _hold(self, t: torch.Tensor | None, shape: tuple[int, ...]) -> int:

@@ -17,6 +17,12 @@ A product of up to SMALL_GEMM_MAX_ROWS rows runs natively from the blocks; a lar
 (prefill, which is compute-bound) expands the weight (in slices past 64 MiB) and runs torch's
 GEMM on it, the dequantized model's own path for such rows; a call that needs a gradient is
 an error, never a silent fallback.
+
+`engine.activations: int8` (opt-in, GGUF block formats only) gives up that equality for speed:
+every product with a block weight, whatever its row count, quantizes each row of x to 8-bit
+blocks of 32 and multiplies in integers, as llama.cpp does (rust/src/cpu/int8_gemm.rs defines
+the result; rows stay independent of each other, so speculative decoding still reproduces
+plain decoding of the same int8 model). 16-bit float weights and embedding lookups stay exact.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ class QuantizedWeight:
     blocks: torch.Tensor
     ggml_type: int
     shape: tuple[int, int]  # (n, k): out_features, in_features
+    int8: bool = False  # engine.activations: int8 (block formats; see the module doc)
 
     def __post_init__(self) -> None:
         n, k = self.shape
@@ -76,6 +83,16 @@ class QuantizedWeight:
     @property
     def type_name(self) -> str:
         return BLOCK_TYPES[self.ggml_type][0]
+
+    @property
+    def is_block_format(self) -> bool:
+        """A GGUF block format (not a 16-bit float, a block of one element)."""
+        return BLOCK_TYPES[self.ggml_type][1] > 1
+
+    @property
+    def takes_int8(self) -> bool:
+        """Its products quantize x to 8 bits (int8 asked for and a block format)."""
+        return self.int8 and self.is_block_format
 
     def linear(self, x: torch.Tensor, threads: int) -> torch.Tensor:  # [m, k] -> [m, n]
         """x @ W^T in float32: up to SMALL_GEMM_MAX_ROWS rows (decode, verify) on the native
@@ -89,17 +106,23 @@ class QuantizedWeight:
                 "quantized weights run float32 CPU inference only (got "
                 f"{x.dtype} {tuple(x.shape)} on {x.device}, grad {torch.is_grad_enabled()})"
             )
-        n, k = self.shape
         x = x.contiguous()
-        m = x.shape[0]
-        if m > SMALL_GEMM_MAX_ROWS:
+        if x.shape[0] > SMALL_GEMM_MAX_ROWS and not self.takes_int8:
             return self._expanded_linear(x)
-        out = torch.empty((m, n), dtype=torch.float32)
+        out = torch.empty((x.shape[0], self.shape[0]), dtype=torch.float32)
+        for r in range(0, x.shape[0], SMALL_GEMM_MAX_ROWS):  # int8: rows are independent
+            self._native_linear(x[r : r + SMALL_GEMM_MAX_ROWS], out[r : r + SMALL_GEMM_MAX_ROWS],
+                                threads)  # fmt: skip
+        return out
+
+    def _native_linear(self, x: torch.Tensor, out: torch.Tensor, threads: int) -> None:
+        """out [m, n] = x [m, k] @ W^T on the extension, m <= SMALL_GEMM_MAX_ROWS."""
+        (n, k), m = self.shape, x.shape[0]
         _native.small_gemm(
             native_ptr(x, torch.float32, (m, k)), self.blocks.data_ptr(),
             native_ptr(out, torch.float32, (m, n)), m, n, k, threads, self.ggml_type,
+            self.takes_int8,
         )  # fmt: skip
-        return out
 
     def _expanded_linear(self, x: torch.Tensor) -> torch.Tensor:  # [m, k] -> [m, n]
         n, k = self.shape
@@ -154,14 +177,16 @@ def _drop_weight(module: nn.Module) -> None:
 
 
 def use_quantized_weights(
-    model: nn.Module, weights: dict[str, QuantizedWeight], threads: int
+    model: nn.Module, weights: dict[str, QuantizedWeight], threads: int, int8: bool = False
 ) -> list[str]:
     """Swaps `weights` (by parameter name, e.g. "model.layers.0.mlp.up_proj.weight") into the
     nn.Linear and nn.Embedding modules of `model` on `threads` GEMM threads, dropping their
     float32 weights; a tied LM head (`model.lm_head is None`) reads the embedding's blocks.
+    `int8`: the block formats' products take x as 8 bits (engine.activations: int8).
     One way: the model cannot be made plain again. Returns the names swapped."""
     if threads <= 0:
         raise ValueError("quantized weights need the native CPU kernels (threads > 0)")
+    weights = {n: dataclasses.replace(qw, int8=int8) for n, qw in weights.items()}
     done = []
     for name, module in model.named_modules():
         qw = weights.get(f"{name}.weight")

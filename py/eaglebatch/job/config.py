@@ -342,6 +342,11 @@ class EngineConfig(_Section):
     # parameters; auto = quantized on a float32 CPU run with the native kernels when the
     # model has GGUF blocks or 16-bit matrices.
     weights: Literal["auto", "quantized", "dequantized"] = "auto"
+    # How products with a GGUF model's quantized blocks take their input on the CPU: "float32"
+    # = exactly (the dequantized model's outputs); "int8" = each row quantized to 8-bit blocks
+    # of 32 and multiplied in integers, as llama.cpp does (faster, no longer the float32
+    # model's outputs; rust/src/cpu/int8_gemm.rs). int8 needs weights read as blocks.
+    activations: Literal["float32", "int8"] = "float32"
     # local: this process; ray: engine actors on a Ray cluster (the job's `ray` section).
     executor: Literal["local", "ray"] = "local"
 

@@ -27,6 +27,7 @@ class EngineSettings:
     overlap: bool  # the step loop plans a step while one is in flight
     cpu_gemm: bool  # the native small GEMM runs the linears (threads: the worker's process's)
     quantized: bool  # the CPU steps read the model's GGUF blocks
+    int8_activations: bool  # ... and their products quantize x to 8 bits (engine.activations)
     max_model_len: int
     # W, the widest verify round (0 without a draft): K = speculative.num_steps, or prompt
     # lookup's width when larger (JobConfig.max_draft_tokens, the one rule)
@@ -43,6 +44,7 @@ def resolve_engine(job: JobConfig, mf: ModelFiles, model_len: int) -> EngineSett
     device = resolve_device(eng.device)
     dtype = resolve_dtype(eng.dtype, device)
     threads = resolve_small_gemm(eng.cpu_gemm, device, dtype)
+    quantized = resolve_weights(eng.weights, threads, mf)
     return EngineSettings(
         device=device,
         dtype=dtype,
@@ -50,7 +52,8 @@ def resolve_engine(job: JobConfig, mf: ModelFiles, model_len: int) -> EngineSett
         graph_mode=resolve_graph_mode(eng.cuda_graph, device),
         overlap=resolve_overlap(eng.overlap, device, job.draft is not None),
         cpu_gemm=threads > 0,
-        quantized=resolve_weights(eng.weights, threads, mf),
+        quantized=quantized,
+        int8_activations=resolve_activations(eng.activations, quantized, mf),
         max_model_len=resolve_max_model_len(eng.max_model_len, model_len),
         max_draft_tokens=job.max_draft_tokens,
     )
@@ -111,6 +114,21 @@ def resolve_weights(name: str, gemm_threads: int, mf: ModelFiles) -> bool:
             f"{mf.dir} holds float32 safetensors)"
         )
     return stored
+
+
+def resolve_activations(name: str, quantized: bool, mf: ModelFiles) -> bool:
+    """Whether block products quantize x to 8 bits (engine.activations): 'int8' needs a GGUF
+    model whose blocks the CPU steps read, else a JobError naming the key."""
+    if name == "float32":
+        return False
+    if mf.gguf is None or not quantized:
+        what = "holds no GGUF file" if mf.gguf is None else "is read as float32 here"
+        raise JobError(
+            f"engine.activations: 'int8' needs a GGUF model read as its blocks (model: "
+            f"{mf.dir} {what}; engine.weights auto or quantized, device cpu, float32, the "
+            "native kernels)"
+        )
+    return True
 
 
 def flashinfer_importable() -> bool:

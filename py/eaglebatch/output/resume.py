@@ -69,7 +69,9 @@ def job_identity(
             **_scoring_identity(job),
         },
         "sampling": _sampling_identity(job),
-        "engine": {"max_model_len": max_model_len, "dtype": dtype},
+        "engine": {"max_model_len": max_model_len, "dtype": dtype,
+                   # added later: left out at its default so that earlier jobs still resume
+                   **({"activations": "int8"} if job.engine.activations == "int8" else {})},
         "output": _output_identity(job),
     }
     if job.model_chat_template is not None:  # the template used, by content

@@ -6,6 +6,7 @@ use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+use crate::cpu::int8_gemm::{self, Activations};
 use crate::cpu::paged_attention as attn;
 use crate::cpu::quant::WeightType;
 use crate::cpu::small_gemm as gemm;
@@ -70,7 +71,7 @@ fn rms_norm(
 /// live, C-contiguous CPU buffers of m x k float32, n rows of that format's `row_bytes(k)`
 /// bytes and m x n float32 elements, and out does not overlap x or w.
 #[pyfunction]
-#[pyo3(signature = (x, w, out, m, n, k, threads, weight_type = 0))]
+#[pyo3(signature = (x, w, out, m, n, k, threads, weight_type = 0, int8_activations = false))]
 #[allow(clippy::too_many_arguments)]
 fn small_gemm(
     py: Python<'_>,
@@ -82,6 +83,7 @@ fn small_gemm(
     k: usize,
     threads: usize,
     weight_type: u32,
+    int8_activations: bool,
 ) -> PyResult<()> {
     if !gemm::available() {
         return Err(NativeError::new_err(
@@ -107,7 +109,8 @@ fn small_gemm(
                 std::slice::from_raw_parts_mut(out as *mut f32, m * n),
             )
         };
-        gemm::linear_typed(ty, x, w, out, (m, n, k), threads)
+        let acts = Activations::int8_if(int8_activations);
+        int8_gemm::linear_as(acts, ty, x, w, out, (m, n, k), threads)
     });
     Ok(())
 }

@@ -21,16 +21,19 @@
 //! of the call: a verify step reproduces a decode step bit for bit. RoPE computes x * cos +
 //! rotated * sin with separate roundings, as torch does.
 
+use crate::cpu::int8_gemm::{self, Activations};
 use crate::cpu::paged_attention as attn;
 use crate::cpu::quant::WeightType;
 use crate::cpu::small_gemm as gemm;
 
 /// A weight matrix [n, k], row-major: n rows of `ty.row_bytes(k)` bytes (float32, bfloat16
-/// bits or GGUF blocks, `quant`), read by `small_gemm::linear_typed`.
+/// bits or GGUF blocks, `quant`), read by `small_gemm::linear_typed`, or for block formats
+/// with `acts` Int8 by `int8_gemm`.
 #[derive(Clone, Copy)]
 pub struct Weight<'a> {
     pub ty: WeightType,
     pub bytes: &'a [u8],
+    pub acts: Activations,
 }
 
 /// out = x @ w^T + bias for one projection.
@@ -357,7 +360,7 @@ fn check_layer(
 fn project(p: &Proj, x: &[f32], m: usize, out: &mut [f32], threads: usize) {
     let out = &mut out[..m * p.n];
     let w = p.weight;
-    gemm::linear_typed(w.ty, x, w.bytes, out, (m, p.n, p.k), threads);
+    int8_gemm::linear_as(w.acts, w.ty, x, w.bytes, out, (m, p.n, p.k), threads);
     if let Some(bias) = p.bias {
         for row in out.chunks_exact_mut(p.n) {
             row.iter_mut().zip(bias).for_each(|(o, b)| *o += b);

@@ -209,18 +209,12 @@ fn run(
         mnk: (m, n, k),
         row_bytes: row_bytes.unwrap_or_default(),
     };
-    // Threads split the weight rows in multiples of BLOCK; small matrices stay on fewer threads
-    // so each part keeps >= MIN_PART_ROWS rows (handing out a part costs ~1 µs).
-    const MIN_PART_ROWS: usize = 64;
-    let parts = threads.clamp(1, (n / MIN_PART_ROWS).max(1));
-    let per_part = n.div_ceil(parts).div_ceil(BLOCK) * BLOCK;
     let (xp, wp, op) = (
         x.as_ptr() as usize,
         w.as_ptr() as usize,
         out.as_mut_ptr() as usize,
     );
-    omp::run(parts, &|part| {
-        let cols = (part * per_part).min(n)..((part + 1) * per_part).min(n);
+    split_columns(n, threads, &|cols| {
         let args = (xp as *const f32, wp as *const u8, op as *mut f32);
         // SAFETY: the slices above outlive `run`; parts write disjoint output columns
         // [start, end) of every row, all indices stay inside the asserted shapes, and the CPU
@@ -234,6 +228,18 @@ fn run(
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = (args, cols, &geometry);
+    });
+}
+
+/// Runs `f` over parts of the output columns 0..n on up to `threads` threads of libgomp's team
+/// (`omp`): parts of whole multiples of BLOCK, and for small matrices fewer threads, so each
+/// part keeps >= MIN_PART_ROWS columns (handing out a part costs ~1 µs).
+pub(crate) fn split_columns(n: usize, threads: usize, f: &(dyn Fn(std::ops::Range<usize>) + Sync)) {
+    const MIN_PART_ROWS: usize = 64;
+    let parts = threads.clamp(1, (n / MIN_PART_ROWS).max(1));
+    let per_part = n.div_ceil(parts).div_ceil(BLOCK) * BLOCK;
+    omp::run(parts, &|part| {
+        f((part * per_part).min(n)..((part + 1) * per_part).min(n))
     });
 }
 

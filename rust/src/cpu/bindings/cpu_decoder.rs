@@ -6,6 +6,7 @@ use pyo3::prelude::*;
 
 use super::weight_type_of;
 use crate::cpu::decoder_layer as layers;
+use crate::cpu::int8_gemm::Activations;
 use crate::cpu::paged_attention as attn;
 use crate::cpu::quant::WeightType;
 use crate::cpu::small_gemm as gemm;
@@ -26,6 +27,8 @@ const LAYER_TENSORS: usize = 18;
 pub(super) struct CpuDecoder {
     layers: Vec<[usize; LAYER_TENSORS]>,
     weight_types: Vec<[WeightType; 7]>,
+    /// How the block-format projections take x (`int8_gemm`).
+    acts: Activations,
     /// Input features of each layer's q/k/v (the hidden size, or wider for a draft layer
     /// whose input the caller builds).
     in_features: Vec<usize>,
@@ -42,6 +45,9 @@ pub(super) struct CpuDecoder {
 #[pymethods]
 impl CpuDecoder {
     #[new]
+    #[pyo3(signature = (layers, weight_types, in_features, hidden, intermediate, num_heads,
+                        num_kv_heads, head_dim, eps, scale, cos, sin, max_positions,
+                        int8_activations = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         layers: Vec<Vec<usize>>,
@@ -57,6 +63,7 @@ impl CpuDecoder {
         cos: usize,
         sin: usize,
         max_positions: usize,
+        int8_activations: bool,
     ) -> PyResult<Self> {
         let bad = |what: &str| PyValueError::new_err(format!("CpuDecoder: {what}"));
         if layers.len() != weight_types.len() || layers.len() != in_features.len() {
@@ -73,17 +80,7 @@ impl CpuDecoder {
         if cos == 0 || sin == 0 || max_positions == 0 {
             return Err(bad("null RoPE table"));
         }
-        let mut table = Vec::with_capacity(layers.len());
-        for (i, l) in layers.iter().enumerate() {
-            let addrs: [usize; LAYER_TENSORS] = l
-                .as_slice()
-                .try_into()
-                .map_err(|_| bad(&format!("layer {i}: {LAYER_TENSORS} addresses expected")))?;
-            if addrs[1..9].contains(&0) {
-                return Err(bad(&format!("layer {i}: null weight")));
-            }
-            table.push(addrs);
-        }
+        let table = address_table(&layers).map_err(|e| bad(&e))?;
         let types = weight_types
             .iter()
             .map(|ids| layer_weight_types(ids))
@@ -91,6 +88,7 @@ impl CpuDecoder {
         Ok(Self {
             layers: table,
             weight_types: types,
+            acts: Activations::int8_if(int8_activations),
             in_features,
             hidden,
             intermediate,
@@ -263,7 +261,8 @@ impl CpuDecoder {
                 let (a, ty, q_in) = (self.layers[i], self.weight_types[i], self.in_features[i]);
                 // SAFETY: as this function's.
                 unsafe {
-                    let proj = |j: usize, n: usize, k: usize| projection(a, ty, j, n, k);
+                    let proj =
+                        |j: usize, n: usize, k: usize| projection(a, (ty, self.acts), j, n, k);
                     layers::Layer {
                         input_norm: (a[0] != 0).then(|| f32_slice(a[0], h)),
                         q_norm: (a[16] != 0).then(|| f32_slice(a[16], d)),
@@ -284,6 +283,22 @@ impl CpuDecoder {
     }
 }
 
+/// Each layer's addresses as an array, checked: LAYER_TENSORS of them, no null weight.
+fn address_table(layers: &[Vec<usize>]) -> Result<Vec<[usize; LAYER_TENSORS]>, String> {
+    let mut table = Vec::with_capacity(layers.len());
+    for (i, l) in layers.iter().enumerate() {
+        let addrs: [usize; LAYER_TENSORS] = l
+            .as_slice()
+            .try_into()
+            .map_err(|_| format!("layer {i}: {LAYER_TENSORS} addresses expected"))?;
+        if addrs[1..9].contains(&0) {
+            return Err(format!("layer {i}: null weight"));
+        }
+        table.push(addrs);
+    }
+    Ok(table)
+}
+
 /// Projection `j` (q, k, v, o, gate, up, down) of a layer's addresses `a`: its weight [n, k]
 /// (of format `ty[j]`) and bias [n] (address 0: none).
 ///
@@ -291,7 +306,7 @@ impl CpuDecoder {
 /// The addresses are live tensors of those sizes.
 unsafe fn projection<'a>(
     a: [usize; LAYER_TENSORS],
-    ty: [WeightType; 7],
+    (ty, acts): ([WeightType; 7], Activations),
     j: usize,
     n: usize,
     k: usize,
@@ -306,6 +321,7 @@ unsafe fn projection<'a>(
             weight: layers::Weight {
                 ty,
                 bytes: std::slice::from_raw_parts(w as *const u8, len),
+                acts,
             },
             bias: (b != 0).then(|| f32_slice(b, n)),
             n,
