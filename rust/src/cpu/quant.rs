@@ -121,6 +121,7 @@ fn half(b: &[u8], at: usize) -> f32 {
 }
 
 /// Q4_K's 6-bit (scale, min) of sub-block `s` (0..8) from its 12 packed bytes.
+#[inline]
 pub fn q4k_scale_min(s12: &[u8], s: usize) -> (u8, u8) {
     if s < 4 {
         (s12[s] & 63, s12[4 + s] & 63)

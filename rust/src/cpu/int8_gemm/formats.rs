@@ -15,6 +15,12 @@ pub(super) struct Chunk {
 }
 
 impl Chunk {
+    /// A placeholder, overwritten before use.
+    #[inline(always)]
+    pub unsafe fn zero() -> Self {
+        Chunk::of(_mm256_setzero_si256(), 0.0, 0.0)
+    }
+
     /// A chunk of one scale d and offset m.
     #[inline(always)]
     unsafe fn of(q: __m256i, d: f32, m: f32) -> Self {
@@ -36,13 +42,29 @@ pub(super) trait Format {
     const SCALED16: bool = false;
     /// m is not 0.
     const OFFSET: bool;
-    /// (elements, bytes) of a block, for the prefetch distance.
+    /// (elements, bytes) of a block.
     const BLOCK: (usize, usize);
-    /// Elements t..t + 32 of `row` (t a multiple of 32).
+    /// What the chunks of one block share, decoded once per block (K-quants' scales).
+    type Shared: Copy;
+    /// The shared part of the block holding element t (t a multiple of the block).
+    ///
+    /// # Safety
+    /// As `chunk`.
+    unsafe fn shared(row: *const u8, t: usize) -> Self::Shared;
+    /// Elements t..t + 32 of `row` (t a multiple of 32), `sh` its block's `shared`.
     ///
     /// # Safety
     /// `row` holds at least t + 32 elements of the format and the CPU runs AVX2, FMA, F16C.
-    unsafe fn chunk(row: *const u8, t: usize) -> Chunk;
+    unsafe fn chunk(row: *const u8, t: usize, sh: &Self::Shared) -> Chunk;
+}
+
+/// `Format`'s block items of a format whose chunks are whole blocks (nothing shared).
+macro_rules! whole_blocks {
+    () => {
+        type Shared = ();
+        #[inline(always)]
+        unsafe fn shared(_: *const u8, _: usize) {}
+    };
 }
 
 #[inline]
@@ -88,8 +110,9 @@ impl Format for Q4_0 {
     const BIAS: i32 = 8;
     const OFFSET: bool = false;
     const BLOCK: (usize, usize) = (32, 18);
+    whole_blocks!();
     #[inline(always)]
-    unsafe fn chunk(row: *const u8, t: usize) -> Chunk {
+    unsafe fn chunk(row: *const u8, t: usize, _: &()) -> Chunk {
         let b = row.add(t / 32 * 18);
         Chunk::of(nibbles16(b.add(2)), half(b), 0.0)
     }
@@ -101,8 +124,9 @@ impl Format for Q4_1 {
     const BIAS: i32 = 0;
     const OFFSET: bool = true;
     const BLOCK: (usize, usize) = (32, 20);
+    whole_blocks!();
     #[inline(always)]
-    unsafe fn chunk(row: *const u8, t: usize) -> Chunk {
+    unsafe fn chunk(row: *const u8, t: usize, _: &()) -> Chunk {
         let b = row.add(t / 32 * 20);
         Chunk::of(nibbles16(b.add(4)), half(b), half(b.add(2)))
     }
@@ -114,8 +138,9 @@ impl Format for Q5_0 {
     const BIAS: i32 = 16;
     const OFFSET: bool = false;
     const BLOCK: (usize, usize) = (32, 22);
+    whole_blocks!();
     #[inline(always)]
-    unsafe fn chunk(row: *const u8, t: usize) -> Chunk {
+    unsafe fn chunk(row: *const u8, t: usize, _: &()) -> Chunk {
         let b = row.add(t / 32 * 22);
         let q = _mm256_or_si256(nibbles16(b.add(6)), fifth_bits(b.add(2)));
         Chunk::of(q, half(b), 0.0)
@@ -128,8 +153,9 @@ impl Format for Q5_1 {
     const BIAS: i32 = 0;
     const OFFSET: bool = true;
     const BLOCK: (usize, usize) = (32, 24);
+    whole_blocks!();
     #[inline(always)]
-    unsafe fn chunk(row: *const u8, t: usize) -> Chunk {
+    unsafe fn chunk(row: *const u8, t: usize, _: &()) -> Chunk {
         let b = row.add(t / 32 * 24);
         let q = _mm256_or_si256(nibbles16(b.add(8)), fifth_bits(b.add(4)));
         Chunk::of(q, half(b), half(b.add(2)))
@@ -142,8 +168,9 @@ impl Format for Q8_0 {
     const BIAS: i32 = 128;
     const OFFSET: bool = false;
     const BLOCK: (usize, usize) = (32, 34);
+    whole_blocks!();
     #[inline(always)]
-    unsafe fn chunk(row: *const u8, t: usize) -> Chunk {
+    unsafe fn chunk(row: *const u8, t: usize, _: &()) -> Chunk {
         let b = row.add(t / 32 * 34);
         let q = _mm256_loadu_si256(b.add(2) as *const __m256i);
         Chunk::of(_mm256_xor_si256(q, _mm256_set1_epi8(-128)), half(b), 0.0)
@@ -157,16 +184,28 @@ impl Format for Q4K {
     const BIAS: i32 = 0;
     const OFFSET: bool = true;
     const BLOCK: (usize, usize) = (256, 144);
+    /// Per sub-block: (d * sc, -(dmin * mn)).
+    type Shared = [(f32, f32); 8];
     #[inline(always)]
-    unsafe fn chunk(row: *const u8, t: usize) -> Chunk {
+    unsafe fn shared(row: *const u8, t: usize) -> Self::Shared {
+        let b = row.add(t / 256 * 144);
+        let (d, dmin) = (half(b), half(b.add(2)));
+        let packed = std::slice::from_raw_parts(b.add(4), 12);
+        let mut out = [(0f32, 0f32); 8];
+        for (s, o) in out.iter_mut().enumerate() {
+            let (sc, mn) = crate::cpu::quant::q4k_scale_min(packed, s);
+            *o = (d * sc as f32, -(dmin * mn as f32));
+        }
+        out
+    }
+    #[inline(always)]
+    unsafe fn chunk(row: *const u8, t: usize, sh: &Self::Shared) -> Chunk {
         let b = row.add(t / 256 * 144);
         let s = t % 256 / 32;
-        let (sc, mn) =
-            crate::cpu::quant::q4k_scale_min(std::slice::from_raw_parts(b.add(4), 12), s);
         let qs = _mm256_loadu_si256(b.add(16 + 32 * (s / 2)) as *const __m256i);
         let qs = _mm256_srl_epi16(qs, _mm_cvtsi32_si128(4 * (s % 2) as i32));
         let q = _mm256_and_si256(qs, _mm256_set1_epi8(0x0f));
-        Chunk::of(q, half(b) * sc as f32, -(half(b.add(2)) * mn as f32))
+        Chunk::of(q, sh[s].0, sh[s].1)
     }
 }
 
@@ -179,8 +218,14 @@ impl Format for Q6K {
     const SCALED16: bool = true;
     const OFFSET: bool = false;
     const BLOCK: (usize, usize) = (256, 210);
+    /// The block's d.
+    type Shared = f32;
     #[inline(always)]
-    unsafe fn chunk(row: *const u8, t: usize) -> Chunk {
+    unsafe fn shared(row: *const u8, t: usize) -> f32 {
+        half(row.add(t / 256 * 210 + 208))
+    }
+    #[inline(always)]
+    unsafe fn chunk(row: *const u8, t: usize, d: &f32) -> Chunk {
         let b = row.add(t / 256 * 210);
         let (e, a, r) = (t % 256, t % 256 / 128, t % 128);
         let ql = _mm256_loadu_si256(b.add(64 * a + r % 64) as *const __m256i);
@@ -196,7 +241,7 @@ impl Format for Q6K {
         Chunk {
             q,
             mul,
-            d: half(b.add(208)),
+            d: *d,
             m: 0.0,
         }
     }

@@ -32,10 +32,13 @@ unsafe fn hsum8(v: [__m256i; 8]) -> __m256i {
     _mm256_add_epi32(low, high)
 }
 
-/// Lane l = `per[l % C]` (a weight row's value in each of its outputs' lanes).
+/// Lane l = `f(chunk l % C)` (a weight row's value in each of its outputs' lanes).
 #[inline(always)]
-unsafe fn by_col<const C: usize>(per: [f32; C]) -> __m256 {
-    let v: [f32; 8] = std::array::from_fn(|l| per[l % C]);
+unsafe fn by_col<const C: usize>(ch: &[Chunk; C], f: fn(&Chunk) -> f32) -> __m256 {
+    let mut v = [0f32; 8];
+    for (l, e) in v.iter_mut().enumerate() {
+        *e = f(&ch[l % C]);
+    }
     _mm256_setr_ps(v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7])
 }
 
@@ -43,7 +46,10 @@ unsafe fn by_col<const C: usize>(per: [f32; C]) -> __m256 {
 /// readable values from `at`.
 #[inline(always)]
 unsafe fn by_row<const C: usize>(v: &[f32], at: usize) -> __m256 {
-    let idx: [i32; 8] = std::array::from_fn(|l| (l / C) as i32);
+    let mut idx = [0i32; 8];
+    for (l, e) in idx.iter_mut().enumerate() {
+        *e = (l / C) as i32;
+    }
     let four = _mm256_castps128_ps256(_mm_loadu_ps(v.as_ptr().add(at)));
     _mm256_permutevar8x32_ps(four, _mm256_loadu_si256(idx.as_ptr() as *const __m256i))
 }
@@ -139,8 +145,12 @@ macro_rules! copy {
                 t: usize,
             ) -> [__m256i; 8] {
                 let (m, k) = (xq.m, xq.k);
-                let signed = ch.map(|c| _mm256_sub_epi8(c.q, _mm256_set1_epi8(F::BIAS as i8)));
-                let mag = signed.map(|q| _mm256_abs_epi8(q));
+                let (mut signed, mut mag) =
+                    ([_mm256_setzero_si256(); C], [_mm256_setzero_si256(); C]);
+                for c in 0..C {
+                    signed[c] = _mm256_sub_epi8(ch[c].q, _mm256_set1_epi8(F::BIAS as i8));
+                    mag[c] = _mm256_abs_epi8(signed[c]);
+                }
                 let mut out = [_mm256_setzero_si256(); 8];
                 for r in 0..R {
                     let row = at.first + r;
@@ -180,24 +190,26 @@ macro_rules! copy {
                 let (m, n, k) = g.mnk;
                 let mut acc = _mm256_setzero_ps();
                 let mut t = 0;
+                let mut shared = [F::shared(w[0], 0); C];
+                let mut ch = [Chunk::zero(); C];
                 while t < k {
-                    let ch: [Chunk; C] = std::array::from_fn(|c| {
+                    for c in 0..C {
+                        if t % F::BLOCK.0 == 0 {
+                            shared[c] = F::shared(w[c], t);
+                        }
                         if t % 64 == 0 {
                             let ahead = t / F::BLOCK.0 * F::BLOCK.1 + PREFETCH;
                             _mm_prefetch::<_MM_HINT_T1>(w[c].wrapping_add(ahead) as *const i8);
                         }
-                        F::chunk(w[c], t)
-                    });
+                        ch[c] = F::chunk(w[c], t, &shared[c]);
+                    }
                     let sum = _mm256_cvtepi32_ps(hsum8(dots::<F, R, C>(xq, at, &ch, t)));
                     let scales = t / QK * m + at.first; // this block's x scales, by row
-                    let scale = _mm256_mul_ps(by_col(ch.map(|c| c.d)), by_row::<C>(&xq.d, scales));
+                    let scale = _mm256_mul_ps(by_col(&ch, |c| c.d), by_row::<C>(&xq.d, scales));
                     acc = _mm256_fmadd_ps(sum, scale, acc);
                     if F::OFFSET {
-                        acc = _mm256_fmadd_ps(
-                            by_col(ch.map(|c| c.m)),
-                            by_row::<C>(&xq.ds, scales),
-                            acc,
-                        );
+                        acc =
+                            _mm256_fmadd_ps(by_col(&ch, |c| c.m), by_row::<C>(&xq.ds, scales), acc);
                     }
                     t += QK;
                 }
