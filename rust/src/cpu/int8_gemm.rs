@@ -10,8 +10,8 @@
 //!
 //! The result is another function than the float32 model's: x is rounded to 8 bits per block
 //! (an error up to half a step, max|v| / 254, per element). It is defined exactly:
-//!   x block (32 values v): d = max|v| / 127, q = round-half-even(v / d) (0 where d = 0), so
-//!   x ~= d * q; a weight chunk of 32: value = dw * s_e * qw_e + mw (the format's integers
+//!   x block (32 finite values v): d = max|v| / 127, q = round-half-even(v * (1 / d)), so
+//!   x ~= d * q (d = 0 and q = 0 where d < 2^-126: a block of values below ~1.5e-36); a weight chunk of 32: value = dw * s_e * qw_e + mw (the format's integers
 //!   qw, integer multipliers s -- Q6_K's scale per 16 elements, else 1 -- float scale dw and
 //!   offset mw, 0 for the symmetric formats);
 //!   out[i, j] = sum over chunks, in order, of (dw * dx) * D + mw * (dx * sum(q)), with the
@@ -127,9 +127,11 @@ pub struct QuantizedRows {
     pub sums: Vec<i32>,
 }
 
-/// Quantizes x [m, k] (k a multiple of `QK`) by the rule in the header.
+/// Quantizes x [m, k] (k a multiple of `QK`) by the rule in the header. Panics on a CPU
+/// without AVX2 (`available`).
 pub fn quantize_rows(x: &[f32], k: usize) -> QuantizedRows {
     assert!(k > 0 && k.is_multiple_of(QK) && x.len().is_multiple_of(k));
+    assert!(available(), "int8_gemm needs AVX2 with FMA and F16C");
     let (m, per_row) = (x.len() / k, k / QK);
     let mut out = QuantizedRows {
         m,
@@ -144,14 +146,11 @@ pub fn quantize_rows(x: &[f32], k: usize) -> QuantizedRows {
         .zip(out.qs.chunks_exact_mut(QK))
         .enumerate()
     {
-        let amax = v.iter().fold(0f32, |a, &e| a.max(e.abs()));
-        let d = amax / 127.0;
-        let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-        let mut sum = 0i32;
-        for (e, o) in v.iter().zip(q.iter_mut()) {
-            *o = (e * id).round_ties_even().clamp(-127.0, 127.0) as i8;
-            sum += *o as i32;
-        }
+        // SAFETY: v and q hold QK values; the CPU runs AVX2 (asserted).
+        #[cfg(target_arch = "x86_64")]
+        let (d, sum) = unsafe { tiles::quantize_block(v.as_ptr(), q.as_mut_ptr()) };
+        #[cfg(not(target_arch = "x86_64"))]
+        let (d, sum) = (0.0, 0);
         let at = i % per_row * m + i / per_row; // block-major
         out.d[at] = d;
         out.ds[at] = d * sum as f32;
@@ -269,6 +268,30 @@ mod tests {
         assert_eq!((q.d[1], q.ds[1]), (0.0, 0.0)); // an all-zero block
         assert_eq!(q.d.len(), 2 + 4);
         assert!((q.ds[0] - 0.01 * (127 - 64 + 2 - 127) as f32).abs() < 1e-6);
+    }
+
+    #[test]
+    fn rows_quantize_as_a_scalar_statement_of_the_rule() {
+        if !available() {
+            return;
+        }
+        let k = 128;
+        let mut x = values(3 * k, 9);
+        x[5] *= 300.0; // an outlier
+        x[40..64].iter_mut().for_each(|v| *v = 0.0); // a block half zero
+        x[64..96].iter_mut().for_each(|v| *v *= 1e-37); // d below 2^-126: zeros
+        let q = quantize_rows(&x, k);
+        for (b, v) in x.chunks_exact(QK).enumerate() {
+            let amax = v.iter().fold(0f32, |a, &e| a.max(e.abs()));
+            let d = amax / 127.0;
+            let id = if d >= f32::MIN_POSITIVE { 1.0 / d } else { 0.0 };
+            let want: Vec<i8> = v.iter().map(|e| (e * id).round_ties_even() as i8).collect();
+            let (row, blk) = (b / (k / QK), b % (k / QK));
+            assert_eq!(&q.qs[b * QK..][..QK], &want[..], "block {b}");
+            let at = blk * 3 + row;
+            let sum: i32 = want.iter().map(|&e| e as i32).sum();
+            assert_eq!((q.d[at], q.sums[at]), (if id > 0.0 { d } else { 0.0 }, sum));
+        }
     }
 
     #[test]

@@ -20,6 +20,49 @@ struct Tile<const C: usize> {
     keep: [bool; C],
 }
 
+/// One block of x (QK floats at v) quantized into q (the header's rule): (d, sum of q).
+/// Rounding is the conversion's round-half-even; |v * (1 / d)| <= 127 (to rounding), so the
+/// saturating packs never clip.
+/// SAFETY (caller): v holds QK floats, q QK bytes, and the CPU runs AVX2.
+#[target_feature(enable = "avx2,fma")]
+pub(super) unsafe fn quantize_block(v: *const f32, q: *mut i8) -> (f32, i32) {
+    let mut a = [_mm256_setzero_ps(); 4];
+    let mut top = _mm256_setzero_ps();
+    for (i, x) in a.iter_mut().enumerate() {
+        *x = _mm256_loadu_ps(v.add(8 * i));
+        top = _mm256_max_ps(top, _mm256_andnot_ps(_mm256_set1_ps(-0.0), *x));
+    }
+    let four = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps::<1>(top));
+    let two = _mm_max_ps(four, _mm_movehl_ps(four, four));
+    let amax = _mm_cvtss_f32(_mm_max_ss(two, _mm_movehdup_ps(two)));
+    let d = amax / 127.0;
+    if d < f32::MIN_POSITIVE {
+        std::ptr::write_bytes(q, 0, QK);
+        return (0.0, 0);
+    }
+    let id = _mm256_set1_ps(1.0 / d);
+    let mut n = [_mm256_setzero_si256(); 4];
+    for i in 0..4 {
+        n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(a[i], id));
+    }
+    let bytes = _mm256_packs_epi16(
+        _mm256_packs_epi32(n[0], n[1]),
+        _mm256_packs_epi32(n[2], n[3]),
+    );
+    // packs work within 128-bit lanes: the 4-byte groups hold elements 0-3, 8-11, 16-19,
+    // 24-27, 4-7, 12-15, 20-23, 28-31
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    _mm256_storeu_si256(q as *mut __m256i, _mm256_permutevar8x32_epi32(bytes, order));
+    let total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+    let half = _mm_add_epi32(
+        _mm256_castsi256_si128(total),
+        _mm256_extracti128_si256::<1>(total),
+    );
+    let pair = _mm_add_epi32(half, _mm_unpackhi_epi64(half, half));
+    let sum = _mm_cvtsi128_si32(_mm_add_epi32(pair, _mm_shuffle_epi32::<1>(pair)));
+    (d, sum)
+}
+
 /// Lane j = the sum of v[j]'s 8 lanes (i32 adds of integer dots: exact).
 #[inline]
 #[target_feature(enable = "avx2")]
