@@ -98,7 +98,8 @@ class QuantizedWeight:
         """x @ W^T in float32: up to SMALL_GEMM_MAX_ROWS rows (decode, verify) on the native
         kernel from the blocks; more rows (prefill) as the dequantized model computes them,
         torch's GEMM over the exact float32 values, expanded EXPANDED_SLICE_ELEMENTS at most
-        at a time."""
+        at a time. With int8 activations every row count runs on the native integer kernel,
+        SMALL_GEMM_MAX_ROWS rows per call."""
         if x.shape[0] == 0 and x.dtype == torch.float32 and x.is_cpu:
             return torch.empty((0, self.shape[0]), dtype=torch.float32)  # nothing to compute
         if not eligible(x, None):
