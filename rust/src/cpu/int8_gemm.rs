@@ -64,7 +64,7 @@ pub fn linear_as(
     threads: usize,
 ) {
     if acts == Activations::Int8 && supports(ty) && available() {
-        linear(ty, x, w, out, mnk, threads)
+        linear_on(widest(), ty, x, w, out, mnk, threads)
     } else {
         gemm::linear_typed(ty, x, w, out, mnk, threads)
     }
@@ -159,21 +159,10 @@ pub fn quantize_rows(x: &[f32], k: usize) -> QuantizedRows {
     out
 }
 
-/// out[i, j] = the integer-path product of x row i and weight row j (header), on up to
-/// `threads` threads. Panics on a shape mismatch, `m > small_gemm::MAX_ROWS`, a format the
-/// path does not read (`supports`) or a CPU without AVX2 (`available`).
-pub fn linear(
-    ty: WeightType,
-    x: &[f32],
-    w: &[u8],
-    out: &mut [f32],
-    mnk: (usize, usize, usize),
-    threads: usize,
-) {
-    linear_on(widest(), ty, x, w, out, mnk, threads)
-}
-
-/// `linear` on one copy (tests compare them).
+/// out[i, j] = the integer-path product of x row i and weight row j (header), on `copy`
+/// (`widest()` is the one to run; tests compare them), on up to `threads` threads. Panics on
+/// a shape mismatch, `m > small_gemm::MAX_ROWS`, a format the path does not read
+/// (`supports`) or a copy the CPU does not run (`runs`).
 pub fn linear_on(
     copy: Copy,
     ty: WeightType,
@@ -327,7 +316,7 @@ mod tests {
             // each row alone gives the same bits as in the 9-row call
             for i in [0, 4, 8] {
                 let mut one = vec![0f32; n];
-                linear(ty, &x[i * k..][..k], &w, &mut one, (1, n, k), 1);
+                linear_on(widest(), ty, &x[i * k..][..k], &w, &mut one, (1, n, k), 1);
                 let same = one
                     .iter()
                     .zip(&out[i * n..])
@@ -347,7 +336,7 @@ mod tests {
         let w = random_blocks(ty, n, k, 1);
         let x = values(m * k, 2);
         let mut out = vec![0f32; m * n];
-        linear(ty, &x, &w, &mut out, (m, n, k), 1);
+        linear_on(widest(), ty, &x, &w, &mut out, (m, n, k), 1);
         let xq = quantize_rows(&x, k);
         let mut wide = vec![0f32; k];
         let rb = ty.row_bytes(k).unwrap();
