@@ -61,6 +61,7 @@ class NativeDecoder:
         self.rope_table = rotary.cos_table  # `current`: the table this object points into
         self._keep: list[torch.Tensor] = []  # every tensor whose address the native side holds
         addrs, types, self.in_features = [], [], []
+        int8 = False  # engine.activations: int8, which use_quantized_weights set on block weights
         attn0, mlp0 = layers[0].self_attn, layers[0].mlp
         self.hidden = mlp0.down_proj.out_features
         self.num_kv_heads, self.head_dim = attn0.num_kv_heads, attn0.head_dim
@@ -68,6 +69,7 @@ class NativeDecoder:
             a = layer.self_attn
             projs = _projections(layer)
             w = [self._weight(p) for p in projs]
+            int8 |= any(getattr(getattr(p, "quantized", None), "takes_int8", False) for p in projs)
             norm_in = None if given_input else layer.input_layernorm.weight
             n_in = self._hold(norm_in, (self.hidden,))
             n_post = self._hold(layer.post_attention_layernorm.weight, (self.hidden,))
@@ -79,9 +81,6 @@ class NativeDecoder:
             )
             types.append([ty for _, ty in w])
             self.in_features.append(a.q_proj.in_features)
-        # engine.activations: int8, which use_quantized_weights set on every block weight
-        int8 = any(getattr(getattr(p, "quantized", None), "takes_int8", False)
-                   for layer in layers for p in _projections(layer))  # fmt: skip
         table = (rotary.cos_table.shape[0], self.head_dim)
         cos, sin = self._hold(rotary.cos_table, table), self._hold(rotary.sin_table, table)
         self._decoder = _native.CpuDecoder(

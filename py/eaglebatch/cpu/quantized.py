@@ -187,7 +187,8 @@ def use_quantized_weights(
     One way: the model cannot be made plain again. Returns the names swapped."""
     if threads <= 0:
         raise ValueError("quantized weights need the native CPU kernels (threads > 0)")
-    weights = {n: dataclasses.replace(qw, int8=int8) for n, qw in weights.items()}
+    if int8:
+        weights = {n: dataclasses.replace(qw, int8=True) for n, qw in weights.items()}
     done = []
     for name, module in model.named_modules():
         qw = weights.get(f"{name}.weight")

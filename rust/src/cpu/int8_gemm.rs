@@ -11,9 +11,10 @@
 //! The result is another function than the float32 model's: x is rounded to 8 bits per block
 //! (an error up to half a step, max|v| / 254, per element). It is defined exactly:
 //!   x block (32 finite values v): d = max|v| / 127, q = round-half-even(v * (1 / d)), so
-//!   x ~= d * q (d = 0 and q = 0 where d < 2^-126: a block of values below ~1.5e-36); a weight chunk of 32: value = dw * s_e * qw_e + mw (the format's integers
-//!   qw, integer multipliers s -- Q6_K's scale per 16 elements, else 1 -- float scale dw and
-//!   offset mw, 0 for the symmetric formats);
+//!   x ~= d * q (d = 0 and q = 0 where d < 2^-126: a block of values below ~1.5e-36); a
+//!   weight chunk of 32: value = dw * s_e * qw_e + mw (the format's integers qw, integer
+//!   multipliers s -- Q6_K's scale per 16 elements, else 1 -- float scale dw and offset mw,
+//!   0 for the symmetric formats);
 //!   out[i, j] = sum over chunks, in order, of (dw * dx) * D + mw * (dx * sum(q)), with the
 //!   integer dot D = sum of s_e * qw_e * q_e exact in i32, each term a fused multiply-add.
 //! The tests compare it with that definition computed in float64 from the dequantizer's values.
@@ -26,7 +27,7 @@
 //! the format's block. Layout: `formats` reads the blocks, `tiles` multiplies.
 
 use crate::cpu::quant::WeightType;
-use crate::cpu::small_gemm as gemm;
+use crate::cpu::small_gemm::{self as gemm, Geometry};
 
 #[cfg(target_arch = "x86_64")]
 mod formats;
@@ -174,22 +175,9 @@ pub fn linear_on(
 ) {
     assert!(runs(copy), "int8_gemm: this CPU cannot run {copy:?}");
     assert!(supports(ty), "int8_gemm does not read {ty:?}");
-    assert!(
-        (1..=gemm::MAX_ROWS).contains(&m),
-        "int8_gemm takes 1..={} rows, got {m}",
-        gemm::MAX_ROWS
-    );
-    let row_bytes = ty.row_bytes(k).unwrap_or_default();
-    assert!(
-        row_bytes > 0 && w.len() == n * row_bytes && x.len() == m * k && out.len() == m * n,
-        "shape mismatch"
-    );
+    let geometry = Geometry::checked("int8_gemm", ty, (x.len(), w.len(), out.len()), (m, n, k));
     let xq = quantize_rows(x, k);
     let (wp, op) = (w.as_ptr() as usize, out.as_mut_ptr() as usize);
-    let geometry = Geometry {
-        mnk: (m, n, k),
-        row_bytes,
-    };
     gemm::split_columns(n, threads, &|cols| {
         let (w, out) = (wp as *const u8, op as *mut f32);
         // SAFETY: w and out outlive the call; parts write disjoint output columns of every
@@ -204,12 +192,6 @@ pub fn linear_on(
         #[cfg(not(target_arch = "x86_64"))]
         let _ = (w, out, &geometry, cols, &xq);
     });
-}
-
-/// The sizes of one call: x [m, k], w n rows of `row_bytes`, out [m, n].
-struct Geometry {
-    mnk: (usize, usize, usize),
-    row_bytes: usize,
 }
 
 #[cfg(test)]

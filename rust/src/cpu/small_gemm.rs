@@ -196,19 +196,7 @@ fn run(
     threads: usize,
 ) {
     assert!(runs(isa), "small_gemm: this CPU cannot run {isa:?}");
-    assert!(
-        (1..=MAX_ROWS).contains(&m),
-        "small_gemm takes 1..={MAX_ROWS} rows, got {m}"
-    );
-    let row_bytes = ty.row_bytes(k);
-    assert!(
-        row_bytes.is_some_and(|r| w.len() == n * r) && x.len() == m * k && out.len() == m * n,
-        "shape mismatch"
-    );
-    let geometry = Geometry {
-        mnk: (m, n, k),
-        row_bytes: row_bytes.unwrap_or_default(),
-    };
+    let geometry = Geometry::checked("small_gemm", ty, (x.len(), w.len(), out.len()), (m, n, k));
     let (xp, wp, op) = (
         x.as_ptr() as usize,
         w.as_ptr() as usize,
@@ -243,10 +231,37 @@ pub(crate) fn split_columns(n: usize, threads: usize, f: &(dyn Fn(std::ops::Rang
     });
 }
 
-/// The sizes of one call: x [m, k], w n rows of `row_bytes`, out [m, n].
-struct Geometry {
-    mnk: (usize, usize, usize),
-    row_bytes: usize,
+/// The sizes of one call: x [m, k], w n rows of `row_bytes`, out [m, n] (this GEMM's and
+/// `int8_gemm`'s).
+pub(crate) struct Geometry {
+    pub(crate) mnk: (usize, usize, usize),
+    pub(crate) row_bytes: usize,
+}
+
+impl Geometry {
+    /// The geometry of a call with buffers of `lens` (x, w bytes, out) elements; panics, naming
+    /// `kernel`, unless 1 <= m <= MAX_ROWS and the buffers hold x [m, k], n rows of `ty`
+    /// (k a whole number of its blocks) and out [m, n].
+    pub(crate) fn checked(
+        kernel: &str,
+        ty: WeightType,
+        (x, w, out): (usize, usize, usize),
+        (m, n, k): (usize, usize, usize),
+    ) -> Self {
+        assert!(
+            (1..=MAX_ROWS).contains(&m),
+            "{kernel} takes 1..={MAX_ROWS} rows, got {m}"
+        );
+        let row_bytes = ty.row_bytes(k);
+        assert!(
+            row_bytes.is_some_and(|r| w == n * r) && x == m * k && out == m * n,
+            "shape mismatch"
+        );
+        Geometry {
+            mnk: (m, n, k),
+            row_bytes: row_bytes.unwrap_or_default(),
+        }
+    }
 }
 
 /// Weight rows computed together (their loads share each x load).
