@@ -461,3 +461,15 @@ def test_a_remote_models_identity_is_the_same_in_every_copy(tmp_path, small_mode
     s3.put(b, f"tiny/{weights.name}", weights.read_bytes()[:-1] + b" ")  # rewritten remotely
     three = download.cached_copy(location(f"s3://{b}/tiny", storage), tmp_path / "node-a")
     assert folder_fingerprint(three) != folder_fingerprint(two)
+
+
+def test_validate_refuses_an_output_path_that_is_an_object_as_run_does(tmp_path, small_model,
+                                                                        s3):  # fmt: skip
+    b = s3.bucket("outobject")
+    s3.put(b, "results", b"an object, not a prefix")
+    d = _inputs(tmp_path, 4)
+    job = _job(tmp_path, small_model, str(d), f"s3://{b}/results", s3.endpoint)
+    for command in ("validate", "run"):
+        text = finish(cli(command, str(job), env=eaglebatch_env()), 2)
+        assert f"output.path: s3://{b}/results is an object" in text and "Traceback" not in text
+    assert s3.keys(b, "") == {"results": 23}  # nothing written beside it
