@@ -473,3 +473,36 @@ def test_validate_refuses_an_output_path_that_is_an_object_as_run_does(tmp_path,
         text = finish(cli(command, str(job), env=eaglebatch_env()), 2)
         assert f"output.path: s3://{b}/results is an object" in text and "Traceback" not in text
     assert s3.keys(b, "") == {"results": 23}  # nothing written beside it
+
+
+def test_credentials_in_the_endpoint_reach_no_part_summary_or_message(tmp_path, small_model, s3,
+                                                                      local_ref):  # fmt: skip
+    """`http://KEY:SECRET@host` works as an endpoint; its user information is in no part's
+    footer, summary, log or message, and a rerun with it resumes."""
+    user, password = "EPUSERKEY7", "EPpass-w0rd-value"
+    want, b = _on_s3(s3, "endpointcreds", local_ref, 12)
+    endpoint = s3.endpoint.replace("http://", f"http://{user}:{password}@")
+    job = _job(tmp_path, small_model, f"s3://{b}/in", f"s3://{b}/out", endpoint,
+               rows_per_part=4)  # fmt: skip
+    summary = tmp_path / "summary.json"
+    logs = run(job, "--summary-json", str(summary))
+    assert _rows(s3.table(b, "out/")) == want
+    parts = [k for k in s3.keys(b, "out/") if k.rsplit("/", 1)[-1].startswith("part-")]
+    assert len(parts) >= 3
+    for key in parts:
+        meta = pq.read_metadata(io.BytesIO(s3.get(b, key))).metadata
+        record = b"".join(k + v for k, v in meta.items())
+        assert user.encode() not in record and password.encode() not in record, key
+        recorded = json.loads(meta[b"eaglebatch.job"])["storage"]["endpoint"]
+        assert recorded == s3.endpoint.replace("http://", "http://***@")
+    logs += summary.read_text() + run(job, "--summary-json", str(summary))
+    assert "12 of 12 rows already done" in logs  # the rerun resumed
+    denied = FaultProxy(s3.endpoint, deny=True)  # a failing request's message
+    try:
+        bad = _job(tmp_path, small_model, f"s3://{b}/in", f"s3://{b}/other",
+                   denied.endpoint.replace("http://", f"http://{user}:{password}@"))  # fmt: skip
+        logs += run(bad, "--summary-json", str(summary), status=1) + summary.read_text()
+    finally:
+        denied.stop()
+    assert "403 Forbidden" in logs and "***@" in logs
+    assert user not in logs and password not in logs
