@@ -1,5 +1,6 @@
 """Job file parsing: defaults, overrides, and errors that name the key."""
 
+import json
 import re
 from pathlib import Path
 
@@ -496,3 +497,22 @@ def test_any_job_file_loads_or_raises_a_short_job_error(tmp_path_factory, data, 
         assert 0 < len(str(e)) < 4096, len(str(e))
     else:
         assert isinstance(job, TrainJob if train else JobConfig)
+
+
+def test_the_job_record_carries_no_credential(tmp_path):
+    """job_to_dict (part footers, bench reports) masks the endpoint's user information and every
+    option value; an endpoint without credentials is kept as written."""
+    from eaglebatch.job.config import job_from_dict, job_to_dict
+
+    job = {"model": "builtin:smollm2-135m-instruct", "input": {"path": "in.parquet"},
+           "output": {"path": "out"},
+           "storage": {"endpoint": "https://AKIDUSER:pa%2Fss@minio.internal:9000/",
+                       "options": {"aws_secret_access_key": "s3cret", "aws_region": "x"}}}
+    record = json.dumps(job_to_dict(job_from_dict(job, base_dir=tmp_path)))
+    assert "AKIDUSER" not in record and "pa%2Fss" not in record and "s3cret" not in record
+    storage = json.loads(record)["storage"]
+    assert storage["endpoint"] == "https://***@minio.internal:9000/"
+    assert storage["options"] == {"aws_secret_access_key": "***", "aws_region": "***"}
+    job["storage"] = {"endpoint": "http://minio:9000"}
+    assert job_to_dict(job_from_dict(job, base_dir=tmp_path))["storage"]["endpoint"] == (
+        "http://minio:9000")  # fmt: skip

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import random
 import signal
 import socket
@@ -349,3 +350,159 @@ def test_pyarrow_reads_remote_bytes_from_its_own_memory():
     assert reader.read_buffer(4).address != pa.py_buffer(data).address  # a copy
     reader.seek(0)
     assert pq.ParquetFile(reader).read().equals(table)
+
+
+def _upload_model(s3, model: Path, bucket: str, prefix: str) -> None:
+    for f in sorted(model.rglob("*")):
+        if f.is_file():
+            s3.upload(f, bucket, f"{prefix}/{f.relative_to(model).as_posix()}")
+
+
+def _prompt_tokens(out: Path) -> list[int]:
+    rows = pq.read_table(out, columns=["row_index", "prompt_tokens"]).to_pylist()
+    return [r["prompt_tokens"] for r in sorted(rows, key=lambda r: r["row_index"])]
+
+
+def test_a_cached_remote_model_follows_the_remote_folder_and_its_identity(
+    tmp_path, small_model, s3,
+):  # fmt: skip
+    """A file deleted remotely leaves the copy; a changed one is copied again; the run renders
+    the template the remote folder now holds, and an output of the old folder is another
+    job's."""
+    from support.tiny import CHAT_TEMPLATE
+
+    b = s3.bucket("modelsync")
+    _upload_model(s3, small_model, b, "tiny")
+    s3.put(b, "tiny/extra/notes.txt", b"to be deleted")
+    d = _inputs(tmp_path, 6)
+    env = {"EAGLEBATCH_CACHE": str(tmp_path / "cache")}
+    chat = ("--set", "input.apply_chat_template=true")
+    job = _job(tmp_path, f"s3://{b}/tiny", str(d), str(tmp_path / "first"), s3.endpoint)
+    run(job, *chat, env=env)
+    before = _prompt_tokens(tmp_path / "first")
+    # the folder drops chat_template.jinja (which took precedence) and notes.txt; the template
+    # is now tokenizer_config.json's, with a 20-byte preamble (the tokenizer: a token a byte)
+    preamble = "SYSTEM PREAMBLE 20B\n"
+    assert len(preamble.encode()) == 20
+    s3.client.delete_object(Bucket=b, Key="tiny/chat_template.jinja")
+    s3.client.delete_object(Bucket=b, Key="tiny/extra/notes.txt")
+    s3.put(b, "tiny/tokenizer_config.json", json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+        "chat_template": preamble + CHAT_TEMPLATE}).encode())  # fmt: skip
+    second = _job(tmp_path, f"s3://{b}/tiny", str(d), str(tmp_path / "second"), s3.endpoint)
+    run(second, *chat, env=env)
+    assert _prompt_tokens(tmp_path / "second") == [n + 20 for n in before]
+    [copy] = [p for p in (tmp_path / "cache" / "remote-models").iterdir() if p.is_dir()]
+    local = sorted(p.relative_to(copy).as_posix() for p in copy.rglob("*") if p.is_file())
+    assert local == sorted([".eaglebatch-source.json", *(
+        p.relative_to(small_model).as_posix() for p in small_model.rglob("*")
+        if p.is_file() and p.name != "chat_template.jinja")])  # fmt: skip
+    # the first output was made from another model folder: resuming it is refused by name
+    text = run(job, *chat, status=2, env=env)
+    assert "chat_template.jinja" in text and "tokenizer_config.json" in text
+
+
+def test_processes_racing_the_first_copy_of_a_remote_model_all_get_it_whole(
+    tmp_path, small_model, s3, monkeypatch,
+):  # fmt: skip
+    """Two shards starting on one node copy the same remote model at once: every caller gets
+    the complete copy (one copies, the others wait for it), none fails on another's files."""
+    import threading
+
+    from eaglebatch.job.config import StorageConfig
+    from eaglebatch.storage import download, location
+    from support.object_servers import s3_env
+
+    b = s3.bucket("modelrace")
+    _upload_model(s3, small_model, b, "tiny")
+    opts = {k.lower(): v for k, v in s3_env().items()}
+    storage = StorageConfig(endpoint=s3.endpoint, options=opts)
+    monkeypatch.setattr(download, "CHUNK", 1024)  # many reads per file: the copies overlap
+    cache, start, errors, got = tmp_path / "cache", threading.Barrier(4), [], []
+
+    def first_use() -> None:
+        start.wait()
+        try:
+            got.append(download.cached_copy(location(f"s3://{b}/tiny", storage), cache))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=first_use) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(set(got)) == 1
+    for f in small_model.rglob("*"):
+        if f.is_file():
+            assert (got[0] / f.relative_to(small_model)).read_bytes() == f.read_bytes()
+    assert not [p for p in got[0].rglob(".*") if p.name != ".eaglebatch-source.json"]
+
+
+def test_a_remote_models_identity_is_the_same_in_every_copy(tmp_path, small_model, s3):
+    """Shards on several machines each copy the model at their own time: the identity names the
+    weights by the objects' size and e_tag, not the copies' mtimes, and changes with them."""
+    from eaglebatch.job.config import StorageConfig
+    from eaglebatch.job.fingerprint import folder_fingerprint
+    from eaglebatch.storage import download, location
+    from support.object_servers import s3_env
+
+    b = s3.bucket("modelident")
+    _upload_model(s3, small_model, b, "tiny")
+    storage = StorageConfig(endpoint=s3.endpoint,
+                            options={k.lower(): v for k, v in s3_env().items()})  # fmt: skip
+    remote = location(f"s3://{b}/tiny", storage)
+    one = download.cached_copy(remote, tmp_path / "node-a")
+    weights = next(one.glob("*.safetensors"))
+    os.utime(weights, (1_000_000, 1_000_000))  # copied long ago
+    two = download.cached_copy(remote, tmp_path / "node-b")
+    assert folder_fingerprint(one) == folder_fingerprint(two)
+    s3.put(b, f"tiny/{weights.name}", weights.read_bytes()[:-1] + b" ")  # rewritten remotely
+    three = download.cached_copy(location(f"s3://{b}/tiny", storage), tmp_path / "node-a")
+    assert folder_fingerprint(three) != folder_fingerprint(two)
+
+
+def test_validate_refuses_an_output_path_that_is_an_object_as_run_does(tmp_path, small_model,
+                                                                        s3):  # fmt: skip
+    b = s3.bucket("outobject")
+    s3.put(b, "results", b"an object, not a prefix")
+    d = _inputs(tmp_path, 4)
+    job = _job(tmp_path, small_model, str(d), f"s3://{b}/results", s3.endpoint)
+    for command in ("validate", "run"):
+        text = finish(cli(command, str(job), env=eaglebatch_env()), 2)
+        assert f"output.path: s3://{b}/results is an object" in text and "Traceback" not in text
+    assert s3.keys(b, "") == {"results": 23}  # nothing written beside it
+
+
+def test_credentials_in_the_endpoint_reach_no_part_summary_or_message(tmp_path, small_model, s3,
+                                                                      local_ref):  # fmt: skip
+    """`http://KEY:SECRET@host` works as an endpoint; its user information is in no part's
+    footer, summary, log or message, and a rerun with it resumes."""
+    user, password = "EPUSERKEY7", "EPpass-w0rd-value"
+    want, b = _on_s3(s3, "endpointcreds", local_ref, 12)
+    endpoint = s3.endpoint.replace("http://", f"http://{user}:{password}@")
+    job = _job(tmp_path, small_model, f"s3://{b}/in", f"s3://{b}/out", endpoint,
+               rows_per_part=4)  # fmt: skip
+    summary = tmp_path / "summary.json"
+    logs = run(job, "--summary-json", str(summary))
+    assert _rows(s3.table(b, "out/")) == want
+    parts = [k for k in s3.keys(b, "out/") if k.rsplit("/", 1)[-1].startswith("part-")]
+    assert len(parts) >= 3
+    for key in parts:
+        meta = pq.read_metadata(io.BytesIO(s3.get(b, key))).metadata
+        record = b"".join(k + v for k, v in meta.items())
+        assert user.encode() not in record and password.encode() not in record, key
+        recorded = json.loads(meta[b"eaglebatch.job"])["storage"]["endpoint"]
+        assert recorded == s3.endpoint.replace("http://", "http://***@")
+    logs += summary.read_text() + run(job, "--summary-json", str(summary))
+    assert "12 of 12 rows already done" in logs  # the rerun resumed
+    denied = FaultProxy(s3.endpoint, deny=True)  # a failing request's message
+    try:
+        bad = _job(tmp_path, small_model, f"s3://{b}/in", f"s3://{b}/other",
+                   denied.endpoint.replace("http://", f"http://{user}:{password}@"))  # fmt: skip
+        logs += run(bad, "--summary-json", str(summary), status=1) + summary.read_text()
+    finally:
+        denied.stop()
+    assert "403 Forbidden" in logs and "***@" in logs
+    assert user not in logs and password not in logs

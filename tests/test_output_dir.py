@@ -258,3 +258,14 @@ def test_a_unit_directory_another_process_holds_fences_every_other_run(tmp_path)
     prepare_output_dir(out, restart=True)  # the holder is gone: a restart may clean it
     release_output_dir(out)
     assert not (unit / ".part-00000.parquet.tmp").exists()
+
+
+def test_validate_refuses_an_output_path_that_is_a_file_as_run_does(tmp_path, tiny_model_dir):
+    write_prompts(tmp_path / "in.parquet", ["a", "b"])
+    (tmp_path / "out").write_text("a file")
+    job = write_job(tmp_path, tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out")
+    for command in ("validate", "run"):
+        r = CliRunner().invoke(main, [command, str(job)])
+        assert r.exit_code == 2 and "output.path:" in r.output, r.output
+        assert "exists and is not a directory" in r.output
+    assert (tmp_path / "out").read_text() == "a file"

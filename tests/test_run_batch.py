@@ -47,3 +47,16 @@ def test_run_batch_is_the_job_a_user_would_write(tmp_path, tiny_model_dir, monke
     assert r.exit_code == 2 and "run-batch did not write it" in r.output, r.output
     assert (tmp_path / "mine.job.yaml").read_text() == "model: x\n"
     assert invoke("run-batch", "-h").exit_code == 0
+
+
+def test_run_batch_refuses_credentials_it_would_write_into_the_job_file(
+    tmp_path, tiny_model_dir,
+):  # fmt: skip
+    (tmp_path / "in.jsonl").write_text(request("c0", COMPLETIONS, {"prompt": "x"}) + "\n")
+    for key, value in [("storage.endpoint", "http://AKIDUSER:s3cretvalue@minio:9000"),
+                       ("storage.options.aws_secret_access_key", "s3cretvalue")]:  # fmt: skip
+        r = invoke("run-batch", "-i", tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl",
+                   "--model", tiny_model_dir, "--set", f"{key}={value}")  # fmt: skip
+        assert r.exit_code == 2 and f"--set {key}" in r.output, r.output
+        assert "s3cretvalue" not in r.output
+        assert not (tmp_path / "out.jsonl.job.yaml").exists()

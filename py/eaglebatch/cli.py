@@ -72,10 +72,12 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     """Check a job (schema, input files and columns, model files) without generating."""
     # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
     from eaglebatch.job.inputs import check_input, kept_columns
+    from eaglebatch.output.directory import check_output_kind
 
     job = load_job(job_file, overrides)
     files, total = check_input(job.input, job.storage)
     kept_columns(job, files)
+    check_output_kind(location(job.output.path, job.storage))  # before a model is copied
     if builtin.is_builtin_model(job.model):
         builtin.require_builtin_model_package(job.model)
         model = f"{job.model} (builtin)"

@@ -25,7 +25,7 @@ from eaglebatch.job import memory
 from eaglebatch.job.config import JobConfig, job_to_dict
 from eaglebatch.job.inputs import check_batch_input, check_input, check_output_apart, kept_columns
 from eaglebatch.job.model_files import ModelFiles, model_files, resolve_draft_dir
-from eaglebatch.output.directory import prepare_output_dir, release_output_dir
+from eaglebatch.output.directory import check_output_kind, prepare_output_dir, release_output_dir
 from eaglebatch.output.results_file import check_results_path
 from eaglebatch.output.resume import (
     HASH_KEY,
@@ -230,6 +230,7 @@ def prepare(job: JobConfig, check_memory: bool = True) -> PreparedJob:
         files, total = check_input(job.input, job.storage)
     kept = kept_columns(job, files)
     check_output_apart(job.input.path, files, job.output.path)
+    check_output_kind(location(job.output.path, job.storage))
     mf = _with_chat_template(model_files(job.model, job.storage), job.model_chat_template)
     if renders_chat(job, batch_chat):
         if mf.chat_template is None:

@@ -302,12 +302,49 @@ fn build(url: &url::Url, s: &StorageSettings) -> Result<Arc<dyn ObjectStore>> {
             b.with_retry(retry()).build().map(|s| Arc::new(s) as _)
         }
     };
-    built.map_err(|e| Error::user(format!("{url}: cannot use this store ({e})")))
+    built.map_err(|e| {
+        let why = redact(&e.to_string(), &secrets(s));
+        Error::user(format!("{url}: cannot use this store ({why})"))
+    })
 }
 
-/// Values that must never appear in a message: the job's options and the clouds' credential
-/// variables (names with KEY, SECRET, TOKEN, PASSWORD or SAS).
+/// Values that must never appear in a message: the credentials in the endpoint's URL
+/// (`http://KEY:SECRET@host`), the job's options and the clouds' credential variables (names
+/// with KEY, SECRET, TOKEN, PASSWORD or SAS). The endpoint's come first: the whole user
+/// information before its parts.
 fn secrets(s: &StorageSettings) -> Vec<String> {
+    let mut found = s
+        .endpoint
+        .as_deref()
+        .map(endpoint_secrets)
+        .unwrap_or_default();
+    found.extend(named_secrets(s));
+    found
+}
+
+/// The user information of an endpoint URL as written and as the `url` crate prints it
+/// (percent-encoded), whole and its user name and password alone.
+fn endpoint_secrets(endpoint: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    if let Some((_, rest)) = endpoint.split_once("://") {
+        let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+        if let Some((userinfo, _)) = authority.rsplit_once('@') {
+            out.push(userinfo.to_string());
+        }
+    }
+    if let Ok(u) = url::Url::parse(endpoint) {
+        let (user, pass) = (u.username().to_string(), u.password().unwrap_or_default());
+        if !user.is_empty() && !pass.is_empty() {
+            out.push(format!("{user}:{pass}"));
+        }
+        out.extend([user, pass.to_string()]);
+    }
+    out.retain(|v| !v.is_empty());
+    out
+}
+
+/// The values of the job's credential options and of the clouds' credential variables.
+fn named_secrets(s: &StorageSettings) -> Vec<String> {
     let secretive = |k: &str| {
         let k = k.to_ascii_uppercase();
         ["KEY", "SECRET", "TOKEN", "PASSWORD", "SAS", "CREDENTIAL"]
@@ -409,6 +446,26 @@ mod tests {
         let found = secrets(&s);
         assert!(found.contains(&"hunter22".to_string()));
         assert_eq!(redact("key=hunter22 x", &found), "key=*** x");
+    }
+
+    #[test]
+    fn endpoint_credentials_are_redacted() {
+        let s = StorageSettings {
+            endpoint: Some("http://AKIDKEY:se%2Fcret99@127.0.0.1:9000/".into()),
+            ..Default::default()
+        };
+        let found = secrets(&s);
+        let msg = "HEAD http://AKIDKEY:se%2Fcret99@127.0.0.1:9000/b/x failed";
+        assert_eq!(
+            redact(msg, &found),
+            "HEAD http://***@127.0.0.1:9000/b/x failed"
+        );
+        assert_eq!(redact("user AKIDKEY", &found), "user ***");
+        let plain = StorageSettings {
+            endpoint: Some("http://127.0.0.1:9000".into()),
+            ..Default::default()
+        };
+        assert!(endpoint_secrets(plain.endpoint.as_deref().unwrap()).is_empty());
     }
 
     #[test]

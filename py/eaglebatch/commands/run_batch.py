@@ -20,6 +20,7 @@ import yaml
 from eaglebatch.errors import JobError
 from eaglebatch.job import builtin
 from eaglebatch.job.config import apply_overrides
+from eaglebatch.job.secrets import endpoint_has_credentials, is_secret_option
 
 MARKER = "# written by `eaglebatch run-batch`; rerun the same command (or `eaglebatch run` on"
 MARKER_2 = "# this file) to resume"
@@ -40,7 +41,25 @@ def job_text(inp: Path, out: Path, model: str, draft: str | None, overrides: lis
                    "results_path": str(out)},  # fmt: skip
     }
     job = apply_overrides(job, overrides)
+    _refuse_credentials(job.get("storage"), job_path(out))
     return f"{MARKER}\n{MARKER_2}\n" + yaml.safe_dump(job, sort_keys=False)
+
+
+def _refuse_credentials(storage, path: Path) -> None:
+    """A credential given with --set would be written in clear to the job file (which must
+    hold it for `eaglebatch run` on the file to reach the store): refused, naming the key."""
+    if not isinstance(storage, dict):
+        return
+    named = []
+    if isinstance(storage.get("endpoint"), str) and endpoint_has_credentials(storage["endpoint"]):
+        named.append("storage.endpoint (its user:password@)")
+    options = storage.get("options")
+    if isinstance(options, dict):
+        named += [f"storage.options.{k}" for k in options if is_secret_option(str(k))]
+    if named:
+        raise JobError(f"--set {', '.join(named)}: a credential would be written in clear to "
+                       f"{path}; give it through the environment instead (AWS_ACCESS_KEY_ID, "
+                       f"AWS_SECRET_ACCESS_KEY, ...; docs/scale-out.md)")  # fmt: skip
 
 
 def _model_ref(model: str) -> str:

@@ -35,6 +35,7 @@ from pydantic import (
 from eaglebatch.errors import JobError, echo
 from eaglebatch.job.builtin import BUILTIN_DRAFTS, BUILTIN_MODELS
 from eaglebatch.job.loading import load_yaml, read_job_text
+from eaglebatch.job.secrets import masked_storage
 from eaglebatch.storage.paths import SCHEMES as REMOTE_SCHEMES
 
 _M = TypeVar("_M", bound=BaseModel)
@@ -683,8 +684,8 @@ def job_from_dict(
 
 
 def job_to_dict(job: JobConfig) -> dict:
-    """The job as JSON-ready values, for output metadata and reports: `storage.options`
-    values are masked (they may hold credentials; no output carries one)."""
+    """The job as JSON-ready values, for output metadata and reports: without credentials
+    (`storage.options` values and the endpoint's user information masked: job/secrets.py)."""
     out = job.model_dump(mode="json")
-    out["storage"]["options"] = {k: "***" for k in out["storage"]["options"]}
+    out["storage"] = masked_storage(out["storage"])
     return out

@@ -7,12 +7,14 @@ storage, for remote input files)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
 from eaglebatch.storage import arrow_reader, footer_bytes
+from eaglebatch.storage.download import SOURCE
 
 # Small text files of a model / draft folder whose exact content matters.
 _MODEL_TEXT_FILES = (
@@ -38,14 +40,29 @@ def sha256_file(path: Path) -> str:
 def folder_fingerprint(d: Path) -> dict:
     """Content hashes of the small files; name, size and mtime of the weight files (hashing
     gigabytes of weights on every start would be too slow; an in-place overwrite changes the
-    mtime)."""
+    mtime). In the copy of a remote model the weights' mtimes are each machine's own, so there
+    a weight file is named by the size and e_tag of the object it was copied from (the same on
+    every machine, and new whenever the object changes: storage/download.py)."""
     texts = {n: sha256_file(d / n) for n in _MODEL_TEXT_FILES if (d / n).is_file()}
+    source = _copied_from(d)
     weights = sorted(
-        [f.name, f.stat().st_size, f.stat().st_mtime_ns // 1_000_000_000]
+        [f.name, *source.get(f.name, [f.stat().st_size, f.stat().st_mtime_ns // 1_000_000_000])]
         for pattern in ("*.safetensors", "*.bin")
         for f in d.glob(pattern)
     )
     return {"files": texts, "weights": weights}
+
+
+def _copied_from(d: Path) -> dict:
+    """{file name: [size, e_tag]} of the objects a remote model's copy was made from ({}: not
+    a copy)."""
+    try:
+        record = json.loads((d / SOURCE).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(record, dict):
+        return {}
+    return {k: v for k, v in record.items() if isinstance(v, list) and len(v) == 2}
 
 
 def footer_sha256(path: Path) -> str:

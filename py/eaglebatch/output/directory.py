@@ -228,6 +228,17 @@ def release_subdirs(path: Path) -> None:
         os.close(_held.pop(key))
 
 
+def check_output_kind(path: Path | RemotePath) -> None:
+    """output.path is a directory or absent (a run creates it): a file there, or on an object
+    store an object under that name (not a prefix), is a JobError naming output.path.
+    `validate` and every run check this one rule."""
+    if isinstance(path, RemotePath):
+        if path.is_file():
+            raise JobError(f"output.path: {path} is an object, not a directory (a prefix)")
+    elif path.exists() and not path.is_dir():
+        raise JobError(f"output.path: {path} exists and is not a directory")
+
+
 def prepare_output_dir(
     path: Path, restart: bool, subdir: str | None = None, unit: bool = False,
     admit: Callable[[], None] | None = None, busy_ok: bool = False, storage=None,
@@ -242,6 +253,7 @@ def prepare_output_dir(
     them. Returns the subdirectories another process holds (`busy_ok`, see _lock_subdirs).
     On an object store (`path` a RemotePath, `storage` the job's section) leases stand in for
     the locks (remote_dir.py); Ray units do not run there."""
+    check_output_kind(path)
     if isinstance(path, RemotePath):
         own = path / subdir if unit else None
         scan = (lambda: _checked_tree(path)) if own is None else (lambda: _checked_dir(own))
@@ -251,8 +263,6 @@ def prepare_output_dir(
             raise DirectoryInUse(f"output.path: {e}; wait for it to finish or stop it, or "
                                  f"choose another output.path") from None  # fmt: skip
         return []
-    if path.exists() and not path.is_dir():
-        raise JobError(f"output.path: {path} exists and is not a directory")
     own = path if subdir is None else path / subdir
     busy: list[Path] = []
     try:

@@ -81,8 +81,6 @@ def prepare_remote(
     (directory -> DirContents, output.path first; a Ray `unit`: its own directory, which its
     driver created and whose output.path lease the driver holds). Raises LeaseHeld while
     another run holds what this one needs."""
-    if path.is_file():
-        raise JobError(f"output.path: {path} is an object, not a directory (a prefix)")
     own = path if subdir is None else path / subdir
     if unit and not own.is_dir():
         raise JobError(f"output.path: {own} does not exist: a Ray unit runs only in a "

@@ -3,69 +3,144 @@ model code loads local files (safetensors are memory-mapped), so a remote model 
 into the cache and used from there.
 
 Invariants:
+- after `cached_copy` returns, the copy holds exactly the remote listing's objects (hidden
+  `.x` objects excepted), each with the size and e_tag recorded beside it
+  (`.eaglebatch-source.json`, written atomically): an object that changed is copied again and
+  a file whose object is no longer listed is removed, so the folder (and the run identity
+  fingerprinted from it) is the remote one as of this listing;
+- one process at a time brings a copy up to date: an exclusive lock on `<copy>.lock` beside it
+  is held from the listing's comparison to the last write (a second process, e.g. another
+  shard starting on the same node, waits and then finds the copy current);
 - objects are streamed to disk in `CHUNK` ranged reads (memory stays bounded whatever their
-  size) and each appears under its name only complete (a hidden `.NAME.part`, renamed);
-- a copy is reused while every object still has the size and e_tag recorded beside it
-  (`.eaglebatch-source.json`); an object that changed is copied again;
-- hidden objects (`.x`) are not copied.
+  size) into a temporary name of this process (`.NAME.part-PID-RANDOM`) and renamed: a file
+  appears under its name only complete.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import uuid
 from pathlib import Path
 
-from eaglebatch.errors import JobError
+from eaglebatch.errors import JobError, StorageFailed
 from eaglebatch.storage.paths import RemotePath, checked
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock (one process per cache)
+    fcntl = None
+
 CHUNK = 64 << 20  # bytes per ranged read
-SOURCE = ".eaglebatch-source.json"
+SOURCE = ".eaglebatch-source.json"  # {relative name: [size, e_tag]} of the copied objects
 
 
 def cached_copy(remote: RemotePath, cache: Path) -> Path:
     """The local copy of `remote` under `cache`: the folder (a prefix) or the file (an
-    object), copied or refreshed as the module doc says."""
+    object), copied or brought up to date as the module doc says."""
     dest = cache / hashlib.sha256(remote.url.encode()).hexdigest()[:16]
+    listing = _listing(remote)
+    dest.mkdir(parents=True, exist_ok=True)
+    with _locked(dest.with_name(dest.name + ".lock")):
+        _sync(listing, dest)
+    return dest / remote.name if remote.is_file() else dest
+
+
+def _listing(remote: RemotePath) -> dict[str, RemotePath]:
+    """The objects of `remote` (a folder's, at any depth, or the object itself) by their name
+    relative to the folder (the object's parent), hidden ones left out."""
     if remote.is_file():
         objects, base = [remote], remote.parent.url
     else:
         objects, base = remote.walk_objects(), remote.url
-    objects = [o for o in objects if not any(p.startswith(".") for p in _rel(o, base).split("/"))]
-    if not objects:
+    named = {o.url[len(base) + 1:]: o for o in objects}
+    listing = {rel: o for rel, o in named.items()
+               if not any(p.startswith(".") for p in rel.split("/"))}  # fmt: skip
+    if not listing:
         raise JobError(f"model: {remote} does not exist or holds no objects")
-    dest.mkdir(parents=True, exist_ok=True)
+    return listing
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Holds an exclusive lock on the file `path` (created if needed) while the block runs."""
+    if fcntl is None:
+        yield
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _sync(listing: dict[str, RemotePath], dest: Path) -> None:
+    """Makes `dest` hold exactly `listing` (module doc). Caller holds the lock."""
     record = _record(dest)
-    for obj in objects:
-        rel = _rel(obj, base)
-        seen = [obj.stat().st_size, obj.e_tag]
-        if record.get(rel) != seen or not (dest / rel).is_file():
+    wanted = {rel: [obj.stat().st_size, obj.e_tag] for rel, obj in listing.items()}
+    stale = [rel for rel in _local_files(dest) if rel not in wanted]
+    for rel in stale:  # first: a name may turn from a file into a folder or back
+        (dest / rel).unlink()
+        record.pop(rel, None)
+    if stale:
+        _remove_empty_dirs(dest)
+        _write_record(dest, record)
+    for rel, obj in listing.items():
+        if record.get(rel) != wanted[rel] or not (dest / rel).is_file():
             _copy(obj, dest / rel)
-            record[rel] = seen
-            (dest / SOURCE).write_text(json.dumps(record))
-    return dest / remote.name if remote.is_file() else dest
+            record[rel] = wanted[rel]
+            _write_record(dest, record)
+    if set(record) != set(wanted):  # entries of files that were gone before this call
+        _write_record(dest, {rel: record[rel] for rel in wanted})
 
 
-def _rel(obj: RemotePath, base: str) -> str:
-    return obj.url[len(base) + 1:]
+def _local_files(dest: Path) -> list[str]:
+    """Every file under `dest` but the record, by its name relative to `dest`."""
+    files = (p.relative_to(dest).as_posix() for p in dest.rglob("*") if not p.is_dir())
+    return sorted(rel for rel in files if rel != SOURCE)
+
+
+def _remove_empty_dirs(dest: Path) -> None:
+    for d in sorted((p for p in dest.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        with contextlib.suppress(OSError):  # not empty: it still holds listed files
+            d.rmdir()
 
 
 def _record(dest: Path) -> dict:
     try:
-        return json.loads((dest / SOURCE).read_text())
+        record = json.loads((dest / SOURCE).read_text())
     except (OSError, ValueError):
         return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _write_record(dest: Path, record: dict) -> None:
+    tmp = dest / f"{SOURCE}.{_own_suffix()}"
+    tmp.write_text(json.dumps(record, sort_keys=True))
+    os.replace(tmp, dest / SOURCE)
+
+
+def _own_suffix() -> str:
+    """A temporary name's suffix no other process or thread uses."""
+    return f"part-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def _copy(obj: RemotePath, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.part")
-    reader = checked(obj.store.open_file, obj.url)
-    size, pos = reader.size(), 0
-    with tmp.open("wb") as out:
-        while pos < size:
-            chunk = checked(reader.read_at, pos, CHUNK)
-            out.write(chunk)
-            pos += len(chunk)
-    os.replace(tmp, target)
+    tmp = target.with_name(f".{target.name}.{_own_suffix()}")
+    try:
+        reader = checked(obj.store.open_file, obj.url)
+        size, pos = reader.size(), 0
+        with tmp.open("wb") as out:
+            while pos < size:
+                chunk = checked(reader.read_at, pos, CHUNK)
+                if not chunk:
+                    raise StorageFailed(f"{obj}: the object ended at {pos} of {size} bytes")
+                out.write(chunk)
+                pos += len(chunk)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
