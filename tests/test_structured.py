@@ -390,8 +390,8 @@ SAMPLING_PATHS = {
     "greedy": [],
     "sampled": ["sampling.temperature=1.0"],
     "top_k": ["sampling.temperature=0.8", "sampling.top_k=5"],
-    "top_p_logprobs": ["sampling.temperature=1.0", "sampling.top_p=0.9", "sampling.logprobs=3"],
-    "greedy_logprobs": ["sampling.logprobs=2", "output.logprobs_mode=processed"],
+    "top_p_logprobs": ["sampling.temperature=1.0", "sampling.top_p=0.9", "output.logprobs=3"],
+    "greedy_logprobs": ["output.logprobs=2", "output.logprobs_mode=processed"],
 }
 
 
@@ -462,12 +462,13 @@ def test_the_alternatives_bound_is_the_native_one():
 def test_formats_with_thousands_of_alternatives_generate(tiny_model_dir, tmp_path, n):
     words = [f"w{i}" for i in range(n)]
     objects = [{"type": "object", "properties": {"k": {"const": i}}, "required": ["k"],
-                "additionalProperties": False} for i in range(n)]  # fmt: skip
+                "additionalProperties": False} for i in range(min(n, 2_500))]  # fmt: skip
+    # (10,000 whole objects exceed llguidance's grammar size: "schema too large", refused)
     formats = [
         {"type": "choice", "choices": words},
         {"type": "grammar", "lark": "start: " + " | ".join(json.dumps(w) for w in words)},
         {"type": "json_schema", "json_schema": {"name": "e", "schema": {"enum": list(range(n))}}},
-        {"type": "json_schema", "json_schema": {"name": "o", "schema": {"oneOf": objects}}},
+        {"type": "json_schema", "json_schema": {"name": "o", "schema": {"anyOf": objects}}},
     ]  # fmt: skip
     rows, res = run(tmp_path, tiny_model_dir, n=4, formats=[json.dumps(f) for f in formats],
                     overrides=["sampling.max_new_tokens=64"])  # fmt: skip
@@ -488,7 +489,9 @@ def test_more_alternatives_than_the_bound_are_refused_in_words(tiny_model_dir, t
     with pytest.raises(JobError, match=f"offers {n} alternatives") as e:
         prepare(load_job(job_file(tmp_path, tiny_model_dir, over), []))
     assert len(str(e.value)) < 400
-    lark = {"type": "grammar", "lark": "start: " + " | ".join(json.dumps(w) for w in words)}
+    # a grammar's bound is on parser items: its alternatives plus the rules around them (64)
+    many = [f"w{i}" for i in range(MOST_ALTERNATIVES + 100)]
+    lark = {"type": "grammar", "lark": "start: " + " | ".join(json.dumps(w) for w in many)}
     rows, _ = run(tmp_path, tiny_model_dir, n=3,
                   formats=[json.dumps(over), json.dumps(lark), json.dumps(FORMATS[2])])
     for r in rows[:2]:

@@ -1659,9 +1659,8 @@ fn advance_grammar(seq: &mut Sequence, t: u32, now: Instant) -> bool {
         return false;
     };
     if let Err(e) = m.consume(&[t]) {
-        seq.error = Some(format!(
-            "token {t} is outside the row's response_format: {e}"
-        ));
+        let outside = || format!("token {t} is outside the row's response_format: {e}");
+        seq.error = Some(m.failure().unwrap_or_else(outside));
         seq.finish(FinishReason::Error, now);
         return true;
     }

@@ -253,7 +253,10 @@ impl RowMatcher {
     pub fn failure(&self) -> Option<String> {
         self.matcher.get_error().map(|e| match alternatives(&e) {
             Some(n) => too_many(n),
-            None => format!("response_format failed at this point of the output: {}", quote(&e)),
+            None => format!(
+                "response_format failed at this point of the output: {}",
+                quote(&e)
+            ),
         })
     }
 
@@ -289,7 +292,11 @@ fn alternatives(e: &str) -> Option<usize> {
 }
 
 fn quote(e: &str) -> String {
-    let line = e.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("");
+    let line = e
+        .lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .unwrap_or("");
     match line.char_indices().nth(MOST_QUOTED) {
         Some((cut, _)) => format!("{}...", &line[..cut]),
         None => line.to_string(),

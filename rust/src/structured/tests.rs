@@ -204,9 +204,9 @@ fn a_format_no_text_matches_is_refused_in_words() {
         r#"{"type": "grammar", "lark": "start: start"}"#,
         r#"{"type": "grammar", "lark": "start: \"a\" start"}"#,
         r#"{"type": "regex", "pattern": "[^\\s\\S]"}"#,
-        r#"{"type": "json_schema", "json_schema": {"schema": {"$ref": "#/$defs/a",
-            "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}}}"#,
-        r#"{"type": "json_schema", "json_schema": {"schema": {"anyOf": [{"$ref": "#"}]}}}"#,
+        r##"{"type": "json_schema", "json_schema": {"schema": {"$ref": "#/$defs/a",
+            "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}}}"##,
+        r##"{"type": "json_schema", "json_schema": {"schema": {"anyOf": [{"$ref": "#"}]}}}"##,
     ];
     for text in cases {
         let err = s.grammars.matcher(&format(text)).err().unwrap();
@@ -248,7 +248,10 @@ fn thousands_of_alternatives_compile_and_more_than_the_bound_are_refused() {
     let lark = more.iter().map(|w| format!("{w:?}")).collect::<Vec<_>>();
     let lark = ResponseFormat::Lark(format!("start: {}", lark.join(" | ")));
     let err = s.grammars.matcher(&lark).err().unwrap();
-    assert!(err.contains("alternatives at one point") && err.len() < 300, "{err}");
+    assert!(
+        err.contains("alternatives at one point") && err.len() < 300,
+        "{err}"
+    );
 }
 
 #[test]
