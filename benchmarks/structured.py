@@ -5,7 +5,7 @@ p99), and constrained EAGLE with forced drafts vs without them at batch 1, with 
 output tokens that came from forced drafts.
 
     python benchmarks/structured.py [--rows 64] [--batch1-rows 8] [--max-new-tokens 128]
-                                    [--repeat 1] [--whitespace flexible|compact] [--json F]
+                                    [--repeat 1] [--whitespace bounded|flexible|compact] [--json F]
 
 Each configuration's worker is loaded once; runs alternate configurations of the same worker.
 """
@@ -49,13 +49,15 @@ SCHEMA = {
     "additionalProperties": False,
 }
 SCHEMA["required"] = list(SCHEMA["properties"])
-# compact: no whitespace between JSON tokens (llguidance's x-guidance option), so the grammar
-# forces every key and separator; flexible: any whitespace (the default)
-COMPACT = {"x-guidance": {"whitespace_flexible": False}}
+# the schema's x-guidance (llguidance's JSON options): compact = no whitespace between JSON
+# tokens, so the grammar forces every key and separator; flexible = any whitespace; bounded =
+# none, eaglebatch's default (at most one line break per gap)
+WHITESPACE = {"bounded": {}, "flexible": {"x-guidance": {"whitespace_flexible": True}},
+              "compact": {"x-guidance": {"whitespace_flexible": False}}}
 
 
 def response_format(whitespace: str) -> dict:
-    schema = {**SCHEMA, **(COMPACT if whitespace == "compact" else {})}
+    schema = {**SCHEMA, **WHITESPACE[whitespace]}
     return {"type": "json_schema", "json_schema": {"name": "extraction", "schema": schema}}
 SYSTEM = ("Describe the user's message as one JSON object with the keys "
           + ", ".join(SCHEMA["properties"]) + ".")  # fmt: skip
@@ -75,7 +77,7 @@ def write_input(path: Path, rows: int) -> Path:
 
 
 def job_file(d: Path, inp: Path, batch: int, max_new: int, draft: bool, constrained: bool,
-             forced: bool = True, whitespace: str = "flexible", overlap: bool = False,
+             forced: bool = True, whitespace: str = "bounded", overlap: bool = False,
              ) -> Path:  # fmt: skip
     job = {
         "model": "smollm2-135m-instruct",
@@ -144,7 +146,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch1-rows", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=1)
-    ap.add_argument("--whitespace", choices=["flexible", "compact"], default="flexible")
+    ap.add_argument("--whitespace", choices=list(WHITESPACE), default="bounded")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     pair = {"unconstrained": (False, True), "constrained": (True, True)}

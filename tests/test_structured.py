@@ -72,13 +72,23 @@ def plain(tiny_model_dir, tmp_path_factory):
     return rows
 
 
+def with_default_whitespace(schema: dict) -> dict:
+    """A JSON schema as eaglebatch compiles it: the bounded whitespace unless its x-guidance
+    names its own."""
+    from eaglebatch import _native
+
+    options = dict(schema.get("x-guidance", {}))
+    if not {"whitespace_flexible", "whitespace_pattern"} & set(options):
+        options["whitespace_pattern"] = _native.JSON_WHITESPACE
+    return {**schema, "x-guidance": options}
+
+
 def reference_grammar(fmt: dict) -> str:
     """The format as the llguidance package's own grammar constructors read it."""
     kind = fmt["type"]
-    if kind == "json_schema":
-        return llguidance.grammar_from("json_schema", json.dumps(fmt["json_schema"]["schema"]))
-    if kind == "json_object":
-        return llguidance.grammar_from("json_schema", json.dumps({"type": "object"}))
+    if kind in ("json_schema", "json_object"):
+        schema = fmt["json_schema"]["schema"] if kind == "json_schema" else {"type": "object"}
+        return llguidance.grammar_from("json_schema", json.dumps(with_default_whitespace(schema)))
     if kind == "regex":
         return llguidance.grammar_from("regex", fmt["pattern"])
     if kind == "choice":
@@ -311,3 +321,217 @@ def test_reasoning_end_inside_a_draft_window_keeps_outputs(thinking_model, tmp_p
         assert got["output_token_ids"] == want["output_token_ids"]
         assert (got["reasoning_text"], got["output_text"]) == (want["reasoning_text"],
                                                                want["output_text"])  # fmt: skip
+
+
+# ---- formats no row can follow, rows left without a token, many alternatives, whitespace ----
+
+EMPTY_LANGUAGES = {
+    "ref-cycle": {"type": "json_schema", "json_schema": {"name": "c", "schema": {
+        "$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}}},
+    "self-anyof": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
+        "anyOf": [{"$ref": "#"}]}}},
+    "no-char": {"type": "regex", "pattern": "[^\\s\\S]"},
+    "self-rule": {"type": "grammar", "lark": "start: start"},
+    "endless": {"type": "grammar", "lark": 'start: "a" start'},  # text, but never a whole match
+    "endless-nest": {"type": "grammar", "lark": 'start: "x" item\nitem: "(" item ")"'},
+    "dead-end": {"type": "regex", "pattern": "ab[^\\s\\S]"},
+}  # fmt: skip
+
+
+def job_file(tmp, model_dir, fmt: dict, extra: str = "") -> str:
+    pq.write_table(pa.table({"prompt": random_prompts(4, seed=3)}), tmp / "in.parquet")
+    job = tmp / "job.yaml"
+    job.write_text(
+        f"model: {model_dir}\ninput:\n  path: {tmp / 'in.parquet'}\noutput:\n"
+        f"  path: {tmp / 'out'}\n  include_token_ids: true\nsampling:\n"
+        f"  max_new_tokens: {MAX_NEW}\n  response_format: {json.dumps(fmt)}\n{extra}"
+        "engine:\n  device: cpu\n  kv_cache_tokens: 4096\n"
+    )
+    return str(job)
+
+
+@pytest.mark.parametrize("name", list(EMPTY_LANGUAGES))
+def test_a_format_no_text_matches_is_refused(tiny_model_dir, tmp_path, name, capfd):
+    """The job's: exit 2 at validate naming sampling.response_format; a row's: its error row
+    while the other rows generate; no llguidance internals on stderr either way."""
+    from click.testing import CliRunner
+
+    from eaglebatch.cli import main
+
+    fmt = EMPTY_LANGUAGES[name]
+    r = CliRunner().invoke(main, ["validate", job_file(tmp_path, tiny_model_dir, fmt)])
+    assert r.exit_code == 2, r.output
+    assert "sampling.response_format matches no text" in r.output
+    assert "Traceback" not in r.output and len(r.output) < 600, r.output
+    formats = formats_for(4)
+    formats[1] = json.dumps(fmt)
+    rows, res = run(tmp_path, tiny_model_dir, n=4, formats=formats)
+    assert rows[1]["finish_reason"] == "error" and "matches no text" in rows[1]["error"]
+    assert [r["finish_reason"] == "error" for r in rows] == [False, True, False, False]
+    err = capfd.readouterr().err
+    assert "<state>" not in err and "Parser" not in err, err
+
+
+def test_an_openai_line_with_an_empty_format_is_its_error_line(tiny_model_dir, tmp_path):
+    from test_openai_batch import COMPLETIONS, batch_job, request, results
+
+    lines = [request(name, COMPLETIONS, {"prompt": "hi", "response_format": fmt})
+             for name, fmt in EMPTY_LANGUAGES.items()]  # fmt: skip
+    lines.append(request("ok", COMPLETIONS, {"prompt": "hi", "response_format": FORMATS[2]}))
+    run_prepared(prepare(load_job(batch_job(tmp_path, tiny_model_dir, lines))))
+    got = results(tmp_path)
+    for name in EMPTY_LANGUAGES:
+        assert got[name]["response"]["status_code"] != 200, name
+        assert "matches no text" in got[name]["response"]["body"]["error"]["message"]
+    assert got["ok"]["response"]["status_code"] == 200
+
+
+SAMPLING_PATHS = {
+    "greedy": [],
+    "sampled": ["sampling.temperature=1.0"],
+    "top_k": ["sampling.temperature=0.8", "sampling.top_k=5"],
+    "top_p_logprobs": ["sampling.temperature=1.0", "sampling.top_p=0.9", "output.logprobs=3"],
+    "greedy_logprobs": ["output.logprobs=2", "output.logprobs_mode=processed"],
+}
+
+
+@pytest.mark.parametrize("draft", [None, "eagle1", "eagle3"])
+@pytest.mark.parametrize("path", list(SAMPLING_PATHS))
+def test_a_grammar_that_can_only_end_ends_its_row_before_min_new_tokens(
+        tiny_model_dir, drafts, tmp_path, path, draft):  # fmt: skip
+    """`a{0}` matches only the empty text: with min_new_tokens the row still ends (`stop`,
+    empty, complete), as a completed choice does; the other rows generate as without it."""
+    formats = formats_for(6)
+    formats[2] = formats[5] = json.dumps({"type": "regex", "pattern": "a{0}"})
+    extra = "" if draft is None else (f"draft: {drafts[draft]}\nspeculative:\n  num_steps: 3\n"
+                                      "  adaptive: false\n")  # fmt: skip
+    over = ["sampling.min_new_tokens=4", *SAMPLING_PATHS[path]]
+    rows, res = run(tmp_path, tiny_model_dir, n=6, formats=formats, extra=extra, overrides=over)
+    for i in (2, 5):
+        assert (rows[i]["finish_reason"], rows[i]["output_text"], rows[i]["structured"]) == (
+            "stop", "", "complete"), rows[i]
+    others = [r for i, r in enumerate(rows) if i not in (2, 5)]
+    assert all(r["finish_reason"] in ("stop", "length") for r in others), others
+    assert res.stats["errors"] == 0
+
+
+def after_x_many_alternatives(n: int) -> dict:
+    """Compiles and starts (only "xyz" is allowed), then offers n alternatives: a row reaching
+    them has no mask (llguidance's row limit) and so no token."""
+    words = " | ".join(f'"w{i}"' for i in range(n))
+    return {"type": "grammar", "lark": f'start: "xyz" alt\nalt: {words}'}
+
+
+@pytest.mark.parametrize("draft", [None, "eagle1", "eagle3"])
+@pytest.mark.parametrize("path", list(SAMPLING_PATHS))
+def test_a_row_left_without_a_token_is_its_error_row(tiny_model_dir, drafts, tmp_path, path,
+                                                      draft, capfd):  # fmt: skip
+    """A row whose every logit is -inf after processing (here: its grammar fails at its second
+    token) is an error row saying why, on every sampling path and with a draft head; every
+    other row of the batch is generated as it is without that row."""
+    formats = formats_for(6)
+    formats[3] = json.dumps(after_x_many_alternatives(MOST_ALTERNATIVES + 500))
+    extra = "" if draft is None else (f"draft: {drafts[draft]}\nspeculative:\n  num_steps: 3\n"
+                                      "  adaptive: false\n")  # fmt: skip
+    over = SAMPLING_PATHS[path]
+    rows, res = run(tmp_path, tiny_model_dir, n=6, formats=formats, extra=extra, overrides=over)
+    assert rows[3]["finish_reason"] == "error", rows[3]
+    assert "alternatives at one point" in rows[3]["error"] and len(rows[3]["error"]) < 300
+    assert res.stats["errors"] == 1
+    ref_formats = [f for i, f in enumerate(formats) if i != 3]
+    ref, _ = run(tmp_path, tiny_model_dir, n=5, formats=ref_formats, name="ref", extra=extra,
+                 overrides=over, prompts=[p for i, p in enumerate(random_prompts(6, seed=7))
+                                          if i != 3])  # fmt: skip
+    if path.startswith("greedy"):  # sampled rows' draws are keyed by row index
+        got = [r["output_token_ids"] for i, r in enumerate(rows) if i != 3]
+        assert got == [r["output_token_ids"] for r in ref]
+    assert all(r["finish_reason"] in ("stop", "length") for i, r in enumerate(rows) if i != 3)
+    assert "<state>" not in capfd.readouterr().err
+
+
+MOST_ALTERNATIVES = 10_000
+
+
+def test_the_alternatives_bound_is_the_native_one():
+    from eaglebatch import _native
+
+    assert _native.MOST_ALTERNATIVES == MOST_ALTERNATIVES
+
+
+@pytest.mark.parametrize("n", [2_500, MOST_ALTERNATIVES])
+def test_formats_with_thousands_of_alternatives_generate(tiny_model_dir, tmp_path, n):
+    words = [f"w{i}" for i in range(n)]
+    objects = [{"type": "object", "properties": {"k": {"const": i}}, "required": ["k"],
+                "additionalProperties": False} for i in range(min(n, 2_500))]  # fmt: skip
+    # (10,000 whole objects exceed llguidance's grammar size: "schema too large", refused)
+    formats = [
+        {"type": "choice", "choices": words},
+        {"type": "grammar", "lark": "start: " + " | ".join(json.dumps(w) for w in words)},
+        {"type": "json_schema", "json_schema": {"name": "e", "schema": {"enum": list(range(n))}}},
+        {"type": "json_schema", "json_schema": {"name": "o", "schema": {"anyOf": objects}}},
+    ]  # fmt: skip
+    rows, res = run(tmp_path, tiny_model_dir, n=4, formats=[json.dumps(f) for f in formats],
+                    overrides=["sampling.max_new_tokens=64"])  # fmt: skip
+    assert [r["error"] for r in rows] == [None] * 4
+    assert rows[0]["output_text"] in words and rows[1]["output_text"] in words
+    for r in rows[:2]:
+        assert r["finish_reason"] == "stop" and r["structured"] == "complete"
+    if rows[2]["finish_reason"] == "stop":
+        assert int(rows[2]["output_text"]) in range(n)
+    if rows[3]["finish_reason"] == "stop":
+        assert json.loads(rows[3]["output_text"])["k"] in range(n)
+
+
+def test_more_alternatives_than_the_bound_are_refused_in_words(tiny_model_dir, tmp_path):
+    n = MOST_ALTERNATIVES + 1
+    words = [f"w{i}" for i in range(n)]
+    over = {"type": "choice", "choices": words}
+    with pytest.raises(JobError, match=f"offers {n} alternatives") as e:
+        prepare(load_job(job_file(tmp_path, tiny_model_dir, over), []))
+    assert len(str(e.value)) < 400
+    # a grammar's bound is on parser items: its alternatives plus the rules around them (64)
+    many = [f"w{i}" for i in range(MOST_ALTERNATIVES + 100)]
+    lark = {"type": "grammar", "lark": "start: " + " | ".join(json.dumps(w) for w in many)}
+    rows, _ = run(tmp_path, tiny_model_dir, n=3,
+                  formats=[json.dumps(over), json.dumps(lark), json.dumps(FORMATS[2])])
+    for r in rows[:2]:
+        assert r["finish_reason"] == "error" and "alternatives at one point" in r["error"]
+        assert len(r["error"]) < 300, r["error"]
+    assert rows[2]["finish_reason"] == "stop"
+
+
+@pytest.fixture(scope="module")
+def newline_model(tmp_path_factory):
+    """The tiny model with the newline's lm_head row scaled up: wherever a newline is allowed
+    it is the argmax, as a small model stuck in a whitespace loop."""
+    from safetensors.torch import load_file, save_file
+    from transformers import PreTrainedTokenizerFast
+
+    from support.tiny import make_tiny_model
+
+    d = make_tiny_model(tmp_path_factory.mktemp("newline"), seed=5)
+    nl = PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json")).encode("\n")
+    weights = load_file(str(d / "model.safetensors"))
+    weights["lm_head.weight"][nl[-1]] *= 50.0
+    save_file(weights, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d
+
+
+def test_json_whitespace_is_bounded_unless_the_schema_asks(newline_model, tmp_path):
+    """By default a JSON row cannot spend its budget on line breaks (one per gap); a schema whose
+    x-guidance asks for flexible whitespace gets it (and loops, as before)."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+              "maximum": 9}}, "required": ["n"], "additionalProperties": False}  # fmt: skip
+    flexible = {**schema, "x-guidance": {"whitespace_flexible": True}}
+    compact = {**schema, "x-guidance": {"whitespace_flexible": False}}
+    fmts = [{"type": "json_schema", "json_schema": {"name": "n", "schema": s}}
+            for s in (schema, flexible, compact)] + [{"type": "json_object"}]  # fmt: skip
+    rows, _ = run(tmp_path, newline_model, n=4, formats=[json.dumps(f) for f in fmts],
+                  overrides=["sampling.max_new_tokens=200"])  # fmt: skip
+    bounded, loose, tight, obj = rows
+    assert bounded["finish_reason"] == "stop", bounded["output_text"]
+    assert json.loads(bounded["output_text"])["n"] in range(10)
+    assert "\n\n" not in bounded["output_text"] and "\n" in bounded["output_text"]
+    assert loose["finish_reason"] == "length" and "\n\n\n" in loose["output_text"]
+    assert tight["finish_reason"] == "stop" and not any(c.isspace() for c in tight["output_text"])
+    assert "\n\n" not in obj["output_text"]

@@ -17,6 +17,7 @@ from eaglebatch.engine import prepare, run_prepared
 from eaglebatch.job import builtin
 from eaglebatch.job.config import load_job
 from support.schemas import schemas
+from test_structured import with_default_whitespace
 
 pytest.importorskip("eaglebatch._native")
 llguidance = pytest.importorskip("llguidance")
@@ -73,7 +74,8 @@ def reference(model, tok, lltok, text: str, fmt: dict, max_new: int) -> list[int
     """Greedy over transformers' logits (KV cache reused) masked by llguidance's matcher."""
     import llguidance.torch as llt
 
-    grammar = llguidance.grammar_from("json_schema", json.dumps(fmt["json_schema"]["schema"]))
+    schema = with_default_whitespace(fmt["json_schema"]["schema"])
+    grammar = llguidance.grammar_from("json_schema", json.dumps(schema))
     matcher = llguidance.LLMatcher(lltok, grammar)
     mask = llt.allocate_token_bitmask(1, lltok.vocab_size)
     ids = torch.tensor([tok.encode(text, add_special_tokens=False)])

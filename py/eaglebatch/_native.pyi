@@ -217,6 +217,10 @@ def check_response_format(
     check) for the tokenizer, read as SchedulerConfig.response_format is; raises
     UserInputError naming what is wrong."""
 
+# JSON whitespace between tokens unless a schema's x-guidance sets its own
+JSON_WHITESPACE: str
+# the most alternatives one point of a response_format may offer
+MOST_ALTERNATIVES: int
 OUTPUT_COLUMNS: list[str]
 """Every column name an output part may have (whatever the settings): kept input columns
 (`output.keep_columns`) may take none of them."""

@@ -41,7 +41,7 @@ from eaglebatch.job.model_files import ModelFiles
 from eaglebatch.model import model_class
 from eaglebatch.model.config import ModelConfig
 from eaglebatch.model.llama import LlamaForCausalLM
-from eaglebatch.sampling.logits_processing import LogitsControls
+from eaglebatch.sampling.logits_processing import NO_TOKEN, LogitsControls, without_dead_rows
 from eaglebatch.sampling.logprobs import (
     distribution,
     prompt_logprobs,
@@ -165,15 +165,20 @@ def sample_rows(worker, plan, logits: torch.Tensor, sampling: tuple[torch.Tensor
     penalties), and the rows' logprobs when the plan asks for them: (tokens int64 [B], the
     logprobs `Scheduler.commit` takes, or None; `on_device`: those as device tensors)."""
     controls = LogitsControls.from_plan(plan, logits.device)
-    processed = None if controls is None else controls.apply(logits[:, None])[:, 0]  # [B, V]
+    processed = dead = None
+    if controls is not None:  # [B, V]; a row left with no token reports NO_TOKEN
+        processed, dead = without_dead_rows(controls.apply(logits[:, None])[:, 0])
     host = (plan.temperature, plan.top_p, plan.top_k)  # which rows sample, known on the host
     tokens = sample(logits if processed is None else processed, *sampling, host=host)  # [B]
     k = wanted(plan)
-    if k == 0:
-        return tokens, None
-    temperature, top_p, top_k = sampling[:3]
-    lp = distribution(logits, processed, temperature, top_k, top_p, worker.logprobs_mode)
-    return tokens, (top_logprobs_on_device if on_device else top_logprobs)(lp, tokens, k)
+    logprobs = None
+    if k > 0:
+        temperature, top_p, top_k = sampling[:3]
+        lp = distribution(logits, processed, temperature, top_k, top_p, worker.logprobs_mode)
+        logprobs = (top_logprobs_on_device if on_device else top_logprobs)(lp, tokens, k)
+    if dead is not None:
+        tokens = torch.where(dead, NO_TOKEN, tokens)
+    return tokens, logprobs
 
 
 @dataclass(frozen=True)
@@ -363,7 +368,10 @@ class Worker:
         tokens, logprobs = sample_rows(self, plan, logits, sampling, on_device=True)
         if logprobs is not None:
             logprobs = tuple(HostCopy(t) for t in logprobs)
-        return Launched(tokens, HostCopy(tokens.to(torch.int32)), logprobs, prompt_lps)
+        # the device's tokens feed the next plan's placeholders: a real id where none was
+        # allowed (that row ends at the commit, its placeholder unused)
+        return Launched(tokens.clamp(min=0), HostCopy(tokens.to(torch.int32)), logprobs,
+                        prompt_lps)  # fmt: skip
 
     @staticmethod
     def collect(launched: Launched) -> tuple:

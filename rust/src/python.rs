@@ -482,6 +482,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(render_chat_template, m)?)?;
     m.add_function(wrap_pyfunction!(check_chat_template, m)?)?;
     m.add_function(wrap_pyfunction!(check_response_format, m)?)?;
+    m.add("JSON_WHITESPACE", crate::structured::JSON_WHITESPACE)?;
+    m.add("MOST_ALTERNATIVES", crate::structured::MOST_ALTERNATIVES)?;
     m.add("OUTPUT_COLUMNS", crate::writer::OUTPUT_COLUMNS.to_vec())?;
     m.add("SCHEDULER_CONFIG_FIELDS", scheduler_config::FIELDS.to_vec())?;
     crate::cpu::bindings::register(m)

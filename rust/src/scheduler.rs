@@ -924,11 +924,25 @@ impl Scheduler {
                         .reasoning
                         .is_some_and(|tags| reasoning_open(&seq.prompt_ids, tags));
                     self.stats.structured_rows += seq.matcher.is_some() as u64;
-                    self.waiting.push_back(seq);
+                    self.queue(seq)?;
                 }
             }
         }
         Ok(())
+    }
+
+    /// Queues an admitted sequence, or writes it finished (`stop`, no token) when its format
+    /// allows only the empty text and it does not reason first: nothing is left to generate,
+    /// whatever its min_new_tokens.
+    fn queue(&mut self, mut seq: Sequence) -> Result<()> {
+        let ends = seq.matcher.as_ref().is_some_and(RowMatcher::only_ends);
+        if !ends || seq.thinking {
+            self.waiting.push_back(seq);
+            return Ok(());
+        }
+        seq.finish(FinishReason::Stop, Instant::now());
+        let row = self.output_row(seq);
+        self.writer.send(row)
     }
 
     /// Why a request can never run, if it cannot. Invariant of every admitted request: its
@@ -1572,7 +1586,12 @@ fn append_tokens(
         if seq.is_finished() {
             break;
         }
-        let t = t as u32;
+        let Ok(t) = u32::try_from(t) else {
+            // the worker found no token the row's processed logits allow (`NO_TOKEN`)
+            seq.error = Some(no_token(seq));
+            seq.finish(FinishReason::Error, now);
+            break;
+        };
         seq.output_ids.push(t);
         appended += 1;
         seq.timing.first_token.get_or_insert(now);
@@ -1589,6 +1608,10 @@ fn append_tokens(
             if c.reasoning.is_some_and(|(_, end)| t == end) {
                 seq.thinking = false;
                 seq.reasoning_end = Some(seq.num_output() - 1);
+                if seq.matcher.as_ref().is_some_and(RowMatcher::only_ends) {
+                    seq.finish(FinishReason::Stop, now); // the answer's format allows only ""
+                    break;
+                }
             }
         } else if advance_grammar(seq, t, now) {
             break;
@@ -1616,6 +1639,18 @@ pub(super) fn reasoning_open(prompt: &[u32], (start, end): (u32, u32)) -> bool {
     }
 }
 
+/// Why a row got no token: its matcher failed, or its settings masked every logit.
+fn no_token(seq: &Sequence) -> String {
+    seq.matcher
+        .as_ref()
+        .and_then(RowMatcher::failure)
+        .unwrap_or_else(|| {
+            "no token could be generated: every token's logit was -inf after the row's \
+             min_new_tokens, response_format, penalties and min_p"
+                .to_string()
+        })
+}
+
 /// A constrained row's matcher consumes its new token `t`; returns whether the row finished:
 /// its grammar admits nothing more (`stop`), or it refused `t` (an error row: the worker
 /// sampled outside the row's mask).
@@ -1624,9 +1659,8 @@ fn advance_grammar(seq: &mut Sequence, t: u32, now: Instant) -> bool {
         return false;
     };
     if let Err(e) = m.consume(&[t]) {
-        seq.error = Some(format!(
-            "token {t} is outside the row's response_format: {e}"
-        ));
+        let outside = || format!("token {t} is outside the row's response_format: {e}");
+        seq.error = Some(m.failure().unwrap_or_else(outside));
         seq.finish(FinishReason::Error, now);
         return true;
     }

@@ -14,12 +14,13 @@
 //! Invariant: a mask has the model's vocabulary width; ids the tokenizer does not define (a
 //! checkpoint's padding rows) are never allowed.
 
+mod language;
 mod matcher;
 mod response_format;
 pub(crate) mod token_env;
 
-pub use matcher::{Grammars, RowMatcher};
-pub use response_format::ResponseFormat;
+pub use matcher::{Grammars, RowMatcher, MOST_ALTERNATIVES};
+pub use response_format::{ResponseFormat, JSON_WHITESPACE};
 pub use token_env::token_env;
 
 /// Whether the JSON text of a job's response_format compiles for the tokenizer at `path`

@@ -23,6 +23,12 @@ speculative sampling from them stays exact.
   top-k, top-p) and greedy rows are untouched.
 In that order, on the raw logits (before temperature, top-k and top-p), as vLLM does.
 
+A row (or verify position) left with no finite logit has no token to sample, whatever the
+cause (a grammar that allows only its end below min_new_tokens, a failed grammar):
+`without_dead_rows` gives the sampler a harmless stand-in there, and the step reports
+`NO_TOKEN` for it, which the scheduler turns into that row's error row; the other rows of the
+batch are generated as usual.
+
 Sparse: only the tokens a row has seen (its penalty ids and drafts) are gathered, penalised and
 scattered back, so the cost is O(B * Q * distinct tokens), not O(B * Q * V); min-p is dense
 over the rows that ask for it.
@@ -37,6 +43,19 @@ import torch
 
 from eaglebatch.sampling.sampler import deterministic_rows
 from eaglebatch.transfer import to_device
+
+# The token a step reports for a row with no allowed token (Scheduler.commit: an error row).
+NO_TOKEN = -1
+
+
+def without_dead_rows(
+    processed: torch.Tensor,  # float [..., V] after LogitsControls.apply
+) -> tuple[torch.Tensor, torch.Tensor]:  # (float [..., V], bool [...])
+    """(`processed` with zeros where no logit is finite, which rows / positions those are): the
+    sampler, verification and logprobs then never see an all -inf row (module doc). On the
+    device, without a synchronisation."""
+    dead = ~(processed > float("-inf")).any(dim=-1)
+    return processed.masked_fill(dead[..., None], 0.0), dead
 
 
 @dataclass(frozen=True)

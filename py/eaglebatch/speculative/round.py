@@ -73,6 +73,8 @@ class Accepted:
     tokens: torch.Tensor  # int64 [B, k+1] accepted drafts, then the target's token
     accepted: torch.Tensor  # int64 [B]
     logprobs: tuple | None  # of tokens at all B*(k+1) positions (logprobs.py)
+    # bool [B]: the row's emitted token (at `accepted`) had no allowed token (NO_TOKEN)
+    no_token: torch.Tensor | None = None
 
 
 @dataclass(slots=True)

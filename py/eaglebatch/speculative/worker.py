@@ -71,7 +71,12 @@ import torch
 from eaglebatch.attention.base import AttentionMetadata, copy_blocks
 from eaglebatch.cpu import accelerate, gemm_threads
 from eaglebatch.job.config import SpeculativeConfig, widest_round
-from eaglebatch.sampling.logits_processing import GrammarMask, LogitsControls
+from eaglebatch.sampling.logits_processing import (
+    NO_TOKEN,
+    GrammarMask,
+    LogitsControls,
+    without_dead_rows,
+)
 from eaglebatch.sampling.logprobs import distribution, prompt_logprobs, top_logprobs, wanted
 from eaglebatch.speculative.adaptive import AdaptiveDraftLength
 from eaglebatch.speculative.eagle import EagleDraft, load_draft
@@ -375,7 +380,7 @@ class SpecWorker:
             # dropped)
             next_ids = torch.roll(ids, -1)
             after = self._dev(plan.next_ids)  # [B] -1: the sampled token follows
-            next_ids[last] = torch.where(after >= 0, after, tokens)
+            next_ids[last] = torch.where(after >= 0, after, tokens.clamp(min=0))  # NO_TOKEN
             h = self._draft_forward(
                 next_ids, self.draft.target_features(captured), positions, meta, select=last
             )  # [B, h]
@@ -741,7 +746,9 @@ class SpecWorker:
         padded = bool((r.n < r.k).any())
         controls = LogitsControls.from_plan(plan, self.device, grammar)
         # position j as plain decoding sees it after the drafts before j (logits_processing.py)
-        logits = v.logits if controls is None else controls.apply(v.logits, draft_ids)
+        logits, dead = v.logits, None
+        if controls is not None:  # dead [B, k+1]: positions with no allowed token
+            logits, dead = without_dead_rows(controls.apply(v.logits, draft_ids))
         if logits.is_cpu and bool(deterministic_rows(plan.temperature, plan.top_k).all()):
             # every row greedy: the same tokens and counts from a few numpy operations
             tokens, accepted = verify_greedy_host(logits, draft_ids, r.n if padded else None)
@@ -753,7 +760,13 @@ class SpecWorker:
         if wanted(plan):
             processed = None if controls is None else logits
             logprobs = self._round_logprobs(r, v.logits, tokens, processed)
-        return Accepted(tokens, accepted, logprobs)
+        no_token = None
+        if dead is not None:  # a row reaching a dead position stops there with NO_TOKEN
+            k1 = dead.shape[1]
+            first = torch.where(dead.any(dim=1), dead.long().argmax(dim=1), k1)  # [B]
+            accepted = torch.minimum(accepted, first.to(accepted.device))
+            no_token = first == accepted
+        return Accepted(tokens, accepted, logprobs, no_token)
 
     def _round_logprobs(
         self, r: Round, raw: torch.Tensor, tokens: torch.Tensor, processed: torch.Tensor | None
@@ -793,6 +806,10 @@ class SpecWorker:
         (tokens int32 [N], num_tokens int32 [B], num_accepted int32 [B]) as `step` does."""
         tokens_np = a.tokens.cpu().numpy()  # the step's only synchronisation
         accepted_np = a.accepted.cpu().numpy()
+        if a.no_token is not None:  # its emitted token is NO_TOKEN: an error row at the commit
+            rows = np.flatnonzero(a.no_token.cpu().numpy())
+            tokens_np = tokens_np.copy()
+            tokens_np[rows, accepted_np[rows]] = NO_TOKEN
         marks.t2 = self._clock.mark()
         num_tokens = accepted_np + 1
         keep = np.arange(r.k + 1)[None, :] < num_tokens[:, None]  # [B, k+1]

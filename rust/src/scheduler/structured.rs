@@ -174,8 +174,8 @@ impl Scheduler {
             let t = tokens.get(d.row).and_then(|&t| u32::try_from(t).ok());
             match t {
                 Some(t) if !m.is_stopped() && m.valid_prefix(&[t]) == 1 => {
-                    m.consume(&[t])?;
-                    d.consumed += 1;
+                    d.ok = m.consume(&[t]).is_ok();
+                    d.consumed += d.ok as usize;
                 }
                 _ => d.ok = false,
             }
@@ -303,15 +303,12 @@ pub struct DraftMasks {
     pub words: usize,
 }
 
-/// `m`'s mask into `out`, with every EOS id allowed where the grammar may end.
+/// `m`'s mask into `out`, with every EOS id allowed where the grammar may end. A matcher that
+/// fails allows nothing: the worker reports the row's token as none (`NO_TOKEN`) and the
+/// commit makes it an error row naming the failure (`RowMatcher::failure`).
 fn fill(m: &mut RowMatcher, out: &mut [u32], eos: &[u32]) {
-    if let Err(e) = m.fill_mask(out) {
-        // a matcher in error allows nothing but EOS: the row ends rather than going astray
+    if m.fill_mask(out).is_err() {
         out.fill(0);
-        log_once(&e);
-        for &t in eos {
-            set_bit(out, t);
-        }
         return;
     }
     if eos.iter().any(|&t| get_bit(out, t)) {
@@ -339,8 +336,13 @@ fn row_masks(
         if valid == most || m.is_stopped() {
             break;
         }
-        m.consume(&ids[valid..valid + 1])?;
+        let failed = m.consume(&ids[valid..valid + 1]).is_err();
         valid += 1;
+        if failed {
+            // nothing is allowed after it: the row's error (`fill`)
+            out[valid * words..(valid + 1) * words].fill(0);
+            break;
+        }
     }
     m.rollback(valid)?;
     Ok(valid as i32)
@@ -356,9 +358,4 @@ fn get_bit(words: &[u32], t: u32) -> bool {
     words
         .get(t as usize / 32)
         .is_some_and(|w| w >> (t % 32) & 1 == 1)
-}
-
-fn log_once(e: &Error) {
-    static LOGGED: std::sync::Once = std::sync::Once::new();
-    LOGGED.call_once(|| eprintln!("eaglebatch: structured output: {e}"));
 }

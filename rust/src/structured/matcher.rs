@@ -4,23 +4,48 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use llguidance::toktrie::TokEnv;
-use llguidance::{Matcher, ParserFactory};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use super::ResponseFormat;
+use llguidance::api::StopReason;
+use llguidance::toktrie::{SimpleVob, TokEnv};
+use llguidance::{Matcher, ParserFactory, TokenParser};
+
+use super::{language, ResponseFormat};
 use crate::error::{Error, Result};
 
 /// The most distinct formats kept compiled; past it the cache starts over (a job with more
 /// distinct schemas than this compiles some twice, never holds more).
 const MOST_CACHED: usize = 1024;
 
+/// The most alternatives one point of a format may offer: a choice's entries, a Lark
+/// alternation, a JSON schema's anyOf / oneOf / enum (llguidance's Earley row limit, 2,000 by
+/// default, raised to this). More is refused at compile time, a row's own format when its row
+/// reaches them.
+pub const MOST_ALTERNATIVES: usize = 10_000;
+/// Earley items the rules around an alternation add to its row.
+const ROW_SLACK: usize = 64;
+/// The most characters of an llguidance error a message quotes.
+const MOST_QUOTED: usize = 200;
+
+const EMPTY_LANGUAGE: &str = "response_format matches no text at all (its language is empty: \
+    a rule or $ref that only refers to itself, or a pattern no string matches)";
+
 /// A tokenizer's grammar compiler and its cache of compiled formats.
 pub struct Grammars {
     factory: ParserFactory,
     vocab_size: usize,
+    eos: SimpleVob, // the tokenizer's EOS ids
+
     // format key -> the compiled prototype (rows get deep clones), or why it does not compile
-    cache: Mutex<HashMap<String, std::result::Result<Matcher, String>>>,
+    cache: Mutex<HashMap<String, std::result::Result<Compiled, String>>>,
     compiled: AtomicUsize,
+}
+
+/// A compiled format: its matcher at the start of a row, and whether the start allows nothing
+/// but the end (the format matches only the empty text).
+struct Compiled {
+    matcher: Matcher,
+    only_end: bool,
 }
 
 impl Grammars {
@@ -29,9 +54,14 @@ impl Grammars {
         let mut factory = ParserFactory::new_simple(env)
             .map_err(|e| Error::internal(format!("grammar compiler: {e}")))?;
         factory.set_stderr_log_level(0);
+        let limits = factory.limits_mut();
+        limits.max_items_in_row = MOST_ALTERNATIVES + ROW_SLACK;
+        limits.step_max_items = limits.step_max_items.max(10 * MOST_ALTERNATIVES);
+        limits.verbose_errors = false; // errors are messages in rows: no state dumps
         Ok(Grammars {
             factory,
             vocab_size,
+            eos: env.tok_trie().eos_token_set(),
             cache: Mutex::new(HashMap::new()),
             compiled: AtomicUsize::new(0),
         })
@@ -51,16 +81,60 @@ impl Grammars {
         }
         let prototype = cache[&key].as_ref().map_err(Clone::clone)?;
         Ok(RowMatcher {
-            matcher: prototype.deep_clone(),
+            matcher: prototype.matcher.deep_clone(),
             vocab_size: self.vocab_size,
+            only_end: prototype.only_end,
+            consumed: 0,
         })
     }
 
-    fn compile(&self, format: &ResponseFormat) -> std::result::Result<Matcher, String> {
-        let matcher = Matcher::new(self.factory.create_parser(format.grammar()));
-        match matcher.get_error() {
-            None => Ok(matcher),
-            Some(e) => Err(format!("response_format does not compile: {e}")),
+    /// Compiles `format` and checks its start: Err says why no row could follow it (it does not
+    /// compile, offers too many alternatives, or matches no text).
+    fn compile(&self, format: &ResponseFormat) -> std::result::Result<Compiled, String> {
+        if let ResponseFormat::Choice(choices) = format {
+            if choices.len() > MOST_ALTERNATIVES {
+                return Err(too_many(choices.len()));
+            }
+        }
+        let parser = self
+            .factory
+            .create_parser(format.grammar())
+            .map_err(|e| failure(&e.to_string()))?;
+        if language::is_empty(parser.parser.grammar()) {
+            return Err(EMPTY_LANGUAGE.to_string());
+        }
+        let mut parser = parser;
+        if parser.is_fresh() {
+            parser.start_without_prompt();
+        }
+        let only_end = self.only_end_at_start(&parser)?;
+        let matcher = Matcher::new(Ok(parser));
+        if let Some(e) = matcher.get_error() {
+            return Err(failure(&e));
+        }
+        Ok(Compiled { matcher, only_end })
+    }
+
+    /// Whether the start allows nothing but the end; Err: it allows nothing at all (the
+    /// language is empty) or its mask fails (e.g. too many alternatives).
+    fn only_end_at_start(&self, prototype: &TokenParser) -> std::result::Result<bool, String> {
+        let mut p = prototype.deep_clone();
+        let mask = catch_unwind(AssertUnwindSafe(|| p.compute_mask()))
+            .map_err(|_| failure("the grammar engine failed at the start"))?;
+        let mask = match mask {
+            Ok(mask) => mask,
+            Err(_) if p.stop_reason() == StopReason::NoExtensionBias => {
+                return Err(EMPTY_LANGUAGE.to_string())
+            }
+            Err(e) => return Err(failure(&e.to_string())),
+        };
+        let text = mask
+            .iter()
+            .any(|t| (t as usize) < self.vocab_size && !self.eos.is_allowed(t));
+        match (text, p.is_accepting()) {
+            (true, _) => Ok(false),
+            (false, true) => Ok(true),
+            (false, false) => Err(EMPTY_LANGUAGE.to_string()),
         }
     }
 
@@ -79,6 +153,10 @@ impl Grammars {
 pub struct RowMatcher {
     matcher: Matcher,
     vocab_size: usize,
+    // the format's start allows only the end, and `consumed` tokens (committed or drafted) are
+    // past the start
+    only_end: bool,
+    consumed: usize,
 }
 
 impl std::fmt::Debug for RowMatcher {
@@ -95,6 +173,8 @@ impl RowMatcher {
         RowMatcher {
             matcher: self.matcher.deep_clone(),
             vocab_size: self.vocab_size,
+            only_end: self.only_end,
+            consumed: self.consumed,
         }
     }
 
@@ -122,7 +202,9 @@ impl RowMatcher {
     pub fn consume(&mut self, tokens: &[u32]) -> Result<()> {
         self.matcher
             .consume_tokens(tokens)
-            .map_err(|e| self.error(e))
+            .map_err(|e| self.error(e))?;
+        self.consumed += tokens.len();
+        Ok(())
     }
 
     /// How many leading `drafts` the grammar accepts from here (the matcher does not move).
@@ -133,9 +215,14 @@ impl RowMatcher {
         self.matcher.validate_tokens(drafts).unwrap_or(0)
     }
 
-    /// Takes back the last `n` consumed tokens.
+    /// Takes back the last `n` consumed tokens (nothing for a failed matcher: its failure is
+    /// final, and its row's error).
     pub fn rollback(&mut self, n: usize) -> Result<()> {
-        self.matcher.rollback(n).map_err(|e| self.error(e))
+        if n > 0 && !self.matcher.is_error() {
+            self.matcher.rollback(n).map_err(|e| self.error(e))?;
+        }
+        self.consumed = self.consumed.saturating_sub(n);
+        Ok(())
     }
 
     /// The tokens the grammar forces from here (its only continuation), maybe none.
@@ -153,7 +240,65 @@ impl RowMatcher {
         self.matcher.is_accepting().unwrap_or(false)
     }
 
+    /// The grammar allows nothing but its end from here: it completed, or the format matches
+    /// only the empty text and nothing was consumed yet. Such a row ends (`stop`) without a
+    /// token, as a completed grammar does, even below its `min_new_tokens`.
+    pub fn only_ends(&self) -> bool {
+        let completed = self.matcher.is_stopped() && !self.matcher.is_error();
+        completed || (self.only_end && self.consumed == 0)
+    }
+
+    /// Why the matcher failed (a mask it could not compute), in a row's words; None while it
+    /// works.
+    pub fn failure(&self) -> Option<String> {
+        self.matcher.get_error().map(|e| match alternatives(&e) {
+            Some(n) => too_many(n),
+            None => format!(
+                "response_format failed at this point of the output: {}",
+                quote(&e)
+            ),
+        })
+    }
+
     fn error(&self, e: impl std::fmt::Display) -> Error {
-        Error::internal(format!("structured output: {e}"))
+        Error::internal(format!("structured output: {}", quote(&e.to_string())))
+    }
+}
+
+/// A format that does not compile, in words (llguidance's first line, at most `MOST_QUOTED`
+/// characters: no grammar or state dumps).
+fn failure(e: &str) -> String {
+    match alternatives(e) {
+        Some(n) => too_many(n),
+        None => format!("response_format does not compile: {}", quote(e)),
+    }
+}
+
+fn too_many(n: usize) -> String {
+    format!(
+        "response_format offers {n} alternatives at one point; at most {MOST_ALTERNATIVES} are \
+         supported (a choice's entries, a Lark alternation, a JSON schema's anyOf, oneOf or enum)"
+    )
+}
+
+/// The alternatives of an llguidance row-limit error ("Current row has N items; max is M").
+fn alternatives(e: &str) -> Option<usize> {
+    let rest = e.split("Current row has ").nth(1)?;
+    let n: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    rest[n.len()..]
+        .starts_with(" items; max is")
+        .then(|| n.parse().ok())
+        .flatten()
+}
+
+fn quote(e: &str) -> String {
+    let line = e
+        .lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .unwrap_or("");
+    match line.char_indices().nth(MOST_QUOTED) {
+        Some((cut, _)) => format!("{}...", &line[..cut]),
+        None => line.to_string(),
     }
 }

@@ -15,6 +15,13 @@ pub enum ResponseFormat {
     Choice(Vec<String>),
 }
 
+/// JSON whitespace between tokens unless the schema asks otherwise: spaces or tabs, or one
+/// line break and an indentation, per gap (pretty-printed JSON fits; runs of blank lines do
+/// not, which a small model may otherwise emit until its token budget is spent). A schema
+/// whose root `x-guidance` sets `whitespace_flexible` or `whitespace_pattern` (llguidance's
+/// JSON options) gets what it sets.
+pub const JSON_WHITESPACE: &str = r"[ \t]{1,4}|\n[ \t]{0,32}";
+
 const TYPES: &str = "text, json_schema, json_object, regex, grammar or choice";
 
 impl ResponseFormat {
@@ -67,9 +74,11 @@ impl ResponseFormat {
     /// The grammar llguidance compiles.
     pub fn grammar(&self) -> TopLevelGrammar {
         match self {
-            ResponseFormat::JsonSchema(schema) => TopLevelGrammar::from_json_schema(schema.clone()),
+            ResponseFormat::JsonSchema(schema) => {
+                TopLevelGrammar::from_json_schema(bounded_whitespace(schema))
+            }
             ResponseFormat::JsonObject => {
-                TopLevelGrammar::from_json_schema(json!({"type": "object"}))
+                TopLevelGrammar::from_json_schema(bounded_whitespace(&json!({"type": "object"})))
             }
             ResponseFormat::Regex(pattern) => TopLevelGrammar::from_regex(pattern),
             ResponseFormat::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
@@ -94,6 +103,21 @@ impl ResponseFormat {
             ResponseFormat::Choice(c) => format!("choice:{}", Value::from(c.clone())),
         }
     }
+}
+
+/// `schema` with `JSON_WHITESPACE` as its whitespace, unless its root's `x-guidance` names
+/// `whitespace_flexible` or `whitespace_pattern` (its other options are kept either way).
+fn bounded_whitespace(schema: &Value) -> Value {
+    let mut schema = schema.clone();
+    if let Some(root) = schema.as_object_mut() {
+        let options = root.entry("x-guidance").or_insert_with(|| json!({}));
+        if let Some(o) = options.as_object_mut() {
+            if !o.contains_key("whitespace_flexible") && !o.contains_key("whitespace_pattern") {
+                o.insert("whitespace_pattern".into(), JSON_WHITESPACE.into());
+            }
+        }
+    }
+    schema
 }
 
 fn json_schema(obj: &Map<String, Value>) -> Result<ResponseFormat, String> {

@@ -196,3 +196,97 @@ fn a_sentencepiece_vocabulary_maps_spaces_and_byte_fallback() {
         b"<0xZZ>".to_vec()
     );
 }
+
+#[test]
+fn a_format_no_text_matches_is_refused_in_words() {
+    let s = setup();
+    let cases = [
+        r#"{"type": "grammar", "lark": "start: start"}"#,
+        r#"{"type": "grammar", "lark": "start: \"a\" start"}"#,
+        r#"{"type": "regex", "pattern": "[^\\s\\S]"}"#,
+        r##"{"type": "json_schema", "json_schema": {"schema": {"$ref": "#/$defs/a",
+            "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}}}"##,
+        r##"{"type": "json_schema", "json_schema": {"schema": {"anyOf": [{"$ref": "#"}]}}}"##,
+    ];
+    for text in cases {
+        let err = s.grammars.matcher(&format(text)).err().unwrap();
+        assert!(err.contains("matches no text"), "{text}: {err}");
+        assert!(err.len() < 300 && !err.contains('\n'), "{err}");
+    }
+}
+
+#[test]
+fn a_format_matching_only_the_empty_text_only_ends_until_it_consumes() {
+    let s = setup();
+    let mut m = s
+        .grammars
+        .matcher(&format(r#"{"type": "regex", "pattern": "a{0}"}"#))
+        .unwrap();
+    assert!(m.only_ends());
+    assert_eq!(allowed(&s, &mut m), vec![s.eot]);
+    let mut other = s
+        .grammars
+        .matcher(&format(r#"{"type": "regex", "pattern": "a?"}"#))
+        .unwrap();
+    assert!(!other.only_ends());
+    other.consume(&ids(&s, "a")).unwrap();
+    assert!(other.only_ends()); // completed
+}
+
+#[test]
+fn thousands_of_alternatives_compile_and_more_than_the_bound_are_refused() {
+    let s = setup();
+    let words: Vec<String> = (0..MOST_ALTERNATIVES).map(|i| format!("w{i}")).collect();
+    let choice = |w: &[String]| ResponseFormat::Choice(w.to_vec());
+    let mut m = s.grammars.matcher(&choice(&words)).unwrap();
+    m.consume(&ids(&s, "w9999")).unwrap();
+    assert!(m.is_accepting());
+    let mut more = words.clone();
+    more.push("x".into());
+    let err = s.grammars.matcher(&choice(&more)).err().unwrap();
+    assert!(err.contains("offers 10001 alternatives"), "{err}");
+    let lark = more.iter().map(|w| format!("{w:?}")).collect::<Vec<_>>();
+    let lark = ResponseFormat::Lark(format!("start: {}", lark.join(" | ")));
+    let err = s.grammars.matcher(&lark).err().unwrap();
+    assert!(
+        err.contains("alternatives at one point") && err.len() < 300,
+        "{err}"
+    );
+}
+
+#[test]
+fn json_whitespace_is_bounded_unless_the_schema_sets_its_own() {
+    let s = setup();
+    let nl = byte_id(&s, b'\n');
+    let schema = |x: &str| {
+        format!(
+            r#"{{"type": "json_schema", "json_schema": {{"schema": {{"type": "object"{x}}}}}}}"#
+        )
+    };
+    let after_two_newlines = |text: &str| {
+        let mut m = s.grammars.matcher(&format(text)).unwrap();
+        m.consume(&ids(&s, "{\n")).unwrap();
+        allowed(&s, &mut m).contains(&nl)
+    };
+    assert!(!after_two_newlines(&schema("")));
+    assert!(after_two_newlines(&schema(
+        r#", "x-guidance": {"whitespace_flexible": true}"#
+    )));
+    assert!(after_two_newlines(&schema(
+        r#", "x-guidance": {"whitespace_pattern": "\\n*"}"#
+    )));
+    let mut compact = s
+        .grammars
+        .matcher(&format(&schema(
+            r#", "x-guidance": {"whitespace_flexible": false}"#,
+        )))
+        .unwrap();
+    compact.consume(&ids(&s, "{")).unwrap();
+    assert!(!allowed(&s, &mut compact).contains(&nl));
+    let mut object = s
+        .grammars
+        .matcher(&format(r#"{"type": "json_object"}"#))
+        .unwrap();
+    object.consume(&ids(&s, "{\n")).unwrap();
+    assert!(!allowed(&s, &mut object).contains(&nl));
+}
