@@ -167,3 +167,62 @@ def test_dash_h_is_help():
     for args in (["-h"], ["run", "-h"], ["status", "-h"]):
         r = invoke(*args)
         assert r.exit_code == 0 and "Usage:" in r.output, (args, r.output)
+
+
+@pytest.mark.parametrize("target", ["-", "/dev/stdout"])
+def test_summary_json_on_stdout_is_a_pure_json_stream(tmp_path, tiny_model_dir, target):
+    """stdout a pipe (as `| jq`): one JSON object there and nothing else; the progress and the
+    summary table go to stderr."""
+    import json
+
+    from support.cli import cli
+
+    inp = write_prompts(tmp_path / "in.parquet", ["a", "b"])
+    proc = cli("run", str(job(tmp_path, tiny_model_dir, inp)), "--summary-json", target)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    s = json.loads(out)
+    assert s["exit_reason"] == "complete" and s["requests"] == 2
+    assert "output tok/s" in err
+    proc = cli("run", str(job(tmp_path, tiny_model_dir, inp)), "--set", "sampling.top_k=-5",
+               "--summary-json", target)  # fmt: skip
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and json.loads(out)["exit_reason"] == "refused", err
+
+
+def test_summary_json_naming_a_fifo_is_refused_unread(tmp_path, tiny_model_dir):
+    import os
+    import subprocess
+
+    from support.cli import cli
+
+    inp = write_prompts(tmp_path / "in.parquet", ["a"])
+    os.mkfifo(tmp_path / "fifo")
+    proc = cli("run", str(job(tmp_path, tiny_model_dir, inp)), "--summary-json",
+               str(tmp_path / "fifo"))  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=60)  # the old pre-check blocked reading the FIFO
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    assert proc.returncode == 2 and "not a regular file" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob("part-*"))
+
+
+def test_summary_json_is_written_when_a_run_dies_of_a_bug(tmp_path, tiny_model_dir, monkeypatch):
+    import json
+
+    import eaglebatch.engine
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(eaglebatch.engine, "run_prepared", broken)
+    inp = write_prompts(tmp_path / "in.parquet", ["a"])
+    r = invoke("run", str(job(tmp_path, tiny_model_dir, inp)), "--summary-json",
+               str(tmp_path / "s.json"))  # fmt: skip
+    assert r.exit_code == 1 and isinstance(r.exception, RuntimeError)
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert s["exit_reason"] == "failed" and s["exit_status"] == 1
+    assert s["error"] == "RuntimeError: boom"

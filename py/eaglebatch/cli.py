@@ -16,6 +16,7 @@ import click
 from eaglebatch import __version__
 from eaglebatch.commands.run_batch import write_job
 from eaglebatch.commands.status import job_status, status_lines
+from eaglebatch.commands.summary_report import SummaryReport
 from eaglebatch.errors import JobError, StorageFailed, native_error
 from eaglebatch.interrupt import Interrupted
 from eaglebatch.job import builtin
@@ -206,7 +207,7 @@ def run(
     generates one shard, with --ray it runs on a Ray cluster; with --restart it deletes the
     results of this run's scope first."""
 
-    report = _Report(summary_json)
+    report = SummaryReport(summary_json)
     try:
         report.job = job = load_job(job_file, overrides)
         report.check_apart(job)
@@ -218,9 +219,11 @@ def run(
             _run_on_ray(job, ray_address or job.ray.address, restart, report)
         else:
             _run_here(job, shard, restart, report)
-    except Exception as e:  # refused (before any work) or a user error while it ran
+    except Exception as e:  # refused (before any work), a user error while it ran, or a bug
         if isinstance(e, JobError) or native_error(e) == "user":
             report.write(None, None, "refused", USER_ERROR, str(e))
+        else:  # the traceback follows (exit status 1): the summary says so first
+            report.write(None, None, "failed", 1, f"{type(e).__name__}: {e}")
         raise
 
 
@@ -251,44 +254,7 @@ def run_batch(
                summary_json=summary_json)  # fmt: skip
 
 
-class _Report:
-    """Writes `run --summary-json` (summary_json.py) once, however the run ends."""
-
-    def __init__(self, path: str | None) -> None:
-        # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
-        from eaglebatch.output.summary_json import check_summary_path
-
-        self.path = None if path is None else check_summary_path(path)  # JobError: exit 2
-        self.job, self.written = None, False
-
-    def check_apart(self, job) -> None:
-        """The path against the job's output and input; a refused path is never written."""
-        # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
-        from eaglebatch.output.summary_json import check_summary_apart
-
-        if self.path is not None:
-            path, self.path = self.path, None
-            check_summary_apart(path, job)
-            self.path = path
-
-    def write(self, stats, wall_s, reason: str, status: int, error: str | None = None) -> None:
-        if self.path is None or self.written:
-            return
-        # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
-        from eaglebatch.output.summary_json import run_summary, write_json
-
-        self.written = True
-        try:
-            write_json(self.path, run_summary(self.job, stats, wall_s, reason, status, error))
-        except OSError as e:
-            raise JobError(f"--summary-json: cannot write {self.path}: {e}") from None
-
-    def exit(self, reason: str, status: int, error: str) -> None:
-        self.write(None, None, reason, status, error)
-        sys.exit(status)
-
-
-def _run_on_ray(job, address: str | None, restart: bool, report: _Report) -> None:
+def _run_on_ray(job, address: str | None, restart: bool, report: SummaryReport) -> None:
     from rich.console import Console
 
     # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
@@ -312,7 +278,7 @@ def _run_on_ray(job, address: str | None, restart: bool, report: _Report) -> Non
     report.write(stats, wall, "complete", 0)
 
 
-def _run_here(job, shard, restart: bool, report: _Report) -> None:
+def _run_here(job, shard, restart: bool, report: SummaryReport) -> None:
     from rich.console import Console
 
     # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
