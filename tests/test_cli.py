@@ -226,3 +226,34 @@ def test_summary_json_is_written_when_a_run_dies_of_a_bug(tmp_path, tiny_model_d
     s = json.loads((tmp_path / "s.json").read_text())
     assert s["exit_reason"] == "failed" and s["exit_status"] == 1
     assert s["error"] == "RuntimeError: boom"
+
+
+@pytest.mark.parametrize(("columns", "keys", "key"), [
+    (["prompt", "prompt"], "", "input.prompt_column"),
+    (["prompt", "cont", "cont"], "task: score\n", "input.continuation_column"),
+    (["prompt", "id", "id"], "", "input.id_column"),
+    (["prompt", "s", "s"], "", "input.sampling_columns.stop"),
+    (["prompt", "k", "k"], "", "output.keep_columns"),
+])  # fmt: skip
+def test_a_column_the_job_reads_twice_is_refused_by_name(tmp_path, tiny_model_dir, columns, keys,
+                                                          key):  # fmt: skip
+    """pyarrow writes a file with two columns of one name; which one the job means is
+    unknowable, so `validate` and `run` refuse it naming the column and the file."""
+    import pyarrow as pa
+
+    dup = columns[-1]
+    table = pa.Table.from_arrays([pa.array(["a b"]) for _ in columns], names=columns)
+    pq.write_table(table, tmp_path / "in.parquet")
+    extra = {"input.continuation_column": "  continuation_column: cont\n",
+             "input.id_column": "  id_column: id\n",
+             "input.sampling_columns.stop": "  sampling_columns: {stop: s}\n"}.get(key, "")
+    p = job(tmp_path, tiny_model_dir, tmp_path / "in.parquet")
+    text = keys + p.read_text().replace("output:\n", extra + "output:\n")
+    if key == "output.keep_columns":
+        text = text.replace("output:\n", "output:\n  keep_columns: [k]\n")
+    p.write_text(text)
+    for cmd in ("validate", "run"):
+        r = invoke(cmd, str(p))
+        assert r.exit_code == 2, (cmd, r.output)
+        assert f"{key}: column '{dup}' appears twice in {tmp_path / 'in.parquet'}" in r.output
+        assert "Traceback" not in r.output

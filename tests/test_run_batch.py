@@ -47,3 +47,21 @@ def test_run_batch_is_the_job_a_user_would_write(tmp_path, tiny_model_dir, monke
     assert r.exit_code == 2 and "run-batch did not write it" in r.output, r.output
     assert (tmp_path / "mine.job.yaml").read_text() == "model: x\n"
     assert invoke("run-batch", "-h").exit_code == 0
+
+
+def test_a_refused_run_batch_writes_no_job_file(tmp_path, tiny_model_dir):
+    """-o under a regular file, or onto a file eaglebatch did not write (a model's config.json):
+    exit 2 in words, before any file is written (no OUT.job.yaml beside the model's files)."""
+    (tmp_path / "batch.jsonl").write_text(request("c0", COMPLETIONS, {"prompt": "hi"}) + "\n")
+    (tmp_path / "somefile.txt").write_text("x")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    for out, why in ((tmp_path / "somefile.txt" / "out.jsonl", "is not a directory"),
+                     (model / "config.json", "eaglebatch did not write it")):  # fmt: skip
+        r = invoke("run-batch", "-i", tmp_path / "batch.jsonl", "-o", out, "--model",
+                   tiny_model_dir)  # fmt: skip
+        assert r.exit_code == 2 and why in r.output and "Traceback" not in r.output, r.output
+        assert r.exception is None or isinstance(r.exception, SystemExit)
+    assert sorted(p.name for p in model.iterdir()) == ["config.json"]
+    assert (model / "config.json").read_text() == "{}"

@@ -71,51 +71,53 @@ def main() -> None:
 @_user_errors
 def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     """Check a job (schema, input files and columns, model files) without generating."""
-    # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
-    from eaglebatch.job.inputs import check_input, kept_columns
-
     job = load_job(job_file, overrides)
-    files, total = check_input(job.input, job.storage)
-    kept_columns(job, files)
-    if builtin.is_builtin_model(job.model):
+    if builtin.is_builtin_model(job.model):  # not materialised: run's checks that need no copy
         builtin.require_builtin_model_package(job.model)
-        model = f"{job.model} (builtin)"
+        files, total = _check_builtin_job(job)
+        model, output = f"{job.model} (builtin)", ""
     else:
         model_dir = resolve_model_dir(job.model, job.storage)  # a GGUF: converted; a URL: copied
         model = str(check_model_dir(model_dir).dir)
+        files, total, output = _check_job(job)
     draft = f", draft {resolve_draft_dir(job.draft)}" if job.draft is not None else ""
-    output = ""
-    if builtin.is_builtin_model(job.model):  # its own template is known good; the job's file
-        _check_job_template(job)
-        _check_outputs(job, files)
-    else:  # a builtin would be materialised first
-        # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
-        from eaglebatch.engine import prepare
-        from eaglebatch.output.resume import scan_output
-
-        prep = prepare(job)  # the output directory must hold this job's results, if any
-        state = scan_output(location(job.output.path, job.storage), prep.identity)
-        if state.part_files:
-            output = f", output: {state.rows_done(total)} rows already done (run resumes)"
-        if prep.memory_plan is not None:
-            output += f"\nmemory: {prep.memory_plan.describe()}"
     click.echo(
         f"ok: {job_file}: {len(files)} input file(s), {total} rows, model {model}{draft}{output}"
     )
 
 
-def _check_outputs(job, files) -> None:
-    """`prepare`'s output checks that need no model identity (a builtin model is not converted
-    by validate): output.path apart from the input, and the results path's rules, a file there
-    counting as ours only when written for this output.path."""
+def _check_job(job) -> tuple[list, int, str]:
+    """`run`'s checks (engine.prepare), and whether the output holds this job's rows already:
+    (input files, rows, what the output holds)."""
     # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
-    from eaglebatch.job.inputs import check_output_apart
+    from eaglebatch.engine import prepare
+    from eaglebatch.output.resume import scan_output
+
+    prep = prepare(job)  # the output directory must hold this job's results, if any
+    state = scan_output(location(job.output.path, job.storage), prep.identity)
+    output = ""
+    if state.part_files:
+        output = f", output: {state.rows_done(prep.total_rows)} rows already done (run resumes)"
+    if prep.memory_plan is not None:
+        output += f"\nmemory: {prep.memory_plan.describe()}"
+    return prep.input_files, prep.total_rows, output
+
+
+def _check_builtin_job(job) -> tuple[list, int]:
+    """`prepare`'s checks that need no materialised model, for a builtin: the same functions
+    (input, kept columns, engine section, the job's chat template, the results path)."""
+    # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
+    from eaglebatch.engine import check_job_input
+    from eaglebatch.job.engine_settings import ModelWeights, check_engine
     from eaglebatch.output.results_file import check_results_path
 
-    check_output_apart(job.input.path, files, job.output.path)
-    if job.output.results_file is not None:
+    checked = check_job_input(job)
+    check_engine(job, ModelWeights.builtin(job.model))
+    _check_job_template(job)
+    if job.output.results_file is not None:  # a file there is ours only for this output.path
         check_results_path(job.output.results_file, Path(job.output.path), "",
-                           job.input.path, files)  # fmt: skip
+                           job.input.path, checked.files)  # fmt: skip
+    return checked.files, checked.total
 
 
 def _check_job_template(job) -> None:
