@@ -133,7 +133,8 @@ def test_a_column_clashes_only_with_what_this_job_writes(tmp_path, tiny_model_di
     names = ["n", "logprob", "endpoint", "logprobs", "is_greedy", "reasoning_text"]
     pq.write_table(pa.table({"prompt": ["a", "b"], "id": ["x", "y"],
                              **{c: [f"{c}0", f"{c}1"] for c in names}}), inp)  # fmt: skip
-    job = write_job(tmp_path, tiny_model_dir, inp, "free", f"  keep_columns: [{', '.join(names)}]\n")
+    keep = f"  keep_columns: [{', '.join(names)}]\n"
+    job = write_job(tmp_path, tiny_model_dir, inp, "free", keep)
     out = run(job)
     assert out.column_names[-len(names):] == names
     assert out.column("logprob").to_pylist() == ["logprob0", "logprob1"]

@@ -21,8 +21,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eaglebatch.api.inputs import write_inputs
-from eaglebatch.api.scoring import (EMPTY, PairResults, by_context, checked_pairs,
-                                    choices_table, text_list)  # fmt: skip
+from eaglebatch.api.scoring import (
+    EMPTY,
+    PairResults,
+    by_context,
+    checked_pairs,
+    choices_table,  # fmt: skip
+    text_list,
+)
 from eaglebatch.engine import PreparedJob, RunScope, RunSummary, build_worker, prepare
 from eaglebatch.engine import run_prepared as _run_prepared
 from eaglebatch.errors import JobError, echo, native_error

@@ -43,13 +43,14 @@ def _overrides(overrides: Sequence[str] | str) -> list[str]:
 
 
 def run(
-    job: str | Path | Mapping[str, Any], overrides: Sequence[str] | str = (), *, restart: bool = False,
-    shard: str | None = None, progress: bool = False,
+    job: str | Path | Mapping[str, Any], overrides: Sequence[str] | str = (), *,
+    restart: bool = False, shard: str | None = None, progress: bool = False,
 ) -> RunSummary:  # fmt: skip
     """Runs the job to completion; a rerun resumes after the rows already written (`restart`
-    deletes them first). `overrides`: as `load`'s. `shard`: "i/N" as the CLI's --shard. Raises JobError for a bad job
-    (the CLI's exit-2 message), RunFailed for a failure mid-run (finished rows kept) and
-    Interrupted on SIGINT / SIGTERM. `engine.executor: ray` runs on Ray as `--ray` does."""
+    deletes them first). `overrides`: as `load`'s. `shard`: "i/N" as the CLI's --shard.
+    Raises JobError for a bad job (the CLI's exit-2 message), RunFailed for a failure mid-run
+    (finished rows kept) and Interrupted on SIGINT / SIGTERM. `engine.executor: ray` runs on
+    Ray as `--ray` does."""
     try:
         cfg = load(job, overrides)
         if cfg.engine.executor == "ray":

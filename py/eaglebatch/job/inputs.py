@@ -298,7 +298,8 @@ def kept_columns(job: JobConfig, files: list[Path]) -> tuple[str, ...]:
     """`output.keep_columns` resolved against the input files: the names to copy into each
     output row ("*": every column of the first file but an id column named `id`), each in
     every file, of one type across them (`ColumnTypes`, by a dictionary's values), readable,
-    and named as no column this job's output has (scheduler_config.output_columns). The Rust reader makes the same checks."""
+    and named as no column this job's output has (scheduler_config.output_columns). The Rust
+    reader makes the same checks."""
     keep = job.output.keep_columns
     if not keep or not files:
         return ()
