@@ -170,6 +170,6 @@ def output_columns(job: JobConfig) -> list[str]:
         tokenizer_file="", chat_template=None, bos_token=None, eos_token=None, eos_token_ids=[],
         reasoning_ids=[0, 1] if job.output.reasoning is not None else [],
         output_dir=str(job.output.path), file_metadata={}, keep_columns=[], num_blocks=0,
-        max_model_len=0,
+        max_model_len=0, overlap=False,
     )  # fmt: skip
     return native_output_columns(cfg)
