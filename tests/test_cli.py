@@ -167,3 +167,93 @@ def test_dash_h_is_help():
     for args in (["-h"], ["run", "-h"], ["status", "-h"]):
         r = invoke(*args)
         assert r.exit_code == 0 and "Usage:" in r.output, (args, r.output)
+
+
+@pytest.mark.parametrize("target", ["-", "/dev/stdout"])
+def test_summary_json_on_stdout_is_a_pure_json_stream(tmp_path, tiny_model_dir, target):
+    """stdout a pipe (as `| jq`): one JSON object there and nothing else; the progress and the
+    summary table go to stderr."""
+    import json
+
+    from support.cli import cli
+
+    inp = write_prompts(tmp_path / "in.parquet", ["a", "b"])
+    proc = cli("run", str(job(tmp_path, tiny_model_dir, inp)), "--summary-json", target)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    s = json.loads(out)
+    assert s["exit_reason"] == "complete" and s["requests"] == 2
+    assert "output tok/s" in err
+    proc = cli("run", str(job(tmp_path, tiny_model_dir, inp)), "--set", "sampling.top_k=-5",
+               "--summary-json", target)  # fmt: skip
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and json.loads(out)["exit_reason"] == "refused", err
+
+
+def test_summary_json_naming_a_fifo_is_refused_unread(tmp_path, tiny_model_dir):
+    import os
+    import subprocess
+
+    from support.cli import cli
+
+    inp = write_prompts(tmp_path / "in.parquet", ["a"])
+    os.mkfifo(tmp_path / "fifo")
+    proc = cli("run", str(job(tmp_path, tiny_model_dir, inp)), "--summary-json",
+               str(tmp_path / "fifo"))  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=60)  # the old pre-check blocked reading the FIFO
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    assert proc.returncode == 2 and "not a regular file" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob("part-*"))
+
+
+def test_summary_json_is_written_when_a_run_dies_of_a_bug(tmp_path, tiny_model_dir, monkeypatch):
+    import json
+
+    import eaglebatch.engine
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(eaglebatch.engine, "run_prepared", broken)
+    inp = write_prompts(tmp_path / "in.parquet", ["a"])
+    r = invoke("run", str(job(tmp_path, tiny_model_dir, inp)), "--summary-json",
+               str(tmp_path / "s.json"))  # fmt: skip
+    assert r.exit_code == 1 and isinstance(r.exception, RuntimeError)
+    s = json.loads((tmp_path / "s.json").read_text())
+    assert s["exit_reason"] == "failed" and s["exit_status"] == 1
+    assert s["error"] == "RuntimeError: boom"
+
+
+@pytest.mark.parametrize(("columns", "keys", "key"), [
+    (["prompt", "prompt"], "", "input.prompt_column"),
+    (["prompt", "cont", "cont"], "task: score\n", "input.continuation_column"),
+    (["prompt", "id", "id"], "", "input.id_column"),
+    (["prompt", "s", "s"], "", "input.sampling_columns.stop"),
+    (["prompt", "k", "k"], "", "output.keep_columns"),
+])  # fmt: skip
+def test_a_column_the_job_reads_twice_is_refused_by_name(tmp_path, tiny_model_dir, columns, keys,
+                                                          key):  # fmt: skip
+    """pyarrow writes a file with two columns of one name; which one the job means is
+    unknowable, so `validate` and `run` refuse it naming the column and the file."""
+    import pyarrow as pa
+
+    dup = columns[-1]
+    table = pa.Table.from_arrays([pa.array(["a b"]) for _ in columns], names=columns)
+    pq.write_table(table, tmp_path / "in.parquet")
+    extra = {"input.continuation_column": "  continuation_column: cont\n",
+             "input.id_column": "  id_column: id\n",
+             "input.sampling_columns.stop": "  sampling_columns: {stop: s}\n"}.get(key, "")
+    p = job(tmp_path, tiny_model_dir, tmp_path / "in.parquet")
+    text = keys + p.read_text().replace("output:\n", extra + "output:\n")
+    if key == "output.keep_columns":
+        text = text.replace("output:\n", "output:\n  keep_columns: [k]\n")
+    p.write_text(text)
+    for cmd in ("validate", "run"):
+        r = invoke(cmd, str(p))
+        assert r.exit_code == 2, (cmd, r.output)
+        assert f"{key}: column '{dup}' appears twice in {tmp_path / 'in.parquet'}" in r.output
+        assert "Traceback" not in r.output

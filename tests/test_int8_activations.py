@@ -99,8 +99,31 @@ def test_int8_needs_a_gguf_model_read_as_blocks(tmp_path, tiny_model_dir):
     with pytest.raises(JobError, match="engine.activations: 'int8' needs a GGUF model .* holds "
                        "no GGUF file"):  # fmt: skip
         prepare(_job(tmp_path, str(tiny_model_dir), ["hi"], "auto", int8))
-    with pytest.raises(JobError, match="engine.activations: 'int8' .* is read as float32"):
+    with pytest.raises(JobError, match="engine.activations: 'int8' .* engine.weights is "
+                       "dequantized"):  # fmt: skip
         prepare(_job(tmp_path, builtin.BUILTIN_MODEL, ["hi"], "dequantized", int8))
+
+
+@pytest.mark.parametrize(("engine", "why"), [
+    ("  dtype: bfloat16\n", "engine.dtype is bfloat16"),
+    ("  cpu_gemm: torch\n", "engine.cpu_gemm is torch"),
+])  # fmt: skip
+def test_validate_refuses_the_int8_conflicts_run_refuses(tmp_path, engine, why):
+    """A builtin model is not converted by `validate`, which still runs the engine checks of
+    `run` (one function): the same exit 2, the message naming the setting in the way."""
+    from click.testing import CliRunner
+
+    from eaglebatch.cli import main
+
+    job = _job(tmp_path, builtin.BUILTIN_MODEL, ["hi"], "auto", "  activations: int8\n")
+    path = tmp_path / "auto" / "job.yaml"
+    path.write_text(path.read_text().replace("  dtype: float32\n", "") + engine)
+    for cmd in ("validate", "run"):
+        r = CliRunner().invoke(main, [cmd, str(path)])
+        assert r.exit_code == 2, r.output
+        assert "engine.activations: 'int8'" in r.output and why in r.output, r.output
+        assert "float32 here" not in r.output
+    assert job.model == builtin.BUILTIN_MODEL
 
 
 def test_int8_outputs_do_not_resume_float32_ones(tmp_path):

@@ -126,6 +126,31 @@ def test_bad_settings_exit_2_before_any_work(tmp_path, tiny_model_dir, keep, mes
     assert not (tmp_path / "bad").exists() or not any((tmp_path / "bad").glob("part-*"))
 
 
+def test_a_column_clashes_only_with_what_this_job_writes(tmp_path, tiny_model_dir):
+    """`n`, `logprob`, `endpoint`, `logprobs` are output columns of other jobs (OpenAI Batch
+    input, scoring, logprobs): a generation job without them keeps input columns so named."""
+    inp = tmp_path / "in.parquet"
+    names = ["n", "logprob", "endpoint", "logprobs", "is_greedy", "reasoning_text"]
+    pq.write_table(pa.table({"prompt": ["a", "b"], "id": ["x", "y"],
+                             **{c: [f"{c}0", f"{c}1"] for c in names}}), inp)  # fmt: skip
+    keep = f"  keep_columns: [{', '.join(names)}]\n"
+    job = write_job(tmp_path, tiny_model_dir, inp, "free", keep)
+    out = run(job)
+    assert out.column_names[-len(names):] == names
+    assert out.column("logprob").to_pylist() == ["logprob0", "logprob1"]
+    for extra, clash in (("  logprobs: 2\n", "logprobs"), ("", "logprob")):
+        text = job.read_text().replace("  part_rows: 3\n", "  part_rows: 3\n" + extra)
+        if clash == "logprob":  # a scoring job writes logprob
+            text = text.replace("input:\n", "task: perplexity\ninput:\n").replace(
+                "  include_token_ids: true\n", "").replace("  max_new_tokens: 5\n",
+                                                          "  max_new_tokens: 1\n")  # fmt: skip
+        job.write_text(text)
+        for cmd in ("validate", "run"):
+            res = CliRunner().invoke(main, [cmd, str(job)])
+            assert res.exit_code == 2, res.output
+            assert f"column '{clash}' clashes" in res.output and "Traceback" not in res.output
+
+
 def test_star_names_a_clash_and_a_batch_input_has_no_columns(tmp_path, tiny_model_dir):
     inp = tmp_path / "in.parquet"
     pq.write_table(pa.table({"prompt": ["a"], "error": ["mine"]}), inp)

@@ -192,6 +192,61 @@ def test_user_errors_are_job_errors(engine, call, message):
         call(engine)
 
 
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda e: e.score_rolling("abc"), "texts: expected a list of strings, not str"),
+    (lambda e: e.score("ab", ["c", "d"]), "contexts: expected a list of strings, not str"),
+    (lambda e: e.score(["a", "b"], "cd"), "continuations: expected a list of strings, not str"),
+    (lambda e: e.generate_stream(["a"], chunk_rows=1.5), r"chunk_rows: .* got 1\.5"),
+    (lambda e: e.generate_stream(["a"], chunk_rows=True), "chunk_rows"),
+])  # fmt: skip
+def test_bare_strings_and_odd_types_are_refused_by_name(engine, call, message):
+    with pytest.raises(eaglebatch.JobError, match=message):
+        call(engine)  # generate_stream too: refused when called, not at the first batch
+
+
+def test_each_scored_pair_gets_its_own_result(engine):
+    alone = engine.score(["ctx", "other"], [" good", " fine"]).to_pylist()
+    too_long = " x" * (engine.max_model_len + 8)
+    for bad in ("", too_long):
+        got = engine.score(["ctx", "ctx", "other"], [" good", bad, " fine"]).to_pylist()
+        assert [got[0], got[2]] == alone  # the siblings' scores, as if scored without `bad`
+        assert got[1]["logprob"] is None and got[1]["error"]
+        assert "column" not in got[1]["error"] and "choices" not in got[1]["error"]
+    assert engine.score(["c"], [""]).column("error").to_pylist() == ["the continuation is empty"]
+
+
+def test_empty_score_calls_return_no_rows(engine):
+    assert engine.score([], []).num_rows == 0 == engine.score_rolling([]).num_rows
+    assert engine.score([], []).column_names == ["logprob", "num_tokens", "is_greedy", "error"]
+
+
+def test_a_closed_engine_says_so(tiny_model_dir):
+    eng = eaglebatch.Engine(str(tiny_model_dir), engine=ENGINE)
+    eng.close()
+    for call in (lambda: eng.generate(["a"]), lambda: eng.score(["a"], ["b"]),
+                 lambda: eng.score_rolling(["a"]), lambda: eng.generate_stream(["a"]),
+                 lambda: eng.tokenizer):  # fmt: skip
+        with pytest.raises(eaglebatch.JobError, match="this Engine is closed"):
+            call()
+    eng.close()  # twice is fine
+
+
+def test_run_arguments_of_the_wrong_type_are_named(tmp_path, tiny_model_dir):
+    with pytest.raises(eaglebatch.JobError, match="job: expected a job file's path or a job"):
+        eaglebatch.run(None)
+    with pytest.raises(eaglebatch.JobError, match=r"overrides\[0\]: expected"):
+        eaglebatch.run({"model": "x"}, [3])
+    pq.write_table(pa.table({"prompt": ["a b c"]}), tmp_path / "in.parquet")
+    job = {"model": str(tiny_model_dir), "input": {"path": str(tmp_path / "in.parquet")},
+           "output": {"path": str(tmp_path / "out")}, "sampling": SAMPLING,
+           "engine": ENGINE}  # fmt: skip
+    with pytest.raises(eaglebatch.JobError, match="sampling.temprature"):
+        eaglebatch.run(job, "sampling.temprature=1")  # one string: one override, by its key
+    summary = eaglebatch.run(job, "output.include_token_ids=true")
+    assert summary.stats["requests"] == 1
+    assert "output_token_ids" in pq.read_table(tmp_path / "out").column_names
+
+
 def test_bad_engine_arguments_and_jobs_are_job_errors(tmp_path, tiny_model_dir):
     with pytest.raises(eaglebatch.JobError, match="model"):
         eaglebatch.Engine(str(tmp_path / "missing"))

@@ -146,3 +146,24 @@ def test_copies_in_hidden_directories_are_not_read(tmp_path, tiny_model_dir):
             shutil.copy(p, out / hidden / p.name)
     assert invoke("run", job).exit_code == 0  # every row done: only the results are rewritten
     assert custom_ids(out / "_results.jsonl") == ["c0", "c1", "c2"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_the_results_file_and_its_sidecar_get_the_parts_mode(tmp_path, tiny_model_dir, umask):
+    """Created as any new file of the process (0666 less the umask), as the Parquet parts are,
+    not mkstemp's owner-only 0600."""
+    import os
+    import stat
+
+    job = batch_dir_job(tmp_path, tiny_model_dir, "../data/a.jsonl", out="../out")
+    old = os.umask(umask)
+    try:
+        r = invoke("run", job)
+    finally:
+        os.umask(old)
+    assert r.exit_code == 0, r.output
+    results = tmp_path / "out" / "_results.jsonl"
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+    part = next((tmp_path / "out").glob("part-*.parquet"))
+    assert mode(part) == 0o666 & ~umask
+    assert mode(results) == mode(part) == mode(tmp_path / "out" / "._results.jsonl.eaglebatch.json")

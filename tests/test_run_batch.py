@@ -60,3 +60,32 @@ def test_run_batch_refuses_credentials_it_would_write_into_the_job_file(
         assert r.exit_code == 2 and f"--set {key}" in r.output, r.output
         assert "s3cretvalue" not in r.output
         assert not (tmp_path / "out.jsonl.job.yaml").exists()
+
+
+def test_a_refused_run_batch_writes_no_job_file(tmp_path, tiny_model_dir):
+    """-o under a regular file, or onto a file eaglebatch did not write (a model's config.json):
+    exit 2 in words, before any file is written (no OUT.job.yaml beside the model's files)."""
+    (tmp_path / "batch.jsonl").write_text(request("c0", COMPLETIONS, {"prompt": "hi"}) + "\n")
+    (tmp_path / "somefile.txt").write_text("x")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    for out, why in ((tmp_path / "somefile.txt" / "out.jsonl", "is not a directory"),
+                     (model / "config.json", "eaglebatch did not write it")):  # fmt: skip
+        r = invoke("run-batch", "-i", tmp_path / "batch.jsonl", "-o", out, "--model",
+                   tiny_model_dir)  # fmt: skip
+        assert r.exit_code == 2 and why in r.output and "Traceback" not in r.output, r.output
+        assert r.exception is None or isinstance(r.exception, SystemExit)
+    assert sorted(p.name for p in model.iterdir()) == ["config.json"]
+    assert (model / "config.json").read_text() == "{}"
+
+
+def test_run_batch_keeps_an_object_store_model_url(tmp_path):
+    """--model s3://... is written into the job file as the URL (a remote model is copied into
+    the cache by `run`), not resolved as a local path under the shell's directory."""
+    from eaglebatch.commands.run_batch import _model_ref
+
+    for url in ("s3://bucket/models/tiny/", "gs://b/m.gguf", "az://c/m"):
+        assert _model_ref(url) == url
+    assert _model_ref("builtin:smollm2-135m-instruct") == "builtin:smollm2-135m-instruct"
+    assert _model_ref(str(tmp_path / "m" / ".." / "m")) == str((tmp_path / "m").resolve())

@@ -193,7 +193,7 @@ def test_a_continuation_too_long_is_an_error_row(tmp_path, tiny_model_dir):
     ((), "exactly one of input.continuation_column and input.choices_column"),
     (("  continuation_column: cont", "  choices_column: cont"), "exactly one of"),
     (("  continuation_column: missing",), "missing"),
-    (("  choices_column: cont",), "choices column 'cont' has type"),
+    (("  choices_column: cont",), "input.choices_column: column 'cont' in .* has type"),
 ])  # fmt: skip
 def test_bad_scoring_jobs_are_refused_before_any_work(tmp_path, tiny_model_dir, extra, message):
     table = pa.table({"prompt": ["a"], "cont": ["b"]})
@@ -243,3 +243,23 @@ def test_a_scoring_job_on_ray_equals_one_process(tmp_path, tiny_model_dir):
     for r in rows:
         diffs = [abs(a - b) for a, b in zip(r["logprob"], whole[r["row_index"]], strict=True)]
         assert max(diffs) < 1e-4, diffs  # 1 thread there, 2 here: float sums differ
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ("  continuation_column: cont", "input.continuation_column: column 'cont'"),
+    ("  choices_column: cont", "input.choices_column: column 'cont'"),
+])  # fmt: skip
+def test_validate_refuses_a_scoring_column_of_the_wrong_type_as_run_does(
+    tmp_path, tiny_model_dir, extra, message
+):
+    from click.testing import CliRunner
+
+    from eaglebatch.cli import main
+
+    table = pa.table({"prompt": ["a"], "cont": pa.array([[1]] if "cont" in extra and
+                                                        "continuation" in extra else [3])})
+    job = write_job(tmp_path, tiny_model_dir, table, "score", extra)
+    for cmd in ("validate", "run"):
+        r = CliRunner().invoke(main, [cmd, str(job)])
+        assert r.exit_code == 2 and message in r.output and "has type" in r.output, r.output
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("part-*"))

@@ -16,6 +16,7 @@ import click
 from eaglebatch import __version__
 from eaglebatch.commands.run_batch import write_job
 from eaglebatch.commands.status import job_status, status_lines
+from eaglebatch.commands.summary_report import SummaryReport
 from eaglebatch.errors import JobError, StorageFailed, native_error
 from eaglebatch.interrupt import Interrupted
 from eaglebatch.job import builtin
@@ -71,52 +72,56 @@ def main() -> None:
 def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     """Check a job (schema, input files and columns, model files) without generating."""
     # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
-    from eaglebatch.job.inputs import check_input, kept_columns
     from eaglebatch.output.directory import check_output_kind
 
     job = load_job(job_file, overrides)
-    files, total = check_input(job.input, job.storage)
-    kept_columns(job, files)
     check_output_kind(location(job.output.path, job.storage))  # before a model is copied
-    if builtin.is_builtin_model(job.model):
+    if builtin.is_builtin_model(job.model):  # not materialised: run's checks that need no copy
         builtin.require_builtin_model_package(job.model)
-        model = f"{job.model} (builtin)"
+        files, total = _check_builtin_job(job)
+        model, output = f"{job.model} (builtin)", ""
     else:
         model_dir = resolve_model_dir(job.model, job.storage)  # a GGUF: converted; a URL: copied
         model = str(check_model_dir(model_dir).dir)
+        files, total, output = _check_job(job)
     draft = f", draft {resolve_draft_dir(job.draft)}" if job.draft is not None else ""
-    output = ""
-    if builtin.is_builtin_model(job.model):  # its own template is known good; the job's file
-        _check_job_template(job)
-        _check_outputs(job, files)
-    else:  # a builtin would be materialised first
-        # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
-        from eaglebatch.engine import prepare
-        from eaglebatch.output.resume import scan_output
-
-        prep = prepare(job)  # the output directory must hold this job's results, if any
-        state = scan_output(location(job.output.path, job.storage), prep.identity)
-        if state.part_files:
-            output = f", output: {state.rows_done(total)} rows already done (run resumes)"
-        if prep.memory_plan is not None:
-            output += f"\nmemory: {prep.memory_plan.describe()}"
     click.echo(
         f"ok: {job_file}: {len(files)} input file(s), {total} rows, model {model}{draft}{output}"
     )
 
 
-def _check_outputs(job, files) -> None:
-    """`prepare`'s output checks that need no model identity (a builtin model is not converted
-    by validate): output.path apart from the input, and the results path's rules, a file there
-    counting as ours only when written for this output.path."""
+def _check_job(job) -> tuple[list, int, str]:
+    """`run`'s checks (engine.prepare), and whether the output holds this job's rows already:
+    (input files, rows, what the output holds)."""
     # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
-    from eaglebatch.job.inputs import check_output_apart
+    from eaglebatch.engine import prepare
+    from eaglebatch.output.resume import scan_output
+
+    prep = prepare(job)  # the output directory must hold this job's results, if any
+    state = scan_output(location(job.output.path, job.storage), prep.identity)
+    output = ""
+    if state.part_files:
+        output = f", output: {state.rows_done(prep.total_rows)} rows already done (run resumes)"
+    if prep.memory_plan is not None:
+        output += f"\nmemory: {prep.memory_plan.describe()}"
+    return prep.input_files, prep.total_rows, output
+
+
+def _check_builtin_job(job) -> tuple[list, int]:
+    """`prepare`'s checks that need no materialised model, for a builtin: the same functions
+    (input, kept columns, engine section, the job's chat template, the results path)."""
+    # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
+    from eaglebatch.engine import check_job_input
+    from eaglebatch.job.engine_settings import ModelWeights, check_engine
     from eaglebatch.output.results_file import check_results_path
 
-    check_output_apart(job.input.path, files, job.output.path)
-    if job.output.results_file is not None:
+    checked = check_job_input(job)
+    check_engine(job, ModelWeights.builtin(job.model))
+    _check_job_template(job)
+    if job.output.results_file is not None:  # a file there is ours only for this output.path
         check_results_path(job.output.results_file, Path(job.output.path), "",
-                           job.input.path, files)  # fmt: skip
+                           job.input.path, checked.files)  # fmt: skip
+    return checked.files, checked.total
 
 
 def _check_job_template(job) -> None:
@@ -208,7 +213,7 @@ def run(
     generates one shard, with --ray it runs on a Ray cluster; with --restart it deletes the
     results of this run's scope first."""
 
-    report = _Report(summary_json)
+    report = SummaryReport(summary_json)
     try:
         report.job = job = load_job(job_file, overrides)
         report.check_apart(job)
@@ -220,9 +225,11 @@ def run(
             _run_on_ray(job, ray_address or job.ray.address, restart, report)
         else:
             _run_here(job, shard, restart, report)
-    except Exception as e:  # refused (before any work) or a user error while it ran
+    except Exception as e:  # refused (before any work), a user error while it ran, or a bug
         if isinstance(e, JobError) or native_error(e) == "user":
             report.write(None, None, "refused", USER_ERROR, str(e))
+        else:  # the traceback follows (exit status 1): the summary says so first
+            report.write(None, None, "failed", 1, f"{type(e).__name__}: {e}")
         raise
 
 
@@ -253,44 +260,7 @@ def run_batch(
                summary_json=summary_json)  # fmt: skip
 
 
-class _Report:
-    """Writes `run --summary-json` (summary_json.py) once, however the run ends."""
-
-    def __init__(self, path: str | None) -> None:
-        # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
-        from eaglebatch.output.summary_json import check_summary_path
-
-        self.path = None if path is None else check_summary_path(path)  # JobError: exit 2
-        self.job, self.written = None, False
-
-    def check_apart(self, job) -> None:
-        """The path against the job's output and input; a refused path is never written."""
-        # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
-        from eaglebatch.output.summary_json import check_summary_apart
-
-        if self.path is not None:
-            path, self.path = self.path, None
-            check_summary_apart(path, job)
-            self.path = path
-
-    def write(self, stats, wall_s, reason: str, status: int, error: str | None = None) -> None:
-        if self.path is None or self.written:
-            return
-        # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
-        from eaglebatch.output.summary_json import run_summary, write_json
-
-        self.written = True
-        try:
-            write_json(self.path, run_summary(self.job, stats, wall_s, reason, status, error))
-        except OSError as e:
-            raise JobError(f"--summary-json: cannot write {self.path}: {e}") from None
-
-    def exit(self, reason: str, status: int, error: str) -> None:
-        self.write(None, None, reason, status, error)
-        sys.exit(status)
-
-
-def _run_on_ray(job, address: str | None, restart: bool, report: _Report) -> None:
+def _run_on_ray(job, address: str | None, restart: bool, report: SummaryReport) -> None:
     from rich.console import Console
 
     # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
@@ -314,7 +284,7 @@ def _run_on_ray(job, address: str | None, restart: bool, report: _Report) -> Non
     report.write(stats, wall, "complete", 0)
 
 
-def _run_here(job, shard, restart: bool, report: _Report) -> None:
+def _run_here(job, shard, restart: bool, report: SummaryReport) -> None:
     from rich.console import Console
 
     # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)

@@ -218,10 +218,22 @@ def template_origin(job: JobConfig, mf: ModelFiles) -> str:
     return f"model: {mf.dir}'s chat template"
 
 
-def prepare(job: JobConfig, check_memory: bool = True) -> PreparedJob:
-    """Checks the job and everything it names before any work (a bad job is a JobError);
-    `check_memory`: also refuse a run this machine's memory cannot hold (`status` reports
-    on a job that may run elsewhere)."""
+@dataclass(frozen=True)
+class CheckedInput:
+    """What `check_job_input` found: the input files, their rows, the OpenAI Batch input's
+    first url and whether it has chat lines, the kept columns resolved."""
+
+    files: list[Path]
+    total: int
+    endpoint: str | None
+    batch_chat: bool
+    kept: tuple[str, ...]
+
+
+def check_job_input(job: JobConfig) -> CheckedInput:
+    """`prepare`'s checks that need no model (the one copy: `validate` of a model it does not
+    materialise runs these): the input files and the columns the job reads, the kept columns
+    against the columns this job writes, output.path apart from the input."""
     endpoint, batch_chat = None, False
     if job.input.openai_batch:
         batch = check_batch_input(job.input, job.storage)
@@ -231,6 +243,17 @@ def prepare(job: JobConfig, check_memory: bool = True) -> PreparedJob:
     kept = kept_columns(job, files)
     check_output_apart(job.input.path, files, job.output.path)
     check_output_kind(location(job.output.path, job.storage))
+    return CheckedInput(files, total, endpoint, batch_chat, kept)
+
+
+def prepare(job: JobConfig, check_memory: bool = True) -> PreparedJob:
+    """Checks the job and everything it names before any work (a bad job is a JobError);
+    `check_memory`: also refuse a run this machine's memory cannot hold (`status` reports
+    on a job that may run elsewhere)."""
+    checked = check_job_input(job)
+    files, total, endpoint, batch_chat = checked.files, checked.total, checked.endpoint, (
+        checked.batch_chat)  # fmt: skip
+    kept = checked.kept
     mf = _with_chat_template(model_files(job.model, job.storage), job.model_chat_template)
     if renders_chat(job, batch_chat):
         if mf.chat_template is None:

@@ -16,6 +16,9 @@ use crate::error::{Error, Result};
 use crate::sampling_params::{SamplingParams, COLUMN_KEYS};
 use crate::score::{ScoreShape, Task};
 use crate::structured::ResponseFormat;
+use crate::writer::WriterConfig;
+use arrow_schema::DataType;
+use tokenizers::Tokenizer;
 
 #[derive(Debug, Clone, Default)]
 pub struct SchedulerConfig {
@@ -207,6 +210,43 @@ impl SchedulerConfig {
         Task::parse(&self.task)
     }
 
+    /// The writer's settings for this job: which optional columns its output has is decided
+    /// here only (`own_output_columns` and the writer read the same switches); `id_type`, the
+    /// kept columns' types and the decoder come from the opened input and the tokenizer.
+    pub fn writer_config(
+        &self,
+        id_type: DataType,
+        kept: Vec<(String, DataType)>,
+        decoder: Option<Arc<Tokenizer>>,
+    ) -> WriterConfig {
+        WriterConfig {
+            output_dir: self.output_dir.clone(),
+            storage: self.storage(),
+            part_rows: self.part_rows,
+            file_metadata: self.file_metadata.clone(),
+            include_token_ids: self.include_token_ids,
+            logprobs: self.writes_logprobs(),
+            prompt_logprobs: self.prompt_logprobs > 0,
+            structured: self.may_be_structured(),
+            reasoning: self.reasoning_ids.len() == 2,
+            endpoint: self.openai_batch(),
+            score: self.score_shape(),
+            id_type,
+            kept,
+            flush_interval: self
+                .flush_interval_s
+                .map(std::time::Duration::from_secs_f64),
+            decoder,
+        }
+    }
+
+    /// The names of the columns this job's output has before any kept input column, in order.
+    pub fn own_output_columns(&self) -> Vec<String> {
+        let schema =
+            crate::writer::output_schema(&self.writer_config(DataType::Int64, vec![], None));
+        schema.fields().iter().map(|f| f.name().clone()).collect()
+    }
+
     /// A scoring job's output shape (None: generation).
     pub fn score_shape(&self) -> Option<ScoreShape> {
         match self.task().ok()? {
@@ -346,7 +386,8 @@ impl SchedulerConfig {
         Ok(())
     }
 
-    /// Kept input columns: distinct, none named as an output column, Parquet input only.
+    /// Kept input columns: distinct, none named as a column this job's output has (an optional
+    /// column it does not write, `logprob` in a generation job, is free), Parquet input only.
     fn validate_keep_columns(&self) -> Result<()> {
         let key = "output.keep_columns";
         if self.openai_batch() && !self.keep_columns.is_empty() {
@@ -355,17 +396,18 @@ impl SchedulerConfig {
                  the id column)"
             )));
         }
+        let own = self.own_output_columns();
         for (i, name) in self.keep_columns.iter().enumerate() {
             if self.keep_columns[..i].contains(name) {
                 return Err(Error::user(format!(
                     "{key}: column '{name}' is named twice"
                 )));
             }
-            if crate::writer::OUTPUT_COLUMNS.contains(&name.as_str()) {
+            if own.contains(name) {
                 return Err(Error::user(format!(
-                    "{key}: column '{name}' clashes with the output column of that name; the \
-                     output's own columns are {}",
-                    crate::writer::OUTPUT_COLUMNS.join(", ")
+                    "{key}: column '{name}' clashes with the output column of that name; this \
+                     job's output columns are {}",
+                    own.join(", ")
                 )));
             }
         }

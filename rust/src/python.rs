@@ -413,6 +413,14 @@ fn check_response_format(
     .map_err(to_py)
 }
 
+/// The names of the columns a job's output has before its kept input columns (`config`: a
+/// `SchedulerConfig` or any object with its attributes), as the writer will write them:
+/// `output.keep_columns` may take any other name.
+#[pyfunction]
+fn output_columns(config: scheduler_config::PyConfig) -> Vec<String> {
+    config.0.own_output_columns()
+}
+
 /// Renders a Hugging Face chat template (minijinja); exposed for parity tests.
 #[pyfunction]
 #[pyo3(signature = (template, messages, add_generation_prompt, bos_token, eos_token))]
@@ -484,6 +492,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(check_response_format, m)?)?;
     m.add("JSON_WHITESPACE", crate::structured::JSON_WHITESPACE)?;
     m.add("MOST_ALTERNATIVES", crate::structured::MOST_ALTERNATIVES)?;
+    m.add_function(wrap_pyfunction!(output_columns, m)?)?;
     m.add("OUTPUT_COLUMNS", crate::writer::OUTPUT_COLUMNS.to_vec())?;
     m.add("SCHEDULER_CONFIG_FIELDS", scheduler_config::FIELDS.to_vec())?;
     crate::cpu::bindings::register(m)

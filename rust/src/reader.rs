@@ -920,6 +920,38 @@ mod tests {
     }
 
     #[test]
+    fn a_column_read_twice_is_refused_not_picked() {
+        let dir = TempDir::new("reader-dup");
+        let s = |v: &str| Arc::new(StringArray::from(vec![v])) as ArrayRef;
+        let f = dir.path().join("dup.parquet");
+        write_parquet(
+            &f,
+            vec![("prompt", s("w4")), ("cont", s("w5")), ("cont", s("w6"))],
+            10,
+        );
+        let g = dir.path().join("dup-prompt.parquet");
+        write_parquet(&g, vec![("prompt", s("w4")), ("prompt", s("w5"))], 10);
+        let twice = |c: &SchedulerConfig, col: &str| {
+            let err = validate_inputs(c).unwrap_err();
+            assert!(
+                matches!(&err, Error::UserInput(m) if m.contains(&format!("column '{col}' \
+                    appears twice in")) && m.contains("dup")),
+                "{err}"
+            );
+        };
+        twice(&cfg(vec![g]), "prompt");
+        let mut c = cfg(vec![f.clone()]);
+        c.continuation_column = Some("cont".into());
+        twice(&c, "cont");
+        let mut c = cfg(vec![f.clone()]);
+        c.keep_columns = vec!["cont".into()];
+        twice(&c, "cont");
+        let mut c = cfg(vec![f]);
+        c.sampling_columns.insert("stop".into(), "cont".into());
+        twice(&c, "cont");
+    }
+
+    #[test]
     fn id_type_must_match_across_files() {
         let dir = TempDir::new("reader-idtype");
         let a = dir.path().join("a.parquet");

@@ -544,23 +544,7 @@ fn writer_config(
     spec: &InputSpec,
     tokenizer: Arc<Tokenizer>,
 ) -> WriterConfig {
-    WriterConfig {
-        output_dir: cfg.output_dir.clone(),
-        storage: cfg.storage(),
-        part_rows: cfg.part_rows,
-        file_metadata: cfg.file_metadata.clone(),
-        include_token_ids: cfg.include_token_ids,
-        logprobs: cfg.writes_logprobs(),
-        prompt_logprobs: cfg.prompt_logprobs > 0,
-        structured: cfg.may_be_structured(),
-        reasoning: cfg.reasoning_ids.len() == 2,
-        endpoint: cfg.openai_batch(),
-        score: cfg.score_shape(),
-        id_type: spec.id_type.clone(),
-        kept: spec.kept.clone(),
-        flush_interval: cfg.flush_interval_s.map(std::time::Duration::from_secs_f64),
-        decoder: Some(tokenizer),
-    }
+    cfg.writer_config(spec.id_type.clone(), spec.kept.clone(), Some(tokenizer))
 }
 
 /// The reader thread's settings for this job.

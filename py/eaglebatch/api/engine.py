@@ -21,6 +21,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eaglebatch.api.inputs import write_inputs
+from eaglebatch.api.scoring import (
+    EMPTY,
+    PairResults,
+    by_context,
+    checked_pairs,
+    choices_table,  # fmt: skip
+    text_list,
+)
 from eaglebatch.engine import PreparedJob, RunScope, RunSummary, build_worker, prepare
 from eaglebatch.engine import run_prepared as _run_prepared
 from eaglebatch.errors import JobError, echo, native_error
@@ -44,7 +52,7 @@ class Engine:
             self._base["draft"] = str(draft)
         if model_chat_template is not None:
             self._base["model_chat_template"] = str(model_chat_template)
-        self._progress = progress
+        self._progress, self._closed = progress, False
         self._dir = Path(tempfile.mkdtemp(prefix="eaglebatch-engine-"))
         self._worker, self._worker_key = None, None
         try:
@@ -73,12 +81,18 @@ class Engine:
                         chunk_rows: int = 4096) -> Iterator[pa.RecordBatch]:  # fmt: skip
         """As `generate`, yielding the rows in input order as record batches of `chunk_rows`
         input rows at most: the inputs go to disk first (a RecordBatchReader batch by batch),
-        then each chunk of rows is generated and yielded, so memory holds one chunk."""
-        if chunk_rows < 1:
-            raise JobError(f"chunk_rows must be >= 1, got {chunk_rows}")
+        then each chunk of rows is generated and yielded, so memory holds one chunk. The
+        arguments are checked when called, before the first batch is asked for."""
+        self._check_open()
+        if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+            raise JobError(f"chunk_rows: expected an integer >= 1, got {echo(chunk_rows)}")
+        return self._stream(inputs, input, sampling, output, chunk_rows)
+
+    def _stream(self, inputs, keys: Section, sampling: Section, output: Section,
+                chunk_rows: int) -> Iterator[pa.RecordBatch]:  # fmt: skip
         call = Path(tempfile.mkdtemp(dir=self._dir))
         try:
-            prep, _ = self._prepare(inputs, "generate", input, sampling, output, call)
+            prep, _ = self._prepare(inputs, "generate", keys, sampling, output, call)
             for start in range(0, prep.total_rows, chunk_rows):
                 scope = RunScope(row_range=(start, min(start + chunk_rows, prep.total_rows)))
                 chunk = _with_output(prep, call / f"out-{start}")
@@ -92,33 +106,30 @@ class Engine:
     def score(self, contexts: Sequence[str], continuations: Sequence[str], *,
               add_special_tokens: bool = True) -> pa.Table:  # fmt: skip
         """One row per (context, continuation) pair: `logprob` (the continuation tokens' summed
-        log-probability), `num_tokens`, `is_greedy` (each is the argmax) and `error`. The split
-        is lm-evaluation-harness's; a context shared by several pairs is computed once."""
-        if len(contexts) != len(continuations):
-            raise JobError(f"score: {len(contexts)} contexts but {len(continuations)} "
-                           "continuations")  # fmt: skip
-        for i, pair in enumerate(zip(contexts, continuations, strict=True)):
-            if not all(isinstance(x, str) for x in pair):
-                raise JobError(f"score: pair {i} is not two strings: {echo(pair)}")
-        groups: dict[str, list[int]] = {}
-        for i, c in enumerate(contexts):
-            groups.setdefault(c, []).append(i)
-        choices = [[continuations[i] for i in g] for g in groups.values()]
-        table = pa.table({"prompt": pa.array(list(groups), pa.string()), "choices": choices})
-        keys = {"prompt_column": "prompt", "choices_column": "choices",
-                "add_special_tokens": add_special_tokens}  # fmt: skip
-        out = self._call(table, "score", keys, None, None)
-        return _pairs(out, list(groups.values()), len(contexts))
+        log-probability), `num_tokens`, `is_greedy` (each is the argmax) and `error`, each pair
+        its own (scoring.py). The split is lm-evaluation-harness's; a context shared by several
+        pairs is computed once."""
+        self._check_open()
+        pairs = checked_pairs(contexts, continuations)
+        results = PairResults(len(pairs))
+        todo = [i for i, (_, cont) in enumerate(pairs) if cont]
+        for i in sorted(set(range(len(pairs))) - set(todo)):
+            results.fail(i, EMPTY)
+        again = self._score_groups(pairs, by_context(pairs, todo), add_special_tokens, results)
+        self._score_groups(pairs, [[i] for i in again], add_special_tokens, results)
+        return results.table()
 
     def score_rolling(self, texts: Sequence[str], *, add_special_tokens: bool = True) -> pa.Table:
         """Per text: `logprob` (the whole text's log-probability, lm-eval's rolling windows of
         `max_model_len` tokens when longer), `num_tokens` and `error`."""
         keys = {"prompt_column": "prompt", "add_special_tokens": add_special_tokens}
-        out = self._call(list(texts), "perplexity", keys, None, None)
+        table = pa.table({"prompt": pa.array(text_list("texts", texts), pa.string())})
+        out = self._call(table, "perplexity", keys, None, None)
         return out.select(["logprob", "num_tokens", "error"])
 
     def close(self) -> None:
         """Frees the worker (weights, KV cache, threads' buffers) and the work directory."""
+        self._closed = True
         self._worker = self._worker_key = None
         gc.collect()
         try:
@@ -139,6 +150,7 @@ class Engine:
     @property
     def tokenizer(self):
         """The model's tokenizer (a `tokenizers.Tokenizer`), loaded when first asked for."""
+        self._check_open()
         if getattr(self, "_tokenizer", None) is None:
             # lazy: the tokenizers library, only when a caller wants the tokenizer
             from tokenizers import Tokenizer
@@ -148,8 +160,25 @@ class Engine:
 
     # -- how a call runs ---------------------------------------------------------------------
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise JobError("this Engine is closed (close() or the end of its `with` block "
+                           "freed the model); create a new Engine")  # fmt: skip
+
+    def _score_groups(self, pairs: list[tuple[str, str]], groups: list[list[int]],
+                      add_special: bool, results: PairResults) -> list[int]:  # fmt: skip
+        """Scores `groups` of pairs as choices rows into `results`; returns the pairs whose
+        row failed with several choices (to score again alone)."""
+        if not groups:
+            return []
+        keys = {"prompt_column": "prompt", "choices_column": "choices",
+                "add_special_tokens": add_special}  # fmt: skip
+        out = self._call(choices_table(pairs, groups), "score", keys, None, None)
+        return results.take(groups, out)
+
     def _call(self, inputs, task: str, keys: Section, sampling: Section,
               output: Section) -> pa.Table:  # fmt: skip
+        self._check_open()
         call = Path(tempfile.mkdtemp(dir=self._dir))
         try:
             prep, _ = self._prepare(inputs, task, keys, sampling, output, call)
@@ -214,20 +243,4 @@ def _user_errors(fn):
             raise
 
     return call
-
-
-def _pairs(out: pa.Table, groups: list[list[int]], n: int) -> pa.Table:
-    """The choices rows of `score` back into one row per pair, in the pairs' order."""
-    logprob, num, greedy, error = [None] * n, [None] * n, [None] * n, [None] * n
-    rows = out.select(["logprob", "num_tokens", "is_greedy", "error"]).to_pylist()
-    for group, row in zip(groups, rows, strict=True):
-        for j, i in enumerate(group):
-            error[i] = row["error"]
-            if row["logprob"] is not None:
-                logprob[i], num[i] = row["logprob"][j], row["num_tokens"][j]
-                greedy[i] = row["is_greedy"][j]
-    return pa.table({"logprob": pa.array(logprob, pa.float64()),
-                     "num_tokens": pa.array(num, pa.int32()),
-                     "is_greedy": pa.array(greedy, pa.bool_()),
-                     "error": pa.array(error, pa.string())})  # fmt: skip
 

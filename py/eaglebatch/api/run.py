@@ -14,22 +14,43 @@ from eaglebatch.output.shards import parse_shard, written_counts
 from eaglebatch.storage import location
 
 
-def load(job: str | Path | Mapping[str, Any], overrides: Sequence[str] = ()) -> JobConfig:
+def load(job: str | Path | Mapping[str, Any], overrides: Sequence[str] | str = ()) -> JobConfig:
     """A job file's path, or a job as a mapping (relative paths against the working
-    directory), with `--set`-style overrides ("key.path=value"), validated."""
+    directory), with `--set`-style overrides ("key.path=value"; one such string alone is one
+    override), validated. JobError naming the argument when either is of another type."""
+    sets = _overrides(overrides)
     if isinstance(job, str | Path):
-        return load_job(job, list(overrides))
-    return job_from_dict(dict(job), list(overrides))
+        return load_job(job, sets)
+    if isinstance(job, Mapping):
+        return job_from_dict(dict(job), sets)
+    raise JobError(f"job: expected a job file's path or a job as a mapping, not "
+                   f"{type(job).__name__}")  # fmt: skip
+
+
+def _overrides(overrides: Sequence[str] | str) -> list[str]:
+    """The overrides as a list: a bare string is one "key.path=value" override (not a sequence
+    of one-character overrides); anything else must be a sequence of such strings."""
+    if isinstance(overrides, str):
+        return [overrides]
+    if not isinstance(overrides, Sequence):
+        raise JobError(f"overrides: expected a list of \"key.path=value\" strings, not "
+                       f"{type(overrides).__name__}")  # fmt: skip
+    for i, o in enumerate(overrides):
+        if not isinstance(o, str):
+            raise JobError(f"overrides[{i}]: expected a \"key.path=value\" string, not "
+                           f"{type(o).__name__}")  # fmt: skip
+    return list(overrides)
 
 
 def run(
-    job: str | Path | Mapping[str, Any], overrides: Sequence[str] = (), *, restart: bool = False,
-    shard: str | None = None, progress: bool = False,
+    job: str | Path | Mapping[str, Any], overrides: Sequence[str] | str = (), *,
+    restart: bool = False, shard: str | None = None, progress: bool = False,
 ) -> RunSummary:  # fmt: skip
     """Runs the job to completion; a rerun resumes after the rows already written (`restart`
-    deletes them first). `shard`: "i/N" as the CLI's --shard. Raises JobError for a bad job
-    (the CLI's exit-2 message), RunFailed for a failure mid-run (finished rows kept) and
-    Interrupted on SIGINT / SIGTERM. `engine.executor: ray` runs on Ray as `--ray` does."""
+    deletes them first). `overrides`: as `load`'s. `shard`: "i/N" as the CLI's --shard.
+    Raises JobError for a bad job (the CLI's exit-2 message), RunFailed for a failure mid-run
+    (finished rows kept) and Interrupted on SIGINT / SIGTERM. `engine.executor: ray` runs on
+    Ray as `--ray` does."""
     try:
         cfg = load(job, overrides)
         if cfg.engine.executor == "ray":

@@ -19,7 +19,7 @@ import yaml
 
 from eaglebatch.errors import JobError
 from eaglebatch.job import builtin
-from eaglebatch.job.config import apply_overrides
+from eaglebatch.job.config import apply_overrides, job_from_dict
 from eaglebatch.job.secrets import endpoint_has_credentials, is_secret_option
 
 MARKER = "# written by `eaglebatch run-batch`; rerun the same command (or `eaglebatch run` on"
@@ -64,18 +64,25 @@ def _refuse_credentials(storage, path: Path) -> None:
 
 def _model_ref(model: str) -> str:
     """A model path as an absolute path (the job file's directory is not the shell's), a
-    builtin name as it is."""
+    builtin name or an object-store URL as it is."""
+    from eaglebatch.storage.paths import is_remote  # lazy: object_store through the extension
 
-    if model.startswith("builtin:") or builtin.is_builtin_model(model):
+    if model.startswith("builtin:") or builtin.is_builtin_model(model) or is_remote(model):
         return model
     return str(Path(model).expanduser().resolve())
 
 
 def write_job(inp: str, out: str, model: str, draft: str | None, overrides: list[str]) -> Path:
-    """Writes (or rewrites, when run-batch wrote it) OUT.job.yaml; returns its path."""
+    """Writes (or rewrites, when run-batch wrote it) OUT.job.yaml once the job passes the
+    checks that need no model (`check_batch_job`); returns its path. Nothing is written for a
+    refused job (JobError)."""
+    # lazy: pyarrow (through the input checks), only once the command runs (fast --help)
+    from eaglebatch.output.results_file import check_writable
+
     inp_p, out_p = Path(inp).expanduser().resolve(), Path(out).expanduser().resolve()
     if not inp_p.is_file():
         raise JobError(f"-i: {inp} is not a file")
+    check_writable(out_p.parent, f"-o: {out}")  # under a regular file: refused in words
     path = job_path(out_p)
     text = job_text(inp_p, out_p, _model_ref(model), draft and _model_ref(draft), overrides)
     if path.exists():
@@ -86,8 +93,24 @@ def write_job(inp: str, out: str, model: str, draft: str | None, overrides: list
         if not ours:
             raise JobError(f"-o: {path} exists and run-batch did not write it; eaglebatch never "
                            f"replaces another file: move it away or choose another -o")  # fmt: skip
+    check_batch_job(yaml.safe_load(text), path.parent)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
     return path
+
+
+def check_batch_job(data: dict, base_dir: Path) -> None:
+    """The job's checks that need no model, as `run` makes them (engine.check_job_input, the
+    results path's rules), before its job file is written: a job `run` would refuse for its
+    input, its output or OUT itself (`-o model/config.json`) leaves no file behind."""
+    # lazy: pyarrow, only once the arguments are checked
+    from eaglebatch.engine import check_job_input
+    from eaglebatch.output.results_file import check_results_path
+
+    job = job_from_dict(data, base_dir=base_dir)
+    checked = check_job_input(job)
+    if job.output.results_file is not None:  # a file there is ours only for this output.path
+        check_results_path(job.output.results_file, Path(job.output.path), "", job.input.path,
+                           checked.files)  # fmt: skip

@@ -7,6 +7,7 @@ the step loop and Ray's actor placement read `PreparedJob.engine`)."""
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,14 +39,53 @@ class EngineSettings:
         return str(self.dtype).removeprefix("torch.")
 
 
+@dataclass(frozen=True)
+class ModelWeights:
+    """What the engine section's checks need of the model: where it is (for messages), whether
+    it is a GGUF file, and whether its weights can be read as stored (asked only when the
+    native kernels run: it reads safetensors headers)."""
+
+    where: str
+    gguf: bool
+    stored: Callable[[], bool]
+
+    @classmethod
+    def of(cls, mf: ModelFiles) -> ModelWeights:
+        def stored() -> bool:
+            try:
+                return has_stored_weights(mf.dir, mf.gguf)
+            except (OSError, ValueError):  # an unreadable checkpoint: its own check names it
+                return False
+
+        return cls(str(mf.dir), mf.gguf is not None, stored)
+
+    @classmethod
+    def builtin(cls, name: str) -> ModelWeights:
+        """A builtin model, unconverted: every builtin is a GGUF file (read as its blocks)."""
+        return cls(f"{name} (builtin)", True, lambda: True)
+
+
 def resolve_engine(job: JobConfig, mf: ModelFiles, model_len: int) -> EngineSettings:
     """The job's engine section for this process's machine (model_len: config.json's)."""
+    return EngineSettings(**_section(job, ModelWeights.of(mf)),
+                          max_model_len=resolve_max_model_len(job.engine.max_model_len,
+                                                              model_len))  # fmt: skip
+
+
+def check_engine(job: JobConfig, weights: ModelWeights) -> None:
+    """Every check of `resolve_engine` but max_model_len's (which needs config.json), for a
+    model that is not materialised (`validate` of a builtin): the same rules, run the same way."""
+    _section(job, weights)
+
+
+def _section(job: JobConfig, weights: ModelWeights) -> dict:
+    """EngineSettings' fields but max_model_len: each engine key resolved, or JobError."""
     eng = job.engine
     device = resolve_device(eng.device)
     dtype = resolve_dtype(eng.dtype, device)
     threads = resolve_small_gemm(eng.cpu_gemm, device, dtype)
-    quantized = resolve_weights(eng.weights, threads, mf)
-    return EngineSettings(
+    quantized = resolve_weights(eng.weights, threads, weights)
+    return dict(
         device=device,
         dtype=dtype,
         attention_backend=resolve_backend(eng.attention_backend, device),
@@ -53,10 +93,24 @@ def resolve_engine(job: JobConfig, mf: ModelFiles, model_len: int) -> EngineSett
         overlap=resolve_overlap(eng.overlap, device, job.draft is not None),
         cpu_gemm=threads > 0,
         quantized=quantized,
-        int8_activations=resolve_activations(eng.activations, quantized, mf),
-        max_model_len=resolve_max_model_len(eng.max_model_len, model_len),
+        int8_activations=resolve_activations(eng.activations, quantized, weights,
+                                             _why_not_blocks(job, device, dtype, threads)),
         max_draft_tokens=job.max_draft_tokens,
-    )
+    )  # fmt: skip
+
+
+def _why_not_blocks(job: JobConfig, device: torch.device, dtype: torch.dtype,
+                    threads: int) -> str:  # fmt: skip
+    """Why a GGUF model's blocks are not what the CPU steps read (for int8's message)."""
+    if device.type != "cpu":
+        return f"the run is on {device.type}; blocks are read on the CPU"
+    if dtype != torch.float32:
+        return f"engine.dtype is {str(dtype).removeprefix('torch.')}; blocks are read in float32"
+    if job.engine.cpu_gemm == "torch":
+        return "engine.cpu_gemm is torch; blocks are read by the native kernels"
+    if threads <= 0:
+        return "this CPU lacks AVX-512F or AVX2+FMA, which the native kernels need"
+    return "engine.weights is dequantized"
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -93,7 +147,7 @@ def resolve_small_gemm(name: str, device: torch.device, dtype: torch.dtype) -> i
     return torch.get_num_threads()
 
 
-def resolve_weights(name: str, gemm_threads: int, mf: ModelFiles) -> bool:
+def resolve_weights(name: str, gemm_threads: int, weights: ModelWeights) -> bool:
     """Whether the CPU steps read the model's weights as its checkpoint stores them
     (engine.weights): a GGUF file's blocks, a bf16/fp16 folder's 16-bit floats; 'quantized'
     where they cannot is a JobError naming the key."""
@@ -104,29 +158,27 @@ def resolve_weights(name: str, gemm_threads: int, mf: ModelFiles) -> bool:
             "engine.weights: 'quantized' needs the native CPU kernels: engine.device cpu, "
             "float32 and engine.cpu_gemm auto or native on a CPU with AVX-512F or AVX2+FMA"
         )
-    try:
-        stored = gemm_threads > 0 and has_stored_weights(mf.dir, mf.gguf)
-    except (OSError, ValueError):  # an unreadable checkpoint: its own check names it
-        stored = False
+    stored = gemm_threads > 0 and weights.stored()
     if name == "quantized" and not stored:
         raise JobError(
             f"engine.weights: 'quantized' needs a GGUF model or bf16/fp16 weights (model: "
-            f"{mf.dir} holds float32 safetensors)"
+            f"{weights.where} holds float32 safetensors)"
         )
     return stored
 
 
-def resolve_activations(name: str, quantized: bool, mf: ModelFiles) -> bool:
+def resolve_activations(name: str, quantized: bool, weights: ModelWeights, why: str) -> bool:
     """Whether block products quantize x to 8 bits (engine.activations): 'int8' needs a GGUF
-    model whose blocks the CPU steps read, else a JobError naming the key."""
+    model whose blocks the CPU steps read, else a JobError naming the key and `why` not (the
+    setting that keeps the blocks from being read)."""
     if name == "float32":
         return False
-    if mf.gguf is None or not quantized:
-        what = "holds no GGUF file" if mf.gguf is None else "is read as float32 here"
+    if not weights.gguf or not quantized:
+        what = "holds no GGUF file" if not weights.gguf else f"is not read as its blocks: {why}"
         raise JobError(
             f"engine.activations: 'int8' needs a GGUF model read as its blocks (model: "
-            f"{mf.dir} {what}; engine.weights auto or quantized, device cpu, float32, the "
-            "native kernels)"
+            f"{weights.where} {what}; it needs engine.weights auto or quantized, device cpu, "
+            "dtype float32, the native kernels)"
         )
     return True
 

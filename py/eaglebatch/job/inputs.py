@@ -298,35 +298,33 @@ def kept_columns(job: JobConfig, files: list[Path]) -> tuple[str, ...]:
     """`output.keep_columns` resolved against the input files: the names to copy into each
     output row ("*": every column of the first file but an id column named `id`), each in
     every file, of one type across them (`ColumnTypes`, by a dictionary's values), readable,
-    and named as no output column. The Rust reader makes the same checks."""
+    and named as no column this job's output has (scheduler_config.output_columns). The Rust
+    reader makes the same checks."""
     keep = job.output.keep_columns
     if not keep or not files:
         return ()
-    # lazy: the extension, only for a job that keeps input columns
-    from eaglebatch._native import OUTPUT_COLUMNS
+    # lazy: numpy and the extension, only for a job that keeps input columns
+    from eaglebatch.job.scheduler_config import output_columns
 
     if keep == "*":
         first = pq.read_schema(parquet_footer(files[0])).names
         keep = tuple(c for c in first if not (c == "id" == job.input.id_column))
+    own = output_columns(job)  # this job's: a column it does not write is free to keep
     for c in keep:
-        if c in OUTPUT_COLUMNS:
+        if c in own:
             star = job.output.keep_columns == "*"
             hint = ' (list the columns to keep instead of "*")' if star else ""
             raise JobError(
                 f"output.keep_columns: column '{c}' clashes with the output column of that "
-                f"name{hint}; the output's own columns are {', '.join(OUTPUT_COLUMNS)}"
+                f"name{hint}; this job's output columns are {', '.join(own)}"
             )
     types = ColumnTypes()
     for f in files:
         meta = pq.read_metadata(parquet_footer(f))
         schema = meta.schema.to_arrow_schema()
         for c in keep:
-            if c not in schema.names:
-                raise JobError(
-                    f"output.keep_columns: column '{c}' not found in {f} "
-                    f"(columns: {', '.join(schema.names)})"
-                )
-            types.add("output.keep_columns", c, dense(schema.field(c).type), f)
+            types.add("output.keep_columns", c,
+                      dense(column_type(schema, c, "output.keep_columns", f)), f)  # fmt: skip
         _check_codecs(set(keep), f, meta)
     return tuple(keep)
 
@@ -358,7 +356,8 @@ class ColumnTypes:
 
 
 def _check_columns(cfg: InputConfig, f: Path, schema: pa.Schema) -> None:
-    """Raises JobError naming the key when a configured column is missing or mistyped."""
+    """Raises JobError naming the key when a configured column is missing, mistyped or appears
+    more than once (the Rust reader's checks, validate.rs, made before any model loads)."""
     checks = [(cfg.id_column, "input.id_column", _is_id, "an integer or string")]
     if cfg.messages_column is not None:
         checks.append(
@@ -367,17 +366,31 @@ def _check_columns(cfg: InputConfig, f: Path, schema: pa.Schema) -> None:
         )
     else:
         checks.append((cfg.text_column, "input.prompt_column", is_text, "a string"))
+    checks.append((cfg.continuation_column, "input.continuation_column", is_text, "a string"))
+    checks.append((cfg.choices_column, "input.choices_column",
+                   lambda t: is_list_of(t, is_text), "list<string>"))  # fmt: skip
     for key, column in sorted(cfg.sampling_columns.items()):
         checks.append((column, f"input.sampling_columns.{key}", *_sampling_check(key)))
     for column, key, ok, want in checks:
         if column is None:
             continue
-        if column not in schema.names:
-            names = ", ".join(schema.names)
-            raise JobError(f"{key}: column '{column}' not found in {f} (columns: {names})")
-        typ = schema.field(column).type
+        typ = column_type(schema, column, key, f)
         if not ok(typ):
             raise JobError(f"{key}: column '{column}' in {f} has type {typ}, expected {want}")
+
+
+def column_type(schema: pa.Schema, column: str, key: str, f: Path) -> pa.DataType:
+    """The type of the column the job reads by `key`; JobError when the file has no column of
+    that name or several (which one the job means is unknowable: none is picked)."""
+    count = schema.names.count(column)
+    if count == 0:
+        names = ", ".join(schema.names)
+        raise JobError(f"{key}: column '{column}' not found in {f} (columns: {names})")
+    if count > 1:
+        times = "twice" if count == 2 else f"{count} times"
+        raise JobError(f"{key}: column '{column}' appears {times} in {f}; rename all but one "
+                       f"(the job cannot tell which one it means)")  # fmt: skip
+    return schema.field(column).type
 
 
 def _check_codecs(read: set, f: Path, meta: pq.FileMetaData) -> None:

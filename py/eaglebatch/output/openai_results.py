@@ -23,14 +23,13 @@ import heapq
 import json
 import math
 import os
-import tempfile
 import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
 from eaglebatch.output.directory import scan_tree
-from eaglebatch.output.results_file import replace_results
+from eaglebatch.output.results_file import new_temp_file, replace_results
 
 CHAT = "/v1/chat/completions"
 _COLUMNS = ["id", "row_index", "sample_index", "output_text", "finish_reason", "prompt_tokens",
@@ -43,8 +42,7 @@ def write_results(
     """Writes `results` from every part under `output_path`; returns the lines written."""
     results.parent.mkdir(parents=True, exist_ok=True)
     # a new name of our own: no file beside the results is ever truncated
-    fd, name = tempfile.mkstemp(dir=results.parent, prefix=f".{results.name}.", suffix=".tmp")
-    tmp = Path(name)
+    fd, tmp = new_temp_file(results)  # the parts' mode rule (results_file.new_temp_file)
     created = int(time.time())
     lines = 0
     try:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from eaglebatch.errors import JobError
@@ -96,11 +95,25 @@ def check_writable(parent: Path, key: str) -> None:
         raise JobError(f"{key}: cannot write in {d} (permission denied)")
 
 
+def new_temp_file(path: Path) -> tuple[int, Path]:
+    """A new hidden file beside `path` (`.NAME.XXXX.tmp`, created exclusively: no namesake is
+    truncated), open for writing: (descriptor, its path). Its mode is what any new file of this
+    process gets, 0666 less the umask, as the Parquet parts get (mkstemp's 0600 would leave the
+    results readable by their owner alone)."""
+    for _ in range(100):
+        tmp = path.with_name(f".{path.name}.{os.urandom(6).hex()}.tmp")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name beside {path}")
+
+
 def write_json_atomic(path: Path, obj, default=None) -> None:
     """Writes `obj` as JSON to `path`: a new hidden temporary file beside it (no namesake is
     truncated), fsynced, renamed over `path`; nothing is left behind on a failure."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = new_temp_file(path)
     try:
         with open(fd, "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=2, default=default)
@@ -109,7 +122,7 @@ def write_json_atomic(path: Path, obj, default=None) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
 
 
 def _write_sidecar(results: Path, meta: dict) -> None:

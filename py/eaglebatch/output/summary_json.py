@@ -2,11 +2,12 @@
 
 `run` writes one JSON object however it ends (`exit_reason`: "complete" when every row of the
 run's scope is done, "interrupted", "failed" or "refused", with `exit_status` and `error`), so
-a pipeline step reads one file instead of parsing the summary table. The file is written under
+a pipeline step reads one file instead of parsing the summary table (or, with `-` or
+`/dev/stdout`, one line of JSON on stdout: commands/summary_report.py). The file is written under
 a hidden temporary name and renamed: a reader never sees half of it. Its path is checked before
 any work (`check_summary_path`, JobError): an existing file is replaced only when it is a summary
 eaglebatch wrote (its `eaglebatch_summary` key), never inside output.path or where the input
-would read it, and its directory must be writable.
+would read it, and its directory must be writable; a FIFO, device or socket is refused unread.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from pathlib import Path
 
 from eaglebatch.errors import JobError
@@ -33,7 +35,7 @@ STAT_KEYS = ("requests", "errors", "skipped", "prompt_tokens", "output_tokens", 
              "mask_seconds_p50", "mask_seconds_p99")  # fmt: skip
 
 
-def _plain(v):
+def plain(v):
     """A JSON value: numpy scalars as Python numbers, non-finite floats as null."""
     if hasattr(v, "item"):
         v = v.item()
@@ -62,13 +64,13 @@ def run_summary(job, stats: dict | None, wall_s: float | None, exit_reason: str,
         "generation_s": generation_seconds(stats.get("step_seconds")),
         "acceptance_length": accept_length(stats) if stats.get("spec_steps") else None,
     }
-    summary |= {k: _plain(stats.get(k)) for k in STAT_KEYS}
+    summary |= {k: plain(stats.get(k)) for k in STAT_KEYS}
     return summary
 
 
 def write_json(path: str | Path, obj: dict) -> None:
     """Writes the summary `obj` to `path` atomically (numpy scalars as numbers)."""
-    write_json_atomic(Path(path), obj, default=_plain)
+    write_json_atomic(Path(path), obj, default=plain)
 
 
 def check_summary_path(path: str) -> Path:
@@ -78,6 +80,7 @@ def check_summary_path(path: str) -> Path:
     p = Path(os.path.abspath(os.path.expanduser(path)))
     if p.is_dir():
         raise JobError(f"{key} is a directory")
+    _refuse_special(p, key)
     if p.exists() and not _is_summary(p):
         raise JobError(f"{key} exists and is not a summary eaglebatch wrote; it is never "
                        f"replaced: choose another path")  # fmt: skip
@@ -97,6 +100,18 @@ def check_summary_apart(p: Path, job) -> None:
     if input_may_read(job.input.path, [], p.resolve()):
         raise JobError(f"--summary-json: {p} would be read as input (input.path "
                        f"{job.input.path}); choose a path outside the input")  # fmt: skip
+
+
+def _refuse_special(p: Path, key: str) -> None:
+    """A FIFO, device or socket is never opened (reading one to check it can block forever,
+    before any work): refused, pointing at `-` for a stream on stdout."""
+    try:
+        mode = p.stat().st_mode
+    except OSError:  # missing (or unreadable: the writability check names it)
+        return
+    if not stat.S_ISREG(mode):
+        raise JobError(f"{key} is not a regular file (a FIFO, device or socket); the summary "
+                       f"is written as a file, or to stdout with --summary-json -")  # fmt: skip
 
 
 def _is_summary(p: Path) -> bool:

@@ -105,7 +105,22 @@ fn id_type_ok(dt: &DataType) -> bool {
     is_int(dt) || is_text(dt)
 }
 
+/// The one field named `name`: a column missing, or appearing more than once (which one the
+/// job means is unknowable, so none is picked), is a user error naming the file.
 fn find_column<'a>(schema: &'a Schema, path: &Path, role: &str, name: &str) -> Result<&'a Field> {
+    let count = schema.fields().iter().filter(|f| f.name() == name).count();
+    if count > 1 {
+        let times = if count == 2 {
+            "twice".to_string()
+        } else {
+            format!("{count} times")
+        };
+        return Err(Error::user(format!(
+            "{role} column '{name}' appears {times} in {}; rename all but one (the job cannot \
+             tell which one it means)",
+            path.display()
+        )));
+    }
     schema.field_with_name(name).map_err(|_| {
         let available: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
         Error::user(format!(

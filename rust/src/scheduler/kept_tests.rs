@@ -178,3 +178,30 @@ fn kept_columns_are_checked_before_any_work() {
     );
     assert!(err.contains("in2.parquet"), "{err}");
 }
+
+/// A kept column clashes only with a column this job's output has: the switches that add
+/// optional columns (logprobs, a scoring task, ...) decide it, as they decide what is written.
+#[test]
+fn kept_columns_clash_only_with_the_columns_this_job_writes() {
+    let mut f = fixture("kept-own", &[Some("w5")]);
+    let has =
+        |cfg: &SchedulerConfig, name: &str| cfg.own_output_columns().iter().any(|c| c == name);
+    for free in [
+        "logprob",
+        "logprobs",
+        "n",
+        "endpoint",
+        "is_greedy",
+        "reasoning_text",
+    ] {
+        assert!(!has(&f.cfg, free), "{free}");
+    }
+    assert!(has(&f.cfg, "output_text") && has(&f.cfg, "error"));
+    f.cfg.logprobs = 2;
+    assert!(has(&f.cfg, "logprobs"));
+    f.cfg.keep_columns = vec!["logprobs".into()];
+    let err = Scheduler::new(f.cfg.clone()).err().unwrap().to_string();
+    assert!(err.contains("column 'logprobs' clashes"), "{err}");
+    (f.cfg.logprobs, f.cfg.task) = (0, "perplexity".into());
+    assert!(has(&f.cfg, "logprob") && has(&f.cfg, "num_tokens") && !has(&f.cfg, "is_greedy"));
+}
