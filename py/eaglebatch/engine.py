@@ -582,7 +582,7 @@ def _step_loop(prep: PreparedJob, scheduler, worker, progress: ProgressFn | None
             seconds[kind] = seconds.get(kind, 0.0) + now - mark
             counters = scheduler.progress() if progress is not None else None
             if counters is not None:
-                work.add(kind, now - mark, counters, plan.num_seqs)
+                work.add(kind, now - mark, counters, plan.num_seqs, plan.num_tokens)
             mark = now
             if stop.signum is not None:
                 written = scheduler.abort()

@@ -10,16 +10,16 @@ GENERATION = ("decode", "verify")
 
 class StepWork:
     """Per kind of step: [seconds, prompt tokens computed, output tokens] so far; and over the
-    generation steps the sums that fit a step's seconds to its rows (`generation`: steps, rows,
-    rows^2, seconds, rows x seconds, output tokens). `add` after each committed step, with the
-    scheduler's counters then (one dict read a step)."""
+    generation steps `generation`: (steps, rows, query tokens, seconds, output tokens). `add`
+    after each committed step, with the scheduler's counters then (one dict read a step)."""
 
     def __init__(self):
         self.kinds: dict[str, list[float]] = {}
-        self.generation = [0.0] * 6
+        self.generation = [0.0] * 5
         self._last = (0, 0)  # (prefill_tokens, output_tokens) after the previous step
 
-    def add(self, kind: str, seconds: float, counters: dict, rows: int) -> None:
+    def add(self, kind: str, seconds: float, counters: dict, rows: int, tokens: int) -> None:
+        """`rows`, `tokens`: the step's sequences and query tokens (plan.num_seqs, num_tokens)."""
         now = (counters["prefill_tokens"], counters["output_tokens"])
         prompt, output = now[0] - self._last[0], now[1] - self._last[1]
         self._last = now
@@ -28,7 +28,7 @@ class StepWork:
         row[1] += prompt
         row[2] += output
         if kind in GENERATION:
-            for i, v in enumerate((1, rows, rows * rows, seconds, rows * seconds, output)):
+            for i, v in enumerate((1, rows, tokens, seconds, output)):
                 self.generation[i] += v
 
     def snapshot(self) -> dict:
@@ -65,31 +65,18 @@ def token_costs(kinds: dict) -> tuple[float, float] | None:
     return a, b
 
 
-def step_cost(generation: tuple) -> tuple[float, float] | None:
-    """(f, c): a generation step takes f + c x its rows seconds, by least squares over the
-    generation steps so far (a step's fixed cost is why few rows make each token dear); c alone
-    where their rows hardly varied or the fit says a cost is negative. None before one."""
-    n, sr, srr, st, srt, _ = generation
-    if n <= 0 or sr <= 0:
-        return None
-    mean = sr / n
-    var = srr / n - mean * mean
-    if var > (0.05 * mean) ** 2:  # rows varied enough to tell the two costs apart
-        c = (srt / n - mean * st / n) / var
-        f = st / n - c * mean
-        if f >= 0 and c >= 0:
-            return f, c
-    return 0.0, st / sr
-
-
-def generation_time(generation: tuple, tokens: float, rows: int, batch: int) -> float | None:
+def generation_time(generation: tuple, per_token: float, tokens: float, rows: int,
+                    batch: int) -> float | None:
     """Seconds to generate `tokens` more output tokens over `rows` unfinished rows, `batch` at
-    most at a time, at `step_cost`; rows gain the output tokens a row gained per generation step
-    so far (the acceptance length with a draft). None before a generation step."""
-    cost = step_cost(generation)
-    if cost is None:
+    most at a time. A generation step is taken to cost a fixed part plus `per_token` (the
+    prompt token's cost) for each query token it computes; the fixed part is what the
+    generation steps so far took beyond their query tokens (a step's fixed cost is why few
+    rows make each token dear). Rows gain the output tokens, and compute the query tokens, a
+    row did per generation step so far. None before a generation step."""
+    steps, row_steps, queries, seconds, output = generation
+    if steps <= 0 or row_steps <= 0 or output <= 0:
         return None
-    f, c = cost
-    per_row_step = generation[5] / generation[1]
-    row_steps = tokens / max(per_row_step, 1e-9)
-    return f * row_steps / max(1, min(rows, batch)) + c * row_steps
+    per_token = min(per_token, seconds / max(queries, 1))
+    fixed = (seconds - per_token * queries) / steps
+    left = tokens / (output / row_steps)  # row-steps still to run
+    return fixed * left / max(1, min(rows, batch)) + per_token * left * queries / row_steps
