@@ -18,8 +18,8 @@ from eaglebatch.step_work import generation_time, token_costs
 INTERVAL_ENV = "EAGLEBATCH_PROGRESS_INTERVAL_S"
 
 # The counters the work-based ETA reads (Scheduler.progress plus the step loop's
-# max_new_tokens, max_batch_size and step_work); without them (a Ray driver's sums) the ETA falls back to the
-# request rate.
+# max_new_tokens, max_batch_size and step_work); without them (a Ray driver's sums) the ETA
+# falls back to the request rate.
 WORK_KEYS = ("requests_total", "requests_done", "requests_read", "prompt_tokens_read",
              "prompt_tokens", "cached_tokens", "prefill_tokens", "output_tokens",
              "finished_output_tokens", "requests_stopped", "running", "max_new_tokens",
