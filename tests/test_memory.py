@@ -4,6 +4,8 @@ what cannot fit, before any work; the model's figure is what the loaded model ho
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from click.testing import CliRunner
 
@@ -18,10 +20,18 @@ def model(tmp_path_factory):
                            num_heads=2, num_kv_heads=1)  # fmt: skip
 
 
-def _job(tmp_path, model, engine: str = "") -> str:
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory):
+    """A model of 8192 positions: max_batch_size whole sequences would be 64 x 8192 tokens."""
+    return make_tiny_model(tmp_path_factory.mktemp("mem-long"), hidden_size=32, num_layers=2,
+                           num_heads=2, num_kv_heads=1, max_position_embeddings=8192)  # fmt: skip
+
+
+def _job(tmp_path, model, engine: str = "", rows: int = 1) -> str:
     job = tmp_path / "job.yaml"
+    prompts = write_prompts(tmp_path / "in.parquet", ["hi"] * rows)
     job.write_text(
-        f"model: {model}\ninput:\n  path: {write_prompts(tmp_path / 'in.parquet', ['hi'])}\n"
+        f"model: {model}\ninput:\n  path: {prompts}\n"
         f"output:\n  path: {tmp_path / 'out'}\nsampling:\n  max_new_tokens: 2\n"
         f"engine:\n  device: cpu\n{engine}"
     )
@@ -80,3 +90,32 @@ def test_a_cgroup_memory_limit_caps_what_is_available(tmp_path):
     assert memory._cgroup_memory_left(tmp_path / "v1") is None
     (v1 / "memory.limit_in_bytes").write_text(str(2 << 30))
     assert memory._cgroup_memory_left(tmp_path / "v1") == (2 << 30) - 5
+
+
+def test_the_cpu_default_kv_cache_holds_what_the_job_can_use(tmp_path, long_model):
+    """Unset engine.kv_cache_tokens on the CPU: min(max_batch_size, rows) sequences of a
+    1024-token prompt allowance + max_new_tokens, 25% more for the prefix cache; not the
+    free-memory share (GiBs) nor 64 sequences of 8192 tokens."""
+    from eaglebatch.engine import build_worker, prepare
+    from eaglebatch.job.config import load_job
+
+    prep = prepare(load_job(_job(tmp_path, long_model, rows=8)))
+    rule = "the job's 8 sequences x 1026 tokens + 25%"
+    assert prep.memory_plan.kv_key == rule
+    worker = build_worker(prep)
+    assert worker.num_blocks == math.ceil(8 * 1026 * 1.25 / 16)
+    assert prep.memory_plan.kv_bytes == worker.num_blocks * worker.budget.bytes_per_block
+    r = CliRunner().invoke(main, ["validate", _job(tmp_path, long_model, rows=8)])
+    assert r.exit_code == 0 and f"({rule})" in r.output, r.output
+    # engine.kv_cache_tokens still wins
+    big = _job(tmp_path, long_model, "  kv_cache_tokens: 40000\n", rows=8)
+    assert build_worker(prepare(load_job(big))).num_blocks == 2500
+
+
+def test_the_cpu_default_kv_cache_always_holds_one_whole_sequence(tmp_path, long_model):
+    from eaglebatch.engine import prepare
+    from eaglebatch.job.config import load_job
+
+    one = prepare(load_job(_job(tmp_path, long_model, "  prefix_caching: false\n")))
+    assert one.memory_plan.kv_key == "one sequence of 8192 tokens, the longest"
+    assert one.memory_plan.kv_bytes == 8192 // 16 * (2 * 16 * 1 * 16 * 4 * 2)

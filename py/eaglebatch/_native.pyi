@@ -168,10 +168,12 @@ class Scheduler:
 
     def progress(self) -> dict[str, int]:
         """requests_total (from Parquet footers, capped by limit, less skipped rows),
-        requests_skipped, requests_done, requests_error,
-        running, waiting, prompt_tokens, output_tokens, preemptions, cached_tokens (prompt
-        tokens served from the prefix cache), prefill_tokens (tokens computed by prefill rows),
-        free_blocks (free or evictable)."""
+        requests_skipped, requests_done, requests_error, requests_read (requests read from the
+        input, error rows included), prompt_tokens_read (the prompt tokens of those queued to
+        run), requests_stopped (rows ended by a stop), finished_output_tokens (the output tokens
+        of rows finished without error), running, waiting, prompt_tokens, output_tokens,
+        preemptions, cached_tokens (prompt tokens served from the prefix cache), prefill_tokens
+        (tokens computed by prefill rows), free_blocks (free or evictable)."""
 
     def finish(self) -> dict[str, object]:
         """Waits for the writer, checks no KV block leaked (raises NativeError if one did) and

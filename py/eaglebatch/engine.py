@@ -36,6 +36,7 @@ from eaglebatch.output.resume import (
     scan_output,
 )
 from eaglebatch.output.shards import Shard, shard_of_dir
+from eaglebatch.step_work import StepWork
 from eaglebatch.storage import location
 
 if TYPE_CHECKING:  # torch: imported only when a run needs it
@@ -73,11 +74,11 @@ class PreparedJob:
         return identity_hash(self.identity)
 
 
-def _check_model_config(job: JobConfig, mf: ModelFiles):
+def _check_model_config(job: JobConfig, mf: ModelFiles, rows: int):
     """Checks config.json, the checkpoint's tensor names and shapes (headers only), the engine
-    section and the memory the run will take without loading weights; returns the engine
-    settings resolved (the one resolution of this process), the vocab_size and the memory
-    plan."""
+    section and the memory the run will take without loading weights (`rows`: the input's);
+    returns the engine settings resolved (the one resolution of this process), the vocab_size
+    and the memory plan."""
     # lazy: torch and the extension, which validate and status never need
     from eaglebatch.job.engine_settings import resolve_engine
     from eaglebatch.model import ModelConfig, model_class
@@ -98,14 +99,23 @@ def _check_model_config(job: JobConfig, mf: ModelFiles):
         raise JobError(f"sampling.stop_token_ids: {bad} are not ids of model {mf.dir}, whose "
                        f"vocab_size is {cfg.vocab_size}")  # fmt: skip
     settings = resolve_engine(job, mf, cfg.max_model_len)
-    return settings, cfg.vocab_size, _memory_plan(job, mf, cfg, settings, shapes)
+    return settings, cfg.vocab_size, _memory_plan(job, mf, cfg, settings, shapes, rows)
 
 
-def _memory_plan(job: JobConfig, mf: ModelFiles, cfg, settings: EngineSettings, shapes: dict):
+def requests_known(job: JobConfig, rows: int) -> int | None:
+    """The samples a job over `rows` input rows generates, where the job alone says (not for
+    OpenAI Batch lines, which may set their own n, nor for scoring tasks)."""
+    if job.input.openai_batch or job.task != "generate":
+        return None
+    return rows * job.sampling.n
+
+
+def _memory_plan(job: JobConfig, mf: ModelFiles, cfg, settings: EngineSettings, shapes: dict,
+                 rows: int):  # fmt: skip
     """What a CPU run will hold (job/memory.py); None on other devices."""
     # lazy: torch and the extension, which validate and status never need
     from eaglebatch.cpu.stored import stored_bytes
-    from eaglebatch.worker import plan_kv_budget
+    from eaglebatch.worker import job_kv, plan_kv_budget
 
     if settings.device.type != "cpu":
         return None
@@ -113,12 +123,12 @@ def _memory_plan(job: JobConfig, mf: ModelFiles, cfg, settings: EngineSettings, 
     blocks = stored_bytes(mf.dir, mf.gguf, cfg) if settings.quantized else {}
     itemsize = settings.dtype.itemsize
     seq = settings.max_model_len + settings.max_draft_tokens
-    kv = plan_kv_budget(eng, cfg, seq, settings.dtype, settings.device)  # the worker's rule
-    key = "engine.kv_cache_tokens" if eng.kv_cache_tokens is not None else (
-        "engine.kv_cache_memory_fraction")  # fmt: skip
+    extra = 1 if job.draft is not None else 0  # a draft head's layer over the same blocks
+    kv = plan_kv_budget(eng, cfg, seq, settings.dtype, settings.device, extra,
+                        job=job_kv(job, settings, requests_known(job, rows)))  # the worker's rule
     plan = memory.MemoryPlan(
         model_bytes=memory.model_bytes(shapes, itemsize, blocks),
-        kv_bytes=kv.num_blocks * kv.bytes_per_block, kv_key=key,
+        kv_bytes=kv.num_blocks * kv.bytes_per_block, kv_key=kv.sized_by,
         available_bytes=memory.available_memory(),
         buffer_bytes=memory.buffer_bytes(cfg, eng.max_num_batched_tokens, eng.max_batch_size,
                                          itemsize),
@@ -264,7 +274,7 @@ def prepare(job: JobConfig, check_memory: bool = True) -> PreparedJob:
         check_chat_template(mf.chat_template, template_origin(job, mf))
     draft = resolve_draft_dir(job.draft) if job.draft is not None else None
     _check_draft(draft)
-    engine, vocab_size, mem = _check_model_config(job, mf)
+    engine, vocab_size, mem = _check_model_config(job, mf, total)
     if mem is not None and check_memory:
         memory.check(mem, job.engine.kv_cache_tokens, str(job.model))
     check_response_format(job, mf, vocab_size)
@@ -418,19 +428,21 @@ def build_scheduler(
     return scheduler
 
 
-def build_worker(prep: PreparedJob, graph_mode: str | None = None):
+def build_worker(prep: PreparedJob, graph_mode: str | None = None, for_job: bool = True):
     """The plain Worker, or a SpecWorker around it when the job names a draft head, with its
     graph steps captured (`graph_mode`: "cuda" | "eager" | "off"; default from engine.cuda_graph
-    and the device)."""
+    and the device). `for_job`: the CPU's default KV cache holds what this job can use at once
+    (`worker.job_kv`); False for a worker that serves later jobs of any size."""
     # lazy: torch and the extension, which validate and status never need
-    from eaglebatch.worker import Worker
+    from eaglebatch.worker import Worker, job_kv
 
     job, settings = prep.job, prep.engine
     eng = job.engine
     mode = graph_mode or settings.graph_mode
     rows = 0 if mode == "off" else eng.max_batch_size  # the largest capture bucket
+    kv = job_kv(job, settings, requests_known(job, prep.total_rows)) if for_job else None
     if prep.draft_dir is None:
-        worker = Worker.from_job(job, prep.model, settings, graph_rows=rows)
+        worker = Worker.from_job(job, prep.model, settings, graph_rows=rows, job_tokens=kv)
         worker.enable_graphs(mode, eng.max_batch_size)
         return worker
     # lazy: torch and the extension, which validate and status never need
@@ -438,7 +450,7 @@ def build_worker(prep: PreparedJob, graph_mode: str | None = None):
 
     target = Worker.from_job(
         job, prep.model, settings, extra_kv_layers=1, graph_rows=rows,
-        graph_q=settings.max_draft_tokens + 1,
+        graph_q=settings.max_draft_tokens + 1, job_tokens=kv,
     )  # fmt: skip
     try:
         worker = SpecWorker.from_job(target, prep.draft_dir, job.speculative, eng.max_batch_size,
@@ -542,8 +554,24 @@ def _run(prep: PreparedJob, worker, progress, resume: ResumeState, scope: RunSco
     stats["threads"] = getattr(target, "threads", None)
     stats.update(resident_memory())
     if progress is not None:
-        progress(scheduler.progress())
+        progress(progress_counters(prep, scheduler.progress(), stats["step_work"]))
+    stats.pop("step_work")
     return RunSummary(stats=stats, wall_s=wall)
+
+
+def progress_counters(prep: PreparedJob, counters: dict, work: StepWork) -> dict:
+    """The scheduler's counters, the step loop's seconds and tokens per kind of step, the
+    batch size and the most output tokens a row may generate (the ETA's cap: max_model_len
+    where a sampling column sets rows' own max_new_tokens; 0 for scoring)."""
+    job = prep.job
+    if job.task != "generate":
+        cap = 0
+    elif "max_new_tokens" in job.input.sampling_columns:
+        cap = prep.engine.max_model_len
+    else:
+        cap = job.sampling.max_new_tokens
+    return {**counters, "max_new_tokens": cap, "max_batch_size": job.engine.max_batch_size,
+            "step_work": work.snapshot()}
 
 
 def resident_memory() -> dict[str, float]:
@@ -566,6 +594,7 @@ def _step_loop(prep: PreparedJob, scheduler, worker, progress: ProgressFn | None
     (prefill, mixed, decode, verify) the seconds its steps took."""
     last_report = 0.0
     seconds: dict[str, float] = {}  # plan kind -> seconds of its steps (planning to commit)
+    work = StepWork()  # ... and the tokens they computed, for the ETA
     steps = overlapped_steps if prep.engine.overlap else serial_steps
     with StopSignals() as stop:
         mark = time.monotonic()
@@ -575,15 +604,19 @@ def _step_loop(prep: PreparedJob, scheduler, worker, progress: ProgressFn | None
             mixed = plan.kind == "decode" and plan.num_tokens > plan.num_seqs
             kind = "mixed" if mixed else plan.kind
             seconds[kind] = seconds.get(kind, 0.0) + now - mark
+            counters = scheduler.progress() if progress is not None else None
+            if counters is not None:
+                work.add(kind, now - mark, counters, plan.num_seqs, plan.num_tokens)
             mark = now
             if stop.signum is not None:
                 written = scheduler.abort()
                 raise Interrupted(stop.signum, written["rows_written"], prep.job.output.path)
             if progress is not None and now - last_report > 0.2:
                 last_report = now
-                progress(scheduler.progress())
+                progress(progress_counters(prep, counters, work))
         stats = dict(scheduler.finish())
         stats["step_seconds"] = seconds
+        stats["step_work"] = work
         return stats
 
 

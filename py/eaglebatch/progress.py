@@ -3,22 +3,109 @@ summary table at the end. Reads only the scheduler's counters; never slows the s
 
 from __future__ import annotations
 
+import os
 import sys
 import time
+from dataclasses import dataclass
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
+from eaglebatch.step_work import generation_time, token_costs
+
+# Seconds between the log lines written when stderr is not a terminal (default 30).
+INTERVAL_ENV = "EAGLEBATCH_PROGRESS_INTERVAL_S"
+
+# The counters the work-based ETA reads (Scheduler.progress plus the step loop's
+# max_new_tokens, max_batch_size and step_work); without them (a Ray driver's sums) the ETA
+# falls back to the request rate.
+WORK_KEYS = ("requests_total", "requests_done", "requests_read", "prompt_tokens_read",
+             "prompt_tokens", "cached_tokens", "prefill_tokens", "output_tokens",
+             "finished_output_tokens", "requests_stopped", "running", "max_new_tokens",
+             "max_batch_size", "step_work")
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """Prompt tokens of this run's requests (the unread ones at the mean read so far), of
+    them computed or served from the prefix cache, and still to compute."""
+
+    total: float
+    done: float
+    left: float
+
+
+def prefill_work(p: dict) -> Prefill | None:
+    """The prefill still to do, from progress counters; None before any request was read.
+    Prompts admitted count what their rows have not computed; prompts not yet admitted (read
+    and waiting, or not read) count their tokens less the share the prefix cache served so far."""
+    read = p["requests_read"]
+    if read <= 0:
+        return None
+    unread = max(0, p["requests_total"] - read)
+    total = p["prompt_tokens_read"] * (1 + unread / read)
+    admitted, cached = p["prompt_tokens"], p["cached_tokens"]
+    done = min(admitted, cached + p["prefill_tokens"])  # recomputation counts once
+    uncached = 1 - cached / admitted if admitted else 1.0
+    return Prefill(total, done, admitted - done + max(0.0, total - admitted) * uncached)
+
+
+def _tokens_left(generated: float, cap: float, hazard: float) -> float:
+    """Expected further tokens of a row with `generated` tokens: each token ends it with
+    probability `hazard`, and it ends at `cap` tokens at the latest."""
+    n = max(0.0, cap - generated)
+    return n if hazard <= 0 else (1 - (1 - hazard) ** n) / hazard
+
+
+def output_work(p: dict) -> float:
+    """Output tokens the unfinished requests are still expected to generate. A row's length is
+    taken as capped at max_new_tokens with a constant chance per token of stopping, measured as
+    rows stopped / tokens generated (the running rows' tokens included: rows still running are
+    the long ones, so the mean of finished rows alone would make the rest look short); before
+    any row stopped every row is expected to run to the cap."""
+    unfinished = max(0, p["requests_total"] - p["requests_done"])
+    running = min(p["running"], unfinished)
+    generated = max(0, p["output_tokens"] - p["finished_output_tokens"])
+    hazard = p["requests_stopped"] / p["output_tokens"] if p["output_tokens"] else 0.0
+    cap = p["max_new_tokens"]
+    mean = generated / running if running else 0.0
+    return (running * _tokens_left(mean, cap, hazard)
+            + (unfinished - running) * _tokens_left(0, cap, hazard))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Estimate:
+    seconds: float
+    prefill: Prefill
+    prefill_bound: bool  # the prefill left takes longer than the output left
+
+
+def estimate(p: dict) -> Estimate | None:
+    """Seconds left: the prefill still to do at the seconds per prompt token so far, and the
+    output at the seconds per generation step for its rows and query tokens (per output token
+    where no generation step ran yet: step_work); None while nothing was read or computed."""
+    work = p["step_work"]
+    costs, prefill = token_costs(work["kinds"]), prefill_work(p)
+    if costs is None or prefill is None:
+        return None
+    tokens = output_work(p)
+    rows = max(0, p["requests_total"] - p["requests_done"])
+    out = generation_time(work["generation"], costs[0], tokens, rows, p["max_batch_size"])
+    pre, out = costs[0] * prefill.left, costs[1] * tokens if out is None else out
+    return Estimate(pre + out, prefill, pre > out)
+
 
 class ProgressView:
-    """Call with `scheduler.progress()` dicts; use as a context manager."""
+    """Call with `scheduler.progress()` dicts (the step loop adds max_new_tokens,
+    max_batch_size and step_work: engine.progress_counters); use as a context manager."""
 
-    def __init__(self, total: int, console: Console | None = None, log_every_s: float = 30.0):
+    def __init__(self, total: int, console: Console | None = None,
+                 log_every_s: float | None = None):  # fmt: skip
         self.console = console or Console(stderr=True)
         self.total = total
         self.start = time.monotonic()
-        self.log_every_s = log_every_s
+        self.log_every_s = log_every_s if log_every_s is not None else _interval()
         self._last_log = self.start
         # (time, requests done, output tokens) at the first generated token: rates and the
         # ETA count from there, not from the model load and the first prefills
@@ -31,12 +118,12 @@ class ProgressView:
                 MofNCompleteColumn(),
                 TextColumn("{task.fields[tok_s]:>8.1f} tok/s"),
                 TextColumn("run {task.fields[running]} wait {task.fields[waiting]}"),
-                TextColumn("ETA {task.fields[eta]}"),
+                TextColumn("{task.fields[eta]}"),
                 console=self.console,
                 transient=False,
             )
             self._task = self._bar.add_task("gen", total=total, tok_s=0.0, running=0, waiting=0,
-                                            eta="-")  # fmt: skip
+                                            eta="ETA -")  # fmt: skip
 
     def __enter__(self) -> ProgressView:
         if self._bar is not None:
@@ -49,11 +136,24 @@ class ProgressView:
 
     def eta(self, now: float, done: int, total: int) -> str:
         """Seconds left at the rate of requests finished since the first generated token;
-        "unknown" before one finished since then."""
+        "unknown" before one finished since then. Only where the work counters are missing."""
         if self._first is None or done <= self._first[1]:
             return "unknown"
         t0, done0, _ = self._first
         return f"{(now - t0) / (done - done0) * (total - done):.0f}s"
+
+    def work_eta(self, now: float, p: dict, total: int) -> str:
+        """The ETA from the work left (`estimate`), with the prefill's progress while the
+        prefill left takes longer than the output left."""
+        if not all(k in p for k in WORK_KEYS):
+            return f"ETA {self.eta(now, p['requests_done'], total)}"
+        est = estimate({**p, "requests_total": total})
+        if est is None:
+            return "ETA unknown"
+        eta = f"ETA {est.seconds:.0f}s"
+        if not est.prefill_bound:
+            return eta
+        return f"prefill {est.prefill.done:.0f}/{est.prefill.total:.0f} tok, {eta}"
 
     def __call__(self, p: dict) -> None:
         now = time.monotonic()
@@ -62,18 +162,23 @@ class ProgressView:
         t0, _, tokens0 = self._first or (now, 0, 0)
         tok_s = (p["output_tokens"] - tokens0) / (now - t0) if now > t0 else 0.0
         done, total = p["requests_done"], max(p["requests_total"], self.total, 1)
+        eta = self.work_eta(now, p, total)
         if self._bar is not None:
             self._bar.update(self._task, completed=done, total=total, tok_s=tok_s,
-                             running=p["running"], waiting=p["waiting"],
-                             eta=self.eta(now, done, total))  # fmt: skip
+                             running=p["running"], waiting=p["waiting"], eta=eta)  # fmt: skip
         elif now - self._last_log >= self.log_every_s:
             self._last_log = now
-            print(
-                f"[eaglebatch] {done}/{total} requests, {tok_s:.1f} output tok/s, "
-                f"ETA {self.eta(now, done, total)}",
-                file=sys.stderr,
-                flush=True,
-            )
+            print(f"[eaglebatch] {done}/{total} requests, {tok_s:.1f} output tok/s, {eta}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+
+
+def _interval() -> float:
+    """EAGLEBATCH_PROGRESS_INTERVAL_S, else 30 s (also for a value that is no number >= 0)."""
+    try:
+        value = float(os.environ.get(INTERVAL_ENV, "30"))
+    except ValueError:
+        return 30.0
+    return value if value >= 0 else 30.0
 
 
 def _f(x, unit: str = "s") -> str:

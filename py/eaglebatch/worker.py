@@ -86,10 +86,52 @@ class KvBudget:
     num_blocks: int
     block_size: int
     bytes_per_block: int
+    sized_by: str = "engine.kv_cache_tokens"  # the rule that sized it (the memory line)
 
     @property
     def tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+
+# The CPU default cache (engine.kv_cache_tokens unset) holds what the job can use at once:
+# each of its sequences a prompt of up to PROMPT_ALLOWANCE tokens plus max_new_tokens, and
+# PREFIX_ROOM more for the blocks the prefix cache keeps after their rows finished.
+PROMPT_ALLOWANCE = 1024
+PREFIX_ROOM = 0.25
+
+
+@dataclass(frozen=True)
+class JobKv:
+    """What the job can use at once: `sequences` of up to `tokens_each`, `room` more."""
+
+    sequences: int
+    tokens_each: int
+    room: float
+
+    @property
+    def tokens(self) -> int:
+        return math.ceil(self.sequences * self.tokens_each * (1 + self.room))
+
+    def describe(self) -> str:
+        room = f" + {self.room:.0%}" if self.room else ""
+        return f"the job's {self.sequences} sequences x {self.tokens_each} tokens{room}"
+
+
+def job_kv(job: JobConfig, settings: EngineSettings, requests: int | None) -> JobKv:
+    """The CPU default's size: min(max_batch_size, `requests`) sequences (`requests`: samples
+    to generate, None when unknown) of min(max_model_len, PROMPT_ALLOWANCE + max_new_tokens)
+    tokens plus the speculative lookahead, PREFIX_ROOM more with prefix caching. max_new_tokens
+    is max_model_len where a sampling column sets rows' own, 0 for scoring tasks."""
+    eng, max_len = job.engine, settings.max_model_len
+    if job.task != "generate":
+        new = 0
+    elif "max_new_tokens" in job.input.sampling_columns:
+        new = max_len
+    else:
+        new = job.sampling.max_new_tokens
+    seqs = eng.max_batch_size if requests is None else max(1, min(eng.max_batch_size, requests))
+    each = min(max_len, PROMPT_ALLOWANCE + new) + settings.max_draft_tokens
+    return JobKv(seqs, each, PREFIX_ROOM if eng.prefix_caching else 0.0)
 
 
 def plan_kv_budget(
@@ -100,37 +142,54 @@ def plan_kv_budget(
     device,
     extra_kv_layers: int = 0,
     reserve_bytes: int = 0,
+    job: JobKv | None = None,
 ) -> KvBudget:
     """Blocks for the KV cache: `kv_cache_tokens` if set, else a fraction of free memory (less
     `reserve_bytes`, the CUDA graph pool), never more than max_batch_size full-length sequences
     can use (`max_seq_tokens`: max_model_len plus the speculative lookahead, the most KV slots
-    one sequence holds; the scheduler turns a row that may need more into an error row).
-    `extra_kv_layers` (a draft head's layers over the same blocks) count in the bytes per
-    block. The cache itself gets one block more: the pad block of graph steps."""
+    one sequence holds; the scheduler turns a row that may need more into an error row), and
+    on the CPU never more than `job` (what the job can use at once, `job_kv`), though at least
+    one full-length sequence. `extra_kv_layers` (a draft head's layers over the same blocks)
+    count in the bytes per block. The cache itself gets one block more: the pad block of
+    graph steps."""
     per_layer = kv_cache_bytes_per_block(cfg, eng.block_size, dtype) // cfg.num_hidden_layers
     per_block = per_layer * (cfg.num_hidden_layers + extra_kv_layers)
-    useful = eng.max_batch_size * math.ceil(max_seq_tokens / eng.block_size)
     if eng.kv_cache_tokens is not None:
         blocks = math.ceil(eng.kv_cache_tokens / eng.block_size)
-    else:
-        if device.type == "cuda":
-            free = torch.cuda.mem_get_info(device)[0]
-        else:
-            import psutil
-
-            free = psutil.virtual_memory().available
-        usable = int(free * eng.kv_cache_memory_fraction) - reserve_bytes
-        blocks = min(usable // per_block, useful)
-    if blocks < 1 and eng.kv_cache_tokens is None:
+        if blocks < 1:
+            raise JobError("engine.kv_cache_tokens: the KV budget is smaller than one block")
+        return KvBudget(blocks, eng.block_size, per_block)
+    blocks, sized_by = _default_blocks(eng, device, per_block, max_seq_tokens, reserve_bytes, job)
+    if blocks < 1:
         pool = " beyond the CUDA graph pool" if reserve_bytes else ""
         raise JobError(
             f"engine.kv_cache_memory_fraction: {eng.kv_cache_memory_fraction} of the free "
             f"memory holds less than one KV block ({per_block} bytes{pool}); raise it or set "
             f"engine.kv_cache_tokens"
         )
-    if blocks < 1:
-        raise JobError("engine.kv_cache_tokens: the KV budget is smaller than one block")
-    return KvBudget(num_blocks=blocks, block_size=eng.block_size, bytes_per_block=per_block)
+    return KvBudget(blocks, eng.block_size, per_block, sized_by)
+
+
+def _default_blocks(eng: EngineConfig, device, per_block: int, max_seq_tokens: int,
+                    reserve_bytes: int, job: JobKv | None) -> tuple[int, str]:  # fmt: skip
+    """engine.kv_cache_tokens unset: (blocks, the rule that bound them), `plan_kv_budget`."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    usable = int(free * eng.kv_cache_memory_fraction) - reserve_bytes
+    by_memory = usable // per_block
+    useful = eng.max_batch_size * math.ceil(max_seq_tokens / eng.block_size)
+    rules = [(by_memory, "engine.kv_cache_memory_fraction"),
+             (useful, f"max_batch_size x {max_seq_tokens} tokens")]  # fmt: skip
+    if job is not None and device.type == "cpu":
+        rules.append((math.ceil(job.tokens / eng.block_size), job.describe()))
+        if job.tokens < max_seq_tokens:  # one full-length row always fits
+            rules[-1] = (math.ceil(max_seq_tokens / eng.block_size),
+                         f"one sequence of {max_seq_tokens} tokens, the longest")  # fmt: skip
+    return min(rules, key=lambda r: r[0])
 
 
 def plan_metadata(plan, block_size: int, device: torch.device) -> AttentionMetadata:
@@ -294,11 +353,12 @@ class Worker:
     @classmethod
     def from_job(
         cls, job: JobConfig, mf: ModelFiles, settings: EngineSettings, extra_kv_layers: int = 0,
-        graph_rows: int = 0, graph_q: int = 1,
+        graph_rows: int = 0, graph_q: int = 1, job_tokens: JobKv | None = None,
     ) -> Worker:
         """The job's model on `settings` (PreparedJob.engine). `graph_rows` x `graph_q`:
         sequences x query tokens of the largest CUDA-graph step that will be captured (its pool
-        is reserved out of the KV budget); 0 rows = no graphs."""
+        is reserved out of the KV budget); 0 rows = no graphs. `job_tokens`: what the job can
+        use of the KV cache at once (`job_kv`; None: the free-memory rule alone)."""
         eng = job.engine
         device, dtype, max_model_len = settings.device, settings.dtype, settings.max_model_len
         if eng.num_threads is None and device.type == "cpu":
@@ -329,7 +389,8 @@ class Worker:
             itemsize = torch.empty((), dtype=dtype).element_size()
             reserve = graph_reserve_bytes(cfg, graph_rows, graph_q, max_model_len, itemsize)
         seq_tokens = max_model_len + settings.max_draft_tokens
-        budget = plan_kv_budget(eng, cfg, seq_tokens, dtype, device, extra_kv_layers, reserve)
+        budget = plan_kv_budget(eng, cfg, seq_tokens, dtype, device, extra_kv_layers, reserve,
+                                job_tokens)  # fmt: skip
         kv = allocate_kv_cache(cfg, budget.num_blocks + 1, budget.block_size, dtype, device)
         worker = cls(model, kv, budget, max_model_len, graph_reserve_bytes=reserve)
         worker.logprobs_mode = job.output.logprobs_mode

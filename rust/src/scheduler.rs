@@ -784,6 +784,10 @@ impl Scheduler {
             ("requests_skipped", s.requests_skipped as i64),
             ("requests_done", s.requests_done as i64),
             ("requests_error", s.requests_error as i64),
+            ("requests_read", s.requests_read as i64),
+            ("prompt_tokens_read", s.prompt_tokens_read as i64),
+            ("requests_stopped", s.requests_stopped as i64),
+            ("finished_output_tokens", s.finished_output_tokens as i64),
             ("running", self.running.len() as i64),
             ("waiting", self.waiting.len() as i64),
             ("prompt_tokens", s.prompt_tokens as i64),
@@ -884,6 +888,7 @@ impl Scheduler {
             .filter(|&s| !self.skip_samples.contains(&key(s)))
             .collect();
         let mut error = self.admission_error(&req);
+        self.stats.requests_read += samples.len() as u64;
         let mut matcher = None;
         if error.is_none() && !samples.is_empty() {
             match self.row_matcher(&req.sampling)? {
@@ -899,6 +904,7 @@ impl Scheduler {
                 }
             }
             None => {
+                self.stats.prompt_tokens_read += (req.prompt_ids.len() * samples.len()) as u64;
                 for s in samples {
                     let mut seq = Sequence::new(req.clone(), s);
                     seq.prompt_logprobs_k = self.cfg.prompt_logprobs;
@@ -1443,6 +1449,8 @@ impl Scheduler {
             self.stats.requests_error += 1;
             return Timings::default();
         }
+        self.stats.finished_output_tokens += seq.num_output() as u64;
+        self.stats.requests_stopped += (seq.finish_reason == Some(FinishReason::Stop)) as u64;
         let t = Timings::of(&seq.timing, seq.num_output());
         t.record(&mut self.stats);
         t

@@ -66,6 +66,15 @@ pub struct Stats {
     /// Rows handed to the writer (finished or failed).
     pub requests_done: u64,
     pub requests_error: u64,
+    /// Requests read from the input by this run (error rows included), and the prompt tokens
+    /// of those queued to run (a scored row: all its parts'): with requests_total, what is
+    /// still to prefill (the progress line's ETA).
+    pub requests_read: u64,
+    pub prompt_tokens_read: u64,
+    /// Rows finished without error, those ended by a stop (EOS, stop string or id, grammar
+    /// end), and their output tokens: how long outputs run (the ETA).
+    pub requests_stopped: u64,
+    pub finished_output_tokens: u64,
     /// Prompt tokens of requests admitted for the first time.
     pub prompt_tokens: u64,
     /// Output tokens committed (including EOS tokens).
@@ -97,6 +106,10 @@ impl Stats {
             requests_skipped: 0,
             requests_done: 0,
             requests_error: 0,
+            requests_read: 0,
+            prompt_tokens_read: 0,
+            requests_stopped: 0,
+            finished_output_tokens: 0,
             prompt_tokens: 0,
             output_tokens: 0,
             preemptions: 0,

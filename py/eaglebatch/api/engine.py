@@ -203,7 +203,8 @@ class Engine:
         if self._worker is None or key != self._worker_key:
             self._worker = None
             gc.collect()
-            self._worker = _user_errors(lambda: build_worker(prep))()
+            # calls of any size share it: the free-memory rule, not the first call's job's
+            self._worker = _user_errors(lambda: build_worker(prep, for_job=False))()
             self._worker_key = key
         return self._worker
 

@@ -4,8 +4,9 @@ when it cannot fit, instead of the kernel killing the process mid-run.
 Three parts, from headers and the job alone (nothing is loaded):
 - the model: every checkpoint tensor at the run's dtype, but those read as stored
   (engine.weights: quantized: GGUF blocks, bf16/fp16 floats), which count their bytes;
-- the KV cache: engine.kv_cache_tokens at the run's dtype; unset, what the worker will take:
-  kv_cache_memory_fraction of the available memory, at most max_batch_size whole sequences;
+- the KV cache: engine.kv_cache_tokens at the run's dtype; unset, what the worker will take
+  (worker.plan_kv_budget): kv_cache_memory_fraction of the available memory, at most
+  max_batch_size whole sequences and, on the CPU, at most what the job can use at once;
 - working buffers: one step's activations (max_num_batched_tokens rows through the widest
   layer, a few copies) and logits (max_batch_size rows x vocab, float32, x2 for sampling).
 Available: the system's available memory, capped by the cgroup memory limit less its usage.
@@ -31,7 +32,7 @@ def _gib(n: float) -> str:
 class MemoryPlan:
     model_bytes: int
     kv_bytes: int
-    kv_key: str  # the key that sized the cache: engine.kv_cache_tokens or ..._memory_fraction
+    kv_key: str  # the rule that sized the cache (KvBudget.sized_by)
     buffer_bytes: int
     available_bytes: int
 
@@ -102,5 +103,5 @@ def check(plan: MemoryPlan, kv_tokens: int | None, model: str) -> None:
             f"engine.kv_cache_tokens: {kv_tokens} tokens take {_gib(plan.kv_bytes)}; with the "
             f"model ({_gib(plan.model_bytes)}) and buffers ({_gib(plan.buffer_bytes)}) that is "
             f"more than the {_gib(avail)} available: at most {fits} tokens fit (or leave it "
-            f"unset to size the cache to free memory)"
+            f"unset to size the cache to the job and free memory)"
         )

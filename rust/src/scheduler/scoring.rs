@@ -15,10 +15,13 @@ impl Scheduler {
     pub(super) fn accept_scored(&mut self, mut req: Request) -> Result<()> {
         let parts = std::mem::take(&mut req.score_parts);
         let error = req.error.clone().or_else(|| self.score_error(&parts));
+        self.stats.requests_read += 1;
         if let Some(msg) = error {
             return self.write_error_row(req, 0, msg);
         }
         let num_parts = parts.len();
+        let tokens: usize = parts.iter().map(|p| p.prompt_ids.len()).sum();
+        self.stats.prompt_tokens_read += tokens as u64;
         for (i, part) in parts.into_iter().enumerate() {
             let mut r = req.clone(); // its prompt_ids are empty: the part's are the prompt
             r.prompt_ids = part.prompt_ids;

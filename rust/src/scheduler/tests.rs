@@ -586,6 +586,26 @@ fn progress_counts() {
     assert_eq!(prog["prompt_tokens"], 2);
     assert_eq!(prog["output_tokens"], 8);
     assert_eq!(prog["running"] + prog["waiting"], 0);
+    // both rows read, the error row's prompt not queued; the other ran to max_new_tokens
+    assert_eq!(prog["requests_read"], 2);
+    assert_eq!(prog["prompt_tokens_read"], 2);
+    assert_eq!(prog["finished_output_tokens"], 8);
+    assert_eq!(prog["requests_stopped"], 0);
+    s.finish().unwrap();
+}
+
+#[test]
+fn progress_counts_rows_that_stop() {
+    let f = fixture("sched-progress-stop", &[Some("w5 w6"), Some("w7")]);
+    let mut cfg = f.cfg.clone();
+    cfg.eos_token_ids = (0..VOCAB as u32).collect(); // every first token ends its row
+    let mut s = Scheduler::new(cfg).unwrap();
+    drive(&mut s, 1);
+    let prog: BTreeMap<_, _> = s.progress().into_iter().collect();
+    assert_eq!(prog["requests_read"], 2);
+    assert_eq!(prog["prompt_tokens_read"], prog["prompt_tokens"]);
+    assert_eq!(prog["requests_stopped"], 2);
+    assert_eq!(prog["finished_output_tokens"], 2);
     s.finish().unwrap();
 }
 
