@@ -21,6 +21,7 @@ from eaglebatch.errors import JobError
 from eaglebatch.job import builtin
 from eaglebatch.job.config import apply_overrides, job_from_dict
 from eaglebatch.job.secrets import endpoint_has_credentials, is_secret_option
+from eaglebatch.storage.paths import is_remote
 
 MARKER = "# written by `eaglebatch run-batch`; rerun the same command (or `eaglebatch run` on"
 MARKER_2 = "# this file) to resume"
@@ -65,8 +66,6 @@ def _refuse_credentials(storage, path: Path) -> None:
 def _model_ref(model: str) -> str:
     """A model path as an absolute path (the job file's directory is not the shell's), a
     builtin name or an object-store URL as it is."""
-    from eaglebatch.storage.paths import is_remote  # lazy: object_store through the extension
-
     if model.startswith("builtin:") or builtin.is_builtin_model(model) or is_remote(model):
         return model
     return str(Path(model).expanduser().resolve())
