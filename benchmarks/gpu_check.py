@@ -59,8 +59,8 @@ def make_model_dir(out: Path, shape: str, seed: int = 0) -> Path:
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
 
+    from eaglebatch.model.causal_lm import CausalLM
     from eaglebatch.model.config import ModelConfig
-    from eaglebatch.model.llama import LlamaForCausalLM
 
     out.mkdir(parents=True, exist_ok=True)
     s = SHAPES[shape]
@@ -70,7 +70,7 @@ def make_model_dir(out: Path, shape: str, seed: int = 0) -> Path:
            "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32", **s}
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(ModelConfig.from_dir(out))
+    model = CausalLM(ModelConfig.from_dir(out))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -173,10 +173,10 @@ def teacher_forced(model_dir: Path, prompts: list[list[int]], outputs: list[list
     the same inputs, position by position."""
     from eaglebatch.attention import allocate_kv_cache, get_backend
     from eaglebatch.attention.base import AttentionMetadata
-    from eaglebatch.model.llama import LlamaForCausalLM
+    from eaglebatch.model.causal_lm import CausalLM
 
     dt = getattr(torch, dtype)
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=dt, device=device,
+    model = CausalLM.from_pretrained(model_dir, dtype=dt, device=device,
                                              backend=get_backend(backend))
     seqs = [p + o for p, o in zip(prompts, outputs)]
     need = [-(-len(s) // block_size) for s in seqs]
@@ -256,7 +256,7 @@ def step_timings(model_dir: Path, draft_dir: Path, device: str, dtype: str, back
     """Per batch size: eager vs graph time of a plain decode step and of each stage of a
     speculative round, on static buffers filled as the engine fills them."""
     from eaglebatch.attention import allocate_kv_cache, get_backend
-    from eaglebatch.model.llama import LlamaForCausalLM
+    from eaglebatch.model.causal_lm import CausalLM
     from eaglebatch.speculative.eagle import load_draft
     from eaglebatch.speculative.worker import SpecWorker
     from eaglebatch.worker import KvBudget, Worker
@@ -264,7 +264,7 @@ def step_timings(model_dir: Path, draft_dir: Path, device: str, dtype: str, back
     dev = torch.device(device)
     dt = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
     bs, max_len, mb = 16, context + 64, max(batches)
-    model = LlamaForCausalLM.from_pretrained(model_dir, dtype=dt, device=dev,
+    model = CausalLM.from_pretrained(model_dir, dtype=dt, device=dev,
                                              backend=get_backend(backend), max_positions=max_len)
     blocks_per_seq = math.ceil((context + k + 1) / bs)
     num_blocks = mb * blocks_per_seq

@@ -79,12 +79,12 @@ def write_stand_in(out: Path, vocab: int, max_len: int) -> Path:
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
 
+    from eaglebatch.model.causal_lm import CausalLM
     from eaglebatch.model.config import ModelConfig
-    from eaglebatch.model.llama import LlamaForCausalLM
 
     small = dict(SHAPES["tiny"], vocab_size=vocab, num_hidden_layers=1)
     write_config(out, small, "float32", max_len)
-    model = LlamaForCausalLM(ModelConfig.from_dir(out))
+    model = CausalLM(ModelConfig.from_dir(out))
     save_file({k: v.contiguous() for k, v in model.named_parameters()},
               str(out / "model.safetensors"))
     tok = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(vocab)}, unk_token="w0"))
@@ -99,12 +99,12 @@ def build_target(config_dir: Path, device: torch.device, dtype: torch.dtype, bac
                  max_len: int):
     """The target model, allocated and randomly initialised on `device` (no host copy)."""
     from eaglebatch.attention import get_backend
-    from eaglebatch.model import model_class
+    from eaglebatch.model import CausalLM
     from eaglebatch.model.config import ModelConfig
 
     cfg = ModelConfig.from_dir(config_dir)
     with torch.device("meta"):
-        model = model_class(cfg)(cfg, backend=get_backend(backend), dtype=dtype,
+        model = CausalLM(cfg, backend=get_backend(backend), dtype=dtype,
                                  max_positions=max_len)
     model.to_empty(device=device)
     for rotary in model.rotaries():

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from eaglebatch.model import LlamaForCausalLM, ModelConfig
+from eaglebatch.model import CausalLM, ModelConfig
 from eaglebatch.speculative import EagleDraft, default_aux_layer_ids, init_random_draft, load_draft
 from eaglebatch.speculative.draft_config import resolve_aux_layer_ids
 from paged_kv import PagedSequences
@@ -28,10 +28,10 @@ def target_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def target(target_dir):
-    return LlamaForCausalLM.from_pretrained(target_dir)
+    return CausalLM.from_pretrained(target_dir)
 
 
-def load(path, target: LlamaForCausalLM) -> EagleDraft:
+def load(path, target: CausalLM) -> EagleDraft:
     return load_draft(path, target.config, target)
 
 
@@ -206,7 +206,7 @@ def dense_draft(w: dict, cfg: ModelConfig, kind: str, emb, feats) -> torch.Tenso
     return h + (F.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
 
 
-def dense_case(path, target: LlamaForCausalLM, kind: str, cfg: ModelConfig):
+def dense_case(path, target: CausalLM, kind: str, cfg: ModelConfig):
     """Checkpoint tensors, three sequences' tokens and features, and the dense reference's
     outputs over them, for the random head in `path`."""
     w = load_file(path / "model.safetensors")
@@ -312,7 +312,7 @@ def test_models_configure_their_attention_backends(tmp_path, target_dir) -> None
         def configure(self, *args, **kwargs) -> None:
             self.config = args
 
-    tgt = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16,
+    tgt = CausalLM.from_pretrained(target_dir, dtype=torch.bfloat16,
                                            backend=Recording())
     cfg = tgt.config
     assert tgt.backend.config == (cfg.num_attention_heads, cfg.num_key_value_heads,

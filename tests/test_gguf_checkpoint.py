@@ -18,7 +18,7 @@ from click.testing import CliRunner
 from eaglebatch.cpu.gemm import SMALL_GEMM_AVAILABLE
 from eaglebatch.cpu.gguf_blocks import checkpoint, kept_names, quantized_weights
 from eaglebatch.job import builtin
-from eaglebatch.model import ModelConfig, model_class
+from eaglebatch.model import CausalLM, ModelConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from synthetic_gguf import write_llama_gguf  # noqa: E402
@@ -48,9 +48,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_parameters_and_blocks_equal_transformers_conversion(name):
     folder, gguf = builtin.builtin_model_dir(name), builtin.builtin_gguf(name)
     cfg = ModelConfig.from_dir(folder)
-    ref = dict(model_class(cfg).from_pretrained(builtin.builtin_reference_dir(name))
+    ref = dict(CausalLM.from_pretrained(builtin.builtin_reference_dir(name))
                .named_parameters())  # fmt: skip
-    ours = dict(model_class(cfg).from_pretrained(folder, gguf=gguf).named_parameters())
+    ours = dict(CausalLM.from_pretrained(folder, gguf=gguf).named_parameters())
     assert ref.keys() == ours.keys()
     assert [n for n in ref if not same_bits(ref[n], ours[n])] == []
     ck = checkpoint(gguf, cfg)
@@ -86,8 +86,8 @@ def test_a_synthetic_mixed_gguf_equals_transformers_and_runs_both_ways(tmp_path,
     folder = gguf_model_dir(str(gguf))
     cfg = ModelConfig.from_dir(folder)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 2)
-    ref = dict(model_class(cfg).from_pretrained(gguf_reference_dir(str(gguf))).named_parameters())
-    ours = dict(model_class(cfg).from_pretrained(folder, gguf=gguf).named_parameters())
+    ref = dict(CausalLM.from_pretrained(gguf_reference_dir(str(gguf))).named_parameters())
+    ours = dict(CausalLM.from_pretrained(folder, gguf=gguf).named_parameters())
     assert [n for n in ref if not same_bits(ref[n], ours[n])] == []
     blocks = quantized_weights(checkpoint(gguf, cfg))
     assert {qw.type_name for qw in blocks.values()} == {"Q4_0", "Q8_0", "F16", "BF16"}

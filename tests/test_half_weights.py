@@ -183,15 +183,15 @@ def test_every_family_from_sixteen_bits_equals_its_float32_load(tmp_path, varian
     float32 load's, bit for bit."""
     from eaglebatch.cpu import accelerate
     from eaglebatch.cpu.quantized import use_quantized_weights
-    from eaglebatch.model import model_class
+    from eaglebatch.model import CausalLM
     from test_llama import Runner, greedy_generate
 
     path = _hf_bf16(tmp_path, variant)
     cfg = ModelConfig.from_dir(path)
-    ref = model_class(cfg).from_pretrained(path)
+    ref = CausalLM.from_pretrained(path)
     kept = kept_names(path, cfg)
     assert kept and not any("vision" in n or "norm" in n for n in kept)
-    ours = model_class(cfg).from_pretrained(path, skip=kept)
+    ours = CausalLM.from_pretrained(path, skip=kept)
     accelerate(ref, 2)
     accelerate(ours, 2)
     assert set(use_quantized_weights(ours, half_weights(path, cfg), 2)) == kept

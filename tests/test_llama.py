@@ -12,7 +12,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from eaglebatch.attention import allocate_kv_cache
-from eaglebatch.model import LlamaForCausalLM, ModelConfig, model_class
+from eaglebatch.model import CausalLM
 from paged_kv import PagedSequences
 
 SMALL = dict(
@@ -88,13 +88,13 @@ def make_checkpoint(variant: str, path, **save_kwargs):
 def pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     hf = make_checkpoint(request.param, path)
-    return hf, model_class(ModelConfig.from_dir(path)).from_pretrained(path)
+    return hf, CausalLM.from_pretrained(path)
 
 
 class Runner:
     """Drives our model step by step over a paged cache, keeping each sequence's tokens."""
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int = 128) -> None:
+    def __init__(self, model: CausalLM, num_blocks: int = 128) -> None:
         self.model = model
         self.seqs = PagedSequences(num_blocks, BLOCK_SIZE, seed=7)
         self.kv = allocate_kv_cache(model.config, num_blocks, BLOCK_SIZE, model.dtype, "cpu")
@@ -169,7 +169,7 @@ def test_captured_hidden_states_match_hf(pair) -> None:
 
 
 def greedy_generate(
-    ours: LlamaForCausalLM, prompts: list[list[int]], steps: int
+    ours: CausalLM, prompts: list[list[int]], steps: int
 ) -> list[list[int]]:
     run = Runner(ours, num_blocks=256)
     out: list[list[int]] = [[] for _ in prompts]
@@ -206,7 +206,7 @@ def test_greedy_generation_matches_hf(pair, batch_size: int) -> None:
 def test_sharded_checkpoint_loads(tmp_path) -> None:
     hf = make_checkpoint("llama", tmp_path, max_shard_size="100KB")
     assert os.path.exists(tmp_path / "model.safetensors.index.json")
-    ours = LlamaForCausalLM.from_pretrained(tmp_path)
+    ours = CausalLM.from_pretrained(tmp_path)
     run = Runner(ours)
     got = run.step([(0, PROMPTS[0])])
     torch.testing.assert_close(got[0], hf_logits(hf, PROMPTS[0]), atol=1e-4, rtol=1e-4)
@@ -220,7 +220,7 @@ def test_missing_and_unexpected_tensors_are_named(tmp_path) -> None:
     del tensors["model.layers.1.self_attn.k_proj.weight"]
     save_file(tensors, file, metadata={"format": "pt"})
     with pytest.raises(ValueError) as err:
-        LlamaForCausalLM.from_pretrained(tmp_path)
+        CausalLM.from_pretrained(tmp_path)
     assert "missing tensors: model.layers.1.self_attn.k_proj.weight" in str(err.value)
     assert "unexpected tensors: model.layers.0.mlp.extra.weight" in str(err.value)
 
@@ -232,15 +232,15 @@ def test_shape_mismatch_and_no_checkpoint(tmp_path) -> None:
     tensors["model.norm.weight"] = torch.ones(3)
     save_file(tensors, file, metadata={"format": "pt"})
     with pytest.raises(ValueError, match="model.norm.weight"):
-        LlamaForCausalLM.from_pretrained(tmp_path)
+        CausalLM.from_pretrained(tmp_path)
     os.remove(file)
     with pytest.raises(FileNotFoundError, match="safetensors"):
-        LlamaForCausalLM.from_pretrained(tmp_path)
+        CausalLM.from_pretrained(tmp_path)
 
 
 def test_bfloat16_load_casts(tmp_path) -> None:
     make_checkpoint("qwen2", tmp_path)
-    ours = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    ours = CausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in ours.parameters())
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["model_type"] == "qwen2"
@@ -251,7 +251,7 @@ def test_bfloat16_load_casts(tmp_path) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_matches_the_hf_formula(dtype) -> None:
-    from eaglebatch.model.llama import RMSNorm
+    from eaglebatch.model.decoder_layer import RMSNorm
 
     norm = RMSNorm(576, 1e-5, dtype=dtype)
     with torch.no_grad():
@@ -269,7 +269,7 @@ def test_native_rms_norm_matches_torch(rows, size) -> None:
     """The draft heads' native RMSNorm (cpu/norm.py): torch's values to float32 rounding,
     rows independent, and torch's path wherever autograd needs it."""
     from eaglebatch.cpu.norm import use_native_norms
-    from eaglebatch.model.llama import RMSNorm
+    from eaglebatch.model.decoder_layer import RMSNorm
 
     norm = RMSNorm(size, 1e-5)
     with torch.no_grad():
@@ -309,8 +309,8 @@ def test_the_text_tower_of_a_multimodal_gemma3_checkpoint(tmp_path) -> None:
             if "language_model" in name and "norm" not in name:
                 p.normal_(std=1.0 if "embed_tokens" in name else 1.5 / p.shape[-1] ** 0.5)
     hf.save_pretrained(tmp_path)
-    ours = model_class(ModelConfig.from_dir(tmp_path)).from_pretrained(tmp_path)
-    assert ours.config.text_tower and ours.config.family == "gemma3"
+    ours = CausalLM.from_pretrained(tmp_path)
+    assert ours.config.text_tower and ours.config.model_type == "gemma3_text"
     prompts = [list(range(100, 130)), [7, 8, 9]]
     got = greedy_generate(ours, prompts, 12)
     hf.generation_config.eos_token_id = None

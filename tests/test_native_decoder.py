@@ -8,7 +8,7 @@ import torch
 
 from eaglebatch.cpu import SMALL_GEMM_AVAILABLE, accelerate
 from eaglebatch.cpu.attention import CpuAttentionBackend
-from eaglebatch.model import LlamaForCausalLM
+from eaglebatch.model import CausalLM
 from eaglebatch.speculative import load_draft
 from paged_kv import PagedSequences
 from support.spec_models import make_draft_dir, make_target_dir
@@ -18,8 +18,8 @@ from test_llama import PROMPTS, VARIANTS, Runner, hf_logits, make_checkpoint
 pytestmark = pytest.mark.skipif(not SMALL_GEMM_AVAILABLE, reason="needs AVX-512F or AVX2+FMA")
 
 
-def native_model(path) -> LlamaForCausalLM:
-    model = LlamaForCausalLM.from_pretrained(path, backend=CpuAttentionBackend())
+def native_model(path) -> CausalLM:
+    model = CausalLM.from_pretrained(path, backend=CpuAttentionBackend())
     assert accelerate(model, 2)
     return model
 

@@ -193,12 +193,12 @@ def test_quantized_weights_need_a_gguf_model_and_the_native_kernels(tmp_path, ti
 def test_weights_left_to_blocks_are_not_loaded(tiny_model_dir):
     """A worker whose blocks are kept skips their float32 copies: every other parameter loads
     as before, and a checkpoint tensor the model lacks is still an error."""
-    from eaglebatch.model.llama import LlamaForCausalLM
+    from eaglebatch.model.causal_lm import CausalLM
     from eaglebatch.model.weights import load_named_tensors
 
-    full = dict(LlamaForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
+    full = dict(CausalLM.from_pretrained(tiny_model_dir).named_parameters())
     skip = frozenset({"model.layers.0.mlp.up_proj.weight", "model.embed_tokens.weight"})
-    part = LlamaForCausalLM.from_pretrained(tiny_model_dir, skip=skip)
+    part = CausalLM.from_pretrained(tiny_model_dir, skip=skip)
     for name, p in part.named_parameters():
         assert name in skip or torch.equal(p, full[name]), name
     with pytest.raises(ValueError, match="unexpected tensors: extra"):

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from eaglebatch.engine import prepare, run_prepared
 from eaglebatch.errors import JobError
 from eaglebatch.job.config import load_job
-from eaglebatch.model.llama import LlamaForCausalLM
+from eaglebatch.model.causal_lm import CausalLM
 from eaglebatch.speculative import init_random_draft
 from eaglebatch.speculative.eagle import load_draft
 from eaglebatch.train.job import load_train_job
@@ -38,7 +38,7 @@ def _extend(draft, kv, pk, x, feats):
 
 def _random_head(tiny_model_dir, tmp_path, seed: int):
     """(tiny target, random EAGLE-3 head over a 100-token draft vocabulary, aux layers 0-2)."""
-    target = LlamaForCausalLM.from_pretrained(tiny_model_dir)
+    target = CausalLM.from_pretrained(tiny_model_dir)
     d = init_random_draft(tmp_path / "d", tiny_model_dir, kind="eagle3", draft_vocab_size=100,
                           aux_layer_ids=(0, 1, 2), seed=seed)
     return target, load_draft(d, target.config, target)
@@ -242,7 +242,7 @@ def test_verify_rounds_replays_chain_decoding():
 def test_capture_keeps_only_shards_that_hold_the_same_sequences(tiny_model_dir, tmp_path):
     from eaglebatch.train.features import capture
 
-    target = LlamaForCausalLM.from_pretrained(tiny_model_dir)
+    target = CausalLM.from_pretrained(tiny_model_dir)
     console = Console(file=io.StringIO(), width=200)
     first = [([1, 2, 3], [4, 5]), ([6, 7], [8, 9, 10])]
     (path,) = capture(target, first, (0, 1, 2), tmp_path, console, greedy_labels=False)
@@ -389,5 +389,5 @@ def test_train_draft_on_cuda(tiny_model_dir, tmp_path):
         same += int((greedy == shard["labels"][a:b]).sum())
         total += b - a
     assert same / total > 0.99  # float32 on both sides; only summation order differs
-    target = LlamaForCausalLM.from_pretrained(tiny_model_dir)
+    target = CausalLM.from_pretrained(tiny_model_dir)
     assert load_draft(out, target.config, target).eagle3

@@ -25,6 +25,7 @@ from eaglebatch.job import memory
 from eaglebatch.job.config import JobConfig, job_to_dict
 from eaglebatch.job.inputs import check_batch_input, check_input, check_output_apart, kept_columns
 from eaglebatch.job.model_files import ModelFiles, model_files, resolve_draft_dir
+from eaglebatch.model.config import ModelConfig
 from eaglebatch.output.directory import check_output_kind, prepare_output_dir, release_output_dir
 from eaglebatch.output.results_file import check_results_path
 from eaglebatch.output.resume import (
@@ -81,11 +82,11 @@ def _check_model_config(job: JobConfig, mf: ModelFiles, rows: int):
     and the memory plan."""
     # lazy: torch and the extension, which validate and status never need
     from eaglebatch.job.engine_settings import resolve_engine
-    from eaglebatch.model import ModelConfig, model_class
+    from eaglebatch.model.causal_lm import CausalLM
 
     try:
         cfg = ModelConfig.from_dir(mf.dir)
-        shapes = model_class(cfg).check_checkpoint(mf.dir, cfg, gguf=mf.gguf)
+        shapes = CausalLM.check_checkpoint(mf.dir, cfg, gguf=mf.gguf)
     except (ValueError, OSError) as e:
         raise JobError(f"model: {mf.dir}: {e}") from None
     if max(mf.max_token_id, *mf.eos_token_ids, -1) >= cfg.vocab_size:

@@ -38,9 +38,8 @@ from eaglebatch.graphs import (
 from eaglebatch.job.config import EngineConfig, JobConfig
 from eaglebatch.job.engine_settings import EngineSettings
 from eaglebatch.job.model_files import ModelFiles
-from eaglebatch.model import model_class
+from eaglebatch.model.causal_lm import CausalLM
 from eaglebatch.model.config import ModelConfig
-from eaglebatch.model.llama import LlamaForCausalLM
 from eaglebatch.sampling.logits_processing import NO_TOKEN, LogitsControls, without_dead_rows
 from eaglebatch.sampling.logprobs import (
     distribution,
@@ -54,7 +53,7 @@ from eaglebatch.transfer import HostCopy, to_device
 
 
 def _use_stored(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     stored: tuple[str, dict[str, QuantizedWeight]],  # cpu/stored.py's load_stored
     threads: int,
     unloaded: frozenset[str],
@@ -274,7 +273,7 @@ class Worker:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_caches: list[torch.Tensor],
         budget: KvBudget,
         max_model_len: int,
@@ -372,7 +371,7 @@ class Worker:
         ck = checkpoint(mf.gguf, cfg) if mf.gguf is not None else None
         # the float32 parameters of weights read as stored are never filled (not resident)
         skip = stored_names(mf.dir, cfg, ck) if blocks else frozenset()
-        model = model_class(cfg).from_pretrained(
+        model = CausalLM.from_pretrained(
             mf.dir, dtype=dtype, device=device, backend=backend, max_positions=max_model_len,
             skip=skip, gguf=ck,
         )

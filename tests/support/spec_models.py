@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from eaglebatch.attention import allocate_kv_cache
-from eaglebatch.model import LlamaForCausalLM
+from eaglebatch.model import CausalLM
 from eaglebatch.speculative import init_random_draft
 from eaglebatch.worker import KvBudget, Worker
 
@@ -66,7 +66,7 @@ def target_worker(
     block_size: int = 4,
     max_model_len: int = 128,
 ) -> Worker:
-    model = LlamaForCausalLM.from_pretrained(path, max_positions=max_model_len)
+    model = CausalLM.from_pretrained(path, max_positions=max_model_len)
     kv = allocate_kv_cache(model.config, num_blocks, block_size, model.dtype, "cpu")
     return Worker(model, kv, KvBudget(num_blocks, block_size, 0), max_model_len)
 

@@ -2,7 +2,7 @@
 
 The tokenizer has no merges: every byte is one token (ids 0..255), plus special tokens, so any
 text round-trips and every id is < the tiny vocabulary. The model is a random Hugging Face
-LlamaForCausalLM saved as safetensors: the same weights drive eaglebatch and the reference.
+transformers model saved as safetensors: the same weights drive eaglebatch and the reference.
 """
 
 from __future__ import annotations

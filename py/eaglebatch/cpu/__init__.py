@@ -6,7 +6,7 @@ fast path into a built model (cpu/swap.py: the modules keep their identity, para
 names; only methods change):
 
   * every `nn.Linear` -> NativeLinear: few-row products on the native small GEMM (gemm.py);
-  * a LlamaForCausalLM -> NativeLlamaForCausalLM, an EAGLE draft head -> NativeEagleDraft:
+  * a CausalLM -> NativeCausalLM, an EAGLE draft head -> NativeEagleDraft:
     runs of decoder layers in one native call (decoder.py), the LM head on the small GEMM;
   * with `native_norms` (draft heads), every `RMSNorm` -> NativeRMSNorm (norm.py).
 
@@ -31,7 +31,7 @@ __all__ = ["SMALL_GEMM_AVAILABLE", "SMALL_GEMM_MAX_ROWS", "accelerate", "gemm_th
 def accelerate(
     model: nn.Module, threads: int, *, bf16_weights: bool = False, native_norms: bool = False
 ) -> bool:
-    """Swaps the CPU fast path into `model` (a LlamaForCausalLM or an EAGLE draft head whose
+    """Swaps the CPU fast path into `model` (a CausalLM or an EAGLE draft head whose
     parameters are float32 on the CPU), its kernels on up to `threads` threads of torch's
     OpenMP team; with 0 threads, or where this CPU cannot run the kernels, makes `model` plain
     torch again. `bf16_weights`: read weights that hold bfloat16 values exactly from bf16

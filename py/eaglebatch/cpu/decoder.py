@@ -33,7 +33,8 @@ from eaglebatch.attention.base import AttentionMetadata, NativeAttentionPlan
 from eaglebatch.cpu.gemm import GGML_BF16, GGML_F32, SMALL_GEMM_MAX_ROWS, linear
 from eaglebatch.cpu.swap import become, restore
 from eaglebatch.cpu.tensors import eligible, native_ptr, native_ptr_or_null
-from eaglebatch.model.llama import LlamaForCausalLM
+from eaglebatch.model.causal_lm import CausalLM
+from eaglebatch.model.config import ModelConfig
 from eaglebatch.model.rotary import RotaryEmbedding
 
 
@@ -172,8 +173,8 @@ def _native_decoder(
 
 
 class NativeLmHead:
-    """The fast path of a target whose decoder layers run as torch's (Gemma 3; swapped in as
-    NativeGemma3ForCausalLM): its LM head on the native GEMM, tied or not, as every other
+    """The fast path of a target whose decoder layers run as torch's (`native_layers_fit` says
+    no; swapped in as NativeCausalLM): its LM head on the native GEMM, tied or not, as every other
     linear of it (and a tied head read as stored, cpu/quantized.py) -- one rule for which
     kernel computes a product, so a float32 load and one from GGUF blocks or 16-bit weights
     give the same logits bit for bit."""
@@ -189,7 +190,7 @@ class NativeLmHead:
 
 
 class NativeTargetLayers(NativeLmHead):
-    """The fast path of a `LlamaForCausalLM` (swapped in as NativeLlamaForCausalLM): runs of its
+    """The fast path of a `CausalLM` (swapped in as NativeCausalLM): runs of its
     decoder layers in one native call each, and its LM head on the native GEMM."""
 
     state = ("small_gemm_threads", "native_decoder")
@@ -243,15 +244,26 @@ class NativeDraftLayer:
         return h if select is None else h.index_select(0, select)
 
 
+def native_layers_fit(cfg: ModelConfig) -> bool:
+    """Whether the native decoder layer computes `cfg`'s layers: pre-norm RMSNorm, SiLU, per-head
+    or no q/k norms, RoPE over every dimension of every layer, full attention, no multipliers
+    (rust/src/cpu/decoder_layer.rs implements exactly this)."""
+    return (cfg.norm_kind == "rms" and cfg.norm_layout == "pre" and cfg.activation == "silu"
+            and cfg.qk_norm in ("none", "head") and cfg.residual_multiplier == 1.0
+            and cfg.rope_layers is None and cfg.rope_local_theta is None
+            and all(cfg.window_of(i) is None for i in range(cfg.num_hidden_layers)))  # fmt: skip
+
+
 def use_native_layers(model: nn.Module, threads: int) -> None:
-    """Swaps the native decoder layers into `model` -- a LlamaForCausalLM, or an EAGLE draft
+    """Swaps the native decoder layers into `model` -- a CausalLM, or an EAGLE draft
     head (a module with `run_layer`) -- with `threads` GEMM threads, or makes it plain (0)."""
     if threads <= 0:
         restore(model)
-    elif isinstance(model, LlamaForCausalLM) and model.config.family == "llama":
+    elif isinstance(model, CausalLM) and native_layers_fit(model.config):
         become(model, NativeTargetLayers, small_gemm_threads=threads, native_decoder=None)
-    elif isinstance(model, LlamaForCausalLM):
-        # Gemma 3's layers are not Llama's: its linears (cpu/gemm.py) and LM head run natively
+    elif isinstance(model, CausalLM):
+        # layers the native one does not compute: their linears (cpu/gemm.py) and LM head run
+        # natively
         become(model, NativeLmHead, small_gemm_threads=threads)
     elif hasattr(model, "run_layer"):
         become(model, NativeDraftLayer, small_gemm_threads=threads, native_decoder=None)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from eaglebatch.cpu.quantized import BLOCK_TYPES, QuantizedWeight, row_bytes
-from eaglebatch.model import model_class
+from eaglebatch.model import CausalLM
 from eaglebatch.model.gguf_checkpoint import GgufCheckpoint
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ def checkpoint(gguf: str | os.PathLike[str], cfg) -> GgufCheckpoint:
     """GGUF file `gguf`'s tensors for the parameters of a model of `cfg` (ModelConfig), the
     readable block types dequantized by the extension (`expand`)."""
     with torch.device("meta"):
-        names = [n for n, _ in model_class(cfg)(cfg, max_positions=2).named_parameters()]
+        names = [n for n, _ in CausalLM(cfg, max_positions=2).named_parameters()]
     return GgufCheckpoint(gguf, cfg, names, expand=expand)
 
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from eaglebatch.cpu.quantized import QuantizedWeight
-from eaglebatch.model import model_class
+from eaglebatch.model import CausalLM
 from eaglebatch.model.weights import (
     SafetensorsEntry,
     checkpoint_files,
@@ -41,7 +41,7 @@ def _tensors(path: Path, cfg) -> dict[str, tuple[str, int, SafetensorsEntry]]:
     of a model of `cfg` (ModelConfig)'s linears and embedding, named as the model names them
     (a tied checkpoint's own lm_head.weight and other towers' tensors are left out)."""
     with torch.device("meta"):
-        model = model_class(cfg)(cfg, max_positions=2)
+        model = CausalLM(cfg, max_positions=2)
     kinds = (nn.Linear, nn.Embedding)  # what cpu/quantized.py swaps
     wanted = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, kinds)}
     found = {}

@@ -13,7 +13,7 @@ from torch import nn
 from eaglebatch import _native
 from eaglebatch.cpu.swap import become, restore
 from eaglebatch.cpu.tensors import eligible, native_ptr
-from eaglebatch.model.llama import RMSNorm
+from eaglebatch.model.decoder_layer import RMSNorm
 
 
 class NativeNorm:

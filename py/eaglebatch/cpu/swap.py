@@ -2,7 +2,7 @@
 
 `become(module, FastPath)` makes the module an instance of a subclass of its own class with the
 `FastPath` mixin first in the method order, named "Native" + the class name (NativeLinear,
-NativeRMSNorm, NativeLlamaForCausalLM, NativeEagleDraft: `print(model)` shows what was
+NativeRMSNorm, NativeCausalLM, NativeEagleDraft: `print(model)` shows what was
 swapped). The module keeps its identity, parameters, buffers, state-dict names and hooks; only
 the methods the mixin defines change, and they call the plain class's (`super()`) wherever the
 fast path does not apply. This is how torch.nn.utils.parametrize changes a module's class.

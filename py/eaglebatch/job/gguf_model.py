@@ -26,13 +26,12 @@ import tempfile
 from pathlib import Path
 
 from eaglebatch.errors import JobError
+from eaglebatch.model.registry import GGUF_ARCHITECTURES
 
 MAGIC = b"GGUF"
 FORMAT_VERSION = "2"  # the folder of config + tokenizer (weights read from the GGUF file)
 REFERENCE_VERSION = "1"  # the float32 folder of gguf_reference_dir
 SOURCE_FILE = "eaglebatch_source.json"
-# GGUF `general.architecture`s of the families model/ implements (Mistral files say "llama")
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
 
 def cache_dir() -> Path:
@@ -150,9 +149,9 @@ def _converted(model: str, kind: str, convert, runnable: bool) -> Path:
         if f.read(4) != MAGIC:
             raise JobError(f"model: {path} does not start with the GGUF magic: not a GGUF file")
     arch = _architecture(path)
-    if runnable and arch not in ARCHITECTURES:
+    if runnable and arch not in GGUF_ARCHITECTURES:
         raise JobError(f"model: {model}: cannot run a GGUF file of architecture {arch!r} "
-                       f"(eaglebatch runs {', '.join(ARCHITECTURES)})")  # fmt: skip
+                       f"(eaglebatch runs {', '.join(GGUF_ARCHITECTURES)})")  # fmt: skip
     root = cache_dir() / "models"
     root.mkdir(parents=True, exist_ok=True)
     digest = _content_hash(path, root / "gguf-hashes.json")

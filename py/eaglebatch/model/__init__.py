@@ -1,12 +1,16 @@
-"""Model definitions: config parsing, the Llama-family and Gemma 3 decoders, checkpoint loading."""
+"""Model definitions: config parsing, the family registry, the shared decoder, checkpoint
+loading. `CausalLM` is imported on first use (it pulls torch), so the config and the registry
+stay light for the job checks."""
 
 from eaglebatch.model.config import ModelConfig, RopeScaling
-from eaglebatch.model.gemma3 import Gemma3ForCausalLM
-from eaglebatch.model.llama import LlamaForCausalLM
 
-__all__ = ["Gemma3ForCausalLM", "LlamaForCausalLM", "ModelConfig", "RopeScaling", "model_class"]
+__all__ = ["CausalLM", "ModelConfig", "RopeScaling"]
 
 
-def model_class(cfg: ModelConfig) -> type[LlamaForCausalLM]:
-    """The module class of a config's family (Gemma3ForCausalLM subclasses LlamaForCausalLM)."""
-    return Gemma3ForCausalLM if cfg.family == "gemma3" else LlamaForCausalLM
+def __getattr__(name: str):
+    if name == "CausalLM":
+        # lazy: torch, which the config and the registry never need
+        from eaglebatch.model.causal_lm import CausalLM
+
+        return CausalLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,127 +1,62 @@
-"""Gemma 3 text models (`gemma3_text`) over packed tokens and a paged KV cache.
+"""Gemma 3 text models (`gemma3_text`, and the text tower of a multimodal `gemma3`).
 
-What differs from the Llama family (model/llama.py, whose loading, capture and LM head this
-reuses): embeddings scaled by sqrt(hidden); RMSNorm computed in float32 and scaled by
-(1 + weight); per-head q/k norms; four norms per layer (before and after attention and the MLP);
-GeGLU with tanh-approximated GELU; attention scale query_pre_attn_scalar ** -0.5; and layers
-of two kinds (`ModelConfig.layer_types`): sliding layers attend to the last `attention_window`
-positions (the attention backend masks the rest) with RoPE base `rope_local_theta`, full layers
-to every position with `rope_theta` and its scaling. Parameter names are transformers'.
+What differs from Llama: embeddings scaled by sqrt(hidden); (1 + weight) RMSNorms in float32;
+per-head q/k norms; four norms per layer (before and after attention and the MLP); GeGLU with
+tanh GELU; attention scale query_pre_attn_scalar ** -0.5; tied embeddings by default; optional
+final logit soft-capping; and two kinds of layers (`layer_types`): sliding layers attend to the
+last `sliding_window` positions with RoPE base `rope_local_base_freq` (or rope_parameters'
+sliding_attention entry, unscaled), full layers to every position with `rope_theta` and its
+scaling. llama.cpp stores its norm weights as 1 + w.
 """
 
 from __future__ import annotations
 
-import dataclasses
+from typing import Any
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-from eaglebatch.attention.base import AttentionBackend, AttentionMetadata
-from eaglebatch.model.config import ModelConfig
-from eaglebatch.model.llama import Attention, LlamaForCausalLM, _embedding
-from eaglebatch.model.rotary import RotaryEmbedding
+from eaglebatch.model.config_values import bool_value, int_value, positive_float, refuse
+from eaglebatch.model.family import FULL, SLIDING, Family
 
 
-class GemmaRMSNorm(nn.Module):
-    """x / rms(x) * (1 + weight), in float32, cast back (transformers' Gemma3RMSNorm)."""
-
-    def __init__(self, size: int, eps: float, **factory) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(size, **factory))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
-        x32 = x.float()
-        out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).type_as(x)
+def _layer_types(raw: dict[str, Any]) -> tuple[str, ...]:
+    layers = int_value(raw, "num_hidden_layers")
+    types = raw.get("layer_types")
+    if types is None:  # older configs: every `sliding_window_pattern`-th layer is global
+        pattern = int_value(raw, "sliding_window_pattern", 6)
+        types = [FULL if (i + 1) % pattern == 0 else SLIDING for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or set(types) - {SLIDING, FULL}:
+        raise ValueError(f"model config: layer_types must list {layers} of {SLIDING!r} / {FULL!r}")
+    return tuple(types)
 
 
-class Gemma3Attention(Attention):
-    """Llama's attention with Gemma norms on the q/k heads and the layer's window."""
-
-    def __init__(self, cfg: ModelConfig, layer_idx: int, **factory) -> None:
-        super().__init__(cfg, layer_idx, **factory)
-        self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps, **factory)
-        self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps, **factory)
-
-
-class GeGLU(nn.Module):
-    """down(gelu_tanh(gate(x)) * up(x))."""
-
-    def __init__(self, cfg: ModelConfig, **factory) -> None:
-        super().__init__()
-        hidden, inner = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(hidden, inner, bias=False, **factory)
-        self.up_proj = nn.Linear(hidden, inner, bias=False, **factory)
-        self.down_proj = nn.Linear(inner, hidden, bias=False, **factory)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+def _local_theta(raw: dict[str, Any]) -> float:
+    params = raw.get("rope_parameters")
+    local = params.get(SLIDING) if isinstance(params, dict) else None
+    if isinstance(local, dict) and local.get("rope_type", "default") != "default":
+        raise ValueError("model config: RoPE scaling of sliding layers is not supported")
+    theta = local.get("rope_theta") if isinstance(local, dict) else raw.get("rope_local_base_freq")
+    return float(theta if theta is not None else 10000.0)
 
 
-class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, **factory) -> None:
-        super().__init__()
-        h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(h, eps, **factory)
-        self.self_attn = Gemma3Attention(cfg, layer_idx, **factory)
-        self.post_attention_layernorm = GemmaRMSNorm(h, eps, **factory)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, **factory)
-        self.mlp = GeGLU(cfg, **factory)
-        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, **factory)
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, H] residual stream
-        cos: torch.Tensor,  # [T, 1, D] of this layer's kind
-        sin: torch.Tensor,
-        attn: AttentionMetadata,
-        kv_cache: torch.Tensor,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:  # [T, H]
-        a = self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache, backend)
-        h = x + self.post_attention_layernorm(a)
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+def _features(raw: dict[str, Any]) -> dict[str, Any]:
+    refuse(raw, "attn_logit_softcapping", "use_bidirectional_attention")
+    bias = bool_value(raw, "attention_bias")
+    cap = raw.get("final_logit_softcapping")
+    return {
+        "attention_bias": bias,
+        "o_proj_bias": bias,
+        "norm_kind": "rms_plus_one",
+        "norm_layout": "sandwich",
+        "qk_norm": "head",
+        "embedding_multiplier": int_value(raw, "hidden_size") ** 0.5,
+        "query_pre_attn_scalar": positive_float(raw, "query_pre_attn_scalar", 256.0),
+        "final_logit_softcapping": None if cap is None else positive_float(
+            raw, "final_logit_softcapping", 1.0),
+        "layer_types": _layer_types(raw),
+        "attention_window": int_value(raw, "sliding_window", 4096),
+        "rope_local_theta": _local_theta(raw),
+    }
 
 
-class Gemma3Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int | None, **factory) -> None:
-        super().__init__()
-        self.embed_tokens = _embedding(cfg.vocab_size, cfg.hidden_size, **factory)
-        self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(cfg, i, **factory) for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **factory)
-        device = factory.get("device")
-        self.rotary_emb = RotaryEmbedding(cfg, max_positions, device=device)  # full layers
-        local = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None)
-        self.rotary_local = RotaryEmbedding(local, max_positions, device=device)
-
-
-class Gemma3ForCausalLM(LlamaForCausalLM):
-    """The Gemma 3 decoder + tied LM head (optionally soft-capped logits); see the module doc."""
-
-    def _build_model(self, cfg: ModelConfig, max_positions: int | None, **factory) -> nn.Module:
-        return Gemma3Model(cfg, max_positions, **factory)
-
-    def rotaries(self) -> list[RotaryEmbedding]:
-        return [self.model.rotary_emb, self.model.rotary_local]
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
-        h = self.model.embed_tokens(input_ids)
-        return h * torch.tensor(self.config.hidden_size**0.5, dtype=h.dtype)
-
-    def run_layers(self, h, positions, attn, kv_caches, first: int, last: int) -> torch.Tensor:
-        """Decoder layers first..last-1 over h [T, H], each with its kind's RoPE."""
-        full = self.model.rotary_emb(positions, h.dtype)  # ([T, 1, D], [T, 1, D])
-        local = self.model.rotary_local(positions, h.dtype)
-        for i in range(first, last):
-            cos, sin = local if self.config.window_of(i) is not None else full
-            h = self.model.layers[i](h, cos, sin, attn, kv_caches[i], self.backend)
-        return h
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> float32 [N, V]
-        logits = self.lm_head_forward(hidden).float()
-        cap = self.config.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+GEMMA3 = Family("gemma3_text", "Gemma3ForCausalLM", _features, tie_word_embeddings=True,
+                text_tower_of=("gemma3",), gguf_architectures=("gemma3",),
+                gguf_norm_offset=1.0)  # fmt: skip

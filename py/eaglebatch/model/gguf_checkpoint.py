@@ -4,9 +4,9 @@ time while a dequantized parameter is filled).
 
 Invariants:
 - a tensor reaches the model as transformers' GGUF loader converts it (the tests' reference):
-  the `gguf` package's dequantizer to float32, then the architecture's fix-up, FIXUPS: llama
-  un-permutes the rows of q_proj and k_proj (llama.cpp interleaves each head's two RoPE halves),
-  gemma2 / gemma3 store norm weights plus one;
+  the `gguf` package's dequantizer to float32, then the family's fix-ups (family.py): the rows
+  of q_proj and k_proj un-permuted where llama.cpp interleaved each head's two RoPE halves
+  (`gguf_qk_permuted`), norm weights less what llama.cpp added (`gguf_norm_offset`);
 - `blocks(name)` is the file's bytes of a quantized weight in the parameter's row order: a view
   of the map when the order is the file's (nothing read until a kernel reads it), else a copy
   of the rows whose mapped pages are dropped from this process again (not resident twice);
@@ -25,7 +25,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eaglebatch.model.family import Family
 from eaglebatch.model.gguf_file import GgufFile
+from eaglebatch.model.registry import family_of
 
 
 def _qk_rows(rows: int, heads: int) -> np.ndarray:
@@ -35,8 +37,8 @@ def _qk_rows(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, half, 2).swapaxes(1, 2).reshape(-1)
 
 
-def _row_order(arch: str, gguf_name: str, rows: int, cfg) -> np.ndarray | None:
-    if arch != "llama":
+def _row_order(family: Family, gguf_name: str, rows: int, cfg) -> np.ndarray | None:
+    if not family.gguf_qk_permuted:
         return None
     if ".attn_q." in gguf_name:
         return _qk_rows(rows, cfg.num_attention_heads)
@@ -45,8 +47,8 @@ def _row_order(arch: str, gguf_name: str, rows: int, cfg) -> np.ndarray | None:
     return None
 
 
-def _plus_one_norm(arch: str, gguf_name: str) -> bool:
-    return arch in ("gemma2", "gemma3") and "norm.weight" in gguf_name
+def _norm_offset(family: Family, gguf_name: str) -> float:
+    return family.gguf_norm_offset if "norm.weight" in gguf_name else 0.0
 
 
 class GgufCheckpoint:
@@ -66,6 +68,7 @@ class GgufCheckpoint:
         self.expand = expand
         self.reader = GgufFile(self.path)
         self.arch = self.reader.architecture
+        self.family = family_of(cfg.model_type)
         by_name = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
         if self.arch not in by_name:
             raise ValueError(f"architecture {self.arch!r} unknown to the gguf package")
@@ -106,11 +109,12 @@ class GgufCheckpoint:
         if w is None:
             qtype = GGMLQuantizationType(t.ggml_type)
             w = np.asarray(dequantize(t.data, qtype), dtype=np.float32).reshape(shape)
-        order = _row_order(self.arch, t.name, shape[0], self.cfg) if len(shape) == 2 else None
+        order = _row_order(self.family, t.name, shape[0], self.cfg) if len(shape) == 2 else None
         if order is not None:
             w = w[order]
-        if _plus_one_norm(self.arch, t.name):
-            w = w - np.float32(1)
+        offset = _norm_offset(self.family, t.name)
+        if offset:
+            w = w - np.float32(offset)
         return torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
 
     def iter_float32(self, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -123,7 +127,7 @@ class GgufCheckpoint:
         in its row order, a view of the map where the order is the file's."""
         t = self.tensors[name]
         data = t.data.reshape(t.data.shape[0], -1).view(np.uint8)  # [rows, row bytes] of the map
-        order = _row_order(self.arch, t.name, data.shape[0], self.cfg)
+        order = _row_order(self.family, t.name, data.shape[0], self.cfg)
         if order is None:
             with warnings.catch_warnings():  # read-only: the kernels never write blocks
                 warnings.simplefilter("ignore", UserWarning)

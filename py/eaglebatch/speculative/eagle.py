@@ -25,8 +25,9 @@ from torch import nn
 
 from eaglebatch.attention import get_backend
 from eaglebatch.attention.base import AttentionBackend, AttentionMetadata
+from eaglebatch.model.causal_lm import CausalLM
 from eaglebatch.model.config import ModelConfig
-from eaglebatch.model.llama import MLP, LlamaForCausalLM, RMSNorm
+from eaglebatch.model.decoder_layer import MLP, RMSNorm
 from eaglebatch.model.rotary import RotaryEmbedding, apply_rotary
 from eaglebatch.model.weights import load_named_tensors
 from eaglebatch.sampling.sampler import argmax
@@ -108,7 +109,7 @@ class EagleDraft(nn.Module):
     def __init__(
         self,
         cfg: DraftConfig,
-        target: LlamaForCausalLM,
+        target: CausalLM,
         *,
         backend: AttentionBackend | None = None,
         dtype: torch.dtype = torch.float32,
@@ -145,7 +146,7 @@ class EagleDraft(nn.Module):
     # ---- shared pieces -------------------------------------------------------------------------
 
     @property
-    def target(self) -> LlamaForCausalLM:
+    def target(self) -> CausalLM:
         return self._target[0]
 
     @property
@@ -278,7 +279,7 @@ class EagleDraft(nn.Module):
 def load_draft(
     path: str | os.PathLike[str],
     target_cfg: ModelConfig,
-    target_model: LlamaForCausalLM,
+    target_model: CausalLM,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
     *,

@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eaglebatch.attention import AttentionMetadata, allocate_kv_cache
-from eaglebatch.model.llama import LlamaForCausalLM
+from eaglebatch.model.causal_lm import CausalLM
 from eaglebatch.train.data import PromptEncoder
 
 SHARD_SEQS = 64
@@ -50,7 +50,7 @@ def training_sequences(prompts: Path, gen_dir: Path, enc: PromptEncoder) -> list
 
 @torch.inference_mode()
 def capture(
-    target: LlamaForCausalLM,
+    target: CausalLM,
     seqs: list[tuple[list[int], list[int]]],
     aux_layers: tuple[int, ...],
     out_dir: Path,

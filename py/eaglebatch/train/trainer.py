@@ -34,8 +34,8 @@ from eaglebatch.errors import JobError
 from eaglebatch.job.engine_settings import resolve_device
 from eaglebatch.job.fingerprint import sha256_file
 from eaglebatch.job.model_files import model_files, resolve_draft_dir
+from eaglebatch.model.causal_lm import CausalLM
 from eaglebatch.model.config import ModelConfig
-from eaglebatch.model.llama import LlamaForCausalLM
 from eaglebatch.speculative import init_random_draft
 from eaglebatch.speculative.draft_config import default_aux_layer_ids
 from eaglebatch.speculative.eagle import EagleDraft, load_draft
@@ -64,7 +64,7 @@ def draft_vocabulary(data: ShardData, size: int, eos_ids: tuple[int, ...]) -> li
     return sorted(top[:size])
 
 
-def init_head(job: TrainJob, target: LlamaForCausalLM, model_dir: Path, vocab: list[int],
+def init_head(job: TrainJob, target: CausalLM, model_dir: Path, vocab: list[int],
               aux: tuple[int, ...]) -> EagleDraft:
     """A fresh head, written to work/ckpt/init: random layer, lm_head rows and final norm copied
     from the target (tied embedding), fc the identity on the highest aux layer."""
@@ -85,7 +85,7 @@ def init_head(job: TrainJob, target: LlamaForCausalLM, model_dir: Path, vocab: l
     return draft
 
 
-def copy_init_head(job: TrainJob, target: LlamaForCausalLM) -> tuple[EagleDraft, list[int], str]:
+def copy_init_head(job: TrainJob, target: CausalLM) -> tuple[EagleDraft, list[int], str]:
     """head.init_from: copies the head into work/ckpt/init (unless that copy is already of the
     same weights) and returns (the head loaded from it in float32, its draft vocabulary as
     target ids, its weights' sha256). Fails with a JobError naming head.init_from if it is not
@@ -289,7 +289,7 @@ def _fingerprint(job: TrainJob, vocab: list[int], n_seqs: int, init: str | None)
             **({"init_from": init} if init else {})}
 
 
-def collect_sequences(job: TrainJob, mf, target: LlamaForCausalLM, aux, console) -> list[Path]:
+def collect_sequences(job: TrainJob, mf, target: CausalLM, aux, console) -> list[Path]:
     """Stages 1-2: self-distilled answers and reference answers -> feature shards."""
     enc = PromptEncoder(job, mf)
     gen_dir = generate_answers(job, mf, console)
@@ -321,7 +321,7 @@ def train_draft(job: TrainJob, console) -> Path:
     job.work_dir.mkdir(parents=True, exist_ok=True)
     # float32 wherever it runs: the features and labels are those of the float32 target
     gguf = checkpoint(mf.gguf, ModelConfig.from_dir(mf.dir)) if mf.gguf is not None else None
-    target = LlamaForCausalLM.from_pretrained(mf.dir, dtype=torch.float32, device=device,
+    target = CausalLM.from_pretrained(mf.dir, dtype=torch.float32, device=device,
                                               gguf=gguf)  # fmt: skip
     for p in target.parameters():
         p.requires_grad_(False)

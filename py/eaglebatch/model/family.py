@@ -1,0 +1,72 @@
+"""`Family`: what is particular to one model family, declared in its own file under model/
+(llama.py, qwen3.py, gemma3.py, ...) and found by `model_type` in registry.py.
+
+A family says how its `config.json` maps onto the engine's ModelConfig (the fields that are
+not read the same way for every family: biases, windows, norm kind and placement, q/k norms,
+multipliers, soft-capping, per-layer types), which checkpoint tensors it stores differently
+(fused projections split into the decoder's parameters), and how llama.cpp stores it in GGUF.
+The decoder (decoder_layer.py, causal_lm.py) and every execution path read ModelConfig's
+features only, never a family's name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+SLIDING, FULL = "sliding_attention", "full_attention"  # the layer types of `layer_types`
+
+
+@dataclass(frozen=True)
+class Fused:
+    """A checkpoint tensor `name` (a suffix, e.g. "self_attn.qkv_proj.weight") that holds the
+    parameters `parts` (suffixes) stacked along dim 0, of `sizes(cfg)` rows each."""
+
+    name: str
+    parts: tuple[str, ...]
+    sizes: Callable[[Any], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str  # config.json's model_type
+    architecture: str  # the causal-LM class its `architectures` names
+    # raw config.json -> the ModelConfig fields this family sets (the rest keep their defaults);
+    # raises ValueError naming a key whose value the family does not implement
+    features: Callable[[dict[str, Any]], dict[str, Any]]
+    tie_word_embeddings: bool = False  # the default when config.json does not say
+    # multimodal model_types whose `text_config` is this family's text model
+    text_tower_of: tuple[str, ...] = ()
+    fused: tuple[Fused, ...] = ()
+    # GGUF: llama.cpp's `general.architecture` names of this family's files, whether its
+    # converter interleaved the two RoPE halves of q/k rows (llama), and what it added to norm
+    # weights (Gemma stores 1 + w)
+    gguf_architectures: tuple[str, ...] = ()
+    gguf_qk_permuted: bool = False
+    gguf_norm_offset: float = 0.0
+
+    def split(self, name: str, shape_or_tensor, cfg) -> Iterator[tuple[str, Any]]:
+        """Checkpoint tensor `name` as (parameter name, tensor or shape) pairs: a fused tensor
+        split into its parts, any other as it is. Works on torch tensors and on shapes."""
+        for f in self.fused:
+            if name.endswith(f.name):
+                yield from _split(name[: -len(f.name)], f, shape_or_tensor, cfg)
+                return
+        yield name, shape_or_tensor
+
+
+def _split(prefix: str, f: Fused, value, cfg) -> Iterator[tuple[str, Any]]:
+    sizes = f.sizes(cfg)
+    if hasattr(value, "shape"):  # a tensor
+        if value.shape[0] != sum(sizes):
+            raise ValueError(f"tensor {prefix + f.name!r} has {value.shape[0]} rows, the model "
+                             f"expects {sum(sizes)} ({' + '.join(map(str, sizes))})")  # fmt: skip
+        yield from zip((prefix + p for p in f.parts), value.split(sizes, dim=0))
+        return
+    shape = tuple(value)
+    if shape[0] != sum(sizes):
+        raise ValueError(f"tensor {prefix + f.name!r} has shape {shape}, the model expects "
+                         f"{sum(sizes)} rows ({' + '.join(map(str, sizes))})")  # fmt: skip
+    for part, rows in zip(f.parts, sizes):
+        yield prefix + part, (rows, *shape[1:])

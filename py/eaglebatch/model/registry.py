@@ -1,0 +1,49 @@
+"""The one table from a checkpoint's `model_type` to its family (one file each under model/).
+Adding a family: write its file (family.py says what it declares) and list it here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eaglebatch.model.family import Family
+from eaglebatch.model.gemma3 import GEMMA3
+from eaglebatch.model.llama import LLAMA
+from eaglebatch.model.mistral import MISTRAL
+from eaglebatch.model.qwen2 import QWEN2
+from eaglebatch.model.qwen3 import QWEN3
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3)}
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+
+
+def family_of(model_type: Any) -> Family:
+    """The family of `model_type`; a ValueError listing the supported ones otherwise."""
+    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        raise ValueError(f"unsupported model_type {model_type!r}; "
+                         f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")  # fmt: skip
+    return family
+
+
+def family_of_gguf(architecture: str) -> Family | None:
+    """The family whose GGUF files say `general.architecture` = `architecture`."""
+    return next((f for f in FAMILIES.values() if architecture in f.gguf_architectures), None)
+
+
+GGUF_ARCHITECTURES = tuple(a for f in FAMILIES.values() for a in f.gguf_architectures)
+
+
+def text_model_config(raw: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """A multimodal config as its text model's (the top level's keys, then text_config's,
+    with the text family's model_type and architecture), and whether it was one."""
+    family = next((f for f in FAMILIES.values() if raw.get("model_type") in f.text_tower_of),
+                  None)  # fmt: skip
+    if family is None:
+        return raw, False
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"model config: a {raw['model_type']} config needs a text_config")
+    towers = ("text_config", "vision_config", "audio_config")
+    top = {k: v for k, v in raw.items() if k not in towers}
+    return {**top, **text, "model_type": family.model_type,
+            "architectures": [family.architecture]}, True  # fmt: skip
