@@ -26,25 +26,14 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from eaglebatch.model.rope_config import (  # noqa: F401 (re-exported)
+    SUPPORTED_ROPE_TYPES,
+    RopeScaling,
+    parse_rope,
+)
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 SLIDING, FULL = "sliding_attention", "full_attention"  # Gemma 3's layer types
-
-# RoPE scaling types we implement. "dynamic" (NTK) is refused on purpose: it rescales the
-# frequencies with the *current* batch's length, so a token's logits would depend on which other
-# requests share its batch.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """A non-default RoPE frequency scaling. `rope_type` is "linear" or "llama3"."""
-
-    rope_type: str
-    factor: float
-    # llama3 only.
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
 
 
 @dataclass(frozen=True)
@@ -126,7 +115,7 @@ class ModelConfig:
         model_type = _model_type(raw)
         hidden, heads, kv_heads, head_dim = _attention_shape(raw)
         max_pos = _int(raw, "max_position_embeddings")
-        rope_theta, rope_scaling = _parse_rope(raw, max_pos)
+        rope_theta, rope_scaling = parse_rope(raw, max_pos)
         arch = _architecture(raw, model_type)
         attention_bias, o_proj_bias, window = _biases_and_window(raw, model_type)
         eos_ids = _eos_ids(raw)
@@ -318,45 +307,3 @@ def _token_id(value: Any, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"model config: {key} must hold token ids, got {value!r}")
     return value
-
-
-def _parse_rope(raw: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, scaling) from `rope_theta`/`rope_scaling` or `rope_parameters`."""
-    params = raw.get("rope_parameters")
-    scaling = raw.get("rope_scaling")
-    if isinstance(params, dict) and "full_attention" in params:  # per-layer-type layout
-        params = params["full_attention"]
-    theta = raw.get("rope_theta")
-    if theta is None and isinstance(params, dict):
-        theta = params.get("rope_theta")
-    theta = float(theta if theta is not None else 10000.0)
-
-    spec = scaling if scaling else params
-    if not spec:
-        return theta, None
-    key = "rope_type" if "rope_type" in spec else "type"
-    rope_type = spec.get(key, "default")
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"unsupported RoPE scaling {key}={rope_type!r}; supported: "
-            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    if rope_type == "default":
-        return theta, None
-    if "factor" not in spec:
-        raise ValueError(f"RoPE scaling {rope_type!r} is missing 'factor'")
-    factor = float(spec["factor"])
-    if rope_type == "linear":
-        return theta, RopeScaling("linear", factor)
-    missing = [k for k in ("low_freq_factor", "high_freq_factor") if k not in spec]
-    if missing:
-        raise ValueError(f"RoPE scaling 'llama3' is missing {', '.join(missing)}")
-    return theta, RopeScaling(
-        "llama3",
-        factor,
-        low_freq_factor=float(spec["low_freq_factor"]),
-        high_freq_factor=float(spec["high_freq_factor"]),
-        original_max_position_embeddings=int(
-            spec.get("original_max_position_embeddings") or max_pos
-        ),
-    )
