@@ -113,12 +113,12 @@ def parse_rope(raw: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling | 
         )
     if rope_type == "default":
         return theta, None
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", _factor(spec, "linear", None))
     original = _original_len(raw, spec, max_pos, nested and not scaling)
     if rope_type == "longrope":
         return theta, _longrope(spec, original, max_pos)
     factor = _factor(spec, rope_type, None if rope_type != "yarn" else max_pos / original)
-    if rope_type == "linear":
-        return theta, RopeScaling("linear", factor)
     if rope_type == "yarn":
         # transformers reads `truncate` from the outer dict, never from a nested entry
         outer = raw["rope_parameters"] if nested and not scaling else spec
