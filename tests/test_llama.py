@@ -45,6 +45,10 @@ VARIANTS = {
     # head_dim independent of hidden / heads (64 / 4 = 16), per-head q/k norms
     "qwen3": lambda: transformers.Qwen3Config(**SMALL, head_dim=24, tie_word_embeddings=True),
     "qwen3_bias": lambda: transformers.Qwen3Config(**SMALL, head_dim=32, attention_bias=True),
+    # YaRN: blended frequencies and cos/sin scaled by its attention factor (Qwen3's long context)
+    "qwen3_yarn": lambda: transformers.Qwen3Config(**SMALL, head_dim=32, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+        "rope_theta": 10000.0}),
     # sliding layers see the last 8 positions (prompts run to 40 tokens), the full one all
     "gemma3": lambda: transformers.Gemma3TextConfig(
         **{**SMALL, "num_hidden_layers": 3}, head_dim=24, sliding_window=8,

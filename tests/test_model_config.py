@@ -90,7 +90,7 @@ def test_linear_rope_scaling() -> None:
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ({"rope_type": "yarn", "factor": 4.0}, "rope_type='yarn'"),
+        ({"rope_type": "mrope", "factor": 4.0}, "rope_type='mrope'; supported: default, "),
         ({"type": "dynamic", "factor": 2.0}, "type='dynamic'"),
         ({"rope_type": "llama3", "factor": 8.0}, "low_freq_factor"),
         ({"type": "linear"}, "factor"),

@@ -251,6 +251,7 @@ def native_layers_fit(cfg: ModelConfig) -> bool:
     return (cfg.norm_kind == "rms" and cfg.norm_layout == "pre" and cfg.activation == "silu"
             and cfg.qk_norm in ("none", "head") and cfg.residual_multiplier == 1.0
             and cfg.rope_layers is None and cfg.rope_local_theta is None
+            and cfg.rotary_dim is None
             and all(cfg.window_of(i) is None for i in range(cfg.num_hidden_layers)))  # fmt: skip
 
 

@@ -28,25 +28,15 @@ from typing import Any
 from eaglebatch.model.config_values import bool_value, int_value, positive_float, token_id
 from eaglebatch.model.family import SLIDING
 from eaglebatch.model.registry import family_of, text_model_config
+from eaglebatch.model.rope_config import (  # noqa: F401 (re-exported)
+    SUPPORTED_ROPE_TYPES,
+    RopeScaling,
+    parse_rope,
+    rotary_dim_of,
+)
 
-# RoPE scaling types we implement. "dynamic" (NTK) is refused on purpose: it rescales the
-# frequencies with the *current* batch's length, so a token's logits would depend on which other
-# requests share its batch.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # hidden_act values -> the decoder's activation names
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """A non-default RoPE frequency scaling. `rope_type` is "linear" or "llama3"."""
-
-    rope_type: str
-    factor: float
-    # llama3 only.
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
 
 
 @dataclass(frozen=True)
@@ -93,6 +83,7 @@ class ModelConfig:
     attention_window: int | None = None  # the window of SLIDING layers (real windowed attention)
     rope_local_theta: float | None = None  # the RoPE base of SLIDING layers (None: rope_theta)
     rope_layers: tuple[bool, ...] | None = None  # per layer whether RoPE applies; None: all
+    rotary_dim: int | None = None  # the leading dims of a head RoPE rotates; None: head_dim
     # the text tower of a multimodal checkpoint (e.g. `gemma3` with a text_config): its tensors
     # are named language_model.* and the other towers' are skipped (weights.text_tower_name)
     text_tower: bool = False
@@ -114,10 +105,10 @@ class ModelConfig:
 
     @property
     def max_model_len(self) -> int:
-        """Longest sequence (prompt + output) the model serves; see the module doc on windows."""
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
-        return self.max_position_embeddings
+        """Longest sequence (prompt + output) the model serves: see the module doc on windows;
+        longrope serves the lengths its short factors cover (rope_config.py)."""
+        caps = (self.sliding_window, self.rope_scaling and self.rope_scaling.max_len_cap)
+        return min((self.max_position_embeddings, *(c for c in caps if c)))
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike[str]) -> ModelConfig:
@@ -146,7 +137,10 @@ class ModelConfig:
         family = family_of(raw.get("model_type"))
         hidden, heads, kv_heads, head_dim = _attention_shape(raw)
         max_pos = int_value(raw, "max_position_embeddings")
-        rope_theta, rope_scaling = _parse_rope(raw, max_pos)
+        rope_theta, rope_scaling = parse_rope(raw, max_pos)
+        rotary_dim = rotary_dim_of(raw, head_dim)
+        if rope_scaling is not None:
+            rope_scaling.check_rotary_dim(rotary_dim)
         _check_architecture(raw, family.model_type, family.architecture)
         features = family.features(raw)
         window = features.get("sliding_window")
@@ -170,6 +164,7 @@ class ModelConfig:
                                            family.tie_word_embeddings),  # fmt: skip
             mlp_bias=bool_value(raw, "mlp_bias"),
             activation=activation(raw),
+            rotary_dim=None if rotary_dim == head_dim else rotary_dim,
             text_tower=tower,
             **{**features, "sliding_window": int(window) if window else None},
             **_special_tokens(raw),
@@ -225,45 +220,3 @@ def _eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
     eos = raw.get("eos_token_id")
     return tuple(token_id(e, "eos_token_id") for e in (eos if isinstance(eos, list) else
                                                        [] if eos is None else [eos]))
-
-
-def _parse_rope(raw: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling | None]:
-    """(rope_theta, scaling) from `rope_theta`/`rope_scaling` or `rope_parameters`."""
-    params = raw.get("rope_parameters")
-    scaling = raw.get("rope_scaling")
-    if isinstance(params, dict) and "full_attention" in params:  # per-layer-type layout
-        params = params["full_attention"]
-    theta = raw.get("rope_theta")
-    if theta is None and isinstance(params, dict):
-        theta = params.get("rope_theta")
-    theta = float(theta if theta is not None else 10000.0)
-
-    spec = scaling if scaling else params
-    if not spec:
-        return theta, None
-    key = "rope_type" if "rope_type" in spec else "type"
-    rope_type = spec.get(key, "default")
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"unsupported RoPE scaling {key}={rope_type!r}; supported: "
-            f"{', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    if rope_type == "default":
-        return theta, None
-    if "factor" not in spec:
-        raise ValueError(f"RoPE scaling {rope_type!r} is missing 'factor'")
-    factor = float(spec["factor"])
-    if rope_type == "linear":
-        return theta, RopeScaling("linear", factor)
-    missing = [k for k in ("low_freq_factor", "high_freq_factor") if k not in spec]
-    if missing:
-        raise ValueError(f"RoPE scaling 'llama3' is missing {', '.join(missing)}")
-    return theta, RopeScaling(
-        "llama3",
-        factor,
-        low_freq_factor=float(spec["low_freq_factor"]),
-        high_freq_factor=float(spec["high_freq_factor"]),
-        original_max_position_embeddings=int(
-            spec.get("original_max_position_embeddings") or max_pos
-        ),
-    )
