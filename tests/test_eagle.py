@@ -84,7 +84,7 @@ def test_mismatched_hidden_size_and_vocab(tmp_path, target_dir, target) -> None:
     for kind in KINDS:
         with pytest.raises(ValueError, match="hidden_size 32 does not match the target's"):
             load(make_draft_dir(tmp_path / f"n{kind}", narrow, kind), target)
-        with pytest.raises(ValueError, match="vocab_size 300 does not match the target's 320"):
+        with pytest.raises(ValueError, match="vocab_size 300 does not match the target.s vocab_size 320"):
             load(make_draft_dir(tmp_path / f"v{kind}", other_vocab, kind), target)
 
 
@@ -107,7 +107,7 @@ def test_missing_unexpected_and_misshaped_tensors(tmp_path, target_dir, target) 
     with pytest.raises(ValueError, match="missing tensors: fc.bias"):
         load(e1, target)
     _edit(e1, lambda t: t.update({"fc.bias": torch.zeros(64), "fc.weight": torch.zeros(64, 96)}))
-    with pytest.raises(ValueError, match=r"'fc.weight' has shape \(64, 96\)"):
+    with pytest.raises(ValueError, match=r"fc.weight has shape \(64, 96\); an EAGLE-1 head"):
         load(e1, target)
 
     bad_emb = make_draft_dir(tmp_path / "emb", target_dir, "eagle1")
@@ -153,8 +153,14 @@ def test_aux_layer_ids() -> None:
     assert default_aux_layer_ids(32) == (2, 16, 29)  # Llama-3.1-8B: inputs of layers 2, 16, 29
     assert resolve_aux_layer_ids({}, 8) == (2, 4, 5)
     assert resolve_aux_layer_ids({"eagle_aux_hidden_state_layer_ids": [1, 3, 7]}, 8) == (1, 3, 7)
-    nested = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 7]}}
-    assert resolve_aux_layer_ids(nested, 8) == (2, 4, 8)  # layer outputs: +1
+    nested = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 6]}}
+    assert resolve_aux_layer_ids(nested, 8) == (2, 4, 7)  # layer outputs: +1
+    # every reference concatenates the states in layer order, whatever the config's order
+    assert resolve_aux_layer_ids({"eagle_aux_hidden_state_layer_ids": [7, 1, 3]}, 8) == (1, 3, 7)
+    # the last layer's output (index L) is read before the final norm by the references
+    last = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 7]}}
+    with pytest.raises(ValueError, match=r"\[2, 4, 8\] from eagle_config.* in \[0, 7\]"):
+        resolve_aux_layer_ids(last, 8)
     with pytest.raises(ValueError, match=r"target layers \[2, 2, 1\] from the default"):
         resolve_aux_layer_ids({}, 4)
 
@@ -276,11 +282,11 @@ def test_eagle3_target_features_concatenate_aux_layers(tmp_path, target_dir, tar
     path = make_draft_dir(tmp_path, target_dir, "eagle3", aux_layer_ids=(3, 0, 2))
     w = load_file(path / "model.safetensors")
     draft = load(path, target)
-    assert draft.capture_layers == (3, 0, 2)
+    assert draft.capture_layers == (0, 2, 3)  # concatenated in layer order, as every reference
     captured = {i: torch.randn(5, 64) for i in range(5)}
     with torch.inference_mode():
         feats = draft.target_features(captured)
-    ref = torch.cat([captured[3], captured[0], captured[2]], -1) @ w["fc.weight"].T
+    ref = torch.cat([captured[0], captured[2], captured[3]], -1) @ w["fc.weight"].T
     torch.testing.assert_close(feats, ref, atol=1e-5, rtol=1e-5)
 
 
