@@ -154,14 +154,13 @@ def test_aux_layer_ids() -> None:
     assert default_aux_layer_ids(32) == (2, 16, 29)  # Llama-3.1-8B: inputs of layers 2, 16, 29
     assert resolve_aux_layer_ids({}, 8) == (2, 4, 5)
     assert resolve_aux_layer_ids({"eagle_aux_hidden_state_layer_ids": [1, 3, 7]}, 8) == (1, 3, 7)
-    nested = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 6]}}
-    assert resolve_aux_layer_ids(nested, 8) == (2, 4, 7)  # layer outputs: +1
+    nested = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 7]}}
+    assert resolve_aux_layer_ids(nested, 8) == (2, 4, 8)  # layer outputs: +1
     # every reference concatenates the states in layer order, whatever the config's order
     assert resolve_aux_layer_ids({"eagle_aux_hidden_state_layer_ids": [7, 1, 3]}, 8) == (1, 3, 7)
-    # the last layer's output (index L) is read before the final norm by the references
-    last = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 7]}}
-    with pytest.raises(ValueError, match=r"\[2, 4, 8\] from eagle_config.* in \[0, 7\]"):
-        resolve_aux_layer_ids(last, 8)
+    beyond = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 8]}}
+    with pytest.raises(ValueError, match=r"\[2, 4, 9\] from eagle_config.* in \[0, 8\]"):
+        resolve_aux_layer_ids(beyond, 8)
     with pytest.raises(ValueError, match=r"target layers \[2, 2, 1\] from the default"):
         resolve_aux_layer_ids({}, 4)
 

@@ -24,8 +24,8 @@ indexing: index i = the input of decoder layer i, 0 = the embeddings):
     counts layer OUTPUTS, so id j means index j + 1 (SGLang adds 1 the same way; ModelOpt
     collects them with forward hooks on the layers).
 Every reference concatenates them in layer order, whatever order the config lists them in, so
-they are sorted here. Index L (the last layer's output) is refused: the references read it
-before the final norm, and the target here gives it after.
+they are sorted here. Index L is the target's final-normed state (what heads trained here
+read; ModelOpt's layer-output id L - 1 would mean the last layer's output before that norm).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def default_aux_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
 
 def resolve_aux_layer_ids(raw: Mapping[str, Any], num_target_layers: int) -> tuple[int, ...]:
     """EAGLE-3 aux layer ids in HF hidden_states indexing (see the module doc), sorted;
-    validated to be distinct and in [0, L - 1]."""
+    validated to be distinct and in [0, L]."""
     top = raw.get("eagle_aux_hidden_state_layer_ids")
     nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if top:
@@ -126,7 +126,7 @@ def resolve_aux_layer_ids(raw: Mapping[str, Any], num_target_layers: int) -> tup
         source = "eagle_config.eagle_aux_hidden_state_layer_ids (+1: layer outputs)"
     else:
         ids, source = default_aux_layer_ids(num_target_layers), "the default (2, L//2, L-3)"
-    last = num_target_layers - 1
+    last = num_target_layers
     bad = [i for i in ids if not 0 <= i <= last]
     if bad or len(set(ids)) != len(ids):
         raise ValueError(
