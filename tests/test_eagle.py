@@ -85,7 +85,7 @@ def test_mismatched_hidden_size_and_vocab(tmp_path, target_dir, target) -> None:
     for kind in KINDS:
         with pytest.raises(ValueError, match="hidden_size 32 does not match the target's"):
             load(make_draft_dir(tmp_path / f"n{kind}", narrow, kind), target)
-        with pytest.raises(ValueError, match="vocab_size 300 does not match the target.s vocab_size 320"):
+        with pytest.raises(ValueError, match="vocab_size 300 does not match the target.s vocab_"):
             load(make_draft_dir(tmp_path / f"v{kind}", other_vocab, kind), target)
 
 
