@@ -46,9 +46,11 @@ from eaglebatch.speculative.draft_config import (
     read_raw_config,
 )
 
-# Checkpoint tensors that are not parameters (RoPE buffers of old checkpoints). The embedding
-# (the target's is used) and the vocabulary maps are taken out and checked in load_draft.
-_IGNORED = ("rotary_emb.inv_freq",)
+# Checkpoint tensors that are not parameters: RoPE buffers of old checkpoints, the verifier's
+# norm and lm_head some speculators versions saved beside the head (the target's are used). The
+# embedding (the target's is used) and the vocabulary maps are taken out and checked in
+# load_draft.
+_IGNORED = ("rotary_emb.inv_freq", "verifier_norm.weight", "verifier_lm_head.weight")
 
 
 class DraftAttention(nn.Module):
