@@ -1,6 +1,6 @@
 """`DraftConfig`: what an EAGLE draft folder says about its shape, checked against the target.
 
-Two published formats (names as in the checkpoints):
+Two head kinds (names as in the checkpoints):
 
 EAGLE-1/2 ("eagle1", e.g. yuhuili/EAGLE-llama2-chat-7B): `fc` Linear(2h -> h, bias by default)
 over cat[token embedding, target feature], then one Llama decoder layer `layers.0.*` whose
