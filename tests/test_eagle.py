@@ -16,6 +16,7 @@ from eaglebatch.model import CausalLM, ModelConfig
 from eaglebatch.speculative import EagleDraft, default_aux_layer_ids, init_random_draft, load_draft
 from eaglebatch.speculative.draft_config import resolve_aux_layer_ids
 from paged_kv import PagedSequences
+from support.draft_layouts import set_flags
 from support.spec_models import make_draft_dir, make_target_dir
 
 KINDS = ["eagle1", "eagle3"]
@@ -84,7 +85,7 @@ def test_mismatched_hidden_size_and_vocab(tmp_path, target_dir, target) -> None:
     for kind in KINDS:
         with pytest.raises(ValueError, match="hidden_size 32 does not match the target's"):
             load(make_draft_dir(tmp_path / f"n{kind}", narrow, kind), target)
-        with pytest.raises(ValueError, match="vocab_size 300 does not match the target's 320"):
+        with pytest.raises(ValueError, match="vocab_size 300 does not match the target.s vocab_"):
             load(make_draft_dir(tmp_path / f"v{kind}", other_vocab, kind), target)
 
 
@@ -107,7 +108,7 @@ def test_missing_unexpected_and_misshaped_tensors(tmp_path, target_dir, target) 
     with pytest.raises(ValueError, match="missing tensors: fc.bias"):
         load(e1, target)
     _edit(e1, lambda t: t.update({"fc.bias": torch.zeros(64), "fc.weight": torch.zeros(64, 96)}))
-    with pytest.raises(ValueError, match=r"'fc.weight' has shape \(64, 96\)"):
+    with pytest.raises(ValueError, match=r"fc.weight has shape \(64, 96\); an EAGLE-1 head"):
         load(e1, target)
 
     bad_emb = make_draft_dir(tmp_path / "emb", target_dir, "eagle1")
@@ -155,6 +156,11 @@ def test_aux_layer_ids() -> None:
     assert resolve_aux_layer_ids({"eagle_aux_hidden_state_layer_ids": [1, 3, 7]}, 8) == (1, 3, 7)
     nested = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 7]}}
     assert resolve_aux_layer_ids(nested, 8) == (2, 4, 8)  # layer outputs: +1
+    # every reference concatenates the states in layer order, whatever the config's order
+    assert resolve_aux_layer_ids({"eagle_aux_hidden_state_layer_ids": [7, 1, 3]}, 8) == (1, 3, 7)
+    beyond = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 8]}}
+    with pytest.raises(ValueError, match=r"\[2, 4, 9\] from eagle_config.* in \[0, 8\]"):
+        resolve_aux_layer_ids(beyond, 8)
     with pytest.raises(ValueError, match=r"target layers \[2, 2, 1\] from the default"):
         resolve_aux_layer_ids({}, 4)
 
@@ -174,17 +180,20 @@ def rope(x: torch.Tensor, theta: float) -> torch.Tensor:  # [n, H, D], positions
     return x * cos + torch.cat((-x[..., d // 2 :], x[..., : d // 2]), -1) * sin
 
 
-def dense_draft(w: dict, cfg: ModelConfig, kind: str, emb, feats) -> torch.Tensor:
+def dense_draft(
+    w: dict, cfg: ModelConfig, kind: str, emb, feats, norm_before_residual: bool = False
+) -> torch.Tensor:
     """The EAGLE draft layer over one whole sequence, from the checkpoint tensors `w`:
     EAGLE-1 fc(cat[emb, feature]) -> Llama layer without input norm; EAGLE-3
-    attention over cat[norm(emb), norm(hidden)] with the hidden as residual."""
+    attention over cat[norm(emb), norm(hidden)] with the hidden (norm_before_residual: the
+    normed hidden) as residual."""
     eps, hq, hkv, d = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, 16
     p = "layers.0." if kind == "eagle1" else "midlayer."
     if kind == "eagle1":
         residual = torch.cat((emb, feats), -1) @ w["fc.weight"].T + w["fc.bias"]
         x = residual
     else:
-        residual = feats
+        residual = rms(feats, w[p + "hidden_norm.weight"], eps) if norm_before_residual else feats
         x = torch.cat(
             (
                 rms(emb, w[p + "input_layernorm.weight"], eps),
@@ -206,7 +215,7 @@ def dense_draft(w: dict, cfg: ModelConfig, kind: str, emb, feats) -> torch.Tenso
     return h + (F.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
 
 
-def dense_case(path, target: CausalLM, kind: str, cfg: ModelConfig):
+def dense_case(path, target: CausalLM, kind: str, cfg: ModelConfig, **flags):
     """Checkpoint tensors, three sequences' tokens and features, and the dense reference's
     outputs over them, for the random head in `path`."""
     w = load_file(path / "model.safetensors")
@@ -214,7 +223,8 @@ def dense_case(path, target: CausalLM, kind: str, cfg: ModelConfig):
     tokens = [torch.randint(320, (n,), generator=gen) for n in (9, 1, 14)]
     feats = [torch.randn(len(t), 64, generator=gen) for t in tokens]
     emb = target.model.embed_tokens.weight.detach()
-    expected = [dense_draft(w, cfg, kind, emb[t], f) for t, f in zip(tokens, feats, strict=True)]
+    expected = [dense_draft(w, cfg, kind, emb[t], f, **flags)
+                for t, f in zip(tokens, feats, strict=True)]  # fmt: skip
     return w, tokens, feats, expected
 
 
@@ -272,15 +282,48 @@ def test_paged_forward_matches_dense(tmp_path, target_dir, target, kind) -> None
         assert torch.equal(draft.argmax_tokens(out), ref_logits.argmax(-1))
 
 
+@pytest.mark.parametrize(
+    "flags", [{"norm_before_residual": True}, {"norm_before_fc": True}, {"fc_norm": True},
+              {"norm_output": True}, {"norm_before_fc": True, "fc_norm": True}],
+    ids=lambda f: "+".join(f),
+)  # fmt: skip
+def test_eagle3_flags_match_the_dense_reference(tmp_path, target_dir, target, flags) -> None:
+    """vLLM's llama_eagle3: input_norm over the concatenated aux states, then one fc_norm per
+    state, then fc; the residual hidden_norm(feature); norm_output: the output is norm(h)."""
+    path = set_flags(make_draft_dir(tmp_path, target_dir, "eagle3"), **flags)
+    draft = load(path, target)
+    cfg, eps = draft.config.layer, draft.config.layer.rms_norm_eps
+    w, tokens, feats, expected = dense_case(
+        path, target, "eagle3", cfg, norm_before_residual=bool(flags.get("norm_before_residual")))
+    captured = {i: torch.randn(5, 64) for i in range(5)}
+    x = torch.cat([captured[i] for i in (1, 2, 3)], -1)
+    if flags.get("norm_before_fc"):
+        x = rms(x, w["input_norm.weight"], eps)
+    if flags.get("fc_norm"):
+        x = torch.cat([rms(c, w[f"fc_norm.{i}.weight"], eps) for i, c in enumerate(x.chunk(3, -1))],
+                      -1)  # fmt: skip
+    with torch.inference_mode():
+        torch.testing.assert_close(draft.target_features(captured), x @ w["fc.weight"].T,
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+    got = draft_in_chunks(draft, tokens, feats, [(0, 5), (5, 14)])
+    for i in range(3):
+        want = expected[i]
+        if flags.get("norm_output"):
+            want = rms(want, w["norm.weight"], eps)
+        torch.testing.assert_close(got[i], want, atol=1e-4, rtol=1e-4)
+        ref_logits = rms(expected[i], w["norm.weight"], eps) @ w["lm_head.weight"].T
+        torch.testing.assert_close(draft.compute_logits(got[i]), ref_logits, atol=1e-3, rtol=1e-4)
+
+
 def test_eagle3_target_features_concatenate_aux_layers(tmp_path, target_dir, target) -> None:
     path = make_draft_dir(tmp_path, target_dir, "eagle3", aux_layer_ids=(3, 0, 2))
     w = load_file(path / "model.safetensors")
     draft = load(path, target)
-    assert draft.capture_layers == (3, 0, 2)
+    assert draft.capture_layers == (0, 2, 3)  # concatenated in layer order, as every reference
     captured = {i: torch.randn(5, 64) for i in range(5)}
     with torch.inference_mode():
         feats = draft.target_features(captured)
-    ref = torch.cat([captured[3], captured[0], captured[2]], -1) @ w["fc.weight"].T
+    ref = torch.cat([captured[0], captured[2], captured[3]], -1) @ w["fc.weight"].T
     torch.testing.assert_close(feats, ref, atol=1e-5, rtol=1e-5)
 
 

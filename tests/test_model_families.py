@@ -11,6 +11,7 @@ import pytest
 
 from eaglebatch.engine import build_worker
 from eaglebatch.speculative import init_random_draft
+from support.draft_layouts import FLAGS, set_flags, to_layout
 from support.tiny import make_tiny_model
 from test_engine import hf_greedy, random_prompts, run_job
 from test_graphs import MAX_NEW as GRAPH_MAX_NEW
@@ -67,6 +68,20 @@ def test_speculative_with_an_eagle3_head_equals_transformers(tmp_path, family):
                      [f"draft={head}", f"speculative.num_steps={k}", "speculative.adaptive=false",
                       "engine.max_batch_size=4"])  # fmt: skip
         assert got == reference
+
+
+@pytest.mark.parametrize("layout", ["speculators", "modelopt"])
+def test_speculative_with_a_foreign_layout_head_equals_transformers(tmp_path, family, layout):
+    """A head in the speculators / ModelOpt layout, every EAGLE-3 flag on."""
+    model_dir, reference = family
+    ours = init_random_draft(tmp_path / "ours", model_dir, kind="eagle3", seed=5,
+                             draft_vocab_size=200, aux_layer_ids=(0, 1, 2))  # fmt: skip
+    set_flags(ours, **dict.fromkeys(FLAGS, True))
+    head = to_layout(ours, tmp_path / layout, layout, SHAPE["num_layers"])
+    got = tokens(tmp_path / "k3", model_dir,
+                 [f"draft={head}", "speculative.num_steps=3", "speculative.adaptive=false",
+                  "engine.max_batch_size=4"])  # fmt: skip
+    assert got == reference
 
 
 def test_graph_steps_equal_transformers(tmp_path, family):

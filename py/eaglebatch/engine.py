@@ -137,14 +137,17 @@ def _memory_plan(job: JobConfig, mf: ModelFiles, cfg, settings: EngineSettings, 
     return plan
 
 
-def _check_draft(draft: Path | None) -> None:
-    """A draft head's checkpoint files must be whole (headers against file sizes)."""
+def _check_draft(draft: Path | None, mf: ModelFiles) -> None:
+    """A draft head must fit the model (hidden size, vocabulary, aux layers: draft_check) and
+    its checkpoint files be whole (headers against file sizes), from config.json and the
+    headers, before any weight loads."""
     # lazy: torch and the extension, which validate and status never need
-    from eaglebatch.model.weights import checkpoint_shapes
+    from eaglebatch.model import ModelConfig
+    from eaglebatch.speculative.draft_check import check_draft_dir
 
-    if draft is not None and any(draft.glob("*.safetensors")):
+    if draft is not None:
         try:
-            checkpoint_shapes(draft)
+            check_draft_dir(draft, ModelConfig.from_dir(mf.dir))
         except (ValueError, OSError) as e:
             raise JobError(f"draft: {draft}: {e}") from None
 
@@ -274,8 +277,8 @@ def prepare(job: JobConfig, check_memory: bool = True) -> PreparedJob:
             )
         check_chat_template(mf.chat_template, template_origin(job, mf))
     draft = resolve_draft_dir(job.draft) if job.draft is not None else None
-    _check_draft(draft)
     engine, vocab_size, mem = _check_model_config(job, mf, total)
+    _check_draft(draft, mf)  # against the model's config.json, checked just above
     if mem is not None and check_memory:
         memory.check(mem, job.engine.kv_cache_tokens, str(job.model))
     check_response_format(job, mf, vocab_size)

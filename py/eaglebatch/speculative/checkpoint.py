@@ -2,7 +2,7 @@
 
 A folder holds config.json plus weights as *.safetensors (optionally sharded with an index) or
 pytorch_model.bin (loaded with `torch.load(weights_only=True)`: plain tensors only, no pickled
-code). `init_random_draft` writes the PUBLISHED layout of either format (see draft_config), so
+code). `init_random_draft` writes the EAGLE-repo layout of either kind (see draft_config), so
 the same loader serves tests, real heads and heads trained from a random start.
 """
 

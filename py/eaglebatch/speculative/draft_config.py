@@ -1,6 +1,6 @@
 """`DraftConfig`: what an EAGLE draft folder says about its shape, checked against the target.
 
-Two published formats (names as in the checkpoints):
+Two head kinds (names as in the checkpoints):
 
 EAGLE-1/2 ("eagle1", e.g. yuhuili/EAGLE-llama2-chat-7B): `fc` Linear(2h -> h, bias by default)
 over cat[token embedding, target feature], then one Llama decoder layer `layers.0.*` whose
@@ -8,17 +8,24 @@ over cat[token embedding, target feature], then one Llama decoder layer `layers.
 with no final norm. The target feature is the target's final-normed last hidden state.
 
 EAGLE-3 ("eagle3", e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B): `fc` Linear(n*ht -> h, no bias)
-over the concatenated hidden states of n (= 3) target layers, one decoder layer `midlayer.*`
-whose attention reads cat[input_layernorm(embedding), hidden_norm(hidden)] (2h wide), with the
-hidden as residual; then its own `norm` and `lm_head` over `draft_vocab_size` tokens, mapped to
-target ids by `d2t` (target_id = draft_id + d2t[draft_id]).
+over the concatenated hidden states of n (= 3) target layers, one decoder layer whose attention
+reads cat[input_layernorm(embedding), hidden_norm(hidden)] (2h wide), with the hidden as
+residual; then its own `norm` and `lm_head` over `draft_vocab_size` tokens, mapped to target ids
+by `d2t` (target_id = draft_id + d2t[draft_id]). The layer's tensors are `midlayer.*` (EAGLE
+repo, SpecForge) or `layers.0.*` (speculators, ModelOpt); the config layouts and the flags that
+change the math (norm_before_residual, norm_before_fc, fc_norm, norm_output) are described in
+draft_formats.
 
 Which target hidden states EAGLE-3 reads ("aux layer ids", Hugging Face `output_hidden_states`
 indexing: index i = the input of decoder layer i, 0 = the embeddings):
   * default (EAGLE reference, SGLang, vLLM): (2, L // 2, L - 3) for an L-layer target;
   * top-level `eagle_aux_hidden_state_layer_ids` (vLLM / speculators format): used as is;
-  * `eagle_config.eagle_aux_hidden_state_layer_ids` (SpecForge / SGLang format) counts layer
-    OUTPUTS, so id j means index j + 1 (SGLang adds 1 the same way).
+  * `eagle_config.eagle_aux_hidden_state_layer_ids` (SpecForge / SGLang / ModelOpt format)
+    counts layer OUTPUTS, so id j means index j + 1 (SGLang adds 1 the same way; ModelOpt
+    collects them with forward hooks on the layers).
+Every reference concatenates them in layer order, whatever order the config lists them in, so
+they are sorted here. Index L is the target's final-normed state (what heads trained here
+read; ModelOpt's layer-output id L - 1 would mean the last layer's output before that norm).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from eaglebatch.model.config import ModelConfig
+from eaglebatch.speculative.draft_formats import SPECULATORS_TYPE, flat_config
 
 EAGLE1 = "eagle1"
 EAGLE3 = "eagle3"
@@ -48,6 +56,12 @@ class DraftConfig:
     aux_layer_ids: tuple[int, ...]  # target hidden states read (HF output_hidden_states indices)
     fc_bias: bool  # config "bias" (EAGLE-1 default True, EAGLE-3 default False)
     has_input_layernorm: bool  # EAGLE-1: published heads have none (identity)
+    layer_prefix: str = "midlayer."  # the checkpoint's names of the decoder layer's tensors
+    # EAGLE-3 flags (draft_formats): each changes the math as vLLM's llama_eagle3 does
+    norm_before_residual: bool = False  # residual = hidden_norm(feature)
+    norm_before_fc: bool = False  # `input_norm` over the concatenated aux states
+    fc_norm: bool = False  # `fc_norm.{i}` over each aux state
+    norm_output: bool = False  # the draft's output (fed back as a feature) is norm(h)
 
     @property
     def hidden_size(self) -> int:
@@ -58,18 +72,29 @@ class DraftConfig:
         return self.layer.vocab_size
 
 
-def detect_kind(names: set[str]) -> str:
-    """ "eagle3" if the checkpoint has `midlayer.*`, "eagle1" if it has `fc.weight` and
-    `layers.0.*`; otherwise a ValueError saying what was expected."""
-    if any(n.startswith("midlayer.") for n in names):
+def detect_kind(names: set[str], raw: Mapping[str, Any] | None = None) -> str:
+    """ "eagle3" if the checkpoint has `midlayer.*` or `layers.0.hidden_norm.weight` (or a
+    speculators eagle3 config), "eagle1" if it has `fc.weight` and `layers.0.*`; otherwise a
+    ValueError saying what was expected."""
+    if any(n.startswith("midlayer.") for n in names) or "layers.0.hidden_norm.weight" in names:
+        return EAGLE3
+    if raw is not None and raw.get(SPECULATORS_TYPE) == EAGLE3:
         return EAGLE3
     if "fc.weight" in names and any(n.startswith("layers.0.") for n in names):
         return EAGLE1
     sample = ", ".join(sorted(names)[:6]) or "no tensors"
     raise ValueError(
         "not an EAGLE draft checkpoint: expected `fc.weight` with `layers.0.*` (EAGLE-1/2) "
-        f"or `midlayer.*` (EAGLE-3); found {sample}"
+        f"or `midlayer.*` / `layers.0.hidden_norm.weight` (EAGLE-3); found {sample}"
     )
+
+
+def layer_prefix(kind: str, names: set[str]) -> str:
+    """The checkpoint's prefix of the decoder layer: EAGLE-3 `midlayer.` (EAGLE repo,
+    SpecForge) or `layers.0.` (speculators, ModelOpt); EAGLE-1 `layers.0.`."""
+    if kind == EAGLE3 and any(n.startswith("midlayer.") for n in names):
+        return "midlayer."
+    return "layers.0."
 
 
 def read_raw_config(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -90,8 +115,8 @@ def default_aux_layer_ids(num_target_layers: int) -> tuple[int, int, int]:
 
 
 def resolve_aux_layer_ids(raw: Mapping[str, Any], num_target_layers: int) -> tuple[int, ...]:
-    """EAGLE-3 aux layer ids in HF hidden_states indexing (see the module doc); validated to lie
-    in [0, L] and be distinct."""
+    """EAGLE-3 aux layer ids in HF hidden_states indexing (see the module doc), sorted;
+    validated to be distinct and in [0, L]."""
     top = raw.get("eagle_aux_hidden_state_layer_ids")
     nested = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if top:
@@ -101,14 +126,15 @@ def resolve_aux_layer_ids(raw: Mapping[str, Any], num_target_layers: int) -> tup
         source = "eagle_config.eagle_aux_hidden_state_layer_ids (+1: layer outputs)"
     else:
         ids, source = default_aux_layer_ids(num_target_layers), "the default (2, L//2, L-3)"
-    bad = [i for i in ids if not 0 <= i <= num_target_layers]
+    last = num_target_layers
+    bad = [i for i in ids if not 0 <= i <= last]
     if bad or len(set(ids)) != len(ids):
         raise ValueError(
-            f"EAGLE-3 target layers {list(ids)} from {source} are invalid for a target with "
-            f"{num_target_layers} layers (need distinct indices in [0, {num_target_layers}]); "
+            f"EAGLE-3 target layers {list(ids)} from {source} do not fit the target's "
+            f"{num_target_layers} layers (need distinct hidden-state indices in [0, {last}]); "
             "set eagle_config.eagle_aux_hidden_state_layer_ids in the draft's config.json"
         )
-    return ids
+    return tuple(sorted(ids))
 
 
 def parse_draft_config(
@@ -117,18 +143,21 @@ def parse_draft_config(
     target: ModelConfig,
     tensor_names: set[str],
 ) -> DraftConfig:
-    """Builds the draft's config from its config.json (`raw`) and checks it against the target:
-    same vocabulary, EAGLE-1 hidden size = the target's, a single draft layer."""
+    """Builds the draft's config from its config.json (`raw`, any layout of draft_formats) and
+    checks it against the target: same vocabulary and hidden size, a single draft layer, aux
+    layers inside the target. ValueError naming the key and both values."""
     if kind not in KINDS:
         raise ValueError(f"unknown draft kind {kind!r}; known: {', '.join(KINDS)}")
-    layer = _draft_layer(raw, kind, target, tensor_names)
+    raw = flat_config(raw)
+    prefix = layer_prefix(kind, tensor_names)
+    layer = _draft_layer(raw, prefix, target, tensor_names)
     if kind == EAGLE1:
         return _eagle1_config(raw, layer, target, tensor_names)
-    return _eagle3_config(raw, layer, target)
+    return _eagle3_config(raw, layer, target, prefix)
 
 
 def _draft_layer(
-    raw: Mapping[str, Any], kind: str, target: ModelConfig, tensor_names: set[str]
+    raw: Mapping[str, Any], prefix: str, target: ModelConfig, tensor_names: set[str]
 ) -> ModelConfig:
     """The draft decoder layer's config: config.json read as a Llama config (sizes the draft
     leaves out are the target's), one layer, the target's vocabulary, and the biases the
@@ -150,9 +179,9 @@ def _draft_layer(
         raise ValueError(f"draft config: num_hidden_layers = {num_layers}; only 1 is supported")
     if layer.vocab_size != target.vocab_size:
         raise ValueError(
-            f"draft vocab_size {layer.vocab_size} does not match the target's {target.vocab_size}"
+            f"draft vocab_size {layer.vocab_size} does not match the target's vocab_size "
+            f"{target.vocab_size}"
         )
-    prefix = "layers.0." if kind == EAGLE1 else "midlayer."
     # Biases: whatever the checkpoint holds (published heads have none on q/k/v/o/MLP).
     return dataclasses.replace(
         layer,
@@ -182,9 +211,18 @@ def _eagle1_config(
     )
 
 
-def _eagle3_config(raw: Mapping[str, Any], layer: ModelConfig, target: ModelConfig) -> DraftConfig:
-    """EAGLE-3: reads target states of the target's width at its aux layers; its own lm_head
-    over a draft vocabulary of at most the target's."""
+def _eagle3_config(
+    raw: Mapping[str, Any], layer: ModelConfig, target: ModelConfig, prefix: str
+) -> DraftConfig:
+    """EAGLE-3: the target's width (it shares the target's embedding), reads target states of
+    that width at its aux layers; its own lm_head over a draft vocabulary of at most the
+    target's."""
+    if layer.hidden_size != target.hidden_size:
+        raise ValueError(
+            f"EAGLE-3 draft hidden_size {layer.hidden_size} does not match the target's "
+            f"hidden_size {target.hidden_size} (the draft embeds tokens with the target's "
+            "embedding)"
+        )
     target_hidden = int(raw.get("target_hidden_size") or layer.hidden_size)
     if target_hidden != target.hidden_size:
         raise ValueError(
@@ -194,7 +232,8 @@ def _eagle3_config(raw: Mapping[str, Any], layer: ModelConfig, target: ModelConf
     draft_vocab = int(raw.get("draft_vocab_size") or layer.vocab_size)
     if not 0 < draft_vocab <= layer.vocab_size:
         raise ValueError(
-            f"draft_vocab_size {draft_vocab} must be in [1, vocab_size = {layer.vocab_size}]"
+            f"draft_vocab_size {draft_vocab} must be in [1, the target's vocab_size "
+            f"{layer.vocab_size}]"
         )
     return DraftConfig(
         kind=EAGLE3,
@@ -204,4 +243,9 @@ def _eagle3_config(raw: Mapping[str, Any], layer: ModelConfig, target: ModelConf
         aux_layer_ids=resolve_aux_layer_ids(raw, target.num_hidden_layers),
         fc_bias=bool(raw.get("bias", False)),  # as SGLang reads EAGLE-3 configs
         has_input_layernorm=True,
+        layer_prefix=prefix,
+        norm_before_residual=bool(raw.get("norm_before_residual", False)),
+        norm_before_fc=bool(raw.get("norm_before_fc", False)),
+        fc_norm=bool(raw.get("fc_norm", False)),
+        norm_output=bool(raw.get("norm_output", False)),
     )

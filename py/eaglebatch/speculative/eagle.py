@@ -14,6 +14,12 @@ Vocabulary (one position p of a sequence x_0, x_1, ...):
 
 Logits: EAGLE-1 applies the target's lm_head to h^d directly (no final norm: the reference's
 `head(out_hidden)`); EAGLE-3 applies its own `norm` then `lm_head` over the draft vocabulary.
+
+EAGLE-3 flags (draft_formats; as vLLM's llama_eagle3): `norm_before_fc` puts `input_norm` over
+the concatenated aux states and `fc_norm` one norm per aux state before fc;
+`norm_before_residual` makes the layer's residual hidden_norm(feature); `norm_output` makes
+the draft's output norm(h) (both the next step's feature and the head's input, so the head
+does not norm it again).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from eaglebatch.model.rotary import RotaryEmbedding, apply_rotary
 from eaglebatch.model.weights import load_named_tensors
 from eaglebatch.sampling.sampler import argmax
 from eaglebatch.speculative.checkpoint import read_draft_tensors
+from eaglebatch.speculative.draft_check import check_d2t, check_head_shapes
 from eaglebatch.speculative.draft_config import (
     EAGLE1,
     DraftConfig,
@@ -40,9 +47,11 @@ from eaglebatch.speculative.draft_config import (
     read_raw_config,
 )
 
-# Checkpoint tensors that are not parameters (RoPE buffers of old checkpoints). The embedding
-# (the target's is used) and the vocabulary maps are taken out and checked in load_draft.
-_IGNORED = ("rotary_emb.inv_freq",)
+# Checkpoint tensors that are not parameters: RoPE buffers of old checkpoints, the verifier's
+# norm and lm_head some speculators versions saved beside the head (the target's are used). The
+# embedding (the target's is used) and the vocabulary maps are taken out and checked in
+# load_draft.
+_IGNORED = ("rotary_emb.inv_freq", "verifier_norm.weight", "verifier_lm_head.weight")
 
 
 class DraftAttention(nn.Module):
@@ -138,10 +147,18 @@ class EagleDraft(nn.Module):
                 h, cfg.draft_vocab_size, bias=False, **factory
             )
             self.register_buffer("d2t", None)  # int64 [Vd] or None (identity)
+            self._feature_norms(cfg, factory)
         else:
             self.layers = nn.ModuleList([layer])
         positions = max_positions or target.model.rotary_emb.max_positions
         self.rotary_emb = RotaryEmbedding(cfg.layer, positions, device=device)
+
+    def _feature_norms(self, cfg: DraftConfig, factory: dict) -> None:
+        """EAGLE-3's optional norms before fc: `input_norm` [n * ht], `fc_norm.{i}` [ht]."""
+        n, ht, eps = len(cfg.aux_layer_ids), cfg.target_hidden_size, cfg.layer.rms_norm_eps
+        self.input_norm = RMSNorm(n * ht, eps, **factory) if cfg.norm_before_fc else None
+        self.fc_norm = (nn.ModuleList(RMSNorm(ht, eps, **factory) for _ in range(n))
+                        if cfg.fc_norm else None)  # fmt: skip
 
     # ---- shared pieces -------------------------------------------------------------------------
 
@@ -179,10 +196,11 @@ class EagleDraft(nn.Module):
         return self.target.model.embed_tokens(input_ids).to(self.dtype)
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, h] -> [N, Vd] logits
+        # norm_output: `hidden` is normed already (forward's output)
+        x = self.norm(hidden) if self.eagle3 and not self.config.norm_output else hidden
         if self.eagle3 and self.lm_head is not None:
-            return self.lm_head(self.norm(hidden))
+            return self.lm_head(x)
         # EAGLE-1, or a full-vocabulary EAGLE-3 head without its own: the target's LM head
-        x = self.norm(hidden) if self.eagle3 else hidden
         return self.target.lm_head_forward(x)
 
     # ---- forward -------------------------------------------------------------------------------
@@ -192,8 +210,14 @@ class EagleDraft(nn.Module):
         EAGLE-1: the final-normed hidden state; EAGLE-3: fc over the concatenated aux layers."""
         if not self.eagle3:
             return captured[self.config.aux_layer_ids[0]].to(self.dtype)
-        aux = torch.cat([captured[i] for i in self.config.aux_layer_ids], dim=-1)  # [T, n*ht]
-        return self.fc(aux.to(self.dtype))
+        x = torch.cat([captured[i] for i in self.config.aux_layer_ids], dim=-1)  # [T, n*ht]
+        x = x.to(self.dtype)
+        if self.input_norm is not None:
+            x = self.input_norm(x)
+        if self.fc_norm is not None:  # after input_norm, as vLLM: one norm per aux state
+            chunks = x.chunk(len(self.fc_norm), dim=-1)
+            x = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], dim=-1)
+        return self.fc(x)
 
     def forward(
         self,
@@ -203,18 +227,20 @@ class EagleDraft(nn.Module):
         meta: AttentionMetadata,  # prepared by self.backend.prepare
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D] the draft's cache
         select: torch.Tensor | None = None,  # int64 [S] rows whose output is needed
-    ) -> torch.Tensor:  # [S or T, h] pre-norm draft output h^d
+    ) -> torch.Tensor:  # [S or T, h] draft output h^d (pre-norm; norm_output: normed)
         """Writes the draft K/V of every row (at meta.slot_mapping), returns the output of the
         `select`ed rows only (`run_layer`)."""
         layer = self.layer
         emb = self._embed(input_ids)  # [T, h]
         if self.eagle3:
-            residual = features
-            x = torch.cat((layer.input_layernorm(emb), layer.hidden_norm(features)), dim=-1)
+            normed = layer.hidden_norm(features)
+            residual = normed if self.config.norm_before_residual else features
+            x = torch.cat((layer.input_layernorm(emb), normed), dim=-1)
         else:
             residual = self.fc(torch.cat((emb, features), dim=-1))  # the reference's order
             x = residual if layer.input_layernorm is None else layer.input_layernorm(residual)
-        return self.run_layer(x, residual, positions, meta, kv_cache, select)
+        out = self.run_layer(x, residual, positions, meta, kv_cache, select)
+        return self.norm(out) if self.eagle3 and self.config.norm_output else out
 
     def run_layer(
         self,
@@ -295,21 +321,15 @@ def load_draft(
     raw = read_raw_config(path)
     tensors = read_draft_tensors(path)
     names = set(tensors)
-    kind = detect_kind(names)
+    kind = detect_kind(names, raw)
     cfg = parse_draft_config(raw, kind, target_cfg, names)
     source = f"draft checkpoint {os.fspath(path)} ({kind})"
-
-    emb = tensors.pop("embed_tokens.weight", None)
-    if emb is not None and tuple(emb.shape) != (target_cfg.vocab_size, cfg.hidden_size):
-        raise ValueError(
-            f"{source}: embed_tokens.weight has shape {tuple(emb.shape)}, the target's "
-            f"embedding is {(target_cfg.vocab_size, target_cfg.hidden_size)}"
-        )
-    if kind != EAGLE1 and cfg.hidden_size != target_cfg.hidden_size:
-        raise ValueError(
-            f"{source}: draft hidden_size {cfg.hidden_size} differs from the target's "
-            f"{target_cfg.hidden_size}; the draft must share the target's embedding"
-        )
+    try:
+        check_head_shapes(cfg, {k: tuple(v.shape) for k, v in tensors.items()}, target_cfg)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+    tensors = _module_names(tensors, cfg)
+    tensors.pop("embed_tokens.weight", None)  # the target's is used (shape checked above)
     d2t = tensors.pop("d2t", None)
     t2d = tensors.pop("t2d", None)
 
@@ -328,6 +348,15 @@ def load_draft(
     return draft.eval()
 
 
+def _module_names(tensors: dict[str, torch.Tensor], cfg: DraftConfig) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under the module's names: an EAGLE-3 layer saved as `layers.0.*`
+    (speculators, ModelOpt) is the module's `midlayer.*`."""
+    if cfg.kind == EAGLE1 or cfg.layer_prefix == "midlayer.":
+        return tensors
+    p = cfg.layer_prefix
+    return {("midlayer." + k[len(p):] if k.startswith(p) else k): v for k, v in tensors.items()}
+
+
 def _vocab_map(
     d2t: torch.Tensor | None,
     t2d: torch.Tensor | None,
@@ -344,11 +373,10 @@ def _vocab_map(
                 f"(draft_vocab_size {vd} < vocab_size {v} needs the draft-to-target map)"
             )
         return None
-    if tuple(d2t.shape) != (vd,):
-        raise ValueError(f"{source}: d2t has shape {tuple(d2t.shape)}, expected ({vd},)")
-    target_ids = d2t.long() + torch.arange(vd)
-    if bool((target_ids < 0).any() or (target_ids >= v).any()):
-        raise ValueError(f"{source}: d2t maps draft ids outside the target vocabulary [0, {v})")
+    try:
+        target_ids = check_d2t(d2t, cfg)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
     if t2d is not None:
         expected = torch.zeros(v, dtype=torch.bool)
         expected[target_ids] = True
