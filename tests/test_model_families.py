@@ -11,6 +11,7 @@ import pytest
 
 from eaglebatch.engine import build_worker
 from eaglebatch.speculative import init_random_draft
+from eaglebatch.train.trainer import train_draft
 from support.draft_layouts import FLAGS, set_flags, to_layout
 from support.tiny import make_tiny_model
 from test_engine import hf_greedy, random_prompts, run_job
@@ -94,3 +95,39 @@ def test_graph_steps_equal_transformers(tmp_path, family):
         got, res = _outputs(prep, build_worker(prep, graph_mode="eager"))
         assert res.stats["cuda_graphs"]["replays"] > 0
         assert got == [r[:GRAPH_MAX_NEW] for r in reference]  # greedy: a prefix of the longer
+
+
+def test_train_draft_trains_a_head_for_the_family(tmp_path, family):
+    """`eaglebatch train-draft` on the family's target: the head starts from the target's
+    final norm as it acts (Gemma's (1 + w)), and the trained head's speculative output equals
+    transformers' greedy output."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import torch
+    from rich.console import Console
+
+    from eaglebatch.model import CausalLM
+    from eaglebatch.train.job import load_train_job
+    from eaglebatch.train.trainer import init_head
+
+    model_dir, reference = family
+    inp = tmp_path / "prompts.parquet"
+    pq.write_table(pa.table({"prompt": random_prompts(24, seed=5)}), inp)
+    job_file = tmp_path / "train.yaml"
+    job_file.write_text(
+        f"model: {model_dir}\ninput:\n  path: {inp}\noutput:\n  path: {tmp_path / 'head'}\n"
+        "data:\n  holdout_rows: 4\n  num_prompts: 12\n  max_new_tokens: 8\n  max_batch_size: 8\n"
+        "head:\n  draft_vocab_size: 64\n  aux_layer_ids: [0, 1, 2]\n"
+        "train:\n  epochs: 1\n  batch_tokens: 256\n  unroll: 2\n  warmup_steps: 1\n"
+        "  val_sequences: 2\n"
+    )
+    job = load_train_job(job_file)
+    target = CausalLM.from_pretrained(model_dir)
+    probe = load_train_job(job_file, [f"output.path={tmp_path / 'probe'}"])
+    head = init_head(probe, target, model_dir, list(range(64)), (0, 1, 2))
+    x = torch.randn(3, target.config.hidden_size)
+    torch.testing.assert_close(head.norm(x), target.model.norm(x), rtol=1e-5, atol=1e-5)
+    out = train_draft(job, Console(stderr=True))
+    got = tokens(tmp_path / "spec", model_dir, [f"draft={out}", "speculative.num_steps=3",
+                                                "speculative.adaptive=false"])  # fmt: skip
+    assert got == reference

@@ -35,6 +35,10 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
+    def scale(self) -> torch.Tensor:  # [H]
+        """What x / rms(x) is multiplied by (a Llama-style norm initialised from this one)."""
+        return self.weight
+
 
 class PlusOneRMSNorm(nn.Module):
     """x / rms(x) * (1 + w), in float32, cast back (Gemma's)."""
@@ -48,6 +52,9 @@ class PlusOneRMSNorm(nn.Module):
         x32 = x.float()
         out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (out * (1.0 + self.weight.float())).type_as(x)
+
+    def scale(self) -> torch.Tensor:  # [H]
+        return 1.0 + self.weight
 
 
 def make_norm(cfg: ModelConfig, size: int, **factory) -> nn.Module:

@@ -76,7 +76,7 @@ def init_head(job: TrainJob, target: CausalLM, model_dir: Path, vocab: list[int]
     with torch.no_grad():
         head = target.lm_head_weight
         draft.lm_head.weight.copy_(head[torch.tensor(vocab, device=head.device)].float())
-        draft.norm.weight.copy_(target.model.norm.weight.float())
+        draft.norm.weight.copy_(target.model.norm.scale().float())  # the target's final norm
         h = draft.config.hidden_size
         draft.fc.weight.zero_()
         draft.fc.weight[:, -h:] = torch.eye(h, device=draft.fc.weight.device)
