@@ -13,7 +13,8 @@ from eaglebatch.engine import build_worker
 from eaglebatch.speculative import init_random_draft
 from eaglebatch.train.trainer import train_draft
 from support.draft_layouts import FLAGS, set_flags, to_layout
-from support.tiny import make_tiny_model
+from support.spies import ReaderWaitSpy
+from support.tiny import byte_tokenizer, make_tiny_model
 from test_engine import hf_greedy, random_prompts, run_job
 from test_graphs import MAX_NEW as GRAPH_MAX_NEW
 from test_graphs import _job, _outputs
@@ -45,6 +46,18 @@ def family(request, tmp_path_factory):
 
 
 PROMPTS = random_prompts(9, seed=11)
+# prompts whose first blocks are the same tokens: the prefix cache serves them
+SHARED = ["the cat sat on the mat " * 3 + p for p in PROMPTS[:6]]
+
+
+@pytest.fixture(scope="module")
+def family_hf(family):
+    """transformers' model of the family's checkpoint."""
+    import torch
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(str(family[0]),
+                                                             dtype=torch.float32).eval()
 
 
 def tokens(tmp, model_dir, overrides=()) -> list[list[int]]:
@@ -131,3 +144,34 @@ def test_train_draft_trains_a_head_for_the_family(tmp_path, family):
     got = tokens(tmp_path / "spec", model_dir, [f"draft={out}", "speculative.num_steps=3",
                                                 "speculative.adaptive=false"])  # fmt: skip
     assert got == reference
+
+
+@pytest.mark.parametrize("gemm", ["native", "torch"])
+def test_prefix_cache_chunks_and_preemption_equal_transformers(tmp_path, family, family_hf, gemm):
+    """Prompts sharing their first blocks (served from the prefix cache), computed in chunks
+    of 16 tokens, with a KV cache so short that rows are preempted and recomputed: greedy
+    output still equals transformers'."""
+    model_dir, _ = family
+    reference = [hf_greedy(family_hf, p) for p in SHARED]
+    over = [f"engine.cpu_gemm={gemm}", "engine.max_num_batched_tokens=16",
+            "engine.kv_cache_tokens=256", "engine.max_batch_size=6"]  # fmt: skip
+    table, res = run_job(tmp_path, model_dir, SHARED, overrides=over, wrap=ReaderWaitSpy)
+    assert res.stats["preemptions"] > 0
+    assert sum(table.column("cached_tokens").to_pylist()) > 0
+    assert table.column("output_token_ids").to_pylist() == reference
+
+
+def test_prompt_logprobs_equal_transformers(tmp_path, family, family_hf):
+    """Every prompt token's logprob within 1e-4 of log_softmax of transformers' logits."""
+    import torch
+
+    model_dir, _ = family
+    table, _ = run_job(tmp_path, model_dir, PROMPTS[:4], overrides=["output.prompt_logprobs=1"])
+    for row, prompt in zip(table.to_pylist(), PROMPTS[:4], strict=True):
+        ids = byte_tokenizer().encode(prompt).ids
+        with torch.inference_mode():
+            ref = torch.log_softmax(family_hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+        entries = row["prompt_logprobs"]
+        assert [e["token_id"] for e in entries] == ids[1:]
+        for j, e in enumerate(entries):
+            assert abs(e["logprob"] - ref[j, ids[j + 1]].item()) < 1e-4
