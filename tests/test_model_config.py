@@ -143,3 +143,26 @@ def test_from_dir(tmp_path) -> None:
     (tmp_path / "config.json").write_text("{")
     with pytest.raises(ValueError, match="not valid JSON"):
         ModelConfig.from_dir(tmp_path)
+
+
+OLMO2 = {"model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"]}
+
+
+def test_olmo_layers_are_post_norm_with_projection_qk_norms() -> None:
+    from eaglebatch.cpu.decoder import native_layers_fit
+
+    for family in (OLMO2,):
+        c = cfg(**family, attention_bias=True)
+        assert (c.norm_layout, c.qk_norm, c.norm_kind) == ("post", "projection", "rms_cast_last")
+        assert c.attention_bias and c.o_proj_bias and not c.mlp_bias
+        assert not native_layers_fit(c)  # the CPU path runs its torch layers, native GEMMs
+    assert cfg(**OLMO2).layer_types is None and cfg(**OLMO2).rope_local_theta is None
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({**OLMO2, "mlp_bias": True}, "mlp_bias"),
+    ({**OLMO2, "clip_qkv": 8.0}, "clip_qkv"),
+])  # fmt: skip
+def test_olmo_refuses_what_it_does_not_implement(raw, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict({**BASE, **raw})

@@ -11,7 +11,8 @@ import pytest
 
 from eaglebatch.engine import build_worker
 from eaglebatch.speculative import init_random_draft
-from support.tiny import make_tiny_model
+from support.spies import ReaderWaitSpy
+from support.tiny import byte_tokenizer, make_tiny_model
 from test_engine import hf_greedy, random_prompts, run_job
 from test_graphs import MAX_NEW as GRAPH_MAX_NEW
 from test_graphs import _job, _outputs
@@ -26,7 +27,13 @@ FAMILIES = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         hidden_activation="gelu_pytorch_tanh",
     ),
+    # post-norm layers, q/k norms over the whole projection; linearly scaled RoPE
+    "olmo2": dict(model_type="olmo2",
+                  rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
 }  # fmt: skip
+HF_CLASSES = {"qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+              "olmo2": "Olmo2ForCausalLM"}  # fmt: skip
+HF_MODELS = {}  # model folder -> its transformers model (float32, eval)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -37,8 +44,8 @@ def family(request, tmp_path_factory):
 
     path = make_tiny_model(tmp_path_factory.mktemp(request.param), **SHAPE,
                            **FAMILIES[request.param])  # fmt: skip
-    hf_cls = {"qwen3": transformers.Qwen3ForCausalLM, "gemma3": transformers.Gemma3ForCausalLM}
-    hf = hf_cls[request.param].from_pretrained(str(path), dtype=torch.float32).eval()
+    hf_cls = getattr(transformers, HF_CLASSES[request.param])
+    hf = HF_MODELS[path] = hf_cls.from_pretrained(str(path), dtype=torch.float32).eval()
     return path, [hf_greedy(hf, p) for p in PROMPTS]
 
 
@@ -79,3 +86,43 @@ def test_graph_steps_equal_transformers(tmp_path, family):
         got, res = _outputs(prep, build_worker(prep, graph_mode="eager"))
         assert res.stats["cuda_graphs"]["replays"] > 0
         assert got == [r[:GRAPH_MAX_NEW] for r in reference]  # greedy: a prefix of the longer
+
+
+SHARED = "the cat sat on the mat and then " * 2  # 62 byte tokens: prompts share 3 blocks
+
+
+def test_prefix_caching_chunked_prefill_and_preemption_equal_transformers(tmp_path, family):
+    """Prompts sharing a prefix, prefilled in chunks of 16 tokens, in a KV cache of 12 blocks
+    that forces evictions and preemptions (recomputed prompts and outputs): transformers'
+    greedy outputs, with cached blocks served."""
+    model_dir, _ = family
+    prompts = [SHARED + p for p in PROMPTS[:6]]
+    table, res = run_job(tmp_path, model_dir, prompts, wrap=ReaderWaitSpy,
+                         overrides=["engine.prefix_caching=true",
+                                    "engine.max_num_batched_tokens=16",
+                                    "engine.kv_cache_tokens=192", "engine.max_batch_size=4"])
+    got = table.column("output_token_ids").to_pylist()
+    assert got == [hf_greedy(HF_MODELS[model_dir], p) for p in prompts]
+    assert res.stats["preemptions"] > 0 and res.stats["cached_tokens"] > 0
+
+
+def test_prompt_logprobs_equal_transformers(tmp_path, family):
+    """Every prompt token's logprob (prefilled in chunks) within 1e-4 of log_softmax of
+    transformers' logits at the position before it, its top 3 the same tokens."""
+    import torch
+
+    model_dir, _ = family
+    prompts = [SHARED + p for p in PROMPTS[:3]]
+    table, _ = run_job(tmp_path, model_dir, prompts,
+                       overrides=["output.prompt_logprobs=3", "engine.max_num_batched_tokens=16"])
+    tok = byte_tokenizer()
+    for row, prompt in zip(table.to_pylist(), prompts, strict=True):
+        ids = tok.encode(prompt).ids
+        with torch.inference_mode():
+            logits = HF_MODELS[model_dir](torch.tensor([ids])).logits[0].float()
+        ref = torch.log_softmax(logits, dim=-1)
+        entries = row["prompt_logprobs"]
+        assert [e["token_id"] for e in entries] == ids[1:]
+        for j, e in enumerate(entries):
+            assert abs(e["logprob"] - ref[j, ids[j + 1]].item()) < 1e-4
+            assert [t["token_id"] for t in e["top_logprobs"]] == ref[j].topk(3).indices.tolist()
