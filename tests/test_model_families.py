@@ -30,9 +30,19 @@ FAMILIES = {
     # post-norm layers, q/k norms over the whole projection; linearly scaled RoPE
     "olmo2": dict(model_type="olmo2",
                   rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+    # OLMo 2's layers, sliding (last 8 positions, their own RoPE base) and full (scaled RoPE);
+    # tied embeddings
+    "olmo3": dict(
+        model_type="olmo3", sliding_window=8, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+        },
+    ),
 }  # fmt: skip
 HF_CLASSES = {"qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-              "olmo2": "Olmo2ForCausalLM"}  # fmt: skip
+              "olmo2": "Olmo2ForCausalLM", "olmo3": "Olmo3ForCausalLM"}  # fmt: skip
 HF_MODELS = {}  # model folder -> its transformers model (float32, eval)
 
 
