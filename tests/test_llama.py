@@ -268,6 +268,30 @@ def test_rms_norm_matches_the_hf_formula(dtype) -> None:
     assert torch.equal(norm(x[3:4])[0], norm(x)[3])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cast_last_rms_norm_scales_before_the_cast(dtype) -> None:
+    """norm_kind "rms_cast_last" (OLMo 2): the weight multiplies in float32, one cast at the
+    end; in float32 the same values as RMSNorm, in bfloat16 not (rounded once, not twice)."""
+    from types import SimpleNamespace
+
+    from eaglebatch.model.decoder_layer import RMSNorm, make_norm
+
+    norm = make_norm(SimpleNamespace(norm_kind="rms_cast_last", rms_norm_eps=1e-5), 576,
+                     dtype=dtype)  # fmt: skip
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = (torch.randn(7, 576) * 3).to(dtype)
+    x32 = x.float()
+    want = norm.weight.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(norm(x), want.to(dtype), atol=0, rtol=0)
+    llama = RMSNorm(576, 1e-5, dtype=dtype)
+    llama.load_state_dict(norm.state_dict())
+    if dtype == torch.float32:
+        torch.testing.assert_close(norm(x), llama(x), atol=1e-6, rtol=1e-6)
+    else:
+        assert not torch.equal(norm(x), llama(x))
+
+
 @pytest.mark.parametrize("rows,size", [(1, 576), (4, 576), (130, 64), (3, 37)])
 def test_native_rms_norm_matches_torch(rows, size) -> None:
     """The draft heads' native RMSNorm (cpu/norm.py): torch's values to float32 rounding,

@@ -143,3 +143,65 @@ def test_from_dir(tmp_path) -> None:
     (tmp_path / "config.json").write_text("{")
     with pytest.raises(ValueError, match="not valid JSON"):
         ModelConfig.from_dir(tmp_path)
+
+
+OLMO2 = {"model_type": "olmo2", "architectures": ["Olmo2ForCausalLM"]}
+OLMO3 = {"model_type": "olmo3", "architectures": ["Olmo3ForCausalLM"], "num_hidden_layers": 8}
+
+
+def test_olmo_layers_are_post_norm_with_projection_qk_norms() -> None:
+    from eaglebatch.cpu.decoder import native_layers_fit
+
+    for family in (OLMO2, OLMO3):
+        c = cfg(**family, attention_bias=True)
+        assert (c.norm_layout, c.qk_norm, c.norm_kind) == ("post", "projection", "rms_cast_last")
+        assert c.attention_bias and c.o_proj_bias and not c.mlp_bias
+        assert not native_layers_fit(c)  # the CPU path runs its torch layers, native GEMMs
+    assert cfg(**OLMO2).layer_types is None and cfg(**OLMO2).rope_local_theta is None
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_theta": 1234.0},
+    {"rope_theta": 1234.0, "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+    {"rope_theta": None},
+    {"rope_theta": None, "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 20.0}}},
+    {"rope_theta": None, "rope_parameters": {"sliding_attention": {"rope_type": "default"}}},
+    {"rope_theta": 77.0, "rope_parameters": {"sliding_attention": {"rope_type": "default"},
+                                             "full_attention": {"rope_type": "default"}}},
+])  # fmt: skip
+def test_olmo3_rope_per_layer_type_as_transformers_reads_it(rope) -> None:
+    """Full layers' base and scaling, sliding layers' base: those of transformers' Olmo3Config
+    (whose flat layout gives rope_theta to full layers only, 500000 to sliding ones)."""
+    import transformers
+
+    c = cfg(**OLMO3, **rope)
+    raw = {**BASE, **OLMO3, **rope}
+    ref = transformers.Olmo3Config.from_dict({k: v for k, v in raw.items() if v is not None})
+    full, local = ref.rope_parameters["full_attention"], ref.rope_parameters["sliding_attention"]
+    assert (c.rope_theta, c.rope_local_theta) == (full["rope_theta"], local["rope_theta"])
+    assert (c.rope_scaling.factor if c.rope_scaling else None) == full.get("factor")
+
+
+def test_olmo3_layer_types_and_window() -> None:
+    c = cfg(**OLMO3)
+    assert [c.window_of(i) for i in range(8)] == [4096, 4096, 4096, None] * 2
+    c = cfg(**OLMO3, sliding_window=16, layer_types=["full_attention"] * 7 + ["sliding_attention"])
+    assert [c.window_of(i) for i in range(8)] == [None] * 7 + [16] and c.max_model_len == 8192
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({**OLMO2, "mlp_bias": True}, "mlp_bias"),
+    ({**OLMO2, "clip_qkv": 8.0}, "clip_qkv"),
+    ({**OLMO3, "rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "rope_type='yarn'"),
+    ({**OLMO3, "rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
+     "rope_parameters.sliding_attention.rope_type = 'linear'"),
+    ({**OLMO3, "rope_parameters": {"rope_type": "default", "rope_theta": 10.0}},
+     "keyed by layer type"),
+    ({**OLMO3, "sliding_window": None}, "sliding_window = None"),
+    ({**OLMO3, "layer_types": ["full_attention"]}, "layer_types"),
+])  # fmt: skip
+def test_olmo_refuses_what_it_does_not_implement(raw, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict({**BASE, **raw})

@@ -1,9 +1,11 @@
-"""Qwen3 (per-head q/k norms, head_dim apart from hidden / heads) and Gemma 3 (its sliding
-layers see the last 8 positions; prompts and outputs run far past that) end to end against
-transformers' greedy `generate` on tiny random models: the CPU fast path (native GEMMs, and
-for Qwen3 native decoder layers) and torch's layers, several batch sizes, speculative decoding
-with a random EAGLE-3 head in the published format, and the uniform (CUDA-graph) steps run
-eagerly on the CPU."""
+"""Every family but the Llama-like ones of tests/test_llama.py (Qwen3: per-head q/k norms,
+head_dim apart from hidden / heads; Gemma 3 and OLMo 3: sliding layers that see the last 8
+positions, prompts and outputs running far past that; OLMo 2: post-norm) end to end against
+transformers' greedy `generate` on tiny random models written by transformers here: the CPU
+fast path (native GEMMs, and native decoder layers where they fit) and torch's layers, several
+batch sizes, speculative decoding with random EAGLE-3 heads in every published layout, the
+uniform (CUDA-graph) steps run eagerly on the CPU, prefix caching with chunked prefill and
+preemption, prompt logprobs, and train-draft."""
 
 from __future__ import annotations
 
@@ -29,7 +31,21 @@ FAMILIES = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         hidden_activation="gelu_pytorch_tanh",
     ),
+    # post-norm layers, q/k norms over the whole projection; linearly scaled RoPE
+    "olmo2": dict(model_type="olmo2",
+                  rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+    # OLMo 2's layers, sliding (last 8 positions, their own RoPE base) and full (scaled RoPE);
+    # tied embeddings
+    "olmo3": dict(
+        model_type="olmo3", sliding_window=8, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
+        },
+    ),
 }  # fmt: skip
+HF_MODELS = {}  # model folder -> its transformers model (float32, eval)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -40,8 +56,8 @@ def family(request, tmp_path_factory):
 
     path = make_tiny_model(tmp_path_factory.mktemp(request.param), **SHAPE,
                            **FAMILIES[request.param])  # fmt: skip
-    hf_cls = {"qwen3": transformers.Qwen3ForCausalLM, "gemma3": transformers.Gemma3ForCausalLM}
-    hf = hf_cls[request.param].from_pretrained(str(path), dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    HF_MODELS[path] = hf.eval()
     return path, [hf_greedy(hf, p) for p in PROMPTS]
 
 
@@ -53,11 +69,7 @@ SHARED = ["the cat sat on the mat " * 3 + p for p in PROMPTS[:6]]
 @pytest.fixture(scope="module")
 def family_hf(family):
     """transformers' model of the family's checkpoint."""
-    import torch
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(str(family[0]),
-                                                             dtype=torch.float32).eval()
+    return HF_MODELS[family[0]]
 
 
 def tokens(tmp, model_dir, overrides=()) -> list[list[int]]:
@@ -166,7 +178,8 @@ def test_prompt_logprobs_equal_transformers(tmp_path, family, family_hf):
     import torch
 
     model_dir, _ = family
-    table, _ = run_job(tmp_path, model_dir, PROMPTS[:4], overrides=["output.prompt_logprobs=1"])
+    over = ["output.prompt_logprobs=3", "engine.max_num_batched_tokens=16"]  # in chunks
+    table, _ = run_job(tmp_path, model_dir, PROMPTS[:4], overrides=over)
     for row, prompt in zip(table.to_pylist(), PROMPTS[:4], strict=True):
         ids = byte_tokenizer().encode(prompt).ids
         with torch.inference_mode():
@@ -175,3 +188,4 @@ def test_prompt_logprobs_equal_transformers(tmp_path, family, family_hf):
         assert [e["token_id"] for e in entries] == ids[1:]
         for j, e in enumerate(entries):
             assert abs(e["logprob"] - ref[j, ids[j + 1]].item()) < 1e-4
+            assert [t["token_id"] for t in e["top_logprobs"]] == ref[j].topk(3).indices.tolist()

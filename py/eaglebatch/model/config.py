@@ -64,7 +64,8 @@ class ModelConfig:
     mlp_bias: bool = False
     sliding_window: int | None = None  # a length cap (module doc); only set when really used
     activation: str = "silu"  # of the gated MLP: "silu" | "gelu" | "gelu_tanh"
-    # "rms": w * (x / rms(x)) cast first; "rms_plus_one": (1 + w) * x / rms(x) in float32 (Gemma)
+    # "rms": w * (x / rms(x)) cast first; "rms_plus_one": (1 + w) * x / rms(x) in float32 (Gemma);
+    # "rms_cast_last": w * (x / rms(x)) in float32, cast last (OLMo 2)
     norm_kind: str = "rms"
     # where the layer's norms sit: "pre" (input_layernorm, post_attention_layernorm before the
     # MLP), "sandwich" (Gemma: before and after attention and the MLP, four norms), "post"
@@ -143,6 +144,8 @@ class ModelConfig:
             rope_scaling.check_rotary_dim(rotary_dim)
         _check_architecture(raw, family.model_type, family.architecture)
         features = family.features(raw)
+        # a family may resolve the base itself (its own default where config.json states none)
+        rope_theta = features.pop("rope_theta", rope_theta)
         window = features.get("sliding_window")
         if window is not None and not (isinstance(window, int) and not isinstance(window, bool)):
             raise ValueError(f"model config: sliding_window must be an integer, got {window!r}")

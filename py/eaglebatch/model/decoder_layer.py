@@ -57,9 +57,26 @@ class PlusOneRMSNorm(nn.Module):
         return 1.0 + self.weight
 
 
+class CastLastRMSNorm(nn.Module):
+    """(w * (x / rms(x))).to(x.dtype): normalised and scaled in float32, cast back last (OLMo 2's
+    order). In float32 it equals RMSNorm; in bfloat16 it rounds once where RMSNorm rounds twice."""
+
+    def __init__(self, size: int, eps: float, **factory) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, **factory))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
+        x32 = x.float()
+        out = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * out).to(x.dtype)
+
+
+_NORMS = {"rms": RMSNorm, "rms_plus_one": PlusOneRMSNorm, "rms_cast_last": CastLastRMSNorm}
+
+
 def make_norm(cfg: ModelConfig, size: int, **factory) -> nn.Module:
-    cls = PlusOneRMSNorm if cfg.norm_kind == "rms_plus_one" else RMSNorm
-    return cls(size, cfg.rms_norm_eps, **factory)
+    return _NORMS[cfg.norm_kind](size, cfg.rms_norm_eps, **factory)
 
 
 class Attention(nn.Module):
