@@ -194,7 +194,6 @@ def test_olmo3_layer_types_and_window() -> None:
 @pytest.mark.parametrize("raw, message", [
     ({**OLMO2, "mlp_bias": True}, "mlp_bias"),
     ({**OLMO2, "clip_qkv": 8.0}, "clip_qkv"),
-    ({**OLMO3, "rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "rope_type='yarn'"),
     ({**OLMO3, "rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}},
      "rope_parameters.sliding_attention.rope_type = 'linear'"),
     ({**OLMO3, "rope_parameters": {"rope_type": "default", "rope_theta": 10.0}},

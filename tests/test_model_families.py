@@ -34,13 +34,14 @@ FAMILIES = {
     # post-norm layers, q/k norms over the whole projection; linearly scaled RoPE
     "olmo2": dict(model_type="olmo2",
                   rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
-    # OLMo 2's layers, sliding (last 8 positions, their own RoPE base) and full (scaled RoPE);
+    # OLMo 2's layers, sliding (last 8 positions, their own RoPE base) and full (YaRN);
     # tied embeddings
     "olmo3": dict(
         model_type="olmo3", sliding_window=8, tie_word_embeddings=True,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={
-            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                               "original_max_position_embeddings": 32},
             "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
         },
     ),

@@ -38,9 +38,11 @@ class NativeNorm:
 
 
 def use_native_norms(module: nn.Module, on: bool = True) -> None:
-    """Swaps the native RMSNorm into every `RMSNorm` of `module` (on), or makes them plain."""
+    """Swaps the native RMSNorm into every `RMSNorm` of `module` (on), or makes them plain. Only
+    plain RMSNorms: its subclasses (Gemma's, OLMo's) compute another order or value."""
     for m in module.modules():
-        if isinstance(m, RMSNorm) and on:
+        plain = type(m).__dict__.get("plain_class", type(m))  # cpu/swap.py
+        if plain is RMSNorm and on:
             become(m, NativeNorm)
-        elif isinstance(m, RMSNorm):
+        elif plain is RMSNorm:
             restore(m)

@@ -40,13 +40,12 @@ class RMSNorm(nn.Module):
         return self.weight
 
 
-class PlusOneRMSNorm(nn.Module):
+class PlusOneRMSNorm(RMSNorm):
     """x / rms(x) * (1 + w), in float32, cast back (Gemma's)."""
 
     def __init__(self, size: int, eps: float, **factory) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(size, **factory))
-        self.eps = eps
+        super().__init__(size, eps, **factory)
+        nn.init.zeros_(self.weight)  # (1 + 0): the identity, as transformers initialises it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
         x32 = x.float()
@@ -57,14 +56,9 @@ class PlusOneRMSNorm(nn.Module):
         return 1.0 + self.weight
 
 
-class CastLastRMSNorm(nn.Module):
+class CastLastRMSNorm(RMSNorm):
     """(w * (x / rms(x))).to(x.dtype): normalised and scaled in float32, cast back last (OLMo 2's
     order). In float32 it equals RMSNorm; in bfloat16 it rounds once where RMSNorm rounds twice."""
-
-    def __init__(self, size: int, eps: float, **factory) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, **factory))
-        self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
         x32 = x.float()
