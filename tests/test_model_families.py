@@ -1,9 +1,9 @@
-"""Qwen3 (per-head q/k norms, head_dim apart from hidden / heads) and Gemma 3 (its sliding
-layers see the last 8 positions; prompts and outputs run far past that) end to end against
-transformers' greedy `generate` on tiny random models: the CPU fast path (native GEMMs, and
-for Qwen3 native decoder layers) and torch's layers, several batch sizes, speculative decoding
-with a random EAGLE-3 head in the published format, and the uniform (CUDA-graph) steps run
-eagerly on the CPU."""
+"""Qwen3 (per-head q/k norms, head_dim apart from hidden / heads) and Gemma 3 (its sliding layers
+see the last 8 positions; prompts and outputs run far past that) end to end against
+transformers' greedy `generate` on tiny random models: the CPU fast path (native GEMMs, and for
+Qwen3 native decoder layers) and torch's layers, several batch sizes, speculative decoding with
+a random EAGLE-3 head in the published format, the uniform (CUDA-graph) steps run eagerly on the
+CPU, prefix caching with chunked prefill and preemption, and prompt logprobs."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ import pytest
 
 from eaglebatch.engine import build_worker
 from eaglebatch.speculative import init_random_draft
-from support.tiny import make_tiny_model
+from support.spies import ReaderWaitSpy
+from support.tiny import byte_tokenizer, make_tiny_model
 from test_engine import hf_greedy, random_prompts, run_job
 from test_graphs import MAX_NEW as GRAPH_MAX_NEW
 from test_graphs import _job, _outputs
+from test_prefix_cache import shared_prompts
 
 pytest.importorskip("eaglebatch._native")
 
@@ -31,15 +33,14 @@ FAMILIES = {
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
-    """(model folder, transformers' greedy tokens of `prompts` on it)."""
+    """(model folder, transformers' greedy tokens of `prompts` on it, transformers' model)."""
     import torch
     import transformers
 
     path = make_tiny_model(tmp_path_factory.mktemp(request.param), **SHAPE,
                            **FAMILIES[request.param])  # fmt: skip
-    hf_cls = {"qwen3": transformers.Qwen3ForCausalLM, "gemma3": transformers.Gemma3ForCausalLM}
-    hf = hf_cls[request.param].from_pretrained(str(path), dtype=torch.float32).eval()
-    return path, [hf_greedy(hf, p) for p in PROMPTS]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    return path, [hf_greedy(hf, p) for p in PROMPTS], hf
 
 
 PROMPTS = random_prompts(9, seed=11)
@@ -53,13 +54,13 @@ def tokens(tmp, model_dir, overrides=()) -> list[list[int]]:
 @pytest.mark.parametrize("gemm", ["native", "torch"])
 @pytest.mark.parametrize("batch", [1, 4, 16])
 def test_greedy_equals_transformers(tmp_path, family, gemm, batch):
-    model_dir, reference = family
+    model_dir, reference, _ = family
     got = tokens(tmp_path, model_dir, [f"engine.cpu_gemm={gemm}", f"engine.max_batch_size={batch}"])
     assert got == reference
 
 
 def test_speculative_with_an_eagle3_head_equals_transformers(tmp_path, family):
-    model_dir, reference = family
+    model_dir, reference, _ = family
     head = init_random_draft(tmp_path / "head", model_dir, kind="eagle3", seed=3,
                              aux_layer_ids=(0, 1, 2))  # fmt: skip
     for k in (1, 3):
@@ -71,7 +72,7 @@ def test_speculative_with_an_eagle3_head_equals_transformers(tmp_path, family):
 
 def test_graph_steps_equal_transformers(tmp_path, family):
     """The uniform (CUDA-graph) steps, run eagerly on the CPU (Gemma: their window masks)."""
-    model_dir, reference = family
+    model_dir, reference, _ = family
     head = init_random_draft(tmp_path / "head", model_dir, kind="eagle3", seed=4,
                              aux_layer_ids=(0, 1, 2))  # fmt: skip
     for name, extra in (("plain", []), ("spec", [f"draft={head}", "speculative.adaptive=false"])):
@@ -79,3 +80,37 @@ def test_graph_steps_equal_transformers(tmp_path, family):
         got, res = _outputs(prep, build_worker(prep, graph_mode="eager"))
         assert res.stats["cuda_graphs"]["replays"] > 0
         assert got == [r[:GRAPH_MAX_NEW] for r in reference]  # greedy: a prefix of the longer
+
+
+SHARED = shared_prompts()
+
+
+def test_prefix_cache_chunked_prefill_and_preemption_equal_transformers(tmp_path, family):
+    """Prompts sharing prefixes (served from the cache), prefilled 16 tokens a step, in a KV
+    cache of 12 blocks that forces preemptions: the outputs stay transformers'."""
+    model_dir, _, hf = family
+    reference = [hf_greedy(hf, p) for p in SHARED]
+    table, res = run_job(tmp_path, model_dir, SHARED, wrap=ReaderWaitSpy,
+                         overrides=["engine.kv_cache_tokens=192", "engine.max_batch_size=4",
+                                    "engine.max_num_batched_tokens=16"])  # fmt: skip
+    assert table.column("output_token_ids").to_pylist() == reference
+    assert res.stats["preemptions"] > 0 and res.stats["cached_tokens"] > 0
+
+
+def test_prompt_logprobs_equal_transformers(tmp_path, family):
+    """Every prompt token's logprob (prefilled in chunks) within 1e-4 of log_softmax of
+    transformers' logits at the position before it."""
+    import torch
+
+    model_dir, _, hf = family
+    prompts = SHARED[:4]
+    chunked = ["output.prompt_logprobs=2", "engine.max_num_batched_tokens=16"]
+    table, _ = run_job(tmp_path, model_dir, prompts, overrides=chunked)
+    for row, prompt in zip(table.to_pylist(), prompts, strict=True):
+        ids = byte_tokenizer().encode(prompt).ids
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+        entries = row["prompt_logprobs"]
+        assert [e["token_id"] for e in entries] == ids[1:]
+        worst = max(abs(e["logprob"] - ref[j, ids[j + 1]].item()) for j, e in enumerate(entries))
+        assert worst < 1e-4
