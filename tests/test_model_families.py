@@ -1,9 +1,10 @@
-"""Qwen3 (per-head q/k norms, head_dim apart from hidden / heads) and Gemma 3 (its sliding layers
-see the last 8 positions; prompts and outputs run far past that) end to end against
-transformers' greedy `generate` on tiny random models: the CPU fast path (native GEMMs, and for
-Qwen3 native decoder layers) and torch's layers, several batch sizes, speculative decoding with
-a random EAGLE-3 head in the published format, the uniform (CUDA-graph) steps run eagerly on the
-CPU, prefix caching with chunked prefill and preemption, and prompt logprobs."""
+"""Qwen3 (per-head q/k norms, head_dim apart from hidden / heads), Gemma 3 (its sliding layers see
+the last 8 positions; prompts and outputs run far past that) and SmolLM3 (a layer without RoPE,
+windowed to 8 positions; tied embeddings) end to end against transformers' greedy `generate` on
+tiny random models: the CPU fast path (native GEMMs, and for Qwen3 native decoder layers) and
+torch's layers, several batch sizes, speculative decoding with a random EAGLE-3 head in the
+published format, the uniform (CUDA-graph) steps run eagerly on the CPU, prefix caching with
+chunked prefill and preemption, and prompt logprobs."""
 
 from __future__ import annotations
 
@@ -27,6 +28,13 @@ FAMILIES = {
         model_type="gemma3_text", sliding_window=8, query_pre_attn_scalar=24,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         hidden_activation="gelu_pytorch_tanh",
+    ),
+    # layer 1 goes without RoPE and sees the last 8 positions (transformers derives its
+    # layer_types from use_sliding_window and the no-RoPE layers)
+    "smollm3": dict(
+        model_type="smollm3", no_rope_layers=[1, 0, 1], use_sliding_window=True, sliding_window=8,
+        tie_word_embeddings=True, pad_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e5},
     ),
 }  # fmt: skip
 

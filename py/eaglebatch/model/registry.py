@@ -11,8 +11,11 @@ from eaglebatch.model.llama import LLAMA
 from eaglebatch.model.mistral import MISTRAL
 from eaglebatch.model.qwen2 import QWEN2
 from eaglebatch.model.qwen3 import QWEN3
+from eaglebatch.model.smollm3 import SMOLLM3
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3)}
+FAMILIES: dict[str, Family] = {
+    f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, SMOLLM3)
+}
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 
