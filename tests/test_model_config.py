@@ -184,3 +184,25 @@ def test_smollm3_refuses_what_it_does_not_implement(settings, key) -> None:
     with pytest.raises(ValueError, match=key):
         cfg(**SMOLLM3, **settings)
 
+
+GRANITE = {"model_type": "granite", "architectures": ["GraniteForCausalLM"]}
+
+
+def test_granite_multipliers() -> None:
+    c = cfg(**GRANITE, embedding_multiplier=12.0, residual_multiplier=0.22,
+            attention_multiplier=0.0078125, logits_scaling=8, attention_bias=True)  # fmt: skip
+    assert (c.embedding_multiplier, c.residual_multiplier) == (12.0, 0.22)
+    assert (c.attention_scale, c.logits_divisor) == (0.0078125, 8.0)
+    assert c.attention_bias and c.o_proj_bias
+    # transformers' GraniteConfig defaults every multiplier to 1, the attention scale too
+    c = cfg(**GRANITE, tie_word_embeddings=None)
+    assert (c.embedding_multiplier, c.residual_multiplier, c.logits_divisor) == (1.0, 1.0, 1.0)
+    assert c.attention_scale == 1.0 and not c.tie_word_embeddings
+
+
+@pytest.mark.parametrize("key", ["embedding_multiplier", "residual_multiplier",
+                                 "attention_multiplier", "logits_scaling"])  # fmt: skip
+def test_granite_refuses_bad_multipliers(key) -> None:
+    for bad in (0, -1.0, "2", True):
+        with pytest.raises(ValueError, match=key):
+            cfg(**GRANITE, **{key: bad})

@@ -1,10 +1,10 @@
 """Qwen3 (per-head q/k norms, head_dim apart from hidden / heads), Gemma 3 (its sliding layers see
-the last 8 positions; prompts and outputs run far past that) and SmolLM3 (a layer without RoPE,
-windowed to 8 positions; tied embeddings) end to end against transformers' greedy `generate` on
-tiny random models: the CPU fast path (native GEMMs, and for Qwen3 native decoder layers) and
-torch's layers, several batch sizes, speculative decoding with a random EAGLE-3 head in the
-published format, the uniform (CUDA-graph) steps run eagerly on the CPU, prefix caching with
-chunked prefill and preemption, and prompt logprobs."""
+the last 8 positions; prompts and outputs run far past that), SmolLM3 (a layer without RoPE,
+windowed to 8 positions; tied embeddings) and Granite (its four multipliers far from 1) end to
+end against transformers' greedy `generate` on tiny random models: the CPU fast path (native
+GEMMs, and for Qwen3 native decoder layers) and torch's layers, several batch sizes, speculative
+decoding with a random EAGLE-3 head in the published format, the uniform (CUDA-graph) steps run
+eagerly on the CPU, prefix caching with chunked prefill and preemption, and prompt logprobs."""
 
 from __future__ import annotations
 
@@ -35,6 +35,10 @@ FAMILIES = {
         model_type="smollm3", no_rope_layers=[1, 0, 1], use_sliding_window=True, sliding_window=8,
         tie_word_embeddings=True, pad_token_id=None,
         rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+    ),
+    "granite": dict(
+        model_type="granite", embedding_multiplier=12.0, residual_multiplier=0.22,
+        attention_multiplier=0.015625, logits_scaling=8.0, attention_bias=True,
     ),
 }  # fmt: skip
 
@@ -122,3 +126,21 @@ def test_prompt_logprobs_equal_transformers(tmp_path, family):
         assert [e["token_id"] for e in entries] == ids[1:]
         worst = max(abs(e["logprob"] - ref[j, ids[j + 1]].item()) for j, e in enumerate(entries))
         assert worst < 1e-4
+
+
+def test_granite_multipliers_on_native_layers_equal_transformers(tmp_path):
+    """Granite with residual_multiplier 1 fits the native decoder layers (its attention scale is
+    the layer's, the embedding and logits multipliers sit outside the layers): still exact."""
+    import torch
+    import transformers
+
+    from eaglebatch.cpu.decoder import native_layers_fit
+    from eaglebatch.model.config import ModelConfig
+
+    granite = {**FAMILIES["granite"], "residual_multiplier": 1.0}
+    path = make_tiny_model(tmp_path / "m", **SHAPE, **granite)
+    assert native_layers_fit(ModelConfig.from_dir(path))
+    hf = transformers.GraniteForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    reference = [hf_greedy(hf, p) for p in PROMPTS]
+    got = tokens(tmp_path, path, ["engine.cpu_gemm=native", "engine.max_batch_size=4"])
+    assert got == reference

@@ -50,7 +50,7 @@ def make_tiny_model(
 ) -> Path:
     """Writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json and a chat
     template into `out`. A larger `init_std` gives peakier logits (fewer near-ties).
-    model_type: "llama", "qwen3", "gemma3_text" or "smollm3" (then `extra` may set
+    model_type: "llama", "qwen3", "gemma3_text", "smollm3" or "granite" (then `extra` may set
     head_dim, sliding_window, layer_types, multipliers, ...)."""
     import torch
     import transformers
@@ -60,6 +60,7 @@ def make_tiny_model(
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
+        "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
     }[model_type]
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)

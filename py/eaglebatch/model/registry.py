@@ -7,6 +7,7 @@ from typing import Any
 
 from eaglebatch.model.family import Family
 from eaglebatch.model.gemma3 import GEMMA3
+from eaglebatch.model.granite import GRANITE
 from eaglebatch.model.llama import LLAMA
 from eaglebatch.model.mistral import MISTRAL
 from eaglebatch.model.qwen2 import QWEN2
@@ -14,7 +15,7 @@ from eaglebatch.model.qwen3 import QWEN3
 from eaglebatch.model.smollm3 import SMOLLM3
 
 FAMILIES: dict[str, Family] = {
-    f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, SMOLLM3)
+    f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, SMOLLM3, GRANITE)
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
