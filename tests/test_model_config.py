@@ -204,3 +204,64 @@ def test_olmo3_layer_types_and_window() -> None:
 def test_olmo_refuses_what_it_does_not_implement(raw, message) -> None:
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_dict({**BASE, **raw})
+SMOLLM3 = {"model_type": "smollm3", "architectures": ["SmolLM3ForCausalLM"],
+           "num_hidden_layers": 6, "tie_word_embeddings": None}  # fmt: skip
+
+
+@pytest.mark.parametrize("settings", [
+    {}, {"no_rope_layer_interval": 3}, {"no_rope_layers": [1, 0, 0, 1, 1, 0, 1]},
+    {"use_sliding_window": True, "sliding_window": 16, "no_rope_layer_interval": 2},
+    {"use_sliding_window": True, "sliding_window": None},
+    {"use_sliding_window": False, "sliding_window": 16},
+    {"use_sliding_window": True, "sliding_window": 16,
+     "layer_types": ["sliding_attention", "full_attention"] * 3},
+])  # fmt: skip
+def test_smollm3_rope_and_sliding_layers_as_transformers_derives_them(settings) -> None:
+    """Which layers skip RoPE and which are windowed, as transformers' SmolLM3Config says."""
+    transformers = pytest.importorskip("transformers")
+    c = cfg(**SMOLLM3, **settings)
+    ref = transformers.SmolLM3Config(num_hidden_layers=6,
+                                     **{k: v for k, v in settings.items() if v is not None})
+    assert [c.uses_rope(i) for i in range(6)] == [bool(f) for f in ref.no_rope_layers[:6]]
+    assert [c.window_of(i) for i in range(6)] == [
+        16 if t == "sliding_attention" else None for t in ref.layer_types]
+    assert c.tie_word_embeddings and c.sliding_window is None and c.max_model_len == 8192
+    assert c.rope_layers is None or not all(c.rope_layers)
+
+
+@pytest.mark.parametrize(("settings", "key"), [
+    ({"rope_theta": None}, "rope_theta"),
+    ({"no_rope_layers": [1, 0]}, "no_rope_layers"),
+    ({"no_rope_layers": [1, 2, 1, 1, 1, 1]}, "no_rope_layers"),
+    ({"no_rope_layer_interval": 0}, "no_rope_layer_interval"),
+    ({"layer_types": ["full_attention"] * 5}, "layer_types"),
+    ({"layer_types": ["sliding_attention"] * 6, "sliding_window": 8}, "use_sliding_window"),
+    ({"layer_types": ["sliding_attention"] * 6, "use_sliding_window": True}, "sliding_window"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
+])  # fmt: skip
+def test_smollm3_refuses_what_it_does_not_implement(settings, key) -> None:
+    with pytest.raises(ValueError, match=key):
+        cfg(**SMOLLM3, **settings)
+
+
+GRANITE = {"model_type": "granite", "architectures": ["GraniteForCausalLM"]}
+
+
+def test_granite_multipliers() -> None:
+    c = cfg(**GRANITE, embedding_multiplier=12.0, residual_multiplier=0.22,
+            attention_multiplier=0.0078125, logits_scaling=8, attention_bias=True)  # fmt: skip
+    assert (c.embedding_multiplier, c.residual_multiplier) == (12.0, 0.22)
+    assert (c.attention_scale, c.logits_divisor) == (0.0078125, 8.0)
+    assert c.attention_bias and c.o_proj_bias
+    # transformers' GraniteConfig defaults every multiplier to 1, the attention scale too
+    c = cfg(**GRANITE, tie_word_embeddings=None)
+    assert (c.embedding_multiplier, c.residual_multiplier, c.logits_divisor) == (1.0, 1.0, 1.0)
+    assert c.attention_scale == 1.0 and not c.tie_word_embeddings
+
+
+@pytest.mark.parametrize("key", ["embedding_multiplier", "residual_multiplier",
+                                 "attention_multiplier", "logits_scaling"])  # fmt: skip
+def test_granite_refuses_bad_multipliers(key) -> None:
+    for bad in (0, -1.0, "2", True):
+        with pytest.raises(ValueError, match=key):
+            cfg(**GRANITE, **{key: bad})

@@ -45,13 +45,24 @@ FAMILIES = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0},
         },
     ),
+    # layer 1 goes without RoPE and sees the last 8 positions (transformers derives its
+    # layer_types from use_sliding_window and the no-RoPE layers)
+    "smollm3": dict(
+        model_type="smollm3", no_rope_layers=[1, 0, 1], use_sliding_window=True, sliding_window=8,
+        tie_word_embeddings=True, pad_token_id=None,
+        rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+    ),
+    "granite": dict(
+        model_type="granite", embedding_multiplier=12.0, residual_multiplier=0.22,
+        attention_multiplier=0.015625, logits_scaling=8.0, attention_bias=True,
+    ),
 }  # fmt: skip
 HF_MODELS = {}  # model folder -> its transformers model (float32, eval)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
-    """(model folder, transformers' greedy tokens of `prompts` on it)."""
+    """(model folder, transformers' greedy tokens of `prompts` on it, transformers' model)."""
     import torch
     import transformers
 
@@ -190,3 +201,21 @@ def test_prompt_logprobs_equal_transformers(tmp_path, family, family_hf):
         for j, e in enumerate(entries):
             assert abs(e["logprob"] - ref[j, ids[j + 1]].item()) < 1e-4
             assert [t["token_id"] for t in e["top_logprobs"]] == ref[j].topk(3).indices.tolist()
+
+
+def test_granite_multipliers_on_native_layers_equal_transformers(tmp_path):
+    """Granite with residual_multiplier 1 fits the native decoder layers (its attention scale is
+    the layer's, the embedding and logits multipliers sit outside the layers): still exact."""
+    import torch
+    import transformers
+
+    from eaglebatch.cpu.decoder import native_layers_fit
+    from eaglebatch.model.config import ModelConfig
+
+    granite = {**FAMILIES["granite"], "residual_multiplier": 1.0}
+    path = make_tiny_model(tmp_path / "m", **SHAPE, **granite)
+    assert native_layers_fit(ModelConfig.from_dir(path))
+    hf = transformers.GraniteForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    reference = [hf_greedy(hf, p) for p in PROMPTS]
+    got = tokens(tmp_path, path, ["engine.cpu_gemm=native", "engine.max_batch_size=4"])
+    assert got == reference

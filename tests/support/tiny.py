@@ -50,8 +50,8 @@ def make_tiny_model(
 ) -> Path:
     """Writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json and a chat
     template into `out`. A larger `init_std` gives peakier logits (fewer near-ties).
-    model_type: "llama", "qwen3", "gemma3_text", "olmo2" or "olmo3" (then `extra` may set head_dim,
-    sliding_window, layer_types, ...)."""
+    model_type: any of the mapping below (then `extra` may set head_dim, sliding_window,
+    layer_types, multipliers, ...)."""
     import torch
     import transformers
 
@@ -61,6 +61,8 @@ def make_tiny_model(
         "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
         "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
+        "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
+        "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
     }[model_type]
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)

@@ -7,15 +7,29 @@ from typing import Any
 
 from eaglebatch.model.family import Family
 from eaglebatch.model.gemma3 import GEMMA3
+from eaglebatch.model.granite import GRANITE
 from eaglebatch.model.llama import LLAMA
 from eaglebatch.model.mistral import MISTRAL
 from eaglebatch.model.olmo2 import OLMO2
 from eaglebatch.model.olmo3 import OLMO3
 from eaglebatch.model.qwen2 import QWEN2
 from eaglebatch.model.qwen3 import QWEN3
+from eaglebatch.model.smollm3 import SMOLLM3
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3,
-                                                         OLMO2, OLMO3)}
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        LLAMA,
+        MISTRAL,
+        QWEN2,
+        QWEN3,
+        GEMMA3,
+        OLMO2,
+        OLMO3,
+        SMOLLM3,
+        GRANITE,
+    )
+}
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 
