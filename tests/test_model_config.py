@@ -237,7 +237,6 @@ def test_smollm3_rope_and_sliding_layers_as_transformers_derives_them(settings) 
     ({"layer_types": ["full_attention"] * 5}, "layer_types"),
     ({"layer_types": ["sliding_attention"] * 6, "sliding_window": 8}, "use_sliding_window"),
     ({"layer_types": ["sliding_attention"] * 6, "use_sliding_window": True}, "sliding_window"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "yarn"),
 ])  # fmt: skip
 def test_smollm3_refuses_what_it_does_not_implement(settings, key) -> None:
     with pytest.raises(ValueError, match=key):
