@@ -11,13 +11,16 @@ import pytest
 
 from eaglebatch.engine import build_worker
 from eaglebatch.speculative import init_random_draft
-from support.tiny import make_tiny_model
+from support.spies import ReaderWaitSpy
+from support.tiny import byte_tokenizer, make_tiny_model
 from test_engine import hf_greedy, random_prompts, run_job
 from test_graphs import MAX_NEW as GRAPH_MAX_NEW
 from test_graphs import _job, _outputs
 
 pytest.importorskip("eaglebatch._native")
 
+MINISTRAL3_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.5,
+                   "original_max_position_embeddings": 8}  # fmt: skip
 SHAPE = dict(num_layers=3, head_dim=24, hidden_size=64, num_heads=4, num_kv_heads=2)
 FAMILIES = {
     "qwen3": dict(model_type="qwen3"),
@@ -26,7 +29,14 @@ FAMILIES = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         hidden_activation="gelu_pytorch_tanh",
     ),
+    # queries scaled by 1 + 0.5 log(1 + floor(pos / 8)): it changes every 8 positions
+    "ministral3": dict(model_type="ministral3", rope_parameters=MINISTRAL3_ROPE),
+    # its sliding layers see the last 8 positions
+    "ministral": dict(model_type="ministral", sliding_window=8,
+                      layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
 }  # fmt: skip
+HF_CLASSES = {"qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+              "ministral3": "Ministral3ForCausalLM", "ministral": "MinistralForCausalLM"}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -37,12 +47,35 @@ def family(request, tmp_path_factory):
 
     path = make_tiny_model(tmp_path_factory.mktemp(request.param), **SHAPE,
                            **FAMILIES[request.param])  # fmt: skip
-    hf_cls = {"qwen3": transformers.Qwen3ForCausalLM, "gemma3": transformers.Gemma3ForCausalLM}
-    hf = hf_cls[request.param].from_pretrained(str(path), dtype=torch.float32).eval()
+    hf_cls = getattr(transformers, HF_CLASSES[request.param])
+    hf = hf_cls.from_pretrained(str(path), dtype=torch.float32).eval()
     return path, [hf_greedy(hf, p) for p in PROMPTS]
 
 
 PROMPTS = random_prompts(9, seed=11)
+
+
+def hf_model(model_dir):
+    """transformers' model of `model_dir` (the class its config.json names), in float32."""
+    import json
+
+    import torch
+    import transformers
+
+    arch = json.loads((model_dir / "config.json").read_text())["architectures"][0]
+    return getattr(transformers, arch).from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def shared(family):
+    """(model folder, prompts sharing prefixes (test_prefix_cache), transformers' greedy tokens
+    of them, transformers' model)."""
+    from test_prefix_cache import shared_prompts
+
+    model_dir, _ = family
+    hf = hf_model(model_dir)
+    prompts = shared_prompts()
+    return model_dir, prompts, [hf_greedy(hf, p) for p in prompts], hf
 
 
 def tokens(tmp, model_dir, overrides=()) -> list[list[int]]:
@@ -79,3 +112,35 @@ def test_graph_steps_equal_transformers(tmp_path, family):
         got, res = _outputs(prep, build_worker(prep, graph_mode="eager"))
         assert res.stats["cuda_graphs"]["replays"] > 0
         assert got == [r[:GRAPH_MAX_NEW] for r in reference]  # greedy: a prefix of the longer
+
+
+def test_prefix_caching_chunked_prefill_and_preemption_keep_the_outputs(tmp_path, shared):
+    """Cached prefixes, prompts in chunks of 24 and a KV budget of 12 blocks (preemptions):
+    greedy tokens still equal transformers'."""
+    model_dir, prompts, reference, _ = shared
+    over = ["engine.prefix_caching=true", "engine.chunked_prefill=true",
+            "engine.max_num_batched_tokens=24", "engine.kv_cache_tokens=192",
+            "engine.max_batch_size=4"]  # fmt: skip
+    table, res = run_job(tmp_path, model_dir, prompts, wrap=ReaderWaitSpy, overrides=over)
+    assert table.column("output_token_ids").to_pylist() == reference
+    assert res.stats["preemptions"] > 0 and res.stats["cached_tokens"] > 0
+
+
+def test_prompt_logprobs_equal_transformers(tmp_path, shared):
+    """Every prompt token's logprob is log_softmax of transformers' logits before it (prompts
+    computed in chunks of 16), within 1e-4."""
+    import torch
+
+    model_dir, prompts, _, hf = shared
+    over = ["engine.max_num_batched_tokens=16", "output.prompt_logprobs=1"]
+    table, _ = run_job(tmp_path, model_dir, prompts[:5], overrides=over)
+    tok = byte_tokenizer()
+    for row, prompt in zip(table.to_pylist(), prompts, strict=False):
+        ids = tok.encode(prompt).ids
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+        entries = row["prompt_logprobs"]
+        assert [e["token_id"] for e in entries] == ids[1:]
+        got = torch.tensor([e["logprob"] for e in entries])
+        want = ref[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)

@@ -77,6 +77,8 @@ def test_native_layers_refuse_what_they_do_not_compute() -> None:
     llama = variant_config("llama")
     assert native_layers_fit(llama)
     assert not native_layers_fit(dataclasses.replace(llama, query_position_scale=(0.1, 8)))
+    assert not native_layers_fit(variant_config("ministral3"))  # its queries scaled by position
+    assert not native_layers_fit(variant_config("ministral"))  # its sliding layers
     assert not native_layers_fit(variant_config("gemma3"))
 
 

@@ -50,8 +50,8 @@ def make_tiny_model(
 ) -> Path:
     """Writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json and a chat
     template into `out`. A larger `init_std` gives peakier logits (fewer near-ties).
-    model_type: "llama", "qwen3" or "gemma3_text" (then `extra` may set head_dim,
-    sliding_window, layer_types, ...)."""
+    model_type: a key of the table below (then `extra` may set head_dim, sliding_window,
+    layer_types, ...)."""
     import torch
     import transformers
 
@@ -59,6 +59,8 @@ def make_tiny_model(
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "ministral3": (transformers.Ministral3Config, transformers.Ministral3ForCausalLM),
+        "ministral": (transformers.MinistralConfig, transformers.MinistralForCausalLM),
     }[model_type]
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
