@@ -32,6 +32,8 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 64,
 }
+MINISTRAL3_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.5,
+                   "original_max_position_embeddings": 8}  # fmt: skip
 VARIANTS = {
     "llama": lambda: transformers.LlamaConfig(**SMALL),
     "llama_tied_3layers": lambda: transformers.LlamaConfig(
@@ -57,6 +59,12 @@ VARIANTS = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}},
     ),
+    # queries scaled by 1 + 0.5 log(1 + floor(pos / 8)) after RoPE (prompts run to 40 tokens)
+    "ministral3": lambda: transformers.Ministral3Config(
+        **SMALL, head_dim=24, tie_word_embeddings=True, rope_parameters=MINISTRAL3_ROPE),
+    "ministral": lambda: transformers.MinistralConfig(
+        **{**SMALL, "num_hidden_layers": 3}, head_dim=16, sliding_window=8,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"]),
 }
 BLOCK_SIZE = 4
 
@@ -70,6 +78,8 @@ def make_checkpoint(variant: str, path, **save_kwargs):
         "mistral": transformers.MistralForCausalLM,
         "qwen3": transformers.Qwen3ForCausalLM,
         "gemma3_text": transformers.Gemma3ForCausalLM,
+        "ministral3": transformers.Ministral3ForCausalLM,
+        "ministral": transformers.MinistralForCausalLM,
     }[config.model_type]
     hf = hf_cls(config).eval()
     # HF's init (std 0.02, zero biases, unit norms) gives near-uniform logits whose top two
@@ -339,6 +349,40 @@ def test_the_text_tower_of_a_multimodal_gemma3_checkpoint(tmp_path) -> None:
     hf.save_pretrained(tmp_path)
     ours = CausalLM.from_pretrained(tmp_path)
     assert ours.config.text_tower and ours.config.model_type == "gemma3_text"
+    prompts = [list(range(100, 130)), [7, 8, 9]]
+    got = greedy_generate(ours, prompts, 12)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    for p, tokens in zip(prompts, got, strict=True):
+        ids = torch.tensor([p])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                          max_new_tokens=12)[0, len(p):].tolist()  # fmt: skip
+        assert tokens == ref
+
+
+def test_the_text_tower_of_a_multimodal_mistral3_checkpoint(tmp_path) -> None:
+    """A Mistral3ForConditionalGeneration checkpoint (the text model under language_model.*, a
+    Pixtral tower and projector beside it, both skipped) runs as its ministral3 text model: greedy
+    tokens equal transformers' on text, the per-position query scale included."""
+    torch.manual_seed(6)
+    text = transformers.Ministral3Config(**SMALL, head_dim=24, rope_parameters=MINISTRAL3_ROPE)
+    vision = transformers.PixtralVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        head_dim=16, image_size=28, patch_size=14)  # fmt: skip
+    cfg = transformers.Mistral3Config(text_config=text, vision_config=vision,
+                                      tie_word_embeddings=False)  # fmt: skip
+    hf = transformers.Mistral3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if ("language_model" in name or "lm_head" in name) and "norm" not in name:
+                p.normal_(std=1.0 if "embed_tokens" in name else 1.5 / p.shape[-1] ** 0.5)
+    hf.save_pretrained(tmp_path)
+    names = load_file(tmp_path / "model.safetensors").keys()
+    # transformers writes the released layout: language_model.model.*, vision_tower.*, ...
+    assert any(n.startswith(("vision_tower.", "model.vision_tower.")) for n in names)
+    ours = CausalLM.from_pretrained(tmp_path)
+    assert ours.config.text_tower and ours.config.model_type == "ministral3"
+    assert ours.config.query_position_scale == (0.5, 8)
     prompts = [list(range(100, 130)), [7, 8, 9]]
     got = greedy_generate(ours, prompts, 12)
     hf.generation_config.eos_token_id = None

@@ -264,3 +264,59 @@ def test_granite_refuses_bad_multipliers(key) -> None:
     for bad in (0, -1.0, "2", True):
         with pytest.raises(ValueError, match=key):
             cfg(**GRANITE, **{key: bad})
+MINISTRAL3 = {"model_type": "ministral3", "architectures": ["Ministral3ForCausalLM"],
+              "rope_theta": None}  # fmt: skip
+# the published rope_parameters of Ministral 3 (YaRN), and the same with default RoPE
+MINISTRAL3_YARN = {"type": "yarn", "rope_theta": 1e6, "factor": 16.0,
+                   "original_max_position_embeddings": 16384, "max_position_embeddings": 262144,
+                   "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
+                   "llama_4_scaling_beta": 0.1}  # fmt: skip
+MINISTRAL3_DEFAULT = {"rope_type": "default", "rope_theta": 1e6, "llama_4_scaling_beta": 0.1,
+                      "original_max_position_embeddings": 16384}  # fmt: skip
+
+
+def test_ministral3_scales_queries_by_position() -> None:
+    c = cfg(**MINISTRAL3, rope_parameters=MINISTRAL3_DEFAULT)
+    assert c.query_position_scale == (0.1, 16384) and c.rope_theta == 1e6
+    assert c.rope_scaling is None and c.sliding_window is None
+    without = {k: v for k, v in MINISTRAL3_DEFAULT.items() if k != "llama_4_scaling_beta"}
+    assert cfg(**MINISTRAL3, rope_parameters=without).query_position_scale is None
+    windowed = cfg(**MINISTRAL3, rope_parameters=MINISTRAL3_DEFAULT, sliding_window=4096)
+    assert windowed.max_model_len == 4096  # a length cap, every layer windowed
+
+
+@pytest.mark.parametrize("params, message", [
+    (MINISTRAL3_YARN, "type='yarn'"),  # until YaRN lands in model/rotary.py
+    ({**MINISTRAL3_DEFAULT, "llama_4_scaling_beta": -1}, "llama_4_scaling_beta"),
+    ({**MINISTRAL3_DEFAULT, "llama_4_scaling_beta": "0.1"}, "llama_4_scaling_beta"),
+    ({**MINISTRAL3_DEFAULT, "original_max_position_embeddings": None},
+     "original_max_position_embeddings"),
+    ({**MINISTRAL3_DEFAULT, "original_max_position_embeddings": 0},
+     "original_max_position_embeddings"),
+])  # fmt: skip
+def test_ministral3_refuses_what_it_does_not_implement(params, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        cfg(**MINISTRAL3, rope_parameters=params)
+
+
+def test_a_mistral3_checkpoint_reads_as_its_text_tower() -> None:
+    text = {k: v for k, v in {**BASE, **MINISTRAL3}.items() if v is not None}
+    c = ModelConfig.from_dict({"model_type": "mistral3", "architectures": [
+        "Mistral3ForConditionalGeneration"], "text_config": {
+        **text, "rope_parameters": MINISTRAL3_DEFAULT}, "vision_config": {"model_type": "pixtral"}})
+    assert c.text_tower and c.model_type == "ministral3" and c.query_position_scale == (0.1, 16384)
+
+
+def test_ministral_windows_its_sliding_layers() -> None:
+    ministral = {"model_type": "ministral", "architectures": ["MinistralForCausalLM"],
+                 "num_hidden_layers": 3}  # fmt: skip
+    types = ["full_attention", "sliding_attention", "sliding_attention"]
+    c = cfg(**ministral, sliding_window=4096, layer_types=types)
+    assert [c.window_of(i) for i in range(3)] == [None, 4096, 4096]
+    assert c.max_model_len == 8192  # real windows: no length cap
+    assert cfg(**ministral, sliding_window=64).window_of(0) == 64  # no layer_types: all sliding
+    assert cfg(**ministral, sliding_window=None).layer_types is None
+    with pytest.raises(ValueError, match="sliding_window"):
+        cfg(**ministral, sliding_window=None, layer_types=types)
+    with pytest.raises(ValueError, match="layer_types"):
+        cfg(**ministral, sliding_window=64, layer_types=types[:2])

@@ -23,6 +23,11 @@ from test_graphs import _job, _outputs
 
 pytest.importorskip("eaglebatch._native")
 
+MINISTRAL3_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.5,
+                   "original_max_position_embeddings": 8}  # fmt: skip
+# queries scaled by 1 + 0.5 log(1 + floor(pos / 8)): the scale changes every 8 positions
+MINISTRAL3_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.5,
+                   "original_max_position_embeddings": 8}  # fmt: skip
 SHAPE = dict(num_layers=3, head_dim=24, hidden_size=64, num_heads=4, num_kv_heads=2)
 FAMILIES = {
     "qwen3": dict(model_type="qwen3"),
@@ -56,6 +61,10 @@ FAMILIES = {
         model_type="granite", embedding_multiplier=12.0, residual_multiplier=0.22,
         attention_multiplier=0.015625, logits_scaling=8.0, attention_bias=True,
     ),
+    "ministral3": dict(model_type="ministral3", rope_parameters=MINISTRAL3_ROPE),
+    # its sliding layers see the last 8 positions
+    "ministral": dict(model_type="ministral", sliding_window=8,
+                      layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
 }  # fmt: skip
 HF_MODELS = {}  # model folder -> its transformers model (float32, eval)
 
@@ -82,6 +91,29 @@ SHARED = ["the cat sat on the mat " * 3 + p for p in PROMPTS[:6]]
 def family_hf(family):
     """transformers' model of the family's checkpoint."""
     return HF_MODELS[family[0]]
+
+
+def hf_model(model_dir):
+    """transformers' model of `model_dir` (the class its config.json names), in float32."""
+    import json
+
+    import torch
+    import transformers
+
+    arch = json.loads((model_dir / "config.json").read_text())["architectures"][0]
+    return getattr(transformers, arch).from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def shared(family):
+    """(model folder, prompts sharing prefixes (test_prefix_cache), transformers' greedy tokens
+    of them, transformers' model)."""
+    from test_prefix_cache import shared_prompts
+
+    model_dir, _ = family
+    hf = hf_model(model_dir)
+    prompts = shared_prompts()
+    return model_dir, prompts, [hf_greedy(hf, p) for p in prompts], hf
 
 
 def tokens(tmp, model_dir, overrides=()) -> list[list[int]]:

@@ -3,12 +3,16 @@ transformers, against torch's layers, and row by row against themselves."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from eaglebatch.cpu import SMALL_GEMM_AVAILABLE, accelerate
 from eaglebatch.cpu.attention import CpuAttentionBackend
+from eaglebatch.cpu.decoder import native_layers_fit
 from eaglebatch.model import CausalLM
+from eaglebatch.model.config import ModelConfig
 from eaglebatch.speculative import load_draft
 from paged_kv import PagedSequences
 from support.spec_models import make_draft_dir, make_target_dir
@@ -24,9 +28,14 @@ def native_model(path) -> CausalLM:
     return model
 
 
-# Gemma 3's layers are not Llama's: its decoder layers never run natively (its GEMMs do,
-# tests/test_model_families.py)
-@pytest.fixture(scope="module", params=[v for v in VARIANTS if not v.startswith("gemma")])
+def variant_config(variant: str) -> ModelConfig:
+    return ModelConfig.from_dict(VARIANTS[variant]().to_dict())
+
+
+# Gemma 3's and Ministral's layers are not Llama's: their decoder layers never run natively
+# (their GEMMs do, tests/test_model_families.py)
+@pytest.fixture(scope="module",
+                params=[v for v in VARIANTS if native_layers_fit(variant_config(v))])  # fmt: skip
 def pair(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     hf = make_checkpoint(request.param, path)
@@ -62,6 +71,15 @@ def test_captured_hidden_states_match_hf(pair) -> None:
         expected = torch.cat([r[layer][0, -2:] for r in ref])
         torch.testing.assert_close(captured[layer], expected, atol=1e-4, rtol=1e-4)
     assert not torch.equal(captured[0], captured[1])  # captures are copies, not the live stream
+
+
+def test_native_layers_refuse_what_they_do_not_compute() -> None:
+    llama = variant_config("llama")
+    assert native_layers_fit(llama)
+    assert not native_layers_fit(dataclasses.replace(llama, query_position_scale=(0.1, 8)))
+    assert not native_layers_fit(variant_config("ministral3"))  # its queries scaled by position
+    assert not native_layers_fit(variant_config("ministral"))  # its sliding layers
+    assert not native_layers_fit(variant_config("gemma3"))
 
 
 def test_a_verify_step_reproduces_decode_steps_bit_for_bit(tmp_path) -> None:

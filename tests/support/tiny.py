@@ -63,6 +63,8 @@ def make_tiny_model(
         "olmo3": (transformers.Olmo3Config, transformers.Olmo3ForCausalLM),
         "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
         "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
+        "ministral3": (transformers.Ministral3Config, transformers.Ministral3ForCausalLM),
+        "ministral": (transformers.MinistralConfig, transformers.MinistralForCausalLM),
     }[model_type]
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)

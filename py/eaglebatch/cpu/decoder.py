@@ -246,12 +246,13 @@ class NativeDraftLayer:
 
 def native_layers_fit(cfg: ModelConfig) -> bool:
     """Whether the native decoder layer computes `cfg`'s layers: pre-norm RMSNorm, SiLU, per-head
-    or no q/k norms, RoPE over every dimension of every layer, full attention, no multipliers
-    (rust/src/cpu/decoder_layer.rs implements exactly this)."""
+    or no q/k norms, RoPE over every dimension of every layer, full attention, no multipliers,
+    no per-position query scale (rust/src/cpu/decoder_layer.rs implements exactly this)."""
     return (cfg.norm_kind == "rms" and cfg.norm_layout == "pre" and cfg.activation == "silu"
             and cfg.qk_norm in ("none", "head") and cfg.residual_multiplier == 1.0
             and cfg.rope_layers is None and cfg.rope_local_theta is None
             and cfg.rotary_dim is None
+            and cfg.query_position_scale is None
             and all(cfg.window_of(i) is None for i in range(cfg.num_hidden_layers)))  # fmt: skip
 
 

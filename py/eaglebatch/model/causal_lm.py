@@ -20,7 +20,7 @@ from torch import nn
 from eaglebatch.attention.base import AttentionBackend, AttentionMetadata
 from eaglebatch.attention.torch_backend import TorchAttentionBackend
 from eaglebatch.model.config import ModelConfig
-from eaglebatch.model.decoder_layer import DecoderLayer, make_norm
+from eaglebatch.model.decoder_layer import DecoderLayer, make_norm, query_position_scale
 from eaglebatch.model.gguf_checkpoint import GgufCheckpoint
 from eaglebatch.model.registry import family_of
 from eaglebatch.model.rotary import RotaryEmbedding
@@ -261,10 +261,11 @@ class CausalLM(nn.Module):
         tables = {None: (None, None), "full": self.model.rotary_emb(positions, h.dtype)}
         if local is not None:
             tables["local"] = local(positions, h.dtype)  # ([T, 1, D], [T, 1, D])
+        q_scale = query_position_scale(cfg, positions, h.dtype)  # [T, 1, 1] or None
         for i in range(first, last):
             kind = "local" if local is not None and cfg.window_of(i) is not None else "full"
             cos, sin = tables[kind if cfg.uses_rope(i) else None]
-            h = self.model.layers[i](h, cos, sin, attn, kv_caches[i], self.backend)
+            h = self.model.layers[i](h, cos, sin, attn, kv_caches[i], self.backend, q_scale)
         return h
 
     def lm_head_forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]

@@ -85,6 +85,9 @@ class ModelConfig:
     rope_local_theta: float | None = None  # the RoPE base of SLIDING layers (None: rope_theta)
     rope_layers: tuple[bool, ...] | None = None  # per layer whether RoPE applies; None: all
     rotary_dim: int | None = None  # the leading dims of a head RoPE rotates; None: head_dim
+    # (beta, original_max): queries times 1 + beta * log(1 + floor(position / original_max))
+    # after RoPE, per token (Llama 4's attention temperature, Ministral 3); None: unscaled
+    query_position_scale: tuple[float, int] | None = None
     # the text tower of a multimodal checkpoint (e.g. `gemma3` with a text_config): its tensors
     # are named language_model.* and the other towers' are skipped (weights.text_tower_name)
     text_tower: bool = False

@@ -73,6 +73,18 @@ def make_norm(cfg: ModelConfig, size: int, **factory) -> nn.Module:
     return _NORMS[cfg.norm_kind](size, cfg.rms_norm_eps, **factory)
 
 
+def query_position_scale(
+    cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor | None:  # int64 [T] -> [T, 1, 1] in `dtype`, None where cfg has none
+    """The per-token query factor of `cfg.query_position_scale`: computed in float32 from the
+    positions, cast to the activations' dtype (the reference's order)."""
+    if cfg.query_position_scale is None:
+        return None
+    beta, original_max = cfg.query_position_scale
+    steps = torch.floor(positions.to(torch.float32) / original_max)  # [T]
+    return (1.0 + beta * torch.log(1.0 + steps)).to(dtype).view(-1, 1, 1)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, **factory) -> None:
         super().__init__()
@@ -104,6 +116,7 @@ class Attention(nn.Module):
         attn: AttentionMetadata,
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
         backend: AttentionBackend,
+        q_scale: torch.Tensor | None = None,  # [T, 1, 1]: query_position_scale's factor
     ) -> torch.Tensor:  # [T, H]
         num_tokens = x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, Hq*D], [T, Hkv*D] x2
@@ -116,6 +129,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if cos is not None:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if q_scale is not None:
+            q = q * q_scale  # [T, Hq, D]
         out = backend.forward(
             self.layer_idx, q, k, v, kv_cache, attn, self.scale, window=self.window
         )  # [T, Hq, D]
@@ -168,13 +183,14 @@ class DecoderLayer(nn.Module):
         attn: AttentionMetadata,
         kv_cache: torch.Tensor,
         backend: AttentionBackend,
+        q_scale: torch.Tensor | None = None,  # [T, 1, 1] (Attention.forward)
     ) -> torch.Tensor:  # [T, H]
         if self.layout == "pre":
-            a = self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache, backend)
+            a = self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache, backend, q_scale)
             h = x + self._scaled(a)
             return h + self._scaled(self.mlp(self.post_attention_layernorm(h)))
         attn_in = x if self.layout == "post" else self.input_layernorm(x)
-        a = self.self_attn(attn_in, cos, sin, attn, kv_cache, backend)
+        a = self.self_attn(attn_in, cos, sin, attn, kv_cache, backend, q_scale)
         h = x + self._scaled(self.post_attention_layernorm(a))
         mlp_in = h if self.layout == "post" else self.pre_feedforward_layernorm(h)
         return h + self._scaled(self.post_feedforward_layernorm(self.mlp(mlp_in)))

@@ -9,6 +9,8 @@ from eaglebatch.model.family import Family
 from eaglebatch.model.gemma3 import GEMMA3
 from eaglebatch.model.granite import GRANITE
 from eaglebatch.model.llama import LLAMA
+from eaglebatch.model.ministral import MINISTRAL
+from eaglebatch.model.ministral3 import MINISTRAL3
 from eaglebatch.model.mistral import MISTRAL
 from eaglebatch.model.olmo2 import OLMO2
 from eaglebatch.model.olmo3 import OLMO3
@@ -28,6 +30,8 @@ FAMILIES: dict[str, Family] = {
         OLMO3,
         SMOLLM3,
         GRANITE,
+        MINISTRAL3,
+        MINISTRAL,
     )
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
