@@ -283,10 +283,12 @@ def test_ministral3_scales_queries_by_position() -> None:
     assert cfg(**MINISTRAL3, rope_parameters=without).query_position_scale is None
     windowed = cfg(**MINISTRAL3, rope_parameters=MINISTRAL3_DEFAULT, sliding_window=4096)
     assert windowed.max_model_len == 4096  # a length cap, every layer windowed
+    published = cfg(**MINISTRAL3, rope_parameters=MINISTRAL3_YARN)
+    assert published.query_position_scale == (0.1, 16384)
+    assert (published.rope_scaling.rope_type, published.rope_scaling.factor) == ("yarn", 16.0)
 
 
 @pytest.mark.parametrize("params, message", [
-    (MINISTRAL3_YARN, "type='yarn'"),  # until YaRN lands in model/rotary.py
     ({**MINISTRAL3_DEFAULT, "llama_4_scaling_beta": -1}, "llama_4_scaling_beta"),
     ({**MINISTRAL3_DEFAULT, "llama_4_scaling_beta": "0.1"}, "llama_4_scaling_beta"),
     ({**MINISTRAL3_DEFAULT, "original_max_position_embeddings": None},

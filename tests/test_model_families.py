@@ -25,9 +25,10 @@ pytest.importorskip("eaglebatch._native")
 
 MINISTRAL3_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.5,
                    "original_max_position_embeddings": 8}  # fmt: skip
-# queries scaled by 1 + 0.5 log(1 + floor(pos / 8)): the scale changes every 8 positions
-MINISTRAL3_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "llama_4_scaling_beta": 0.5,
-                   "original_max_position_embeddings": 8}  # fmt: skip
+# YaRN, and queries scaled by 1 + 0.5 log(1 + floor(pos / 8)): the scale changes every 8
+# positions
+MINISTRAL3_ROPE = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                   "llama_4_scaling_beta": 0.5, "original_max_position_embeddings": 8}  # fmt: skip
 SHAPE = dict(num_layers=3, head_dim=24, hidden_size=64, num_heads=4, num_kv_heads=2)
 FAMILIES = {
     "qwen3": dict(model_type="qwen3"),
@@ -91,29 +92,6 @@ SHARED = ["the cat sat on the mat " * 3 + p for p in PROMPTS[:6]]
 def family_hf(family):
     """transformers' model of the family's checkpoint."""
     return HF_MODELS[family[0]]
-
-
-def hf_model(model_dir):
-    """transformers' model of `model_dir` (the class its config.json names), in float32."""
-    import json
-
-    import torch
-    import transformers
-
-    arch = json.loads((model_dir / "config.json").read_text())["architectures"][0]
-    return getattr(transformers, arch).from_pretrained(str(model_dir), dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def shared(family):
-    """(model folder, prompts sharing prefixes (test_prefix_cache), transformers' greedy tokens
-    of them, transformers' model)."""
-    from test_prefix_cache import shared_prompts
-
-    model_dir, _ = family
-    hf = hf_model(model_dir)
-    prompts = shared_prompts()
-    return model_dir, prompts, [hf_greedy(hf, p) for p in prompts], hf
 
 
 def tokens(tmp, model_dir, overrides=()) -> list[list[int]]:
