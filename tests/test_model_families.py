@@ -3,7 +3,8 @@ layers see the last 8 positions; prompts and outputs run far past that) end to e
 transformers' greedy `generate` on tiny random models: the CPU fast path (native GEMMs, and
 for Qwen3 native decoder layers) and torch's layers, several batch sizes, speculative decoding
 with a random EAGLE-3 head in the published format, the uniform (CUDA-graph) steps run
-eagerly on the CPU, prefix caching with chunked prefill, preemption, and prompt logprobs."""
+eagerly on the CPU, prefix caching with chunked prefill, preemption, and prompt logprobs.
+Phi-3: its fused qkv_proj / gate_up_proj are split on load."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ FAMILIES = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         hidden_activation="gelu_pytorch_tanh",
     ),
+    # fused qkv_proj / gate_up_proj split on the way in, tied embeddings (Phi-4-mini's)
+    "phi3": dict(model_type="phi3", tie_word_embeddings=True, pad_token_id=None),
 }  # fmt: skip
 
 

@@ -50,7 +50,7 @@ def make_tiny_model(
 ) -> Path:
     """Writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json and a chat
     template into `out`. A larger `init_std` gives peakier logits (fewer near-ties).
-    model_type: "llama", "qwen3" or "gemma3_text" (then `extra` may set head_dim,
+    model_type: "llama", "qwen3", "gemma3_text" or "phi3" (then `extra` may set head_dim,
     sliding_window, layer_types, ...)."""
     import torch
     import transformers
@@ -59,6 +59,7 @@ def make_tiny_model(
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }[model_type]
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
