@@ -120,3 +120,35 @@ def test_a_synthetic_mixed_gguf_equals_transformers_and_runs_both_ways(tmp_path,
         got[weights] = table.column("output_token_ids").to_pylist()
     assert got["quantized"] == got["dequantized"] == got["float32"]
     assert all(len(t) == 12 for t in got["quantized"])
+
+
+@pytest.mark.parametrize("dims, factors, message", [
+    (16, False, None),
+    (12, False, "phi3.rope.dimension_count = 12"),
+    (16, True, "rope_factors_long.weight"),
+])  # fmt: skip
+def test_rope_the_config_lacks_is_refused(tmp_path, dims, factors, message):
+    """Partial rotary (Phi-4-mini) and longrope factors (Phi-3 128k) in the header are
+    refused by name: transformers' conversion drops both, so the model would run wrong."""
+    from gguf import GGUFWriter
+
+    from eaglebatch.model.gguf_checkpoint import GgufCheckpoint
+
+    w = GGUFWriter(str(tmp_path / "m.gguf"), "phi3")
+    w.add_rope_dimension_count(dims)
+    w.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
+    if factors:
+        w.add_tensor("rope_factors_long.weight", np.ones(8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    cfg = ModelConfig.from_dict({"model_type": "phi3", "hidden_size": 64, "intermediate_size": 128,
+                                 "num_hidden_layers": 1, "num_attention_heads": 4,
+                                 "vocab_size": 8, "max_position_embeddings": 64})  # fmt: skip
+    names = ["model.embed_tokens.weight"]
+    if message is None:
+        assert GgufCheckpoint(tmp_path / "m.gguf", cfg, names).shapes() == {names[0]: (8, 64)}
+        return
+    with pytest.raises(ValueError, match=message):
+        GgufCheckpoint(tmp_path / "m.gguf", cfg, names)

@@ -14,6 +14,9 @@ Invariants:
   q_proj in `attn_qkv`) is read as its rows of the file's fused tensor, where the file holds
   that tensor and no tensor of the part's own (rows are whole blocks: GGUF quantizes by row);
   its `blocks` are a view of the map too;
+- RoPE the header states and config.json (transformers' conversion) drops is refused, never
+  run as full default RoPE: a `rope.dimension_count` other than head_dim (partial rotary,
+  Phi-4-mini) and per-frequency factor tensors (`rope_factors_*`: longrope, Phi-3 128k);
 - opening reads the header only; a parameter without its tensor, or of another shape, is a
   ValueError naming both (before anything is loaded, `check`).
 """
@@ -66,6 +69,19 @@ def _norm_offset(family: Family, gguf_name: str) -> float:
     return family.gguf_norm_offset if "norm.weight" in gguf_name else 0.0
 
 
+def check_rope(reader: GgufFile, cfg) -> None:
+    """A ValueError naming the header key or tensor of a RoPE the model's config lacks."""
+    key = f"{reader.architecture}.rope.dimension_count"
+    dims = reader.meta.get(key)
+    if isinstance(dims, int) and dims != cfg.head_dim:
+        raise ValueError(f"GGUF {key} = {dims} (RoPE over part of each head of {cfg.head_dim}) "
+                         "is not supported")  # fmt: skip
+    factors = sorted(n for n in reader.tensors if n.startswith("rope_factors"))
+    if factors:
+        raise ValueError(f"GGUF tensor {factors[0]}: RoPE frequency factors (longrope) are "
+                         "not supported")  # fmt: skip
+
+
 class GgufCheckpoint:
     """The tensors of GGUF file `path` for the parameters `names` of a model of config `cfg`
     (ModelConfig). Parameters without a tensor are left out of `shapes` (check names them).
@@ -84,6 +100,7 @@ class GgufCheckpoint:
         self.reader = GgufFile(self.path)
         self.arch = self.reader.architecture
         self.family = family_of(cfg.model_type)
+        check_rope(self.reader, cfg)
         by_name = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
         if self.arch not in by_name:
             raise ValueError(f"architecture {self.arch!r} unknown to the gguf package")
