@@ -85,14 +85,30 @@ def _layer_tensors(i: int, s: Shape) -> list[tuple[str, int, int, str]]:
     ]
 
 
-def write_llama_gguf(path: Path, shape: str, seed: int = 0) -> Path:
-    """Writes a random Llama GGUF of `shape` (SHAPES) to `path`."""
+def _phi3_layer_tensors(i: int, s: Shape) -> list[tuple[str, int, int, str]]:
+    """(name, rows, cols, type) of a Phi-3 layer's matrices: q, k, v stacked in attn_qkv,
+    gate and up in ffn_up."""
+    kv = s.kv_heads * (s.hidden // s.heads)
+    return [
+        (f"blk.{i}.attn_qkv.weight", s.hidden + 2 * kv, s.hidden, "Q8_0"),
+        (f"blk.{i}.attn_output.weight", s.hidden, s.hidden, "F16"),
+        (f"blk.{i}.ffn_up.weight", 2 * s.intermediate, s.hidden, "Q4_0"),
+        (f"blk.{i}.ffn_down.weight", s.hidden, s.intermediate, "BF16"),
+    ]
+
+
+LAYER_TENSORS = {"llama": _layer_tensors, "phi3": _phi3_layer_tensors}
+
+
+def write_llama_gguf(path: Path, shape: str, seed: int = 0, arch: str = "llama") -> Path:
+    """Writes a random GGUF of `shape` (SHAPES) and architecture `arch` (LAYER_TENSORS: llama,
+    or phi3 with its fused matrices) to `path`."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     s = SHAPES[shape]
     rng = np.random.default_rng(seed)
-    w = GGUFWriter(str(path), "llama")
-    w.add_name(f"synthetic-llama-{shape}")
+    w = GGUFWriter(str(path), arch)
+    w.add_name(f"synthetic-{arch}-{shape}")
     w.add_block_count(s.layers)
     w.add_context_length(4096)
     w.add_embedding_length(s.hidden)
@@ -107,7 +123,7 @@ def write_llama_gguf(path: Path, shape: str, seed: int = 0) -> Path:
     matrices = [("token_embd.weight", vocab, s.hidden, "Q4_0"),
                 ("output.weight", vocab, s.hidden, "Q8_0")]  # fmt: skip
     for i in range(s.layers):
-        matrices += _layer_tensors(i, s)
+        matrices += LAYER_TENSORS[arch](i, s)
         for norm in ("attn_norm", "ffn_norm"):
             w.add_tensor(f"blk.{i}.{norm}.weight", np.ones(s.hidden, dtype=np.float32))
     w.add_tensor("output_norm.weight", np.ones(s.hidden, dtype=np.float32))
@@ -126,9 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-shape", choices=sorted(SHAPES), default="1b")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--arch", choices=sorted(LAYER_TENSORS), default="llama")
     p.add_argument("out", type=Path)
     args = p.parse_args(argv)
-    write_llama_gguf(args.out, args.model_shape, args.seed)
+    write_llama_gguf(args.out, args.model_shape, args.seed, args.arch)
     print(f"{args.out}: {args.out.stat().st_size / 2**30:.2f} GiB")
     return 0
 

@@ -74,37 +74,81 @@ def test_blocks_in_file_order_are_the_mapped_bytes_and_the_folder_holds_no_weigh
     assert sum(p.stat().st_size for p in files) < 50 << 20
 
 
-def test_a_synthetic_mixed_gguf_equals_transformers_and_runs_both_ways(tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_a_synthetic_mixed_gguf_equals_transformers_and_runs_both_ways(tmp_path, monkeypatch,
+                                                                        arch):  # fmt: skip
     """Q4_0 / Q8_0 / F16 / BF16 / float32, 4 heads over 2 KV heads: every parameter as
-    transformers converts it, every 2-D tensor read as blocks (F16 and BF16 too), and greedy
-    output from the blocks equals the dequantized model's."""
+    transformers converts it, every 2-D tensor read as blocks (F16 and BF16 too; Phi-3's
+    q/k/v and gate/up as row ranges of its fused attn_qkv and ffn_up, views of the map), and
+    greedy output from the blocks equals the dequantized model's and transformers' float32
+    conversion's."""
     from eaglebatch.cli import main
     from eaglebatch.job.gguf_model import gguf_model_dir, gguf_reference_dir
 
     monkeypatch.setenv("EAGLEBATCH_CACHE", str(tmp_path / "cache"))
-    gguf = write_llama_gguf(tmp_path / "tiny.gguf", "tiny")
-    folder = gguf_model_dir(str(gguf))
+    gguf = write_llama_gguf(tmp_path / "tiny.gguf", "tiny", arch=arch)
+    folder, reference = gguf_model_dir(str(gguf)), gguf_reference_dir(str(gguf))
     cfg = ModelConfig.from_dir(folder)
-    assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (4, 2)
-    ref = dict(CausalLM.from_pretrained(gguf_reference_dir(str(gguf))).named_parameters())
+    assert (cfg.model_type, cfg.num_attention_heads, cfg.num_key_value_heads) == (arch, 4, 2)
+    ref = dict(CausalLM.from_pretrained(reference).named_parameters())
     ours = dict(CausalLM.from_pretrained(folder, gguf=gguf).named_parameters())
     assert [n for n in ref if not same_bits(ref[n], ours[n])] == []
-    blocks = quantized_weights(checkpoint(gguf, cfg))
+    ck = checkpoint(gguf, cfg)
+    blocks = quantized_weights(ck)
     assert {qw.type_name for qw in blocks.values()} == {"Q4_0", "Q8_0", "F16", "BF16"}
     assert blocks.keys() == {n for n, p in ref.items() if p.dim() == 2}
     for n, qw in blocks.items():
         assert same_bits(qw.rows(torch.arange(qw.shape[0])), ref[n]), n
+    if arch == "phi3":  # k_proj: the rows after q_proj's in the file's attn_qkv, not a copy
+        base = np.frombuffer(ck.reader.map, np.uint8, 1).ctypes.data
+        k, t = "model.layers.1.self_attn.k_proj.weight", ck.reader.tensors["blk.1.attn_qkv.weight"]
+        q_bytes = ck.nbytes("model.layers.1.self_attn.q_proj.weight")
+        assert ck.blocks(k).data_ptr() == base + t.data_offset + q_bytes
     inp = write_prompts(tmp_path / "in.parquet", ["the cat", "1, 2, 3", "hello there"])
     got = {}
-    for weights in ("quantized", "dequantized"):
+    for weights, model in (("quantized", gguf), ("dequantized", gguf), ("float32", reference)):
         job = tmp_path / f"{weights}.yaml"
         job.write_text(
-            f"model: {gguf}\ninput:\n  path: {inp}\noutput:\n  path: {tmp_path / weights}\n"
+            f"model: {model}\ninput:\n  path: {inp}\noutput:\n  path: {tmp_path / weights}\n"
             "  include_token_ids: true\nsampling:\n  max_new_tokens: 12\n  ignore_eos: true\n"
-            f"engine:\n  device: cpu\n  kv_cache_tokens: 1024\n  weights: {weights}\n"
+            "engine:\n  device: cpu\n  kv_cache_tokens: 1024\n"
+            + (f"  weights: {weights}\n" if model == gguf else "")
         )
         r = CliRunner().invoke(main, ["run", str(job)])
         assert r.exit_code == 0, r.output
         table = pq.read_table(tmp_path / weights).sort_by("row_index")
         got[weights] = table.column("output_token_ids").to_pylist()
-    assert got["quantized"] == got["dequantized"] and all(len(t) == 12 for t in got["quantized"])
+    assert got["quantized"] == got["dequantized"] == got["float32"]
+    assert all(len(t) == 12 for t in got["quantized"])
+
+
+@pytest.mark.parametrize("dims, factors, message", [
+    (16, False, None),
+    (12, False, "phi3.rope.dimension_count = 12"),
+    (16, True, "rope_factors_long.weight"),
+])  # fmt: skip
+def test_rope_the_config_lacks_is_refused(tmp_path, dims, factors, message):
+    """Partial rotary (Phi-4-mini) and longrope factors (Phi-3 128k) in the header are
+    refused by name: transformers' conversion drops both, so the model would run wrong."""
+    from gguf import GGUFWriter
+
+    from eaglebatch.model.gguf_checkpoint import GgufCheckpoint
+
+    w = GGUFWriter(str(tmp_path / "m.gguf"), "phi3")
+    w.add_rope_dimension_count(dims)
+    w.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
+    if factors:
+        w.add_tensor("rope_factors_long.weight", np.ones(8, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    cfg = ModelConfig.from_dict({"model_type": "phi3", "hidden_size": 64, "intermediate_size": 128,
+                                 "num_hidden_layers": 1, "num_attention_heads": 4,
+                                 "vocab_size": 8, "max_position_embeddings": 64})  # fmt: skip
+    names = ["model.embed_tokens.weight"]
+    if message is None:
+        assert GgufCheckpoint(tmp_path / "m.gguf", cfg, names).shapes() == {names[0]: (8, 64)}
+        return
+    with pytest.raises(ValueError, match=message):
+        GgufCheckpoint(tmp_path / "m.gguf", cfg, names)

@@ -135,6 +135,41 @@ def test_mistral_sliding_window_caps_max_model_len() -> None:
     assert cfg(**mistral, sliding_window=None).max_model_len == 8192
 
 
+PHI3 = {"model_type": "phi3", "architectures": ["Phi3ForCausalLM"], "tie_word_embeddings": False}
+
+
+def test_phi3_window_caps_the_length_and_fused_rows_follow_the_shape() -> None:
+    from eaglebatch.model.registry import family_of
+
+    c = cfg(**PHI3, sliding_window=2047, max_position_embeddings=4096,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                             "partial_rotary_factor": 1.0})  # fmt: skip
+    assert c.max_model_len == 2047 and not (c.attention_bias or c.o_proj_bias or c.mlp_bias)
+    split = dict(family_of("phi3").split("model.layers.1.self_attn.qkv_proj.weight",
+                                         (576 + 2 * 192, 576), c))  # fmt: skip
+    assert split == {f"model.layers.1.self_attn.{p}_proj.weight": (r, 576)
+                     for p, r in (("q", 576), ("k", 192), ("v", 192))}  # fmt: skip
+    split = dict(family_of("phi3").split("model.layers.0.mlp.gate_up_proj.weight",
+                                         (2 * 1536, 576), c))  # fmt: skip
+    assert split == {"model.layers.0.mlp.gate_proj.weight": (1536, 576),
+                     "model.layers.0.mlp.up_proj.weight": (1536, 576)}  # fmt: skip
+    with pytest.raises(ValueError, match="qkv_proj.weight.*expects 960 rows"):
+        dict(family_of("phi3").split("m.self_attn.qkv_proj.weight", (576, 576), c))
+
+
+@pytest.mark.parametrize("setting, key", [
+    ({"partial_rotary_factor": 0.75}, "partial_rotary_factor = 0.75"),
+    ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+     "rope_parameters.partial_rotary_factor = 0.5"),
+    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}},
+     "longrope"),
+    ({"rope_scaling": {"type": "su", "short_factor": [1.0], "long_factor": [2.0]}}, "'su'"),
+])  # fmt: skip
+def test_phi3_refuses_partial_rotary_and_longrope(setting, key) -> None:
+    with pytest.raises(ValueError, match=key):
+        cfg(**PHI3, **setting)
+
+
 def test_from_dir(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(BASE))
     assert ModelConfig.from_dir(tmp_path) == cfg()

@@ -66,6 +66,8 @@ FAMILIES = {
     # its sliding layers see the last 8 positions
     "ministral": dict(model_type="ministral", sliding_window=8,
                       layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    # fused qkv_proj and gate_up_proj checkpoint tensors
+    "phi3": dict(model_type="phi3", tie_word_embeddings=True, pad_token_id=None),
 }  # fmt: skip
 HF_MODELS = {}  # model folder -> its transformers model (float32, eval)
 
@@ -102,13 +104,13 @@ def tokens(tmp, model_dir, overrides=()) -> list[list[int]]:
 @pytest.mark.parametrize("gemm", ["native", "torch"])
 @pytest.mark.parametrize("batch", [1, 4, 16])
 def test_greedy_equals_transformers(tmp_path, family, gemm, batch):
-    model_dir, reference = family
+    model_dir, reference, _ = family
     got = tokens(tmp_path, model_dir, [f"engine.cpu_gemm={gemm}", f"engine.max_batch_size={batch}"])
     assert got == reference
 
 
 def test_speculative_with_an_eagle3_head_equals_transformers(tmp_path, family):
-    model_dir, reference = family
+    model_dir, reference, _ = family
     head = init_random_draft(tmp_path / "head", model_dir, kind="eagle3", seed=3,
                              aux_layer_ids=(0, 1, 2))  # fmt: skip
     for k in (1, 3):
@@ -134,7 +136,7 @@ def test_speculative_with_a_foreign_layout_head_equals_transformers(tmp_path, fa
 
 def test_graph_steps_equal_transformers(tmp_path, family):
     """The uniform (CUDA-graph) steps, run eagerly on the CPU (Gemma: their window masks)."""
-    model_dir, reference = family
+    model_dir, reference, _ = family
     head = init_random_draft(tmp_path / "head", model_dir, kind="eagle3", seed=4,
                              aux_layer_ids=(0, 1, 2))  # fmt: skip
     for name, extra in (("plain", []), ("spec", [f"draft={head}", "speculative.adaptive=false"])):

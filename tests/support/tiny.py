@@ -65,6 +65,7 @@ def make_tiny_model(
         "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
         "ministral3": (transformers.Ministral3Config, transformers.Ministral3ForCausalLM),
         "ministral": (transformers.MinistralConfig, transformers.MinistralForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }[model_type]
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)

@@ -10,6 +10,13 @@ Invariants:
 - `blocks(name)` is the file's bytes of a quantized weight in the parameter's row order: a view
   of the map when the order is the file's (nothing read until a kernel reads it), else a copy
   of the rows whose mapped pages are dropped from this process again (not resident twice);
+- a parameter that is a part of one of the family's fused tensors (`Family.fused`, e.g. Phi-3's
+  q_proj in `attn_qkv`) is read as its rows of the file's fused tensor, where the file holds
+  that tensor and no tensor of the part's own (rows are whole blocks: GGUF quantizes by row);
+  its `blocks` are a view of the map too;
+- RoPE the header states and config.json (transformers' conversion) drops is refused, never
+  run as full default RoPE: a `rope.dimension_count` other than head_dim (partial rotary,
+  Phi-4-mini) and per-frequency factor tensors (`rope_factors_*`: longrope, Phi-3 128k);
 - opening reads the header only; a parameter without its tensor, or of another shape, is a
   ValueError naming both (before anything is loaded, `check`).
 """
@@ -47,8 +54,32 @@ def _row_order(family: Family, gguf_name: str, rows: int, cfg) -> np.ndarray | N
     return None
 
 
+def _fused_part(family: Family, name: str, cfg) -> tuple[str, int, int] | None:
+    """(the fused checkpoint tensor holding parameter `name`, its first row there, its rows)
+    where `name` is a part of one of the family's fused tensors."""
+    for f in family.fused:
+        for i, part in enumerate(f.parts):
+            if name.endswith(part):
+                sizes = f.sizes(cfg)
+                return name[: -len(part)] + f.name, sum(sizes[:i]), sizes[i]
+    return None
+
+
 def _norm_offset(family: Family, gguf_name: str) -> float:
     return family.gguf_norm_offset if "norm.weight" in gguf_name else 0.0
+
+
+def check_rope(reader: GgufFile, cfg) -> None:
+    """A ValueError naming the header key or tensor of a RoPE the model's config lacks."""
+    key = f"{reader.architecture}.rope.dimension_count"
+    dims = reader.meta.get(key)
+    if isinstance(dims, int) and dims != cfg.head_dim:
+        raise ValueError(f"GGUF {key} = {dims} (RoPE over part of each head of {cfg.head_dim}) "
+                         "is not supported")  # fmt: skip
+    factors = sorted(n for n in reader.tensors if n.startswith("rope_factors"))
+    if factors:
+        raise ValueError(f"GGUF tensor {factors[0]}: RoPE frequency factors (longrope) are "
+                         "not supported")  # fmt: skip
 
 
 class GgufCheckpoint:
@@ -69,17 +100,27 @@ class GgufCheckpoint:
         self.reader = GgufFile(self.path)
         self.arch = self.reader.architecture
         self.family = family_of(cfg.model_type)
+        check_rope(self.reader, cfg)
         by_name = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
         if self.arch not in by_name:
             raise ValueError(f"architecture {self.arch!r} unknown to the gguf package")
         mapping = gguf.get_tensor_name_map(by_name[self.arch], cfg.num_hidden_layers)
         self.tensors = {}
+        self.rows: dict[str, tuple[int, int]] = {}  # fused parts: (first row, rows) of tensors[n]
         for name in names:
-            base = mapping.get_name(name.removesuffix(".weight").removesuffix(".bias"))
-            suffix = name[len(name.rsplit(".", 1)[0]):]
-            t = self.reader.tensors.get(f"{base}{suffix}") if base else None
+            t = self._tensor(mapping, name)
+            fused = _fused_part(self.family, name, cfg)
+            whole = self._tensor(mapping, fused[0]) if fused else None
+            if whole is not None and (t is None or t is whole):
+                t, self.rows[name] = whole, fused[1:]
             if t is not None:
                 self.tensors[name] = t
+
+    def _tensor(self, mapping, name: str):
+        """The file's tensor of checkpoint tensor `name` (by the gguf package's name map)."""
+        base = mapping.get_name(name.removesuffix(".weight").removesuffix(".bias"))
+        suffix = name[len(name.rsplit(".", 1)[0]):]
+        return self.reader.tensors.get(f"{base}{suffix}") if base else None
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """{parameter name: shape} of the tensors found (GGUF lists dimensions reversed)."""
@@ -87,13 +128,28 @@ class GgufCheckpoint:
 
     @cached_property
     def _shapes(self) -> dict[str, tuple[int, ...]]:
-        return {n: tuple(int(d) for d in reversed(t.shape)) for n, t in self.tensors.items()}
+        shapes = {}
+        for name, t in self.tensors.items():
+            shape = tuple(int(d) for d in reversed(t.shape))
+            if name in self.rows:  # checked against the fused tensor's rows (family.split)
+                fused = _fused_part(self.family, name, self.cfg)[0]
+                shape = dict(self.family.split(fused, shape, self.cfg))[name]
+            shapes[name] = shape
+        return shapes
+
+    def _data(self, name: str) -> np.ndarray:
+        """The map's view of parameter `name`'s data (a fused part: its rows)."""
+        data = self.tensors[name].data
+        if name not in self.rows:
+            return data
+        first, rows = self.rows[name]
+        return data[first : first + rows]
 
     def ggml_type(self, name: str) -> int:
         return self.tensors[name].ggml_type
 
     def nbytes(self, name: str) -> int:
-        return int(self.tensors[name].n_bytes)
+        return int(self._data(name).nbytes)
 
     def float32(self, name: str) -> torch.Tensor:
         """Parameter `name` dequantized to float32, fixed up as transformers does."""
@@ -104,11 +160,12 @@ class GgufCheckpoint:
         t = self.tensors[name]
         shape = self.shapes()[name]
         w = None
+        data = self._data(name)
         if self.expand is not None and len(shape) == 2:
-            w = self.expand(t.data, t.ggml_type, shape)
+            w = self.expand(data, t.ggml_type, shape)
         if w is None:
             qtype = GGMLQuantizationType(t.ggml_type)
-            w = np.asarray(dequantize(t.data, qtype), dtype=np.float32).reshape(shape)
+            w = np.asarray(dequantize(data, qtype), dtype=np.float32).reshape(shape)
         order = _row_order(self.family, t.name, shape[0], self.cfg) if len(shape) == 2 else None
         if order is not None:
             w = w[order]
@@ -126,12 +183,14 @@ class GgufCheckpoint:
         """uint8 [rows, row bytes]: 2-D weight `name`'s blocks (its raw bytes for a float type)
         in its row order, a view of the map where the order is the file's."""
         t = self.tensors[name]
-        data = t.data.reshape(t.data.shape[0], -1).view(np.uint8)  # [rows, row bytes] of the map
+        data = self._data(name)
+        data = data.reshape(data.shape[0], -1).view(np.uint8)  # [rows, row bytes] of the map
         order = _row_order(self.family, t.name, data.shape[0], self.cfg)
         if order is None:
             with warnings.catch_warnings():  # read-only: the kernels never write blocks
                 warnings.simplefilter("ignore", UserWarning)
                 return torch.from_numpy(data)
         rows = np.ascontiguousarray(data[order])
-        self.reader.drop_pages(t.data_offset, t.n_bytes)
+        self.reader.drop_pages(t.data_offset + self.rows.get(name, (0,))[0] * data.shape[1],
+                               data.nbytes)  # fmt: skip
         return torch.from_numpy(rows)

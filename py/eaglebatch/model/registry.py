@@ -14,6 +14,7 @@ from eaglebatch.model.ministral3 import MINISTRAL3
 from eaglebatch.model.mistral import MISTRAL
 from eaglebatch.model.olmo2 import OLMO2
 from eaglebatch.model.olmo3 import OLMO3
+from eaglebatch.model.phi3 import PHI3
 from eaglebatch.model.qwen2 import QWEN2
 from eaglebatch.model.qwen3 import QWEN3
 from eaglebatch.model.smollm3 import SMOLLM3
@@ -32,6 +33,7 @@ FAMILIES: dict[str, Family] = {
         GRANITE,
         MINISTRAL3,
         MINISTRAL,
+        PHI3,
     )
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
