@@ -161,9 +161,6 @@ def test_phi3_window_caps_the_length_and_fused_rows_follow_the_shape() -> None:
     ({"partial_rotary_factor": 0.75}, "partial_rotary_factor = 0.75"),
     ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
      "rope_parameters.partial_rotary_factor = 0.5"),
-    ({"rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}},
-     "longrope"),
-    ({"rope_scaling": {"type": "su", "short_factor": [1.0], "long_factor": [2.0]}}, "'su'"),
 ])  # fmt: skip
 def test_phi3_refuses_partial_rotary_and_longrope(setting, key) -> None:
     with pytest.raises(ValueError, match=key):
