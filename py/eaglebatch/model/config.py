@@ -32,14 +32,16 @@ from eaglebatch.model.registry import family_of, text_model_config
 # RoPE scaling types we implement. "dynamic" (NTK) is refused on purpose: it rescales the
 # frequencies with the *current* batch's length, so a token's logits would depend on which other
 # requests share its batch.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "proportional")
 # hidden_act values -> the decoder's activation names
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """A non-default RoPE frequency scaling. `rope_type` is "linear" or "llama3"."""
+    """A non-default RoPE frequency scaling. `rope_type` is "linear", "llama3" or
+    "proportional" (Gemma 4: the lowest `partial_rotary_factor` of the frequencies rotate,
+    the rest are zero, i.e. those dimensions pass unrotated; all divided by `factor`)."""
 
     rope_type: str
     factor: float
@@ -47,6 +49,7 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    partial_rotary_factor: float = 1.0  # proportional only
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,27 @@ class ModelConfig:
     attention_window: int | None = None  # the window of SLIDING layers (real windowed attention)
     rope_local_theta: float | None = None  # the RoPE base of SLIDING layers (None: rope_theta)
     rope_layers: tuple[bool, ...] | None = None  # per layer whether RoPE applies; None: all
+    # Per-layer attention shapes (Gemma 4's full layers have their own head dim and KV heads);
+    # None: every layer has num_key_value_heads KV heads of head_dim. Each layer's KV cache
+    # has its own (Hkv, D) (heads_of; attention/base.py allocate_kv_cache).
+    layer_head_dims: tuple[int, ...] | None = None
+    layer_kv_heads: tuple[int, ...] | None = None
+    # per layer, the earlier layer whose KV cache it attends to, writing none of its own
+    # (Gemma 4's KV sharing; its cache is that layer's tensor); None: each layer its own
+    kv_source_layers: tuple[int, ...] | None = None
+    # per layer, whether V is the k projection's output (no v_proj; Gemma 4's attention_k_eq_v)
+    k_eq_v_layers: tuple[bool, ...] | None = None
+    v_norm: bool = False  # a weightless float32 RMSNorm over each V head (Gemma 4)
+    # a learned scalar per layer (checkpoint tensor layers.{i}.layer_scalar, [1]) that
+    # multiplies the layer's output, residual included (Gemma 4)
+    layer_scalar: bool = False
+    # per layer, the MLP's inner size where layers differ (Gemma 4's double-wide MLP)
+    layer_intermediate_sizes: tuple[int, ...] | None = None
+    # Per-layer embeddings (Gemma 4's PLE): each layer i gets an extra [P] input per token,
+    # P = per_layer_input_size, from a [vocab, L * P] table and a projection of the
+    # embeddings (causal_lm.py per_layer_inputs), gated into the residual after the MLP
+    # (decoder_layer.py). 0: none.
+    per_layer_input_size: int = 0
     # the text tower of a multimodal checkpoint (e.g. `gemma3` with a text_config): its tensors
     # are named language_model.* and the other towers' are skipped (weights.text_tower_name)
     text_tower: bool = False
@@ -102,6 +126,22 @@ class ModelConfig:
         if self.layer_types is None or self.layer_types[layer] != SLIDING:
             return None
         return self.attention_window
+
+    def heads_of(self, layer: int) -> tuple[int, int, int]:
+        """(query heads, KV heads, head dim) of `layer`'s attention and KV cache."""
+        kv = self.num_key_value_heads if self.layer_kv_heads is None else self.layer_kv_heads[layer]
+        d = self.head_dim if self.layer_head_dims is None else self.layer_head_dims[layer]
+        return self.num_attention_heads, kv, d
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose KV cache `layer` attends to (itself unless it shares one)."""
+        return layer if self.kv_source_layers is None else self.kv_source_layers[layer]
+
+    def attention_scale_of(self, layer: int) -> float:
+        """`attention_scale`, with the layer's own head dim where none is configured."""
+        if self.attention_multiplier is None and self.query_pre_attn_scalar is None:
+            return self.heads_of(layer)[2] ** -0.5
+        return self.attention_scale
 
     def uses_rope(self, layer: int) -> bool:
         return self.rope_layers is None or self.rope_layers[layer]
@@ -250,6 +290,12 @@ def _parse_rope(raw: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling |
         )
     if rope_type == "default":
         return theta, None
+    if rope_type == "proportional":
+        partial = positive_float(spec, "partial_rotary_factor", 1.0)
+        if partial > 1.0:
+            raise ValueError(f"model config: partial_rotary_factor must be <= 1, got {partial}")
+        return theta, RopeScaling("proportional", positive_float(spec, "factor", 1.0),
+                                  partial_rotary_factor=partial)  # fmt: skip
     if "factor" not in spec:
         raise ValueError(f"RoPE scaling {rope_type!r} is missing 'factor'")
     factor = float(spec["factor"])

@@ -27,6 +27,10 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
         return inv_freq / scaling.factor
     if scaling.rope_type == "llama3":
         return _llama3_scaled(inv_freq, scaling)
+    if scaling.rope_type == "proportional":  # the lowest frequencies over D rotate, none else
+        rotated = int(scaling.partial_rotary_factor * head_dim // 2)
+        zeros = inv_freq.new_zeros(head_dim // 2 - rotated)
+        return torch.cat((inv_freq[:rotated], zeros)) / scaling.factor
     raise ValueError(f"unsupported RoPE scaling type {scaling.rope_type!r}")
 
 
@@ -54,9 +58,11 @@ class RotaryEmbedding(nn.Module):
         cfg: ModelConfig,
         max_positions: int | None = None,
         device: torch.device | str | None = None,
+        head_dim: int | None = None,
     ) -> None:
+        """`head_dim`: of the layers using this table (default cfg.head_dim)."""
         super().__init__()
-        self.head_dim = cfg.head_dim
+        self.head_dim = head_dim or cfg.head_dim
         self.theta = cfg.rope_theta
         self.scaling = cfg.rope_scaling
         self.max_positions = max_positions or cfg.max_model_len
