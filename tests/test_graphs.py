@@ -236,6 +236,10 @@ def test_backend_and_graph_mode_selection(monkeypatch):
     assert w.resolve_backend("torch", cuda) == "torch"
     with pytest.raises(JobError, match="needs engine.device cuda"):
         w.resolve_backend("flashinfer", cpu)
+    # a model whose layers differ in head shapes (Gemma 4): torch, flashinfer refused by key
+    assert w.resolve_backend("auto", cuda, uniform_heads=False) == "torch"
+    with pytest.raises(JobError, match="engine.attention_backend: 'flashinfer' plans one head"):
+        w.resolve_backend("flashinfer", cuda, uniform_heads=False)
     monkeypatch.setattr(w, "flashinfer_importable", lambda: False)
     assert w.resolve_backend("auto", cuda) == "torch"
     with pytest.raises(JobError, match="not installed"):
