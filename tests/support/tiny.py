@@ -50,7 +50,7 @@ def make_tiny_model(
 ) -> Path:
     """Writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json and a chat
     template into `out`. A larger `init_std` gives peakier logits (fewer near-ties).
-    model_type: "llama", "qwen3" or "gemma3_text" (then `extra` may set head_dim,
+    model_type: "llama", "qwen3", "gemma3_text" or "gemma4_text" (then `extra` may set head_dim,
     sliding_window, layer_types, ...)."""
     import torch
     import transformers
@@ -59,6 +59,7 @@ def make_tiny_model(
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "gemma4_text": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM),
     }[model_type]
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -78,6 +79,11 @@ def make_tiny_model(
         **extra,
     )
     model = model_cls(cfg).eval()
+    if model_type == "gemma4_text":  # its norm weights and layer scalars start at 1: vary them
+        with torch.no_grad():
+            for name, t in [*model.named_parameters(), *model.named_buffers()]:
+                if name.endswith(("norm.weight", "layer_scalar")):
+                    t.uniform_(0.5, 1.5)
     model.save_pretrained(str(out))
     byte_tokenizer().save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(

@@ -7,12 +7,15 @@ from typing import Any
 
 from eaglebatch.model.family import Family
 from eaglebatch.model.gemma3 import GEMMA3
+from eaglebatch.model.gemma4 import GEMMA4
 from eaglebatch.model.llama import LLAMA
 from eaglebatch.model.mistral import MISTRAL
 from eaglebatch.model.qwen2 import QWEN2
 from eaglebatch.model.qwen3 import QWEN3
 
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3)}
+FAMILIES: dict[str, Family] = {
+    f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, GEMMA3, GEMMA4)
+}
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 
