@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -306,3 +307,44 @@ def test_cpu_backend_keeps_autograd_on_torch() -> None:
                           torch.zeros(2, 8, 4, HKV, D), meta, 1.0)
     out.sum().backward()
     assert q.grad is not None and q.grad.abs().sum() > 0
+
+
+class _Layers:
+    """A KVCacheConfig of 4 layers: layer 1 has its own (Hkv, D), layer 3 shares layer 1's."""
+
+    num_hidden_layers, num_key_value_heads, head_dim = 4, 2, 16
+
+    def heads_of(self, layer: int) -> tuple[int, int, int]:
+        return (4, 1, 32) if layer in (1, 3) else (4, 2, 16)
+
+    def kv_source(self, layer: int) -> int:
+        return 1 if layer == 3 else layer
+
+
+def test_kv_cache_per_layer_shapes_and_shared_layers() -> None:
+    """Each layer's cache has its own (Hkv, D); a sharing layer holds its source's tensor and
+    counts no bytes; copy_blocks copies a block in every cache."""
+    from eaglebatch.attention.base import allocate_kv_cache, copy_blocks
+    from eaglebatch.attention.base import kv_cache_bytes_per_block as bytes_per_block
+
+    cfg = _Layers()
+    caches = allocate_kv_cache(cfg, 6, 4, torch.float32, "cpu")
+    assert [tuple(c.shape) for c in caches] == [(2, 6, 4, 2, 16), (2, 6, 4, 1, 32)] * 2
+    assert caches[3] is caches[1] and caches[2] is not caches[0]
+    assert bytes_per_block(cfg, 4, torch.float32) == 2 * 4 * (32 + 32 + 32) * 4
+    for c in caches[:3]:
+        c.normal_()
+    before = [c.clone() for c in caches]
+    copy_blocks(caches, np.array([[0, 5]], dtype=np.int32))
+    for c, b in zip(caches, before, strict=True):
+        assert torch.equal(c[:, 5], b[:, 0]) and torch.equal(c[:, :5], b[:, :5])
+
+
+def test_cpu_backend_runs_layers_of_several_head_shapes_on_torch() -> None:
+    """The native kernel serves one head shape: with several, every step runs torch's path."""
+    backend = get_backend("cpu")
+    backend.configure(HQ, HKV, D, torch.float32, torch.float32)
+    assert backend._native_dtypes
+    backend.configure(HQ, HKV, D, torch.float32, torch.float32,
+                      layer_heads=((HQ, HKV, D), (HQ, 1, 2 * D)))  # fmt: skip
+    assert not backend._native_dtypes

@@ -580,3 +580,14 @@ def test_gpu_sliding_windows_match_torch_backend(block_size: int) -> None:
     h = Harness(backend, "cuda", torch.bfloat16, block_size=block_size, tol=tol, windows=WINDOWED)
     for batch in STEPS:
         h.step(batch)
+
+
+def test_layers_of_several_head_shapes_are_refused(fake_fi: Any) -> None:
+    """One plan serves every layer: a model whose layers differ in heads (Gemma 4) is refused
+    when it is built, naming the shapes and the backend to use instead."""
+    backend = fake_fi.FlashInferAttentionBackend(workspace_mib=1)
+    same = ((HQ, HKV, D),) * 3
+    backend.configure(HQ, HKV, D, torch.float16, torch.float16, layer_heads=same)
+    with pytest.raises(ValueError, match=r"several .*\(4, 1, 128\).*attention_backend=torch"):
+        backend.configure(HQ, HKV, D, torch.float16, torch.float16,
+                          layer_heads=((HQ, HKV, D), (HQ, 1, 128)))  # fmt: skip

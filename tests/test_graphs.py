@@ -236,6 +236,10 @@ def test_backend_and_graph_mode_selection(monkeypatch):
     assert w.resolve_backend("torch", cuda) == "torch"
     with pytest.raises(JobError, match="needs engine.device cuda"):
         w.resolve_backend("flashinfer", cpu)
+    # a model whose layers differ in head shapes (Gemma 4): torch, flashinfer refused by key
+    assert w.resolve_backend("auto", cuda, uniform_heads=False) == "torch"
+    with pytest.raises(JobError, match="engine.attention_backend: 'flashinfer' plans one head"):
+        w.resolve_backend("flashinfer", cuda, uniform_heads=False)
     monkeypatch.setattr(w, "flashinfer_importable", lambda: False)
     assert w.resolve_backend("auto", cuda) == "torch"
     with pytest.raises(JobError, match="not installed"):
@@ -250,9 +254,14 @@ def test_backend_and_graph_mode_selection(monkeypatch):
 def test_graph_reserve_grows_with_batch_queries_and_context():
     from eaglebatch.graphs import graph_reserve_bytes
 
-    class Cfg:  # SmolLM2-135M's shape
+    class Shape:  # SmolLM2-135M's shape
         vocab_size, hidden_size, intermediate_size = 49152, 576, 1536
-        num_key_value_heads, num_attention_heads, head_dim = 3, 9, 64
+        num_key_value_heads, num_attention_heads, head_dim, num_hidden_layers = 3, 9, 64, 30
+
+        def heads_of(self, layer: int) -> tuple[int, int, int]:
+            return 9, 3, 64
+
+    Cfg = Shape()
 
     base = graph_reserve_bytes(Cfg, 64, 4, 8192, 2)
     assert base > 2 * 64 * 8192 * 2 * 3 * 64 * 2  # at least the torch backend's K/V gather

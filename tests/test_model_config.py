@@ -354,3 +354,73 @@ def test_ministral_windows_its_sliding_layers() -> None:
         cfg(**ministral, sliding_window=None, layer_types=types)
     with pytest.raises(ValueError, match="layer_types"):
         cfg(**ministral, sliding_window=64, layer_types=types[:2])
+GEMMA4 = {
+    "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "hidden_size": 64,
+    "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 320, "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6, "sliding_window": 8, "hidden_activation": "gelu_pytorch_tanh",
+    "layer_types": ["sliding_attention", "full_attention"] * 2, "hidden_size_per_layer_input": 0,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                           "rope_theta": 1000000.0},
+    },
+}  # fmt: skip
+
+
+GEMMA4_TYPES = tuple(GEMMA4["layer_types"])
+
+
+def gemma4(**overrides) -> ModelConfig:
+    return ModelConfig.from_dict({**GEMMA4, **overrides})
+
+
+def test_gemma4_full_layers_have_their_own_heads_and_proportional_rope() -> None:
+    c = gemma4(global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+               layer_types=["sliding_attention"] * 4)  # the last layer is always full
+    assert [c.heads_of(i) for i in range(4)] == [(4, 2, 16)] * 3 + [(4, 1, 32)]
+    assert c.k_eq_v_layers == (False, False, False, True) and c.kv_source_layers is None
+    assert c.rope_scaling == RopeScaling("proportional", 1.0, partial_rotary_factor=0.25)
+    assert (c.rope_theta, c.rope_local_theta, c.attention_window) == (1e6, 1e4, 8)
+    assert c.attention_scale_of(0) == c.attention_scale_of(3) == 1.0
+    # transformers gates the global KV heads on attention_k_eq_v; 512 is its global head dim
+    c = gemma4(num_global_key_value_heads=1)
+    assert c.heads_of(3) == (4, 2, 512) and c.k_eq_v_layers is None
+    # transformers 5 writes the same as per_layer_config
+    c = gemma4(per_layer_config={"1": {"head_dim": 32}, "3": {"head_dim": 32,
+                                                             "num_key_value_heads": 1}})
+    assert [c.heads_of(i)[1:] for i in range(4)] == [(2, 16), (2, 32), (2, 16), (1, 32)]
+
+
+def test_gemma4_shared_kv_layers_ple_and_double_wide_mlp() -> None:
+    c = gemma4(num_hidden_layers=6, layer_types=["sliding_attention", "sliding_attention",
+                                                 "full_attention"] * 2,
+               num_kv_shared_layers=3, use_double_wide_mlp=True, hidden_size_per_layer_input=8,
+               vocab_size_per_layer_input=320)  # fmt: skip
+    assert c.kv_source_layers == (0, 1, 2, 1, 1, 2)  # the last earlier owner of each kind
+    assert c.layer_intermediate_sizes == (96, 96, 96, 192, 192, 192)
+    assert c.per_layer_input_size == 8 and c.layer_scalar and c.v_norm
+    # "vision": only image tokens attend both ways, and a text run has none
+    assert gemma4(use_bidirectional_attention="vision").layer_types == GEMMA4_TYPES
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"enable_moe_block": True}, "enable_moe_block"),
+    ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
+    ({"per_layer_config": {"3": {"intermediate_size": 8}}}, "intermediate_size"),
+    ({"per_layer_config": {"3": {"head_dim": 8}}}, "several head dims"),
+    ({"hidden_size_per_layer_input": 8}, "vocab_size_per_layer_input"),
+    ({"num_kv_shared_layers": 4}, "num_kv_shared_layers"),
+    ({"num_kv_shared_layers": 3}, "num_kv_shared_layers = 3 leaves no full_attention"),
+    ({"rope_parameters": None}, "rope_parameters"),
+])  # fmt: skip
+def test_gemma4_refuses_what_it_does_not_implement(overrides, key) -> None:
+    with pytest.raises(ValueError, match=key):
+        gemma4(**overrides)
+
+
+def test_gemma4_multimodal_checkpoint_is_its_text_tower() -> None:
+    text = {k: v for k, v in GEMMA4.items() if k not in ("architectures", "model_type")}
+    c = ModelConfig.from_dict({"model_type": "gemma4", "architectures":
+                               ["Gemma4ForConditionalGeneration"], "text_config": text})
+    assert c.text_tower and c.model_type == "gemma4_text" and c.heads_of(1)[2] == 512

@@ -68,6 +68,20 @@ FAMILIES = {
                       layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     # fused qkv_proj and gate_up_proj checkpoint tensors
     "phi3": dict(model_type="phi3", tie_word_embeddings=True, pad_token_id=None),
+    # full layers with their own head dim and one KV head, K = V, proportional RoPE
+    "gemma4": dict(
+        model_type="gemma4_text", sliding_window=8, hidden_activation="gelu_pytorch_tanh",
+        layer_types=["sliding_attention", "full_attention", "full_attention"],
+        global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+        hidden_size_per_layer_input=0, final_logit_softcapping=30.0, tie_word_embeddings=False,
+    ),
+    # E2B-like: per-layer embeddings, the last two layers reading earlier layers' KV caches
+    "gemma4_e2b": dict(
+        model_type="gemma4_text", sliding_window=8, hidden_activation="gelu_pytorch_tanh",
+        num_layers=4, global_head_dim=32, hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=320, num_kv_shared_layers=2, use_double_wide_mlp=True,
+        layer_types=["sliding_attention", "full_attention"] * 2, tie_word_embeddings=True,
+    ),
 }  # fmt: skip
 HF_MODELS = {}  # model folder -> its transformers model (float32, eval)
 
@@ -78,8 +92,8 @@ def family(request, tmp_path_factory):
     import torch
     import transformers
 
-    path = make_tiny_model(tmp_path_factory.mktemp(request.param), **SHAPE,
-                           **FAMILIES[request.param])  # fmt: skip
+    path = make_tiny_model(tmp_path_factory.mktemp(request.param),
+                           **{**SHAPE, **FAMILIES[request.param]})  # fmt: skip
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     HF_MODELS[path] = hf.eval()
     return path, [hf_greedy(hf, p) for p in PROMPTS]
@@ -104,13 +118,13 @@ def tokens(tmp, model_dir, overrides=()) -> list[list[int]]:
 @pytest.mark.parametrize("gemm", ["native", "torch"])
 @pytest.mark.parametrize("batch", [1, 4, 16])
 def test_greedy_equals_transformers(tmp_path, family, gemm, batch):
-    model_dir, reference = family
+    model_dir, reference, _, _ = family
     got = tokens(tmp_path, model_dir, [f"engine.cpu_gemm={gemm}", f"engine.max_batch_size={batch}"])
     assert got == reference
 
 
 def test_speculative_with_an_eagle3_head_equals_transformers(tmp_path, family):
-    model_dir, reference = family
+    model_dir, reference, _, _ = family
     head = init_random_draft(tmp_path / "head", model_dir, kind="eagle3", seed=3,
                              aux_layer_ids=(0, 1, 2))  # fmt: skip
     for k in (1, 3):
@@ -136,7 +150,7 @@ def test_speculative_with_a_foreign_layout_head_equals_transformers(tmp_path, fa
 
 def test_graph_steps_equal_transformers(tmp_path, family):
     """The uniform (CUDA-graph) steps, run eagerly on the CPU (Gemma: their window masks)."""
-    model_dir, reference = family
+    model_dir, reference, _, _ = family
     head = init_random_draft(tmp_path / "head", model_dir, kind="eagle3", seed=4,
                              aux_layer_ids=(0, 1, 2))  # fmt: skip
     for name, extra in (("plain", []), ("spec", [f"draft={head}", "speculative.adaptive=false"])):
@@ -231,3 +245,54 @@ def test_granite_multipliers_on_native_layers_equal_transformers(tmp_path):
     reference = [hf_greedy(hf, p) for p in PROMPTS]
     got = tokens(tmp_path, path, ["engine.cpu_gemm=native", "engine.max_batch_size=4"])
     assert got == reference
+
+
+
+def test_auto_backend_avoids_flashinfer_for_layers_of_several_head_shapes(family, request):
+    """Gemma 4's full layers have their own head dim: flashinfer cannot serve it."""
+    from eaglebatch.job.engine_settings import _uniform_heads
+
+    name = request.node.callspec.params["family"]
+    assert _uniform_heads(family[0]) == ("global_head_dim" not in FAMILIES[name])
+
+
+def test_gemma4_multimodal_checkpoint_runs_its_text_tower(tmp_path):
+    """A `gemma4` checkpoint (Gemma4ForConditionalGeneration, tensors under
+    model.language_model.*) generates as transformers does on text prompts."""
+    import shutil
+
+    import torch
+    import transformers
+
+    text_dir = make_tiny_model(tmp_path / "text", **{**SHAPE, **FAMILIES["gemma4_e2b"]})
+    text = transformers.Gemma4ForCausalLM.from_pretrained(str(text_dir), dtype=torch.float32)
+    config = transformers.Gemma4Config(text_config=text.config.to_dict(), vision_config=None,
+                                       audio_config=None)  # fmt: skip
+    mm = transformers.Gemma4ForConditionalGeneration(config).eval()
+    mm.model.language_model.load_state_dict(text.model.state_dict())
+    mm_dir = tmp_path / "mm"
+    mm.save_pretrained(str(mm_dir))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(text_dir / name, mm_dir / name)
+    got = tokens(tmp_path, mm_dir)
+    assert got == [hf_greedy(mm, p) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("key, value", [("enable_moe_block", True),
+                                        ("use_bidirectional_attention", "all")])  # fmt: skip
+def test_gemma4_refusals_exit_2_naming_the_key(tmp_path, key, value):
+    import json
+
+    from click.testing import CliRunner
+
+    from eaglebatch.cli import main
+    from support.tiny import write_prompts
+
+    model = make_tiny_model(tmp_path / "m", **{**SHAPE, **FAMILIES["gemma4"]})
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, key: value}))
+    inp = write_prompts(tmp_path / "in.parquet", ["hello"])
+    job = tmp_path / "job.yaml"
+    job.write_text(f"model: {model}\ninput:\n  path: {inp}\noutput:\n  path: {tmp_path / 'o'}\n")
+    r = CliRunner().invoke(main, ["validate", str(job)])
+    assert r.exit_code == 2 and key in r.output and "Traceback" not in r.output

@@ -229,7 +229,8 @@ def graph_reserve_bytes(cfg, rows: int, q_len: int, max_model_len: int, itemsize
     t = rows * q_len
     layer = t * (3 * cfg.intermediate_size + 8 * cfg.hidden_size) * itemsize
     keys = rows * max_model_len
-    attn = keys * (2 * cfg.num_key_value_heads * cfg.head_dim * itemsize
+    kv_width = max(hkv * d for _, hkv, d in map(cfg.heads_of, range(cfg.num_hidden_layers)))
+    attn = keys * (2 * kv_width * itemsize
                    + q_len * (cfg.num_attention_heads * 4 + 1))
     outputs = 16 * t * cfg.hidden_size * itemsize
     return 2 * (layer + attn) + outputs + (64 << 20)

@@ -151,8 +151,10 @@ def plan_kv_budget(
     one full-length sequence. `extra_kv_layers` (a draft head's layers over the same blocks)
     count in the bytes per block. The cache itself gets one block more: the pad block of
     graph steps."""
-    per_layer = kv_cache_bytes_per_block(cfg, eng.block_size, dtype) // cfg.num_hidden_layers
-    per_block = per_layer * (cfg.num_hidden_layers + extra_kv_layers)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    draft_layer = 2 * eng.block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
+    per_block = kv_cache_bytes_per_block(cfg, eng.block_size, dtype)
+    per_block += draft_layer * extra_kv_layers
     if eng.kv_cache_tokens is not None:
         blocks = math.ceil(eng.kv_cache_tokens / eng.block_size)
         if blocks < 1:

@@ -66,6 +66,7 @@ def make_tiny_model(
         "ministral3": (transformers.Ministral3Config, transformers.Ministral3ForCausalLM),
         "ministral": (transformers.MinistralConfig, transformers.MinistralForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "gemma4_text": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM),
     }[model_type]
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -85,6 +86,11 @@ def make_tiny_model(
         **extra,
     )
     model = model_cls(cfg).eval()
+    if model_type == "gemma4_text":  # its norm weights and layer scalars start at 1: vary them
+        with torch.no_grad():
+            for name, t in [*model.named_parameters(), *model.named_buffers()]:
+                if name.endswith(("norm.weight", "layer_scalar")):
+                    t.uniform_(0.5, 1.5)
     model.save_pretrained(str(out))
     byte_tokenizer().save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(

@@ -8,12 +8,15 @@ row j of sequence i sits at absolute position k_i - q_i + j and attends to keys 
 verification and recompute (1 < q_i < k_i).
 
 KV cache layout, one tensor per layer: [2, num_blocks, block_size, num_kv_heads, head_dim]
-(index 0 = K, 1 = V). The K/V of a sequence's token at position p lives in block
+(index 0 = K, 1 = V), each layer with its own (num_kv_heads, head_dim) (KVCacheConfig.heads_of);
+a layer that shares another's cache (kv_source) holds that layer's tensor, no memory of its own.
+The K/V of a sequence's token at position p lives in block
 block_tables[i, p // block_size] at offset p % block_size; slot = block * block_size + offset.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -33,6 +36,8 @@ class KVCacheConfig(Protocol):
     def num_key_value_heads(self) -> int: ...
     @property
     def head_dim(self) -> int: ...
+    def heads_of(self, layer: int) -> tuple[int, int, int]: ...  # (Hq, Hkv, D)
+    def kv_source(self, layer: int) -> int: ...  # the layer whose cache `layer` uses
 
 
 @dataclass
@@ -154,11 +159,14 @@ class AttentionBackend:
         q_dtype: torch.dtype,
         sm_scale: float | None = None,
         windows: tuple[int, ...] = (),
+        layer_heads: tuple[tuple[int, int, int], ...] = (),
     ) -> None:
         """The head config of the attention this backend serves; the model calls it once, when
         it is built, so that planning (prepare, prepare_graph) can happen before any forward.
         `windows`: the sliding windows of the model's windowed layers (Gemma 3), each passed
-        to `forward` as `window`. Backends that do not plan per head config ignore it."""
+        to `forward` as `window`. `layer_heads`: every layer's (Hq, Hkv, D) when they are not
+        all the same (Gemma 4), else empty: q, k, v and the cache of a layer have its shape.
+        Backends that do not plan per head config ignore both."""
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Precomputes `meta.backend_state` for this step; called before the model's forward."""
@@ -212,10 +220,11 @@ def write_kv_cache(
 
 
 def kv_cache_bytes_per_block(cfg: KVCacheConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers (K and V)."""
+    """Bytes one block takes across all layers (K and V); layers that share another's cache
+    take none."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    per_layer = 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
-    return per_layer * cfg.num_hidden_layers
+    owners = [i for i in range(cfg.num_hidden_layers) if cfg.kv_source(i) == i]
+    return sum(2 * block_size * math.prod(cfg.heads_of(i)[1:]) * itemsize for i in owners)
 
 
 def allocate_kv_cache(
@@ -225,19 +234,28 @@ def allocate_kv_cache(
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> list[torch.Tensor]:
-    """One zeroed [2, num_blocks, block_size, Hkv, D] tensor per layer."""
+    """One zeroed [2, num_blocks, block_size, Hkv, D] tensor per layer, of the layer's own
+    (Hkv, D); a layer that shares an earlier layer's cache gets that layer's tensor."""
     if num_blocks <= 0 or block_size <= 0:
         raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be > 0")
-    shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+    caches: list[torch.Tensor] = []
+    for i in range(cfg.num_hidden_layers):
+        source = cfg.kv_source(i)
+        if source != i:
+            caches.append(caches[source])  # source < i (ModelConfig)
+            continue
+        shape = (2, num_blocks, block_size, *cfg.heads_of(i)[1:])
+        caches.append(torch.zeros(shape, dtype=dtype, device=device))
+    return caches
 
 
 def copy_blocks(caches: list[torch.Tensor], copies: np.ndarray) -> None:
     """Copies whole KV blocks in every cache [2, num_blocks, block_size, Hkv, D]: copies is
     int32 [C, 2] of (src, dst) block ids (a plan's `block_copies`); dst blocks are distinct
-    and no dst is a src."""
+    and no dst is a src. A cache listed twice (layers sharing one) is copied once."""
     if len(copies) == 0:
         return
+    caches = list({id(c): c for c in caches}.values())
     device = caches[0].device
     src = to_device(copies[:, 0], device, np.int64)  # [C]
     dst = to_device(copies[:, 1], device, np.int64)  # [C]

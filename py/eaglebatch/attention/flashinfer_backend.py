@@ -146,9 +146,17 @@ class FlashInferAttentionBackend(AttentionBackend):
         q_dtype: torch.dtype,
         sm_scale: float | None = None,
         windows: tuple[int, ...] = (),
+        layer_heads: tuple[tuple[int, int, int], ...] = (),
     ) -> None:
         """The head config (the models call this when built), so prepare() can plan before the
-        first forward(); `windows`: the sliding windows its layers pass to forward()."""
+        first forward(); `windows`: the sliding windows its layers pass to forward(). One plan
+        serves every layer: layers of different head shapes (`layer_heads`) are refused."""
+        if len(set(layer_heads)) > 1:
+            raise ValueError(
+                "attention backend 'flashinfer' plans one head shape for every layer, and this "
+                f"model's layers have several (query heads, KV heads, head dim): "
+                f"{sorted(set(layer_heads))}; use engine.attention_backend=torch"
+            )
         if any(w < 1 for w in windows):
             raise ValueError(f"sliding windows must be >= 1 key, got {windows}")
         scale = head_dim**-0.5 if sm_scale is None else float(sm_scale)

@@ -97,7 +97,8 @@ class TorchAttentionBackend(AttentionBackend):
         self._windows: tuple[int, ...] = ()  # configure: the sliding windows of the model
 
     def configure(self, num_qo_heads, num_kv_heads, head_dim, kv_dtype, q_dtype,
-                  sm_scale=None, windows: tuple[int, ...] = ()) -> None:  # fmt: skip
+                  sm_scale=None, windows=(), layer_heads=()) -> None:  # fmt: skip
+        # every path reads a layer's (Hq, Hkv, D) from its q and cache: layer_heads need nothing
         self._windows = tuple(windows)
 
     # ---- planning (once per step) -------------------------------------------------------------

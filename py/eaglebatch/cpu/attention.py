@@ -48,12 +48,14 @@ class CpuAttentionBackend(TorchAttentionBackend):
         q_dtype: torch.dtype,
         sm_scale: float | None = None,
         windows: tuple[int, ...] = (),
+        layer_heads: tuple[tuple[int, int, int], ...] = (),
     ) -> None:
         super().configure(num_qo_heads, num_kv_heads, head_dim, kv_dtype, q_dtype, sm_scale,
-                          windows)  # fmt: skip
-        # the native kernel attends to every earlier key: windowed models run torch's path
+                          windows, layer_heads)  # fmt: skip
+        # the native kernel attends to every earlier key with one head shape: windowed models
+        # and models whose layers differ in heads run torch's path
         self._native_dtypes = kv_dtype == torch.float32 and q_dtype == torch.float32
-        self._native_dtypes &= not windows
+        self._native_dtypes &= not windows and len(set(layer_heads)) <= 1
 
     def prepare(self, meta: AttentionMetadata) -> None:
         if not self._native_dtypes or meta.seq_lens.device.type != "cpu":

@@ -253,6 +253,10 @@ def native_layers_fit(cfg: ModelConfig) -> bool:
             and cfg.rope_layers is None and cfg.rope_local_theta is None
             and cfg.rotary_dim is None
             and cfg.query_position_scale is None
+            and cfg.layer_head_dims is None and cfg.layer_kv_heads is None
+            and cfg.kv_source_layers is None and cfg.k_eq_v_layers is None
+            and not (cfg.v_norm or cfg.layer_scalar or cfg.per_layer_input_size)
+            and cfg.layer_intermediate_sizes is None
             and all(cfg.window_of(i) is None for i in range(cfg.num_hidden_layers)))  # fmt: skip
 
 

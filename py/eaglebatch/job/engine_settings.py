@@ -17,6 +17,7 @@ from eaglebatch.cpu.stored import has_stored_weights
 from eaglebatch.errors import JobError
 from eaglebatch.job.config import JobConfig
 from eaglebatch.job.model_files import ModelFiles
+from eaglebatch.model.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class ModelWeights:
     where: str
     gguf: bool
     stored: Callable[[], bool]
+    uniform_heads: bool = True  # every layer has one (Hq, Hkv, D): flashinfer can serve it
 
     @classmethod
     def of(cls, mf: ModelFiles) -> ModelWeights:
@@ -57,12 +59,22 @@ class ModelWeights:
             except (OSError, ValueError):  # an unreadable checkpoint: its own check names it
                 return False
 
-        return cls(str(mf.dir), mf.gguf is not None, stored)
+        return cls(str(mf.dir), mf.gguf is not None, stored, _uniform_heads(mf.dir))
 
     @classmethod
     def builtin(cls, name: str) -> ModelWeights:
         """A builtin model, unconverted: every builtin is a GGUF file (read as its blocks)."""
         return cls(f"{name} (builtin)", True, lambda: True)
+
+
+def _uniform_heads(folder) -> bool:
+    """Whether every layer of the model in `folder` has the same (Hq, Hkv, D) (an unreadable
+    config.json: True, its own check names it)."""
+    try:
+        cfg = ModelConfig.from_dir(folder)
+    except (OSError, ValueError):
+        return True
+    return len(set(map(cfg.heads_of, range(cfg.num_hidden_layers)))) == 1
 
 
 def resolve_engine(job: JobConfig, mf: ModelFiles, model_len: int) -> EngineSettings:
@@ -88,7 +100,8 @@ def _section(job: JobConfig, weights: ModelWeights) -> dict:
     return dict(
         device=device,
         dtype=dtype,
-        attention_backend=resolve_backend(eng.attention_backend, device),
+        attention_backend=resolve_backend(eng.attention_backend, device,
+                                          weights.uniform_heads),  # fmt: skip
         graph_mode=resolve_graph_mode(eng.cuda_graph, device),
         overlap=resolve_overlap(eng.overlap, device, job.draft is not None),
         cpu_gemm=threads > 0,
@@ -187,15 +200,19 @@ def flashinfer_importable() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
-    """auto: cpu on the CPU; on CUDA flashinfer when it is installed, else torch. flashinfer is
-    never imported on CPU, and asking for a backend where it cannot run is an error naming the
+def resolve_backend(name: str, device: torch.device, uniform_heads: bool = True) -> str:
+    """auto: cpu on the CPU; on CUDA flashinfer when it is installed and the model's layers
+    have one head shape (`uniform_heads`; Gemma 4's do not), else torch. flashinfer is never
+    imported on CPU, and asking for a backend where it cannot run is an error naming the
     key."""
     if name == "auto":
         if device.type == "cpu":
             return "cpu"
-        usable = device.type == "cuda" and flashinfer_importable()
+        usable = device.type == "cuda" and uniform_heads and flashinfer_importable()
         return "flashinfer" if usable else "torch"
+    if name == "flashinfer" and not uniform_heads:
+        raise JobError("engine.attention_backend: 'flashinfer' plans one head shape for every "
+                       "layer and this model's layers have several; use 'torch' or 'auto'")
     if name == "cpu" and device.type != "cpu":
         raise JobError("engine.attention_backend: 'cpu' needs engine.device cpu")
     if name == "flashinfer":

@@ -81,7 +81,8 @@ def model_bytes(shapes: dict[str, tuple[int, ...]], itemsize: int,
 
 def buffer_bytes(cfg, max_tokens: int, max_batch: int, itemsize: int) -> int:
     """One step's activations and logits (module doc)."""
-    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    layers = (cfg.heads_of(i) for i in range(cfg.num_hidden_layers))
+    qkv = max((hq + 2 * hkv) * d for hq, hkv, d in layers)
     widest = max(cfg.hidden_size * 4, cfg.intermediate_size * 3, qkv)
     return max_tokens * widest * itemsize * 2 + max_batch * cfg.vocab_size * 4 * 2
 

@@ -45,9 +45,16 @@ def _embedding(num: int, dim: int, **factory) -> nn.Embedding:
     return nn.Embedding(num, dim, _weight=weight)
 
 
+def _kind_head_dim(cfg: ModelConfig, windowed: bool) -> int:
+    """The head dim of the full (or windowed) layers: one per kind (ModelConfig)."""
+    kind = (i for i in range(cfg.num_hidden_layers) if (cfg.window_of(i) is None) != windowed)
+    return next((cfg.heads_of(i)[2] for i in kind), cfg.head_dim)
+
+
 class DecoderModel(nn.Module):
     """Embeddings, layers, final norm and the RoPE tables: `rotary_emb` (full-attention layers)
-    and, where sliding layers have their own base, `rotary_local`."""
+    and, where sliding layers have their own base or head dim, `rotary_local`; with per-layer
+    embeddings (cfg.per_layer_input_size) their table, projection and norm."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int | None, **factory) -> None:
         super().__init__()
@@ -57,11 +64,30 @@ class DecoderModel(nn.Module):
         )
         self.norm = make_norm(cfg, cfg.hidden_size, **factory)
         device = factory.get("device")
-        self.rotary_emb = RotaryEmbedding(cfg, max_positions, device=device)
+        full_dim, local_dim = _kind_head_dim(cfg, False), _kind_head_dim(cfg, True)
+        self.rotary_emb = RotaryEmbedding(cfg, max_positions, device=device, head_dim=full_dim)
         self.rotary_local = None
-        if cfg.rope_local_theta is not None:
-            local = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta, rope_scaling=None)
-            self.rotary_local = RotaryEmbedding(local, max_positions, device=device)
+        if cfg.rope_local_theta is not None or local_dim != full_dim:
+            local = dataclasses.replace(cfg, rope_theta=cfg.rope_local_theta or cfg.rope_theta,
+                                        rope_scaling=None)  # fmt: skip
+            self.rotary_local = RotaryEmbedding(local, max_positions, device=device,
+                                                head_dim=local_dim)  # fmt: skip
+        if cfg.per_layer_input_size:
+            width = cfg.num_hidden_layers * cfg.per_layer_input_size  # L * P
+            self.embed_tokens_per_layer = _embedding(cfg.vocab_size, width, **factory)
+            self.per_layer_model_projection = nn.Linear(cfg.hidden_size, width, bias=False,
+                                                        **factory)  # fmt: skip
+            self.per_layer_projection_norm = make_norm(cfg, cfg.per_layer_input_size, **factory)
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """[T, L, P]: ((norm(proj(embeds) / sqrt(H)) + table[ids] * sqrt(P)) / sqrt(2)), the
+        per-layer embeddings of the tokens `input_ids` [T] whose embeddings are `embeds`
+        [T, H] (already scaled)."""
+        t, p = input_ids.shape[0], self.per_layer_projection_norm.weight.shape[0]
+        ids = self.embed_tokens_per_layer(input_ids) * torch.tensor(p**0.5, dtype=embeds.dtype)
+        proj = self.per_layer_model_projection(embeds) * embeds.shape[-1] ** -0.5  # [T, L*P]
+        proj = self.per_layer_projection_norm(proj.view(t, -1, p))  # [T, L, P]
+        return (proj + ids.view(t, -1, p)) * 2.0**-0.5
 
 
 class CausalLM(nn.Module):
@@ -88,8 +114,10 @@ class CausalLM(nn.Module):
         self.backend = backend
         # activations and the KV cache are in the model's dtype
         windows = {cfg.window_of(i) for i in range(cfg.num_hidden_layers)} - {None}
+        heads = tuple(cfg.heads_of(i) for i in range(cfg.num_hidden_layers))
         backend.configure(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, dtype,
-                          dtype, cfg.attention_scale, windows=tuple(sorted(windows)))
+                          dtype, cfg.attention_scale, windows=tuple(sorted(windows)),
+                          layer_heads=heads if len(set(heads)) > 1 else ())  # fmt: skip
         factory = {"dtype": dtype, "device": device}
         self.model = self._build_model(cfg, max_positions, **factory)
         # Tied: the LM head is the embedding matrix and there is no lm_head parameter.
@@ -179,8 +207,13 @@ class CausalLM(nn.Module):
                            skip=skip)  # fmt: skip
 
     def _ignored_tensors(self) -> tuple[str, ...]:
-        """A tied checkpoint may or may not contain lm_head.weight."""
-        return _IGNORED_TENSORS + (("lm_head.weight",) if self.lm_head is None else ())
+        """A tied checkpoint may or may not contain lm_head.weight; layers sharing another's
+        KV cache have no k/v projections or norms of their own, whatever the file holds."""
+        cfg = self.config
+        shared = tuple(f"layers.{i}.self_attn.{n}.weight"
+                       for i in range(cfg.num_hidden_layers) if cfg.kv_source(i) != i
+                       for n in ("k_proj", "v_proj", "k_norm", "v_norm"))  # fmt: skip
+        return _IGNORED_TENSORS + (("lm_head.weight",) if self.lm_head is None else ()) + shared
 
     def load_weights(
         self, path: str | os.PathLike[str], skip: frozenset[str] = frozenset()
@@ -227,16 +260,19 @@ class CausalLM(nn.Module):
         layer to the next (`run_layers`).
         """
         h = self.embed(input_ids)  # [T, H]
+        extra = {}  # per-layer embeddings [T, L, P], each layer's [T, P] its input
+        if self.config.per_layer_input_size:
+            extra["per_layer"] = self.model.per_layer_inputs(input_ids, h)
         num_layers = len(self.model.layers)
         captured: dict[int, torch.Tensor] = {}
         start = 0
         for i in sorted(set(capture_layers)):
             if 0 <= i < num_layers:
                 if start < i:
-                    h = self.run_layers(h, positions, attn, kv_caches, start, i)
+                    h = self.run_layers(h, positions, attn, kv_caches, start, i, **extra)
                     start = i
                 captured[i] = h
-        h = self.run_layers(h, positions, attn, kv_caches, start, num_layers)
+        h = self.run_layers(h, positions, attn, kv_caches, start, num_layers, **extra)
         h = self.model.norm(h)  # [T, H]
         if not capture_layers:
             return h
@@ -255,6 +291,7 @@ class CausalLM(nn.Module):
         kv_caches: list[torch.Tensor],  # every layer's
         first: int,
         last: int,
+        per_layer: torch.Tensor | None = None,  # [T, L, P] per-layer embeddings, if any
     ) -> torch.Tensor:  # [T, H]
         """Decoder layers first..last-1 over h, each with its kind's RoPE (or none)."""
         cfg, local = self.config, self.model.rotary_local
@@ -265,7 +302,9 @@ class CausalLM(nn.Module):
         for i in range(first, last):
             kind = "local" if local is not None and cfg.window_of(i) is not None else "full"
             cos, sin = tables[kind if cfg.uses_rope(i) else None]
-            h = self.model.layers[i](h, cos, sin, attn, kv_caches[i], self.backend, q_scale)
+            extra = () if per_layer is None else (per_layer[:, i],)
+            h = self.model.layers[i](h, cos, sin, attn, kv_caches[i], self.backend, q_scale,
+                                     *extra)  # fmt: skip
         return h
 
     def lm_head_forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]

@@ -84,10 +84,27 @@ class ModelConfig:
     attention_window: int | None = None  # the window of SLIDING layers (real windowed attention)
     rope_local_theta: float | None = None  # the RoPE base of SLIDING layers (None: rope_theta)
     rope_layers: tuple[bool, ...] | None = None  # per layer whether RoPE applies; None: all
-    rotary_dim: int | None = None  # the leading dims of a head RoPE rotates; None: head_dim
-    # (beta, original_max): queries times 1 + beta * log(1 + floor(position / original_max))
-    # after RoPE, per token (Llama 4's attention temperature, Ministral 3); None: unscaled
-    query_position_scale: tuple[float, int] | None = None
+    # Per-layer attention shapes (Gemma 4's full layers have their own head dim and KV heads);
+    # None: every layer has num_key_value_heads KV heads of head_dim. Each layer's KV cache
+    # has its own (Hkv, D) (heads_of; attention/base.py allocate_kv_cache).
+    layer_head_dims: tuple[int, ...] | None = None
+    layer_kv_heads: tuple[int, ...] | None = None
+    # per layer, the earlier layer whose KV cache it attends to, writing none of its own
+    # (Gemma 4's KV sharing; its cache is that layer's tensor); None: each layer its own
+    kv_source_layers: tuple[int, ...] | None = None
+    # per layer, whether V is the k projection's output (no v_proj; Gemma 4's attention_k_eq_v)
+    k_eq_v_layers: tuple[bool, ...] | None = None
+    v_norm: bool = False  # a weightless float32 RMSNorm over each V head (Gemma 4)
+    # a learned scalar per layer (checkpoint tensor layers.{i}.layer_scalar, [1]) that
+    # multiplies the layer's output, residual included (Gemma 4)
+    layer_scalar: bool = False
+    # per layer, the MLP's inner size where layers differ (Gemma 4's double-wide MLP)
+    layer_intermediate_sizes: tuple[int, ...] | None = None
+    # Per-layer embeddings (Gemma 4's PLE): each layer i gets an extra [P] input per token,
+    # P = per_layer_input_size, from a [vocab, L * P] table and a projection of the
+    # embeddings (causal_lm.py per_layer_inputs), gated into the residual after the MLP
+    # (decoder_layer.py). 0: none.
+    per_layer_input_size: int = 0
     # the text tower of a multimodal checkpoint (e.g. `gemma3` with a text_config): its tensors
     # are named language_model.* and the other towers' are skipped (weights.text_tower_name)
     text_tower: bool = False
@@ -97,6 +114,22 @@ class ModelConfig:
         if self.layer_types is None or self.layer_types[layer] != SLIDING:
             return None
         return self.attention_window
+
+    def heads_of(self, layer: int) -> tuple[int, int, int]:
+        """(query heads, KV heads, head dim) of `layer`'s attention and KV cache."""
+        kv = self.num_key_value_heads if self.layer_kv_heads is None else self.layer_kv_heads[layer]
+        d = self.head_dim if self.layer_head_dims is None else self.layer_head_dims[layer]
+        return self.num_attention_heads, kv, d
+
+    def kv_source(self, layer: int) -> int:
+        """The layer whose KV cache `layer` attends to (itself unless it shares one)."""
+        return layer if self.kv_source_layers is None else self.kv_source_layers[layer]
+
+    def attention_scale_of(self, layer: int) -> float:
+        """`attention_scale`, with the layer's own head dim where none is configured."""
+        if self.attention_multiplier is None and self.query_pre_attn_scalar is None:
+            return self.heads_of(layer)[2] ** -0.5
+        return self.attention_scale
 
     def uses_rope(self, layer: int) -> bool:
         return self.rope_layers is None or self.rope_layers[layer]

@@ -66,7 +66,23 @@ class CastLastRMSNorm(RMSNorm):
         return (self.weight.float() * out).to(x.dtype)
 
 
-_NORMS = {"rms": RMSNorm, "rms_plus_one": PlusOneRMSNorm, "rms_cast_last": CastLastRMSNorm}
+class Float32RMSNorm(RMSNorm):
+    """x / rms(x) * w, all in float32, cast back (Gemma 4's); without a weight when
+    `weighted` is False (its V norm)."""
+
+    def __init__(self, size: int, eps: float, weighted: bool = True, **factory) -> None:
+        super().__init__(size, eps, **factory)
+        if not weighted:
+            self.weight = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., H] -> [..., H]
+        x32 = x.float()
+        out = x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        return (out if self.weight is None else out * self.weight.float()).type_as(x)
+
+
+_NORMS = {"rms": RMSNorm, "rms_plus_one": PlusOneRMSNorm, "rms_cast_last": CastLastRMSNorm,
+          "rms_float32": Float32RMSNorm}  # fmt: skip
 
 
 def make_norm(cfg: ModelConfig, size: int, **factory) -> nn.Module:
@@ -86,27 +102,37 @@ def query_position_scale(
 
 
 class Attention(nn.Module):
+    """q, k, v projections, their norms and RoPE, paged attention and o_proj, with the layer's
+    own (Hq, Hkv, D) (cfg.heads_of). A layer sharing an earlier layer's KV cache
+    (cfg.kv_source) has no k/v projections: it reads this step's K/V from that cache, where
+    that layer wrote them, and passes them on (the backend writes the same values again)."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, **factory) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = cfg.head_dim
-        self.scale = cfg.attention_scale
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.heads_of(layer_idx)
+        self.scale = cfg.attention_scale_of(layer_idx)
         self.window = cfg.window_of(layer_idx)  # attends to the last `window` positions; None: all
-        hidden, q_size = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
-        kv_size = cfg.num_key_value_heads * cfg.head_dim
+        hidden, q_size = cfg.hidden_size, self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
         bias = cfg.attention_bias
+        self.shares_kv = cfg.kv_source(layer_idx) != layer_idx
+        self.k_is_v = bool(cfg.k_eq_v_layers and cfg.k_eq_v_layers[layer_idx])
         self.q_proj = nn.Linear(hidden, q_size, bias=bias, **factory)
-        self.k_proj = nn.Linear(hidden, kv_size, bias=bias, **factory)
-        self.v_proj = nn.Linear(hidden, kv_size, bias=bias, **factory)
+        if not self.shares_kv:
+            self.k_proj = nn.Linear(hidden, kv_size, bias=bias, **factory)
+        if not (self.shares_kv or self.k_is_v):
+            self.v_proj = nn.Linear(hidden, kv_size, bias=bias, **factory)
         self.o_proj = nn.Linear(q_size, hidden, bias=cfg.o_proj_bias, **factory)
         self.qk_norm = cfg.qk_norm  # "head": over each head's D values; "projection": all of q / k
-        self.q_norm = self.k_norm = None
+        self.q_norm = self.k_norm = self.v_norm = None
         if cfg.qk_norm != "none":
             per_head = cfg.qk_norm == "head"
-            self.q_norm = make_norm(cfg, cfg.head_dim if per_head else q_size, **factory)
-            self.k_norm = make_norm(cfg, cfg.head_dim if per_head else kv_size, **factory)
+            self.q_norm = make_norm(cfg, self.head_dim if per_head else q_size, **factory)
+            if not self.shares_kv:
+                self.k_norm = make_norm(cfg, self.head_dim if per_head else kv_size, **factory)
+        if cfg.v_norm and not self.shares_kv:
+            self.v_norm = Float32RMSNorm(self.head_dim, cfg.rms_norm_eps, weighted=False)
 
     def forward(
         self,
@@ -119,22 +145,40 @@ class Attention(nn.Module):
         q_scale: torch.Tensor | None = None,  # [T, 1, 1]: query_position_scale's factor
     ) -> torch.Tensor:  # [T, H]
         num_tokens = x.shape[0]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, Hq*D], [T, Hkv*D] x2
+        q = self.q_proj(x)  # [T, Hq*D]
         if self.qk_norm == "projection":
-            q, k = self.q_norm(q), self.k_norm(k)
+            q = self.q_norm(q)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
+            q = self.q_norm(q)
         if cos is not None:
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q = apply_rotary(q, cos, sin)
         if q_scale is not None:
             q = q * q_scale  # [T, Hq, D]
+        if self.shares_kv:  # this step's K/V, as the source layer wrote them: [T, Hkv, D] x2
+            k, v = kv_cache.flatten(1, 2).index_select(1, attn.slot_mapping).to(q.dtype).unbind(0)
+        else:
+            k, v = self._key_value(x, cos, sin)
         out = backend.forward(
             self.layer_idx, q, k, v, kv_cache, attn, self.scale, window=self.window
         )  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+    def _key_value(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:  # [T, Hkv, D] x2
+        num_tokens = x.shape[0]
+        k = self.k_proj(x)  # [T, Hkv*D]
+        v = k if self.k_is_v else self.v_proj(x)  # V is K before its norm and RoPE
+        if self.qk_norm == "projection":
+            k = self.k_norm(k)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.qk_norm == "head":
+            k = self.k_norm(k)
+        if self.v_norm is not None:
+            v = self.v_norm(v)
+        if cos is not None:
+            k = apply_rotary(k, cos, sin)
+        return k, v
 
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu,
@@ -144,9 +188,11 @@ _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu,
 class MLP(nn.Module):
     """The gated MLP: down(act(gate(x)) * up(x)) (SwiGLU with silu, GeGLU with gelu)."""
 
-    def __init__(self, cfg: ModelConfig, **factory) -> None:
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, **factory) -> None:
         super().__init__()
         hidden, inner, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
+        if cfg.layer_intermediate_sizes is not None:
+            inner = cfg.layer_intermediate_sizes[layer_idx]
         self.gate_proj = nn.Linear(hidden, inner, bias=bias, **factory)
         self.up_proj = nn.Linear(hidden, inner, bias=bias, **factory)
         self.down_proj = nn.Linear(inner, hidden, bias=bias, **factory)
@@ -171,9 +217,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = make_norm(cfg, h, **factory)
         if self.layout == "sandwich":
             self.pre_feedforward_layernorm = make_norm(cfg, h, **factory)
-        self.mlp = MLP(cfg, **factory)
+        self.mlp = MLP(cfg, layer_idx, **factory)
         if self.layout != "pre":
             self.post_feedforward_layernorm = make_norm(cfg, h, **factory)
+        if cfg.per_layer_input_size:  # per-layer embeddings: a third residual block
+            p = cfg.per_layer_input_size
+            self.per_layer_input_gate = nn.Linear(h, p, bias=False, **factory)
+            self.per_layer_projection = nn.Linear(p, h, bias=False, **factory)
+            self.post_per_layer_input_norm = make_norm(cfg, h, **factory)
+        self.layer_scalar = nn.Parameter(torch.ones(1, **factory)) if cfg.layer_scalar else None
 
     def forward(
         self,
@@ -184,7 +236,15 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         backend: AttentionBackend,
         q_scale: torch.Tensor | None = None,  # [T, 1, 1] (Attention.forward)
+        per_layer_input: torch.Tensor | None = None,  # [T, P]: cfg.per_layer_input_size
     ) -> torch.Tensor:  # [T, H]
+        h = self._attention_and_mlp(x, cos, sin, attn, kv_cache, backend, q_scale)
+        if per_layer_input is not None:  # h + norm(proj(act(gate(h)) * per-layer input))
+            gated = self.mlp.act(self.per_layer_input_gate(h)) * per_layer_input  # [T, P]
+            h = h + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        return h if self.layer_scalar is None else h * self.layer_scalar
+
+    def _attention_and_mlp(self, x, cos, sin, attn, kv_cache, backend, q_scale) -> torch.Tensor:
         if self.layout == "pre":
             a = self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache, backend, q_scale)
             h = x + self._scaled(a)

@@ -7,6 +7,7 @@ from typing import Any
 
 from eaglebatch.model.family import Family
 from eaglebatch.model.gemma3 import GEMMA3
+from eaglebatch.model.gemma4 import GEMMA4
 from eaglebatch.model.granite import GRANITE
 from eaglebatch.model.llama import LLAMA
 from eaglebatch.model.ministral import MINISTRAL
@@ -27,6 +28,7 @@ FAMILIES: dict[str, Family] = {
         QWEN2,
         QWEN3,
         GEMMA3,
+        GEMMA4,
         OLMO2,
         OLMO3,
         SMOLLM3,

@@ -40,7 +40,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 ALIASES = {"su": "longrope"}  # the name of longrope in early Phi-3 configs
 
 
@@ -67,6 +67,11 @@ class RopeScaling:
     attention_factor: float = 1.0
     # Llama 4 / Ministral 3 query scaling, read along (None: absent); not applied by RoPE.
     llama_4_scaling_beta: float | None = None
+    # proportional only (Gemma 4): the frequencies are the whole head's, only the lowest
+    # `partial_rotary_factor` of them turn (the rest are zero: those pairs pass unrotated),
+    # all divided by `factor`. Unlike partial rotary (rotary_dim_of), the rotated pairs are
+    # (i, i + D/2) of the whole head.
+    partial_rotary_factor: float = 1.0
 
     @property
     def max_len_cap(self) -> int | None:
@@ -115,6 +120,13 @@ def parse_rope(raw: dict[str, Any], max_pos: int) -> tuple[float, RopeScaling | 
         return theta, None
     if rope_type == "linear":
         return theta, RopeScaling("linear", _factor(spec, "linear", None))
+    if rope_type == "proportional":
+        partial = _optional_number(spec, "partial_rotary_factor")
+        if partial is not None and partial > 1.0:
+            raise ValueError(f"model config: partial_rotary_factor must be <= 1, got {partial}")
+        factor = _optional_number(spec, "factor")
+        return theta, RopeScaling("proportional", 1.0 if factor is None else factor,
+                                  partial_rotary_factor=1.0 if partial is None else partial)
     original = _original_len(raw, spec, max_pos, nested and not scaling)
     if rope_type == "longrope":
         return theta, _longrope(spec, original, max_pos)
@@ -142,6 +154,8 @@ def rotary_dim_of(raw: dict[str, Any], head_dim: int) -> int:
     params, _ = _rope_parameters(raw)
     scaling = raw.get("rope_scaling")
     spec = scaling if isinstance(scaling, dict) and scaling else params
+    if isinstance(spec, dict) and spec.get("rope_type") == "proportional":
+        return head_dim  # its factor is the proportional frequencies' (RopeScaling)
     factor = spec.get("partial_rotary_factor") if isinstance(spec, dict) else None
     if factor is None:
         factor = raw.get("partial_rotary_factor")

@@ -37,6 +37,10 @@ def inverse_frequencies(rotary_dim: int, theta: float, scaling: RopeScaling | No
         return inv_freq / scaling.factor
     if scaling.rope_type == "llama3":
         return _llama3_scaled(inv_freq, scaling)
+    if scaling.rope_type == "proportional":  # the lowest frequencies over D rotate, none else
+        rotated = int(scaling.partial_rotary_factor * rotary_dim // 2)
+        zeros = inv_freq.new_zeros(rotary_dim // 2 - rotated)
+        return torch.cat((inv_freq[:rotated], zeros)) / scaling.factor
     raise ValueError(f"unsupported RoPE scaling type {scaling.rope_type!r}")
 
 
@@ -101,11 +105,13 @@ class RotaryEmbedding(nn.Module):
         max_positions: int | None = None,
         device: torch.device | str | None = None,
         rotary_dim: int | None = None,
+        head_dim: int | None = None,
     ) -> None:
+        """`head_dim`: of the layers using this table (default cfg.head_dim)."""
         super().__init__()
-        self.head_dim = cfg.head_dim
+        self.head_dim = head_dim or cfg.head_dim
         # the argument, else the config's (partial rotary), else the whole head
-        self.rotary_dim = rotary_dim if rotary_dim is not None else cfg.rotary_dim or cfg.head_dim
+        self.rotary_dim = rotary_dim if rotary_dim is not None else cfg.rotary_dim or self.head_dim
         if self.rotary_dim % 2 or not 2 <= self.rotary_dim <= self.head_dim:
             raise ValueError(
                 f"rotary_dim must be even and in [2, head_dim={self.head_dim}], "

@@ -146,8 +146,9 @@ def _check_complete(missing: list[str], unexpected: list[str], source: str) -> N
         raise ValueError(f"{source} does not match the model: {'; '.join(parts)}")
 
 
-_OTHER_TOWERS = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                 "model.multi_modal_projector.")  # fmt: skip
+_OTHER_TOWERS = tuple(p + t for p in ("", "model.")
+                      for t in ("vision_tower.", "multi_modal_projector.", "audio_tower.",
+                                "embed_vision.", "embed_audio."))  # fmt: skip
 
 
 def text_tower_name(name: str) -> str | None:
