@@ -118,13 +118,13 @@ def tokens(tmp, model_dir, overrides=()) -> list[list[int]]:
 @pytest.mark.parametrize("gemm", ["native", "torch"])
 @pytest.mark.parametrize("batch", [1, 4, 16])
 def test_greedy_equals_transformers(tmp_path, family, gemm, batch):
-    model_dir, reference, _, _ = family
+    model_dir, reference = family
     got = tokens(tmp_path, model_dir, [f"engine.cpu_gemm={gemm}", f"engine.max_batch_size={batch}"])
     assert got == reference
 
 
 def test_speculative_with_an_eagle3_head_equals_transformers(tmp_path, family):
-    model_dir, reference, _, _ = family
+    model_dir, reference = family
     head = init_random_draft(tmp_path / "head", model_dir, kind="eagle3", seed=3,
                              aux_layer_ids=(0, 1, 2))  # fmt: skip
     for k in (1, 3):
@@ -150,7 +150,7 @@ def test_speculative_with_a_foreign_layout_head_equals_transformers(tmp_path, fa
 
 def test_graph_steps_equal_transformers(tmp_path, family):
     """The uniform (CUDA-graph) steps, run eagerly on the CPU (Gemma: their window masks)."""
-    model_dir, reference, _, _ = family
+    model_dir, reference = family
     head = init_random_draft(tmp_path / "head", model_dir, kind="eagle3", seed=4,
                              aux_layer_ids=(0, 1, 2))  # fmt: skip
     for name, extra in (("plain", []), ("spec", [f"draft={head}", "speculative.adaptive=false"])):

@@ -43,7 +43,7 @@ def test_a_missing_required_key_is_named(spec: dict, missing: str) -> None:
         scaling_of(spec)
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "mrope", "proportional"])
+@pytest.mark.parametrize("kind", ["dynamic", "mrope", "longrope2"])
 @pytest.mark.parametrize("key", ["rope_type", "type"])
 def test_refused_kinds_list_the_supported_ones(kind: str, key: str) -> None:
     supported = "supported: default, linear, llama3, yarn, longrope"

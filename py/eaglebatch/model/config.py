@@ -84,6 +84,10 @@ class ModelConfig:
     attention_window: int | None = None  # the window of SLIDING layers (real windowed attention)
     rope_local_theta: float | None = None  # the RoPE base of SLIDING layers (None: rope_theta)
     rope_layers: tuple[bool, ...] | None = None  # per layer whether RoPE applies; None: all
+    rotary_dim: int | None = None  # the leading dims of a head RoPE rotates; None: head_dim
+    # (beta, original_max): queries times 1 + beta * log(1 + floor(position / original_max))
+    # after RoPE, per token (Llama 4's attention temperature, Ministral 3); None: unscaled
+    query_position_scale: tuple[float, int] | None = None
     # Per-layer attention shapes (Gemma 4's full layers have their own head dim and KV heads);
     # None: every layer has num_key_value_heads KV heads of head_dim. Each layer's KV cache
     # has its own (Hkv, D) (heads_of; attention/base.py allocate_kv_cache).
