@@ -516,3 +516,19 @@ def test_the_job_record_carries_no_credential(tmp_path):
     job["storage"] = {"endpoint": "http://minio:9000"}
     assert job_to_dict(job_from_dict(job, base_dir=tmp_path))["storage"]["endpoint"] == (
         "http://minio:9000")  # fmt: skip
+
+
+def test_python_and_rust_judge_credential_option_names_alike():
+    """One rule names a storage option a credential: the Rust side redacts such values from its
+    messages (storage.rs `is_secret_name`) and run-batch refuses them with --set
+    (job/secrets.py), through the extension."""
+    native = pytest.importorskip("eaglebatch._native")
+    from eaglebatch.job.secrets import is_secret_option
+
+    secret = ["aws_secret_access_key", "token", "password", "AWS_SESSION_TOKEN",
+              "azure_storage_sas_key", "google_application_credentials", "aws_access_key_id"]
+    plain = ["endpoint", "region", "aws_region", "aws_allow_http", "bucket"]
+    for key in secret + plain:
+        assert is_secret_option(key) == native.is_secret_name(key) == (key in secret), key
+    # str.upper() reads this as AWS_SECRET ('\u017f' -> 'S'); the one rule is ASCII's
+    assert is_secret_option("aws_\u017fecret") == native.is_secret_name("aws_\u017fecret")

@@ -260,12 +260,49 @@ def test_a_unit_directory_another_process_holds_fences_every_other_run(tmp_path)
     assert not (unit / ".part-00000.parquet.tmp").exists()
 
 
-def test_validate_refuses_an_output_path_that_is_a_file_as_run_does(tmp_path, tiny_model_dir):
+def test_validate_refuses_an_output_path_that_is_a_file_as_run_does(tmp_path, tiny_model_dir,
+                                                                    kind_checks):  # fmt: skip
     write_prompts(tmp_path / "in.parquet", ["a", "b"])
     (tmp_path / "out").write_text("a file")
     job = write_job(tmp_path, tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out")
     for command in ("validate", "run"):
+        kind_checks.clear()
         r = CliRunner().invoke(main, [command, str(job)])
         assert r.exit_code == 2 and "output.path:" in r.output, r.output
         assert "exists and is not a directory" in r.output
+        assert len(kind_checks) == 1, (command, kind_checks)
     assert (tmp_path / "out").read_text() == "a file"
+
+
+@pytest.fixture
+def kind_checks(monkeypatch):
+    """Counts check_output_kind calls under every name a caller may hold it by."""
+    import eaglebatch.engine as engine
+    import eaglebatch.output.directory as directory
+
+    calls = []
+    real = directory.check_output_kind
+
+    def spy(path):
+        calls.append(path)
+        return real(path)
+
+    monkeypatch.setattr(directory, "check_output_kind", spy)
+    monkeypatch.setattr(engine, "check_output_kind", spy)
+    return calls
+
+
+def test_a_start_checks_the_output_kind_once(tmp_path, tiny_model_dir, kind_checks):
+    """validate, run and the Python API each check output.path's kind exactly once."""
+    from eaglebatch.api.run import run as api_run
+
+    write_prompts(tmp_path / "in.parquet", ["a", "b"])
+    job = write_job(tmp_path, tiny_model_dir, tmp_path / "in.parquet", tmp_path / "out")
+    for command in ("validate", "run"):
+        kind_checks.clear()
+        r = CliRunner().invoke(main, [command, str(job)])
+        assert r.exit_code == 0, r.output
+        assert len(kind_checks) == 1, (command, kind_checks)
+    kind_checks.clear()
+    api_run(str(job), restart=True, progress=False)
+    assert len(kind_checks) == 1, kind_checks

@@ -49,6 +49,34 @@ def test_run_batch_is_the_job_a_user_would_write(tmp_path, tiny_model_dir, monke
     assert invoke("run-batch", "-h").exit_code == 0
 
 
+def test_run_batch_checks_its_job_once(tmp_path, tiny_model_dir, monkeypatch):
+    """The checks that need no model (input, output.path's kind) run once: before the job file
+    is written, and `run` of that file takes what they found."""
+    import eaglebatch.engine as engine
+    import eaglebatch.output.directory as directory
+
+    calls: dict[str, int] = {}
+
+    def counted(module, name):
+        real = getattr(module, name)
+
+        def spy(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+
+    counted(engine, "check_job_input")
+    counted(engine, "check_output_kind")
+    monkeypatch.setattr(directory, "check_output_kind", engine.check_output_kind)
+    (tmp_path / "in.jsonl").write_text(request("c0", COMPLETIONS, {"prompt": "x"}) + "\n")
+    r = invoke("run-batch", "-i", tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl",
+               "--model", tiny_model_dir, "--set", "engine.device=cpu", "--set",
+               "engine.kv_cache_tokens=1024", "--set", "sampling.max_new_tokens=2")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert calls == {"check_job_input": 1, "check_output_kind": 1}, calls
+
+
 def test_run_batch_refuses_credentials_it_would_write_into_the_job_file(
     tmp_path, tiny_model_dir,
 ):  # fmt: skip

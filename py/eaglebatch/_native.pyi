@@ -219,6 +219,10 @@ def check_response_format(
     check) for the tokenizer, read as SchedulerConfig.response_format is; raises
     UserInputError naming what is wrong."""
 
+def is_secret_name(name: str) -> bool:
+    """Whether a storage option's (or a cloud variable's) name names a credential, whose value
+    messages redact: it holds KEY, SECRET, TOKEN, PASSWORD, SAS or CREDENTIAL in any case."""
+
 # JSON whitespace between tokens unless a schema's x-guidance sets its own
 JSON_WHITESPACE: str
 # the most alternatives one point of a response_format may offer

@@ -72,32 +72,32 @@ def main() -> None:
 def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     """Check a job (schema, input files and columns, model files) without generating."""
     # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
-    from eaglebatch.output.directory import check_output_kind
+    from eaglebatch.engine import check_job_input
 
     job = load_job(job_file, overrides)
-    check_output_kind(location(job.output.path, job.storage))  # before a model is copied
+    checked = check_job_input(job)  # input and output.path, before a model is copied, as run
     if builtin.is_builtin_model(job.model):  # not materialised: run's checks that need no copy
         builtin.require_builtin_model_package(job.model)
-        files, total = _check_builtin_job(job)
+        files, total = _check_builtin_job(job, checked)
         model, output = f"{job.model} (builtin)", ""
     else:
         model_dir = resolve_model_dir(job.model, job.storage)  # a GGUF: converted; a URL: copied
         model = str(check_model_dir(model_dir).dir)
-        files, total, output = _check_job(job)
+        files, total, output = _check_job(job, checked)
     draft = f", draft {resolve_draft_dir(job.draft)}" if job.draft is not None else ""
     click.echo(
         f"ok: {job_file}: {len(files)} input file(s), {total} rows, model {model}{draft}{output}"
     )
 
 
-def _check_job(job) -> tuple[list, int, str]:
-    """`run`'s checks (engine.prepare), and whether the output holds this job's rows already:
-    (input files, rows, what the output holds)."""
+def _check_job(job, checked) -> tuple[list, int, str]:
+    """`run`'s checks (engine.prepare; `checked`: its check_job_input, made), and whether the
+    output holds this job's rows already: (input files, rows, what the output holds)."""
     # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
     from eaglebatch.engine import prepare
     from eaglebatch.output.resume import scan_output
 
-    prep = prepare(job)  # the output directory must hold this job's results, if any
+    prep = prepare(job, checked=checked)  # the output must hold this job's results, if any
     state = scan_output(location(job.output.path, job.storage), prep.identity)
     output = ""
     if state.part_files:
@@ -107,15 +107,14 @@ def _check_job(job) -> tuple[list, int, str]:
     return prep.input_files, prep.total_rows, output
 
 
-def _check_builtin_job(job) -> tuple[list, int]:
+def _check_builtin_job(job, checked) -> tuple[list, int]:
     """`prepare`'s checks that need no materialised model, for a builtin: the same functions
-    (input, kept columns, engine section, the job's chat template, the results path)."""
+    (`checked`: check_job_input's, made; engine section, the job's chat template, the results
+    path)."""
     # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
-    from eaglebatch.engine import check_job_input
     from eaglebatch.job.engine_settings import ModelWeights, check_engine
     from eaglebatch.output.results_file import check_results_path
 
-    checked = check_job_input(job)
     check_engine(job, ModelWeights.builtin(job.model))
     _check_job_template(job)
     if job.output.results_file is not None:  # a file there is ours only for this output.path
@@ -206,12 +205,14 @@ def run(
     shard_count: int | None,
     ray_address: str | None,
     summary_json: str | None,
+    checked=None,
 ) -> None:
     """Run a job: generate every prompt of the input and write Parquet part files.
 
     Running it again continues after the rows earlier runs finished (resume). With --shard it
     generates one shard, with --ray it runs on a Ray cluster; with --restart it deletes the
     results of this run's scope first."""
+    # `checked` (no option: run-batch's): the job file's check_job_input, made before writing it
 
     report = SummaryReport(summary_json)
     try:
@@ -222,9 +223,9 @@ def run(
         if ray_address is not None or job.engine.executor == "ray":
             if shard is not None:
                 raise JobError("--shard and --ray: a Ray run spreads the whole job; choose one")
-            _run_on_ray(job, ray_address or job.ray.address, restart, report)
+            _run_on_ray(job, ray_address or job.ray.address, restart, report, checked)
         else:
-            _run_here(job, shard, restart, report)
+            _run_here(job, shard, restart, report, checked)
     except Exception as e:  # refused (before any work), a user error while it ran, or a bug
         if isinstance(e, JobError) or native_error(e) == "user":
             report.write(None, None, "refused", USER_ERROR, str(e))
@@ -253,14 +254,15 @@ def run_batch(
     """vLLM's run-batch form: write OUT.job.yaml for the batch file and run it (parts in
     OUT.parts/, results in OUT). Rerun the same command to resume."""
 
-    job_file = write_job(inp, out, model, draft, list(overrides))  # the --set keys written in
+    job_file, checked = write_job(inp, out, model, draft, list(overrides))  # --set written in
     click.echo(f"job file: {job_file}", err=True)
     ctx.invoke(run, job_file=str(job_file), overrides=(), restart=restart,
                shard_text=None, shard_count=None, ray_address=None,
-               summary_json=summary_json)  # fmt: skip
+               summary_json=summary_json, checked=checked)  # fmt: skip
 
 
-def _run_on_ray(job, address: str | None, restart: bool, report: SummaryReport) -> None:
+def _run_on_ray(job, address: str | None, restart: bool, report: SummaryReport,
+                checked=None) -> None:  # fmt: skip
     from rich.console import Console
 
     # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
@@ -271,7 +273,7 @@ def _run_on_ray(job, address: str | None, restart: bool, report: SummaryReport) 
     import_ray()  # before anything else: a missing Ray is one message
     console = Console(stderr=True)
     try:
-        stats, wall = run_on_ray(prepare(job), address, restart, console)
+        stats, wall = run_on_ray(prepare(job, checked=checked), address, restart, console)
     except RunFailed as e:
         click.echo(f"error: {e}", err=True)
         report.exit("failed", e.exit_status, str(e))
@@ -284,7 +286,7 @@ def _run_on_ray(job, address: str | None, restart: bool, report: SummaryReport) 
     report.write(stats, wall, "complete", 0)
 
 
-def _run_here(job, shard, restart: bool, report: SummaryReport) -> None:
+def _run_here(job, shard, restart: bool, report: SummaryReport, checked=None) -> None:
     from rich.console import Console
 
     # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
@@ -293,7 +295,7 @@ def _run_here(job, shard, restart: bool, report: SummaryReport) -> None:
 
     console = Console(stderr=True)
     try:
-        prep = prepare(job)
+        prep = prepare(job, checked=checked)
         scope = WHOLE if shard is None else RunScope.shard(shard, prep.total_rows)
         resume = open_output(prep, restart=restart, scope=scope)
         rows, done = _announce(console, prep, scope, resume)

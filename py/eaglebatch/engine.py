@@ -247,7 +247,8 @@ class CheckedInput:
 def check_job_input(job: JobConfig) -> CheckedInput:
     """`prepare`'s checks that need no model (the one copy: `validate` of a model it does not
     materialise runs these): the input files and the columns the job reads, the kept columns
-    against the columns this job writes, output.path apart from the input."""
+    against the columns this job writes, output.path apart from the input and of a directory's
+    kind (the one place a start checks that: open_output's prepare_output_dir relies on it)."""
     endpoint, batch_chat = None, False
     if job.input.openai_batch:
         batch = check_batch_input(job.input, job.storage)
@@ -260,11 +261,14 @@ def check_job_input(job: JobConfig) -> CheckedInput:
     return CheckedInput(files, total, endpoint, batch_chat, kept)
 
 
-def prepare(job: JobConfig, check_memory: bool = True) -> PreparedJob:
+def prepare(
+    job: JobConfig, check_memory: bool = True, checked: CheckedInput | None = None
+) -> PreparedJob:
     """Checks the job and everything it names before any work (a bad job is a JobError);
     `check_memory`: also refuse a run this machine's memory cannot hold (`status` reports
-    on a job that may run elsewhere)."""
-    checked = check_job_input(job)
+    on a job that may run elsewhere); `checked`: check_job_input(job), where the caller ran
+    it already (before copying a model, before writing a job file), so it runs once a start."""
+    checked = check_job_input(job) if checked is None else checked
     files, total, endpoint, batch_chat = checked.files, checked.total, checked.endpoint, (
         checked.batch_chat)  # fmt: skip
     kept = checked.kept

@@ -473,6 +473,12 @@ fn check_chat_template(py: Python<'_>, template: String) -> PyResult<()> {
         .map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
+/// Whether a storage option's name names a credential: the rule storage.rs redacts by.
+#[pyfunction]
+fn is_secret_name(name: &str) -> bool {
+    crate::storage::is_secret_name(name)
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -490,6 +496,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(render_chat_template, m)?)?;
     m.add_function(wrap_pyfunction!(check_chat_template, m)?)?;
     m.add_function(wrap_pyfunction!(check_response_format, m)?)?;
+    m.add_function(wrap_pyfunction!(is_secret_name, m)?)?;
     m.add("JSON_WHITESPACE", crate::structured::JSON_WHITESPACE)?;
     m.add("MOST_ALTERNATIVES", crate::structured::MOST_ALTERNATIVES)?;
     m.add_function(wrap_pyfunction!(output_columns, m)?)?;

@@ -310,7 +310,7 @@ fn build(url: &url::Url, s: &StorageSettings) -> Result<Arc<dyn ObjectStore>> {
 
 /// Values that must never appear in a message: the credentials in the endpoint's URL
 /// (`http://KEY:SECRET@host`), the job's options and the clouds' credential variables (names
-/// with KEY, SECRET, TOKEN, PASSWORD or SAS). The endpoint's come first: the whole user
+/// `is_secret_name` accepts). The endpoint's come first: the whole user
 /// information before its parts.
 fn secrets(s: &StorageSettings) -> Vec<String> {
     let mut found = s
@@ -343,21 +343,30 @@ fn endpoint_secrets(endpoint: &str) -> Vec<String> {
     out
 }
 
+/// The words that, in any case, make a name a credential's.
+const SECRET_WORDS: [&str; 6] = ["KEY", "SECRET", "TOKEN", "PASSWORD", "SAS", "CREDENTIAL"];
+
+/// Whether an option's or variable's name names a credential (it holds one of SECRET_WORDS,
+/// in any case). The one rule: messages here redact such values, and the Python side
+/// (job/secrets.py, through the extension) refuses them on the command line by it.
+pub fn is_secret_name(name: &str) -> bool {
+    let name = name.to_ascii_uppercase();
+    SECRET_WORDS.iter().any(|w| name.contains(w))
+}
+
 /// The values of the job's credential options and of the clouds' credential variables.
 fn named_secrets(s: &StorageSettings) -> Vec<String> {
-    let secretive = |k: &str| {
-        let k = k.to_ascii_uppercase();
-        ["KEY", "SECRET", "TOKEN", "PASSWORD", "SAS", "CREDENTIAL"]
-            .iter()
-            .any(|w| k.contains(w))
-    };
     let env = std::env::vars().filter(|(k, _)| {
         ["AWS_", "AZURE_", "GOOGLE_"]
             .iter()
             .any(|p| k.starts_with(p))
-            && secretive(k)
+            && is_secret_name(k)
     });
-    let opts = s.options.clone().into_iter().filter(|(k, _)| secretive(k));
+    let opts = s
+        .options
+        .clone()
+        .into_iter()
+        .filter(|(k, _)| is_secret_name(k));
     env.chain(opts)
         .map(|(_, v)| v)
         .filter(|v| v.len() >= 4)
@@ -446,6 +455,32 @@ mod tests {
         let found = secrets(&s);
         assert!(found.contains(&"hunter22".to_string()));
         assert_eq!(redact("key=hunter22 x", &found), "key=*** x");
+    }
+
+    #[test]
+    fn only_credential_options_are_redacted() {
+        for k in [
+            "aws_secret_access_key",
+            "token",
+            "PASSWORD",
+            "azure_storage_sas_key",
+        ] {
+            assert!(is_secret_name(k), "{k}");
+        }
+        for k in ["endpoint", "region", "aws_region", "bucket"] {
+            assert!(!is_secret_name(k), "{k}");
+        }
+        let s = StorageSettings {
+            options: [
+                ("aws_session_token".to_string(), "tok-12345".to_string()),
+                ("aws_region".to_string(), "eu-west-9".to_string()),
+            ]
+            .into(),
+            ..Default::default()
+        };
+        let found = named_secrets(&s);
+        assert!(found.contains(&"tok-12345".to_string()));
+        assert!(!found.contains(&"eu-west-9".to_string()));
     }
 
     #[test]

@@ -14,6 +14,7 @@ else at that path is refused, as every file eaglebatch did not write.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -22,6 +23,9 @@ from eaglebatch.job import builtin
 from eaglebatch.job.config import apply_overrides, job_from_dict
 from eaglebatch.job.secrets import endpoint_has_credentials, is_secret_option
 from eaglebatch.storage.paths import is_remote
+
+if TYPE_CHECKING:  # pyarrow and torch: imported only once the command runs
+    from eaglebatch.engine import CheckedInput
 
 MARKER = "# written by `eaglebatch run-batch`; rerun the same command (or `eaglebatch run` on"
 MARKER_2 = "# this file) to resume"
@@ -71,10 +75,13 @@ def _model_ref(model: str) -> str:
     return str(Path(model).expanduser().resolve())
 
 
-def write_job(inp: str, out: str, model: str, draft: str | None, overrides: list[str]) -> Path:
+def write_job(
+    inp: str, out: str, model: str, draft: str | None, overrides: list[str]
+) -> tuple[Path, CheckedInput]:
     """Writes (or rewrites, when run-batch wrote it) OUT.job.yaml once the job passes the
-    checks that need no model (`check_batch_job`); returns its path. Nothing is written for a
-    refused job (JobError)."""
+    checks that need no model (`check_batch_job`); returns its path and what those checks
+    found (`run` of that file takes them: they run once). Nothing is written for a refused
+    job (JobError)."""
     # lazy: pyarrow (through the input checks), only once the command runs (fast --help)
     from eaglebatch.output.results_file import check_writable
 
@@ -92,15 +99,15 @@ def write_job(inp: str, out: str, model: str, draft: str | None, overrides: list
         if not ours:
             raise JobError(f"-o: {path} exists and run-batch did not write it; eaglebatch never "
                            f"replaces another file: move it away or choose another -o")  # fmt: skip
-    check_batch_job(yaml.safe_load(text), path.parent)
+    checked = check_batch_job(yaml.safe_load(text), path.parent)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text, encoding="utf-8")
     tmp.replace(path)
-    return path
+    return path, checked
 
 
-def check_batch_job(data: dict, base_dir: Path) -> None:
+def check_batch_job(data: dict, base_dir: Path) -> CheckedInput:
     """The job's checks that need no model, as `run` makes them (engine.check_job_input, the
     results path's rules), before its job file is written: a job `run` would refuse for its
     input, its output or OUT itself (`-o model/config.json`) leaves no file behind."""
@@ -113,3 +120,4 @@ def check_batch_job(data: dict, base_dir: Path) -> None:
     if job.output.results_file is not None:  # a file there is ours only for this output.path
         check_results_path(job.output.results_file, Path(job.output.path), "", job.input.path,
                            checked.files)  # fmt: skip
+    return checked

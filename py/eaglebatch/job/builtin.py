@@ -13,12 +13,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from eaglebatch.errors import JobError
 from eaglebatch.job.gguf_model import cache_dir, gguf_model_dir, gguf_reference_dir
+from eaglebatch.temp_file import new_temp_file
 
 BUILTIN_MODEL = "smollm2-135m-instruct"  # the default, always installed with the quickstart
 BUILTIN_GEMMA = "gemma3-270m"  # Gemma 3 270M (pretrained, Q4_K_M): the `gemma` extra
@@ -153,11 +153,11 @@ def _write_rows(final: Path, schema, rows: Iterator[dict]) -> Path:
     import pyarrow.parquet as pq
 
     final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{final.stem}-", suffix=".tmp", dir=final.parent)
-    os.close(fd)
+    fd, tmp = new_temp_file(final)
+    os.close(fd)  # pyarrow writes it by name; it keeps the mode it was created with
     batch: list[dict] = []
     try:
-        with pq.ParquetWriter(tmp_name, schema, compression="zstd") as writer:
+        with pq.ParquetWriter(str(tmp), schema, compression="zstd") as writer:
             for row in rows:
                 batch.append(row)
                 if len(batch) == 2048:
@@ -165,10 +165,9 @@ def _write_rows(final: Path, schema, rows: Iterator[dict]) -> Path:
                     batch.clear()
             if batch:
                 writer.write_table(pa.Table.from_pylist(batch, schema=schema))
-        os.replace(tmp_name, final)
+        os.replace(tmp, final)
     finally:
-        if os.path.exists(tmp_name):
-            os.unlink(tmp_name)
+        tmp.unlink(missing_ok=True)
     return final
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from eaglebatch.errors import JobError
 from eaglebatch.model.registry import GGUF_ARCHITECTURES
+from eaglebatch.temp_file import new_temp_file
 
 MAGIC = b"GGUF"
 FORMAT_VERSION = "2"  # the folder of config + tokenizer (weights read from the GGUF file)
@@ -133,9 +134,13 @@ def _content_hash(path: Path, index: Path) -> str:
 
     digest = sha256_file(path)
     known[key] = digest
-    tmp = index.with_name(f".{index.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(known, indent=0, sort_keys=True), encoding="utf-8")
-    os.replace(tmp, index)  # last writer wins: every entry it drops is recomputed, never wrong
+    fd, tmp = new_temp_file(index)
+    try:
+        with open(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(known, indent=0, sort_keys=True))
+        os.replace(tmp, index)  # last writer wins: every entry it drops is recomputed, never wrong
+    finally:
+        tmp.unlink(missing_ok=True)
     return digest
 
 

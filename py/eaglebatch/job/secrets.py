@@ -6,7 +6,8 @@ A job may hold credentials in two places: `storage.options` (the crate's keys, e
 value as `***` and the endpoint without its user information; the resume identity leaves the
 storage section out altogether (where the data lives and how it is reached decides no output),
 so a rerun resumes whatever credentials it is given. The Rust side redacts the same values from
-its messages (rust/src/storage.rs `secrets`).
+its messages (rust/src/storage.rs `secrets`); which option names are credentials' is its rule
+alone (`is_secret_name`), used here through the extension.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from __future__ import annotations
 import re
 
 MASK = "***"
-# words that make an option's name a credential's (the Rust side's rule)
-_SECRET_WORDS = ("KEY", "SECRET", "TOKEN", "PASSWORD", "SAS", "CREDENTIAL")
 
 
 def _split_userinfo(endpoint: str) -> tuple[str, str | None, str]:
@@ -43,8 +42,12 @@ def masked_endpoint(endpoint: str | None) -> str | None:
 
 
 def is_secret_option(key: str) -> bool:
-    """Whether `storage.options` key `key` names a credential (access key, secret, token...)."""
-    return any(word in key.upper() for word in _SECRET_WORDS)
+    """Whether `storage.options` key `key` names a credential (access key, secret, token...):
+    the rule the Rust side redacts its messages by."""
+    # lazy: the extension, only where option names are judged (job records mask every value)
+    from eaglebatch._native import is_secret_name
+
+    return is_secret_name(key)
 
 
 def masked_storage(storage: dict) -> dict:

@@ -29,7 +29,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from eaglebatch.output.directory import scan_tree
-from eaglebatch.output.results_file import new_temp_file, replace_results
+from eaglebatch.output.results_file import replace_results
+from eaglebatch.temp_file import new_temp_file
 
 CHAT = "/v1/chat/completions"
 _COLUMNS = ["id", "row_index", "sample_index", "output_text", "finish_reason", "prompt_tokens",
@@ -42,7 +43,7 @@ def write_results(
     """Writes `results` from every part under `output_path`; returns the lines written."""
     results.parent.mkdir(parents=True, exist_ok=True)
     # a new name of our own: no file beside the results is ever truncated
-    fd, tmp = new_temp_file(results)  # the parts' mode rule (results_file.new_temp_file)
+    fd, tmp = new_temp_file(results)  # the parts' mode rule (temp_file.py)
     created = int(time.time())
     lines = 0
     try:

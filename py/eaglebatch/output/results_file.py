@@ -26,6 +26,7 @@ from pathlib import Path
 
 from eaglebatch.errors import JobError
 from eaglebatch.job.inputs import input_may_read
+from eaglebatch.temp_file import new_temp_file
 
 DEFAULT_NAME = "_results.jsonl"
 
@@ -93,20 +94,6 @@ def check_writable(parent: Path, key: str) -> None:
         raise JobError(f"{key}: cannot write in {d}: it is not a directory")
     if not os.access(d, os.W_OK | os.X_OK):
         raise JobError(f"{key}: cannot write in {d} (permission denied)")
-
-
-def new_temp_file(path: Path) -> tuple[int, Path]:
-    """A new hidden file beside `path` (`.NAME.XXXX.tmp`, created exclusively: no namesake is
-    truncated), open for writing: (descriptor, its path). Its mode is what any new file of this
-    process gets, 0666 less the umask, as the Parquet parts get (mkstemp's 0600 would leave the
-    results readable by their owner alone)."""
-    for _ in range(100):
-        tmp = path.with_name(f".{path.name}.{os.urandom(6).hex()}.tmp")
-        try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"no free temporary name beside {path}")
 
 
 def write_json_atomic(path: Path, obj, default=None) -> None:

@@ -12,8 +12,8 @@ Invariants:
   is held from the listing's comparison to the last write (a second process, e.g. another
   shard starting on the same node, waits and then finds the copy current);
 - objects are streamed to disk in `CHUNK` ranged reads (memory stays bounded whatever their
-  size) into a temporary name of this process (`.NAME.part-PID-RANDOM`) and renamed: a file
-  appears under its name only complete.
+  size) into a new hidden temporary file (temp_file.py: `.NAME.XXXX.tmp`, the parts' mode)
+  and renamed: a file appears under its name only complete.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import contextlib
 import hashlib
 import json
 import os
-import uuid
 from pathlib import Path
 
 from eaglebatch.errors import JobError, StorageFailed
 from eaglebatch.storage.paths import RemotePath, checked
+from eaglebatch.temp_file import new_temp_file
 
 try:
     import fcntl
@@ -118,23 +118,22 @@ def _record(dest: Path) -> dict:
 
 
 def _write_record(dest: Path, record: dict) -> None:
-    tmp = dest / f"{SOURCE}.{_own_suffix()}"
-    tmp.write_text(json.dumps(record, sort_keys=True))
-    os.replace(tmp, dest / SOURCE)
-
-
-def _own_suffix() -> str:
-    """A temporary name's suffix no other process or thread uses."""
-    return f"part-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    fd, tmp = new_temp_file(dest / SOURCE)
+    try:
+        with open(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(record, sort_keys=True))
+        os.replace(tmp, dest / SOURCE)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _copy(obj: RemotePath, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{_own_suffix()}")
+    fd, tmp = new_temp_file(target)
     try:
-        reader = checked(obj.store.open_file, obj.url)
-        size, pos = reader.size(), 0
-        with tmp.open("wb") as out:
+        with open(fd, "wb") as out:  # closes the descriptor whatever fails below
+            reader = checked(obj.store.open_file, obj.url)
+            size, pos = reader.size(), 0
             while pos < size:
                 chunk = checked(reader.read_at, pos, CHUNK)
                 if not chunk:
