@@ -142,7 +142,6 @@ def _check_draft(draft: Path | None, mf: ModelFiles) -> None:
     its checkpoint files be whole (headers against file sizes), from config.json and the
     headers, before any weight loads."""
     # lazy: torch and the extension, which validate and status never need
-    from eaglebatch.model import ModelConfig
     from eaglebatch.speculative.draft_check import check_draft_dir
 
     if draft is not None:
