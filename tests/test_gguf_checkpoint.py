@@ -122,14 +122,17 @@ def test_a_synthetic_mixed_gguf_equals_transformers_and_runs_both_ways(tmp_path,
     assert all(len(t) == 12 for t in got["quantized"])
 
 
-@pytest.mark.parametrize("dims, factors, message", [
-    (16, False, None),
-    (12, False, "phi3.rope.dimension_count = 12"),
-    (16, True, "rope_factors_long.weight"),
+@pytest.mark.parametrize("dims, factors, partial, message", [
+    (16, False, None, None),
+    (12, False, None, "phi3.rope.dimension_count = 12: the model config rotates 16"),
+    (12, False, 0.75, None),  # Phi-4-mini with its config.json: 3/4 of each head of 16
+    (16, False, 0.75, "phi3.rope.dimension_count = 16: the model config rotates 12"),
+    (16, True, None, "rope_factors_long.weight"),
 ])  # fmt: skip
-def test_rope_the_config_lacks_is_refused(tmp_path, dims, factors, message):
-    """Partial rotary (Phi-4-mini) and longrope factors (Phi-3 128k) in the header are
-    refused by name: transformers' conversion drops both, so the model would run wrong."""
+def test_rope_the_config_lacks_is_refused(tmp_path, dims, factors, partial, message):
+    """Partial rotary (Phi-4-mini) in the header is served where the config rotates as many
+    dims, refused by name otherwise (transformers' conversion drops it); longrope factors
+    (Phi-3 128k) are refused by name."""
     from gguf import GGUFWriter
 
     from eaglebatch.model.gguf_checkpoint import GgufCheckpoint
@@ -145,7 +148,8 @@ def test_rope_the_config_lacks_is_refused(tmp_path, dims, factors, message):
     w.close()
     cfg = ModelConfig.from_dict({"model_type": "phi3", "hidden_size": 64, "intermediate_size": 128,
                                  "num_hidden_layers": 1, "num_attention_heads": 4,
-                                 "vocab_size": 8, "max_position_embeddings": 64})  # fmt: skip
+                                 "vocab_size": 8, "max_position_embeddings": 64,
+                                 "partial_rotary_factor": partial})  # fmt: skip
     names = ["model.embed_tokens.weight"]
     if message is None:
         assert GgufCheckpoint(tmp_path / "m.gguf", cfg, names).shapes() == {names[0]: (8, 64)}

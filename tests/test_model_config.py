@@ -157,12 +157,63 @@ def test_phi3_window_caps_the_length_and_fused_rows_follow_the_shape() -> None:
         dict(family_of("phi3").split("m.self_attn.qkv_proj.weight", (576, 576), c))
 
 
-@pytest.mark.parametrize("setting, key", [
-    ({"partial_rotary_factor": 0.75}, "partial_rotary_factor = 0.75"),
-    ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
-     "rope_parameters.partial_rotary_factor = 0.5"),
+def _longrope(pairs: int, **extra) -> dict:
+    return {"short_factor": [1.0 + i / pairs for i in range(pairs)],
+            "long_factor": [2.0 + i for i in range(pairs)], **extra}  # fmt: skip
+
+
+@pytest.mark.parametrize("setting", [
+    {"partial_rotary_factor": 0.75},  # Phi-4-mini's 3/4 of each head, default RoPE
+    # Phi-3-mini-128k: "su" is longrope, the top-level original length
+    {"rope_scaling": _longrope(32, type="su"), "original_max_position_embeddings": 4096,
+     "max_position_embeddings": 131072},
+    # "yarn" is longrope too; the original length is Phi3Config's 4096, never the one inside
+    {"rope_scaling": _longrope(32, type="yarn", original_max_position_embeddings=99)},
+    # Phi-4-mini in the transformers 5 layout: partial rotary and longrope
+    {"rope_parameters": _longrope(24, rope_type="longrope", partial_rotary_factor=0.75,
+                                  rope_theta=1e4),
+     "original_max_position_embeddings": 4096, "max_position_embeddings": 131072},
 ])  # fmt: skip
-def test_phi3_refuses_partial_rotary_and_longrope(setting, key) -> None:
+def test_phi3_rope_is_read_as_phi3config_normalises_it(setting) -> None:
+    """Rotary width, RoPE kind, original length and attention factor as transformers'
+    Phi3Config and its longrope computation have them; max_model_len capped at the original
+    length under longrope."""
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    c = cfg(**PHI3, **setting)
+    raw = {**BASE, **PHI3, **setting}
+    ref = transformers.Phi3Config(**{k: v for k, v in raw.items() if k != "architectures"})
+    params = ref.rope_parameters
+    head_dim = raw["hidden_size"] // raw["num_attention_heads"]
+    assert (c.rotary_dim or c.head_dim) == int(head_dim * params["partial_rotary_factor"])
+    if params["rope_type"] == "default":
+        assert c.rope_scaling is None and c.max_model_len == raw["max_position_embeddings"]
+        return
+    s = c.rope_scaling
+    assert s.rope_type == params["rope_type"] == "longrope"
+    assert s.original_max_position_embeddings == params["original_max_position_embeddings"]
+    assert list(s.short_factor) == params["short_factor"]
+    _, attention = ROPE_INIT_FUNCTIONS["longrope"](ref, "cpu")
+    assert s.attention_factor == pytest.approx(attention, rel=1e-12)
+    assert c.max_model_len == min(raw["max_position_embeddings"], 4096)
+
+
+@pytest.mark.parametrize("setting, key", [
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling.type = 'linear'"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
+     "rope_parameters.rope_type = 'dynamic'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0}}, "rope_scaling.rope_type = 'llama3'"),
+    # Phi3Config sizes the lists by hidden / heads (64 dims), its RoPE by head_dim (32)
+    ({"head_dim": 32, "rope_scaling": _longrope(16, type="longrope")},
+     "rope_scaling.short_factor has 16 entries, phi3 needs 32"),
+    ({"head_dim": 32, "rope_scaling": _longrope(32, type="longrope")},
+     "short_factor has 32 entries, the rotary dim 32 needs 16"),
+    ({"partial_rotary_factor": 0.75, "rope_scaling": _longrope(32, type="su")},
+     "short_factor has 32 entries, the rotary dim 48 needs 24"),
+])  # fmt: skip
+def test_phi3_refuses_what_phi3config_rejects(setting, key) -> None:
     with pytest.raises(ValueError, match=key):
         cfg(**PHI3, **setting)
 

@@ -66,8 +66,17 @@ FAMILIES = {
     # its sliding layers see the last 8 positions
     "ministral": dict(model_type="ministral", sliding_window=8,
                       layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
-    # fused qkv_proj and gate_up_proj checkpoint tensors
-    "phi3": dict(model_type="phi3", tie_word_embeddings=True, pad_token_id=None),
+    # fused qkv_proj and gate_up_proj checkpoint tensors; RoPE over the first half of each head
+    "phi3": dict(model_type="phi3", partial_rotary_factor=0.5, pad_token_id=None),
+    # Phi-4-mini's published layout: 3/4 of each head of 16 rotated, longrope (the short
+    # factors, its attention factor: 2048 / 512 extends the length 4x) capped at 512 positions;
+    # tied
+    "phi4_mini": dict(
+        model_type="phi3", head_dim=16, partial_rotary_factor=0.75, tie_word_embeddings=True,
+        pad_token_id=None, max_position_embeddings=2048, original_max_position_embeddings=512,
+        rope_scaling={"type": "longrope", "short_factor": [1.0, 1.3, 1.9, 2.6, 3.4, 5.0],
+                      "long_factor": [2.0, 3.0, 4.5, 6.0, 9.0, 12.0]},
+    ),
     # full layers with their own head dim and one KV head, K = V, proportional RoPE
     "gemma4": dict(
         model_type="gemma4_text", sliding_window=8, hidden_activation="gelu_pytorch_tanh",
@@ -296,3 +305,25 @@ def test_gemma4_refusals_exit_2_naming_the_key(tmp_path, key, value):
     job.write_text(f"model: {model}\ninput:\n  path: {inp}\noutput:\n  path: {tmp_path / 'o'}\n")
     r = CliRunner().invoke(main, ["validate", str(job)])
     assert r.exit_code == 2 and key in r.output and "Traceback" not in r.output
+def test_rows_past_a_longrope_cap_are_refused_or_stopped(tmp_path, family):
+    """A model whose RoPE serves fewer positions than max_position_embeddings (longrope: its
+    short factors, up to original_max_position_embeddings) has max_model_len capped there: a
+    longer prompt is an error row, a row reaching the cap stops there ("length"), and the rows
+    within it still equal transformers'."""
+    import json
+
+    model_dir, reference = family
+    raw = json.loads((model_dir / "config.json").read_text())
+    rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type")) not in ("longrope", "su"):
+        pytest.skip("no longrope")
+    cap = raw["original_max_position_embeddings"]
+    assert cap < raw["max_position_embeddings"]
+    near = "x" * (cap - 4)  # 4 positions left: its output stops at the cap
+    table, _ = run_job(tmp_path, model_dir, [PROMPTS[0], "y" * (cap + 8), near])
+    rows = table.to_pylist()
+    assert rows[0]["error"] is None and rows[0]["output_token_ids"] == reference[0]
+    assert rows[1]["finish_reason"] == "error"
+    assert f"shorter than max_model_len ({cap})" in rows[1]["error"]
+    assert rows[2]["error"] is None and rows[2]["finish_reason"] == "length"
+    assert rows[2]["prompt_tokens"] + rows[2]["output_tokens"] == cap

@@ -271,5 +271,5 @@ def use_native_layers(model: nn.Module, threads: int) -> None:
         # layers the native one does not compute: their linears (cpu/gemm.py) and LM head run
         # natively
         become(model, NativeLmHead, small_gemm_threads=threads)
-    elif hasattr(model, "run_layer"):
+    elif hasattr(model, "run_layer") and native_layers_fit(model.config.layer):
         become(model, NativeDraftLayer, small_gemm_threads=threads, native_decoder=None)

@@ -176,6 +176,8 @@ class ModelConfig:
         settings are checked in a fixed order)."""
         raw, tower = text_model_config(raw)
         family = family_of(raw.get("model_type"))
+        if family.standardize is not None:
+            raw = family.standardize(raw)
         hidden, heads, kv_heads, head_dim = _attention_shape(raw)
         max_pos = int_value(raw, "max_position_embeddings")
         rope_theta, rope_scaling = parse_rope(raw, max_pos)

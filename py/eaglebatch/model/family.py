@@ -35,6 +35,10 @@ class Family:
     # raw config.json -> the ModelConfig fields this family sets (the rest keep their defaults);
     # raises ValueError naming a key whose value the family does not implement
     features: Callable[[dict[str, Any]], dict[str, Any]]
+    # raw config.json -> the same settings as this family's transformers config class
+    # normalises them (renamed RoPE kinds, its own defaults), before the shared readers
+    # (shapes, RoPE) see them; raises ValueError naming a key the family refuses. None: as is
+    standardize: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     tie_word_embeddings: bool = False  # the default when config.json does not say
     # multimodal model_types whose `text_config` is this family's text model
     text_tower_of: tuple[str, ...] = ()

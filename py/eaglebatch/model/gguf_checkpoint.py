@@ -15,8 +15,9 @@ Invariants:
   that tensor and no tensor of the part's own (rows are whole blocks: GGUF quantizes by row);
   its `blocks` are a view of the map too;
 - RoPE the header states and config.json (transformers' conversion) drops is refused, never
-  run as full default RoPE: a `rope.dimension_count` other than head_dim (partial rotary,
-  Phi-4-mini) and per-frequency factor tensors (`rope_factors_*`: longrope, Phi-3 128k);
+  run as full default RoPE: a `rope.dimension_count` other than the config's rotary dim
+  (partial rotary, Phi-4-mini, is served where config.json states it) and per-frequency factor
+  tensors (`rope_factors_*`: longrope, Phi-3 128k; not compared with config.json's factors);
 - opening reads the header only; a parameter without its tensor, or of another shape, is a
   ValueError naming both (before anything is loaded, `check`).
 """
@@ -73,9 +74,10 @@ def check_rope(reader: GgufFile, cfg) -> None:
     """A ValueError naming the header key or tensor of a RoPE the model's config lacks."""
     key = f"{reader.architecture}.rope.dimension_count"
     dims = reader.meta.get(key)
-    if isinstance(dims, int) and dims != cfg.head_dim:
-        raise ValueError(f"GGUF {key} = {dims} (RoPE over part of each head of {cfg.head_dim}) "
-                         "is not supported")  # fmt: skip
+    rotary = cfg.rotary_dim or cfg.head_dim
+    if isinstance(dims, int) and dims != rotary:
+        raise ValueError(f"GGUF {key} = {dims}: the model config rotates {rotary} dims of "
+                         f"each head of {cfg.head_dim} (partial_rotary_factor)")  # fmt: skip
     factors = sorted(n for n in reader.tensors if n.startswith("rope_factors"))
     if factors:
         raise ValueError(f"GGUF tensor {factors[0]}: RoPE frequency factors (longrope) are "

@@ -55,7 +55,17 @@ def _rope_fields(cfg: ModelConfig) -> dict:
             high_freq_factor=s.high_freq_factor,
             original_max_position_embeddings=s.original_max_position_embeddings,
         )
-    return {"rope_theta": cfg.rope_theta, "rope_scaling": scaling}
+    if s.rope_type == "longrope":  # the head runs the target's (short-factor) RoPE
+        scaling.update(
+            short_factor=list(s.short_factor),
+            long_factor=list(s.long_factor),
+            original_max_position_embeddings=s.original_max_position_embeddings,
+            attention_factor=s.attention_factor,
+        )
+    fields = {"rope_theta": cfg.rope_theta, "rope_scaling": scaling}
+    if cfg.rotary_dim is not None:  # the factor lists cover the target's rotary dims only
+        fields["partial_rotary_factor"] = cfg.rotary_dim / cfg.head_dim
+    return fields
 
 
 def init_random_draft(
