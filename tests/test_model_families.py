@@ -5,9 +5,12 @@ transformers' greedy `generate` on tiny random models written by transformers he
 fast path (native GEMMs, and native decoder layers where they fit) and torch's layers, several
 batch sizes, speculative decoding with random EAGLE-3 heads in every published layout, the
 uniform (CUDA-graph) steps run eagerly on the CPU, prefix caching with chunked prefill and
-preemption, prompt logprobs, and train-draft."""
+preemption, prompt logprobs, train-draft, and in one test overlapped steps, n samples,
+output logprobs (raw and processed), JSON-schema output and scoring."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -256,7 +259,6 @@ def test_granite_multipliers_on_native_layers_equal_transformers(tmp_path):
     assert got == reference
 
 
-
 def test_auto_backend_avoids_flashinfer_for_layers_of_several_head_shapes(family, request):
     """Gemma 4's full layers have their own head dim: flashinfer cannot serve it."""
     from eaglebatch.job.engine_settings import _uniform_heads
@@ -305,6 +307,8 @@ def test_gemma4_refusals_exit_2_naming_the_key(tmp_path, key, value):
     job.write_text(f"model: {model}\ninput:\n  path: {inp}\noutput:\n  path: {tmp_path / 'o'}\n")
     r = CliRunner().invoke(main, ["validate", str(job)])
     assert r.exit_code == 2 and key in r.output and "Traceback" not in r.output
+
+
 def test_rows_past_a_longrope_cap_are_refused_or_stopped(tmp_path, family):
     """A model whose RoPE serves fewer positions than max_position_embeddings (longrope: its
     short factors, up to original_max_position_embeddings) has max_model_len capped there: a
@@ -327,3 +331,131 @@ def test_rows_past_a_longrope_cap_are_refused_or_stopped(tmp_path, family):
     assert f"shorter than max_model_len ({cap})" in rows[1]["error"]
     assert rows[2]["error"] is None and rows[2]["finish_reason"] == "length"
     assert rows[2]["prompt_tokens"] + rows[2]["output_tokens"] == cap
+
+
+# an object of an integer and an enum string, no JSON whitespace: `{"n":99,"c":"blue"}` at most
+# 19 tokens, within MAX_NEW
+SMALL_SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                   "c": {"enum": ["red", "blue"]}},
+    "required": ["n", "c"], "additionalProperties": False,
+    "x-guidance": {"whitespace_flexible": False},
+}  # fmt: skip
+SMALL_FORMAT = {"type": "json_schema", "json_schema": {"name": "small", "schema": SMALL_SCHEMA}}
+
+
+def run_columns(tmp, model_dir, columns: dict, overrides, name, wrap=None):
+    """A job over an input table of `columns` (run_job's keys, then `overrides`) -> its rows
+    by (row_index, sample_index)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from eaglebatch.engine import prepare, run_prepared
+    from eaglebatch.job.config import load_job
+    from test_engine import MAX_NEW
+
+    inp = tmp / f"{name}-in.parquet"
+    pq.write_table(pa.table(columns), inp)
+    job_file = tmp / f"{name}.yaml"
+    job_file.write_text(
+        f"model: {model_dir}\ninput:\n  path: {inp}\noutput:\n  path: {tmp / name}\n"
+        f"  include_token_ids: true\nsampling:\n  max_new_tokens: {MAX_NEW}\n"
+        "engine:\n  device: cpu\n  kv_cache_tokens: 4096\n  max_batch_size: 4\n"
+    )
+    prep = prepare(load_job(job_file, list(overrides)))
+    run_prepared(prep, worker=None if wrap is None else wrap(build_worker(prep)))
+    order = [(c, "ascending") for c in ("row_index", "sample_index")]
+    return pq.read_table(tmp / name).sort_by(order).to_pylist()
+
+
+def hf_scores(hf, prompt: str, output: list[int]):
+    """transformers' logits predicting each of `output` after `prompt`: [len(output), V]."""
+    import torch
+
+    ids = byte_tokenizer().encode(prompt).ids
+    with torch.inference_mode():
+        logits = hf(torch.tensor([ids + output])).logits[0].float()
+    return logits[len(ids) - 1 : len(ids) - 1 + len(output)]
+
+
+def assert_logprobs(row: dict, scores, temperature: float = 1.0) -> None:
+    """Each output token's logprob is log_softmax(scores / temperature) at it, within 1e-4."""
+    import torch
+
+    ref = torch.log_softmax(scores / temperature, dim=-1)
+    assert [e["token_id"] for e in row["logprobs"]] == row["output_token_ids"]
+    for j, e in enumerate(row["logprobs"]):
+        assert abs(e["logprob"] - ref[j, e["token_id"]].item()) < 1e-4, (j, e, ref[j].max())
+
+
+def check_greedy_json_rows(rows, reference, hf) -> None:
+    """Rows 0, 1 free: transformers' greedy tokens; rows 2, 3 with SMALL_FORMAT: complete,
+    valid JSON ended by the grammar; every row's raw logprobs are transformers'."""
+    import json
+
+    import jsonschema
+
+    for i, row in enumerate(rows):
+        assert_logprobs(row, hf_scores(hf, PROMPTS[i], row["output_token_ids"]))
+        if i < 2:
+            assert row["output_token_ids"] == reference[i] and row["structured"] is None
+        else:
+            assert (row["finish_reason"], row["structured"]) == ("stop", "complete"), row
+            jsonschema.validate(json.loads(row["output_text"]), SMALL_SCHEMA)
+
+
+def check_scores(rows, contexts, continuations, hf) -> None:
+    """Each pair's logprob is the sum of transformers' log_softmax over the continuation's
+    tokens after the context's (a byte tokenizer: the pair's bytes split at the context's
+    end), within 1e-4; is_greedy says whether each is transformers' argmax."""
+    import torch
+
+    tok = byte_tokenizer()
+    for row, ctx, cont in zip(rows, contexts, continuations, strict=True):
+        cont_ids = tok.encode(cont).ids
+        ref = torch.log_softmax(hf_scores(hf, ctx, cont_ids), dim=-1)
+        want = ref[torch.arange(len(cont_ids)), cont_ids]
+        assert row["error"] is None and row["num_tokens"] == len(cont_ids)
+        assert abs(row["logprob"] - want.sum().item()) < 1e-4, (row, want.sum())
+        assert row["is_greedy"] == bool((ref.argmax(-1) == torch.tensor(cont_ids)).all())
+
+
+def test_overlap_samples_logprobs_scores_and_json_on_the_family(tmp_path, family, family_hf):
+    """Overlapped steps with logprobs and a JSON schema on some rows (greedy: transformers'
+    tokens and logprobs); n = 2 sampled rows, the same with overlap off, whose processed
+    logprobs are transformers' at the temperature; scores of (context, continuation) pairs."""
+    from test_overlap import LaunchSpy
+
+    model_dir, reference = family
+    prompts = PROMPTS[:4]
+    spies = []
+
+    def spy(worker):
+        spies.append(LaunchSpy(worker))
+        return spies[-1]
+
+    rf = [None, None, *[json.dumps(SMALL_FORMAT)] * 2]
+    over = ["engine.overlap=true", "output.logprobs=2",
+            "input.sampling_columns={response_format: rf}"]  # fmt: skip
+    rows = run_columns(tmp_path, model_dir, {"prompt": prompts, "rf": rf}, over, "greedy", spy)
+    assert spies[0].ahead > 0  # steps really were launched ahead of their commit
+    check_greedy_json_rows(rows, reference, family_hf)
+
+    sampled = ["sampling.n=2", "sampling.temperature=0.8", "sampling.seed=7",
+               "output.logprobs=1", "output.logprobs_mode=processed"]  # fmt: skip
+    on = run_columns(tmp_path, model_dir, {"prompt": prompts},
+                     [*sampled, "engine.overlap=true"], "on")  # fmt: skip
+    off = run_columns(tmp_path, model_dir, {"prompt": prompts},
+                      [*sampled, "engine.overlap=false"], "off")  # fmt: skip
+    assert [r["output_token_ids"] for r in on] == [r["output_token_ids"] for r in off]
+    pairs = [(i, s) for i in range(len(prompts)) for s in (0, 1)]
+    assert [(r["row_index"], r["sample_index"]) for r in on] == pairs
+    for r in on:
+        assert_logprobs(r, hf_scores(family_hf, prompts[r["row_index"]], r["output_token_ids"]),
+                        temperature=0.8)  # fmt: skip
+
+    conts = [" the mat", " 42 code", " naïve", "\n— cat"]
+    scored = run_columns(tmp_path, model_dir, {"prompt": prompts, "cont": conts},
+                         ["task=score", "input.continuation_column=cont"], "score")  # fmt: skip
+    check_scores(scored, prompts, conts, family_hf)
