@@ -10,7 +10,7 @@ from rich.console import Console
 
 from eaglebatch import progress
 from eaglebatch.progress import ProgressView, estimate, output_work, prefill_work
-from eaglebatch.step_work import StepWork, generation_time, token_costs
+from eaglebatch.step_work import StepWork, generation_time, step_cost, token_costs
 
 
 def _line(view: ProgressView, capsys, done: int, tokens: int) -> str:
@@ -53,7 +53,7 @@ def _counters(**kw) -> dict:
                 prompt_tokens_read=0, prompt_tokens=0, cached_tokens=0, prefill_tokens=0,
                 output_tokens=0, finished_output_tokens=0, requests_stopped=0, running=0,
                 waiting=0, max_new_tokens=0, max_batch_size=64,
-                step_work={"kinds": {}, "generation": (0,) * 5})  # fmt: skip
+                step_work={"kinds": {}, "generation": (0,) * 7})  # fmt: skip
     return {**base, **kw}
 
 
@@ -92,21 +92,45 @@ def test_token_costs_are_measured_where_steps_do_that_work():
     assert token_costs({}) is None
 
 
-def test_a_generation_step_costs_a_fixed_part_and_its_query_tokens():
+def test_a_generation_step_costs_a_fixed_part_and_its_output_tokens():
+    """The steps' time is fitted as a fixed part plus a part per output token (accepted drafts
+    cost about as much as the bonus token); the steps still to run follow the output tokens a
+    row gained per step so far and the rows that run at once."""
     work = StepWork()
     out = 0
-    for rows in (2, 10, 4, 10):  # 0.5 s a step + 10 ms a query token (4 a row); 1.5 tokens
+    for rows in (2, 10, 4, 10):  # 1.5 tokens a row-step; 0.5 s a step + 10 ms an output token
         out += rows * 3 // 2
-        work.add("verify", 0.5 + 0.04 * rows, {"prefill_tokens": 0, "output_tokens": out},
-                 rows, 4 * rows)  # fmt: skip
+        work.add("verify", 0.5 + 0.01 * (rows * 3 // 2),
+                 {"prefill_tokens": 0, "output_tokens": out}, rows, 4 * rows)  # fmt: skip
     gen = work.snapshot()["generation"]
-    # 300 tokens = 200 row-steps of 4 query tokens: 10 steps of 20 rows, or 100 of 2 (fewer
-    # rows left than the batch), at the prompt token's 10 ms a query token
-    assert generation_time(gen, 0.01, 300, 40, 20) == pytest.approx(10 * 0.5 + 800 * 0.01)
-    assert generation_time(gen, 0.01, 300, 2, 20) == pytest.approx(100 * 0.5 + 800 * 0.01)
-    # a prompt token dearer than the generation steps' whole time: no fixed part
-    assert generation_time(gen, 1.0, 300, 40, 20) == pytest.approx(800 * gen[3] / gen[2])
-    assert generation_time((0,) * 5, 0.01, 300, 40, 20) is None
+    assert step_cost(gen) == pytest.approx((0.5, 0.01))
+    # 300 tokens = 200 row-steps: 10 steps of 20 rows, or 100 of 2 (fewer rows than the batch)
+    assert generation_time(gen, 300, 40, 20) == pytest.approx(10 * 0.5 + 300 * 0.01)
+    assert generation_time(gen, 300, 2, 20) == pytest.approx(100 * 0.5 + 300 * 0.01)
+    # one step: no fit yet (the estimate takes an output token at a prompt token's cost)
+    one = StepWork()
+    one.add("verify", 0.3, {"prefill_tokens": 0, "output_tokens": 6}, 4, 16)
+    assert generation_time(one.snapshot()["generation"], 300, 40, 20) is None
+    # every step as many tokens (plain decoding at one batch size): the time of a step;
+    # more output taking less time: the time per output token
+    assert step_cost((2, 8, 32, 1.0, 20, 200, 10.0)) == (0.5, 0.0)
+    assert step_cost((2, 8, 32, 1.0, 20, 208, 9.0)) == (0.0, 1.0 / 20)
+
+
+def test_the_eta_follows_output_tokens_when_acceptance_rises():
+    """Speculative steps whose acceptance rises over the run (a row gains 1 token a step, then
+    4) and cost 50 ms + 2 ms an output token: the time left follows the tokens left, so the
+    early steps' low acceptance moves only the fixed part."""
+    work, out, t = StepWork(), 0, 0.0
+    for step in range(10):
+        gained = 16 * (1 if step < 5 else 4)
+        out += gained
+        work.add("verify", 0.05 + 0.002 * gained, {"prefill_tokens": 0, "output_tokens": out},
+                 16, 16 * 9)  # fmt: skip
+    gen = work.snapshot()["generation"]
+    assert step_cost(gen) == pytest.approx((0.05, 0.002))
+    truth = 10 * 0.05 + 640 * 0.002  # 640 tokens more at 4 a row-step: 10 steps of 16 rows
+    assert 1.0 < generation_time(gen, 640, 16, 16) / truth < 1.2
 
 
 def _simulated_run(rows=8, prompt=300, cap=40, chunk=512, batch=4, stops=()):
@@ -179,14 +203,14 @@ def test_the_log_line_shows_the_prefill_while_it_takes_longest(capsys, monkeypat
     p = _counters(requests_total=8, requests_read=8, prompt_tokens_read=8000, prompt_tokens=2000,
                   prefill_tokens=1000, output_tokens=1, max_new_tokens=10,
                   step_work={"kinds": {"prefill": (1.0, 1000, 1)},
-                             "generation": (0,) * 5})  # fmt: skip
+                             "generation": (0,) * 7})  # fmt: skip
     view(p)
     line = capsys.readouterr().err
     # 7000 prompt tokens left at 1 ms (7 s), 8 x 10 output tokens at the pooled 1 ms
     assert "prefill 1000/8000 tok, ETA 7s" in line, line
     # 10 generation steps of 1 row took 2 s each: 80 tokens over 8 rows, 10 steps, take 20 s
     p["step_work"] = {"kinds": {"prefill": (1.0, 1000, 1), "decode": (20.0, 0, 10)},
-                      "generation": (10, 10, 10, 20.0, 10)}  # fmt: skip
+                      "generation": (10, 10, 10, 20.0, 10, 10, 20.0)}  # fmt: skip
     clock[0] += 1
     view(p)
     line = capsys.readouterr().err  # 7 s of prefill, then 20 s

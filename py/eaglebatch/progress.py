@@ -83,16 +83,16 @@ class Estimate:
 
 def estimate(p: dict) -> Estimate | None:
     """Seconds left: the prefill still to do at the seconds per prompt token so far, and the
-    output at the seconds per generation step for its rows and query tokens (per output token
-    where no generation step ran yet: step_work); None while nothing was read or computed."""
+    output at the generation steps' cost (step_work); before two generation steps ran, an
+    output token is taken to cost a prompt token. None while nothing was read or computed."""
     work = p["step_work"]
     costs, prefill = token_costs(work["kinds"]), prefill_work(p)
     if costs is None or prefill is None:
         return None
     tokens = output_work(p)
     rows = max(0, p["requests_total"] - p["requests_done"])
-    out = generation_time(work["generation"], costs[0], tokens, rows, p["max_batch_size"])
-    pre, out = costs[0] * prefill.left, costs[1] * tokens if out is None else out
+    out = generation_time(work["generation"], tokens, rows, p["max_batch_size"])
+    pre, out = costs[0] * prefill.left, costs[0] * tokens if out is None else out
     return Estimate(pre + out, prefill, pre > out)
 
 

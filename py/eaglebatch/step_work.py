@@ -1,5 +1,11 @@
 """Seconds and tokens per kind of step, kept by the step loop for the progress line's ETA: how
-long a prompt token takes, and how long a generation step takes for the rows it carries."""
+long a prompt token takes, and how long a generation step takes for the tokens it produces.
+
+Measured on speculative runs (a 2-core CPU, the builtin model and head): a generation step's
+time follows the output tokens it produces (accepted drafts cost nearly as much as the bonus
+token: the draft is extended over them) far more than its rows or query tokens, and acceptance
+changes over a run; so a step is modelled as a fixed part plus a part per output token, fitted
+by least squares over the generation steps so far."""
 
 from __future__ import annotations
 
@@ -10,12 +16,14 @@ GENERATION = ("decode", "verify")
 
 class StepWork:
     """Per kind of step: [seconds, prompt tokens computed, output tokens] so far; and over the
-    generation steps `generation`: (steps, rows, query tokens, seconds, output tokens). `add`
-    after each committed step, with the scheduler's counters then (one dict read a step)."""
+    generation steps `generation`: (steps, rows, query tokens, seconds, output tokens, and the
+    least-squares sums over the steps of output tokens squared and of seconds * output
+    tokens). `add` after each committed step, with the scheduler's counters then (one dict read
+    a step)."""
 
     def __init__(self):
         self.kinds: dict[str, list[float]] = {}
-        self.generation = [0.0] * 5
+        self.generation = [0.0] * 7
         self._last = (0, 0)  # (prefill_tokens, output_tokens) after the previous step
 
     def add(self, kind: str, seconds: float, counters: dict, rows: int, tokens: int) -> None:
@@ -28,7 +36,8 @@ class StepWork:
         row[1] += prompt
         row[2] += output
         if kind in GENERATION:
-            for i, v in enumerate((1, rows, tokens, seconds, output)):
+            for i, v in enumerate((1, rows, tokens, seconds, output, output * output,
+                                   seconds * output)):  # fmt: skip
                 self.generation[i] += v
 
     def snapshot(self) -> dict:
@@ -65,18 +74,33 @@ def token_costs(kinds: dict) -> tuple[float, float] | None:
     return a, b
 
 
-def generation_time(generation: tuple, per_token: float, tokens: float, rows: int,
-                    batch: int) -> float | None:
-    """Seconds to generate `tokens` more output tokens over `rows` unfinished rows, `batch` at
-    most at a time. A generation step is taken to cost a fixed part plus `per_token` (the
-    prompt token's cost) for each query token it computes; the fixed part is what the
-    generation steps so far took beyond their query tokens (a step's fixed cost is why few
-    rows make each token dear). Rows gain the output tokens, and compute the query tokens, a
-    row did per generation step so far. None before a generation step."""
-    steps, row_steps, queries, seconds, output = generation
-    if steps <= 0 or row_steps <= 0 or output <= 0:
+def step_cost(generation: tuple) -> tuple[float, float] | None:
+    """(seconds a generation step takes regardless of its output, seconds per output token):
+    the least-squares line through the generation steps' (output tokens, seconds), neither
+    part negative; None before two generation steps."""
+    steps, _, _, seconds, output, out_sq, sec_out = generation
+    if steps < 2 or output <= 0:
         return None
-    per_token = min(per_token, seconds / max(queries, 1))
-    fixed = (seconds - per_token * queries) / steps
-    left = tokens / (output / row_steps)  # row-steps still to run
-    return fixed * left / max(1, min(rows, batch)) + per_token * left * queries / row_steps
+    spread = steps * out_sq - output * output  # steps^2 * the variance of output tokens
+    if spread <= 1e-9 * out_sq:  # every step gave as many tokens (plain decoding, one batch)
+        return seconds / steps, 0.0
+    per_token = (steps * sec_out - output * seconds) / spread
+    if per_token < 0:  # more output taking less time: the time per token
+        return 0.0, seconds / output
+    fixed = (seconds - per_token * output) / steps
+    if fixed < 0:  # the line through the origin
+        return 0.0, sec_out / out_sq
+    return fixed, per_token
+
+
+def generation_time(generation: tuple, tokens: float, rows: int, batch: int) -> float | None:
+    """Seconds to generate `tokens` more output tokens over `rows` unfinished rows, `batch` at
+    most at a time: `step_cost`'s fixed part for each step still to run (rows gain the output
+    tokens a row gained per generation step so far) and its part per output token. None
+    before two generation steps."""
+    cost = step_cost(generation)
+    if cost is None:
+        return None
+    row_steps, output = generation[1], generation[4]
+    steps_left = tokens / (output / row_steps) / max(1, min(rows, batch))
+    return cost[0] * steps_left + cost[1] * tokens
