@@ -257,3 +257,35 @@ def test_a_gguf_whose_config_transformers_cannot_read_runs_as_transformers_compu
         assert r.exit_code == 0, r.output
         table = pq.read_table(tmp_path / weights).sort_by("row_index")
         assert table.column("output_token_ids").to_pylist() == want, weights
+
+
+@pytest.mark.parametrize("arch, key, message", [
+    ("olmo2", "sliding_window", "olmo2.attention.sliding_window"),
+    ("granite", "rope_scaling", "granite.rope.scaling.type = 'yarn'"),
+])  # fmt: skip
+def test_a_header_key_the_config_cannot_hold_is_refused_by_name(tmp_path, monkeypatch, arch,
+                                                                key, message):  # fmt: skip
+    """An OLMo 3 file (llama.cpp writes it as olmo2 with a sliding window) and RoPE scaling
+    in the header of a family whose config comes from gguf_config: a JobError naming the
+    key before any work, never a model run without them."""
+    from gguf import GGUFWriter, RopeScalingType
+
+    from eaglebatch.errors import JobError
+    from eaglebatch.job.gguf_model import gguf_model_dir
+
+    monkeypatch.setenv("EAGLEBATCH_CACHE", str(tmp_path / "cache"))
+    w = GGUFWriter(str(tmp_path / "m.gguf"), arch)
+    w.add_block_count(1)
+    w.add_embedding_length(64)
+    w.add_head_count(4)
+    if key == "sliding_window":
+        w.add_sliding_window(4096)
+    else:
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+    w.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(JobError, match=message.replace(".", r"\.")):
+        gguf_model_dir(str(tmp_path / "m.gguf"))

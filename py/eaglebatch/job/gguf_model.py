@@ -198,7 +198,7 @@ def _converted(model: str, kind: str, convert, runnable: bool) -> Path:
         except (ValueError, KeyError, NotImplementedError, RuntimeError) as e:
             raise JobError(
                 f"model: {path}: cannot convert a GGUF file of architecture {arch!r} "
-                f"(transformers' GGUF loader: {str(e)[:200]})"
+                f"(conversion of its header: {str(e)[:200]})"
             ) from None
         publish(tmp, final)
     finally:
