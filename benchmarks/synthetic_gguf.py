@@ -7,7 +7,7 @@ Types are mixed like a real Q4_0 file's: Q4_0 for the embedding and most matrice
 attn_v, ffn_down and the (untied) output matrix, float32 norms; the tiny shape (for tests)
 stores attn_k and attn_output as F16 and ffn_up as BF16 too, so every kind of tensor a file
 may hold is read (a llama k matrix's rows reordered as well). Weights are normal with
-std 0.02 (norms 1), so activations stay finite; the text generated is noise. The tokenizer
+std 0.02 (norms near 1), so activations stay finite; the text generated is noise. The tokenizer
 (metadata only) is the embedded SmolLM2's, so transformers' GGUF loader reads the file.
 """
 
@@ -32,6 +32,7 @@ class Shape:
 
 SHAPES = {
     "tiny": Shape(64, 128, 2, 4, 2),
+    "tiny4": Shape(64, 128, 4, 4, 2),  # tiny with a 4th layer (SmolLM3's first without RoPE)
     "1b": Shape(2048, 8192, 16, 32, 8),  # Llama 3.2 1B's body
     "3b": Shape(3072, 8192, 28, 24, 8),  # Llama 3.2 3B's body
     "7b": Shape(4096, 11008, 32, 32, 32),  # Llama 2 7B's body
@@ -45,17 +46,30 @@ def _tokenizer_source() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def _copy_tokenizer(writer, source: Path) -> int:
-    """Copies the tokenizer.* metadata of `source`; returns its vocabulary size."""
+def _first_tokens(fields, vocab: int) -> dict[str, list]:
+    """The tokens, token types and merges of a byte-level BPE vocabulary cut to its first
+    `vocab` tokens (the merges whose parts and result all remain: still a whole tokenizer)."""
+    tokens = fields["tokenizer.ggml.tokens"].contents()[:vocab]
+    kept = set(tokens)
+    merges = [m for m in fields["tokenizer.ggml.merges"].contents()
+              if m.replace(" ", "") in kept and set(m.split(" ")) <= kept]  # fmt: skip
+    return {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges,
+            "tokenizer.ggml.token_type": fields["tokenizer.ggml.token_type"].contents()[:vocab]}
+
+
+def _copy_tokenizer(writer, source: Path, vocab: int | None = None) -> int:
+    """Copies the tokenizer.* metadata of `source` (its first `vocab` tokens where given);
+    returns the vocabulary size."""
     from gguf import GGUFReader, GGUFValueType
 
     reader = GGUFReader(str(source))
+    cut = _first_tokens(reader.fields, vocab) if vocab else {}
     for key, field in reader.fields.items():
         if key.startswith("tokenizer."):
             vtype = field.types[0]
             sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
-            writer.add_key_value(key, field.contents(), vtype, sub)
-    return len(reader.fields["tokenizer.ggml.tokens"].data)
+            writer.add_key_value(key, cut.get(key, field.contents()), vtype, sub)
+    return vocab or len(reader.fields["tokenizer.ggml.tokens"].data)
 
 
 def _matrix(rng, rows: int, cols: int, qtype) -> np.ndarray:
@@ -70,10 +84,15 @@ def _matrix(rng, rows: int, cols: int, qtype) -> np.ndarray:
     return np.concatenate(parts)
 
 
+def _norm(rng, size: int) -> np.ndarray:
+    """Norm weights near 1 (not all 1: a norm read from the wrong tensor shows)."""
+    return (1 + 0.1 * rng.standard_normal(size)).astype(np.float32)
+
+
 def _layer_tensors(i: int, s: Shape) -> list[tuple[str, int, int, str]]:
     """(name, rows, cols, type) of layer i's matrices."""
     hd = s.hidden // s.heads
-    tiny = s == SHAPES["tiny"]
+    tiny = s.hidden == SHAPES["tiny"].hidden
     return [
         (f"blk.{i}.attn_q.weight", s.hidden, s.hidden, "Q4_0"),
         (f"blk.{i}.attn_k.weight", s.kv_heads * hd, s.hidden, "F16" if tiny else "Q4_0"),
@@ -97,12 +116,40 @@ def _phi3_layer_tensors(i: int, s: Shape) -> list[tuple[str, int, int, str]]:
     ]
 
 
-LAYER_TENSORS = {"llama": _layer_tensors, "phi3": _phi3_layer_tensors}
+def _olmo2_norms(i: int, s: Shape) -> list[tuple[str, int]]:
+    """(name, size) of an OLMo 2 layer's norms: after attention and the MLP, and over the
+    whole q and k projection outputs."""
+    kv = s.kv_heads * (s.hidden // s.heads)
+    return [(f"blk.{i}.post_attention_norm.weight", s.hidden),
+            (f"blk.{i}.post_ffw_norm.weight", s.hidden),
+            (f"blk.{i}.attn_q_norm.weight", s.hidden), (f"blk.{i}.attn_k_norm.weight", kv)]
 
 
-def write_llama_gguf(path: Path, shape: str, seed: int = 0, arch: str = "llama") -> Path:
+def _llama_norms(i: int, s: Shape) -> list[tuple[str, int]]:
+    return [(f"blk.{i}.attn_norm.weight", s.hidden), (f"blk.{i}.ffn_norm.weight", s.hidden)]
+
+
+def _granite_header(w) -> None:
+    """The multipliers llama.cpp's converter writes for Granite (Granite 3.x's magnitudes)."""
+    w.add_embedding_scale(12.0)
+    w.add_residual_scale(0.22)
+    w.add_attention_scale(0.015625)
+    w.add_logit_scale(8.0)
+
+
+LAYER_TENSORS = {"llama": _layer_tensors, "phi3": _phi3_layer_tensors, "olmo2": _layer_tensors,
+                 "granite": _layer_tensors, "smollm3": _layer_tensors}  # fmt: skip
+LAYER_NORMS = {"olmo2": _olmo2_norms}  # else _llama_norms
+HEADER = {"granite": _granite_header}  # the architecture's own keys
+TIED = ("smollm3",)  # no output.weight: tied embeddings
+
+
+def write_llama_gguf(path: Path, shape: str, seed: int = 0, arch: str = "llama",
+                     vocab: int | None = None) -> Path:  # fmt: skip
     """Writes a random GGUF of `shape` (SHAPES) and architecture `arch` (LAYER_TENSORS: llama,
-    or phi3 with its fused matrices) to `path`."""
+    phi3 with its fused matrices, olmo2 with its post-norms and q/k norms, granite with its
+    multipliers, smollm3 with tied embeddings) to `path`; `vocab`: the tokenizer's first
+    `vocab` tokens only (a smaller, faster model)."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     s = SHAPES[shape]
@@ -119,14 +166,16 @@ def write_llama_gguf(path: Path, shape: str, seed: int = 0, arch: str = "llama")
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(2)  # mostly Q4_0
-    vocab = _copy_tokenizer(w, _tokenizer_source())
-    matrices = [("token_embd.weight", vocab, s.hidden, "Q4_0"),
-                ("output.weight", vocab, s.hidden, "Q8_0")]  # fmt: skip
+    HEADER.get(arch, lambda _: None)(w)
+    vocab = _copy_tokenizer(w, _tokenizer_source(), vocab)
+    matrices = [("token_embd.weight", vocab, s.hidden, "Q4_0")]
+    if arch not in TIED:
+        matrices.append(("output.weight", vocab, s.hidden, "Q8_0"))
     for i in range(s.layers):
         matrices += LAYER_TENSORS[arch](i, s)
-        for norm in ("attn_norm", "ffn_norm"):
-            w.add_tensor(f"blk.{i}.{norm}.weight", np.ones(s.hidden, dtype=np.float32))
-    w.add_tensor("output_norm.weight", np.ones(s.hidden, dtype=np.float32))
+        for name, size in LAYER_NORMS.get(arch, _llama_norms)(i, s):
+            w.add_tensor(name, _norm(rng, size))
+    w.add_tensor("output_norm.weight", _norm(rng, s.hidden))
     for name, rows, cols, ty in matrices:
         qtype = GGMLQuantizationType[ty]
         data = _matrix(rng, rows, cols, qtype)
@@ -143,9 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model-shape", choices=sorted(SHAPES), default="1b")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arch", choices=sorted(LAYER_TENSORS), default="llama")
+    p.add_argument("--vocab", type=int, default=None, help="keep the first VOCAB tokens only")
     p.add_argument("out", type=Path)
     args = p.parse_args(argv)
-    write_llama_gguf(args.out, args.model_shape, args.seed, args.arch)
+    write_llama_gguf(args.out, args.model_shape, args.seed, args.arch, args.vocab)
     print(f"{args.out}: {args.out.stat().st_size / 2**30:.2f} GiB")
     return 0
 

@@ -156,3 +156,140 @@ def test_rope_the_config_lacks_is_refused(tmp_path, dims, factors, partial, mess
         return
     with pytest.raises(ValueError, match=message):
         GgufCheckpoint(tmp_path / "m.gguf", cfg, names)
+
+
+def _llama_cpp_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter's q/k row order (each head's two RoPE halves interleaved)."""
+    rows, cols = w.shape
+    return w.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def _file_value(gguf_path, name: str) -> torch.Tensor:
+    """Parameter `name`'s tensor of the file dequantized by the gguf package alone."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    t = {t.name: t for t in GGUFReader(str(gguf_path)).tensors}[name]
+    w = dequantize(t.data, t.tensor_type)
+    return torch.from_numpy(np.array(w, dtype=np.float32).reshape(tuple(reversed(
+        [int(d) for d in t.shape]))))  # fmt: skip
+
+
+_HF_TO_GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+               "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+               "input_layernorm": "attn_norm", "self_attn.q_norm": "attn_q_norm",
+               "self_attn.k_norm": "attn_k_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"}  # fmt: skip
+
+
+def _gguf_name(name: str, arch: str) -> str:
+    """The file's tensor name of parameter `name` by hand (llama.cpp's names)."""
+    top = {"model.embed_tokens.weight": "token_embd.weight", "lm_head.weight": "output.weight",
+           "model.norm.weight": "output_norm.weight"}  # fmt: skip
+    if name in top:
+        return top[name]
+    _, _, layer, rest = name.split(".", 3)
+    base = rest.removesuffix(".weight")
+    if base == "post_attention_layernorm":
+        base = "post_attention_norm" if arch == "olmo2" else "ffn_norm"
+    return f"blk.{layer}.{_HF_TO_GGUF.get(base, base)}.weight"
+
+
+def _hf_greedy_raw(model, ids: list[int], n: int) -> list[int]:
+    """n greedy tokens of a transformers model by argmax (no end-of-sequence stop)."""
+    ids = list(ids)
+    with torch.inference_mode():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[-n:]
+
+
+@pytest.mark.parametrize("arch, shape", [("olmo2", "tiny"), ("granite", "tiny"),
+                                         ("smollm3", "tiny4")])  # fmt: skip
+def test_a_gguf_whose_config_transformers_cannot_read_runs_as_transformers_computes_it(
+        tmp_path, monkeypatch, arch, shape):  # fmt: skip
+    """olmo2 / granite / smollm3 files (config.json from the header by the family's
+    gguf_config, the tokenizer by transformers' GGUF tokenizer conversion): every parameter
+    is the gguf package's dequantized tensor of the file (q/k rows in llama.cpp's permuted
+    order for granite / smollm3, as written for olmo2), blocks expand to it, and greedy output
+    from the blocks equals the dequantized model's and transformers' own model's (its class
+    for the written config.json, with those float32 weights)."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from eaglebatch.cli import main
+    from eaglebatch.job.gguf_model import gguf_model_dir
+
+    monkeypatch.setenv("EAGLEBATCH_CACHE", str(tmp_path / "cache"))
+    gguf = write_llama_gguf(tmp_path / "tiny.gguf", shape, arch=arch, vocab=512)
+    folder = gguf_model_dir(str(gguf))
+    cfg = ModelConfig.from_dir(folder)
+    assert (cfg.model_type, cfg.vocab_size, cfg.num_key_value_heads) == (arch, 512, 2)
+    ours = dict(CausalLM.from_pretrained(folder, gguf=gguf).named_parameters())
+    permuted = arch != "olmo2"
+    for n, p in ours.items():
+        value = p.detach()
+        if permuted and (".q_proj." in n or ".k_proj." in n):
+            value = _llama_cpp_permute(value, 4 if ".q_proj." in n else 2)
+        assert same_bits(value, _file_value(gguf, _gguf_name(n, arch))), n
+    blocks = quantized_weights(checkpoint(gguf, cfg))
+    assert blocks.keys() == {n for n, p in ours.items() if p.dim() == 2}
+    for n, qw in blocks.items():
+        assert same_bits(qw.rows(torch.arange(qw.shape[0])), ours[n]), n
+    ref_dir = tmp_path / "float32"
+    ref_dir.mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (ref_dir / f).write_bytes((folder / f).read_bytes())
+    save_file({n: p.detach().contiguous() for n, p in ours.items()
+               if not (n == "lm_head.weight" and cfg.tie_word_embeddings)},
+              str(ref_dir / "model.safetensors"))  # fmt: skip
+    hf = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    prompts = ["the cat", "1, 2, 3", "hello there"]
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    want = [_hf_greedy_raw(hf, tok.encode(p).ids, 12) for p in prompts]
+    inp = write_prompts(tmp_path / "in.parquet", prompts)
+    for weights in ("quantized", "dequantized"):
+        job = tmp_path / f"{weights}.yaml"
+        job.write_text(
+            f"model: {gguf}\ninput:\n  path: {inp}\noutput:\n  path: {tmp_path / weights}\n"
+            "  include_token_ids: true\nsampling:\n  max_new_tokens: 12\n  ignore_eos: true\n"
+            f"engine:\n  device: cpu\n  kv_cache_tokens: 1024\n  weights: {weights}\n"
+        )
+        r = CliRunner().invoke(main, ["run", str(job)])
+        assert r.exit_code == 0, r.output
+        table = pq.read_table(tmp_path / weights).sort_by("row_index")
+        assert table.column("output_token_ids").to_pylist() == want, weights
+
+
+@pytest.mark.parametrize("arch, key, message", [
+    ("olmo2", "sliding_window", "olmo2.attention.sliding_window"),
+    ("granite", "rope_scaling", "granite.rope.scaling.type = 'yarn'"),
+])  # fmt: skip
+def test_a_header_key_the_config_cannot_hold_is_refused_by_name(tmp_path, monkeypatch, arch,
+                                                                key, message):  # fmt: skip
+    """An OLMo 3 file (llama.cpp writes it as olmo2 with a sliding window) and RoPE scaling
+    in the header of a family whose config comes from gguf_config: a JobError naming the
+    key before any work, never a model run without them."""
+    from gguf import GGUFWriter, RopeScalingType
+
+    from eaglebatch.errors import JobError
+    from eaglebatch.job.gguf_model import gguf_model_dir
+
+    monkeypatch.setenv("EAGLEBATCH_CACHE", str(tmp_path / "cache"))
+    w = GGUFWriter(str(tmp_path / "m.gguf"), arch)
+    w.add_block_count(1)
+    w.add_embedding_length(64)
+    w.add_head_count(4)
+    if key == "sliding_window":
+        w.add_sliding_window(4096)
+    else:
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+    w.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(JobError, match=message.replace(".", r"\.")):
+        gguf_model_dir(str(tmp_path / "m.gguf"))

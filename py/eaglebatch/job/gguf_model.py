@@ -26,7 +26,8 @@ import tempfile
 from pathlib import Path
 
 from eaglebatch.errors import JobError
-from eaglebatch.model.registry import GGUF_ARCHITECTURES
+from eaglebatch.model.gguf_config import gguf_config
+from eaglebatch.model.registry import GGUF_ARCHITECTURES, family_of_gguf
 from eaglebatch.temp_file import new_temp_file
 
 MAGIC = b"GGUF"
@@ -55,15 +56,42 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+def _tokenizer(gguf: Path):
+    """The file's tokenizer by transformers' GGUF tokenizer conversion (keyed by
+    `tokenizer.ggml.model`, whatever the architecture)."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    arch, tokens, settings = get_gguf_tokenizer(str(gguf))
+    backend, extra = convert_gguf_tokenizer(arch, tokens)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **{**settings, **extra})
+
+
+def _config_and_tokenizer(gguf: Path):
+    """The file's config and tokenizer: from its header by the family's mapping
+    (model/gguf_config.py) where the family declares one, else by transformers' GGUF loader."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    # lazy: numpy (the header reader), only for a GGUF model
+    from eaglebatch.model.gguf_file import GgufFile
+
+    reader = GgufFile(gguf)
+    family = family_of_gguf(reader.architecture)
+    if family is None or family.gguf_config is None:
+        return (AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name),
+                AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name))
+    raw = gguf_config(reader.meta, reader.tensors, family)
+    return AutoConfig.for_model(raw.pop("model_type"), **raw), _tokenizer(gguf)
+
+
 def convert_gguf(gguf: Path, out: Path, digest: str) -> None:
-    """GGUF -> config.json + generation_config.json + tokenizer.json + chat template (what
-    transformers' GGUF loader reads from the header; no tensor is read)."""
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    """GGUF -> config.json + generation_config.json + tokenizer.json + chat template (read
+    from the header; no tensor is read)."""
+    from transformers import GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     _quiet_transformers()
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    config, tokenizer = _config_and_tokenizer(gguf)
     try:
         config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__]
     except KeyError:
@@ -170,7 +198,7 @@ def _converted(model: str, kind: str, convert, runnable: bool) -> Path:
         except (ValueError, KeyError, NotImplementedError, RuntimeError) as e:
             raise JobError(
                 f"model: {path}: cannot convert a GGUF file of architecture {arch!r} "
-                f"(transformers' GGUF loader: {str(e)[:200]})"
+                f"(conversion of its header: {str(e)[:200]})"
             ) from None
         publish(tmp, final)
     finally:

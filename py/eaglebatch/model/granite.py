@@ -4,7 +4,8 @@ activation dtype: embeddings * `embedding_multiplier`; each attention and MLP ou
 attention scale itself (softmax(q.k * it), in place of head_dim ** -0.5); logits divided by
 `logits_scaling`. Each defaults to 1.0, as in transformers' GraniteConfig (so a config without
 `attention_multiplier` scales attention by 1, not head_dim ** -0.5). `attention_bias` puts
-biases on q/k/v and o."""
+biases on q/k/v and o. llama.cpp's `granite` files: Llama's (q/k rows permuted) with the
+multipliers in the header."""
 
 from __future__ import annotations
 
@@ -23,4 +24,15 @@ def _features(raw: dict[str, Any]) -> dict[str, Any]:
             "logits_divisor": positive_float(raw, "logits_scaling", 1.0)}  # fmt: skip
 
 
-GRANITE = Family("granite", "GraniteForCausalLM", _features)
+def _gguf_config(own: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's `granite` header: the multipliers as `*_scale` keys, written only where
+    config.json set them; an unwritten attention scale is llama.cpp's head_dim ** -0.5."""
+    head_dim = own["embedding_length"] // own["attention.head_count"]
+    return {"embedding_multiplier": own.get("embedding_scale", 1.0),
+            "residual_multiplier": own.get("residual_scale", 1.0),
+            "attention_multiplier": own.get("attention.scale", head_dim**-0.5),
+            "logits_scaling": own.get("logit_scale", 1.0)}  # fmt: skip
+
+
+GRANITE = Family("granite", "GraniteForCausalLM", _features, gguf_architectures=("granite",),
+                 gguf_qk_permuted=True, gguf_config=_gguf_config)  # fmt: skip

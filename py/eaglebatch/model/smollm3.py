@@ -9,7 +9,7 @@ positions); configs without `layer_types` make the no-RoPE layers sliding when
 `layer_types` calls sliding through its mask, yet its flash-attention path only when
 `use_sliding_window` is set as well: the two disagree on such a config, which is refused.
 transformers' RoPE base for SmolLM3 defaults to 2e6, not the 1e4 config.py assumes: a config
-must state it.
+must state it. llama.cpp's `smollm3` files: Llama's (q/k rows permuted).
 """
 
 from __future__ import annotations
@@ -72,4 +72,14 @@ def _features(raw: dict[str, Any]) -> dict[str, Any]:
             "attention_window": window}  # fmt: skip
 
 
-SMOLLM3 = Family("smollm3", "SmolLM3ForCausalLM", _features, tie_word_embeddings=True)
+def _gguf_config(own: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's `smollm3` header states no RoPE pattern: llama.cpp skips RoPE on every 4th
+    layer and windows none."""
+    layers = own["block_count"]
+    return {"no_rope_layers": [int((i + 1) % 4 != 0) for i in range(layers)],
+            "use_sliding_window": False}  # fmt: skip
+
+
+SMOLLM3 = Family("smollm3", "SmolLM3ForCausalLM", _features, tie_word_embeddings=True,
+                 gguf_architectures=("smollm3",), gguf_qk_permuted=True,
+                 gguf_config=_gguf_config)  # fmt: skip
