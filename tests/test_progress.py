@@ -121,7 +121,7 @@ def test_the_eta_follows_output_tokens_when_acceptance_rises():
     """Speculative steps whose acceptance rises over the run (a row gains 1 token a step, then
     4) and cost 50 ms + 2 ms an output token: the time left follows the tokens left, so the
     early steps' low acceptance moves only the fixed part."""
-    work, out, t = StepWork(), 0, 0.0
+    work, out = StepWork(), 0
     for step in range(10):
         gained = 16 * (1 if step < 5 else 4)
         out += gained
