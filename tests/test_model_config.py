@@ -475,3 +475,9 @@ def test_gemma4_multimodal_checkpoint_is_its_text_tower() -> None:
     c = ModelConfig.from_dict({"model_type": "gemma4", "architectures":
                                ["Gemma4ForConditionalGeneration"], "text_config": text})
     assert c.text_tower and c.model_type == "gemma4_text" and c.heads_of(1)[2] == 512
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq", "fp8", "compressed-tensors"])
+def test_a_quantized_checkpoint_is_refused_naming_its_method(method) -> None:
+    with pytest.raises(ValueError, match=f"quantization_config.quant_method = '{method}'"):
+        cfg(quantization_config={"quant_method": method, "bits": 4})

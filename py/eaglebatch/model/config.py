@@ -176,6 +176,7 @@ class ModelConfig:
         settings are checked in a fixed order)."""
         raw, tower = text_model_config(raw)
         family = family_of(raw.get("model_type"))
+        _check_not_quantized(raw)
         if family.standardize is not None:
             raw = family.standardize(raw)
         hidden, heads, kv_heads, head_dim = _attention_shape(raw)
@@ -250,6 +251,16 @@ def _attention_shape(raw: dict[str, Any]) -> tuple[int, int, int, int]:
     if head_dim % 2 != 0:
         raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
     return hidden, heads, kv_heads, head_dim
+
+
+def _check_not_quantized(raw: dict[str, Any]) -> None:
+    """A checkpoint quantized by a method (GPTQ, AWQ, FP8, bitsandbytes, ...) stores other
+    tensors than the weights the decoder loads: refused naming the method, before any work."""
+    quant = raw.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise ValueError(f"model config: quantization_config.quant_method = {method!r} is not "
+                         "supported (load an unquantized or GGUF checkpoint)")  # fmt: skip
 
 
 def _check_architecture(raw: dict[str, Any], model_type: str, want: str) -> None:
