@@ -4,6 +4,7 @@ greedy end to end, and mismatched drafters refused before any work (exit 2)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -15,7 +16,8 @@ from eaglebatch.attention.base import AttentionMetadata
 from eaglebatch.model.causal_lm import CausalLM
 from eaglebatch.speculative.eagle import load_draft
 from support.tiny import make_tiny_model
-from test_model_families import FAMILIES, SHAPE, tokens
+from test_engine import run_job
+from test_model_families import FAMILIES, PROMPTS, SHAPE, tokens
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("eaglebatch._native")
@@ -27,10 +29,12 @@ def make_assistant(out, target_dir, *, seed=0, ordered=False, **text_overrides):
     """A random Gemma4AssistantForCausalLM for the target in `target_dir`, saved by
     transformers: two layers (sliding, full) of hidden size 32 over the target's KV shapes."""
     target = json.loads((target_dir / "config.json").read_text())
-    text = {k: v for k, v in target.items() if k not in ("architectures", "auto_map", "per_layer_config")}
+    drop = ("architectures", "auto_map", "per_layer_config")
+    text = {k: v for k, v in target.items() if k not in drop}
     full = target["layer_types"].index("full_attention")  # its shapes: the assistant's layer 1
     full_shape = (target.get("per_layer_config") or {}).get(str(full), {})
-    text.update(per_layer_config={"1": full_shape}, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+    text.update(per_layer_config={"1": full_shape}, hidden_size=32, intermediate_size=48,
+                num_hidden_layers=2,
                 layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=2,
                 hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
                 use_double_wide_mlp=False, tie_word_embeddings=True, **text_overrides)  # fmt: skip
@@ -76,7 +80,8 @@ def test_drafting_steps_equal_transformers(tmp_path, target, ordered, length):
     path, hf = target
     folder, ref = make_assistant(tmp_path / "a", path, ordered=ordered)
     model = CausalLM.from_pretrained(path)
-    ids = torch.randint(0, model.config.vocab_size, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+    gen = torch.Generator().manual_seed(length)
+    ids = torch.randint(0, model.config.vocab_size, (length,), generator=gen).tolist()
     prompt, last = ids[:-1], ids[-1]  # x_c = last at c = length - 1
     hidden, caches, table = _prefill(model, prompt)
     draft = load_draft(folder, model.config, model)
@@ -101,22 +106,41 @@ def test_drafting_steps_equal_transformers(tmp_path, target, ordered, length):
             state = draft(torch.tensor([token]), state, torch.tensor([c - 1]), meta)
 
 
-def _agreeing_assistant(tmp_path, path):
-    """An assistant whose drafts often agree with the target: its tied embedding is the
-    target's LM head restricted... (random otherwise); enough for some accepted drafts."""
-    return make_assistant(tmp_path / "a", path)[0]
+def _repeating_assistant(tmp_path, path, hf):
+    """An assistant that drafts the token it reads (its layers add nothing, its embedding is
+    the target's projected by pre_projection): greedy outputs of tiny random models repeat
+    tokens often enough for drafts to be accepted."""
+    folder, model = make_assistant(tmp_path / "a", path)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+            layer.layer_scalar.fill_(1.0)
+        model.model.norm.weight.fill_(1.0)
+        big = model.pre_projection.weight.shape[1] // 2
+        model.pre_projection.weight[:, big:] = 0.0
+        proj = model.pre_projection.weight[:, :big]  # [h, H]
+        model.model.embed_tokens.weight.copy_(hf.get_input_embeddings().weight @ proj.T)
+    model.save_pretrained(folder)
+    return folder
 
 
 @pytest.mark.parametrize("adaptive", ["false", "true"])
 def test_speculative_greedy_equals_plain(tmp_path, target, adaptive):
-    path, _ = target
-    folder = _agreeing_assistant(tmp_path, path)
+    path, hf = target
+    folders = {"random": make_assistant(tmp_path / "r", path)[0],
+               "repeating": _repeating_assistant(tmp_path, path, hf)}  # fmt: skip
     plain = tokens(tmp_path / "plain", path, ["engine.max_batch_size=4"])
-    for k in (1, 3):
-        got = tokens(tmp_path / f"k{k}", path,
-                     [f"draft={folder}", f"speculative.num_steps={k}",
-                      f"speculative.adaptive={adaptive}", "engine.max_batch_size=4"])  # fmt: skip
-        assert got == plain
+    for (name, folder), k in itertools.product(folders.items(), (1, 3)):
+        table, res = run_job(tmp_path / f"{name}{k}", path, PROMPTS,
+                             overrides=[f"draft={folder}", f"speculative.num_steps={k}",
+                                        f"speculative.adaptive={adaptive}",
+                                        "engine.max_batch_size=4"])  # fmt: skip
+        assert table.column("output_token_ids").to_pylist() == plain
+        drafts = res.stats["drafts"]
+        assert drafts["drafted"] > 0
+        if name == "repeating" and adaptive == "false":  # the policy soon stops drafting
+            assert drafts["accepted"] > 0
 
 
 def _invoke(tmp_path, model, folder, command="validate"):
@@ -135,7 +159,7 @@ def _invoke(tmp_path, model, folder, command="validate"):
 @pytest.mark.parametrize("command", ["validate", "run"])
 @pytest.mark.parametrize("key, edit", [
     ("backbone_hidden_size", lambda c: c.update(backbone_hidden_size=48)),
-    ("vocab_size", lambda c: c["text_config"].update(vocab_size=c["text_config"]["vocab_size"] + 1)),
+    ("vocab_size", lambda c: c["text_config"].update(vocab_size=321)),
     ("model_type", None),  # a target of another family
 ])  # fmt: skip
 def test_mismatched_assistant_exits_2_naming_the_key(tmp_path, target, command, key, edit):

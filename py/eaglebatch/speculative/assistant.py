@@ -150,10 +150,10 @@ class AssistantDraft(nn.Module):
         rows when None): [S, h + H] states. input_ids int64 [T] (t), features [T, H] target
         features or [T, h + H] states, positions int64 [T] p (the query sits at p + 1)."""
         if select is not None:
-            input_ids, features, positions = (x.index_select(0, select)
-                                              for x in (input_ids, features, positions))  # fmt: skip
+            rows = (x.index_select(0, select) for x in (input_ids, features, positions))
+            input_ids, features, positions = rows
         if features.shape[-1] != self.config.target_hidden_size:
-            features = features[:, self.config.text.hidden_size:]  # a state: its projected part
+            features = features[:, self.config.text.hidden_size :]  # a state's projected part
         x = self.pre_projection(torch.cat((self.target.embed(input_ids).to(self.dtype),
                                            features.to(self.dtype)), dim=-1))  # fmt: skip
         query = self._query(positions, meta)

@@ -92,10 +92,12 @@ def parse_assistant_config(raw: Mapping[str, Any], target: ModelConfig) -> Assis
                          f"is {target.vocab_size}")  # fmt: skip
     producers = _producers(text, target)
     ordered = bool(raw.get("use_ordered_embeddings", False))
-    centroids, top_k = int(raw.get("num_centroids", 2048)), int(raw.get("centroid_intermediate_top_k", 32))
+    centroids = int(raw.get("num_centroids", 2048))
+    top_k = int(raw.get("centroid_intermediate_top_k", 32))
     if ordered and (text.vocab_size % centroids or not 0 < top_k <= centroids):
-        raise ValueError(f"num_centroids {centroids} must divide vocab_size {text.vocab_size} "
-                         f"and centroid_intermediate_top_k {top_k} be in 1..{centroids}")  # fmt: skip
+        raise ValueError(f"num_centroids {centroids} must divide vocab_size "
+                         f"{text.vocab_size} and centroid_intermediate_top_k {top_k} be in "
+                         f"1..{centroids}")  # fmt: skip
     text = dataclasses.replace(text, kv_source_layers=(-1,) * text.num_hidden_layers)
     return AssistantConfig(text, target.hidden_size, ordered, centroids, top_k, producers)
 

@@ -318,7 +318,8 @@ def load_draft(
     *,
     max_positions: int | None = None,
 ) -> EagleDraft | AssistantDraft:
-    """Loads the draft head in `path` (a gemma4_assistant folder: speculative/assistant.py) (format detected from its tensor names) for the target.
+    """Loads the draft head in `path` (format detected from its tensor names; a
+    gemma4_assistant folder: speculative/assistant.py) for the target.
     Raises ValueError naming any mismatch (hidden size, vocabulary, missing / unexpected / wrongly
     shaped tensors) and FileNotFoundError when the folder, config or weights are missing."""
     if not os.path.isdir(path):

@@ -188,14 +188,7 @@ class SpecWorker:
         self.max_model_len = target.max_model_len
         self.num_steps = num_steps
         self.draft = draft
-        self.draft_kv = (
-            draft_kv_cache
-            if draft_kv_cache is not None
-            else draft.allocate_kv_cache(self.budget.num_blocks + 1, self.budget.block_size)
-        )  # + the pad block of graph steps; None: a draft without a cache of its own
-        self._draft_caches = [] if self.draft_kv is None else [self.draft_kv]
-        if getattr(draft, "fixed_position", False):  # the assistant reads the target's caches
-            draft.kv_caches = target.kv_caches
+        self._bind_draft_cache(draft_kv_cache)
         # verify queries reach position max_model_len - 1 + max_draft_tokens
         most = self.max_model_len + self.max_draft_tokens
         self._fit_rotary(most)
@@ -211,6 +204,19 @@ class SpecWorker:
         self.grammar = None
         self.grammar_step = None
         self.forced_drafts = forced_tokens is not None
+
+    def _bind_draft_cache(self, draft_kv_cache: torch.Tensor | None) -> None:
+        """The draft's own cache (given, or allocated over the target's blocks + the pad block
+        of graph steps); the assistant drafter has none and reads the target's caches."""
+        draft = self.draft
+        self.draft_kv = (
+            draft_kv_cache
+            if draft_kv_cache is not None
+            else draft.allocate_kv_cache(self.budget.num_blocks + 1, self.budget.block_size)
+        )
+        self._draft_caches = [] if self.draft_kv is None else [self.draft_kv]
+        if getattr(draft, "fixed_position", False):
+            draft.kv_caches = self.kv_caches
 
     def _fit_rotary(self, most: int) -> None:
         """Grows the target's and the draft's rotary tables to `most` positions if shorter."""
