@@ -12,6 +12,12 @@ import torch
 
 from eaglebatch.model.config import ModelConfig
 from eaglebatch.model.weights import checkpoint_shapes
+from eaglebatch.speculative.assistant_config import (
+    AssistantConfig,
+    check_assistant_shapes,
+    is_assistant,
+    parse_assistant_config,
+)
 from eaglebatch.speculative.checkpoint import read_draft_tensors
 from eaglebatch.speculative.draft_config import (
     EAGLE1,
@@ -22,10 +28,14 @@ from eaglebatch.speculative.draft_config import (
 )
 
 
-def check_draft_dir(path: str | os.PathLike[str], target: ModelConfig) -> DraftConfig:
+def check_draft_dir(
+    path: str | os.PathLike[str], target: ModelConfig
+) -> DraftConfig | AssistantConfig:
     """The draft's config when the head in `path` fits `target`; ValueError naming the
     mismatch otherwise (FileNotFoundError when the folder, config or weights are missing)."""
     raw = read_raw_config(path)
+    if is_assistant(raw):
+        return _check_assistant_dir(path, raw, target)
     if any(n.endswith(".safetensors") for n in os.listdir(path)):
         shapes = checkpoint_shapes(path)
         d2t = _read_tensor(path, "d2t") if "d2t" in shapes else None
@@ -37,6 +47,19 @@ def check_draft_dir(path: str | os.PathLike[str], target: ModelConfig) -> DraftC
     check_head_shapes(cfg, shapes, target)
     if d2t is not None:
         check_d2t(d2t, cfg)
+    return cfg
+
+
+def _check_assistant_dir(
+    path: str | os.PathLike[str], raw: dict, target: ModelConfig
+) -> AssistantConfig:
+    """A gemma4_assistant folder (speculative/assistant_config.py)."""
+    cfg = parse_assistant_config(raw, target)
+    if any(n.endswith(".safetensors") for n in os.listdir(path)):
+        shapes = checkpoint_shapes(path)
+    else:
+        shapes = {k: tuple(v.shape) for k, v in read_draft_tensors(path).items()}
+    check_assistant_shapes(cfg, shapes)
     return cfg
 
 

@@ -37,6 +37,8 @@ from eaglebatch.model.decoder_layer import MLP, RMSNorm
 from eaglebatch.model.rotary import RotaryEmbedding, apply_rotary
 from eaglebatch.model.weights import load_named_tensors
 from eaglebatch.sampling.sampler import argmax
+from eaglebatch.speculative.assistant import AssistantDraft, load_assistant
+from eaglebatch.speculative.assistant_config import is_assistant
 from eaglebatch.speculative.checkpoint import read_draft_tensors
 from eaglebatch.speculative.draft_check import check_d2t, check_head_shapes
 from eaglebatch.speculative.draft_config import (
@@ -115,6 +117,8 @@ class EagleDraft(nn.Module):
     A float32 CPU run swaps the CPU fast path into `run_layer` (eaglebatch/cpu: `accelerate`);
     the code here is the plain torch it is tested against."""
 
+    fixed_position = False  # chain step j queries position L-2+j (the assistant: L-2)
+
     def __init__(
         self,
         cfg: DraftConfig,
@@ -186,6 +190,9 @@ class EagleDraft(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.fc.weight.device
+
+    def rotaries(self) -> list[RotaryEmbedding]:
+        return [self.rotary_emb]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, h]
         weight = getattr(self.target.model.embed_tokens, "weight", None)  # [V, h]; None: blocks
@@ -310,15 +317,19 @@ def load_draft(
     device: torch.device | str | None = None,
     *,
     max_positions: int | None = None,
-) -> EagleDraft:
-    """Loads the draft head in `path` (format detected from its tensor names) for the target.
+) -> EagleDraft | AssistantDraft:
+    """Loads the draft head in `path` (format detected from its tensor names; a
+    gemma4_assistant folder: speculative/assistant.py) for the target.
     Raises ValueError naming any mismatch (hidden size, vocabulary, missing / unexpected / wrongly
     shaped tensors) and FileNotFoundError when the folder, config or weights are missing."""
     if not os.path.isdir(path):
         raise FileNotFoundError(f"draft model folder not found: {os.fspath(path)}")
+    raw = read_raw_config(path)
+    if is_assistant(raw):  # Gemma 4's assistant drafter (speculative/assistant.py)
+        return load_assistant(path, raw, target_model, dtype=dtype, device=device,
+                              max_positions=max_positions)  # fmt: skip
     dtype = dtype or target_model.dtype
     device = device or target_model.device
-    raw = read_raw_config(path)
     tensors = read_draft_tensors(path)
     names = set(tensors)
     kind = detect_kind(names, raw)

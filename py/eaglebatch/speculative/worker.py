@@ -188,11 +188,7 @@ class SpecWorker:
         self.max_model_len = target.max_model_len
         self.num_steps = num_steps
         self.draft = draft
-        self.draft_kv = (
-            draft_kv_cache
-            if draft_kv_cache is not None
-            else draft.allocate_kv_cache(self.budget.num_blocks + 1, self.budget.block_size)
-        )  # + the pad block of graph steps
+        self._bind_draft_cache(draft_kv_cache)
         # verify queries reach position max_model_len - 1 + max_draft_tokens
         most = self.max_model_len + self.max_draft_tokens
         self._fit_rotary(most)
@@ -209,9 +205,22 @@ class SpecWorker:
         self.grammar_step = None
         self.forced_drafts = forced_tokens is not None
 
+    def _bind_draft_cache(self, draft_kv_cache: torch.Tensor | None) -> None:
+        """The draft's own cache (given, or allocated over the target's blocks + the pad block
+        of graph steps); the assistant drafter has none and reads the target's caches."""
+        draft = self.draft
+        self.draft_kv = (
+            draft_kv_cache
+            if draft_kv_cache is not None
+            else draft.allocate_kv_cache(self.budget.num_blocks + 1, self.budget.block_size)
+        )
+        self._draft_caches = [] if self.draft_kv is None else [self.draft_kv]
+        if getattr(draft, "fixed_position", False):
+            draft.kv_caches = self.kv_caches
+
     def _fit_rotary(self, most: int) -> None:
         """Grows the target's and the draft's rotary tables to `most` positions if shorter."""
-        for rotary in (*self.model.rotaries(), self.draft.rotary_emb):
+        for rotary in (*self.model.rotaries(), *self.draft.rotaries()):
             if rotary.max_positions < most:
                 rotary.max_positions = most
                 rotary.rebuild()
@@ -237,8 +246,8 @@ class SpecWorker:
         """Captures the draft loop, verify and draft-extend per padded batch size and draft
         length (speculative/graphs.py). mode: "cuda", "eager" (CPU tests) or "off"."""
         check_graph_support(self.target, mode)
-        if mode == "off":
-            return
+        if mode == "off" or getattr(self.draft, "fixed_position", False):
+            return  # the assistant drafter's rounds stay eager (speculative/assistant.py)
         if not self.draft.backend.supports_cuda_graphs or self.draft_kv.shape[1] <= self.num_blocks:
             raise ValueError("the draft's backend or KV cache cannot run graph steps")
         self.graphs = SpecGraphs(self, mode, max_batch_size)
@@ -298,7 +307,8 @@ class SpecWorker:
         )
         # as the target runs; a head shipped in bf16 is read from exact bf16 copies (same bits),
         # and the head's norms of few CPU rows are one native call each
-        accelerate(draft, gemm_threads(target.model), bf16_weights=True, native_norms=True)
+        if isinstance(draft, EagleDraft):
+            accelerate(draft, gemm_threads(target.model), bf16_weights=True, native_norms=True)
         return cls(
             target,
             draft,
@@ -320,9 +330,10 @@ class SpecWorker:
         """(tokens int32 [N], num_tokens int32 [B], num_accepted int32 [B]) in plan row order,
         and the tokens' logprobs after them when a row asks for them (`Scheduler.commit`)."""
         if plan.kind == "decode":  # the target Worker's step copies its own blocks
-            copy_blocks([self.draft_kv], plan.block_copies)
+            if self._draft_caches:
+                copy_blocks(self._draft_caches, plan.block_copies)
             return self._plain_step(plan)
-        copy_blocks([*self.kv_caches, self.draft_kv], plan.block_copies)  # forked samples
+        copy_blocks([*self.kv_caches, *self._draft_caches], plan.block_copies)  # forked samples
         if plan.kind == "prefill":
             return self._prefill(plan)
         if plan.kind == "verify":
@@ -684,8 +695,8 @@ class SpecWorker:
         d = None  # [B] the previous step's draft d_j
         allowed = self._head_masks(r, None)  # constrained rows: their grammars' next tokens
         for j in range(r.k_head):
-            if j:  # one draft step at p = L-2+j from (h^d_{p-1}, d_j)
-                p = r.start + j - 1
+            if j:  # one draft step at p = L-2+j from (h^d_{p-1}, d_j); the assistant: p = L-2
+                p = r.start - 1 if self.draft.fixed_position else r.start + j - 1
                 meta = self._meta(r.per_row, p + 1, r.block_tables, r.kv_slots[:, j - 1])
                 h = self._draft_forward(d, h, self._dev(p), meta)  # [B, h] h^d_p
             d = self.draft.argmax_tokens(h) if allowed is None else (
