@@ -187,6 +187,130 @@ def write_llama_gguf(path: Path, shape: str, seed: int = 0, arch: str = "llama",
     return path
 
 
+def _gemma4_header(w, raw: dict) -> None:
+    """The header llama.cpp's converter writes for a Gemma 4 config.json `raw` (transformers
+    5's form: the full layers' head dim and KV heads in per_layer_config)."""
+    types = raw["layer_types"]
+    full = next(i for i, t in enumerate(types) if t == "full_attention")
+    over = (raw.get("per_layer_config") or {}).get(str(full), {})
+    hd, hd_full = raw["head_dim"], over.get("head_dim", raw["head_dim"])
+    kv, kv_full = raw["num_key_value_heads"], over.get("num_key_value_heads")
+    layers, shared = raw["num_hidden_layers"], raw.get("num_kv_shared_layers") or 0
+    ff = raw["intermediate_size"]
+    w.add_block_count(layers)
+    w.add_context_length(raw["max_position_embeddings"])
+    w.add_embedding_length(raw["hidden_size"])
+    w.add_feed_forward_length([ff * (2 if i >= layers - shared else 1) for i in range(layers)]
+                              if raw.get("use_double_wide_mlp") else ff)  # fmt: skip
+    w.add_head_count(raw["num_attention_heads"])
+    w.add_head_count_kv([kv if t == "sliding_attention" else kv_full for t in types]
+                        if kv_full is not None else kv)  # fmt: skip
+    w.add_layer_norm_rms_eps(raw["rms_norm_eps"])
+    w.add_key_length(hd_full)
+    w.add_value_length(hd_full)
+    w.add_key_length_swa(hd)
+    w.add_value_length_swa(hd)
+    rope = raw["rope_parameters"]
+    w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    w.add_rope_dimension_count(hd_full)
+    w.add_rope_dimension_count_swa(hd)
+    if raw.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(raw["final_logit_softcapping"])
+    w.add_sliding_window(raw["sliding_window"])
+    w.add_sliding_window_pattern([t == "sliding_attention" for t in types])
+    w.add_shared_kv_layers(shared)
+    w.add_embedding_length_per_layer_input(raw.get("hidden_size_per_layer_input") or 0)
+    turning = int(hd_full * rope["full_attention"]["partial_rotary_factor"] / 2)
+    w.add_tensor("rope_freqs.weight", np.array([1.0] * turning + [1e30] * (hd_full // 2 - turning),
+                                               dtype=np.float32))  # fmt: skip
+
+
+def _mistral3_header(w, raw: dict) -> None:
+    """The header llama.cpp's converter writes for a Ministral 3 config.json `raw` (its Llama
+    keys, the YaRN settings, the scaling beta as the attention temperature scale)."""
+    from gguf import RopeScalingType
+
+    rope = raw["rope_parameters"]
+    w.add_block_count(raw["num_hidden_layers"])
+    w.add_context_length(raw["max_position_embeddings"])
+    w.add_embedding_length(raw["hidden_size"])
+    w.add_feed_forward_length(raw["intermediate_size"])
+    w.add_head_count(raw["num_attention_heads"])
+    w.add_head_count_kv(raw["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(raw["rms_norm_eps"])
+    w.add_key_length(raw["head_dim"])
+    w.add_value_length(raw["head_dim"])
+    w.add_rope_dimension_count(raw["head_dim"])
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_rope_scaling_type(RopeScalingType(rope["rope_type"]))
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
+    w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
+    w.add_rope_scaling_yarn_log_mul(rope["mscale_all_dim"])
+    w.add_attn_temperature_scale(rope["llama_4_scaling_beta"])
+
+
+HEADER_FROM_HF = {"gemma4": _gemma4_header, "mistral3": _mistral3_header}
+QK_PERMUTED = ("mistral3",)  # llama.cpp interleaves each q/k head's two RoPE halves
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    rows, cols = w.shape
+    return w.reshape(heads, 2, rows // heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def _gguf_type(gguf_name: str, shape: tuple[int, ...]) -> str:
+    """A mix of the types a quantized file holds: Q8_0 / Q4_0 matrices, F16 where a row is
+    not whole blocks, F32 vectors."""
+    if len(shape) == 1:
+        return "F32"
+    if shape[1] % 32 or ".attn_output." in gguf_name:
+        return "F16"
+    return "Q4_0" if ".attn_" in gguf_name else "Q8_0"
+
+
+def write_gguf_from_hf(folder: Path, path: Path, arch: str = "gemma4") -> Path:
+    """Converts the (tiny, float32) Hugging Face checkpoint `folder` to GGUF file `path` as
+    llama.cpp's converter does for `arch` (HEADER_FROM_HF: its header keys; tensor names by
+    the `gguf` package's map; gemma4: the proportional RoPE's rope_freqs tensor, norms as they
+    are; mistral3: q/k rows permuted); the tokenizer is SmolLM2's first config.json
+    vocab_size tokens."""
+    import json
+
+    import gguf
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf.quants import quantize
+    from safetensors.numpy import load_file
+
+    raw = json.loads((folder / "config.json").read_text())
+    by_name = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
+    names = gguf.get_tensor_name_map(by_name[arch], raw["num_hidden_layers"])
+    w = GGUFWriter(str(path), arch)
+    w.add_name(f"synthetic-{arch}")
+    HEADER_FROM_HF[arch](w, raw)
+    _copy_tokenizer(w, _tokenizer_source(), raw["vocab_size"])
+    for name, t in sorted(load_file(str(folder / "model.safetensors")).items()):
+        stem = name.removesuffix(".weight")
+        out = names.get_name(stem) + ".weight"
+        ty = GGMLQuantizationType[_gguf_type(out, t.shape)]
+        data = t.astype(np.float32)
+        if arch in QK_PERMUTED and out.endswith((".attn_q.weight", ".attn_k.weight")):
+            data = _permute(data, raw["num_attention_heads" if ".attn_q." in out
+                                    else "num_key_value_heads"])  # fmt: skip
+        if ty in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            w.add_tensor(out, data.astype(np.float16 if ty == GGMLQuantizationType.F16
+                                          else np.float32))  # fmt: skip
+        else:
+            w.add_tensor(out, quantize(data, ty), raw_dtype=ty)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-shape", choices=sorted(SHAPES), default="1b")

@@ -21,9 +21,9 @@ from eaglebatch.job import builtin
 from eaglebatch.model import CausalLM, ModelConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from synthetic_gguf import write_llama_gguf  # noqa: E402
+from synthetic_gguf import write_gguf_from_hf, write_llama_gguf  # noqa: E402
 
-from support.tiny import write_prompts  # noqa: E402
+from support.tiny import make_tiny_model, write_prompts  # noqa: E402
 
 pytest.importorskip("eaglebatch._native")
 pytestmark = pytest.mark.skipif(not SMALL_GEMM_AVAILABLE, reason="needs the native kernels")
@@ -266,12 +266,18 @@ def test_a_gguf_whose_config_transformers_cannot_read_runs_as_transformers_compu
 @pytest.mark.parametrize("arch, key, message", [
     ("olmo2", "sliding_window", "olmo2.attention.sliding_window"),
     ("granite", "rope_scaling", "granite.rope.scaling.type = 'yarn'"),
+    ("smollm3", "rope_freqs", "rope_freqs.weight"),
+    ("mistral3", "rope_freqs", "rope_freqs.weight"),
+    ("mistral3", "rope_scaling_linear", "mistral3.rope.scaling.type = 'linear'"),
+    ("gemma4", "no_pattern", "gemma4.attention.sliding_window_pattern"),
+    ("gemma4", "moe", "gemma4.expert_count"),
 ])  # fmt: skip
 def test_a_header_key_the_config_cannot_hold_is_refused_by_name(tmp_path, monkeypatch, arch,
                                                                 key, message):  # fmt: skip
-    """An OLMo 3 file (llama.cpp writes it as olmo2 with a sliding window) and RoPE scaling
-    in the header of a family whose config comes from gguf_config: a JobError naming the
-    key before any work, never a model run without them."""
+    """An OLMo 3 file (llama.cpp writes it as olmo2 with a sliding window), RoPE scaling or
+    frequency factors (rope_freqs) in a file of a family whose config comes from gguf_config,
+    a Gemma 4 file without its layer pattern or with experts: a JobError naming the key or
+    tensor before any work, never a model run without them."""
     from gguf import GGUFWriter, RopeScalingType
 
     from eaglebatch.errors import JobError
@@ -284,8 +290,14 @@ def test_a_header_key_the_config_cannot_hold_is_refused_by_name(tmp_path, monkey
     w.add_head_count(4)
     if key == "sliding_window":
         w.add_sliding_window(4096)
-    else:
+    elif key == "rope_scaling":
         w.add_rope_scaling_type(RopeScalingType.YARN)
+    elif key == "rope_scaling_linear":
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
+    elif key == "rope_freqs":  # llama3-style frequency factors: never dropped silently
+        w.add_tensor("rope_freqs.weight", np.ones(8, dtype=np.float32))
+    elif key == "moe":
+        w.add_expert_count(4)
     w.add_tensor("token_embd.weight", np.zeros((8, 64), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -293,3 +305,154 @@ def test_a_header_key_the_config_cannot_hold_is_refused_by_name(tmp_path, monkey
     w.close()
     with pytest.raises(JobError, match=message.replace(".", r"\.")):
         gguf_model_dir(str(tmp_path / "m.gguf"))
+
+
+# tiny models written as llama.cpp's converter writes them (synthetic_gguf.write_gguf_from_hf):
+# Gemma 4s (as tests/test_model_families.py's): full layers with their own head dim, one KV
+# head and V from k (attention_k_eq_v), soft-capped logits, an untied head; and E2B-like:
+# per-layer embeddings, the last two layers reading earlier layers' KV caches, double-wide
+# MLP; Ministral 3: YaRN (Ministral 3's mscale settings) and queries scaled per position
+_GEMMA4 = dict(model_type="gemma4_text", sliding_window=8, hidden_activation="gelu_pytorch_tanh")
+FROM_HF = {
+    "gemma4": ("gemma4", dict(
+        _GEMMA4, layer_types=["sliding_attention", "full_attention", "full_attention"],
+        global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+        hidden_size_per_layer_input=0, final_logit_softcapping=30.0)),
+    "gemma4_e2b": ("gemma4", dict(
+        _GEMMA4, num_layers=4, global_head_dim=32, hidden_size_per_layer_input=16,
+        vocab_size_per_layer_input=512, num_kv_shared_layers=2, use_double_wide_mlp=True,
+        tie_word_embeddings=True, layer_types=["sliding_attention", "full_attention"] * 2)),
+    "ministral3": ("mistral3", dict(model_type="ministral3", rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "beta_fast": 32.0,
+        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5,
+        "original_max_position_embeddings": 8})),
+}  # fmt: skip
+
+
+def _file_name(name: str, arch: str) -> str:
+    """The file's tensor of parameter `name` (the gguf package's map, as llama.cpp's
+    converter names it; a bare parameter, Gemma 4's layer_scalar, as `.weight`)."""
+    import gguf
+
+    by_name = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
+    mapping = gguf.get_tensor_name_map(by_name[arch], 8)
+    return mapping.get_name(name.removesuffix(".weight")) + ".weight"
+
+
+@pytest.mark.parametrize("kind", list(FROM_HF))
+def test_a_converted_gguf_runs_as_transformers_runs_the_original_config(tmp_path, monkeypatch,
+                                                                        kind):  # fmt: skip
+    """A checkpoint written as llama.cpp's converter writes it (Gemma 4: per-kind head dims,
+    KV heads per layer, the proportional RoPE as rope_freqs, PLE, KV sharing, double-wide
+    MLP, layer scalars; Ministral 3: YaRN and the attention temperature, q/k permuted; Q4_0 /
+    Q8_0 / F16 / float32): the config from its header is the original's (but the
+    float32-rounded epsilon and the tokenizer's ids), every parameter is the file's
+    dequantized tensor, blocks expand to it, and greedy output (from the blocks and
+    dequantized) equals transformers' on the ORIGINAL config.json with those weights."""
+    import dataclasses
+    import shutil
+
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from eaglebatch.cli import main
+    from eaglebatch.job.gguf_model import gguf_model_dir
+
+    monkeypatch.setenv("EAGLEBATCH_CACHE", str(tmp_path / "cache"))
+    arch, extra = FROM_HF[kind]
+    shape = dict(num_layers=3, head_dim=24, hidden_size=64, num_heads=4, num_kv_heads=2,
+                 vocab_size=512)  # fmt: skip
+    hf_dir = make_tiny_model(tmp_path / "hf", **{**shape, **extra})
+    gguf = write_gguf_from_hf(hf_dir, tmp_path / "tiny.gguf", arch)
+    folder = gguf_model_dir(str(gguf))
+    cfg = ModelConfig.from_dir(folder)
+    want = dataclasses.asdict(ModelConfig.from_dir(hf_dir))
+    got = dataclasses.asdict(cfg)
+    differ = {k for k in want if want[k] != got[k]}
+    assert differ <= {"rms_norm_eps", "bos_token_id", "eos_token_id"}, differ
+    ours = dict(CausalLM.from_pretrained(folder, gguf=gguf).named_parameters())
+    for n, p in ours.items():
+        value = p.detach()
+        if arch == "mistral3" and (".q_proj." in n or ".k_proj." in n):
+            value = _llama_cpp_permute(value, 4 if ".q_proj." in n else 2)
+        assert same_bits(value, _file_value(gguf, _file_name(n, arch))), n
+    blocks = quantized_weights(checkpoint(gguf, cfg))
+    assert {qw.type_name for qw in blocks.values()} == {"Q4_0", "Q8_0", "F16"}
+    for n, qw in blocks.items():
+        assert same_bits(qw.rows(torch.arange(qw.shape[0])), ours[n]), n
+    ref_dir = tmp_path / "float32"
+    shutil.copytree(hf_dir, ref_dir)
+    save_file({n: p.detach().contiguous() for n, p in ours.items()
+               if not (n == "lm_head.weight" and cfg.tie_word_embeddings)},
+              str(ref_dir / "model.safetensors"))  # fmt: skip
+    hf = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    prompts = ["the cat", "1, 2, 3", "hello there, the sun"]
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    want_ids = [_hf_greedy_raw(hf, tok.encode(p).ids, 12) for p in prompts]
+    inp = write_prompts(tmp_path / "in.parquet", prompts)
+    for weights in ("quantized", "dequantized"):
+        job = tmp_path / f"{weights}.yaml"
+        job.write_text(
+            f"model: {gguf}\ninput:\n  path: {inp}\noutput:\n  path: {tmp_path / weights}\n"
+            "  include_token_ids: true\nsampling:\n  max_new_tokens: 12\n  ignore_eos: true\n"
+            f"engine:\n  device: cpu\n  kv_cache_tokens: 1024\n  weights: {weights}\n"
+        )
+        r = CliRunner().invoke(main, ["run", str(job)])
+        assert r.exit_code == 0, r.output
+        table = pq.read_table(tmp_path / weights).sort_by("row_index")
+        assert table.column("output_token_ids").to_pylist() == want_ids, weights
+
+
+def _gemma4_header(**changes) -> dict:
+    """The `gemma4.` header keys (prefix dropped) of a valid 4-layer Gemma 4, changed."""
+    own = {"block_count": 4, "attention.head_count": 4, "attention.head_count_kv": 2,
+           "attention.sliding_window_pattern": [True, False, True, False],
+           "attention.sliding_window": 8, "attention.key_length": 32,
+           "attention.key_length_swa": 16, "feed_forward_length": 128,
+           "rope.freq_base": 1e6, "rope.dimension_count": 32}  # fmt: skip
+    return {**own, **changes}
+
+
+def _tensors(freqs=None, no_v=()) -> dict:
+    from types import SimpleNamespace
+
+    t = {"token_embd.weight": SimpleNamespace(shape=(64, 512))}
+    t.update({f"blk.{i}.attn_v.weight": None for i in range(4) if i not in no_v})
+    if freqs is not None:
+        t["rope_freqs.weight"] = SimpleNamespace(data=np.array(freqs, dtype=np.float32),
+                                                 ggml_type=0)  # fmt: skip
+    return t
+
+
+@pytest.mark.parametrize("own, tensors, message", [
+    (_gemma4_header(), _tensors([1.0] * 4 + [1e30] * 12), None),
+    (_gemma4_header(), _tensors([1e30] * 12 + [1.0] * 4), "rope_freqs.weight"),
+    (_gemma4_header(), _tensors([1.0] * 4 + [2.0] * 12), "rope_freqs.weight"),
+    (_gemma4_header(), _tensors([1.0] * 8), "rope_freqs.weight"),
+    (_gemma4_header(**{"attention.sliding_window_pattern": [True, False, False, True]}),
+     _tensors(), "a sliding last layer"),
+    (_gemma4_header(**{"attention.head_count_kv": [2, 1, 2, 1]}), _tensors(),
+     "need attention_k_eq_v"),
+    (_gemma4_header(**{"attention.head_count_kv": [2, 1, 2, 1]}), _tensors(no_v=(1, 3)), None),
+    (_gemma4_header(), _tensors(no_v=(0,)), "a sliding layer without attn_v"),
+    (_gemma4_header(**{"feed_forward_length": [128, 128, 256, 128]}), _tensors(),
+     "gemma4.feed_forward_length"),
+    (_gemma4_header(**{"rope.dimension_count_swa": 8}), _tensors(),
+     "gemma4.rope.dimension_count_swa"),
+    (_gemma4_header(**{"attention.value_length": 16}), _tensors(), "value_length"),
+])  # fmt: skip
+def test_gemma4_header_values_gemma4_cannot_have_are_refused(own, tensors, message):
+    """What a Gemma 4 config cannot state -- RoPE factors not of the proportional form, a
+    sliding last layer, full layers with their own KV heads but a v projection, V from k on
+    a sliding layer, an MLP size not doubled exactly on the shared layers, partial RoPE on
+    sliding layers, value lengths apart from key lengths -- is refused naming it."""
+    from eaglebatch.model.gemma4_gguf import gemma4_gguf_config
+
+    if message is None:
+        config = gemma4_gguf_config(own, tensors)
+        full = config["rope_parameters"]["full_attention"]
+        assert full.get("partial_rotary_factor", 1.0) in (0.25, 1.0)
+        return
+    with pytest.raises(ValueError, match=message):
+        gemma4_gguf_config(own, tensors)

@@ -50,10 +50,11 @@ class Family:
     gguf_qk_permuted: bool = False
     gguf_norm_offset: float = 0.0
     # GGUF header -> config.json, where transformers' GGUF loader has no config mapping for
-    # the architecture: the header's `{arch}.` keys (prefix dropped) -> this family's
-    # config.json keys beyond the shared ones (model/gguf_config.py); raises ValueError
-    # naming a key it cannot represent. None: transformers' loader writes config.json.
-    gguf_config: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    # the architecture: the header's `{arch}.` keys (prefix dropped) and the file's tensors
+    # (name -> GgufFile TensorInfo) -> this family's config.json keys beyond the shared ones
+    # (model/gguf_config.py); raises ValueError naming a key or tensor it cannot represent.
+    # None: transformers' loader writes config.json.
+    gguf_config: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]] | None = None
 
     def split(self, name: str, shape_or_tensor, cfg) -> Iterator[tuple[str, Any]]:
         """Checkpoint tensor `name` as (parameter name, tensor or shape) pairs: a fused tensor

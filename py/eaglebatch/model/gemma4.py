@@ -41,6 +41,7 @@ from typing import Any
 
 from eaglebatch.model.config_values import bool_value, int_value, positive_float, refuse
 from eaglebatch.model.family import FULL, SLIDING, Family
+from eaglebatch.model.gemma4_gguf import gemma4_gguf_config
 
 _LAYER_KEYS = ("head_dim", "num_key_value_heads")  # what per_layer_config may override
 
@@ -187,4 +188,5 @@ def _features(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 GEMMA4 = Family("gemma4_text", "Gemma4ForCausalLM", _features, tie_word_embeddings=True,
-                text_tower_of=("gemma4",))  # fmt: skip
+                text_tower_of=("gemma4",), gguf_architectures=("gemma4",),
+                gguf_config=gemma4_gguf_config)  # fmt: skip

@@ -75,6 +75,9 @@ def check_rope(reader: GgufFile, cfg) -> None:
     key = f"{reader.architecture}.rope.dimension_count"
     dims = reader.meta.get(key)
     rotary = cfg.rotary_dim or cfg.head_dim
+    if cfg.layer_head_dims is not None:  # per-kind head dims (Gemma 4): the key is the full
+        # layers' whole head (their RoPE's own settings; the family's gguf_config checks both)
+        rotary = cfg.layer_head_dims[cfg.num_hidden_layers - 1]
     if isinstance(dims, int) and dims != rotary:
         raise ValueError(f"GGUF {key} = {dims}: the model config rotates {rotary} dims of "
                          f"each head of {cfg.head_dim} (partial_rotary_factor)")  # fmt: skip
@@ -120,8 +123,10 @@ class GgufCheckpoint:
 
     def _tensor(self, mapping, name: str):
         """The file's tensor of checkpoint tensor `name` (by the gguf package's name map)."""
-        base = mapping.get_name(name.removesuffix(".weight").removesuffix(".bias"))
-        suffix = name[len(name.rsplit(".", 1)[0]):]
+        stem = name.removesuffix(".weight").removesuffix(".bias")
+        base = mapping.get_name(stem)
+        # a bare parameter (Gemma 4's layer_scalar) is stored as `.weight`, as llama.cpp names it
+        suffix = name[len(stem):] or ".weight"
         return self.reader.tensors.get(f"{base}{suffix}") if base else None
 
     def shapes(self) -> dict[str, tuple[int, ...]]:

@@ -7,8 +7,11 @@ without the `{arch}.` prefix) to the rest of its config.json.
 
 Invariants:
 - a header key that changes what the model computes and that no mapping reads is refused by
-  name (a ValueError), never dropped: RoPE scaling (`rope.scaling.type` other than none) here,
-  the family's own in its `gguf_config`;
+  name (a ValueError), never dropped: RoPE scaling (`rope.scaling.type` other than none)
+  where the family's mapping states no `rope_parameters` (which then maps it or refuses), a
+  shared key given per layer (an array) that the family's `gguf_config` does not map, and the
+  `rope_freqs` tensor (RoPE frequency factors) where the family's mapping states no
+  `rope_parameters` from it, here; the family's own keys in its `gguf_config`;
 - where the header is silent the value is llama.cpp's default (RoPE base 10000, RMS epsilon
   1e-5, head dim hidden / heads), so the model computes what llama.cpp computes;
 - tied embeddings: the file has no `output.weight` (llama.cpp's converter then drops it);
@@ -37,6 +40,7 @@ _SHARED = {
 _TOKENS = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id",
            "padding_token_id": "pad_token_id"}  # fmt: skip
 _DEFAULTS = {"rope_theta": 10000.0, "rms_norm_eps": 1e-5}  # llama.cpp's where unstated
+ROPE_FREQS = "rope_freqs.weight"
 
 
 def arch_meta(meta: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -59,24 +63,40 @@ def _check_rope_scaling(own: dict[str, Any], arch: str) -> None:
                          f"file of architecture {arch!r} is not supported")  # fmt: skip
 
 
-def gguf_config(meta: dict[str, Any], tensor_names, family: Family) -> dict[str, Any]:
-    """config.json of a file of `family` with header `meta` (GgufFile.meta) and tensors
-    `tensor_names`. Raises ValueError naming a header key it cannot represent."""
+def _check_mapped(own: dict[str, Any], names, extra: dict[str, Any], arch: str) -> None:
+    """Refuses what the shared mapping skipped and the family's did not map (module doc)."""
+    for k, key in _SHARED.items():
+        if isinstance(own.get(k), list) and key not in extra:
+            raise ValueError(f"GGUF {arch}.{k}: per-layer values are not supported for "
+                             f"architecture {arch!r}")  # fmt: skip
+    if ROPE_FREQS in names and "rope_parameters" not in extra:
+        raise ValueError(f"GGUF tensor {ROPE_FREQS}: RoPE frequency factors are not supported "
+                         f"for architecture {arch!r}")  # fmt: skip
+
+
+def gguf_config(meta: dict[str, Any], tensors, family: Family) -> dict[str, Any]:
+    """config.json of a file of `family` with header `meta` (GgufFile.meta) and `tensors`
+    (GgufFile.tensors: name -> TensorInfo). Raises ValueError naming a header key it cannot
+    represent."""
     arch = meta["general.architecture"]
     own = arch_meta(meta, arch)
-    _check_rope_scaling(own, arch)
     config: dict[str, Any] = {"model_type": family.model_type,
                               "architectures": [family.architecture]}  # fmt: skip
     config.update(_DEFAULTS)
-    config.update({key: own[k] for k, key in _SHARED.items() if k in own})
+    config.update({key: own[k] for k, key in _SHARED.items()
+                   if k in own and not isinstance(own[k], list)})  # fmt: skip
     config.setdefault("vocab_size", _vocab_size(meta))
-    if "head_dim" not in config:
+    if "head_dim" not in config and "num_attention_heads" in config:
         config["head_dim"] = config["hidden_size"] // config["num_attention_heads"]
     for k, key in _TOKENS.items():
         if f"tokenizer.ggml.{k}" in meta:
             config[key] = meta[f"tokenizer.ggml.{k}"]
-    names = set(tensor_names)
+    names = set(tensors)
     config["tie_word_embeddings"] = "output.weight" not in names
     config["attention_bias"] = "blk.0.attn_q.bias" in names
-    config.update(family.gguf_config(own))
+    extra = family.gguf_config(own, tensors)
+    if "rope_parameters" not in extra:  # a family that maps RoPE scaling states it there
+        _check_rope_scaling(own, arch)
+    _check_mapped(own, names, extra, arch)
+    config.update(extra)
     return config

@@ -1,6 +1,7 @@
-"""A GGUF file's header and tensor table, read lean: the metadata's scalars and strings (arrays
-such as the tokenizer's 50-250k tokens are stepped over, not built: the `gguf` package's
-reader spends seconds making an object per token), and each tensor as a numpy view of a
+"""A GGUF file's header and tensor table, read lean: the metadata's scalars, strings and short
+arrays of numbers (per-layer settings: a list); longer arrays, such as the tokenizer's 50-250k
+tokens, are stepped over, not built (the `gguf` package's reader spends seconds making an
+object per token), and each tensor as a numpy view of a
 read-only memory map of the file (nothing of the data is read until used).
 
 Layout (GGUF v2/v3, little-endian): magic "GGUF", u32 version, u64 tensor count, u64
@@ -26,6 +27,7 @@ import numpy as np
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
             11: "<q", 12: "<d"}  # fmt: skip
 _STRING, _ARRAY = 8, 9
+_SHORT = 4096  # the longest array of numbers `meta` holds as a list (per-layer settings)
 # GGML types with a numpy item type (the rest are blocks of bytes)
 _ITEMS = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32, 27: np.int64,
           28: np.float64}  # fmt: skip
@@ -63,7 +65,8 @@ class _Cursor:
         return text
 
     def value(self, vtype: int):
-        """A metadata value; an array is stepped over and returned as ("array", count)."""
+        """A metadata value; an array of at most _SHORT numbers as a list, any other array
+        stepped over and returned as ("array", count)."""
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
@@ -74,6 +77,8 @@ class _Cursor:
             elif item == _ARRAY:
                 for _ in range(count):
                     self.value(_ARRAY)
+            elif count <= _SHORT:
+                return [self.unpack(_SCALARS[item]) for _ in range(count)]
             else:
                 self.pos += count * struct.calcsize(_SCALARS[item])
             return ("array", count)
@@ -83,8 +88,8 @@ class _Cursor:
 
 
 class GgufFile:
-    """GGUF file `path`: `meta` (key -> scalar, string or ("array", count)) and `tensors`
-    (name -> TensorInfo). Raises ValueError on a file that is not GGUF v2/v3."""
+    """GGUF file `path`: `meta` (key -> scalar, string, list of numbers or ("array", count))
+    and `tensors` (name -> TensorInfo). Raises ValueError on a file that is not GGUF v2/v3."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)

@@ -24,7 +24,7 @@ def _features(raw: dict[str, Any]) -> dict[str, Any]:
             "logits_divisor": positive_float(raw, "logits_scaling", 1.0)}  # fmt: skip
 
 
-def _gguf_config(own: dict[str, Any]) -> dict[str, Any]:
+def _gguf_config(own: dict[str, Any], tensors) -> dict[str, Any]:
     """llama.cpp's `granite` header: the multipliers as `*_scale` keys, written only where
     config.json set them; an unwritten attention scale is llama.cpp's head_dim ** -0.5."""
     head_dim = own["embedding_length"] // own["attention.head_count"]

@@ -23,7 +23,7 @@ def olmo_features(raw: dict[str, Any]) -> dict[str, Any]:
             "norm_layout": "post", "qk_norm": "projection"}  # fmt: skip
 
 
-def _gguf_config(own: dict[str, Any]) -> dict[str, Any]:
+def _gguf_config(own: dict[str, Any], tensors) -> dict[str, Any]:
     if "attention.sliding_window" in own:
         raise ValueError("GGUF olmo2.attention.sliding_window: an OLMo 3 file (sliding-window "
                          "layers) is not supported from GGUF")  # fmt: skip

@@ -72,9 +72,9 @@ def _features(raw: dict[str, Any]) -> dict[str, Any]:
             "attention_window": window}  # fmt: skip
 
 
-def _gguf_config(own: dict[str, Any]) -> dict[str, Any]:
-    """llama.cpp's `smollm3` header states no RoPE pattern: llama.cpp skips RoPE on every 4th
-    layer and windows none."""
+def _gguf_config(own: dict[str, Any], tensors) -> dict[str, Any]:
+    """llama.cpp's `smollm3` header states no RoPE pattern: llama.cpp hard-codes it (its
+    `n_no_rope_layer_step` = 4: layer i rotates unless (i + 1) % 4 == 0) and windows none."""
     layers = own["block_count"]
     return {"no_rope_layers": [int((i + 1) % 4 != 0) for i in range(layers)],
             "use_sliding_window": False}  # fmt: skip
