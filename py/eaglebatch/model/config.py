@@ -109,6 +109,20 @@ class ModelConfig:
     # embeddings (causal_lm.py per_layer_inputs), gated into the residual after the MLP
     # (decoder_layer.py). 0: none.
     per_layer_input_size: int = 0
+    # Mixture of experts (moe.py): where `is_sparse(layer)`, the MLP is a router over
+    # `num_experts` gated experts of `moe_intermediate_size`, `num_experts_per_tok` of them per
+    # token; their top-k weights renormalised to sum to 1 when `norm_topk_prob`, and applied in
+    # float32 (cast after) when `router_weights_float32`, else cast to the activations' dtype
+    # first; a shared expert of `shared_expert_intermediate_size` (0: none) behind a sigmoid
+    # gate is added. `sparse_layers`: per layer whether it is sparse (None: all, when
+    # num_experts > 0). num_experts 0: every MLP dense (Llama).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    router_weights_float32: bool = False
+    shared_expert_intermediate_size: int = 0
+    sparse_layers: tuple[bool, ...] | None = None
     # the text tower of a multimodal checkpoint (e.g. `gemma3` with a text_config): its tensors
     # are named language_model.* and the other towers' are skipped (weights.text_tower_name)
     text_tower: bool = False
@@ -118,6 +132,10 @@ class ModelConfig:
         if self.layer_types is None or self.layer_types[layer] != SLIDING:
             return None
         return self.attention_window
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether `layer`'s MLP is the routed one (moe.py)."""
+        return self.num_experts > 0 and (self.sparse_layers is None or self.sparse_layers[layer])
 
     def heads_of(self, layer: int) -> tuple[int, int, int]:
         """(query heads, KV heads, head dim) of `layer`'s attention and KV cache."""

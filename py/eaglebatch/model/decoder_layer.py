@@ -15,6 +15,7 @@ from torch import nn
 
 from eaglebatch.attention.base import AttentionBackend, AttentionMetadata
 from eaglebatch.model.config import ModelConfig
+from eaglebatch.model.moe import SparseMoeBlock
 from eaglebatch.model.rotary import apply_rotary
 
 
@@ -217,7 +218,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = make_norm(cfg, h, **factory)
         if self.layout == "sandwich":
             self.pre_feedforward_layernorm = make_norm(cfg, h, **factory)
-        self.mlp = MLP(cfg, layer_idx, **factory)
+        if cfg.is_sparse(layer_idx):  # the routed MLP; its activation is the dense one's
+            self.mlp = SparseMoeBlock(cfg, _ACTIVATIONS[cfg.activation], **factory)
+        else:
+            self.mlp = MLP(cfg, layer_idx, **factory)
         if self.layout != "pre":
             self.post_feedforward_layernorm = make_norm(cfg, h, **factory)
         if cfg.per_layer_input_size:  # per-layer embeddings: a third residual block

@@ -3,8 +3,9 @@
 
 A family says how its `config.json` maps onto the engine's ModelConfig (the fields that are
 not read the same way for every family: biases, windows, norm kind and placement, q/k norms,
-multipliers, soft-capping, per-layer types), which checkpoint tensors it stores differently
-(fused projections split into the decoder's parameters), and how llama.cpp stores it in GGUF.
+multipliers, soft-capping, per-layer types, experts), which checkpoint tensors it stores
+differently (fused projections split into the decoder's parameters, other names), and how
+llama.cpp stores it in GGUF.
 The decoder (decoder_layer.py, causal_lm.py) and every execution path read ModelConfig's
 features only, never a family's name.
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from eaglebatch.model.expert_layout import expert_tensors
 
 SLIDING, FULL = "sliding_attention", "full_attention"  # the layer types of `layer_types`
 
@@ -43,6 +46,9 @@ class Family:
     # multimodal model_types whose `text_config` is this family's text model
     text_tower_of: tuple[str, ...] = ()
     fused: tuple[Fused, ...] = ()
+    # (old, new) substrings of checkpoint tensor names, replaced in order before anything else
+    # (a family that names the decoder's parameters otherwise, e.g. Mixtral's experts)
+    renamed: tuple[tuple[str, str], ...] = ()
     # GGUF: llama.cpp's `general.architecture` names of this family's files, whether its
     # converter interleaved the two RoPE halves of q/k rows (llama), and what it added to norm
     # weights (Gemma stores 1 + w)
@@ -58,7 +64,14 @@ class Family:
 
     def split(self, name: str, shape_or_tensor, cfg) -> Iterator[tuple[str, Any]]:
         """Checkpoint tensor `name` as (parameter name, tensor or shape) pairs: a fused tensor
-        split into its parts, any other as it is. Works on torch tensors and on shapes."""
+        split into its parts, any other as it is, after the family's renames; fused 3-D MoE
+        experts split per expert (expert_layout.py). Works on torch tensors and on shapes."""
+        for old, new in self.renamed:
+            name = name.replace(old, new)
+        experts = expert_tensors(name, shape_or_tensor, cfg)
+        if experts is not None:
+            yield from experts
+            return
         for f in self.fused:
             if name.endswith(f.name):
                 yield from _split(name[: -len(f.name)], f, shape_or_tensor, cfg)
