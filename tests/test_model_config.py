@@ -481,3 +481,61 @@ def test_gemma4_multimodal_checkpoint_is_its_text_tower() -> None:
 def test_a_quantized_checkpoint_is_refused_naming_its_method(method) -> None:
     with pytest.raises(ValueError, match=f"quantization_config.quant_method = '{method}'"):
         cfg(quantization_config={"quant_method": method, "bits": 4})
+
+
+def test_qwen3_moe_experts_and_sparse_layers() -> None:
+    c = cfg(model_type="qwen3_moe", architectures=None, num_hidden_layers=4,
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
+            decoder_sparse_step=2, mlp_only_layers=[3])  # fmt: skip
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (8, 2, 16)
+    assert c.norm_topk_prob and not c.router_weights_float32 and c.qk_norm == "head"
+    assert [c.is_sparse(i) for i in range(4)] == [False, True, False, False]
+    # transformers 5 writes num_local_experts; its defaults where keys are absent
+    d = cfg(model_type="qwen3_moe", architectures=None, num_local_experts=16,
+            moe_intermediate_size=16)  # fmt: skip
+    assert (d.num_experts, d.num_experts_per_tok, d.norm_topk_prob) == (16, 8, False)
+    assert d.sparse_layers is None and d.is_sparse(29)
+
+
+def test_mixtral_renormalises_in_float32_and_renames_its_experts() -> None:
+    from eaglebatch.model.registry import family_of
+
+    c = cfg(model_type="mixtral", architectures=None, num_local_experts=4, sliding_window=64)
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (4, 2, 1536)
+    assert c.norm_topk_prob and c.router_weights_float32 and c.max_model_len == 64
+    assert all(c.is_sparse(i) for i in range(c.num_hidden_layers))
+    split = dict(family_of("mixtral").split("model.layers.0.block_sparse_moe.experts.3.w3.weight",
+                                            (1536, 576), c))  # fmt: skip
+    assert split == {"model.layers.0.mlp.experts.3.up_proj.weight": (1536, 576)}
+
+
+def test_fused_3d_experts_split_per_expert() -> None:
+    import torch
+
+    from eaglebatch.model.registry import family_of
+
+    c = cfg(model_type="qwen3_moe", architectures=None, num_experts=2, num_experts_per_tok=1,
+            moe_intermediate_size=3)  # fmt: skip
+    fam, h = family_of("qwen3_moe"), c.hidden_size
+    gate_up = torch.arange(2 * 6 * h, dtype=torch.float32).view(2, 6, h)
+    parts = dict(fam.split("model.layers.1.mlp.experts.gate_up_proj", gate_up, c))
+    assert torch.equal(parts["model.layers.1.mlp.experts.1.gate_proj.weight"], gate_up[1, :3])
+    assert torch.equal(parts["model.layers.1.mlp.experts.0.up_proj.weight"], gate_up[0, 3:])
+    down = dict(fam.split("m.experts.down_proj", (2, h, 3), c))
+    assert down == {"m.experts.0.down_proj.weight": (h, 3), "m.experts.1.down_proj.weight": (h, 3)}
+    with pytest.raises(ValueError, match="experts.down_proj"):
+        list(fam.split("m.experts.down_proj", (2, h, 4), c))
+
+
+@pytest.mark.parametrize("settings, key", [
+    (dict(num_experts=2, num_experts_per_tok=3), "num_experts_per_tok"),
+    (dict(mlp_only_layers=[30]), "mlp_only_layers"),
+    (dict(decoder_sparse_step=0), "decoder_sparse_step"),
+    (dict(norm_topk_prob="yes"), "norm_topk_prob"),
+    (dict(moe_intermediate_size=None), "moe_intermediate_size"),
+])  # fmt: skip
+def test_moe_refuses_settings_naming_the_key(settings, key) -> None:
+    base = dict(model_type="qwen3_moe", architectures=None, num_experts=4, num_experts_per_tok=2,
+                moe_intermediate_size=16)  # fmt: skip
+    with pytest.raises(ValueError, match=key):
+        cfg(**{**base, **settings})

@@ -35,6 +35,15 @@ MINISTRAL3_ROPE = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
 SHAPE = dict(num_layers=3, head_dim=24, hidden_size=64, num_heads=4, num_kv_heads=2)
 FAMILIES = {
     "qwen3": dict(model_type="qwen3"),
+    # 4 experts of 32, 2 per token, renormalised; layer 1 dense (mlp_only_layers)
+    "qwen3_moe": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]),
+    # not renormalised; every other layer routed (decoder_sparse_step 2: layer 1)
+    "qwen3_moe_unnormed": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
+                               moe_intermediate_size=32, decoder_sparse_step=2),
+    # 4 experts of intermediate_size, 2 per token, weights applied in float32; tied
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
+                    tie_word_embeddings=True),
     "gemma3": dict(
         model_type="gemma3_text", sliding_window=8, query_pre_attn_scalar=24,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],

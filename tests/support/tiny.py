@@ -67,6 +67,8 @@ def make_tiny_model(
         "ministral": (transformers.MinistralConfig, transformers.MinistralForCausalLM),
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "gemma4_text": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }[model_type]
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)

@@ -13,11 +13,13 @@ from eaglebatch.model.llama import LLAMA
 from eaglebatch.model.ministral import MINISTRAL
 from eaglebatch.model.ministral3 import MINISTRAL3
 from eaglebatch.model.mistral import MISTRAL
+from eaglebatch.model.mixtral import MIXTRAL
 from eaglebatch.model.olmo2 import OLMO2
 from eaglebatch.model.olmo3 import OLMO3
 from eaglebatch.model.phi3 import PHI3
 from eaglebatch.model.qwen2 import QWEN2
 from eaglebatch.model.qwen3 import QWEN3
+from eaglebatch.model.qwen3_moe import QWEN3_MOE
 from eaglebatch.model.smollm3 import SMOLLM3
 
 FAMILIES: dict[str, Family] = {
@@ -36,6 +38,8 @@ FAMILIES: dict[str, Family] = {
         MINISTRAL3,
         MINISTRAL,
         PHI3,
+        QWEN3_MOE,
+        MIXTRAL,
     )
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
