@@ -539,3 +539,14 @@ def test_moe_refuses_settings_naming_the_key(settings, key) -> None:
                 moe_intermediate_size=16)  # fmt: skip
     with pytest.raises(ValueError, match=key):
         cfg(**{**base, **settings})
+
+
+def test_qwen2_moe_reads_its_shared_expert_and_refuses_sliding_windows() -> None:
+    qwen2_moe = {"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"],
+                 "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                 "shared_expert_intermediate_size": 40, "num_hidden_layers": 2}  # fmt: skip
+    c = cfg(**qwen2_moe)
+    assert (c.num_experts, c.num_experts_per_tok, c.shared_expert_intermediate_size) == (8, 2, 40)
+    assert c.attention_bias and not c.o_proj_bias and not c.norm_topk_prob
+    with pytest.raises(ValueError, match="use_sliding_window = True"):
+        cfg(**qwen2_moe, use_sliding_window=True)

@@ -41,6 +41,11 @@ FAMILIES = {
     # not renormalised; every other layer routed (decoder_sparse_step 2: layer 1)
     "qwen3_moe_unnormed": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2,
                                moe_intermediate_size=32, decoder_sparse_step=2),
+    # 4 experts of 32, 2 per token, not renormalised, a shared expert of 48 behind its sigmoid
+    # gate; q/k/v biases; layer 2 dense
+    "qwen2_moe": dict(model_type="qwen2_moe", num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                      mlp_only_layers=[2]),
     # 4 experts of intermediate_size, 2 per token, weights applied in float32; tied
     "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
                     tie_word_embeddings=True),

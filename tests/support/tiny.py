@@ -68,6 +68,7 @@ def make_tiny_model(
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "gemma4_text": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }[model_type]
     out.mkdir(parents=True, exist_ok=True)

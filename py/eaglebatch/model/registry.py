@@ -18,6 +18,7 @@ from eaglebatch.model.olmo2 import OLMO2
 from eaglebatch.model.olmo3 import OLMO3
 from eaglebatch.model.phi3 import PHI3
 from eaglebatch.model.qwen2 import QWEN2
+from eaglebatch.model.qwen2_moe import QWEN2_MOE
 from eaglebatch.model.qwen3 import QWEN3
 from eaglebatch.model.qwen3_moe import QWEN3_MOE
 from eaglebatch.model.smollm3 import SMOLLM3
@@ -39,6 +40,7 @@ FAMILIES: dict[str, Family] = {
         MINISTRAL,
         PHI3,
         QWEN3_MOE,
+        QWEN2_MOE,
         MIXTRAL,
     )
 }
