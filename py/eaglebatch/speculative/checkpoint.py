@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from eaglebatch.model.config import ModelConfig
 from eaglebatch.model.weights import INDEX_FILE, iter_tensors
 from eaglebatch.speculative.draft_config import EAGLE1, KINDS
+from eaglebatch.speculative.draft_formats import DRAFT_LAYER_TYPE
 
 BIN_FILE = "pytorch_model.bin"
 BIN_INDEX_FILE = "pytorch_model.bin.index.json"
@@ -124,7 +125,7 @@ def _proj(gen: torch.Generator, out_features: int, in_features: int) -> torch.Te
 def _layer_config(target: ModelConfig) -> dict:
     """config.json of a one-layer head shaped like a layer of `target` (no kind fields yet)."""
     return {
-        "model_type": "llama",
+        "model_type": DRAFT_LAYER_TYPE,
         "hidden_act": "silu",
         "hidden_size": target.hidden_size,
         "intermediate_size": target.intermediate_size,

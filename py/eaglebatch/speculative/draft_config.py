@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from eaglebatch.model.config import ModelConfig
-from eaglebatch.speculative.draft_formats import SPECULATORS_TYPE, flat_config
+from eaglebatch.speculative.draft_formats import DRAFT_LAYER_TYPE, SPECULATORS_TYPE, flat_config
 
 EAGLE1 = "eagle1"
 EAGLE3 = "eagle3"
@@ -163,7 +163,7 @@ def _draft_layer(
     leaves out are the target's), one layer, the target's vocabulary, and the biases the
     checkpoint's tensors have."""
     layer_raw = dict(raw)
-    layer_raw.setdefault("model_type", "llama")
+    layer_raw.setdefault("model_type", DRAFT_LAYER_TYPE)
     # The draft's architecture name (e.g. LlamaForCausalLMEagle3) is not a target architecture;
     # everything else (sizes, eps, RoPE) parses like a Llama config.
     layer_raw.pop("architectures", None)

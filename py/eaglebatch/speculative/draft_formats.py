@@ -30,6 +30,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from eaglebatch.model.llama import LLAMA
+
+# Every draft head's decoder layer is a Llama layer, whatever the target's family.
+DRAFT_LAYER_TYPE = LLAMA.model_type
+
 SPECULATORS_TYPE = "speculators_model_type"
 LAYER_CONFIG = "transformer_layer_config"
 
@@ -102,8 +107,8 @@ def _from_speculators(raw: Mapping[str, Any]) -> dict[str, Any]:
     layer = raw.get(LAYER_CONFIG)
     if not isinstance(layer, Mapping):
         raise ValueError(f"{LAYER_CONFIG} must be a mapping (the draft's decoder layer config)")
-    model_type = layer.get("model_type", "llama")
-    if model_type != "llama":
+    model_type = layer.get("model_type", DRAFT_LAYER_TYPE)
+    if model_type != DRAFT_LAYER_TYPE:
         raise ValueError(f"{LAYER_CONFIG}.model_type {model_type!r} is not supported: only "
                          "Llama draft layers load")  # fmt: skip
     flat = {**_LLAMA_DEFAULTS, **layer}
