@@ -187,6 +187,15 @@ def write_llama_gguf(path: Path, shape: str, seed: int = 0, arch: str = "llama",
     return path
 
 
+def _hf_shape_header(w, raw: dict) -> None:
+    """The header keys every converter writes the same way from a config.json `raw`."""
+    w.add_block_count(raw["num_hidden_layers"])
+    w.add_context_length(raw["max_position_embeddings"])
+    w.add_embedding_length(raw["hidden_size"])
+    w.add_head_count(raw["num_attention_heads"])
+    w.add_layer_norm_rms_eps(raw["rms_norm_eps"])
+
+
 def _gemma4_header(w, raw: dict) -> None:
     """The header llama.cpp's converter writes for a Gemma 4 config.json `raw` (transformers
     5's form: the full layers' head dim and KV heads in per_layer_config)."""
@@ -197,15 +206,11 @@ def _gemma4_header(w, raw: dict) -> None:
     kv, kv_full = raw["num_key_value_heads"], over.get("num_key_value_heads")
     layers, shared = raw["num_hidden_layers"], raw.get("num_kv_shared_layers") or 0
     ff = raw["intermediate_size"]
-    w.add_block_count(layers)
-    w.add_context_length(raw["max_position_embeddings"])
-    w.add_embedding_length(raw["hidden_size"])
+    _hf_shape_header(w, raw)
     w.add_feed_forward_length([ff * (2 if i >= layers - shared else 1) for i in range(layers)]
                               if raw.get("use_double_wide_mlp") else ff)  # fmt: skip
-    w.add_head_count(raw["num_attention_heads"])
     w.add_head_count_kv([kv if t == "sliding_attention" else kv_full for t in types]
                         if kv_full is not None else kv)  # fmt: skip
-    w.add_layer_norm_rms_eps(raw["rms_norm_eps"])
     w.add_key_length(hd_full)
     w.add_value_length(hd_full)
     w.add_key_length_swa(hd)
@@ -232,13 +237,9 @@ def _mistral3_header(w, raw: dict) -> None:
     from gguf import RopeScalingType
 
     rope = raw["rope_parameters"]
-    w.add_block_count(raw["num_hidden_layers"])
-    w.add_context_length(raw["max_position_embeddings"])
-    w.add_embedding_length(raw["hidden_size"])
+    _hf_shape_header(w, raw)
     w.add_feed_forward_length(raw["intermediate_size"])
-    w.add_head_count(raw["num_attention_heads"])
     w.add_head_count_kv(raw["num_key_value_heads"])
-    w.add_layer_norm_rms_eps(raw["rms_norm_eps"])
     w.add_key_length(raw["head_dim"])
     w.add_value_length(raw["head_dim"])
     w.add_rope_dimension_count(raw["head_dim"])

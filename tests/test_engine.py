@@ -30,10 +30,11 @@ def random_prompts(n: int, seed: int = 0) -> list[str]:
 
 
 def run_job(tmp: Path, model_dir: Path, prompts, *, overrides=(), ids=None, name="out",
-            wrap=None):  # fmt: skip
-    """The job over `prompts` -> (output table by row_index, RunSummary); `wrap`: a function
-    of the job's worker returning the worker to run (a spy)."""
-    inp = write_prompts(tmp / f"{name}-in.parquet", prompts, ids=ids)
+            wrap=None, columns=None):  # fmt: skip
+    """The job over `prompts` (and the input `columns` beside them) -> (output table by
+    row_index, RunSummary); `wrap`: a function of the job's worker returning the worker to
+    run (a spy)."""
+    inp = write_prompts(tmp / f"{name}-in.parquet", prompts, ids=ids, extra=columns)
     job_file = tmp / f"{name}.yaml"
     lines = [
         f"model: {model_dir}",

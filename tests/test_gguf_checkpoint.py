@@ -205,6 +205,36 @@ def _hf_greedy_raw(model, ids: list[int], n: int) -> list[int]:
     return ids[-n:]
 
 
+def _runs_as_transformers(tmp_path, gguf, folder, ref_dir, ours, cfg, prompts) -> None:
+    """`ours` (the GGUF file's parameters) saved as float32 into `ref_dir` (which holds the
+    config to check against): transformers' greedy tokens on it equal those of `eaglebatch run`
+    on the GGUF file, its blocks read quantized and dequantized."""
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from eaglebatch.cli import main
+
+    save_file({n: p.detach().contiguous() for n, p in ours.items()
+               if not (n == "lm_head.weight" and cfg.tie_word_embeddings)},
+              str(ref_dir / "model.safetensors"))  # fmt: skip
+    hf = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    want = [_hf_greedy_raw(hf, tok.encode(p).ids, 12) for p in prompts]
+    inp = write_prompts(tmp_path / "in.parquet", prompts)
+    for weights in ("quantized", "dequantized"):
+        job = tmp_path / f"{weights}.yaml"
+        job.write_text(
+            f"model: {gguf}\ninput:\n  path: {inp}\noutput:\n  path: {tmp_path / weights}\n"
+            "  include_token_ids: true\nsampling:\n  max_new_tokens: 12\n  ignore_eos: true\n"
+            f"engine:\n  device: cpu\n  kv_cache_tokens: 1024\n  weights: {weights}\n"
+        )
+        r = CliRunner().invoke(main, ["run", str(job)])
+        assert r.exit_code == 0, r.output
+        table = pq.read_table(tmp_path / weights).sort_by("row_index")
+        assert table.column("output_token_ids").to_pylist() == want, weights
+
+
 @pytest.mark.parametrize("arch, shape", [("olmo2", "tiny"), ("granite", "tiny"),
                                          ("smollm3", "tiny4")])  # fmt: skip
 def test_a_gguf_whose_config_transformers_cannot_read_runs_as_transformers_computes_it(
@@ -215,11 +245,7 @@ def test_a_gguf_whose_config_transformers_cannot_read_runs_as_transformers_compu
     order for granite / smollm3, as written for olmo2), blocks expand to it, and greedy output
     from the blocks equals the dequantized model's and transformers' own model's (its class
     for the written config.json, with those float32 weights)."""
-    from safetensors.torch import save_file
-    from tokenizers import Tokenizer
-    from transformers import AutoModelForCausalLM
 
-    from eaglebatch.cli import main
     from eaglebatch.job.gguf_model import gguf_model_dir
 
     monkeypatch.setenv("EAGLEBATCH_CACHE", str(tmp_path / "cache"))
@@ -242,25 +268,8 @@ def test_a_gguf_whose_config_transformers_cannot_read_runs_as_transformers_compu
     ref_dir.mkdir()
     for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (ref_dir / f).write_bytes((folder / f).read_bytes())
-    save_file({n: p.detach().contiguous() for n, p in ours.items()
-               if not (n == "lm_head.weight" and cfg.tie_word_embeddings)},
-              str(ref_dir / "model.safetensors"))  # fmt: skip
-    hf = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
-    prompts = ["the cat", "1, 2, 3", "hello there"]
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    want = [_hf_greedy_raw(hf, tok.encode(p).ids, 12) for p in prompts]
-    inp = write_prompts(tmp_path / "in.parquet", prompts)
-    for weights in ("quantized", "dequantized"):
-        job = tmp_path / f"{weights}.yaml"
-        job.write_text(
-            f"model: {gguf}\ninput:\n  path: {inp}\noutput:\n  path: {tmp_path / weights}\n"
-            "  include_token_ids: true\nsampling:\n  max_new_tokens: 12\n  ignore_eos: true\n"
-            f"engine:\n  device: cpu\n  kv_cache_tokens: 1024\n  weights: {weights}\n"
-        )
-        r = CliRunner().invoke(main, ["run", str(job)])
-        assert r.exit_code == 0, r.output
-        table = pq.read_table(tmp_path / weights).sort_by("row_index")
-        assert table.column("output_token_ids").to_pylist() == want, weights
+    _runs_as_transformers(tmp_path, gguf, folder, ref_dir, ours, cfg,
+                          ["the cat", "1, 2, 3", "hello there"])
 
 
 @pytest.mark.parametrize("arch, key, message", [
@@ -352,11 +361,6 @@ def test_a_converted_gguf_runs_as_transformers_runs_the_original_config(tmp_path
     import dataclasses
     import shutil
 
-    from safetensors.torch import save_file
-    from tokenizers import Tokenizer
-    from transformers import AutoModelForCausalLM
-
-    from eaglebatch.cli import main
     from eaglebatch.job.gguf_model import gguf_model_dir
 
     monkeypatch.setenv("EAGLEBATCH_CACHE", str(tmp_path / "cache"))
@@ -383,25 +387,8 @@ def test_a_converted_gguf_runs_as_transformers_runs_the_original_config(tmp_path
         assert same_bits(qw.rows(torch.arange(qw.shape[0])), ours[n]), n
     ref_dir = tmp_path / "float32"
     shutil.copytree(hf_dir, ref_dir)
-    save_file({n: p.detach().contiguous() for n, p in ours.items()
-               if not (n == "lm_head.weight" and cfg.tie_word_embeddings)},
-              str(ref_dir / "model.safetensors"))  # fmt: skip
-    hf = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
-    prompts = ["the cat", "1, 2, 3", "hello there, the sun"]
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    want_ids = [_hf_greedy_raw(hf, tok.encode(p).ids, 12) for p in prompts]
-    inp = write_prompts(tmp_path / "in.parquet", prompts)
-    for weights in ("quantized", "dequantized"):
-        job = tmp_path / f"{weights}.yaml"
-        job.write_text(
-            f"model: {gguf}\ninput:\n  path: {inp}\noutput:\n  path: {tmp_path / weights}\n"
-            "  include_token_ids: true\nsampling:\n  max_new_tokens: 12\n  ignore_eos: true\n"
-            f"engine:\n  device: cpu\n  kv_cache_tokens: 1024\n  weights: {weights}\n"
-        )
-        r = CliRunner().invoke(main, ["run", str(job)])
-        assert r.exit_code == 0, r.output
-        table = pq.read_table(tmp_path / weights).sort_by("row_index")
-        assert table.column("output_token_ids").to_pylist() == want_ids, weights
+    _runs_as_transformers(tmp_path, gguf, folder, ref_dir, ours, cfg,
+                          ["the cat", "1, 2, 3", "hello there, the sun"])
 
 
 def _gemma4_header(**changes) -> dict:

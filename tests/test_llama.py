@@ -330,6 +330,19 @@ def test_native_rms_norm_matches_torch(rows, size) -> None:
         _native.rms_norm(x.data_ptr(), norm.weight.data_ptr(), x.data_ptr(), 0, size, 1e-5)
 
 
+def assert_greedy_equals_multimodal(ours: CausalLM, hf) -> None:
+    """Our text model's greedy tokens equal the multimodal transformers model's on text."""
+    prompts = [list(range(100, 130)), [7, 8, 9]]
+    got = greedy_generate(ours, prompts, 12)
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    for p, tokens in zip(prompts, got, strict=True):
+        ids = torch.tensor([p])
+        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                          max_new_tokens=12)[0, len(p):].tolist()  # fmt: skip
+        assert tokens == ref
+
+
 def test_the_text_tower_of_a_multimodal_gemma3_checkpoint(tmp_path) -> None:
     """A Gemma3ForConditionalGeneration checkpoint (text tower under language_model.*, a vision
     tower beside it) runs as its text model: greedy tokens equal transformers' on text."""
@@ -349,15 +362,7 @@ def test_the_text_tower_of_a_multimodal_gemma3_checkpoint(tmp_path) -> None:
     hf.save_pretrained(tmp_path)
     ours = CausalLM.from_pretrained(tmp_path)
     assert ours.config.text_tower and ours.config.model_type == "gemma3_text"
-    prompts = [list(range(100, 130)), [7, 8, 9]]
-    got = greedy_generate(ours, prompts, 12)
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
-    for p, tokens in zip(prompts, got, strict=True):
-        ids = torch.tensor([p])
-        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                          max_new_tokens=12)[0, len(p):].tolist()  # fmt: skip
-        assert tokens == ref
+    assert_greedy_equals_multimodal(ours, hf)
 
 
 def test_the_text_tower_of_a_multimodal_mistral3_checkpoint(tmp_path) -> None:
@@ -383,12 +388,4 @@ def test_the_text_tower_of_a_multimodal_mistral3_checkpoint(tmp_path) -> None:
     ours = CausalLM.from_pretrained(tmp_path)
     assert ours.config.text_tower and ours.config.model_type == "ministral3"
     assert ours.config.query_position_scale == (0.5, 8)
-    prompts = [list(range(100, 130)), [7, 8, 9]]
-    got = greedy_generate(ours, prompts, 12)
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.pad_token_id = 0
-    for p, tokens in zip(prompts, got, strict=True):
-        ids = torch.tensor([p])
-        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                          max_new_tokens=12)[0, len(p):].tolist()  # fmt: skip
-        assert tokens == ref
+    assert_greedy_equals_multimodal(ours, hf)

@@ -360,27 +360,13 @@ SMALL_FORMAT = {"type": "json_schema", "json_schema": {"name": "small", "schema"
 
 
 def run_columns(tmp, model_dir, columns: dict, overrides, name, wrap=None):
-    """A job over an input table of `columns` (run_job's keys, then `overrides`) -> its rows
-    by (row_index, sample_index)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from eaglebatch.engine import prepare, run_prepared
-    from eaglebatch.job.config import load_job
-    from test_engine import MAX_NEW
-
-    inp = tmp / f"{name}-in.parquet"
-    pq.write_table(pa.table(columns), inp)
-    job_file = tmp / f"{name}.yaml"
-    job_file.write_text(
-        f"model: {model_dir}\ninput:\n  path: {inp}\noutput:\n  path: {tmp / name}\n"
-        f"  include_token_ids: true\nsampling:\n  max_new_tokens: {MAX_NEW}\n"
-        "engine:\n  device: cpu\n  kv_cache_tokens: 4096\n  max_batch_size: 4\n"
-    )
-    prep = prepare(load_job(job_file, list(overrides)))
-    run_prepared(prep, worker=None if wrap is None else wrap(build_worker(prep)))
+    """run_job over the input `columns` (a "prompt" column and others), 4 rows at once -> its
+    rows by (row_index, sample_index)."""
+    extra = {k: v for k, v in columns.items() if k != "prompt"}
+    table, _ = run_job(tmp, model_dir, columns["prompt"], name=name, wrap=wrap, columns=extra,
+                       overrides=[*overrides, "engine.max_batch_size=4"])  # fmt: skip
     order = [(c, "ascending") for c in ("row_index", "sample_index")]
-    return pq.read_table(tmp / name).sort_by(order).to_pylist()
+    return table.sort_by(order).to_pylist()
 
 
 def hf_scores(hf, prompt: str, output: list[int]):

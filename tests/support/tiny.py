@@ -103,11 +103,13 @@ def make_tiny_model(
     return out
 
 
-def write_prompts(path: Path, prompts: list, ids: list | None = None, column: str = "prompt"):
+def write_prompts(path: Path, prompts: list, ids: list | None = None, column: str = "prompt",
+                  extra: dict | None = None):  # fmt: skip
+    """A Parquet input of `prompts` (and `ids`, and the `extra` columns beside them)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    cols = {column: prompts}
+    cols = {column: prompts, **(extra or {})}
     if ids is not None:
         cols = {"id": ids, **cols}
     path.parent.mkdir(parents=True, exist_ok=True)
