@@ -275,10 +275,12 @@ def test_granite_multipliers_on_native_layers_equal_transformers(tmp_path):
 
 def test_auto_backend_avoids_flashinfer_for_layers_of_several_head_shapes(family, request):
     """Gemma 4's full layers have their own head dim: flashinfer cannot serve it."""
-    from eaglebatch.job.engine_settings import _uniform_heads
+    from eaglebatch.job.engine_settings import uniform_heads
+    from eaglebatch.model.config import ModelConfig
 
     name = request.node.callspec.params["family"]
-    assert _uniform_heads(family[0]) == ("global_head_dim" not in FAMILIES[name])
+    cfg = ModelConfig.from_dir(family[0])
+    assert uniform_heads(cfg) == ("global_head_dim" not in FAMILIES[name])
 
 
 def test_gemma4_multimodal_checkpoint_runs_its_text_tower(tmp_path):

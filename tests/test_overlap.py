@@ -14,6 +14,7 @@ import torch
 from eaglebatch.errors import JobError
 from eaglebatch.job.engine_settings import resolve_engine, resolve_overlap
 from eaglebatch.job.model_files import model_files
+from eaglebatch.model.config import ModelConfig
 from test_engine import random_prompts, run_job
 
 pytest.importorskip("eaglebatch._native")
@@ -174,4 +175,5 @@ def test_overlap_with_a_draft_is_a_job_error(tmp_path, tiny_model_dir):
                         "draft: builtin\nengine:\n  device: cpu\n  overlap: true\n")
     job = load_job(job_file, [])
     with pytest.raises(JobError, match="engine.overlap: true needs plain decoding"):
-        resolve_engine(job, model_files(job.model), 128)
+        mf = model_files(job.model)
+        resolve_engine(job, mf, ModelConfig.from_dir(mf.dir))

@@ -78,8 +78,8 @@ class PreparedJob:
 def _check_model_config(job: JobConfig, mf: ModelFiles, rows: int):
     """Checks config.json, the checkpoint's tensor names and shapes (headers only), the engine
     section and the memory the run will take without loading weights (`rows`: the input's);
-    returns the engine settings resolved (the one resolution of this process), the vocab_size
-    and the memory plan."""
+    returns the engine settings resolved (the one resolution of this process), the model's
+    config and the memory plan."""
     # lazy: torch and the extension, which validate and status never need
     from eaglebatch.job.engine_settings import resolve_engine
     from eaglebatch.model.causal_lm import CausalLM
@@ -99,8 +99,8 @@ def _check_model_config(job: JobConfig, mf: ModelFiles, rows: int):
     if bad:
         raise JobError(f"sampling.stop_token_ids: {bad} are not ids of model {mf.dir}, whose "
                        f"vocab_size is {cfg.vocab_size}")  # fmt: skip
-    settings = resolve_engine(job, mf, cfg.max_model_len)
-    return settings, cfg.vocab_size, _memory_plan(job, mf, cfg, settings, shapes, rows)
+    settings = resolve_engine(job, mf, cfg)
+    return settings, cfg, _memory_plan(job, mf, cfg, settings, shapes, rows)
 
 
 def requests_known(job: JobConfig, rows: int) -> int | None:
@@ -137,7 +137,7 @@ def _memory_plan(job: JobConfig, mf: ModelFiles, cfg, settings: EngineSettings, 
     return plan
 
 
-def _check_draft(draft: Path | None, mf: ModelFiles) -> None:
+def _check_draft(draft: Path | None, cfg: ModelConfig) -> None:
     """A draft head must fit the model (hidden size, vocabulary, aux layers: draft_check) and
     its checkpoint files be whole (headers against file sizes), from config.json and the
     headers, before any weight loads."""
@@ -146,7 +146,7 @@ def _check_draft(draft: Path | None, mf: ModelFiles) -> None:
 
     if draft is not None:
         try:
-            check_draft_dir(draft, ModelConfig.from_dir(mf.dir))
+            check_draft_dir(draft, cfg)
         except (ValueError, OSError) as e:
             raise JobError(f"draft: {draft}: {e}") from None
 
@@ -280,8 +280,9 @@ def prepare(
             )
         check_chat_template(mf.chat_template, template_origin(job, mf))
     draft = resolve_draft_dir(job.draft) if job.draft is not None else None
-    engine, vocab_size, mem = _check_model_config(job, mf, total)
-    _check_draft(draft, mf)  # against the model's config.json, checked just above
+    engine, cfg, mem = _check_model_config(job, mf, total)
+    vocab_size = cfg.vocab_size
+    _check_draft(draft, cfg)  # against the model's config.json, checked just above
     if mem is not None and check_memory:
         memory.check(mem, job.engine.kv_cache_tokens, str(job.model))
     check_response_format(job, mf, vocab_size)

@@ -52,14 +52,16 @@ class ModelWeights:
     uniform_heads: bool = True  # every layer has one (Hq, Hkv, D): flashinfer can serve it
 
     @classmethod
-    def of(cls, mf: ModelFiles) -> ModelWeights:
+    def of(cls, mf: ModelFiles, cfg: ModelConfig) -> ModelWeights:
+        """`cfg`: the model's config.json, parsed (its layers' head shapes)."""
+
         def stored() -> bool:
             try:
                 return has_stored_weights(mf.dir, mf.gguf)
             except (OSError, ValueError):  # an unreadable checkpoint: its own check names it
                 return False
 
-        return cls(str(mf.dir), mf.gguf is not None, stored, _uniform_heads(mf.dir))
+        return cls(str(mf.dir), mf.gguf is not None, stored, uniform_heads(cfg))
 
     @classmethod
     def builtin(cls, name: str) -> ModelWeights:
@@ -67,21 +69,17 @@ class ModelWeights:
         return cls(f"{name} (builtin)", True, lambda: True)
 
 
-def _uniform_heads(folder) -> bool:
-    """Whether every layer of the model in `folder` has the same (Hq, Hkv, D) (an unreadable
-    config.json: True, its own check names it)."""
-    try:
-        cfg = ModelConfig.from_dir(folder)
-    except (OSError, ValueError):
-        return True
+def uniform_heads(cfg: ModelConfig) -> bool:
+    """Whether every layer of the model has the same (Hq, Hkv, D)."""
     return len(set(map(cfg.heads_of, range(cfg.num_hidden_layers)))) == 1
 
 
-def resolve_engine(job: JobConfig, mf: ModelFiles, model_len: int) -> EngineSettings:
-    """The job's engine section for this process's machine (model_len: config.json's)."""
-    return EngineSettings(**_section(job, ModelWeights.of(mf)),
+def resolve_engine(job: JobConfig, mf: ModelFiles, cfg: ModelConfig) -> EngineSettings:
+    """The job's engine section for this process's machine (cfg: the model's config.json,
+    parsed once by the caller)."""
+    return EngineSettings(**_section(job, ModelWeights.of(mf, cfg)),
                           max_model_len=resolve_max_model_len(job.engine.max_model_len,
-                                                              model_len))  # fmt: skip
+                                                              cfg.max_model_len))  # fmt: skip
 
 
 def check_engine(job: JobConfig, weights: ModelWeights) -> None:
