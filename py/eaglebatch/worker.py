@@ -19,7 +19,7 @@ from eaglebatch.attention import (
     get_backend,
     kv_cache_bytes_per_block,
 )
-from eaglebatch.attention.base import copy_blocks
+from eaglebatch.attention.base import copy_blocks, kv_layer_bytes_per_block
 from eaglebatch.cpu import accelerate
 from eaglebatch.cpu.gguf_blocks import checkpoint
 from eaglebatch.cpu.quantized import QuantizedWeight, use_quantized_weights
@@ -151,8 +151,8 @@ def plan_kv_budget(
     one full-length sequence. `extra_kv_layers` (a draft head's layers over the same blocks)
     count in the bytes per block. The cache itself gets one block more: the pad block of
     graph steps."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    draft_layer = 2 * eng.block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
+    draft_layer = kv_layer_bytes_per_block(cfg.num_key_value_heads, cfg.head_dim,
+                                           eng.block_size, dtype)  # fmt: skip
     per_block = kv_cache_bytes_per_block(cfg, eng.block_size, dtype)
     per_block += draft_layer * extra_kv_layers
     if eng.kv_cache_tokens is not None:

@@ -16,7 +16,6 @@ block_tables[i, p // block_size] at offset p % block_size; slot = block * block_
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -219,12 +218,17 @@ def write_kv_cache(
     flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
+def kv_layer_bytes_per_block(kv_heads: int, head_dim: int, block_size: int,
+                             dtype: torch.dtype) -> int:  # fmt: skip
+    """Bytes one block of one layer's cache takes (K and V)."""
+    return 2 * block_size * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
 def kv_cache_bytes_per_block(cfg: KVCacheConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers (K and V); layers that share another's cache
     take none."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
     owners = [i for i in range(cfg.num_hidden_layers) if cfg.kv_source(i) == i]
-    return sum(2 * block_size * math.prod(cfg.heads_of(i)[1:]) * itemsize for i in owners)
+    return sum(kv_layer_bytes_per_block(*cfg.heads_of(i)[1:], block_size, dtype) for i in owners)
 
 
 def allocate_kv_cache(
