@@ -297,6 +297,17 @@ def _wait_healthy(proc: subprocess.Popen, port: int, log: Path, timeout: float) 
     )
 
 
+def _peak_resident_mib(pid: int) -> float | None:
+    """The process's peak resident memory (VmHWM: mapped file pages it touched included), in
+    MiB; None where /proc does not say."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    m = re.search(r"^VmHWM:\s*(\d+) kB", text, re.M)
+    return int(m.group(1)) / 1024 if m else None
+
+
 def _stop(proc: subprocess.Popen) -> None:
     """Terminate the server, killing it if it does not exit promptly."""
     if proc.poll() is not None:
@@ -374,7 +385,9 @@ def run_llama_server(
     request sent to last response received, client side),
     ``output_tok_s_wall`` (output_tokens / wall_s), ``output_tok_s_gen``,
     ``mean_ttft_ms`` (mean of the server's ``prompt_ms``: prompt processing
-    time, excluding queueing), ``binary`` (description) and ``per_request``.
+    time, excluding queueing), ``binary`` (description), ``per_request``,
+    ``startup_s`` (start to a healthy server: the model loaded) and
+    ``peak_resident_mib`` (the server's VmHWM before it stops).
 
     ``output_tok_s_gen`` is output_tokens divided by a generation time: for
     ``parallel == 1`` the sum of the server's ``predicted_ms``; for
@@ -390,16 +403,20 @@ def run_llama_server(
     cmd = _server_command(path, Path(gguf), port, parallel, threads, ctx_per_slot)
     with tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log") as log_file:
         log = Path(log_file.name)
+        started = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
         try:
             _wait_healthy(proc, port, log, startup_timeout)
+            startup_s = time.monotonic() - started
             with ThreadPoolExecutor(max_workers=parallel) as pool:
                 futures = [pool.submit(_complete, port, p, max_tokens, ignore_eos)
                            for p in prompts]
                 records = [f.result() for f in futures]
+            peak = _peak_resident_mib(proc.pid)
         finally:
             _stop(proc)
-    return _summarise(records, parallel, description)
+    return _summarise(records, parallel, description) | {"startup_s": startup_s,
+                                                         "peak_resident_mib": peak}
 
 
 # --------------------------------------------------------------------------

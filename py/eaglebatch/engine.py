@@ -560,6 +560,8 @@ def _run(prep: PreparedJob, worker, progress, resume: ResumeState, scope: RunSco
     target = getattr(worker, "target", worker)
     stats["weights"] = getattr(target, "weights", None)
     stats["threads"] = getattr(target, "threads", None)
+    caches = getattr(target, "kv_caches", None) or []
+    stats["kv_cache_mib"] = sum(c.numel() * c.element_size() for c in caches) / 2**20
     stats.update(resident_memory())
     if progress is not None:
         progress(progress_counters(prep, scheduler.progress(), stats["step_work"]))
