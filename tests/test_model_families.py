@@ -108,6 +108,14 @@ FAMILIES = {
         vocab_size_per_layer_input=320, num_kv_shared_layers=2, use_double_wide_mlp=True,
         layer_types=["sliding_attention", "full_attention"] * 2, tie_word_embeddings=True,
     ),
+    # 26B-A4B-like: 4 experts of 32 beside each dense MLP, 2 per token (scaled router, scale
+    # per expert); sliding and full layers
+    "gemma4_moe": dict(
+        model_type="gemma4_text", sliding_window=8, hidden_activation="gelu_pytorch_tanh",
+        layer_types=["sliding_attention", "full_attention", "full_attention"],
+        global_head_dim=32, hidden_size_per_layer_input=0, enable_moe_block=True,
+        num_experts=4, top_k_experts=2, moe_intermediate_size=32, tie_word_embeddings=True,
+    ),
 }  # fmt: skip
 HF_MODELS = {}  # model folder -> its transformers model (float32, eval)
 
@@ -305,9 +313,9 @@ def test_gemma4_multimodal_checkpoint_runs_its_text_tower(tmp_path):
     assert got == [hf_greedy(mm, p) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("key, value", [("enable_moe_block", True),
-                                        ("use_bidirectional_attention", "all")])  # fmt: skip
-def test_gemma4_refusals_exit_2_naming_the_key(tmp_path, key, value):
+@pytest.mark.parametrize("name, key, value", [("gemma4_moe", "top_k_experts", 8),
+                                              ("gemma4", "use_bidirectional_attention", "all")])
+def test_gemma4_refusals_exit_2_naming_the_key(tmp_path, name, key, value):
     import json
 
     from click.testing import CliRunner
@@ -315,7 +323,7 @@ def test_gemma4_refusals_exit_2_naming_the_key(tmp_path, key, value):
     from eaglebatch.cli import main
     from support.tiny import write_prompts
 
-    model = make_tiny_model(tmp_path / "m", **{**SHAPE, **FAMILIES["gemma4"]})
+    model = make_tiny_model(tmp_path / "m", **{**SHAPE, **FAMILIES[name]})
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, key: value}))
     inp = write_prompts(tmp_path / "in.parquet", ["hello"])
