@@ -57,25 +57,43 @@ def test_grouped_and_masked_paths_equal_the_per_token_reference(shared, renormal
     torch.testing.assert_close(masked, grouped, rtol=1e-6, atol=1e-7)
 
 
-def _scaled_router_reference(block: SparseMoeBlock, x, router_in) -> torch.Tensor:
-    """Per token: the router scores rms(r) * scale / sqrt(H) of its own input r, the top-k
-    renormalised, each weight times its expert's scale; the experts run on x."""
-    r = router_in / router_in.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
-    probs = torch.softmax(block.gate(r * block.router_scale / 4.0).float(), dim=-1)
-    out = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        w, e = torch.topk(probs[t], block.top_k)
-        w = w / w.sum() * block.per_expert_scale[e]
-        for we, ee in zip(w.tolist(), e.tolist()):
-            out[t] += we * block.experts[ee](x[t : t + 1])[0]
-    return out
 
+def _gemma4_pair(block: SparseMoeBlock):
+    """transformers' Gemma 4 router and experts holding `block`'s weights."""
+    import transformers
+    from transformers.models.gemma4 import modeling_gemma4 as g4
 
-def test_scaled_router_scores_its_own_input_and_scales_each_expert():
-    block = _block(0, True, True, router_scales=True)
-    x, router_in = torch.randn(9, 16), 3.0 * torch.randn(9, 16)
+    cfg = transformers.Gemma4TextConfig(hidden_size=16, num_experts=5, top_k_experts=2,
+                                        moe_intermediate_size=8, enable_moe_block=True,
+                                        rms_norm_eps=1e-6, num_hidden_layers=1,
+                                        hidden_activation="silu")  # fmt: skip (as _block)
+    router, experts = g4.Gemma4TextRouter(cfg), g4.Gemma4TextExperts(cfg)
     with torch.no_grad():
-        want = _scaled_router_reference(block, x, router_in)
-        got = block(x, router_input=router_in)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    assert not torch.allclose(block(x, router_input=x), got)  # the router input counts
+        router.proj.weight.copy_(block.gate.weight)
+        router.scale.copy_(block.router_scale)
+        router.per_expert_scale.copy_(block.per_expert_scale)
+        for e, ex in enumerate(block.experts):
+            experts.gate_up_proj[e].copy_(torch.cat([ex.gate_proj.weight, ex.up_proj.weight]))
+            experts.down_proj[e].copy_(ex.down_proj.weight)
+    return router, experts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scaled_router_equals_gemma4s_router_and_experts(dtype):
+    """router_input_scale + router_expert_scale (Gemma 4): the router scores its own input
+    (the residual) normed and scaled, each weight times its expert's scale, in the reference's
+    dtypes and order (its weights bit for bit)."""
+    block = _block(0, True, True, router_scales=True)
+    router, experts = _gemma4_pair(block)
+    block, router, experts = block.to(dtype), router.to(dtype), experts.to(dtype)
+    x, residual = torch.randn(13, 16).to(dtype), (3 * torch.randn(13, 16)).to(dtype)
+    with torch.no_grad():
+        _, weights, index = router(residual)
+        got_weights, got_index = route(block._logits(residual), 2, True, True,
+                                       block.per_expert_scale)  # fmt: skip
+        assert torch.equal(got_index, index) and torch.equal(got_weights, weights)
+        want = experts(x, index, weights)
+        got = block(x, router_input=residual)
+        tol = {} if dtype == torch.bfloat16 else {"rtol": 1e-6, "atol": 1e-7}
+        torch.testing.assert_close(got, want, **tol)  # GEMMs of other rows: not bit for bit
+        assert not torch.allclose(block(x), want)  # the router input counts
