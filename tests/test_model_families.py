@@ -291,15 +291,17 @@ def test_auto_backend_avoids_flashinfer_for_layers_of_several_head_shapes(family
     assert uniform_heads(cfg) == ("global_head_dim" not in FAMILIES[name])
 
 
-def test_gemma4_multimodal_checkpoint_runs_its_text_tower(tmp_path):
+@pytest.mark.parametrize("name", ["gemma4_e2b", "gemma4_moe"])
+def test_gemma4_multimodal_checkpoint_runs_its_text_tower(tmp_path, name):
     """A `gemma4` checkpoint (Gemma4ForConditionalGeneration, tensors under
-    model.language_model.*) generates as transformers does on text prompts."""
+    model.language_model.*; 26B-A4B ships so, its experts too) generates as transformers
+    does on text prompts."""
     import shutil
 
     import torch
     import transformers
 
-    text_dir = make_tiny_model(tmp_path / "text", **{**SHAPE, **FAMILIES["gemma4_e2b"]})
+    text_dir = make_tiny_model(tmp_path / "text", **{**SHAPE, **FAMILIES[name]})
     text = transformers.Gemma4ForCausalLM.from_pretrained(str(text_dir), dtype=torch.float32)
     config = transformers.Gemma4Config(text_config=text.config.to_dict(), vision_config=None,
                                        audio_config=None)  # fmt: skip

@@ -96,4 +96,6 @@ def test_scaled_router_equals_gemma4s_router_and_experts(dtype):
         got = block(x, router_input=residual)
         tol = {} if dtype == torch.bfloat16 else {"rtol": 1e-6, "atol": 1e-7}
         torch.testing.assert_close(got, want, **tol)  # GEMMs of other rows: not bit for bit
+        masked = block._dense(x, got_weights, got_index)  # the path CUDA graphs capture
+        torch.testing.assert_close(masked, block._grouped(x, got_weights, got_index), **tol)
         assert not torch.allclose(block(x), want)  # the router input counts
