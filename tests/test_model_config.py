@@ -455,8 +455,25 @@ def test_gemma4_shared_kv_layers_ple_and_double_wide_mlp() -> None:
     assert gemma4(use_bidirectional_attention="vision").layer_types == GEMMA4_TYPES
 
 
+GEMMA4_MOE = {"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2,
+              "moe_intermediate_size": 8}  # fmt: skip
+
+
+def test_gemma4_moe_adds_scaled_routed_experts_beside_every_dense_mlp() -> None:
+    c = gemma4(**GEMMA4_MOE)
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (4, 2, 8)
+    assert all(c.is_sparse(i) for i in range(4)) and c.intermediate_size == 96
+    assert c.moe_beside_dense and c.router_input_scale and c.router_expert_scale
+    assert c.norm_topk_prob and c.router_weights_float32
+    # the experts' keys mean nothing without enable_moe_block (transformers ignores them)
+    assert gemma4(**{**GEMMA4_MOE, "enable_moe_block": False}).num_experts == 0
+
+
 @pytest.mark.parametrize("overrides, key", [
-    ({"enable_moe_block": True}, "enable_moe_block"),
+    ({"enable_moe_block": True}, "num_experts"),
+    ({**GEMMA4_MOE, "top_k_experts": 5}, "top_k_experts = 5 exceeds num_experts = 4"),
+    ({**GEMMA4_MOE, "moe_intermediate_size": None}, "moe_intermediate_size"),
+    ({**GEMMA4_MOE, "enable_moe_block": "yes"}, "enable_moe_block"),
     ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
     ({"per_layer_config": {"3": {"intermediate_size": 8}}}, "intermediate_size"),
     ({"per_layer_config": {"3": {"head_dim": 8}}}, "several head dims"),

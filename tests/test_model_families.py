@@ -108,6 +108,14 @@ FAMILIES = {
         vocab_size_per_layer_input=320, num_kv_shared_layers=2, use_double_wide_mlp=True,
         layer_types=["sliding_attention", "full_attention"] * 2, tie_word_embeddings=True,
     ),
+    # 26B-A4B-like: 4 experts of 32 beside each dense MLP, 2 per token (scaled router, scale
+    # per expert); sliding and full layers
+    "gemma4_moe": dict(
+        model_type="gemma4_text", sliding_window=8, hidden_activation="gelu_pytorch_tanh",
+        layer_types=["sliding_attention", "full_attention", "full_attention"],
+        global_head_dim=32, hidden_size_per_layer_input=0, enable_moe_block=True,
+        num_experts=4, top_k_experts=2, moe_intermediate_size=32, tie_word_embeddings=True,
+    ),
 }  # fmt: skip
 HF_MODELS = {}  # model folder -> its transformers model (float32, eval)
 
@@ -283,15 +291,17 @@ def test_auto_backend_avoids_flashinfer_for_layers_of_several_head_shapes(family
     assert uniform_heads(cfg) == ("global_head_dim" not in FAMILIES[name])
 
 
-def test_gemma4_multimodal_checkpoint_runs_its_text_tower(tmp_path):
+@pytest.mark.parametrize("name", ["gemma4_e2b", "gemma4_moe"])
+def test_gemma4_multimodal_checkpoint_runs_its_text_tower(tmp_path, name):
     """A `gemma4` checkpoint (Gemma4ForConditionalGeneration, tensors under
-    model.language_model.*) generates as transformers does on text prompts."""
+    model.language_model.*; 26B-A4B ships so, its experts too) generates as transformers
+    does on text prompts."""
     import shutil
 
     import torch
     import transformers
 
-    text_dir = make_tiny_model(tmp_path / "text", **{**SHAPE, **FAMILIES["gemma4_e2b"]})
+    text_dir = make_tiny_model(tmp_path / "text", **{**SHAPE, **FAMILIES[name]})
     text = transformers.Gemma4ForCausalLM.from_pretrained(str(text_dir), dtype=torch.float32)
     config = transformers.Gemma4Config(text_config=text.config.to_dict(), vision_config=None,
                                        audio_config=None)  # fmt: skip
@@ -305,9 +315,9 @@ def test_gemma4_multimodal_checkpoint_runs_its_text_tower(tmp_path):
     assert got == [hf_greedy(mm, p) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("key, value", [("enable_moe_block", True),
-                                        ("use_bidirectional_attention", "all")])  # fmt: skip
-def test_gemma4_refusals_exit_2_naming_the_key(tmp_path, key, value):
+@pytest.mark.parametrize("name, key, value", [("gemma4_moe", "top_k_experts", 8),
+                                              ("gemma4", "use_bidirectional_attention", "all")])
+def test_gemma4_refusals_exit_2_naming_the_key(tmp_path, name, key, value):
     import json
 
     from click.testing import CliRunner
@@ -315,7 +325,7 @@ def test_gemma4_refusals_exit_2_naming_the_key(tmp_path, key, value):
     from eaglebatch.cli import main
     from support.tiny import write_prompts
 
-    model = make_tiny_model(tmp_path / "m", **{**SHAPE, **FAMILIES["gemma4"]})
+    model = make_tiny_model(tmp_path / "m", **{**SHAPE, **FAMILIES[name]})
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, key: value}))
     inp = write_prompts(tmp_path / "in.parquet", ["hello"])

@@ -89,10 +89,13 @@ def make_tiny_model(
         **extra,
     )
     model = model_cls(cfg).eval()
-    if model_type == "gemma4_text":  # its norm weights and layer scalars start at 1: vary them
+    if model_type == "gemma4_text":  # its norm weights, layer scalars and router scales start
+        # at 1: vary them
+        varied = ("norm.weight", "norm_1.weight", "norm_2.weight", "layer_scalar",
+                  "router.scale", "per_expert_scale")  # fmt: skip
         with torch.no_grad():
             for name, t in [*model.named_parameters(), *model.named_buffers()]:
-                if name.endswith(("norm.weight", "layer_scalar")):
+                if name.endswith(varied):
                     t.uniform_(0.5, 1.5)
     model.save_pretrained(str(out))
     byte_tokenizer().save(str(out / "tokenizer.json"))

@@ -123,6 +123,15 @@ class ModelConfig:
     router_weights_float32: bool = False
     shared_expert_intermediate_size: int = 0
     sparse_layers: tuple[bool, ...] | None = None
+    # Router variants (moe.py): `router_input_scale`, the router scores rms(x) * a learned [H]
+    # scale / sqrt(H) instead of x; `router_expert_scale`, each routed weight (after any
+    # renormalisation) times a learned per-expert [E] scale (both Gemma 4)
+    router_input_scale: bool = False
+    router_expert_scale: bool = False
+    # a sparse layer keeps its dense MLP and adds the routed experts beside it, each branch
+    # with its own pre- and post-norm, their sum post-normed again (decoder_layer.py; Gemma 4;
+    # needs norm_layout "sandwich"); False: the experts replace the dense MLP
+    moe_beside_dense: bool = False
     # the text tower of a multimodal checkpoint (e.g. `gemma3` with a text_config): its tensors
     # are named language_model.* and the other towers' are skipped (weights.text_tower_name)
     text_tower: bool = False

@@ -218,10 +218,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = make_norm(cfg, h, **factory)
         if self.layout == "sandwich":
             self.pre_feedforward_layernorm = make_norm(cfg, h, **factory)
-        if cfg.is_sparse(layer_idx):  # the routed MLP; its activation is the dense one's
+        self.moe = None
+        if cfg.is_sparse(layer_idx) and not cfg.moe_beside_dense:
             self.mlp = SparseMoeBlock(cfg, _ACTIVATIONS[cfg.activation], **factory)
         else:
             self.mlp = MLP(cfg, layer_idx, **factory)
+        if cfg.is_sparse(layer_idx) and cfg.moe_beside_dense:
+            self._add_moe_beside_dense(cfg, **factory)
         if self.layout != "pre":
             self.post_feedforward_layernorm = make_norm(cfg, h, **factory)
         if cfg.per_layer_input_size:  # per-layer embeddings: a third residual block
@@ -230,6 +233,16 @@ class DecoderLayer(nn.Module):
             self.per_layer_projection = nn.Linear(p, h, bias=False, **factory)
             self.post_per_layer_input_norm = make_norm(cfg, h, **factory)
         self.layer_scalar = nn.Parameter(torch.ones(1, **factory)) if cfg.layer_scalar else None
+
+    def _add_moe_beside_dense(self, cfg: ModelConfig, **factory) -> None:
+        """The routed experts beside the dense MLP, with the norms of both branches."""
+        if self.layout != "sandwich":
+            raise ValueError("model config: experts beside the dense MLP need sandwich norms")
+        h = cfg.hidden_size
+        self.moe = SparseMoeBlock(cfg, _ACTIVATIONS[cfg.activation], **factory)
+        self.pre_feedforward_layernorm_2 = make_norm(cfg, h, **factory)
+        self.post_feedforward_layernorm_1 = make_norm(cfg, h, **factory)
+        self.post_feedforward_layernorm_2 = make_norm(cfg, h, **factory)
 
     def forward(
         self,
@@ -257,7 +270,16 @@ class DecoderLayer(nn.Module):
         a = self.self_attn(attn_in, cos, sin, attn, kv_cache, backend, q_scale)
         h = x + self._scaled(self.post_attention_layernorm(a))
         mlp_in = h if self.layout == "post" else self.pre_feedforward_layernorm(h)
-        return h + self._scaled(self.post_feedforward_layernorm(self.mlp(mlp_in)))
+        return h + self._scaled(self.post_feedforward_layernorm(self._feed_forward(h, mlp_in)))
+
+    def _feed_forward(self, h: torch.Tensor, mlp_in: torch.Tensor) -> torch.Tensor:  # [T, H]
+        """The MLP of the normed residual; with experts beside it (cfg.moe_beside_dense):
+        post_1(mlp(pre(h))) + post_2(experts(pre_2(h))), the router scoring h itself."""
+        out = self.mlp(mlp_in)
+        if self.moe is None:
+            return out
+        routed = self.moe(self.pre_feedforward_layernorm_2(h), router_input=h)
+        return self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(routed)
 
     def _scaled(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.residual_multiplier == 1.0 else x * self.residual_multiplier

@@ -27,9 +27,20 @@ What a Gemma 4 decoder computes (transformers' Gemma4ForCausalLM), over residual
   each attends (with its own q and window) to the K/V of the last earlier non-shared layer of
   its kind, writing none. use_double_wide_mlp doubles the MLP's inner size of those layers.
 
+Mixture of experts (`enable_moe_block`, the 26B-A4B shape): every layer keeps its dense MLP
+and adds `num_experts` GeGLU experts of `moe_intermediate_size` beside it (moe_beside_dense):
+h = h + post_feedforward_layernorm(post_feedforward_layernorm_1(mlp(pre_feedforward_layernorm(h)))
++ post_feedforward_layernorm_2(experts(pre_feedforward_layernorm_2(h)))). The router scores
+the residual h itself: proj(rms(h) * router.scale / sqrt(H)) (rms weightless), softmax in
+float32, the top `top_k_experts`, renormalised, each weight times router.per_expert_scale of
+its expert, applied in float32. Checkpoint tensors router.proj / router.scale /
+router.per_expert_scale / experts.gate_up_proj [E, 2I, H] (gate rows first) /
+experts.down_proj [E, H, I] load as moe.gate / moe.router_scale / moe.per_expert_scale /
+moe.experts.{e}.* (the family's renames, expert_layout.py).
+
 use_bidirectional_attention "vision" makes only image tokens attend both ways: text is causal.
 
-Refused (a ValueError naming the key): enable_moe_block, use_bidirectional_attention "all",
+Refused (a ValueError naming the key): use_bidirectional_attention "all",
 attn_logit_softcapping, a vocab_size_per_layer_input other than vocab_size, a config without
 rope_parameters, sliding-layer RoPE scaling, per_layer_config keys other than head_dim /
 num_key_value_heads or giving layers of one kind different head dims.
@@ -155,8 +166,21 @@ def _mlp_sizes(raw: dict[str, Any], sources: tuple[int, ...] | None) -> tuple[in
     return tuple(inner * (2 if s != i else 1) for i, s in enumerate(sources))
 
 
+def _experts(raw: dict[str, Any]) -> dict[str, Any]:
+    """The MoE fields of `enable_moe_block` (module doc); none without it."""
+    if not bool_value(raw, "enable_moe_block"):
+        return {}
+    num, k = int_value(raw, "num_experts"), int_value(raw, "top_k_experts")
+    if k > num:
+        raise ValueError(f"model config: top_k_experts = {k} exceeds num_experts = {num}")
+    return {"num_experts": num, "num_experts_per_tok": k, "norm_topk_prob": True,
+            "moe_intermediate_size": int_value(raw, "moe_intermediate_size"),
+            "router_weights_float32": True, "router_input_scale": True,
+            "router_expert_scale": True, "moe_beside_dense": True}  # fmt: skip
+
+
 def _features(raw: dict[str, Any]) -> dict[str, Any]:
-    refuse(raw, "enable_moe_block", "attn_logit_softcapping")
+    refuse(raw, "attn_logit_softcapping")
     if raw.get("use_bidirectional_attention") not in (None, "vision"):  # "vision": text is causal
         refuse(raw, "use_bidirectional_attention")
     types = _layer_types(raw, int_value(raw, "num_hidden_layers"))
@@ -184,9 +208,15 @@ def _features(raw: dict[str, Any]) -> dict[str, Any]:
         "kv_source_layers": sources,
         "layer_intermediate_sizes": _mlp_sizes(raw, sources),
         "per_layer_input_size": _per_layer_embeddings(raw),
+        **_experts(raw),
     }
 
 
+# the MoE tensors (module doc) onto moe.py's parameter names
+_RENAMED = ((".router.proj.", ".moe.gate."), (".router.scale", ".moe.router_scale"),
+            (".router.per_expert_scale", ".moe.per_expert_scale"),
+            (".experts.", ".moe.experts."))  # fmt: skip
+
 GEMMA4 = Family("gemma4_text", "Gemma4ForCausalLM", _features, tie_word_embeddings=True,
-                text_tower_of=("gemma4",), gguf_architectures=("gemma4",),
+                text_tower_of=("gemma4",), renamed=_RENAMED, gguf_architectures=("gemma4",),
                 gguf_config=gemma4_gguf_config)  # fmt: skip

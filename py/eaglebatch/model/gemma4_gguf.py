@@ -20,7 +20,18 @@ How llama.cpp's converter writes Gemma 4 (the keys below without the `gemma4.` p
 - norm weights as they are (x * w; no 1 + w as Gemma 3), layer_scalar as
   `blk.N.layer_output_scale.weight`.
 
-Refused by key or tensor: a mixture-of-experts file (`expert_count`, `ffn_gate_inp`), attention
+A mixture-of-experts file (26B-A4B) is refused by `expert_count` (or `ffn_gate_inp`) until its
+3-D expert tensors are read; llama.cpp writes it as: keys `expert_count` (num_experts),
+`expert_used_count` (top_k_experts), `expert_feed_forward_length` (moe_intermediate_size);
+per layer `ffn_gate_inp.weight` [H, E] (router.proj, HF [E, H]), `ffn_gate_inp.scale` [H]
+(router.scale, as is), `ffn_down_exps.scale` [E] (router.per_expert_scale),
+`ffn_gate_up_exps.weight` [H, 2I, E] (experts.gate_up_proj [E, 2I, H]; or separate
+`ffn_gate_exps` / `ffn_up_exps` [H, I, E]), `ffn_down_exps.weight` [I, H, E]
+(experts.down_proj [E, H, I]), `pre_ffw_norm_2` / `post_ffw_norm_1` / `post_ffw_norm_2`
+(pre_feedforward_layernorm_2 / post_feedforward_layernorm_1 / _2), beside the dense MLP's
+`ffn_norm` / `ffn_gate` / `ffn_up` / `ffn_down` / `post_ffw_norm`.
+
+Refused by key or tensor: a mixture-of-experts file (above), attention
 logit soft-capping, key and value lengths that differ, a last layer that slides (transformers
 makes it full), `attn_v` missing on a sliding layer, per-layer values that do not follow
 Gemma 4's (KV heads one per kind, the MLP size doubled exactly on the shared layers), RoPE
@@ -146,7 +157,8 @@ def _rope(own: dict[str, Any], tensors, dims: dict[str, Any]) -> dict[str, Any]:
 
 def gemma4_gguf_config(own: dict[str, Any], tensors) -> dict[str, Any]:
     if "expert_count" in own or "blk.0.ffn_gate_inp.weight" in tensors:
-        raise _refuse("expert_count", "a mixture-of-experts Gemma 4 is not supported")
+        raise _refuse("expert_count", "a mixture-of-experts Gemma 4 GGUF file is not supported "
+                      "yet (its 3-D expert tensors); run its Hugging Face checkpoint")  # fmt: skip
     if "attn_logit_softcapping" in own:
         raise _refuse("attn_logit_softcapping", "attention logit soft-capping is not supported")
     layers = own["block_count"]
