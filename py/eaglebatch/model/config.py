@@ -99,6 +99,9 @@ class ModelConfig:
     # per layer, whether V is the k projection's output (no v_proj; Gemma 4's attention_k_eq_v)
     k_eq_v_layers: tuple[bool, ...] | None = None
     v_norm: bool = False  # a weightless float32 RMSNorm over each V head (Gemma 4)
+    # a learned logit per query head (checkpoint tensor self_attn.sinks [Hq]) joining each
+    # attention softmax's denominator: it takes probability mass and adds no value (gpt-oss)
+    attention_sinks: bool = False
     # a learned scalar per layer (checkpoint tensor layers.{i}.layer_scalar, [1]) that
     # multiplies the layer's output, residual included (Gemma 4)
     layer_scalar: bool = False
