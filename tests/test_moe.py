@@ -11,12 +11,17 @@ import torch.nn.functional as F
 
 from eaglebatch.model.moe import SparseMoeBlock, route
 
+# ModelConfig's MoE features at their defaults
+DEFAULTS = dict(router_scoring="softmax", router_bias=False, expert_bias=False,
+                expert_activation="gated", swiglu_alpha=1.702, swiglu_limit=7.0)  # fmt: skip
 
-def _block(shared: int, renormalise: bool, weights_float32: bool) -> SparseMoeBlock:
+
+def _block(shared: int, renormalise: bool, weights_float32: bool, **features) -> SparseMoeBlock:
     cfg = SimpleNamespace(hidden_size=16, num_experts=5, num_experts_per_tok=2,
                           moe_intermediate_size=8, norm_topk_prob=renormalise,
                           router_weights_float32=weights_float32,
-                          shared_expert_intermediate_size=shared)  # fmt: skip
+                          shared_expert_intermediate_size=shared,
+                          **{**DEFAULTS, **features})  # fmt: skip
     torch.manual_seed(0)
     block = SparseMoeBlock(cfg, F.silu)
     with torch.no_grad():
@@ -51,3 +56,58 @@ def test_grouped_and_masked_paths_equal_the_per_token_reference(shared, renormal
         grouped, masked = block._grouped(x, weights, experts), block._dense(x, weights, experts)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(masked, grouped, rtol=1e-6, atol=1e-7)
+
+
+def _gpt_oss_reference(block: SparseMoeBlock, x: torch.Tensor, alpha: float, limit: float):
+    """transformers' gpt-oss MLP per token: top-k logits of the biased router, softmax over
+    them; each expert gate/up with biases, clamped, (up + 1) * gate * sigmoid(alpha * gate),
+    down with its bias."""
+    logits = block.gate(x)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        values, experts = torch.topk(logits[t], block.top_k)
+        weights = torch.softmax(values, dim=-1)
+        for w, e in sorted(zip(weights.tolist(), experts.tolist()), key=lambda p: p[1]):
+            ex = block.experts[e]
+            gate = (x[t] @ ex.gate_proj.weight.T + ex.gate_proj.bias).clamp(max=limit)
+            up = (x[t] @ ex.up_proj.weight.T + ex.up_proj.bias).clamp(-limit, limit)
+            inner = (up + 1) * gate * torch.sigmoid(gate * alpha)
+            out[t] += w * (inner @ ex.down_proj.weight.T + ex.down_proj.bias)
+    return out
+
+
+def test_biased_topk_softmax_router_and_clamped_swiglu_experts():
+    """gpt-oss's routed MLP as features: the router's bias and top-k-then-softmax scoring,
+    expert biases, the clamped SwiGLU (limit small enough that the clamps bite); the graph
+    path equals the grouped one."""
+    alpha, limit = 1.702, 0.6
+    block = _block(0, False, False, router_scoring="topk_softmax", router_bias=True,
+                   expert_bias=True, expert_activation="clamped_swiglu", swiglu_alpha=alpha,
+                   swiglu_limit=limit)  # fmt: skip
+    assert block.gate.bias is not None and block.experts[0].down_proj.bias is not None
+    x = torch.randn(13, 16) * 3
+    with torch.no_grad():
+        gate_out = block.experts[0].gate_proj(x)
+        assert (gate_out > limit).any() and (gate_out < -limit).any()
+        want = _gpt_oss_reference(block, x, alpha, limit)
+        got = block(x)
+        weights, experts = route(block.gate(x), 2, False, False, "topk_softmax")
+        masked = block._dense(x, weights, experts)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(masked, got, rtol=1e-6, atol=1e-6)
+
+
+def test_topk_softmax_is_renormalised_softmax():
+    """Softmax over the top k logits = the full softmax's top k renormalised (same experts)."""
+    logits = torch.randn(7, 6)
+    w, e = route(logits, 3, False, False, "topk_softmax")
+    w2, e2 = route(logits, 3, True, True, "softmax")
+    assert torch.equal(e, e2)
+    torch.testing.assert_close(w, w2)
+
+
+@pytest.mark.parametrize("key, value", [("router_scoring", "sigmoid"),
+                                        ("expert_activation", "geglu_clamped")])  # fmt: skip
+def test_unknown_router_scoring_or_expert_activation_is_refused_by_name(key, value):
+    with pytest.raises(ValueError, match=key):
+        _block(0, False, False, **{key: value})

@@ -126,6 +126,16 @@ class ModelConfig:
     router_weights_float32: bool = False
     shared_expert_intermediate_size: int = 0
     sparse_layers: tuple[bool, ...] | None = None
+    # the router's scoring (moe.py ROUTER_SCORINGS: "softmax" over every expert then the top
+    # k; "topk_softmax": softmax over the top k logits, gpt-oss) and whether it has a bias [E];
+    # biases on every expert projection; the experts' activation (moe.py EXPERT_ACTIVATIONS:
+    # "gated" = the dense MLP's; "clamped_swiglu" with swiglu_alpha and swiglu_limit, gpt-oss)
+    router_scoring: str = "softmax"
+    router_bias: bool = False
+    expert_bias: bool = False
+    expert_activation: str = "gated"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     # the text tower of a multimodal checkpoint (e.g. `gemma3` with a text_config): its tensors
     # are named language_model.* and the other towers' are skipped (weights.text_tower_name)
     text_tower: bool = False
