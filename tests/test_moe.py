@@ -111,3 +111,64 @@ def test_topk_softmax_is_renormalised_softmax():
 def test_unknown_router_scoring_or_expert_activation_is_refused_by_name(key, value):
     with pytest.raises(ValueError, match=key):
         _block(0, False, False, **{key: value})
+
+
+def _gpt_oss_mlp():
+    """transformers' gpt-oss MLP (router + fused experts), random, and our block for it."""
+    import transformers
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    hf_cfg = transformers.GptOssConfig(hidden_size=16, intermediate_size=8, num_local_experts=5,
+                                       num_experts_per_tok=2, swiglu_limit=0.8)  # fmt: skip
+    torch.manual_seed(1)
+    mlp = GptOssMLP(hf_cfg).eval()
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.normal_(0, 0.5)
+    cfg = SimpleNamespace(hidden_size=16, num_experts=5, num_experts_per_tok=2,
+                          moe_intermediate_size=8, norm_topk_prob=False,
+                          router_weights_float32=False, shared_expert_intermediate_size=0,
+                          **{**DEFAULTS, "router_scoring": "topk_softmax", "router_bias": True,
+                             "expert_bias": True, "expert_activation": "clamped_swiglu",
+                             "swiglu_limit": 0.8})  # fmt: skip
+    return mlp, cfg
+
+
+def test_interleaved_expert_layout_loads_transformers_gpt_oss_experts():
+    """gpt-oss's fused experts (gate_up_proj [E, H, 2I] with gate/up interleaved, its bias,
+    down_proj [E, I, H] and bias, all x @ W) split per expert: our block on them equals
+    transformers' GptOssMLP; the shapes alone split the same way."""
+    from eaglebatch.model.expert_layout import expert_tensors
+
+    mlp, cfg = _gpt_oss_mlp()
+    block = SparseMoeBlock(cfg, F.silu)
+    state = {}
+    for name, t in mlp.state_dict().items():
+        name = "mlp." + name.replace("router.", "gate.")
+        parts = expert_tensors(name, t, cfg, "interleaved")
+        shapes = expert_tensors(name, tuple(t.shape), cfg, "interleaved")
+        if parts is None:
+            state[name] = t
+            continue
+        parts, shapes = list(parts), list(shapes)
+        assert [(n, tuple(p.shape)) for n, p in parts] == shapes
+        state.update(parts)
+    assert len(state) == 2 + 5 * 6
+    block.load_state_dict({k.removeprefix("mlp."): v for k, v in state.items()})
+    x = torch.randn(9, 16) * 2
+    with torch.no_grad():
+        want, _ = mlp(x[None])
+        got = block(x)
+    torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-5)
+
+
+def test_expert_tensor_of_the_wrong_shape_is_refused_by_name():
+    from eaglebatch.model.expert_layout import expert_tensors
+
+    _, cfg = _gpt_oss_mlp()
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    with pytest.raises(ValueError, match="experts.gate_up_proj.*the model expects"):
+        expert_tensors(name, (5, 16, 17), cfg, "interleaved")
+    with pytest.raises(ValueError, match="gate_up_proj_bias"):
+        expert_tensors(name + "_bias", (5, 15), cfg, "interleaved")
+    assert expert_tensors(name + "_bias", (5, 16), cfg, "stacked") is None  # not that layout's
