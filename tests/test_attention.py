@@ -15,16 +15,26 @@ from paged_kv import PagedSequences
 HQ, HKV, D = 4, 2, 16
 
 
-def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [q_len, HQ, D] are the last q_len positions of k/v [k_len, HKV, D]."""
+def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    sinks: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
+    """q [q_len, HQ, D] are the last q_len positions of k/v [k_len, HKV, D]; with `sinks`
+    [HQ], one more logit per head in each softmax whose weight is dropped (no value); with a
+    `window`, each query sees its last `window` positions only."""
     q_len, k_len = q.shape[0], k.shape[0]
     group = HQ // HKV
     k = k.repeat_interleave(group, dim=1)  # [k_len, HQ, D]
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(D)  # [HQ, q_len, k_len]
     q_pos = torch.arange(k_len - q_len, k_len)[:, None]
-    scores = scores.masked_fill(torch.arange(k_len)[None, :] > q_pos, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    hidden = torch.arange(k_len)[None, :] > q_pos
+    if window is not None:
+        hidden |= torch.arange(k_len)[None, :] <= q_pos - window
+    scores = scores.masked_fill(hidden, float("-inf"))
+    if sinks is None:
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    column = sinks[:, None, None].expand(HQ, q_len, 1)
+    probs = torch.cat((scores, column), dim=-1).softmax(-1)[..., :-1]
+    return torch.einsum("hqk,khd->qhd", probs, v)
 
 
 class Harness:
@@ -32,10 +42,13 @@ class Harness:
 
     def __init__(
         self, block_size: int, chunk_tokens: int = 4096, num_blocks: int = 256,
-        backend: str = "torch",
+        backend: str = "torch", sinks: torch.Tensor | None = None, window: int | None = None,
     ) -> None:
         self.backend = get_backend(backend, chunk_tokens=chunk_tokens)
-        self.backend.configure(HQ, HKV, D, torch.float32, torch.float32)
+        self.backend.configure(HQ, HKV, D, torch.float32, torch.float32,
+                               windows=() if window is None else (window,),
+                               sinks=sinks is not None)  # fmt: skip
+        self.sinks, self.window = sinks, window
         self.seqs = PagedSequences(num_blocks, block_size, seed=block_size)
         self.cache = torch.randn(2, num_blocks, block_size, HKV, D)  # garbage where unwritten
         self.k: dict[int, torch.Tensor] = {}
@@ -51,7 +64,8 @@ class Harness:
         v = torch.randn(t, HKV, D, generator=self.gen)
         self.backend.prepare(meta)
         self.last_meta = meta
-        out = self.backend.forward(0, q, k, v, self.cache, meta, D**-0.5)
+        out = self.backend.forward(0, q, k, v, self.cache, meta, D**-0.5, window=self.window,
+                                   sinks=self.sinks)  # fmt: skip
         assert out.shape == (t, HQ, D)
         for i, (s, n) in enumerate(batch):
             lo, hi = int(meta.cu_seqlens_q[i]), int(meta.cu_seqlens_q[i + 1])
@@ -59,7 +73,7 @@ class Harness:
             self.k[s] = torch.cat([self.k.get(s, k[:0]), k[lo:hi]])
             self.v[s] = torch.cat([self.v.get(s, v[:0]), v[lo:hi]])
             assert self.k[s].shape[0] == self.seqs.lengths[s]
-            ref = dense_reference(q[lo:hi], self.k[s], self.v[s])
+            ref = dense_reference(q[lo:hi], self.k[s], self.v[s], self.sinks, self.window)
             torch.testing.assert_close(out[lo:hi], ref, atol=1e-5, rtol=1e-5)
 
     def backend_state_chunks(self):
@@ -348,3 +362,69 @@ def test_cpu_backend_runs_layers_of_several_head_shapes_on_torch() -> None:
     backend.configure(HQ, HKV, D, torch.float32, torch.float32,
                       layer_heads=((HQ, HKV, D), (HQ, 1, 2 * D)))  # fmt: skip
     assert not backend._native_dtypes
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("window", [None, 6])
+def test_attention_sinks_take_softmax_mass_on_every_path(backend: str, window) -> None:
+    """Sinks (a logit per head in each softmax's denominator, no value) on prefill, decode,
+    verify, prefix-cached and mixed steps, padded and placed chunks, with and without a
+    window; the cpu backend keeps such steps off its kernel (which has no sinks)."""
+    from eaglebatch.attention.base import NativeAttentionPlan
+
+    sinks = torch.tensor([2.0, -1.0, 0.5, 4.0])  # large enough to take visible mass
+    h = Harness(4, chunk_tokens=48, backend=backend, sinks=sinks, window=window)
+    h.step([(0, 5), (1, 1), (2, 17), (3, 9)])
+    h.step([(0, 1), (1, 1), (2, 1), (3, 1)])
+    h.step([(2, 4), (0, 3), (1, 1), (3, 2)])
+    h.step([(4, 30), (0, 1)])  # a prompt beside a decode row
+    h.step([(4, 20)])  # a later chunk after its cached K/V (placed on a grid without windows)
+    assert not isinstance(h.last_meta.backend_state, NativeAttentionPlan)
+
+
+def test_attention_sinks_sliced_rows_equal_one_pass(monkeypatch) -> None:
+    """Query rows computed in slices (bounded scores) give the one-pass values."""
+    from eaglebatch.attention import sinks as mod
+
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, h, 9, D, generator=gen) for h in (HQ, HKV, HKV))
+    sinks = torch.randn(HQ, generator=gen)
+    mask = torch.rand(2, 1, 9, 9, generator=gen) > 0.3
+    mask[..., 0] = True
+    for m, causal in ((mask, False), (None, True), (None, False)):
+        whole = mod.attention_with_sinks(q, k, v, sinks, 0.25, m, causal)
+        monkeypatch.setattr(mod, "SCORE_ELEMENTS", 2 * HQ * 9 * 2)  # two rows at a time
+        sliced = mod.attention_with_sinks(q, k, v, sinks, 0.25, m, causal)
+        monkeypatch.undo()
+        torch.testing.assert_close(sliced, whole, rtol=1e-6, atol=1e-6)
+
+
+def test_uniform_steps_attend_with_sinks() -> None:
+    """The CUDA-graph (uniform) steps, run eagerly: sinks on their masks, against dense
+    attention per row."""
+    backend = get_backend("torch")
+    backend.configure(HQ, HKV, D, torch.float32, torch.float32, sinks=True)
+    seqs = PagedSequences(num_blocks=32, block_size=4, seed=9)
+    cache = torch.zeros(2, 32, 4, HKV, D)
+    gen = torch.Generator().manual_seed(4)
+    sinks = torch.tensor([1.0, 3.0, -2.0, 0.0])
+    ks, vs = {}, {}
+    for batch in ([(0, 7), (1, 3)], [(0, 2), (1, 2)]):
+        _, _, meta = seqs.step([(s, [0] * n) for s, n in batch])
+        t = meta.num_tokens
+        q, k, v = (torch.randn(t, h, D, generator=gen) for h in (HQ, HKV, HKV))
+        if batch[0][1] == batch[1][1]:  # uniform: 2 rows of 2 queries, 4 block columns
+            pad = 4 - meta.block_tables.shape[1]
+            meta.block_tables = torch.nn.functional.pad(meta.block_tables, (0, pad))
+            state = backend.make_graph_state(2, 2, 4, torch.device("cpu"))
+            backend.prepare_graph(meta, state)
+        else:
+            backend.prepare(meta)
+        out = backend.forward(0, q, k, v, cache, meta, D**-0.5, sinks=sinks)
+        for i, (s, _) in enumerate(batch):
+            lo, hi = int(meta.cu_seqlens_q[i]), int(meta.cu_seqlens_q[i + 1])
+            ks[s] = torch.cat([ks.get(s, k[:0]), k[lo:hi]])
+            vs[s] = torch.cat([vs.get(s, v[:0]), v[lo:hi]])
+            ref = dense_reference(q[lo:hi], ks[s], vs[s], sinks)
+            torch.testing.assert_close(out[lo:hi], ref, atol=1e-5, rtol=1e-5)
+    assert type(meta.backend_state).__name__ == "_Uniform"

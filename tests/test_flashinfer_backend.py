@@ -453,6 +453,14 @@ def test_fake_sliding_window_graph_states(fake_fi: Any) -> None:
             h.run(meta)
 
 
+def test_attention_sinks_are_refused_at_configure(fake_fi: Any) -> None:
+    """The wrappers take no sinks: a model with them is refused when it is built, naming the
+    feature (the engine's auto choice runs such models on torch)."""
+    backend = fake_fi.FlashInferAttentionBackend(workspace_mib=1)
+    with pytest.raises(ValueError, match="attention sinks"):
+        backend.configure(4, 2, 16, torch.bfloat16, torch.bfloat16, sinks=True)
+
+
 def test_fake_group_without_decode_kernels_uses_prefill(fake_fi: Any) -> None:
     backend = fake_fi.FlashInferAttentionBackend(workspace_mib=1)
     h = Harness(backend, "cpu", torch.float16, hq=6 * HKV)  # 6 query heads per kv head

@@ -240,6 +240,11 @@ def test_backend_and_graph_mode_selection(monkeypatch):
     assert w.resolve_backend("auto", cuda, uniform_heads=False) == "torch"
     with pytest.raises(JobError, match="engine.attention_backend: 'flashinfer' plans one head"):
         w.resolve_backend("flashinfer", cuda, uniform_heads=False)
+    # a model with attention sinks (gpt-oss): torch, flashinfer refused naming the feature
+    assert w.resolve_backend("auto", cuda, sinks=True) == "torch"
+    with pytest.raises(JobError, match="engine.attention_backend: 'flashinfer' does not attend "
+                                       "with attention sinks"):  # fmt: skip
+        w.resolve_backend("flashinfer", cuda, sinks=True)
     monkeypatch.setattr(w, "flashinfer_importable", lambda: False)
     assert w.resolve_backend("auto", cuda) == "torch"
     with pytest.raises(JobError, match="not installed"):

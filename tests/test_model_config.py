@@ -567,3 +567,55 @@ def test_qwen2_moe_reads_its_shared_expert_and_refuses_sliding_windows() -> None
     assert c.attention_bias and not c.o_proj_bias and not c.norm_topk_prob
     with pytest.raises(ValueError, match="use_sliding_window = True"):
         cfg(**qwen2_moe, use_sliding_window=True)
+
+
+def _gpt_oss(**overrides) -> ModelConfig:
+    return cfg(model_type="gpt_oss", architectures=None, tie_word_embeddings=None,
+               num_hidden_layers=4, num_local_experts=8, **overrides)  # fmt: skip
+
+
+def test_gpt_oss_features_and_transformers_defaults() -> None:
+    """What GptOssConfig completes where config.json is silent: alternating sliding (even
+    layers) and full layers of 128, YaRN x32 over 4096 untruncated on base 150000, biased
+    attention, 4 experts per token; sinks, the biased top-k router, biased clamped experts."""
+    c = _gpt_oss(rope_theta=None)
+    assert [c.window_of(i) for i in range(4)] == [128, None, 128, None]
+    s = c.rope_scaling
+    assert (c.rope_theta, s.rope_type, s.factor, s.truncate) == (150000.0, "yarn", 32.0, False)
+    assert s.original_max_position_embeddings == 4096 and s.beta_fast == 32.0
+    assert c.attention_bias and c.o_proj_bias and c.attention_sinks and not c.tie_word_embeddings
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (8, 4, 1536)
+    assert (c.router_scoring, c.router_bias, c.expert_bias) == ("topk_softmax", True, True)
+    assert (c.expert_activation, c.swiglu_alpha, c.swiglu_limit) == ("clamped_swiglu", 1.702, 7.0)
+    assert c.norm_kind == "rms_cast_last" and all(c.is_sparse(i) for i in range(4))
+    # the released layout: rope_scaling beside a top-level base
+    d = _gpt_oss(rope_theta=None, rope_scaling={"rope_type": "yarn", "factor": 32.0,
+                                                "beta_fast": 32.0, "beta_slow": 1.0,
+                                                "truncate": False,
+                                                "original_max_position_embeddings": 4096})
+    assert d.rope_theta == 150000.0 and d.rope_scaling == s
+
+
+def test_gpt_oss_checkpoint_names_map_onto_the_decoder() -> None:
+    from eaglebatch.model.registry import family_of
+
+    c = _gpt_oss(intermediate_size=16)
+    h, fam = c.hidden_size, family_of("gpt_oss")
+    assert dict(fam.split("model.layers.1.mlp.router.bias", (8,), c)) == {
+        "model.layers.1.mlp.gate.bias": (8,)}
+    split = dict(fam.split("model.layers.1.mlp.experts.down_proj", (8, 16, h), c))
+    assert split["model.layers.1.mlp.experts.7.down_proj.weight"] == (h, 16) and len(split) == 8
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ({"layer_types": ["sliding_attention"] * 3}, "layer_types"),
+    ({"layer_types": ["chunked_attention"] * 4}, "layer_types"),
+    ({"swiglu_limit": -1.0}, "swiglu_limit"),
+    ({"swiglu_alpha": 0}, "swiglu_alpha"),
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type"),
+    ({"quantization_config": {"quant_method": "mxfp4"}}, "quant_method"),
+])  # fmt: skip
+def test_gpt_oss_refuses_what_it_does_not_implement(overrides, key) -> None:
+    with pytest.raises(ValueError, match=key):
+        _gpt_oss(**overrides)

@@ -49,6 +49,17 @@ FAMILIES = {
     # 4 experts of intermediate_size, 2 per token, weights applied in float32; tied
     "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2,
                     tie_word_embeddings=True),
+    # sinks; sliding (last 8 positions) and full layers; YaRN x4 over 32 positions,
+    # untruncated; 4 biased experts of 128, 2 per token, behind a biased top-k router; a
+    # SwiGLU limit low enough to clamp
+    "gpt_oss": dict(
+        model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        swiglu_limit=1.5,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "truncate": False, "original_max_position_embeddings": 32,
+                         "rope_theta": 150000.0},
+    ),
     "gemma3": dict(
         model_type="gemma3_text", sliding_window=8, query_pre_attn_scalar=24,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
@@ -471,3 +482,33 @@ def test_overlap_samples_logprobs_scores_and_json_on_the_family(tmp_path, family
     scored = run_columns(tmp_path, model_dir, {"prompt": prompts, "cont": conts},
                          ["task=score", "input.continuation_column=cont"], "score")  # fmt: skip
     check_scores(scored, prompts, conts, family_hf)
+
+
+# a turn format in gpt-oss's style (its role names and markers, the date, a developer turn
+# from a system message), as a checkpoint's chat_template.jinja
+HARMONY_STYLE = (
+    "{%- if messages[0]['role'] not in ('system', 'user') %}"
+    "{{ raise_exception('the first message must be a system or user one') }}{% endif -%}"
+    "<|start|>system<|message|>Current date: {{ strftime_now('%Y-%m-%d') }}<|end|>"
+    "{%- for m in messages %}<|start|>{{ 'developer' if m['role'] == 'system' else m['role'] }}"
+    "<|message|>{{ m['content'] }}<|end|>{% endfor -%}"
+    "{%- if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+
+
+def test_gpt_oss_chat_jobs_render_the_checkpoints_template(tmp_path):
+    """A gpt-oss folder's chat_template.jinja renders chat jobs as transformers'
+    apply_chat_template renders it, and the outputs are transformers' greedy tokens."""
+    import torch
+    import transformers
+
+    path = make_tiny_model(tmp_path / "m", **{**SHAPE, **FAMILIES["gpt_oss"]})
+    (path / "chat_template.jinja").write_text(HARMONY_STYLE)
+    hf = transformers.GptOssForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(str(path))
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                     add_generation_prompt=True) for p in PROMPTS[:3]]  # fmt: skip
+    assert all(t.startswith("<|start|>system") and t.endswith("<|start|>assistant")
+               for t in texts)  # fmt: skip
+    table, _ = run_job(tmp_path, path, PROMPTS[:3], overrides=["input.apply_chat_template=true"])
+    assert table.column("output_token_ids").to_pylist() == [hf_greedy(hf, t) for t in texts]

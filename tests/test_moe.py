@@ -12,15 +12,18 @@ import torch.nn.functional as F
 
 from eaglebatch.model.moe import SparseMoeBlock, route
 
+# ModelConfig's MoE features at their defaults
+DEFAULTS = dict(router_scoring="softmax", router_bias=False, expert_bias=False,
+                expert_activation="gated", swiglu_alpha=1.702, swiglu_limit=7.0,
+                router_input_scale=False, router_expert_scale=False)  # fmt: skip
 
-def _block(shared: int, renormalise: bool, weights_float32: bool,
-           router_scales: bool = False) -> SparseMoeBlock:  # fmt: skip
+
+def _block(shared: int, renormalise: bool, weights_float32: bool, **features) -> SparseMoeBlock:
     cfg = SimpleNamespace(hidden_size=16, num_experts=5, num_experts_per_tok=2,
                           moe_intermediate_size=8, norm_topk_prob=renormalise,
                           router_weights_float32=weights_float32,
                           shared_expert_intermediate_size=shared, rms_norm_eps=1e-6,
-                          router_input_scale=router_scales,
-                          router_expert_scale=router_scales)  # fmt: skip
+                          **{**DEFAULTS, **features})  # fmt: skip
     torch.manual_seed(0)
     block = SparseMoeBlock(cfg, F.silu)
     with torch.no_grad():
@@ -83,7 +86,7 @@ def test_scaled_router_equals_gemma4s_router_and_experts(dtype):
     """router_input_scale + router_expert_scale (Gemma 4): the router scores its own input
     (the residual) normed and scaled, each weight times its expert's scale, in the reference's
     dtypes and order (its weights bit for bit)."""
-    block = _block(0, True, True, router_scales=True)
+    block = _block(0, True, True, router_input_scale=True, router_expert_scale=True)
     router, experts = _gemma4_pair(block)
     block, router, experts = block.to(dtype), router.to(dtype), experts.to(dtype)
     x, residual = torch.randn(13, 16).to(dtype), (3 * torch.randn(13, 16)).to(dtype)
@@ -99,3 +102,117 @@ def test_scaled_router_equals_gemma4s_router_and_experts(dtype):
         masked = block._dense(x, got_weights, got_index)  # the path CUDA graphs capture
         torch.testing.assert_close(masked, block._grouped(x, got_weights, got_index), **tol)
         assert not torch.allclose(block(x), want)  # the router input counts
+def _gpt_oss_reference(block: SparseMoeBlock, x: torch.Tensor, alpha: float, limit: float):
+    """transformers' gpt-oss MLP per token: top-k logits of the biased router, softmax over
+    them; each expert gate/up with biases, clamped, (up + 1) * gate * sigmoid(alpha * gate),
+    down with its bias."""
+    logits = block.gate(x)
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        values, experts = torch.topk(logits[t], block.top_k)
+        weights = torch.softmax(values, dim=-1)
+        for w, e in sorted(zip(weights.tolist(), experts.tolist()), key=lambda p: p[1]):
+            ex = block.experts[e]
+            gate = (x[t] @ ex.gate_proj.weight.T + ex.gate_proj.bias).clamp(max=limit)
+            up = (x[t] @ ex.up_proj.weight.T + ex.up_proj.bias).clamp(-limit, limit)
+            inner = (up + 1) * gate * torch.sigmoid(gate * alpha)
+            out[t] += w * (inner @ ex.down_proj.weight.T + ex.down_proj.bias)
+    return out
+
+
+def test_biased_topk_softmax_router_and_clamped_swiglu_experts():
+    """gpt-oss's routed MLP as features: the router's bias and top-k-then-softmax scoring,
+    expert biases, the clamped SwiGLU (limit small enough that the clamps bite); the graph
+    path equals the grouped one."""
+    alpha, limit = 1.702, 0.6
+    block = _block(0, False, False, router_scoring="topk_softmax", router_bias=True,
+                   expert_bias=True, expert_activation="clamped_swiglu", swiglu_alpha=alpha,
+                   swiglu_limit=limit)  # fmt: skip
+    assert block.gate.bias is not None and block.experts[0].down_proj.bias is not None
+    x = torch.randn(13, 16) * 3
+    with torch.no_grad():
+        gate_out = block.experts[0].gate_proj(x)
+        assert (gate_out > limit).any() and (gate_out < -limit).any()
+        want = _gpt_oss_reference(block, x, alpha, limit)
+        got = block(x)
+        weights, experts = route(block.gate(x), 2, False, False, "topk_softmax")
+        masked = block._dense(x, weights, experts)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(masked, got, rtol=1e-6, atol=1e-6)
+
+
+def test_topk_softmax_is_renormalised_softmax():
+    """Softmax over the top k logits = the full softmax's top k renormalised (same experts)."""
+    logits = torch.randn(7, 6)
+    w, e = route(logits, 3, False, False, "topk_softmax")
+    w2, e2 = route(logits, 3, True, True, "softmax")
+    assert torch.equal(e, e2)
+    torch.testing.assert_close(w, w2)
+
+
+@pytest.mark.parametrize("key, value", [("router_scoring", "sigmoid"),
+                                        ("expert_activation", "geglu_clamped")])  # fmt: skip
+def test_unknown_router_scoring_or_expert_activation_is_refused_by_name(key, value):
+    with pytest.raises(ValueError, match=key):
+        _block(0, False, False, **{key: value})
+
+
+def _gpt_oss_mlp():
+    """transformers' gpt-oss MLP (router + fused experts), random, and our block for it."""
+    import transformers
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    hf_cfg = transformers.GptOssConfig(hidden_size=16, intermediate_size=8, num_local_experts=5,
+                                       num_experts_per_tok=2, swiglu_limit=0.8)  # fmt: skip
+    torch.manual_seed(1)
+    mlp = GptOssMLP(hf_cfg).eval()
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.normal_(0, 0.5)
+    cfg = SimpleNamespace(hidden_size=16, num_experts=5, num_experts_per_tok=2,
+                          moe_intermediate_size=8, norm_topk_prob=False,
+                          router_weights_float32=False, shared_expert_intermediate_size=0,
+                          **{**DEFAULTS, "router_scoring": "topk_softmax", "router_bias": True,
+                             "expert_bias": True, "expert_activation": "clamped_swiglu",
+                             "swiglu_limit": 0.8})  # fmt: skip
+    return mlp, cfg
+
+
+def test_interleaved_expert_layout_loads_transformers_gpt_oss_experts():
+    """gpt-oss's fused experts (gate_up_proj [E, H, 2I] with gate/up interleaved, its bias,
+    down_proj [E, I, H] and bias, all x @ W) split per expert: our block on them equals
+    transformers' GptOssMLP; the shapes alone split the same way."""
+    from eaglebatch.model.expert_layout import expert_tensors
+
+    mlp, cfg = _gpt_oss_mlp()
+    block = SparseMoeBlock(cfg, F.silu)
+    state = {}
+    for name, t in mlp.state_dict().items():
+        name = "mlp." + name.replace("router.", "gate.")
+        parts = expert_tensors(name, t, cfg, "interleaved")
+        shapes = expert_tensors(name, tuple(t.shape), cfg, "interleaved")
+        if parts is None:
+            state[name] = t
+            continue
+        parts, shapes = list(parts), list(shapes)
+        assert [(n, tuple(p.shape)) for n, p in parts] == shapes
+        state.update(parts)
+    assert len(state) == 2 + 5 * 6
+    block.load_state_dict({k.removeprefix("mlp."): v for k, v in state.items()})
+    x = torch.randn(9, 16) * 2
+    with torch.no_grad():
+        want, _ = mlp(x[None])
+        got = block(x)
+    torch.testing.assert_close(got, want[0], rtol=1e-5, atol=1e-5)
+
+
+def test_expert_tensor_of_the_wrong_shape_is_refused_by_name():
+    from eaglebatch.model.expert_layout import expert_tensors
+
+    _, cfg = _gpt_oss_mlp()
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    with pytest.raises(ValueError, match="experts.gate_up_proj.*the model expects"):
+        expert_tensors(name, (5, 16, 17), cfg, "interleaved")
+    with pytest.raises(ValueError, match="gate_up_proj_bias"):
+        expert_tensors(name + "_bias", (5, 15), cfg, "interleaved")
+    assert expert_tensors(name + "_bias", (5, 16), cfg, "stacked") is None  # not that layout's

@@ -62,6 +62,9 @@ CONFIGS = {
         **SHAPE, max_position_embeddings=65536, rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 5e5},
             "full_attention": {**YARN, "rope_theta": 5e5, "factor": 8.0, "truncate": False}}),
+    # gpt-oss's own default: YaRN x32 over 4096 positions, untruncated, base 150000
+    "yarn_gpt_oss": lambda: transformers.GptOssConfig(**SHAPE, head_dim=64,
+                                                      max_position_embeddings=131072),
     "longrope": lambda: phi3({"rope_type": "longrope", "rope_theta": 10000.0,
                               "short_factor": factors(32, 0), "long_factor": factors(32, 1)}),
     "longrope_partial": lambda: phi3({"rope_type": "longrope", "rope_theta": 10000.0,

@@ -70,6 +70,7 @@ def make_tiny_model(
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }[model_type]
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -97,6 +98,11 @@ def make_tiny_model(
             for name, t in [*model.named_parameters(), *model.named_buffers()]:
                 if name.endswith(varied):
                     t.uniform_(0.5, 1.5)
+    if model_type == "gpt_oss":  # its expert biases start at 0 and its sinks small: vary them
+        with torch.no_grad():
+            for name, t in model.named_parameters():
+                if name.endswith(("_bias", "sinks")):
+                    t.normal_(0, 1.0 if name.endswith("sinks") else init_std)
     model.save_pretrained(str(out))
     byte_tokenizer().save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(

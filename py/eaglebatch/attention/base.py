@@ -159,13 +159,16 @@ class AttentionBackend:
         sm_scale: float | None = None,
         windows: tuple[int, ...] = (),
         layer_heads: tuple[tuple[int, int, int], ...] = (),
+        sinks: bool = False,
     ) -> None:
         """The head config of the attention this backend serves; the model calls it once, when
         it is built, so that planning (prepare, prepare_graph) can happen before any forward.
         `windows`: the sliding windows of the model's windowed layers (Gemma 3), each passed
         to `forward` as `window`. `layer_heads`: every layer's (Hq, Hkv, D) when they are not
         all the same (Gemma 4), else empty: q, k, v and the cache of a layer have its shape.
-        Backends that do not plan per head config ignore both."""
+        `sinks`: the layers pass attention sinks to `forward` (gpt-oss); a backend that cannot
+        attend with them refuses here. Backends that do not plan per head config ignore
+        windows and head shapes."""
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Precomputes `meta.backend_state` for this step; called before the model's forward."""
@@ -187,10 +190,13 @@ class AttentionBackend:
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,  # [Hq]
     ) -> torch.Tensor:  # [T, Hq, D]
         """Writes k, v into `kv_cache` at `meta.slot_mapping`, then attends; with a `window`, a
         query at position p sees only the keys at positions > p - window (the last `window`,
-        itself included), as transformers' sliding-window mask."""
+        itself included), as transformers' sliding-window mask. With `sinks`, head h's softmax
+        has one more logit, sinks[h], in its denominator (no value: the weights of the keys sum
+        to less than 1)."""
         raise NotImplementedError
 
     def make_graph_state(

@@ -41,6 +41,8 @@ Design
     the query's own included: base.py's rule). Each kind alternates its own two wrappers; a graph
     state holds one graph wrapper per kind over its own fixed buffers.
   * Queries must be float16/bfloat16 (FlashInfer has no float32 kernels).
+  * Attention sinks (gpt-oss) are refused in configure(): the engine's `auto` picks the torch
+    backend for such models (job/engine_settings.py resolve_backend).
 """
 
 from __future__ import annotations
@@ -147,10 +149,15 @@ class FlashInferAttentionBackend(AttentionBackend):
         sm_scale: float | None = None,
         windows: tuple[int, ...] = (),
         layer_heads: tuple[tuple[int, int, int], ...] = (),
+        sinks: bool = False,
     ) -> None:
         """The head config (the models call this when built), so prepare() can plan before the
         first forward(); `windows`: the sliding windows its layers pass to forward(). One plan
-        serves every layer: layers of different head shapes (`layer_heads`) are refused."""
+        serves every layer: layers of different head shapes (`layer_heads`) are refused, and so
+        are attention sinks (`sinks`: the wrappers this backend plans take none)."""
+        if sinks:
+            raise ValueError("attention backend 'flashinfer' does not attend with attention sinks "
+                             "(gpt-oss); use engine.attention_backend=torch")  # fmt: skip
         if len(set(layer_heads)) > 1:
             raise ValueError(
                 "attention backend 'flashinfer' plans one head shape for every layer, and this "
@@ -296,10 +303,13 @@ class FlashInferAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
         step = meta.backend_state
         if not isinstance(step, _Step):
             raise RuntimeError("FlashInferAttentionBackend.prepare(meta) was not called")
+        if sinks is not None:
+            raise ValueError("attention backend 'flashinfer' does not attend with attention sinks")
         if window not in step.slots:
             raise ValueError(f"window {window} was not configured (configure(windows=...))")
         heads = _Heads(q.shape[1], kv_cache.shape[3], q.shape[2], q.dtype, kv_cache.dtype, scale)

@@ -24,6 +24,9 @@ skips the masked upper triangle that a padded, masked chunk computes in full (tw
 ~1,700 tokens padded together took as long as one of 3,500 alone). Attention itself is
 `scaled_dot_product_attention` with grouped-query heads (enable_gqa).
 
+Attention sinks (gpt-oss; `forward`'s `sinks`): the explicit softmax of attention/sinks.py in
+place of SDPA, over the same chunks, masks and uniform steps.
+
 Sliding-window layers (`windows`, from `configure`): a second mask per chunk and window,
         key t visible  <=>  q_pos - window < t <= q_pos,
 made in `prepare` with the first one (none where no query reaches past its window).
@@ -43,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from eaglebatch.attention.base import AttentionBackend, AttentionMetadata, write_kv_cache
+from eaglebatch.attention.sinks import attention_with_sinks
 
 # Query rows per sequence up to which a row is a decode / verify row for chunking (`_group`).
 SHORT_QUERY = 16
@@ -97,8 +101,9 @@ class TorchAttentionBackend(AttentionBackend):
         self._windows: tuple[int, ...] = ()  # configure: the sliding windows of the model
 
     def configure(self, num_qo_heads, num_kv_heads, head_dim, kv_dtype, q_dtype,
-                  sm_scale=None, windows=(), layer_heads=()) -> None:  # fmt: skip
-        # every path reads a layer's (Hq, Hkv, D) from its q and cache: layer_heads need nothing
+                  sm_scale=None, windows=(), layer_heads=(), sinks=False) -> None:  # fmt: skip
+        # every path reads a layer's (Hq, Hkv, D) from its q and cache: layer_heads need
+        # nothing; every path attends with the sinks `forward` is given
         self._windows = tuple(windows)
 
     # ---- planning (once per step) -------------------------------------------------------------
@@ -247,17 +252,16 @@ class TorchAttentionBackend(AttentionBackend):
             torch.logical_and(state.mask[:, 0], keys > q_pos[:, :, None] - w, out=m[:, 0])
         meta.backend_state = state
 
-    def _attend_uniform(self, st: _Uniform, q, kv_cache, scale: float, window=None):
+    def _attend_uniform(self, st: _Uniform, q, kv_cache, scale: float, window=None, sinks=None):
         b, hkv, d = st.num_seqs, kv_cache.shape[-2], kv_cache.shape[-1]
         gathered = kv_cache.index_select(1, st.block_index)  # [2, B * M, block_size, Hkv, D]
         k_pad, v_pad = gathered.view(2, b, -1, hkv, d).unbind(0)  # [B, Lk, Hkv, D] each
-        out = F.scaled_dot_product_attention(
+        out = _attention(
             q.view(b, st.q_len, -1, d).transpose(1, 2),  # [B, Hq, q, D]
             k_pad.to(q.dtype).transpose(1, 2),
             v_pad.to(q.dtype).transpose(1, 2),
-            attn_mask=st.mask if window is None else st.window_masks[window],
-            scale=scale,
-            enable_gqa=True,
+            st.mask if window is None else st.window_masks[window],
+            False, scale, sinks,
         )  # [B, Hq, q, D]
         return out.transpose(1, 2).reshape(b * st.q_len, -1, d)
 
@@ -273,17 +277,18 @@ class TorchAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,  # [Hq]
     ) -> torch.Tensor:  # [T, Hq, D]
         plan = meta.backend_state
         if isinstance(plan, _Uniform):
             write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-            return self._attend_uniform(plan, q, kv_cache, scale, window)
+            return self._attend_uniform(plan, q, kv_cache, scale, window, sinks)
         if not isinstance(plan, _Plan):
             raise RuntimeError("TorchAttentionBackend.prepare(meta) was not called for this step")
         if window is not None and window not in self._windows:
             raise ValueError(f"window {window} was not configured (configure(windows=...))")
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)
-        args = (q, k, v, kv_cache, scale, window)
+        args = (q, k, v, kv_cache, scale, window, sinks)
         if len(plan.chunks) == 1:
             return self._attend(plan.chunks[0], *args)
         out = torch.empty_like(q)
@@ -300,6 +305,7 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         scale: float,
         window: int | None,
+        sinks: torch.Tensor | None,  # [Hq]
     ) -> torch.Tensor:  # [Tc, Hq, D] for the chunk's tokens in tok_index order
         num, head_dim = chunk.num_seqs, q.shape[-1]
         q_pad = self._pad(q, chunk)  # [C, max_q, Hq, D]
@@ -316,14 +322,11 @@ class TorchAttentionBackend(AttentionBackend):
             k_pad, v_pad = k_pad[:, : chunk.max_k], v_pad[:, : chunk.max_k]  # [C, max_k, Hkv, D]
 
         mask = chunk.window_masks.get(window, chunk.mask)  # window None: never a key
-        out = F.scaled_dot_product_attention(
+        out = _attention(
             q_pad.transpose(1, 2),  # [C, Hq, max_q, D]
             k_pad.to(q.dtype).transpose(1, 2),  # [C, Hkv, Lk, D]
             v_pad.to(q.dtype).transpose(1, 2),
-            attn_mask=mask,
-            is_causal=mask is None and chunk.causal,
-            scale=scale,
-            enable_gqa=True,
+            mask, chunk.causal, scale, sinks,
         )  # [C, Hq, max_q, D]
         out = out.transpose(1, 2).reshape(num * chunk.max_q, -1, head_dim)  # [C * max_q, Hq, D]
         return out if chunk.pad_index is None else out.index_select(0, chunk.pad_index)
@@ -348,3 +351,14 @@ class TorchAttentionBackend(AttentionBackend):
             ws = torch.empty(numel, dtype=like.dtype, device=like.device)
             self._workspace = ws
         return ws[:numel].view(shape)
+
+
+def _attention(q, k, v, mask, causal: bool, scale: float, sinks) -> torch.Tensor:
+    """[C, Hq, Lq, D] attention over k, v [C, Hkv, Lk, D] (grouped-query heads): SDPA, or with
+    `sinks` [Hq] the explicit softmax with a sink column (attention/sinks.py). `mask` bool
+    [C, 1, Lq, Lk] (True = visible); None: plain causal when `causal`, else every key."""
+    if sinks is not None:
+        return attention_with_sinks(q, k, v, sinks, scale, mask, causal)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                          is_causal=mask is None and causal, scale=scale,
+                                          enable_gqa=True)  # fmt: skip

@@ -8,8 +8,8 @@ padded buffer, no mask, one pass of online softmax per query row. Such a step's 
 what the native decoder layers (cpu/decoder.py) run on: `native_plan`. A step that mixes such
 rows with longer queries (decode rows with prompt chunks, chunked prefill) splits: the short
 rows through the kernel, the long ones through TorchAttentionBackend's path (which this class
-inherits), as do prefill-sized steps, other dtypes, CUDA-graph steps (`prepare_graph`) and
-anything that needs autograd.
+inherits), as do prefill-sized steps, models with attention sinks, other dtypes, CUDA-graph
+steps (`prepare_graph`) and anything that needs autograd.
 
 Each query row's result depends only on its own query and keys, so a verify step's rows equal
 the decode steps' bit for bit (with the native GEMM, so do the logits at batch 1).
@@ -49,13 +49,15 @@ class CpuAttentionBackend(TorchAttentionBackend):
         sm_scale: float | None = None,
         windows: tuple[int, ...] = (),
         layer_heads: tuple[tuple[int, int, int], ...] = (),
+        sinks: bool = False,
     ) -> None:
         super().configure(num_qo_heads, num_kv_heads, head_dim, kv_dtype, q_dtype, sm_scale,
-                          windows, layer_heads)  # fmt: skip
-        # the native kernel attends to every earlier key with one head shape: windowed models
-        # and models whose layers differ in heads run torch's path
+                          windows, layer_heads, sinks)  # fmt: skip
+        # the native kernel attends to every earlier key with one head shape and no sinks:
+        # windowed models, models whose layers differ in heads and models with attention
+        # sinks run torch's path (no step of theirs is ever planned for the kernel)
         self._native_dtypes = kv_dtype == torch.float32 and q_dtype == torch.float32
-        self._native_dtypes &= not windows and len(set(layer_heads)) <= 1
+        self._native_dtypes &= not windows and len(set(layer_heads)) <= 1 and not sinks
 
     def prepare(self, meta: AttentionMetadata) -> None:
         if not self._native_dtypes or meta.seq_lens.device.type != "cpu":
@@ -110,16 +112,20 @@ class CpuAttentionBackend(TorchAttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,  # [Hq]
     ) -> torch.Tensor:  # [T, Hq, D]
         plan = meta.backend_state
         native = isinstance(plan, (NativeAttentionPlan, _SplitPlan))
+        if native and sinks is not None:  # the kernel has no sinks: configure keeps them off it
+            raise RuntimeError("attention sinks on a step planned for the native kernel: "
+                               "configure(sinks=True) was not called")  # fmt: skip
         if native and torch.is_grad_enabled() and (
             q.requires_grad or k.requires_grad or v.requires_grad
         ):
             super().prepare(meta)  # the kernel has no backward: torch's path for this step
             native = False
         if not native:
-            return super().forward(layer_idx, q, k, v, kv_cache, meta, scale, window)
+            return super().forward(layer_idx, q, k, v, kv_cache, meta, scale, window, sinks)
         write_kv_cache(k, v, kv_cache, meta.slot_mapping)  # every row's, before any reads it
         if isinstance(plan, NativeAttentionPlan):
             return _attend_native(plan, q, kv_cache, scale)

@@ -50,6 +50,7 @@ class ModelWeights:
     gguf: bool
     stored: Callable[[], bool]
     uniform_heads: bool = True  # every layer has one (Hq, Hkv, D): flashinfer can serve it
+    attention_sinks: bool = False  # flashinfer cannot serve attention sinks (gpt-oss)
 
     @classmethod
     def of(cls, mf: ModelFiles, cfg: ModelConfig) -> ModelWeights:
@@ -61,7 +62,8 @@ class ModelWeights:
             except (OSError, ValueError):  # an unreadable checkpoint: its own check names it
                 return False
 
-        return cls(str(mf.dir), mf.gguf is not None, stored, uniform_heads(cfg))
+        return cls(str(mf.dir), mf.gguf is not None, stored, uniform_heads(cfg),
+                   cfg.attention_sinks)
 
     @classmethod
     def builtin(cls, name: str) -> ModelWeights:
@@ -99,7 +101,7 @@ def _section(job: JobConfig, weights: ModelWeights) -> dict:
         device=device,
         dtype=dtype,
         attention_backend=resolve_backend(eng.attention_backend, device,
-                                          weights.uniform_heads),  # fmt: skip
+                                          weights.uniform_heads, weights.attention_sinks),
         graph_mode=resolve_graph_mode(eng.cuda_graph, device),
         overlap=resolve_overlap(eng.overlap, device, job.draft is not None),
         cpu_gemm=threads > 0,
@@ -198,19 +200,23 @@ def flashinfer_importable() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
-def resolve_backend(name: str, device: torch.device, uniform_heads: bool = True) -> str:
-    """auto: cpu on the CPU; on CUDA flashinfer when it is installed and the model's layers
-    have one head shape (`uniform_heads`; Gemma 4's do not), else torch. flashinfer is never
-    imported on CPU, and asking for a backend where it cannot run is an error naming the
-    key."""
+def resolve_backend(name: str, device: torch.device, uniform_heads: bool = True,
+                    sinks: bool = False) -> str:  # fmt: skip
+    """auto: cpu on the CPU; on CUDA flashinfer when it is installed, the model's layers
+    have one head shape (`uniform_heads`; Gemma 4's do not) and no attention sinks (`sinks`;
+    gpt-oss), else torch. flashinfer is never imported on CPU, and asking for a backend where
+    it cannot run is an error naming the key."""
     if name == "auto":
         if device.type == "cpu":
             return "cpu"
-        usable = device.type == "cuda" and uniform_heads and flashinfer_importable()
-        return "flashinfer" if usable else "torch"
+        usable = device.type == "cuda" and uniform_heads and not sinks
+        return "flashinfer" if usable and flashinfer_importable() else "torch"
     if name == "flashinfer" and not uniform_heads:
         raise JobError("engine.attention_backend: 'flashinfer' plans one head shape for every "
                        "layer and this model's layers have several; use 'torch' or 'auto'")
+    if name == "flashinfer" and sinks:
+        raise JobError("engine.attention_backend: 'flashinfer' does not attend with attention "
+                       "sinks, which this model's layers have; use 'torch' or 'auto'")
     if name == "cpu" and device.type != "cpu":
         raise JobError("engine.attention_backend: 'cpu' needs engine.device cpu")
     if name == "flashinfer":

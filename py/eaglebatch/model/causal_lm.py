@@ -117,7 +117,8 @@ class CausalLM(nn.Module):
         heads = tuple(cfg.heads_of(i) for i in range(cfg.num_hidden_layers))
         backend.configure(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, dtype,
                           dtype, cfg.attention_scale, windows=tuple(sorted(windows)),
-                          layer_heads=heads if len(set(heads)) > 1 else ())  # fmt: skip
+                          layer_heads=heads if len(set(heads)) > 1 else (),
+                          sinks=cfg.attention_sinks)  # fmt: skip
         factory = {"dtype": dtype, "device": device}
         self.model = self._build_model(cfg, max_positions, **factory)
         # Tied: the LM head is the embedding matrix and there is no lm_head parameter.

@@ -99,6 +99,9 @@ class ModelConfig:
     # per layer, whether V is the k projection's output (no v_proj; Gemma 4's attention_k_eq_v)
     k_eq_v_layers: tuple[bool, ...] | None = None
     v_norm: bool = False  # a weightless float32 RMSNorm over each V head (Gemma 4)
+    # a learned logit per query head (checkpoint tensor self_attn.sinks [Hq]) joining each
+    # attention softmax's denominator: it takes probability mass and adds no value (gpt-oss)
+    attention_sinks: bool = False
     # a learned scalar per layer (checkpoint tensor layers.{i}.layer_scalar, [1]) that
     # multiplies the layer's output, residual included (Gemma 4)
     layer_scalar: bool = False
@@ -132,6 +135,16 @@ class ModelConfig:
     # with its own pre- and post-norm, their sum post-normed again (decoder_layer.py; Gemma 4;
     # needs norm_layout "sandwich"); False: the experts replace the dense MLP
     moe_beside_dense: bool = False
+    # the router's scoring (moe.py ROUTER_SCORINGS: "softmax" over every expert then the top
+    # k; "topk_softmax": softmax over the top k logits, gpt-oss) and whether it has a bias [E];
+    # biases on every expert projection; the experts' activation (moe.py EXPERT_ACTIVATIONS:
+    # "gated" = the dense MLP's; "clamped_swiglu" with swiglu_alpha and swiglu_limit, gpt-oss)
+    router_scoring: str = "softmax"
+    router_bias: bool = False
+    expert_bias: bool = False
+    expert_activation: str = "gated"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     # the text tower of a multimodal checkpoint (e.g. `gemma3` with a text_config): its tensors
     # are named language_model.* and the other towers' are skipped (weights.text_tower_name)
     text_tower: bool = False

@@ -134,6 +134,9 @@ class Attention(nn.Module):
                 self.k_norm = make_norm(cfg, self.head_dim if per_head else kv_size, **factory)
         if cfg.v_norm and not self.shares_kv:
             self.v_norm = Float32RMSNorm(self.head_dim, cfg.rms_norm_eps, weighted=False)
+        # [Hq]: each head's sink logit (cfg.attention_sinks), passed to the backend
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads, **factory)) if cfg.attention_sinks \
+            else None
 
     def forward(
         self,
@@ -161,7 +164,8 @@ class Attention(nn.Module):
         else:
             k, v = self._key_value(x, cos, sin)
         out = backend.forward(
-            self.layer_idx, q, k, v, kv_cache, attn, self.scale, window=self.window
+            self.layer_idx, q, k, v, kv_cache, attn, self.scale, window=self.window,
+            sinks=self.sinks,
         )  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 

@@ -49,6 +49,8 @@ class Family:
     # (old, new) substrings of checkpoint tensor names, replaced in order before anything else
     # (a family that names the decoder's parameters otherwise, e.g. Mixtral's experts)
     renamed: tuple[tuple[str, str], ...] = ()
+    # how the checkpoint stores fused 3-D expert tensors (expert_layout.py EXPERT_LAYOUTS)
+    expert_layout: str = "stacked"
     # GGUF: llama.cpp's `general.architecture` names of this family's files, whether its
     # converter interleaved the two RoPE halves of q/k rows (llama), and what it added to norm
     # weights (Gemma stores 1 + w)
@@ -68,7 +70,7 @@ class Family:
         experts split per expert (expert_layout.py). Works on torch tensors and on shapes."""
         for old, new in self.renamed:
             name = name.replace(old, new)
-        experts = expert_tensors(name, shape_or_tensor, cfg)
+        experts = expert_tensors(name, shape_or_tensor, cfg, self.expert_layout)
         if experts is not None:
             yield from experts
             return

@@ -5,10 +5,18 @@ configured, a shared expert behind a sigmoid gate). ModelConfig's MoE fields say
 it: `moe_beside_dense`, decoder_layer.py).
 
 Parameter names are those of Hugging Face checkpoints in their per-expert layout
-(mlp.gate.weight [E, H], mlp.experts.{e}.gate_proj/up_proj/down_proj.weight,
+(mlp.gate.weight [E, H] and with `router_bias` mlp.gate.bias [E],
+mlp.experts.{e}.gate_proj/up_proj/down_proj.weight and with `expert_bias` their .bias,
 mlp.shared_expert.*, mlp.shared_expert_gate.weight [1, H]; the router variants'
 mlp.router_scale [H] and mlp.per_expert_scale [E]); expert_layout.py maps the other layouts
 onto them, a family's `renamed` other names.
+
+Router scorings (`router_scoring`): "softmax" (softmax over every expert in float32, the top
+k, optionally renormalised), "topk_softmax" (the top k logits, softmax over those k in the
+logits' dtype: gpt-oss; mathematically softmax-then-renormalise, rounded as the reference).
+Expert activations (`expert_activation`): "gated" (act(gate) * up, the dense MLP's act),
+"clamped_swiglu" (gpt-oss: gate clamped to <= limit, up to [-limit, limit], then
+(up + 1) * gate * sigmoid(alpha * gate)).
 """
 
 from __future__ import annotations
@@ -16,15 +24,26 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+ROUTER_SCORINGS = ("softmax", "topk_softmax")
+EXPERT_ACTIVATIONS = ("gated", "clamped_swiglu")
+
 
 def route(
     logits: torch.Tensor, top_k: int, renormalise: bool, weights_float32: bool,
     expert_scale: torch.Tensor | None = None,  # [E]
+    scoring: str = "softmax",
 ) -> tuple[torch.Tensor, torch.Tensor]:  # [T, E] -> weights [T, k], experts int64 [T, k]
-    """Softmax over the experts in float32, the top k, optionally renormalised to sum to 1,
-    then each weight times its expert's `expert_scale` (in float32); the weights cast to the
-    logits' dtype unless `weights_float32` (then the expert outputs are weighted in float32
-    and cast after: Mixtral's order)."""
+    """"softmax": softmax over the experts in float32, the top k, optionally renormalised to
+    sum to 1, then each weight times its expert's `expert_scale` (in float32); the weights
+    cast to the logits' dtype unless `weights_float32` (then the expert outputs are weighted in
+    float32 and cast after: Mixtral's order). "topk_softmax": the top k logits, softmax over
+    them in the logits' dtype (sums to 1: `renormalise` changes nothing; no expert scale)."""
+    if scoring == "topk_softmax":
+        if expert_scale is not None:
+            raise ValueError("router_scoring topk_softmax takes no per-expert scale")
+        values, experts = torch.topk(logits, top_k, dim=-1)
+        weights = torch.softmax(values, dim=-1, dtype=values.dtype)
+        return (weights.float() if weights_float32 else weights), experts
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if renormalise:
@@ -34,17 +53,46 @@ def route(
     return (weights if weights_float32 else weights.to(logits.dtype)), experts
 
 
-class Expert(nn.Module):
-    """One expert: down(act(gate(x)) * up(x)), without biases."""
+def clamped_swiglu(alpha: float, limit: float):
+    """gpt-oss's expert activation of (gate, up) [N, I] each -> [N, I], in the reference's
+    order: gate <= limit, up in [-limit, limit], glu = gate * sigmoid(gate * alpha),
+    (up + 1) * glu."""
 
-    def __init__(self, hidden: int, inner: int, act, **factory) -> None:
+    def combine(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    return combine
+
+
+def expert_combine(cfg):
+    """The (gate, up) -> inner activation of cfg's routed experts (`expert_activation`); None
+    for "gated" (Expert's act(gate) * up)."""
+    kind = cfg.expert_activation
+    if kind == "gated":
+        return None
+    if kind == "clamped_swiglu":
+        return clamped_swiglu(cfg.swiglu_alpha, cfg.swiglu_limit)
+    raise ValueError(f"expert_activation {kind!r} is not one of {', '.join(EXPERT_ACTIVATIONS)}")
+
+
+class Expert(nn.Module):
+    """One expert: down(combine(gate(x), up(x))), combine = act(gate) * up unless given;
+    with `bias`, each projection has one."""
+
+    def __init__(self, hidden: int, inner: int, act, bias: bool = False, combine=None,
+                 **factory) -> None:  # fmt: skip
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inner, bias=False, **factory)
-        self.up_proj = nn.Linear(hidden, inner, bias=False, **factory)
-        self.down_proj = nn.Linear(inner, hidden, bias=False, **factory)
+        self.gate_proj = nn.Linear(hidden, inner, bias=bias, **factory)
+        self.up_proj = nn.Linear(hidden, inner, bias=bias, **factory)
+        self.down_proj = nn.Linear(inner, hidden, bias=bias, **factory)
         self.act = act
+        self.combine = combine
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
+        if self.combine is not None:
+            return self.down_proj(self.combine(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -59,7 +107,11 @@ class SparseMoeBlock(nn.Module):
         h, e = cfg.hidden_size, cfg.num_experts
         self.top_k, self.renormalise = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.weights_float32 = cfg.router_weights_float32
-        self.gate = nn.Linear(h, e, bias=False, **factory)
+        if cfg.router_scoring not in ROUTER_SCORINGS:
+            raise ValueError(f"router_scoring {cfg.router_scoring!r} is not one of "
+                             f"{', '.join(ROUTER_SCORINGS)}")  # fmt: skip
+        self.scoring = cfg.router_scoring
+        self.gate = nn.Linear(h, e, bias=cfg.router_bias, **factory)
         # cfg.router_input_scale: the router sees rms(x) * router_scale / sqrt(H) (rms without
         # a weight, in float32, cast back; then the two products in x's dtype)
         self.router_scale = self.per_expert_scale = None
@@ -68,8 +120,10 @@ class SparseMoeBlock(nn.Module):
             self.eps = cfg.rms_norm_eps
         if cfg.router_expert_scale:  # each routed weight times its expert's scale
             self.per_expert_scale = nn.Parameter(torch.ones(e, **factory))
+        combine = expert_combine(cfg)
         self.experts = nn.ModuleList(
-            Expert(h, cfg.moe_intermediate_size, act, **factory) for _ in range(e))
+            Expert(h, cfg.moe_intermediate_size, act, cfg.expert_bias, combine, **factory)
+            for _ in range(e))  # fmt: skip
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = Expert(h, cfg.shared_expert_intermediate_size, act, **factory)
@@ -81,7 +135,7 @@ class SparseMoeBlock(nn.Module):
         """`router_input`: what the router scores (None: x itself)."""
         weights, experts = route(self._logits(x if router_input is None else router_input),
                                  self.top_k, self.renormalise, self.weights_float32,
-                                 self.per_expert_scale)  # fmt: skip
+                                 self.per_expert_scale, self.scoring)  # fmt: skip
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             out = self._dense(x, weights, experts)  # no host sync inside a CUDA graph
         else:

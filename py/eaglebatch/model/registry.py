@@ -8,6 +8,7 @@ from typing import Any
 from eaglebatch.model.family import Family
 from eaglebatch.model.gemma3 import GEMMA3
 from eaglebatch.model.gemma4 import GEMMA4
+from eaglebatch.model.gpt_oss import GPT_OSS
 from eaglebatch.model.granite import GRANITE
 from eaglebatch.model.llama import LLAMA
 from eaglebatch.model.ministral import MINISTRAL
@@ -42,6 +43,7 @@ FAMILIES: dict[str, Family] = {
         QWEN3_MOE,
         QWEN2_MOE,
         MIXTRAL,
+        GPT_OSS,
     )
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
