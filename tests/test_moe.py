@@ -135,7 +135,7 @@ def test_biased_topk_softmax_router_and_clamped_swiglu_experts():
         assert (gate_out > limit).any() and (gate_out < -limit).any()
         want = _gpt_oss_reference(block, x, alpha, limit)
         got = block(x)
-        weights, experts = route(block.gate(x), 2, False, False, "topk_softmax")
+        weights, experts = route(block.gate(x), 2, False, False, scoring="topk_softmax")
         masked = block._dense(x, weights, experts)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(masked, got, rtol=1e-6, atol=1e-6)
@@ -144,8 +144,8 @@ def test_biased_topk_softmax_router_and_clamped_swiglu_experts():
 def test_topk_softmax_is_renormalised_softmax():
     """Softmax over the top k logits = the full softmax's top k renormalised (same experts)."""
     logits = torch.randn(7, 6)
-    w, e = route(logits, 3, False, False, "topk_softmax")
-    w2, e2 = route(logits, 3, True, True, "softmax")
+    w, e = route(logits, 3, False, False, scoring="topk_softmax")
+    w2, e2 = route(logits, 3, True, True, scoring="softmax")
     assert torch.equal(e, e2)
     torch.testing.assert_close(w, w2)
 
