@@ -50,7 +50,6 @@ BINARY = "llama-server"
 DESCRIPTION_FILE = "description.txt"
 CMAKE_OPTIONS = [
     "-DCMAKE_BUILD_TYPE=Release",
-    "-DGGML_NATIVE=ON",
     "-DBUILD_SHARED_LIBS=OFF",
     "-DLLAMA_CURL=OFF",
     "-DLLAMA_OPENSSL=OFF",
@@ -69,6 +68,31 @@ CMAKE_OPTIONS = [
     "-DGGML_SYCL=OFF",
     "-DGGML_OPENCL=OFF",
 ]
+# ggml's x86 ISA options by the /proc/cpuinfo flag that enables each (used where AMX is present:
+# module doc of `isa_options`)
+_ISA_FLAGS = {"GGML_SSE42": "sse4_2", "GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_BMI2": "bmi2",
+              "GGML_FMA": "fma", "GGML_F16C": "f16c", "GGML_AVX_VNNI": "avx_vnni",
+              "GGML_AVX512": "avx512f", "GGML_AVX512_VBMI": "avx512vbmi",
+              "GGML_AVX512_VNNI": "avx512_vnni", "GGML_AVX512_BF16": "avx512_bf16"}
+
+
+def isa_options(cpuinfo: str | None = None) -> tuple[list[str], str]:
+    """(CMake options, description) of the instruction sets to build for. GGML_NATIVE=ON
+    (-march=native) unless the CPU reports AMX: ggml's AMX matmul then crashes (SIGSEGV in
+    ggml_backend_amx_mul_mat at the warm-up, seen on a VM with amx_tile/int8/bf16 and the tile
+    permission granted), so such hosts build every other x86 extension the CPU reports and no
+    AMX (eaglebatch uses no AMX either)."""
+    if cpuinfo is None:
+        path = Path("/proc/cpuinfo")
+        cpuinfo = path.read_text() if path.exists() else ""
+    flags = set(re.findall(r"^flags\s*:\s*(.*)$", cpuinfo, re.M)[0].split()) if re.search(
+        r"^flags", cpuinfo, re.M) else set()  # fmt: skip
+    if "amx_int8" not in flags:
+        return ["-DGGML_NATIVE=ON"], "GGML_NATIVE=ON"
+    opts = [f"-D{k}={'ON' if v in flags else 'OFF'}" for k, v in _ISA_FLAGS.items()]
+    amx = ["-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"]
+    on = [k.removeprefix("GGML_") for k, v in _ISA_FLAGS.items() if v in flags]
+    return ["-DGGML_NATIVE=OFF", *opts, *amx], f"GGML_NATIVE=OFF, {'+'.join(on)}, no AMX"
 
 
 # --------------------------------------------------------------------------
@@ -186,7 +210,8 @@ def _ensure_cmake() -> str:
 
 def _cmake_build(cmake: str, llama_dir: Path, build_dir: Path, commit: str) -> Path:
     """Configure llama.cpp and build only the ``llama-server`` target."""
-    configure = [cmake, "-S", str(llama_dir), "-B", str(build_dir), *CMAKE_OPTIONS]
+    configure = [cmake, "-S", str(llama_dir), "-B", str(build_dir), *CMAKE_OPTIONS,
+                 *isa_options()[0]]
     if commit != "unknown":
         # The sdist has no git history, so tell the build which commit it is.
         configure.append(f"-DLLAMA_BUILD_COMMIT={commit}")
@@ -206,7 +231,7 @@ def _build_description(cmake: str, version: str, commit: str) -> str:
     return (
         f"built from llama-cpp-python {version} sdist's vendored llama.cpp "
         f"(ggml-org/llama.cpp@{commit}) with CMake {cmake_version}, Release, "
-        "GGML_NATIVE=ON, CPU only, static"
+        f"{isa_options()[1]}, CPU only, static"
     )
 
 
