@@ -5,10 +5,14 @@ Works on torch tensors and on shapes alike, and imports no torch."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
 _FUSED = ("experts.gate_up_proj", "experts.down_proj")
+# a per-expert parameter of moe.py: its layer's stem (`...mlp.experts`), index and projection
+EXPERT_PARAMETER = re.compile(r"^(?P<stem>.+\.experts)\.(?P<e>\d+)\."
+                              r"(?P<proj>gate_proj|up_proj|down_proj)\.weight$")  # fmt: skip
 
 
 def expert_tensors(name: str, value: Any, cfg) -> Iterator[tuple[str, Any]] | None:
