@@ -75,7 +75,7 @@ def _dense_layers(own: dict[str, Any], tensors, arch: str, dense_ok: bool) -> li
     dense = [i for i in range(layers) if _ROUTER.format(i) not in tensors]
     if dense and (not dense_ok or len(dense) == layers):
         raise ValueError(f"GGUF tensor {_ROUTER.format(dense[0])} is missing: every layer of "
-                         f"an {arch} file with experts routes its MLP")  # fmt: skip
+                         f"a {arch} file with experts routes its MLP")  # fmt: skip
     return dense
 
 
@@ -117,5 +117,5 @@ def moe_gguf_config(own: dict[str, Any], tensors, *, arch: str, experts_key: str
     if shared:
         config["shared_expert_intermediate_size"] = _shared_size(own, tensors, first, arch)
     elif stray := sorted(n for n in tensors if _SHARED.match(n)):
-        raise ValueError(f"GGUF tensor {stray[0]}: an {arch} file has no shared expert")
+        raise ValueError(f"GGUF tensor {stray[0]}: a {arch} file has no shared expert")
     return config
