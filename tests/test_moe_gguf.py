@@ -132,11 +132,16 @@ def _check_expert_blocks(gguf: Path, folder: Path, ours: dict[str, torch.Tensor]
 
 
 def _hf_greedy(model, ids: list[int]) -> list[int]:
-    ids = list(ids)
+    """MAX_NEW tokens of transformers' model by argmax over its KV cache (no end-of-sequence
+    stop, no logits processing)."""
+    out, past, x = [], None, torch.tensor([ids])
     with torch.inference_mode():
         for _ in range(MAX_NEW):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[-MAX_NEW:]
+            step = model(x, past_key_values=past, use_cache=True)
+            past = step.past_key_values
+            out.append(int(step.logits[0, -1].argmax()))
+            x = torch.tensor([[out[-1]]])
+    return out
 
 
 def _transformers_model(kind: str, hf: Path, gguf: Path, ours: dict, tmp: Path):
@@ -233,8 +238,8 @@ def _edit_rows(name: str, data: np.ndarray) -> np.ndarray:
      "llama.expert_used_count = 5 exceeds llama.expert_count = 4"),
     ("mixtral", {"expert_group_count": 2}, None, "llama.expert_group_count = 2"),
 ])  # fmt: skip
-def test_a_moe_gguf_the_model_cannot_represent_is_refused_by_name(tmp_path, files, kind,
-                                                                  header, edit, message):  # fmt: skip
+def test_a_moe_gguf_the_model_cannot_represent_is_refused_by_name(
+        tmp_path, files, kind, header, edit, message):  # fmt: skip
     """Expert counts or shapes that disagree with the header, a routing no setting holds: exit
     2 naming the header key or tensor, before any work, no traceback."""
     from eaglebatch.cli import main
@@ -242,8 +247,9 @@ def test_a_moe_gguf_the_model_cannot_represent_is_refused_by_name(tmp_path, file
     hf, _ = files(kind)
     gguf = write_moe_gguf(hf, tmp_path / "bad.gguf", header=header, edit=edit)
     job = tmp_path / "job.yaml"
-    job.write_text(f"model: {gguf}\ninput:\n  path: {write_prompts(tmp_path / 'in.parquet', ['hi'])}"
-                   f"\noutput:\n  path: {tmp_path / 'out'}\nengine:\n  device: cpu\n")  # fmt: skip
+    inp = write_prompts(tmp_path / "in.parquet", ["hi"])
+    job.write_text(f"model: {gguf}\ninput:\n  path: {inp}\noutput:\n  path: {tmp_path / 'out'}"
+                   "\nengine:\n  device: cpu\n")  # fmt: skip
     r = CliRunner().invoke(main, ["validate", str(job)])
     assert r.exit_code == 2 and "Traceback" not in r.output, r.output
     assert message in r.output.replace("\n", " "), r.output
@@ -254,9 +260,9 @@ def _prepared_plan(tmp_path: Path, gguf: Path, weights: str):
     from eaglebatch.job.config import load_job
 
     job = tmp_path / f"{weights}.yaml"
-    job.write_text(f"model: {gguf}\ninput:\n  path: {write_prompts(tmp_path / 'in.parquet', ['hi'])}"
-                   f"\noutput:\n  path: {tmp_path / 'out'}\nengine:\n  device: cpu\n"
-                   f"  kv_cache_tokens: 1024\n  weights: {weights}\n")  # fmt: skip
+    inp = write_prompts(tmp_path / "in.parquet", ["hi"])
+    job.write_text(f"model: {gguf}\ninput:\n  path: {inp}\noutput:\n  path: {tmp_path / 'out'}"
+                   f"\nengine:\n  device: cpu\n  kv_cache_tokens: 1024\n  weights: {weights}\n")
     return job, prepare(load_job(job), check_memory=False).memory_plan
 
 

@@ -1,16 +1,17 @@
 """A tiny mixture-of-experts Hugging Face checkpoint written as a GGUF file the way llama.cpp's
 converter writes it (`qwen3moe`, `qwen2moe`, Mixtral as `llama` with experts): each layer's
 experts stacked into 3-D tensors (ffn_gate_exps / ffn_up_exps / ffn_down_exps, [E, rows, k]),
-the router as ffn_gate_inp (float32, as llama.cpp keeps it), Qwen2 MoE's shared expert as
-ffn_*_shexp and its one-row gate as a vector, Mixtral's q/k rows permuted; the header's
+the router as ffn_gate_inp (float32, as llama.cpp keeps it), Qwen2 MoE's shared expert
+as ffn_*_shexp and its one-row gate as a vector, Mixtral's q/k rows permuted; the header's
 expert keys; the tokenizer is SmolLM2's first vocab_size tokens (synthetic_gguf).
 
 Types: layer 0's experts Q4_K where a row is whole 256-blocks, else Q8_0; every other matrix
 Q8_0 (F16 where a row is not whole 32-blocks); vectors float32. The `gguf` package has no Q4_K
 quantizer: Q4_K tensors are random blocks of about the checkpoint's spread (not its values),
-which the tests read back through the `gguf` dequantizer like any other tensor. `header` overrides header keys
-(without the `{arch}.` prefix); `edit(gguf_name, float array) -> array` changes a tensor before
-it is quantized (the tests' broken files)."""
+which the tests read back through the `gguf` dequantizer like any other tensor.
+
+`header` overrides header keys (without the `{arch}.` prefix); `edit(gguf_name, float array)
+-> array` changes a tensor before it is quantized (the tests' broken files)."""
 
 from __future__ import annotations
 

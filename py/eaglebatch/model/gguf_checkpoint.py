@@ -43,7 +43,6 @@ from eaglebatch.model.family import Family
 from eaglebatch.model.gguf_file import GgufFile
 from eaglebatch.model.registry import family_of
 
-
 # llama.cpp stores the shared expert's one-row gate (mlp.shared_expert_gate [1, H]) as a vector
 _ONE_ROW = ".shared_expert_gate.weight"
 
