@@ -133,6 +133,7 @@ def _memory_plan(job: JobConfig, mf: ModelFiles, cfg, settings: EngineSettings, 
         available_bytes=memory.available_memory(),
         buffer_bytes=memory.buffer_bytes(cfg, eng.max_num_batched_tokens, eng.max_batch_size,
                                          itemsize),
+        experts=memory.mapped_experts(blocks, cfg),
     )  # fmt: skip
     return plan
 

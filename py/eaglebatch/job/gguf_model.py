@@ -76,7 +76,8 @@ def _config_and_tokenizer(gguf: Path):
     from eaglebatch.model.gguf_file import GgufFile
 
     reader = GgufFile(gguf)
-    family = family_of_gguf(reader.architecture)
+    arch = reader.architecture
+    family = family_of_gguf(arch, bool(reader.meta.get(f"{arch}.expert_count")))
     if family is None or family.gguf_config is None:
         return (AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name),
                 AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name))

@@ -11,6 +11,12 @@ Three parts, from headers and the job alone (nothing is loaded):
   layer, a few copies) and logits (max_batch_size rows x vocab, float32, x2 for sampling).
 Available: the system's available memory, capped by the cgroup memory limit less its usage.
 The estimate leaves out the interpreter and libraries (a few hundred MB), said in the line.
+
+A mixture-of-experts model's experts read as stored are pages of the file's memory map: the
+line states them apart from the weights every step reads, with what one token reads of them
+(its top k of each layer's experts); they still count in the model's figure, since a run
+routes tokens to every expert sooner or later and pages evicted under pressure would be read
+from disk again at every step that needs them.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglebatch.errors import JobError
+from eaglebatch.model.expert_layout import EXPERT_PARAMETER
 
 GIB = 1 << 30
 
@@ -35,16 +42,47 @@ class MemoryPlan:
     kv_key: str  # the rule that sized the cache (KvBudget.sized_by)
     buffer_bytes: int
     available_bytes: int
+    experts: MappedExperts | None = None  # an MoE model's experts read as stored
 
     @property
     def total_bytes(self) -> int:
         return self.model_bytes + self.kv_bytes + self.buffer_bytes
 
+    def _model(self) -> str:
+        if self.experts is None:
+            return _gib(self.model_bytes)
+        rest = _gib(self.model_bytes - self.experts.nbytes)
+        return f"{_gib(self.model_bytes)} ({rest} read every step + {self.experts.describe()})"
+
     def describe(self) -> str:
         kv = f"{_gib(self.kv_bytes)} ({self.kv_key})"
-        return (f"model {_gib(self.model_bytes)} + KV cache {kv} + buffers "
+        return (f"model {self._model()} + KV cache {kv} + buffers "
                 f"{_gib(self.buffer_bytes)} of {_gib(self.available_bytes)} available "
                 f"(plus the runtime's few hundred MB)")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MappedExperts:
+    """The experts' weights read as stored (mapped file pages): `nbytes` over `per_layer`
+    experts per sparse layer, of which a token reads `top_k`."""
+
+    nbytes: int
+    per_layer: int
+    top_k: int
+
+    def describe(self) -> str:
+        token = self.nbytes * self.top_k // self.per_layer
+        return (f"experts {_gib(self.nbytes)} as mapped file pages, of which a token reads its "
+                f"{self.top_k} of {self.per_layer} per layer, {_gib(token)}")  # fmt: skip
+
+
+def mapped_experts(blocks: dict[str, int], cfg) -> MappedExperts | None:
+    """The experts among `blocks` (name -> bytes of a weight read as stored); None when the
+    model has none read as stored."""
+    nbytes = sum(b for n, b in blocks.items() if EXPERT_PARAMETER.match(n))
+    if not nbytes:
+        return None
+    return MappedExperts(nbytes, cfg.num_experts, cfg.num_experts_per_tok)
 
 
 def _cgroup_memory_left(root: Path = Path("/sys/fs/cgroup")) -> int | None:
@@ -91,8 +129,11 @@ def check(plan: MemoryPlan, kv_tokens: int | None, model: str) -> None:
     """Raises JobError naming the model or engine.kv_cache_tokens when `plan` cannot fit."""
     avail = plan.available_bytes
     if plan.model_bytes + plan.buffer_bytes > avail:
+        experts = "" if plan.experts is None else (
+            f" ({_gib(plan.experts.nbytes)} of them experts, mapped file pages that a run "
+            "reads all of as it routes tokens)")  # fmt: skip
         raise JobError(
-            f"model: {model} needs {_gib(plan.model_bytes)} of weights and "
+            f"model: {model} needs {_gib(plan.model_bytes)} of weights{experts} and "
             f"{_gib(plan.buffer_bytes)} of working buffers, and this machine has "
             f"{_gib(avail)} available: it cannot run here (a smaller or more quantized file "
             f"would; engine.max_num_batched_tokens and max_batch_size size the buffers)"

@@ -14,6 +14,7 @@ Works on torch tensors and on shapes alike (views, no copies), and imports no to
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +22,9 @@ EXPERT_LAYOUTS = ("stacked", "interleaved")
 _GATE_UP, _DOWN = "experts.gate_up_proj", "experts.down_proj"
 _SUFFIXES = {"stacked": (_GATE_UP, _DOWN),
              "interleaved": (_GATE_UP, _DOWN, _GATE_UP + "_bias", _DOWN + "_bias")}  # fmt: skip
+# a per-expert parameter of moe.py: its layer's stem (`...mlp.experts`), index and projection
+EXPERT_PARAMETER = re.compile(r"^(?P<stem>.+\.experts)\.(?P<e>\d+)\."
+                              r"(?P<proj>gate_proj|up_proj|down_proj)\.weight$")  # fmt: skip
 
 
 def expert_tensors(

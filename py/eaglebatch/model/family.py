@@ -55,6 +55,10 @@ class Family:
     # converter interleaved the two RoPE halves of q/k rows (llama), and what it added to norm
     # weights (Gemma stores 1 + w)
     gguf_architectures: tuple[str, ...] = ()
+    # its files of those architectures hold routed experts (`{arch}.expert_count`): where two
+    # families share an architecture (llama.cpp writes Mixtral as `llama`), a file is the one's
+    # whose `gguf_experts` says what the file holds (registry.family_of_gguf)
+    gguf_experts: bool = False
     gguf_qk_permuted: bool = False
     gguf_norm_offset: float = 0.0
     # GGUF header -> config.json, where transformers' GGUF loader has no config mapping for

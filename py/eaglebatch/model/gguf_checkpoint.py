@@ -18,6 +18,11 @@ Invariants:
   run as full default RoPE: a `rope.dimension_count` other than the config's rotary dim
   (partial rotary, Phi-4-mini, is served where config.json states it) and per-frequency factor
   tensors (`rope_factors_*`: longrope, Phi-3 128k; not compared with config.json's factors);
+- an expert's parameter (mlp.experts.{e}.gate_proj/up_proj/down_proj.weight, moe.py) is
+  expert e's slab of the layer's 3-D tensor (ffn_gate_exps / ffn_up_exps / ffn_down_exps,
+  [experts, rows, k] innermost last): its `blocks` are a view of the map, contiguous rows of
+  whole blocks (GGUF quantizes by row); a 3-D tensor of another expert count or expert shape
+  than the config's is a ValueError naming the tensor (`shapes`);
 - opening reads the header only; a parameter without its tensor, or of another shape, is a
   ValueError naming both (before anything is loaded, `check`).
 """
@@ -33,9 +38,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eaglebatch.model.expert_layout import EXPERT_PARAMETER
 from eaglebatch.model.family import Family
 from eaglebatch.model.gguf_file import GgufFile
 from eaglebatch.model.registry import family_of
+
+# llama.cpp stores the shared expert's one-row gate (mlp.shared_expert_gate [1, H]) as a vector
+_ONE_ROW = ".shared_expert_gate.weight"
+
+
+def _expert_shape(cfg, proj: str) -> tuple[int, int, int]:
+    """[experts, rows, k] of a layer's 3-D tensor of projection `proj` (moe.py's Expert)."""
+    e, inner, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    return (e, h, inner) if proj == "down_proj" else (e, inner, h)
 
 
 def _qk_rows(rows: int, heads: int) -> np.ndarray:
@@ -112,7 +127,13 @@ class GgufCheckpoint:
         mapping = gguf.get_tensor_name_map(by_name[self.arch], cfg.num_hidden_layers)
         self.tensors = {}
         self.rows: dict[str, tuple[int, int]] = {}  # fused parts: (first row, rows) of tensors[n]
+        self.experts: dict[str, int] = {}  # an expert's parameter: its index in tensors[n]
         for name in names:
+            if m := EXPERT_PARAMETER.match(name):  # expert e's slab of the layer's 3-D tensor
+                t = self._tensor(mapping, f"{m['stem']}.{m['proj']}.weight")
+                if t is not None:
+                    self.tensors[name], self.experts[name] = t, int(m["e"])
+                continue
             t = self._tensor(mapping, name)
             fused = _fused_part(self.family, name, cfg)
             whole = self._tensor(mapping, fused[0]) if fused else None
@@ -138,15 +159,37 @@ class GgufCheckpoint:
         shapes = {}
         for name, t in self.tensors.items():
             shape = tuple(int(d) for d in reversed(t.shape))
+            if name in self.experts:
+                shape = self._expert_slab(name, shape)
+            elif name.endswith(_ONE_ROW) and len(shape) == 1:
+                shape = (1, *shape)
             if name in self.rows:  # checked against the fused tensor's rows (family.split)
                 fused = _fused_part(self.family, name, self.cfg)[0]
                 shape = dict(self.family.split(fused, shape, self.cfg))[name]
             shapes[name] = shape
         return shapes
 
+    def _expert_slab(self, name: str, shape: tuple[int, ...]) -> tuple[int, int]:
+        """[rows, k] of expert parameter `name`, its file tensor of `shape` [experts, rows, k]
+        checked against the config's (a ValueError naming the tensor)."""
+        want = _expert_shape(self.cfg, EXPERT_PARAMETER.match(name)["proj"])
+        if shape != want:
+            raise ValueError(
+                f"GGUF tensor {self.tensors[name].name} has shape {shape} [experts, rows, "
+                f"columns]; the model config expects {want} (num_experts = {want[0]}, "
+                f"moe_intermediate_size = {self.cfg.moe_intermediate_size}, hidden_size = "
+                f"{self.cfg.hidden_size}: the header's {self.arch}.expert_count and expert "
+                "feed-forward length)"
+            )
+        return want[1:]
+
     def _data(self, name: str) -> np.ndarray:
-        """The map's view of parameter `name`'s data (a fused part: its rows)."""
+        """The map's view of parameter `name`'s data (a fused part: its rows; an expert: its
+        slab, contiguous in the map)."""
         data = self.tensors[name].data
+        if name in self.experts:  # typed [E, rows, k] or blocks [E * rows, row bytes]
+            slabs = data.reshape(int(self.tensors[name].shape[-1]), -1, data.shape[-1])
+            return slabs[self.experts[name]]
         if name not in self.rows:
             return data
         first, rows = self.rows[name]
@@ -191,7 +234,7 @@ class GgufCheckpoint:
         in its row order, a view of the map where the order is the file's."""
         t = self.tensors[name]
         data = self._data(name)
-        data = data.reshape(data.shape[0], -1).view(np.uint8)  # [rows, row bytes] of the map
+        data = data.reshape(self.shapes()[name][0], -1).view(np.uint8)  # [rows, row bytes]
         order = _row_order(self.family, t.name, data.shape[0], self.cfg)
         if order is None:
             with warnings.catch_warnings():  # read-only: the kernels never write blocks

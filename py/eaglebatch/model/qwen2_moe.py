@@ -4,7 +4,11 @@
 `shared_expert_intermediate_size` behind a sigmoid gate; the layers in `mlp_only_layers` or
 off the `decoder_sparse_step` grid keep a dense MLP of `intermediate_size`.
 
-Refused: `use_sliding_window` (windows on some layers only, below `max_window_layers`)."""
+Refused: `use_sliding_window` (windows on some layers only, below `max_window_layers`).
+
+GGUF (`qwen2moe`): the experts and the shared expert from the header (moe_gguf.py); llama.cpp
+never renormalises the top-k weights of this architecture (no header key), as Qwen2 MoE
+checkpoints leave `norm_topk_prob` unset; q/k/v biases where the file has them."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from typing import Any
 from eaglebatch.model.config_values import bool_value, int_value, refuse
 from eaglebatch.model.family import Family
 from eaglebatch.model.moe_config import moe_features, sparse_layers
+from eaglebatch.model.moe_gguf import moe_gguf_config
 
 
 def _features(raw: dict[str, Any]) -> dict[str, Any]:
@@ -24,4 +29,12 @@ def _features(raw: dict[str, Any]) -> dict[str, Any]:
                                                          5632)}  # fmt: skip
 
 
-QWEN2_MOE = Family("qwen2_moe", "Qwen2MoeForCausalLM", _features)
+def _gguf_config(own: dict[str, Any], tensors) -> dict[str, Any]:
+    moe = moe_gguf_config(own, tensors, arch="qwen2moe", experts_key="num_experts",
+                          inner_key="moe_intermediate_size", renormalise=False, shared=True,
+                          dense_ok=True)  # fmt: skip
+    return {**moe, "norm_topk_prob": False, "qkv_bias": "blk.0.attn_q.bias" in tensors}
+
+
+QWEN2_MOE = Family("qwen2_moe", "Qwen2MoeForCausalLM", _features,
+                   gguf_architectures=("qwen2moe",), gguf_config=_gguf_config)  # fmt: skip

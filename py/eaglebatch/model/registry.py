@@ -58,12 +58,17 @@ def family_of(model_type: Any) -> Family:
     return family
 
 
-def family_of_gguf(architecture: str) -> Family | None:
-    """The family whose GGUF files say `general.architecture` = `architecture`."""
-    return next((f for f in FAMILIES.values() if architecture in f.gguf_architectures), None)
+def family_of_gguf(architecture: str, experts: bool = False) -> Family | None:
+    """The family whose GGUF files say `general.architecture` = `architecture`; where several
+    do, the one whose `gguf_experts` is `experts` (the header states `{arch}.expert_count`)."""
+    found = [f for f in FAMILIES.values() if architecture in f.gguf_architectures]
+    if len(found) > 1:
+        found = [f for f in found if f.gguf_experts == experts]
+    return found[0] if found else None
 
 
-GGUF_ARCHITECTURES = tuple(a for f in FAMILIES.values() for a in f.gguf_architectures)
+GGUF_ARCHITECTURES = tuple(dict.fromkeys(a for f in FAMILIES.values()
+                                         for a in f.gguf_architectures))  # fmt: skip
 
 
 def text_model_config(raw: dict[str, Any]) -> tuple[dict[str, Any], bool]:
