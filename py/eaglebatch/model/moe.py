@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from eaglebatch.model.moe_grouped import fits_capture, grouped_experts, stack_experts
+
 ROUTER_SCORINGS = ("softmax", "topk_softmax")
 EXPERT_ACTIVATIONS = ("gated", "clamped_swiglu")
 
@@ -90,17 +92,26 @@ class Expert(nn.Module):
         self.act = act
         self.combine = combine
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
+    def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # [N, I] x2 -> [N, I]
+        """The activation between the projections (the grouped GEMMs call it too)."""
         if self.combine is not None:
-            return self.down_proj(self.combine(self.gate_proj(x), self.up_proj(x)))
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+            return self.combine(gate, up)
+        return self.act(gate) * up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, H]
+        return self.down_proj(self.glu(self.gate_proj(x), self.up_proj(x)))
 
 
 class SparseMoeBlock(nn.Module):
-    """The routed MLP of one layer, run grouped by expert: the step's (token, slot) pairs
-    sorted by expert (stable), one call per active expert over all of its tokens, each output
-    weighted and added into its tokens' rows with index_add_ in ascending expert order (each
-    token's sum gathers its experts in that fixed order: deterministic, as the reference)."""
+    """The routed MLP of one layer, run grouped by expert; each token's sum gathers its
+    experts' weighted outputs in ascending expert order from zero (deterministic, as the
+    reference). Which path runs (`_routed`):
+    - experts stacked (moe_grouped.py: plain float nn.Linear experts without bias on CUDA, or
+      on the CPU under moe_grouped.ON_CPU): two grouped GEMMs over all experts, no host sync;
+      while a CUDA graph captures only where torch's grouped kernel needs no sync (bfloat16,
+      compute capability 9.x / 10.x), else the dense masked path;
+    - otherwise (CPU runs: native or GGUF linears; expert biases): one call per active expert
+      (`_grouped`, a host sync for the counts), the dense masked path while a graph captures."""
 
     def __init__(self, cfg, act, **factory) -> None:
         super().__init__()
@@ -128,6 +139,14 @@ class SparseMoeBlock(nn.Module):
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = Expert(h, cfg.shared_expert_intermediate_size, act, **factory)
             self.shared_expert_gate = nn.Linear(h, 1, bias=False, **factory)
+        self._stacked = stack_experts(self.experts)  # (gate_up, down) or None
+
+    def _apply(self, fn, recurse=True):
+        # every move or cast (.to(), to_empty() in from_pretrained) gives each parameter its
+        # own storage: stack the experts again on their new device / dtype
+        out = super()._apply(fn, recurse)
+        self._stacked = stack_experts(self.experts)
+        return out
 
     def forward(
         self, x: torch.Tensor, router_input: torch.Tensor | None = None  # [T, H] each
@@ -136,10 +155,7 @@ class SparseMoeBlock(nn.Module):
         weights, experts = route(self._logits(x if router_input is None else router_input),
                                  self.top_k, self.renormalise, self.weights_float32,
                                  self.per_expert_scale, self.scoring)  # fmt: skip
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            out = self._dense(x, weights, experts)  # no host sync inside a CUDA graph
-        else:
-            out = self._grouped(x, weights, experts)
+        out = self._routed(x, weights, experts)
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x))  # [T, 1]
             out = out + gate * self.shared_expert(x)
@@ -151,6 +167,14 @@ class SparseMoeBlock(nn.Module):
             normed = x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
             x = normed.type_as(x) * self.router_scale * x.shape[-1] ** -0.5
         return self.gate(x)
+
+    def _routed(self, x, weights, experts) -> torch.Tensor:
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if self._stacked is not None and not (capturing and not fits_capture(x)):
+            return grouped_experts(x, weights, experts, self._stacked, self.experts[0].glu)
+        if capturing:
+            return self._dense(x, weights, experts)  # no host sync inside a CUDA graph
+        return self._grouped(x, weights, experts)
 
     def _grouped(self, x, weights, experts) -> torch.Tensor:
         flat = experts.reshape(-1)  # [T*k]: slot j of token t at t*k + j
