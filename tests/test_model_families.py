@@ -128,6 +128,10 @@ FAMILIES = {
         num_experts=4, top_k_experts=2, moe_intermediate_size=32, tie_word_embeddings=True,
     ),
 }  # fmt: skip
+# the families whose experts run as grouped GEMMs on CUDA (gpt-oss's have biases: the
+# per-expert loop)
+GROUPED_GEMM_FAMILIES = [n for n, f in FAMILIES.items() if f["model_type"] != "gpt_oss"
+                         and ("num_experts" in f or "num_local_experts" in f)]  # fmt: skip
 HF_MODELS = {}  # model folder -> its transformers model (float32, eval)
 
 
@@ -203,6 +207,25 @@ def test_graph_steps_equal_transformers(tmp_path, family):
         got, res = _outputs(prep, build_worker(prep, graph_mode="eager"))
         assert res.stats["cuda_graphs"]["replays"] > 0
         assert got == [r[:GRAPH_MAX_NEW] for r in reference]  # greedy: a prefix of the longer
+
+
+@pytest.mark.parametrize("family", GROUPED_GEMM_FAMILIES, indirect=True)
+def test_grouped_gemm_experts_equal_transformers(tmp_path, family, monkeypatch):
+    """The routed experts on CUDA's path (two grouped GEMMs over stacked weights,
+    model/moe_grouped.py) forced onto the CPU, the per-expert loop unused: greedy at batch 4
+    and the uniform (CUDA-graph) steps equal transformers'."""
+    from eaglebatch.model import moe_grouped
+    from eaglebatch.model.moe import SparseMoeBlock
+
+    model_dir, reference = family
+    monkeypatch.setattr(moe_grouped, "ON_CPU", True)
+    monkeypatch.setattr(SparseMoeBlock, "_grouped", None)  # calling it would raise
+    got = tokens(tmp_path, model_dir, ["engine.cpu_gemm=torch", "engine.max_batch_size=4"])
+    assert got == reference
+    prep = _job(tmp_path, model_dir, PROMPTS, "graphs", ["engine.max_batch_size=4"])
+    got, res = _outputs(prep, build_worker(prep, graph_mode="eager"))
+    assert res.stats["cuda_graphs"]["replays"] > 0
+    assert got == [r[:GRAPH_MAX_NEW] for r in reference]
 
 
 def test_train_draft_trains_a_head_for_the_family(tmp_path, family):

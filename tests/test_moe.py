@@ -1,6 +1,8 @@
 """The routed MLP (model/moe.py): its graph-capture path (every expert, masked) equals the
 grouped one, the shared expert joins behind its sigmoid gate, and the router variants (its
-input normed and scaled, a scale per expert) score as defined."""
+input normed and scaled, a scale per expert) score as defined; the grouped GEMMs over stacked
+expert weights (model/moe_grouped.py, CUDA's path, forced onto the CPU here) equal the
+per-expert loop bit for bit, hold no second copy of the weights, and replay in CUDA graphs."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from eaglebatch.model import moe_grouped
 from eaglebatch.model.moe import SparseMoeBlock, route
 
 # ModelConfig's MoE features at their defaults
@@ -216,3 +219,172 @@ def test_expert_tensor_of_the_wrong_shape_is_refused_by_name():
     with pytest.raises(ValueError, match="gate_up_proj_bias"):
         expert_tensors(name + "_bias", (5, 15), cfg, "interleaved")
     assert expert_tensors(name + "_bias", (5, 16), cfg, "stacked") is None  # not that layout's
+
+
+# -- the grouped-GEMM path (model/moe_grouped.py) ------------------------------------------
+
+
+def _cfg(experts: int, top_k: int, shared: int = 0, f32: bool = False, **features):
+    """hidden 64, experts' inner 32: rows of 16-byte multiples in every float dtype."""
+    return SimpleNamespace(hidden_size=64, num_experts=experts, num_experts_per_tok=top_k,
+                           moe_intermediate_size=32, norm_topk_prob=True,
+                           router_weights_float32=f32, shared_expert_intermediate_size=shared,
+                           rms_norm_eps=1e-6, **{**DEFAULTS, **features})  # fmt: skip
+
+
+def _stacked_block(monkeypatch, num_experts: int, top_k: int, shared: int = 0,
+                   f32: bool = False, **features) -> SparseMoeBlock:  # fmt: skip
+    """A block of `num_experts` experts stacked on the CPU (ON_CPU), built as from_pretrained
+    builds it."""
+    monkeypatch.setattr(moe_grouped, "ON_CPU", True)
+    cfg = _cfg(num_experts, top_k, shared, f32, **features)
+    torch.manual_seed(1)
+    with torch.device("meta"):  # as from_pretrained builds it, then to_empty stacks
+        block = SparseMoeBlock(cfg, F.silu)
+    block.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.3)
+    assert block._stacked is not None
+    return block
+
+
+def _paths(block: SparseMoeBlock, x: torch.Tensor):
+    """(the per-expert loop, the grouped GEMMs) on the same routing of `x`."""
+    with torch.no_grad():
+        weights, experts = route(block.gate(x), block.top_k, block.renormalise,
+                                 block.weights_float32, scoring=block.scoring)  # fmt: skip
+        grouped = moe_grouped.grouped_experts(x, weights, experts, block._stacked,
+                                              block.experts[0].glu)  # fmt: skip
+        return block._grouped(x, weights, experts), grouped, experts
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+@pytest.mark.parametrize("tokens", [1, 2, 5, 33])
+@pytest.mark.parametrize("f32", [False, True])
+def test_grouped_gemms_equal_the_per_expert_loop_bit_for_bit(monkeypatch, top_k, tokens, f32):
+    """float32 on the CPU: the same rows per expert in the same order and the same sums in
+    expert order, so the same bits (torch's CPU grouped matmul runs one mm per group, as
+    nn.Linear does); few tokens over 8 experts leave experts unused."""
+    block = _stacked_block(monkeypatch, 8, top_k, f32=f32)
+    x = torch.randn(tokens, 64)
+    loop, grouped, experts = _paths(block, x)
+    assert torch.equal(grouped, loop)
+    if tokens <= 2:
+        assert experts.unique().numel() < 8  # some experts had no row
+
+
+def test_grouped_gemms_run_the_experts_own_activation(monkeypatch):
+    """The clamped SwiGLU (gpt-oss's activation, here without biases) between the grouped
+    GEMMs, limit low enough that the clamps bite: the loop's bits."""
+    block = _stacked_block(monkeypatch, 6, 2, expert_activation="clamped_swiglu",
+                           swiglu_limit=0.5, router_scoring="topk_softmax")  # fmt: skip
+    x = torch.randn(21, 64) * 3
+    loop, grouped, _ = _paths(block, x)
+    assert torch.equal(grouped, loop)
+    with torch.no_grad():
+        plain = block.experts[0].act(block.experts[0].gate_proj(x)) * block.experts[0].up_proj(x)
+        assert not torch.allclose(block.experts[0].glu(block.experts[0].gate_proj(x),
+                                                       block.experts[0].up_proj(x)), plain)
+
+
+def test_block_runs_the_grouped_gemms_when_stacked(monkeypatch):
+    """forward takes the grouped path (the loop is never called), shared expert included, and
+    equals the per-token reference; two runs give the same bits."""
+    block = _stacked_block(monkeypatch, 6, 2, shared=12)
+
+    def no_loop(*_):
+        raise AssertionError("the per-expert loop ran")
+
+    monkeypatch.setattr(SparseMoeBlock, "_grouped", no_loop)
+    x = torch.randn(9, 64)
+    with torch.no_grad():
+        first, second = block(x), block(x)
+        torch.testing.assert_close(first, _reference(block, x), rtol=1e-5, atol=1e-5)
+    assert torch.equal(first, second)
+
+
+def test_expert_weights_are_views_of_the_stacks(monkeypatch):
+    """No second copy: each expert's gate/up/down weight is a slice of the stacks, so loading
+    by per-expert name (a copy into the parameter) fills them; a cast stacks again."""
+    block = _stacked_block(monkeypatch, 4, 2)
+    gate_up, down = block._stacked
+    inner, size = 32, gate_up[0].numel() * gate_up.element_size()
+    for e, ex in enumerate(block.experts):
+        assert ex.gate_proj.weight.data_ptr() == gate_up.data_ptr() + e * size
+        assert ex.up_proj.weight.data_ptr() == gate_up[e, inner:].data_ptr()
+        assert ex.down_proj.weight.data_ptr() == down[e].data_ptr()
+    params = dict(block.named_parameters())
+    assert not any(p.data_ptr() == gate_up.data_ptr() for n, p in params.items()
+                   if not n.startswith("experts.0."))  # fmt: skip
+    with torch.no_grad():
+        params["experts.2.up_proj.weight"].copy_(torch.full((32, 64), 7.0))
+    assert torch.equal(gate_up[2, inner:], torch.full((32, 64), 7.0))
+    block.to(torch.float64)  # not a grouped-matmul dtype: views dropped, weights kept
+    assert block._stacked is None
+    assert torch.equal(block.experts[2].up_proj.weight, torch.full((32, 64), 7.0).double())
+    block.to(torch.bfloat16)
+    assert block._stacked[0].dtype == torch.bfloat16
+    assert block.experts[3].down_proj.weight.data_ptr() == block._stacked[1][3].data_ptr()
+
+
+def test_which_experts_are_stacked(monkeypatch):
+    """Not on the CPU (outside tests), not with a bias, a swapped-in linear class (native or
+    GGUF weights) or rows off 16 bytes: those keep the per-expert loop."""
+    block = _stacked_block(monkeypatch, 4, 2)
+    assert moe_grouped.stackable(block.experts)
+    monkeypatch.setattr(moe_grouped, "ON_CPU", False)
+    assert not moe_grouped.stackable(block.experts)
+    monkeypatch.setattr(moe_grouped, "ON_CPU", True)
+    block.experts[1].up_proj = torch.nn.Linear(64, 32, bias=True)
+    assert not moe_grouped.stackable(block.experts)
+    block.experts[1].up_proj = type("Swapped", (torch.nn.Linear,), {})(64, 32, bias=False)
+    assert not moe_grouped.stackable(block.experts)
+    biased = SparseMoeBlock(_cfg(4, 2, expert_bias=True), F.silu)  # gpt-oss's experts
+    assert biased._stacked is None and not moe_grouped.stackable(biased.experts)
+    odd = _block(0, True, False)  # hidden 16, inner 8 in float32: 32 bytes, fits
+    assert moe_grouped.stackable(odd.experts)
+    odd.experts[0].gate_proj = torch.nn.Linear(16, 6, bias=False)  # 24-byte rows
+    assert not moe_grouped.stackable(odd.experts)
+
+
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@_CUDA
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_gemms_on_cuda_equal_the_per_expert_loop(dtype):
+    torch.manual_seed(2)
+    block = SparseMoeBlock(_cfg(8, 2), F.silu).to("cuda", dtype)
+    assert block._stacked is not None
+    x = torch.randn(37, 64, device="cuda", dtype=dtype)
+    loop, grouped, _ = _paths(block, x)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grouped, loop, **tol)
+
+
+@_CUDA
+def test_block_replays_in_a_cuda_graph_as_run_eagerly():
+    """Captured at two batch sizes: the replay equals the eager forward (the grouped GEMMs
+    where torch's kernel needs no sync, the dense masked path elsewhere)."""
+    torch.manual_seed(3)
+    block = SparseMoeBlock(_cfg(8, 2), F.silu).to("cuda", torch.bfloat16)
+    for tokens in (3, 16):
+        static = torch.randn(tokens, 64, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                block(static)  # warm-up outside the capture
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = block(static)
+            fresh = torch.randn_like(static)
+            static.copy_(fresh)
+            graph.replay()
+            eager = block(fresh)
+        if moe_grouped.fits_capture(fresh):
+            assert torch.equal(captured, eager)
+        else:
+            torch.testing.assert_close(captured, eager, rtol=2e-2, atol=2e-2)
