@@ -261,6 +261,7 @@ def test_graph_reserve_grows_with_batch_queries_and_context():
 
     class Shape:  # SmolLM2-135M's shape
         vocab_size, hidden_size, intermediate_size = 49152, 576, 1536
+        num_experts = num_experts_per_tok = moe_intermediate_size = 0
         num_key_value_heads, num_attention_heads, head_dim, num_hidden_layers = 3, 9, 64, 30
 
         def heads_of(self, layer: int) -> tuple[int, int, int]:
@@ -273,3 +274,22 @@ def test_graph_reserve_grows_with_batch_queries_and_context():
     assert graph_reserve_bytes(Cfg, 64, 1, 8192, 2) < base
     assert graph_reserve_bytes(Cfg, 8, 4, 8192, 2) < base
     assert graph_reserve_bytes(Cfg, 64, 4, 1024, 2) < base
+
+
+def test_graph_reserve_holds_the_routed_experts_rows():
+    """A Qwen3-30B-A3B-shaped layer: the grouped GEMMs hold 8 expert rows per token (gathered
+    input, gate/up, activation, output), more than the dense MLP's intermediates."""
+    from types import SimpleNamespace
+
+    from eaglebatch.graphs import graph_reserve_bytes
+
+    cfg = SimpleNamespace(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                          num_attention_heads=32, num_hidden_layers=48,
+                          heads_of=lambda layer: (32, 4, 128))  # fmt: skip
+    rows = 2048  # decode, one token per row; short contexts: the MLP dominates
+    experts = rows * 8 * (3 * 768 + 4 * 2048) * 2
+    reserve = graph_reserve_bytes(cfg, rows, 1, 16, 2)
+    assert reserve > 2 * experts + 16 * rows * 2048 * 2
+    dense = SimpleNamespace(**{**vars(cfg), "num_experts": 0})
+    assert graph_reserve_bytes(dense, rows, 1, 16, 2) < reserve

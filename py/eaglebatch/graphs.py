@@ -225,9 +225,12 @@ def graph_reserve_bytes(cfg, rows: int, q_len: int, max_model_len: int, itemsize
     K/V gather, mask and scores over max_model_len keys), times two for the allocator's rounding
     and the warm-up buffers, plus every graph's output (hidden states, at most [rows * q_len,
     H] per bucket and draft length: bounded by 16x the largest). Logits are computed outside the
-    graphs."""
+    graphs. Routed MLPs (moe.py's grouped GEMMs) hold each token's k expert rows at once:
+    their gathered inputs, gate/up, activation and outputs (moe_grouped.grouped_experts)."""
     t = rows * q_len
-    layer = t * (3 * cfg.intermediate_size + 8 * cfg.hidden_size) * itemsize
+    h, k = cfg.hidden_size, cfg.num_experts_per_tok if cfg.num_experts else 0
+    layer = t * max(3 * cfg.intermediate_size + 8 * h,
+                    k * (3 * cfg.moe_intermediate_size + 4 * h) + 2 * h) * itemsize
     keys = rows * max_model_len
     kv_width = max(hkv * d for _, hkv, d in map(cfg.heads_of, range(cfg.num_hidden_layers)))
     attn = keys * (2 * kv_width * itemsize
