@@ -1,12 +1,14 @@
 """The routed experts of one step as two grouped GEMMs (torch's grouped matmul,
 `torch.nn.functional.grouped_mm` = `torch._grouped_mm`), for SparseMoeBlock (moe.py).
 
-Why this kernel: it ships with torch (no extra dependency, maintained with the torch we pin),
-takes the per-expert row offsets as a device tensor, so one call covers every expert with no
-host sync and shapes fixed by the step's T * k rows (it runs inside CUDA graphs), and it
-runs on the CPU too (same code path in the CPU tests). A fused-MoE kernel (flashinfer's,
-vLLM's Triton one) would fuse the routing and activation as well, but brings a JIT or wheel
-per CUDA version and its own activation set; our experts keep their own `glu` (moe.py
+Why this kernel: it ships with torch (no extra dependency, maintained as part of torch; the
+public wrapper since torch 2.10 -- older torch keeps the per-expert loop), takes the
+per-expert row offsets as a device tensor, so one call covers every expert with no host sync
+and shapes fixed by the step's T * k rows (it runs inside CUDA graphs), and it runs on the CPU
+too: the same code path in the CPU tests, where it equals the per-expert nn.Linear loop bit
+for bit in float32 (one mm per group). A fused-MoE kernel (flashinfer's, vLLM's Triton one)
+would fuse the routing and activation as well, but brings a JIT or wheel per CUDA version and
+its own activation set and summation order; our experts keep their own `glu` (moe.py
 Expert), which two plain GEMMs leave free.
 
 What torch 2.15 requires (aten/native/GroupedMMUtils.h, cuda/GroupedBlas.cpp):
