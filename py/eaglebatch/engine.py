@@ -535,11 +535,16 @@ def _salvage(scheduler) -> int | None:
 
 
 def _run(prep: PreparedJob, worker, progress, resume: ResumeState, scope: RunScope):
+    # lazy: torch, which validate and status never need
+    from eaglebatch.model.moe_counts import count_routing
+
     if worker is None:
         worker = build_worker(prep)
     first, end = scope.rows(prep.total_rows)
     skip, samples = resume.skipped_in(first, end)
     scheduler = build_scheduler(prep, worker, file_metadata(prep), skip, scope, samples)
+    target = getattr(worker, "target", worker)
+    routing = count_routing(target.model) if target.device.type == "cpu" else None
     start = time.monotonic()
     try:
         stats = _step_loop(prep, scheduler, worker, progress)
@@ -558,7 +563,8 @@ def _run(prep: PreparedJob, worker, progress, resume: ResumeState, scope: RunSco
     drafts = worker.draft_stats()  # SpecWorker: where the drafts came from; Worker: None
     if drafts is not None:
         stats["drafts"] = drafts
-    target = getattr(worker, "target", worker)
+    if routing is not None:
+        stats["expert_rows_per_active"] = routing.rows_per_active
     stats["weights"] = getattr(target, "weights", None)
     stats["threads"] = getattr(target, "threads", None)
     caches = getattr(target, "kv_caches", None) or []

@@ -122,6 +122,7 @@ class SparseMoeBlock(nn.Module):
             raise ValueError(f"router_scoring {cfg.router_scoring!r} is not one of "
                              f"{', '.join(ROUTER_SCORINGS)}")  # fmt: skip
         self.scoring = cfg.router_scoring
+        self.routing_counts = None  # a moe_counts.RoutingCounts where the run counts routing
         self.gate = nn.Linear(h, e, bias=cfg.router_bias, **factory)
         # cfg.router_input_scale: the router sees rms(x) * router_scale / sqrt(H) (rms without
         # a weight, in float32, cast back; then the two products in x's dtype)
@@ -155,6 +156,8 @@ class SparseMoeBlock(nn.Module):
         weights, experts = route(self._logits(x if router_input is None else router_input),
                                  self.top_k, self.renormalise, self.weights_float32,
                                  self.per_expert_scale, self.scoring)  # fmt: skip
+        if self.routing_counts is not None:  # moe_counts.count_routing
+            self.routing_counts.add(experts)
         out = self._routed(x, weights, experts)
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x))  # [T, 1]

@@ -31,8 +31,9 @@ STAT_KEYS = ("requests", "errors", "skipped", "prompt_tokens", "output_tokens", 
              "prefill_tokens", "preemptions", "latency_p50", "latency_p90", "latency_p99",
              "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "spec_steps", "spec_tokens",
              "units", "units_retried", "actors", "startup_s", "resident_mib",
-             "peak_resident_mib", "kv_cache_mib", "weights", "threads", "structured_rows",
-             "grammar_compiles", "mask_seconds_p50", "mask_seconds_p99")  # fmt: skip
+             "peak_resident_mib", "kv_cache_mib", "expert_rows_per_active", "weights",
+             "threads", "structured_rows", "grammar_compiles", "mask_seconds_p50",
+             "mask_seconds_p99")  # fmt: skip
 
 
 def plain(v):
