@@ -6,7 +6,7 @@ or blocks of columns (across columns within each expert).
 
 Default shape: Qwen3-30B-A3B's (hidden 2048, expert intermediate 768, 128 experts, top 8), the
 experts' blocks random (valid scales), the routing a random top 8 per token. Prints ms per
-layer call (median):
+layer call (best of --iters):
 
     python benchmarks/cpu_moe_kernel.py [--types 2 8 12] [--tokens 1 32] [--threads 2]
 """
@@ -62,7 +62,7 @@ def layer(ggml_type: int, hidden: int, inner: int, experts: int, top_k: int, thr
 
 
 def timed(fn, iters: int) -> float:
-    """Median ms per call after 2 warm-up calls."""
+    """Best ms per call of `iters` after 2 warm-up calls (the least disturbed: a shared CPU)."""
     for _ in range(2):
         fn()
     times = []
@@ -70,7 +70,7 @@ def timed(fn, iters: int) -> float:
         t = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t)
-    return float(np.median(times)) * 1e3
+    return min(times) * 1e3
 
 
 def compare(block, tokens: int, threads: int, iters: int, blocks: list[int]) -> str:

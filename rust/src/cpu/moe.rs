@@ -16,7 +16,7 @@
 //! step reproduces the decode step bit for bit.
 //!
 //! Threading: the work of each product phase is split into tasks of (product, block of output
-//! columns), all run in one parallel region (`Plan::column_block`; `benchmarks/cpu_moe_kernel.py`
+//! columns), taken in turn by the threads of one parallel region (`omp::run_tasks`) (`Plan::column_block`; `benchmarks/cpu_moe_kernel.py`
 //! measures the choice).
 
 use std::sync::OnceLock;
@@ -281,16 +281,14 @@ impl Step {
     ) -> Vec<Option<QuantizedRows>> {
         let got: Vec<OnceLock<QuantizedRows>> =
             self.segments.iter().map(|_| OnceLock::new()).collect();
-        let parts = threads.clamp(1, self.segments.len());
-        omp::run(parts, &|part| {
-            for (i, s) in self.segments.iter().enumerate().skip(part).step_by(parts) {
-                // SAFETY: segments own disjoint rows of buf, which holds every pair's row.
-                let rows = unsafe {
-                    std::slice::from_raw_parts_mut((buf as *mut f32).add(s.start * w), s.rows * w)
-                };
-                if let Some(q) = f(s, rows) {
-                    let _ = got[i].set(q);
-                }
+        omp::run_tasks(self.segments.len(), threads, &|i| {
+            let s = &self.segments[i];
+            // SAFETY: segments own disjoint rows of buf, which holds every pair's row.
+            let rows = unsafe {
+                std::slice::from_raw_parts_mut((buf as *mut f32).add(s.start * w), s.rows * w)
+            };
+            if let Some(q) = f(s, rows) {
+                let _ = got[i].set(q);
             }
         });
         got.into_iter().map(OnceLock::into_inner).collect()
@@ -420,7 +418,7 @@ fn run_products(products: &[Product], plan: Plan) {
         b => b.min(n),
     };
     let per = n.div_ceil(block);
-    omp::run(products.len() * per, &|task| {
+    omp::run_tasks(products.len() * per, plan.threads, &|task| {
         let (p, c) = (&products[task / per], task % per);
         // SAFETY: tasks cover disjoint (product, columns) parts; every product's buffers were
         // sized by `Geometry::checked` in `Product::new`.
