@@ -300,8 +300,8 @@ def moe_experts(
     depend on the other rows. `activation`: "silu", "gelu_tanh" (gelu_tanh(gate) * up) or
     "clamped_swiglu" (gpt-oss: g = min(gate, limit), u = clamp(up, -limit, limit),
     g * sigmoid(alpha g) * (u + 1)). `column_block`: output columns per parallel task (0: chosen
-    per call). Every size, type and expert id is checked (ValueError); the GIL is released.
-    Unsafe by contract: `cpu/moe.py` is the caller; it takes x and out through
+    per call, at most 256). Every size, type and expert id is checked (ValueError); the GIL is
+    released. Unsafe by contract: `cpu/moe.py` is the caller; it takes x and out through
     `cpu/tensors.py::native_ptr` and keeps the weights alive."""
 
 def rms_norm(x: int, weight: int, out: int, rows: int, h: int, eps: float) -> None:

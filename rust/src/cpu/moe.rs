@@ -16,8 +16,8 @@
 //! step reproduces the decode step bit for bit.
 //!
 //! Threading: the work of each product phase is split into tasks of (product, block of output
-//! columns), taken in turn by the threads of one parallel region (`omp::run_tasks`) (`Plan::column_block`; `benchmarks/cpu_moe_kernel.py`
-//! measures the choice).
+//! columns: `Plan::column_block`, `auto_block`), taken in turn by the threads of one parallel
+//! region (`omp::run_tasks`).
 
 use std::sync::OnceLock;
 
@@ -426,16 +426,16 @@ fn run_products(products: &[Product], plan: Plan) {
     });
 }
 
-/// Columns per task: whole matrices (one task per product, one stream of weights each) when
-/// the products alone give every thread several tasks, else the matrix split so that they do,
-/// in blocks of at least 64 columns.
+/// Columns per task: at most `MAX_BLOCK`, and fewer where the products would otherwise give a
+/// thread fewer than two tasks (blocks of at least 64 columns). Measured on the 30B-A3B shape
+/// (`benchmarks/cpu_moe_kernel.py`, 2 threads): blocks of 256 as fast as whole matrices at 1
+/// token and up to 2x faster at 32 tokens, where whole matrices leave one thread finishing a
+/// busy expert alone; blocks of 64 slower than 256 there.
 pub fn auto_block(n: usize, products: usize, threads: usize) -> usize {
+    const MAX_BLOCK: usize = 256;
     let want = 2 * threads.max(1);
-    if products >= want {
-        return n;
-    }
-    let parts = want.div_ceil(products).min(n.div_ceil(64)).max(1);
-    n.div_ceil(parts)
+    let parts = want.div_ceil(products.max(1)).min(n.div_ceil(64)).max(1);
+    n.div_ceil(parts).min(MAX_BLOCK)
 }
 
 #[cfg(test)]

@@ -309,8 +309,8 @@ fn bad_calls_are_errors() {
 
 #[test]
 fn auto_blocks_give_every_thread_work() {
-    assert_eq!(auto_block(768, 16, 2), 768); // many products: whole matrices
-    assert_eq!(auto_block(768, 2, 2), 384); // one expert: its matrices halved
-    assert_eq!(auto_block(2048, 1, 8), 128);
+    assert_eq!(auto_block(768, 16, 2), 256); // many products: blocks of 256
+    assert_eq!(auto_block(200, 16, 2), 200); // a whole matrix below that
+    assert_eq!(auto_block(2048, 1, 8), 128); // one product: split for 16 tasks
     assert_eq!(auto_block(100, 1, 8), 50); // blocks of at least 64 columns (2 of 50)
 }
