@@ -23,6 +23,7 @@ native = pytest.mark.skipif(not SMALL_GEMM_AVAILABLE, reason="CPU without AVX-51
 
 # byte offsets of each block type's fp16 scale / offset fields
 HALVES = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 14: (208,)}
+MXFP4 = 39
 
 
 def random_blocks(ggml_type: int, n: int, k: int, seed: int) -> np.ndarray:
@@ -43,7 +44,11 @@ def random_blocks(ggml_type: int, n: int, k: int, seed: int) -> np.ndarray:
         data = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 3)
         return quantize(data, GGMLQuantizationType(ggml_type))
     blocks = rng.integers(0, 256, (n * k // elems, nbytes), dtype=np.uint8)
-    for at in HALVES[ggml_type]:
+    if ggml_type == MXFP4:  # E8M0 exponents: the subnormal scales 0, 1, then 2 and 110..140
+        e = rng.integers(110, 141, blocks.shape[0], dtype=np.uint8)
+        e[::9], e[1::9], e[2::9] = 0, 1, 2
+        blocks[:, 0] = e
+    for at in HALVES.get(ggml_type, ()):
         h = blocks[:, at : at + 2].copy().view(np.uint16)[:, 0]
         exps = rng.integers(0, 21, h.shape, dtype=np.uint16)  # no inf / NaN
         h = (h & 0x83FF) | (exps << 10)
@@ -98,6 +103,40 @@ def test_products_from_blocks_equal_the_float32_kernel_bit_for_bit(ggml_type):
             x = torch.randn(300, k, generator=g)
             got, want = qw.linear(x, threads=2), linear(x, weight, threads=2)
             assert torch.allclose(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@native
+def test_mxfp4_expands_every_code_and_edge_exponent_as_the_gguf_dequantizer():
+    """E8M0 exponents 0 and 1 (subnormal half scales), 2, 127, 128, 254 and 255 (whose codes
+    of magnitude 4 and more overflow to infinity in the reference too), each with all 16 codes
+    in both nibbles."""
+    codes = np.arange(16, dtype=np.uint8)
+    rows = []
+    for e in (0, 1, 2, 127, 128, 254, 255):
+        rows.append(np.concatenate([[e], codes | (codes[::-1] << 4)]).astype(np.uint8))
+    blocks = np.stack(rows).reshape(1, -1)  # one row of 7 blocks
+    with np.errstate(over="ignore"):  # the reference's float32 product overflows, as intended
+        want = dequantized(blocks, MXFP4)
+    assert torch.isinf(want).any() and (want == 0).any()
+    qw = QuantizedWeight(torch.from_numpy(blocks), MXFP4, (1, 7 * 32))
+    assert same_bits(qw.rows(torch.tensor([0])), want)
+
+
+@native
+def test_mxfp4_products_equal_x_times_the_dequantized_weight():
+    """The float path to float32 rounding of x @ W.T (bit for bit the float32 kernel's, above);
+    the int8 path as its definition over the dequantized values (test_int8_activations)."""
+    n, k = 40, 256
+    blocks = random_blocks(MXFP4, n, k, seed=5)
+    weight = dequantized(blocks, MXFP4).double()
+    x = torch.randn(6, k, generator=torch.Generator().manual_seed(5))
+    want, size = x.double() @ weight.T, x.double().abs() @ weight.abs().T
+    got = QuantizedWeight(torch.from_numpy(blocks), MXFP4, (n, k)).linear(x, threads=2)
+    assert torch.all((got.double() - want).abs() <= 1e-6 * size + 1e-30)
+    int8 = QuantizedWeight(torch.from_numpy(blocks), MXFP4, (n, k), int8=True)
+    assert int8.takes_int8
+    got8 = int8.linear(x, threads=2).double()
+    assert torch.all((got8 - want).abs() <= 0.02 * size)  # x rounded to 8 bits per block
 
 
 @native

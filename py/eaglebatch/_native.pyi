@@ -256,8 +256,8 @@ def small_gemm(
     out [m, n], all C-contiguous CPU buffers that stay alive for the call, out not overlapping
     the others; 1 <= m <= SMALL_GEMM_MAX_ROWS. `weight_type` is w's format as a GGML type
     number: 0 float32, 30 bfloat16 bits, or a GGUF block type (2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1,
-    8 Q8_0, 12 Q4_K, 14 Q6_K; w then n rows of whole blocks), expanded exactly, so the result
-    is bit for bit that of w's float32 values. Runs on up to `threads` threads of the OpenMP
+    8 Q8_0, 12 Q4_K, 14 Q6_K, 39 MXFP4; w then n rows of whole blocks), expanded exactly, so the
+    result is bit for bit that of w's float32 values. Runs on up to `threads` threads of the OpenMP
     team torch uses. Each output is computed in the same order whatever m and the thread
     count. `int8_activations` (block formats only; `engine.activations: int8`): x is quantized
     to 8-bit blocks of 32 and multiplied in integers (rust/src/cpu/int8_gemm.rs defines the
@@ -271,6 +271,38 @@ def gather_rows(
     """out[i] = row ids[i] of w [rows, k] (format `weight_type` as in `small_gemm`) as float32:
     an embedding lookup from GGUF blocks. out [len(ids), k]; every id is checked (ValueError).
     Unsafe by contract: `cpu/quantized.py` is the caller."""
+
+def moe_experts(
+    x: int,
+    out: int,
+    hidden: int,
+    inner: int,
+    experts: npt.NDArray[np.int64],
+    weights: npt.NDArray[np.float32],
+    matrices: npt.NDArray[np.uint64],
+    types: npt.NDArray[np.uint32],
+    biases: npt.NDArray[np.uint64],
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    threads: int = 1,
+    int8_activations: bool = False,
+    column_block: int = 0,
+) -> None:
+    """out = one mixture-of-experts layer's routed MLP of x (rust/src/cpu/moe.rs): x and out
+    [T, hidden] float32 by raw address; `experts` int64 and `weights` float32 [T, k], the
+    router's choice; per expert (rows of [E, 3]: gate, up, down) the weights' addresses
+    (`matrices`; gate and up [inner, hidden], down [hidden, inner], each n rows of whole blocks
+    of its GGML type in `types`, as `small_gemm`'s `weight_type`) and float32 bias addresses
+    (`biases`, 0: none). Each token's row is the sum, from zero and in ascending expert order,
+    of weight * (down(act(gate x + b, up x + b)) + b) over its slots, on `small_gemm`'s
+    products (int8 ones where `int8_activations` and a block format); a row's result does not
+    depend on the other rows. `activation`: "silu", "gelu_tanh" (gelu_tanh(gate) * up) or
+    "clamped_swiglu" (gpt-oss: g = min(gate, limit), u = clamp(up, -limit, limit),
+    g * sigmoid(alpha g) * (u + 1)). `column_block`: output columns per parallel task (0: chosen
+    per call, at most 256). Every size, type and expert id is checked (ValueError); the GIL is
+    released. Unsafe by contract: `cpu/moe.py` is the caller; it takes x and out through
+    `cpu/tensors.py::native_ptr` and keeps the weights alive."""
 
 def rms_norm(x: int, weight: int, out: int, rows: int, h: int, eps: float) -> None:
     """out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight in float32 by raw addresses, row by row

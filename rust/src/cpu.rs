@@ -4,11 +4,12 @@
 //! share only `exceptions` with the scheduler's, and `python`'s module init registers them.
 //!
 //! `small_gemm` (the GEMM over the weight formats of `quant`) and `paged_attention` are the
-//! kernels, `decoder_layer` runs whole layers on them, `omp` shares torch's OpenMP threads;
-//! their headers say why each is native. `bindings` (feature "python") exposes them.
+//! kernels, `decoder_layer` runs whole layers on them, `moe` a mixture-of-experts layer's
+//! routed MLP, `omp` shares torch's OpenMP threads; their headers say why each is native. `bindings` (feature "python") exposes them.
 
 pub mod decoder_layer;
 pub mod int8_gemm;
+pub mod moe;
 pub mod omp;
 pub mod paged_attention;
 pub mod quant;

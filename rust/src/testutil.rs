@@ -230,7 +230,8 @@ pub fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
 }
 
 /// `rows` rows of `k` elements of block type `ty` with random contents whose fp16 scale and
-/// offset fields are finite (normal or subnormal, either sign): every such block is valid.
+/// offset fields are finite (normal or subnormal, either sign; MXFP4: exponents that keep every
+/// value finite, the subnormal scales included): every such block is valid.
 pub fn random_blocks(ty: WeightType, rows: usize, k: usize, seed: u64) -> Vec<u8> {
     use WeightType as T;
     let (elems, bytes) = ty.block();
@@ -239,9 +240,17 @@ pub fn random_blocks(ty: WeightType, rows: usize, k: usize, seed: u64) -> Vec<u8
         T::Q4_0 | T::Q5_0 | T::Q8_0 => &[0],
         T::Q4_1 | T::Q5_1 | T::Q4K => &[0, 2],
         T::Q6K => &[208],
-        T::F32 | T::F16 | T::Bf16 => &[],
+        T::F32 | T::F16 | T::Bf16 | T::Mxfp4 => &[],
     };
     for (i, block) in data.chunks_exact_mut(bytes).enumerate() {
+        if ty == T::Mxfp4 {
+            // E8M0 exponents 0 and 1 (subnormal scales), 2, and 118..=137 (values up to ~6e3)
+            block[0] = if i % 7 == 0 {
+                (i % 3) as u8
+            } else {
+                118 + (i % 20) as u8
+            };
+        }
         for &at in halves {
             // exponent field 0..=20 (subnormals included, no inf/NaN), random sign and fraction
             let h = u16::from_le_bytes([block[at], block[at + 1]]);

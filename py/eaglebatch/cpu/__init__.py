@@ -8,6 +8,8 @@ names; only methods change):
   * every `nn.Linear` -> NativeLinear: few-row products on the native small GEMM (gemm.py);
   * a CausalLM -> NativeCausalLM, an EAGLE draft head -> NativeEagleDraft:
     runs of decoder layers in one native call (decoder.py), the LM head on the small GEMM;
+  * every mixture-of-experts `SparseMoeBlock` -> NativeSparseMoeBlock: a step's routed experts in
+    one native call (moe.py);
   * with `native_norms` (draft heads), every `RMSNorm` -> NativeRMSNorm (norm.py).
 
 Each swapped-in method decides per call with the one rule `tensors.eligible` and otherwise
@@ -23,6 +25,7 @@ from torch import nn
 
 from eaglebatch.cpu.decoder import use_native_layers
 from eaglebatch.cpu.gemm import SMALL_GEMM_AVAILABLE, SMALL_GEMM_MAX_ROWS, use_small_gemm
+from eaglebatch.cpu.moe import use_native_moe
 from eaglebatch.cpu.norm import use_native_norms
 
 __all__ = ["SMALL_GEMM_AVAILABLE", "SMALL_GEMM_MAX_ROWS", "accelerate", "gemm_threads"]
@@ -46,6 +49,7 @@ def accelerate(
     on = use_small_gemm(model, threads, bf16_weights)
     use_native_norms(model, on and native_norms)
     use_native_layers(model, threads)
+    use_native_moe(model, threads)
     return on
 
 

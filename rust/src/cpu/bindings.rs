@@ -1,6 +1,7 @@
 //! PyO3 bindings of the CPU kernels (contract: `py/eaglebatch/_native.pyi`): functions over raw
-//! buffer addresses, each checking its sizes and indices before anything is read, and the
-//! `CpuDecoder` class (`cpu_decoder`). `register` adds them to `eaglebatch._native`.
+//! buffer addresses, each checking its sizes and indices before anything is read (`moe_experts`
+//! in `moe`), and the `CpuDecoder` class (`cpu_decoder`). `register` adds them to
+//! `eaglebatch._native`.
 
 use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
@@ -13,6 +14,7 @@ use crate::cpu::small_gemm as gemm;
 use crate::exceptions::NativeError;
 
 mod cpu_decoder;
+mod moe;
 
 /// Adds the kernels' functions, classes and constants to the module.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -20,6 +22,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(small_gemm, m)?)?;
     m.add_function(wrap_pyfunction!(gather_rows, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(moe::moe_experts, m)?)?;
     m.add_function(wrap_pyfunction!(paged_attention, m)?)?;
     m.add("SMALL_GEMM_AVAILABLE", gemm::available())?;
     m.add("SMALL_GEMM_MAX_ROWS", gemm::MAX_ROWS)?;

@@ -423,7 +423,7 @@ fn rotate(x: &mut [f32], heads: usize, d: usize, rows: &Rows) {
 /// gate = silu(gate) * up, row by row (`inner` values each): 16 lanes at a time with AVX-512,
 /// the scalar code compiled for AVX2 (vectorised by the compiler) where the CPU has that, the
 /// same operations per element as `silu` in every case.
-fn silu_mul(gate: &mut [f32], up: &[f32], inner: usize) {
+pub(crate) fn silu_mul(gate: &mut [f32], up: &[f32], inner: usize) {
     for (g, u) in gate.chunks_exact_mut(inner).zip(up.chunks_exact(inner)) {
         #[allow(unused_mut)]
         let mut done = 0;
@@ -485,7 +485,7 @@ mod avx512 {
 
 /// x * sigmoid(x) through `exp_nonpositive` (e^-|x| never overflows).
 #[inline(always)]
-fn silu(x: f32) -> f32 {
+pub(crate) fn silu(x: f32) -> f32 {
     let e = attn::exp_nonpositive(-x.abs());
     let sigmoid = if x >= 0.0 {
         1.0 / (1.0 + e)

@@ -179,19 +179,57 @@ pub fn linear_on(
     let xq = quantize_rows(x, k);
     let (wp, op) = (w.as_ptr() as usize, out.as_mut_ptr() as usize);
     gemm::split_columns(n, threads, &|cols| {
-        let (w, out) = (wp as *const u8, op as *mut f32);
         // SAFETY: w and out outlive the call; parts write disjoint output columns of every
         // row; the shapes were asserted and the CPU runs `copy` (asserted).
-        #[cfg(target_arch = "x86_64")]
         unsafe {
-            match copy {
-                Copy::Avx2 => tiles::avx2::columns(ty, &xq, w, out, &geometry, cols),
-                Copy::Vnni => tiles::vnni::columns(ty, &xq, w, out, &geometry, cols),
-            }
+            columns_on(
+                copy,
+                ty,
+                &xq,
+                wp as *const u8,
+                op as *mut f32,
+                &geometry,
+                cols,
+            )
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = (w, out, &geometry, cols, &xq);
     });
+}
+
+/// Output columns `cols` of the integer-path product of the quantized rows `xq` with w (every
+/// row), on the calling thread with the widest copy: the part of a call each thread computes,
+/// for callers that split the work themselves (`moe`).
+///
+/// # Safety
+/// xq quantizes x [m, k] of `g`, w holds n rows of `g.row_bytes`, out [m, n], cols lies in
+/// 0..n, no other thread writes those columns meanwhile, `supports(ty)` and `available()`.
+pub(crate) unsafe fn columns(
+    ty: WeightType,
+    xq: &QuantizedRows,
+    w: *const u8,
+    out: *mut f32,
+    g: &Geometry,
+    cols: std::ops::Range<usize>,
+) {
+    columns_on(widest(), ty, xq, w, out, g, cols)
+}
+
+/// `columns` on one copy (the CPU runs it).
+unsafe fn columns_on(
+    copy: Copy,
+    ty: WeightType,
+    xq: &QuantizedRows,
+    w: *const u8,
+    out: *mut f32,
+    g: &Geometry,
+    cols: std::ops::Range<usize>,
+) {
+    #[cfg(target_arch = "x86_64")]
+    match copy {
+        Copy::Avx2 => tiles::avx2::columns(ty, xq, w, out, g, cols),
+        Copy::Vnni => tiles::vnni::columns(ty, xq, w, out, g, cols),
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (copy, ty, xq, w, out, g, cols);
 }
 
 #[cfg(test)]

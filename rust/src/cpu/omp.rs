@@ -65,6 +65,20 @@ pub fn run(parts: usize, f: &(dyn Fn(usize) + Sync)) {
     }
 }
 
+/// Runs f(0), ..., f(tasks - 1) on up to `threads` threads of libgomp's team (`run`), each
+/// thread taking the next task not yet taken: tasks of uneven cost balance out, and a team is
+/// never asked for more threads than `threads` (libgomp starts as many as a region asks for).
+pub fn run_tasks(tasks: usize, threads: usize, f: &(dyn Fn(usize) + Sync)) {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    run(threads.clamp(1, tasks.max(1)), &|_| loop {
+        let task = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if task >= tasks {
+            break;
+        }
+        f(task);
+    });
+}
+
 /// Whether parts run in parallel (a libgomp is loaded); for tests and diagnostics.
 pub fn parallel() -> bool {
     GOMP.get_or_init(find_gomp).is_some()
@@ -152,6 +166,17 @@ mod tests {
                 hits.iter().all(|h| h.load(Ordering::Relaxed) == 1),
                 "parts {parts}"
             );
+        }
+    }
+
+    #[test]
+    fn every_task_runs_exactly_once_whatever_the_threads() {
+        for (tasks, threads) in [(0, 2), (1, 4), (7, 2), (40, 3)] {
+            let hits: Vec<AtomicUsize> = (0..tasks).map(|_| AtomicUsize::new(0)).collect();
+            run_tasks(tasks, threads, &|i| {
+                hits[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
         }
     }
 }

@@ -1,6 +1,6 @@
 //! Weight formats the CPU kernels read: float32, bfloat16 and fp16 bits, and GGUF's quantized blocks
-//! (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K), expanded in registers to the exact float32
-//! values the `gguf` package's dequantizer produces.
+//! (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K, MXFP4), expanded in registers to the exact
+//! float32 values the `gguf` package's dequantizer produces.
 //!
 //! Why: a CPU decode step streams every weight once; a float32 copy of a Q4_1 checkpoint is
 //! ~7x the bytes of its blocks. Each format's value is a product of an fp16 scale, small
@@ -9,7 +9,10 @@
 //! or subtraction of the offset, which a fused multiply-add performs once, as numpy's separate
 //! multiply-then-add does. Where the reference forms a product in two steps (Q4_K's and Q6_K's
 //! `d * scale`, then `* q`), the lanes do the same two steps, so equality does not even rest on
-//! the exactness argument. The GEMM (`small_gemm`) then computes the same sums from the same
+//! the exactness argument. MXFP4's value is a power of two (its E8M0 scale halved, subnormal for
+//! the exponent bytes 0 and 1) times an integer of at most 12: exact too, up to an overflow to
+//! infinity for exponent bytes of 253 and more, which the reference's float32 product makes
+//! alike. The GEMM (`small_gemm`) then computes the same sums from the same
 //! values: results equal the dequantized float32 model's bit for bit.
 //!
 //! Layout: a matrix [n, k] is n rows of `row_bytes(k)` bytes each, a row being k / QK blocks
@@ -33,9 +36,10 @@ pub enum WeightType {
     Q8_0,
     Q4K,
     Q6K,
+    Mxfp4,
 }
 
-pub const ALL: [WeightType; 10] = [
+pub const ALL: [WeightType; 11] = [
     WeightType::F32,
     WeightType::F16,
     WeightType::Bf16,
@@ -46,6 +50,7 @@ pub const ALL: [WeightType; 10] = [
     WeightType::Q8_0,
     WeightType::Q4K,
     WeightType::Q6K,
+    WeightType::Mxfp4,
 ];
 
 impl WeightType {
@@ -62,6 +67,7 @@ impl WeightType {
             WeightType::Q4K => 12,
             WeightType::Q6K => 14,
             WeightType::Bf16 => 30,
+            WeightType::Mxfp4 => 39,
         }
     }
 
@@ -82,6 +88,7 @@ impl WeightType {
             WeightType::Q8_0 => (32, 34),
             WeightType::Q4K => (256, 144),
             WeightType::Q6K => (256, 210),
+            WeightType::Mxfp4 => (32, 17),
         }
     }
 
@@ -112,6 +119,22 @@ pub fn f16_to_f32(h: u16) -> f32 {
         }
         (31, _) => sign | 0x7f80_0000 | (frac << 13),
         _ => sign | ((exp + 112) << 23) | (frac << 13),
+    };
+    f32::from_bits(bits)
+}
+
+/// MXFP4's E2M1 codes as doubled integers (GGML's table): code c is `MXFP4_VALUES[c] / 2`
+/// times 2^(e - 127); the halving goes into the scale (`e8m0_half`). Code 8 is +0.
+pub const MXFP4_VALUES: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+/// Half the value 2^(e - 127) of an E8M0 exponent byte, as GGML's `e8m0_to_fp32_half` forms its
+/// bits: 2^(e - 128), subnormal for e < 2 (2^-128, 2^-127); never infinite (e = 255: 2^127).
+#[inline]
+pub fn e8m0_half(e: u8) -> f32 {
+    let bits = if e < 2 {
+        0x0020_0000u32 << e
+    } else {
+        (e as u32 - 1) << 23
     };
     f32::from_bits(bits)
 }
@@ -167,6 +190,7 @@ fn element(ty: WeightType, b: &[u8], e: usize) -> f32 {
         WeightType::Q5_0 => half(b, 0) * ((nibble(6, e) | high(2, e) << 4) as i8 - 16) as f32,
         WeightType::Q5_1 => half(b, 0) * (nibble(8, e) | high(4, e) << 4) as f32 + half(b, 2),
         WeightType::Q8_0 => b[2 + e] as i8 as f32 * half(b, 0),
+        WeightType::Mxfp4 => e8m0_half(b[0]) * MXFP4_VALUES[nibble(1, e) as usize] as f32,
         WeightType::Q4K => {
             let s = e / 32; // sub-block: nibble s % 2 of qs[32 * (s / 2) + e % 32]
             let (sc, mn) = q4k_scale_min(&b[4..16], s);
@@ -197,6 +221,27 @@ macro_rules! padded_tail {
             Self::load(padded.as_ptr() as *const u8, 0)
         }
     };
+}
+
+/// MXFP4's doubled integer values of the 16 code bytes at qs: (elements 0..16 from the low
+/// nibbles, elements 16..32 from the high), as signed bytes (one table lookup each).
+///
+/// # Safety
+/// qs holds 16 readable bytes and the CPU runs SSSE3.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "ssse3")]
+pub unsafe fn mxfp4_values(
+    qs: *const u8,
+) -> (std::arch::x86_64::__m128i, std::arch::x86_64::__m128i) {
+    use std::arch::x86_64::*;
+    let v = _mm_loadu_si128(qs as *const __m128i);
+    let table = _mm_loadu_si128(MXFP4_VALUES.as_ptr() as *const __m128i);
+    let low = _mm_set1_epi8(0x0f);
+    (
+        _mm_shuffle_epi8(table, _mm_and_si128(v, low)),
+        _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16::<4>(v), low)),
+    )
 }
 
 /// The 16-lane loaders. Float formats: `load(row, t)` is elements t..t + 16 (t a multiple of
@@ -344,6 +389,8 @@ pub mod avx512 {
     pub struct Q4K;
     #[derive(Clone, Copy)]
     pub struct Q6K;
+    #[derive(Clone, Copy)]
+    pub struct Mxfp4;
 
     impl Load for F32 {
         float_format!();
@@ -513,6 +560,23 @@ pub mod avx512 {
             [q(0), q(1)]
         }
     }
+
+    /// e8m0_half(e) * value(code); block: e (E8M0), qs[16] (element j: nibble j / 16 of
+    /// qs[j % 16]).
+    impl Load for Mxfp4 {
+        blocked!();
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        unsafe fn load32(row: *const u8, t: usize) -> [__m512; 2] {
+            let b = row.add(t / 32 * 17);
+            let d = _mm512_set1_ps(super::e8m0_half(*b));
+            let (lo, hi) = super::mxfp4_values(b.add(1));
+            [
+                _mm512_mul_ps(d, float(_mm512_cvtepi8_epi32(lo))),
+                _mm512_mul_ps(d, float(_mm512_cvtepi8_epi32(hi))),
+            ]
+        }
+    }
 }
 
 /// The 8-lane loaders of the AVX2 kernel, the same values as `avx512`'s: `load` gives 8
@@ -662,7 +726,7 @@ pub mod avx2 {
         };
     }
 
-    pub use super::avx512::{Bf16, F16, F32, Q4K, Q4_0, Q4_1, Q5_0, Q5_1, Q6K, Q8_0};
+    pub use super::avx512::{Bf16, Mxfp4, F16, F32, Q4K, Q4_0, Q4_1, Q5_0, Q5_1, Q6K, Q8_0};
 
     impl Load for F32 {
         float_format!();
@@ -794,6 +858,19 @@ pub mod avx2 {
             })
         }
     }
+
+    impl Load for Mxfp4 {
+        blocked!();
+        #[inline]
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn load32(row: *const u8, t: usize) -> [__m256; 4] {
+            let b = row.add(t / 32 * 17);
+            let d = _mm256_set1_ps(super::e8m0_half(*b));
+            let (lo, hi) = super::mxfp4_values(b.add(1));
+            [lo, _mm_srli_si128::<8>(lo), hi, _mm_srli_si128::<8>(hi)]
+                .map(|q| _mm256_mul_ps(d, float(_mm256_cvtepi8_epi32(q))))
+        }
+    }
 }
 
 #[cfg(test)]
@@ -863,6 +940,63 @@ mod tests {
                     assert!(same, "{ty:?} {isa:?} row {id}");
                 }
             }
+        }
+    }
+
+    #[test]
+    fn mxfp4_scales_follow_ggml_bits() {
+        assert_eq!(e8m0_half(0).to_bits(), 0x0020_0000); // 2^-128, subnormal
+        assert_eq!(e8m0_half(1).to_bits(), 0x0040_0000); // 2^-127, subnormal
+        for (e, p) in [
+            (0u8, -128),
+            (1, -127),
+            (2, -126),
+            (127, -1),
+            (128, 0),
+            (255, 127),
+        ] {
+            assert_eq!(e8m0_half(e) as f64, 2f64.powi(p), "e = {e}");
+        }
+    }
+
+    /// Every code and the edge exponents: value = E2M1(code) * 2^(e - 127) (E2M1: 0, 0.5, 1,
+    /// 1.5, 2, 3, 4, 6 and their negatives), code 8 +0, and e = 255's large codes infinite as
+    /// the reference's float32 product is; the lanes of each copy give the same bits.
+    #[test]
+    fn mxfp4_values_are_e2m1_times_the_exponent() {
+        let e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0];
+        let exps = [0u8, 1, 2, 127, 130, 254, 255];
+        let mut row = Vec::new();
+        for &e in &exps {
+            row.push(e);
+            // elements j (low nibble) and 16 + j (high): codes j and 15 - j
+            row.extend((0..16u8).map(|j| j | (15 - j) << 4));
+        }
+        let mut out = vec![0f32; 32 * exps.len()];
+        dequantize_row(WeightType::Mxfp4, &row, &mut out);
+        for (b, &e) in exps.iter().enumerate() {
+            for i in 0..32 {
+                let code = if i < 16 { i } else { 31 - i };
+                let mag = e2m1[code & 7] * 2f64.powi(e as i32 - 127);
+                let want = if code >= 8 { -mag } else { mag };
+                let want = if want.abs() > f32::MAX as f64 {
+                    want.signum() * f64::INFINITY
+                } else {
+                    want
+                };
+                let got = out[32 * b + i];
+                assert_eq!(got as f64, want, "e = {e} code {code}");
+                assert!(code != 8 || got.to_bits() == 0, "code 8 is +0");
+            }
+        }
+        for isa in gemm::supported() {
+            let mut got = vec![f32::NAN; out.len()];
+            gemm::gather_rows_on(isa, WeightType::Mxfp4, &row, out.len(), &[0], &mut got);
+            let same = got
+                .iter()
+                .zip(&out)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{isa:?}");
         }
     }
 }

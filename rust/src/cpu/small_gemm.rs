@@ -68,6 +68,10 @@ macro_rules! dispatch {
                 type $w = q::Q6K;
                 $body
             }
+            WeightType::Mxfp4 => {
+                type $w = q::Mxfp4;
+                $body
+            }
         }
     }};
 }
@@ -182,7 +186,7 @@ fn as_bytes<T>(w: &[T]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(w.as_ptr() as *const u8, std::mem::size_of_val(w)) }
 }
 
-fn widest() -> Isa {
+pub(crate) fn widest() -> Isa {
     isa().expect("small_gemm needs AVX-512F or AVX2 with FMA (and F16C)")
 }
 
@@ -203,20 +207,45 @@ fn run(
         out.as_mut_ptr() as usize,
     );
     split_columns(n, threads, &|cols| {
-        let args = (xp as *const f32, wp as *const u8, op as *mut f32);
         // SAFETY: the slices above outlive `run`; parts write disjoint output columns
-        // [start, end) of every row, all indices stay inside the asserted shapes, and the CPU
-        // runs `isa` (asserted).
-        #[cfg(target_arch = "x86_64")]
+        // [start, end) of every row, inside the asserted shapes; the CPU runs `isa`.
         unsafe {
-            dispatch!(ty, W => match isa {
-                Isa::Avx512 => avx512::rows::<W>(args.0, args.1, args.2, &geometry, cols),
-                Isa::Avx2 => avx2::rows::<W>(args.0, args.1, args.2, &geometry, cols),
-            })
+            columns_on(
+                isa,
+                ty,
+                xp as *const f32,
+                wp as *const u8,
+                op as *mut f32,
+                &geometry,
+                cols,
+            )
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = (args, cols, &geometry);
     });
+}
+
+/// Output columns `cols` of out = x @ w^T (every row) on the calling thread: the part of a
+/// call `run` hands each thread, for callers that split the work themselves (`moe`).
+///
+/// # Safety
+/// x, w and out hold the buffers `g` describes (x [m, k], n rows of `g.row_bytes`, out
+/// [m, n]), cols lies in 0..n, no other thread writes those columns meanwhile, and the CPU
+/// runs `isa`.
+pub(crate) unsafe fn columns_on(
+    isa: Isa,
+    ty: WeightType,
+    x: *const f32,
+    w: *const u8,
+    out: *mut f32,
+    g: &Geometry,
+    cols: std::ops::Range<usize>,
+) {
+    #[cfg(target_arch = "x86_64")]
+    dispatch!(ty, W => match isa {
+        Isa::Avx512 => avx512::rows::<W>(x, w, out, g, cols),
+        Isa::Avx2 => avx2::rows::<W>(x, w, out, g, cols),
+    });
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (isa, ty, x, w, out, g, cols);
 }
 
 /// Runs `f` over parts of the output columns 0..n on up to `threads` threads of libgomp's team
@@ -306,6 +335,9 @@ mod weights {
     }
     impl Weight for Q6K {
         const PER: (usize, usize) = (256, 210);
+    }
+    impl Weight for Mxfp4 {
+        const PER: (usize, usize) = (32, 17);
     }
 }
 

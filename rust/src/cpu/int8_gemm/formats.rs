@@ -246,3 +246,20 @@ impl Format for Q6K {
         }
     }
 }
+
+/// e8m0_half(e) * value(code), MXFP4's doubled integer values read as value + 128 (as Q8_0's
+/// bytes); block: e (E8M0), qs[16] (element j: nibble j / 16 of qs[j % 16]).
+pub(super) struct Mxfp4;
+impl Format for Mxfp4 {
+    const BIAS: i32 = 128;
+    const OFFSET: bool = false;
+    const BLOCK: (usize, usize) = (32, 17);
+    whole_blocks!();
+    #[inline(always)]
+    unsafe fn chunk(row: *const u8, t: usize, _: &()) -> Chunk {
+        let b = row.add(t / 32 * 17);
+        let (lo, hi) = crate::cpu::quant::mxfp4_values(b.add(1));
+        let q = _mm256_xor_si256(_mm256_set_m128i(hi, lo), _mm256_set1_epi8(-128));
+        Chunk::of(q, crate::cpu::quant::e8m0_half(*b), 0.0)
+    }
+}

@@ -5,7 +5,7 @@
 //! q <= 31, |x| <= 127), so both copies compute the same integer dots exactly and then the
 //! same float operations: they give the same bits.
 
-use super::formats::{Chunk, Format, Q4K, Q4_0, Q4_1, Q5_0, Q5_1, Q6K, Q8_0};
+use super::formats::{Chunk, Format, Mxfp4, Q4K, Q4_0, Q4_1, Q5_0, Q5_1, Q6K, Q8_0};
 use super::{Geometry, QuantizedRows, QK};
 use crate::cpu::quant::WeightType;
 use std::arch::x86_64::*;
@@ -121,6 +121,7 @@ macro_rules! copy {
                     WeightType::Q8_0 => by_rows::<Q8_0>(xq, w, out, g, cols),
                     WeightType::Q4K => by_rows::<Q4K>(xq, w, out, g, cols),
                     WeightType::Q6K => by_rows::<Q6K>(xq, w, out, g, cols),
+                    WeightType::Mxfp4 => by_rows::<Mxfp4>(xq, w, out, g, cols),
                     _ => unreachable!("int8_gemm: {ty:?} (checked by `supports`)"),
                 }
             }
