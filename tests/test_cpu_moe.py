@@ -17,16 +17,17 @@ from eaglebatch.cpu.moe import use_native_moe
 from eaglebatch.cpu.quantized import QuantizedWeight, use_quantized_weights
 from eaglebatch.model.decoder_layer import _ACTIVATIONS
 from eaglebatch.model.moe import SparseMoeBlock
+from test_moe import DEFAULTS
 
 pytestmark = pytest.mark.skipif(not SMALL_GEMM_AVAILABLE, reason="CPU without the kernels")
 HIDDEN, INNER = 64, 32
 
 
-def _block(experts=6, top_k=2, shared=0, act="silu", seed=0) -> SparseMoeBlock:
+def _block(experts=6, top_k=2, shared=0, act="silu", seed=0, **features) -> SparseMoeBlock:
     cfg = SimpleNamespace(hidden_size=HIDDEN, num_experts=experts, num_experts_per_tok=top_k,
                           moe_intermediate_size=INNER, norm_topk_prob=True,
-                          router_weights_float32=False,
-                          shared_expert_intermediate_size=shared)  # fmt: skip
+                          router_weights_float32=False, shared_expert_intermediate_size=shared,
+                          rms_norm_eps=1e-6, **{**DEFAULTS, **features})  # fmt: skip
     torch.manual_seed(seed)
     block = SparseMoeBlock(cfg, _ACTIVATIONS[act])
     with torch.no_grad():
@@ -70,6 +71,19 @@ def test_float32_experts_equal_the_grouped_path(act, calls):
     assert len(calls) == 1
     torch.testing.assert_close(native, plain, rtol=1e-5, atol=1e-6)  # the activation's rounding
     torch.testing.assert_close(native, torch_path, rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_oss_experts_run_natively_with_their_biases_and_clamped_swiglu(calls):
+    """expert_activation clamped_swiglu (gpt-oss) with expert and router biases: the block's
+    experts name the kernel's activation, and the native call equals the plain path."""
+    block = _block(act="silu", router_scoring="topk_softmax", router_bias=True,
+                   expert_bias=True, expert_activation="clamped_swiglu", swiglu_limit=0.5)
+    assert block.experts[0].native_activation == ("clamped_swiglu", 1.702, 0.5)
+    x = torch.randn(7, HIDDEN)
+    use_small_gemm(block, 2)
+    native, plain = _both(block, x)
+    assert len(calls) == 1
+    torch.testing.assert_close(native, plain, rtol=1e-5, atol=1e-6)
 
 
 def test_accelerate_swaps_it_in_and_bf16_copies_give_the_same_result(calls):

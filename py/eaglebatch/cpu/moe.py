@@ -77,6 +77,8 @@ def _activation(expert: nn.Module) -> tuple[str, float, float] | None:
     named = getattr(expert, "native_activation", None)
     if named is not None:
         return named
+    if getattr(expert, "combine", None) is not None:  # an activation other than act(gate) * up
+        return None
     for name in _KERNEL_ACTIVATIONS:
         if decoder_layer._ACTIVATIONS[name] is getattr(expert, "act", None):
             return name, 0.0, 0.0

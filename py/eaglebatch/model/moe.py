@@ -65,6 +65,7 @@ def clamped_swiglu(alpha: float, limit: float):
         up = up.clamp(min=-limit, max=limit)
         return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
+    combine.spec = ("clamped_swiglu", alpha, limit)  # what the native CPU kernel computes
     return combine
 
 
@@ -91,6 +92,8 @@ class Expert(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=bias, **factory)
         self.act = act
         self.combine = combine
+        # the activation as the native CPU kernel names it (cpu/moe.py); None: act(gate) * up
+        self.native_activation = getattr(combine, "spec", None)
 
     def glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # [N, I] x2 -> [N, I]
         """The activation between the projections (the grouped GEMMs call it too)."""
