@@ -55,6 +55,9 @@ from synthetic_moe_gguf import write_moe_gguf  # noqa: E402
 
 DEFAULT_GGUF = Path.home() / ".cache" / "eaglebatch" / "bench" / "qwen3moe-30b-a3b-q4_0.gguf"
 GOAL_BATCH1, GOAL_BATCHED = 1.0, 1.5  # eaglebatch over llama.cpp (issue 60)
+# eaglebatch's KV cache per row (engine.kv_cache_tokens = rows x this, and max_model_len): a
+# prompt of up to 400 characters plus its template and the output fit; llama.cpp gets 1024
+KV_TOKENS_PER_ROW = 512
 
 
 def eaglebatch_run(gguf: Path, prompts: Path, n: int, batch: int, args, tmp: Path,
@@ -65,7 +68,9 @@ def eaglebatch_run(gguf: Path, prompts: Path, n: int, batch: int, args, tmp: Pat
     sets = [f"model={gguf}", "draft=null", f"input.path={prompts}", f"input.limit={n}",
             f"output.path={out}", f"sampling.max_new_tokens={args.max_tokens}",
             "sampling.ignore_eos=true", f"engine.max_batch_size={batch}",
-            "engine.weights=quantized", f"engine.num_threads={args.threads}"]  # fmt: skip
+            "engine.weights=quantized", f"engine.num_threads={args.threads}",
+            f"engine.kv_cache_tokens={KV_TOKENS_PER_ROW * batch}",
+            f"engine.max_model_len={KV_TOKENS_PER_ROW}"]  # fmt: skip
     if int8:
         sets.append("engine.activations=int8")
     cmd = [sys.executable, "-c", "from eaglebatch.cli import main; main()", "run",
