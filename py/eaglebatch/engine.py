@@ -547,7 +547,7 @@ def _run(prep: PreparedJob, worker, progress, resume: ResumeState, scope: RunSco
     routing = count_routing(target.model) if target.device.type == "cpu" else None
     start = time.monotonic()
     try:
-        stats = _step_loop(prep, scheduler, worker, progress)
+        stats = _step_loop(prep, scheduler, worker, progress, routing)
     except Interrupted:
         raise
     except Exception as e:
@@ -604,11 +604,13 @@ def resident_memory() -> dict[str, float]:
     return {"resident_mib": now, "peak_resident_mib": peak}
 
 
-def _step_loop(prep: PreparedJob, scheduler, worker, progress: ProgressFn | None) -> dict:
+def _step_loop(prep: PreparedJob, scheduler, worker, progress: ProgressFn | None,
+               routing=None) -> dict:  # fmt: skip
     """`for plan in scheduler: commit(worker.step(plan))` until every row is written (overlapped
     with engine.overlap: `overlapped_steps`); stops between two steps on SIGINT / SIGTERM
     (raises Interrupted). Returns the run's stats, with step_seconds: per kind of step
-    (prefill, mixed, decode, verify) the seconds its steps took."""
+    (prefill, mixed, decode, verify) the seconds its steps took. `routing`: the model's
+    moe_counts.RoutingCounts, each step closed with its kind."""
     last_report = 0.0
     seconds: dict[str, float] = {}  # plan kind -> seconds of its steps (planning to commit)
     work = StepWork()  # ... and the tokens they computed, for the ETA
@@ -621,6 +623,8 @@ def _step_loop(prep: PreparedJob, scheduler, worker, progress: ProgressFn | None
             mixed = plan.kind == "decode" and plan.num_tokens > plan.num_seqs
             kind = "mixed" if mixed else plan.kind
             seconds[kind] = seconds.get(kind, 0.0) + now - mark
+            if routing is not None:
+                routing.close_step(kind)
             counters = scheduler.progress() if progress is not None else None
             if counters is not None:
                 work.add(kind, now - mark, counters, plan.num_seqs, plan.num_tokens)

@@ -285,8 +285,8 @@ def summary_table(stats: dict, wall_s: float, title: str = "eaglebatch summary")
     if stats.get("weights"):
         rows.append(("weights", stats["weights"]))
     if stats.get("expert_rows_per_active"):  # a mixture of experts on the CPU
-        rows.append(("experts", f"{stats['expert_rows_per_active']:.2f} tokens per active "
-                     "expert per layer step"))  # fmt: skip
+        rows.append(("tokens per active expert", f"{stats['expert_rows_per_active']:.2f} "
+                     "(a layer's generation step)"))  # fmt: skip
     if stats.get("threads"):
         rows.append(("CPU threads", stats["threads"]))
     if "resident_mib" in stats:

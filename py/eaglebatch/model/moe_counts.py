@@ -1,7 +1,9 @@
-"""How many tokens one pass over an expert's weights serves: the (token, expert) pairs a run's
-routed MLPs (moe.py) computed and the experts active in each layer's step, summed over layers
-and steps. `count_routing` turns it on for a model's routed MLPs; the engine does for CPU runs,
-where the host already holds a step's expert ids (on CUDA counting would add a host sync)."""
+"""How many tokens one pass over an expert's weights serves in generation: the (token, expert)
+pairs a run's routed MLPs (moe.py) computed and the experts active in each layer's step,
+summed over layers and the steps that only generated (decode and verify; prefills route many
+tokens at once and would hide what batching buys). `count_routing` turns it on for a model's
+routed MLPs; the engine does for CPU runs, where the host already holds a step's expert ids
+(on CUDA counting would add a host sync), and closes each step with its kind."""
 
 from __future__ import annotations
 
@@ -10,20 +12,31 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+GENERATION_KINDS = ("decode", "verify")  # the engine's step kinds that only generate
+
 
 @dataclass
 class RoutingCounts:
-    pairs: int = 0  # (token, expert) pairs computed
-    active: int = 0  # experts with at least one token, per layer and step
+    pairs: int = 0  # (token, expert) pairs of the generation steps
+    active: int = 0  # experts with at least one token, per layer and generation step
+    _step_pairs: int = 0  # ... of the step running, until `close_step`
+    _step_active: int = 0
 
     def add(self, experts: torch.Tensor) -> None:  # int64 [T, k] one layer's step
         flat = experts.reshape(-1)
-        self.pairs += flat.numel()
-        self.active += int(torch.unique(flat).numel())
+        self._step_pairs += flat.numel()
+        self._step_active += int(torch.unique(flat).numel())
+
+    def close_step(self, kind: str) -> None:
+        """The step's counts go to the totals when it only generated, else are dropped."""
+        if kind in GENERATION_KINDS:
+            self.pairs += self._step_pairs
+            self.active += self._step_active
+        self._step_pairs = self._step_active = 0
 
     @property
     def rows_per_active(self) -> float | None:
-        """Tokens per active expert per layer step (None before any step)."""
+        """Tokens per active expert per layer and generation step (None before any)."""
         return self.pairs / self.active if self.active else None
 
 
