@@ -11,9 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from eaglebatch.model import moe_grouped
-from eaglebatch.model.moe import SparseMoeBlock, route
+from eaglebatch.model.moe import Expert, SparseMoeBlock, route
 
 # ModelConfig's MoE features at their defaults
 DEFAULTS = dict(router_scoring="softmax", router_bias=False, expert_bias=False,
@@ -389,3 +390,23 @@ def test_block_replays_in_a_cuda_graph_as_run_eagerly():
             assert torch.equal(captured, eager)
         else:
             torch.testing.assert_close(captured, eager, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_experts_built_on_meta_skip_init_and_match_a_cpu_build(bias, monkeypatch):
+    """Expert linears built on the meta device (the loaders' build) skip the random init (a
+    Python decomposition per call on meta: seconds for a 128-expert, 48-layer model) and are
+    plain nn.Linear with the parameters, shapes and names of a CPU build."""
+    inits = []
+    real = nn.init.kaiming_uniform_
+    monkeypatch.setattr(nn.init, "kaiming_uniform_",
+                        lambda *a, **k: inits.append(1) or real(*a, **k))  # fmt: skip
+    with torch.device("meta"):
+        meta = Expert(64, 32, F.silu, bias=bias)
+    assert inits == []
+    cpu = Expert(64, 32, F.silu, bias=bias)
+    assert len(inits) == 3  # a CPU build keeps nn.Linear's init
+    assert all(type(p) is nn.Linear for p in (meta.gate_proj, meta.up_proj, meta.down_proj))
+    shapes = {n: (p.shape, p.requires_grad) for n, p in cpu.named_parameters()}
+    assert {n: (p.shape, p.requires_grad) for n, p in meta.named_parameters()} == shapes
+    assert all(p.is_meta for p in meta.parameters())
