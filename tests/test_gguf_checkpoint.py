@@ -279,14 +279,14 @@ def test_a_gguf_whose_config_transformers_cannot_read_runs_as_transformers_compu
     ("mistral3", "rope_freqs", "rope_freqs.weight"),
     ("mistral3", "rope_scaling_linear", "mistral3.rope.scaling.type = 'linear'"),
     ("gemma4", "no_pattern", "gemma4.attention.sliding_window_pattern"),
-    ("gemma4", "moe", "gemma4.expert_count"),
+    ("gemma4", "moe", "gemma4.expert_used_count = None"),
 ])  # fmt: skip
 def test_a_header_key_the_config_cannot_hold_is_refused_by_name(tmp_path, monkeypatch, arch,
                                                                 key, message):  # fmt: skip
     """An OLMo 3 file (llama.cpp writes it as olmo2 with a sliding window), RoPE scaling or
     frequency factors (rope_freqs) in a file of a family whose config comes from gguf_config,
-    a Gemma 4 file without its layer pattern or with experts: a JobError naming the key or
-    tensor before any work, never a model run without them."""
+    a Gemma 4 file without its layer pattern or with experts but no top k: a JobError naming
+    the key or tensor before any work, never a model run without them."""
     from gguf import GGUFWriter, RopeScalingType
 
     from eaglebatch.errors import JobError

@@ -61,6 +61,9 @@ class Family:
     gguf_experts: bool = False
     gguf_qk_permuted: bool = False
     gguf_norm_offset: float = 0.0
+    # (parameter name suffix, the file's tensor name with `{bid}` for the layer index) of the
+    # parameters the gguf package's name map does not name (model/gguf_checkpoint.py)
+    gguf_names: tuple[tuple[str, str], ...] = ()
     # GGUF header -> config.json, where transformers' GGUF loader has no config mapping for
     # the architecture: the header's `{arch}.` keys (prefix dropped) and the file's tensors
     # (name -> GgufFile TensorInfo) -> this family's config.json keys beyond the shared ones

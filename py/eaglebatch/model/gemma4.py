@@ -217,6 +217,10 @@ _RENAMED = ((".router.proj.", ".moe.gate."), (".router.scale", ".moe.router_scal
             (".router.per_expert_scale", ".moe.per_expert_scale"),
             (".experts.", ".moe.experts."))  # fmt: skip
 
+# the router's scales, which the gguf package's name map does not name (gemma4_gguf.py)
+_GGUF_NAMES = ((".moe.router_scale", "blk.{bid}.ffn_gate_inp.scale"),
+               (".moe.per_expert_scale", "blk.{bid}.ffn_down_exps.scale"))  # fmt: skip
+
 GEMMA4 = Family("gemma4_text", "Gemma4ForCausalLM", _features, tie_word_embeddings=True,
                 text_tower_of=("gemma4",), renamed=_RENAMED, gguf_architectures=("gemma4",),
-                gguf_config=gemma4_gguf_config)  # fmt: skip
+                gguf_config=gemma4_gguf_config, gguf_names=_GGUF_NAMES)  # fmt: skip

@@ -1,5 +1,5 @@
-"""config.json of a llama.cpp `gemma4` GGUF file (Gemma 4 dense text models), from its header
-and tensors (the family's `gguf_config`, model/gguf_config.py).
+"""config.json of a llama.cpp `gemma4` GGUF file (Gemma 4 text models, dense or with experts),
+from its header and tensors (the family's `gguf_config`, model/gguf_config.py).
 
 How llama.cpp's converter writes Gemma 4 (the keys below without the `gemma4.` prefix):
 
@@ -20,19 +20,21 @@ How llama.cpp's converter writes Gemma 4 (the keys below without the `gemma4.` p
 - norm weights as they are (x * w; no 1 + w as Gemma 3), layer_scalar as
   `blk.N.layer_output_scale.weight`.
 
-A mixture-of-experts file (26B-A4B) is refused by `expert_count` (or `ffn_gate_inp`) until its
-3-D expert tensors are read; llama.cpp writes it as: keys `expert_count` (num_experts),
-`expert_used_count` (top_k_experts), `expert_feed_forward_length` (moe_intermediate_size);
-per layer `ffn_gate_inp.weight` [H, E] (router.proj, HF [E, H]), `ffn_gate_inp.scale` [H]
-(router.scale, as is), `ffn_down_exps.scale` [E] (router.per_expert_scale),
-`ffn_gate_up_exps.weight` [H, 2I, E] (experts.gate_up_proj [E, 2I, H]; or separate
-`ffn_gate_exps` / `ffn_up_exps` [H, I, E]), `ffn_down_exps.weight` [I, H, E]
-(experts.down_proj [E, H, I]), `pre_ffw_norm_2` / `post_ffw_norm_1` / `post_ffw_norm_2`
-(pre_feedforward_layernorm_2 / post_feedforward_layernorm_1 / _2), beside the dense MLP's
-`ffn_norm` / `ffn_gate` / `ffn_up` / `ffn_down` / `post_ffw_norm`.
+A mixture-of-experts file (26B-A4B, `enable_moe_block`): keys `expert_count` (num_experts),
+`expert_used_count` (top_k_experts), `expert_feed_forward_length` (moe_intermediate_size), read
+by moe_gguf.py (softmax, top-k renormalised: llama.cpp's gemma4 routing); per layer
+`ffn_gate_inp.weight` [H, E] (router.proj, HF [E, H]), `ffn_gate_inp.scale` [H]
+(router.scale, as is), `ffn_down_exps.scale` [E] (router.per_expert_scale; the gguf
+package's name map names neither scale: the family's `gguf_names`), `ffn_gate_up_exps.weight`
+[H, 2I, E] (experts.gate_up_proj [E, 2I, H], gate rows first; or separate `ffn_gate_exps` /
+`ffn_up_exps` [H, I, E]), `ffn_down_exps.weight` [I, H, E] (experts.down_proj [E, H, I]),
+`pre_ffw_norm_2` / `post_ffw_norm_1` / `post_ffw_norm_2` (pre_feedforward_layernorm_2 /
+post_feedforward_layernorm_1 / _2), beside the dense MLP's `ffn_norm` / `ffn_gate` /
+`ffn_up` / `ffn_down` / `post_ffw_norm`. Every layer routes (a layer without its router is
+refused naming the tensor).
 
-Refused by key or tensor: a mixture-of-experts file (above), attention
-logit soft-capping, key and value lengths that differ, a last layer that slides (transformers
+Refused by key or tensor: what moe_gguf.py refuses of the experts, attention logit
+soft-capping, key and value lengths that differ, a last layer that slides (transformers
 makes it full), `attn_v` missing on a sliding layer, per-layer values that do not follow
 Gemma 4's (KV heads one per kind, the MLP size doubled exactly on the shared layers), RoPE
 that rotates part of a sliding head, and `rope_freqs` values other than the 1.0 / 1e30 form.
@@ -45,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from eaglebatch.model.family import FULL, SLIDING
+from eaglebatch.model.moe_gguf import moe_gguf_config
 
 _ROPE_FREQS = "rope_freqs.weight"
 _NO_TURN = 1e30  # the converter's factor of a pair that does not turn
@@ -155,10 +158,19 @@ def _rope(own: dict[str, Any], tensors, dims: dict[str, Any]) -> dict[str, Any]:
     }}  # fmt: skip
 
 
+def _experts(own: dict[str, Any], tensors) -> dict[str, Any]:
+    """enable_moe_block and its settings where the file has experts (module doc)."""
+    if "expert_count" not in own and "blk.0.ffn_gate_inp.weight" not in tensors:
+        return {"enable_moe_block": False}
+    moe = moe_gguf_config(own, tensors, arch="gemma4", experts_key="num_experts",
+                          inner_key="moe_intermediate_size", renormalise=True)  # fmt: skip
+    return {"enable_moe_block": True, "num_experts": moe["num_experts"],
+            "top_k_experts": moe["num_experts_per_tok"],
+            "moe_intermediate_size": moe["moe_intermediate_size"]}  # fmt: skip
+
+
 def gemma4_gguf_config(own: dict[str, Any], tensors) -> dict[str, Any]:
-    if "expert_count" in own or "blk.0.ffn_gate_inp.weight" in tensors:
-        raise _refuse("expert_count", "a mixture-of-experts Gemma 4 GGUF file is not supported "
-                      "yet (its 3-D expert tensors); run its Hugging Face checkpoint")  # fmt: skip
+    experts = _experts(own, tensors)
     if "attn_logit_softcapping" in own:
         raise _refuse("attn_logit_softcapping", "attention logit soft-capping is not supported")
     layers = own["block_count"]
@@ -176,4 +188,4 @@ def gemma4_gguf_config(own: dict[str, Any], tensors) -> dict[str, Any]:
             "sliding_window": own.get("attention.sliding_window"),
             "hidden_size_per_layer_input": ple, "vocab_size_per_layer_input": table.shape[1],
             "final_logit_softcapping": own.get("final_logit_softcapping"),
-            "hidden_activation": "gelu_pytorch_tanh"}  # fmt: skip
+            "hidden_activation": "gelu_pytorch_tanh", **experts}  # fmt: skip

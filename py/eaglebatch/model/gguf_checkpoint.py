@@ -19,10 +19,16 @@ Invariants:
   (partial rotary, Phi-4-mini, is served where config.json states it) and per-frequency factor
   tensors (`rope_factors_*`: longrope, Phi-3 128k; not compared with config.json's factors);
 - an expert's parameter (mlp.experts.{e}.gate_proj/up_proj/down_proj.weight, moe.py) is
-  expert e's slab of the layer's 3-D tensor (ffn_gate_exps / ffn_up_exps / ffn_down_exps,
-  [experts, rows, k] innermost last): its `blocks` are a view of the map, contiguous rows of
-  whole blocks (GGUF quantizes by row); a 3-D tensor of another expert count or expert shape
-  than the config's is a ValueError naming the tensor (`shapes`);
+  expert e's slab of layer N's 3-D tensor, by llama.cpp's names for every architecture
+  (blk.N.ffn_gate_exps / ffn_up_exps / ffn_down_exps, [experts, rows, k] innermost last; where
+  the file has no ffn_gate_exps / ffn_up_exps, the gate's rows then the up's of each expert's
+  slab of the fused blk.N.ffn_gate_up_exps, [experts, 2 * rows, k]): its `blocks` are a view
+  of the map, contiguous rows of whole blocks (GGUF quantizes by row); an expert's bias
+  (`.bias`, gpt-oss) is row e of the same name's `.bias` tensor ([experts, rows], the fused
+  one's first or second half); a tensor of another expert count or expert shape than the
+  config's is a ValueError naming the tensor (`shapes`);
+- a parameter the gguf package's name map does not name is found by the family's
+  `gguf_names` (Gemma 4's router scales);
 - opening reads the header only; a parameter without its tensor, or of another shape, is a
   ValueError naming both (before anything is loaded, `check`).
 """
@@ -30,6 +36,7 @@ Invariants:
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from functools import cached_property
@@ -38,19 +45,24 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from eaglebatch.model.expert_layout import EXPERT_PARAMETER
 from eaglebatch.model.family import Family
 from eaglebatch.model.gguf_file import GgufFile
 from eaglebatch.model.registry import family_of
 
 # llama.cpp stores the shared expert's one-row gate (mlp.shared_expert_gate [1, H]) as a vector
 _ONE_ROW = ".shared_expert_gate.weight"
+# a per-expert parameter of moe.py (a weight, or a bias with expert_bias) of layer `bid`
+_EXPERT = re.compile(r"^.+\.layers\.(?P<bid>\d+)\..+\.experts\.(?P<e>\d+)\."
+                     r"(?P<proj>gate|up|down)_proj\.(?P<kind>weight|bias)$")  # fmt: skip
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
-def _expert_shape(cfg, proj: str) -> tuple[int, int, int]:
-    """[experts, rows, k] of a layer's 3-D tensor of projection `proj` (moe.py's Expert)."""
+def _expert_shape(cfg, proj: str, kind: str, fused: bool) -> tuple[int, ...]:
+    """[experts, rows, k] (a bias: [experts, rows]) of a layer's expert tensor of projection
+    `proj` (moe.py's Expert); `fused`: gate and up stacked (twice the rows)."""
     e, inner, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    return (e, h, inner) if proj == "down_proj" else (e, inner, h)
+    rows, k = (h, inner) if proj == "down" else (inner * (2 if fused else 1), h)
+    return (e, rows, k) if kind == "weight" else (e, rows)
 
 
 def _qk_rows(rows: int, heads: int) -> np.ndarray:
@@ -128,13 +140,16 @@ class GgufCheckpoint:
         self.tensors = {}
         self.rows: dict[str, tuple[int, int]] = {}  # fused parts: (first row, rows) of tensors[n]
         self.experts: dict[str, int] = {}  # an expert's parameter: its index in tensors[n]
+        self.expert_rows: dict[str, int] = {}  # a part of ffn_gate_up_exps: its first row
         for name in names:
-            if m := EXPERT_PARAMETER.match(name):  # expert e's slab of the layer's 3-D tensor
-                t = self._tensor(mapping, f"{m['stem']}.{m['proj']}.weight")
+            if m := _EXPERT.match(name):  # expert e's slab of the layer's expert tensor
+                t, first = self._expert_tensor(m)
                 if t is not None:
                     self.tensors[name], self.experts[name] = t, int(m["e"])
+                if first is not None:
+                    self.expert_rows[name] = first
                 continue
-            t = self._tensor(mapping, name)
+            t = self._named(name) or self._tensor(mapping, name)
             fused = _fused_part(self.family, name, cfg)
             whole = self._tensor(mapping, fused[0]) if fused else None
             if whole is not None and (t is None or t is whole):
@@ -149,6 +164,30 @@ class GgufCheckpoint:
         # a bare parameter (Gemma 4's layer_scalar) is stored as `.weight`, as llama.cpp names it
         suffix = name[len(stem):] or ".weight"
         return self.reader.tensors.get(f"{base}{suffix}") if base else None
+
+    def _expert_tensor(self, m: re.Match):
+        """(the file's tensor of expert parameter `m`, its first row in a fused gate/up
+        tensor or None); (None, None) where the file has neither."""
+        # lazy: the gguf package, only for a GGUF model
+        import gguf
+
+        names, tensors = gguf.TENSOR_NAMES, self.reader.tensors
+        own = {"gate": gguf.MODEL_TENSOR.FFN_GATE_EXP, "up": gguf.MODEL_TENSOR.FFN_UP_EXP,
+               "down": gguf.MODEL_TENSOR.FFN_DOWN_EXP}[m["proj"]]  # fmt: skip
+        suffix = f".{m['kind']}"
+        t = tensors.get(names[own].format(bid=m["bid"]) + suffix)
+        if t is not None or m["proj"] == "down":
+            return t, None
+        t = tensors.get(names[gguf.MODEL_TENSOR.FFN_GATE_UP_EXP].format(bid=m["bid"]) + suffix)
+        first = 0 if m["proj"] == "gate" else self.cfg.moe_intermediate_size
+        return t, (first if t is not None else None)
+
+    def _named(self, name: str):
+        """The file's tensor of `name` by the family's `gguf_names`, or None."""
+        for suffix, pattern in self.family.gguf_names:
+            if name.endswith(suffix) and (m := _LAYER.search(name)):
+                return self.reader.tensors.get(pattern.format(bid=m[1]))
+        return None
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """{parameter name: shape} of the tensors found (GGUF lists dimensions reversed)."""
@@ -169,31 +208,51 @@ class GgufCheckpoint:
             shapes[name] = shape
         return shapes
 
-    def _expert_slab(self, name: str, shape: tuple[int, ...]) -> tuple[int, int]:
-        """[rows, k] of expert parameter `name`, its file tensor of `shape` [experts, rows, k]
-        checked against the config's (a ValueError naming the tensor)."""
-        want = _expert_shape(self.cfg, EXPERT_PARAMETER.match(name)["proj"])
+    def _expert_slab(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """[rows, k] (a bias: [rows]) of expert parameter `name`, its file tensor of `shape`
+        [experts, rows, k] ([experts, rows]) checked against the config's (a ValueError naming
+        the tensor)."""
+        m = _EXPERT.match(name)
+        fused = name in self.expert_rows
+        want = _expert_shape(self.cfg, m["proj"], m["kind"], fused)
         if shape != want:
+            dims = "rows, columns" if m["kind"] == "weight" else "rows"
             raise ValueError(
-                f"GGUF tensor {self.tensors[name].name} has shape {shape} [experts, rows, "
-                f"columns]; the model config expects {want} (num_experts = {want[0]}, "
+                f"GGUF tensor {self.tensors[name].name} has shape {shape} [experts, {dims}]; "
+                f"the model config expects {want} (num_experts = {want[0]}, "
                 f"moe_intermediate_size = {self.cfg.moe_intermediate_size}, hidden_size = "
                 f"{self.cfg.hidden_size}: the header's {self.arch}.expert_count and expert "
                 "feed-forward length)"
             )
-        return want[1:]
+        rows = want[1] // 2 if fused else want[1]
+        return (rows, *want[2:])
 
     def _data(self, name: str) -> np.ndarray:
         """The map's view of parameter `name`'s data (a fused part: its rows; an expert: its
         slab, contiguous in the map)."""
         data = self.tensors[name].data
         if name in self.experts:  # typed [E, rows, k] or blocks [E * rows, row bytes]
-            slabs = data.reshape(int(self.tensors[name].shape[-1]), -1, data.shape[-1])
-            return slabs[self.experts[name]]
+            return self._expert_data(name, data)
         if name not in self.rows:
             return data
         first, rows = self.rows[name]
         return data[first : first + rows]
+
+    def _expert_data(self, name: str, data: np.ndarray) -> np.ndarray:
+        """Expert parameter `name`'s slab of its tensor's `data` (rows of a bias' row)."""
+        count = int(self.tensors[name].shape[-1])
+        if name.endswith(".weight"):
+            slab = data.reshape(count, -1, data.shape[-1])[self.experts[name]]
+        else:  # a bias: [E, rows] (blocks: [E, row bytes])
+            slab = data.reshape(count, -1)[self.experts[name]]
+        first = self.expert_rows.get(name)
+        if first is None:
+            return slab
+        rows = self.shapes()[name][0]
+        if not name.endswith(".weight") and slab.dtype == np.uint8:  # a quantized bias row
+            raise ValueError(f"GGUF tensor {self.tensors[name].name}: a quantized fused "
+                             "expert bias is not supported")  # fmt: skip
+        return slab[first : first + rows]
 
     def ggml_type(self, name: str) -> int:
         return self.tensors[name].ggml_type

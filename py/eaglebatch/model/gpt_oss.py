@@ -6,7 +6,9 @@ cast last, and every MLP routed (moe.py): a biased router whose top-k logits are
 `num_local_experts` experts of `intermediate_size` with biases and the clamped SwiGLU
 (`swiglu_alpha`, `swiglu_limit`). Checkpoints store the router as mlp.router and the experts
 fused and interleaved (expert_layout.py "interleaved"). `hidden_act` is not used by the
-experts (as in transformers)."""
+experts (as in transformers).
+
+GGUF (`gpt-oss`): the header and tensors as llama.cpp writes them (gpt_oss_gguf.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from typing import Any
 
 from eaglebatch.model.config_values import bool_value, int_value, positive_float
 from eaglebatch.model.family import FULL, SLIDING, Family
+from eaglebatch.model.gpt_oss_gguf import gpt_oss_gguf_config
 from eaglebatch.model.moe_config import moe_features
 
 # transformers' GptOssConfig defaults where config.json states no RoPE
@@ -68,4 +71,6 @@ def _features(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 GPT_OSS = Family("gpt_oss", "GptOssForCausalLM", _features, standardize=_standardize,
-                 renamed=(("mlp.router.", "mlp.gate."),), expert_layout="interleaved")
+                 renamed=(("mlp.router.", "mlp.gate."),), expert_layout="interleaved",
+                 gguf_architectures=("gpt-oss",), gguf_experts=True,
+                 gguf_config=gpt_oss_gguf_config)  # fmt: skip
