@@ -69,7 +69,10 @@ class CacheReader:
     def prepare(self, meta) -> None:  # the query is planned by AssistantDraft itself
         pass
 
-    def forward(self, layer_idx, q, k, v, kv_cache, meta: _Query, scale, window=None):
+    def forward(self, layer_idx, q, k, v, kv_cache, meta: _Query, scale, window=None,
+                sinks=None):  # fmt: skip
+        if sinks is not None:  # an assistant's layers have no sinks (assistant_config.py)
+            raise ValueError("attention sinks in an assistant drafter's layer")
         s, hkv, d = q.shape[0], kv_cache.shape[-2], kv_cache.shape[-1]
         kv = kv_cache.index_select(1, meta.gather).view(2, s, -1, hkv, d)  # [2, S, Lk, Hkv, D]
         keys = torch.arange(meta.num_keys, device=q.device)[None, :]  # [1, Lk]
