@@ -226,7 +226,10 @@ def test_shards_and_resume_write_each_scored_row_once(tmp_path, tiny_model_dir):
     eaglebatch.run(job, sharded, shard="1/2")
     rows = pq.read_table(tmp_path / "sharded").to_pylist()
     assert sorted(r["row_index"] for r in rows) == list(range(12))
-    assert all(abs(r["logprob"] - whole[r["row_index"]]) < 1e-6 for r in rows)
+    # a row's prefill runs in another batch here (torch's GEMM blocks other row counts
+    # otherwise: float rounding, seen up to past 1e-6 on a sum of token logprobs in CI); a row
+    # scored twice or another row's score would be off by far more
+    assert all(abs(r["logprob"] - whole[r["row_index"]]) < 1e-4 for r in rows)
 
 
 def test_a_scoring_job_on_ray_equals_one_process(tmp_path, tiny_model_dir):
