@@ -32,6 +32,8 @@ use crate::cpu::small_gemm::{self as gemm, Geometry};
 #[cfg(target_arch = "x86_64")]
 mod formats;
 #[cfg(target_arch = "x86_64")]
+mod lanes;
+#[cfg(target_arch = "x86_64")]
 mod tiles;
 
 /// How a product with a GGUF block weight takes x (`engine.activations`): as float32 (exact,

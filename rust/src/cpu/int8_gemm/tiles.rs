@@ -6,6 +6,7 @@
 //! same float operations: they give the same bits.
 
 use super::formats::{Chunk, Format, Mxfp4, Q4K, Q4_0, Q4_1, Q5_0, Q5_1, Q6K, Q8_0};
+use super::lanes;
 use super::{Geometry, QuantizedRows, QK};
 use crate::cpu::quant::WeightType;
 use std::arch::x86_64::*;
@@ -126,7 +127,8 @@ macro_rules! copy {
                 }
             }
 
-            /// Tiles of 8 outputs: 8 weight rows for 1 x row, 4 for 2, 2 for more.
+            /// Tiles of 8 outputs: 8 weight rows for 1 x row, 4 for 2, 2 for more; on VNNI,
+            /// from `lanes::MIN_ROWS` x rows on, `lanes`' one output per lane.
             #[target_feature(enable = $features)]
             unsafe fn by_rows<F: Format>(
                 xq: &QuantizedRows,
@@ -135,6 +137,9 @@ macro_rules! copy {
                 g: &Geometry,
                 cols: std::ops::Range<usize>,
             ) {
+                if $vnni && !F::SCALED16 && g.mnk.0 >= lanes::MIN_ROWS {
+                    return lanes::columns::<F>(xq, w, out, g, cols);
+                }
                 match g.mnk.0 {
                     1 => spread::<F, 8>(xq, w, out, g, cols),
                     2 => spread::<F, 4>(xq, w, out, g, cols),
