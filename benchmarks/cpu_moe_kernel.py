@@ -9,17 +9,23 @@ experts' blocks random (valid scales), the routing a random top 8 per token. Pri
 layer call (best of --iters):
 
     python benchmarks/cpu_moe_kernel.py [--types 2 8 12] [--tokens 1 32] [--threads 2]
+
+`int8` is the native call with x quantized to 8 bits (`engine.activations: int8`).
 """
 
 from __future__ import annotations
 
 import argparse
-import time
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_gguf_gemm import timed  # noqa: E402
 
 
 def random_blocks(ggml_type: int, n: int, k: int, rng: np.random.Generator) -> torch.Tensor:
@@ -45,8 +51,10 @@ def layer(ggml_type: int, hidden: int, inner: int, experts: int, top_k: int, thr
 
     cfg = SimpleNamespace(hidden_size=hidden, num_experts=experts, num_experts_per_tok=top_k,
                           moe_intermediate_size=inner, norm_topk_prob=True,
-                          router_weights_float32=False,
-                          shared_expert_intermediate_size=0)  # fmt: skip
+                          router_weights_float32=False, router_scoring="softmax",
+                          router_bias=False, router_input_scale=False,
+                          router_expert_scale=False, expert_bias=False,
+                          expert_activation="gated", shared_expert_intermediate_size=0)  # fmt: skip
     block = SparseMoeBlock(cfg, F.silu, device="meta")
     block.gate = torch.nn.Linear(hidden, experts, bias=False)
     rng = np.random.default_rng(0)
@@ -61,18 +69,6 @@ def layer(ggml_type: int, hidden: int, inner: int, experts: int, top_k: int, thr
     return block
 
 
-def timed(fn, iters: int) -> float:
-    """Best ms per call of `iters` after 2 warm-up calls (the least disturbed: a shared CPU)."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times) * 1e3
-
-
 def compare(block, tokens: int, threads: int, iters: int, blocks: list[int]) -> str:
     """One line: the Python loop, the native call (auto split), then each `column_block`."""
     from eaglebatch import _native
@@ -82,27 +78,29 @@ def compare(block, tokens: int, threads: int, iters: int, blocks: list[int]) -> 
     x = torch.randn(tokens, block.gate.in_features)
     weights, experts = route(block.gate(x), block.top_k, True, False)
     use_native_moe(block, 0)
-    plain = timed(lambda: block._grouped(x, weights, experts), iters)
+    plain = timed(lambda: block._grouped(x, weights, experts), iters, best=True)
     use_native_moe(block, threads)
     got, want = block._grouped(x, weights, experts), None
     use_native_moe(block, 0)
     want = block._grouped(x, weights, experts)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
     table = expert_table(block)
-    native = timed(lambda: table.forward(x, weights, experts, threads), iters)
+    native = timed(lambda: table.forward(x, weights, experts, threads), iters, best=True)
     ids = np.ascontiguousarray(experts.numpy(), dtype=np.int64)
     w = np.ascontiguousarray(weights.numpy(), dtype=np.float32)
     out = torch.empty_like(x)
 
-    def split(cb: int) -> float:
+    def split(cb: int, int8: bool = False) -> float:
         return timed(lambda: _native.moe_experts(
             x.data_ptr(), out.data_ptr(), table.hidden, table.inner, ids, w, table.matrices,
-            table.types, table.biases, "silu", 0.0, 0.0, threads, False, cb), iters)  # fmt: skip
+            table.types, table.biases, "silu", 0.0, 0.0, threads, int8, cb), iters,
+            best=True)  # fmt: skip
 
     active = len(torch.unique(experts))
     splits = "  ".join(f"block {cb or 'whole'}: {split(cb or 1 << 30):6.2f}" for cb in blocks)
     return (f"T {tokens:3d} ({active:3d} experts): python loop {plain:7.2f} ms   native "
-            f"{native:6.2f} ms ({plain / native:4.1f}x)   {splits}")  # fmt: skip
+            f"{native:6.2f} ms ({plain / native:4.1f}x)   int8 {split(0, True):6.2f} ms   "
+            f"{splits}")  # fmt: skip
 
 
 def main() -> None:

@@ -415,16 +415,21 @@ def test_experts_built_on_meta_skip_init_and_match_a_cpu_build(bias, monkeypatch
 def test_routing_counts_are_tokens_per_active_expert_of_generation_steps():
     """moe_counts: a layer step's (token, expert) pairs over its distinct experts, summed over
     decode and verify steps only (a prefill's are dropped when its step closes)."""
+    from eaglebatch.model.moe import expert_rows
     from eaglebatch.model.moe_counts import RoutingCounts, count_routing
 
     counts = RoutingCounts()
-    counts.add(torch.tensor([[0, 1], [2, 3], [0, 4]]))  # a prefill: 6 pairs, 5 experts
+
+    def add(experts):
+        counts.add(expert_rows(torch.tensor(experts), 8))
+
+    add([[0, 1], [2, 3], [0, 4]])  # a prefill: 6 pairs, 5 experts
     counts.close_step("prefill")
     assert counts.rows_per_active is None
-    counts.add(torch.tensor([[0, 1], [1, 0]]))  # decode, layer 0: 4 pairs on 2 experts
-    counts.add(torch.tensor([[2, 3], [3, 4]]))  # layer 1: 4 pairs on 3 experts
+    add([[0, 1], [1, 0]])  # decode, layer 0: 4 pairs on 2 experts
+    add([[2, 3], [3, 4]])  # layer 1: 4 pairs on 3 experts
     counts.close_step("decode")
-    counts.add(torch.tensor([[5, 6]]))  # a chunked-prefill step carrying decode rows
+    add([[5, 6]])  # a chunked-prefill step carrying decode rows
     counts.close_step("mixed")
     assert (counts.pairs, counts.active) == (8, 5) and counts.rows_per_active == 8 / 5
     block = _block(0, True, False)

@@ -35,7 +35,7 @@ from eaglebatch.cpu.gemm import GGML_BF16, GGML_F32, SMALL_GEMM_MAX_ROWS
 from eaglebatch.cpu.swap import become, restore
 from eaglebatch.cpu.tensors import eligible, native_ptr
 from eaglebatch.model import decoder_layer
-from eaglebatch.model.moe import SparseMoeBlock
+from eaglebatch.model.moe import SparseMoeBlock, expert_rows
 
 # the model's activation names the kernel computes (model/decoder_layer.py's table)
 _KERNEL_ACTIVATIONS = ("silu", "gelu_tanh")
@@ -134,11 +134,12 @@ def expert_table(block: SparseMoeBlock) -> ExpertTable | None:
     )  # fmt: skip
 
 
-def rows_fit(experts: torch.Tensor) -> bool:
-    """Whether every expert of the step has at most SMALL_GEMM_MAX_ROWS rows."""
+def rows_fit(experts: torch.Tensor, rows: torch.Tensor | None) -> bool:
+    """Whether every expert of the step has at most SMALL_GEMM_MAX_ROWS rows (`rows`: the
+    step's `expert_rows`, where counted)."""
     if experts.numel() <= SMALL_GEMM_MAX_ROWS:
         return True
-    return int(torch.bincount(experts.reshape(-1)).max()) <= SMALL_GEMM_MAX_ROWS
+    return int((expert_rows(experts, 0) if rows is None else rows).max()) <= SMALL_GEMM_MAX_ROWS
 
 
 class NativeMoe:
@@ -150,13 +151,13 @@ class NativeMoe:
     small_gemm_threads: int
     native_experts: ExpertTable | bool | None  # None: not built yet; False: not readable
 
-    def _grouped(self, x, weights, experts) -> torch.Tensor:
-        if not eligible(x, None, self.parameters()) or not rows_fit(experts):
-            return super()._grouped(x, weights, experts)
+    def _grouped(self, x, weights, experts, rows=None) -> torch.Tensor:
+        if not eligible(x, None, self.parameters()) or not rows_fit(experts, rows):
+            return super()._grouped(x, weights, experts, rows)
         if self.native_experts is None:
             self.native_experts = expert_table(self) or False
         if self.native_experts is False:
-            return super()._grouped(x, weights, experts)
+            return super()._grouped(x, weights, experts, rows)
         return self.native_experts.forward(x, weights, experts, self.small_gemm_threads)
 
 

@@ -30,6 +30,11 @@ ROUTER_SCORINGS = ("softmax", "topk_softmax")
 EXPERT_ACTIVATIONS = ("gated", "clamped_swiglu")
 
 
+def expert_rows(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 [E]: how many (token, slot) pairs of the step chose each expert."""
+    return torch.bincount(experts.reshape(-1), minlength=num_experts)
+
+
 def route(
     logits: torch.Tensor, top_k: int, renormalise: bool, weights_float32: bool,
     expert_scale: torch.Tensor | None = None,  # [E]
@@ -174,9 +179,11 @@ class SparseMoeBlock(nn.Module):
         weights, experts = route(self._logits(x if router_input is None else router_input),
                                  self.top_k, self.renormalise, self.weights_float32,
                                  self.per_expert_scale, self.scoring)  # fmt: skip
-        if self.routing_counts is not None:  # moe_counts.count_routing
-            self.routing_counts.add(experts)
-        out = self._routed(x, weights, experts)
+        rows = None  # tokens per expert, where the host counts them anyway
+        if self.routing_counts is not None:  # moe_counts.count_routing (CPU runs)
+            rows = expert_rows(experts, len(self.experts))
+            self.routing_counts.add(rows)
+        out = self._routed(x, weights, experts, rows)
         if self.shared_expert is not None:
             gate = torch.sigmoid(self.shared_expert_gate(x))  # [T, 1]
             out = out + gate * self.shared_expert(x)
@@ -189,18 +196,19 @@ class SparseMoeBlock(nn.Module):
             x = normed.type_as(x) * self.router_scale * x.shape[-1] ** -0.5
         return self.gate(x)
 
-    def _routed(self, x, weights, experts) -> torch.Tensor:
+    def _routed(self, x, weights, experts, rows=None) -> torch.Tensor:
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         if self._stacked is not None and not (capturing and not fits_capture(x)):
             return grouped_experts(x, weights, experts, self._stacked, self.experts[0].glu)
         if capturing:
             return self._dense(x, weights, experts)  # no host sync inside a CUDA graph
-        return self._grouped(x, weights, experts)
+        return self._grouped(x, weights, experts, rows)
 
-    def _grouped(self, x, weights, experts) -> torch.Tensor:
+    def _grouped(self, x, weights, experts, rows=None) -> torch.Tensor:
+        """`rows`: `expert_rows(experts)` where the caller has it (else counted here)."""
         flat = experts.reshape(-1)  # [T*k]: slot j of token t at t*k + j
         order = torch.argsort(flat, stable=True)  # the slots grouped by expert
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        counts = (expert_rows(experts, len(self.experts)) if rows is None else rows).tolist()
         tokens, slot_weights = order // self.top_k, weights.reshape(-1)[order]
         out = torch.zeros_like(x)
         start = 0

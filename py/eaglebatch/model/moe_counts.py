@@ -22,10 +22,9 @@ class RoutingCounts:
     _step_pairs: int = 0  # ... of the step running, until `close_step`
     _step_active: int = 0
 
-    def add(self, experts: torch.Tensor) -> None:  # int64 [T, k] one layer's step
-        flat = experts.reshape(-1)
-        self._step_pairs += flat.numel()
-        self._step_active += int(torch.unique(flat).numel())
+    def add(self, rows: torch.Tensor) -> None:  # int64 [E]: one layer step's `expert_rows`
+        self._step_pairs += int(rows.sum())
+        self._step_active += int((rows > 0).sum())
 
     def close_step(self, kind: str) -> None:
         """The step's counts go to the totals when it only generated, else are dropped."""
