@@ -127,8 +127,8 @@ macro_rules! copy {
                 }
             }
 
-            /// Tiles of 8 outputs: 8 weight rows for 1 x row, 4 for 2, 2 for more; on VNNI,
-            /// from `lanes::MIN_ROWS` x rows on, `lanes`' one output per lane.
+            /// Tiles of 8 outputs: 8 weight rows for 1 x row, 4 for 2 (R * C = 8); from
+            /// `lanes::MIN_ROWS` x rows on, `lanes`' one output per lane.
             #[target_feature(enable = $features)]
             unsafe fn by_rows<F: Format>(
                 xq: &QuantizedRows,
@@ -137,13 +137,12 @@ macro_rules! copy {
                 g: &Geometry,
                 cols: std::ops::Range<usize>,
             ) {
-                if $vnni && !F::SCALED16 && g.mnk.0 >= lanes::MIN_ROWS {
-                    return lanes::columns::<F>(xq, w, out, g, cols);
+                if g.mnk.0 >= lanes::MIN_ROWS {
+                    return lanes::$name::columns::<F>(xq, w, out, g, cols);
                 }
                 match g.mnk.0 {
                     1 => spread::<F, 8>(xq, w, out, g, cols),
-                    2 => spread::<F, 4>(xq, w, out, g, cols),
-                    _ => spread::<F, 2>(xq, w, out, g, cols),
+                    _ => spread::<F, 4>(xq, w, out, g, cols),
                 }
             }
 
@@ -174,8 +173,6 @@ macro_rules! copy {
                             keep,
                         };
                         match r {
-                            4 => tile::<F, 4, C>(xq, &at, ws, out, g),
-                            3 => tile::<F, 3, C>(xq, &at, ws, out, g),
                             2 => tile::<F, 2, C>(xq, &at, ws, out, g),
                             _ => tile::<F, 1, C>(xq, &at, ws, out, g),
                         }
