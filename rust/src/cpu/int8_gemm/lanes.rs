@@ -146,7 +146,7 @@ impl Transposed {
         let ones = [_mm256_set1_epi16(1); 8];
         let bytes = |f: fn(&Chunk) -> __m256i| transpose8(std::array::from_fn(|c| f(&ch[c])));
         let (mut q, mut mag, mut mul) = (bytes(|c| c.q), ones, ones);
-        if !(vnni && !F::SCALED16) {
+        if !vnni || F::SCALED16 {
             if F::SCALED16 {
                 mul = bytes(|c| c.mul);
             }
