@@ -144,6 +144,22 @@ pub struct SchedulerConfig {
     pub queue_rows: usize,
 }
 
+/// The scheduling policy's settings (scheduler.rs): the paged KV cache, batching and the step
+/// kinds; the rest of `SchedulerConfig` is the run's.
+#[derive(Debug, Clone, Default)]
+pub struct PolicyConfig {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    pub max_batch_size: usize,
+    pub max_num_batched_tokens: usize,
+    /// Never the KV capacity, so an output does not depend on the budget.
+    pub max_model_len: usize,
+    pub max_draft_tokens: usize,
+    pub prefix_caching: bool,
+    pub chunked_prefill: bool,
+    pub overlap: bool,
+}
+
 impl SchedulerConfig {
     /// For the crate's tests: a config with the given input/tokenizer/output and small sizes
     /// for the rest (every setting not named here is its type's zero, empty or false). A run's
@@ -194,6 +210,21 @@ impl SchedulerConfig {
         self.validate_sampling()?;
         self.validate_task()?;
         self.validate_inputs()
+    }
+
+    /// The scheduling policy's settings.
+    pub fn policy(&self) -> PolicyConfig {
+        PolicyConfig {
+            num_blocks: self.num_blocks,
+            block_size: self.block_size,
+            max_batch_size: self.max_batch_size,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_model_len: self.max_model_len,
+            max_draft_tokens: self.max_draft_tokens,
+            prefix_caching: self.prefix_caching,
+            chunked_prefill: self.chunked_prefill,
+            overlap: self.overlap,
+        }
     }
 
     /// The object-store settings, as storage.rs takes them.

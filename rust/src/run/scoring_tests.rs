@@ -51,7 +51,7 @@ fn choices_input(dir: &TempDir, rows: &[(&str, &[&str])]) -> SchedulerConfig {
 /// Each plan's rows that owe prompt logprobs get the fake model's, at every position from
 /// their `prompt_logprobs_from` whose next token is a prompt token. Returns each plan's row
 /// count.
-fn drive(s: &mut Scheduler) -> Vec<usize> {
+fn drive(s: &mut Run) -> Vec<usize> {
     wait_for_reader(s);
     let mut plans = Vec::new();
     while let Some(p) = s.next_plan().unwrap() {
@@ -104,7 +104,7 @@ fn choices_are_scored_once_each_sharing_their_context() {
         ("w5", &[" w6"]),
     ];
     let cfg = choices_input(&dir, &rows);
-    let mut s = Scheduler::with_tokenizer(cfg.clone(), word_level_tokenizer(VOCAB)).unwrap();
+    let mut s = Run::with_tokenizer(cfg.clone(), word_level_tokenizer(VOCAB)).unwrap();
     let plans = drive(&mut s);
     s.finish().unwrap();
     let batches = read_parts(&cfg.output_dir);
@@ -159,7 +159,7 @@ fn rolling_windows_sum_into_one_row() {
     let text: Vec<String> = (4..30).map(|i| format!("w{i}")).collect();
     let mut cfg = choices_input(&dir, &[(&text.join(" "), &["w5"])]);
     (cfg.task, cfg.choices_column, cfg.max_model_len) = ("perplexity".into(), None, 8);
-    let mut s = Scheduler::with_tokenizer(cfg.clone(), word_level_tokenizer(VOCAB)).unwrap();
+    let mut s = Run::with_tokenizer(cfg.clone(), word_level_tokenizer(VOCAB)).unwrap();
     drive(&mut s);
     s.finish().unwrap();
     let b = &read_parts(&cfg.output_dir)[0];

@@ -71,7 +71,7 @@ impl KvModel {
     }
 }
 
-fn drive_kv(s: &mut Scheduler) {
+fn drive_kv(s: &mut Run) {
     let cfg = s.config().clone();
     let mut model = KvModel::new(&cfg);
     let mut steps = 0;
@@ -156,7 +156,7 @@ fn run_plain_at(
     if let Some(budget) = chunk {
         (f.cfg.chunked_prefill, f.cfg.max_num_batched_tokens) = (true, budget);
     }
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     // every prompt there from the first plan: which rows share a step (and so find nothing
     // cached yet) must not depend on how fast the reader thread delivers them
     wait_for_reader(&s);
@@ -241,7 +241,7 @@ fn an_identical_prompt_waits_one_step_then_shares_the_blocks() {
         let mut f = fixture("pc-wait", &[Some(prompt), Some(prompt)]);
         f.cfg.max_draft_tokens = if spec { 2 } else { 0 };
         f.cfg.max_model_len = 256;
-        let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+        let mut s = Run::new(f.cfg.clone()).unwrap();
         wait_for_reader(&s);
         let p = s.next_plan().unwrap().unwrap();
         assert_eq!((p.kind, p.num_seqs()), (StepKind::Prefill, 1));
@@ -251,13 +251,17 @@ fn an_identical_prompt_waits_one_step_then_shares_the_blocks() {
         assert_eq!((p.kind, p.num_seqs()), (StepKind::Prefill, 1));
         assert_eq!(p.cu_prefix, vec![0, cached as i32], "spec {spec}");
         assert_eq!(p.positions[0], cached as i64);
-        let first: Vec<i32> = s.running[0].block_table.iter().map(|&b| b as i32).collect();
+        let first: Vec<i32> = s.sched.running()[0]
+            .block_table
+            .iter()
+            .map(|&b| b as i32)
+            .collect();
         assert_eq!(p.block_tables[..cached / 4], first[..cached / 4]);
         s.abort().unwrap();
     }
     for prompt in [&short7, &short8] {
         let f = fixture("pc-nowait", &[Some(prompt), Some(prompt)]);
-        let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+        let mut s = Run::new(f.cfg.clone()).unwrap();
         wait_for_reader(&s);
         let p = s.next_plan().unwrap().unwrap();
         assert_eq!(
@@ -283,7 +287,7 @@ fn run_samples(
     f.cfg.temperature = 0.8;
     f.cfg.max_batch_size = batch;
     f.cfg.prefix_caching = caching;
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     drive_kv(&mut s);
     let summary = s.finish().unwrap();
     let rows = read_output(&f.cfg.output_dir);
@@ -330,7 +334,7 @@ fn a_forked_sample_computes_only_its_last_prompt_token() {
     let prompt = words(4..14); // + <bos>: 11 tokens, 2 full blocks and 3 tokens
     let mut f = fixture("n-plan", &[Some(&prompt)]);
     (f.cfg.n, f.cfg.temperature, f.cfg.prefix_caching) = (3, 1.0, false);
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     wait_for_reader(&s);
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!((p.num_seqs(), p.num_tokens()), (1, 11)); // the siblings wait a step
@@ -343,7 +347,11 @@ fn a_forked_sample_computes_only_its_last_prompt_token() {
     );
     assert_eq!(p.positions, vec![10, 10]);
     assert_eq!(p.cu_prefix, vec![0, 10, 20]);
-    let first: Vec<i32> = s.running[0].block_table.iter().map(|&b| b as i32).collect();
+    let first: Vec<i32> = s.sched.running()[0]
+        .block_table
+        .iter()
+        .map(|&b| b as i32)
+        .collect();
     for r in 0..2 {
         let table = &p.block_tables[r * p.block_table_width..][..3];
         assert_eq!(table[..2], first[..2]); // shared
@@ -360,7 +368,7 @@ fn resume_skips_written_samples_and_counts_the_rest() {
     f.cfg.skip_rows = vec![1];
     // keys row * 4096 + sample: (2, 1), (1, 0) skipped whole, a row past the input
     f.cfg.skip_samples = vec![2 * 4096 + 1, 4096, 99 * 4096];
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     assert_eq!(s.progress()[0], ("requests_total", 3));
     drive_kv(&mut s);
     s.finish().unwrap();
@@ -422,7 +430,7 @@ fn a_long_prompt_in_chunks_never_stops_the_decoding_rows() {
         (f.cfg.max_batch_size, f.cfg.max_new_tokens) = (1, 30); // row 1 waits for row 0's slot
         f.cfg.max_batch_size = 2;
         f.cfg.max_draft_tokens = if spec { 2 } else { 0 };
-        let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+        let mut s = Run::new(f.cfg.clone()).unwrap();
         s.set_plain_steps(plain);
         wait_for_reader(&s);
         let mut kinds = Vec::new();

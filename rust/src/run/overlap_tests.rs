@@ -34,12 +34,12 @@ fn fake_step(p: &StepPlan, prev: &[i32]) -> Vec<i32> {
 
 /// Runs to the end, each plan built before the previous one's commit whenever the scheduler
 /// can; returns (steps, steps planned ahead).
-fn drive_overlapped(s: &mut Scheduler) -> (usize, usize) {
+fn drive_overlapped(s: &mut Run) -> (usize, usize) {
     try_drive_overlapped(s).unwrap()
 }
 
 /// `drive_overlapped`, the scheduler's first error returned instead of a panic.
-fn try_drive_overlapped(s: &mut Scheduler) -> Result<(usize, usize)> {
+fn try_drive_overlapped(s: &mut Run) -> Result<(usize, usize)> {
     let cfg = s.config().clone();
     let mut pending: Option<(usize, Vec<i32>)> = None; // (rows, sampled tokens)
     let (mut steps, mut ahead) = (0, 0);
@@ -48,7 +48,7 @@ fn try_drive_overlapped(s: &mut Scheduler) -> Result<(usize, usize)> {
             Some(_) => s.next_plan_ahead()?,
             None => s.next_plan()?,
         };
-        let commit = |s: &mut Scheduler, (rows, toks): (usize, Vec<i32>)| {
+        let commit = |s: &mut Run, (rows, toks): (usize, Vec<i32>)| {
             s.commit(&toks, &vec![1; rows], None, None, None)
         };
         let Some(plan) = plan else {
@@ -74,7 +74,7 @@ fn try_drive_overlapped(s: &mut Scheduler) -> Result<(usize, usize)> {
 
 /// `drive(s, 1)` (plans one at a time), the scheduler's first error returned instead of a
 /// panic.
-fn try_drive(s: &mut Scheduler) -> Result<usize> {
+fn try_drive(s: &mut Run) -> Result<usize> {
     let cfg = s.config().clone();
     let mut steps = 0;
     while let Some(p) = s.next_plan()? {
@@ -113,7 +113,7 @@ fn run_over(
     let mut f = fixture(tag, &prompts);
     setup(&mut f.cfg);
     (f.cfg.overlap, f.cfg.queue_rows) = (overlap, prompts.len());
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     wait_for_reader(&s); // every prompt there from the first plan: admission does not race it
     let ahead = if overlap {
         drive_overlapped(&mut s).1
@@ -202,7 +202,7 @@ fn a_row_finishing_under_a_plan_ahead_keeps_its_blocks_until_that_plan_commits()
     // "w60": 61 62 63 0 1 2 (EOS) - six output tokens, the last an EOS
     let mut f = fixture("ov-drain", &[Some("w60")]);
     f.cfg.overlap = true;
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     wait_for_reader(&s);
     let free = s.num_free_blocks();
     let mut p = s.next_plan().unwrap().unwrap();
@@ -231,20 +231,20 @@ fn no_plan_ahead_for_penalized_rows_and_none_without_overlap() {
     let mut f = fixture("ov-penalty", &[Some("w5 w6")]);
     f.cfg.overlap = true;
     f.cfg.repetition_penalty = 1.2;
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     let _ = s.next_plan().unwrap().unwrap();
     assert!(s.next_plan_ahead().unwrap().is_none());
     s.abort().unwrap();
 
     let f = fixture("ov-off", &[Some("w5 w6")]);
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     let _ = s.next_plan().unwrap().unwrap();
     assert!(s.next_plan_ahead().is_err());
     s.abort().unwrap();
 
     let mut f = fixture("ov-spec", &[Some("w5 w6")]);
     (f.cfg.overlap, f.cfg.max_draft_tokens) = (true, 2);
-    assert!(Scheduler::new(f.cfg.clone()).is_err());
+    assert!(Run::new(f.cfg.clone()).is_err());
 }
 
 /// SplitMix64: the randomized test's seeded source of cases.
@@ -405,7 +405,7 @@ fn run_case(f: &Fixture, overlap: bool) -> Result<Vec<Row>> {
     let mut cfg = f.cfg.clone();
     cfg.overlap = overlap;
     cfg.output_dir = f.dir.path().join(format!("out-{overlap}"));
-    let mut s = Scheduler::new(cfg.clone())?;
+    let mut s = Run::new(cfg.clone())?;
     wait_for_reader(&s); // every prompt there from the first plan: admission does not race it
     let driven = if overlap {
         try_drive_overlapped(&mut s).map(|_| ())

@@ -8,6 +8,7 @@ use arrow_array::types::{Int32Type, Int64Type};
 use arrow_array::{Array, ArrayRef, StringArray};
 
 use super::*;
+use crate::scheduler::request_seed;
 use crate::stats::SummaryValue;
 use crate::testutil::{
     corrupt_row_group, read_parts, save_tokenizer, word_level_tokenizer, write_parquet, TempDir,
@@ -110,14 +111,14 @@ pub(super) fn check_plan(p: &StepPlan, cfg: &SchedulerConfig) {
 }
 
 /// Waits until the reader thread has queued everything (makes admission deterministic).
-pub(super) fn wait_for_reader(s: &Scheduler) {
+pub(super) fn wait_for_reader(s: &Run) {
     while !s._reader.is_finished() {
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
 }
 
 /// Runs the fake model to the end; `k` tokens per row per commit (speculative-style) when > 1.
-pub(super) fn drive(s: &mut Scheduler, k: usize) -> usize {
+pub(super) fn drive(s: &mut Run, k: usize) -> usize {
     let cfg = s.config().clone();
     let mut steps = 0;
     while let Some(p) = s.next_plan().unwrap() {
@@ -212,7 +213,7 @@ fn every_row_written_once_with_expected_outputs() {
             Some("w20 w21 w22"),
         ],
     );
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     drive(&mut s, 1);
     let summary = s.finish().unwrap();
     assert_eq!(summary["requests"], SummaryValue::Int(6));
@@ -247,7 +248,7 @@ fn stop_strings_truncate_and_drop_later_tokens_of_the_same_commit() {
     let mut f = fixture("sched-stop", &[Some("w5"), Some("w30")]);
     f.cfg.stop = vec!["w9".into(), "w33 w3".into()];
     f.cfg.max_new_tokens = 20;
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     drive(&mut s, 3); // three tokens per row per commit
     let summary = s.finish().unwrap();
     let rows = read_output(&f.cfg.output_dir);
@@ -273,7 +274,7 @@ fn max_model_len_and_kv_footprint_errors() {
     );
     f.cfg.max_model_len = 10;
     f.cfg.max_new_tokens = 100;
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     drive(&mut s, 1);
     s.finish().unwrap();
     let rows = read_output(&f.cfg.output_dir);
@@ -300,7 +301,7 @@ fn max_model_len_and_kv_footprint_errors() {
     );
     f.cfg.num_blocks = 2; // capacity 8 tokens
     f.cfg.max_new_tokens = 6;
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     drive(&mut s, 1);
     s.finish().unwrap();
     let rows = read_output(&f.cfg.output_dir);
@@ -327,13 +328,13 @@ fn max_model_len_and_kv_footprint_errors() {
 
 /// Drives verify steps like a speculative worker: row r of step n accepts (n + r) % (k + 1)
 /// drafts of the fake model; the outputs must equal plain decoding.
-pub(super) fn drive_spec(s: &mut Scheduler) {
+pub(super) fn drive_spec(s: &mut Run) {
     drive_spec_with(s, |_| false);
 }
 
 /// `drive_spec`, asking for plain steps (`set_plain_steps`) before the steps where `plain`
 /// says so: those are never verify rounds.
-pub(super) fn drive_spec_with(s: &mut Scheduler, plain: impl Fn(usize) -> bool) {
+pub(super) fn drive_spec_with(s: &mut Run, plain: impl Fn(usize) -> bool) {
     let cfg = s.config().clone();
     let k = cfg.max_draft_tokens;
     let mut step = 0usize;
@@ -387,7 +388,7 @@ fn outputs_do_not_depend_on_the_kv_budget() {
             f.cfg.max_new_tokens = 9;
             f.cfg.max_draft_tokens = k;
             f.cfg.eos_token_ids = vec![];
-            let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+            let mut s = Run::new(f.cfg.clone()).unwrap();
             if k == 0 {
                 drive(&mut s, 1);
             } else {
@@ -434,7 +435,7 @@ fn preemption_gives_same_outputs_as_a_large_cache() {
         f.cfg.block_size = 2;
         f.cfg.max_new_tokens = 9;
         f.cfg.eos_token_ids = vec![]; // run to the length limit
-        let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+        let mut s = Run::new(f.cfg.clone()).unwrap();
         drive(&mut s, 1);
         let preemptions = s.stats().preemptions;
         let summary = s.finish().unwrap();
@@ -468,7 +469,7 @@ fn admission_respects_batch_size_and_token_budget() {
     f.cfg.max_num_batched_tokens = 17; // two 8-token prompts per prefill step
     f.cfg.max_new_tokens = 3;
     f.cfg.queue_rows = 64;
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     wait_for_reader(&s);
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!(p.kind, StepKind::Prefill);
@@ -509,7 +510,7 @@ fn admission_respects_batch_size_and_token_budget() {
 #[test]
 fn commit_without_plan_and_early_finish_are_errors() {
     let f = fixture("sched-misuse", &[Some("w5")]);
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     assert!(s.commit(&[1], &[1], None, None, None).is_err());
     let _ = s.next_plan().unwrap().unwrap();
     let err = s.finish().unwrap_err();
@@ -522,7 +523,7 @@ fn spec_counters_and_seeds() {
     f.cfg.max_new_tokens = 4;
     f.cfg.seed = 7;
     f.cfg.max_draft_tokens = 2;
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!(p.seeds, vec![request_seed(7, 0)]);
     assert!(p.seeds[0] >= 0);
@@ -562,7 +563,7 @@ fn spec_counters_and_seeds() {
 #[test]
 fn empty_input_finishes_with_a_readable_empty_part() {
     let f = fixture("sched-empty", &[]);
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     assert!(s.next_plan().unwrap().is_none());
     let summary = s.finish().unwrap();
     match &summary["part_files"] {
@@ -575,7 +576,7 @@ fn empty_input_finishes_with_a_readable_empty_part() {
 #[test]
 fn progress_counts() {
     let f = fixture("sched-progress", &[Some("w5"), None]);
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     let prog: BTreeMap<_, _> = s.progress().into_iter().collect();
     assert_eq!(prog["requests_total"], 2);
     assert_eq!(prog["free_blocks"], 64);
@@ -599,7 +600,7 @@ fn progress_counts_rows_that_stop() {
     let f = fixture("sched-progress-stop", &[Some("w5 w6"), Some("w7")]);
     let mut cfg = f.cfg.clone();
     cfg.eos_token_ids = (0..VOCAB as u32).collect(); // every first token ends its row
-    let mut s = Scheduler::new(cfg).unwrap();
+    let mut s = Run::new(cfg).unwrap();
     drive(&mut s, 1);
     let prog: BTreeMap<_, _> = s.progress().into_iter().collect();
     assert_eq!(prog["requests_read"], 2);
@@ -620,7 +621,7 @@ fn file_names(dir: &std::path::Path) -> Vec<String> {
 }
 
 /// Drives the fake model until `next_plan` fails; returns the error.
-fn drive_to_error(s: &mut Scheduler) -> Error {
+fn drive_to_error(s: &mut Run) -> Error {
     for _ in 0..1000 {
         match s.next_plan() {
             Ok(Some(p)) => {
@@ -650,7 +651,7 @@ fn corrupt_data_page_is_reported_not_silently_truncated() {
         *b = 0xA5;
     }
     std::fs::write(&path, bytes).unwrap();
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     let e = drive_to_error(&mut s);
     let msg = e.to_string();
     assert!(matches!(e, Error::UserInput(_)), "{e:?}");
@@ -676,7 +677,7 @@ fn rows_before_a_corrupt_row_group_are_generated_then_the_failure_is_reported() 
     f.cfg.max_new_tokens = 1;
     f.cfg.queue_rows = 64;
     corrupt_row_group(&f.cfg.input_files[0], 2); // rows 6..9
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     // Rows 0..6 and the failure queued: all six rows run before next_plan reports it.
     wait_for_reader(&s);
     let e = drive_to_error(&mut s);
@@ -709,7 +710,7 @@ fn rows_before_a_corrupt_row_group_are_generated_then_the_failure_is_reported() 
 fn a_dropped_failed_run_writes_no_empty_part() {
     let f = fixture("sched-corrupt-drop", &[Some("w5"); 6]);
     corrupt_row_group(&f.cfg.input_files[0], 0);
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     drive_to_error(&mut s);
     drop(s);
     assert!(file_names(&f.cfg.output_dir).is_empty());
@@ -729,7 +730,7 @@ fn verify_steps_with_partial_acceptance_equal_plain_decoding() {
         Some("w30 w31"),
     ];
     let plain = fixture("sched-verify-plain", &prompts);
-    let mut s = Scheduler::new(plain.cfg.clone()).unwrap();
+    let mut s = Run::new(plain.cfg.clone()).unwrap();
     drive(&mut s, 1);
     s.finish().unwrap();
     let want = read_output(&plain.cfg.output_dir);
@@ -738,7 +739,7 @@ fn verify_steps_with_partial_acceptance_equal_plain_decoding() {
         let mut f = fixture(tag, &prompts);
         f.cfg.max_draft_tokens = 3;
         f.cfg.num_blocks = num_blocks;
-        let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+        let mut s = Run::new(f.cfg.clone()).unwrap();
         drive_spec(&mut s);
         s.finish().unwrap();
         assert_eq!(read_output(&f.cfg.output_dir), want, "{tag}");
@@ -749,7 +750,7 @@ fn verify_steps_with_partial_acceptance_equal_plain_decoding() {
 fn verify_commit_with_too_many_tokens_is_an_error() {
     let mut f = fixture("sched-verify-err", &[Some("w5")]);
     f.cfg.max_draft_tokens = 2;
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!(p.kind, StepKind::Prefill);
     s.commit(&[6], &[1], None, None, None).unwrap();
@@ -767,14 +768,14 @@ fn verify_commit_with_too_many_tokens_is_an_error() {
 fn skip_rows_resume_writes_only_the_rest() {
     let prompts: Vec<Option<&str>> = vec![Some("w5"), Some("w6"), None, Some("w8"), Some("w9")];
     let full = fixture("sched-skip-full", &prompts);
-    let mut s = Scheduler::new(full.cfg.clone()).unwrap();
+    let mut s = Run::new(full.cfg.clone()).unwrap();
     drive(&mut s, 1);
     s.finish().unwrap();
     let want = read_output(&full.cfg.output_dir);
 
     let mut f = fixture("sched-skip", &prompts);
     f.cfg.skip_rows = vec![3, 0, 3, 2, 99];
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     let prog: BTreeMap<_, _> = s.progress().into_iter().collect();
     assert_eq!(prog["requests_total"], 2);
     assert_eq!(prog["requests_skipped"], 3);
@@ -794,7 +795,7 @@ fn abort_writes_finished_rows_and_drops_the_rest() {
     let mut f = fixture("sched-abort", &prompts);
     f.cfg.max_new_tokens = 3;
     f.cfg.max_batch_size = 1;
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     // Finish row 0 (prefill + 2 decodes); row 1 (null) is written as an error when read.
     for _ in 0..3 {
         let p = s.next_plan().unwrap().unwrap();
