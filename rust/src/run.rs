@@ -409,10 +409,6 @@ mod input;
 mod kept_tests;
 mod output;
 #[cfg(test)]
-mod overlap_tests;
-#[cfg(test)]
-mod prefix_cache_tests;
-#[cfg(test)]
 mod sampling_tests;
 mod scoring;
 #[cfg(test)]

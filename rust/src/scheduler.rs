@@ -420,3 +420,9 @@ mod admission;
 mod chunked;
 mod overlap;
 mod plan;
+#[cfg(test)]
+mod overlap_tests;
+#[cfg(test)]
+mod prefix_cache_tests;
+#[cfg(test)]
+pub(crate) mod tests;

@@ -50,6 +50,27 @@ impl StopCriteria {
     }
 }
 
+/// A plan row's tokens committed to its running sequence: the placeholder they stand for is
+/// dropped (overlap), they are appended up to the first stop condition (`append_tokens`), and
+/// after a verify step the K/V is valid for the query's real token and the accepted drafts:
+/// every appended token but the last (the target's own, computed next step). Returns how many
+/// tokens were appended.
+pub fn commit_tokens(
+    seq: &mut Sequence,
+    toks: &[i32],
+    verify: bool,
+    now: Instant,
+    tokenizer: &Tokenizer,
+    c: &StopCriteria,
+) -> usize {
+    seq.drop_placeholder();
+    let appended = append_tokens(seq, toks, now, tokenizer, c);
+    if verify {
+        seq.num_computed = seq.len() - 1;
+    }
+    appended
+}
+
 /// Appends `toks` to a running sequence, stopping at the first stop condition (EOS, stop
 /// string, max_new_tokens, max length); tokens after it are dropped. Returns how many tokens
 /// were appended.

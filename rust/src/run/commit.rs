@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::logprobs::{PromptLogprobs, StepLogprobs};
 use crate::scheduler::{check_commit, PendingPlan, StepKind};
 use crate::sequence::FinishReason;
-use crate::stop::append_tokens;
+use crate::stop::commit_tokens;
 
 impl Run {
     /// Results of the oldest pending plan, rows in plan order (see `_native.pyi`). A
@@ -115,10 +115,9 @@ impl Run {
         }
     }
 
-    /// Appends one row's tokens to `running[i]` (up to its stop condition) and updates the
-    /// token counters. After a verify step K/V is valid for the query's real token and the
-    /// accepted drafts: every appended token but the last (the target's own, computed next
-    /// step). Speculative counters count verify rounds only (a prefill yields one target token).
+    /// Appends one row's tokens to `running[i]` (`stop::commit_tokens`) and updates the token
+    /// counters. Speculative counters count verify rounds only (a prefill yields one target
+    /// token).
     fn commit_row(
         &mut self,
         kind: StepKind,
@@ -135,15 +134,12 @@ impl Run {
             seq.finish(FinishReason::Stop, now);
             return;
         }
-        seq.drop_placeholder(); // overlap: these are the tokens it stood for
-        let appended = append_tokens(seq, toks, now, &self.tokenizer, &self.criteria);
+        let verify = kind == StepKind::Verify;
+        let appended = commit_tokens(seq, toks, verify, now, &self.tokenizer, &self.criteria);
         let k = seq.sampling.logprobs as usize;
         if let (Some((lp, offset)), true) = (logprobs, k > 0) {
             seq.logprobs
                 .extend((offset..offset + appended).map(|j| lp.entry(j, k)));
-        }
-        if kind == StepKind::Verify {
-            seq.num_computed = seq.len() - 1;
         }
         self.stats.output_tokens += appended as u64;
         if let (Some(acc), StepKind::Verify) = (accepted, kind) {

@@ -1,5 +1,6 @@
-//! Scheduler tests: a fake "model" drives the scheduler end to end (next token = last query
-//! token + 1 mod vocab) over Parquet written in a temp dir; outputs are read back.
+//! Run tests: a fake "model" drives a run end to end (next token = last query token + 1 mod
+//! vocab) over Parquet written in a temp dir; outputs are read back. The policy alone is tested
+//! in memory (scheduler/tests.rs).
 
 use std::collections::BTreeMap;
 
@@ -8,6 +9,7 @@ use arrow_array::types::{Int32Type, Int64Type};
 use arrow_array::{Array, ArrayRef, StringArray};
 
 use super::*;
+pub(super) use crate::scheduler::tests::check_plan;
 use crate::scheduler::request_seed;
 use crate::stats::SummaryValue;
 use crate::testutil::{
@@ -52,62 +54,6 @@ pub(super) fn fixture(tag: &str, prompts: &[Option<&str>]) -> Fixture {
     cfg.part_rows = 3;
     cfg.include_token_ids = true;
     Fixture { dir, cfg }
-}
-
-/// Checks a plan's internal consistency against the block tables.
-pub(super) fn check_plan(p: &StepPlan, cfg: &SchedulerConfig) {
-    let b = p.num_seqs();
-    assert!(b >= 1);
-    assert_eq!(p.cu_seqlens_q.len(), b + 1);
-    assert_eq!(*p.cu_seqlens_q.last().unwrap() as usize, p.num_tokens());
-    assert_eq!(p.positions.len(), p.num_tokens());
-    assert_eq!(p.slot_mapping.len(), p.num_tokens());
-    assert_eq!(p.block_tables.len(), b * p.block_table_width);
-    let mut slots = p.request_slots.clone();
-    slots.sort();
-    slots.dedup();
-    assert_eq!(slots.len(), b, "duplicate request slots");
-    assert!(p
-        .request_slots
-        .iter()
-        .all(|&s| (s as usize) < cfg.max_batch_size));
-    if p.kind == StepKind::Prefill {
-        assert!(p.num_tokens() <= cfg.max_num_batched_tokens || b == 1);
-    }
-    let mut kv_slots = std::collections::HashSet::new();
-    for r in 0..b {
-        let (q0, q1) = (p.cu_seqlens_q[r] as usize, p.cu_seqlens_q[r + 1] as usize);
-        let seq_len = p.seq_lens[r] as usize;
-        assert!(q1 > q0);
-        let prefix = (p.cu_prefix[r + 1] - p.cu_prefix[r]) as usize;
-        if p.kind == StepKind::Prefill {
-            // the query follows what is in the cache (prefix-cached blocks, a forked sample's
-            // prompt less its last token, earlier chunks)
-            assert_eq!(p.positions[q0] as usize, prefix);
-        } else {
-            assert!(prefix == 0 || prefix == p.positions[q0] as usize); // a chunk in a decode step
-        }
-        if p.kind != StepKind::Verify {
-            assert_eq!(p.positions[q0] as usize + q1 - q0, seq_len);
-        } else {
-            assert_eq!(p.next_ids[r], -1);
-        }
-        assert_eq!(p.positions[q1 - 1] as usize, seq_len - 1);
-        let table = &p.block_tables[r * p.block_table_width..(r + 1) * p.block_table_width];
-        for t in q0..q1 {
-            let pos = p.positions[t] as usize;
-            let block = table[pos / cfg.block_size] as i64;
-            assert!((block as usize) < cfg.num_blocks);
-            assert_eq!(
-                p.slot_mapping[t],
-                block * cfg.block_size as i64 + (pos % cfg.block_size) as i64
-            );
-            assert!(
-                kv_slots.insert(p.slot_mapping[t]),
-                "two tokens write one KV slot"
-            );
-        }
-    }
 }
 
 /// Waits until the reader thread has queued everything (makes admission deterministic).
@@ -262,251 +208,9 @@ fn stop_strings_truncate_and_drop_later_tokens_of_the_same_commit() {
     assert_eq!(summary["output_tokens"], SummaryValue::Int(8));
 }
 
-#[test]
-fn max_model_len_and_kv_footprint_errors() {
-    let mut f = fixture(
-        "sched-len",
-        &[
-            Some("w4 w5 w6 w7 w8 w9 w10 w11 w12 w13"),
-            Some("w4 w5 w6 w7 w8"),
-            Some("w4 w5"),
-        ],
-    );
-    f.cfg.max_model_len = 10;
-    f.cfg.max_new_tokens = 100;
-    let mut s = Run::new(f.cfg.clone()).unwrap();
-    drive(&mut s, 1);
-    s.finish().unwrap();
-    let rows = read_output(&f.cfg.output_dir);
-    assert_eq!(rows[0].reason, "error");
-    assert!(
-        rows[0].error.as_deref().unwrap().contains("max_model_len"),
-        "{:?}",
-        rows[0].error
-    );
-    // The prompt was tokenized: its real length (with <bos>) is reported.
-    assert_eq!(rows[0].prompt_tokens, 11);
-    // 6 prompt tokens (with <bos>) + 4 generated = max_model_len.
-    assert_eq!(rows[1].reason, "length");
-    assert_eq!(rows[1].output_tokens, 4);
-    assert_eq!(rows[2].output_tokens, 7);
-
-    let mut f = fixture(
-        "sched-blocks",
-        &[
-            Some("w4 w5 w6 w7 w8 w9 w10 w11 w12"),
-            Some("w4"),
-            Some("w4 w5"),
-        ],
-    );
-    f.cfg.num_blocks = 2; // capacity 8 tokens
-    f.cfg.max_new_tokens = 6;
-    let mut s = Run::new(f.cfg.clone()).unwrap();
-    drive(&mut s, 1);
-    s.finish().unwrap();
-    let rows = read_output(&f.cfg.output_dir);
-    assert_eq!(rows[0].reason, "error");
-    let e = rows[0].error.as_deref().unwrap();
-    assert!(
-        e.contains("prompt has 10 tokens and needs 3 KV blocks") && e.contains("num_blocks = 2"),
-        "{e}"
-    );
-    assert_eq!(rows[0].prompt_tokens, 10);
-    // 2 prompt tokens + 6 = 8 fits exactly: generated to the end, not cut by the capacity.
-    assert_eq!(rows[1].reason, "length");
-    assert_eq!(rows[1].output_tokens, 6);
-    // 3 + 6 = 9 > 8: refused up front instead of being cut short.
-    assert_eq!(rows[2].reason, "error");
-    assert_eq!(
-        rows[2].error.as_deref().unwrap(),
-        "needs up to 9 tokens of KV cache (prompt 3 + max_new_tokens 6) but the cache holds 8 \
-         tokens; raise engine.kv_cache_tokens or engine.kv_cache_memory_fraction, or lower \
-         sampling.max_new_tokens"
-    );
-    assert_eq!((rows[2].prompt_tokens, rows[2].output_tokens), (3, 0));
-}
 
 /// Drives verify steps like a speculative worker: row r of step n accepts (n + r) % (k + 1)
 /// drafts of the fake model; the outputs must equal plain decoding.
-pub(super) fn drive_spec(s: &mut Run) {
-    drive_spec_with(s, |_| false);
-}
-
-/// `drive_spec`, asking for plain steps (`set_plain_steps`) before the steps where `plain`
-/// says so: those are never verify rounds.
-pub(super) fn drive_spec_with(s: &mut Run, plain: impl Fn(usize) -> bool) {
-    let cfg = s.config().clone();
-    let k = cfg.max_draft_tokens;
-    let mut step = 0usize;
-    loop {
-        s.set_plain_steps(plain(step));
-        let Some(p) = s.next_plan().unwrap() else {
-            break;
-        };
-        check_plan(&p, &cfg);
-        assert!(!plain(step) || p.kind != StepKind::Verify, "step {step}");
-        let mut tokens = Vec::new();
-        let mut counts = Vec::new();
-        for r in 0..p.num_seqs() {
-            let (q0, q1) = (p.cu_seqlens_q[r] as usize, p.cu_seqlens_q[r + 1] as usize);
-            let (n, last) = if p.kind == StepKind::Verify {
-                assert_eq!(q1 - q0, k + 1);
-                assert!(p.input_ids[q0 + 1..q1].iter().all(|&t| t == 0));
-                (1 + (step + r) % (k + 1), p.input_ids[q0])
-            } else {
-                (1, p.input_ids[q1 - 1])
-            };
-            for j in 1..=n {
-                tokens.push(((last + j as i64) % VOCAB as i64) as i32);
-            }
-            counts.push(n as i32);
-        }
-        let accepted: Vec<i32> = counts.iter().map(|&c| c - 1).collect();
-        s.commit(&tokens, &counts, Some(&accepted), None, None)
-            .unwrap();
-        step += 1;
-        assert!(step < 10_000, "no progress");
-    }
-}
-
-/// Whatever the KV budget, a request that fits is generated exactly as with a large cache
-/// (no cut by the capacity), and one that cannot fit is an error row saying why.
-#[test]
-fn outputs_do_not_depend_on_the_kv_budget() {
-    // Prompts of 2..=7 tokens (with <bos>); the last needs 10 + 9 = 19 tokens (+ lookahead).
-    let mut prompts: Vec<String> = (0..6).map(|i| words(4 + i * 7..5 + i * 8)).collect();
-    prompts.push(words(50..59));
-    let prompts: Vec<Option<&str>> = prompts.iter().map(|s| Some(s.as_str())).collect();
-    for k in [0usize, 3] {
-        // Largest fitting footprint: 7 prompt + 9 new + k lookahead tokens, in blocks of 2.
-        let tight = (7 + 9 + k).div_ceil(2);
-        let mut runs = Vec::new();
-        for (tag, blocks) in [("big", 256), ("tight", tight)] {
-            let mut f = fixture(&format!("sched-budget-{tag}-{k}"), &prompts);
-            f.cfg.num_blocks = blocks;
-            f.cfg.block_size = 2;
-            f.cfg.max_new_tokens = 9;
-            f.cfg.max_draft_tokens = k;
-            f.cfg.eos_token_ids = vec![];
-            let mut s = Run::new(f.cfg.clone()).unwrap();
-            if k == 0 {
-                drive(&mut s, 1);
-            } else {
-                drive_spec(&mut s);
-            }
-            let preemptions = s.stats().preemptions;
-            s.finish().unwrap();
-            assert_eq!(preemptions > 0, blocks == tight, "{tag} k={k}");
-            runs.push(read_output(&f.cfg.output_dir));
-        }
-        let (big, tight_rows) = (&runs[0], &runs[1]);
-        assert_eq!(tight_rows.len(), 7);
-        assert_eq!(&tight_rows[..6], &big[..6], "k={k}");
-        assert!(big
-            .iter()
-            .all(|r| r.reason == "length" && r.output_tokens == 9));
-        let e = tight_rows[6].error.as_deref().unwrap();
-        let lookahead = if k > 0 {
-            " + 3 speculative lookahead"
-        } else {
-            ""
-        };
-        let want = format!(
-            "needs up to {} tokens of KV cache (prompt 10 + max_new_tokens 9{lookahead}) but the \
-             cache holds {} tokens",
-            19 + k,
-            tight * 2
-        );
-        assert!(e.starts_with(&want), "{e}");
-        assert_eq!(tight_rows[6].prompt_tokens, 10);
-    }
-}
-
-#[test]
-fn preemption_gives_same_outputs_as_a_large_cache() {
-    let prompts: Vec<String> = (0..9)
-        .map(|i| words(4 + i * 5..4 + i * 5 + 1 + i % 4))
-        .collect();
-    let prompts: Vec<Option<&str>> = prompts.iter().map(|s| Some(s.as_str())).collect();
-    let mut outputs = Vec::new();
-    for (tag, blocks) in [("sched-big", 256), ("sched-tiny", 8)] {
-        let mut f = fixture(tag, &prompts);
-        f.cfg.num_blocks = blocks;
-        f.cfg.block_size = 2;
-        f.cfg.max_new_tokens = 9;
-        f.cfg.eos_token_ids = vec![]; // run to the length limit
-        let mut s = Run::new(f.cfg.clone()).unwrap();
-        drive(&mut s, 1);
-        let preemptions = s.stats().preemptions;
-        let summary = s.finish().unwrap();
-        if blocks == 8 {
-            assert!(preemptions > 0, "expected preemptions with a tiny cache");
-            assert_eq!(
-                summary["preemptions"],
-                SummaryValue::Int(preemptions as i64)
-            );
-        } else {
-            assert_eq!(preemptions, 0);
-        }
-        let rows = read_output(&f.cfg.output_dir);
-        assert_eq!(rows.len(), 9);
-        outputs.push(
-            rows.into_iter()
-                .map(|r| (r.id, r.text, r.token_ids, r.reason))
-                .collect::<Vec<_>>(),
-        );
-        drop(f.dir);
-    }
-    assert_eq!(outputs[0], outputs[1]);
-}
-
-#[test]
-fn admission_respects_batch_size_and_token_budget() {
-    let prompts: Vec<Option<&str>> = vec![Some("w4 w5 w6 w7 w8 w9 w10"); 6];
-    let mut f = fixture("sched-admit", &prompts);
-    f.cfg.prefix_caching = false; // identical prompts: with caching they would share
-    f.cfg.max_batch_size = 3;
-    f.cfg.max_num_batched_tokens = 17; // two 8-token prompts per prefill step
-    f.cfg.max_new_tokens = 3;
-    f.cfg.queue_rows = 64;
-    let mut s = Run::new(f.cfg.clone()).unwrap();
-    wait_for_reader(&s);
-    let p = s.next_plan().unwrap().unwrap();
-    assert_eq!(p.kind, StepKind::Prefill);
-    assert_eq!(p.num_seqs(), 2);
-    assert_eq!(p.request_slots, vec![0, 1]);
-    assert_eq!(p.num_tokens(), 16);
-    assert_eq!(p.max_seqlen_q, 8);
-    s.commit(&[11, 11], &[1, 1], None, None, None).unwrap();
-    // Prefill is preferred: the third request is admitted before anyone decodes.
-    let p = s.next_plan().unwrap().unwrap();
-    assert_eq!(
-        (p.kind, p.num_seqs(), p.request_slots.clone()),
-        (StepKind::Prefill, 1, vec![2])
-    );
-    s.commit(&[11], &[1], None, None, None).unwrap();
-    // Batch full: decode over all three, one query token each at position 8.
-    let p = s.next_plan().unwrap().unwrap();
-    assert_eq!(p.kind, StepKind::Decode);
-    assert_eq!(p.request_slots, vec![0, 1, 2]);
-    assert_eq!(p.input_ids, vec![11, 11, 11]);
-    assert_eq!(p.positions, vec![8, 8, 8]);
-    assert_eq!(p.seq_lens, vec![9, 9, 9]);
-    assert_eq!(p.cu_seqlens_q, vec![0, 1, 2, 3]);
-    assert_eq!(p.num_generated, vec![1, 1, 1]);
-    assert_eq!(p.block_table_width, 3);
-    assert_eq!(p.max_seqlen_k, 9);
-    // Commit mismatches are errors and leave the plan pending.
-    assert!(s.commit(&[1, 2], &[1, 1], None, None, None).is_err());
-    assert!(s.commit(&[1, 2], &[1, 2], None, None, None).is_err());
-    assert!(s.next_plan().is_err());
-    s.commit(&[12, 12, 12], &[1, 1, 1], Some(&[0, 1, 0]), None, None)
-        .unwrap();
-    drive(&mut s, 1);
-    s.finish().unwrap();
-    assert_eq!(read_output(&f.cfg.output_dir).len(), 6);
-}
-
 #[test]
 fn commit_without_plan_and_early_finish_are_errors() {
     let f = fixture("sched-misuse", &[Some("w5")]);
@@ -716,53 +420,7 @@ fn a_dropped_failed_run_writes_no_empty_part() {
     assert!(file_names(&f.cfg.output_dir).is_empty());
 }
 
-/// Verify steps (W > 0): each row's query is its last token plus W placeholders, and a
-/// commit of n tokens advances the sequence by n (accepted drafts + the target's token). A
-/// fake speculative model accepts a varying number of drafts per row; outputs must equal
-/// plain decoding, also under preemption with a tiny cache.
-#[test]
-fn verify_steps_with_partial_acceptance_equal_plain_decoding() {
-    let prompts = [
-        Some("w5 w6"),
-        Some("w10"),
-        Some("w60"),
-        Some("w20 w21 w22"),
-        Some("w30 w31"),
-    ];
-    let plain = fixture("sched-verify-plain", &prompts);
-    let mut s = Run::new(plain.cfg.clone()).unwrap();
-    drive(&mut s, 1);
-    s.finish().unwrap();
-    let want = read_output(&plain.cfg.output_dir);
 
-    for (tag, num_blocks) in [("sched-verify", 64), ("sched-verify-small", 7)] {
-        let mut f = fixture(tag, &prompts);
-        f.cfg.max_draft_tokens = 3;
-        f.cfg.num_blocks = num_blocks;
-        let mut s = Run::new(f.cfg.clone()).unwrap();
-        drive_spec(&mut s);
-        s.finish().unwrap();
-        assert_eq!(read_output(&f.cfg.output_dir), want, "{tag}");
-    }
-}
-
-#[test]
-fn verify_commit_with_too_many_tokens_is_an_error() {
-    let mut f = fixture("sched-verify-err", &[Some("w5")]);
-    f.cfg.max_draft_tokens = 2;
-    let mut s = Run::new(f.cfg.clone()).unwrap();
-    let p = s.next_plan().unwrap().unwrap();
-    assert_eq!(p.kind, StepKind::Prefill);
-    s.commit(&[6], &[1], None, None, None).unwrap();
-    let p = s.next_plan().unwrap().unwrap();
-    assert_eq!(p.kind, StepKind::Verify);
-    assert_eq!(p.positions, vec![2, 3, 4]);
-    assert_eq!(p.seq_lens, vec![5]);
-    assert_eq!(p.input_ids, vec![6, 0, 0]);
-    assert!(s
-        .commit(&[7, 8, 9, 10], &[4], Some(&[3]), None, None)
-        .is_err());
-}
 
 #[test]
 fn skip_rows_resume_writes_only_the_rest() {
@@ -816,4 +474,25 @@ fn abort_writes_finished_rows_and_drops_the_rest() {
     assert_eq!(rows[0].text, "w6 w7 w8");
     assert!(s.finish().is_err());
     assert!(s.abort().is_err());
+}
+
+#[test]
+fn resume_skips_written_samples_and_counts_the_rest() {
+    let mut f = fixture("n-resume", &[Some("w4 w5"), Some("w6"), Some("w7 w8")]);
+    (f.cfg.n, f.cfg.temperature) = (2, 1.0);
+    f.cfg.skip_rows = vec![1];
+    // keys row * 4096 + sample: (2, 1), (1, 0) skipped whole, a row past the input
+    f.cfg.skip_samples = vec![2 * 4096 + 1, 4096, 99 * 4096];
+    let mut s = Run::new(f.cfg.clone()).unwrap();
+    assert_eq!(s.progress()[0], ("requests_total", 3));
+    drive(&mut s, 1);
+    s.finish().unwrap();
+    let keys: Vec<(i64, i32)> = read_output(&f.cfg.output_dir)
+        .iter()
+        .map(|r| (r.row_index, r.sample_index))
+        .collect();
+    assert_eq!(keys.len(), 3);
+    for k in [(0, 0), (0, 1), (2, 0)] {
+        assert!(keys.contains(&k), "{keys:?}");
+    }
 }
