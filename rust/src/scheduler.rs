@@ -417,11 +417,15 @@ impl Scheduler {
 }
 
 mod admission;
+#[cfg(test)]
+mod admission_tests;
 mod chunked;
 mod overlap;
-mod plan;
 #[cfg(test)]
 mod overlap_tests;
+mod plan;
+#[cfg(test)]
+mod plan_tests;
 #[cfg(test)]
 mod prefix_cache_tests;
 #[cfg(test)]

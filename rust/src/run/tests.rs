@@ -9,8 +9,8 @@ use arrow_array::types::{Int32Type, Int64Type};
 use arrow_array::{Array, ArrayRef, StringArray};
 
 use super::*;
-pub(super) use crate::scheduler::tests::check_plan;
 use crate::scheduler::request_seed;
+pub(super) use crate::scheduler::tests::check_plan;
 use crate::stats::SummaryValue;
 use crate::testutil::{
     corrupt_row_group, read_parts, save_tokenizer, word_level_tokenizer, write_parquet, TempDir,
@@ -207,7 +207,6 @@ fn stop_strings_truncate_and_drop_later_tokens_of_the_same_commit() {
     assert_eq!(rows[1].output_tokens, 4);
     assert_eq!(summary["output_tokens"], SummaryValue::Int(8));
 }
-
 
 /// Drives verify steps like a speculative worker: row r of step n accepts (n + r) % (k + 1)
 /// drafts of the fake model; the outputs must equal plain decoding.
@@ -419,8 +418,6 @@ fn a_dropped_failed_run_writes_no_empty_part() {
     drop(s);
     assert!(file_names(&f.cfg.output_dir).is_empty());
 }
-
-
 
 #[test]
 fn skip_rows_resume_writes_only_the_rest() {

@@ -413,7 +413,12 @@ fn random_jobs_give_the_same_outputs_overlapped_or_not() {
 fn check_case(case: &Case) {
     let want = run_case(case, false).unwrap_or_else(|e| panic!("{e}, one at a time: {case:?}"));
     let got = run_case(case, true).unwrap_or_else(|e| panic!("{e}, overlapped: {case:?}"));
-    assert_eq!(got.len(), case.prompts.len() * case.n, "case {}: {case:?}", case.index);
+    assert_eq!(
+        got.len(),
+        case.prompts.len() * case.n,
+        "case {}: {case:?}",
+        case.index
+    );
     assert_eq!(want.len(), got.len(), "{case:?}");
     for (g, w) in got.iter().zip(&want) {
         let key = |r: &Row| {

@@ -403,11 +403,10 @@ pub(crate) fn fixture(prompts: &[Option<&str>]) -> Fixture {
 #[test]
 fn max_model_len_and_kv_footprint_errors() {
     let mut f = fixture(&[
-            Some("w4 w5 w6 w7 w8 w9 w10 w11 w12 w13"),
-            Some("w4 w5 w6 w7 w8"),
-            Some("w4 w5"),
-        ],
-    );
+        Some("w4 w5 w6 w7 w8 w9 w10 w11 w12 w13"),
+        Some("w4 w5 w6 w7 w8"),
+        Some("w4 w5"),
+    ]);
     f.cfg.max_model_len = 10;
     f.cfg.max_new_tokens = 100;
     let mut s = f.driver();
@@ -427,11 +426,10 @@ fn max_model_len_and_kv_footprint_errors() {
     assert_eq!(rows[2].output_tokens, 7);
 
     let mut f = fixture(&[
-            Some("w4 w5 w6 w7 w8 w9 w10 w11 w12"),
-            Some("w4"),
-            Some("w4 w5"),
-        ],
-    );
+        Some("w4 w5 w6 w7 w8 w9 w10 w11 w12"),
+        Some("w4"),
+        Some("w4 w5"),
+    ]);
     f.cfg.num_blocks = 2; // capacity 8 tokens
     f.cfg.max_new_tokens = 6;
     let mut s = f.driver();
@@ -627,7 +625,5 @@ fn verify_commit_with_too_many_tokens_is_an_error() {
     assert_eq!(p.positions, vec![2, 3, 4]);
     assert_eq!(p.seq_lens, vec![5]);
     assert_eq!(p.input_ids, vec![6, 0, 0]);
-    assert!(s
-        .commit(&[7, 8, 9, 10], &[4], Some(&[3]))
-        .is_err());
+    assert!(s.commit(&[7, 8, 9, 10], &[4], Some(&[3])).is_err());
 }
