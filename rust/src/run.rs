@@ -100,7 +100,7 @@ impl Run {
         let (input, reader) = spawn_reader(spec, options)?;
         let criteria = StopCriteria::new(&cfg);
         Ok(Run {
-            sched: Scheduler::new(cfg.policy(), criteria.eos.clone(), cfg.seed),
+            sched: Scheduler::new(cfg.policy.clone(), criteria.eos.clone(), cfg.seed),
             skip_samples,
             requests_expected: expected,
             criteria,
@@ -194,7 +194,7 @@ impl Run {
     /// (scheduler/overlap.rs), or `None` when it cannot be: commit the pending plan, then call
     /// `next_plan`.
     pub fn next_plan_ahead(&mut self) -> Result<Option<StepPlan>> {
-        if self.finished || !self.cfg.overlap || self.sched.num_pending() != 1 {
+        if self.finished || !self.cfg.policy.overlap || self.sched.num_pending() != 1 {
             return Err(Error::internal(
                 "next_plan_ahead() needs overlap and exactly one pending plan",
             ));
@@ -357,7 +357,7 @@ fn reader_options(
         read_batch_rows: cfg.read_batch_rows,
         queue_rows: cfg.queue_rows,
         skip_rows,
-        text_limit: TextLimit::new(tokenizer, cfg.max_model_len),
+        text_limit: TextLimit::new(tokenizer, cfg.policy.max_model_len),
         sampling: Arc::new(cfg.sampling_params()),
         n: cfg.n,
         add_special_tokens: cfg.add_special_tokens,
@@ -375,7 +375,7 @@ fn score_options(cfg: &SchedulerConfig, tokenizer: &Tokenizer) -> Option<ScoreOp
     Some(ScoreOptions {
         shape: cfg.score_shape()?,
         prefix_id: bos.or(cfg.eos_token_ids.first().copied()).unwrap_or(0),
-        max_len: cfg.max_model_len,
+        max_len: cfg.policy.max_model_len,
     })
 }
 

@@ -29,7 +29,7 @@
 //! shifted input; blocks computed by rows the draft does not follow, such as plain steps', hold
 //! none: a row drafting from them drafts worse, never wrongly). A request whose next uncached blocks (64 tokens or more) requests admitted
 //! in the same step compute waits one step, to find them cached instead of computing them twice
-//! (admission.rs); a scored part (scheduler/scoring.rs) waits for a single such block, and
+//! (admission.rs); a scored part (run/scoring.rs) waits for a single such block, and
 //! the requests behind it are admitted meanwhile.
 
 use std::cmp::Reverse;

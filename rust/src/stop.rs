@@ -33,7 +33,7 @@ impl StopCriteria {
         };
         StopCriteria {
             eos,
-            max_len: cfg.max_model_len,
+            max_len: cfg.policy.max_model_len,
             reasoning,
         }
     }

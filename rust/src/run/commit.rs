@@ -31,7 +31,7 @@ impl Run {
             .ok_or_else(|| Error::internal("commit() without a plan from next_plan()"))?;
         let at = self.sched.locate(plan);
         self.check_prompt_logprobs(plan, prompt_logprobs)?;
-        let most_verify_tokens = self.cfg.max_draft_tokens as i32 + 1;
+        let most_verify_tokens = self.cfg.policy.max_draft_tokens as i32 + 1;
         check_commit(plan, most_verify_tokens, tokens, num_tokens, num_accepted)?;
         self.check_logprobs(&at, tokens.len(), logprobs)?;
         // frees the rows of this plan that finished at the previous commit

@@ -20,7 +20,7 @@ impl Run {
     /// `waiting` holds `max_batch_size` requests. With `block`, waits while nothing is
     /// runnable.
     pub(super) fn pull_input(&mut self, block: bool) -> Result<()> {
-        while !self.input_done && self.sched.waiting_len() < self.cfg.max_batch_size {
+        while !self.input_done && self.sched.waiting_len() < self.cfg.policy.max_batch_size {
             let idle = self.sched.is_idle();
             let msg = if block && idle {
                 match self.input.recv() {

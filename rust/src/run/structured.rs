@@ -89,7 +89,7 @@ impl Run {
     /// W (none for unconstrained rows); `mask_rows` marks the constrained rows (their masks
     /// come from `draft_masks`).
     pub(super) fn push_forced(&mut self, p: &mut StepPlan, start: usize, rows: usize) {
-        let w = self.cfg.max_draft_tokens;
+        let w = self.cfg.policy.max_draft_tokens;
         let mut constrained = 0;
         for (r, seq) in self.sched.running_mut()[start..start + rows]
             .iter_mut()

@@ -48,8 +48,8 @@ fn setup(tag: &str, formats: &[Option<&str>], w: usize) -> Setup {
     cfg.eos_token_ids = vec![EOT];
     cfg.vocab_size = VOCAB;
     cfg.max_new_tokens = 6;
-    cfg.max_batch_size = 8;
-    cfg.max_draft_tokens = w;
+    cfg.policy.max_batch_size = 8;
+    cfg.policy.max_draft_tokens = w;
     cfg.include_token_ids = true;
     Setup {
         _dir: dir,

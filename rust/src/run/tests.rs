@@ -44,11 +44,11 @@ pub(super) fn fixture(tag: &str, prompts: &[Option<&str>]) -> Fixture {
     cfg.id_column = Some("id".into());
     cfg.eos_token_ids = vec![2];
     cfg.max_new_tokens = 8;
-    cfg.num_blocks = 64;
-    cfg.block_size = 4;
-    cfg.max_batch_size = 4;
-    cfg.max_num_batched_tokens = 64;
-    cfg.max_model_len = 64;
+    cfg.policy.num_blocks = 64;
+    cfg.policy.block_size = 4;
+    cfg.policy.max_batch_size = 4;
+    cfg.policy.max_num_batched_tokens = 64;
+    cfg.policy.max_model_len = 64;
     cfg.read_batch_rows = 2;
     cfg.queue_rows = 2;
     cfg.part_rows = 3;
@@ -225,7 +225,7 @@ fn spec_counters_and_seeds() {
     let mut f = fixture("sched-spec", &[Some("w5")]);
     f.cfg.max_new_tokens = 4;
     f.cfg.seed = 7;
-    f.cfg.max_draft_tokens = 2;
+    f.cfg.policy.max_draft_tokens = 2;
     let mut s = Run::new(f.cfg.clone()).unwrap();
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!(p.seeds, vec![request_seed(7, 0)]);
@@ -449,7 +449,7 @@ fn abort_writes_finished_rows_and_drops_the_rest() {
     let prompts: Vec<Option<&str>> = vec![Some("w5"), None, Some("w7 w8"), Some("w9")];
     let mut f = fixture("sched-abort", &prompts);
     f.cfg.max_new_tokens = 3;
-    f.cfg.max_batch_size = 1;
+    f.cfg.policy.max_batch_size = 1;
     let mut s = Run::new(f.cfg.clone()).unwrap();
     // Finish row 0 (prefill + 2 decodes); row 1 (null) is written as an error when read.
     for _ in 0..3 {

@@ -39,7 +39,7 @@ fn step(s: &mut Driver) -> StepPlan {
 #[test]
 fn the_first_request_is_admitted_past_the_token_budget_and_alone() {
     let mut cfg = test_config();
-    cfg.max_num_batched_tokens = 4;
+    cfg.policy.max_num_batched_tokens = 4;
     let mut s = Driver::new(&cfg, &[Some(&words(4..11)), Some("w20")]);
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!(
@@ -51,7 +51,7 @@ fn the_first_request_is_admitted_past_the_token_budget_and_alone() {
 #[test]
 fn a_finished_rows_slot_is_reused_smallest_first() {
     let mut cfg = test_config();
-    cfg.max_batch_size = 3;
+    cfg.policy.max_batch_size = 3;
     let prompts = ["w4", "w10", "w20", "w30"];
     let mut s = with_max_new(&cfg, &prompts, &[5, 1, 5, 5]);
     let p = step(&mut s); // row 1 ends with its first token
@@ -70,8 +70,12 @@ fn the_watermark_stays_free_when_admitting_beside_running_requests() {
     // 100 blocks of 1 token: 1 block of watermark; the first request takes 50
     for (second, admitted) in [(49, 2), (50, 1)] {
         let mut cfg = test_config();
-        (cfg.num_blocks, cfg.block_size, cfg.prefix_caching) = (100, 1, false);
-        cfg.max_num_batched_tokens = 256;
+        (
+            cfg.policy.num_blocks,
+            cfg.policy.block_size,
+            cfg.policy.prefix_caching,
+        ) = (100, 1, false);
+        cfg.policy.max_num_batched_tokens = 256;
         let prompts = [words(4..53), words(10..10 + second - 1)]; // with <bos>: 50, `second`
         let mut s = Driver::new(&cfg, &[Some(&prompts[0]), Some(&prompts[1])]);
         let p = s.next_plan().unwrap().unwrap();
@@ -83,8 +87,12 @@ fn the_watermark_stays_free_when_admitting_beside_running_requests() {
 fn a_preempted_request_returns_to_the_front_and_recomputes_its_tokens() {
     // 6 blocks of 2 tokens; two rows of 3 prompt tokens each need 4 blocks at length 7
     let mut cfg = test_config();
-    (cfg.num_blocks, cfg.block_size, cfg.eos_token_ids) = (6, 2, vec![]);
-    cfg.prefix_caching = false; // its blocks are not found again: all recomputed
+    (
+        cfg.policy.num_blocks,
+        cfg.policy.block_size,
+        cfg.eos_token_ids,
+    ) = (6, 2, vec![]);
+    cfg.policy.prefix_caching = false; // its blocks are not found again: all recomputed
     let mut s = Driver::new(&cfg, &[Some("w4 w5"), Some("w10 w11")]);
     while s.st.preemptions == 0 {
         step(&mut s);
@@ -115,7 +123,11 @@ fn a_preempted_request_returns_to_the_front_and_recomputes_its_tokens() {
 #[test]
 fn the_oldest_running_request_is_never_preempted() {
     let mut cfg = test_config();
-    (cfg.num_blocks, cfg.block_size, cfg.eos_token_ids) = (6, 2, vec![]);
+    (
+        cfg.policy.num_blocks,
+        cfg.policy.block_size,
+        cfg.eos_token_ids,
+    ) = (6, 2, vec![]);
     let mut s = Driver::new(&cfg, &[Some("w4 w5"), Some("w10 w11"), Some("w20 w21")]);
     let mut first = None;
     while let Some(p) = s.next_plan().unwrap() {
@@ -158,7 +170,7 @@ fn a_leak_check_before_the_end_and_a_commit_without_a_plan_are_errors() {
 #[test]
 fn without_prefix_caching_identical_prompts_share_nothing() {
     let mut cfg = test_config();
-    (cfg.prefix_caching, cfg.max_num_batched_tokens) = (false, 128);
+    (cfg.policy.prefix_caching, cfg.policy.max_num_batched_tokens) = (false, 128);
     let long = words(4..40); // 37 tokens: a wait for cached blocks would pay with caching
     let mut s = Driver::new(&cfg, &[Some(&long), Some(&long)]);
     let p = s.next_plan().unwrap().unwrap();

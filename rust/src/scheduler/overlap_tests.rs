@@ -107,7 +107,7 @@ fn run_over(
     let prompts: Vec<Option<&str>> = prompts.iter().map(|p| Some(p.as_str())).collect();
     let mut cfg = test_config();
     setup(&mut cfg);
-    cfg.overlap = overlap;
+    cfg.policy.overlap = overlap;
     let mut s = Driver::new(&cfg, &prompts);
     let ahead = if overlap {
         drive_overlapped(&mut s).1
@@ -127,16 +127,16 @@ fn overlapped_plans_give_the_outputs_of_plans_one_at_a_time() {
     let setups: [(&str, Setup); 6] = [
         ("plain", |_| {}),
         ("chunked", |c| {
-            (c.chunked_prefill, c.max_num_batched_tokens) = (true, 5);
+            (c.policy.chunked_prefill, c.policy.max_num_batched_tokens) = (true, 5);
         }),
-        ("small-cache", |c| c.num_blocks = 8), // preemptions
+        ("small-cache", |c| c.policy.num_blocks = 8), // preemptions
         ("stop-strings", |c| {
             c.stop = vec!["w30".into(), "w9 w10".into()];
             c.max_new_tokens = 12;
         }),
         ("one-token", |c| c.max_new_tokens = 1),
         ("samples", |c| {
-            (c.n, c.max_batch_size, c.temperature) = (3, 5, 0.8); // forked prompt blocks
+            (c.n, c.policy.max_batch_size, c.temperature) = (3, 5, 0.8); // forked prompt blocks
         }),
     ];
     for (name, setup) in setups {
@@ -163,10 +163,17 @@ fn no_plan_ahead_while_the_first_row_fits_only_after_the_pending_plan() {
     type Setup = fn(&mut SchedulerConfig);
     // "w4".."w15" (13 tokens with BOS: 4 blocks of 5) is parked at length 15 of max_model_len
     // 16 when "w30" (2 tokens, 1 block) wants its second block
-    let parked: Setup = |c| (c.num_blocks, c.max_model_len, c.max_new_tokens) = (5, 16, 40);
+    let parked: Setup = |c| {
+        (
+            c.policy.num_blocks,
+            c.policy.max_model_len,
+            c.max_new_tokens,
+        ) = (5, 16, 40)
+    };
     // "w4".."w15" (4 blocks of 6) ends with EOS 18, its third token, at the commit before the
     // one where "w30".."w33" (5 tokens, 2 blocks) wants its third block
-    let draining: Setup = |c| (c.num_blocks, c.eos_token_ids, c.max_new_tokens) = (6, vec![18], 7);
+    let draining: Setup =
+        |c| (c.policy.num_blocks, c.eos_token_ids, c.max_new_tokens) = (6, vec![18], 7);
     let cases = [
         ("parked", [words(30..31), words(4..16)], parked),
         ("draining", [words(30..34), words(4..16)], draining),
@@ -193,7 +200,7 @@ fn no_plan_ahead_while_the_first_row_fits_only_after_the_pending_plan() {
 fn a_row_finishing_under_a_plan_ahead_keeps_its_blocks_until_that_plan_commits() {
     // "w60": 61 62 63 0 1 2 (EOS) - six output tokens, the last an EOS
     let mut cfg = test_config();
-    cfg.overlap = true;
+    cfg.policy.overlap = true;
     let mut s = Driver::new(&cfg, &[Some("w60")]);
     let free = s.num_free_blocks();
     let mut p = s.next_plan().unwrap().unwrap();
@@ -219,7 +226,7 @@ fn a_row_finishing_under_a_plan_ahead_keeps_its_blocks_until_that_plan_commits()
 #[test]
 fn no_plan_ahead_for_penalized_rows_and_none_without_overlap() {
     let mut cfg = test_config();
-    cfg.overlap = true;
+    cfg.policy.overlap = true;
     cfg.repetition_penalty = 1.2;
     let mut s = Driver::new(&cfg, &[Some("w5 w6")]);
     let _ = s.next_plan().unwrap().unwrap();
@@ -230,7 +237,7 @@ fn no_plan_ahead_for_penalized_rows_and_none_without_overlap() {
     assert!(s.next_plan_ahead().is_err());
 
     let mut cfg = test_config();
-    (cfg.overlap, cfg.max_draft_tokens) = (true, 2);
+    (cfg.policy.overlap, cfg.policy.max_draft_tokens) = (true, 2);
     let err = cfg.validate().unwrap_err().to_string();
     assert!(err.contains("overlap needs plain decoding"), "{err}");
 }
@@ -365,13 +372,13 @@ fn random_case(index: usize, rng: &mut SplitMix) -> Case {
 /// The settings of `case`.
 fn case_config(case: &Case) -> SchedulerConfig {
     let mut c = test_config();
-    (c.max_new_tokens, c.max_model_len) = (case.max_new_tokens, case.max_model_len);
+    (c.max_new_tokens, c.policy.max_model_len) = (case.max_new_tokens, case.max_model_len);
     (c.eos_token_ids, c.stop) = (case.eos.clone(), case.stop.clone());
     (c.n, c.temperature) = (case.n, if case.n > 1 { 0.8 } else { 0.0 });
-    (c.block_size, c.num_blocks) = (case.block_size, case.num_blocks);
-    (c.max_batch_size, c.prefix_caching) = (case.max_batch_size, case.prefix_caching);
+    (c.policy.block_size, c.policy.num_blocks) = (case.block_size, case.num_blocks);
+    (c.policy.max_batch_size, c.policy.prefix_caching) = (case.max_batch_size, case.prefix_caching);
     if let Some(budget) = case.chunk {
-        (c.chunked_prefill, c.max_num_batched_tokens) = (true, budget);
+        (c.policy.chunked_prefill, c.policy.max_num_batched_tokens) = (true, budget);
     }
     c
 }
@@ -379,7 +386,7 @@ fn case_config(case: &Case) -> SchedulerConfig {
 /// One run of `case`, overlapped or not -> its rows, or the scheduler's error.
 fn run_case(case: &Case, overlap: bool) -> Result<Vec<Row>> {
     let mut cfg = case_config(case);
-    cfg.overlap = overlap;
+    cfg.policy.overlap = overlap;
     let job = cfg.sampling_params();
     let rows: Vec<(Option<&str>, Arc<SamplingParams>)> = (case.prompts.iter())
         .zip(&case.row_max_new)

@@ -83,7 +83,7 @@ pub struct StepPlan {
     /// Overlap: per row, the row of the pending plan whose sampled token is this row's last
     /// query token (its `input_ids` entry is -1 until the worker fills it in), else -1.
     pub prev_rows: Vec<i32>,
-    /// Structured output (scheduler/structured.rs): per row, its mask's index in
+    /// Structured output (run/structured.rs): per row, its mask's index in
     /// `token_masks` (-1: none; prefill and decode rows that sample only), and the masks,
     /// `[M, mask_words]` u32 (bit t % 32 of word t / 32: token t allowed).
     pub mask_rows: Vec<i32>,

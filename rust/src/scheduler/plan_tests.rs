@@ -65,7 +65,8 @@ fn samples_of_a_row_get_their_own_seeds_and_sample_zero_the_rows() {
         .iter()
         .flat_map(|&r| [r, sample_seed(r, 1)])
         .collect();
-    (seeds.sort(), want.sort());
+    seeds.sort();
+    want.sort();
     assert_eq!(seeds, want);
     want.dedup();
     assert_eq!(want.len(), 4);
@@ -93,7 +94,7 @@ fn penalized_rows_carry_their_known_tokens() {
 #[test]
 fn a_verify_plan_holds_each_rows_token_and_room_for_w_drafts() {
     let mut cfg = test_config();
-    (cfg.max_draft_tokens, cfg.block_size) = (3, 4);
+    (cfg.policy.max_draft_tokens, cfg.policy.block_size) = (3, 4);
     let mut s = Driver::new(&cfg, &[Some("w5 w6"), Some("w20")]);
     let p = s.next_plan().unwrap().unwrap();
     s.commit(&[9, 21], &[1, 1], Some(&[0, 0])).unwrap();
@@ -110,7 +111,7 @@ fn a_verify_plan_holds_each_rows_token_and_room_for_w_drafts() {
 #[test]
 fn plain_steps_in_a_speculative_job_decode_without_lookahead() {
     let mut cfg = test_config();
-    cfg.max_draft_tokens = 3;
+    cfg.policy.max_draft_tokens = 3;
     let mut s = Driver::new(&cfg, &[Some("w5 w6")]);
     let p = s.next_plan().unwrap().unwrap();
     s.commit(&[9], &[1], Some(&[0])).unwrap();
@@ -130,7 +131,10 @@ fn plain_steps_in_a_speculative_job_decode_without_lookahead() {
 #[test]
 fn a_chunk_short_of_the_prompts_end_samples_nothing() {
     let mut cfg = test_config();
-    (cfg.chunked_prefill, cfg.max_num_batched_tokens) = (true, 4);
+    (
+        cfg.policy.chunked_prefill,
+        cfg.policy.max_num_batched_tokens,
+    ) = (true, 4);
     let mut s = Driver::new(&cfg, &[Some(&words(4..13))]); // 10 tokens with <bos>
     let mut chunks = Vec::new();
     for _ in 0..3 {

@@ -37,7 +37,7 @@ struct KvModel {
 impl KvModel {
     fn new(cfg: &SchedulerConfig) -> Self {
         KvModel {
-            kv: vec![None; cfg.num_blocks * cfg.block_size],
+            kv: vec![None; cfg.policy.num_blocks * cfg.policy.block_size],
             history: HashMap::new(),
         }
     }
@@ -90,7 +90,7 @@ fn drive_kv(s: &mut Driver) {
     let mut steps = 0;
     while let Some(p) = s.next_plan().unwrap() {
         check_plan(&p, &cfg);
-        let tokens = model.step(&p, cfg.block_size);
+        let tokens = model.step(&p, cfg.policy.block_size);
         for (r, &t) in tokens.iter().enumerate() {
             if p.next_ids[r] < 0 {
                 // (a chunk short of its row's end: the scheduler drops its token)
@@ -158,14 +158,17 @@ fn run_plain_at(
     let prompts = shared_prompts();
     let prompts: Vec<Option<&str>> = prompts.iter().map(|p| Some(p.as_str())).collect();
     let mut cfg = test_config();
-    cfg.prefix_caching = caching;
-    cfg.num_blocks = num_blocks;
+    cfg.policy.prefix_caching = caching;
+    cfg.policy.num_blocks = num_blocks;
     cfg.max_new_tokens = 9;
     if spec {
-        cfg.max_draft_tokens = 3;
+        cfg.policy.max_draft_tokens = 3;
     }
     if let Some(budget) = chunk {
-        (cfg.chunked_prefill, cfg.max_num_batched_tokens) = (true, budget);
+        (
+            cfg.policy.chunked_prefill,
+            cfg.policy.max_num_batched_tokens,
+        ) = (true, budget);
     }
     let mut s = Driver::new(&cfg, &prompts);
     if spec {
@@ -244,8 +247,8 @@ fn an_identical_prompt_waits_one_step_then_shares_the_blocks() {
                                                          // when it registered them, so the last found block is kept
     for (spec, prompt, cached) in [(false, &long, 120), (true, &long, 120)] {
         let mut cfg = test_config();
-        cfg.max_draft_tokens = if spec { 2 } else { 0 };
-        cfg.max_model_len = 256;
+        cfg.policy.max_draft_tokens = if spec { 2 } else { 0 };
+        cfg.policy.max_model_len = 256;
         let mut s = Driver::new(&cfg, &[Some(prompt), Some(prompt)]);
         let p = s.next_plan().unwrap().unwrap();
         assert_eq!((p.kind, p.num_seqs()), (StepKind::Prefill, 1));
@@ -284,8 +287,8 @@ fn run_samples(
     let mut cfg = test_config();
     cfg.n = n;
     cfg.temperature = 0.8;
-    cfg.max_batch_size = batch;
-    cfg.prefix_caching = caching;
+    cfg.policy.max_batch_size = batch;
+    cfg.policy.prefix_caching = caching;
     let mut s = Driver::new(&cfg, &prompts);
     drive_kv(&mut s);
     let summary = summary(&s);
@@ -332,7 +335,7 @@ fn samples_fork_from_their_sibling_and_equal_samples_computed_alone() {
 fn a_forked_sample_computes_only_its_last_prompt_token() {
     let prompt = words(4..14); // + <bos>: 11 tokens, 2 full blocks and 3 tokens
     let mut cfg = test_config();
-    (cfg.n, cfg.temperature, cfg.prefix_caching) = (3, 1.0, false);
+    (cfg.n, cfg.temperature, cfg.policy.prefix_caching) = (3, 1.0, false);
     let mut s = Driver::new(&cfg, &[Some(&prompt)]);
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!((p.num_seqs(), p.num_tokens()), (1, 11)); // the siblings wait a step
@@ -402,10 +405,13 @@ fn plain_steps_in_a_speculative_run_change_no_output() {
 fn a_long_prompt_in_chunks_never_stops_the_decoding_rows() {
     for (spec, plain) in [(false, false), (true, false), (true, true)] {
         let mut cfg = test_config();
-        (cfg.chunked_prefill, cfg.max_num_batched_tokens) = (true, 4);
-        (cfg.max_batch_size, cfg.max_new_tokens) = (1, 30); // row 1 waits for row 0's slot
-        cfg.max_batch_size = 2;
-        cfg.max_draft_tokens = if spec { 2 } else { 0 };
+        (
+            cfg.policy.chunked_prefill,
+            cfg.policy.max_num_batched_tokens,
+        ) = (true, 4);
+        (cfg.policy.max_batch_size, cfg.max_new_tokens) = (1, 30); // row 1 waits for row 0's slot
+        cfg.policy.max_batch_size = 2;
+        cfg.policy.max_draft_tokens = if spec { 2 } else { 0 };
         let mut s = Driver::new(&cfg, &[Some("w4"), Some(&words(4..20))]);
         s.set_plain_steps(plain);
         let mut kinds = Vec::new();

@@ -28,11 +28,11 @@ pub(crate) fn test_config() -> SchedulerConfig {
     let mut cfg = SchedulerConfig::new(vec![input], "prompt", tok, out);
     cfg.eos_token_ids = vec![2];
     cfg.max_new_tokens = 8;
-    cfg.num_blocks = 64;
-    cfg.block_size = 4;
-    cfg.max_batch_size = 4;
-    cfg.max_num_batched_tokens = 64;
-    cfg.max_model_len = 64;
+    cfg.policy.num_blocks = 64;
+    cfg.policy.block_size = 4;
+    cfg.policy.max_batch_size = 4;
+    cfg.policy.max_num_batched_tokens = 64;
+    cfg.policy.max_model_len = 64;
     cfg.include_token_ids = true;
     cfg
 }
@@ -80,7 +80,7 @@ impl Driver {
         cfg.validate().expect("a valid test config");
         let criteria = StopCriteria::new(cfg);
         let mut d = Driver {
-            s: Scheduler::new(cfg.policy(), criteria.eos.clone(), cfg.seed),
+            s: Scheduler::new(cfg.policy.clone(), criteria.eos.clone(), cfg.seed),
             st: Stats::new(0),
             cfg: cfg.clone(),
             criteria,
@@ -147,7 +147,7 @@ impl Driver {
 
     /// The plan after the pending one (the run's `next_plan_ahead`).
     pub(crate) fn next_plan_ahead(&mut self) -> Result<Option<StepPlan>> {
-        if !self.cfg.overlap || self.s.num_pending() != 1 {
+        if !self.cfg.policy.overlap || self.s.num_pending() != 1 {
             return Err(Error::internal("needs overlap and one pending plan"));
         }
         if self.s.ahead_blocked() {
@@ -165,7 +165,7 @@ impl Driver {
     ) -> Result<()> {
         let plan = (self.s.pending()).ok_or_else(|| Error::internal("commit() without a plan"))?;
         let at = self.s.locate(plan);
-        let most = self.cfg.max_draft_tokens as i32 + 1;
+        let most = self.cfg.policy.max_draft_tokens as i32 + 1;
         check_commit(plan, most, tokens, num_tokens, num_accepted)?;
         let plan = self.s.take_pending()?;
         let (now, mut offset) = (Instant::now(), 0usize);
@@ -271,7 +271,7 @@ pub(crate) fn drive_spec(s: &mut Driver) {
 /// says so: those are never verify rounds.
 pub(crate) fn drive_spec_with(s: &mut Driver, plain: impl Fn(usize) -> bool) {
     let cfg = s.config().clone();
-    let k = cfg.max_draft_tokens;
+    let k = cfg.policy.max_draft_tokens;
     let mut step = 0usize;
     loop {
         s.set_plain_steps(plain(step));
@@ -322,9 +322,9 @@ pub(crate) fn check_plan(p: &StepPlan, cfg: &SchedulerConfig) {
     assert!(p
         .request_slots
         .iter()
-        .all(|&s| (s as usize) < cfg.max_batch_size));
+        .all(|&s| (s as usize) < cfg.policy.max_batch_size));
     if p.kind == StepKind::Prefill {
-        assert!(p.num_tokens() <= cfg.max_num_batched_tokens || b == 1);
+        assert!(p.num_tokens() <= cfg.policy.max_num_batched_tokens || b == 1);
     }
     let mut kv_slots = std::collections::HashSet::new();
     for r in 0..b {
@@ -360,11 +360,11 @@ fn check_plan_row(
     let table = &p.block_tables[r * p.block_table_width..(r + 1) * p.block_table_width];
     for t in q0..q1 {
         let pos = p.positions[t] as usize;
-        let block = table[pos / cfg.block_size] as i64;
-        assert!((block as usize) < cfg.num_blocks);
+        let block = table[pos / cfg.policy.block_size] as i64;
+        assert!((block as usize) < cfg.policy.num_blocks);
         assert_eq!(
             p.slot_mapping[t],
-            block * cfg.block_size as i64 + (pos % cfg.block_size) as i64
+            block * cfg.policy.block_size as i64 + (pos % cfg.policy.block_size) as i64
         );
         assert!(
             kv_slots.insert(p.slot_mapping[t]),
@@ -407,7 +407,7 @@ fn max_model_len_and_kv_footprint_errors() {
         Some("w4 w5 w6 w7 w8"),
         Some("w4 w5"),
     ]);
-    f.cfg.max_model_len = 10;
+    f.cfg.policy.max_model_len = 10;
     f.cfg.max_new_tokens = 100;
     let mut s = f.driver();
     drive(&mut s, 1);
@@ -430,7 +430,7 @@ fn max_model_len_and_kv_footprint_errors() {
         Some("w4"),
         Some("w4 w5"),
     ]);
-    f.cfg.num_blocks = 2; // capacity 8 tokens
+    f.cfg.policy.num_blocks = 2; // capacity 8 tokens
     f.cfg.max_new_tokens = 6;
     let mut s = f.driver();
     drive(&mut s, 1);
@@ -470,10 +470,10 @@ fn outputs_do_not_depend_on_the_kv_budget() {
         let mut runs = Vec::new();
         for (tag, blocks) in [("big", 256), ("tight", tight)] {
             let mut f = fixture(&prompts);
-            f.cfg.num_blocks = blocks;
-            f.cfg.block_size = 2;
+            f.cfg.policy.num_blocks = blocks;
+            f.cfg.policy.block_size = 2;
             f.cfg.max_new_tokens = 9;
-            f.cfg.max_draft_tokens = k;
+            f.cfg.policy.max_draft_tokens = k;
             f.cfg.eos_token_ids = vec![];
             let mut s = f.driver();
             if k == 0 {
@@ -517,8 +517,8 @@ fn preemption_gives_same_outputs_as_a_large_cache() {
     let mut outputs = Vec::new();
     for blocks in [256, 8] {
         let mut f = fixture(&prompts);
-        f.cfg.num_blocks = blocks;
-        f.cfg.block_size = 2;
+        f.cfg.policy.num_blocks = blocks;
+        f.cfg.policy.block_size = 2;
         f.cfg.max_new_tokens = 9;
         f.cfg.eos_token_ids = vec![]; // run to the length limit
         let mut s = f.driver();
@@ -544,9 +544,9 @@ fn preemption_gives_same_outputs_as_a_large_cache() {
 fn admission_respects_batch_size_and_token_budget() {
     let prompts: Vec<Option<&str>> = vec![Some("w4 w5 w6 w7 w8 w9 w10"); 6];
     let mut f = fixture(&prompts);
-    f.cfg.prefix_caching = false; // identical prompts: with caching they would share
-    f.cfg.max_batch_size = 3;
-    f.cfg.max_num_batched_tokens = 17; // two 8-token prompts per prefill step
+    f.cfg.policy.prefix_caching = false; // identical prompts: with caching they would share
+    f.cfg.policy.max_batch_size = 3;
+    f.cfg.policy.max_num_batched_tokens = 17; // two 8-token prompts per prefill step
     f.cfg.max_new_tokens = 3;
     let mut s = f.driver();
     let p = s.next_plan().unwrap().unwrap();
@@ -604,8 +604,8 @@ fn verify_steps_with_partial_acceptance_equal_plain_decoding() {
 
     for (tag, num_blocks) in [("sched-verify", 64), ("sched-verify-small", 7)] {
         let mut f = fixture(&prompts);
-        f.cfg.max_draft_tokens = 3;
-        f.cfg.num_blocks = num_blocks;
+        f.cfg.policy.max_draft_tokens = 3;
+        f.cfg.policy.num_blocks = num_blocks;
         let mut s = f.driver();
         drive_spec(&mut s);
         assert_eq!(s.finish().unwrap(), want, "{tag}");
@@ -615,7 +615,7 @@ fn verify_steps_with_partial_acceptance_equal_plain_decoding() {
 #[test]
 fn verify_commit_with_too_many_tokens_is_an_error() {
     let mut f = fixture(&[Some("w5")]);
-    f.cfg.max_draft_tokens = 2;
+    f.cfg.policy.max_draft_tokens = 2;
     let mut s = f.driver();
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!(p.kind, StepKind::Prefill);
