@@ -78,11 +78,7 @@ impl Scheduler {
                 }
                 None => n - cached,
             };
-            let reserve = if self.running.is_empty() {
-                0
-            } else {
-                self.watermark
-            };
+            let reserve = self.watermark * usize::from(!self.running.is_empty()); // none when alone
             if !self.bm.can_allocate(n, &prefix, reserve) {
                 break;
             }
