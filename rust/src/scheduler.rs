@@ -208,7 +208,7 @@ impl Scheduler {
     /// fits. running[0] always fits once everyone after it is preempted (admission invariant:
     /// its worst case fits the whole cache), so it is never preempted and makes progress. With
     /// a plan pending (overlap), parked and draining rows hold blocks that no preemption here
-    /// frees: `next_plan_ahead` schedules only when running[0] fits beside them.
+    /// frees: `plan_ahead` schedules only when running[0] fits beside them.
     fn grow_running(&mut self, lookahead: usize, rows: usize, st: &mut Stats) -> Result<()> {
         let mut i = 0;
         while i < rows.min(self.running.len()) {
