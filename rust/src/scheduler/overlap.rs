@@ -5,9 +5,9 @@
 //! - `plan_ahead` (the run's `next_plan_ahead`) is called with one plan P pending. Each row
 //!   that P samples a token for (its query reaches its last known token) gets a placeholder
 //!   output token standing for it (`Sequence::placeholder`); then the next plan is scheduled
-//!   as usual, so such a row decodes its placeholder: its `input_ids` entry is -1 and `prev_rows` names its row of P,
-//!   whose sampled token the worker puts there on the device. P's commit replaces each
-//!   placeholder with the real token (stop checks as usual).
+//!   as usual, so such a row decodes its placeholder: its `input_ids` entry is -1 and
+//!   `prev_rows` names its row of P, whose sampled token the worker puts there on the device.
+//!   P's commit replaces each placeholder with the real token (stop checks as usual).
 //! - A row that finishes at P's commit (EOS, stop string) has computed one token too many in
 //!   the plan after P: that token is dropped, and the row's blocks and slot are freed only at
 //!   the next commit, once that plan has run ("draining"). Rows whose token in P certainly ends
