@@ -121,11 +121,21 @@ pub struct SchedulerConfig {
     /// Samples per input row (`sample_index` 0..n-1), each its own sequence; they share the
     /// prompt's blocks.
     pub n: usize,
-    // Paged KV cache and batching.
+    /// The scheduling policy's settings (scheduler.rs).
+    pub policy: PolicyConfig,
+    pub read_batch_rows: usize,
+    pub queue_rows: usize,
+}
+
+/// The scheduling policy's settings (scheduler.rs): the paged KV cache, batching and the step
+/// kinds; the rest of `SchedulerConfig` is the run's.
+#[derive(Debug, Clone, Default)]
+pub struct PolicyConfig {
     pub num_blocks: usize,
     pub block_size: usize,
     pub max_batch_size: usize,
     pub max_num_batched_tokens: usize,
+    /// Never the KV capacity, so an output does not depend on the budget.
     pub max_model_len: usize,
     /// W, the most draft tokens a verify step checks (0 = plain decoding; the draft head's
     /// chain K = `speculative.num_steps` is at most W, prompt lookup may draft up to W). With
@@ -140,8 +150,6 @@ pub struct SchedulerConfig {
     /// Plain decoding: allow `next_plan_ahead`, the step after a pending one planned before
     /// that one is committed (scheduler/overlap.rs).
     pub overlap: bool,
-    pub read_batch_rows: usize,
-    pub queue_rows: usize,
 }
 
 impl SchedulerConfig {
@@ -170,12 +178,15 @@ impl SchedulerConfig {
             skip_special_tokens: true,
             repetition_penalty: 1.0,
             n: 1,
-            num_blocks: 1024,
-            block_size: 16,
-            max_batch_size: 64,
-            max_num_batched_tokens: 8192,
-            max_model_len: 4096,
-            prefix_caching: true,
+            policy: PolicyConfig {
+                num_blocks: 1024,
+                block_size: 16,
+                max_batch_size: 64,
+                max_num_batched_tokens: 8192,
+                max_model_len: 4096,
+                prefix_caching: true,
+                ..Default::default()
+            },
             read_batch_rows: 1024,
             queue_rows: 4096,
             ..Default::default()
@@ -185,7 +196,7 @@ impl SchedulerConfig {
     /// Checks every setting once, up front (sizes, then sampling, then inputs).
     pub fn validate(&self) -> Result<()> {
         self.validate_sizes()?;
-        if self.overlap && self.max_draft_tokens > 0 {
+        if self.policy.overlap && self.policy.max_draft_tokens > 0 {
             return Err(Error::user(
                 "overlap needs plain decoding (max_draft_tokens 0): a verify round's token \
                  count is known only at its commit",
@@ -292,11 +303,11 @@ impl SchedulerConfig {
         let positive = [
             ("part_rows", self.part_rows),
             ("max_new_tokens", self.max_new_tokens),
-            ("num_blocks", self.num_blocks),
-            ("block_size", self.block_size),
-            ("max_batch_size", self.max_batch_size),
-            ("max_num_batched_tokens", self.max_num_batched_tokens),
-            ("max_model_len", self.max_model_len),
+            ("num_blocks", self.policy.num_blocks),
+            ("block_size", self.policy.block_size),
+            ("max_batch_size", self.policy.max_batch_size),
+            ("max_num_batched_tokens", self.policy.max_num_batched_tokens),
+            ("max_model_len", self.policy.max_model_len),
             ("read_batch_rows", self.read_batch_rows),
             ("queue_rows", self.queue_rows),
             ("n", self.n),
@@ -306,28 +317,28 @@ impl SchedulerConfig {
                 return Err(Error::user(format!("{name} must be >= 1, got 0")));
             }
         }
-        if self.max_model_len < 2 {
+        if self.policy.max_model_len < 2 {
             return Err(Error::user(format!(
                 "max_model_len must be >= 2 (one prompt token and one generated token), got {}",
-                self.max_model_len
+                self.policy.max_model_len
             )));
         }
-        if self.num_blocks > i32::MAX as usize || self.block_size > (1 << 20) {
+        if self.policy.num_blocks > i32::MAX as usize || self.policy.block_size > (1 << 20) {
             return Err(Error::user(format!(
                 "num_blocks ({}) or block_size ({}) out of range",
-                self.num_blocks, self.block_size
+                self.policy.num_blocks, self.policy.block_size
             )));
         }
         if self.n > crate::sampling_params::MAX_SAMPLES {
             return Err(Error::user(format!("n must be <= 4096, got {}", self.n)));
         }
-        if self.max_draft_tokens > 64 {
+        if self.policy.max_draft_tokens > 64 {
             return Err(Error::user(format!(
                 "max_draft_tokens must be <= 64, got {}",
-                self.max_draft_tokens
+                self.policy.max_draft_tokens
             )));
         }
-        if self.max_model_len > i32::MAX as usize {
+        if self.policy.max_model_len > i32::MAX as usize {
             return Err(Error::user("max_model_len must fit in int32"));
         }
         if let Some((start, end)) = self.row_range {

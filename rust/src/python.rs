@@ -17,7 +17,8 @@ use pyo3::types::{PyDict, PyList, PyString};
 use crate::chat_template::{self, Message};
 use crate::exceptions::{to_py, NativeError, UserInputError};
 use crate::logprobs::{PromptLogprobs, StepLogprobs};
-use crate::scheduler::{Scheduler, StepPlan};
+use crate::run::Run;
+use crate::scheduler::StepPlan;
 use crate::stats::SummaryValue;
 
 mod object_store;
@@ -238,16 +239,16 @@ fn prompt_lps(obj: &Bound<'_, PyAny>) -> PyResult<PromptLogprobs> {
 
 #[pyclass(module = "eaglebatch._native", name = "Scheduler")]
 pub struct PyScheduler {
-    inner: Scheduler,
+    inner: Run,
 }
 
 #[pymethods]
 impl PyScheduler {
     /// `config`: an `eaglebatch.job.scheduler_config.SchedulerConfig` (any object with its
-    /// attributes); validated by `Scheduler::new`.
+    /// attributes); validated by `Run::new`.
     #[new]
     fn new(py: Python<'_>, config: scheduler_config::PyConfig) -> PyResult<Self> {
-        let inner = py.detach(|| Scheduler::new(config.0)).map_err(to_py)?;
+        let inner = py.detach(|| Run::new(config.0)).map_err(to_py)?;
         Ok(PyScheduler { inner })
     }
 
@@ -306,7 +307,7 @@ impl PyScheduler {
 
     /// Structured output: the pending verify plan's constrained rows, their valid draft
     /// counts and their masks per verify position, given the worker's drafts int64 [B, k]
-    /// (`Scheduler::draft_masks`): (rows int32 [R], valid int32 [R], masks uint32 [R, k+1,
+    /// (`Run::draft_masks`): (rows int32 [R], valid int32 [R], masks uint32 [R, k+1,
     /// words]).
     #[allow(clippy::type_complexity)]
     fn draft_masks<'py>(
@@ -328,7 +329,7 @@ impl PyScheduler {
         Ok((m.rows.into_pyarray(py), m.valid.into_pyarray(py), masks))
     }
 
-    /// Structured output, masked drafting (`Scheduler::draft_step_masks`): `tokens` None starts
+    /// Structured output, masked drafting (`Run::draft_step_masks`): `tokens` None starts
     /// a session over the pending verify plan, else int64 [B] the drafts just chosen; returns
     /// (rows int32 [R], masks uint32 [R, words]) at the next draft position.
     #[pyo3(signature = (tokens = None))]

@@ -222,7 +222,7 @@ def _read_part(part: Path, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def sample_key(row_index, sample_index):
-    """Resume's key of a sample (rust/src/scheduler.rs `sample_key`: the same), whatever the
+    """Resume's key of a sample (rust/src/run.rs `sample_key`: the same), whatever the
     row's n (at most SAMPLE_STRIDE)."""
     return np.asarray(row_index, np.int64) * SAMPLE_STRIDE + np.asarray(sample_index, np.int64)
 

@@ -11,7 +11,7 @@ speculative sampling from them stays exact.
   its stop_token_ids) are -inf while the row has generated fewer tokens (num_generated + j <
   min_tokens).
 - structured output: a constrained row's disallowed tokens are -inf, by the packed mask the
-  scheduler computed for that (row, position) (rust/src/scheduler/structured.rs: bit t % 32 of
+  scheduler computed for that (row, position) (rust/src/run/structured.rs: bit t % 32 of
   u32 word t / 32 set = token t allowed); greedy rows stay an argmax over the masked logits.
 - repetition_penalty r (1 = off), over every token in the prompt or the output: a positive
   logit is divided by r, a non-positive one multiplied by it;

@@ -7,24 +7,30 @@ use pyo3::conversion::FromPyObjectOwned;
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 
-use crate::config::SchedulerConfig;
+use crate::config::{PolicyConfig, SchedulerConfig};
 
 /// The `config` argument of `Scheduler(config)`.
 pub(super) struct PyConfig(pub(super) SchedulerConfig);
 
-/// The field list, declared once: `FIELDS` (every field's name, exported to Python as
-/// `SCHEDULER_CONFIG_FIELDS`, where a test holds the dataclass's fields equal to it) and `read`,
-/// `SchedulerConfig { field: attribute(obj, "field", extract)?, ... }` (`field with f` converts
-/// by `f`). A struct literal names every field, so a setting added to the struct does not
-/// compile until it is listed here too.
+/// The field list, declared once: `FIELDS` (every field's name, the policy section's flattened
+/// into it, exported to Python as `SCHEDULER_CONFIG_FIELDS`, where a test holds the
+/// dataclass's fields equal to it) and `read`, `SchedulerConfig { field: attribute(obj,
+/// "field", extract)?, ..., policy: PolicyConfig { ... } }` (`field with f` converts by `f`).
+/// A struct literal names every field, so a setting added to the struct does not compile until
+/// it is listed here too.
 macro_rules! config_fields {
-    ($($field:ident $(with $convert:expr)?),* $(,)?) => {
-        pub(crate) const FIELDS: &[&str] = &[$(stringify!($field)),*];
+    ($($field:ident $(with $convert:expr)?),* ; policy: $($policy:ident),* $(,)?) => {
+        pub(crate) const FIELDS: &[&str] =
+            &[$(stringify!($field),)* $(stringify!($policy)),*];
 
-        /// The fields in declaration order (the first one that fails raises).
+        /// The fields in declaration order, the policy's last (the first one that fails
+        /// raises).
         fn read<'py>(obj: &Bound<'py, PyAny>) -> PyResult<SchedulerConfig> {
             Ok(SchedulerConfig {
-                $($field: attribute(obj, stringify!($field), config_fields!(@ $($convert)?))?),*
+                $($field: attribute(obj, stringify!($field), config_fields!(@ $($convert)?))?,)*
+                policy: PolicyConfig {
+                    $($policy: attribute(obj, stringify!($policy), extract)?),*
+                },
             })
         }
     };
@@ -44,9 +50,9 @@ config_fields! {
     ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens,
     repetition_penalty, frequency_penalty, presence_penalty, logprobs, prompt_logprobs,
     response_format with json_text, enable_thinking, reasoning_ids, sampling_columns, n,
-    num_blocks, block_size, max_batch_size, max_num_batched_tokens, max_model_len,
-    max_draft_tokens, prefix_caching, chunked_prefill, overlap, read_batch_rows,
-    queue_rows,
+    read_batch_rows, queue_rows;
+    policy: num_blocks, block_size, max_batch_size, max_num_batched_tokens, max_model_len,
+    max_draft_tokens, prefix_caching, chunked_prefill, overlap,
 }
 
 impl<'a, 'py> FromPyObject<'a, 'py> for PyConfig {

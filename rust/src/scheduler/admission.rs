@@ -9,7 +9,9 @@ use std::time::Instant;
 use super::Scheduler;
 use crate::block_manager::BlockManager;
 use crate::error::Result;
-use crate::sequence::{Sequence, Status};
+use crate::score::ScorePart;
+use crate::sequence::{Request, Sequence, Status};
+use crate::stats::Stats;
 
 impl Scheduler {
     /// PREFILL admission: moves waiting requests FIFO to the end of `running` while a slot,
@@ -21,9 +23,14 @@ impl Scheduler {
     /// free slot. Returns how many were admitted (they are `running[len - admitted..]`).
     /// A scored part that waits for a sibling's blocks (`entry`) lets the requests behind it
     /// by, and keeps its place at the front.
-    pub(super) fn admit(&mut self, now: Instant, chunk_budget: Option<usize>) -> Result<usize> {
+    pub(super) fn admit(
+        &mut self,
+        now: Instant,
+        chunk_budget: Option<usize>,
+        st: &mut Stats,
+    ) -> Result<usize> {
         let mut held = Vec::new();
-        let admitted = self.admit_fifo(now, chunk_budget, &mut held);
+        let admitted = self.admit_fifo(now, chunk_budget, &mut held, st);
         for seq in held.into_iter().rev() {
             self.waiting.push_front(seq);
         }
@@ -35,6 +42,7 @@ impl Scheduler {
         now: Instant,
         chunk_budget: Option<usize>,
         held: &mut Vec<Sequence>,
+        st: &mut Stats,
     ) -> Result<usize> {
         let mut admitted = 0usize;
         let mut budget_used = 0usize;
@@ -70,16 +78,13 @@ impl Scheduler {
                 }
                 None => n - cached,
             };
-            let reserve = if self.running.is_empty() {
-                0
-            } else {
-                self.watermark
-            };
+            let reserve = self.watermark * usize::from(!self.running.is_empty()); // none when alone
             if !self.bm.can_allocate(n, &prefix, reserve) {
                 break;
             }
             let seq = self.waiting.pop_front().expect("front exists");
-            let seq = self.start_running(seq, &prefix, copy, cached, cached + chunk, now)?;
+            let end = cached + chunk;
+            let seq = self.start_running(seq, (&prefix, copy, cached, end), now, st)?;
             computing.extend(seq.block_hashes.iter().skip(prefix.len()).copied());
             if fresh {
                 rows_now.insert(seq.row_index); // its siblings fork from it next step
@@ -96,11 +101,9 @@ impl Scheduler {
     fn start_running(
         &mut self,
         mut seq: Sequence,
-        prefix: &[u32],
-        copy: Option<u32>,
-        cached: usize,
-        end: usize,
+        (prefix, copy, cached, end): (&[u32], Option<u32>, usize, usize),
         now: Instant,
+        st: &mut Stats,
     ) -> Result<&Sequence> {
         let n = seq.len();
         self.bm.allocate(&mut seq.block_table, prefix, n)?;
@@ -120,11 +123,79 @@ impl Scheduler {
         if seq.timing.first_scheduled.is_none() {
             seq.timing.first_scheduled = Some(now);
             seq.cached_tokens = cached.min(seq.prompt_len());
-            self.stats.prompt_tokens += seq.prompt_len() as u64;
-            self.stats.cached_tokens += seq.cached_tokens as u64;
+            st.prompt_tokens += seq.prompt_len() as u64;
+            st.cached_tokens += seq.cached_tokens as u64;
         }
         self.running.push(seq);
         Ok(self.running.last().expect("just pushed"))
+    }
+
+    /// Why a request can never run, if it cannot. Invariant of every admitted request: its
+    /// worst case, min(prompt + max_new_tokens, max_model_len) tokens plus the W lookahead
+    /// slots of a verify step, fits the whole cache, so alone it can always run to the end.
+    pub fn admission_error(&self, req: &Request) -> Option<String> {
+        if let Some(e) = &req.error {
+            return Some(e.clone());
+        }
+        let cfg = &self.cfg;
+        let (p, m, k) = (
+            req.prompt_ids.len(),
+            req.sampling.max_new_tokens,
+            cfg.max_draft_tokens,
+        );
+        if p >= cfg.max_model_len {
+            return Some(format!(
+                "prompt has {p} tokens; it must be shorter than max_model_len ({})",
+                cfg.max_model_len
+            ));
+        }
+        let capacity = cfg.num_blocks * cfg.block_size;
+        let need = p.saturating_add(m).min(cfg.max_model_len) + k;
+        if need <= capacity {
+            return None;
+        }
+        let advice = "raise engine.kv_cache_tokens or engine.kv_cache_memory_fraction";
+        if self.bm.blocks_needed(p) > cfg.num_blocks {
+            return Some(format!(
+                "prompt has {p} tokens and needs {} KV blocks of {} tokens, but the cache has \
+                 only num_blocks = {} ({capacity} tokens); {advice}",
+                self.bm.blocks_needed(p),
+                cfg.block_size,
+                cfg.num_blocks
+            ));
+        }
+        let capped = if p + m > cfg.max_model_len {
+            format!(", at most max_model_len {}", cfg.max_model_len)
+        } else {
+            String::new()
+        };
+        let lookahead = if k > 0 {
+            format!(" + {k} speculative lookahead")
+        } else {
+            String::new()
+        };
+        Some(format!(
+            "needs up to {need} tokens of KV cache (prompt {p} + max_new_tokens {m}{capped}\
+             {lookahead}) but the cache holds {capacity} tokens; {advice}, or lower \
+             sampling.max_new_tokens"
+        ))
+    }
+
+    /// Why a row's parts can never run: one needs more KV blocks than the cache has.
+    pub fn score_error(&self, parts: &[ScorePart]) -> Option<String> {
+        let cfg = &self.cfg;
+        let p = parts.iter().map(|p| p.prompt_ids.len()).max()?;
+        if self.bm.blocks_needed(p) <= cfg.num_blocks && p <= cfg.max_model_len {
+            return None;
+        }
+        Some(format!(
+            "a scored sequence of {p} tokens needs {} KV blocks of {} tokens, but the cache \
+             has only num_blocks = {}; raise engine.kv_cache_tokens or \
+             engine.kv_cache_memory_fraction",
+            self.bm.blocks_needed(p),
+            cfg.block_size,
+            cfg.num_blocks
+        ))
     }
 
     /// Chain hashes of the full blocks that running rows still computing their tokens (chunked

@@ -20,19 +20,20 @@
 
 use std::time::Instant;
 
-use super::{Scheduler, StepKind, StepPlan};
+use super::{Planned, Scheduler, StepKind};
 use crate::error::Result;
 use crate::sequence::Sequence;
+use crate::stats::Stats;
 
 impl Scheduler {
-    pub(super) fn schedule_chunked(&mut self) -> Result<Option<StepPlan>> {
+    pub(super) fn schedule_chunked(&mut self, st: &mut Stats) -> Result<Option<Planned>> {
         if self.lookahead() > 0 {
-            return self.schedule_chunked_speculative();
+            return self.schedule_chunked_speculative(st);
         }
-        self.grow_running(0, self.running.len())?; // decoding rows' next slot (may preempt)
+        self.grow_running(0, self.running.len(), st)?; // decoding rows' next slot (may preempt)
         let decoding = self.running.iter().filter(|s| !s.prefilling()).count();
         let left = self.plan_chunks(self.cfg.max_num_batched_tokens.saturating_sub(decoding));
-        self.admit(Instant::now(), Some(left))?;
+        self.admit(Instant::now(), Some(left), st)?;
         if self.running.is_empty() {
             return self.nothing_runnable();
         }
@@ -41,32 +42,34 @@ impl Scheduler {
         } else {
             StepKind::Decode
         };
-        self.build_plan(kind, 0, self.running.len()).map(Some)
+        self.build_plan(kind, 0, self.running.len(), st).map(Some)
     }
 
     /// A step of prefill chunks when the last step verified (or nothing decodes), else a verify
     /// round over the decoding rows (module doc).
-    fn schedule_chunked_speculative(&mut self) -> Result<Option<StepPlan>> {
+    fn schedule_chunked_speculative(&mut self, st: &mut Stats) -> Result<Option<Planned>> {
         // a short prompt admitted after a long one finishes first: decoding rows first, each
         // kind in admission order (stable), so that each kind is a contiguous plan
         self.running.sort_by_key(Sequence::prefilling);
         let split = self.first_prefilling();
         if split == 0 || !self.last_step_prefill {
             let left = self.plan_chunks(self.cfg.max_num_batched_tokens);
-            self.admit(Instant::now(), Some(left))?;
+            self.admit(Instant::now(), Some(left), st)?;
             if split < self.running.len() {
                 self.last_step_prefill = true;
                 let rows = self.running.len() - split;
-                return self.build_plan(StepKind::Prefill, split, rows).map(Some);
+                return self
+                    .build_plan(StepKind::Prefill, split, rows, st)
+                    .map(Some);
             }
         }
         self.last_step_prefill = false;
         if split == 0 {
             return self.nothing_runnable();
         }
-        self.grow_running(self.cfg.max_draft_tokens, split)?; // preempts from the tail
+        self.grow_running(self.cfg.max_draft_tokens, split, st)?; // preempts from the tail
         let rows = self.first_prefilling();
-        self.build_plan(StepKind::Verify, 0, rows).map(Some)
+        self.build_plan(StepKind::Verify, 0, rows, st).map(Some)
     }
 
     /// The index of the first running row still computing its known tokens (prefilling rows

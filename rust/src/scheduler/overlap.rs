@@ -2,12 +2,12 @@
 //! the device, so that planning, the plan's tensors and the last step's commit hide behind
 //! the device's work (SGLang's overlap scheduler, vLLM's async scheduling).
 //!
-//! - `next_plan_ahead` is called with one plan P pending. Each row that P samples a token for
-//!   (its query reaches its last known token) gets a placeholder output token standing for it
-//!   (`Sequence::placeholder`); then the next plan is scheduled as usual, so such a row
-//!   decodes its placeholder: its `input_ids` entry is -1 and `prev_rows` names its row of P,
-//!   whose sampled token the worker puts there on the device. P's commit replaces each
-//!   placeholder with the real token (stop checks as usual).
+//! - `plan_ahead` (the run's `next_plan_ahead`) is called with one plan P pending. Each row
+//!   that P samples a token for (its query reaches its last known token) gets a placeholder
+//!   output token standing for it (`Sequence::placeholder`); then the next plan is scheduled
+//!   as usual, so such a row decodes its placeholder: its `input_ids` entry is -1 and
+//!   `prev_rows` names its row of P, whose sampled token the worker puts there on the device.
+//!   P's commit replaces each placeholder with the real token (stop checks as usual).
 //! - A row that finishes at P's commit (EOS, stop string) has computed one token too many in
 //!   the plan after P: that token is dropped, and the row's blocks and slot are freed only at
 //!   the next commit, once that plan has run ("draining"). Rows whose token in P certainly ends
@@ -31,25 +31,28 @@
 
 use std::collections::HashSet;
 
-use super::{Scheduler, StepPlan};
+use super::{Planned, Scheduler};
 use crate::error::{Error, Result};
 use crate::sequence::{Sequence, PLACEHOLDER};
+use crate::stats::Stats;
 
 impl Scheduler {
+    /// Whether no plan may be built ahead of the pending one (module doc): a running row
+    /// has penalties, a grammar or a scored prompt.
+    pub fn ahead_blocked(&self) -> bool {
+        let blocked =
+            |s: &Sequence| s.sampling.penalized() || s.matcher.is_some() || s.score_from.is_some();
+        self.running.iter().any(blocked)
+    }
+
     /// The plan after the pending one, built before that one is committed (module doc), or
-    /// `None` when it cannot be: commit the pending plan, then call `next_plan`.
-    pub fn next_plan_ahead(&mut self) -> Result<Option<StepPlan>> {
-        if self.finished || !self.cfg.overlap || self.pending.len() != 1 {
+    /// `None` when it cannot be. The run checks `ahead_blocked` and feeds input first.
+    pub fn plan_ahead(&mut self, st: &mut Stats) -> Result<Option<Planned>> {
+        if !self.cfg.overlap || self.pending.len() != 1 {
             return Err(Error::internal(
                 "next_plan_ahead() needs overlap and exactly one pending plan",
             ));
         }
-        let ahead_blocked =
-            |s: &Sequence| s.sampling.penalized() || s.matcher.is_some() || s.score_from.is_some();
-        if self.running.iter().any(ahead_blocked) {
-            return Ok(None);
-        }
-        self.pull_input(false)?;
         let parked = self.park_finishing();
         for seq in self.running.iter_mut() {
             if seq.num_computed == seq.len() {
@@ -60,7 +63,7 @@ impl Scheduler {
         let plan = if self.running.is_empty() || !self.first_row_fits(&parked) {
             None
         } else {
-            self.schedule()?
+            self.schedule(st)?
         };
         if plan.is_none() {
             self.running.iter_mut().for_each(Sequence::drop_placeholder);
@@ -89,7 +92,7 @@ impl Scheduler {
     /// Takes out of `running` the rows whose token in the pending plan ends them by length
     /// (max_new_tokens, max_model_len): the next plan has nothing for them to compute.
     fn park_finishing(&mut self) -> Vec<Sequence> {
-        let max_len = self.criteria.max_len;
+        let max_len = self.cfg.max_model_len;
         let ends = |s: &Sequence| {
             s.num_computed == s.len()
                 && (s.num_output() + 1 >= s.sampling.max_new_tokens || s.len() + 1 >= max_len)

@@ -1,17 +1,13 @@
-//! Overlap: plans built ahead of the pending plan's commit (`next_plan_ahead`) give the outputs
+//! Overlap: plans built ahead of the pending plan's commit (`plan_ahead`) give the outputs
 //! of plans built one at a time, whatever finishes when (EOS, stop strings, length limits),
 //! with chunked prefill, prefix caching, preemption and n samples.
 
 use std::sync::Arc;
 
-use arrow_array::{ArrayRef, Int64Array, StringArray};
-
-use super::tests::{
-    check_plan, drive, fixture, read_output, wait_for_reader, words, Fixture, Row, VOCAB,
-};
+use super::tests::{check_plan, drive, test_config, words, Driver, Row, VOCAB};
 use super::*;
-use crate::stats::SummaryValue;
-use crate::testutil::write_parquet;
+use crate::config::SchedulerConfig;
+use crate::sampling_params::SamplingParams;
 
 /// The tests' fake model over a plan (next token = last query token + 1 mod vocab); a
 /// placeholder (-1, `prev_rows`) is the pending plan's token for the row, from `prev`.
@@ -34,12 +30,12 @@ fn fake_step(p: &StepPlan, prev: &[i32]) -> Vec<i32> {
 
 /// Runs to the end, each plan built before the previous one's commit whenever the scheduler
 /// can; returns (steps, steps planned ahead).
-fn drive_overlapped(s: &mut Scheduler) -> (usize, usize) {
+fn drive_overlapped(s: &mut Driver) -> (usize, usize) {
     try_drive_overlapped(s).unwrap()
 }
 
 /// `drive_overlapped`, the scheduler's first error returned instead of a panic.
-fn try_drive_overlapped(s: &mut Scheduler) -> Result<(usize, usize)> {
+fn try_drive_overlapped(s: &mut Driver) -> Result<(usize, usize)> {
     let cfg = s.config().clone();
     let mut pending: Option<(usize, Vec<i32>)> = None; // (rows, sampled tokens)
     let (mut steps, mut ahead) = (0, 0);
@@ -48,9 +44,8 @@ fn try_drive_overlapped(s: &mut Scheduler) -> Result<(usize, usize)> {
             Some(_) => s.next_plan_ahead()?,
             None => s.next_plan()?,
         };
-        let commit = |s: &mut Scheduler, (rows, toks): (usize, Vec<i32>)| {
-            s.commit(&toks, &vec![1; rows], None, None, None)
-        };
+        let commit =
+            |s: &mut Driver, (rows, toks): (usize, Vec<i32>)| s.commit(&toks, &vec![1; rows], None);
         let Some(plan) = plan else {
             match pending.take() {
                 Some(p) => commit(s, p)?,
@@ -74,13 +69,13 @@ fn try_drive_overlapped(s: &mut Scheduler) -> Result<(usize, usize)> {
 
 /// `drive(s, 1)` (plans one at a time), the scheduler's first error returned instead of a
 /// panic.
-fn try_drive(s: &mut Scheduler) -> Result<usize> {
+fn try_drive(s: &mut Driver) -> Result<usize> {
     let cfg = s.config().clone();
     let mut steps = 0;
     while let Some(p) = s.next_plan()? {
         check_plan(&p, &cfg);
         let toks = fake_step(&p, &[]);
-        s.commit(&toks, &vec![1; p.num_seqs()], None, None, None)?;
+        s.commit(&toks, &vec![1; p.num_seqs()], None)?;
         steps += 1;
         assert!(steps < 100_000, "no progress");
     }
@@ -110,22 +105,19 @@ fn run_over(
     setup: impl Fn(&mut SchedulerConfig),
 ) -> (Vec<Row>, usize, bool) {
     let prompts: Vec<Option<&str>> = prompts.iter().map(|p| Some(p.as_str())).collect();
-    let mut f = fixture(tag, &prompts);
-    setup(&mut f.cfg);
-    (f.cfg.overlap, f.cfg.queue_rows) = (overlap, prompts.len());
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
-    wait_for_reader(&s); // every prompt there from the first plan: admission does not race it
+    let mut cfg = test_config();
+    setup(&mut cfg);
+    cfg.policy.overlap = overlap;
+    let mut s = Driver::new(&cfg, &prompts);
     let ahead = if overlap {
         drive_overlapped(&mut s).1
     } else {
         drive(&mut s, 1);
         0
     };
-    let summary = s.finish().unwrap(); // no block or slot leaked
-    let preempted = summary["preemptions"] != SummaryValue::Int(0);
-    let mut rows = read_output(&f.cfg.output_dir);
-    rows.sort_by_key(|r| (r.row_index, r.sample_index));
-    assert_eq!(rows.len(), prompts.len() * f.cfg.n, "{tag}");
+    let preempted = s.st.preemptions != 0;
+    let rows = s.finish().unwrap(); // no block or slot leaked
+    assert_eq!(rows.len(), prompts.len() * cfg.n, "{tag}");
     (rows, ahead, preempted)
 }
 
@@ -135,16 +127,16 @@ fn overlapped_plans_give_the_outputs_of_plans_one_at_a_time() {
     let setups: [(&str, Setup); 6] = [
         ("plain", |_| {}),
         ("chunked", |c| {
-            (c.chunked_prefill, c.max_num_batched_tokens) = (true, 5);
+            (c.policy.chunked_prefill, c.policy.max_num_batched_tokens) = (true, 5);
         }),
-        ("small-cache", |c| c.num_blocks = 8), // preemptions
+        ("small-cache", |c| c.policy.num_blocks = 8), // preemptions
         ("stop-strings", |c| {
             c.stop = vec!["w30".into(), "w9 w10".into()];
             c.max_new_tokens = 12;
         }),
         ("one-token", |c| c.max_new_tokens = 1),
         ("samples", |c| {
-            (c.n, c.max_batch_size, c.temperature) = (3, 5, 0.8); // forked prompt blocks
+            (c.n, c.policy.max_batch_size, c.temperature) = (3, 5, 0.8); // forked prompt blocks
         }),
     ];
     for (name, setup) in setups {
@@ -171,10 +163,17 @@ fn no_plan_ahead_while_the_first_row_fits_only_after_the_pending_plan() {
     type Setup = fn(&mut SchedulerConfig);
     // "w4".."w15" (13 tokens with BOS: 4 blocks of 5) is parked at length 15 of max_model_len
     // 16 when "w30" (2 tokens, 1 block) wants its second block
-    let parked: Setup = |c| (c.num_blocks, c.max_model_len, c.max_new_tokens) = (5, 16, 40);
+    let parked: Setup = |c| {
+        (
+            c.policy.num_blocks,
+            c.policy.max_model_len,
+            c.max_new_tokens,
+        ) = (5, 16, 40)
+    };
     // "w4".."w15" (4 blocks of 6) ends with EOS 18, its third token, at the commit before the
     // one where "w30".."w33" (5 tokens, 2 blocks) wants its third block
-    let draining: Setup = |c| (c.num_blocks, c.eos_token_ids, c.max_new_tokens) = (6, vec![18], 7);
+    let draining: Setup =
+        |c| (c.policy.num_blocks, c.eos_token_ids, c.max_new_tokens) = (6, vec![18], 7);
     let cases = [
         ("parked", [words(30..31), words(4..16)], parked),
         ("draining", [words(30..34), words(4..16)], draining),
@@ -200,51 +199,47 @@ fn no_plan_ahead_while_the_first_row_fits_only_after_the_pending_plan() {
 #[test]
 fn a_row_finishing_under_a_plan_ahead_keeps_its_blocks_until_that_plan_commits() {
     // "w60": 61 62 63 0 1 2 (EOS) - six output tokens, the last an EOS
-    let mut f = fixture("ov-drain", &[Some("w60")]);
-    f.cfg.overlap = true;
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
-    wait_for_reader(&s);
+    let mut cfg = test_config();
+    cfg.policy.overlap = true;
+    let mut s = Driver::new(&cfg, &[Some("w60")]);
     let free = s.num_free_blocks();
     let mut p = s.next_plan().unwrap().unwrap();
     let mut prev = fake_step(&p, &[]);
     let mut ahead = 0;
     while let Some(next) = s.next_plan_ahead().unwrap() {
         let toks = fake_step(&next, &prev);
-        s.commit(&prev, &[1], None, None, None).unwrap();
+        s.commit(&prev, &[1], None).unwrap();
         ahead += 1;
         (p, prev) = (next, toks);
     }
     assert_eq!(p.prev_rows, vec![0]);
     assert_eq!(ahead, 6); // prefill, then 5 decodes to the EOS, planned ahead, one past it
     assert!(s.num_free_blocks() < free); // the row finished, the plan after it is pending
-    s.commit(&prev, &[1], None, None, None).unwrap();
+    s.commit(&prev, &[1], None).unwrap();
     assert_eq!(s.num_free_blocks(), free);
     assert!(s.next_plan().unwrap().is_none());
-    s.finish().unwrap();
-    let rows = read_output(&f.cfg.output_dir);
+    let rows = s.finish().unwrap();
     assert_eq!(rows[0].token_ids, vec![61, 62, 63, 0, 1, 2]);
     assert_eq!(rows[0].reason, "stop");
 }
 
 #[test]
 fn no_plan_ahead_for_penalized_rows_and_none_without_overlap() {
-    let mut f = fixture("ov-penalty", &[Some("w5 w6")]);
-    f.cfg.overlap = true;
-    f.cfg.repetition_penalty = 1.2;
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut cfg = test_config();
+    cfg.policy.overlap = true;
+    cfg.repetition_penalty = 1.2;
+    let mut s = Driver::new(&cfg, &[Some("w5 w6")]);
     let _ = s.next_plan().unwrap().unwrap();
     assert!(s.next_plan_ahead().unwrap().is_none());
-    s.abort().unwrap();
 
-    let f = fixture("ov-off", &[Some("w5 w6")]);
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Driver::new(&test_config(), &[Some("w5 w6")]);
     let _ = s.next_plan().unwrap().unwrap();
     assert!(s.next_plan_ahead().is_err());
-    s.abort().unwrap();
 
-    let mut f = fixture("ov-spec", &[Some("w5 w6")]);
-    (f.cfg.overlap, f.cfg.max_draft_tokens) = (true, 2);
-    assert!(Scheduler::new(f.cfg.clone()).is_err());
+    let mut cfg = test_config();
+    (cfg.policy.overlap, cfg.policy.max_draft_tokens) = (true, 2);
+    let err = cfg.validate().unwrap_err().to_string();
+    assert!(err.contains("overlap needs plain decoding"), "{err}");
 }
 
 /// SplitMix64: the randomized test's seeded source of cases.
@@ -374,50 +369,40 @@ fn random_case(index: usize, rng: &mut SplitMix) -> Case {
     }
 }
 
-/// The fixture of `case`: its prompts and per-row max_new_tokens as input, its settings.
-fn case_fixture(case: &Case) -> Fixture {
-    let mut f = fixture(&format!("ov-rand-{}", case.index), &[]);
-    let prompts: Vec<&str> = case.prompts.iter().map(String::as_str).collect();
-    let ids: Vec<String> = (0..prompts.len()).map(|i| format!("r{i}")).collect();
-    let columns: Vec<(&str, ArrayRef)> = vec![
-        ("prompt", Arc::new(StringArray::from(prompts))),
-        ("id", Arc::new(StringArray::from(ids))),
-        ("mt", Arc::new(Int64Array::from(case.row_max_new.clone()))),
-    ];
-    write_parquet(&f.cfg.input_files[0], columns, 1000);
-    let c = &mut f.cfg;
-    c.sampling_columns = [("max_new_tokens".to_string(), "mt".to_string())].into();
-    c.queue_rows = case.prompts.len();
-    (c.part_rows, c.read_batch_rows) = (1000, 1000); // one part file to write and read
-    (c.max_new_tokens, c.max_model_len) = (case.max_new_tokens, case.max_model_len);
+/// The settings of `case`.
+fn case_config(case: &Case) -> SchedulerConfig {
+    let mut c = test_config();
+    (c.max_new_tokens, c.policy.max_model_len) = (case.max_new_tokens, case.max_model_len);
     (c.eos_token_ids, c.stop) = (case.eos.clone(), case.stop.clone());
     (c.n, c.temperature) = (case.n, if case.n > 1 { 0.8 } else { 0.0 });
-    (c.block_size, c.num_blocks) = (case.block_size, case.num_blocks);
-    (c.max_batch_size, c.prefix_caching) = (case.max_batch_size, case.prefix_caching);
+    (c.policy.block_size, c.policy.num_blocks) = (case.block_size, case.num_blocks);
+    (c.policy.max_batch_size, c.policy.prefix_caching) = (case.max_batch_size, case.prefix_caching);
     if let Some(budget) = case.chunk {
-        (c.chunked_prefill, c.max_num_batched_tokens) = (true, budget);
+        (c.policy.chunked_prefill, c.policy.max_num_batched_tokens) = (true, budget);
     }
-    f
+    c
 }
 
-/// One run of `f`'s job, overlapped or not -> its output rows, or the scheduler's error.
-fn run_case(f: &Fixture, overlap: bool) -> Result<Vec<Row>> {
-    let mut cfg = f.cfg.clone();
-    cfg.overlap = overlap;
-    cfg.output_dir = f.dir.path().join(format!("out-{overlap}"));
-    let mut s = Scheduler::new(cfg.clone())?;
-    wait_for_reader(&s); // every prompt there from the first plan: admission does not race it
-    let driven = if overlap {
-        try_drive_overlapped(&mut s).map(|_| ())
+/// One run of `case`, overlapped or not -> its rows, or the scheduler's error.
+fn run_case(case: &Case, overlap: bool) -> Result<Vec<Row>> {
+    let mut cfg = case_config(case);
+    cfg.policy.overlap = overlap;
+    let job = cfg.sampling_params();
+    let rows: Vec<(Option<&str>, Arc<SamplingParams>)> = (case.prompts.iter())
+        .zip(&case.row_max_new)
+        .map(|(p, m)| {
+            let mut sp = job.clone();
+            sp.max_new_tokens = m.map_or(sp.max_new_tokens, |m| m as usize);
+            (Some(p.as_str()), Arc::new(sp))
+        })
+        .collect();
+    let mut s = Driver::with_rows(&cfg, &rows);
+    if overlap {
+        try_drive_overlapped(&mut s)?;
     } else {
-        try_drive(&mut s).map(|_| ())
-    };
-    if let Err(e) = driven {
-        let _ = s.abort();
-        return Err(e);
+        try_drive(&mut s)?;
     }
-    s.finish()?; // no block or slot leaked
-    Ok(read_output(&cfg.output_dir))
+    s.finish() // no block or slot leaked
 }
 
 /// Random jobs (KV budgets from just the longest row's worst case to roomy, block sizes,
@@ -426,21 +411,21 @@ fn run_case(f: &Fixture, overlap: bool) -> Result<Vec<Row>> {
 #[test]
 fn random_jobs_give_the_same_outputs_overlapped_or_not() {
     let mut rng = SplitMix(0x0E7E_5EED);
-    let cases: Vec<Case> = (0..200).map(|i| random_case(i, &mut rng)).collect();
-    // a run is mostly file work (the input, the output's fsync): four at a time
-    std::thread::scope(|scope| {
-        for chunk in cases.chunks(cases.len().div_ceil(4)) {
-            scope.spawn(|| chunk.iter().for_each(check_case));
-        }
-    });
+    for i in 0..200 {
+        check_case(&random_case(i, &mut rng));
+    }
 }
 
 /// `case` overlapped gives the rows it gives with plans built one at a time; neither fails.
 fn check_case(case: &Case) {
-    let f = case_fixture(case);
-    let want = run_case(&f, false).unwrap_or_else(|e| panic!("{e}, one at a time: {case:?}"));
-    let got = run_case(&f, true).unwrap_or_else(|e| panic!("{e}, overlapped: {case:?}"));
-    assert_eq!(got.len(), case.prompts.len() * case.n, "{case:?}");
+    let want = run_case(case, false).unwrap_or_else(|e| panic!("{e}, one at a time: {case:?}"));
+    let got = run_case(case, true).unwrap_or_else(|e| panic!("{e}, overlapped: {case:?}"));
+    assert_eq!(
+        got.len(),
+        case.prompts.len() * case.n,
+        "case {}: {case:?}",
+        case.index
+    );
     assert_eq!(want.len(), got.len(), "{case:?}");
     for (g, w) in got.iter().zip(&want) {
         let key = |r: &Row| {

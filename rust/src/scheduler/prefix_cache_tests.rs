@@ -1,14 +1,27 @@
-//! Prefix caching, n samples and chunked prefill end to end through the scheduler: a fake model
+//! Prefix caching, n samples and chunked prefill through the scheduling policy: a fake model
 //! with a real KV cache checks that every position a row reads holds that row's own token, and
 //! outputs equal a run without the feature whatever the budget (eviction, preemption).
 
 use std::collections::{BTreeMap, HashMap};
 
-use super::tests::{
-    check_plan, drive_spec_with, fixture, read_output, wait_for_reader, words, VOCAB,
-};
+use super::tests::{check_plan, drive_spec_with, test_config, words, Driver, VOCAB};
 use super::*;
-use crate::stats::SummaryValue;
+use crate::config::SchedulerConfig;
+
+/// A run's counters by their summary names.
+type Summary = HashMap<&'static str, i64>;
+
+/// The counters of `s` that these tests read.
+fn summary(s: &Driver) -> Summary {
+    let st = &s.st;
+    HashMap::from([
+        ("cached_tokens", st.cached_tokens as i64),
+        ("prefill_tokens", st.prefill_tokens as i64),
+        ("preemptions", st.preemptions as i64),
+        ("evictions", s.s.evictions() as i64),
+        ("spec_steps", st.spec_steps as i64),
+    ])
+}
 
 /// A fake model with a KV cache of (token, position) per slot. A step first writes every query
 /// token's pair into its slot (as a model's layers write before they attend), then each row
@@ -24,7 +37,7 @@ struct KvModel {
 impl KvModel {
     fn new(cfg: &SchedulerConfig) -> Self {
         KvModel {
-            kv: vec![None; cfg.num_blocks * cfg.block_size],
+            kv: vec![None; cfg.policy.num_blocks * cfg.policy.block_size],
             history: HashMap::new(),
         }
     }
@@ -71,13 +84,13 @@ impl KvModel {
     }
 }
 
-fn drive_kv(s: &mut Scheduler) {
+fn drive_kv(s: &mut Driver) {
     let cfg = s.config().clone();
     let mut model = KvModel::new(&cfg);
     let mut steps = 0;
     while let Some(p) = s.next_plan().unwrap() {
         check_plan(&p, &cfg);
-        let tokens = model.step(&p, cfg.block_size);
+        let tokens = model.step(&p, cfg.policy.block_size);
         for (r, &t) in tokens.iter().enumerate() {
             if p.next_ids[r] < 0 {
                 // (a chunk short of its row's end: the scheduler drops its token)
@@ -85,8 +98,7 @@ fn drive_kv(s: &mut Scheduler) {
                 history.push(t as i64);
             }
         }
-        s.commit(&tokens, &vec![1; tokens.len()], None, None, None)
-            .unwrap();
+        s.commit(&tokens, &vec![1; tokens.len()], None).unwrap();
         steps += 1;
         assert!(steps < 100_000, "no progress");
     }
@@ -145,39 +157,35 @@ fn run_plain_at(
 ) -> (Vec<Vec<i32>>, Vec<i32>, Summary) {
     let prompts = shared_prompts();
     let prompts: Vec<Option<&str>> = prompts.iter().map(|p| Some(p.as_str())).collect();
-    let mut f = fixture(tag, &prompts);
-    f.cfg.prefix_caching = caching;
-    f.cfg.num_blocks = num_blocks;
-    f.cfg.queue_rows = prompts.len(); // the reader finishes (wait_for_reader) with all queued
-    f.cfg.max_new_tokens = 9;
+    let mut cfg = test_config();
+    cfg.policy.prefix_caching = caching;
+    cfg.policy.num_blocks = num_blocks;
+    cfg.max_new_tokens = 9;
     if spec {
-        f.cfg.max_draft_tokens = 3;
+        cfg.policy.max_draft_tokens = 3;
     }
     if let Some(budget) = chunk {
-        (f.cfg.chunked_prefill, f.cfg.max_num_batched_tokens) = (true, budget);
+        (
+            cfg.policy.chunked_prefill,
+            cfg.policy.max_num_batched_tokens,
+        ) = (true, budget);
     }
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
-    // every prompt there from the first plan: which rows share a step (and so find nothing
-    // cached yet) must not depend on how fast the reader thread delivers them
-    wait_for_reader(&s);
+    let mut s = Driver::new(&cfg, &prompts);
     if spec {
         drive_spec_with(&mut s, plain);
     } else {
         drive_kv(&mut s);
     }
-    let summary = s.finish().unwrap(); // checks that no block leaked
-    let rows = read_output(&f.cfg.output_dir);
-    assert_eq!(rows.len(), prompts.len());
+    let summary = summary(&s);
+    let rows = s.finish().unwrap(); // checks that no block leaked
+    assert_eq!(rows.len(), prompts.len(), "{tag}");
     assert!(rows.iter().all(|r| r.error.is_none()));
     let ids = rows.iter().map(|r| r.token_ids.clone()).collect();
     (ids, rows.iter().map(|r| r.cached_tokens).collect(), summary)
 }
 
 fn int(s: &Summary, key: &str) -> i64 {
-    match s[key] {
-        SummaryValue::Int(v) => v,
-        _ => panic!("{key} is not an int"),
-    }
+    s[key]
 }
 
 #[test]
@@ -238,33 +246,31 @@ fn an_identical_prompt_waits_one_step_then_shares_the_blocks() {
                                                          // recomputed; with a draft the token after the 30 blocks is the first one's 121st, known
                                                          // when it registered them, so the last found block is kept
     for (spec, prompt, cached) in [(false, &long, 120), (true, &long, 120)] {
-        let mut f = fixture("pc-wait", &[Some(prompt), Some(prompt)]);
-        f.cfg.max_draft_tokens = if spec { 2 } else { 0 };
-        f.cfg.max_model_len = 256;
-        let mut s = Scheduler::new(f.cfg.clone()).unwrap();
-        wait_for_reader(&s);
+        let mut cfg = test_config();
+        cfg.policy.max_draft_tokens = if spec { 2 } else { 0 };
+        cfg.policy.max_model_len = 256;
+        let mut s = Driver::new(&cfg, &[Some(prompt), Some(prompt)]);
         let p = s.next_plan().unwrap().unwrap();
         assert_eq!((p.kind, p.num_seqs()), (StepKind::Prefill, 1));
-        s.commit(&[9], &[1], spec.then_some(&[0][..]), None, None)
-            .unwrap();
+        s.commit(&[9], &[1], spec.then_some(&[0][..])).unwrap();
         let p = s.next_plan().unwrap().unwrap();
         assert_eq!((p.kind, p.num_seqs()), (StepKind::Prefill, 1));
         assert_eq!(p.cu_prefix, vec![0, cached as i32], "spec {spec}");
         assert_eq!(p.positions[0], cached as i64);
-        let first: Vec<i32> = s.running[0].block_table.iter().map(|&b| b as i32).collect();
+        let first: Vec<i32> = s.s.running()[0]
+            .block_table
+            .iter()
+            .map(|&b| b as i32)
+            .collect();
         assert_eq!(p.block_tables[..cached / 4], first[..cached / 4]);
-        s.abort().unwrap();
     }
     for prompt in [&short7, &short8] {
-        let f = fixture("pc-nowait", &[Some(prompt), Some(prompt)]);
-        let mut s = Scheduler::new(f.cfg.clone()).unwrap();
-        wait_for_reader(&s);
+        let mut s = Driver::new(&test_config(), &[Some(prompt), Some(prompt)]);
         let p = s.next_plan().unwrap().unwrap();
         assert_eq!(
             (p.kind, p.num_seqs(), p.cu_prefix.clone()),
             (StepKind::Prefill, 2, vec![0, 0, 0])
         );
-        s.abort().unwrap();
     }
 }
 
@@ -278,16 +284,16 @@ fn run_samples(
     let prompts = shared_prompts();
     let mut prompts: Vec<Option<&str>> = prompts.iter().map(|p| Some(p.as_str())).collect();
     prompts.push(None); // an error row: n of them
-    let mut f = fixture(tag, &prompts);
-    f.cfg.n = n;
-    f.cfg.temperature = 0.8;
-    f.cfg.max_batch_size = batch;
-    f.cfg.prefix_caching = caching;
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut cfg = test_config();
+    cfg.n = n;
+    cfg.temperature = 0.8;
+    cfg.policy.max_batch_size = batch;
+    cfg.policy.prefix_caching = caching;
+    let mut s = Driver::new(&cfg, &prompts);
     drive_kv(&mut s);
-    let summary = s.finish().unwrap();
-    let rows = read_output(&f.cfg.output_dir);
-    assert_eq!(rows.len(), prompts.len() * n);
+    let summary = summary(&s);
+    let rows = s.finish().unwrap();
+    assert_eq!(rows.len(), prompts.len() * n, "{tag}");
     let errors = rows.iter().filter(|r| r.error.is_some()).count();
     assert_eq!(errors, n);
     let out = rows
@@ -328,14 +334,13 @@ fn samples_fork_from_their_sibling_and_equal_samples_computed_alone() {
 #[test]
 fn a_forked_sample_computes_only_its_last_prompt_token() {
     let prompt = words(4..14); // + <bos>: 11 tokens, 2 full blocks and 3 tokens
-    let mut f = fixture("n-plan", &[Some(&prompt)]);
-    (f.cfg.n, f.cfg.temperature, f.cfg.prefix_caching) = (3, 1.0, false);
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
-    wait_for_reader(&s);
+    let mut cfg = test_config();
+    (cfg.n, cfg.temperature, cfg.policy.prefix_caching) = (3, 1.0, false);
+    let mut s = Driver::new(&cfg, &[Some(&prompt)]);
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!((p.num_seqs(), p.num_tokens()), (1, 11)); // the siblings wait a step
     assert!(p.block_copies.is_empty());
-    s.commit(&[9], &[1], None, None, None).unwrap();
+    s.commit(&[9], &[1], None).unwrap();
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!(
         (p.kind, p.num_seqs(), p.num_tokens()),
@@ -343,35 +348,17 @@ fn a_forked_sample_computes_only_its_last_prompt_token() {
     );
     assert_eq!(p.positions, vec![10, 10]);
     assert_eq!(p.cu_prefix, vec![0, 10, 20]);
-    let first: Vec<i32> = s.running[0].block_table.iter().map(|&b| b as i32).collect();
+    let first: Vec<i32> = s.s.running()[0]
+        .block_table
+        .iter()
+        .map(|&b| b as i32)
+        .collect();
     for r in 0..2 {
         let table = &p.block_tables[r * p.block_table_width..][..3];
         assert_eq!(table[..2], first[..2]); // shared
         assert_eq!(p.block_copies[2 * r..2 * r + 2], [first[2], table[2]]); // copied
     }
     assert_ne!(p.seeds[0], p.seeds[1]);
-    s.abort().unwrap();
-}
-
-#[test]
-fn resume_skips_written_samples_and_counts_the_rest() {
-    let mut f = fixture("n-resume", &[Some("w4 w5"), Some("w6"), Some("w7 w8")]);
-    (f.cfg.n, f.cfg.temperature) = (2, 1.0);
-    f.cfg.skip_rows = vec![1];
-    // keys row * 4096 + sample: (2, 1), (1, 0) skipped whole, a row past the input
-    f.cfg.skip_samples = vec![2 * 4096 + 1, 4096, 99 * 4096];
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
-    assert_eq!(s.progress()[0], ("requests_total", 3));
-    drive_kv(&mut s);
-    s.finish().unwrap();
-    let keys: Vec<(i64, i32)> = read_output(&f.cfg.output_dir)
-        .iter()
-        .map(|r| (r.row_index, r.sample_index))
-        .collect();
-    assert_eq!(keys.len(), 3);
-    for k in [(0, 0), (0, 1), (2, 0)] {
-        assert!(keys.contains(&k), "{keys:?}");
-    }
 }
 
 #[test]
@@ -417,18 +404,20 @@ fn plain_steps_in_a_speculative_run_change_no_output() {
 #[test]
 fn a_long_prompt_in_chunks_never_stops_the_decoding_rows() {
     for (spec, plain) in [(false, false), (true, false), (true, true)] {
-        let mut f = fixture("ch-plan", &[Some("w4"), Some(&words(4..20))]);
-        (f.cfg.chunked_prefill, f.cfg.max_num_batched_tokens) = (true, 4);
-        (f.cfg.max_batch_size, f.cfg.max_new_tokens) = (1, 30); // row 1 waits for row 0's slot
-        f.cfg.max_batch_size = 2;
-        f.cfg.max_draft_tokens = if spec { 2 } else { 0 };
-        let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+        let mut cfg = test_config();
+        (
+            cfg.policy.chunked_prefill,
+            cfg.policy.max_num_batched_tokens,
+        ) = (true, 4);
+        (cfg.policy.max_batch_size, cfg.max_new_tokens) = (1, 30); // row 1 waits for row 0's slot
+        cfg.policy.max_batch_size = 2;
+        cfg.policy.max_draft_tokens = if spec { 2 } else { 0 };
+        let mut s = Driver::new(&cfg, &[Some("w4"), Some(&words(4..20))]);
         s.set_plain_steps(plain);
-        wait_for_reader(&s);
         let mut kinds = Vec::new();
         let mut chunks = Vec::new();
         while let Some(p) = s.next_plan().unwrap() {
-            check_plan(&p, &f.cfg);
+            check_plan(&p, &cfg);
             let long = (0..p.num_seqs()).find(|&r| {
                 p.input_ids[p.cu_seqlens_q[r] as usize] != 0
                     && p.seq_lens[r] > 3
@@ -444,10 +433,9 @@ fn a_long_prompt_in_chunks_never_stops_the_decoding_rows() {
                 .map(|r| 5 + (p.input_ids[p.cu_seqlens_q[r + 1] as usize - 1] as i32 % 50))
                 .collect();
             if p.kind == StepKind::Verify {
-                s.commit(&toks, &counts, Some(&vec![0; n]), None, None)
-                    .unwrap();
+                s.commit(&toks, &counts, Some(&vec![0; n])).unwrap();
             } else {
-                s.commit(&toks, &counts, spec.then_some(&vec![0; n][..]), None, None)
+                s.commit(&toks, &counts, spec.then_some(&vec![0; n][..]))
                     .unwrap();
             }
             if kinds.len() > 12 {
@@ -468,6 +456,5 @@ fn a_long_prompt_in_chunks_never_stops_the_decoding_rows() {
         } else {
             assert!(decodes.iter().all(|&d| d), "{kinds:?}");
         }
-        s.abort().unwrap();
     }
 }

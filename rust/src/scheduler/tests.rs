@@ -1,60 +1,313 @@
-//! Scheduler tests: a fake "model" drives the scheduler end to end (next token = last query
-//! token + 1 mod vocab) over Parquet written in a temp dir; outputs are read back.
+//! The policy's test driver: a `Scheduler` over in-memory sequences (prompts tokenized by a
+//! word-level tokenizer built in memory), committed by a fake model through the stop criteria
+//! a run applies (stop.rs); finished sequences become rows in memory. No file, no thread.
+//!
+//! Its interface follows the run's (`next_plan`, `next_plan_ahead`, `commit`, `finish`), so
+//! that a policy test reads like the end-to-end tests in run/.
 
-use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
 
-use arrow_array::cast::AsArray;
-use arrow_array::types::{Int32Type, Int64Type};
-use arrow_array::{Array, ArrayRef, StringArray};
+use arrow_array::Int64Array;
+use tokenizers::Tokenizer;
 
 use super::*;
-use crate::stats::SummaryValue;
-use crate::testutil::{
-    corrupt_row_group, read_parts, save_tokenizer, word_level_tokenizer, write_parquet, TempDir,
-};
+use crate::config::SchedulerConfig;
+use crate::sampling_params::SamplingParams;
+use crate::sequence::{FinishReason, Request, StopReason};
+use crate::stop::{commit_tokens, StopCriteria};
+use crate::testutil::word_level_tokenizer;
 
-pub(super) const VOCAB: usize = 64;
+pub(crate) const VOCAB: usize = 64;
 
-pub(super) struct Fixture {
-    pub(super) dir: TempDir,
-    pub(super) cfg: SchedulerConfig,
-}
-
-/// Prompts as word lists ("w5 w6"); `None` = null prompt.
-pub(super) fn fixture(tag: &str, prompts: &[Option<&str>]) -> Fixture {
-    let dir = TempDir::new(tag);
-    let input = dir.path().join("in.parquet");
-    let ids: Vec<String> = (0..prompts.len()).map(|i| format!("r{i}")).collect();
-    write_parquet(
-        &input,
-        vec![
-            (
-                "prompt",
-                std::sync::Arc::new(StringArray::from(prompts.to_vec())) as ArrayRef,
-            ),
-            ("id", std::sync::Arc::new(StringArray::from(ids))),
-        ],
-        3,
-    );
-    let tok = save_tokenizer(&word_level_tokenizer(VOCAB), dir.path());
-    let mut cfg = SchedulerConfig::new(vec![input], "prompt", tok, dir.path().join("out"));
-    cfg.id_column = Some("id".into());
+/// The tests' job settings: small sizes, EOS id 2, 8 new tokens (`SchedulerConfig::new`'s
+/// defaults otherwise).
+pub(crate) fn test_config() -> SchedulerConfig {
+    // paths named, never opened: the policy reads no file
+    let (input, tok, out) = ("in.parquet".into(), "tok.json".into(), "out".into());
+    let mut cfg = SchedulerConfig::new(vec![input], "prompt", tok, out);
     cfg.eos_token_ids = vec![2];
     cfg.max_new_tokens = 8;
-    cfg.num_blocks = 64;
-    cfg.block_size = 4;
-    cfg.max_batch_size = 4;
-    cfg.max_num_batched_tokens = 64;
-    cfg.max_model_len = 64;
-    cfg.read_batch_rows = 2;
-    cfg.queue_rows = 2;
-    cfg.part_rows = 3;
+    cfg.policy.num_blocks = 64;
+    cfg.policy.block_size = 4;
+    cfg.policy.max_batch_size = 4;
+    cfg.policy.max_num_batched_tokens = 64;
+    cfg.policy.max_model_len = 64;
     cfg.include_token_ids = true;
-    Fixture { dir, cfg }
+    cfg
+}
+
+/// A finished (or error) row, as the run would write it.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Row {
+    pub(crate) id: String,
+    pub(crate) row_index: i64,
+    pub(crate) sample_index: i32,
+    pub(crate) text: String,
+    pub(crate) reason: String,
+    pub(crate) prompt_tokens: i32,
+    pub(crate) output_tokens: i32,
+    pub(crate) cached_tokens: i32,
+    pub(crate) error: Option<String>,
+    pub(crate) token_ids: Vec<i32>,
+    /// (stop_reason, stop_token_id): the stop string or stop token id that ended the row.
+    pub(crate) stop: (Option<String>, Option<i32>),
+}
+
+pub(crate) struct Driver {
+    pub(crate) s: Scheduler,
+    pub(crate) st: Stats,
+    pub(crate) cfg: SchedulerConfig,
+    criteria: StopCriteria,
+    tok: Tokenizer,
+    rows: Vec<Row>,
+}
+
+impl Driver {
+    /// A scheduler over `prompts` (word lists, "w5 w6"; None: a row without a prompt, an
+    /// error row), each with the job's sampling parameters.
+    pub(crate) fn new(cfg: &SchedulerConfig, prompts: &[Option<&str>]) -> Self {
+        let sp = Arc::new(cfg.sampling_params());
+        let rows: Vec<_> = prompts.iter().map(|&p| (p, sp.clone())).collect();
+        Self::with_rows(cfg, &rows)
+    }
+
+    /// `new`, each row with its own sampling parameters.
+    pub(crate) fn with_rows(
+        cfg: &SchedulerConfig,
+        rows: &[(Option<&str>, Arc<SamplingParams>)],
+    ) -> Self {
+        cfg.validate().expect("a valid test config");
+        let criteria = StopCriteria::new(cfg);
+        let mut d = Driver {
+            s: Scheduler::new(cfg.policy.clone(), criteria.eos.clone(), cfg.seed),
+            st: Stats::new(0),
+            cfg: cfg.clone(),
+            criteria,
+            tok: word_level_tokenizer(VOCAB),
+            rows: Vec::new(),
+        };
+        for (i, (prompt, sp)) in rows.iter().enumerate() {
+            d.add(i as i64, *prompt, sp.clone());
+        }
+        d
+    }
+
+    /// Queues a row's samples, or makes their error rows (as the run's `accept`).
+    fn add(&mut self, row_index: i64, prompt: Option<&str>, sampling: Arc<SamplingParams>) {
+        let prompt_ids = match prompt {
+            Some(p) => self.tok.encode(p, true).unwrap().get_ids().to_vec(),
+            None => Vec::new(),
+        };
+        let req = Request {
+            row_index,
+            id: Arc::new(Int64Array::from(vec![row_index])),
+            prompt_ids,
+            sampling,
+            read_at: Instant::now(),
+            error: prompt.is_none().then(|| "prompt is null".to_string()),
+            endpoint: None,
+            kept: Vec::new(),
+            score_parts: Vec::new(),
+        };
+        let error = req.error.clone().or_else(|| self.s.admission_error(&req));
+        for s in 0..req.sampling.n as u32 {
+            let mut seq = Sequence::new(req.clone(), s);
+            seq.prompt_logprobs_k = self.cfg.prompt_logprobs;
+            match &error {
+                Some(e) => {
+                    seq.error = Some(e.clone());
+                    seq.finish(FinishReason::Error, Instant::now());
+                    self.rows.push(self.row(seq));
+                }
+                None => self.s.enqueue(seq),
+            }
+        }
+    }
+
+    pub(crate) fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    pub(crate) fn num_free_blocks(&self) -> usize {
+        self.s.num_free_blocks()
+    }
+
+    pub(crate) fn set_plain_steps(&mut self, on: bool) {
+        self.s.set_plain_steps(on);
+    }
+
+    /// The next plan, or None once nothing waits or runs; an error while a plan is pending.
+    pub(crate) fn next_plan(&mut self) -> Result<Option<StepPlan>> {
+        if self.s.num_pending() > 0 {
+            return Err(Error::internal("next_plan() before commit()"));
+        }
+        Ok(self.s.schedule(&mut self.st)?.map(|p| p.plan))
+    }
+
+    /// The plan after the pending one (the run's `next_plan_ahead`).
+    pub(crate) fn next_plan_ahead(&mut self) -> Result<Option<StepPlan>> {
+        if !self.cfg.policy.overlap || self.s.num_pending() != 1 {
+            return Err(Error::internal("needs overlap and one pending plan"));
+        }
+        if self.s.ahead_blocked() {
+            return Ok(None);
+        }
+        Ok(self.s.plan_ahead(&mut self.st)?.map(|p| p.plan))
+    }
+
+    /// Commits the oldest pending plan's tokens (the run's `commit` without logprobs).
+    pub(crate) fn commit(
+        &mut self,
+        tokens: &[i32],
+        num_tokens: &[i32],
+        num_accepted: Option<&[i32]>,
+    ) -> Result<()> {
+        let plan = (self.s.pending()).ok_or_else(|| Error::internal("commit() without a plan"))?;
+        let at = self.s.locate(plan);
+        let most = self.cfg.policy.max_draft_tokens as i32 + 1;
+        check_commit(plan, most, tokens, num_tokens, num_accepted)?;
+        let plan = self.s.take_pending()?;
+        let (now, mut offset) = (Instant::now(), 0usize);
+        for (r, &n) in num_tokens.iter().enumerate() {
+            let toks = &tokens[offset..offset + n as usize];
+            offset += n as usize;
+            let (Some(i), true) = (at[r], plan.rows[r].samples) else {
+                continue;
+            };
+            let seq = &mut self.s.running_mut()[i];
+            let verify = plan.kind == StepKind::Verify;
+            let appended = commit_tokens(seq, toks, verify, now, &self.tok, &self.criteria);
+            self.st.output_tokens += appended as u64;
+            if let (Some(acc), true) = (num_accepted, verify) {
+                *seq.spec_steps.get_or_insert(0) += 1;
+                *seq.accepted_tokens.get_or_insert(0) += acc[r];
+                self.st.spec_steps += 1;
+                self.st.accepted_tokens += acc[r] as u64;
+            }
+        }
+        for seq in self.s.retire_finished()? {
+            let row = self.row(seq);
+            self.rows.push(row);
+        }
+        Ok(())
+    }
+
+    /// A finished sequence's row: its text decoded from its text ids (as the writer does)
+    /// unless a stop string cut it.
+    fn row(&self, seq: Sequence) -> Row {
+        let error = seq.error.is_some();
+        let skip = seq.sampling.skip_special_tokens;
+        let text = match (error, seq.stopped_on_string) {
+            (true, _) => String::new(),
+            (false, true) => seq.output_text.clone(),
+            (false, false) => self.tok.decode(seq.text_ids(), skip).unwrap(),
+        };
+        let reason = match seq.finish_reason {
+            Some(FinishReason::Stop) if !error => "stop",
+            Some(FinishReason::Length) if !error => "length",
+            _ => "error",
+        };
+        let stop = match &seq.stop_reason {
+            Some(StopReason::Text(s)) => (Some(s.clone()), None),
+            Some(StopReason::Token(t)) => (None, Some(*t as i32)),
+            None => (None, None),
+        };
+        Row {
+            id: format!("r{}", seq.row_index),
+            row_index: seq.row_index,
+            sample_index: seq.sample_index as i32,
+            text,
+            reason: reason.to_string(),
+            prompt_tokens: token_count(seq.prompt_ids.len()),
+            output_tokens: if error { 0 } else { seq.num_output() as i32 },
+            cached_tokens: token_count(seq.cached_tokens),
+            token_ids: match error {
+                true => Vec::new(),
+                false => seq.output_ids.iter().map(|&t| t as i32).collect(),
+            },
+            stop: if error { (None, None) } else { stop },
+            error: seq.error,
+        }
+    }
+
+    /// After the last commit: no block or slot leaked; the rows by (row, sample).
+    pub(crate) fn finish(mut self) -> Result<Vec<Row>> {
+        if !self.s.is_idle() || self.s.num_pending() > 0 {
+            return Err(Error::internal("finish() before every row finished"));
+        }
+        self.s.check_no_leak()?;
+        self.rows.sort_by_key(|r| (r.row_index, r.sample_index));
+        Ok(self.rows)
+    }
+}
+
+/// Runs the fake model (next token = last query token + 1 mod vocab) to the end; `k` tokens
+/// per row per commit when > 1. Returns the steps.
+pub(crate) fn drive(s: &mut Driver, k: usize) -> usize {
+    let cfg = s.config().clone();
+    let mut steps = 0;
+    while let Some(p) = s.next_plan().unwrap() {
+        check_plan(&p, &cfg);
+        let mut tokens = Vec::new();
+        for r in 0..p.num_seqs() {
+            let last = p.input_ids[p.cu_seqlens_q[r + 1] as usize - 1];
+            tokens.extend((1..=k).map(|j| ((last + j as i64) % VOCAB as i64) as i32));
+        }
+        s.commit(&tokens, &vec![k as i32; p.num_seqs()], None)
+            .unwrap();
+        steps += 1;
+        assert!(steps < 100_000, "no progress");
+    }
+    steps
+}
+
+/// `drive` with speculative verify rounds: row r of step i accepts (i + r) % (W + 1) drafts.
+pub(crate) fn drive_spec(s: &mut Driver) {
+    drive_spec_with(s, |_| false);
+}
+
+/// `drive_spec`, asking for plain steps (`set_plain_steps`) before the steps where `plain`
+/// says so: those are never verify rounds.
+pub(crate) fn drive_spec_with(s: &mut Driver, plain: impl Fn(usize) -> bool) {
+    let cfg = s.config().clone();
+    let k = cfg.policy.max_draft_tokens;
+    let mut step = 0usize;
+    loop {
+        s.set_plain_steps(plain(step));
+        let Some(p) = s.next_plan().unwrap() else {
+            break;
+        };
+        check_plan(&p, &cfg);
+        assert!(!plain(step) || p.kind != StepKind::Verify, "step {step}");
+        let (tokens, counts) = spec_tokens(&p, k, step);
+        let accepted: Vec<i32> = counts.iter().map(|&c| c - 1).collect();
+        s.commit(&tokens, &counts, Some(&accepted)).unwrap();
+        step += 1;
+        assert!(step < 10_000, "no progress");
+    }
+}
+
+/// The fake model's tokens for a plan of `drive_spec` step `step`, and their counts per row.
+fn spec_tokens(p: &StepPlan, k: usize, step: usize) -> (Vec<i32>, Vec<i32>) {
+    let (mut tokens, mut counts) = (Vec::new(), Vec::new());
+    for r in 0..p.num_seqs() {
+        let (q0, q1) = (p.cu_seqlens_q[r] as usize, p.cu_seqlens_q[r + 1] as usize);
+        let (n, last) = if p.kind == StepKind::Verify {
+            assert_eq!(q1 - q0, k + 1);
+            assert!(p.input_ids[q0 + 1..q1].iter().all(|&t| t == 0));
+            (1 + (step + r) % (k + 1), p.input_ids[q0])
+        } else {
+            (1, p.input_ids[q1 - 1])
+        };
+        tokens.extend((1..=n).map(|j| ((last + j as i64) % VOCAB as i64) as i32));
+        counts.push(n as i32);
+    }
+    (tokens, counts)
 }
 
 /// Checks a plan's internal consistency against the block tables.
-pub(super) fn check_plan(p: &StepPlan, cfg: &SchedulerConfig) {
+pub(crate) fn check_plan(p: &StepPlan, cfg: &SchedulerConfig) {
     let b = p.num_seqs();
     assert!(b >= 1);
     assert_eq!(p.cu_seqlens_q.len(), b + 1);
@@ -69,214 +322,96 @@ pub(super) fn check_plan(p: &StepPlan, cfg: &SchedulerConfig) {
     assert!(p
         .request_slots
         .iter()
-        .all(|&s| (s as usize) < cfg.max_batch_size));
+        .all(|&s| (s as usize) < cfg.policy.max_batch_size));
     if p.kind == StepKind::Prefill {
-        assert!(p.num_tokens() <= cfg.max_num_batched_tokens || b == 1);
+        assert!(p.num_tokens() <= cfg.policy.max_num_batched_tokens || b == 1);
     }
     let mut kv_slots = std::collections::HashSet::new();
     for r in 0..b {
-        let (q0, q1) = (p.cu_seqlens_q[r] as usize, p.cu_seqlens_q[r + 1] as usize);
-        let seq_len = p.seq_lens[r] as usize;
-        assert!(q1 > q0);
-        let prefix = (p.cu_prefix[r + 1] - p.cu_prefix[r]) as usize;
-        if p.kind == StepKind::Prefill {
-            // the query follows what is in the cache (prefix-cached blocks, a forked sample's
-            // prompt less its last token, earlier chunks)
-            assert_eq!(p.positions[q0] as usize, prefix);
-        } else {
-            assert!(prefix == 0 || prefix == p.positions[q0] as usize); // a chunk in a decode step
-        }
-        if p.kind != StepKind::Verify {
-            assert_eq!(p.positions[q0] as usize + q1 - q0, seq_len);
-        } else {
-            assert_eq!(p.next_ids[r], -1);
-        }
-        assert_eq!(p.positions[q1 - 1] as usize, seq_len - 1);
-        let table = &p.block_tables[r * p.block_table_width..(r + 1) * p.block_table_width];
-        for t in q0..q1 {
-            let pos = p.positions[t] as usize;
-            let block = table[pos / cfg.block_size] as i64;
-            assert!((block as usize) < cfg.num_blocks);
-            assert_eq!(
-                p.slot_mapping[t],
-                block * cfg.block_size as i64 + (pos % cfg.block_size) as i64
-            );
-            assert!(
-                kv_slots.insert(p.slot_mapping[t]),
-                "two tokens write one KV slot"
-            );
-        }
+        check_plan_row(p, r, cfg, &mut kv_slots);
     }
 }
 
-/// Waits until the reader thread has queued everything (makes admission deterministic).
-pub(super) fn wait_for_reader(s: &Scheduler) {
-    while !s._reader.is_finished() {
-        std::thread::sleep(std::time::Duration::from_millis(1));
+/// `check_plan` for row `r`: its query follows its cached tokens and each query token writes
+/// a KV slot of its own.
+fn check_plan_row(
+    p: &StepPlan,
+    r: usize,
+    cfg: &SchedulerConfig,
+    kv_slots: &mut std::collections::HashSet<i64>,
+) {
+    let (q0, q1) = (p.cu_seqlens_q[r] as usize, p.cu_seqlens_q[r + 1] as usize);
+    let seq_len = p.seq_lens[r] as usize;
+    assert!(q1 > q0);
+    let prefix = (p.cu_prefix[r + 1] - p.cu_prefix[r]) as usize;
+    if p.kind == StepKind::Prefill {
+        // the query follows what is in the cache (prefix-cached blocks, a forked sample's
+        // prompt less its last token, earlier chunks)
+        assert_eq!(p.positions[q0] as usize, prefix);
+    } else {
+        assert!(prefix == 0 || prefix == p.positions[q0] as usize); // a chunk in a decode step
+    }
+    if p.kind != StepKind::Verify {
+        assert_eq!(p.positions[q0] as usize + q1 - q0, seq_len);
+    } else {
+        assert_eq!(p.next_ids[r], -1);
+    }
+    assert_eq!(p.positions[q1 - 1] as usize, seq_len - 1);
+    let table = &p.block_tables[r * p.block_table_width..(r + 1) * p.block_table_width];
+    for t in q0..q1 {
+        let pos = p.positions[t] as usize;
+        let block = table[pos / cfg.policy.block_size] as i64;
+        assert!((block as usize) < cfg.policy.num_blocks);
+        assert_eq!(
+            p.slot_mapping[t],
+            block * cfg.policy.block_size as i64 + (pos % cfg.policy.block_size) as i64
+        );
+        assert!(
+            kv_slots.insert(p.slot_mapping[t]),
+            "two tokens write one KV slot"
+        );
     }
 }
 
-/// Runs the fake model to the end; `k` tokens per row per commit (speculative-style) when > 1.
-pub(super) fn drive(s: &mut Scheduler, k: usize) -> usize {
-    let cfg = s.config().clone();
-    let mut steps = 0;
-    while let Some(p) = s.next_plan().unwrap() {
-        check_plan(&p, &cfg);
-        let mut tokens = Vec::new();
-        let mut counts = Vec::new();
-        for r in 0..p.num_seqs() {
-            let last = p.input_ids[p.cu_seqlens_q[r + 1] as usize - 1];
-            for j in 1..=k {
-                tokens.push(((last + j as i64) % VOCAB as i64) as i32);
-            }
-            counts.push(k as i32);
-        }
-        s.commit(&tokens, &counts, None, None, None).unwrap();
-        steps += 1;
-        assert!(steps < 100_000, "no progress");
-    }
-    steps
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub(super) struct Row {
-    pub(super) id: String,
-    pub(super) row_index: i64,
-    pub(super) sample_index: i32,
-    pub(super) text: String,
-    pub(super) reason: String,
-    pub(super) prompt_tokens: i32,
-    pub(super) output_tokens: i32,
-    pub(super) cached_tokens: i32,
-    pub(super) error: Option<String>,
-    pub(super) token_ids: Vec<i32>,
-    /// (stop_reason, stop_token_id): the stop string or stop token id that ended the row.
-    pub(super) stop: (Option<String>, Option<i32>),
-}
-
-pub(super) fn read_output(dir: &std::path::Path) -> Vec<Row> {
-    let mut rows = Vec::new();
-    for b in read_parts(dir) {
-        for i in 0..b.num_rows() {
-            let col = |n: &str| b.column_by_name(n).unwrap().clone();
-            rows.push(Row {
-                id: col("id").as_string::<i32>().value(i).to_string(),
-                row_index: col("row_index").as_primitive::<Int64Type>().value(i),
-                sample_index: col("sample_index").as_primitive::<Int32Type>().value(i),
-                text: col("output_text").as_string::<i32>().value(i).to_string(),
-                reason: col("finish_reason").as_string::<i32>().value(i).to_string(),
-                prompt_tokens: col("prompt_tokens").as_primitive::<Int32Type>().value(i),
-                output_tokens: col("output_tokens").as_primitive::<Int32Type>().value(i),
-                cached_tokens: col("cached_tokens").as_primitive::<Int32Type>().value(i),
-                error: {
-                    let e = col("error");
-                    e.is_valid(i)
-                        .then(|| e.as_string::<i32>().value(i).to_string())
-                },
-                token_ids: col("output_token_ids")
-                    .as_list::<i32>()
-                    .value(i)
-                    .as_primitive::<Int32Type>()
-                    .values()
-                    .to_vec(),
-                stop: {
-                    let (s, t) = (col("stop_reason"), col("stop_token_id"));
-                    (
-                        s.is_valid(i)
-                            .then(|| s.as_string::<i32>().value(i).to_string()),
-                        t.is_valid(i)
-                            .then(|| t.as_primitive::<Int32Type>().value(i)),
-                    )
-                },
-            });
-        }
-    }
-    rows.sort_by_key(|r| (r.row_index, r.sample_index));
-    rows
-}
-
-pub(super) fn words(ids: std::ops::Range<usize>) -> String {
+pub(crate) fn words(ids: std::ops::Range<usize>) -> String {
     ids.map(|i| format!("w{i}")).collect::<Vec<_>>().join(" ")
 }
 
-#[test]
-fn every_row_written_once_with_expected_outputs() {
-    let f = fixture(
-        "sched-basic",
-        &[
-            Some("w5 w6"),
-            None,
-            Some("w10"),
-            Some(""),
-            Some("w60"),
-            Some("w20 w21 w22"),
-        ],
-    );
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
-    drive(&mut s, 1);
-    let summary = s.finish().unwrap();
-    assert_eq!(summary["requests"], SummaryValue::Int(6));
-    assert_eq!(summary["errors"], SummaryValue::Int(2));
-    let rows = read_output(&f.cfg.output_dir);
-    assert_eq!(rows.len(), 6);
-    assert_eq!(
-        rows.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
-        ["r0", "r1", "r2", "r3", "r4", "r5"]
-    );
-    // Prompt "<bos> w5 w6": continues w7.. for max_new_tokens = 8.
-    assert_eq!(rows[0].text, words(7..15));
-    assert_eq!(rows[0].reason, "length");
-    assert_eq!(rows[0].prompt_tokens, 3);
-    assert_eq!(rows[0].output_tokens, 8);
-    assert_eq!(rows[0].token_ids, (7..15).collect::<Vec<i32>>());
-    assert_eq!(rows[1].reason, "error");
-    assert!(rows[1].error.as_deref().unwrap().contains("null"));
-    assert_eq!(rows[1].output_tokens, 0);
-    assert!(rows[3].error.as_deref().unwrap().contains("empty"));
-    // "w60" -> w61 w62 w63 <unk>(0, special) <bos>(1, special) <eos>(2): stop on EOS. The EOS
-    // token is counted but not in the text; special tokens are skipped in the text.
-    assert_eq!(rows[4].reason, "stop");
-    assert_eq!(rows[4].text, "w61 w62 w63");
-    assert_eq!(rows[4].output_tokens, 6);
-    assert_eq!(rows[4].token_ids, vec![61, 62, 63, 0, 1, 2]);
-    assert!(rows[4].error.is_none());
+/// A job's settings and prompts (word lists; None: a row without a prompt).
+pub(crate) struct Fixture {
+    pub(crate) cfg: SchedulerConfig,
+    prompts: Vec<Option<String>>,
 }
 
-#[test]
-fn stop_strings_truncate_and_drop_later_tokens_of_the_same_commit() {
-    let mut f = fixture("sched-stop", &[Some("w5"), Some("w30")]);
-    f.cfg.stop = vec!["w9".into(), "w33 w3".into()];
-    f.cfg.max_new_tokens = 20;
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
-    drive(&mut s, 3); // three tokens per row per commit
-    let summary = s.finish().unwrap();
-    let rows = read_output(&f.cfg.output_dir);
-    // w6 w7 w8 w9 -> cut before "w9"; the commit that produced w9 also gave w10 (dropped).
-    assert_eq!(rows[0].text, "w6 w7 w8 ");
-    assert_eq!(rows[0].reason, "stop");
-    assert_eq!(rows[0].output_tokens, 4);
-    // "w31 w32 w33 w34": "w33 w3" matches inside "w33 w34".
-    assert_eq!(rows[1].text, "w31 w32 ");
-    assert_eq!(rows[1].output_tokens, 4);
-    assert_eq!(summary["output_tokens"], SummaryValue::Int(8));
+impl Fixture {
+    /// The driver over the fixture's prompts with its settings.
+    pub(crate) fn driver(&self) -> Driver {
+        let prompts: Vec<Option<&str>> = self.prompts.iter().map(Option::as_deref).collect();
+        Driver::new(&self.cfg, &prompts)
+    }
+}
+
+/// `test_config()` over `prompts`.
+pub(crate) fn fixture(prompts: &[Option<&str>]) -> Fixture {
+    let prompts = prompts.iter().map(|p| p.map(str::to_string)).collect();
+    Fixture {
+        cfg: test_config(),
+        prompts,
+    }
 }
 
 #[test]
 fn max_model_len_and_kv_footprint_errors() {
-    let mut f = fixture(
-        "sched-len",
-        &[
-            Some("w4 w5 w6 w7 w8 w9 w10 w11 w12 w13"),
-            Some("w4 w5 w6 w7 w8"),
-            Some("w4 w5"),
-        ],
-    );
-    f.cfg.max_model_len = 10;
+    let mut f = fixture(&[
+        Some("w4 w5 w6 w7 w8 w9 w10 w11 w12 w13"),
+        Some("w4 w5 w6 w7 w8"),
+        Some("w4 w5"),
+    ]);
+    f.cfg.policy.max_model_len = 10;
     f.cfg.max_new_tokens = 100;
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = f.driver();
     drive(&mut s, 1);
-    s.finish().unwrap();
-    let rows = read_output(&f.cfg.output_dir);
+    let rows = s.finish().unwrap();
     assert_eq!(rows[0].reason, "error");
     assert!(
         rows[0].error.as_deref().unwrap().contains("max_model_len"),
@@ -290,20 +425,16 @@ fn max_model_len_and_kv_footprint_errors() {
     assert_eq!(rows[1].output_tokens, 4);
     assert_eq!(rows[2].output_tokens, 7);
 
-    let mut f = fixture(
-        "sched-blocks",
-        &[
-            Some("w4 w5 w6 w7 w8 w9 w10 w11 w12"),
-            Some("w4"),
-            Some("w4 w5"),
-        ],
-    );
-    f.cfg.num_blocks = 2; // capacity 8 tokens
+    let mut f = fixture(&[
+        Some("w4 w5 w6 w7 w8 w9 w10 w11 w12"),
+        Some("w4"),
+        Some("w4 w5"),
+    ]);
+    f.cfg.policy.num_blocks = 2; // capacity 8 tokens
     f.cfg.max_new_tokens = 6;
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = f.driver();
     drive(&mut s, 1);
-    s.finish().unwrap();
-    let rows = read_output(&f.cfg.output_dir);
+    let rows = s.finish().unwrap();
     assert_eq!(rows[0].reason, "error");
     let e = rows[0].error.as_deref().unwrap();
     assert!(
@@ -325,49 +456,6 @@ fn max_model_len_and_kv_footprint_errors() {
     assert_eq!((rows[2].prompt_tokens, rows[2].output_tokens), (3, 0));
 }
 
-/// Drives verify steps like a speculative worker: row r of step n accepts (n + r) % (k + 1)
-/// drafts of the fake model; the outputs must equal plain decoding.
-pub(super) fn drive_spec(s: &mut Scheduler) {
-    drive_spec_with(s, |_| false);
-}
-
-/// `drive_spec`, asking for plain steps (`set_plain_steps`) before the steps where `plain`
-/// says so: those are never verify rounds.
-pub(super) fn drive_spec_with(s: &mut Scheduler, plain: impl Fn(usize) -> bool) {
-    let cfg = s.config().clone();
-    let k = cfg.max_draft_tokens;
-    let mut step = 0usize;
-    loop {
-        s.set_plain_steps(plain(step));
-        let Some(p) = s.next_plan().unwrap() else {
-            break;
-        };
-        check_plan(&p, &cfg);
-        assert!(!plain(step) || p.kind != StepKind::Verify, "step {step}");
-        let mut tokens = Vec::new();
-        let mut counts = Vec::new();
-        for r in 0..p.num_seqs() {
-            let (q0, q1) = (p.cu_seqlens_q[r] as usize, p.cu_seqlens_q[r + 1] as usize);
-            let (n, last) = if p.kind == StepKind::Verify {
-                assert_eq!(q1 - q0, k + 1);
-                assert!(p.input_ids[q0 + 1..q1].iter().all(|&t| t == 0));
-                (1 + (step + r) % (k + 1), p.input_ids[q0])
-            } else {
-                (1, p.input_ids[q1 - 1])
-            };
-            for j in 1..=n {
-                tokens.push(((last + j as i64) % VOCAB as i64) as i32);
-            }
-            counts.push(n as i32);
-        }
-        let accepted: Vec<i32> = counts.iter().map(|&c| c - 1).collect();
-        s.commit(&tokens, &counts, Some(&accepted), None, None)
-            .unwrap();
-        step += 1;
-        assert!(step < 10_000, "no progress");
-    }
-}
-
 /// Whatever the KV budget, a request that fits is generated exactly as with a large cache
 /// (no cut by the capacity), and one that cannot fit is an error row saying why.
 #[test]
@@ -381,22 +469,21 @@ fn outputs_do_not_depend_on_the_kv_budget() {
         let tight = (7 + 9 + k).div_ceil(2);
         let mut runs = Vec::new();
         for (tag, blocks) in [("big", 256), ("tight", tight)] {
-            let mut f = fixture(&format!("sched-budget-{tag}-{k}"), &prompts);
-            f.cfg.num_blocks = blocks;
-            f.cfg.block_size = 2;
+            let mut f = fixture(&prompts);
+            f.cfg.policy.num_blocks = blocks;
+            f.cfg.policy.block_size = 2;
             f.cfg.max_new_tokens = 9;
-            f.cfg.max_draft_tokens = k;
+            f.cfg.policy.max_draft_tokens = k;
             f.cfg.eos_token_ids = vec![];
-            let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+            let mut s = f.driver();
             if k == 0 {
                 drive(&mut s, 1);
             } else {
                 drive_spec(&mut s);
             }
-            let preemptions = s.stats().preemptions;
-            s.finish().unwrap();
+            let preemptions = s.st.preemptions;
             assert_eq!(preemptions > 0, blocks == tight, "{tag} k={k}");
-            runs.push(read_output(&f.cfg.output_dir));
+            runs.push(s.finish().unwrap());
         }
         let (big, tight_rows) = (&runs[0], &runs[1]);
         assert_eq!(tight_rows.len(), 7);
@@ -428,33 +515,27 @@ fn preemption_gives_same_outputs_as_a_large_cache() {
         .collect();
     let prompts: Vec<Option<&str>> = prompts.iter().map(|s| Some(s.as_str())).collect();
     let mut outputs = Vec::new();
-    for (tag, blocks) in [("sched-big", 256), ("sched-tiny", 8)] {
-        let mut f = fixture(tag, &prompts);
-        f.cfg.num_blocks = blocks;
-        f.cfg.block_size = 2;
+    for blocks in [256, 8] {
+        let mut f = fixture(&prompts);
+        f.cfg.policy.num_blocks = blocks;
+        f.cfg.policy.block_size = 2;
         f.cfg.max_new_tokens = 9;
         f.cfg.eos_token_ids = vec![]; // run to the length limit
-        let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+        let mut s = f.driver();
         drive(&mut s, 1);
-        let preemptions = s.stats().preemptions;
-        let summary = s.finish().unwrap();
+        let preemptions = s.st.preemptions;
         if blocks == 8 {
             assert!(preemptions > 0, "expected preemptions with a tiny cache");
-            assert_eq!(
-                summary["preemptions"],
-                SummaryValue::Int(preemptions as i64)
-            );
         } else {
             assert_eq!(preemptions, 0);
         }
-        let rows = read_output(&f.cfg.output_dir);
+        let rows = s.finish().unwrap();
         assert_eq!(rows.len(), 9);
         outputs.push(
             rows.into_iter()
                 .map(|r| (r.id, r.text, r.token_ids, r.reason))
                 .collect::<Vec<_>>(),
         );
-        drop(f.dir);
     }
     assert_eq!(outputs[0], outputs[1]);
 }
@@ -462,28 +543,26 @@ fn preemption_gives_same_outputs_as_a_large_cache() {
 #[test]
 fn admission_respects_batch_size_and_token_budget() {
     let prompts: Vec<Option<&str>> = vec![Some("w4 w5 w6 w7 w8 w9 w10"); 6];
-    let mut f = fixture("sched-admit", &prompts);
-    f.cfg.prefix_caching = false; // identical prompts: with caching they would share
-    f.cfg.max_batch_size = 3;
-    f.cfg.max_num_batched_tokens = 17; // two 8-token prompts per prefill step
+    let mut f = fixture(&prompts);
+    f.cfg.policy.prefix_caching = false; // identical prompts: with caching they would share
+    f.cfg.policy.max_batch_size = 3;
+    f.cfg.policy.max_num_batched_tokens = 17; // two 8-token prompts per prefill step
     f.cfg.max_new_tokens = 3;
-    f.cfg.queue_rows = 64;
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
-    wait_for_reader(&s);
+    let mut s = f.driver();
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!(p.kind, StepKind::Prefill);
     assert_eq!(p.num_seqs(), 2);
     assert_eq!(p.request_slots, vec![0, 1]);
     assert_eq!(p.num_tokens(), 16);
     assert_eq!(p.max_seqlen_q, 8);
-    s.commit(&[11, 11], &[1, 1], None, None, None).unwrap();
+    s.commit(&[11, 11], &[1, 1], None).unwrap();
     // Prefill is preferred: the third request is admitted before anyone decodes.
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!(
         (p.kind, p.num_seqs(), p.request_slots.clone()),
         (StepKind::Prefill, 1, vec![2])
     );
-    s.commit(&[11], &[1], None, None, None).unwrap();
+    s.commit(&[11], &[1], None).unwrap();
     // Batch full: decode over all three, one query token each at position 8.
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!(p.kind, StepKind::Decode);
@@ -496,223 +575,13 @@ fn admission_respects_batch_size_and_token_budget() {
     assert_eq!(p.block_table_width, 3);
     assert_eq!(p.max_seqlen_k, 9);
     // Commit mismatches are errors and leave the plan pending.
-    assert!(s.commit(&[1, 2], &[1, 1], None, None, None).is_err());
-    assert!(s.commit(&[1, 2], &[1, 2], None, None, None).is_err());
+    assert!(s.commit(&[1, 2], &[1, 1], None).is_err());
+    assert!(s.commit(&[1, 2], &[1, 2], None).is_err());
     assert!(s.next_plan().is_err());
-    s.commit(&[12, 12, 12], &[1, 1, 1], Some(&[0, 1, 0]), None, None)
+    s.commit(&[12, 12, 12], &[1, 1, 1], Some(&[0, 1, 0]))
         .unwrap();
     drive(&mut s, 1);
-    s.finish().unwrap();
-    assert_eq!(read_output(&f.cfg.output_dir).len(), 6);
-}
-
-#[test]
-fn commit_without_plan_and_early_finish_are_errors() {
-    let f = fixture("sched-misuse", &[Some("w5")]);
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
-    assert!(s.commit(&[1], &[1], None, None, None).is_err());
-    let _ = s.next_plan().unwrap().unwrap();
-    let err = s.finish().unwrap_err();
-    assert!(err.to_string().contains("next_plan"), "{err}");
-}
-
-#[test]
-fn spec_counters_and_seeds() {
-    let mut f = fixture("sched-spec", &[Some("w5")]);
-    f.cfg.max_new_tokens = 4;
-    f.cfg.seed = 7;
-    f.cfg.max_draft_tokens = 2;
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
-    let p = s.next_plan().unwrap().unwrap();
-    assert_eq!(p.seeds, vec![request_seed(7, 0)]);
-    assert!(p.seeds[0] >= 0);
-    s.commit(&[6], &[1], Some(&[0]), None, None).unwrap();
-    let p = s.next_plan().unwrap().unwrap();
-    assert_eq!(p.kind, StepKind::Verify);
-    s.commit(&[7, 8, 9], &[3], Some(&[2]), None, None).unwrap();
-    assert!(s.next_plan().unwrap().is_none());
-    s.finish().unwrap();
-    let out = f.cfg.output_dir.clone();
-    let b = read_parts(&out).swap_remove(0);
-    assert_eq!(
-        b.column_by_name("spec_steps")
-            .unwrap()
-            .as_primitive::<Int32Type>()
-            .value(0),
-        1
-    );
-    assert_eq!(
-        b.column_by_name("accepted_tokens")
-            .unwrap()
-            .as_primitive::<Int32Type>()
-            .value(0),
-        2
-    );
-    let al = b
-        .column_by_name("accept_length")
-        .unwrap()
-        .as_primitive::<arrow_array::types::Float64Type>()
-        .value(0);
-    // One verify round that produced 3 tokens (the prefill's token is not a verify round).
-    assert_eq!(al, 3.0);
-    assert_ne!(request_seed(7, 0), request_seed(7, 1));
-    assert_ne!(request_seed(7, 0), request_seed(8, 0));
-}
-
-#[test]
-fn empty_input_finishes_with_a_readable_empty_part() {
-    let f = fixture("sched-empty", &[]);
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
-    assert!(s.next_plan().unwrap().is_none());
-    let summary = s.finish().unwrap();
-    match &summary["part_files"] {
-        SummaryValue::Paths(p) => assert_eq!(p.len(), 1),
-        other => panic!("{other:?}"),
-    }
-    assert!(read_output(&f.cfg.output_dir).is_empty());
-}
-
-#[test]
-fn progress_counts() {
-    let f = fixture("sched-progress", &[Some("w5"), None]);
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
-    let prog: BTreeMap<_, _> = s.progress().into_iter().collect();
-    assert_eq!(prog["requests_total"], 2);
-    assert_eq!(prog["free_blocks"], 64);
-    drive(&mut s, 1);
-    let prog: BTreeMap<_, _> = s.progress().into_iter().collect();
-    assert_eq!(prog["requests_done"], 2);
-    assert_eq!(prog["requests_error"], 1);
-    assert_eq!(prog["prompt_tokens"], 2);
-    assert_eq!(prog["output_tokens"], 8);
-    assert_eq!(prog["running"] + prog["waiting"], 0);
-    // both rows read, the error row's prompt not queued; the other ran to max_new_tokens
-    assert_eq!(prog["requests_read"], 2);
-    assert_eq!(prog["prompt_tokens_read"], 2);
-    assert_eq!(prog["finished_output_tokens"], 8);
-    assert_eq!(prog["requests_stopped"], 0);
-    s.finish().unwrap();
-}
-
-#[test]
-fn progress_counts_rows_that_stop() {
-    let f = fixture("sched-progress-stop", &[Some("w5 w6"), Some("w7")]);
-    let mut cfg = f.cfg.clone();
-    cfg.eos_token_ids = (0..VOCAB as u32).collect(); // every first token ends its row
-    let mut s = Scheduler::new(cfg).unwrap();
-    drive(&mut s, 1);
-    let prog: BTreeMap<_, _> = s.progress().into_iter().collect();
-    assert_eq!(prog["requests_read"], 2);
-    assert_eq!(prog["prompt_tokens_read"], prog["prompt_tokens"]);
-    assert_eq!(prog["requests_stopped"], 2);
-    assert_eq!(prog["finished_output_tokens"], 2);
-    s.finish().unwrap();
-}
-
-/// The names of the files in `dir`, sorted.
-fn file_names(dir: &std::path::Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
-}
-
-/// Drives the fake model until `next_plan` fails; returns the error.
-fn drive_to_error(s: &mut Scheduler) -> Error {
-    for _ in 0..1000 {
-        match s.next_plan() {
-            Ok(Some(p)) => {
-                let toks: Vec<i32> = (0..p.num_seqs())
-                    .map(|r| (p.input_ids[p.cu_seqlens_q[r + 1] as usize - 1] + 1) as i32)
-                    .collect();
-                s.commit(&toks, &vec![1; p.num_seqs()], None, None, None)
-                    .unwrap();
-            }
-            Ok(None) => panic!("the corrupt input must surface as an error"),
-            Err(e) => return e,
-        }
-    }
-    panic!("no progress");
-}
-
-#[test]
-fn corrupt_data_page_is_reported_not_silently_truncated() {
-    let f = fixture("sched-corrupt", &[Some("w5 w6 w7"); 12]);
-    let path = f.cfg.input_files[0].clone();
-    let mut bytes = std::fs::read(&path).unwrap();
-    // Footer intact (validation passes), data pages garbage.
-    let footer_len =
-        u32::from_le_bytes(bytes[bytes.len() - 8..bytes.len() - 4].try_into().unwrap());
-    let data_end = bytes.len() - 8 - footer_len as usize;
-    for b in &mut bytes[4..data_end] {
-        *b = 0xA5;
-    }
-    std::fs::write(&path, bytes).unwrap();
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
-    let e = drive_to_error(&mut s);
-    let msg = e.to_string();
-    assert!(matches!(e, Error::UserInput(_)), "{e:?}");
-    assert!(
-        msg.contains("in.parquet, row group 0") && msg.contains("corrupt or unreadable"),
-        "{msg}"
-    );
-    // Reported again, as the same kind of error, by every later call.
-    assert!(matches!(s.next_plan(), Err(Error::UserInput(m)) if m == msg));
-    assert!(matches!(s.finish(), Err(Error::UserInput(m)) if m == msg));
-    // No row was finished: the failed run leaves no part file, not even an empty one.
-    assert!(file_names(&f.cfg.output_dir).is_empty());
-}
-
-/// Every row read before a corrupt row group is generated before the failure is reported, and
-/// `abort` writes them into a complete part; the rows after it are not, and nothing else is
-/// left in the output directory.
-#[test]
-fn rows_before_a_corrupt_row_group_are_generated_then_the_failure_is_reported() {
-    let prompts: Vec<String> = (0..12).map(|i| words(5 + i..6 + i)).collect();
-    let prompts: Vec<Option<&str>> = prompts.iter().map(|s| Some(s.as_str())).collect();
-    let mut f = fixture("sched-corrupt-late", &prompts);
-    f.cfg.max_new_tokens = 1;
-    f.cfg.queue_rows = 64;
-    corrupt_row_group(&f.cfg.input_files[0], 2); // rows 6..9
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
-    // Rows 0..6 and the failure queued: all six rows run before next_plan reports it.
-    wait_for_reader(&s);
-    let e = drive_to_error(&mut s);
-    assert!(
-        e.to_string()
-            .contains("in.parquet, row group 2: the input file is corrupt"),
-        "{e}"
-    );
-    let written = s.abort().unwrap();
-    let rows = read_output(&f.cfg.output_dir);
-    assert_eq!(written.rows_written, 6);
-    let mut done: Vec<i64> = rows.iter().map(|r| r.row_index).collect();
-    done.sort_unstable();
-    assert_eq!(done, [0, 1, 2, 3, 4, 5]);
-    for r in &rows {
-        let first = 6 + r.row_index as usize;
-        assert_eq!(r.text, words(first..first + 1));
-    }
-    let names = file_names(&f.cfg.output_dir);
-    assert!(
-        names
-            .iter()
-            .all(|n| n.starts_with("part-") && n.ends_with(".parquet")),
-        "{names:?}"
-    );
-}
-
-/// Dropping a scheduler whose run failed (no `finish`, no `abort`) writes no empty part.
-#[test]
-fn a_dropped_failed_run_writes_no_empty_part() {
-    let f = fixture("sched-corrupt-drop", &[Some("w5"); 6]);
-    corrupt_row_group(&f.cfg.input_files[0], 0);
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
-    drive_to_error(&mut s);
-    drop(s);
-    assert!(file_names(&f.cfg.output_dir).is_empty());
+    assert_eq!(s.finish().unwrap().len(), 6);
 }
 
 /// Verify steps (W > 0): each row's query is its last token plus W placeholders, and a
@@ -728,91 +597,33 @@ fn verify_steps_with_partial_acceptance_equal_plain_decoding() {
         Some("w20 w21 w22"),
         Some("w30 w31"),
     ];
-    let plain = fixture("sched-verify-plain", &prompts);
-    let mut s = Scheduler::new(plain.cfg.clone()).unwrap();
+    let plain = fixture(&prompts);
+    let mut s = plain.driver();
     drive(&mut s, 1);
-    s.finish().unwrap();
-    let want = read_output(&plain.cfg.output_dir);
+    let want = s.finish().unwrap();
 
     for (tag, num_blocks) in [("sched-verify", 64), ("sched-verify-small", 7)] {
-        let mut f = fixture(tag, &prompts);
-        f.cfg.max_draft_tokens = 3;
-        f.cfg.num_blocks = num_blocks;
-        let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+        let mut f = fixture(&prompts);
+        f.cfg.policy.max_draft_tokens = 3;
+        f.cfg.policy.num_blocks = num_blocks;
+        let mut s = f.driver();
         drive_spec(&mut s);
-        s.finish().unwrap();
-        assert_eq!(read_output(&f.cfg.output_dir), want, "{tag}");
+        assert_eq!(s.finish().unwrap(), want, "{tag}");
     }
 }
 
 #[test]
 fn verify_commit_with_too_many_tokens_is_an_error() {
-    let mut f = fixture("sched-verify-err", &[Some("w5")]);
-    f.cfg.max_draft_tokens = 2;
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut f = fixture(&[Some("w5")]);
+    f.cfg.policy.max_draft_tokens = 2;
+    let mut s = f.driver();
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!(p.kind, StepKind::Prefill);
-    s.commit(&[6], &[1], None, None, None).unwrap();
+    s.commit(&[6], &[1], None).unwrap();
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!(p.kind, StepKind::Verify);
     assert_eq!(p.positions, vec![2, 3, 4]);
     assert_eq!(p.seq_lens, vec![5]);
     assert_eq!(p.input_ids, vec![6, 0, 0]);
-    assert!(s
-        .commit(&[7, 8, 9, 10], &[4], Some(&[3]), None, None)
-        .is_err());
-}
-
-#[test]
-fn skip_rows_resume_writes_only_the_rest() {
-    let prompts: Vec<Option<&str>> = vec![Some("w5"), Some("w6"), None, Some("w8"), Some("w9")];
-    let full = fixture("sched-skip-full", &prompts);
-    let mut s = Scheduler::new(full.cfg.clone()).unwrap();
-    drive(&mut s, 1);
-    s.finish().unwrap();
-    let want = read_output(&full.cfg.output_dir);
-
-    let mut f = fixture("sched-skip", &prompts);
-    f.cfg.skip_rows = vec![3, 0, 3, 2, 99];
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
-    let prog: BTreeMap<_, _> = s.progress().into_iter().collect();
-    assert_eq!(prog["requests_total"], 2);
-    assert_eq!(prog["requests_skipped"], 3);
-    drive(&mut s, 1);
-    let summary = s.finish().unwrap();
-    assert_eq!(summary["requests"], SummaryValue::Int(2));
-    assert_eq!(summary["skipped"], SummaryValue::Int(3));
-    let rows = read_output(&f.cfg.output_dir);
-    assert_eq!(rows.iter().map(|r| r.row_index).collect::<Vec<_>>(), [1, 4]);
-    assert_eq!(rows[0], want[1]);
-    assert_eq!(rows[1], want[4]);
-}
-
-#[test]
-fn abort_writes_finished_rows_and_drops_the_rest() {
-    let prompts: Vec<Option<&str>> = vec![Some("w5"), None, Some("w7 w8"), Some("w9")];
-    let mut f = fixture("sched-abort", &prompts);
-    f.cfg.max_new_tokens = 3;
-    f.cfg.max_batch_size = 1;
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
-    // Finish row 0 (prefill + 2 decodes); row 1 (null) is written as an error when read.
-    for _ in 0..3 {
-        let p = s.next_plan().unwrap().unwrap();
-        let last = *p.input_ids.last().unwrap() as i32;
-        s.commit(&[(last + 1) % VOCAB as i32], &[1], None, None, None)
-            .unwrap();
-    }
-    // Row 2 is planned but never committed.
-    let _ = s.next_plan().unwrap().unwrap();
-    let written = s.abort().unwrap();
-    let rows = read_output(&f.cfg.output_dir);
-    assert_eq!(written.rows_written as usize, rows.len());
-    let idx: Vec<i64> = rows.iter().map(|r| r.row_index).collect();
-    assert!(
-        idx.starts_with(&[0]) && !idx.contains(&2) && !idx.contains(&3),
-        "{idx:?}"
-    );
-    assert_eq!(rows[0].text, "w6 w7 w8");
-    assert!(s.finish().is_err());
-    assert!(s.abort().is_err());
+    assert!(s.commit(&[7, 8, 9, 10], &[4], Some(&[3])).is_err());
 }

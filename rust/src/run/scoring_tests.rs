@@ -1,4 +1,4 @@
-//! Scoring tasks through the scheduler (score.rs, scheduler/scoring.rs): a fake model returns
+//! Scoring tasks through a run (score.rs, run/scoring.rs): a fake model returns
 //! prompt logprobs that encode the scored token, so each row's sums and argmax checks are
 //! known; choices share their context's blocks, a part waiting for a sibling's blocks lets
 //! other rows be admitted, and every row is written once with all its parts.
@@ -43,15 +43,23 @@ fn choices_input(dir: &TempDir, rows: &[(&str, &[&str])]) -> SchedulerConfig {
     let tok = save_tokenizer(&word_level_tokenizer(VOCAB), dir.path());
     let mut cfg = SchedulerConfig::new(vec![input], "prompt", tok, dir.path().join("out"));
     (cfg.task, cfg.choices_column) = ("score".into(), Some("choices".into()));
-    (cfg.eos_token_ids, cfg.block_size, cfg.num_blocks) = (vec![2], 4, 64);
-    (cfg.max_batch_size, cfg.max_model_len, cfg.part_rows) = (8, 64, 2);
+    (
+        cfg.eos_token_ids,
+        cfg.policy.block_size,
+        cfg.policy.num_blocks,
+    ) = (vec![2], 4, 64);
+    (
+        cfg.policy.max_batch_size,
+        cfg.policy.max_model_len,
+        cfg.part_rows,
+    ) = (8, 64, 2);
     cfg
 }
 
 /// Each plan's rows that owe prompt logprobs get the fake model's, at every position from
 /// their `prompt_logprobs_from` whose next token is a prompt token. Returns each plan's row
 /// count.
-fn drive(s: &mut Scheduler) -> Vec<usize> {
+fn drive(s: &mut Run) -> Vec<usize> {
     wait_for_reader(s);
     let mut plans = Vec::new();
     while let Some(p) = s.next_plan().unwrap() {
@@ -104,7 +112,7 @@ fn choices_are_scored_once_each_sharing_their_context() {
         ("w5", &[" w6"]),
     ];
     let cfg = choices_input(&dir, &rows);
-    let mut s = Scheduler::with_tokenizer(cfg.clone(), word_level_tokenizer(VOCAB)).unwrap();
+    let mut s = Run::with_tokenizer(cfg.clone(), word_level_tokenizer(VOCAB)).unwrap();
     let plans = drive(&mut s);
     s.finish().unwrap();
     let batches = read_parts(&cfg.output_dir);
@@ -158,8 +166,8 @@ fn rolling_windows_sum_into_one_row() {
     let dir = TempDir::new("score-rolling");
     let text: Vec<String> = (4..30).map(|i| format!("w{i}")).collect();
     let mut cfg = choices_input(&dir, &[(&text.join(" "), &["w5"])]);
-    (cfg.task, cfg.choices_column, cfg.max_model_len) = ("perplexity".into(), None, 8);
-    let mut s = Scheduler::with_tokenizer(cfg.clone(), word_level_tokenizer(VOCAB)).unwrap();
+    (cfg.task, cfg.choices_column, cfg.policy.max_model_len) = ("perplexity".into(), None, 8);
+    let mut s = Run::with_tokenizer(cfg.clone(), word_level_tokenizer(VOCAB)).unwrap();
     drive(&mut s);
     s.finish().unwrap();
     let b = &read_parts(&cfg.output_dir)[0];

@@ -1,7 +1,7 @@
-//! Structured output in the scheduler (docs/structured-output.md): each sequence with a
+//! Structured output in the run (docs/structured-output.md): each sequence with a
 //! `response_format` owns a `RowMatcher`, made at admission from the format's compiled grammar
 //! (a format that does not compile is the row's error); the matcher consumes exactly the
-//! committed tokens (`append_tokens`).
+//! committed tokens (`stop::append_tokens`).
 //!
 //! - Prefill and decode plans carry the token mask of each constrained row that samples
 //!   (`StepPlan::mask_rows`, `token_masks`), computed when the plan is built, on rayon threads.
@@ -22,12 +22,13 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use super::{Scheduler, StepPlan};
+use super::Run;
 use crate::error::{Error, Result};
 use crate::sampling_params::SamplingParams;
+use crate::scheduler::StepPlan;
 use crate::structured::{token_env, Grammars, RowMatcher};
 
-impl Scheduler {
+impl Run {
     /// The grammar compiler over the tokenizer, built at the first constrained row.
     fn grammars(&mut self) -> Result<Arc<Grammars>> {
         if let Some(g) = &self.grammars {
@@ -62,7 +63,7 @@ impl Scheduler {
         let Some(grammars) = self.grammars.clone() else {
             return;
         };
-        let rows = &mut self.running[start..start + samples.len()];
+        let rows = &mut self.sched.running_mut()[start..start + samples.len()];
         let mut matchers: Vec<&mut RowMatcher> = Vec::new();
         for (r, seq) in rows.iter_mut().enumerate() {
             if let (Some(m), true) = (&mut seq.matcher, samples[r] && !seq.thinking) {
@@ -88,9 +89,12 @@ impl Scheduler {
     /// W (none for unconstrained rows); `mask_rows` marks the constrained rows (their masks
     /// come from `draft_masks`).
     pub(super) fn push_forced(&mut self, p: &mut StepPlan, start: usize, rows: usize) {
-        let w = self.cfg.max_draft_tokens;
+        let w = self.cfg.policy.max_draft_tokens;
         let mut constrained = 0;
-        for (r, seq) in self.running[start..start + rows].iter_mut().enumerate() {
+        for (r, seq) in self.sched.running_mut()[start..start + rows]
+            .iter_mut()
+            .enumerate()
+        {
             if let Some(m) = &mut seq.matcher {
                 p.mask_rows[r] = constrained; // draft_masks numbers them so
                 constrained += 1;
@@ -126,7 +130,7 @@ impl Scheduler {
         // the session's rows in `running` order (plans list running rows in order)
         let mut outs = self.session.iter().zip(masks.chunks_mut(words)).peekable();
         let mut pairs: Vec<(&mut [u32], &mut RowMatcher)> = Vec::new();
-        for (i, seq) in self.running.iter_mut().enumerate() {
+        for (i, seq) in self.sched.running_mut().iter_mut().enumerate() {
             let Some((d, _)) = outs.peek() else { break };
             if d.index != i {
                 continue;
@@ -147,12 +151,12 @@ impl Scheduler {
     fn start_session(&mut self) -> Result<()> {
         self.end_session()?;
         let plan = self
-            .pending
-            .front()
+            .sched
+            .pending()
             .ok_or_else(|| Error::internal("draft_step_masks() without a pending plan"))?;
-        for (row, i) in self.locate(plan).into_iter().enumerate() {
+        for (row, i) in self.sched.locate(plan).into_iter().enumerate() {
             let Some(index) = i else { continue };
-            let seq = &self.running[index];
+            let seq = &self.sched.running()[index];
             if seq.matcher.is_some() && !seq.thinking {
                 let ok = true;
                 self.session.push(DraftSession {
@@ -170,7 +174,8 @@ impl Scheduler {
     /// The session's rows consume the drafts just chosen (`tokens`: one per plan row).
     fn session_consume(&mut self, tokens: &[i64]) -> Result<()> {
         for d in self.session.iter_mut().filter(|d| d.ok) {
-            let m = self.running[d.index].matcher.as_mut().expect("session row");
+            let seq = &mut self.sched.running_mut()[d.index];
+            let m = seq.matcher.as_mut().expect("session row");
             let t = tokens.get(d.row).and_then(|&t| u32::try_from(t).ok());
             match t {
                 Some(t) if !m.is_stopped() && m.valid_prefix(&[t]) == 1 => {
@@ -187,7 +192,8 @@ impl Scheduler {
     pub(super) fn end_session(&mut self) -> Result<()> {
         for d in std::mem::take(&mut self.session) {
             if let Some(m) = self
-                .running
+                .sched
+                .running_mut()
                 .get_mut(d.index)
                 .and_then(|s| s.matcher.as_mut())
             {
@@ -204,8 +210,8 @@ impl Scheduler {
     /// never reaches them, the draft at a + 1 being refused by the mask at a).
     pub fn draft_masks(&mut self, drafts: &[i64], k: usize) -> Result<DraftMasks> {
         let plan = self
-            .pending
-            .front()
+            .sched
+            .pending()
             .ok_or_else(|| Error::internal("draft_masks() without a pending plan"))?;
         if drafts.len() != plan.rows.len() * k {
             return Err(Error::internal(format!(
@@ -246,21 +252,21 @@ impl Scheduler {
     }
 }
 
-impl Scheduler {
+impl Run {
     /// The pending plan's constrained rows with their drafts, in plan order: (plan row, its
     /// matcher, its drafts as token ids, how many of them come before its grammar starts: a
     /// reasoning row's drafts up to its end tag, k + 1 when none is drafted).
     fn draft_jobs(&mut self, drafts: &[i64], k: usize) -> Vec<DraftJob<'_>> {
-        let plan = self.pending.front().expect("checked by draft_masks");
-        let mut row_of = vec![None; self.running.len()]; // running index -> plan row
-        for (r, i) in self.locate(plan).into_iter().enumerate() {
+        let plan = self.sched.pending().expect("checked by draft_masks");
+        let mut row_of = vec![None; self.sched.running().len()]; // running index -> plan row
+        for (r, i) in self.sched.locate(plan).into_iter().enumerate() {
             if let Some(i) = i {
                 row_of[i] = Some(r);
             }
         }
         let end_tag = self.criteria.reasoning.map(|(_, end)| end);
         let mut jobs = Vec::new();
-        for (seq, r) in self.running.iter_mut().zip(row_of) {
+        for (seq, r) in self.sched.running_mut().iter_mut().zip(row_of) {
             if let (Some(r), Some(m)) = (r, seq.matcher.as_mut()) {
                 // a draft id that is no token (negative) ends the row's valid drafts
                 let ids: Vec<u32> = drafts[r * k..(r + 1) * k]
@@ -291,10 +297,10 @@ pub(super) struct DraftSession {
     ok: bool,
 }
 
-/// A constrained row of a verify round: `Scheduler::draft_jobs`.
+/// A constrained row of a verify round: `Run::draft_jobs`.
 type DraftJob<'a> = (usize, &'a mut RowMatcher, Vec<u32>, usize);
 
-/// `Scheduler::draft_masks`'s answer.
+/// `Run::draft_masks`'s answer.
 #[derive(Debug, Default)]
 pub struct DraftMasks {
     pub rows: Vec<i32>,

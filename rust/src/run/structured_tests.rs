@@ -13,6 +13,7 @@ use arrow_array::{Array, ArrayRef, StringArray};
 
 use super::tests::wait_for_reader;
 use super::*;
+use crate::stop::reasoning_open;
 use crate::testutil::{byte_level_tokenizer, read_parts, save_tokenizer, write_parquet, TempDir};
 
 const EOT: u32 = 257; // byte_level_tokenizer's <|eot|>
@@ -47,8 +48,8 @@ fn setup(tag: &str, formats: &[Option<&str>], w: usize) -> Setup {
     cfg.eos_token_ids = vec![EOT];
     cfg.vocab_size = VOCAB;
     cfg.max_new_tokens = 6;
-    cfg.max_batch_size = 8;
-    cfg.max_draft_tokens = w;
+    cfg.policy.max_batch_size = 8;
+    cfg.policy.max_draft_tokens = w;
     cfg.include_token_ids = true;
     Setup {
         _dir: dir,
@@ -110,7 +111,7 @@ fn plain_steps_mask_constrained_rows_and_their_grammars_end_them() {
     ];
     let s = setup("structured-plain", &formats, 0);
     let (a, b, z) = (id(&s, b'a'), id(&s, b'b'), id(&s, b'z'));
-    let mut sch = Scheduler::new(s.cfg.clone()).unwrap();
+    let mut sch = Run::new(s.cfg.clone()).unwrap();
     wait_for_reader(&sch);
     let mut steps = 0;
     while let Some(p) = sch.next_plan().unwrap() {
@@ -159,7 +160,7 @@ fn verify_drafts_are_cut_at_the_first_refused_one_with_a_mask_per_position() {
     ];
     let s = setup("structured-verify", &formats, 3);
     let t = |b: u8| id(&s, b) as i64;
-    let mut sch = Scheduler::new(s.cfg.clone()).unwrap();
+    let mut sch = Run::new(s.cfg.clone()).unwrap();
     wait_for_reader(&sch);
     let p = sch.next_plan().unwrap().unwrap(); // the prefill
     assert_eq!(p.kind, StepKind::Prefill);
@@ -225,7 +226,7 @@ fn a_reasoning_rows_grammar_starts_after_its_end_tag_even_inside_a_round() {
     assert!(reasoning_open(&[1, 2], (open, close)));
     assert!(!reasoning_open(&[open, 1, close, 2], (open, close)));
     assert!(reasoning_open(&[close, open, 1], (open, close)));
-    let mut sch = Scheduler::new(s.cfg.clone()).unwrap();
+    let mut sch = Run::new(s.cfg.clone()).unwrap();
     wait_for_reader(&sch);
     let p = sch.next_plan().unwrap().unwrap();
     assert_eq!(p.mask_rows, vec![-1]); // reasoning: no mask

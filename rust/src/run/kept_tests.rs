@@ -75,7 +75,7 @@ fn kept_columns_ride_with_their_rows_in_their_types() {
     f.cfg.input_files = files;
     f.cfg.keep_columns = ["meta", "note", "cat", "tags"].map(String::from).to_vec();
     (f.cfg.n, f.cfg.temperature) = (2, 1.0);
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     drive(&mut s, 1);
     s.finish().unwrap();
     let parts = read_parts(&f.cfg.output_dir);
@@ -152,13 +152,13 @@ fn check_row(b: &RecordBatch, i: usize) {
 fn kept_columns_are_checked_before_any_work() {
     let mut f = fixture("kept-bad", &[Some("w5")]);
     f.cfg.keep_columns = vec!["note".into()];
-    let err = Scheduler::new(f.cfg.clone()).err().unwrap().to_string();
+    let err = Run::new(f.cfg.clone()).err().unwrap().to_string();
     assert!(
         err.contains("output.keep_columns") && err.contains("'note'"),
         "{err}"
     );
     f.cfg.keep_columns = vec!["output_text".into()];
-    let err = Scheduler::new(f.cfg.clone()).err().unwrap().to_string();
+    let err = Run::new(f.cfg.clone()).err().unwrap().to_string();
     assert!(err.contains("clashes with the output column"), "{err}");
     let text: ArrayRef = Arc::new(StringArray::from(vec!["w5"]));
     let (first, second) = (
@@ -171,7 +171,7 @@ fn kept_columns_are_checked_before_any_work() {
     write_parquet(&second, vec![("prompt", text), ("x", x_int)], 1);
     f.cfg.input_files.push(second);
     (f.cfg.id_column, f.cfg.keep_columns) = (None, vec!["x".into()]);
-    let err = Scheduler::new(f.cfg.clone()).err().unwrap().to_string();
+    let err = Run::new(f.cfg.clone()).err().unwrap().to_string();
     assert!(
         err.contains("output.keep_columns: column 'x' has type"),
         "{err}"
@@ -200,7 +200,7 @@ fn kept_columns_clash_only_with_the_columns_this_job_writes() {
     f.cfg.logprobs = 2;
     assert!(has(&f.cfg, "logprobs"));
     f.cfg.keep_columns = vec!["logprobs".into()];
-    let err = Scheduler::new(f.cfg.clone()).err().unwrap().to_string();
+    let err = Run::new(f.cfg.clone()).err().unwrap().to_string();
     assert!(err.contains("column 'logprobs' clashes"), "{err}");
     (f.cfg.logprobs, f.cfg.task) = (0, "perplexity".into());
     assert!(has(&f.cfg, "logprob") && has(&f.cfg, "num_tokens") && !has(&f.cfg, "is_greedy"));

@@ -1,20 +1,21 @@
-//! Scoring tasks in the scheduler (score.rs): a scored row's parts are queued as sequences
+//! Scoring tasks in the run (score.rs): a scored row's parts are queued as sequences
 //! that generate nothing; each records the prompt logprobs of its scored positions and
 //! finishes at the commit of the step that computed its last token; the row is written once
 //! every part has finished (`score::Gather`).
 
-use super::{token_count, Scheduler};
+use super::Run;
 use crate::error::Result;
-use crate::score::{PartResult, PartScore, RowScore, ScorePart};
+use crate::scheduler::token_count;
+use crate::score::{PartResult, PartScore, RowScore};
 use crate::sequence::{FinishReason, Request, Sequence};
 use crate::writer::OutputRow;
 
-impl Scheduler {
+impl Run {
     /// Queues a scoring row's parts, one sequence each (`sample_index` = the part's index),
     /// or writes its error row when it can never run.
     pub(super) fn accept_scored(&mut self, mut req: Request) -> Result<()> {
         let parts = std::mem::take(&mut req.score_parts);
-        let error = req.error.clone().or_else(|| self.score_error(&parts));
+        let error = req.error.clone().or_else(|| self.sched.score_error(&parts));
         self.stats.requests_read += 1;
         if let Some(msg) = error {
             return self.write_error_row(req, 0, msg);
@@ -29,26 +30,9 @@ impl Scheduler {
             seq.prompt_logprobs_k = 1; // the top id tells whether the token is the argmax
             seq.score_from = Some(part.from);
             seq.num_parts = num_parts;
-            self.waiting.push_back(seq);
+            self.sched.enqueue(seq);
         }
         Ok(())
-    }
-
-    /// Why a row's parts can never run: one needs more KV blocks than the cache has.
-    fn score_error(&self, parts: &[ScorePart]) -> Option<String> {
-        let cfg = &self.cfg;
-        let p = parts.iter().map(|p| p.prompt_ids.len()).max()?;
-        if self.bm.blocks_needed(p) <= cfg.num_blocks && p <= cfg.max_model_len {
-            return None;
-        }
-        Some(format!(
-            "a scored sequence of {p} tokens needs {} KV blocks of {} tokens, but the cache \
-             has only num_blocks = {}; raise engine.kv_cache_tokens or \
-             engine.kv_cache_memory_fraction",
-            self.bm.blocks_needed(p),
-            cfg.block_size,
-            cfg.num_blocks
-        ))
     }
 
     /// The output row of a finished scored part's row, once all its parts are in (None

@@ -11,7 +11,7 @@ use arrow_array::{Array, ArrayRef, Float64Array, Int64Array, StringArray};
 
 use super::tests::{fixture, read_output, wait_for_reader, Fixture};
 use super::*;
-use crate::logprobs::PromptLogprobs;
+use crate::logprobs::{PromptLogprobs, StepLogprobs};
 use crate::openai_batch::{CHAT_URL, COMPLETIONS_URL};
 use crate::testutil::{read_parts, write_parquet};
 
@@ -30,7 +30,7 @@ fn with_columns(tag: &str, prompts: &[&str], extra: Vec<(&str, ArrayRef)>) -> Fi
 
 /// Commits `token` for every row of every plan until the end; with `lp`, logprobs too (the
 /// chosen token's logprob -(output index), alternatives k).
-fn drive_constant(s: &mut Scheduler, token: i32, k: usize) -> Vec<StepPlan> {
+fn drive_constant(s: &mut Run, token: i32, k: usize) -> Vec<StepPlan> {
     let mut plans = Vec::new();
     while let Some(p) = s.next_plan().unwrap() {
         let b = p.num_seqs();
@@ -78,7 +78,7 @@ fn sampling_columns_reach_the_plan_and_decide_where_rows_stop() {
         .map(|(k, c)| (k.to_string(), c.to_string()))
         .collect();
     f.cfg.queue_rows = 16; // the reader queues every row: one first plan for both good rows
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     wait_for_reader(&s);
     let plans = drive_constant(&mut s, 11, 0);
     s.finish().unwrap();
@@ -106,7 +106,7 @@ fn sampling_columns_reach_the_plan_and_decide_where_rows_stop() {
 fn no_stop_before_min_new_tokens() {
     let mut f = fixture("samp-min", &[Some("w5"), Some("w6")]);
     f.cfg.min_new_tokens = 3;
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     let plans = drive_constant(&mut s, 2, 0); // the EOS id every step
     s.finish().unwrap();
     assert!(plans.iter().all(|p| p.min_tokens.iter().all(|&m| m == 3)));
@@ -120,7 +120,7 @@ fn logprobs_are_kept_per_output_token_and_written() {
     let mut f = fixture("samp-lp", &[Some("w5"), Some("w6"), None]);
     f.cfg.logprobs = 2;
     f.cfg.max_new_tokens = 4;
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     let p = s.next_plan().unwrap().unwrap();
     let b = p.num_seqs();
     assert!(
@@ -189,7 +189,7 @@ fn prompt_logprobs_are_recorded_once_per_position() {
     let mut f = fixture("samp-plp", &[Some("w5 w6 w7 w8 w9")]);
     f.cfg.prompt_logprobs = 1;
     f.cfg.max_new_tokens = 2;
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!(p.prompt_logprobs, vec![1]);
     let plen = p.prompt_lens[0] as usize;
@@ -288,7 +288,7 @@ fn rows_stop_on_their_own_end_ids() {
     ];
     f.cfg.sampling_columns = columns_map(&map);
     f.cfg.queue_rows = 16;
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     wait_for_reader(&s);
     let plans = drive_constant(&mut s, 7, 0);
     s.finish().unwrap();
@@ -325,7 +325,7 @@ fn ignore_eos_is_a_rows_own() {
         vec![("ie", Arc::new(BooleanArray::from(vec![None, Some(true)])))],
     );
     f.cfg.sampling_columns = columns_map(&[("ignore_eos", "ie")]);
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     drive_constant(&mut s, 2, 0);
     s.finish().unwrap();
     let rows = read_output(&f.cfg.output_dir);
@@ -351,7 +351,7 @@ fn stop_strings_kept_and_special_tokens_shown_per_row() {
         let mut f = with_columns(tag, &["w5", "w6", "w7"], cols);
         f.cfg.sampling_columns = columns_map(keys);
         f.cfg.max_new_tokens = 2;
-        let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+        let mut s = Run::new(f.cfg.clone()).unwrap();
         drive_constant(&mut s, token, 0);
         s.finish().unwrap();
         let rows = read_output(&f.cfg.output_dir);
@@ -400,7 +400,7 @@ fn batch_lines_keep_their_own_endpoints() {
     f.cfg.input_format = "openai-batch".into();
     (f.cfg.prompt_column, f.cfg.id_column) = (None, None);
     f.cfg.chat_template = Some("{% for m in messages %}{{ m.content }} {% endfor %}".into());
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     drive_constant(&mut s, 2, 0);
     s.finish().unwrap();
     let batches = read_parts(&f.cfg.output_dir);
@@ -430,7 +430,7 @@ fn batch_lines_keep_their_own_endpoints() {
     assert_eq!(got, want);
     // a Parquet job has no endpoint column
     let f = fixture("batch-none", &[Some("w5")]);
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     drive_constant(&mut s, 2, 0);
     s.finish().unwrap();
     assert!(read_parts(&f.cfg.output_dir)[0]
@@ -456,7 +456,7 @@ fn batch_lines_bring_their_own_n() {
     (f.cfg.prompt_column, f.cfg.id_column) = (None, None);
     // line a's samples 0 and 2 were written, and line b's one: more than rows x the job's n
     f.cfg.skip_samples = vec![0, 2, 4096];
-    let mut s = Scheduler::new(f.cfg.clone()).unwrap();
+    let mut s = Run::new(f.cfg.clone()).unwrap();
     wait_for_reader(&s);
     drive_constant(&mut s, 9, 0);
     assert_eq!(s.progress()[0], ("requests_total", 1), "a's sample 1");
