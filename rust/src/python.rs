@@ -20,6 +20,7 @@ use crate::logprobs::{PromptLogprobs, StepLogprobs};
 use crate::scheduler::{Scheduler, StepPlan};
 use crate::stats::SummaryValue;
 
+mod inputs;
 mod object_store;
 mod scheduler_config;
 
@@ -502,5 +503,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(output_columns, m)?)?;
     m.add("OUTPUT_COLUMNS", crate::writer::OUTPUT_COLUMNS.to_vec())?;
     m.add("SCHEDULER_CONFIG_FIELDS", scheduler_config::FIELDS.to_vec())?;
+    inputs::register(m)?;
     crate::cpu::bindings::register(m)
 }
