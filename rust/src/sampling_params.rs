@@ -5,7 +5,8 @@
 //!
 //! One rule checks them (`SamplingParams::check`): the job's settings once, up front, and every
 //! row's overrides as the row is read; a row whose values fail it becomes an error row naming
-//! the column. The scheduler reads its stop conditions from here, the plan its per-row arrays.
+//! the column. Each key's range is stated once (`RANGES`): the job schema holds its keys to
+//! it through the extension (`sampling_rule`), and row values meet it before they become f32s. The scheduler reads its stop conditions from here, the plan its per-row arrays.
 //! A domain type: this module reads neither the config nor Arrow.
 
 use std::sync::Arc;
@@ -15,8 +16,8 @@ use crate::structured::ResponseFormat;
 /// The most top-logprob alternatives a request may ask for (vLLM's default limit).
 pub const MAX_LOGPROBS: u32 = 20;
 
-/// The smallest positive `temperature` and the smallest `repetition_penalty` (config.py's
-/// SAMPLING_MIN is the same): logits divided by less overflow f32 and crash the sampler.
+/// The smallest positive `temperature` and the smallest `repetition_penalty` (`RANGES`):
+/// logits divided by less overflow f32 and crash the sampler.
 pub const SAMPLING_MIN: f32 = 1e-5;
 
 /// The largest `temperature` and `repetition_penalty`.
