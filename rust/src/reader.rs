@@ -954,7 +954,7 @@ mod tests {
         let err = check_job_inputs(&mut c, true).unwrap_err().to_string();
         assert!(
             err.starts_with("output.keep_columns: column 'error' clashes")
-                && err.contains("list the columns to keep instead"),
+                && err.ends_with("(list the columns to keep instead of \"*\")"),
             "{err}"
         );
         let mut c = cfg(vec![f]);

@@ -261,7 +261,7 @@ pub const RANGES: &[Range] = &[
         hi: I32_MAX,
         open_lo: false,
         zero: false,
-        what: "must be >= 0 (0 = off)",
+        what: "must be in 0..=2147483647 (0 = off)",
     },
     Range {
         key: "logprobs",

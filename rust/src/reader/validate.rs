@@ -420,9 +420,9 @@ pub fn check_job_inputs(cfg: &mut SchedulerConfig, keep_all: bool) -> Result<Inp
         cfg.keep_columns = names;
     }
     cfg.validate_keep_columns().map_err(|e| match e {
-        Error::UserInput(m) if keep_all => Error::user(format!(
-            "{m} (output.keep_columns is \"*\": list the columns to keep instead)"
-        )),
+        Error::UserInput(m) if keep_all => {
+            Error::user(format!("{m} (list the columns to keep instead of \"*\")"))
+        }
         e => e,
     })?;
     validate_inputs(cfg)
