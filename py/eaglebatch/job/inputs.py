@@ -159,7 +159,8 @@ class BatchInput:
 
     files: list[Path]
     total: int  # requests: non-blank lines, capped by input.limit
-    first_url: str  # the first line's served url (the default of parts without `endpoint`)
+    # the first line's served url (the default of parts without `endpoint`; None: no lines)
+    first_url: str | None
     chat: bool  # a line is a chat request: its messages need the chat template
 
 
