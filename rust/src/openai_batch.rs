@@ -662,7 +662,7 @@ mod tests {
             .1;
         assert_eq!((p.seed, p.top_k), (Some(-42), 5));
         for (extra, want) in [
-            (r#""top_k": -2"#, "top_k must be >= 0"),
+            (r#""top_k": -2"#, "top_k must be in 0..="),
             (r#""min_p": 1.5"#, "min_p must be in [0, 1]"),
             (
                 r#""ignore_eos": 1"#,
