@@ -69,6 +69,31 @@ def test_bad_values_name_the_key(tmp_path, extra, key):
         load_job(write(tmp_path, BASE + extra))
 
 
+@pytest.mark.parametrize("key, value", [
+    ("sampling.temperature", "2e6"), ("sampling.temperature", "5e-6"),
+    ("sampling.top_p", "0"), ("sampling.min_p", "1.5"), ("sampling.repetition_penalty", "0"),
+    ("sampling.frequency_penalty", "-3"), ("sampling.presence_penalty", "2.5"),
+    ("sampling.top_p", "1e-300"), ("sampling.max_new_tokens", "0"), ("sampling.top_k", "-1"),
+    ("sampling.n", "5000"), ("output.logprobs", "21"), ("output.prompt_logprobs", "21"),
+])  # fmt: skip
+def test_sampling_ranges_are_the_extensions_one_statement(tmp_path, key, value):
+    """A job key's range is the one the rows' columns and batch lines meet (sampling_params.rs
+    RANGES, through `sampling_rule`): the message is the extension's, naming the key."""
+    from eaglebatch import _native
+
+    section, name = key.split(".")
+    rule = "logprobs" if section == "output" else name
+    words = _native.sampling_rule(rule, float(value) if "." in value or "e" in value
+                                  else int(value))  # fmt: skip
+    assert words is not None
+    text = BASE + f"sampling:\n  {name}: {value}\n"
+    if section == "output":
+        text = BASE.replace("output:\n", f"output:\n  {name}: {value}\n")
+    with pytest.raises(JobError) as err:
+        load_job(write(tmp_path, text))
+    assert f"{key}: {words}" in str(err.value), str(err.value)
+
+
 @pytest.mark.parametrize(
     "overrides, lookahead",
     [
@@ -327,7 +352,9 @@ TRAIN_INT_KEYS = [
 
 @pytest.mark.parametrize("key", RUN_INT_KEYS)
 def test_every_run_integer_has_an_upper_bound(tmp_path, key):
-    with pytest.raises(JobError, match=rf"{re.escape(key)}: Input should be less than"):
+    # the bound in pydantic's words, or a sampling range in the extension's (sampling_rule)
+    bounded = rf"{re.escape(key)}: (Input should be less than|must be in \d+\.\.=\d+)"
+    with pytest.raises(JobError, match=bounded):
         load_job(write(tmp_path, BASE), [f"{key}={BIG}"])
 
 

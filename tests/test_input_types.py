@@ -1,8 +1,9 @@
 """Inputs as other tools write them: dictionary-encoded strings (pandas `category`, polars
 `Categorical`, `dictionary_encode()`) read as strings, and the string spellings of different
 writers (polars' large_string, duckdb's and pyarrow's string, string_view) mixed in one input
-directory. `validate` and `run` accept exactly the same inputs (inputs.py and reader.rs share
-one rule); a kind that truly differs between files is refused naming both."""
+directory. `validate` and `run` accept exactly the same inputs (one rule, reader/validate.rs,
+which `validate` calls through the extension); a kind that truly differs between files is
+refused naming both."""
 
 from __future__ import annotations
 

@@ -341,7 +341,7 @@ def test_user_input_errors_name_file_and_column(tmp_path, tok_file):
 
 @pytest.mark.parametrize("codec", ["snappy", "zstd", "gzip", "lz4", "lz4_raw", "none", "brotli"])
 def test_input_codecs(tmp_path, tok_file, codec):
-    """Every codec pyarrow writes is decoded (inputs.py _READABLE_CODECS, reader.rs)."""
+    """Every codec pyarrow writes is decoded (reader/validate.rs `codec_supported`)."""
     inp = tmp_path / f"in-{codec}.parquet"
     pq.write_table(pa.table({"prompt": ["w4", "w5"]}), inp, compression=codec)
     s = make(tok_file, [inp], tmp_path / "out", max_new_tokens=1)

@@ -11,6 +11,8 @@ Invariants:
 - A plan's rows are in a fixed order; `commit` takes results in that same order.
 """
 
+from typing import Any
+
 import numpy as np
 import numpy.typing as npt
 
@@ -222,6 +224,26 @@ def check_response_format(
 def is_secret_name(name: str) -> bool:
     """Whether a storage option's (or a cloud variable's) name names a credential, whose value
     messages redact: it holds KEY, SECRET, TOKEN, PASSWORD, SAS or CREDENTIAL in any case."""
+
+def check_inputs(config: SchedulerConfig, keep_all: bool = False) -> dict[str, Any]:
+    """The input rules, the one copy (rust/src/reader/validate.rs), applied before any model
+    loads: `config` is a job/scheduler_config.py SchedulerConfig (any object with its
+    attributes) whose `input_files` are resolved; `keep_all`: output.keep_columns is "*"
+    (every column of the first file but an id column named `id`). Checks every file as the
+    reader reads it: Parquet with each column the job reads present once, of a type its key
+    takes (one type across files), compressed with a codec the reader decodes, the
+    sampling_columns' keys known, the kept columns named as no output column; OpenAI Batch
+    lines with at least one request to a served endpoint. Raises UserInputError naming the
+    key, column and file. Returns {"total_rows": int (capped by limit), "kept": list[str]
+    (the kept columns resolved), "first_url": str | None (OpenAI Batch: the first line's
+    served url), "chat": bool (OpenAI Batch: a line is a chat request)}."""
+
+def sampling_rule(key: str, value: int | float) -> str | None:
+    """How `value` breaks the range of sampling key `key` (temperature, top_p, top_k,
+    min_p, repetition_penalty, frequency_penalty, presence_penalty, max_new_tokens,
+    logprobs, n), or a float's nonzero value lost as an f32, in words without the key; None
+    when it keeps it (or `key` has no range). The one statement of these ranges: the job's
+    keys, its rows' sampling columns and OpenAI Batch lines are held to it."""
 
 # JSON whitespace between tokens unless a schema's x-guidance sets its own
 JSON_WHITESPACE: str

@@ -1,6 +1,6 @@
 //! The kinds of input column types, and reading values through them: the rule by which the
 //! reader checks a column's type, compares one file's type with another's and reads a value
-//! (py/eaglebatch/job/column_types.py is the same rule over pyarrow's types, checked first).
+//! (`validate` and `run` check inputs through it before any model loads: reader/validate.rs).
 //!
 //! Writers spell one logical type several ways: pyarrow and duckdb write `string`, polars
 //! `large_string`, some `string_view`; pandas `category`, polars `Categorical` and
@@ -26,8 +26,7 @@ use arrow_schema::DataType;
 
 use crate::error::Error;
 
-/// How the rule for mixing types across files reads in messages (column_types.py's
-/// MIXING_RULE is the same text).
+/// How the rule for mixing types across files reads in messages.
 pub const MIXING_RULE: &str = "types of one kind mix (string, large_string, string_view and \
      their dictionaries as large_string; integers of any width as int64, but uint64 only with \
      uint64)";
@@ -78,7 +77,7 @@ pub fn unified(a: &DataType, b: &DataType) -> Option<DataType> {
 }
 
 /// The output type of each column written from the input, over the files seen so far
-/// (`unified`); inputs.py `ColumnTypes` is the same.
+/// (`unified`).
 #[derive(Debug, Default)]
 pub struct FileTypes {
     /// column -> (unified type so far, the first file's type, the first file)
@@ -104,9 +103,11 @@ impl FileTypes {
             Some(both) => *out = both,
             None => {
                 return Err(Error::user(format!(
-                    "{key}: column '{column}' has type {first} in {} but {dt} in {}; the \
+                    "{key}: column '{column}' has type {} in {} but {} in {}; the \
                      output column has one type, so every input file must agree: {MIXING_RULE}",
+                    type_name(first),
                     first_path.display(),
+                    type_name(dt),
                     path.display()
                 )))
             }
@@ -117,6 +118,37 @@ impl FileTypes {
     /// The type `column` is written as (None before any file recorded it).
     pub fn output_type(&self, column: &str) -> Option<DataType> {
         self.seen.get(column).map(|(t, _, _)| t.clone())
+    }
+}
+
+/// `dt` as pyarrow spells it (`string`, `int64`, `list<item: string>`, `dictionary<values=
+/// string, indices=int8, ordered=0>`): the names a user sees where the file was written.
+pub fn type_name(dt: &DataType) -> String {
+    use DataType as D;
+    let item = |f: &arrow_schema::Field| format!("{}: {}", f.name(), type_name(f.data_type()));
+    match dt {
+        D::Utf8 => "string".into(),
+        D::LargeUtf8 => "large_string".into(),
+        D::Utf8View => "string_view".into(),
+        D::Boolean => "bool".into(),
+        D::Float16 => "halffloat".into(),
+        D::Float32 => "float".into(),
+        D::Float64 => "double".into(),
+        D::Binary => "binary".into(),
+        D::LargeBinary => "large_binary".into(),
+        D::Null => "null".into(),
+        D::List(f) => format!("list<{}>", item(f)),
+        D::LargeList(f) => format!("large_list<{}>", item(f)),
+        D::Struct(fields) => {
+            let items: Vec<String> = fields.iter().map(|f| item(f)).collect();
+            format!("struct<{}>", items.join(", "))
+        }
+        D::Dictionary(k, v) => format!(
+            "dictionary<values={}, indices={}, ordered=0>",
+            type_name(v),
+            type_name(k)
+        ),
+        _ => dt.to_string().to_lowercase(),
     }
 }
 
@@ -252,6 +284,19 @@ mod tests {
             true,
         )));
         assert!(is_list_of(&listed, is_text));
+    }
+
+    #[test]
+    fn types_are_named_as_pyarrow_names_them() {
+        use DataType as D;
+        let list = D::List(Arc::new(arrow_schema::Field::new("item", D::Utf8, true)));
+        let dict = D::Dictionary(Box::new(D::Int8), Box::new(D::LargeUtf8));
+        assert_eq!(type_name(&D::Int64), "int64");
+        assert_eq!(type_name(&D::UInt64), "uint64");
+        assert_eq!(type_name(&D::Float64), "double");
+        assert_eq!(type_name(&list), "list<item: string>");
+        let want = "dictionary<values=large_string, indices=int8, ordered=0>";
+        assert_eq!(type_name(&dict), want);
     }
 
     #[test]

@@ -399,7 +399,7 @@ impl SchedulerConfig {
 
     /// Kept input columns: distinct, none named as a column this job's output has (an optional
     /// column it does not write, `logprob` in a generation job, is free), Parquet input only.
-    fn validate_keep_columns(&self) -> Result<()> {
+    pub(crate) fn validate_keep_columns(&self) -> Result<()> {
         let key = "output.keep_columns";
         if self.openai_batch() && !self.keep_columns.is_empty() {
             return Err(Error::user(format!(

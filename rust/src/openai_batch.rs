@@ -20,7 +20,7 @@ use crate::chat_template::Message;
 use crate::error::{Error, Result};
 use crate::openai_keys::{check_body, check_message_key, shown, Body, Endpoint};
 pub use crate::openai_keys::{CHAT_URL, COMPLETIONS_URL};
-use crate::sampling_params::{row_seed, to_f32, SamplingParams, MAX_SAMPLES};
+use crate::sampling_params::{held_f32, row_seed, SamplingParams, MAX_SAMPLES};
 use crate::structured::ResponseFormat;
 
 /// What a line asks to generate from.
@@ -39,15 +39,48 @@ pub struct BatchLine {
     pub request: std::result::Result<(Prompt, Arc<SamplingParams>), String>,
 }
 
-/// The requests (non-blank lines) of a JSONL file, counted by streaming it.
-pub fn count_requests(path: &Path, storage: &crate::storage::StorageSettings) -> Result<u64> {
+/// What an OpenAI Batch input's lines ask, read before any work: its requests (non-blank
+/// lines), the first line's served endpoint (the default of parts without an `endpoint`) and
+/// whether any line is a chat request (then its messages need the chat template).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Survey {
+    pub requests: u64,
+    pub first: Option<Endpoint>,
+    pub chat: bool,
+}
+
+/// Adds the lines of JSONL file `path` to `seen`, streaming it, and returns its requests. A
+/// line is parsed only while what it may tell is unknown: until one names a served endpoint,
+/// then only lines holding "chat" until one is a chat request.
+pub fn survey_requests(
+    path: &Path,
+    storage: &crate::storage::StorageSettings,
+    seen: &mut Survey,
+) -> Result<u64> {
     let file = crate::storage::Source::open(path, storage)?.into_read();
     let mut n = 0;
     for (i, line) in std::io::BufReader::new(file).split(b'\n').enumerate() {
         let line = line.map_err(|e| Error::user(format!("{}: {e}", path.display())))?;
-        n += u64::from(!is_blank(without_bom(&line, i)));
+        let line = without_bom(&line, i);
+        if is_blank(line) {
+            continue;
+        }
+        n += 1;
+        let may_chat = !seen.chat && line.windows(4).any(|w| w == b"chat");
+        if seen.first.is_none() || may_chat {
+            let endpoint = line_endpoint(line);
+            seen.first = seen.first.or(endpoint);
+            seen.chat = endpoint == Some(Endpoint::Chat);
+        }
     }
+    seen.requests += n;
     Ok(n)
+}
+
+/// The served endpoint a line's `url` names (None: not JSON, no url, or another one).
+fn line_endpoint(line: &[u8]) -> Option<Endpoint> {
+    let v: Value = serde_json::from_slice(line).ok()?;
+    Endpoint::of(v.get("url")?.as_str()?)
 }
 
 /// The UTF-8 byte order mark, which some editors write at the start of a text file.
@@ -232,7 +265,7 @@ fn int(body: &Map<String, Value>, k: &str) -> Parsed<i64> {
 fn num(body: &Map<String, Value>, k: &str) -> Parsed<f32> {
     given(body, k)
         .map(|v| match v.as_f64() {
-            Some(x) => to_f32(x).map_err(|e| format!("body.{k}: {e}")),
+            Some(x) => held_f32(k, x).map_err(|e| format!("body.{k}: {e}")),
             None => Err(format!("body.{k} must be a number, got {}", shown(v))),
         })
         .transpose()
@@ -399,6 +432,36 @@ mod tests {
     }
 
     #[test]
+    fn a_survey_counts_requests_and_finds_the_first_url_and_chat_lines() {
+        let dir = crate::testutil::TempDir::new("survey");
+        let line = |url: &str| format!(r#"{{"custom_id": "a", "url": "{url}", "body": {{}}}}"#);
+        let write = |name: &str, lines: &[String]| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, lines.join("\n")).unwrap();
+            path
+        };
+        let a = write(
+            "a.jsonl",
+            &["not json".into(), line("/v1/embeddings"), " ".into()],
+        );
+        let b = write(
+            "b.jsonl",
+            &[line(COMPLETIONS_URL), line(CHAT_URL), line(COMPLETIONS_URL)],
+        );
+        let mut seen = Survey::default();
+        let none = Default::default();
+        assert_eq!(survey_requests(&a, &none, &mut seen).unwrap(), 2);
+        assert_eq!((seen.first, seen.chat), (None, false));
+        assert_eq!(survey_requests(&b, &none, &mut seen).unwrap(), 3);
+        let want = Survey {
+            requests: 5,
+            first: Some(Endpoint::Completions),
+            chat: true,
+        };
+        assert_eq!(seen, want);
+    }
+
+    #[test]
     fn a_bom_opening_the_file_and_crlf_endings_are_read() {
         let dir = crate::testutil::TempDir::new("bom");
         let path = dir.path().join("b.jsonl");
@@ -407,7 +470,12 @@ mod tests {
         );
         let text = format!("\u{feff}{line}\r\n\r\n{line}\r\n");
         std::fs::write(&path, text).unwrap();
-        assert_eq!(count_requests(&path, &Default::default()).unwrap(), 2);
+        let mut seen = Survey::default();
+        assert_eq!(
+            survey_requests(&path, &Default::default(), &mut seen).unwrap(),
+            2
+        );
+        assert_eq!(seen.first, Some(Endpoint::Completions));
         let first = format!("\u{feff}{line}\r");
         let bare = std::str::from_utf8(without_bom(first.as_bytes(), 0)).unwrap();
         let l = parse_line(bare, 1, &job(), 1);
@@ -594,7 +662,7 @@ mod tests {
             .1;
         assert_eq!((p.seed, p.top_k), (Some(-42), 5));
         for (extra, want) in [
-            (r#""top_k": -2"#, "top_k must be >= 0"),
+            (r#""top_k": -2"#, "top_k must be in 0..="),
             (r#""min_p": 1.5"#, "min_p must be in [0, 1]"),
             (
                 r#""ignore_eos": 1"#,

@@ -21,6 +21,7 @@ use crate::run::Run;
 use crate::scheduler::StepPlan;
 use crate::stats::SummaryValue;
 
+mod inputs;
 mod object_store;
 mod scheduler_config;
 
@@ -503,5 +504,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(output_columns, m)?)?;
     m.add("OUTPUT_COLUMNS", crate::writer::OUTPUT_COLUMNS.to_vec())?;
     m.add("SCHEDULER_CONFIG_FIELDS", scheduler_config::FIELDS.to_vec())?;
+    inputs::register(m)?;
     crate::cpu::bindings::register(m)
 }

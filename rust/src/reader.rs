@@ -54,7 +54,7 @@ pub mod columns;
 mod validate;
 
 use columns::RowSampling;
-pub use validate::{validate_inputs, InputFile, InputSpec};
+pub use validate::{check_job_inputs, validate_inputs, InputFile, InputSpec};
 
 /// What the reader thread sends.
 #[derive(Debug)]
@@ -878,6 +878,95 @@ mod tests {
     }
 
     #[test]
+    fn messages_name_the_key_the_column_and_the_file_in_pyarrows_spelling() {
+        let dir = TempDir::new("reader-keys");
+        let f = dir.path().join("a.parquet");
+        write_parquet(
+            &f,
+            vec![("prompt", Arc::new(Int32Array::from(vec![1])) as ArrayRef)],
+            10,
+        );
+        let err = validate_inputs(&cfg(vec![f.clone()]))
+            .unwrap_err()
+            .to_string();
+        let want = format!(
+            "input.prompt_column: column 'prompt' in {} has type int32, expected a string",
+            f.display()
+        );
+        assert_eq!(err, want);
+        let mut c = cfg(vec![f.clone()]);
+        c.prompt_column = Some("text".into());
+        let err = validate_inputs(&c).unwrap_err().to_string();
+        let want = format!(
+            "input.prompt_column: column 'text' not found in {} (columns: prompt)",
+            f.display()
+        );
+        assert_eq!(err, want);
+        // An unknown sampling key is named before any column is looked for.
+        c.sampling_columns =
+            std::collections::BTreeMap::from([("temprature".into(), "nope".into())]);
+        let err = validate_inputs(&c).unwrap_err().to_string();
+        assert!(
+            err.starts_with("input.sampling_columns: unknown key 'temprature'"),
+            "{err}"
+        );
+        let g = dir.path().join("b.parquet");
+        let stops = Arc::new(Int32Array::from(vec![1])) as ArrayRef;
+        let prompts = Arc::new(StringArray::from(vec!["w4"])) as ArrayRef;
+        write_parquet(&g, vec![("prompt", prompts), ("s", stops)], 10);
+        let mut c = cfg(vec![g.clone()]);
+        c.sampling_columns = std::collections::BTreeMap::from([("stop".into(), "s".into())]);
+        let err = validate_inputs(&c).unwrap_err().to_string();
+        let want = format!(
+            "input.sampling_columns.stop: column 's' in {} has type int32, expected a string \
+             or list<string>",
+            g.display()
+        );
+        assert_eq!(err, want);
+    }
+
+    #[test]
+    fn keep_all_columns_resolves_from_the_first_file_and_clashes_name_the_star() {
+        let dir = TempDir::new("reader-keep-all");
+        let f = dir.path().join("a.parquet");
+        let col = |v: &[&str]| Arc::new(StringArray::from(v.to_vec())) as ArrayRef;
+        write_parquet(
+            &f,
+            vec![
+                ("prompt", col(&["w4"])),
+                ("id", col(&["x"])),
+                ("note", col(&["n"])),
+            ],
+            10,
+        );
+        let mut c = cfg(vec![f.clone()]);
+        c.id_column = Some("id".into());
+        let spec = check_job_inputs(&mut c, true).unwrap();
+        let kept: Vec<&str> = spec.kept.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(kept, ["prompt", "note"]); // the id column named `id` is the output's id
+        let g = dir.path().join("b.parquet");
+        write_parquet(
+            &g,
+            vec![("prompt", col(&["w4"])), ("error", col(&["e"]))],
+            10,
+        );
+        let mut c = cfg(vec![g]);
+        let err = check_job_inputs(&mut c, true).unwrap_err().to_string();
+        assert!(
+            err.starts_with("output.keep_columns: column 'error' clashes")
+                && err.ends_with("(list the columns to keep instead of \"*\")"),
+            "{err}"
+        );
+        let mut c = cfg(vec![f]);
+        c.keep_columns = vec!["error".into()];
+        let err = check_job_inputs(&mut c, false).unwrap_err().to_string();
+        assert!(
+            err.contains("'error' clashes") && !err.contains("\"*\""),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn missing_file_and_column_are_user_errors() {
         let dir = TempDir::new("reader-missing");
         let err = validate_inputs(&cfg(vec![dir.path().join("nope.parquet")])).unwrap_err();
@@ -975,7 +1064,7 @@ mod tests {
         let err = validate_inputs(&c).unwrap_err();
         assert!(
             matches!(&err, Error::UserInput(m) if m.contains("input.id_column: column 'id' has \
-                type Int32 in") && m.contains("a.parquet but Utf8 in") && m.contains("b.parquet")),
+                type int32 in") && m.contains("a.parquet but string in") && m.contains("b.parquet")),
             "{err}"
         );
     }
@@ -1070,7 +1159,7 @@ mod tests {
         c.input_files = id_files(&wide, mix);
         let err = validate_inputs(&c).unwrap_err().to_string();
         assert!(
-            err.contains("Int32 in") && err.contains("but UInt64 in"),
+            err.contains("int32 in") && err.contains("but uint64 in"),
             "{err}"
         );
         assert!(err.contains("uint64 only with uint64"), "{err}");

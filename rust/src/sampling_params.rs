@@ -5,7 +5,8 @@
 //!
 //! One rule checks them (`SamplingParams::check`): the job's settings once, up front, and every
 //! row's overrides as the row is read; a row whose values fail it becomes an error row naming
-//! the column. The scheduler reads its stop conditions from here, the plan its per-row arrays.
+//! the column. Each key's range is stated once (`RANGES`): the job schema holds its keys to
+//! it through the extension (`sampling_rule`), and row values meet it before they become f32s. The scheduler reads its stop conditions from here, the plan its per-row arrays.
 //! A domain type: this module reads neither the config nor Arrow.
 
 use std::sync::Arc;
@@ -15,8 +16,8 @@ use crate::structured::ResponseFormat;
 /// The most top-logprob alternatives a request may ask for (vLLM's default limit).
 pub const MAX_LOGPROBS: u32 = 20;
 
-/// The smallest positive `temperature` and the smallest `repetition_penalty` (config.py's
-/// SAMPLING_MIN is the same): logits divided by less overflow f32 and crash the sampler.
+/// The smallest positive `temperature` and the smallest `repetition_penalty` (`RANGES`):
+/// logits divided by less overflow f32 and crash the sampler.
 pub const SAMPLING_MIN: f32 = 1e-5;
 
 /// The largest `temperature` and `repetition_penalty`.
@@ -104,12 +105,8 @@ impl SamplingParams {
     }
 
     fn length_violation(&self) -> Option<(&'static [&'static str], String)> {
-        if self.max_new_tokens == 0 || self.max_new_tokens > i32::MAX as usize {
-            let msg = format!(
-                "max_new_tokens must be in 1..={}, got {}",
-                i32::MAX,
-                self.max_new_tokens
-            );
+        if let Some(what) = range_violation("max_new_tokens", self.max_new_tokens as f64) {
+            let msg = format!("max_new_tokens {what}, got {}", self.max_new_tokens);
             return Some((&["max_new_tokens"], msg));
         }
         if self.min_new_tokens > self.max_new_tokens {
@@ -123,59 +120,25 @@ impl SamplingParams {
     }
 
     fn float_violation(&self) -> Option<(&'static [&'static str], String)> {
-        let normal = |v: f32| v == 0.0 || v.is_normal();
-        let in_range = |v: f32, lo: f32, hi: f32| normal(v) && v >= lo && v <= hi;
-        let t = self.temperature;
-        if !(t == 0.0 || in_range(t, SAMPLING_MIN, SAMPLING_MAX)) {
-            let msg = format!(
-                "temperature must be 0 (greedy) or a number in [{SAMPLING_MIN:e}, \
-                 {SAMPLING_MAX:e}], got {}",
-                num(t)
-            );
-            return Some((&["temperature"], msg));
-        }
-        if !(normal(self.top_p) && self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Some((
-                &["top_p"],
-                format!("top_p must be in (0, 1], got {}", num(self.top_p)),
-            ));
-        }
-        let r = self.repetition_penalty;
-        if !in_range(r, SAMPLING_MIN, SAMPLING_MAX) {
-            let msg = format!(
-                "repetition_penalty must be a number in [{SAMPLING_MIN:e}, {SAMPLING_MAX:e}] \
-                 (1 = off), got {}",
-                num(r)
-            );
-            return Some((&["repetition_penalty"], msg));
-        }
-        if !(normal(self.min_p) && (0.0..=1.0).contains(&self.min_p)) {
-            let msg = format!("min_p must be in [0, 1] (0 = off), got {}", num(self.min_p));
-            return Some((&["min_p"], msg));
-        }
-        for (name, v) in [
+        let values = [
+            ("temperature", self.temperature),
+            ("top_p", self.top_p),
+            ("repetition_penalty", self.repetition_penalty),
+            ("min_p", self.min_p),
             ("frequency_penalty", self.frequency_penalty),
             ("presence_penalty", self.presence_penalty),
-        ] {
-            if !in_range(v, -2.0, 2.0) {
-                let keys: &'static [&'static str] = if name == "frequency_penalty" {
-                    &["frequency_penalty"]
-                } else {
-                    &["presence_penalty"]
-                };
-                return Some((
-                    keys,
-                    format!("{name} must be in [-2, 2] (0 = off), got {}", num(v)),
-                ));
-            }
-        }
-        None
+        ];
+        values.into_iter().find_map(|(key, v)| {
+            let range = range_of(key)?;
+            let subnormal = v != 0.0 && !v.is_normal();
+            let what = range_violation(key, f64::from(v)).or(subnormal.then_some(range.what))?;
+            Some((range.keys, format!("{key} {what}, got {}", num(v))))
+        })
     }
 
     fn integer_violation(&self) -> Option<(&'static [&'static str], String)> {
-        if self.top_k < 0 {
-            let msg = format!("top_k must be >= 0 (0 = off), got {}", self.top_k);
-            return Some((&["top_k"], msg));
+        if let Some(what) = range_violation("top_k", f64::from(self.top_k)) {
+            return Some((&["top_k"], format!("top_k {what}, got {}", self.top_k)));
         }
         let v = self.vocab_size;
         if let Some(t) = self
@@ -186,11 +149,8 @@ impl SamplingParams {
             let msg = format!("stop_token_ids: {t} is not an id of the model (vocab_size {v})");
             return Some((&["stop_token_ids"], msg));
         }
-        if self.logprobs > MAX_LOGPROBS {
-            let msg = format!(
-                "logprobs must be in 0..={MAX_LOGPROBS}, got {}",
-                self.logprobs
-            );
+        if let Some(what) = range_violation("logprobs", f64::from(self.logprobs)) {
+            let msg = format!("logprobs {what}, got {}", self.logprobs);
             return Some((&["logprobs"], msg));
         }
         None
@@ -207,6 +167,143 @@ impl SamplingParams {
     pub fn max_stop_len(&self) -> usize {
         self.stop.iter().map(String::len).max().unwrap_or(0)
     }
+}
+
+/// The range of one sampling key: the one statement of it, read by `SamplingParams::check`
+/// (the job's values and every row's), by the readers of sampling columns and batch lines
+/// before a value becomes an f32, and by the job schema through the extension
+/// (py/eaglebatch/job/config.py `sampling_rule`).
+pub struct Range {
+    pub key: &'static str,
+    /// The keys a message about this one names (for a row: the columns to blame).
+    keys: &'static [&'static str],
+    lo: f64,
+    hi: f64,
+    /// The lower bound itself is refused (`(lo, hi]`).
+    open_lo: bool,
+    /// 0 is accepted besides `[lo, hi]` (temperature: greedy).
+    zero: bool,
+    /// The range in words, as messages state it.
+    what: &'static str,
+}
+
+const I32_MAX: f64 = i32::MAX as f64;
+
+/// Every ranged sampling key. Floats are also finite and, when nonzero, normal f32s (`to_f32`).
+pub const RANGES: &[Range] = &[
+    Range {
+        key: "temperature",
+        keys: &["temperature"],
+        lo: SAMPLING_MIN as f64,
+        hi: SAMPLING_MAX as f64,
+        open_lo: false,
+        zero: true,
+        what: "must be 0 (greedy) or a number in [1e-5, 1e6]",
+    },
+    Range {
+        key: "top_p",
+        keys: &["top_p"],
+        lo: 0.0,
+        hi: 1.0,
+        open_lo: true,
+        zero: false,
+        what: "must be in (0, 1]",
+    },
+    Range {
+        key: "repetition_penalty",
+        keys: &["repetition_penalty"],
+        lo: SAMPLING_MIN as f64,
+        hi: SAMPLING_MAX as f64,
+        open_lo: false,
+        zero: false,
+        what: "must be a number in [1e-5, 1e6] (1 = off)",
+    },
+    Range {
+        key: "min_p",
+        keys: &["min_p"],
+        lo: 0.0,
+        hi: 1.0,
+        open_lo: false,
+        zero: false,
+        what: "must be in [0, 1] (0 = off)",
+    },
+    Range {
+        key: "frequency_penalty",
+        keys: &["frequency_penalty"],
+        lo: -2.0,
+        hi: 2.0,
+        open_lo: false,
+        zero: false,
+        what: "must be in [-2, 2] (0 = off)",
+    },
+    Range {
+        key: "presence_penalty",
+        keys: &["presence_penalty"],
+        lo: -2.0,
+        hi: 2.0,
+        open_lo: false,
+        zero: false,
+        what: "must be in [-2, 2] (0 = off)",
+    },
+    Range {
+        key: "max_new_tokens",
+        keys: &["max_new_tokens"],
+        lo: 1.0,
+        hi: I32_MAX,
+        open_lo: false,
+        zero: false,
+        what: "must be in 1..=2147483647",
+    },
+    Range {
+        key: "top_k",
+        keys: &["top_k"],
+        lo: 0.0,
+        hi: I32_MAX,
+        open_lo: false,
+        zero: false,
+        what: "must be in 0..=2147483647 (0 = off)",
+    },
+    Range {
+        key: "logprobs",
+        keys: &["logprobs"],
+        lo: 0.0,
+        hi: MAX_LOGPROBS as f64,
+        open_lo: false,
+        zero: false,
+        what: "must be in 0..=20",
+    },
+    Range {
+        key: "n",
+        keys: &["n"],
+        lo: 1.0,
+        hi: MAX_SAMPLES as f64,
+        open_lo: false,
+        zero: false,
+        what: "must be in 1..=4096",
+    },
+];
+
+/// How `v` breaks `key`'s range, in words (None: in range, or `key` has none). NaN is out of
+/// every range.
+pub fn range_violation(key: &str, v: f64) -> Option<&'static str> {
+    let r = range_of(key)?;
+    let above_lo = if r.open_lo { v > r.lo } else { v >= r.lo };
+    let ok = (r.zero && v == 0.0) || (above_lo && v <= r.hi);
+    (!ok).then_some(r.what)
+}
+
+fn range_of(key: &str) -> Option<&'static Range> {
+    RANGES.iter().find(|r| r.key == key)
+}
+
+/// A float key's value as the f32 it is held in: in its range (`RANGES`, judged on the value
+/// given, so 1e-40 is refused by temperature's range rather than as an f32's loss), then
+/// representable (`to_f32`).
+pub fn held_f32(key: &str, v: f64) -> Result<f32, String> {
+    if let Some(what) = range_violation(key, v) {
+        return Err(format!("{key} {what}, got {}", num(v)));
+    }
+    to_f32(v)
 }
 
 /// `v` for a message: plain digits for ordinary magnitudes, exponent form for tiny or huge ones
@@ -250,6 +347,30 @@ mod tests {
 
     fn job() -> SamplingParams {
         SchedulerConfig::new(vec![], "p", PathBuf::new(), PathBuf::new()).sampling_params()
+    }
+
+    #[test]
+    fn one_range_per_key_judged_on_the_value_given() {
+        assert_eq!(range_violation("temperature", 0.0), None);
+        assert_eq!(range_violation("temperature", 1e-5_f32 as f64), None);
+        for v in [-1.0, 5e-6, 1e-40, 2e6, f64::NAN, f64::INFINITY] {
+            let what = range_violation("temperature", v).unwrap();
+            assert!(what.contains("0 (greedy)") && what.contains("1e-5"), "{v}");
+        }
+        assert!(range_violation("top_p", 0.0).is_some() && range_violation("top_p", 1.0).is_none());
+        assert!(
+            range_violation("top_k", -1.0).is_some() && range_violation("top_k", 0.0).is_none()
+        );
+        assert!(range_violation("n", 4097.0).is_some() && range_violation("n", 4096.0).is_none());
+        assert!(range_violation("logprobs", 21.0).is_some());
+        assert!(range_violation("max_new_tokens", 0.0).is_some());
+        assert_eq!(range_violation("seed", -5.0), None); // no range: any seed
+                                                         // 1e-40 breaks temperature's range before it would be lost as an f32
+        let e = held_f32("temperature", 1e-40).unwrap_err();
+        assert!(e.starts_with("temperature must be 0 (greedy)"), "{e}");
+        let e = held_f32("top_p", 1e-300).unwrap_err();
+        assert!(e.contains("32-bit float"), "{e}");
+        assert_eq!(held_f32("top_p", 0.5), Ok(0.5));
     }
 
     #[test]

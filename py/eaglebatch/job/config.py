@@ -14,9 +14,7 @@ for 0.5, no 256.0 for an integer; an integer is accepted where a number is).
 from __future__ import annotations
 
 import copy
-import math
 import os
-import struct
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -74,41 +72,20 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
-# The sampling keys a row may set from an input column (rust/src/sampling_params.rs).
-SAMPLING_COLUMN_KEYS = (
-    "max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "seed",
-    "repetition_penalty", "frequency_penalty", "presence_penalty", "stop", "logprobs", "min_p",
-    "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
-    "response_format",
-)
-MAX_LOGPROBS = 20
-# The smallest positive sampling.temperature and the smallest repetition_penalty (the same in
-# rust/src/sampling_params.rs SAMPLING_MIN): logits divided by less overflow f32 and crash the
-# sampler. Both keys, job-wide or per row, are at most SAMPLING_MAX.
-SAMPLING_MIN = 1e-5
-SAMPLING_MAX = 1e6
-_F32_MIN_NORMAL = 2.0**-126
+def _native_rule(key: str, v: Any) -> Any:
+    # lazy: the extension, loaded once a job sets a ranged key
+    from eaglebatch._native import sampling_rule
 
-
-def _f32_kept(v: float) -> float:
-    """A float sampling key reaches the scheduler as an f32: a nonzero value that f32 makes 0,
-    subnormal or infinite is refused (the per-row rule of sampling_params.rs `to_f32`)."""
-    try:
-        f = struct.unpack("f", struct.pack("f", v))[0]
-    except OverflowError:
-        f = math.inf
-    if v != 0 and (f == 0 or abs(f) < _F32_MIN_NORMAL or math.isinf(f)):
-        raise ValueError(f"{v!r} is not representable as a 32-bit float (it would become {f!r})")
+    broken = sampling_rule(key, v)
+    if broken is not None:
+        raise ValueError(broken)
     return v
 
 
-def _greedy_or_min(v: float) -> float:
-    if 0 < v < SAMPLING_MIN:
-        raise ValueError(f"must be 0 (greedy) or at least {SAMPLING_MIN:g}")
-    return v
-
-
-F32 = AfterValidator(_f32_kept)
+def sampling_rule(key: str) -> AfterValidator:
+    """The range of sampling key `key` (and a float's f32 form), as the extension states it
+    for the job, its rows' columns and batch lines alike (rust/src/sampling_params.rs RANGES)."""
+    return AfterValidator(lambda v: _native_rule(key, v))
 
 
 class InputConfig(_Section):
@@ -122,7 +99,8 @@ class InputConfig(_Section):
     # reasoning models: the chat template's `enable_thinking` variable (Qwen 3's switch);
     # unset: the template's own default
     enable_thinking: bool | None = None
-    # Per-row sampling: sampling key -> input column; a row's non-null value overrides the job's.
+    # Per-row sampling: sampling key -> input column; a row's non-null value overrides the job's
+    # (the keys and each one's column types: checked with the files, rust/src/reader/columns.rs).
     sampling_columns: dict[str, str] = Field(default_factory=dict)
     # parquet, or openai-batch (JSONL request lines); auto: openai-batch for a .jsonl path
     format: Literal["auto", "parquet", "openai-batch"] = "auto"
@@ -155,13 +133,7 @@ class InputConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _known_sampling_columns(self) -> InputConfig:
-        bad = sorted(set(self.sampling_columns) - set(SAMPLING_COLUMN_KEYS))
-        if bad:
-            raise ValueError(
-                f"input.sampling_columns: unknown key(s) {', '.join(bad)}; the keys are "
-                f"{', '.join(SAMPLING_COLUMN_KEYS)}"
-            )
+    def _named_sampling_columns(self) -> InputConfig:
         if any(c == "" for c in self.sampling_columns.values()):
             raise ValueError("input.sampling_columns: a column name must not be empty")
         return self
@@ -196,13 +168,13 @@ class OutputConfig(_Section):
     flush_interval_s: float = Field(default=30.0, gt=0.0, le=1e9)
     include_token_ids: bool = False
     # a `logprobs` column: per output token its log-probability and the top K alternatives
-    logprobs: int = Field(default=0, ge=0, le=MAX_LOGPROBS)
+    logprobs: Annotated[int, sampling_rule("logprobs")] = 0
     # raw: the model's own distribution (log_softmax of its logits); processed: the one the
     # token was drawn from (after penalties, min_new_tokens, temperature, top-k and top-p)
     logprobs_mode: Literal["raw", "processed"] = "raw"
     # a `prompt_logprobs` column: per prompt token after the first, its log-probability given
     # the tokens before it and the top K alternatives (raw); such prompts skip the prefix cache
-    prompt_logprobs: int = Field(default=0, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: Annotated[int, sampling_rule("logprobs")] = 0
     # openai-batch: also write the OpenAI Batch results file (JSONL) once every row is done
     format: Literal["parquet", "openai-batch"] = "parquet"
     # default: output.path/_results.jsonl (results_file.py: where it may go, who owns it)
@@ -247,14 +219,13 @@ class OutputConfig(_Section):
 
 
 class SamplingConfig(_Section):
-    # Upper bounds: what the Rust scheduler's types hold (usize, an f32, i32, i64), sensibly.
-    max_new_tokens: int = Field(default=256, ge=1, le=I32_MAX)
-    # 0 = greedy, else in [SAMPLING_MIN, SAMPLING_MAX]
-    temperature: Annotated[float, AfterValidator(_greedy_or_min), F32] = Field(
-        default=0.0, ge=0.0, le=SAMPLING_MAX
-    )
-    top_p: Annotated[float, F32] = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0, le=I32_MAX)
+    # Ranges: the extension's (`sampling_rule`: one statement for the job, its rows' columns
+    # and batch lines); other bounds: what the Rust scheduler's types hold (i32, i64).
+    max_new_tokens: Annotated[int, sampling_rule("max_new_tokens")] = 256
+    # 0 = greedy, else in [1e-5, 1e6]
+    temperature: Annotated[float, sampling_rule("temperature")] = 0.0
+    top_p: Annotated[float, sampling_rule("top_p")] = 1.0
+    top_k: Annotated[int, sampling_rule("top_k")] = 0
     seed: int = Field(default=0, ge=0, le=I64_MAX)
     stop: Annotated[tuple[str, ...], LIST_OK] = ()
     # token ids that end a request like EOS (counted as an output token, not in the text)
@@ -263,7 +234,7 @@ class SamplingConfig(_Section):
     ignore_eos: bool = False
     # min-p sampling (vLLM's): keep the tokens whose probability, after temperature, is at
     # least min_p times the most likely one's (0 = off; greedy rows are never filtered)
-    min_p: Annotated[float, F32] = Field(default=0.0, ge=0.0, le=1.0)
+    min_p: Annotated[float, sampling_rule("min_p")] = 0.0
     # the output text keeps the stop string that ended it
     include_stop_str_in_output: bool = False
     # false: special tokens (other than an ending EOS or stop token id) appear in output_text
@@ -272,13 +243,11 @@ class SamplingConfig(_Section):
     min_new_tokens: int = Field(default=0, ge=0, le=I32_MAX)
     # vLLM's penalties: repetition over prompt and output tokens (> 1 discourages repeats;
     # 1 = off), frequency (by count) and presence (once) over output tokens (0 = off)
-    repetition_penalty: Annotated[float, F32] = Field(
-        default=1.0, ge=SAMPLING_MIN, le=SAMPLING_MAX
-    )
-    frequency_penalty: Annotated[float, F32] = Field(default=0.0, ge=-2.0, le=2.0)
-    presence_penalty: Annotated[float, F32] = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: Annotated[float, sampling_rule("repetition_penalty")] = 1.0
+    frequency_penalty: Annotated[float, sampling_rule("frequency_penalty")] = 0.0
+    presence_penalty: Annotated[float, sampling_rule("presence_penalty")] = 0.0
     # samples per input row: n output rows (sample_index 0..n-1) sharing the prompt's KV
-    n: int = Field(default=1, ge=1, le=4096)
+    n: Annotated[int, sampling_rule("n")] = 1
     # structured output (docs/structured-output.md): what every row's output must match, as
     # OpenAI spells it ({type: json_schema, json_schema: {name, schema}}, {type: json_object})
     # or {type: regex, pattern}, {type: grammar, lark}, {type: choice, choices}; checked and

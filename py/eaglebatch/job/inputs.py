@@ -1,34 +1,24 @@
-"""Input files: resolve a path / directory / glob to Parquet files and check their columns.
+"""Input files: resolve a path / directory / glob to the files the job reads, then check them
+through the extension (rust/src/reader/validate.rs: the one copy of the column, type, codec and
+OpenAI Batch rules, which the scheduler applies again as it opens the files).
 
-Checked before any model is loaded so a bad job fails in milliseconds. Only Parquet footers are
-read here; rows are streamed later by the Rust reader.
+Checked before any model is loaded so a bad job fails in milliseconds. Only Parquet footers
+(and OpenAI Batch lines until their endpoints are known) are read here; rows are streamed
+later by the Rust reader.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import glob
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
 from eaglebatch.errors import JobError
 from eaglebatch.job import builtin
-from eaglebatch.job.column_types import (
-    MIXING_RULE,
-    dense,
-    is_int,
-    is_list_of,
-    is_number,
-    is_text,
-    unified,
-)
 from eaglebatch.job.config import InputConfig, JobConfig
-from eaglebatch.storage import RemotePath, is_remote, location, parquet_footer
+from eaglebatch.storage import RemotePath, is_remote, location
 
 
 def resolve_input_files(path: str, suffix: str = ".parquet", storage=None) -> list[Path]:
@@ -163,247 +153,86 @@ def check_output_apart(input_path: str, files: list[Path], output_path: str) -> 
             raise JobError(f"{clash}: its part files would match the glob '{input_path}'")
 
 
-def _is_messages(t: pa.DataType) -> bool:
-    """A list of structs with string (or dictionary-of-string) fields role and content."""
-    if not is_list_of(t, pa.types.is_struct):
-        return False
-    item = t.value_type
-    names = {item.field(i).name: item.field(i).type for i in range(item.num_fields)}
-    return all(k in names and is_text(names[k]) for k in ("role", "content"))
-
-
-def _is_id(t: pa.DataType) -> bool:
-    return is_int(t) or is_text(t)
-
-
-def _is_stop(t: pa.DataType) -> bool:
-    return is_text(t) or is_list_of(dense(t), is_text)
-
-
-def _is_bool(t: pa.DataType) -> bool:
-    return pa.types.is_boolean(dense(t))
-
-
-def _is_ids(t: pa.DataType) -> bool:
-    t = dense(t)
-    listed = pa.types.is_list(t) or pa.types.is_large_list(t)
-    return listed and is_int(t.value_type)  # items of any width, dictionaries by their values
-
-
-# The column types of each sampling key (input.sampling_columns): the rule of
-# rust/src/reader/columns.rs `check_column_type`, which checks again when it opens the files.
-_INT_KEYS = ("max_new_tokens", "min_new_tokens", "top_k", "seed", "logprobs")
-_BOOL_KEYS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
-
-
-def _sampling_check(key: str) -> tuple:
-    if key == "stop":
-        return _is_stop, "a string or list<string>"
-    if key == "stop_token_ids":
-        return _is_ids, "a list of integers"
-    if key == "response_format":
-        return is_text, "a string (a response_format's JSON text)"
-    if key in _INT_KEYS:
-        return is_int, "an integer"
-    if key in _BOOL_KEYS:
-        return _is_bool, "a boolean"
-    return is_number, "a number (integer or float)"
-
-
-# The Parquet codecs the Rust reader decodes (rust/src/reader/validate.rs `codec_supported`): every
-# one pyarrow writes.
-_READABLE_CODECS = ("UNCOMPRESSED", "SNAPPY", "GZIP", "LZ4", "LZ4_RAW", "ZSTD", "BROTLI")
-
-
-BATCH_URLS = ("/v1/chat/completions", "/v1/completions")
-_BLANK = b" \t\n\r\x0c"  # ASCII whitespace as Rust's is_ascii_whitespace
-_BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark opening a file is not part of line 1
-
-
 @dataclass(frozen=True)
 class BatchInput:
     """What an OpenAI Batch input holds, read before any work (inputs.check_batch_input)."""
 
     files: list[Path]
     total: int  # requests: non-blank lines, capped by input.limit
-    first_url: str  # the first line's served url (the default of parts without `endpoint`)
+    # the first line's served url (the default of parts without `endpoint`; None: no lines)
+    first_url: str | None
     chat: bool  # a line is a chat request: its messages need the chat template
 
 
 def check_batch_input(cfg: InputConfig, storage=None) -> BatchInput:
-    """OpenAI Batch JSONL: the files, their requests and what they ask. Each line names its
-    own endpoint (openai_batch.rs; one file may mix them); at least one line must be a request
-    to one eaglebatch serves. Lines are parsed only while that is unknown, and then only those
-    that may be chat requests (they hold "chat"), until one is. A file may open with a UTF-8
-    byte order mark and end its lines in CRLF, as openai_batch.rs reads it."""
+    """OpenAI Batch JSONL: the files, their requests and what they ask (the extension's
+    survey of the lines, rust/src/openai_batch.rs: each line names its own endpoint, and at
+    least one must be a request to one eaglebatch serves)."""
     files = resolve_input_files(cfg.path, ".jsonl", storage)
-    total, first, chat = 0, None, False
-    for f in files:
-        try:
-            with f.open("rb") if is_remote(f) else open(f, "rb") as lines:
-                for i, line in enumerate(lines):
-                    line = line.removeprefix(_BOM) if i == 0 else line
-                    if not line.strip(_BLANK):  # the reader's rule (openai_batch.rs is_blank)
-                        continue
-                    total += 1
-                    if first is None or (not chat and b"chat" in line):
-                        url = _line_url(line)
-                        first = first or url
-                        chat = url == BATCH_URLS[0]
-        except OSError as e:
-            raise JobError(f"input.path: cannot read {f} ({e})") from None
-    if first is None and total:
-        raise JobError(f"input.path: no line of {cfg.path} is a request to "
-                       f"{' or '.join(BATCH_URLS)}")  # fmt: skip
-    if cfg.limit is not None:
-        total = min(total, cfg.limit)
-    return BatchInput(files, total, first or BATCH_URLS[0], chat)
-
-
-def _line_url(line: bytes) -> str | None:
-    try:
-        url = json.loads(line).get("url")
-    except (ValueError, AttributeError):
-        return None
-    return url if url in BATCH_URLS else None
+    got = _check(_input_config(cfg, files, storage))
+    return BatchInput(files, got["total_rows"], got["first_url"], got["chat"])
 
 
 def check_input(cfg: InputConfig, storage=None) -> tuple[list[Path], int]:
     """Returns the input files and their total row count (capped by input.limit); `storage`:
-    the job's storage section, for remote paths."""
+    the job's storage section, for remote paths. Every file is checked as the reader reads it:
+    Parquet, the columns the job reads present once and of a readable type (one type across
+    files), a codec the reader decodes."""
     if cfg.openai_batch:
         batch = check_batch_input(cfg, storage)
         return batch.files, batch.total
     files = resolve_input_files(cfg.path, storage=storage)
-    total = 0
-    types = ColumnTypes()
-    for f in files:
-        try:
-            meta = pq.read_metadata(parquet_footer(f))
-            schema = meta.schema.to_arrow_schema()
-        except (pa.ArrowException, OSError) as e:
-            raise JobError(f"input.path: {f} is not a readable Parquet file ({e})") from None
-        total += meta.num_rows
-        _check_columns(cfg, f, schema)
-        read = {cfg.text_column, cfg.messages_column, cfg.id_column, *cfg.sampling_columns.values()}
-        _check_codecs(read, f, meta)
-        if cfg.id_column is not None:  # ids are written decoded: by the dictionary's values
-            types.add("input.id_column", cfg.id_column, dense(schema.field(cfg.id_column).type), f)
-    if cfg.limit is not None:
-        total = min(total, cfg.limit)
-    return files, total
+    return files, _check(_input_config(cfg, files, storage))["total_rows"]
 
 
 def kept_columns(job: JobConfig, files: list[Path]) -> tuple[str, ...]:
-    """`output.keep_columns` resolved against the input files: the names to copy into each
-    output row ("*": every column of the first file but an id column named `id`), each in
-    every file, of one type across them (`ColumnTypes`, by a dictionary's values), readable,
-    and named as no column this job's output has (scheduler_config.output_columns). The Rust
-    reader makes the same checks."""
+    """`output.keep_columns` resolved against the input files by the extension: the names to
+    copy into each output row ("*": every column of the first file but an id column named
+    `id`), each in every file, of one type across them and named as no column this job's
+    output has."""
     keep = job.output.keep_columns
     if not keep or not files:
         return ()
     # lazy: numpy and the extension, only for a job that keeps input columns
-    from eaglebatch.job.scheduler_config import output_columns
+    from eaglebatch.job.scheduler_config import job_only_config
 
-    if keep == "*":
-        first = pq.read_schema(parquet_footer(files[0])).names
-        keep = tuple(c for c in first if not (c == "id" == job.input.id_column))
-    own = output_columns(job)  # this job's: a column it does not write is free to keep
-    for c in keep:
-        if c in own:
-            star = job.output.keep_columns == "*"
-            hint = ' (list the columns to keep instead of "*")' if star else ""
-            raise JobError(
-                f"output.keep_columns: column '{c}' clashes with the output column of that "
-                f"name{hint}; this job's output columns are {', '.join(own)}"
-            )
-    types = ColumnTypes()
-    for f in files:
-        meta = pq.read_metadata(parquet_footer(f))
-        schema = meta.schema.to_arrow_schema()
-        for c in keep:
-            types.add("output.keep_columns", c,
-                      dense(column_type(schema, c, "output.keep_columns", f)), f)  # fmt: skip
-        _check_codecs(set(keep), f, meta)
-    return tuple(keep)
+    config = job_only_config(job, input_files=[str(f) for f in files],
+                             keep_columns=[] if keep == "*" else list(keep),
+                             **_storage(job.storage))  # fmt: skip
+    return tuple(_check(config, keep_all=keep == "*")["kept"])
 
 
-class ColumnTypes:
-    """The output type of each column written from the input, over the files seen so far
-    (`column_types.unified`); a file whose type is of another kind than an earlier file's is
-    a JobError naming the key, the column and both files."""
-
-    def __init__(self) -> None:
-        # column -> (unified type so far, first file's type, first file)
-        self._seen: dict[str, tuple[pa.DataType, pa.DataType, Path]] = {}
-
-    def add(self, key: str, column: str, t: pa.DataType, f: Path) -> None:
-        if column not in self._seen:
-            self._seen[column] = (t, t, f)
-            return
-        out, first, first_file = self._seen[column]
-        both = unified(out, t)
-        if both is None:
-            raise JobError(
-                f"{key}: column '{column}' has type {first} in {first_file} but {t} in {f}; "
-                f"the output column has one type, so every input file must agree: {MIXING_RULE}"
-            )
-        self._seen[column] = (both, first, first_file)
-
-    def output_type(self, column: str) -> pa.DataType:
-        return self._seen[column][0]
+def _storage(storage) -> dict:
+    """The scheduler settings of the job's storage section (None: the defaults)."""
+    if storage is None:
+        return {}
+    return {"storage_endpoint": storage.endpoint, "storage_options": dict(storage.options),
+            "storage_unconditional": storage.unsafe_no_conditional_writes}  # fmt: skip
 
 
-def _check_columns(cfg: InputConfig, f: Path, schema: pa.Schema) -> None:
-    """Raises JobError naming the key when a configured column is missing, mistyped or appears
-    more than once (the Rust reader's checks, validate.rs, made before any model loads)."""
-    checks = [(cfg.id_column, "input.id_column", _is_id, "an integer or string")]
-    if cfg.messages_column is not None:
-        checks.append(
-            (cfg.messages_column, "input.messages_column", _is_messages,
-             "a list of {role: string, content: string} structs")
-        )
-    else:
-        checks.append((cfg.text_column, "input.prompt_column", is_text, "a string"))
-    checks.append((cfg.continuation_column, "input.continuation_column", is_text, "a string"))
-    checks.append((cfg.choices_column, "input.choices_column",
-                   lambda t: is_list_of(t, is_text), "list<string>"))  # fmt: skip
-    for key, column in sorted(cfg.sampling_columns.items()):
-        checks.append((column, f"input.sampling_columns.{key}", *_sampling_check(key)))
-    for column, key, ok, want in checks:
-        if column is None:
-            continue
-        typ = column_type(schema, column, key, f)
-        if not ok(typ):
-            raise JobError(f"{key}: column '{column}' in {f} has type {typ}, expected {want}")
+def _input_config(cfg: InputConfig, files: list, storage):
+    """The run's settings as far as reading `files` goes: the input section's (the rest
+    stand-ins that read nothing)."""
+    # lazy: numpy and the extension, which `import eaglebatch` never needs
+    from eaglebatch.job.scheduler_config import SchedulerConfig
+
+    return SchedulerConfig(
+        input_files=[str(f) for f in files], prompt_column=cfg.text_column,
+        messages_column=cfg.messages_column, id_column=cfg.id_column, limit=cfg.limit,
+        input_format="openai-batch" if cfg.openai_batch else "parquet",
+        sampling_columns=dict(cfg.sampling_columns),
+        continuation_column=cfg.continuation_column, choices_column=cfg.choices_column,
+        tokenizer_file="", chat_template=None, bos_token=None, eos_token=None, eos_token_ids=[],
+        output_dir="", file_metadata={}, num_blocks=0, max_model_len=0, **_storage(storage),
+    )  # fmt: skip
 
 
-def column_type(schema: pa.Schema, column: str, key: str, f: Path) -> pa.DataType:
-    """The type of the column the job reads by `key`; JobError when the file has no column of
-    that name or several (which one the job means is unknowable: none is picked)."""
-    count = schema.names.count(column)
-    if count == 0:
-        names = ", ".join(schema.names)
-        raise JobError(f"{key}: column '{column}' not found in {f} (columns: {names})")
-    if count > 1:
-        times = "twice" if count == 2 else f"{count} times"
-        raise JobError(f"{key}: column '{column}' appears {times} in {f}; rename all but one "
-                       f"(the job cannot tell which one it means)")  # fmt: skip
-    return schema.field(column).type
+def _check(config, keep_all: bool = False) -> dict:
+    """The extension's `check_inputs`; its user errors as JobError."""
+    # lazy: the extension, which `import eaglebatch` never needs
+    from eaglebatch import _native
 
-
-def _check_codecs(read: set, f: Path, meta: pq.FileMetaData) -> None:
-    """Raises JobError naming the file, column and codec when a column the reader reads is
-    compressed with a codec it cannot decode (the check rust/src/reader/validate.rs makes again)."""
-    for g in range(meta.num_row_groups):
-        rg = meta.row_group(g)
-        for c in range(rg.num_columns):
-            col = rg.column(c)
-            root = col.path_in_schema.split(".")[0]
-            if root in read and col.compression not in _READABLE_CODECS:
-                raise JobError(
-                    f"input.path: column '{root}' of {f} is compressed with {col.compression}, "
-                    f"which eaglebatch cannot read (supported: "
-                    f"{', '.join(c.lower() for c in _READABLE_CODECS)}); rewrite the file"
-                )
+    try:
+        return _native.check_inputs(config, keep_all)
+    except _native.UserInputError as e:
+        raise JobError(str(e)) from None

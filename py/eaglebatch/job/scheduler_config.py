@@ -155,21 +155,18 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def output_columns(job: JobConfig) -> list[str]:
-    """The columns this job's output has before its kept input columns, as the writer will
-    write them (the Rust `SchedulerConfig::own_output_columns`, the one rule). They follow
-    from the job's keys alone: the fields the model, the worker and the input files resolve
-    are stand-ins here that add no column (`reasoning_ids`: two ids when output.reasoning is
-    on, as the tags' ids will be)."""
-    # lazy: the extension, only for a job that keeps input columns
-    from eaglebatch._native import output_columns as native_output_columns
-
-    cfg = from_job(
-        job, input_files=[], prompt_column=job.input.text_column, task=job.task,
+def job_only_config(job: JobConfig, **resolved: Any) -> SchedulerConfig:
+    """The job's settings with stand-ins for what the model, the worker and the input files
+    resolve (`resolved` replaces any by name): enough for the rules that follow from the job's
+    keys alone (its output columns, its input checks). `reasoning_ids`: two ids when
+    output.reasoning is on, as the tags' ids will be."""
+    standins = dict(
+        input_files=[], prompt_column=job.input.text_column, task=job.task,
         input_format="openai-batch" if job.input.openai_batch else "parquet",
         tokenizer_file="", chat_template=None, bos_token=None, eos_token=None, eos_token_ids=[],
         reasoning_ids=[0, 1] if job.output.reasoning is not None else [],
         output_dir=str(job.output.path), file_metadata={}, keep_columns=[], num_blocks=0,
         max_model_len=0, overlap=False,
     )  # fmt: skip
-    return native_output_columns(cfg)
+    return from_job(job, **(standins | resolved))
+

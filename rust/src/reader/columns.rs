@@ -11,7 +11,7 @@ use arrow_array::{Array, ArrayRef};
 use arrow_schema::DataType;
 
 use crate::column_kind::{dense, dense_type, int_value, is_int, is_list_of, is_text, str_value};
-use crate::sampling_params::{num, row_seed, to_f32, SamplingParams, COLUMN_KEYS, SAMPLING_MIN};
+use crate::sampling_params::{held_f32, row_seed, SamplingParams, COLUMN_KEYS};
 use crate::structured::ResponseFormat;
 
 /// The value kinds of the keys a column may set.
@@ -40,17 +40,26 @@ fn kind_of(key: &str) -> Option<Kind> {
     }
 }
 
-/// Whether an input column of type `dt` can hold values of sampling key `key`; the error names
-/// the key, the column and the expected type. The rule (inputs.py `_sampling_check` is the same
-/// over pyarrow's types): integer keys take Int8..UInt64, float keys those and Float16..Float64,
-/// `stop` a string or a list of strings, boolean keys Boolean, `stop_token_ids` a list of
-/// integers; a dictionary-encoded column is judged by its values.
-pub fn check_column_type(key: &str, column: &str, dt: &DataType) -> Result<(), String> {
-    let Some(kind) = kind_of(key) else {
-        return Err(format!(
-            "sampling_columns: unknown key '{key}'; the keys are {}",
+/// Every key of `input.sampling_columns` is one a column may set (`COLUMN_KEYS`); the error
+/// names the first unknown one and lists the keys.
+pub fn check_column_keys<'a>(keys: impl IntoIterator<Item = &'a String>) -> Result<(), String> {
+    match keys.into_iter().find(|k| kind_of(k).is_none()) {
+        None => Ok(()),
+        Some(k) => Err(format!(
+            "input.sampling_columns: unknown key '{k}'; the keys are {}",
             COLUMN_KEYS.join(", ")
-        ));
+        )),
+    }
+}
+
+/// Whether an input column of type `dt` can hold values of sampling key `key`; the error is
+/// the type expected, in words. The rule: integer keys take Int8..UInt64, float keys those and
+/// Float16..Float64, `stop` a string or a list of strings, boolean keys Boolean,
+/// `stop_token_ids` a list of integers, `response_format` a string; a dictionary-encoded
+/// column is judged by its values. (An unknown key: `check_column_keys`.)
+pub fn check_column_type(key: &str, dt: &DataType) -> Result<(), &'static str> {
+    let Some(kind) = kind_of(key) else {
+        return Err("no column (unknown sampling key)");
     };
     let values = dense_type(dt);
     let ok = match kind {
@@ -64,17 +73,14 @@ pub fn check_column_type(key: &str, column: &str, dt: &DataType) -> Result<(), S
     if ok {
         return Ok(());
     }
-    let expected = match kind {
-        Kind::Int => "an integer column",
-        Kind::Float => "a numeric (integer or float) column",
-        Kind::Strings => "a string or list<string> column",
-        Kind::Bool => "a boolean column",
-        Kind::Ids => "a list<integer> column",
-        Kind::Json => "a string column (JSON text)",
-    };
-    Err(format!(
-        "sampling_columns.{key}: column '{column}' has type {dt}; expected {expected}"
-    ))
+    Err(match kind {
+        Kind::Int => "an integer",
+        Kind::Float => "a number (integer or float)",
+        Kind::Strings => "a string or list<string>",
+        Kind::Bool => "a boolean",
+        Kind::Ids => "a list of integers",
+        Kind::Json => "a string (a response_format's JSON text)",
+    })
 }
 
 /// The float types `float_value` reads besides the integers (column_kind.rs `is_int`).
@@ -158,6 +164,19 @@ fn read_value(key: &str, a: &dyn Array, i: usize) -> Option<Value> {
     }
 }
 
+/// The field a float key sets.
+fn float_field<'a>(p: &'a mut SamplingParams, key: &str) -> Option<&'a mut f32> {
+    Some(match key {
+        "temperature" => &mut p.temperature,
+        "top_p" => &mut p.top_p,
+        "repetition_penalty" => &mut p.repetition_penalty,
+        "frequency_penalty" => &mut p.frequency_penalty,
+        "presence_penalty" => &mut p.presence_penalty,
+        "min_p" => &mut p.min_p,
+        _ => return None,
+    })
+}
+
 /// Sets `key` to `v`; an integer out of the field's range, or a float f32 cannot hold, is an
 /// error.
 fn set(p: &mut SamplingParams, key: &str, v: Value) -> Result<(), String> {
@@ -172,25 +191,11 @@ fn set(p: &mut SamplingParams, key: &str, v: Value) -> Result<(), String> {
         ("top_k", Value::Int(v)) => p.top_k = i32::try_from(v).map_err(|_| range(v))?,
         ("seed", Value::Int(v)) => p.seed = row_seed(i64::try_from(v).map_err(|_| range(v))?),
         ("logprobs", Value::Int(v)) => p.logprobs = u32::try_from(v).map_err(|_| range(v))?,
-        ("temperature", Value::Float(v)) if v > 0.0 && v < f64::from(SAMPLING_MIN) => {
-            return Err(format!(
-                "temperature must be 0 (greedy) or at least {SAMPLING_MIN:e}, got {}",
-                num(v)
-            ))
+        (key, Value::Float(v)) if kind_of(key) == Some(Kind::Float) => {
+            *float_field(p, key).ok_or_else(|| format!("internal: {key} is no float"))? =
+                held_f32(key, v)?
         }
-        ("repetition_penalty", Value::Float(v)) if v < f64::from(SAMPLING_MIN) => {
-            return Err(format!(
-                "repetition_penalty must be at least {SAMPLING_MIN:e}, got {}",
-                num(v)
-            ))
-        }
-        ("temperature", Value::Float(v)) => p.temperature = to_f32(v)?,
-        ("top_p", Value::Float(v)) => p.top_p = to_f32(v)?,
-        ("repetition_penalty", Value::Float(v)) => p.repetition_penalty = to_f32(v)?,
-        ("frequency_penalty", Value::Float(v)) => p.frequency_penalty = to_f32(v)?,
-        ("presence_penalty", Value::Float(v)) => p.presence_penalty = to_f32(v)?,
         ("stop", Value::Strings(v)) => p.stop = v.into_iter().filter(|s| !s.is_empty()).collect(),
-        ("min_p", Value::Float(v)) => p.min_p = to_f32(v)?,
         ("ignore_eos", Value::Bool(v)) => p.ignore_eos = v,
         ("include_stop_str_in_output", Value::Bool(v)) => p.include_stop_str_in_output = v,
         ("skip_special_tokens", Value::Bool(v)) => p.skip_special_tokens = v,
@@ -336,11 +341,18 @@ mod tests {
         let map = BTreeMap::from([("temperature".to_string(), "t".to_string())]);
         let e = RowSampling::new(&map, &b).params(&job(), 0).unwrap_err();
         assert!(e.contains("temperature must be"), "{e}");
-        let e = check_column_type("temperature", "t", &DataType::Utf8).unwrap_err();
-        assert!(e.contains("'t'") && e.contains("numeric"), "{e}");
-        assert!(check_column_type("stop", "s", StringArray::from(vec!["x"]).data_type()).is_ok());
-        assert!(check_column_type("top_k", "k", &DataType::Float64).is_err());
-        assert!(check_column_type("bogus", "k", &DataType::Int64).is_err());
+        let e = check_column_type("temperature", &DataType::Utf8).unwrap_err();
+        assert_eq!(e, "a number (integer or float)");
+        assert!(check_column_type("stop", StringArray::from(vec!["x"]).data_type()).is_ok());
+        assert!(check_column_type("top_k", &DataType::Float64).is_err());
+        assert!(check_column_type("bogus", &DataType::Int64).is_err());
+        let keys = ["top_k".to_string(), "temprature".to_string()];
+        let e = check_column_keys(&keys).unwrap_err();
+        assert!(
+            e.starts_with("input.sampling_columns: unknown key 'temprature'"),
+            "{e}"
+        );
+        assert!(check_column_keys(&keys[..1]).is_ok());
     }
 
     fn mapping(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
@@ -430,8 +442,8 @@ mod tests {
         ];
         let job = job();
         for a in &ints {
-            check_column_type("max_new_tokens", "c", a.data_type()).unwrap();
-            check_column_type("temperature", "c", a.data_type()).unwrap();
+            check_column_type("max_new_tokens", a.data_type()).unwrap();
+            check_column_type("temperature", a.data_type()).unwrap();
             let b = batch(vec![("c", a.clone())]);
             let rows = RowSampling::new(&mapping(&[("max_new_tokens", "c")]), &b);
             assert_eq!(
@@ -443,8 +455,8 @@ mod tests {
             assert!(Arc::ptr_eq(&rows.params(&job, 1).unwrap(), &job));
         }
         for a in &floats {
-            check_column_type("temperature", "c", a.data_type()).unwrap();
-            assert!(check_column_type("top_k", "c", a.data_type()).is_err());
+            check_column_type("temperature", a.data_type()).unwrap();
+            assert!(check_column_type("top_k", a.data_type()).is_err());
             let b = batch(vec![("c", a.clone())]);
             let rows = RowSampling::new(&mapping(&[("temperature", "c")]), &b);
             assert_eq!(
@@ -459,7 +471,7 @@ mod tests {
             Int32Array::from(vec![Some(0), None]),
             Arc::new(StringArray::from(vec!["END"])),
         ));
-        check_column_type("stop", "s", stops.data_type()).unwrap();
+        check_column_type("stop", stops.data_type()).unwrap();
         assert_eq!(one("stop", stops).unwrap().stop, vec!["END".to_string()]);
         for dt in [
             DataType::Boolean,
@@ -468,8 +480,8 @@ mod tests {
             DataType::Null,
             DataType::Dictionary(Box::new(DataType::Int32), Box::new(DataType::Utf8)),
         ] {
-            let e = check_column_type("temperature", "c", &dt).unwrap_err();
-            assert!(e.contains("'c'") && e.contains("numeric"), "{e}");
+            let e = check_column_type("temperature", &dt).unwrap_err();
+            assert_eq!(e, "a number (integer or float)");
         }
     }
 
@@ -539,13 +551,13 @@ mod tests {
         assert_eq!(p.seed, Some(-7));
         let list_of =
             |t: DataType| DataType::List(Arc::new(arrow_schema::Field::new("item", t, true)));
-        assert!(check_column_type("stop_token_ids", "c", &list_of(DataType::UInt16)).is_ok());
-        let e = check_column_type("stop_token_ids", "c", &list_of(DataType::Utf8)).unwrap_err();
-        assert!(e.contains("list<integer>"), "{e}");
-        assert!(check_column_type("ignore_eos", "c", &DataType::Boolean).is_ok());
-        let e = check_column_type("skip_special_tokens", "c", &DataType::Int8).unwrap_err();
-        assert!(e.contains("a boolean column"), "{e}");
-        assert!(check_column_type("min_p", "c", &DataType::Float32).is_ok());
+        assert!(check_column_type("stop_token_ids", &list_of(DataType::UInt16)).is_ok());
+        let e = check_column_type("stop_token_ids", &list_of(DataType::Utf8)).unwrap_err();
+        assert_eq!(e, "a list of integers");
+        assert!(check_column_type("ignore_eos", &DataType::Boolean).is_ok());
+        let e = check_column_type("skip_special_tokens", &DataType::Int8).unwrap_err();
+        assert_eq!(e, "a boolean");
+        assert!(check_column_type("min_p", &DataType::Float32).is_ok());
         // out of range: a negative id, min_p above 1, an id past the vocabulary
         let mut neg = ListBuilder::new(Int32Builder::new());
         neg.values().append_value(-3);

@@ -1,7 +1,10 @@
 //! Input validation, up front: every input file exists and is readable, its columns have
 //! types the reader can read (the sampling columns' rule is `columns::check_column_type`), and
-//! the row counts come from the Parquet footers (or a count of an OpenAI Batch file's
-//! requests). The result, `InputSpec`, is what the reader thread reads.
+//! the row counts come from the Parquet footers (or a survey of an OpenAI Batch file's
+//! requests). The result, `InputSpec`, is what the reader thread reads. The one copy of these
+//! rules: `validate` and `run` call it through the extension (`check_inputs`) before any model
+//! loads, and the scheduler again as it opens the files. Messages name the job key, the
+//! column and the file.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -9,8 +12,8 @@ use std::path::{Path, PathBuf};
 use arrow_schema::{DataType, Field, Schema};
 use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 
-use super::columns::check_column_type;
-use crate::column_kind::{dense_type, is_int, is_list_of, is_text, FileTypes};
+use super::columns::{check_column_keys, check_column_type};
+use crate::column_kind::{dense_type, is_int, is_list_of, is_text, type_name, FileTypes};
 use crate::config::SchedulerConfig;
 use crate::error::{Error, Result};
 use crate::storage::{remote_url, Source, StorageSettings};
@@ -48,6 +51,8 @@ pub struct InputSpec {
     pub row_end: u64,
     /// How remote input files are reached (storage.rs).
     pub storage: StorageSettings,
+    /// OpenAI Batch input: what its lines ask (default for Parquet).
+    pub batch_lines: crate::openai_batch::Survey,
 }
 
 impl InputSpec {
@@ -85,7 +90,7 @@ fn check_input_paths(paths: &[PathBuf], storage: &StorageSettings) -> Result<()>
 }
 
 /// Whether `dt` is a `list<struct<role: string, content: string>>` type (its strings of any
-/// spelling, dictionaries included: column_kind.rs; inputs.py `_is_messages` is the same rule).
+/// spelling, dictionaries included: column_kind.rs).
 fn messages_struct_ok(dt: &DataType) -> bool {
     let struct_ok = |item: &DataType| {
         let DataType::Struct(fields) = item else {
@@ -100,14 +105,15 @@ fn messages_struct_ok(dt: &DataType) -> bool {
     is_list_of(dt, struct_ok)
 }
 
-/// An integer or string column, or a dictionary of one (inputs.py `_is_id`).
+/// An integer or string column, or a dictionary of one.
 fn id_type_ok(dt: &DataType) -> bool {
     is_int(dt) || is_text(dt)
 }
 
-/// The one field named `name`: a column missing, or appearing more than once (which one the
-/// job means is unknowable, so none is picked), is a user error naming the file.
-fn find_column<'a>(schema: &'a Schema, path: &Path, role: &str, name: &str) -> Result<&'a Field> {
+/// The one field named `name`, which job key `key` reads: a column missing, or appearing more
+/// than once (which one the job means is unknowable, so none is picked), is a user error
+/// naming the key and the file.
+fn find_column<'a>(schema: &'a Schema, path: &Path, key: &str, name: &str) -> Result<&'a Field> {
     let count = schema.fields().iter().filter(|f| f.name() == name).count();
     if count > 1 {
         let times = if count == 2 {
@@ -116,7 +122,7 @@ fn find_column<'a>(schema: &'a Schema, path: &Path, role: &str, name: &str) -> R
             format!("{count} times")
         };
         return Err(Error::user(format!(
-            "{role} column '{name}' appears {times} in {}; rename all but one (the job cannot \
+            "{key}: column '{name}' appears {times} in {}; rename all but one (the job cannot \
              tell which one it means)",
             path.display()
         )));
@@ -124,15 +130,25 @@ fn find_column<'a>(schema: &'a Schema, path: &Path, role: &str, name: &str) -> R
     schema.field_with_name(name).map_err(|_| {
         let available: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
         Error::user(format!(
-            "{}: {role} column '{name}' not found (columns: {})",
+            "{key}: column '{name}' not found in {} (columns: {})",
             path.display(),
             available.join(", ")
         ))
     })
 }
 
+/// A user error: column `name` (read by job key `key`) of file `path` has type `dt`, not the
+/// `expected` one.
+fn mistyped(key: &str, name: &str, path: &Path, dt: &DataType, expected: &str) -> Error {
+    Error::user(format!(
+        "{key}: column '{name}' in {} has type {}, expected {expected}",
+        path.display(),
+        type_name(dt)
+    ))
+}
+
 /// Compression codecs this build can decode.
-/// (Every codec pyarrow writes; inputs.py `_READABLE_CODECS` is the same list.)
+/// (Every codec pyarrow writes.)
 fn codec_supported(c: parquet::basic::Compression) -> bool {
     use parquet::basic::Compression as C;
     matches!(
@@ -160,10 +176,11 @@ fn check_codecs(
             let root = col.column_path().parts().first().map(String::as_str);
             if root.is_some_and(|r| wanted.contains(&r)) && !codec_supported(col.compression()) {
                 return Err(Error::user(format!(
-                    "{}: column '{}' is compressed with {}, which eaglebatch cannot read \
-                     (supported: snappy, zstd, gzip, lz4, lz4_raw, brotli, uncompressed); rewrite the file",
-                    path.display(),
+                    "input.path: column '{}' of {} is compressed with {}, which eaglebatch \
+                     cannot read (supported: uncompressed, snappy, gzip, lz4, lz4_raw, zstd, \
+                     brotli); rewrite the file",
                     root.unwrap_or_default(),
+                    path.display(),
                     col.compression()
                 )));
             }
@@ -177,6 +194,7 @@ fn check_codecs(
 /// and the first failure is the error; every file's id column must have the first one's type.
 pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
     check_input_paths(&cfg.input_files, &cfg.storage())?;
+    check_column_keys(cfg.sampling_columns.keys()).map_err(Error::user)?;
     if cfg.openai_batch() {
         return validate_batch_files(cfg);
     }
@@ -185,22 +203,7 @@ pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
     let mut total: u64 = 0;
     for path in &cfg.input_files {
         let builder = open_parquet(path, &cfg.storage())?;
-        let schema = builder.schema().clone();
-        check_text_columns(&schema, path, cfg)?;
-        check_sampling_columns(&schema, path, &cfg.sampling_columns)?;
-        if let Some(col) = &cfg.id_column {
-            let dt = check_id_column(&schema, path, col)?;
-            types.add("input.id_column", col, &dt, path)?;
-        }
-        for col in &cfg.keep_columns {
-            let field = find_column(&schema, path, "output.keep_columns", col)?;
-            types.add(
-                "output.keep_columns",
-                col,
-                dense_type(field.data_type()),
-                path,
-            )?;
-        }
+        check_file_columns(builder.schema(), path, cfg, &mut types)?;
         check_codecs(&builder, path, cfg)?;
         let num_rows = builder.metadata().file_metadata().num_rows().max(0) as u64;
         total += num_rows;
@@ -232,7 +235,34 @@ pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
         row_start: start.min(row_end),
         row_end,
         storage: cfg.storage(),
+        batch_lines: Default::default(),
     })
+}
+
+/// The columns one file holds for the job: each it reads present once and of a type its key
+/// takes; the id and kept columns' types recorded in `types` (one kind across files).
+fn check_file_columns(
+    schema: &Schema,
+    path: &Path,
+    cfg: &SchedulerConfig,
+    types: &mut FileTypes,
+) -> Result<()> {
+    check_text_columns(schema, path, cfg)?;
+    check_sampling_columns(schema, path, &cfg.sampling_columns)?;
+    if let Some(col) = &cfg.id_column {
+        let dt = check_id_column(schema, path, col)?;
+        types.add("input.id_column", col, &dt, path)?;
+    }
+    for col in &cfg.keep_columns {
+        let field = find_column(schema, path, "output.keep_columns", col)?;
+        types.add(
+            "output.keep_columns",
+            col,
+            dense_type(field.data_type()),
+            path,
+        )?;
+    }
+    Ok(())
 }
 
 /// `task: score`'s column of continuations or choices.
@@ -242,18 +272,30 @@ fn score_column(cfg: &SchedulerConfig) -> Option<&String> {
         .or(cfg.choices_column.as_ref())
 }
 
-/// OpenAI Batch JSONL files: requests counted by streaming each file; ids are custom_ids.
+/// OpenAI Batch JSONL files: requests counted by streaming each file (`survey_requests`);
+/// ids are custom_ids. Input none of whose lines asks a served endpoint is a user error.
 fn validate_batch_files(cfg: &SchedulerConfig) -> Result<InputSpec> {
     let mut files = Vec::with_capacity(cfg.input_files.len());
+    let mut seen = crate::openai_batch::Survey::default();
     for path in &cfg.input_files {
-        let num_rows = crate::openai_batch::count_requests(path, &cfg.storage())?;
+        let num_rows = crate::openai_batch::survey_requests(path, &cfg.storage(), &mut seen)?;
         files.push(InputFile {
             path: path.clone(),
             num_rows,
         });
     }
-    let total: u64 = files.iter().map(|f| f.num_rows).sum();
-    let total_rows = cfg.limit.map_or(total, |l| total.min(l));
+    if seen.first.is_none() && seen.requests > 0 {
+        let named = match cfg.input_files.as_slice() {
+            [one] => one.display().to_string(),
+            many => format!("the {} input files", many.len()),
+        };
+        return Err(Error::user(format!(
+            "input.path: no line of {named} is a request to {} or {}",
+            crate::openai_keys::CHAT_URL,
+            crate::openai_keys::COMPLETIONS_URL
+        )));
+    }
+    let total_rows = cfg.limit.map_or(seen.requests, |l| seen.requests.min(l));
     let (start, end) = cfg.row_range.unwrap_or((0, total_rows));
     let row_end = end.min(total_rows);
     Ok(InputSpec {
@@ -270,6 +312,7 @@ fn validate_batch_files(cfg: &SchedulerConfig) -> Result<InputSpec> {
         row_start: start.min(row_end),
         row_end,
         storage: cfg.storage(),
+        batch_lines: seen,
     })
 }
 
@@ -281,13 +324,13 @@ fn open_parquet(
     let file = Source::open(path, storage)?;
     ParquetRecordBatchReaderBuilder::try_new(file).map_err(|e| {
         Error::user(format!(
-            "{}: not a readable Parquet file ({e})",
+            "input.path: {} is not a readable Parquet file ({e})",
             path.display()
         ))
     })
 }
 
-/// (column, what it holds, its type check, the type expected).
+/// (column, the job key that names it, its type check, the type expected).
 type TextCheck<'a> = (&'a Option<String>, &'a str, fn(&DataType) -> bool, &'a str);
 
 /// The configured text columns have the types their rows are read as: prompt and
@@ -296,30 +339,36 @@ type TextCheck<'a> = (&'a Option<String>, &'a str, fn(&DataType) -> bool, &'a st
 fn check_text_columns(schema: &Schema, path: &Path, cfg: &SchedulerConfig) -> Result<()> {
     let list_of_text = |dt: &DataType| is_list_of(dt, is_text);
     let checks: [TextCheck<'_>; 4] = [
-        (&cfg.prompt_column, "prompt", is_text, "a string column"),
-        (
-            &cfg.continuation_column,
-            "continuation",
-            is_text,
-            "a string column",
-        ),
-        (&cfg.choices_column, "choices", list_of_text, "list<string>"),
         (
             &cfg.messages_column,
-            "messages",
+            "input.messages_column",
             messages_struct_ok,
-            "list<struct<role: string, content: string>>",
+            "a list of {role: string, content: string} structs",
+        ),
+        (
+            &cfg.prompt_column,
+            "input.prompt_column",
+            is_text,
+            "a string",
+        ),
+        (
+            &cfg.continuation_column,
+            "input.continuation_column",
+            is_text,
+            "a string",
+        ),
+        (
+            &cfg.choices_column,
+            "input.choices_column",
+            list_of_text,
+            "list<string>",
         ),
     ];
-    for (column, what, ok, expected) in checks {
+    for (column, key, ok, expected) in checks {
         let Some(col) = column else { continue };
-        let f = find_column(schema, path, what, col)?;
+        let f = find_column(schema, path, key, col)?;
         if !ok(f.data_type()) {
-            return Err(Error::user(format!(
-                "{}: {what} column '{col}' has type {}; expected {expected}",
-                path.display(),
-                f.data_type()
-            )));
+            return Err(mistyped(key, col, path, f.data_type(), expected));
         }
     }
     Ok(())
@@ -332,9 +381,10 @@ fn check_sampling_columns(
     columns: &BTreeMap<String, String>,
 ) -> Result<()> {
     for (key, col) in columns {
-        let f = find_column(schema, path, &format!("sampling_columns.{key}"), col)?;
-        check_column_type(key, col, f.data_type())
-            .map_err(|e| Error::user(format!("{}: {e}", path.display())))?;
+        let name = format!("input.sampling_columns.{key}");
+        let f = find_column(schema, path, &name, col)?;
+        check_column_type(key, f.data_type())
+            .map_err(|expected| mistyped(&name, col, path, f.data_type(), expected))?;
     }
     Ok(())
 }
@@ -342,13 +392,38 @@ fn check_sampling_columns(
 /// The type the ids of column `col` are written as (a dictionary's value type), which must
 /// exist and be an integer or string column.
 fn check_id_column(schema: &Schema, path: &Path, col: &str) -> Result<DataType> {
-    let f = find_column(schema, path, "id", col)?;
+    let key = "input.id_column";
+    let f = find_column(schema, path, key, col)?;
     let dt = f.data_type();
     if !id_type_ok(dt) {
-        return Err(Error::user(format!(
-            "{}: id column '{col}' has type {dt}; expected an integer or string column",
-            path.display()
-        )));
+        return Err(mistyped(key, col, path, dt, "an integer or string"));
     }
     Ok(dense_type(dt).clone())
+}
+
+/// The input checks `validate` and `run` make before any model loads (the extension's
+/// `check_inputs`): the kept columns resolved (`keep_all`: `output.keep_columns: "*"`, every
+/// column of the first input file but an id column named `id`, which is the output's `id`)
+/// and named as no column this job writes, then every file (`validate_inputs`).
+pub fn check_job_inputs(cfg: &mut SchedulerConfig, keep_all: bool) -> Result<InputSpec> {
+    if keep_all && !cfg.openai_batch() {
+        let first = cfg.input_files.first().cloned().unwrap_or_default();
+        let builder = open_parquet(&first, &cfg.storage())?;
+        let named_id = |c: &str| c == "id" && cfg.id_column.as_deref() == Some("id");
+        let mut names: Vec<String> = Vec::new();
+        for f in builder.schema().fields() {
+            // a name twice is one entry: `validate_inputs` refuses the file naming it
+            if !named_id(f.name()) && !names.contains(f.name()) {
+                names.push(f.name().clone());
+            }
+        }
+        cfg.keep_columns = names;
+    }
+    cfg.validate_keep_columns().map_err(|e| match e {
+        Error::UserInput(m) if keep_all => {
+            Error::user(format!("{m} (list the columns to keep instead of \"*\")"))
+        }
+        e => e,
+    })?;
+    validate_inputs(cfg)
 }
