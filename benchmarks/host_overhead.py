@@ -51,8 +51,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from eaglebatch.engine import build_scheduler, overlapped_steps, prepare, serial_steps
 from eaglebatch.job.config import load_job
+from eaglebatch.prepare import prepare
+from eaglebatch.runner import build_scheduler, overlapped_steps, serial_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 GOAL_US = 200  # per step at batch 256, plain and speculative (issue 32)

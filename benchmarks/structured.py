@@ -24,9 +24,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from eaglebatch.engine import build_worker, prepare, run_prepared
 from eaglebatch.job import builtin
 from eaglebatch.job.config import load_job
+from eaglebatch.prepare import prepare
+from eaglebatch.runner import build_worker, run_prepared
 
 _ENUM = {"type": "string", "enum": None}
 SCHEMA = {
