@@ -80,6 +80,9 @@ class FakeWorker:
 
     plain_steps = False  # what the engine's serial loop asks of a worker
 
+    def bind(self, scheduler) -> None:
+        """What build_scheduler hands every worker (Worker.bind): this one needs nothing."""
+
     def __init__(self, num_blocks: int, max_model_len: int, prep: str, block_size: int,
                  device_s: float):
         self.num_blocks, self.max_model_len = num_blocks, max_model_len

@@ -102,8 +102,8 @@ def run_once(path: Path, worker):
     this run only (a worker's accumulate)."""
     prep = prepare(load_job(path, []))
     worker = worker or build_worker(prep)
-    if hasattr(worker, "forced_drafts"):  # built by the first config: this run's setting
-        worker.forced_drafts = prep.job.speculative.forced_drafts
+    if prep.draft_dir is not None:  # a SpecWorker, built by the first config: this run's setting
+        worker.grammar.forced_drafts = prep.job.speculative.forced_drafts
     before = worker.draft_stats() or {}
     t = time.monotonic()
     stats = run_prepared(prep, worker=worker, restart=True).stats

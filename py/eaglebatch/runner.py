@@ -164,8 +164,7 @@ def build_scheduler(
     from eaglebatch._native import Scheduler
 
     scheduler = Scheduler(scheduler_config(prep, worker, metadata, skip_rows, scope, skip_samples))
-    if hasattr(worker, "grammar"):  # a SpecWorker drafts under the grammars and validates
-        worker.grammar, worker.grammar_step = scheduler.draft_masks, scheduler.draft_step_masks
+    worker.bind(scheduler)  # a SpecWorker drafts under the grammars and validates
     return scheduler
 
 
@@ -275,7 +274,7 @@ def _run(prep: PreparedJob, worker, progress, resume: ResumeState, scope: RunSco
     first, end = scope.rows(prep.total_rows)
     skip, samples = resume.skipped_in(first, end)
     scheduler = build_scheduler(prep, worker, file_metadata(prep), skip, scope, samples)
-    target = getattr(worker, "target", worker)
+    target = worker.target  # the Worker of the target model (a SpecWorker's, or itself)
     routing = count_routing(target.model) if target.device.type == "cpu" else None
     start = time.monotonic()
     try:
@@ -297,10 +296,9 @@ def _run(prep: PreparedJob, worker, progress, resume: ResumeState, scope: RunSco
         stats["drafts"] = drafts
     if routing is not None:
         stats["expert_rows_per_active"] = routing.rows_per_active
-    stats["weights"] = getattr(target, "weights", None)
-    stats["threads"] = getattr(target, "threads", None)
-    caches = getattr(target, "kv_caches", None) or []
-    stats["kv_cache_mib"] = sum(c.numel() * c.element_size() for c in caches) / 2**20
+    stats["weights"] = target.weights
+    stats["threads"] = target.threads
+    stats["kv_cache_mib"] = sum(c.numel() * c.element_size() for c in target.kv_caches) / 2**20
     stats.update(resident_memory())
     if progress is not None:
         progress(progress_counters(prep, scheduler.progress(), stats["step_work"]))
