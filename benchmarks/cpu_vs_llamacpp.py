@@ -48,9 +48,9 @@ from rich.console import Console
 from rich.table import Table
 
 from eaglebatch.commands.bench import eaglebatch_rows
-from eaglebatch.engine import prepare
 from eaglebatch.job import builtin
 from eaglebatch.job.config import JobConfig, load_job
+from eaglebatch.prepare import prepare
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llamacpp import find_llama_server, run_llama_server  # noqa: E402

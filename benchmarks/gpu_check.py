@@ -126,8 +126,9 @@ def run_job(tmp: Path, model_dir: Path, prompts: Path, name: str, *, batch: int,
             k: int = 3) -> dict:
     import pyarrow.parquet as pq
 
-    from eaglebatch.engine import build_worker, prepare, run_prepared
     from eaglebatch.job.config import load_job
+    from eaglebatch.prepare import prepare
+    from eaglebatch.runner import build_worker, run_prepared
 
     job = tmp / f"{name}.yaml"
     job.write_text(

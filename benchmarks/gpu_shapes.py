@@ -178,8 +178,9 @@ def run_engine(tmp: Path, stand_in: Path, worker, prompts: Path, name: str, *, b
     """A whole greedy run through the engine with `worker` doing the steps."""
     import pyarrow.parquet as pq
 
-    from eaglebatch.engine import prepare, run_prepared
     from eaglebatch.job.config import load_job
+    from eaglebatch.prepare import prepare
+    from eaglebatch.runner import run_prepared
 
     job = tmp / f"{name}.yaml"
     job.write_text(

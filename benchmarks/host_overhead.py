@@ -51,8 +51,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from eaglebatch.engine import build_scheduler, overlapped_steps, prepare, serial_steps
 from eaglebatch.job.config import load_job
+from eaglebatch.prepare import prepare
+from eaglebatch.runner import build_scheduler, overlapped_steps, serial_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 GOAL_US = 200  # per step at batch 256, plain and speculative (issue 32)
@@ -78,6 +79,9 @@ class FakeWorker:
     """Answers plans without model math (module doc); times its host-side preparation."""
 
     plain_steps = False  # what the engine's serial loop asks of a worker
+
+    def bind(self, scheduler) -> None:
+        """What build_scheduler hands every worker (Worker.bind): this one needs nothing."""
 
     def __init__(self, num_blocks: int, max_model_len: int, prep: str, block_size: int,
                  device_s: float):

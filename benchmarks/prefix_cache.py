@@ -33,9 +33,10 @@ import pyarrow.parquet as pq
 from rich.console import Console
 from rich.table import Table
 
-from eaglebatch.engine import build_worker, prepare, run_prepared
 from eaglebatch.job import builtin
 from eaglebatch.job.config import load_job
+from eaglebatch.prepare import prepare
+from eaglebatch.runner import build_worker, run_prepared
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = [

@@ -19,9 +19,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from rich.console import Console
 
-from eaglebatch.engine import build_worker, prepare, run_prepared
 from eaglebatch.job.config import load_job
+from eaglebatch.prepare import prepare
 from eaglebatch.ray_executor import run_on_ray
+from eaglebatch.runner import build_worker, run_prepared
 
 
 def one_process(job_file: str, overrides: list[str], out: Path) -> dict:

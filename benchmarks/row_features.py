@@ -18,8 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from eaglebatch.engine import build_worker, prepare, run_prepared
 from eaglebatch.job.config import load_job
+from eaglebatch.prepare import prepare
+from eaglebatch.runner import build_worker, run_prepared
 
 CONFIGS = {
     "off": [],

@@ -22,7 +22,8 @@ CHILD = r"""
 import json, resource, sys, time
 sys.path.insert(0, sys.argv[1])
 from eaglebatch.job.config import load_job
-from eaglebatch.engine import prepare, run_prepared
+from eaglebatch.prepare import prepare
+from eaglebatch.runner import run_prepared
 t = time.monotonic()
 res = run_prepared(prepare(load_job(sys.argv[2])))
 print(json.dumps({"rows": res.stats["requests"], "wall_s": time.monotonic() - t,

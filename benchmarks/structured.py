@@ -24,9 +24,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from eaglebatch.engine import build_worker, prepare, run_prepared
 from eaglebatch.job import builtin
 from eaglebatch.job.config import load_job
+from eaglebatch.prepare import prepare
+from eaglebatch.runner import build_worker, run_prepared
 
 _ENUM = {"type": "string", "enum": None}
 SCHEMA = {
@@ -101,8 +102,8 @@ def run_once(path: Path, worker):
     this run only (a worker's accumulate)."""
     prep = prepare(load_job(path, []))
     worker = worker or build_worker(prep)
-    if hasattr(worker, "forced_drafts"):  # built by the first config: this run's setting
-        worker.forced_drafts = prep.job.speculative.forced_drafts
+    if prep.draft_dir is not None:  # a SpecWorker, built by the first config: this run's setting
+        worker.grammar.forced_drafts = prep.job.speculative.forced_drafts
     before = worker.draft_stats() or {}
     t = time.monotonic()
     stats = run_prepared(prep, worker=worker, restart=True).stats

@@ -24,9 +24,10 @@ import jsonschema
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from eaglebatch.engine import prepare, run_prepared
 from eaglebatch.job import builtin
 from eaglebatch.job.config import load_job
+from eaglebatch.prepare import prepare
+from eaglebatch.runner import run_prepared
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from support.schemas import schemas  # noqa: E402

@@ -16,8 +16,8 @@ from eaglebatch.attention.base import AttentionMetadata
 from eaglebatch.model.causal_lm import CausalLM
 from eaglebatch.speculative.eagle import load_draft
 from support.tiny import make_tiny_model
-from test_engine import run_job
 from test_model_families import FAMILIES, PROMPTS, SHAPE, tokens
+from test_runner import run_job
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("eaglebatch._native")

@@ -10,8 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eaglebatch.engine import prepare, run_prepared
 from eaglebatch.job.config import load_job
+from eaglebatch.prepare import prepare
+from eaglebatch.runner import run_prepared
 
 pytest.importorskip("eaglebatch._native")
 

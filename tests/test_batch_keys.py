@@ -9,10 +9,11 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from eaglebatch.engine import prepare, run_prepared
 from eaglebatch.job.config import load_job
-from test_engine import random_prompts
+from eaglebatch.prepare import prepare
+from eaglebatch.runner import run_prepared
 from test_openai_batch import CHAT, COMPLETIONS, batch_job, request, results
+from test_runner import random_prompts
 
 pytest.importorskip("eaglebatch._native")
 

@@ -11,7 +11,7 @@ from eaglebatch.commands.bench import _same_tokens, _token_digests, run_bench
 from eaglebatch.job.config import load_job
 from eaglebatch.speculative import init_random_draft
 from support.tiny import write_prompts
-from test_engine import random_prompts
+from test_runner import random_prompts
 
 pytest.importorskip("eaglebatch._native")
 

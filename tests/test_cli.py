@@ -213,12 +213,12 @@ def test_summary_json_naming_a_fifo_is_refused_unread(tmp_path, tiny_model_dir):
 def test_summary_json_is_written_when_a_run_dies_of_a_bug(tmp_path, tiny_model_dir, monkeypatch):
     import json
 
-    import eaglebatch.engine
+    import eaglebatch.runner
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(eaglebatch.engine, "run_prepared", broken)
+    monkeypatch.setattr(eaglebatch.runner, "run_prepared", broken)
     inp = write_prompts(tmp_path / "in.parquet", ["a"])
     r = invoke("run", str(job(tmp_path, tiny_model_dir, inp)), "--summary-json",
                str(tmp_path / "s.json"))  # fmt: skip

@@ -12,14 +12,15 @@ import torch
 
 from eaglebatch.attention import get_backend
 from eaglebatch.cpu import SMALL_GEMM_AVAILABLE
-from eaglebatch.engine import build_worker, prepare, run_prepared
 from eaglebatch.errors import JobError
 from eaglebatch.graphs import StaticMeta, bucket_for, capture_sizes, fill_rows
 from eaglebatch.job.config import load_job
+from eaglebatch.prepare import prepare
+from eaglebatch.runner import build_worker, run_prepared
 from eaglebatch.speculative import init_random_draft
 from paged_kv import PagedSequences
 from support.tiny import write_prompts
-from test_engine import random_prompts
+from test_runner import random_prompts
 
 HQ, HKV, D = 4, 2, 16
 

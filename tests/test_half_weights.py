@@ -15,9 +15,10 @@ from safetensors.torch import load_file, save_file
 from eaglebatch.cpu.gemm import SMALL_GEMM_AVAILABLE
 from eaglebatch.cpu.half_weights import half_bytes, half_weights, kept_names
 from eaglebatch.cpu.stored import has_stored_weights
-from eaglebatch.engine import prepare, run_prepared
 from eaglebatch.job.config import load_job
 from eaglebatch.model.config import ModelConfig
+from eaglebatch.prepare import prepare
+from eaglebatch.runner import run_prepared
 from support.tiny import make_tiny_model, write_prompts
 
 pytest.importorskip("eaglebatch._native")

@@ -10,9 +10,10 @@ import pytest
 from click.testing import CliRunner
 
 from eaglebatch.cli import main
-from eaglebatch.engine import prepare, run_prepared
 from eaglebatch.job.config import load_job
-from test_engine import random_prompts
+from eaglebatch.prepare import prepare
+from eaglebatch.runner import run_prepared
+from test_runner import random_prompts
 
 pytest.importorskip("eaglebatch._native")
 

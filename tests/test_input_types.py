@@ -212,8 +212,8 @@ def test_ids_of_different_kinds_are_refused_naming_both_files(tmp_path, tiny_mod
 def test_the_identity_of_a_single_type_input_is_unchanged(tmp_path, tiny_model_dir):
     """The identity's input and output sections hold the keys they held before: a job
     written before these changes still resumes its output."""
-    from eaglebatch.engine import prepare
     from eaglebatch.job.config import load_job
+    from eaglebatch.prepare import prepare
 
     inp = tmp_path / "in.parquet"
     pq.write_table(pa.table({"prompt": PROMPTS, "id": IDS}), inp)

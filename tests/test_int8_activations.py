@@ -14,9 +14,9 @@ import torch
 
 from eaglebatch.cpu.gemm import SMALL_GEMM_AVAILABLE
 from eaglebatch.cpu.quantized import BLOCK_TYPES, QuantizedWeight
-from eaglebatch.engine import prepare
 from eaglebatch.errors import JobError
 from eaglebatch.job import builtin
+from eaglebatch.prepare import prepare
 from test_quantized import _job, _outputs, _prompts, dequantized, random_blocks
 
 pytest.importorskip("eaglebatch._native")

@@ -17,7 +17,7 @@ import torch
 
 from eaglebatch.speculative import init_random_draft
 from support.tiny import CHAT_TEMPLATE, make_tiny_model
-from test_engine import random_prompts
+from test_runner import random_prompts
 
 pytest.importorskip("eaglebatch._native")
 lm_eval = pytest.importorskip("lm_eval")

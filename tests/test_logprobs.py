@@ -13,7 +13,7 @@ import torch
 from eaglebatch.speculative import init_random_draft
 from support.spies import ReaderWaitSpy
 from support.tiny import byte_tokenizer
-from test_engine import MAX_NEW, hf_model, random_prompts, run_job  # noqa: F401 (fixture)
+from test_runner import MAX_NEW, hf_model, random_prompts, run_job  # noqa: F401 (fixture)
 
 pytest.importorskip("eaglebatch._native")
 

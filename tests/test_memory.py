@@ -96,8 +96,9 @@ def test_the_cpu_default_kv_cache_holds_what_the_job_can_use(tmp_path, long_mode
     """Unset engine.kv_cache_tokens on the CPU: min(max_batch_size, rows) sequences of a
     1024-token prompt allowance + max_new_tokens, 25% more for the prefix cache; not the
     free-memory share (GiBs) nor 64 sequences of 8192 tokens."""
-    from eaglebatch.engine import build_worker, prepare
     from eaglebatch.job.config import load_job
+    from eaglebatch.prepare import prepare
+    from eaglebatch.runner import build_worker
 
     prep = prepare(load_job(_job(tmp_path, long_model, rows=8)))
     rule = "the job's 8 sequences x 1026 tokens + 25%"
@@ -113,8 +114,8 @@ def test_the_cpu_default_kv_cache_holds_what_the_job_can_use(tmp_path, long_mode
 
 
 def test_the_cpu_default_kv_cache_always_holds_one_whole_sequence(tmp_path, long_model):
-    from eaglebatch.engine import prepare
     from eaglebatch.job.config import load_job
+    from eaglebatch.prepare import prepare
 
     one = prepare(load_job(_job(tmp_path, long_model, "  prefix_caching: false\n")))
     assert one.memory_plan.kv_key == "one sequence of 8192 tokens, the longest"

@@ -14,15 +14,15 @@ import json
 
 import pytest
 
-from eaglebatch.engine import build_worker
+from eaglebatch.runner import build_worker
 from eaglebatch.speculative import init_random_draft
 from eaglebatch.train.trainer import train_draft
 from support.draft_layouts import FLAGS, set_flags, to_layout
 from support.spies import ReaderWaitSpy
 from support.tiny import byte_tokenizer, make_tiny_model
-from test_engine import hf_greedy, random_prompts, run_job
 from test_graphs import MAX_NEW as GRAPH_MAX_NEW
 from test_graphs import _job, _outputs
+from test_runner import hf_greedy, random_prompts, run_job
 
 pytest.importorskip("eaglebatch._native")
 

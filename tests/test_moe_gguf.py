@@ -383,8 +383,8 @@ def test_gpt_oss_fused_gate_up_experts_and_biases_are_split_gate_first(tmp_path,
 
 
 def _prepared_plan(tmp_path: Path, gguf: Path, weights: str):
-    from eaglebatch.engine import prepare
     from eaglebatch.job.config import load_job
+    from eaglebatch.prepare import prepare
 
     job = tmp_path / f"{weights}.yaml"
     inp = write_prompts(tmp_path / "in.parquet", ["hi"])

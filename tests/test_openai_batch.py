@@ -17,10 +17,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eaglebatch.engine import prepare, run_prepared
 from eaglebatch.errors import JobError
 from eaglebatch.job.config import load_job
-from test_engine import random_prompts
+from eaglebatch.prepare import prepare
+from eaglebatch.runner import run_prepared
+from test_runner import random_prompts
 
 pytest.importorskip("eaglebatch._native")
 
@@ -185,7 +186,8 @@ KILL_CHILD = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
 from eaglebatch.job.config import load_job
-from eaglebatch.engine import prepare, run_prepared
+from eaglebatch.prepare import prepare
+from eaglebatch.runner import run_prepared
 run_prepared(prepare(load_job(sys.argv[2])))
 """
 

@@ -277,8 +277,8 @@ def test_validate_refuses_an_output_path_that_is_a_file_as_run_does(tmp_path, ti
 @pytest.fixture
 def kind_checks(monkeypatch):
     """Counts check_output_kind calls under every name a caller may hold it by."""
-    import eaglebatch.engine as engine
     import eaglebatch.output.directory as directory
+    import eaglebatch.prepare as prepare
 
     calls = []
     real = directory.check_output_kind
@@ -288,7 +288,7 @@ def kind_checks(monkeypatch):
         return real(path)
 
     monkeypatch.setattr(directory, "check_output_kind", spy)
-    monkeypatch.setattr(engine, "check_output_kind", spy)
+    monkeypatch.setattr(prepare, "check_output_kind", spy)
     return calls
 
 

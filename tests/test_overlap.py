@@ -15,7 +15,7 @@ from eaglebatch.errors import JobError
 from eaglebatch.job.engine_settings import resolve_engine, resolve_overlap
 from eaglebatch.job.model_files import model_files
 from eaglebatch.model.config import ModelConfig
-from test_engine import random_prompts, run_job
+from test_runner import random_prompts, run_job
 
 pytest.importorskip("eaglebatch._native")
 

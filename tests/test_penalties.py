@@ -10,7 +10,7 @@ import torch
 
 from eaglebatch.speculative import init_random_draft
 from support.tiny import byte_tokenizer
-from test_engine import EOS, MAX_NEW, hf_model, random_prompts, run_job  # noqa: F401 (fixture)
+from test_runner import EOS, MAX_NEW, hf_model, random_prompts, run_job  # noqa: F401 (fixture)
 
 pytest.importorskip("eaglebatch._native")
 

@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from eaglebatch.engine import build_worker, prepare, run_prepared
 from eaglebatch.job.config import load_job
+from eaglebatch.prepare import prepare
+from eaglebatch.runner import build_worker, run_prepared
 from eaglebatch.speculative import init_random_draft
 from support.spies import ReaderWaitSpy
 from support.tiny import write_prompts
-from test_engine import hf_greedy, run_job
+from test_runner import hf_greedy, run_job
 
 pytest.importorskip("eaglebatch._native")
 

@@ -16,7 +16,7 @@ import pytest
 
 import eaglebatch
 from support.cli import cli, finish
-from test_engine import hf_model, random_prompts  # noqa: F401 (fixture)
+from test_runner import hf_model, random_prompts  # noqa: F401 (fixture)
 from test_scoring import hf_score, split
 
 pytest.importorskip("eaglebatch._native")

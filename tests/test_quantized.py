@@ -12,10 +12,11 @@ import torch
 
 from eaglebatch.cpu.gemm import SMALL_GEMM_AVAILABLE, linear
 from eaglebatch.cpu.quantized import BLOCK_TYPES, QuantizedWeight
-from eaglebatch.engine import prepare, run_prepared
 from eaglebatch.errors import JobError
 from eaglebatch.job import builtin
 from eaglebatch.job.config import load_job
+from eaglebatch.prepare import prepare
+from eaglebatch.runner import run_prepared
 from support.tiny import write_prompts
 
 pytest.importorskip("eaglebatch._native")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_engine import random_prompts
+from test_runner import random_prompts
 
 pytest.importorskip("eaglebatch._native")
 ray = pytest.importorskip("ray")

@@ -8,9 +8,10 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from eaglebatch.engine import prepare, run_prepared
 from eaglebatch.job import builtin
 from eaglebatch.job.config import load_job
+from eaglebatch.prepare import prepare
+from eaglebatch.runner import run_prepared
 
 pytest.importorskip("eaglebatch._native")
 pytestmark = pytest.mark.slow

@@ -15,9 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 
 import eaglebatch
-from eaglebatch.engine import prepare, run_prepared
 from eaglebatch.errors import JobError
 from eaglebatch.job.config import load_job
+from eaglebatch.prepare import prepare
+from eaglebatch.runner import run_prepared
 from support.tiny import make_tiny_model, write_prompts
 
 pytest.importorskip("eaglebatch._native")

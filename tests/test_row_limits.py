@@ -15,9 +15,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eaglebatch.engine import prepare, run_prepared
 from eaglebatch.job.config import load_job
 from eaglebatch.job.scheduler_config import SchedulerConfig
+from eaglebatch.prepare import prepare
+from eaglebatch.runner import run_prepared
 
 native = pytest.importorskip("eaglebatch._native")
 

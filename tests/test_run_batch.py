@@ -52,8 +52,8 @@ def test_run_batch_is_the_job_a_user_would_write(tmp_path, tiny_model_dir, monke
 def test_run_batch_checks_its_job_once(tmp_path, tiny_model_dir, monkeypatch):
     """The checks that need no model (input, output.path's kind) run once: before the job file
     is written, and `run` of that file takes what they found."""
-    import eaglebatch.engine as engine
     import eaglebatch.output.directory as directory
+    import eaglebatch.prepare as prepare
 
     calls: dict[str, int] = {}
 
@@ -66,9 +66,9 @@ def test_run_batch_checks_its_job_once(tmp_path, tiny_model_dir, monkeypatch):
 
         monkeypatch.setattr(module, name, spy)
 
-    counted(engine, "check_job_input")
-    counted(engine, "check_output_kind")
-    monkeypatch.setattr(directory, "check_output_kind", engine.check_output_kind)
+    counted(prepare, "check_job_input")
+    counted(prepare, "check_output_kind")
+    monkeypatch.setattr(directory, "check_output_kind", prepare.check_output_kind)
     (tmp_path / "in.jsonl").write_text(request("c0", COMPLETIONS, {"prompt": "x"}) + "\n")
     r = invoke("run-batch", "-i", tmp_path / "in.jsonl", "-o", tmp_path / "out.jsonl",
                "--model", tiny_model_dir, "--set", "engine.device=cpu", "--set",

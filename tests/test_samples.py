@@ -9,7 +9,7 @@ import pytest
 
 from eaglebatch.errors import JobError
 from eaglebatch.speculative import init_random_draft
-from test_engine import random_prompts, run_job
+from test_runner import random_prompts, run_job
 
 pytest.importorskip("eaglebatch._native")
 

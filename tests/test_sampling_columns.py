@@ -11,10 +11,11 @@ import pytest
 from click.testing import CliRunner
 
 from eaglebatch.cli import main
-from eaglebatch.engine import prepare, run_prepared
 from eaglebatch.errors import JobError
 from eaglebatch.job.config import load_job
-from test_engine import random_prompts, run_job
+from eaglebatch.prepare import prepare
+from eaglebatch.runner import run_prepared
+from test_runner import random_prompts, run_job
 
 pytest.importorskip("eaglebatch._native")
 

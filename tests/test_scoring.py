@@ -17,7 +17,7 @@ import torch
 
 import eaglebatch
 from support.tiny import byte_tokenizer
-from test_engine import hf_model, random_prompts  # noqa: F401 (fixture)
+from test_runner import hf_model, random_prompts  # noqa: F401 (fixture)
 
 pytest.importorskip("eaglebatch._native")
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 
-from eaglebatch.engine import build_worker, prepare, run_prepared
 from eaglebatch.errors import JobError
 from eaglebatch.job.config import load_job
+from eaglebatch.prepare import prepare
+from eaglebatch.runner import build_worker, run_prepared
 from support.spies import ReaderWaitSpy
 from support.tiny import write_prompts
-from test_engine import random_prompts
+from test_runner import random_prompts
 
 pytest.importorskip("eaglebatch._native")
 

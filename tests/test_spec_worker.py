@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 from collections import Counter
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -149,6 +150,22 @@ def test_preemption_and_reprefill_in_another_slot(env) -> None:
     assert sum(r.preemptions for r in sched.requests) >= 3  # 2 forced + block shortage
     moved = [r for r in sched.requests if len(set(r.slots_used)) > 1]
     assert moved and all(r.outputs == env.plain[i] for i, r in enumerate(sched.requests))
+
+
+def test_both_workers_declare_their_target_and_what_they_take_of_the_scheduler(env) -> None:
+    """The run tells the workers apart by no attribute test: each has `target` (the Worker of
+    the target model) and `bind` (the plain Worker takes nothing; a SpecWorker its grammar
+    hook: the scheduler's draft_masks and draft_step_masks)."""
+    plain = target_worker(env.target)
+    sched = SimpleNamespace(draft_masks=object(), draft_step_masks=object())
+    before = dict(vars(plain))
+    plain.bind(sched)
+    assert plain.target is plain and vars(plain) == before
+    spec = spec_worker(env, "eagle3", 2)
+    spec.bind(sched)
+    assert spec.target is not spec and spec.target.target is spec.target
+    assert spec.grammar.masks is sched.draft_masks
+    assert spec.grammar.step_masks is sched.draft_step_masks
 
 
 def test_decode_plans_run_as_plain_steps(env) -> None:

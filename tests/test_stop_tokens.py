@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from eaglebatch.engine import prepare
 from eaglebatch.errors import JobError
 from eaglebatch.job.config import load_job
+from eaglebatch.prepare import prepare
 from eaglebatch.speculative import init_random_draft
 from support.tiny import byte_tokenizer, write_prompts
-from test_engine import EOS, MAX_NEW, random_prompts, run_job
+from test_runner import EOS, MAX_NEW, random_prompts, run_job
 
 pytest.importorskip("eaglebatch._native")
 

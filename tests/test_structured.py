@@ -14,11 +14,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from eaglebatch.engine import prepare, run_prepared
 from eaglebatch.errors import JobError
 from eaglebatch.job.config import load_job
+from eaglebatch.prepare import prepare
+from eaglebatch.runner import run_prepared
 from eaglebatch.speculative import init_random_draft
-from test_engine import random_prompts
+from test_runner import random_prompts
 
 pytest.importorskip("eaglebatch._native")
 llguidance = pytest.importorskip("llguidance")

@@ -14,17 +14,18 @@ import transformers
 from rich.console import Console
 from safetensors.torch import load_file
 
-from eaglebatch.engine import prepare, run_prepared
 from eaglebatch.errors import JobError
 from eaglebatch.job.config import load_job
 from eaglebatch.model.causal_lm import CausalLM
+from eaglebatch.prepare import prepare
+from eaglebatch.runner import run_prepared
 from eaglebatch.speculative import init_random_draft
 from eaglebatch.speculative.eagle import load_draft
 from eaglebatch.train.job import load_train_job
 from eaglebatch.train.trainer import train_draft
 from eaglebatch.train.ttt import step_mask, ttt_forward
 from paged_kv import PagedSequences
-from test_engine import random_prompts
+from test_runner import random_prompts
 
 
 def _extend(draft, kv, pk, x, feats):

@@ -19,7 +19,7 @@ _os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
 _API = {"Engine": "eaglebatch.api.engine", "run": "eaglebatch.api.run",
         "JobError": "eaglebatch.errors",
-        "RunSummary": "eaglebatch.engine", "RunFailed": "eaglebatch.engine",
+        "RunSummary": "eaglebatch.runner", "RunFailed": "eaglebatch.runner",
         "Interrupted": "eaglebatch.interrupt"}  # fmt: skip
 
 __all__ = ["Engine", "Interrupted", "JobError", "RunFailed", "RunSummary", "run",

@@ -11,12 +11,16 @@ Invariants:
 - A plan's rows are in a fixed order; `commit` takes results in that same order.
 """
 
-from typing import Any
+from typing import Any, final
 
 import numpy as np
 import numpy.typing as npt
 
-from .scheduler_config import SchedulerConfig
+from .job.scheduler_config import SchedulerConfig
+
+# Every native class is final (PyO3: no subclassing); its constructor is `__new__` (PyO3's
+# #[new]). scripts/native_stub.sh checks this file against the built
+# extension: a name missing here or here only, or a signature that differs, fails CI.
 
 __version__: str
 
@@ -26,6 +30,10 @@ class NativeError(Exception):
 class UserInputError(NativeError):
     """An error the user can fix (missing file / column, wrong column type): message names it."""
 
+class StorageConflict(NativeError):
+    """A compare-and-swap on an object store lost: another writer changed the object first."""
+
+@final
 class StepPlan:
     """One forward step. B = num_seqs, T = num_tokens (sum of query lengths)."""
 
@@ -64,6 +72,13 @@ class StepPlan:
     frequency_penalty: npt.NDArray[np.float32]  # [B] 0 = off
     presence_penalty: npt.NDArray[np.float32]  # [B] 0 = off
     logprobs: npt.NDArray[np.int32]  # [B] alternatives to report per token (0 = none)
+    # [B] top alternatives per prompt token while the row still lacks some of its prompt
+    # logprobs (0 otherwise), and each row's prompt length
+    prompt_logprobs: npt.NDArray[np.int32]
+    prompt_lens: npt.NDArray[np.int32]
+    # [B] the first query position whose prompt logprob is wanted (0, or a scored part's first
+    # scored token - 1); earlier positions' logits are not needed
+    prompt_logprobs_from: npt.NDArray[np.int32]
     # rows with a penalty on: their known tokens, prompt first; row i's are
     # penalty_ids[cu_penalty[i]:cu_penalty[i+1]], the first penalty_prompt_lens[i] the prompt's
     penalty_ids: npt.NDArray[np.int64]  # [N]
@@ -97,8 +112,9 @@ class StepPlan:
     max_seqlen_q: int
     max_seqlen_k: int
 
+@final
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __new__(cls, config: SchedulerConfig) -> Scheduler:
         """Validates the input (files exist, are Parquet, columns exist with usable types) and
         starts the reader/tokenizer and writer threads. Raises UserInputError naming the file or
         column. Rows are not all loaded: memory is bounded by `queue_rows`.
@@ -133,6 +149,9 @@ class Scheduler:
         num_accepted: npt.NDArray[np.int32] | None = None,
         logprobs: tuple[npt.NDArray[np.float32], npt.NDArray[np.int32],
                         npt.NDArray[np.float32]] | None = None,
+        prompt_logprobs: tuple[npt.NDArray[np.int32], npt.NDArray[np.int32],
+                               npt.NDArray[np.float32], npt.NDArray[np.int32],
+                               npt.NDArray[np.float32]] | None = None,
     ) -> None:
         """Results of the last plan, rows in plan order: row i produced
         tokens[sum(num_tokens[:i]) : sum(num_tokens[:i+1])]. The scheduler truncates at EOS,
@@ -142,7 +161,10 @@ class Scheduler:
         `num_accepted` (accepted drafts per row) is accumulated for verify rows. `logprobs`
         (chosen float32 [T], top ids int32 [T, N], top logprobs float32 [T, N], aligned with
         `tokens`) is required when a row of the plan asks for logprobs, with N at least the
-        most any row asks; each row keeps those of the tokens it appends (its own N)."""
+        most any row asks; each row keeps those of the tokens it appends (its own N).
+        `prompt_logprobs` (rows whose plan.prompt_logprobs > 0): (row_counts int32 [B],
+        positions int32 [P], then chosen, top ids and top logprobs as `logprobs` has them over
+        the P entries)."""
 
     def next_plan_ahead(self) -> StepPlan | None:
         """With config.overlap (plain decoding), while exactly one plan is pending: the plan
@@ -161,6 +183,13 @@ class Scheduler:
         one's grammar accepts, masks [R, k + 1, words] the allowed tokens at each verify
         position, position j's after drafts 1..j; positions past valid allow everything). The
         rows' grammars stand where the last commit left them afterwards."""
+
+    def draft_step_masks(
+        self, tokens: npt.NDArray[np.int64] | None = None
+    ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.uint32]]:
+        """Structured output, masked drafting: `tokens` None starts a session over the pending
+        verify plan, else int64 [B] the drafts just chosen; returns (rows int32 [R], masks
+        uint32 [R, words]), the constrained rows' allowed tokens at the next draft position."""
 
     def set_plain_steps(self, on: bool) -> None:
         """Speculative decoding: while on, decode steps are planned as plain decoding plans them
@@ -220,6 +249,57 @@ def check_response_format(
     """Parses and compiles a job's response_format (a mapping, JSON text, or None: nothing to
     check) for the tokenizer, read as SchedulerConfig.response_format is; raises
     UserInputError naming what is wrong."""
+
+def output_columns(config: SchedulerConfig) -> list[str]:
+    """The names of the columns a job's output has before its kept input columns (`config`: a
+    SchedulerConfig or any object with its attributes), as the writer will write them:
+    `output.keep_columns` may take any other name."""
+
+# (url, size, e_tag, version)
+_Entry = tuple[str, int, str | None, str | None]
+
+@final
+class ObjectStore:
+    """Object stores through the reader's and writer's storage layer (rust/src/storage): every
+    method takes a full URL and releases the GIL while it waits on the network. Errors: not
+    found -> FileNotFoundError, a create-only name taken -> FileExistsError, a compare-and-swap
+    that lost -> StorageConflict, 403/401 -> PermissionError, an operation the store lacks ->
+    NotImplementedError, anything else (after the retries) -> OSError; messages name the URL
+    and no credential."""
+
+    def __new__(
+        cls, endpoint: str | None = None, options: dict[str, str] = ..., unconditional: bool = False
+    ) -> ObjectStore: ...
+    def list(self, url: str) -> list[_Entry]:
+        """Every object under the folder `url` (recursively), sorted by URL."""
+    def head(self, url: str) -> _Entry: ...
+    def get(self, url: str) -> tuple[bytes, str | None, str | None]:
+        """The whole object: (bytes, e_tag, version)."""
+    def get_range(self, url: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) (clipped to the object's end)."""
+    def put(
+        self,
+        url: str,
+        data: bytes,
+        mode: str,
+        e_tag: str | None = None,
+        version: str | None = None,
+    ) -> tuple[str | None, str | None]:
+        """One PUT of `data`. `mode`: "overwrite", "create" (FileExistsError if the name is
+        taken) or "replace" (StorageConflict unless the object is still `e_tag` / `version`).
+        Returns the new (e_tag, version)."""
+    def delete(self, url: str) -> None: ...
+    def open_file(self, url: str) -> RemoteFile:
+        """`url`'s size (one HEAD) and a reader of its ranges through the reader's block
+        cache."""
+
+@final
+class RemoteFile:
+    """A remote object opened for ranged reads (ObjectStore.open_file), as pyarrow's file-like
+    wrapper (storage/remote_file.py) needs it."""
+
+    def size(self) -> int: ...
+    def read_at(self, start: int, length: int) -> bytes: ...
 
 def is_secret_name(name: str) -> bool:
     """Whether a storage option's (or a cloud variable's) name names a credential, whose value
@@ -356,6 +436,7 @@ def paged_attention(
     0..=seq_lens[i] - q_i + j. Every index is checked first (ValueError). Unsafe by contract:
     `cpu/attention.py` is the caller (addresses through `cpu/tensors.py::native_ptr`)."""
 
+@final
 class CpuDecoder:
     """A model's decoder layers for few-row CPU steps (rust/src/cpu/decoder_layer.rs), held as raw
     addresses: per layer [input_norm (0: the layer is given its input), q, k, v, o, post_norm,
@@ -367,8 +448,8 @@ class CpuDecoder:
     `cpu/decoder.py::NativeDecoder` takes every address through `cpu/tensors.py::native_ptr`
     and keeps every tensor alive."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         layers: list[list[int]],
         weight_types: list[list[int]],
         in_features: list[int],
@@ -383,7 +464,7 @@ class CpuDecoder:
         sin: int,
         max_positions: int,
         int8_activations: bool = False,
-    ) -> None: ...
+    ) -> CpuDecoder: ...
     def forward(
         self,
         x: int,

@@ -72,7 +72,7 @@ def main() -> None:
 def validate(job_file: str, overrides: tuple[str, ...]) -> None:
     """Check a job (schema, input files and columns, model files) without generating."""
     # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
-    from eaglebatch.engine import check_job_input
+    from eaglebatch.prepare import check_job_input
 
     job = load_job(job_file, overrides)
     checked = check_job_input(job)  # input and output.path, before a model is copied, as run
@@ -91,11 +91,11 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
 
 
 def _check_job(job, checked) -> tuple[list, int, str]:
-    """`run`'s checks (engine.prepare; `checked`: its check_job_input, made), and whether the
+    """`run`'s checks (prepare.prepare; `checked`: its check_job_input, made), and whether the
     output holds this job's rows already: (input files, rows, what the output holds)."""
     # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
-    from eaglebatch.engine import prepare
     from eaglebatch.output.resume import scan_output
+    from eaglebatch.prepare import prepare
 
     prep = prepare(job, checked=checked)  # the output must hold this job's results, if any
     state = scan_output(location(job.output.path, job.storage), prep.identity)
@@ -126,7 +126,7 @@ def _check_builtin_job(job, checked) -> tuple[list, int]:
 def _check_job_template(job) -> None:
     """The job's model_chat_template file must compile when prompts go through it."""
     # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
-    from eaglebatch.engine import check_chat_template, read_chat_template, renders_chat
+    from eaglebatch.job.checks import check_chat_template, read_chat_template, renders_chat
     from eaglebatch.job.inputs import check_batch_input
 
     batch_chat = job.input.openai_batch and check_batch_input(job.input, job.storage).chat
@@ -266,9 +266,10 @@ def _run_on_ray(job, address: str | None, restart: bool, report: SummaryReport,
     from rich.console import Console
 
     # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
-    from eaglebatch.engine import RunFailed, prepare
+    from eaglebatch.prepare import prepare
     from eaglebatch.progress import ray_summary_table, summary_table
     from eaglebatch.ray_executor import import_ray, run_on_ray
+    from eaglebatch.runner import RunFailed
 
     import_ray()  # before anything else: a missing Ray is one message
     console = Console(stderr=True)
@@ -290,8 +291,9 @@ def _run_here(job, shard, restart: bool, report: SummaryReport, checked=None) ->
     from rich.console import Console
 
     # lazy: pyarrow, torch and rich load only for the command that uses them (fast --help)
-    from eaglebatch.engine import WHOLE, RunFailed, RunScope, open_output, prepare, run_prepared
+    from eaglebatch.prepare import prepare
     from eaglebatch.progress import ProgressView, summary_table
+    from eaglebatch.runner import WHOLE, RunFailed, RunScope, open_output, run_prepared
 
     console = Console(stderr=True)
     try:

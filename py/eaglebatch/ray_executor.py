@@ -36,18 +36,12 @@ from pathlib import Path
 
 import numpy as np
 
-from eaglebatch.engine import (
-    PreparedJob,
-    RunFailed,
-    RunScope,
-    open_output,
-    run_prepared,
-    write_batch_results,
-)
 from eaglebatch.errors import JobError
 from eaglebatch.job.config import JobConfig
 from eaglebatch.output.directory import DirectoryInUse, release_output_dir, release_subdirs
 from eaglebatch.output.resume import ResumeState
+from eaglebatch.prepare import PreparedJob
+from eaglebatch.runner import RunFailed, RunScope, open_output, run_prepared, write_batch_results
 from eaglebatch.storage import location, parquet_source
 
 PROGRESS_KEYS = ("requests_done", "requests_error", "output_tokens", "running", "waiting")
@@ -166,7 +160,7 @@ class EngineActor:
 
     def __init__(self, prep: PreparedJob) -> None:
         # lazy: ray is an optional extra; torch only in the actors, not the driver
-        from eaglebatch.engine import build_worker
+        from eaglebatch.runner import build_worker
 
         self.prep = prep
         self.worker = build_worker(prep)

@@ -272,6 +272,9 @@ class Worker:
     logprobs_mode: str = "raw"
     # plain decoding plans plain steps anyway (`SpecWorker.plain_steps`)
     plain_steps: bool = False
+    # what the weights are and the CPU threads (from_job sets them; the run's stats report them)
+    weights: str | None = None
+    threads: int | None = None
 
     def __init__(
         self,
@@ -305,6 +308,15 @@ class Worker:
 
     def draft_stats(self) -> dict | None:
         return None  # plain decoding drafts nothing
+
+    @property
+    def target(self) -> Worker:
+        """The worker of the target model: this one (a SpecWorker's is the Worker it wraps)."""
+        return self
+
+    def bind(self, scheduler) -> None:
+        """Takes what the worker needs of the scheduler that plans its steps: plain decoding,
+        nothing (a SpecWorker, its grammar hook)."""
 
     def enable_graphs(self, mode: str, max_batch_size: int) -> None:
         """Captures plain decode (1 token per row) per padded batch size. mode: "cuda" (CUDA

@@ -104,8 +104,8 @@ def _cli(argv: list[str], fake_ray: bool) -> int:
 
 
 def _orphan_unit(job: str, start: int, end: int) -> dict:
-    from eaglebatch.engine import prepare
     from eaglebatch.job.config import load_job
+    from eaglebatch.prepare import prepare
     from eaglebatch.ray_executor import EngineActor, Unit
 
     actor = EngineActor(prepare(load_job(job)))

@@ -29,10 +29,11 @@ from eaglebatch.api.scoring import (
     choices_table,  # fmt: skip
     text_list,
 )
-from eaglebatch.engine import PreparedJob, RunScope, RunSummary, build_worker, prepare
-from eaglebatch.engine import run_prepared as _run_prepared
 from eaglebatch.errors import JobError, echo, native_error
 from eaglebatch.job.config import job_from_dict
+from eaglebatch.prepare import PreparedJob, prepare
+from eaglebatch.runner import RunScope, RunSummary, build_worker
+from eaglebatch.runner import run_prepared as _run_prepared
 
 Section = Mapping[str, Any] | None
 ORDER = [("row_index", "ascending"), ("sample_index", "ascending")]

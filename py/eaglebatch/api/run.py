@@ -7,10 +7,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from eaglebatch.engine import WHOLE, RunScope, RunSummary, open_output, prepare, run_prepared
 from eaglebatch.errors import JobError, native_error
 from eaglebatch.job.config import JobConfig, job_from_dict, load_job
 from eaglebatch.output.shards import parse_shard, written_counts
+from eaglebatch.prepare import prepare
+from eaglebatch.runner import WHOLE, RunScope, RunSummary, open_output, run_prepared
 from eaglebatch.storage import location
 
 

@@ -36,10 +36,11 @@ import pyarrow.parquet as pq
 from rich.console import Console
 from rich.table import Table
 
-from eaglebatch.engine import open_output, prepare, run_prepared
 from eaglebatch.job.config import JobConfig, job_to_dict
 from eaglebatch.job.gguf_model import gguf_reference_dir
+from eaglebatch.prepare import prepare
 from eaglebatch.progress import accept_length, generation_seconds, lookup_line
+from eaglebatch.runner import open_output, run_prepared
 from eaglebatch.speculative.worker import SpecWorker
 from eaglebatch.worker import Worker
 
@@ -357,7 +358,7 @@ class _Setup:
     """What every measured run of one bench shares."""
 
     job: JobConfig
-    prep: object  # engine.prepare's
+    prep: object  # prepare.prepare's
     target: object  # the plain Worker, loaded once and shared by the speculative workers
     max_batch: int  # the largest max batch size measured: the workers are sized for it
     repeat: int

@@ -25,7 +25,7 @@ from eaglebatch.job.secrets import endpoint_has_credentials, is_secret_option
 from eaglebatch.storage.paths import is_remote
 
 if TYPE_CHECKING:  # pyarrow and torch: imported only once the command runs
-    from eaglebatch.engine import CheckedInput
+    from eaglebatch.prepare import CheckedInput
 
 MARKER = "# written by `eaglebatch run-batch`; rerun the same command (or `eaglebatch run` on"
 MARKER_2 = "# this file) to resume"
@@ -108,12 +108,12 @@ def write_job(
 
 
 def check_batch_job(data: dict, base_dir: Path) -> CheckedInput:
-    """The job's checks that need no model, as `run` makes them (engine.check_job_input, the
+    """The job's checks that need no model, as `run` makes them (prepare.check_job_input, the
     results path's rules), before its job file is written: a job `run` would refuse for its
     input, its output or OUT itself (`-o model/config.json`) leaves no file behind."""
     # lazy: pyarrow, only once the arguments are checked
-    from eaglebatch.engine import check_job_input
     from eaglebatch.output.results_file import check_results_path
+    from eaglebatch.prepare import check_job_input
 
     job = job_from_dict(data, base_dir=base_dir)
     checked = check_job_input(job)

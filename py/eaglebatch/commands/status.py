@@ -44,8 +44,8 @@ class JobStatus:
 def job_status(job: JobConfig) -> JobStatus:
     """Checks the job as `run` does (a bad job is a JobError) and reads what is done."""
     # lazy: the engine pulls pyarrow; cli imports this module at start
-    from eaglebatch.engine import prepare
     from eaglebatch.output.resume import scan_output
+    from eaglebatch.prepare import prepare
 
     prep = prepare(job, check_memory=False)  # it may run on a bigger machine
     out = location(job.output.path, job.storage)

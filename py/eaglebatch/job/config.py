@@ -1,7 +1,8 @@
 """The job file: YAML -> validated, frozen `JobConfig`. Config flows one way from here.
 
-Every key is documented in the README. Unknown keys are errors (typo protection); every error
-names the key path (`sampling.temperature`) so a user can fix the file without a traceback.
+Every key is documented in docs/job-file.md. Unknown keys are errors (typo protection); every
+error names the key path (`sampling.temperature`) so a user can fix the file without a
+traceback.
 
 Reading is strict, as a job runs for hours on what it says: the file is UTF-8 text of at most
 1 MiB; YAML is loaded safely (no tag ever runs code) with the YAML 1.2 core schema's scalars

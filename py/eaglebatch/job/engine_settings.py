@@ -1,4 +1,4 @@
-"""The engine section resolved once per process into `EngineSettings` (engine.prepare): the
+"""The engine section resolved once per process into `EngineSettings` (prepare.py): the
 device, dtype, attention backend, graph mode, overlap, the CPU kernels and the weights the worker
 will use, and W. Each `resolve_*` turns one `engine.*` key into what runs, or a JobError naming
 the key where it cannot; nothing else re-resolves them (the worker, the scheduler's settings,

@@ -231,7 +231,7 @@ def release_subdirs(path: Path) -> None:
 def check_output_kind(path: Path | RemotePath) -> None:
     """output.path is a directory or absent (a run creates it): a file there, or on an object
     store an object under that name (not a prefix), is a JobError naming output.path.
-    `validate` and every run check this one rule, once, in engine.check_job_input."""
+    `validate` and every run check this one rule, once, in prepare.check_job_input."""
     if isinstance(path, RemotePath):
         if path.is_file():
             raise JobError(f"output.path: {path} is an object, not a directory (a prefix)")
@@ -253,7 +253,7 @@ def prepare_output_dir(
     them. Returns the subdirectories another process holds (`busy_ok`, see _lock_subdirs).
     On an object store (`path` a RemotePath, `storage` the job's section) leases stand in for
     the locks (remote_dir.py); Ray units do not run there. The caller checked the path's kind
-    (check_output_kind, in engine.prepare: every run prepares before it opens its output)."""
+    (check_output_kind, in prepare.prepare: every run prepares before it opens its output)."""
     if isinstance(path, RemotePath):
         own = path / subdir if unit else None
         scan = (lambda: _checked_tree(path)) if own is None else (lambda: _checked_dir(own))

@@ -80,6 +80,7 @@ from eaglebatch.sampling.logits_processing import (
 from eaglebatch.sampling.logprobs import distribution, prompt_logprobs, top_logprobs, wanted
 from eaglebatch.speculative.adaptive import AdaptiveDraftLength
 from eaglebatch.speculative.eagle import EagleDraft, load_draft
+from eaglebatch.speculative.grammar_drafts import GrammarDrafts
 from eaglebatch.speculative.graphs import SpecGraphs
 from eaglebatch.speculative.ngram import NgramLookup
 from eaglebatch.speculative.round import (
@@ -199,11 +200,8 @@ class SpecWorker:
         self.stats = SpecStats()
         self._clock = _Clock(self.device)
         self.graphs: SpecGraphs | None = None  # enable_graphs
-        # structured output: the scheduler's `draft_masks` and `draft_step_masks` (the engine
-        # sets them), and whether the tokens a grammar forces are drafted ahead of the head's
-        self.grammar = None
-        self.grammar_step = None
-        self.forced_drafts = forced_tokens is not None
+        # structured output: the grammar hook (the scheduler's masks, bound by `bind`)
+        self.grammar = GrammarDrafts(forced_tokens is not None, self.device)
 
     def _bind_draft_cache(self, draft_kv_cache: torch.Tensor | None) -> None:
         """The draft's own cache (given, or allocated over the target's blocks + the pad block
@@ -255,6 +253,10 @@ class SpecWorker:
 
     def graph_stats(self) -> dict | None:
         return None if self.graphs is None else self.graphs.stats.as_dict()
+
+    def bind(self, scheduler) -> None:
+        """Rounds draft under the scheduler's grammars and validate against them (Worker.bind)."""
+        self.grammar.bind(scheduler)
 
     def draft_stats(self) -> dict:
         return self.stats.as_dict()
@@ -575,7 +577,8 @@ class SpecWorker:
         b = plan.num_seqs
         stale = self.slots.stale[plan.request_slots]  # [B] rows the head no longer serves
         shape = self._round_shape(plan.request_slots, k_plan)
-        shape, forced_ids, forced_lens = self._forced(plan, shape, k_plan)
+        shape, forced_ids, forced_lens = self.grammar.forced(plan, shape, k_plan,
+                                                             self.graphs is not None)
         self.running_rows = b
         lookup_ids = np.zeros((b, shape.k), dtype=np.int64)  # padding (0) after each row's n
         for i in np.flatnonzero(shape.by_lookup):
@@ -615,62 +618,13 @@ class SpecWorker:
             self._catch_up(plan, r.start, r.block_tables)
         marks.t0 = self._clock.mark()
         draft_ids = self._draft(r, chain)
-        grammar = self._grammar(r, draft_ids)
+        grammar, cut = self.grammar.verify_masks(plan, r.n, draft_ids)
+        self.stats.grammar_cut += cut
         marks.t1 = self._clock.mark()
         verified = target(r, draft_ids)
         accepted = self._accept(r, draft_ids, verified, grammar)
         extend(r, verified, accepted)
         return self._record(r, accepted, marks)
-
-    # ---- structured output (docs/structured-output.md) ----------------------------------------
-
-    def _forced(self, plan, shape: RoundShape, k_plan: int) -> tuple:
-        """The round's forced drafts: (shape, ids int64 [B, k] on the device, lens int64 [B]),
-        each constrained row's forced tokens, at most W (k_plan). A row drafts those first; a
-        row the head serves then drafts its own n head tokens after them (the head's chain runs
-        through the forced tokens and on), so the round widens to fit, up to W, also where the
-        policy chose not to draft (forced drafts cost no draft step). Eager rounds only widen:
-        graphs are captured per K. (shape, None, None) without any."""
-        lens = np.minimum(np.diff(plan.cu_forced.astype(np.int64)), k_plan)  # [B]
-        graphs = self.graphs is not None
-        if not self.forced_drafts or not lens.any() or (graphs and shape.k == 0):
-            return shape, None, None
-        head = ~shape.by_lookup & (shape.k_head > 0)  # [B] rows whose drafts the head makes
-        n = np.where(lens > 0, np.where(head, lens + shape.n, np.maximum(lens, shape.n)), shape.n)
-        k = shape.k if graphs else min(max(shape.k, int(n.max())), k_plan)
-        lens, n = np.minimum(lens, k), np.minimum(n, k)
-        ids = np.zeros((len(lens), k), dtype=np.int64)
-        for i in np.flatnonzero(lens):
-            start = int(plan.cu_forced[i])
-            ids[i, : lens[i]] = plan.forced_ids[start : start + lens[i]]
-        k_head = k if shape.k_head > 0 else 0
-        shape = dataclasses.replace(shape, k=k, k_head=k_head, n=n)
-        return shape, self._dev(ids), lens
-
-    def _head_masks(self, r: Round, drafts: torch.Tensor | None):
-        """Masked drafting (eager chains): the constrained rows' allowed tokens at the next
-        draft position, from the scheduler (`drafts` [B]: the ones just chosen; None starts the
-        round), as `argmax_tokens` takes them; None when the plan has no constrained row."""
-        if self.grammar_step is None or not bool((r.plan.mask_rows >= 0).any()):
-            return None
-        rows, packed = self.grammar_step(None if drafts is None else drafts.cpu().numpy())
-        mask = GrammarMask.of_drafts(rows, packed[:, None, :], self.device)
-        return None if mask is None else (mask.rows, mask.allowed[:, 0])
-
-    def _grammar(self, r: Round, draft_ids: torch.Tensor) -> GrammarMask | None:
-        """The constrained rows' masks per verify position, from the scheduler, which validates
-        their drafts: a row's drafts are cut (its n lowered in place) at the first one its
-        grammar refuses. None when the plan has no constrained row."""
-        if not bool((r.plan.mask_rows >= 0).any()):
-            return None
-        if self.grammar is None:  # verifying without the masks would not be exact
-            raise RuntimeError("a verify plan with constrained rows needs the scheduler's "
-                               "draft_masks (SpecWorker.grammar, set by build_scheduler)")
-        rows, valid, masks = self.grammar(draft_ids.cpu().numpy())
-        cut = np.minimum(r.n[rows], valid)
-        self.stats.grammar_cut += int((r.n[rows] - cut).sum())
-        r.n[rows] = cut
-        return GrammarMask.of_drafts(rows, masks, self.device)
 
     # ---- 1. draft ------------------------------------------------------------------------------
 
@@ -693,7 +647,7 @@ class SpecWorker:
     def _chain_eager(self, r: Round, h: torch.Tensor, draft_ids: torch.Tensor) -> None:
         """The head's chain into draft_ids[:, :k_head], one draft forward per step."""
         d = None  # [B] the previous step's draft d_j
-        allowed = self._head_masks(r, None)  # constrained rows: their grammars' next tokens
+        allowed = self.grammar.head_masks(r.plan, None)  # constrained rows: their next tokens
         for j in range(r.k_head):
             if j:  # one draft step at p = L-2+j from (h^d_{p-1}, d_j); the assistant: p = L-2
                 p = r.start - 1 if self.draft.fixed_position else r.start + j - 1
@@ -706,7 +660,7 @@ class SpecWorker:
                 d = torch.where(self._dev(r.forced_lens > j, bool), r.forced_ids[:, j], d)
             draft_ids[:, j] = d
             if allowed is not None and j + 1 < r.k_head:
-                allowed = self._head_masks(r, d)
+                allowed = self.grammar.head_masks(r.plan, d)
 
     def _chain_graph(self, r: Round, h: torch.Tensor, draft_ids: torch.Tensor) -> None:
         """The head's chain into draft_ids[:, :k_head], one graph replay."""

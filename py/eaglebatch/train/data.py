@@ -19,12 +19,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from eaglebatch._native import render_chat_template
-from eaglebatch.engine import prepare, run_prepared
 from eaglebatch.errors import JobError
 from eaglebatch.job.config import EngineConfig, JobConfig, OutputConfig, SamplingConfig
 from eaglebatch.job.inputs import check_input
 from eaglebatch.job.model_files import ModelFiles
+from eaglebatch.prepare import prepare
 from eaglebatch.progress import ProgressView
+from eaglebatch.runner import run_prepared
 from eaglebatch.train.job import TrainJob
 
 

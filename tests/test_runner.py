@@ -12,8 +12,9 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from eaglebatch.engine import build_worker, prepare, run_prepared
 from eaglebatch.job.config import load_job
+from eaglebatch.prepare import prepare
+from eaglebatch.runner import build_worker, run_prepared
 from support.spies import ReaderWaitSpy
 from support.tiny import byte_tokenizer, write_prompts
 

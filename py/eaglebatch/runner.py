@@ -1,4 +1,5 @@
-"""The engine: job config -> Rust scheduler + torch worker -> the step loop.
+"""Running a prepared job (prepare.py): job config -> Rust scheduler + torch worker -> the
+step loop.
 
 The loop is deliberately thin:
 
@@ -9,293 +10,24 @@ Everything that is not tensor math happens in Rust with the GIL released.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from eaglebatch import __version__
 from eaglebatch.errors import JobError, native_error
 from eaglebatch.interrupt import Interrupted, StopSignals
-from eaglebatch.job import memory
-from eaglebatch.job.config import JobConfig, job_to_dict
-from eaglebatch.job.inputs import check_batch_input, check_input, check_output_apart, kept_columns
-from eaglebatch.job.model_files import ModelFiles, model_files, resolve_draft_dir
-from eaglebatch.model.config import ModelConfig
-from eaglebatch.output.directory import check_output_kind, prepare_output_dir, release_output_dir
-from eaglebatch.output.results_file import check_results_path
-from eaglebatch.output.resume import (
-    HASH_KEY,
-    IDENTITY_KEY,
-    ResumeState,
-    identity_hash,
-    job_identity,
-    scan_output,
-)
+from eaglebatch.job.checks import renders_chat
+from eaglebatch.job.config import job_to_dict
+from eaglebatch.output.directory import prepare_output_dir, release_output_dir
+from eaglebatch.output.resume import HASH_KEY, IDENTITY_KEY, ResumeState, scan_output
 from eaglebatch.output.shards import Shard, shard_of_dir
+from eaglebatch.prepare import PreparedJob, requests_known
 from eaglebatch.step_work import StepWork
 from eaglebatch.storage import location
-
-if TYPE_CHECKING:  # torch: imported only when a run needs it
-    from eaglebatch.job.engine_settings import EngineSettings
-
-
-@dataclass(frozen=True)
-class PreparedJob:
-    """Everything checked before any generation: a bad job fails here, in milliseconds."""
-
-    job: JobConfig
-    input_files: list[Path]
-    total_rows: int
-    model: ModelFiles
-    draft_dir: Path | None
-    # What decides the outputs (resume.py); recorded in every part file.
-    identity: dict
-    # OpenAI Batch input: its first line's url (the endpoint of rows whose parts have no
-    # endpoint column), and whether a line is a chat request (inputs.check_batch_input)
-    openai_endpoint: str | None = None
-    batch_chat: bool = False
-    # config.json's vocab_size: a row's stop_token_ids must be below it
-    vocab_size: int = 0
-    # output.keep_columns resolved against the input files (inputs.kept_columns)
-    kept_columns: tuple[str, ...] = ()
-    # the engine section resolved once (job/engine_settings.py); None only in tests' stand-ins
-    engine: EngineSettings | None = None
-    # output.reasoning: the ids of its (start, end) tags; () when off
-    reasoning_ids: tuple[int, ...] = ()
-    # what a CPU run will hold in memory (job/memory.py); None on other devices
-    memory_plan: memory.MemoryPlan | None = None
-
-    @property
-    def job_hash(self) -> str:
-        return identity_hash(self.identity)
-
-
-def _check_model_config(job: JobConfig, mf: ModelFiles, rows: int):
-    """Checks config.json, the checkpoint's tensor names and shapes (headers only), the engine
-    section and the memory the run will take without loading weights (`rows`: the input's);
-    returns the engine settings resolved (the one resolution of this process), the model's
-    config and the memory plan."""
-    # lazy: torch and the extension, which validate and status never need
-    from eaglebatch.job.engine_settings import resolve_engine
-    from eaglebatch.model.causal_lm import CausalLM
-
-    try:
-        cfg = ModelConfig.from_dir(mf.dir)
-        shapes = CausalLM.check_checkpoint(mf.dir, cfg, gguf=mf.gguf)
-    except (ValueError, OSError) as e:
-        raise JobError(f"model: {mf.dir}: {e}") from None
-    if max(mf.max_token_id, *mf.eos_token_ids, -1) >= cfg.vocab_size:
-        raise JobError(
-            f"model: {mf.dir}: the tokenizer has ids up to "
-            f"{max(mf.max_token_id, *mf.eos_token_ids)} but config.json's vocab_size is "
-            f"{cfg.vocab_size}: tokenizer.json does not belong to these weights"
-        )
-    bad = [t for t in job.sampling.stop_token_ids if t >= cfg.vocab_size]
-    if bad:
-        raise JobError(f"sampling.stop_token_ids: {bad} are not ids of model {mf.dir}, whose "
-                       f"vocab_size is {cfg.vocab_size}")  # fmt: skip
-    settings = resolve_engine(job, mf, cfg)
-    return settings, cfg, _memory_plan(job, mf, cfg, settings, shapes, rows)
-
-
-def requests_known(job: JobConfig, rows: int) -> int | None:
-    """The samples a job over `rows` input rows generates, where the job alone says (not for
-    OpenAI Batch lines, which may set their own n, nor for scoring tasks)."""
-    if job.input.openai_batch or job.task != "generate":
-        return None
-    return rows * job.sampling.n
-
-
-def _memory_plan(job: JobConfig, mf: ModelFiles, cfg, settings: EngineSettings, shapes: dict,
-                 rows: int):  # fmt: skip
-    """What a CPU run will hold (job/memory.py); None on other devices."""
-    # lazy: torch and the extension, which validate and status never need
-    from eaglebatch.cpu.stored import stored_bytes
-    from eaglebatch.worker import job_kv, plan_kv_budget
-
-    if settings.device.type != "cpu":
-        return None
-    eng = job.engine
-    blocks = stored_bytes(mf.dir, mf.gguf, cfg) if settings.quantized else {}
-    itemsize = settings.dtype.itemsize
-    seq = settings.max_model_len + settings.max_draft_tokens
-    extra = 1 if job.draft is not None else 0  # a draft head's layer over the same blocks
-    kv = plan_kv_budget(eng, cfg, seq, settings.dtype, settings.device, extra,
-                        job=job_kv(job, settings, requests_known(job, rows)))  # the worker's rule
-    plan = memory.MemoryPlan(
-        model_bytes=memory.model_bytes(shapes, itemsize, blocks),
-        kv_bytes=kv.num_blocks * kv.bytes_per_block, kv_key=kv.sized_by,
-        available_bytes=memory.available_memory(),
-        buffer_bytes=memory.buffer_bytes(cfg, eng.max_num_batched_tokens, eng.max_batch_size,
-                                         itemsize),
-        experts=memory.mapped_experts(blocks, cfg),
-    )  # fmt: skip
-    return plan
-
-
-def _check_draft(draft: Path | None, cfg: ModelConfig) -> None:
-    """A draft head must fit the model (hidden size, vocabulary, aux layers: draft_check) and
-    its checkpoint files be whole (headers against file sizes), from config.json and the
-    headers, before any weight loads."""
-    # lazy: torch and the extension, which validate and status never need
-    from eaglebatch.speculative.draft_check import check_draft_dir
-
-    if draft is not None:
-        try:
-            check_draft_dir(draft, cfg)
-        except (ValueError, OSError) as e:
-            raise JobError(f"draft: {draft}: {e}") from None
-
-
-def read_chat_template(path: str) -> str:
-    """The text of the job's model_chat_template file (JobError naming it when unreadable or
-    empty)."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, ValueError) as e:
-        raise JobError(f"model_chat_template: cannot read {path}: {e}") from None
-    if not text.strip():
-        raise JobError(f"model_chat_template: {path} is empty")
-    return text
-
-
-def _with_chat_template(mf: ModelFiles, path: str | None) -> ModelFiles:
-    """The model's files with the job's chat template file, if it names one."""
-    if path is None:
-        return mf
-    return dataclasses.replace(mf, chat_template=read_chat_template(path))
-
-
-def renders_chat(job: JobConfig, batch_chat: bool) -> bool:
-    """Whether the job's prompts (some of them, with batch input) go through the chat
-    template (so it must compile)."""
-    return job.input.renders_chat or batch_chat
-
-
-def check_chat_template(text: str, origin: str) -> None:
-    """Raises JobError naming `origin` (the job key and file, or the model's template) when the
-    chat template does not compile: the check the reader's compile makes, before any model."""
-    # lazy: the extension, loaded only when a template is checked
-    from eaglebatch import _native
-
-    try:
-        _native.check_chat_template(text)
-    except ValueError as e:
-        raise JobError(f"{origin}: the chat template does not compile: {e}") from None
-
-
-def check_response_format(job: JobConfig, mf: ModelFiles, vocab_size: int) -> None:
-    """Raises JobError when the job's sampling.response_format does not compile for the model's
-    tokenizer: before any model loads (a row's own format is that row's error instead)."""
-    if job.sampling.response_format is None:
-        return
-    # lazy: the extension, loaded only when a job constrains its outputs
-    from eaglebatch import _native
-
-    try:
-        _native.check_response_format(
-            job.sampling.response_format, str(mf.tokenizer_file), vocab_size,
-            list(mf.eos_token_ids),
-        )  # fmt: skip
-    except _native.UserInputError as e:
-        raise JobError(str(e)) from None
-
-
-def reasoning_ids(job: JobConfig, mf: ModelFiles) -> tuple[int, ...]:
-    """output.reasoning's tag ids (start, end): each tag must be one token of the model's
-    tokenizer (the scheduler watches for the end tag's id); () when reasoning is off."""
-    if job.output.reasoning is None:
-        return ()
-    # lazy: the tokenizers library, loaded only for reasoning jobs
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(mf.tokenizer_file))
-    ids = []
-    for tag in job.output.reasoning_tags:
-        got = tok.encode(tag, add_special_tokens=False).ids
-        if len(got) != 1:
-            raise JobError(f"output.reasoning_tags: {tag!r} is {len(got)} tokens of the model's "
-                           "tokenizer; each tag must be one token (a reasoning model's own)")
-        ids.append(got[0])
-    return tuple(ids)
-
-
-def template_origin(job: JobConfig, mf: ModelFiles) -> str:
-    """Where the job's chat template comes from, for messages."""
-    if job.model_chat_template is not None:
-        return f"model_chat_template: {job.model_chat_template}"
-    return f"model: {mf.dir}'s chat template"
-
-
-@dataclass(frozen=True)
-class CheckedInput:
-    """What `check_job_input` found: the input files, their rows, the OpenAI Batch input's
-    first url and whether it has chat lines, the kept columns resolved."""
-
-    files: list[Path]
-    total: int
-    endpoint: str | None
-    batch_chat: bool
-    kept: tuple[str, ...]
-
-
-def check_job_input(job: JobConfig) -> CheckedInput:
-    """`prepare`'s checks that need no model (the one copy: `validate` of a model it does not
-    materialise runs these): the input files and the columns the job reads, the kept columns
-    against the columns this job writes, output.path apart from the input and of a directory's
-    kind (the one place a start checks that: open_output's prepare_output_dir relies on it)."""
-    endpoint, batch_chat = None, False
-    if job.input.openai_batch:
-        batch = check_batch_input(job.input, job.storage)
-        files, total, endpoint, batch_chat = batch.files, batch.total, batch.first_url, batch.chat
-    else:
-        files, total = check_input(job.input, job.storage)
-    kept = kept_columns(job, files)
-    check_output_apart(job.input.path, files, job.output.path)
-    check_output_kind(location(job.output.path, job.storage))
-    return CheckedInput(files, total, endpoint, batch_chat, kept)
-
-
-def prepare(
-    job: JobConfig, check_memory: bool = True, checked: CheckedInput | None = None
-) -> PreparedJob:
-    """Checks the job and everything it names before any work (a bad job is a JobError);
-    `check_memory`: also refuse a run this machine's memory cannot hold (`status` reports
-    on a job that may run elsewhere); `checked`: check_job_input(job), where the caller ran
-    it already (before copying a model, before writing a job file), so it runs once a start."""
-    checked = check_job_input(job) if checked is None else checked
-    files, total, endpoint, batch_chat = checked.files, checked.total, checked.endpoint, (
-        checked.batch_chat)  # fmt: skip
-    kept = checked.kept
-    mf = _with_chat_template(model_files(job.model, job.storage), job.model_chat_template)
-    if renders_chat(job, batch_chat):
-        if mf.chat_template is None:
-            raise JobError(
-                f"input: chat messages need a chat template, and model {job.model} has none; "
-                f"name a template file with model_chat_template: path/to/template.jinja"
-            )
-        check_chat_template(mf.chat_template, template_origin(job, mf))
-    draft = resolve_draft_dir(job.draft) if job.draft is not None else None
-    engine, cfg, mem = _check_model_config(job, mf, total)
-    vocab_size = cfg.vocab_size
-    _check_draft(draft, cfg)  # against the model's config.json, checked just above
-    if mem is not None and check_memory:
-        memory.check(mem, job.engine.kv_cache_tokens, str(job.model))
-    check_response_format(job, mf, vocab_size)
-    identity = job_identity(job, files, mf, draft, engine.dtype_name, engine.max_model_len)
-    if job.output.results_file is not None:
-        check_results_path(job.output.results_file, Path(job.output.path),
-                           identity_hash(identity), job.input.path, files)  # fmt: skip
-    return PreparedJob(
-        job=job, input_files=files, total_rows=total, model=mf, draft_dir=draft, identity=identity,
-        openai_endpoint=endpoint, batch_chat=batch_chat, vocab_size=vocab_size, kept_columns=kept,
-        engine=engine, reasoning_ids=reasoning_ids(job, mf), memory_plan=mem,
-    )
 
 
 @dataclass(frozen=True)
@@ -432,8 +164,7 @@ def build_scheduler(
     from eaglebatch._native import Scheduler
 
     scheduler = Scheduler(scheduler_config(prep, worker, metadata, skip_rows, scope, skip_samples))
-    if hasattr(worker, "grammar"):  # a SpecWorker drafts under the grammars and validates
-        worker.grammar, worker.grammar_step = scheduler.draft_masks, scheduler.draft_step_masks
+    worker.bind(scheduler)  # a SpecWorker drafts under the grammars and validates
     return scheduler
 
 
@@ -543,7 +274,7 @@ def _run(prep: PreparedJob, worker, progress, resume: ResumeState, scope: RunSco
     first, end = scope.rows(prep.total_rows)
     skip, samples = resume.skipped_in(first, end)
     scheduler = build_scheduler(prep, worker, file_metadata(prep), skip, scope, samples)
-    target = getattr(worker, "target", worker)
+    target = worker.target  # the Worker of the target model (a SpecWorker's, or itself)
     routing = count_routing(target.model) if target.device.type == "cpu" else None
     start = time.monotonic()
     try:
@@ -565,10 +296,9 @@ def _run(prep: PreparedJob, worker, progress, resume: ResumeState, scope: RunSco
         stats["drafts"] = drafts
     if routing is not None:
         stats["expert_rows_per_active"] = routing.rows_per_active
-    stats["weights"] = getattr(target, "weights", None)
-    stats["threads"] = getattr(target, "threads", None)
-    caches = getattr(target, "kv_caches", None) or []
-    stats["kv_cache_mib"] = sum(c.numel() * c.element_size() for c in caches) / 2**20
+    stats["weights"] = target.weights
+    stats["threads"] = target.threads
+    stats["kv_cache_mib"] = sum(c.numel() * c.element_size() for c in target.kv_caches) / 2**20
     stats.update(resident_memory())
     if progress is not None:
         progress(progress_counters(prep, scheduler.progress(), stats["step_work"]))
