@@ -85,21 +85,8 @@ pub(super) fn drive(s: &mut Run, k: usize) -> usize {
     steps
 }
 
-#[derive(Debug, Clone, PartialEq)]
-pub(super) struct Row {
-    pub(super) id: String,
-    pub(super) row_index: i64,
-    pub(super) sample_index: i32,
-    pub(super) text: String,
-    pub(super) reason: String,
-    pub(super) prompt_tokens: i32,
-    pub(super) output_tokens: i32,
-    pub(super) cached_tokens: i32,
-    pub(super) error: Option<String>,
-    pub(super) token_ids: Vec<i32>,
-    /// (stop_reason, stop_token_id): the stop string or stop token id that ended the row.
-    pub(super) stop: (Option<String>, Option<i32>),
-}
+/// A written row, read back from the output (the driver's rows are the same type).
+pub(super) use crate::scheduler::tests::Row;
 
 pub(super) fn read_output(dir: &std::path::Path) -> Vec<Row> {
     let mut rows = Vec::new();
