@@ -9,6 +9,7 @@ from transformers import DynamicCache, Qwen3_5TextConfig, Qwen3NextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
+from eaglebatch.model.config import ModelConfig
 from eaglebatch.model.deltanet_layout import split_ba, split_qkvz
 from eaglebatch.model.deltanet_shape import DeltaNetShape
 from eaglebatch.model.gated_deltanet import GatedDeltaNet
@@ -171,3 +172,30 @@ def _random_states(ours: GatedDeltaNet, rows: int) -> tuple[torch.Tensor, torch.
     conv, ssm = ours.new_states(rows)
     dt = ours.A_log.dtype
     return torch.randn_like(conv, dtype=dt), torch.randn_like(ssm, dtype=dt) * 0.3
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bfloat16_activations_with_float32_states_equal_transformers(family: str) -> None:
+    """bf16 weights and activations, float32 states (transformers keeps the SSM state in float32
+    too): prefill then one decode step, the outputs equal to bf16 rounding (observed: equal)."""
+    ref, ours, cfg = _pair(family, seed=6)
+    ref.to(torch.bfloat16)
+    ours.to(torch.bfloat16)
+    prompt, nxt = (torch.randn(n, HIDDEN).to(torch.bfloat16) for n in (80, 1))
+    (want_p, want_n), _, want_ssm = _ref_run(ref, cfg, [prompt, nxt])
+    conv0, ssm0 = ours.new_states(1)  # float32
+    with torch.no_grad():
+        out_p, conv, ssm = ours.prefill(prompt, conv0[0], ssm0[0])
+        out_n, _, ssm_after = ours.step(nxt, [1], conv[None], ssm[None])
+    assert ssm_after.dtype == torch.float32
+    torch.testing.assert_close(out_p, want_p)
+    torch.testing.assert_close(out_n, want_n)
+    torch.testing.assert_close(ssm_after[0], want_ssm, **TOL)
+
+
+@pytest.mark.parametrize("config", [Qwen3_5TextConfig, Qwen3NextConfig])
+def test_hybrid_checkpoints_stay_refused(config) -> None:
+    """The layers exist, but until the scheduler owns per-row recurrent states these
+    model_types are not registered: a job naming one exits 2 before any work."""
+    with pytest.raises(ValueError, match="unsupported model_type"):
+        ModelConfig.from_dict(config(**SIZES).to_dict())
