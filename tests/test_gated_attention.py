@@ -1,15 +1,20 @@
 """The gated full attention of Qwen3.5 / Qwen3-Next (decoder_layer.Attention with
 `attention_output_gate`, (1 + w) per-head QK norms, partial rotary) against transformers'
-Qwen3_5Attention, weights copied from it, float32, over paged KV in two steps."""
+Qwen3_5Attention / Qwen3NextAttention, weights copied from them, float32, over paged KV in two
+steps (a prefill, then a verify-sized step)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen3_5TextConfig
+from transformers import Qwen3_5TextConfig, Qwen3NextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import (
     Qwen3_5Attention,
     Qwen3_5TextRotaryEmbedding,
+)
+from transformers.models.qwen3_next.modeling_qwen3_next import (
+    Qwen3NextAttention,
+    Qwen3NextRotaryEmbedding,
 )
 
 from eaglebatch.attention import get_backend
@@ -22,15 +27,21 @@ SIZES = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_h
              vocab_size=64, intermediate_size=64, max_position_embeddings=256)  # fmt: skip
 
 
-def _configs(head_dim: int) -> tuple[Qwen3_5TextConfig, ModelConfig]:
-    hf = Qwen3_5TextConfig(**SIZES, head_dim=head_dim)
+# (config, attention, rotary) of each family; Qwen3.5's rotary is multimodal (mrope), which for
+# text positions (every section the same position) is plain RoPE
+FAMILIES = {"qwen3_5_text": (Qwen3_5TextConfig, Qwen3_5Attention, Qwen3_5TextRotaryEmbedding),
+            "qwen3_next": (Qwen3NextConfig, Qwen3NextAttention, Qwen3NextRotaryEmbedding)}
+
+
+def _configs(head_dim: int, family: str = "qwen3_5_text") -> tuple[object, ModelConfig]:
+    hf = FAMILIES[family][0](**SIZES, head_dim=head_dim)
     hf._attn_implementation = "sdpa"
     raw = hf.to_dict()
     theta, scaling = parse_rope(raw, raw["max_position_embeddings"])
     rotary = rotary_dim_of(raw, head_dim)
     assert rotary == head_dim // 4  # partial_rotary_factor 0.25, from rope_parameters
     ours = ModelConfig(
-        model_type="qwen3_5_text", architecture="Qwen3_5ForCausalLM", hidden_size=64,
+        model_type=family, architecture="", hidden_size=64,
         intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
         head_dim=head_dim, vocab_size=64, rms_norm_eps=hf.rms_norm_eps, rope_theta=theta,
         rope_scaling=scaling, max_position_embeddings=256, tie_word_embeddings=False,
@@ -40,25 +51,27 @@ def _configs(head_dim: int) -> tuple[Qwen3_5TextConfig, ModelConfig]:
     return hf, ours
 
 
+@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("head_dim", [32, 256])
-def test_gated_attention_equals_transformers(head_dim: int) -> None:
+def test_gated_attention_equals_transformers(head_dim: int, family: str) -> None:
     torch.manual_seed(0)
-    hf_cfg, cfg = _configs(head_dim)
-    ref = Qwen3_5Attention(hf_cfg, 3).eval()
+    hf_cfg, cfg = _configs(head_dim, family)
+    _, attention, rotary = FAMILIES[family]
+    ref = attention(hf_cfg, 3).eval()
     with torch.no_grad():
         for p in ref.parameters():
             p.add_(torch.randn_like(p) * 0.1)  # the (1 + w) norms too, away from w = 0
     ours = Attention(cfg, 0).eval()
     ours.load_state_dict(ref.state_dict(), strict=True)
     x = torch.randn(16, 64)
-    want = _reference(ref, hf_cfg, x)
+    want = _reference(ref, rotary(hf_cfg), x)
     got = _paged(ours, cfg, x, split=11)  # a prefill of 11, then 5 tokens (a verify's shape)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def _reference(ref: Qwen3_5Attention, hf_cfg, x: torch.Tensor) -> torch.Tensor:
-    positions = torch.arange(x.shape[0])[None]  # text positions: every rotary section the same
-    cos, sin = Qwen3_5TextRotaryEmbedding(hf_cfg)(x[None], positions)
+def _reference(ref: torch.nn.Module, rotary: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    positions = torch.arange(x.shape[0])[None]  # [1, T] text positions
+    cos, sin = rotary(x[None], positions)
     with torch.no_grad():
         return ref(x[None], (cos, sin), attention_mask=None)[0][0]
 
