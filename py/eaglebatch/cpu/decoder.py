@@ -247,7 +247,7 @@ class NativeDraftLayer:
 def native_layers_fit(cfg: ModelConfig) -> bool:
     """Whether the native decoder layer computes `cfg`'s layers: pre-norm RMSNorm, SiLU, per-head
     or no q/k norms, dense MLPs (no experts), RoPE over every dimension of every layer, full
-    attention without sinks, no multipliers, no per-position query scale
+    attention without sinks or output gate, no multipliers, no per-position query scale
     (rust/src/cpu/decoder_layer.rs implements exactly this)."""
     return (cfg.norm_kind == "rms" and cfg.norm_layout == "pre" and cfg.activation == "silu"
             and cfg.qk_norm in ("none", "head") and cfg.residual_multiplier == 1.0
@@ -257,7 +257,7 @@ def native_layers_fit(cfg: ModelConfig) -> bool:
             and cfg.layer_head_dims is None and cfg.layer_kv_heads is None
             and cfg.kv_source_layers is None and cfg.k_eq_v_layers is None
             and not (cfg.v_norm or cfg.layer_scalar or cfg.per_layer_input_size)
-            and not cfg.attention_sinks
+            and not (cfg.attention_sinks or cfg.attention_output_gate)
             and cfg.layer_intermediate_sizes is None and cfg.num_experts == 0
             and all(cfg.window_of(i) is None for i in range(cfg.num_hidden_layers)))  # fmt: skip
 

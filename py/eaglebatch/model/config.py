@@ -102,6 +102,10 @@ class ModelConfig:
     # a learned logit per query head (checkpoint tensor self_attn.sinks [Hq]) joining each
     # attention softmax's denominator: it takes probability mass and adds no value (gpt-oss)
     attention_sinks: bool = False
+    # a sigmoid gate on the attention output (Qwen3.5, Qwen3-Next): q_proj is twice as wide,
+    # each head's D query rows followed by its D gate rows; the heads' outputs are multiplied by
+    # sigmoid(gate) before o_proj
+    attention_output_gate: bool = False
     # a learned scalar per layer (checkpoint tensor layers.{i}.layer_scalar, [1]) that
     # multiplies the layer's output, residual included (Gemma 4)
     layer_scalar: bool = False

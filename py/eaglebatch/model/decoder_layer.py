@@ -119,7 +119,9 @@ class Attention(nn.Module):
         bias = cfg.attention_bias
         self.shares_kv = cfg.kv_source(layer_idx) != layer_idx
         self.k_is_v = bool(cfg.k_eq_v_layers and cfg.k_eq_v_layers[layer_idx])
-        self.q_proj = nn.Linear(hidden, q_size, bias=bias, **factory)
+        self.output_gate = cfg.attention_output_gate  # q_proj: per head D query, D gate rows
+        q_rows = 2 * q_size if self.output_gate else q_size
+        self.q_proj = nn.Linear(hidden, q_rows, bias=bias, **factory)
         if not self.shares_kv:
             self.k_proj = nn.Linear(hidden, kv_size, bias=bias, **factory)
         if not (self.shares_kv or self.k_is_v):
@@ -149,7 +151,7 @@ class Attention(nn.Module):
         q_scale: torch.Tensor | None = None,  # [T, 1, 1]: query_position_scale's factor
     ) -> torch.Tensor:  # [T, H]
         num_tokens = x.shape[0]
-        q = self.q_proj(x)  # [T, Hq*D]
+        q, gate = self._query_and_gate(x)  # [T, Hq*D], [T, Hq*D] or None
         if self.qk_norm == "projection":
             q = self.q_norm(q)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -167,7 +169,17 @@ class Attention(nn.Module):
             self.layer_idx, q, k, v, kv_cache, attn, self.scale, window=self.window,
             sinks=self.sinks,
         )  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        out = out.reshape(num_tokens, self.num_heads * self.head_dim)
+        return self.o_proj(out if gate is None else out * torch.sigmoid(gate))
+
+    def _query_and_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q [T, Hq*D] and, with an output gate, the gate [T, Hq*D] (each head's second half of
+        its 2D q_proj rows)."""
+        q = self.q_proj(x)  # [T, Hq*D] or [T, Hq*2D]
+        if not self.output_gate:
+            return q, None
+        q, gate = q.view(x.shape[0], self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        return q.reshape(x.shape[0], -1), gate.reshape(x.shape[0], -1)
 
     def _key_value(self, x, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:  # [T, Hkv, D] x2
         num_tokens = x.shape[0]
