@@ -241,4 +241,3 @@ def job_only_config(job: JobConfig, **resolved: Any) -> SchedulerConfig:
         max_model_len=0, overlap=False,
     )  # fmt: skip
     return from_job(job, **(standins | resolved))
-
