@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from eaglebatch.job.scheduler_config import SchedulerConfig
+from eaglebatch.job.scheduler_config import sectioned
 
 tokenizers = pytest.importorskip("tokenizers")
 native = pytest.importorskip("eaglebatch._native")
@@ -87,7 +87,7 @@ def make(tok_file: Path, inputs, out: Path, **kw) -> native.Scheduler:
         queue_rows=4,
     )
     args.update(kw)
-    return native.Scheduler(SchedulerConfig(**args))
+    return native.Scheduler(sectioned(**args))
 
 
 def check_plan(p) -> None:

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from eaglebatch.job.config import load_job
-from eaglebatch.job.scheduler_config import SchedulerConfig
+from eaglebatch.job.scheduler_config import sectioned
 from eaglebatch.prepare import prepare
 from eaglebatch.runner import run_prepared
 
@@ -187,7 +187,7 @@ def test_a_corrupt_data_page_is_a_user_error_and_abort_keeps_finished_rows(
     inp = tmp_path / "in.parquet"
     corrupt_parquet(inp, rows=12, row_group_size=6, bad_group=1)
     out = tmp_path / "out"
-    s = native.Scheduler(SchedulerConfig(
+    s = native.Scheduler(sectioned(
         input_files=[str(inp)], prompt_column="prompt", messages_column=None, id_column="id",
         limit=None, apply_chat_template=False,
         tokenizer_file=str(Path(tiny_model_dir) / "tokenizer.json"), chat_template=None,

@@ -1,6 +1,6 @@
 """The scheduler's settings (job/scheduler_config.py): one declaration per setting on each side of
 the boundary. A setting the job spells comes from the job schema by name, default included; the
-Python dataclass and the Rust struct name the same fields."""
+Python dataclasses and the Rust structs name the same sections and fields."""
 
 from __future__ import annotations
 
@@ -10,9 +10,16 @@ import pytest
 
 from eaglebatch import _native
 from eaglebatch.job.config import load_job
-from eaglebatch.job.scheduler_config import JOB_SECTIONS, SchedulerConfig, from_job
+from eaglebatch.job.scheduler_config import (
+    JOB_SECTIONS,
+    SECTIONS,
+    SchedulerConfig,
+    from_job,
+    sectioned,
+)
 
-FIELDS = {f.name: f for f in dataclasses.fields(SchedulerConfig)}
+# every section's fields by name (unique across the sections)
+FIELDS = {f.name: f for cls in SECTIONS.values() for f in dataclasses.fields(cls)}
 # what the run resolves, not the job: files, the model's tokens, the worker's sizes, the engine
 # settings, the scope and resume
 RESOLVED = {"input_files", "prompt_column", "input_format", "row_range", "tokenizer_file",
@@ -21,8 +28,8 @@ RESOLVED = {"input_files", "prompt_column", "input_format", "row_range", "tokeni
             "max_model_len", "max_draft_tokens", "overlap", "skip_rows", "skip_samples",
             "read_batch_rows", "queue_rows",
             "task",  # the job's top-level key, passed by name
-            # the job's storage section, renamed (engine.scheduler_config)
-            "storage_endpoint", "storage_options", "storage_unconditional"}  # fmt: skip
+            # the job's storage section, renamed (scheduler_config.storage_section)
+            "endpoint", "options", "unconditional"}  # fmt: skip
 
 
 def job_sources(name: str) -> list[str]:
@@ -48,7 +55,27 @@ def test_defaults_are_the_job_schemas() -> None:
 
 
 def test_the_python_and_rust_field_lists_are_the_same() -> None:
-    assert sorted(_native.SCHEDULER_CONFIG_FIELDS) == sorted(FIELDS)
+    ours = [f.name for f in dataclasses.fields(SchedulerConfig) if f.name not in SECTIONS]
+    ours += [f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+    assert sorted(_native.SCHEDULER_CONFIG_FIELDS) == sorted(ours)
+    assert {f.name for f in dataclasses.fields(SchedulerConfig)} == {"task", *SECTIONS}
+
+
+def test_field_names_are_unique_across_the_sections() -> None:
+    names = [f.name for cls in SECTIONS.values() for f in dataclasses.fields(cls)]
+    assert len(names) == len(set(names)) == len(FIELDS)
+
+
+def test_sectioned_routes_each_setting_to_its_section_and_rejects_unknown_names() -> None:
+    cfg = sectioned(input_files=["a"], prompt_column="p", tokenizer_file="t", chat_template=None,
+                    bos_token=None, eos_token=None, eos_token_ids=[2], temperature=0.5,
+                    output_dir="o", file_metadata={}, num_blocks=3, max_model_len=9,
+                    task="score")  # fmt: skip
+    assert (cfg.task, cfg.input.input_files, cfg.sampling.temperature) == ("score", ["a"], 0.5)
+    assert (cfg.sampling.eos_token_ids, cfg.output.output_dir) == ([2], "o")
+    assert (cfg.policy.num_blocks, cfg.storage.endpoint) == (3, None)
+    with pytest.raises(TypeError, match="storage_endpoint"):
+        sectioned(storage_endpoint="http://x")
 
 
 def test_a_jobs_values_reach_the_scheduler_by_name(tmp_path) -> None:
@@ -62,12 +89,13 @@ def test_a_jobs_values_reach_the_scheduler_by_name(tmp_path) -> None:
     job = load_job(job_file, [])
     resolved = {name: None for name in RESOLVED}
     cfg = from_job(job, **resolved)
-    assert (cfg.id_column, cfg.limit, cfg.sampling_columns) == ("key", 9, {"temperature": "t"})
-    assert (cfg.part_rows, cfg.logprobs) == (7, 2)
-    assert (cfg.temperature, cfg.top_k, cfg.stop, cfg.n, cfg.stop_token_ids) == (
+    inp, samp, pol = cfg.input, cfg.sampling, cfg.policy
+    assert (inp.id_column, inp.limit, inp.sampling_columns) == ("key", 9, {"temperature": "t"})
+    assert (cfg.output.part_rows, samp.logprobs) == (7, 2)
+    assert (samp.temperature, samp.top_k, samp.stop, samp.n, samp.stop_token_ids) == (
         0.5, 3, ["x", "y"], 2, [5])  # fmt: skip
-    assert (cfg.block_size, cfg.chunked_prefill) == (8, True)
-    assert cfg.max_draft_tokens is None  # resolved values are the caller's, never the job's
+    assert (pol.block_size, pol.chunked_prefill) == (8, True)
+    assert pol.max_draft_tokens is None  # resolved values are the caller's, never the job's
 
 
 def test_a_missing_resolved_setting_fails_by_name(tmp_path) -> None:

@@ -117,8 +117,12 @@ class Scheduler:
     def __new__(cls, config: SchedulerConfig) -> Scheduler:
         """Validates the input (files exist, are Parquet, columns exist with usable types) and
         starts the reader/tokenizer and writer threads. Raises UserInputError naming the file or
-        column. Rows are not all loaded: memory is bounded by `queue_rows`.
+        column. Rows are not all loaded: memory is bounded by `input.queue_rows`.
 
+        `config` (job/scheduler_config.py) is read section by section: `task`, `input` (files,
+        columns, chat, limits, resume), `sampling` (every row's defaults), `output` (the
+        writer's), `storage` (object stores) and `policy` (the scheduling policy's); the names
+        below are fields of those sections.
         `skip_rows`: row indices an earlier run of the same job already wrote (resume); they are
         read but never tokenized, scheduled or written, and not counted in requests_total.
         `flush_interval_s`: also close a part file once its oldest row has waited this long.
@@ -247,7 +251,7 @@ def check_response_format(
     format: dict | str | None, tokenizer_file: str, vocab_size: int, eos_token_ids: list[int]
 ) -> None:
     """Parses and compiles a job's response_format (a mapping, JSON text, or None: nothing to
-    check) for the tokenizer, read as SchedulerConfig.response_format is; raises
+    check) for the tokenizer, read as SchedulerConfig.sampling.response_format is; raises
     UserInputError naming what is wrong."""
 
 def output_columns(config: SchedulerConfig) -> list[str]:
@@ -307,16 +311,16 @@ def is_secret_name(name: str) -> bool:
 
 def check_inputs(config: SchedulerConfig, keep_all: bool = False) -> dict[str, Any]:
     """The input rules, the one copy (rust/src/reader/validate.rs), applied before any model
-    loads: `config` is a job/scheduler_config.py SchedulerConfig (any object with its
-    attributes) whose `input_files` are resolved; `keep_all`: output.keep_columns is "*"
-    (every column of the first file but an id column named `id`). Checks every file as the
-    reader reads it: Parquet with each column the job reads present once, of a type its key
-    takes (one type across files), compressed with a codec the reader decodes, the
-    sampling_columns' keys known, the kept columns named as no output column; OpenAI Batch
-    lines with at least one request to a served endpoint. Raises UserInputError naming the
-    key, column and file. Returns {"total_rows": int (capped by limit), "kept": list[str]
-    (the kept columns resolved), "first_url": str | None (OpenAI Batch: the first line's
-    served url), "chat": bool (OpenAI Batch: a line is a chat request)}."""
+    loads: `config` is a job/scheduler_config.py SchedulerConfig (any object with its sections
+    and their attributes) whose `input.input_files` are resolved; `keep_all`:
+    output.keep_columns is "*" (every column of the first file but an id column named `id`).
+    Checks every file as the reader reads it: Parquet with each column the job reads present
+    once, of a type its key takes (one type across files), compressed with a codec the reader
+    decodes, the sampling_columns' keys known, the kept columns named as no output column;
+    OpenAI Batch lines with at least one request to a served endpoint. Raises UserInputError
+    naming the key, column and file. Returns {"total_rows": int (capped by limit), "kept":
+    list[str] (the kept columns resolved), "first_url": str | None (OpenAI Batch: the first
+    line's served url), "chat": bool (OpenAI Batch: a line is a chat request)}."""
 
 def sampling_rule(key: str, value: int | float) -> str | None:
     """How `value` breaks the range of sampling key `key` (temperature, top_p, top_k,
@@ -334,8 +338,11 @@ OUTPUT_COLUMNS: list[str]
 (`output.keep_columns`) may take none of them."""
 
 SCHEDULER_CONFIG_FIELDS: list[str]
-"""The Rust SchedulerConfig's fields, each read by name from the config object: the settings
-job/scheduler_config.py's SchedulerConfig must have (a test holds the two sets equal)."""
+"""The Rust RunConfig's settings, each read by name from the config object: `task`, and
+`section.field` for each field of its sections `input`, `sampling` (read as one
+SamplingParams value, every row's defaults), `output`, `storage` and `policy`; the settings
+job/scheduler_config.py's SchedulerConfig and its section dataclasses must have (a test holds
+the two sets equal)."""
 
 SMALL_GEMM_AVAILABLE: bool
 """Whether this CPU can run `small_gemm` (x86-64 with AVX-512F, or AVX2 and FMA)."""

@@ -124,7 +124,7 @@ def scheduler_config(
     """The scheduler's settings for this job, worker (KV blocks, max_model_len) and scope;
     `skip_rows` / `skip_samples`: what earlier runs wrote (ResumeState.skipped_in)."""
     # lazy: numpy, which validate and status never need
-    from eaglebatch.job.scheduler_config import from_job
+    from eaglebatch.job.scheduler_config import from_job, storage_section
 
     job, mf = prep.job, prep.model
     return from_job(
@@ -142,9 +142,7 @@ def scheduler_config(
         vocab_size=prep.vocab_size,
         reasoning_ids=list(prep.reasoning_ids),
         output_dir=scope.output_dir(job.output.path),
-        storage_endpoint=job.storage.endpoint,
-        storage_options=dict(job.storage.options),
-        storage_unconditional=job.storage.unsafe_no_conditional_writes,
+        storage=storage_section(job.storage),
         file_metadata=metadata,
         keep_columns=list(prep.kept_columns),
         num_blocks=worker.num_blocks,

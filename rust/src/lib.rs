@@ -47,7 +47,7 @@ mod python;
 pub(crate) mod testutil;
 
 pub use chat_template::{render_chat_template, ChatTemplate, Message};
-pub use config::SchedulerConfig;
+pub use config::RunConfig;
 pub use error::{Error, Result};
 pub use run::Run;
 pub use scheduler::{Scheduler, StepKind, StepPlan};

@@ -416,11 +416,11 @@ fn logprobs(body: &Map<String, Value>, chat: bool) -> std::result::Result<Option
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::SchedulerConfig;
+    use crate::config::RunConfig;
     use std::path::PathBuf;
 
     fn job() -> Arc<SamplingParams> {
-        let cfg = SchedulerConfig::new(vec![], "p", PathBuf::new(), PathBuf::new());
+        let cfg = RunConfig::new(vec![], "p", PathBuf::new(), PathBuf::new());
         Arc::new(cfg.sampling_params())
     }
 

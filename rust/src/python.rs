@@ -2,7 +2,7 @@
 //! scheduler's half (`Scheduler`, `StepPlan`, the chat template functions); the module init
 //! also registers the CPU kernels' half (`cpu::bindings`).
 //!
-//! Thin by design: argument conversion (`scheduler_config` reads the `SchedulerConfig`), GIL release
+//! Thin by design: argument conversion (`scheduler_config` reads the `RunConfig`), GIL release
 //! around every call into the core, numpy arrays out; errors become Python exceptions in
 //! `exceptions`.
 

@@ -812,14 +812,14 @@ fn message_fields(col: &dyn Array, i: usize) -> RowResult<MessageFields<'_>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::SchedulerConfig;
+    use crate::config::RunConfig;
     use crate::testutil::{corrupt_row_group, word_level_tokenizer, write_parquet, TempDir};
     use arrow_array::builder::{ListBuilder, StringBuilder, StructBuilder};
     use arrow_array::{Int32Array, StringArray};
     use arrow_schema::{Field, Fields};
 
-    fn cfg(files: Vec<PathBuf>) -> SchedulerConfig {
-        SchedulerConfig::new(
+    fn cfg(files: Vec<PathBuf>) -> RunConfig {
+        RunConfig::new(
             files,
             "prompt",
             PathBuf::from("unused"),
@@ -895,7 +895,7 @@ mod tests {
         );
         assert_eq!(err, want);
         let mut c = cfg(vec![f.clone()]);
-        c.prompt_column = Some("text".into());
+        c.input.prompt_column = Some("text".into());
         let err = validate_inputs(&c).unwrap_err().to_string();
         let want = format!(
             "input.prompt_column: column 'text' not found in {} (columns: prompt)",
@@ -903,7 +903,7 @@ mod tests {
         );
         assert_eq!(err, want);
         // An unknown sampling key is named before any column is looked for.
-        c.sampling_columns =
+        c.input.sampling_columns =
             std::collections::BTreeMap::from([("temprature".into(), "nope".into())]);
         let err = validate_inputs(&c).unwrap_err().to_string();
         assert!(
@@ -915,7 +915,7 @@ mod tests {
         let prompts = Arc::new(StringArray::from(vec!["w4"])) as ArrayRef;
         write_parquet(&g, vec![("prompt", prompts), ("s", stops)], 10);
         let mut c = cfg(vec![g.clone()]);
-        c.sampling_columns = std::collections::BTreeMap::from([("stop".into(), "s".into())]);
+        c.input.sampling_columns = std::collections::BTreeMap::from([("stop".into(), "s".into())]);
         let err = validate_inputs(&c).unwrap_err().to_string();
         let want = format!(
             "input.sampling_columns.stop: column 's' in {} has type int32, expected a string \
@@ -940,7 +940,7 @@ mod tests {
             10,
         );
         let mut c = cfg(vec![f.clone()]);
-        c.id_column = Some("id".into());
+        c.input.id_column = Some("id".into());
         let spec = check_job_inputs(&mut c, true).unwrap();
         let kept: Vec<&str> = spec.kept.iter().map(|(n, _)| n.as_str()).collect();
         assert_eq!(kept, ["prompt", "note"]); // the id column named `id` is the output's id
@@ -958,7 +958,7 @@ mod tests {
             "{err}"
         );
         let mut c = cfg(vec![f]);
-        c.keep_columns = vec!["error".into()];
+        c.output.keep_columns = vec!["error".into()];
         let err = check_job_inputs(&mut c, false).unwrap_err().to_string();
         assert!(
             err.contains("'error' clashes") && !err.contains("\"*\""),
@@ -1020,7 +1020,7 @@ mod tests {
         );
         let g = dir.path().join("dup-prompt.parquet");
         write_parquet(&g, vec![("prompt", s("w4")), ("prompt", s("w5"))], 10);
-        let twice = |c: &SchedulerConfig, col: &str| {
+        let twice = |c: &RunConfig, col: &str| {
             let err = validate_inputs(c).unwrap_err();
             assert!(
                 matches!(&err, Error::UserInput(m) if m.contains(&format!("column '{col}' \
@@ -1030,13 +1030,15 @@ mod tests {
         };
         twice(&cfg(vec![g]), "prompt");
         let mut c = cfg(vec![f.clone()]);
-        c.continuation_column = Some("cont".into());
+        c.input.continuation_column = Some("cont".into());
         twice(&c, "cont");
         let mut c = cfg(vec![f.clone()]);
-        c.keep_columns = vec!["cont".into()];
+        c.output.keep_columns = vec!["cont".into()];
         twice(&c, "cont");
         let mut c = cfg(vec![f]);
-        c.sampling_columns.insert("stop".into(), "cont".into());
+        c.input
+            .sampling_columns
+            .insert("stop".into(), "cont".into());
         twice(&c, "cont");
     }
 
@@ -1060,7 +1062,7 @@ mod tests {
             10,
         );
         let mut c = cfg(vec![a, b]);
-        c.id_column = Some("id".into());
+        c.input.id_column = Some("id".into());
         let err = validate_inputs(&c).unwrap_err();
         assert!(
             matches!(&err, Error::UserInput(m) if m.contains("input.id_column: column 'id' has \
@@ -1095,7 +1097,7 @@ mod tests {
             Arc::new(StringViewArray::from(vec!["e"])),
         ];
         let mut c = cfg(id_files(&dir, ids));
-        c.id_column = Some("id".into());
+        c.input.id_column = Some("id".into());
         let spec = validate_inputs(&c).unwrap();
         assert_eq!(spec.id_type, DataType::LargeUtf8);
         let reqs = collect(spec, None, false, 16);
@@ -1122,7 +1124,7 @@ mod tests {
         let dir = TempDir::new("reader-iddict");
         let dict: DictionaryArray<UInt32Type> = vec![Some("x"), None].into_iter().collect();
         let mut c = cfg(id_files(&dir, vec![Arc::new(dict)]));
-        c.id_column = Some("id".into());
+        c.input.id_column = Some("id".into());
         let spec = validate_inputs(&c).unwrap();
         assert_eq!(spec.id_type, DataType::Utf8);
         let reqs = collect(spec, None, false, 16);
@@ -1140,7 +1142,7 @@ mod tests {
             Arc::new(UInt8Array::from(vec![200])),
         ];
         let mut c = cfg(id_files(&dir, narrow));
-        c.id_column = Some("id".into());
+        c.input.id_column = Some("id".into());
         let spec = validate_inputs(&c).unwrap();
         assert_eq!(spec.id_type, DataType::Int64);
         let ids: Vec<i64> = collect(spec, None, false, 16)
@@ -1156,7 +1158,7 @@ mod tests {
             Arc::new(Int32Array::from(vec![1])),
             Arc::new(UInt64Array::from(vec![u64::MAX])),
         ];
-        c.input_files = id_files(&wide, mix);
+        c.input.input_files = id_files(&wide, mix);
         let err = validate_inputs(&c).unwrap_err().to_string();
         assert!(
             err.contains("int32 in") && err.contains("but uint64 in"),
@@ -1183,8 +1185,8 @@ mod tests {
         let m = dir.path().join("m.parquet");
         write_parquet(&m, vec![("messages", dictionary_messages())], 10);
         let mut c = cfg(vec![m]);
-        c.prompt_column = None;
-        c.messages_column = Some("messages".into());
+        c.input.prompt_column = None;
+        c.input.messages_column = Some("messages".into());
         let tmpl = "{% for m in messages %}{{ m.role }} {{ m.content }} {% endfor %}";
         let reqs = collect(validate_inputs(&c).unwrap(), Some(tmpl), false, 16);
         assert_eq!(reqs[0].prompt_ids, vec![9, 5, 6]);
@@ -1242,8 +1244,8 @@ mod tests {
             2,
         );
         let mut c = cfg(vec![a, b]);
-        c.id_column = Some("id".into());
-        c.limit = Some(5);
+        c.input.id_column = Some("id".into());
+        c.input.limit = Some(5);
         let spec = validate_inputs(&c).unwrap();
         assert_eq!(spec.total_rows, 5);
         assert_eq!(spec.id_type, DataType::Utf8);
@@ -1280,7 +1282,7 @@ mod tests {
             4,
         );
         let mut c = cfg(vec![a]);
-        c.id_column = Some("id".into());
+        c.input.id_column = Some("id".into());
         let spec = validate_inputs(&c).unwrap();
         let all = collect(spec.clone(), None, false, 16);
         let errors: Vec<Option<&str>> = all.iter().map(|r| r.error.as_deref()).collect();
@@ -1323,7 +1325,7 @@ mod tests {
         let view = |r: &Request| (r.row_index, r.prompt_ids.clone(), r.error.clone());
         for id_column in [None, Some("id".to_string())] {
             let mut c = cfg(files.clone());
-            c.id_column = id_column.clone();
+            c.input.id_column = id_column.clone();
             let whole: Vec<_> = collect(validate_inputs(&c).unwrap(), None, false, 16)
                 .iter()
                 .map(view)
@@ -1333,7 +1335,7 @@ mod tests {
             for n in 1..=8u64 {
                 let mut joined = Vec::new();
                 for i in 0..n {
-                    c.row_range = Some((i * 6 / n, (i + 1) * 6 / n));
+                    c.input.row_range = Some((i * 6 / n, (i + 1) * 6 / n));
                     let spec = validate_inputs(&c).unwrap();
                     assert_eq!(spec.range_rows(), (i + 1) * 6 / n - i * 6 / n);
                     joined.extend(collect(spec, None, false, 16).iter().map(view));
@@ -1347,8 +1349,8 @@ mod tests {
     fn a_range_past_the_limit_is_clipped() {
         let dir = TempDir::new("reader-range-limit");
         let mut c = cfg(two_files_with_duplicate_ids(&dir));
-        c.limit = Some(4);
-        c.row_range = Some((3, 10));
+        c.input.limit = Some(4);
+        c.input.row_range = Some((3, 10));
         let spec = validate_inputs(&c).unwrap();
         assert_eq!((spec.row_start, spec.row_end), (3, 4));
         let rows = collect(spec, None, false, 16);
@@ -1356,11 +1358,11 @@ mod tests {
             rows.iter().map(|r| r.row_index).collect::<Vec<_>>(),
             vec![3]
         );
-        c.row_range = Some((5, 9));
+        c.input.row_range = Some((5, 9));
         let spec = validate_inputs(&c).unwrap();
         assert_eq!(spec.range_rows(), 0);
         assert!(collect(spec, None, false, 16).is_empty());
-        c.row_range = Some((2, 1));
+        c.input.row_range = Some((2, 1));
         assert!(c.validate().is_err());
     }
 
@@ -1407,8 +1409,8 @@ mod tests {
         ]);
         write_parquet(&a, vec![("messages", col)], 10);
         let mut c = cfg(vec![a]);
-        c.prompt_column = None;
-        c.messages_column = Some("messages".into());
+        c.input.prompt_column = None;
+        c.input.messages_column = Some("messages".into());
         let spec = validate_inputs(&c).unwrap();
         assert_eq!(spec.id_type, DataType::Int64);
         let tmpl = "{{ bos_token }}{% for m in messages %}{{ m.content }} {% endfor %}{% if add_generation_prompt %}w9{% endif %}";
@@ -1502,8 +1504,8 @@ mod tests {
         ]);
         write_parquet(&a, vec![("messages", col)], 10);
         let mut c = cfg(vec![a]);
-        c.prompt_column = None;
-        c.messages_column = Some("messages".into());
+        c.input.prompt_column = None;
+        c.input.messages_column = Some("messages".into());
         let spec = validate_inputs(&c).unwrap();
         // Twice each content: the rendered text is twice the content; "loop" never ends.
         let tmpl = "{% for m in messages %}{{ m.content }} {{ m.content }} {% endfor %}\

@@ -20,7 +20,7 @@ use crossbeam_channel::Receiver;
 use tokenizers::Tokenizer;
 
 use crate::chat_template::ChatTemplate;
-use crate::config::SchedulerConfig;
+use crate::config::RunConfig;
 use crate::error::{Error, Result};
 use crate::reader::{
     spawn_reader, validate_inputs, InputSpec, ReaderMsg, ReaderOptions, ScoreOptions, TextLimit,
@@ -36,9 +36,9 @@ use crate::writer::{Writer, WriterConfig, WriterSummary};
 pub use structured::DraftMasks;
 
 pub struct Run {
-    cfg: SchedulerConfig,
+    cfg: RunConfig,
     sched: Scheduler,
-    /// `cfg.skip_samples` as a set (`sample_key`s).
+    /// `cfg.input.skip_samples` as a set (`sample_key`s).
     skip_samples: HashSet<i64>,
     /// The samples this run is to generate, as far as known: rows times the job's n, less
     /// the samples written before, corrected by each batch line's own n as it is read
@@ -64,10 +64,10 @@ pub struct Run {
 }
 
 impl Run {
-    /// Loads the tokenizer from `cfg.tokenizer_file`, then see `with_tokenizer`.
-    pub fn new(cfg: SchedulerConfig) -> Result<Self> {
+    /// Loads the tokenizer from `cfg.input.tokenizer_file`, then see `with_tokenizer`.
+    pub fn new(cfg: RunConfig) -> Result<Self> {
         cfg.validate()?;
-        let path = &cfg.tokenizer_file;
+        let path = &cfg.input.tokenizer_file;
         if !path.is_file() {
             return Err(Error::user(format!(
                 "tokenizer file not found: {}",
@@ -82,25 +82,25 @@ impl Run {
     /// Validates the input files, then starts the reader and writer threads. Checks run in
     /// this order (the first failure is the error): config, tokenizer settings, chat
     /// template, input files, output directory, reader start.
-    pub fn with_tokenizer(cfg: SchedulerConfig, tokenizer: Tokenizer) -> Result<Self> {
+    pub fn with_tokenizer(cfg: RunConfig, tokenizer: Tokenizer) -> Result<Self> {
         cfg.validate()?;
         let tokenizer = untruncated(tokenizer)?;
         let template = compile_template(&cfg)?;
         let spec = validate_inputs(&cfg)?;
         let range = (spec.row_start, spec.row_end);
-        let (skip_rows, skipped) = sorted_skip_rows(&cfg.skip_rows, range);
+        let (skip_rows, skipped) = sorted_skip_rows(&cfg.input.skip_rows, range);
         let skip_samples = samples_to_skip(&cfg, &skip_rows, range);
         // signed: a batch line's own n may exceed the job's, its written samples too
-        let expected =
-            ((spec.range_rows() - skipped) * cfg.n as u64) as i64 - skip_samples.len() as i64;
+        let expected = ((spec.range_rows() - skipped) * cfg.sampling.params.n as u64) as i64
+            - skip_samples.len() as i64;
         let mut stats = Stats::new(expected.max(0) as u64);
-        stats.requests_skipped = skipped * cfg.n as u64 + skip_samples.len() as u64;
+        stats.requests_skipped = skipped * cfg.sampling.params.n as u64 + skip_samples.len() as u64;
         let writer = Writer::start(writer_config(&cfg, &spec, tokenizer.clone()))?;
         let options = reader_options(&cfg, &tokenizer, template, skip_rows);
         let (input, reader) = spawn_reader(spec, options)?;
         let criteria = StopCriteria::new(&cfg);
         Ok(Run {
-            sched: Scheduler::new(cfg.policy.clone(), criteria.eos.clone(), cfg.seed),
+            sched: Scheduler::new(cfg.policy.clone(), criteria.eos.clone(), cfg.sampling.seed),
             skip_samples,
             requests_expected: expected,
             criteria,
@@ -119,7 +119,7 @@ impl Run {
         })
     }
 
-    pub fn config(&self) -> &SchedulerConfig {
+    pub fn config(&self) -> &RunConfig {
         &self.cfg
     }
 
@@ -311,10 +311,10 @@ fn untruncated(mut tokenizer: Tokenizer) -> Result<Arc<Tokenizer>> {
 
 /// The job's chat template, compiled only when it is used (a messages column, or
 /// `apply_chat_template`); a template that does not compile is a user error.
-fn compile_template(cfg: &SchedulerConfig) -> Result<Option<ChatTemplate>> {
-    match (&cfg.chat_template, cfg.uses_chat_template()) {
+fn compile_template(cfg: &RunConfig) -> Result<Option<ChatTemplate>> {
+    match (&cfg.input.chat_template, cfg.uses_chat_template()) {
         (Some(src), true) => ChatTemplate::new(src)
-            .map(|t| Some(t.with_enable_thinking(cfg.enable_thinking)))
+            .map(|t| Some(t.with_enable_thinking(cfg.input.enable_thinking)))
             .map_err(|e| Error::user(format!("the chat template does not compile: {e}"))),
         _ => Ok(None),
     }
@@ -333,17 +333,13 @@ fn sorted_skip_rows(skip_rows: &[i64], (start, end): (u64, u64)) -> (Vec<i64>, u
 
 /// The writer's settings: the job's output settings plus the id column's type, which comes
 /// from the validated input schema.
-fn writer_config(
-    cfg: &SchedulerConfig,
-    spec: &InputSpec,
-    tokenizer: Arc<Tokenizer>,
-) -> WriterConfig {
+fn writer_config(cfg: &RunConfig, spec: &InputSpec, tokenizer: Arc<Tokenizer>) -> WriterConfig {
     cfg.writer_config(spec.id_type.clone(), spec.kept.clone(), Some(tokenizer))
 }
 
 /// The reader thread's settings for this job.
 fn reader_options(
-    cfg: &SchedulerConfig,
+    cfg: &RunConfig,
     tokenizer: &Arc<Tokenizer>,
     template: Option<ChatTemplate>,
     skip_rows: Vec<i64>,
@@ -351,30 +347,33 @@ fn reader_options(
     ReaderOptions {
         tokenizer: tokenizer.clone(),
         template,
-        apply_chat_template: cfg.apply_chat_template,
-        bos_token: cfg.bos_token.clone(),
-        eos_token: cfg.eos_token.clone(),
-        read_batch_rows: cfg.read_batch_rows,
-        queue_rows: cfg.queue_rows,
+        apply_chat_template: cfg.input.apply_chat_template,
+        bos_token: cfg.input.bos_token.clone(),
+        eos_token: cfg.input.eos_token.clone(),
+        read_batch_rows: cfg.input.read_batch_rows,
+        queue_rows: cfg.input.queue_rows,
         skip_rows,
         text_limit: TextLimit::new(tokenizer, cfg.policy.max_model_len),
         sampling: Arc::new(cfg.sampling_params()),
-        n: cfg.n,
-        add_special_tokens: cfg.add_special_tokens,
+        n: cfg.sampling.params.n,
+        add_special_tokens: cfg.input.add_special_tokens,
         score: score_options(cfg, tokenizer),
     }
 }
 
 /// A scoring task's reader settings: the prefix token is BOS, else the first EOS id (lm-eval's
 /// `prefix_token_id`), else 0.
-fn score_options(cfg: &SchedulerConfig, tokenizer: &Tokenizer) -> Option<ScoreOptions> {
+fn score_options(cfg: &RunConfig, tokenizer: &Tokenizer) -> Option<ScoreOptions> {
     let bos = cfg
+        .input
         .bos_token
         .as_deref()
         .and_then(|t| tokenizer.token_to_id(t));
     Some(ScoreOptions {
         shape: cfg.score_shape()?,
-        prefix_id: bos.or(cfg.eos_token_ids.first().copied()).unwrap_or(0),
+        prefix_id: bos
+            .or(cfg.sampling.eos_token_ids.first().copied())
+            .unwrap_or(0),
         max_len: cfg.policy.max_model_len,
     })
 }
@@ -384,14 +383,11 @@ fn sample_key(row: i64, s: u32) -> i64 {
     row * MAX_SAMPLES as i64 + s as i64
 }
 
-/// The keys of `cfg.skip_samples` (`sample_key`) that name a sample this run would generate:
+/// The keys of `cfg.input.skip_samples` (`sample_key`) that name a sample this run would generate:
 /// of a row in `[start, end)` not skipped whole.
-fn samples_to_skip(
-    cfg: &SchedulerConfig,
-    skip_rows: &[i64],
-    (start, end): (u64, u64),
-) -> HashSet<i64> {
-    cfg.skip_samples
+fn samples_to_skip(cfg: &RunConfig, skip_rows: &[i64], (start, end): (u64, u64)) -> HashSet<i64> {
+    cfg.input
+        .skip_samples
         .iter()
         .copied()
         .filter(|&k| {

@@ -1,5 +1,5 @@
 //! Per-request sampling parameters: the job's `sampling` section
-//! (`SchedulerConfig::sampling_params`), with a row's values from the input columns named by
+//! (`RunConfig::sampling_params`), with a row's values from the input columns named by
 //! `sampling_columns` overriding it (a null falls back to the job's; reader/columns.rs reads
 //! them) or an OpenAI Batch line's body (openai_batch.rs).
 //!
@@ -23,7 +23,8 @@ pub const SAMPLING_MIN: f32 = 1e-5;
 /// The largest `temperature` and `repetition_penalty`.
 pub const SAMPLING_MAX: f32 = 1e6;
 
-#[derive(Debug, Clone, PartialEq)]
+/// `Default` is every field's zero (for the crate's tests' configs; a run's are read whole).
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct SamplingParams {
     pub max_new_tokens: usize,
     /// EOS and stop token ids are masked (and stop strings not checked) before this many
@@ -342,11 +343,11 @@ pub fn to_f32(v: f64) -> Result<f32, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::SchedulerConfig;
+    use crate::config::RunConfig;
     use std::path::PathBuf;
 
     fn job() -> SamplingParams {
-        SchedulerConfig::new(vec![], "p", PathBuf::new(), PathBuf::new()).sampling_params()
+        RunConfig::new(vec![], "p", PathBuf::new(), PathBuf::new()).sampling_params()
     }
 
     #[test]

@@ -43,7 +43,7 @@ pub struct Request {
     /// OpenAI Batch input: the endpoint the row's line asks (None: Parquet input, or a line
     /// without a url eaglebatch serves).
     pub endpoint: Option<Endpoint>,
-    /// The kept input columns' values (`SchedulerConfig::keep_columns`), each a length-1
+    /// The kept input columns' values (`OutputConfig::keep_columns`), each a length-1
     /// array of the column's output type, copied out of the read batch.
     pub kept: Vec<ArrayRef>,
     /// A scoring task's parts (score.rs), each scored as its own sequence; empty when the row
@@ -150,7 +150,7 @@ pub struct Sequence {
     pub chunk_end: Option<usize>,
     /// Admitted and not yet planned up to its last known token (see `prefilling`).
     pub prefill_pending: bool,
-    /// Prompt logprob alternatives the job asks for (`SchedulerConfig::prompt_logprobs`; 0 =
+    /// Prompt logprob alternatives the job asks for (`OutputConfig::prompt_logprobs`; 0 =
     /// none).
     pub prompt_logprobs_k: u32,
     /// Set at each admission, increasing: tells a plan's row from a later admission of the same

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use tokenizers::Tokenizer;
 
-use crate::config::SchedulerConfig;
+use crate::config::RunConfig;
 use crate::sampling_params::SamplingParams;
 use crate::sequence::{FinishReason, Sequence, StopReason};
 use crate::structured::RowMatcher;
@@ -23,11 +23,11 @@ pub struct StopCriteria {
 }
 
 impl StopCriteria {
-    pub fn new(cfg: &SchedulerConfig) -> Self {
-        let mut eos = cfg.eos_token_ids.clone();
+    pub fn new(cfg: &RunConfig) -> Self {
+        let mut eos = cfg.sampling.eos_token_ids.clone();
         eos.sort_unstable();
         eos.dedup();
-        let reasoning = match cfg.reasoning_ids[..] {
+        let reasoning = match cfg.output.reasoning_ids[..] {
             [start, end] => Some((start, end)),
             _ => None,
         };

@@ -194,36 +194,29 @@ def kept_columns(job: JobConfig, files: list[Path]) -> tuple[str, ...]:
     if not keep or not files:
         return ()
     # lazy: numpy and the extension, only for a job that keeps input columns
-    from eaglebatch.job.scheduler_config import job_only_config
+    from eaglebatch.job.scheduler_config import job_only_config, storage_section
 
     config = job_only_config(job, input_files=[str(f) for f in files],
                              keep_columns=[] if keep == "*" else list(keep),
-                             **_storage(job.storage))  # fmt: skip
+                             storage=storage_section(job.storage))  # fmt: skip
     return tuple(_check(config, keep_all=keep == "*")["kept"])
-
-
-def _storage(storage) -> dict:
-    """The scheduler settings of the job's storage section (None: the defaults)."""
-    if storage is None:
-        return {}
-    return {"storage_endpoint": storage.endpoint, "storage_options": dict(storage.options),
-            "storage_unconditional": storage.unsafe_no_conditional_writes}  # fmt: skip
 
 
 def _input_config(cfg: InputConfig, files: list, storage):
     """The run's settings as far as reading `files` goes: the input section's (the rest
     stand-ins that read nothing)."""
     # lazy: numpy and the extension, which `import eaglebatch` never needs
-    from eaglebatch.job.scheduler_config import SchedulerConfig
+    from eaglebatch.job.scheduler_config import sectioned, storage_section
 
-    return SchedulerConfig(
+    return sectioned(
         input_files=[str(f) for f in files], prompt_column=cfg.text_column,
         messages_column=cfg.messages_column, id_column=cfg.id_column, limit=cfg.limit,
         input_format="openai-batch" if cfg.openai_batch else "parquet",
         sampling_columns=dict(cfg.sampling_columns),
         continuation_column=cfg.continuation_column, choices_column=cfg.choices_column,
         tokenizer_file="", chat_template=None, bos_token=None, eos_token=None, eos_token_ids=[],
-        output_dir="", file_metadata={}, num_blocks=0, max_model_len=0, **_storage(storage),
+        output_dir="", file_metadata={}, num_blocks=0, max_model_len=0,
+        storage=storage_section(storage),
     )  # fmt: skip
 
 

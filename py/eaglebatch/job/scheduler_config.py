@@ -1,16 +1,23 @@
-"""`SchedulerConfig`: the Rust scheduler's settings, the one object that crosses the boundary.
+"""`SchedulerConfig`: the run's settings, the one object that crosses the boundary, in sections.
 
-Built once from the job (`from_job`, called by engine.build_scheduler) and handed to
-`_native.Scheduler(config)`, which reads it by attribute into the Rust struct of the same name
-(rust/src/config.rs; rust/src/python/scheduler_config.rs reads it, and a test holds the two
-field lists equal) and validates it there once.
+Built once from the job (`from_job`, called by runner.scheduler_config) and handed to
+`_native.Scheduler(config)`, which reads it by attribute, section by section, into the Rust
+`RunConfig` (rust/src/config.rs and config/sections.rs; rust/src/python/scheduler_config.rs
+reads it, and a test holds the two field lists equal) and validates it there once. The
+sections: `input` (what the reader and the input checks read), `sampling` (every row's
+defaults: the Rust side reads them as one `SamplingParams`), `output` (what the writer
+writes), `storage` (how object-store paths are reached) and `policy` (the scheduling
+policy's); `task` beside them. (The class keeps its name: `_native.pyi` and the callers name
+it; the job schema's sections are job/config.py's `InputConfig`, `OutputConfig`, ... hence
+`*Section` here.)
 
 One declaration per setting on this side: a setting the job spells (`sampling.temperature`,
 `engine.block_size`, `output.part_rows`, ...) is declared by the job schema (job/config.py:
 its key, type, default and check) and copied here by name (`JOB_SECTIONS`); its field below
 takes its default from the schema (`_job`), so the two cannot disagree. The other fields are
 what the run resolves (files, the model's tokens, the worker's sizes, the engine settings, the
-scope, resume) and are passed to `from_job` by name.
+scope, resume) and are passed to `from_job` by name. Every field name is unique across the
+sections, so `sectioned` builds a config from settings by name.
 """
 
 from __future__ import annotations
@@ -43,8 +50,10 @@ def _job(section: str, key: str) -> Any:
 
 
 @dataclass(frozen=True, kw_only=True)
-class SchedulerConfig:
-    # Input: Parquet files (already resolved from the job's input.path) and their columns.
+class InputSection:
+    """What the reader and the input checks read."""
+
+    # Parquet files (already resolved from the job's input.path) and their columns.
     input_files: list[str]
     prompt_column: str | None  # the job's, or None when prompts are messages or batch lines
     messages_column: str | None = _job("input", "messages_column")
@@ -56,8 +65,6 @@ class SchedulerConfig:
     row_range: tuple[int, int] | None = None
     # sampling key -> input column of per-row values
     sampling_columns: dict[str, str] = _job("input", "sampling_columns")
-    # generate | score | perplexity (the job's task; score.rs)
-    task: str = "generate"
     continuation_column: str | None = _job("input", "continuation_column")
     choices_column: str | None = _job("input", "choices_column")
     # Prompt construction / tokenization.
@@ -67,31 +74,25 @@ class SchedulerConfig:
     chat_template: str | None
     bos_token: str | None
     eos_token: str | None
-    # the model's EOS ids, < its vocab_size (checked by engine.prepare); a row stops at them
-    # unless it ignores EOS
-    eos_token_ids: list[int]
-    # config.json's vocab_size: a row's stop_token_ids must be below it (0 = unchecked)
-    vocab_size: int = 0
-    # reasoning models: the template's enable_thinking (None: its default), and the ids of
-    # output.reasoning's (start, end) tags ([] = no reasoning split)
+    # reasoning models: the template's enable_thinking (None: its default)
     enable_thinking: bool | None = _job("input", "enable_thinking")
-    reasoning_ids: list[int] = field(default_factory=list)
-    # Object storage (the job's storage section): how s3:// gs:// az:// paths are reached.
-    storage_endpoint: str | None = None
-    storage_options: dict[str, str] = field(default_factory=dict)
-    storage_unconditional: bool = False
-    # Output: a directory or an object-store URL.
-    output_dir: str
-    part_rows: int = _job("output", "part_rows")
-    file_metadata: dict[str, str]
-    include_token_ids: bool = _job("output", "include_token_ids")
-    # input columns copied into each output row (output.keep_columns, "*" resolved)
-    keep_columns: list[str] = field(default_factory=list)
-    logprobs: int = _job("output", "logprobs")  # top alternatives per output token
-    prompt_logprobs: int = _job("output", "prompt_logprobs")  # ... per prompt token
-    # Also close a part once its oldest row has waited this long (None = by part_rows only).
-    flush_interval_s: float | None = _job("output", "flush_interval_s")
-    # Sampling / stopping: the job's `sampling` section, key for key.
+    # Resume: int64 [N] row indices earlier runs wrote (skipped without tokenizing), or None.
+    skip_rows: np.ndarray | None = None
+    # Resume: int64 keys row_index * 4096 + sample_index (resume.sample_key) of the samples
+    # written of rows not in skip_rows (those samples are not generated again).
+    skip_samples: np.ndarray | None = None
+    # Reader: rows per Parquet batch, and the most rows queued between reader and scheduler
+    # (not job keys: the streaming test's bound and the throughput both hold at these).
+    read_batch_rows: int = 1024
+    queue_rows: int = 4096
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingSection:
+    """Every row's sampling defaults (the job's `sampling` section, key for key, with
+    output.logprobs and what the model resolves); a row's columns or batch line override
+    them."""
+
     max_new_tokens: int = _job("sampling", "max_new_tokens")
     stop: list[str] = _job("sampling", "stop")
     temperature: float = _job("sampling", "temperature")
@@ -108,9 +109,46 @@ class SchedulerConfig:
     repetition_penalty: float = _job("sampling", "repetition_penalty")
     frequency_penalty: float = _job("sampling", "frequency_penalty")
     presence_penalty: float = _job("sampling", "presence_penalty")
+    logprobs: int = _job("output", "logprobs")  # top alternatives per output token
     # structured output: the job's format (read as JSON text by the Rust side; None = none)
     response_format: dict[str, Any] | None = _job("sampling", "response_format")
-    # Paged KV cache and batching.
+    # the model's EOS ids, < its vocab_size (checked by prepare.prepare); a row stops at them
+    # unless it ignores EOS
+    eos_token_ids: list[int]
+    # config.json's vocab_size: a row's stop_token_ids must be below it (0 = unchecked)
+    vocab_size: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputSection:
+    """What the writer writes: a directory or an object-store URL, its parts and columns."""
+
+    output_dir: str
+    part_rows: int = _job("output", "part_rows")
+    file_metadata: dict[str, str]
+    include_token_ids: bool = _job("output", "include_token_ids")
+    # input columns copied into each output row (output.keep_columns, "*" resolved)
+    keep_columns: list[str] = field(default_factory=list)
+    prompt_logprobs: int = _job("output", "prompt_logprobs")  # top alternatives per prompt token
+    # Also close a part once its oldest row has waited this long (None = by part_rows only).
+    flush_interval_s: float | None = _job("output", "flush_interval_s")
+    # the ids of output.reasoning's (start, end) tags ([] = no reasoning split)
+    reasoning_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StorageSection:
+    """The job's storage section: how s3:// gs:// az:// paths are reached."""
+
+    endpoint: str | None = None
+    options: dict[str, str] = field(default_factory=dict)
+    unconditional: bool = False  # storage.unsafe_no_conditional_writes
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolicySection:
+    """The scheduling policy's: paged KV cache, batching and the step kinds."""
+
     num_blocks: int  # the worker's KV budget
     block_size: int = _job("engine", "block_size")
     max_batch_size: int = _job("engine", "max_batch_size")
@@ -122,28 +160,62 @@ class SchedulerConfig:
     prefix_caching: bool = _job("engine", "prefix_caching")
     chunked_prefill: bool = _job("engine", "chunked_prefill")
     overlap: bool = False  # resolved (EngineSettings): plain decoding, a step in flight
-    # Resume: int64 [N] row indices earlier runs wrote (skipped without tokenizing), or None.
-    skip_rows: np.ndarray | None = None
-    # Resume: int64 keys row_index * 4096 + sample_index (resume.sample_key) of the samples
-    # written of rows not in skip_rows (those samples are not generated again).
-    skip_samples: np.ndarray | None = None
-    # Reader: rows per Parquet batch, and the most rows queued between reader and scheduler
-    # (not job keys: the streaming test's bound and the throughput both hold at these).
-    read_batch_rows: int = 1024
-    queue_rows: int = 4096
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    # generate | score | perplexity (the job's task; score.rs)
+    task: str = "generate"
+    input: InputSection
+    sampling: SamplingSection
+    output: OutputSection
+    storage: StorageSection = field(default_factory=StorageSection)
+    policy: PolicySection
+
+
+# the config's sections by attribute name
+SECTIONS = {"input": InputSection, "sampling": SamplingSection, "output": OutputSection,
+            "storage": StorageSection, "policy": PolicySection}  # fmt: skip
+# every section field's name -> its section's (the names are unique across the sections)
+SECTION_OF = {f.name: name for name, cls in SECTIONS.items() for f in fields(cls)}
+
+
+def sectioned(**settings: Any) -> SchedulerConfig:
+    """The config of `settings` by name: each section's fields by their own names, `task`, or a
+    section whole by its name (`storage=StorageSection(...)`). A name no section has, or a
+    required field not given, raises TypeError naming it."""
+    parts: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    top = {}
+    for name, value in settings.items():
+        if name in SECTION_OF:
+            parts[SECTION_OF[name]][name] = value
+        elif name in SECTIONS or name == "task":
+            top[name] = value
+        else:
+            raise TypeError(f"SchedulerConfig has no setting {name!r}")
+    built = {name: cls(**parts[name]) for name, cls in SECTIONS.items() if name not in top}
+    return SchedulerConfig(**built, **top)
+
+
+def storage_section(storage) -> StorageSection:
+    """The job's storage section as the run reads it (None: the defaults)."""
+    if storage is None:
+        return StorageSection()
+    return StorageSection(endpoint=storage.endpoint, options=dict(storage.options),
+                          unconditional=storage.unsafe_no_conditional_writes)  # fmt: skip
 
 
 def from_job(job: JobConfig, **resolved: Any) -> SchedulerConfig:
     """The job's settings of the same name from its sections (JOB_SECTIONS), with `resolved`,
     the rest, by name (a resolved value replaces the job's: `prompt_column` after the input
     format, `keep_columns` after "*", `max_model_len` and `overlap` as the engine resolved)."""
-    names = {f.name for f in fields(SchedulerConfig)}
+    names = SECTION_OF.keys()
     taken = {}
     for section in JOB_SECTIONS:
         values = getattr(job, section)
         for key in type(values).model_fields.keys() & names - resolved.keys():
             taken[key] = _plain(getattr(values, key))
-    return SchedulerConfig(**taken, **resolved)
+    return sectioned(**taken, **resolved)
 
 
 def _plain(value: Any) -> Any:
@@ -169,4 +241,3 @@ def job_only_config(job: JobConfig, **resolved: Any) -> SchedulerConfig:
         max_model_len=0, overlap=False,
     )  # fmt: skip
     return from_job(job, **(standins | resolved))
-

@@ -1,5 +1,5 @@
 //! The job side's door to the input and sampling rules, each stated once in Rust:
-//! `check_inputs` (reader/validate.rs over the run's `SchedulerConfig`) and `sampling_rule`
+//! `check_inputs` (reader/validate.rs over the run's `RunConfig`) and `sampling_rule`
 //! (sampling_params.rs `RANGES`). py/eaglebatch/job calls them before any model loads.
 
 use pyo3::prelude::*;

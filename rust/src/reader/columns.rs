@@ -278,13 +278,13 @@ fn columns_named(set_by: &[(&str, &str)], keys: &[&str]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::SchedulerConfig;
+    use crate::config::RunConfig;
     use arrow_array::builder::{ListBuilder, StringBuilder};
     use arrow_array::{Float64Array, Int64Array, RecordBatch, StringArray};
     use std::path::PathBuf;
 
     fn job() -> Arc<SamplingParams> {
-        let cfg = SchedulerConfig::new(vec![], "p", PathBuf::new(), PathBuf::new());
+        let cfg = RunConfig::new(vec![], "p", PathBuf::new(), PathBuf::new());
         Arc::new(cfg.sampling_params())
     }
 

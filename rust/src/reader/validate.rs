@@ -14,7 +14,7 @@ use parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder;
 
 use super::columns::{check_column_keys, check_column_type};
 use crate::column_kind::{dense_type, is_int, is_list_of, is_text, type_name, FileTypes};
-use crate::config::SchedulerConfig;
+use crate::config::RunConfig;
 use crate::error::{Error, Result};
 use crate::storage::{remote_url, Source, StorageSettings};
 
@@ -40,7 +40,7 @@ pub struct InputSpec {
     pub openai_batch: bool,
     /// Arrow type of the output `id` column (the input id column's type, or Int64).
     pub id_type: DataType,
-    /// Kept input columns (`SchedulerConfig::keep_columns`) and their output types: a
+    /// Kept input columns (`RunConfig::keep_columns`) and their output types: a
     /// dictionary's values type, unified across files as the id column's is.
     pub kept: Vec<(String, DataType)>,
     /// The input's rows: the footers' row counts summed, capped by `limit`.
@@ -161,16 +161,20 @@ fn codec_supported(c: parquet::basic::Compression) -> bool {
 fn check_codecs(
     builder: &ParquetRecordBatchReaderBuilder<Source>,
     path: &Path,
-    cfg: &SchedulerConfig,
+    cfg: &RunConfig,
 ) -> Result<()> {
-    let wanted: Vec<&str> = [&cfg.prompt_column, &cfg.messages_column, &cfg.id_column]
-        .into_iter()
-        .chain([&cfg.continuation_column, &cfg.choices_column])
-        .flatten()
-        .chain(cfg.sampling_columns.values())
-        .chain(&cfg.keep_columns)
-        .map(String::as_str)
-        .collect();
+    let wanted: Vec<&str> = [
+        &cfg.input.prompt_column,
+        &cfg.input.messages_column,
+        &cfg.input.id_column,
+    ]
+    .into_iter()
+    .chain([&cfg.input.continuation_column, &cfg.input.choices_column])
+    .flatten()
+    .chain(cfg.input.sampling_columns.values())
+    .chain(&cfg.output.keep_columns)
+    .map(String::as_str)
+    .collect();
     for rg in builder.metadata().row_groups() {
         for col in rg.columns() {
             let root = col.column_path().parts().first().map(String::as_str);
@@ -192,17 +196,17 @@ fn check_codecs(
 /// Checks every input file (exists, is Parquet, has usable columns) and counts rows from the
 /// footers. Errors are `UserInput` and name the file and column. Files are checked in order
 /// and the first failure is the error; every file's id column must have the first one's type.
-pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
-    check_input_paths(&cfg.input_files, &cfg.storage())?;
-    check_column_keys(cfg.sampling_columns.keys()).map_err(Error::user)?;
+pub fn validate_inputs(cfg: &RunConfig) -> Result<InputSpec> {
+    check_input_paths(&cfg.input.input_files, &cfg.storage)?;
+    check_column_keys(cfg.input.sampling_columns.keys()).map_err(Error::user)?;
     if cfg.openai_batch() {
         return validate_batch_files(cfg);
     }
-    let mut files = Vec::with_capacity(cfg.input_files.len());
+    let mut files = Vec::with_capacity(cfg.input.input_files.len());
     let mut types = FileTypes::default();
     let mut total: u64 = 0;
-    for path in &cfg.input_files {
-        let builder = open_parquet(path, &cfg.storage())?;
+    for path in &cfg.input.input_files {
+        let builder = open_parquet(path, &cfg.storage)?;
         check_file_columns(builder.schema(), path, cfg, &mut types)?;
         check_codecs(&builder, path, cfg)?;
         let num_rows = builder.metadata().file_metadata().num_rows().max(0) as u64;
@@ -212,29 +216,30 @@ pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
             num_rows,
         });
     }
-    let total_rows = cfg.limit.map_or(total, |limit| total.min(limit));
-    let (start, end) = cfg.row_range.unwrap_or((0, total_rows));
+    let total_rows = cfg.input.limit.map_or(total, |limit| total.min(limit));
+    let (start, end) = cfg.input.row_range.unwrap_or((0, total_rows));
     let row_end = end.min(total_rows);
     Ok(InputSpec {
         files,
-        prompt_column: cfg.prompt_column.clone(),
-        messages_column: cfg.messages_column.clone(),
-        id_column: cfg.id_column.clone(),
-        sampling_columns: cfg.sampling_columns.clone(),
+        prompt_column: cfg.input.prompt_column.clone(),
+        messages_column: cfg.input.messages_column.clone(),
+        id_column: cfg.input.id_column.clone(),
+        sampling_columns: cfg.input.sampling_columns.clone(),
         score_column: score_column(cfg).cloned(),
         openai_batch: false,
         id_type: cfg
+            .input
             .id_column
             .as_ref()
             .and_then(|c| types.output_type(c))
             .unwrap_or(DataType::Int64),
-        kept: (cfg.keep_columns.iter())
+        kept: (cfg.output.keep_columns.iter())
             .filter_map(|c| Some((c.clone(), types.output_type(c)?)))
             .collect(),
         total_rows,
         row_start: start.min(row_end),
         row_end,
-        storage: cfg.storage(),
+        storage: cfg.storage.clone(),
         batch_lines: Default::default(),
     })
 }
@@ -244,16 +249,16 @@ pub fn validate_inputs(cfg: &SchedulerConfig) -> Result<InputSpec> {
 fn check_file_columns(
     schema: &Schema,
     path: &Path,
-    cfg: &SchedulerConfig,
+    cfg: &RunConfig,
     types: &mut FileTypes,
 ) -> Result<()> {
     check_text_columns(schema, path, cfg)?;
-    check_sampling_columns(schema, path, &cfg.sampling_columns)?;
-    if let Some(col) = &cfg.id_column {
+    check_sampling_columns(schema, path, &cfg.input.sampling_columns)?;
+    if let Some(col) = &cfg.input.id_column {
         let dt = check_id_column(schema, path, col)?;
         types.add("input.id_column", col, &dt, path)?;
     }
-    for col in &cfg.keep_columns {
+    for col in &cfg.output.keep_columns {
         let field = find_column(schema, path, "output.keep_columns", col)?;
         types.add(
             "output.keep_columns",
@@ -266,26 +271,27 @@ fn check_file_columns(
 }
 
 /// `task: score`'s column of continuations or choices.
-fn score_column(cfg: &SchedulerConfig) -> Option<&String> {
-    cfg.continuation_column
+fn score_column(cfg: &RunConfig) -> Option<&String> {
+    cfg.input
+        .continuation_column
         .as_ref()
-        .or(cfg.choices_column.as_ref())
+        .or(cfg.input.choices_column.as_ref())
 }
 
 /// OpenAI Batch JSONL files: requests counted by streaming each file (`survey_requests`);
 /// ids are custom_ids. Input none of whose lines asks a served endpoint is a user error.
-fn validate_batch_files(cfg: &SchedulerConfig) -> Result<InputSpec> {
-    let mut files = Vec::with_capacity(cfg.input_files.len());
+fn validate_batch_files(cfg: &RunConfig) -> Result<InputSpec> {
+    let mut files = Vec::with_capacity(cfg.input.input_files.len());
     let mut seen = crate::openai_batch::Survey::default();
-    for path in &cfg.input_files {
-        let num_rows = crate::openai_batch::survey_requests(path, &cfg.storage(), &mut seen)?;
+    for path in &cfg.input.input_files {
+        let num_rows = crate::openai_batch::survey_requests(path, &cfg.storage, &mut seen)?;
         files.push(InputFile {
             path: path.clone(),
             num_rows,
         });
     }
     if seen.first.is_none() && seen.requests > 0 {
-        let named = match cfg.input_files.as_slice() {
+        let named = match cfg.input.input_files.as_slice() {
             [one] => one.display().to_string(),
             many => format!("the {} input files", many.len()),
         };
@@ -295,8 +301,11 @@ fn validate_batch_files(cfg: &SchedulerConfig) -> Result<InputSpec> {
             crate::openai_keys::COMPLETIONS_URL
         )));
     }
-    let total_rows = cfg.limit.map_or(seen.requests, |l| seen.requests.min(l));
-    let (start, end) = cfg.row_range.unwrap_or((0, total_rows));
+    let total_rows = cfg
+        .input
+        .limit
+        .map_or(seen.requests, |l| seen.requests.min(l));
+    let (start, end) = cfg.input.row_range.unwrap_or((0, total_rows));
     let row_end = end.min(total_rows);
     Ok(InputSpec {
         files,
@@ -311,7 +320,7 @@ fn validate_batch_files(cfg: &SchedulerConfig) -> Result<InputSpec> {
         total_rows,
         row_start: start.min(row_end),
         row_end,
-        storage: cfg.storage(),
+        storage: cfg.storage.clone(),
         batch_lines: seen,
     })
 }
@@ -336,29 +345,29 @@ type TextCheck<'a> = (&'a Option<String>, &'a str, fn(&DataType) -> bool, &'a st
 /// The configured text columns have the types their rows are read as: prompt and
 /// continuation a string, choices a list<string>, messages a
 /// `list<struct<role: string, content: string>>`.
-fn check_text_columns(schema: &Schema, path: &Path, cfg: &SchedulerConfig) -> Result<()> {
+fn check_text_columns(schema: &Schema, path: &Path, cfg: &RunConfig) -> Result<()> {
     let list_of_text = |dt: &DataType| is_list_of(dt, is_text);
     let checks: [TextCheck<'_>; 4] = [
         (
-            &cfg.messages_column,
+            &cfg.input.messages_column,
             "input.messages_column",
             messages_struct_ok,
             "a list of {role: string, content: string} structs",
         ),
         (
-            &cfg.prompt_column,
+            &cfg.input.prompt_column,
             "input.prompt_column",
             is_text,
             "a string",
         ),
         (
-            &cfg.continuation_column,
+            &cfg.input.continuation_column,
             "input.continuation_column",
             is_text,
             "a string",
         ),
         (
-            &cfg.choices_column,
+            &cfg.input.choices_column,
             "input.choices_column",
             list_of_text,
             "list<string>",
@@ -405,11 +414,11 @@ fn check_id_column(schema: &Schema, path: &Path, col: &str) -> Result<DataType> 
 /// `check_inputs`): the kept columns resolved (`keep_all`: `output.keep_columns: "*"`, every
 /// column of the first input file but an id column named `id`, which is the output's `id`)
 /// and named as no column this job writes, then every file (`validate_inputs`).
-pub fn check_job_inputs(cfg: &mut SchedulerConfig, keep_all: bool) -> Result<InputSpec> {
+pub fn check_job_inputs(cfg: &mut RunConfig, keep_all: bool) -> Result<InputSpec> {
     if keep_all && !cfg.openai_batch() {
-        let first = cfg.input_files.first().cloned().unwrap_or_default();
-        let builder = open_parquet(&first, &cfg.storage())?;
-        let named_id = |c: &str| c == "id" && cfg.id_column.as_deref() == Some("id");
+        let first = cfg.input.input_files.first().cloned().unwrap_or_default();
+        let builder = open_parquet(&first, &cfg.storage)?;
+        let named_id = |c: &str| c == "id" && cfg.input.id_column.as_deref() == Some("id");
         let mut names: Vec<String> = Vec::new();
         for f in builder.schema().fields() {
             // a name twice is one entry: `validate_inputs` refuses the file naming it
@@ -417,7 +426,7 @@ pub fn check_job_inputs(cfg: &mut SchedulerConfig, keep_all: bool) -> Result<Inp
                 names.push(f.name().clone());
             }
         }
-        cfg.keep_columns = names;
+        cfg.output.keep_columns = names;
     }
     cfg.validate_keep_columns().map_err(|e| match e {
         Error::UserInput(m) if keep_all => {

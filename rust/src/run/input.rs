@@ -70,7 +70,7 @@ impl Run {
             return self.accept_scored(req);
         }
         let n = req.sampling.n as u32;
-        self.requests_expected += n as i64 - self.cfg.n as i64;
+        self.requests_expected += n as i64 - self.cfg.sampling.params.n as i64;
         self.stats.requests_total = self.requests_expected.max(0) as u64;
         let key = |s: u32| sample_key(req.row_index, s);
         let samples: Vec<u32> = (0..n)
@@ -96,7 +96,7 @@ impl Run {
                 self.stats.prompt_tokens_read += (req.prompt_ids.len() * samples.len()) as u64;
                 for s in samples {
                     let mut seq = Sequence::new(req.clone(), s);
-                    seq.prompt_logprobs_k = self.cfg.prompt_logprobs;
+                    seq.prompt_logprobs_k = self.cfg.output.prompt_logprobs;
                     seq.matcher = matcher.as_ref().map(RowMatcher::fork);
                     seq.thinking = self
                         .criteria

@@ -72,13 +72,13 @@ fn kept_columns_ride_with_their_rows_in_their_types() {
     for (k, path) in files.iter().enumerate() {
         input_file(path, k as i64);
     }
-    f.cfg.input_files = files;
-    f.cfg.keep_columns = ["meta", "note", "cat", "tags"].map(String::from).to_vec();
-    (f.cfg.n, f.cfg.temperature) = (2, 1.0);
+    f.cfg.input.input_files = files;
+    f.cfg.output.keep_columns = ["meta", "note", "cat", "tags"].map(String::from).to_vec();
+    (f.cfg.sampling.params.n, f.cfg.sampling.params.temperature) = (2, 1.0);
     let mut s = Run::new(f.cfg.clone()).unwrap();
     drive(&mut s, 1);
     s.finish().unwrap();
-    let parts = read_parts(&f.cfg.output_dir);
+    let parts = read_parts(&f.cfg.output.output_dir);
     let schema = parts[0].schema();
     let tail: Vec<_> = schema.fields().iter().rev().take(4).rev().collect();
     let names: Vec<&str> = tail.iter().map(|f| f.name().as_str()).collect();
@@ -151,26 +151,26 @@ fn check_row(b: &RecordBatch, i: usize) {
 #[test]
 fn kept_columns_are_checked_before_any_work() {
     let mut f = fixture("kept-bad", &[Some("w5")]);
-    f.cfg.keep_columns = vec!["note".into()];
+    f.cfg.output.keep_columns = vec!["note".into()];
     let err = Run::new(f.cfg.clone()).err().unwrap().to_string();
     assert!(
         err.contains("output.keep_columns") && err.contains("'note'"),
         "{err}"
     );
-    f.cfg.keep_columns = vec!["output_text".into()];
+    f.cfg.output.keep_columns = vec!["output_text".into()];
     let err = Run::new(f.cfg.clone()).err().unwrap().to_string();
     assert!(err.contains("clashes with the output column"), "{err}");
     let text: ArrayRef = Arc::new(StringArray::from(vec!["w5"]));
     let (first, second) = (
-        f.cfg.input_files[0].clone(),
+        f.cfg.input.input_files[0].clone(),
         f.dir.path().join("in2.parquet"),
     );
     let x_text: ArrayRef = Arc::new(StringArray::from(vec!["a"]));
     let x_int: ArrayRef = Arc::new(arrow_array::Int64Array::from(vec![7]));
     write_parquet(&first, vec![("prompt", text.clone()), ("x", x_text)], 1);
     write_parquet(&second, vec![("prompt", text), ("x", x_int)], 1);
-    f.cfg.input_files.push(second);
-    (f.cfg.id_column, f.cfg.keep_columns) = (None, vec!["x".into()]);
+    f.cfg.input.input_files.push(second);
+    (f.cfg.input.id_column, f.cfg.output.keep_columns) = (None, vec!["x".into()]);
     let err = Run::new(f.cfg.clone()).err().unwrap().to_string();
     assert!(
         err.contains("output.keep_columns: column 'x' has type"),
@@ -184,8 +184,7 @@ fn kept_columns_are_checked_before_any_work() {
 #[test]
 fn kept_columns_clash_only_with_the_columns_this_job_writes() {
     let mut f = fixture("kept-own", &[Some("w5")]);
-    let has =
-        |cfg: &SchedulerConfig, name: &str| cfg.own_output_columns().iter().any(|c| c == name);
+    let has = |cfg: &RunConfig, name: &str| cfg.own_output_columns().iter().any(|c| c == name);
     for free in [
         "logprob",
         "logprobs",
@@ -197,11 +196,11 @@ fn kept_columns_clash_only_with_the_columns_this_job_writes() {
         assert!(!has(&f.cfg, free), "{free}");
     }
     assert!(has(&f.cfg, "output_text") && has(&f.cfg, "error"));
-    f.cfg.logprobs = 2;
+    f.cfg.sampling.params.logprobs = 2;
     assert!(has(&f.cfg, "logprobs"));
-    f.cfg.keep_columns = vec!["logprobs".into()];
+    f.cfg.output.keep_columns = vec!["logprobs".into()];
     let err = Run::new(f.cfg.clone()).err().unwrap().to_string();
     assert!(err.contains("column 'logprobs' clashes"), "{err}");
-    (f.cfg.logprobs, f.cfg.task) = (0, "perplexity".into());
+    (f.cfg.sampling.params.logprobs, f.cfg.task) = (0, "perplexity".into());
     assert!(has(&f.cfg, "logprob") && has(&f.cfg, "num_tokens") && !has(&f.cfg, "is_greedy"));
 }

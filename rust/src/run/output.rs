@@ -96,11 +96,11 @@ impl Run {
             kept: seq.kept,
             logprobs: (!error && seq.sampling.logprobs > 0)
                 .then(|| logprobs::entries(&self.tokenizer, &seq.output_ids, &seq.logprobs)),
-            prompt_logprobs: (!error && self.cfg.prompt_logprobs > 0).then(|| {
+            prompt_logprobs: (!error && self.cfg.output.prompt_logprobs > 0).then(|| {
                 let ids = seq.prompt_ids.get(1..).unwrap_or_default();
                 logprobs::entries(&self.tokenizer, ids, &seq.prompt_logprobs)
             }),
-            output_token_ids: if self.cfg.include_token_ids && !error {
+            output_token_ids: if self.cfg.output.include_token_ids && !error {
                 seq.output_ids
             } else {
                 Vec::new()

@@ -24,7 +24,7 @@ fn with_columns(tag: &str, prompts: &[&str], extra: Vec<(&str, ArrayRef)>) -> Fi
         ("id", Arc::new(StringArray::from(ids))),
     ];
     cols.extend(extra);
-    write_parquet(&f.cfg.input_files[0], cols, 3);
+    write_parquet(&f.cfg.input.input_files[0], cols, 3);
     f
 }
 
@@ -73,11 +73,11 @@ fn sampling_columns_reach_the_plan_and_decide_where_rows_stop() {
         ("temperature", "t"),
         ("repetition_penalty", "rp"),
     ];
-    f.cfg.sampling_columns = map
+    f.cfg.input.sampling_columns = map
         .iter()
         .map(|(k, c)| (k.to_string(), c.to_string()))
         .collect();
-    f.cfg.queue_rows = 16; // the reader queues every row: one first plan for both good rows
+    f.cfg.input.queue_rows = 16; // the reader queues every row: one first plan for both good rows
     let mut s = Run::new(f.cfg.clone()).unwrap();
     wait_for_reader(&s);
     let plans = drive_constant(&mut s, 11, 0);
@@ -95,9 +95,12 @@ fn sampling_columns_reach_the_plan_and_decide_where_rows_stop() {
         .find(|p| p.num_generated == vec![1, 1])
         .unwrap();
     assert_eq!(later.penalty_ids, [prompt, vec![11]].concat());
-    let rows = read_output(&f.cfg.output_dir);
+    let rows = read_output(&f.cfg.output.output_dir);
     assert_eq!(rows[0].output_tokens, 2);
-    assert_eq!(rows[1].output_tokens, f.cfg.max_new_tokens as i32);
+    assert_eq!(
+        rows[1].output_tokens,
+        f.cfg.sampling.params.max_new_tokens as i32
+    );
     assert_eq!(rows[2].reason, "error");
     assert!(rows[2].error.as_ref().unwrap().contains("'mt'"));
 }
@@ -105,12 +108,12 @@ fn sampling_columns_reach_the_plan_and_decide_where_rows_stop() {
 #[test]
 fn no_stop_before_min_new_tokens() {
     let mut f = fixture("samp-min", &[Some("w5"), Some("w6")]);
-    f.cfg.min_new_tokens = 3;
+    f.cfg.sampling.params.min_new_tokens = 3;
     let mut s = Run::new(f.cfg.clone()).unwrap();
     let plans = drive_constant(&mut s, 2, 0); // the EOS id every step
     s.finish().unwrap();
     assert!(plans.iter().all(|p| p.min_tokens.iter().all(|&m| m == 3)));
-    for r in read_output(&f.cfg.output_dir) {
+    for r in read_output(&f.cfg.output.output_dir) {
         assert_eq!((r.output_tokens, r.reason.as_str()), (3, "stop"));
     }
 }
@@ -118,8 +121,8 @@ fn no_stop_before_min_new_tokens() {
 #[test]
 fn logprobs_are_kept_per_output_token_and_written() {
     let mut f = fixture("samp-lp", &[Some("w5"), Some("w6"), None]);
-    f.cfg.logprobs = 2;
-    f.cfg.max_new_tokens = 4;
+    f.cfg.sampling.params.logprobs = 2;
+    f.cfg.sampling.params.max_new_tokens = 4;
     let mut s = Run::new(f.cfg.clone()).unwrap();
     let p = s.next_plan().unwrap().unwrap();
     let b = p.num_seqs();
@@ -149,7 +152,7 @@ fn logprobs_are_kept_per_output_token_and_written() {
         .unwrap();
     drive_constant(&mut s, 9, 3);
     s.finish().unwrap();
-    let rows = read_logprobs(&f.cfg.output_dir, "logprobs");
+    let rows = read_logprobs(&f.cfg.output.output_dir, "logprobs");
     assert_eq!(rows.len(), 3);
     for (reason, entries) in rows {
         let Some(entries) = entries else {
@@ -187,8 +190,8 @@ fn read_logprobs(dir: &std::path::Path, name: &str) -> Vec<(String, Option<Array
 #[test]
 fn prompt_logprobs_are_recorded_once_per_position() {
     let mut f = fixture("samp-plp", &[Some("w5 w6 w7 w8 w9")]);
-    f.cfg.prompt_logprobs = 1;
-    f.cfg.max_new_tokens = 2;
+    f.cfg.output.prompt_logprobs = 1;
+    f.cfg.sampling.params.max_new_tokens = 2;
     let mut s = Run::new(f.cfg.clone()).unwrap();
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!(p.prompt_logprobs, vec![1]);
@@ -219,7 +222,7 @@ fn prompt_logprobs_are_recorded_once_per_position() {
     s.commit(&[9], &[1], None, None, None).unwrap();
     assert!(s.next_plan().unwrap().is_none());
     s.finish().unwrap();
-    let rows: Vec<Vec<f32>> = read_logprobs(&f.cfg.output_dir, "prompt_logprobs")
+    let rows: Vec<Vec<f32>> = read_logprobs(&f.cfg.output.output_dir, "prompt_logprobs")
         .into_iter()
         .map(|(_, entries)| {
             let entries = entries.expect("a generated row has prompt logprobs");
@@ -286,8 +289,8 @@ fn rows_stop_on_their_own_end_ids() {
         ("stop_token_ids", "st"),
         ("min_new_tokens", "mn"),
     ];
-    f.cfg.sampling_columns = columns_map(&map);
-    f.cfg.queue_rows = 16;
+    f.cfg.input.sampling_columns = columns_map(&map);
+    f.cfg.input.queue_rows = 16;
     let mut s = Run::new(f.cfg.clone()).unwrap();
     wait_for_reader(&s);
     let plans = drive_constant(&mut s, 7, 0);
@@ -297,7 +300,7 @@ fn rows_stop_on_their_own_end_ids() {
     let first = &plans[0];
     assert_eq!(first.end_ids, vec![7, 9]);
     assert_eq!(first.cu_end_ids, vec![0, 0, 0, 2, 2]);
-    let rows = read_output(&f.cfg.output_dir);
+    let rows = read_output(&f.cfg.output.output_dir);
     let got: Vec<(i32, &str)> = rows
         .iter()
         .map(|r| (r.output_tokens, r.reason.as_str()))
@@ -324,11 +327,11 @@ fn ignore_eos_is_a_rows_own() {
         &["w5", "w6"],
         vec![("ie", Arc::new(BooleanArray::from(vec![None, Some(true)])))],
     );
-    f.cfg.sampling_columns = columns_map(&[("ignore_eos", "ie")]);
+    f.cfg.input.sampling_columns = columns_map(&[("ignore_eos", "ie")]);
     let mut s = Run::new(f.cfg.clone()).unwrap();
     drive_constant(&mut s, 2, 0);
     s.finish().unwrap();
-    let rows = read_output(&f.cfg.output_dir);
+    let rows = read_output(&f.cfg.output.output_dir);
     assert_eq!(
         (rows[0].output_tokens, rows[0].reason.as_str()),
         (1, "stop")
@@ -349,12 +352,12 @@ fn stop_strings_kept_and_special_tokens_shown_per_row() {
     use arrow_array::BooleanArray;
     let texts = |tag: &str, token: i32, cols: Vec<(&str, ArrayRef)>, keys: &[(&str, &str)]| {
         let mut f = with_columns(tag, &["w5", "w6", "w7"], cols);
-        f.cfg.sampling_columns = columns_map(keys);
-        f.cfg.max_new_tokens = 2;
+        f.cfg.input.sampling_columns = columns_map(keys);
+        f.cfg.sampling.params.max_new_tokens = 2;
         let mut s = Run::new(f.cfg.clone()).unwrap();
         drive_constant(&mut s, token, 0);
         s.finish().unwrap();
-        let rows = read_output(&f.cfg.output_dir);
+        let rows = read_output(&f.cfg.output.output_dir);
         rows.into_iter()
             .map(|r| (r.text, r.stop.0))
             .collect::<Vec<_>>()
@@ -396,14 +399,14 @@ fn batch_lines_keep_their_own_endpoints() {
         line("e", "/v1/embeddings", r#"{"input": "w8"}"#),
     ];
     std::fs::write(&input, lines.join("\n")).unwrap();
-    f.cfg.input_files = vec![input];
-    f.cfg.input_format = "openai-batch".into();
-    (f.cfg.prompt_column, f.cfg.id_column) = (None, None);
-    f.cfg.chat_template = Some("{% for m in messages %}{{ m.content }} {% endfor %}".into());
+    f.cfg.input.input_files = vec![input];
+    f.cfg.input.input_format = "openai-batch".into();
+    (f.cfg.input.prompt_column, f.cfg.input.id_column) = (None, None);
+    f.cfg.input.chat_template = Some("{% for m in messages %}{{ m.content }} {% endfor %}".into());
     let mut s = Run::new(f.cfg.clone()).unwrap();
     drive_constant(&mut s, 2, 0);
     s.finish().unwrap();
-    let batches = read_parts(&f.cfg.output_dir);
+    let batches = read_parts(&f.cfg.output.output_dir);
     let mut got: Vec<(String, Option<String>)> = Vec::new();
     for b in &batches {
         let (ids, urls) = (
@@ -433,7 +436,7 @@ fn batch_lines_keep_their_own_endpoints() {
     let mut s = Run::new(f.cfg.clone()).unwrap();
     drive_constant(&mut s, 2, 0);
     s.finish().unwrap();
-    assert!(read_parts(&f.cfg.output_dir)[0]
+    assert!(read_parts(&f.cfg.output.output_dir)[0]
         .column_by_name("endpoint")
         .is_none());
 }
@@ -451,18 +454,18 @@ fn batch_lines_bring_their_own_n() {
     };
     let lines = [line("a", r#", "n": 3"#), line("b", "")];
     std::fs::write(&input, lines.join("\n")).unwrap();
-    f.cfg.input_files = vec![input];
-    f.cfg.input_format = "openai-batch".into();
-    (f.cfg.prompt_column, f.cfg.id_column) = (None, None);
+    f.cfg.input.input_files = vec![input];
+    f.cfg.input.input_format = "openai-batch".into();
+    (f.cfg.input.prompt_column, f.cfg.input.id_column) = (None, None);
     // line a's samples 0 and 2 were written, and line b's one: more than rows x the job's n
-    f.cfg.skip_samples = vec![0, 2, 4096];
+    f.cfg.input.skip_samples = vec![0, 2, 4096];
     let mut s = Run::new(f.cfg.clone()).unwrap();
     wait_for_reader(&s);
     drive_constant(&mut s, 9, 0);
     assert_eq!(s.progress()[0], ("requests_total", 1), "a's sample 1");
     s.finish().unwrap();
     let mut got: Vec<(i64, i32, i32)> = Vec::new();
-    for b in read_parts(&f.cfg.output_dir) {
+    for b in read_parts(&f.cfg.output.output_dir) {
         let col = |n: &str| b.column_by_name(n).unwrap().clone();
         for i in 0..b.num_rows() {
             got.push((

@@ -22,7 +22,7 @@ fn fake(token: i64) -> (f32, bool) {
     (-(token as f32) / 100.0, token % 2 == 0)
 }
 
-fn choices_input(dir: &TempDir, rows: &[(&str, &[&str])]) -> SchedulerConfig {
+fn choices_input(dir: &TempDir, rows: &[(&str, &[&str])]) -> RunConfig {
     let input = dir.path().join("in.parquet");
     let mut choices = ListBuilder::new(StringBuilder::new());
     for (_, options) in rows {
@@ -41,17 +41,17 @@ fn choices_input(dir: &TempDir, rows: &[(&str, &[&str])]) -> SchedulerConfig {
         2,
     );
     let tok = save_tokenizer(&word_level_tokenizer(VOCAB), dir.path());
-    let mut cfg = SchedulerConfig::new(vec![input], "prompt", tok, dir.path().join("out"));
-    (cfg.task, cfg.choices_column) = ("score".into(), Some("choices".into()));
+    let mut cfg = RunConfig::new(vec![input], "prompt", tok, dir.path().join("out"));
+    (cfg.task, cfg.input.choices_column) = ("score".into(), Some("choices".into()));
     (
-        cfg.eos_token_ids,
+        cfg.sampling.eos_token_ids,
         cfg.policy.block_size,
         cfg.policy.num_blocks,
     ) = (vec![2], 4, 64);
     (
         cfg.policy.max_batch_size,
         cfg.policy.max_model_len,
-        cfg.part_rows,
+        cfg.output.part_rows,
     ) = (8, 64, 2);
     cfg
 }
@@ -115,7 +115,7 @@ fn choices_are_scored_once_each_sharing_their_context() {
     let mut s = Run::with_tokenizer(cfg.clone(), word_level_tokenizer(VOCAB)).unwrap();
     let plans = drive(&mut s);
     s.finish().unwrap();
-    let batches = read_parts(&cfg.output_dir);
+    let batches = read_parts(&cfg.output.output_dir);
     let errors: Vec<_> = (batches.iter())
         .flat_map(|b| b.column_by_name("error").unwrap().as_string::<i32>().iter())
         .flatten()
@@ -166,11 +166,11 @@ fn rolling_windows_sum_into_one_row() {
     let dir = TempDir::new("score-rolling");
     let text: Vec<String> = (4..30).map(|i| format!("w{i}")).collect();
     let mut cfg = choices_input(&dir, &[(&text.join(" "), &["w5"])]);
-    (cfg.task, cfg.choices_column, cfg.policy.max_model_len) = ("perplexity".into(), None, 8);
+    (cfg.task, cfg.input.choices_column, cfg.policy.max_model_len) = ("perplexity".into(), None, 8);
     let mut s = Run::with_tokenizer(cfg.clone(), word_level_tokenizer(VOCAB)).unwrap();
     drive(&mut s);
     s.finish().unwrap();
-    let b = &read_parts(&cfg.output_dir)[0];
+    let b = &read_parts(&cfg.output.output_dir)[0];
     assert_eq!(b.num_rows(), 1);
     assert!(b.column_by_name("is_greedy").is_none());
     let lp = b

@@ -34,7 +34,12 @@ impl Run {
         if let Some(g) = &self.grammars {
             return Ok(g.clone());
         }
-        let vocab = self.cfg.vocab_size.max(self.tokenizer.get_vocab_size(true));
+        let vocab = self
+            .cfg
+            .sampling
+            .params
+            .vocab_size
+            .max(self.tokenizer.get_vocab_size(true));
         let env = token_env(&self.tokenizer, vocab, &self.criteria.eos)?;
         let g = Arc::new(Grammars::new(&env, vocab)?);
         self.grammars = Some(g.clone());

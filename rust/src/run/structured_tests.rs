@@ -21,7 +21,7 @@ const VOCAB: usize = 260; // the model's: 2 ids past the tokenizer's
 
 struct Setup {
     _dir: TempDir,
-    cfg: SchedulerConfig,
+    cfg: RunConfig,
     tok: Tokenizer,
 }
 
@@ -43,14 +43,14 @@ fn setup(tag: &str, formats: &[Option<&str>], w: usize) -> Setup {
     );
     let tok = byte_level_tokenizer();
     let path = save_tokenizer(&tok, dir.path());
-    let mut cfg = SchedulerConfig::new(vec![input], "prompt", path, dir.path().join("out"));
-    cfg.sampling_columns = [("response_format".to_string(), "rf".to_string())].into();
-    cfg.eos_token_ids = vec![EOT];
-    cfg.vocab_size = VOCAB;
-    cfg.max_new_tokens = 6;
+    let mut cfg = RunConfig::new(vec![input], "prompt", path, dir.path().join("out"));
+    cfg.input.sampling_columns = [("response_format".to_string(), "rf".to_string())].into();
+    cfg.sampling.eos_token_ids = vec![EOT];
+    cfg.sampling.params.vocab_size = VOCAB;
+    cfg.sampling.params.max_new_tokens = 6;
     cfg.policy.max_batch_size = 8;
     cfg.policy.max_draft_tokens = w;
-    cfg.include_token_ids = true;
+    cfg.output.include_token_ids = true;
     Setup {
         _dir: dir,
         cfg,
@@ -81,7 +81,7 @@ fn row_mask(p: &StepPlan, r: usize) -> Option<Vec<u32>> {
 /// (output_text, finish_reason, structured) of every row, by row index.
 fn outputs(s: &Setup) -> Vec<(String, String, Option<String>)> {
     let mut rows = Vec::new();
-    for b in read_parts(&s.cfg.output_dir) {
+    for b in read_parts(&s.cfg.output.output_dir) {
         let col = |n: &str| b.column_by_name(n).unwrap().clone();
         for i in 0..b.num_rows() {
             let idx = col("row_index")
@@ -221,7 +221,7 @@ fn a_reasoning_rows_grammar_starts_after_its_end_tag_even_inside_a_round() {
         3,
     );
     let (open, close) = (id(&s, b'<'), id(&s, b'>'));
-    s.cfg.reasoning_ids = vec![open, close];
+    s.cfg.output.reasoning_ids = vec![open, close];
     let t = |b: u8| id(&s, b) as i64;
     assert!(reasoning_open(&[1, 2], (open, close)));
     assert!(!reasoning_open(&[open, 1, close, 2], (open, close)));
@@ -247,7 +247,7 @@ fn a_reasoning_rows_grammar_starts_after_its_end_tag_even_inside_a_round() {
     sch.commit(&toks, &[4], Some(&[3]), None, None).unwrap();
     assert!(sch.next_plan().unwrap().is_none());
     sch.finish().unwrap();
-    let b = &read_parts(&s.cfg.output_dir)[0];
+    let b = &read_parts(&s.cfg.output.output_dir)[0];
     let col = |n: &str| {
         b.column_by_name(n)
             .unwrap()

@@ -20,7 +20,7 @@ pub(super) const VOCAB: usize = 64;
 
 pub(super) struct Fixture {
     pub(super) dir: TempDir,
-    pub(super) cfg: SchedulerConfig,
+    pub(super) cfg: RunConfig,
 }
 
 /// Prompts as word lists ("w5 w6"); `None` = null prompt.
@@ -40,19 +40,19 @@ pub(super) fn fixture(tag: &str, prompts: &[Option<&str>]) -> Fixture {
         3,
     );
     let tok = save_tokenizer(&word_level_tokenizer(VOCAB), dir.path());
-    let mut cfg = SchedulerConfig::new(vec![input], "prompt", tok, dir.path().join("out"));
-    cfg.id_column = Some("id".into());
-    cfg.eos_token_ids = vec![2];
-    cfg.max_new_tokens = 8;
+    let mut cfg = RunConfig::new(vec![input], "prompt", tok, dir.path().join("out"));
+    cfg.input.id_column = Some("id".into());
+    cfg.sampling.eos_token_ids = vec![2];
+    cfg.sampling.params.max_new_tokens = 8;
     cfg.policy.num_blocks = 64;
     cfg.policy.block_size = 4;
     cfg.policy.max_batch_size = 4;
     cfg.policy.max_num_batched_tokens = 64;
     cfg.policy.max_model_len = 64;
-    cfg.read_batch_rows = 2;
-    cfg.queue_rows = 2;
-    cfg.part_rows = 3;
-    cfg.include_token_ids = true;
+    cfg.input.read_batch_rows = 2;
+    cfg.input.queue_rows = 2;
+    cfg.output.part_rows = 3;
+    cfg.output.include_token_ids = true;
     Fixture { dir, cfg }
 }
 
@@ -151,7 +151,7 @@ fn every_row_written_once_with_expected_outputs() {
     let summary = s.finish().unwrap();
     assert_eq!(summary["requests"], SummaryValue::Int(6));
     assert_eq!(summary["errors"], SummaryValue::Int(2));
-    let rows = read_output(&f.cfg.output_dir);
+    let rows = read_output(&f.cfg.output.output_dir);
     assert_eq!(rows.len(), 6);
     assert_eq!(
         rows.iter().map(|r| r.id.as_str()).collect::<Vec<_>>(),
@@ -179,12 +179,12 @@ fn every_row_written_once_with_expected_outputs() {
 #[test]
 fn stop_strings_truncate_and_drop_later_tokens_of_the_same_commit() {
     let mut f = fixture("sched-stop", &[Some("w5"), Some("w30")]);
-    f.cfg.stop = vec!["w9".into(), "w33 w3".into()];
-    f.cfg.max_new_tokens = 20;
+    f.cfg.sampling.params.stop = vec!["w9".into(), "w33 w3".into()];
+    f.cfg.sampling.params.max_new_tokens = 20;
     let mut s = Run::new(f.cfg.clone()).unwrap();
     drive(&mut s, 3); // three tokens per row per commit
     let summary = s.finish().unwrap();
-    let rows = read_output(&f.cfg.output_dir);
+    let rows = read_output(&f.cfg.output.output_dir);
     // w6 w7 w8 w9 -> cut before "w9"; the commit that produced w9 also gave w10 (dropped).
     assert_eq!(rows[0].text, "w6 w7 w8 ");
     assert_eq!(rows[0].reason, "stop");
@@ -210,8 +210,8 @@ fn commit_without_plan_and_early_finish_are_errors() {
 #[test]
 fn spec_counters_and_seeds() {
     let mut f = fixture("sched-spec", &[Some("w5")]);
-    f.cfg.max_new_tokens = 4;
-    f.cfg.seed = 7;
+    f.cfg.sampling.params.max_new_tokens = 4;
+    f.cfg.sampling.seed = 7;
     f.cfg.policy.max_draft_tokens = 2;
     let mut s = Run::new(f.cfg.clone()).unwrap();
     let p = s.next_plan().unwrap().unwrap();
@@ -223,7 +223,7 @@ fn spec_counters_and_seeds() {
     s.commit(&[7, 8, 9], &[3], Some(&[2]), None, None).unwrap();
     assert!(s.next_plan().unwrap().is_none());
     s.finish().unwrap();
-    let out = f.cfg.output_dir.clone();
+    let out = f.cfg.output.output_dir.clone();
     let b = read_parts(&out).swap_remove(0);
     assert_eq!(
         b.column_by_name("spec_steps")
@@ -260,7 +260,7 @@ fn empty_input_finishes_with_a_readable_empty_part() {
         SummaryValue::Paths(p) => assert_eq!(p.len(), 1),
         other => panic!("{other:?}"),
     }
-    assert!(read_output(&f.cfg.output_dir).is_empty());
+    assert!(read_output(&f.cfg.output.output_dir).is_empty());
 }
 
 #[test]
@@ -289,7 +289,7 @@ fn progress_counts() {
 fn progress_counts_rows_that_stop() {
     let f = fixture("sched-progress-stop", &[Some("w5 w6"), Some("w7")]);
     let mut cfg = f.cfg.clone();
-    cfg.eos_token_ids = (0..VOCAB as u32).collect(); // every first token ends its row
+    cfg.sampling.eos_token_ids = (0..VOCAB as u32).collect(); // every first token ends its row
     let mut s = Run::new(cfg).unwrap();
     drive(&mut s, 1);
     let prog: BTreeMap<_, _> = s.progress().into_iter().collect();
@@ -331,7 +331,7 @@ fn drive_to_error(s: &mut Run) -> Error {
 #[test]
 fn corrupt_data_page_is_reported_not_silently_truncated() {
     let f = fixture("sched-corrupt", &[Some("w5 w6 w7"); 12]);
-    let path = f.cfg.input_files[0].clone();
+    let path = f.cfg.input.input_files[0].clone();
     let mut bytes = std::fs::read(&path).unwrap();
     // Footer intact (validation passes), data pages garbage.
     let footer_len =
@@ -353,7 +353,7 @@ fn corrupt_data_page_is_reported_not_silently_truncated() {
     assert!(matches!(s.next_plan(), Err(Error::UserInput(m)) if m == msg));
     assert!(matches!(s.finish(), Err(Error::UserInput(m)) if m == msg));
     // No row was finished: the failed run leaves no part file, not even an empty one.
-    assert!(file_names(&f.cfg.output_dir).is_empty());
+    assert!(file_names(&f.cfg.output.output_dir).is_empty());
 }
 
 /// Every row read before a corrupt row group is generated before the failure is reported, and
@@ -364,9 +364,9 @@ fn rows_before_a_corrupt_row_group_are_generated_then_the_failure_is_reported() 
     let prompts: Vec<String> = (0..12).map(|i| words(5 + i..6 + i)).collect();
     let prompts: Vec<Option<&str>> = prompts.iter().map(|s| Some(s.as_str())).collect();
     let mut f = fixture("sched-corrupt-late", &prompts);
-    f.cfg.max_new_tokens = 1;
-    f.cfg.queue_rows = 64;
-    corrupt_row_group(&f.cfg.input_files[0], 2); // rows 6..9
+    f.cfg.sampling.params.max_new_tokens = 1;
+    f.cfg.input.queue_rows = 64;
+    corrupt_row_group(&f.cfg.input.input_files[0], 2); // rows 6..9
     let mut s = Run::new(f.cfg.clone()).unwrap();
     // Rows 0..6 and the failure queued: all six rows run before next_plan reports it.
     wait_for_reader(&s);
@@ -377,7 +377,7 @@ fn rows_before_a_corrupt_row_group_are_generated_then_the_failure_is_reported() 
         "{e}"
     );
     let written = s.abort().unwrap();
-    let rows = read_output(&f.cfg.output_dir);
+    let rows = read_output(&f.cfg.output.output_dir);
     assert_eq!(written.rows_written, 6);
     let mut done: Vec<i64> = rows.iter().map(|r| r.row_index).collect();
     done.sort_unstable();
@@ -386,7 +386,7 @@ fn rows_before_a_corrupt_row_group_are_generated_then_the_failure_is_reported() 
         let first = 6 + r.row_index as usize;
         assert_eq!(r.text, words(first..first + 1));
     }
-    let names = file_names(&f.cfg.output_dir);
+    let names = file_names(&f.cfg.output.output_dir);
     assert!(
         names
             .iter()
@@ -399,11 +399,11 @@ fn rows_before_a_corrupt_row_group_are_generated_then_the_failure_is_reported() 
 #[test]
 fn a_dropped_failed_run_writes_no_empty_part() {
     let f = fixture("sched-corrupt-drop", &[Some("w5"); 6]);
-    corrupt_row_group(&f.cfg.input_files[0], 0);
+    corrupt_row_group(&f.cfg.input.input_files[0], 0);
     let mut s = Run::new(f.cfg.clone()).unwrap();
     drive_to_error(&mut s);
     drop(s);
-    assert!(file_names(&f.cfg.output_dir).is_empty());
+    assert!(file_names(&f.cfg.output.output_dir).is_empty());
 }
 
 #[test]
@@ -413,10 +413,10 @@ fn skip_rows_resume_writes_only_the_rest() {
     let mut s = Run::new(full.cfg.clone()).unwrap();
     drive(&mut s, 1);
     s.finish().unwrap();
-    let want = read_output(&full.cfg.output_dir);
+    let want = read_output(&full.cfg.output.output_dir);
 
     let mut f = fixture("sched-skip", &prompts);
-    f.cfg.skip_rows = vec![3, 0, 3, 2, 99];
+    f.cfg.input.skip_rows = vec![3, 0, 3, 2, 99];
     let mut s = Run::new(f.cfg.clone()).unwrap();
     let prog: BTreeMap<_, _> = s.progress().into_iter().collect();
     assert_eq!(prog["requests_total"], 2);
@@ -425,7 +425,7 @@ fn skip_rows_resume_writes_only_the_rest() {
     let summary = s.finish().unwrap();
     assert_eq!(summary["requests"], SummaryValue::Int(2));
     assert_eq!(summary["skipped"], SummaryValue::Int(3));
-    let rows = read_output(&f.cfg.output_dir);
+    let rows = read_output(&f.cfg.output.output_dir);
     assert_eq!(rows.iter().map(|r| r.row_index).collect::<Vec<_>>(), [1, 4]);
     assert_eq!(rows[0], want[1]);
     assert_eq!(rows[1], want[4]);
@@ -435,7 +435,7 @@ fn skip_rows_resume_writes_only_the_rest() {
 fn abort_writes_finished_rows_and_drops_the_rest() {
     let prompts: Vec<Option<&str>> = vec![Some("w5"), None, Some("w7 w8"), Some("w9")];
     let mut f = fixture("sched-abort", &prompts);
-    f.cfg.max_new_tokens = 3;
+    f.cfg.sampling.params.max_new_tokens = 3;
     f.cfg.policy.max_batch_size = 1;
     let mut s = Run::new(f.cfg.clone()).unwrap();
     // Finish row 0 (prefill + 2 decodes); row 1 (null) is written as an error when read.
@@ -448,7 +448,7 @@ fn abort_writes_finished_rows_and_drops_the_rest() {
     // Row 2 is planned but never committed.
     let _ = s.next_plan().unwrap().unwrap();
     let written = s.abort().unwrap();
-    let rows = read_output(&f.cfg.output_dir);
+    let rows = read_output(&f.cfg.output.output_dir);
     assert_eq!(written.rows_written as usize, rows.len());
     let idx: Vec<i64> = rows.iter().map(|r| r.row_index).collect();
     assert!(
@@ -463,15 +463,15 @@ fn abort_writes_finished_rows_and_drops_the_rest() {
 #[test]
 fn resume_skips_written_samples_and_counts_the_rest() {
     let mut f = fixture("n-resume", &[Some("w4 w5"), Some("w6"), Some("w7 w8")]);
-    (f.cfg.n, f.cfg.temperature) = (2, 1.0);
-    f.cfg.skip_rows = vec![1];
+    (f.cfg.sampling.params.n, f.cfg.sampling.params.temperature) = (2, 1.0);
+    f.cfg.input.skip_rows = vec![1];
     // keys row * 4096 + sample: (2, 1), (1, 0) skipped whole, a row past the input
-    f.cfg.skip_samples = vec![2 * 4096 + 1, 4096, 99 * 4096];
+    f.cfg.input.skip_samples = vec![2 * 4096 + 1, 4096, 99 * 4096];
     let mut s = Run::new(f.cfg.clone()).unwrap();
     assert_eq!(s.progress()[0], ("requests_total", 3));
     drive(&mut s, 1);
     s.finish().unwrap();
-    let keys: Vec<(i64, i32)> = read_output(&f.cfg.output_dir)
+    let keys: Vec<(i64, i32)> = read_output(&f.cfg.output.output_dir)
         .iter()
         .map(|r| (r.row_index, r.sample_index))
         .collect();

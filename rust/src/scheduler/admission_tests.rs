@@ -5,10 +5,10 @@ use std::sync::Arc;
 
 use super::tests::{drive, test_config, words, Driver};
 use super::*;
-use crate::config::SchedulerConfig;
+use crate::config::RunConfig;
 
 /// The driver over `prompts`, row i with at most `max_new[i]` new tokens.
-fn with_max_new(cfg: &SchedulerConfig, prompts: &[&str], max_new: &[usize]) -> Driver {
+fn with_max_new(cfg: &RunConfig, prompts: &[&str], max_new: &[usize]) -> Driver {
     let rows: Vec<_> = prompts
         .iter()
         .zip(max_new)
@@ -90,7 +90,7 @@ fn a_preempted_request_returns_to_the_front_and_recomputes_its_tokens() {
     (
         cfg.policy.num_blocks,
         cfg.policy.block_size,
-        cfg.eos_token_ids,
+        cfg.sampling.eos_token_ids,
     ) = (6, 2, vec![]);
     cfg.policy.prefix_caching = false; // its blocks are not found again: all recomputed
     let mut s = Driver::new(&cfg, &[Some("w4 w5"), Some("w10 w11")]);
@@ -126,7 +126,7 @@ fn the_oldest_running_request_is_never_preempted() {
     (
         cfg.policy.num_blocks,
         cfg.policy.block_size,
-        cfg.eos_token_ids,
+        cfg.sampling.eos_token_ids,
     ) = (6, 2, vec![]);
     let mut s = Driver::new(&cfg, &[Some("w4 w5"), Some("w10 w11"), Some("w20 w21")]);
     let mut first = None;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use super::tests::{check_plan, drive, test_config, words, Driver, Row, VOCAB};
 use super::*;
-use crate::config::SchedulerConfig;
+use crate::config::RunConfig;
 use crate::sampling_params::SamplingParams;
 
 /// The tests' fake model over a plan (next token = last query token + 1 mod vocab); a
@@ -93,7 +93,7 @@ fn prompts() -> Vec<String> {
 
 /// One run over `prompts()` with `setup` applied, overlapped or not -> (rows, steps planned
 /// ahead, whether a row was preempted).
-fn run(tag: &str, overlap: bool, setup: impl Fn(&mut SchedulerConfig)) -> (Vec<Row>, usize, bool) {
+fn run(tag: &str, overlap: bool, setup: impl Fn(&mut RunConfig)) -> (Vec<Row>, usize, bool) {
     run_over(tag, &prompts(), overlap, setup)
 }
 
@@ -102,7 +102,7 @@ fn run_over(
     tag: &str,
     prompts: &[String],
     overlap: bool,
-    setup: impl Fn(&mut SchedulerConfig),
+    setup: impl Fn(&mut RunConfig),
 ) -> (Vec<Row>, usize, bool) {
     let prompts: Vec<Option<&str>> = prompts.iter().map(|p| Some(p.as_str())).collect();
     let mut cfg = test_config();
@@ -117,13 +117,13 @@ fn run_over(
     };
     let preempted = s.st.preemptions != 0;
     let rows = s.finish().unwrap(); // no block or slot leaked
-    assert_eq!(rows.len(), prompts.len() * cfg.n, "{tag}");
+    assert_eq!(rows.len(), prompts.len() * cfg.sampling.params.n, "{tag}");
     (rows, ahead, preempted)
 }
 
 #[test]
 fn overlapped_plans_give_the_outputs_of_plans_one_at_a_time() {
-    type Setup = fn(&mut SchedulerConfig);
+    type Setup = fn(&mut RunConfig);
     let setups: [(&str, Setup); 6] = [
         ("plain", |_| {}),
         ("chunked", |c| {
@@ -131,12 +131,16 @@ fn overlapped_plans_give_the_outputs_of_plans_one_at_a_time() {
         }),
         ("small-cache", |c| c.policy.num_blocks = 8), // preemptions
         ("stop-strings", |c| {
-            c.stop = vec!["w30".into(), "w9 w10".into()];
-            c.max_new_tokens = 12;
+            c.sampling.params.stop = vec!["w30".into(), "w9 w10".into()];
+            c.sampling.params.max_new_tokens = 12;
         }),
-        ("one-token", |c| c.max_new_tokens = 1),
+        ("one-token", |c| c.sampling.params.max_new_tokens = 1),
         ("samples", |c| {
-            (c.n, c.policy.max_batch_size, c.temperature) = (3, 5, 0.8); // forked prompt blocks
+            (
+                c.sampling.params.n,
+                c.policy.max_batch_size,
+                c.sampling.params.temperature,
+            ) = (3, 5, 0.8); // forked prompt blocks
         }),
     ];
     for (name, setup) in setups {
@@ -160,20 +164,25 @@ fn overlapped_plans_give_the_outputs_of_plans_one_at_a_time() {
 /// cache, though admitted"; now that step is planned after the commit, preempting no one.
 #[test]
 fn no_plan_ahead_while_the_first_row_fits_only_after_the_pending_plan() {
-    type Setup = fn(&mut SchedulerConfig);
+    type Setup = fn(&mut RunConfig);
     // "w4".."w15" (13 tokens with BOS: 4 blocks of 5) is parked at length 15 of max_model_len
     // 16 when "w30" (2 tokens, 1 block) wants its second block
     let parked: Setup = |c| {
         (
             c.policy.num_blocks,
             c.policy.max_model_len,
-            c.max_new_tokens,
+            c.sampling.params.max_new_tokens,
         ) = (5, 16, 40)
     };
     // "w4".."w15" (4 blocks of 6) ends with EOS 18, its third token, at the commit before the
     // one where "w30".."w33" (5 tokens, 2 blocks) wants its third block
-    let draining: Setup =
-        |c| (c.policy.num_blocks, c.eos_token_ids, c.max_new_tokens) = (6, vec![18], 7);
+    let draining: Setup = |c| {
+        (
+            c.policy.num_blocks,
+            c.sampling.eos_token_ids,
+            c.sampling.params.max_new_tokens,
+        ) = (6, vec![18], 7)
+    };
     let cases = [
         ("parked", [words(30..31), words(4..16)], parked),
         ("draining", [words(30..34), words(4..16)], draining),
@@ -227,7 +236,7 @@ fn a_row_finishing_under_a_plan_ahead_keeps_its_blocks_until_that_plan_commits()
 fn no_plan_ahead_for_penalized_rows_and_none_without_overlap() {
     let mut cfg = test_config();
     cfg.policy.overlap = true;
-    cfg.repetition_penalty = 1.2;
+    cfg.sampling.params.repetition_penalty = 1.2;
     let mut s = Driver::new(&cfg, &[Some("w5 w6")]);
     let _ = s.next_plan().unwrap().unwrap();
     assert!(s.next_plan_ahead().unwrap().is_none());
@@ -370,11 +379,13 @@ fn random_case(index: usize, rng: &mut SplitMix) -> Case {
 }
 
 /// The settings of `case`.
-fn case_config(case: &Case) -> SchedulerConfig {
+fn case_config(case: &Case) -> RunConfig {
     let mut c = test_config();
-    (c.max_new_tokens, c.policy.max_model_len) = (case.max_new_tokens, case.max_model_len);
-    (c.eos_token_ids, c.stop) = (case.eos.clone(), case.stop.clone());
-    (c.n, c.temperature) = (case.n, if case.n > 1 { 0.8 } else { 0.0 });
+    (c.sampling.params.max_new_tokens, c.policy.max_model_len) =
+        (case.max_new_tokens, case.max_model_len);
+    (c.sampling.eos_token_ids, c.sampling.params.stop) = (case.eos.clone(), case.stop.clone());
+    (c.sampling.params.n, c.sampling.params.temperature) =
+        (case.n, if case.n > 1 { 0.8 } else { 0.0 });
     (c.policy.block_size, c.policy.num_blocks) = (case.block_size, case.num_blocks);
     (c.policy.max_batch_size, c.policy.prefix_caching) = (case.max_batch_size, case.prefix_caching);
     if let Some(budget) = case.chunk {

@@ -5,11 +5,11 @@ use std::sync::Arc;
 
 use super::tests::{test_config, words, Driver};
 use super::*;
-use crate::config::SchedulerConfig;
+use crate::config::RunConfig;
 use crate::sampling_params::SamplingParams;
 
 /// The driver over one row with the job's sampling parameters changed by `set`.
-fn one_row(cfg: &SchedulerConfig, prompt: &str, set: impl Fn(&mut SamplingParams)) -> Driver {
+fn one_row(cfg: &RunConfig, prompt: &str, set: impl Fn(&mut SamplingParams)) -> Driver {
     let mut sp = cfg.sampling_params();
     set(&mut sp);
     Driver::with_rows(cfg, &[(Some(prompt), Arc::new(sp))])
@@ -46,7 +46,11 @@ fn rows_below_min_new_tokens_mask_their_end_ids() {
 #[test]
 fn samples_of_a_row_get_their_own_seeds_and_sample_zero_the_rows() {
     let mut cfg = test_config();
-    (cfg.seed, cfg.n, cfg.temperature) = (7, 2, 1.0);
+    (
+        cfg.sampling.seed,
+        cfg.sampling.params.n,
+        cfg.sampling.params.temperature,
+    ) = (7, 2, 1.0);
     let mut s = Driver::new(&cfg, &[Some("w5 w6"), Some("w9")]);
     // a row's sample 1 waits for sample 0 to compute their prompt; the row seed is sample 0's
     let p = s.next_plan().unwrap().unwrap();

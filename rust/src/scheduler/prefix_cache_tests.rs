@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use super::tests::{check_plan, drive_spec_with, test_config, words, Driver, VOCAB};
 use super::*;
-use crate::config::SchedulerConfig;
+use crate::config::RunConfig;
 
 /// A run's counters by their summary names.
 type Summary = HashMap<&'static str, i64>;
@@ -35,7 +35,7 @@ struct KvModel {
 }
 
 impl KvModel {
-    fn new(cfg: &SchedulerConfig) -> Self {
+    fn new(cfg: &RunConfig) -> Self {
         KvModel {
             kv: vec![None; cfg.policy.num_blocks * cfg.policy.block_size],
             history: HashMap::new(),
@@ -160,7 +160,7 @@ fn run_plain_at(
     let mut cfg = test_config();
     cfg.policy.prefix_caching = caching;
     cfg.policy.num_blocks = num_blocks;
-    cfg.max_new_tokens = 9;
+    cfg.sampling.params.max_new_tokens = 9;
     if spec {
         cfg.policy.max_draft_tokens = 3;
     }
@@ -285,8 +285,8 @@ fn run_samples(
     let mut prompts: Vec<Option<&str>> = prompts.iter().map(|p| Some(p.as_str())).collect();
     prompts.push(None); // an error row: n of them
     let mut cfg = test_config();
-    cfg.n = n;
-    cfg.temperature = 0.8;
+    cfg.sampling.params.n = n;
+    cfg.sampling.params.temperature = 0.8;
     cfg.policy.max_batch_size = batch;
     cfg.policy.prefix_caching = caching;
     let mut s = Driver::new(&cfg, &prompts);
@@ -335,7 +335,11 @@ fn samples_fork_from_their_sibling_and_equal_samples_computed_alone() {
 fn a_forked_sample_computes_only_its_last_prompt_token() {
     let prompt = words(4..14); // + <bos>: 11 tokens, 2 full blocks and 3 tokens
     let mut cfg = test_config();
-    (cfg.n, cfg.temperature, cfg.policy.prefix_caching) = (3, 1.0, false);
+    (
+        cfg.sampling.params.n,
+        cfg.sampling.params.temperature,
+        cfg.policy.prefix_caching,
+    ) = (3, 1.0, false);
     let mut s = Driver::new(&cfg, &[Some(&prompt)]);
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!((p.num_seqs(), p.num_tokens()), (1, 11)); // the siblings wait a step
@@ -409,7 +413,10 @@ fn a_long_prompt_in_chunks_never_stops_the_decoding_rows() {
             cfg.policy.chunked_prefill,
             cfg.policy.max_num_batched_tokens,
         ) = (true, 4);
-        (cfg.policy.max_batch_size, cfg.max_new_tokens) = (1, 30); // row 1 waits for row 0's slot
+        (
+            cfg.policy.max_batch_size,
+            cfg.sampling.params.max_new_tokens,
+        ) = (1, 30); // row 1 waits for row 0's slot
         cfg.policy.max_batch_size = 2;
         cfg.policy.max_draft_tokens = if spec { 2 } else { 0 };
         let mut s = Driver::new(&cfg, &[Some("w4"), Some(&words(4..20))]);

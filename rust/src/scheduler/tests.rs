@@ -12,7 +12,7 @@ use arrow_array::Int64Array;
 use tokenizers::Tokenizer;
 
 use super::*;
-use crate::config::SchedulerConfig;
+use crate::config::RunConfig;
 use crate::sampling_params::SamplingParams;
 use crate::sequence::{FinishReason, Request, StopReason};
 use crate::stop::{commit_tokens, StopCriteria};
@@ -20,20 +20,20 @@ use crate::testutil::word_level_tokenizer;
 
 pub(crate) const VOCAB: usize = 64;
 
-/// The tests' job settings: small sizes, EOS id 2, 8 new tokens (`SchedulerConfig::new`'s
+/// The tests' job settings: small sizes, EOS id 2, 8 new tokens (`RunConfig::new`'s
 /// defaults otherwise).
-pub(crate) fn test_config() -> SchedulerConfig {
+pub(crate) fn test_config() -> RunConfig {
     // paths named, never opened: the policy reads no file
     let (input, tok, out) = ("in.parquet".into(), "tok.json".into(), "out".into());
-    let mut cfg = SchedulerConfig::new(vec![input], "prompt", tok, out);
-    cfg.eos_token_ids = vec![2];
-    cfg.max_new_tokens = 8;
+    let mut cfg = RunConfig::new(vec![input], "prompt", tok, out);
+    cfg.sampling.eos_token_ids = vec![2];
+    cfg.sampling.params.max_new_tokens = 8;
     cfg.policy.num_blocks = 64;
     cfg.policy.block_size = 4;
     cfg.policy.max_batch_size = 4;
     cfg.policy.max_num_batched_tokens = 64;
     cfg.policy.max_model_len = 64;
-    cfg.include_token_ids = true;
+    cfg.output.include_token_ids = true;
     cfg
 }
 
@@ -57,7 +57,7 @@ pub(crate) struct Row {
 pub(crate) struct Driver {
     pub(crate) s: Scheduler,
     pub(crate) st: Stats,
-    pub(crate) cfg: SchedulerConfig,
+    pub(crate) cfg: RunConfig,
     criteria: StopCriteria,
     tok: Tokenizer,
     rows: Vec<Row>,
@@ -66,21 +66,18 @@ pub(crate) struct Driver {
 impl Driver {
     /// A scheduler over `prompts` (word lists, "w5 w6"; None: a row without a prompt, an
     /// error row), each with the job's sampling parameters.
-    pub(crate) fn new(cfg: &SchedulerConfig, prompts: &[Option<&str>]) -> Self {
+    pub(crate) fn new(cfg: &RunConfig, prompts: &[Option<&str>]) -> Self {
         let sp = Arc::new(cfg.sampling_params());
         let rows: Vec<_> = prompts.iter().map(|&p| (p, sp.clone())).collect();
         Self::with_rows(cfg, &rows)
     }
 
     /// `new`, each row with its own sampling parameters.
-    pub(crate) fn with_rows(
-        cfg: &SchedulerConfig,
-        rows: &[(Option<&str>, Arc<SamplingParams>)],
-    ) -> Self {
+    pub(crate) fn with_rows(cfg: &RunConfig, rows: &[(Option<&str>, Arc<SamplingParams>)]) -> Self {
         cfg.validate().expect("a valid test config");
         let criteria = StopCriteria::new(cfg);
         let mut d = Driver {
-            s: Scheduler::new(cfg.policy.clone(), criteria.eos.clone(), cfg.seed),
+            s: Scheduler::new(cfg.policy.clone(), criteria.eos.clone(), cfg.sampling.seed),
             st: Stats::new(0),
             cfg: cfg.clone(),
             criteria,
@@ -113,7 +110,7 @@ impl Driver {
         let error = req.error.clone().or_else(|| self.s.admission_error(&req));
         for s in 0..req.sampling.n as u32 {
             let mut seq = Sequence::new(req.clone(), s);
-            seq.prompt_logprobs_k = self.cfg.prompt_logprobs;
+            seq.prompt_logprobs_k = self.cfg.output.prompt_logprobs;
             match &error {
                 Some(e) => {
                     seq.error = Some(e.clone());
@@ -125,7 +122,7 @@ impl Driver {
         }
     }
 
-    pub(crate) fn config(&self) -> &SchedulerConfig {
+    pub(crate) fn config(&self) -> &RunConfig {
         &self.cfg
     }
 
@@ -307,7 +304,7 @@ fn spec_tokens(p: &StepPlan, k: usize, step: usize) -> (Vec<i32>, Vec<i32>) {
 }
 
 /// Checks a plan's internal consistency against the block tables.
-pub(crate) fn check_plan(p: &StepPlan, cfg: &SchedulerConfig) {
+pub(crate) fn check_plan(p: &StepPlan, cfg: &RunConfig) {
     let b = p.num_seqs();
     assert!(b >= 1);
     assert_eq!(p.cu_seqlens_q.len(), b + 1);
@@ -337,7 +334,7 @@ pub(crate) fn check_plan(p: &StepPlan, cfg: &SchedulerConfig) {
 fn check_plan_row(
     p: &StepPlan,
     r: usize,
-    cfg: &SchedulerConfig,
+    cfg: &RunConfig,
     kv_slots: &mut std::collections::HashSet<i64>,
 ) {
     let (q0, q1) = (p.cu_seqlens_q[r] as usize, p.cu_seqlens_q[r + 1] as usize);
@@ -379,7 +376,7 @@ pub(crate) fn words(ids: std::ops::Range<usize>) -> String {
 
 /// A job's settings and prompts (word lists; None: a row without a prompt).
 pub(crate) struct Fixture {
-    pub(crate) cfg: SchedulerConfig,
+    pub(crate) cfg: RunConfig,
     prompts: Vec<Option<String>>,
 }
 
@@ -408,7 +405,7 @@ fn max_model_len_and_kv_footprint_errors() {
         Some("w4 w5"),
     ]);
     f.cfg.policy.max_model_len = 10;
-    f.cfg.max_new_tokens = 100;
+    f.cfg.sampling.params.max_new_tokens = 100;
     let mut s = f.driver();
     drive(&mut s, 1);
     let rows = s.finish().unwrap();
@@ -431,7 +428,7 @@ fn max_model_len_and_kv_footprint_errors() {
         Some("w4 w5"),
     ]);
     f.cfg.policy.num_blocks = 2; // capacity 8 tokens
-    f.cfg.max_new_tokens = 6;
+    f.cfg.sampling.params.max_new_tokens = 6;
     let mut s = f.driver();
     drive(&mut s, 1);
     let rows = s.finish().unwrap();
@@ -472,9 +469,9 @@ fn outputs_do_not_depend_on_the_kv_budget() {
             let mut f = fixture(&prompts);
             f.cfg.policy.num_blocks = blocks;
             f.cfg.policy.block_size = 2;
-            f.cfg.max_new_tokens = 9;
+            f.cfg.sampling.params.max_new_tokens = 9;
             f.cfg.policy.max_draft_tokens = k;
-            f.cfg.eos_token_ids = vec![];
+            f.cfg.sampling.eos_token_ids = vec![];
             let mut s = f.driver();
             if k == 0 {
                 drive(&mut s, 1);
@@ -519,8 +516,8 @@ fn preemption_gives_same_outputs_as_a_large_cache() {
         let mut f = fixture(&prompts);
         f.cfg.policy.num_blocks = blocks;
         f.cfg.policy.block_size = 2;
-        f.cfg.max_new_tokens = 9;
-        f.cfg.eos_token_ids = vec![]; // run to the length limit
+        f.cfg.sampling.params.max_new_tokens = 9;
+        f.cfg.sampling.eos_token_ids = vec![]; // run to the length limit
         let mut s = f.driver();
         drive(&mut s, 1);
         let preemptions = s.st.preemptions;
@@ -547,7 +544,7 @@ fn admission_respects_batch_size_and_token_budget() {
     f.cfg.policy.prefix_caching = false; // identical prompts: with caching they would share
     f.cfg.policy.max_batch_size = 3;
     f.cfg.policy.max_num_batched_tokens = 17; // two 8-token prompts per prefill step
-    f.cfg.max_new_tokens = 3;
+    f.cfg.sampling.params.max_new_tokens = 3;
     let mut s = f.driver();
     let p = s.next_plan().unwrap().unwrap();
     assert_eq!(p.kind, StepKind::Prefill);
