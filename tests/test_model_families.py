@@ -130,8 +130,8 @@ FAMILIES = {
 }  # fmt: skip
 # the families whose experts run as grouped GEMMs on CUDA (gpt-oss's have biases: the
 # per-expert loop)
-GROUPED_GEMM_FAMILIES = [n for n, f in FAMILIES.items() if f["model_type"] != "gpt_oss"
-                         and ("num_experts" in f or "num_local_experts" in f)]  # fmt: skip
+MOE_FAMILIES = [n for n, f in FAMILIES.items() if "num_experts" in f or "num_local_experts" in f]
+GROUPED_GEMM_FAMILIES = [n for n in MOE_FAMILIES if FAMILIES[n]["model_type"] != "gpt_oss"]
 HF_MODELS = {}  # model folder -> its transformers model (float32, eval)
 
 
@@ -276,6 +276,26 @@ def test_prefix_cache_chunks_and_preemption_equal_transformers(tmp_path, family,
     table, res = run_job(tmp_path, model_dir, SHARED, overrides=over, wrap=ReaderWaitSpy)
     assert res.stats["preemptions"] > 0
     assert sum(table.column("cached_tokens").to_pylist()) > 0
+    assert table.column("output_token_ids").to_pylist() == reference
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES, indirect=True)
+@pytest.mark.parametrize("batch", [1, 8])
+def test_moe_32_tokens_on_8_prompts_with_caching_chunks_and_preemption(tmp_path, family,
+                                                                       family_hf, batch):
+    """Issue 60's statement for each mixture-of-experts family: greedy 32 new tokens on 8
+    prompts (sharing their first blocks) equal transformers' at batch 1 and 8, on the native
+    CPU path with prefix caching, 16-token prefill chunks and, at batch 8, a KV cache so
+    short that rows are preempted and recomputed."""
+    model_dir, _ = family
+    prompts = ["the cat sat on the mat " * 3 + p for p in PROMPTS[:8]]
+    reference = [hf_greedy(family_hf, p, max_new=32) for p in prompts]
+    over = ["engine.cpu_gemm=native", "engine.max_num_batched_tokens=16",
+            "engine.kv_cache_tokens=256", f"engine.max_batch_size={batch}",
+            "sampling.max_new_tokens=32"]  # fmt: skip
+    table, res = run_job(tmp_path, model_dir, prompts, overrides=over, wrap=ReaderWaitSpy)
+    assert sum(table.column("cached_tokens").to_pylist()) > 0
+    assert batch == 1 or res.stats["preemptions"] > 0
     assert table.column("output_token_ids").to_pylist() == reference
 
 
