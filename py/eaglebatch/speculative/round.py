@@ -58,6 +58,7 @@ class Round:
     # structured output: the tokens each constrained row's grammar forces next, drafted first
     forced_ids: torch.Tensor | None = None  # int64 [B, k] (0 past a row's forced_lens)
     forced_lens: np.ndarray | None = None  # int64 [B] <= k
+    constrained: bool = False  # some row is under a grammar (the grammar hook's calls run)
 
 
 @dataclass(frozen=True, slots=True)

@@ -577,8 +577,12 @@ class SpecWorker:
         b = plan.num_seqs
         stale = self.slots.stale[plan.request_slots]  # [B] rows the head no longer serves
         shape = self._round_shape(plan.request_slots, k_plan)
-        shape, forced_ids, forced_lens = self.grammar.forced(plan, shape, k_plan,
-                                                             self.graphs is not None)
+        # the grammar hook only where a row is constrained (its calls stay off other rounds)
+        constrained = bool((plan.mask_rows >= 0).any())
+        forced_ids = forced_lens = None
+        if constrained:
+            shape, forced_ids, forced_lens = self.grammar.forced(plan, shape, k_plan,
+                                                                 self.graphs is not None)
         self.running_rows = b
         lookup_ids = np.zeros((b, shape.k), dtype=np.int64)  # padding (0) after each row's n
         for i in np.flatnonzero(shape.by_lookup):
@@ -602,6 +606,7 @@ class SpecWorker:
             defer=shape.k == 0 and self.policy is not None and bp is None,
             forced_ids=forced_ids,
             forced_lens=forced_lens,
+            constrained=constrained,
         )  # fmt: skip
 
     def _verify(self, plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -618,8 +623,10 @@ class SpecWorker:
             self._catch_up(plan, r.start, r.block_tables)
         marks.t0 = self._clock.mark()
         draft_ids = self._draft(r, chain)
-        grammar, cut = self.grammar.verify_masks(plan, r.n, draft_ids)
-        self.stats.grammar_cut += cut
+        grammar = None
+        if r.constrained:
+            grammar, cut = self.grammar.verify_masks(plan, r.n, draft_ids)
+            self.stats.grammar_cut += cut
         marks.t1 = self._clock.mark()
         verified = target(r, draft_ids)
         accepted = self._accept(r, draft_ids, verified, grammar)
@@ -647,7 +654,8 @@ class SpecWorker:
     def _chain_eager(self, r: Round, h: torch.Tensor, draft_ids: torch.Tensor) -> None:
         """The head's chain into draft_ids[:, :k_head], one draft forward per step."""
         d = None  # [B] the previous step's draft d_j
-        allowed = self.grammar.head_masks(r.plan, None)  # constrained rows: their next tokens
+        # constrained rows: their next tokens
+        allowed = self.grammar.head_masks(r.plan, None) if r.constrained else None
         for j in range(r.k_head):
             if j:  # one draft step at p = L-2+j from (h^d_{p-1}, d_j); the assistant: p = L-2
                 p = r.start - 1 if self.draft.fixed_position else r.start + j - 1
