@@ -160,6 +160,10 @@ class PolicySection:
     prefix_caching: bool = _job("engine", "prefix_caching")
     chunked_prefill: bool = _job("engine", "chunked_prefill")
     overlap: bool = False  # resolved (EngineSettings): plain decoding, a step in flight
+    # hybrid models (recurrent state per row): tokens between state checkpoints (a multiple of
+    # block_size; 0 = no recurrent state) and how many checkpoints the worker keeps
+    state_checkpoint_interval: int = 0
+    state_checkpoints: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
