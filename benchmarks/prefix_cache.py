@@ -1,7 +1,7 @@
 """Prefix caching on and off, side by side in one sitting, on the embedded default model.
 
     python benchmarks/prefix_cache.py [--case preamble|quickstart|samples|chunked ...]
-                                      [--json PATH]
+                                      [--json PATH] [--model DIR]
 
 Cases (each run twice on one loaded worker, caching off then on, greedy, output token ids
 compared row by row):
@@ -16,6 +16,9 @@ compared row by row):
   chunked     the quickstart with chunked prefill off (whole prompts, 4096 tokens a step) and on
               with 512 tokens a step: TPOT p99 and throughput side by side.
 The first three run with the job's chunked-prefill setting (the default, on).
+--model DIR runs the preamble case on another checkpoint with the same tokenizer (a synthetic
+hybrid: benchmarks/synthetic_hybrid.py), its rows generating all 32 tokens (EOS ignored: its
+random weights would end rows at random).
 Prints wall time (first step to last row), prompt tokens prefilled and served from the cache,
 output tok/s, TPOT p99 and whether the outputs are identical.
 """
@@ -67,7 +70,7 @@ def preamble() -> str:
     return "\n".join(lines)
 
 
-def preamble_job(tmp: Path) -> Path:
+def preamble_job(tmp: Path, model: str = "smollm2-135m-instruct") -> Path:
     table = pq.ParquetFile(builtin.sharegpt_parquet()).read_row_group(0)
     rows = [r for r in table.to_pylist() if 20 <= len(r["prompt"]) <= 400][:64]
     system = preamble()
@@ -75,9 +78,11 @@ def preamble_job(tmp: Path) -> Path:
             for r in rows]  # fmt: skip
     pq.write_table(pa.table({"id": [r["id"] for r in rows], "messages": msgs}), tmp / "in.parquet")
     job = tmp / "preamble.yaml"
-    job.write_text(f"model: smollm2-135m-instruct\ninput:\n  path: {tmp / 'in.parquet'}\n"
+    eos = "  ignore_eos: true\n" if model != "smollm2-135m-instruct" else ""
+    job.write_text(f"model: {model}\ninput:\n  path: {tmp / 'in.parquet'}\n"
                    "  messages_column: messages\n  id_column: id\noutput:\n  path: out\n"
-                   "sampling:\n  max_new_tokens: 32\nengine:\n  max_batch_size: 64\n")  # fmt: skip
+                   f"sampling:\n  max_new_tokens: 32\n{eos}"
+                   "engine:\n  max_batch_size: 64\n")  # fmt: skip
     return job
 
 
@@ -156,16 +161,20 @@ def main() -> None:
     ap.add_argument("--case", action="append",
                     choices=["preamble", "quickstart", "samples", "chunked"])  # fmt: skip
     ap.add_argument("--json")
+    ap.add_argument("--model", help="the preamble case on this checkpoint folder")
     args = ap.parse_args()
     console = Console(width=150)
-    result = {"machine": platform.processor() or platform.machine(), "cases": {}}
+    result = {"machine": platform.processor() or platform.machine(), "cases": {},
+              "model": args.model or "smollm2-135m-instruct"}  # fmt: skip
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         for name in args.case or ["preamble", "quickstart", "samples", "chunked"]:
             if name == "samples":
                 result["cases"][name] = samples_case(tmp, console)
             else:
-                job = preamble_job(tmp) if name == "preamble" else ROOT / "jobs/quickstart.yaml"
+                job = ROOT / "jobs/quickstart.yaml"
+                if name == "preamble":
+                    job = preamble_job(tmp, *([args.model] if args.model else []))
                 result["cases"][name] = case(name, job, tmp, console)
             if args.json:
                 Path(args.json).write_text(json.dumps(result, indent=1))
