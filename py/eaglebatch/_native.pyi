@@ -11,6 +11,7 @@ Invariants:
 - A plan's rows are in a fixed order; `commit` takes results in that same order.
 """
 
+from collections.abc import Sequence
 from typing import Any, final
 
 import numpy as np
@@ -431,6 +432,17 @@ def rms_norm(x: int, weight: int, out: int, rows: int, h: int, eps: float) -> No
     (a row's result does not depend on the others): x and out [rows, h], weight [h], all live
     C-contiguous float32 CPU buffers, out not overlapping x. Unsafe by contract:
     `cpu/norm.py` is the caller (addresses through `cpu/tensors.py::native_ptr`)."""
+
+def delta_rule_steps(
+    addrs: Sequence[int], lengths: Sequence[int], heads: int, dk: int, dv: int
+) -> None:
+    """The gated delta rule's recurrent form (model/delta_rule.py's `stepwise_delta_rule`) by
+    raw addresses `addrs` = [q, k, v, g, beta, states, o, after]: float32 C-contiguous CPU
+    buffers q, k [T, heads, dk], v [T, heads, dv], g, beta [T, heads], states [B, heads, dk,
+    dv] (read), o [T, heads, dv] and after [T, heads, dk, dv] (written: the state of token t's
+    row after token t), T = sum(lengths), B = len(lengths). Unsafe by contract: `cpu/deltanet.py`
+    is the caller (addresses through `cpu/tensors.py::native_ptr`); sizes that do not fit, a
+    null address or an empty row raise ValueError."""
 
 def paged_attention(
     q: int,

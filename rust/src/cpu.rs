@@ -8,6 +8,7 @@
 //! routed MLP, `omp` shares torch's OpenMP threads; their headers say why each is native. `bindings` (feature "python") exposes them.
 
 pub mod decoder_layer;
+pub mod delta_rule;
 pub mod int8_gemm;
 pub mod moe;
 pub mod omp;

@@ -10,7 +10,9 @@ names; only methods change):
     runs of decoder layers in one native call (decoder.py), the LM head on the small GEMM;
   * every mixture-of-experts `SparseMoeBlock` -> NativeSparseMoeBlock: a step's routed experts in
     one native call (moe.py);
-  * with `native_norms` (draft heads), every `RMSNorm` -> NativeRMSNorm (norm.py).
+  * with `native_norms` (draft heads), every `RMSNorm` -> NativeRMSNorm (norm.py);
+  * every Gated DeltaNet (hybrid models) -> NativeGatedDeltaNet: the decode / verify steps'
+    delta rule in one native call (deltanet.py).
 
 Each swapped-in method decides per call with the one rule `tensors.eligible` and otherwise
 runs the plain method; every tensor reaches the extension through `tensors.native_ptr`. The
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 
 from eaglebatch.cpu.decoder import use_native_layers
+from eaglebatch.cpu.deltanet import use_native_deltanet
 from eaglebatch.cpu.gemm import SMALL_GEMM_AVAILABLE, SMALL_GEMM_MAX_ROWS, use_small_gemm
 from eaglebatch.cpu.moe import use_native_moe
 from eaglebatch.cpu.norm import use_native_norms
@@ -50,6 +53,7 @@ def accelerate(
     use_native_norms(model, on and native_norms)
     use_native_layers(model, threads)
     use_native_moe(model, threads)
+    use_native_deltanet(model, threads)
     return on
 
 

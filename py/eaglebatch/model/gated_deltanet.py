@@ -107,8 +107,13 @@ class GatedDeltaNet(nn.Module):
         conv_out = self._convolve(windows, x.dtype)  # [B, conv_dim, L]
         conv_out = _packed(conv_out.transpose(1, 2), lengths)  # [T, conv_dim]
         q, k, v, g, beta = self._delta_inputs(x, conv_out, ssm_states.dtype)
-        o, ssm_after = stepwise_delta_rule(q, k, v, g, beta, lengths, ssm_states)
+        o, ssm_after = self._recurrence(q, k, v, g, beta, lengths, ssm_states)
         return self._output(x, o), conv_after, ssm_after
+
+    def _recurrence(self, q, k, v, g, beta, lengths, states):
+        """The step form's delta rule (`stepwise_delta_rule`; the CPU fast path swaps in its
+        native kernel: cpu/deltanet.py)."""
+        return stepwise_delta_rule(q, k, v, g, beta, lengths, states)
 
     def _convolve(self, windows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """windows float32 [B, conv_dim, K-1+L] -> silu(conv) [B, conv_dim, L] in `dtype`,
@@ -163,6 +168,9 @@ def _packed(per_row: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
 
 
 def _row_index(lengths: Sequence[int], device) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(list(lengths)))
-    pos = torch.cat([torch.arange(n) for n in lengths])
+    """(row, position in its row) of each packed token, int64 [T] each."""
+    lens = torch.tensor(list(lengths))
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), lens)  # [T]
+    starts = torch.cumsum(lens, 0) - lens  # [B] each row's first packed token
+    pos = torch.arange(rows.shape[0]) - starts[rows]
     return rows.to(device), pos.to(device)

@@ -7,6 +7,7 @@ use numpy::{PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+use crate::cpu::delta_rule;
 use crate::cpu::int8_gemm::{self, Activations};
 use crate::cpu::paged_attention as attn;
 use crate::cpu::quant::WeightType;
@@ -22,6 +23,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(small_gemm, m)?)?;
     m.add_function(wrap_pyfunction!(gather_rows, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(delta_rule_steps, m)?)?;
     m.add_function(wrap_pyfunction!(moe::moe_experts, m)?)?;
     m.add_function(wrap_pyfunction!(paged_attention, m)?)?;
     m.add("SMALL_GEMM_AVAILABLE", gemm::available())?;
@@ -231,4 +233,69 @@ fn paged_attention(
         attn::attend(q, kv_cache, out, &layout, &step, scale, threads)
     })
     .map_err(|e| PyValueError::new_err(format!("paged_attention: {e}")))
+}
+
+/// The gated delta rule's recurrent form (`cpu::delta_rule::steps`) over raw addresses:
+/// `addrs` = [q, k, v, g, beta, states, o, after], float32 buffers of the shapes that module
+/// states for rows of `lengths` tokens and (heads, dk, dv). The caller (`cpu/deltanet.py`)
+/// guarantees: every buffer is live, C-contiguous and of exactly those sizes, and o and after
+/// overlap nothing else. The sizes are checked against `lengths` here before anything is read.
+#[pyfunction]
+fn delta_rule_steps(
+    py: Python<'_>,
+    addrs: [usize; 8],
+    lengths: Vec<usize>,
+    heads: usize,
+    dk: usize,
+    dv: usize,
+) -> PyResult<()> {
+    let d = delta_rule::Dims { heads, dk, dv };
+    let t = lengths.iter().try_fold(0usize, |a, &n| a.checked_add(n));
+    let sizes = t.and_then(|t| {
+        let th = t.checked_mul(heads)?;
+        let per_row = heads.checked_mul(dk)?.checked_mul(dv)?;
+        let n = [
+            th.checked_mul(dk)?,
+            th.checked_mul(dk)?,
+            th.checked_mul(dv)?,
+            th,
+            th,
+        ];
+        let big = [
+            lengths.len().checked_mul(per_row)?,
+            n[2],
+            t.checked_mul(per_row)?,
+        ];
+        Some((n, big)).filter(|_| big.iter().chain(&n).all(|&b| b <= isize::MAX as usize / 4))
+    });
+    let Some((n, big)) = sizes.filter(|_| addrs.iter().all(|&a| a != 0)) else {
+        return Err(PyValueError::new_err(
+            "delta_rule_steps: sizes that do not fit in memory, or a null buffer",
+        ));
+    };
+    // SAFETY: the caller's guarantee above; every length is derived from `lengths` and dims.
+    let f =
+        |i: usize, len: usize| unsafe { std::slice::from_raw_parts(addrs[i] as *const f32, len) };
+    let x = delta_rule::Inputs {
+        q: f(0, n[0]),
+        k: f(1, n[1]),
+        v: f(2, n[2]),
+        g: f(3, n[3]),
+        beta: f(4, n[4]),
+    };
+    let states = f(5, big[0]);
+    if let Some(e) = delta_rule::check_sizes(d, &lengths, &x, big[0], big[1], big[2]) {
+        return Err(PyValueError::new_err(e));
+    }
+    py.detach(|| {
+        // SAFETY: as above; o and after are the caller's output buffers, overlapping nothing.
+        let (o, after) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(addrs[6] as *mut f32, big[1]),
+                std::slice::from_raw_parts_mut(addrs[7] as *mut f32, big[2]),
+            )
+        };
+        delta_rule::steps(d, &lengths, &x, states, o, after)
+    });
+    Ok(())
 }
