@@ -278,11 +278,7 @@ impl Scheduler {
         rows: usize,
         st: &mut Stats,
     ) -> Result<Planned> {
-        let lookahead = if kind == StepKind::Verify {
-            self.cfg.max_draft_tokens
-        } else {
-            0
-        };
+        let lookahead = self.cfg.max_draft_tokens * usize::from(kind == StepKind::Verify);
         let rows = &mut self.running[start..start + rows];
         let width = rows.iter().map(|s| s.block_table.len()).max().unwrap_or(0);
         let t: usize = rows
