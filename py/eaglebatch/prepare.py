@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from eaglebatch.errors import JobError
 from eaglebatch.job import memory
+from eaglebatch.job.builtin import MTP_DRAFT
 from eaglebatch.job.checks import (
     check_chat_template,
     check_response_format,
@@ -128,18 +129,28 @@ def _memory_plan(job: JobConfig, mf: ModelFiles, cfg, settings: EngineSettings, 
     return plan
 
 
-def _check_draft(draft: Path | None, cfg: ModelConfig) -> None:
+def _check_draft(job: JobConfig, draft: Path | None, mf: ModelFiles, cfg: ModelConfig) -> None:
     """A draft head must fit the model (hidden size, vocabulary, aux layers: draft_check) and
     its checkpoint files be whole (headers against file sizes), from config.json and the
-    headers, before any weight loads."""
+    headers, before any weight loads; `draft: mtp` needs the model's checkpoint to carry its
+    MTP layer (speculative/mtp_config.py)."""
     # lazy: torch and the extension, which validate and status never need
     from eaglebatch.speculative.draft_check import check_draft_dir
+    from eaglebatch.speculative.draft_config import read_raw_config
+    from eaglebatch.speculative.mtp import check_mtp_dir
 
-    if draft is not None:
-        try:
+    if draft is None:
+        return
+    try:
+        if job.draft != MTP_DRAFT:
             check_draft_dir(draft, cfg)
-        except (ValueError, OSError) as e:
-            raise JobError(f"draft: {draft}: {e}") from None
+        elif mf.gguf is not None:
+            raise ValueError(f"the model is the GGUF file {mf.gguf}; the MTP layer loads from a "
+                             "safetensors checkpoint only")  # fmt: skip
+        else:
+            check_mtp_dir(draft, read_raw_config(draft), cfg)
+    except (ValueError, OSError) as e:
+        raise JobError(f"draft: {job.draft}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -190,10 +201,10 @@ def prepare(
                 f"name a template file with model_chat_template: path/to/template.jinja"
             )
         check_chat_template(mf.chat_template, template_origin(job, mf))
-    draft = resolve_draft_dir(job.draft) if job.draft is not None else None
+    draft = resolve_draft_dir(job.draft, model_dir=mf.dir) if job.draft is not None else None
     engine, cfg, mem = _check_model_config(job, mf, total)
     vocab_size = cfg.vocab_size
-    _check_draft(draft, cfg)  # against the model's config.json, checked just above
+    _check_draft(job, draft, mf, cfg)  # against the model's config.json, checked just above
     if mem is not None and check_memory:
         memory.check(mem, job.engine.kv_cache_tokens, str(job.model))
     check_response_format(job, mf, vocab_size)

@@ -194,7 +194,7 @@ def build_worker(prep: PreparedJob, graph_mode: str | None = None, for_job: bool
         worker = SpecWorker.from_job(target, prep.draft_dir, job.speculative, eng.max_batch_size,
                                      job.forced_draft_tokens)  # fmt: skip
     except ValueError as e:
-        raise JobError(f"draft: {prep.draft_dir}: {e}") from None
+        raise JobError(f"draft: {job.draft}: {e}") from None
     worker.enable_graphs(mode, eng.max_batch_size)
     return worker
 

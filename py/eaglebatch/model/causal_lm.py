@@ -27,6 +27,7 @@ from eaglebatch.model.rotary import RotaryEmbedding
 from eaglebatch.model.weights import (
     check_shapes,
     checkpoint_shapes,
+    is_mtp_tensor,
     iter_tensors,
     load_named_tensors,
     text_tower_name,
@@ -183,7 +184,7 @@ class CausalLM(nn.Module):
         if gguf is not None:
             found = model.gguf_checkpoint(gguf).shapes()
         else:
-            found = checkpoint_shapes(path)
+            found = {n: s for n, s in checkpoint_shapes(path).items() if not is_mtp_tensor(n)}
         if cfg.text_tower:
             found = {m: s for n, s in found.items() if (m := text_tower_name(n)) is not None}
         if gguf is None:
@@ -222,7 +223,8 @@ class CausalLM(nn.Module):
         """Loads every parameter but those in `skip` from the *.safetensors files in `path`
         (raises on missing or unexpected tensors)."""
         rename = text_tower_name if self.config.text_tower else (lambda n: n)
-        tensors = iter_tensors(path, skip=lambda n: rename(n) in skip)  # left unread
+        # left unread: `skip`, and the MTP layer (a drafter's, speculative/mtp.py)
+        tensors = iter_tensors(path, skip=lambda n: is_mtp_tensor(n) or rename(n) in skip)
         if self.config.text_tower:
             tensors = ((m, t) for n, t in tensors if (m := text_tower_name(n)) is not None)
         family = family_of(self.config.model_type)

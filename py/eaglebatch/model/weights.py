@@ -151,6 +151,12 @@ _OTHER_TOWERS = tuple(p + t for p in ("", "model.")
                                 "embed_vision.", "embed_audio."))  # fmt: skip
 
 
+def is_mtp_tensor(name: str) -> bool:
+    """A tensor of the checkpoint's multi-token-prediction layer (mtp.*): a drafter's
+    (speculative/mtp.py), not the decoder's; a model load leaves it unread."""
+    return name.startswith("mtp.")
+
+
 def text_tower_name(name: str) -> str | None:
     """A multimodal checkpoint's tensor name as the text model names it (language_model.model.X
     and model.language_model.X -> model.X, language_model.lm_head -> lm_head); None for the
