@@ -15,8 +15,11 @@ from eaglebatch.attention import allocate_kv_cache
 from eaglebatch.model.causal_lm import CausalLM
 from eaglebatch.model.config import ModelConfig
 from eaglebatch.model.recurrent_state import STATE_ZERO, StepContext
+from eaglebatch.speculative import init_random_draft
 from paged_kv import PagedSequences
-from support.tiny import make_tiny_model
+from support.spies import ReaderWaitSpy
+from support.tiny import byte_tokenizer, make_tiny_model
+from test_runner import hf_greedy, random_prompts, run_job
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 # hidden 64, 4 layers: 3 linear + 1 full (the default interval), GQA, head_dim 32
@@ -38,6 +41,7 @@ def hybrid(request, tmp_path_factory):
     import transformers
 
     path = make_tiny_model(tmp_path_factory.mktemp(request.param), init_std=0.1,
+                           max_position_embeddings=1024,
                            **{**SHAPE, **HYBRIDS[request.param]})  # fmt: skip
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     return request.param, path, hf.eval()
@@ -177,3 +181,158 @@ def test_state_rows_hold_slots_then_checkpoints(hybrid) -> None:
     assert states.layers[0].ssm.shape == (5, *s.ssm_state_shape)
     assert states.nbytes == 5 * 3 * s.state_bytes
     assert np.isclose(states.nbytes, 5 * states.bytes_per_row(s, 3))
+
+
+# ---- end to end: the scheduler's recurrent-state plan fields (state_from, state_saves) ------
+
+PROMPTS = [p or "a" for p in random_prompts(8, seed=21)]
+PREAMBLE = ("the cat sat on the mat and the dog ran far away " * 12)[:512]  # 512 byte tokens
+CHUNKS = ["engine.max_num_batched_tokens=16"]
+HF_REFS: dict = {}
+
+
+@pytest.fixture(scope="module")
+def hybrid_e2e(hybrid):
+    """(name, model dir, transformers' model, its greedy 32 tokens on PROMPTS)."""
+    name, path, hf = hybrid
+    return name, path, hf, [hf_greedy(hf, p, max_new=32) for p in PROMPTS]
+
+
+def _tokens(table) -> list[list[int]]:
+    return table.column("output_token_ids").to_pylist()
+
+
+def _run(tmp, path, prompts, over, name="out", wrap=None):
+    return run_job(tmp, path, prompts, name=name, wrap=wrap,
+                   overrides=["sampling.max_new_tokens=32", *over])  # fmt: skip
+
+
+@pytest.mark.parametrize("gemm", ["native", "torch"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_32_tokens_equal_transformers_with_chunks_and_preemption(tmp_path, hybrid_e2e,
+                                                                         gemm, batch):  # fmt: skip
+    """Greedy 32 tokens on 8 prompts at batch 1 and 8, prompts in 16-token chunks, and at
+    batch 8 a KV cache so short that rows are preempted (and come back from a zero state)."""
+    _, path, _, reference = hybrid_e2e
+    over = [*CHUNKS, f"engine.cpu_gemm={gemm}", f"engine.max_batch_size={batch}"]
+    if batch > 1:
+        over.append("engine.kv_cache_tokens=128")
+    table, res = _run(tmp_path, path, PROMPTS, over, wrap=ReaderWaitSpy)
+    assert batch == 1 or res.stats["preemptions"] > 0
+    assert _tokens(table) == reference
+
+
+def test_prompt_logprobs_equal_transformers(tmp_path, hybrid_e2e):
+    _, path, hf, _ = hybrid_e2e
+    table, _ = _run(tmp_path, path, PROMPTS[:4], ["output.prompt_logprobs=1", *CHUNKS])
+    for row, prompt in zip(table.to_pylist(), PROMPTS[:4], strict=True):
+        ids = byte_tokenizer().encode(prompt).ids
+        ref = torch.log_softmax(_hf_logits(hf, ids), dim=-1)
+        entries = row["prompt_logprobs"]
+        assert [e["token_id"] for e in entries] == ids[1:]
+        for j, e in enumerate(entries):
+            assert abs(e["logprob"] - ref[j, ids[j + 1]].item()) < 1e-4
+
+
+class AcceptSpy:
+    """Wraps a SpecWorker: records every verify round's accepted counts and width."""
+
+    def __init__(self, worker) -> None:
+        self.worker, self.rounds = worker, []
+        accept = worker._accept
+
+        def spied(r, *args, **kwargs):
+            out = accept(r, *args, **kwargs)
+            self.rounds.append((r.k, out.accepted.tolist()))
+            return out
+
+        worker._accept = spied
+
+    def __getattr__(self, name):
+        return getattr(self.worker, name)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_speculative_equals_plain(tmp_path, hybrid_e2e, batch):
+    """A random EAGLE-3 head (k = 3) with prompt lookup on prompts that repeat themselves:
+    rounds where no draft, some and all are accepted; every row's state then is the one after
+    its last accepted token, so the tokens are transformers' greedy ones."""
+    _, path, hf, _ = hybrid_e2e
+    prompts = [(p + " ") * 4 for p in PROMPTS]
+    reference = HF_REFS.setdefault((path, "rep"), [hf_greedy(hf, p, max_new=32) for p in prompts])
+    head = init_random_draft(tmp_path / "head", path, kind="eagle3", seed=3,
+                             aux_layer_ids=(0, 1, 2))  # fmt: skip
+    spies = []
+    for lookup in (False, True):
+        extra = [] if lookup else ["speculative.prompt_lookup_min=0"]
+        over = [f"draft={head}", "speculative.num_steps=3", "speculative.adaptive=false",
+                f"engine.max_batch_size={batch}", *CHUNKS, *extra]  # fmt: skip
+        table, _ = _run(tmp_path, path, prompts, over, name=f"spec{lookup}",
+                        wrap=lambda w: spies.append(AcceptSpy(w)) or spies[-1])  # fmt: skip
+        assert _tokens(table) == reference
+    counts = {(a == 0, a == k) for k, row in (r for s in spies for r in s.rounds) for a in row
+              if k > 0}  # fmt: skip
+    assert {(True, False), (False, False), (False, True)} <= counts  # none, some, all
+
+
+@pytest.mark.parametrize("spec", [False, True])
+def test_prefix_caching_on_and_off_equal_with_a_512_token_preamble(tmp_path, hybrid_e2e, spec):
+    """Rows sharing a 512-token preamble: the cached run restores the checkpointed state and
+    computes only the rest; tokens equal the uncached run's (and transformers'), also under
+    preemption, and with speculative decoding."""
+    _, path, hf, _ = hybrid_e2e
+    prompts = [PREAMBLE + p for p in PROMPTS[:6]]
+    reference = HF_REFS.setdefault((path, "pre"), [hf_greedy(hf, p, max_new=32) for p in prompts])
+    extra = []
+    if spec:
+        head = init_random_draft(tmp_path / "head", path, kind="eagle3", seed=4,
+                                 aux_layer_ids=(0, 1, 2))  # fmt: skip
+        extra = [f"draft={head}", "speculative.adaptive=false"]
+    runs = {}
+    for caching in (True, False):
+        over = [f"engine.prefix_caching={str(caching).lower()}", "engine.max_batch_size=4",
+                "engine.kv_cache_tokens=1536", "engine.max_num_batched_tokens=128", *extra]
+        table, res = _run(tmp_path, path, prompts, over, name=f"c{caching}", wrap=ReaderWaitSpy)
+        assert _tokens(table) == reference
+        runs[caching] = (table, res)
+    assert sum(runs[True][0].column("cached_tokens").to_pylist()) > 0
+    assert sum(runs[False][0].column("cached_tokens").to_pylist()) == 0
+    assert runs[True][1].stats["preemptions"] > 0
+
+
+def test_sampled_tokens_follow_the_model_distribution(tmp_path, hybrid_e2e):
+    """2000 rows of one prompt, each its own seed, speculative (a random head, k = 2): the
+    joint distribution of the first three tokens (the prefill's, then a verify round's, then
+    the next round's, which reads the state the first round rolled back to) is the model's."""
+    from test_verify import chi2_critical_001, chi_square
+
+    name, path, hf, _ = hybrid_e2e
+    if name != "qwen3_5_text":
+        pytest.skip("one family is enough: the state handling is shared")
+    n, prompt, temp = 2000, "the cat", 0.3  # a peaked distribution: cells worth counting
+    head = init_random_draft(tmp_path / "head", path, kind="eagle3", seed=6,
+                             aux_layer_ids=(0, 1, 2))  # fmt: skip
+    over = [f"draft={head}", "speculative.num_steps=2", "speculative.adaptive=false",
+            "speculative.prompt_lookup_min=0", f"sampling.temperature={temp}",
+            "engine.max_batch_size=64", "sampling.max_new_tokens=3", "sampling.ignore_eos=true"]
+    table, _ = run_job(tmp_path, path, [prompt] * n, overrides=over)
+    out = torch.tensor([t[:3] for t in _tokens(table)])  # [n, 3]
+    ids = byte_tokenizer().encode(prompt).ids
+
+    def dist(prefix: list[int]) -> torch.Tensor:  # [V] the model's next-token distribution
+        return torch.softmax(_hf_logits(hf, ids + prefix)[-1].double() / temp, -1)
+
+    p1 = dist([])
+    p2 = {a: dist([a]) for a in sorted(set(out[:, 0].tolist()))}
+    pairs = sorted(set(map(tuple, out[:, :2].tolist())))
+    cells, expected = [], []
+    for a, b in pairs:
+        p3 = dist([a, b])
+        expected.append(p1[a] * p2[a][b] * p3)
+        cells.append((out[:, 0] == a) & (out[:, 1] == b))
+    observed = torch.cat([torch.bincount(out[c, 2], minlength=len(p1)) for c in cells])
+    rest = 1.0 - float(sum(e.sum() for e in expected))  # pairs never drawn: one pooled cell
+    observed = torch.cat([observed, torch.zeros(1, dtype=observed.dtype)])
+    probs = torch.cat([*expected, torch.tensor([max(rest, 0.0)], dtype=torch.float64)])
+    stat, dof = chi_square(observed, probs)
+    assert dof >= 10 and stat < chi2_critical_001(dof), (stat, dof)
