@@ -26,6 +26,7 @@ RESOLVED = {"input_files", "prompt_column", "input_format", "row_range", "tokeni
             "chat_template", "bos_token", "eos_token", "eos_token_ids", "vocab_size",
             "reasoning_ids", "output_dir", "file_metadata", "keep_columns", "num_blocks",
             "max_model_len", "max_draft_tokens", "overlap", "skip_rows", "skip_samples",
+            "state_checkpoint_interval", "state_checkpoints",  # the model's state (worker)
             "read_batch_rows", "queue_rows",
             "task",  # the job's top-level key, passed by name
             # the job's storage section, renamed (scheduler_config.storage_section)

@@ -109,6 +109,15 @@ class StepPlan:
     # forced_ids[cu_forced[i]:cu_forced[i + 1]]
     forced_ids: npt.NDArray[np.int64]
     cu_forced: npt.NDArray[np.int32]
+    # Hybrid models (policy.state_checkpoint_interval > 0; docs/prefix-caching.md). [B] where
+    # the row's recurrent state comes from before its query: STATE_CONTINUE (-1: its request
+    # slot holds it: decode, verify, a later chunk), STATE_ZERO (-2: the query starts at 0) or
+    # c >= 0 (copy checkpoint c in first: a prefix-cache hit starting at the block end it was
+    # saved at). A verify row's slot must end its step at its last accepted token's state.
+    state_from: npt.NDArray[np.int32]
+    # [S, 3] (row, query offset j, checkpoint c): after the step checkpoint c holds the row's
+    # state after its query token j. Every restore of a step comes before its saves.
+    state_saves: npt.NDArray[np.int32]
     max_seqlen_q: int
     max_seqlen_k: int
 
@@ -343,6 +352,10 @@ SCHEDULER_CONFIG_FIELDS: list[str]
 SamplingParams value, every row's defaults), `output`, `storage` and `policy`; the settings
 job/scheduler_config.py's SchedulerConfig and its section dataclasses must have (a test holds
 the two sets equal)."""
+
+# StepPlan.state_from's: the row's slot holds its state / it starts from a zero state
+STATE_CONTINUE: int
+STATE_ZERO: int
 
 SMALL_GEMM_AVAILABLE: bool
 """Whether this CPU can run `small_gemm` (x86-64 with AVX-512F, or AVX2 and FMA)."""

@@ -107,6 +107,7 @@ def _memory_plan(job: JobConfig, mf: ModelFiles, cfg, settings: EngineSettings, 
     """What a CPU run will hold (job/memory.py); None on other devices."""
     # lazy: torch and the extension, which validate and status never need
     from eaglebatch.cpu.stored import stored_bytes
+    from eaglebatch.job.state_budget import state_plan
     from eaglebatch.worker import job_kv, plan_kv_budget
 
     if settings.device.type != "cpu":
@@ -116,15 +117,17 @@ def _memory_plan(job: JobConfig, mf: ModelFiles, cfg, settings: EngineSettings, 
     itemsize = settings.dtype.itemsize
     seq = settings.max_model_len + settings.max_draft_tokens
     extra = 1 if job.draft is not None else 0  # a draft head's layer over the same blocks
+    states = state_plan(eng, cfg)
     kv = plan_kv_budget(eng, cfg, seq, settings.dtype, settings.device, extra,
-                        job=job_kv(job, settings, requests_known(job, rows)))  # the worker's rule
+                        job=job_kv(job, settings, requests_known(job, rows)),
+                        states=states)  # the worker's rule  # fmt: skip
     plan = memory.MemoryPlan(
         model_bytes=memory.model_bytes(shapes, itemsize, blocks),
         kv_bytes=kv.num_blocks * kv.bytes_per_block, kv_key=kv.sized_by,
         available_bytes=memory.available_memory(),
         buffer_bytes=memory.buffer_bytes(cfg, eng.max_num_batched_tokens, eng.max_batch_size,
                                          itemsize),
-        experts=memory.mapped_experts(blocks, cfg),
+        experts=memory.mapped_experts(blocks, cfg), states=states,
     )  # fmt: skip
     return plan
 

@@ -24,6 +24,7 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{Hash, Hasher};
 
 use crate::error::{Error, Result};
+use crate::state_checkpoints::StateCheckpoints;
 
 /// The chain hash of the block before a sequence's first block.
 pub const ROOT_HASH: u64 = 0x6561_676c_6562_6174; // "eaglebat"
@@ -68,6 +69,9 @@ pub struct BlockManager {
     tick: u64,
     /// Cached blocks evicted so far.
     pub evictions: u64,
+    /// Recurrent-state checkpoints of the cached blocks' hashes (hybrid models; empty else),
+    /// dropped with their block.
+    pub states: StateCheckpoints,
 }
 
 impl BlockManager {
@@ -85,7 +89,14 @@ impl BlockManager {
             released_at: vec![0; num_blocks],
             tick: 0,
             evictions: 0,
+            states: StateCheckpoints::default(),
         }
+    }
+
+    /// The manager with recurrent-state checkpoints `states` (hybrid models).
+    pub fn with_states(mut self, states: StateCheckpoints) -> Self {
+        self.states = states;
+        self
     }
 
     pub fn block_size(&self) -> usize {
@@ -216,6 +227,7 @@ impl BlockManager {
             .take()
             .expect("evictable blocks are cached");
         self.cached.remove(&c.hash);
+        self.states.forget(c.hash);
         self.evictions += 1;
         block
     }
@@ -644,5 +656,27 @@ mod tests {
         }
         bm.check_no_leak().unwrap();
         assert!(bm.evictions > 0);
+    }
+
+    #[test]
+    fn an_evicted_block_takes_its_state_checkpoint_with_it() {
+        let mut bm = BlockManager::new(2, 2, true).with_states(StateCheckpoints::new(2, 4));
+        let mut a = Vec::new();
+        bm.allocate(&mut a, &[], 4).unwrap();
+        let hashes = register_all(&mut bm, &a, &[5, 6, 7, 8]);
+        let kept = bm.states.assign(hashes[0]).unwrap();
+        bm.states.assign(hashes[1]).unwrap();
+        bm.free(&mut a).unwrap(); // both evictable; block 1 released first, so evicted first
+        let mut b = Vec::new();
+        bm.allocate(&mut b, &[], 1).unwrap();
+        assert_eq!(bm.evictions, 1);
+        assert_eq!(
+            bm.states.get(hashes[1]),
+            None,
+            "checkpoint of the evicted block"
+        );
+        assert_eq!(bm.states.get(hashes[0]), Some(kept));
+        assert_eq!(bm.states.num_held(), 1);
+        bm.free(&mut b).unwrap();
     }
 }

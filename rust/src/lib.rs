@@ -30,6 +30,7 @@ pub mod sampling_params;
 pub mod scheduler;
 pub mod score;
 pub mod sequence;
+pub mod state_checkpoints;
 pub mod stats;
 pub mod stop;
 pub mod storage;

@@ -105,6 +105,10 @@ pub struct PyStepPlan {
     #[pyo3(get)]
     cu_forced: Py<PyArray1<i32>>,
     #[pyo3(get)]
+    state_from: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    state_saves: Py<PyArray2<i32>>,
+    #[pyo3(get)]
     max_seqlen_q: usize,
     #[pyo3(get)]
     max_seqlen_k: usize,
@@ -133,6 +137,8 @@ impl PyStepPlan {
         let words = p.mask_words.max(1);
         let num_masks = p.token_masks.len() / words;
         let masks = p.token_masks.into_pyarray(py).reshape([num_masks, words])?;
+        let num_saves = p.state_saves.len() / 3;
+        let saves = p.state_saves.into_pyarray(py).reshape([num_saves, 3])?;
         Ok(PyStepPlan {
             kind: p.kind.as_str(),
             num_seqs: b,
@@ -172,6 +178,8 @@ impl PyStepPlan {
             token_masks: masks.unbind(),
             forced_ids: p.forced_ids.into_pyarray(py).unbind(),
             cu_forced: p.cu_forced.into_pyarray(py).unbind(),
+            state_from: p.state_from.into_pyarray(py).unbind(),
+            state_saves: saves.unbind(),
             max_seqlen_q: p.max_seqlen_q,
             max_seqlen_k: p.max_seqlen_k,
         })
@@ -503,6 +511,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MOST_ALTERNATIVES", crate::structured::MOST_ALTERNATIVES)?;
     m.add_function(wrap_pyfunction!(output_columns, m)?)?;
     m.add("OUTPUT_COLUMNS", crate::writer::OUTPUT_COLUMNS.to_vec())?;
+    m.add("STATE_CONTINUE", crate::scheduler::STATE_CONTINUE)?;
+    m.add("STATE_ZERO", crate::scheduler::STATE_ZERO)?;
     m.add("SCHEDULER_CONFIG_FIELDS", scheduler_config::FIELDS.to_vec())?;
     inputs::register(m)?;
     crate::cpu::bindings::register(m)

@@ -31,6 +31,12 @@
 //! in the same step compute waits one step, to find them cached instead of computing them twice
 //! (admission.rs); a scored part (run/scoring.rs) waits for a single such block, and
 //! the requests behind it are admitted meanwhile.
+//!
+//! Hybrid models (a recurrent state per sequence, state_checkpoints.rs): a hit is cut back to
+//! the deepest block whose end has a state checkpoint, which the plan's `state_from` restores;
+//! the plan building a checkpoint position's block saves the state there (`state_saves`); and
+//! a sample never forks from a sibling (whose state has moved past their prompt): it finds
+//! the prompt in the prefix cache instead.
 
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, VecDeque};
@@ -40,12 +46,14 @@ use crate::block_manager::BlockManager;
 use crate::config::PolicyConfig;
 use crate::error::{Error, Result};
 use crate::sequence::{Sequence, Status};
+use crate::state_checkpoints::StateCheckpoints;
 use crate::stats::Stats;
 use admission::register_computed;
 pub use plan::{
     check_commit, request_seed, sample_seed, token_count, PendingPlan, PlanRow, StepKind, StepPlan,
+    STATE_CONTINUE, STATE_ZERO,
 };
-use plan::{check_plan_row, pending_rows_by_slot, push_end_ids, push_plan_row};
+use plan::{check_plan_row, pending_rows_by_slot, push_end_ids, push_plan_row, push_state_saves};
 
 /// A plan just built: the plan, and its rows' place in `running` (`running[start..start +
 /// samples.len()]`, valid until the next change of `running`) with whether each samples.
@@ -88,7 +96,9 @@ impl Scheduler {
     /// An empty policy over a cache of `cfg.num_blocks` blocks; `eos` sorted and distinct.
     pub fn new(cfg: PolicyConfig, eos: Vec<u32>, seed: i64) -> Self {
         Scheduler {
-            bm: BlockManager::new(cfg.num_blocks, cfg.block_size, cfg.prefix_caching),
+            bm: BlockManager::new(cfg.num_blocks, cfg.block_size, cfg.prefix_caching).with_states(
+                StateCheckpoints::new(cfg.state_checkpoint_interval, cfg.state_checkpoints),
+            ),
             free_request_slots: (0..cfg.max_batch_size as u32).map(Reverse).collect(),
             watermark: cfg.num_blocks / 100,
             cfg,
@@ -287,6 +297,7 @@ impl Scheduler {
             check_plan_row(kind, seq)?;
             let end = seq.chunk_end.take().unwrap_or(seq.len());
             push_plan_row(&mut p, r, seq, end, lookahead, &self.bm, self.seed);
+            seq.state_restore = None; // taken by this plan's state_from
             push_end_ids(&mut p, seq, &self.eos);
             let slot = seq.slot.expect("running request has a slot");
             p.prev_rows.push(if seq.placeholder {
@@ -304,10 +315,11 @@ impl Scheduler {
             }
             // The worker writes K/V for every query token during this step (for a verify row,
             // `commit` settles how many of them hold accepted tokens).
-            seq.num_computed = end;
+            let from = std::mem::replace(&mut seq.num_computed, end);
             seq.prefill_pending &= end < seq.len();
             if kind != StepKind::Verify {
                 register_computed(&mut self.bm, seq)?;
+                push_state_saves(&mut p, r, seq, from, &mut self.bm);
             }
         }
         let samples = plan_rows.iter().map(|r| r.samples).collect();
@@ -428,5 +440,7 @@ mod plan;
 mod plan_tests;
 #[cfg(test)]
 mod prefix_cache_tests;
+#[cfg(test)]
+mod state_tests;
 #[cfg(test)]
 pub(crate) mod tests;

@@ -150,6 +150,9 @@ pub struct Sequence {
     pub chunk_end: Option<usize>,
     /// Admitted and not yet planned up to its last known token (see `prefilling`).
     pub prefill_pending: bool,
+    /// Hybrid models: the state checkpoint its first query starts from (a prefix-cache hit),
+    /// set at admission, taken by the next plan (`StepPlan::state_from`).
+    pub state_restore: Option<u32>,
     /// Prompt logprob alternatives the job asks for (`OutputConfig::prompt_logprobs`; 0 =
     /// none).
     pub prompt_logprobs_k: u32,
@@ -213,6 +216,7 @@ impl Sequence {
             cached_tokens: 0,
             chunk_end: None,
             prefill_pending: false,
+            state_restore: None,
             prompt_logprobs_k: 0,
             run_id: 0,
             placeholder: false,

@@ -160,6 +160,11 @@ class PolicySection:
     prefix_caching: bool = _job("engine", "prefix_caching")
     chunked_prefill: bool = _job("engine", "chunked_prefill")
     overlap: bool = False  # resolved (EngineSettings): plain decoding, a step in flight
+    # a hybrid model's recurrent states (job/state_budget.py): tokens between the checkpoints
+    # of a prompt's state (a multiple of block_size; 0: no recurrent state, nothing changes)
+    # and the checkpoint rows (0: prefix caching never hits)
+    state_checkpoint_interval: int = 0
+    state_checkpoints: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -148,7 +148,7 @@ def _check_complete(missing: list[str], unexpected: list[str], source: str) -> N
 
 _OTHER_TOWERS = tuple(p + t for p in ("", "model.")
                       for t in ("vision_tower.", "multi_modal_projector.", "audio_tower.",
-                                "embed_vision.", "embed_audio."))  # fmt: skip
+                                "embed_vision.", "embed_audio.", "visual."))  # fmt: skip
 
 
 def is_mtp_tensor(name: str) -> bool:

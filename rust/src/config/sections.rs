@@ -111,4 +111,9 @@ pub struct PolicyConfig {
     /// Plain decoding: allow `next_plan_ahead`, the step after a pending one planned before
     /// that one is committed (scheduler/overlap.rs).
     pub overlap: bool,
+    /// Hybrid models (recurrent state per sequence): tokens between state checkpoints, a
+    /// multiple of `block_size`; 0 = no recurrent state (state_checkpoints.rs).
+    pub state_checkpoint_interval: usize,
+    /// How many recurrent-state checkpoints the worker keeps (0: prefix caching never hits).
+    pub state_checkpoints: usize,
 }

@@ -94,6 +94,17 @@ impl RunConfig {
         if policy.max_model_len > i32::MAX as usize {
             return Err(Error::user("max_model_len must fit in int32"));
         }
+        let interval = policy.state_checkpoint_interval;
+        if !interval.is_multiple_of(policy.block_size)
+            || (interval == 0 && policy.state_checkpoints > 0)
+            || policy.state_checkpoints > i32::MAX as usize
+        {
+            return Err(Error::user(format!(
+                "state_checkpoint_interval ({interval}) must be a multiple of block_size ({}), \
+                 and > 0 where state_checkpoints ({}) is",
+                policy.block_size, policy.state_checkpoints
+            )));
+        }
         self.validate_ranges()
     }
 

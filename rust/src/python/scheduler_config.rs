@@ -95,7 +95,8 @@ config_fields! {
     storage: StorageSettings { endpoint, options, unconditional }
     policy: PolicyConfig {
         num_blocks, block_size, max_batch_size, max_num_batched_tokens, max_model_len,
-        max_draft_tokens, prefix_caching, chunked_prefill, overlap,
+        max_draft_tokens, prefix_caching, chunked_prefill, overlap, state_checkpoint_interval,
+        state_checkpoints,
     }
 }
 

@@ -53,7 +53,7 @@ impl Scheduler {
             if self.running.len() >= self.cfg.max_batch_size || self.free_request_slots.is_empty() {
                 break;
             }
-            let Some((prefix, copy, cached, fresh)) = entry(
+            let Some(start) = entry(
                 &self.bm,
                 &self.running,
                 seq,
@@ -67,7 +67,7 @@ impl Scheduler {
                 held.push(self.waiting.pop_front().expect("front exists"));
                 continue;
             };
-            let n = seq.len();
+            let (n, cached) = (seq.len(), start.cached);
             let chunk = match chunk_budget {
                 Some(b) if budget_used >= b => break,
                 Some(b) => (n - cached).min(b - budget_used),
@@ -79,13 +79,13 @@ impl Scheduler {
                 None => n - cached,
             };
             let reserve = self.watermark * usize::from(!self.running.is_empty()); // none when alone
-            if !self.bm.can_allocate(n, &prefix, reserve) {
+            if !self.bm.can_allocate(n, &start.prefix, reserve) {
                 break;
             }
             let seq = self.waiting.pop_front().expect("front exists");
-            let end = cached + chunk;
-            let seq = self.start_running(seq, (&prefix, copy, cached, end), now, st)?;
-            computing.extend(seq.block_hashes.iter().skip(prefix.len()).copied());
+            let fresh = start.fresh;
+            let seq = self.start_running(seq, start, cached + chunk, now, st)?;
+            computing.extend(seq.block_hashes.iter().skip(seq.registered).copied());
             if fresh {
                 rows_now.insert(seq.row_index); // its siblings fork from it next step
             }
@@ -95,21 +95,27 @@ impl Scheduler {
         Ok(admitted)
     }
 
-    /// Moves an admitted sequence to the end of `running`: the blocks `prefix` (its first
-    /// `cached` tokens), a copy of block `copy` into its next block (a forked sample), fresh
-    /// blocks for the rest, the smallest free slot, and a first query up to `end`.
+    /// Moves an admitted sequence to the end of `running`: the blocks `start.prefix` (its
+    /// first `start.cached` tokens), a copy of block `start.copy` into its next block (a forked
+    /// sample), fresh blocks for the rest, the smallest free slot, and a first query up to
+    /// `end` (from `start.restore`'s state checkpoint where it has one).
     fn start_running(
         &mut self,
         mut seq: Sequence,
-        (prefix, copy, cached, end): (&[u32], Option<u32>, usize, usize),
+        start: Entry,
+        end: usize,
         now: Instant,
         st: &mut Stats,
     ) -> Result<&Sequence> {
-        let n = seq.len();
+        let (n, prefix, cached) = (seq.len(), &start.prefix, start.cached);
         self.bm.allocate(&mut seq.block_table, prefix, n)?;
-        if let Some(src) = copy {
+        if let Some(src) = start.copy {
             let dst = seq.block_table[prefix.len()];
             self.block_copies.extend([src as i32, dst as i32]);
+        }
+        seq.state_restore = start.restore;
+        if start.restore.is_some() {
+            self.bm.states.touch(seq.block_hashes[prefix.len() - 1]);
         }
         let Reverse(slot) = self.free_request_slots.pop().expect("checked non-empty");
         seq.slot = Some(slot);
@@ -225,10 +231,23 @@ impl Scheduler {
 /// part (score.rs), whose latency matters to nobody, waits for a single block.
 const WAIT_FOR_TOKENS: usize = 64;
 
-/// How the front waiting sequence starts: (blocks it takes, a block to copy into its next
-/// one, tokens computed already, whether it computes its prompt itself), or None when it
-/// waits a step: a sibling admitted now computes their prompt, or requests admitted now
-/// compute its next `WAIT_FOR_TOKENS` or more uncached tokens.
+/// How an admitted sequence starts (`entry`).
+struct Entry {
+    /// The cached blocks it takes.
+    prefix: Vec<u32>,
+    /// A block to copy into its next one (a forked sample).
+    copy: Option<u32>,
+    /// Tokens computed already.
+    cached: usize,
+    /// Whether it computes its prompt itself (not forked from a sibling).
+    fresh: bool,
+    /// Hybrid models: the state checkpoint after `prefix` (state_checkpoints.rs).
+    restore: Option<u32>,
+}
+
+/// How the front waiting sequence starts, or None when it waits a step: a sibling admitted
+/// now computes their prompt, or requests admitted now compute its next `WAIT_FOR_TOKENS` or
+/// more uncached tokens.
 fn entry(
     bm: &BlockManager,
     running: &[Sequence],
@@ -236,27 +255,76 @@ fn entry(
     rows_now: &HashSet<i64>,
     computing: &HashSet<u64>,
     speculative: bool,
-) -> Option<(Vec<u32>, Option<u32>, usize, bool)> {
+) -> Option<Entry> {
     match sibling_start(running, seq, rows_now, bm.block_size()) {
         Start::Wait => None,
-        Start::Fork { shared, partial } => Some((shared, partial, seq.len() - 1, false)),
+        // hybrid models: the sibling's recurrent state after its prompt has moved on since;
+        // the sample finds the prompt in the prefix cache instead (checkpointed states)
+        Start::Fork { .. } if bm.states.recurrent() => {
+            fresh_entry(bm, seq, &HashSet::new(), 0, speculative)
+        }
+        Start::Fork { shared, partial } => Some(Entry {
+            prefix: shared,
+            copy: partial,
+            cached: seq.len() - 1,
+            fresh: false,
+            restore: None,
+        }),
         Start::Fresh => {
-            let (prefix, found) = cached_prefix(bm, seq, speculative);
-            let bs = bm.block_size();
-            let after = seq.block_hashes.get(found..).unwrap_or_default();
-            let computed_now = after.iter().take_while(|h| computing.contains(h)).count();
             // a scored part waits for any block: nobody waits on its first token
             let enough = match seq.score_from {
                 Some(_) => 1,
                 None => WAIT_FOR_TOKENS,
             };
-            if computed_now * bs >= enough {
-                return None;
-            }
-            let cached = prefix.len() * bs;
-            Some((prefix, None, cached, true))
+            fresh_entry(bm, seq, computing, enough, speculative)
         }
     }
+}
+
+/// A sequence starting on its own from what the prefix cache holds, or None when requests
+/// admitted now compute `enough` or more of its next uncached tokens (`entry`).
+fn fresh_entry(
+    bm: &BlockManager,
+    seq: &mut Sequence,
+    computing: &HashSet<u64>,
+    enough: usize,
+    speculative: bool,
+) -> Option<Entry> {
+    let (prefix, found) = cached_prefix(bm, seq, speculative);
+    let bs = bm.block_size();
+    let after = seq.block_hashes.get(found..).unwrap_or_default();
+    let computed_now = after.iter().take_while(|h| computing.contains(h)).count();
+    if enough > 0 && computed_now * bs >= enough {
+        return None;
+    }
+    let (prefix, restore) = checkpointed(bm, seq, prefix);
+    let cached = prefix.len() * bs;
+    Some(Entry {
+        prefix,
+        copy: None,
+        cached,
+        fresh: true,
+        restore,
+    })
+}
+
+/// Hybrid models: `prefix` cut back to its deepest block whose end has a state checkpoint,
+/// and that checkpoint (a cache hit needs the recurrent state after the cached tokens);
+/// other models: `prefix` as it is.
+fn checkpointed(
+    bm: &BlockManager,
+    seq: &Sequence,
+    mut prefix: Vec<u32>,
+) -> (Vec<u32>, Option<u32>) {
+    if !bm.states.recurrent() {
+        return (prefix, None);
+    }
+    let found = (1..=prefix.len())
+        .rev()
+        .find_map(|n| bm.states.get(seq.block_hashes[n - 1]).map(|c| (n, c)));
+    let (keep, restore) = found.map_or((0, None), |(n, c)| (n, Some(c)));
+    prefix.truncate(keep);
+    (prefix, restore)
 }
 
 /// How a waiting sample of a row with n > 1 samples starts (`sibling_start`).

@@ -93,9 +93,21 @@ pub struct StepPlan {
     /// `forced_ids[cu_forced[i]..cu_forced[i + 1]]`.
     pub forced_ids: Vec<i64>,
     pub cu_forced: Vec<i32>,
+    /// Hybrid models (state_checkpoints.rs): per row, where its recurrent state comes from
+    /// before the query: STATE_CONTINUE (its slot holds the state after the tokens before the
+    /// query), STATE_ZERO (the query starts at position 0) or a checkpoint to copy in first.
+    pub state_from: Vec<i32>,
+    /// Hybrid models: `[S, 3]` (row, query offset j, checkpoint c), flat: after the step,
+    /// checkpoint c holds the row's state after its query token j. Restores come first.
+    pub state_saves: Vec<i32>,
     pub max_seqlen_q: usize,
     pub max_seqlen_k: usize,
 }
+
+/// `StepPlan::state_from`: the row's slot holds its state already.
+pub const STATE_CONTINUE: i32 = -1;
+/// `StepPlan::state_from`: the row starts from a zero state (its query starts at position 0).
+pub const STATE_ZERO: i32 = -2;
 
 impl StepPlan {
     pub fn num_seqs(&self) -> usize {
@@ -154,6 +166,8 @@ impl StepPlan {
             mask_words: 0,
             forced_ids: Vec::new(),
             cu_forced: vec![0],
+            state_from: Vec::with_capacity(b),
+            state_saves: Vec::new(),
             max_seqlen_q: 0,
             max_seqlen_k: 0,
         }
@@ -231,6 +245,11 @@ pub(crate) fn push_plan_row(
         .push(if end < len { seq.token(end) as i64 } else { -1 });
     p.request_slots
         .push(seq.slot.expect("running request has a slot") as i32);
+    p.state_from.push(match seq.state_restore {
+        _ if seq.num_computed == 0 => STATE_ZERO,
+        Some(c) => c as i32,
+        None => STATE_CONTINUE,
+    });
     push_sampling(p, seq, seed);
     p.max_seqlen_q = p.max_seqlen_q.max(q + lookahead);
     p.max_seqlen_k = p.max_seqlen_k.max(stop);
@@ -392,4 +411,32 @@ pub fn request_seed(seed: i64, row_index: i64) -> i64 {
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^= z >> 31;
     (z & (i64::MAX as u64)) as i64
+}
+
+/// Hybrid models: appends to `p.state_saves` row `r`'s checkpoints, the ends of the blocks
+/// at checkpoint positions whose last token its query (from token `from` up to
+/// `seq.num_computed`) computes, where no checkpoint holds that prefix yet. The blocks' hashes
+/// must be known (`register_computed` ran).
+pub(crate) fn push_state_saves(
+    p: &mut StepPlan,
+    r: usize,
+    seq: &Sequence,
+    from: usize,
+    bm: &mut BlockManager,
+) {
+    if !bm.caching() || !bm.states.recurrent() {
+        return;
+    }
+    let bs = bm.block_size();
+    let full = seq.num_computed.min(seq.known_len()) / bs;
+    for j in from / bs..full.min(seq.block_hashes.len()) {
+        let end = (j + 1) * bs;
+        if end <= from || !bm.states.at_boundary(end) {
+            continue;
+        }
+        if let Some(c) = bm.states.assign(seq.block_hashes[j]) {
+            p.state_saves
+                .extend([r as i32, (end - 1 - from) as i32, c as i32]);
+        }
+    }
 }
