@@ -21,7 +21,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglebatch.attention import allocate_kv_cache
 from eaglebatch.attention.base import AttentionMetadata
 from eaglebatch.model.causal_lm import CausalLM
 from eaglebatch.speculative import SpecWorker, load_draft
@@ -29,6 +28,9 @@ from eaglebatch.speculative.mtp import MtpDraft
 from support.fake_scheduler import FakeRequest, FakeScheduler
 from support.spec_models import target_worker
 from support.tiny import make_tiny_model
+from test_hybrid_models import HYBRIDS as HYBRID_KINDS
+from test_hybrid_models import SHAPE as HYBRID_SHAPE
+from test_hybrid_models import AcceptSpy
 from test_runner import run_job
 from test_verify import chi2_critical_001, chi_square
 
@@ -100,6 +102,20 @@ def qwen3_target(path: Path, *, num_layers: int, agree: bool = False, vocab: int
     return add_mtp(path, agree=agree, seed=seed + 1)
 
 
+HYBRID_FAMILIES = ("qwen3_5_text", "qwen3_next")
+
+
+def hybrid_target(path: Path, family: str, *, repeating: bool = False) -> Path:
+    """A tiny hybrid checkpoint (test_hybrid_models' shapes: 3 linear layers, then a full
+    one) with a random MTP layer; `repeating`: module doc of the hybrid tests below."""
+    make_tiny_model(path, init_std=0.1, max_position_embeddings=1024, tie_word_embeddings=True,
+                    **{**HYBRID_SHAPE, **HYBRID_KINDS[family]})  # fmt: skip
+    add_mtp(path, seed=1)
+    if repeating:
+        _repeat(path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("mtp")
@@ -112,17 +128,26 @@ def targets(tmp_path_factory) -> dict[str, Path]:
 
 def _reference(model_dir: Path, ids, features) -> torch.Tensor:
     """norm(layer(fc(cat[norm_e(E(ids)), norm_h(features)]))) at positions 0..n-1, the layer and
-    norms transformers' own (a one-layer Qwen3 model holding the MTP layer's weights)."""
+    norms transformers' own: a one-layer model of the family holding the MTP layer's weights,
+    written as a checkpoint and loaded by transformers (which converts the experts' names)."""
+    import copy
+
     cfg = json.loads((model_dir / "config.json").read_text())
     t = {**_tensors(model_dir), **load_file(str(model_dir / "mtp.safetensors"))}
     one = {k: v for k, v in cfg.items() if k not in ("layer_types", "max_window_layers")}
-    hf_cfg = transformers.Qwen3Config(**{**one, "num_hidden_layers": 1})
-    layer_model = transformers.Qwen3Model(hf_cfg).eval()
-    state = {k[len("mtp."):]: v for k, v in t.items() if k.startswith("mtp.layers.")}
-    state["norm.weight"] = t["mtp.norm.weight"]
-    state["embed_tokens.weight"] = t["model.embed_tokens.weight"]
-    layer_model.load_state_dict(state)
-    norm = transformers.models.qwen3.modeling_qwen3.Qwen3RMSNorm(cfg["hidden_size"], 1e-5)
+    one.update(num_hidden_layers=1, layer_types=["full_attention"], mlp_only_layers=[],
+               decoder_sparse_step=1)  # fmt: skip
+    state = {"model." + k[len("mtp."):]: v for k, v in t.items() if k.startswith("mtp.layers.")}
+    state.update({"model.norm.weight": t["mtp.norm.weight"],
+                  "model.embed_tokens.weight": t["model.embed_tokens.weight"]})  # fmt: skip
+    if "lm_head.weight" in t:
+        state["lm_head.weight"] = t["lm_head.weight"]
+    folder = model_dir.parent / f"{model_dir.name}-mtp-reference"
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(one))
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    layer_model = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).model.eval()
+    norm = copy.deepcopy(layer_model.norm)  # the family's kind ((1 + w) in Qwen3.5)
 
     def normed(x, name):
         norm.weight.data.copy_(t[name])
@@ -135,26 +160,29 @@ def _reference(model_dir: Path, ids, features) -> torch.Tensor:
                            ).last_hidden_state[0]  # fmt: skip
 
 
-def test_one_step_equals_the_math_on_transformers_layer(targets):
-    """Positions 0..n-1, reading (f_p, x_{p+1}) with f_p the model's final-normed state."""
-    path = targets["random"]
+@pytest.mark.parametrize("family", ["qwen3", *HYBRID_FAMILIES])
+def test_one_step_equals_the_math_on_transformers_layer(tmp_path, targets, family):
+    """Positions 0..n-1, reading (f_p, x_{p+1}) with f_p the model's final-normed state; the
+    hybrids' layer is their gated full attention (partial rotary, (1 + w) norms; Qwen3-Next's
+    experts)."""
+    path = targets["random"] if family == "qwen3" else hybrid_target(tmp_path / family, family)
     model = CausalLM.from_pretrained(path)
     draft = load_draft(path, model.config, model)
-    assert isinstance(draft, MtpDraft) and draft.capture_layers == (3,)
+    assert isinstance(draft, MtpDraft)
+    assert draft.capture_layers == (model.config.num_hidden_layers,)
     ids = torch.randint(0, 320, (11,), generator=torch.Generator().manual_seed(2))
     n = len(ids) - 1
     blocks = -(-n // BLOCK)
     table = np.arange(blocks, dtype=np.int32)[None]
     meta = AttentionMetadata.from_numpy([0, n], [n], table, np.arange(n), BLOCK, "cpu")
-    caches = allocate_kv_cache(model.config, blocks, BLOCK, torch.float32, "cpu")
-    model.backend.prepare(meta)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
     with torch.no_grad():
-        hidden = model(ids[:n], torch.arange(n), meta, caches)  # [n, H] f_0..f_{n-1}
+        hidden = hf.model(ids[None, :n]).last_hidden_state[0]  # [n, H] f_0..f_{n-1}
         draft.backend.prepare(meta)
         got = draft(ids[1:], hidden, torch.arange(n), meta, draft.allocate_kv_cache(blocks, BLOCK))
         want = _reference(path, ids[1:], hidden)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        logits = transformers.AutoModelForCausalLM.from_pretrained(str(path)).lm_head(want)
+        logits = hf.get_output_embeddings()(want)
         torch.testing.assert_close(draft.compute_logits(got), logits, rtol=1e-5, atol=1e-5)
 
 
@@ -253,6 +281,95 @@ def test_sampled_tokens_follow_the_target_distribution(tmp_path, agree):
     cells = out[:, 0] * vocab * vocab + out[:, 1] * vocab + out[:, 2]
     stat, dof = chi_square(torch.bincount(cells, minlength=vocab**3), joint)
     assert dof >= 10 and stat < chi2_critical_001(dof), (stat, dof)
+
+
+# ---- hybrid models (linear-attention layers: the target's state rolls back after a round) ------
+#
+# A "repeating" MTP layer drafts the token it reads: fc reads the embedding only, the layer adds
+# nothing (its o_proj and down projections zero) and its norms scale by 1 (w = 0 of the (1 + w)
+# norms), so its output is the token's embedding over its RMS, which the tied LM head scores
+# highest for that token. The target's residual branches are damped so that its greedy output
+# repeats tokens in runs: rounds where no draft, some and all are accepted all occur.
+
+
+def _repeat(path: Path, damping: float = 0.35) -> None:
+    mtp = load_file(str(path / "mtp.safetensors"))
+    h = mtp["mtp.norm.weight"].shape[0]
+    for name, t in mtp.items():
+        if "o_proj" in name or "down_proj" in name:
+            t.zero_()
+    mtp["mtp.fc.weight"] = torch.cat((torch.eye(h), torch.zeros(h, h)), dim=1)
+    mtp["mtp.norm.weight"].zero_()
+    mtp["mtp.pre_fc_norm_embedding.weight"].zero_()
+    save_file(mtp, str(path / "mtp.safetensors"), metadata={"format": "pt"})
+    target = _tensors(path)
+    for name, t in target.items():
+        if any(s in name for s in ("o_proj", "down_proj", "out_proj")):
+            t.mul_(damping)
+    save_file(target, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="module", params=HYBRID_FAMILIES)
+def hybrid(request, tmp_path_factory) -> Path:
+    return hybrid_target(tmp_path_factory.mktemp(request.param), request.param, repeating=True)
+
+
+HYBRID_PROMPTS = ["hello there " * 3, "abc", "the cat sat on the mat", "x", "qwerty",
+                  "12345 12345", "a b c d", "zz"]  # fmt: skip
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_hybrid_speculative_equals_plain(tmp_path, hybrid, batch):
+    common = ["sampling.max_new_tokens=32", f"engine.max_batch_size={batch}",
+              "engine.max_num_batched_tokens=16"]  # fmt: skip
+    plain, _ = run_job(tmp_path, hybrid, HYBRID_PROMPTS, overrides=common, name="plain")
+    spies = []
+    spec, res = run_job(tmp_path, hybrid, HYBRID_PROMPTS, name="spec",
+                        overrides=[*common, "draft=mtp", "speculative.num_steps=3",
+                                   "speculative.adaptive=false", "speculative.prompt_lookup_min=0"],
+                        wrap=lambda w: spies.append(AcceptSpy(w)) or spies[-1])  # fmt: skip
+    assert spec.column("output_token_ids").to_pylist() == plain.column(
+        "output_token_ids").to_pylist()  # fmt: skip
+    outcomes = Counter("none" if a == 0 else "all" if a == k else "some"
+                       for k, row in spies[0].rounds if k > 0 for a in row)  # fmt: skip
+    assert outcomes["none"] and outcomes["some"] and outcomes["all"], outcomes
+
+
+def test_hybrid_sampled_tokens_follow_the_model_distribution(tmp_path):
+    """2000 rows of one prompt, each its own seed, drafting by the MTP layer (k = 2): the first
+    token, the second given the first and the third given the first two (the prefill's, a
+    verify round's, then the same round's or the next one's, which reads the state the first
+    round rolled back to) follow the model's distributions. One chi-square over the first
+    token's counts and the next-token counts after every prefix drawn 50 times or more (exact
+    given the prefixes; a pooled cell of the pairs never drawn would not be)."""
+    from support.tiny import byte_tokenizer
+
+    path = hybrid_target(tmp_path / "m", "qwen3_5_text", repeating=True)
+    n, text, temp, vocab = 2000, "the cat", 0.3, 320
+    over = ["draft=mtp", "speculative.num_steps=2", "speculative.adaptive=false",
+            "speculative.prompt_lookup_min=0", f"sampling.temperature={temp}",
+            "engine.max_batch_size=64", "sampling.max_new_tokens=3", "sampling.ignore_eos=true"]
+    table, res = run_job(tmp_path, path, [text] * n, overrides=over)
+    assert 0 < res.stats["drafts"]["accepted"] < res.stats["drafts"]["drafted"]
+    out = torch.tensor([t[:3] for t in table.column("output_token_ids").to_pylist()])  # [n, 3]
+    ids = byte_tokenizer().encode(text).ids
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path)).eval()
+
+    def dist(prefix: tuple[int, ...]) -> torch.Tensor:  # [V] the model's next-token distribution
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids + list(prefix)])).logits[0, -1]
+        return torch.softmax(logits.double() / temp, -1)
+
+    total, dofs = 0.0, 0
+    for depth in range(3):
+        prefixes = Counter(map(tuple, out[:, :depth].tolist()))
+        for prefix, count in prefixes.items():
+            if count < 50:
+                continue
+            rows = (out[:, :depth] == torch.tensor(prefix, dtype=out.dtype)).all(dim=1)
+            stat, dof = chi_square(torch.bincount(out[rows, depth], minlength=vocab), dist(prefix))
+            total, dofs = total + stat, dofs + dof
+    assert dofs >= 10 and total < chi2_critical_001(dofs), (total, dofs)
 
 
 # ---- refused -----------------------------------------------------------------------------------
