@@ -246,6 +246,19 @@ def test_a_job_with_draft_mtp_equals_plain(tmp_path, targets, batch):
         "output_token_ids").to_pylist()  # fmt: skip
 
 
+def test_the_python_api_takes_draft_mtp(targets):
+    from eaglebatch import Engine
+
+    path = targets["agreeing"]
+    prompts = ["one two", "three"]
+    with Engine(str(path)) as plain:
+        want = plain.generate(prompts, sampling={"max_new_tokens": 12})
+    with Engine(str(path), draft="mtp", speculative={"adaptive": False}) as spec:
+        got = spec.generate(prompts, sampling={"max_new_tokens": 12})
+    assert got.column("output_text").to_pylist() == want.column("output_text").to_pylist()
+    assert sum(got.column("accepted_tokens").to_pylist()) > 0
+
+
 # ---- sampling ----------------------------------------------------------------------------------
 
 

@@ -8,7 +8,8 @@ and partial rotary (`partial_rotary_factor`, default 0.25); the linear layers' s
 `linear_*` keys (deltanet_shape.py). The rotary is multimodal (mrope sections over temporal,
 height and width positions): for text every section holds the same position, which is plain
 RoPE over the rotated dims, so `mrope_section` / `mrope_interleaved` change nothing here.
-The checkpoints' `mtp.*` tensors (the multi-token-prediction drafter) are not loaded.
+The checkpoints' `mtp.*` tensors are not the model's: they are the MTP drafter's
+(`draft: mtp`, speculative/mtp.py).
 """
 
 from __future__ import annotations

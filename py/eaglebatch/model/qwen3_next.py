@@ -4,7 +4,7 @@ renormalised when `norm_topk_prob`, a gated shared expert of
 `shared_expert_intermediate_size`), dense MLPs of `intermediate_size` on the layers in
 `mlp_only_layers` or off the `decoder_sparse_step` grid. Its linear layers store fused,
 interleaved projections (`in_proj_qkvz`, `in_proj_ba`), split by deltanet_layout.py.
-The checkpoints' `mtp.*` tensors are not loaded."""
+The checkpoints' `mtp.*` tensors are the MTP drafter's (`draft: mtp`, speculative/mtp.py)."""
 
 from __future__ import annotations
 
