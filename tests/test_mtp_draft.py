@@ -23,11 +23,14 @@ from safetensors.torch import load_file, save_file
 
 from eaglebatch.attention.base import AttentionMetadata
 from eaglebatch.model.causal_lm import CausalLM
+from eaglebatch.runner import build_worker
 from eaglebatch.speculative import SpecWorker, load_draft
 from eaglebatch.speculative.mtp import MtpDraft
 from support.fake_scheduler import FakeRequest, FakeScheduler
 from support.spec_models import target_worker
 from support.tiny import make_tiny_model
+from test_graphs import _job as graph_job
+from test_graphs import _outputs as graph_outputs
 from test_hybrid_models import HYBRIDS as HYBRID_KINDS
 from test_hybrid_models import SHAPE as HYBRID_SHAPE
 from test_hybrid_models import AcceptSpy
@@ -244,6 +247,20 @@ def test_a_job_with_draft_mtp_equals_plain(tmp_path, targets, batch):
     adaptive, _ = run_job(tmp_path / "a", path, prompts, overrides=[*common, "draft=mtp"])
     assert adaptive.column("output_token_ids").to_pylist() == plain.column(
         "output_token_ids").to_pylist()  # fmt: skip
+
+
+def test_graph_steps_equal_plain(tmp_path, targets):
+    """The uniform (CUDA-graph) steps, run eagerly on the CPU: the MTP layer's chain and extend
+    captured per bucket as a head's are."""
+    path = targets["agreeing"]
+    prompts = [f"prompt {i} " * (1 + i % 3) for i in range(6)]
+    runs = {}
+    for name, extra in (("plain", []), ("spec", ["draft=mtp", "speculative.adaptive=false"])):
+        prep = graph_job(tmp_path, path, prompts, name, ["engine.max_batch_size=4", *extra])
+        runs[name] = graph_outputs(prep, build_worker(prep, graph_mode="eager"))
+    assert runs["spec"][1].stats["cuda_graphs"]["replays"] > 0
+    assert runs["spec"][1].stats["drafts"]["accepted"] > 0
+    assert runs["spec"][0] == runs["plain"][0]
 
 
 def test_the_python_api_takes_draft_mtp(targets):
