@@ -163,7 +163,7 @@ def _reference(model_dir: Path, ids, features) -> torch.Tensor:
                            ).last_hidden_state[0]  # fmt: skip
 
 
-@pytest.mark.parametrize("family", ["qwen3", *HYBRID_FAMILIES])
+@pytest.mark.parametrize("family", ["qwen3", *HYBRID_FAMILIES, "qwen3_5_moe_text"])
 def test_one_step_equals_the_math_on_transformers_layer(tmp_path, targets, family):
     """Positions 0..n-1, reading (f_p, x_{p+1}) with f_p the model's final-normed state; the
     hybrids' layer is their gated full attention (partial rotary, (1 + w) norms; Qwen3-Next's
