@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -449,3 +450,39 @@ def test_a_model_without_a_usable_mtp_layer_exits_2_naming_draft(tmp_path, comma
     assert r.exit_code == 2, r.output
     assert "draft: mtp" in r.output and words in r.output, r.output
     assert "Traceback" not in r.output
+
+
+def test_a_gguf_model_is_refused_for_draft_mtp(targets):
+    """The MTP layer loads from a safetensors checkpoint only (refused before the MTP check)."""
+    import dataclasses
+
+    from eaglebatch.errors import JobError
+    from eaglebatch.job.model_files import check_model_dir
+    from eaglebatch.model.config import ModelConfig
+    from eaglebatch.prepare import _check_draft
+
+    path = targets["random"]
+    job = SimpleNamespace(draft="mtp")
+    mf = check_model_dir(path)
+    _check_draft(job, path, mf, ModelConfig.from_dir(path))  # the safetensors model: fits
+    gguf = dataclasses.replace(mf, gguf=path / "model.gguf")
+    with pytest.raises(JobError, match=r"^draft: mtp: the model is the GGUF file"):
+        _check_draft(job, path, gguf, ModelConfig.from_dir(path))
+
+
+@pytest.mark.parametrize("raw, count", [
+    ({"mtp_num_hidden_layers": 1}, 1),
+    ({"text_config": {"mtp_num_hidden_layers": 1}}, 1),  # a multimodal config's text tower
+    ({}, 0),
+    ({"mtp_num_hidden_layers": True}, None),
+    ({"mtp_num_hidden_layers": -1}, None),
+])  # fmt: skip
+def test_mtp_layer_count(raw, count):
+    from eaglebatch.speculative.mtp_config import mtp_layer_count, states_mtp
+
+    assert states_mtp(raw) == (raw != {})
+    if count is None:
+        with pytest.raises(ValueError, match="mtp_num_hidden_layers must be a count"):
+            mtp_layer_count(raw)
+    else:
+        assert mtp_layer_count(raw) == count
