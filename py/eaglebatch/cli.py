@@ -87,7 +87,8 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
         files, total, output = _check_job(job, checked)
     draft = ""
     if job.draft == builtin.MTP_DRAFT:
-        resolve_draft_dir(job.draft, model_dir=model_dir)  # a builtin model has no MTP layer
+        if model_dir is None:  # run's check (prepare) on a builtin's materialised folder
+            raise JobError(f"draft: mtp: the builtin model {job.model} has no MTP layer")
         draft = ", draft mtp (the model's own MTP layer)"
     elif job.draft is not None:
         draft = f", draft {resolve_draft_dir(job.draft)}"
