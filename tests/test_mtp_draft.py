@@ -33,8 +33,8 @@ from support.tiny import make_tiny_model
 from test_graphs import _job as graph_job
 from test_graphs import _outputs as graph_outputs
 from test_hybrid_models import HYBRIDS as HYBRID_KINDS
+from test_hybrid_models import PREAMBLE, AcceptSpy
 from test_hybrid_models import SHAPE as HYBRID_SHAPE
-from test_hybrid_models import AcceptSpy
 from test_runner import run_job
 from test_verify import chi2_critical_001, chi_square
 
@@ -364,6 +364,24 @@ def test_hybrid_speculative_equals_plain(tmp_path, hybrid, batch):
     outcomes = Counter("none" if a == 0 else "all" if a == k else "some"
                        for k, row in spies[0].rounds if k > 0 for a in row)  # fmt: skip
     assert outcomes["none"] and outcomes["some"] and outcomes["all"], outcomes
+
+
+def test_hybrid_prefix_caching_with_draft_mtp_equals_plain(tmp_path, hybrid):
+    """Rows sharing test_hybrid_models' 512-token preamble, served from the prefix cache (the
+    target's state checkpoint and the MTP layer's K/V of the shared blocks): the tokens of
+    plain decoding without caching."""
+    prompts = [PREAMBLE + p for p in HYBRID_PROMPTS[:6]]
+    common = ["sampling.max_new_tokens=24", "engine.max_batch_size=4",
+              "engine.max_num_batched_tokens=128", "engine.kv_cache_tokens=1536"]  # fmt: skip
+    plain, _ = run_job(tmp_path, hybrid, prompts, name="plain",
+                       overrides=[*common, "engine.prefix_caching=false"])  # fmt: skip
+    spec, res = run_job(tmp_path, hybrid, prompts, name="spec",
+                        overrides=[*common, "engine.prefix_caching=true", "draft=mtp",
+                                   "speculative.adaptive=false"])  # fmt: skip
+    assert spec.column("output_token_ids").to_pylist() == plain.column(
+        "output_token_ids").to_pylist()  # fmt: skip
+    assert sum(spec.column("cached_tokens").to_pylist()) > 0
+    assert res.stats["drafts"]["accepted"] > 0
 
 
 def test_hybrid_sampled_tokens_follow_the_model_distribution(tmp_path):
