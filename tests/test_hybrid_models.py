@@ -59,7 +59,7 @@ def _hf_logits(hf, ids: list[int]) -> torch.Tensor:  # [T, V]
         return hf(torch.tensor([ids])).logits[0].float()
 
 
-def _run(model, caches, seqs: PagedSequences, batch, ctx: StepContext) -> torch.Tensor:
+def _forward(model, caches, seqs: PagedSequences, batch, ctx: StepContext) -> torch.Tensor:
     ids, pos, meta = seqs.step(batch)
     model.backend.prepare(meta)
     model.states.context = ctx
@@ -89,15 +89,15 @@ def test_prefill_then_decode_and_verify_equal_transformers(hybrid) -> None:
     batch = [(0, seqs_ids[0][:37]), (1, seqs_ids[1][:21])]
     ctx = StepContext(slots=[0, 3], lengths=[37, 21], chunked=[True, True],
                       saves=[(0, 15, 4), (1, 20, 5)])  # fmt: skip
-    got = _run(model, caches, seqs, batch, ctx)
+    got = _forward(model, caches, seqs, batch, ctx)
     torch.testing.assert_close(got[:37], want[0][:37], **TOL)
     torch.testing.assert_close(got[37:], want[1][:21], **TOL)
     ctx = StepContext(slots=[0, 3], lengths=[1, 1], chunked=[False, False])
-    got = _run(model, caches, seqs, [(0, [seqs_ids[0][37]]), (1, [seqs_ids[1][21]])], ctx)
+    got = _forward(model, caches, seqs, [(0, [seqs_ids[0][37]]), (1, [seqs_ids[1][21]])], ctx)
     torch.testing.assert_close(got[0], want[0][37], **TOL)
     torch.testing.assert_close(got[1], want[1][21], **TOL)
     ctx = StepContext(slots=[0, 3], lengths=[4, 4], chunked=[False, False], keep=True)
-    got = _run(model, caches, seqs, [(0, seqs_ids[0][38:42]), (1, seqs_ids[1][22:26])], ctx)
+    got = _forward(model, caches, seqs, [(0, seqs_ids[0][38:42]), (1, seqs_ids[1][22:26])], ctx)
     torch.testing.assert_close(got[:4], want[0][38:42], **TOL)
     torch.testing.assert_close(got[4:], want[1][22:26], **TOL)
     # row 0 accepts 1 draft (keeps the state after query token 1), row 1 none
@@ -105,7 +105,7 @@ def test_prefill_then_decode_and_verify_equal_transformers(hybrid) -> None:
     seqs.truncate(0, 40)
     seqs.truncate(1, 23)
     ctx = StepContext(slots=[0, 3], lengths=[1, 1], chunked=[False, False])
-    got = _run(model, caches, seqs, [(0, [seqs_ids[0][40]]), (1, [seqs_ids[1][23]])], ctx)
+    got = _forward(model, caches, seqs, [(0, [seqs_ids[0][40]]), (1, [seqs_ids[1][23]])], ctx)
     torch.testing.assert_close(got[0], want[0][40], **TOL)
     torch.testing.assert_close(got[1], want[1][23], **TOL)
 
@@ -119,11 +119,11 @@ def test_a_checkpoint_restores_a_prefix(hybrid) -> None:
     want = _hf_logits(hf, ids)
     seqs = PagedSequences(64, 16)
     model.states.restore([1], [STATE_ZERO])
-    _run(model, caches, seqs, [(0, ids)], StepContext([1], [30], [True], saves=[(0, 15, 4)]))
+    _forward(model, caches, seqs, [(0, ids)], StepContext([1], [30], [True], saves=[(0, 15, 4)]))
     seqs.tables[1] = list(seqs.tables[0][:1])  # the cached block
     seqs.lengths[1] = 16
     model.states.restore([2], [0])
-    got = _run(model, caches, seqs, [(1, ids[16:])], StepContext([2], [14], [True]))
+    got = _forward(model, caches, seqs, [(1, ids[16:])], StepContext([2], [14], [True]))
     torch.testing.assert_close(got, want[16:], **TOL)
 
 
