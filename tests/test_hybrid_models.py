@@ -173,6 +173,17 @@ def test_default_partial_rotary_is_a_quarter() -> None:
     assert ModelConfig.from_dict({**raw, "full_attention_interval": 2}).linear_layers == (0, 2)
 
 
+def test_hybrid_steps_run_eagerly() -> None:
+    """No CUDA graphs for hybrid models: unset means off, `engine.cuda_graph: true` is refused
+    naming the key."""
+    from eaglebatch.errors import JobError
+    from eaglebatch.job.engine_settings import hybrid_graph_mode
+
+    assert hybrid_graph_mode(None) == hybrid_graph_mode(False) == "off"
+    with pytest.raises(JobError, match="^engine.cuda_graph: true is not supported"):
+        hybrid_graph_mode(True)
+
+
 def test_state_rows_hold_slots_then_checkpoints(hybrid) -> None:
     model, _ = _ours(hybrid[1], slots=3, checkpoints=2)
     states = model.states
@@ -207,8 +218,7 @@ def _run(tmp, path, prompts, over, name="out", wrap=None, columns=None):
                    overrides=["sampling.max_new_tokens=32", *over])  # fmt: skip
 
 
-@pytest.mark.parametrize("gemm", ["native", "torch"])
-@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("batch, gemm", [(1, "native"), (8, "native"), (8, "torch")])
 def test_greedy_32_tokens_equal_transformers_with_chunks_and_preemption(tmp_path, hybrid_e2e,
                                                                          gemm, batch):  # fmt: skip
     """Greedy 32 tokens on 8 prompts at batch 1 and 8, prompts in 16-token chunks, and at
@@ -268,19 +278,25 @@ def test_speculative_equals_plain(tmp_path, hybrid_e2e, batch):
                              aux_layer_ids=(0, 1, 2))  # fmt: skip
     spec = [f"draft={head}", "speculative.num_steps=3", "speculative.adaptive=false",
             f"engine.max_batch_size={batch}", *CHUNKS]  # fmt: skip
-    for lookup in (False, True):
+    spies = []
+
+    def spy(worker):
+        spies.append(AcceptSpy(worker))
+        return spies[-1]
+
+    for lookup in (False, True) if batch > 1 else (True,):  # CI time: the head alone once
         extra = [] if lookup else ["speculative.prompt_lookup_min=0"]
-        table, _ = _run(tmp_path, path, PROMPTS, [*spec, *extra], name=f"spec{lookup}")
+        table, _ = _run(tmp_path, path, PROMPTS, [*spec, *extra], name=f"spec{lookup}",
+                        wrap=spy)  # fmt: skip
         assert _tokens(table) == reference
     formats = {"rf": [FORCED] * len(PROMPTS)}
     grammar = ["input.sampling_columns={response_format: rf}"]
     plain, _ = _run(tmp_path, path, PROMPTS, [*grammar, f"engine.max_batch_size={batch}"],
                     name="plain", columns=formats)  # fmt: skip
-    spy = []
     table, _ = _run(tmp_path, path, PROMPTS, [*spec, *grammar], name="forced", columns=formats,
-                    wrap=lambda w: spy.append(AcceptSpy(w)) or spy[0])  # fmt: skip
+                    wrap=spy)  # fmt: skip
     assert _tokens(table) == _tokens(plain)
-    seen = {(a == 0, a == k) for k, row in spy[0].rounds for a in row if k > 0}
+    seen = {(a == 0, a == k) for s in spies for k, row in s.rounds for a in row if k > 0}
     assert {(True, False), (False, False), (False, True)} <= seen  # none, some, all
 
 
@@ -289,7 +305,9 @@ def test_prefix_caching_on_and_off_equal_with_a_512_token_preamble(tmp_path, hyb
     """Rows sharing a 512-token preamble: the cached run restores the checkpointed state and
     computes only the rest; tokens equal the uncached run's (and transformers'): plain, under
     preemption (a cache of 640 tokens), and with speculative decoding."""
-    _, path, hf, _ = hybrid_e2e
+    name, path, hf, _ = hybrid_e2e
+    if spec and name != "qwen3_5_text":
+        pytest.skip("CI time: the state handling under speculation is the families' shared one")
     prompts = [PREAMBLE + p for p in PROMPTS[:6]]
     reference = HF_REFS.setdefault((path, "pre"), [hf_greedy(hf, p, max_new=32) for p in prompts])
     extra = []
@@ -309,9 +327,8 @@ def test_prefix_caching_on_and_off_equal_with_a_512_token_preamble(tmp_path, hyb
     assert spec or runs[True][1].stats["preemptions"] > 0  # plain: 4 rows overflow the cache
 
 
-@pytest.mark.parametrize("speculative", [False, True])
-def test_sampled_tokens_follow_the_model_distribution(tmp_path, hybrid_e2e, speculative):
-    """2000 rows of one prompt, each its own seed, speculative (a random head, k = 2): the
+def test_sampled_tokens_follow_the_model_distribution(tmp_path, hybrid_e2e):
+    """1000 rows of one prompt, each its own seed, speculative (a random head, k = 2): the
     joint distribution of the first three tokens (the prefill's, then a verify round's, then
     the next round's, which reads the state the first round rolled back to) is the model's."""
     from test_verify import chi2_critical_001, chi_square
@@ -319,14 +336,13 @@ def test_sampled_tokens_follow_the_model_distribution(tmp_path, hybrid_e2e, spec
     name, path, hf, _ = hybrid_e2e
     if name != "qwen3_5_text":
         pytest.skip("one family is enough: the state handling is shared")
-    n, prompt, temp = 2000, "the cat", 0.3  # a peaked distribution: cells worth counting
+    n, prompt, temp = 1000, "the cat", 0.3  # a peaked distribution: cells worth counting
     head = init_random_draft(tmp_path / "head", path, kind="eagle3", seed=6,
                              aux_layer_ids=(0, 1, 2))  # fmt: skip
     over = [f"sampling.temperature={temp}", "engine.max_batch_size=64",
-            "sampling.max_new_tokens=3", "sampling.ignore_eos=true"]
-    if speculative:
-        over += [f"draft={head}", "speculative.num_steps=2", "speculative.adaptive=false",
-                 "speculative.prompt_lookup_min=0"]  # fmt: skip
+            "sampling.max_new_tokens=3", "sampling.ignore_eos=true", f"draft={head}",
+            "speculative.num_steps=2", "speculative.adaptive=false",
+            "speculative.prompt_lookup_min=0"]  # fmt: skip
     table, _ = run_job(tmp_path, path, [prompt] * n, overrides=over)
     out = torch.tensor([t[:3] for t in _tokens(table)])  # [n, 3]
     ids = byte_tokenizer().encode(prompt).ids
