@@ -25,6 +25,7 @@ from eaglebatch.job.checks import (
 from eaglebatch.job.config import JobConfig
 from eaglebatch.job.inputs import check_batch_input, check_input, check_output_apart, kept_columns
 from eaglebatch.job.model_files import ModelFiles, model_files, resolve_draft_dir
+from eaglebatch.job.state_budget import state_plan
 from eaglebatch.model.config import ModelConfig
 from eaglebatch.output.directory import check_output_kind
 from eaglebatch.output.results_file import check_results_path
@@ -107,7 +108,6 @@ def _memory_plan(job: JobConfig, mf: ModelFiles, cfg, settings: EngineSettings, 
     """What a CPU run will hold (job/memory.py); None on other devices."""
     # lazy: torch and the extension, which validate and status never need
     from eaglebatch.cpu.stored import stored_bytes
-    from eaglebatch.job.state_budget import state_plan
     from eaglebatch.worker import job_kv, plan_kv_budget
 
     if settings.device.type != "cpu":

@@ -1,7 +1,8 @@
 """The worker: owns the weights, the paged KV cache and sampling; turns a StepPlan into tokens.
 
-It keeps no per-request state of its own (plain decoding); everything about requests lives in
-the Rust scheduler. Inputs arrive as numpy arrays and are moved to the device once per step.
+It keeps no per-request state of its own (plain decoding) but a hybrid model's recurrent
+states, per request slot, which the scheduler's plans say how to restore and save
+(`prepare_states`); everything else about requests lives in the Rust scheduler. Inputs arrive as numpy arrays and are moved to the device once per step.
 """
 
 from __future__ import annotations
