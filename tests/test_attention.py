@@ -334,6 +334,9 @@ class _Layers:
     def kv_source(self, layer: int) -> int:
         return 1 if layer == 3 else layer
 
+    def is_linear(self, layer: int) -> bool:
+        return False
+
 
 def test_kv_cache_per_layer_shapes_and_shared_layers() -> None:
     """Each layer's cache has its own (Hkv, D); a sharing layer holds its source's tensor and

@@ -113,6 +113,14 @@ def test_missing_required_key(tmp_path):
         load_job(write(tmp_path, "model: x\ninput:\n  path: a.parquet\n"))
 
 
+def test_draft_mtp_is_a_keyword_not_a_folder(tmp_path):
+    """`draft: mtp` (the model's own MTP layer) stays the keyword even beside a folder named
+    mtp, which is written ./mtp."""
+    (tmp_path / "mtp").mkdir()
+    assert load_job(write(tmp_path, BASE + "draft: mtp\n")).draft == "mtp"
+    assert load_job(write(tmp_path, BASE + "draft: ./mtp\n")).draft == str(tmp_path / "mtp")
+
+
 def test_builtin_models_and_drafts_may_be_spelt_as_builtin_inputs_are(tmp_path):
     over = ["model=builtin:gemma3-270m", "draft=builtin:smollm2-135m-instruct-eagle"]
     job = load_job(write(tmp_path, BASE), over)

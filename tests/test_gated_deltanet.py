@@ -9,7 +9,6 @@ from transformers import DynamicCache, Qwen3_5TextConfig, Qwen3NextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-from eaglebatch.model.config import ModelConfig
 from eaglebatch.model.deltanet_layout import split_ba, split_qkvz
 from eaglebatch.model.deltanet_shape import DeltaNetShape
 from eaglebatch.model.gated_deltanet import GatedDeltaNet
@@ -191,11 +190,3 @@ def test_bfloat16_activations_with_float32_states_equal_transformers(family: str
     torch.testing.assert_close(out_p, want_p)
     torch.testing.assert_close(out_n, want_n)
     torch.testing.assert_close(ssm_after[0], want_ssm, **TOL)
-
-
-@pytest.mark.parametrize("config", [Qwen3_5TextConfig, Qwen3NextConfig])
-def test_hybrid_checkpoints_stay_refused(config) -> None:
-    """The layers exist, but until the scheduler owns per-row recurrent states these
-    model_types are not registered: a job naming one exits 2 before any work."""
-    with pytest.raises(ValueError, match="unsupported model_type"):
-        ModelConfig.from_dict(config(**SIZES).to_dict())

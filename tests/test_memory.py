@@ -120,3 +120,77 @@ def test_the_cpu_default_kv_cache_always_holds_one_whole_sequence(tmp_path, long
     one = prepare(load_job(_job(tmp_path, long_model, "  prefix_caching: false\n")))
     assert one.memory_plan.kv_key == "one sequence of 8192 tokens, the longest"
     assert one.memory_plan.kv_bytes == 8192 // 16 * (2 * 16 * 1 * 16 * 4 * 2)
+
+
+HYBRID = dict(model_type="qwen3_5_text", hidden_size=32, num_layers=4, num_heads=2,
+              num_kv_heads=1, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=16, linear_value_head_dim=16)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """A hybrid linear-attention model: 3 Gated DeltaNet layers (a recurrent state per row,
+    no KV) and 1 attention layer."""
+    return make_tiny_model(tmp_path_factory.mktemp("mem-hybrid"), **HYBRID)
+
+
+def test_a_hybrid_run_says_its_recurrent_states(tmp_path, hybrid):
+    """The pool: max_batch_size request slots + 2 x max_batch_size prefix-cache checkpoints
+    (none without prefix caching), each row every linear layer's conv and SSM states."""
+    from eaglebatch.job.state_budget import state_plan
+    from eaglebatch.model.config import ModelConfig
+
+    job = _job(tmp_path, hybrid, "  kv_cache_tokens: 1024\n  max_batch_size: 8\n")
+    r = CliRunner().invoke(main, ["validate", job])
+    assert r.exit_code == 0, r.output
+    assert "recurrent states (8 request slots (engine.max_batch_size) + 16 prefix-cache" \
+        in r.output, r.output  # fmt: skip
+    cfg = ModelConfig.from_dir(hybrid)
+    row = 3 * cfg.deltanet.state_bytes
+    from eaglebatch.job.config import load_job
+
+    eng = load_job(job).engine
+    plan = state_plan(eng, cfg)
+    assert (plan.slots, plan.checkpoints, plan.interval, plan.row_bytes) == (8, 16, 256, row)
+    off = state_plan(eng.model_copy(update={"prefix_caching": False}), cfg)
+    assert off.checkpoints == 0 and off.nbytes == 8 * row
+
+
+def test_recurrent_states_that_cannot_fit_exit_2_naming_the_key(tmp_path, hybrid, monkeypatch):
+    """Model and buffers fit, the states of 4096 slots (and their checkpoints) do not."""
+    from eaglebatch.job.config import load_job
+    from eaglebatch.job.state_budget import state_plan
+    from eaglebatch.model.config import ModelConfig
+
+    job = _job(tmp_path, hybrid, "  kv_cache_tokens: 64\n  max_batch_size: 4096\n")
+    states = state_plan(load_job(job).engine, ModelConfig.from_dir(hybrid)).nbytes
+    monkeypatch.setattr(memory, "available_memory", lambda: states)
+    r = CliRunner().invoke(main, ["run", job])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert r.output.startswith("error: engine.max_batch_size: "), r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_kv_budget_takes_the_recurrent_states_first(hybrid, monkeypatch):
+    """On any device the pool comes out of the memory the KV cache may take; a pool larger
+    than that is a JobError naming engine.max_batch_size."""
+    import torch
+
+    from eaglebatch import worker
+    from eaglebatch.errors import JobError
+    from eaglebatch.job.config import EngineConfig
+    from eaglebatch.job.state_budget import state_plan
+    from eaglebatch.model.config import ModelConfig
+
+    cfg = ModelConfig.from_dir(hybrid)
+    eng = EngineConfig(max_batch_size=64, kv_cache_memory_fraction=0.5)
+    plan = state_plan(eng, cfg)
+    per_block = worker.kv_cache_bytes_per_block(cfg, eng.block_size, torch.float32)
+    free = 2 * (plan.nbytes + 100 * per_block)
+    monkeypatch.setattr(worker, "_free_memory", lambda device: free)
+    budget = worker.plan_kv_budget(eng, cfg, 10**6, torch.float32, torch.device("cpu"),
+                                   states=plan)  # fmt: skip
+    assert budget.num_blocks == 100 and budget.states == plan
+    monkeypatch.setattr(worker, "_free_memory", lambda device: plan.nbytes)
+    with pytest.raises(JobError, match="^engine.max_batch_size: "):
+        worker.plan_kv_budget(eng, cfg, 10**6, torch.float32, torch.device("cpu"), states=plan)

@@ -101,3 +101,14 @@ def test_a_memory_fraction_too_small_names_that_key(tmp_path, tiny_model_dir):
     r = CliRunner().invoke(main, ["run", str(job)])
     assert r.exit_code == 2, r.output
     assert "engine.kv_cache_memory_fraction" in r.output, r.output
+
+
+def test_draft_mtp_is_the_models_own_folder(tmp_path):
+    """`mtp` resolves to the model's folder where the key takes it (the job's `draft`), and
+    elsewhere (a key that takes a head folder only) is an error naming that key."""
+    from eaglebatch.errors import JobError
+    from eaglebatch.job.model_files import resolve_draft_dir
+
+    assert resolve_draft_dir("mtp", model_dir=tmp_path) == tmp_path
+    with pytest.raises(JobError, match=r"^head\.init_from: mtp names a model's own MTP layer"):
+        resolve_draft_dir("mtp", "head.init_from")

@@ -76,6 +76,7 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
 
     job = load_job(job_file, overrides)
     checked = check_job_input(job)  # input and output.path, before a model is copied, as run
+    model_dir = None
     if builtin.is_builtin_model(job.model):  # not materialised: run's checks that need no copy
         builtin.require_builtin_model_package(job.model)
         files, total = _check_builtin_job(job, checked)
@@ -84,7 +85,13 @@ def validate(job_file: str, overrides: tuple[str, ...]) -> None:
         model_dir = resolve_model_dir(job.model, job.storage)  # a GGUF: converted; a URL: copied
         model = str(check_model_dir(model_dir).dir)
         files, total, output = _check_job(job, checked)
-    draft = f", draft {resolve_draft_dir(job.draft)}" if job.draft is not None else ""
+    draft = ""
+    if job.draft == builtin.MTP_DRAFT:
+        if model_dir is None:  # run's check (prepare) on a builtin's materialised folder
+            raise JobError(f"draft: mtp: the builtin model {job.model} has no MTP layer")
+        draft = ", draft mtp (the model's own MTP layer)"
+    elif job.draft is not None:
+        draft = f", draft {resolve_draft_dir(job.draft)}"
     click.echo(
         f"ok: {job_file}: {len(files)} input file(s), {total} rows, model {model}{draft}{output}"
     )

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from eaglebatch.errors import JobError
 from eaglebatch.job import memory
+from eaglebatch.job.builtin import MTP_DRAFT
 from eaglebatch.job.checks import (
     check_chat_template,
     check_response_format,
@@ -24,6 +25,7 @@ from eaglebatch.job.checks import (
 from eaglebatch.job.config import JobConfig
 from eaglebatch.job.inputs import check_batch_input, check_input, check_output_apart, kept_columns
 from eaglebatch.job.model_files import ModelFiles, model_files, resolve_draft_dir
+from eaglebatch.job.state_budget import state_plan
 from eaglebatch.model.config import ModelConfig
 from eaglebatch.output.directory import check_output_kind
 from eaglebatch.output.results_file import check_results_path
@@ -115,31 +117,43 @@ def _memory_plan(job: JobConfig, mf: ModelFiles, cfg, settings: EngineSettings, 
     itemsize = settings.dtype.itemsize
     seq = settings.max_model_len + settings.max_draft_tokens
     extra = 1 if job.draft is not None else 0  # a draft head's layer over the same blocks
+    states = state_plan(eng, cfg)
     kv = plan_kv_budget(eng, cfg, seq, settings.dtype, settings.device, extra,
-                        job=job_kv(job, settings, requests_known(job, rows)))  # the worker's rule
+                        job=job_kv(job, settings, requests_known(job, rows)),
+                        states=states)  # the worker's rule  # fmt: skip
     plan = memory.MemoryPlan(
         model_bytes=memory.model_bytes(shapes, itemsize, blocks),
         kv_bytes=kv.num_blocks * kv.bytes_per_block, kv_key=kv.sized_by,
         available_bytes=memory.available_memory(),
         buffer_bytes=memory.buffer_bytes(cfg, eng.max_num_batched_tokens, eng.max_batch_size,
                                          itemsize),
-        experts=memory.mapped_experts(blocks, cfg),
+        experts=memory.mapped_experts(blocks, cfg), states=states,
     )  # fmt: skip
     return plan
 
 
-def _check_draft(draft: Path | None, cfg: ModelConfig) -> None:
+def _check_draft(job: JobConfig, draft: Path | None, mf: ModelFiles, cfg: ModelConfig) -> None:
     """A draft head must fit the model (hidden size, vocabulary, aux layers: draft_check) and
     its checkpoint files be whole (headers against file sizes), from config.json and the
-    headers, before any weight loads."""
+    headers, before any weight loads; `draft: mtp` needs the model's checkpoint to carry its
+    MTP layer (speculative/mtp_config.py)."""
     # lazy: torch and the extension, which validate and status never need
     from eaglebatch.speculative.draft_check import check_draft_dir
+    from eaglebatch.speculative.draft_config import read_raw_config
+    from eaglebatch.speculative.mtp import check_mtp_dir
 
-    if draft is not None:
-        try:
+    if draft is None:
+        return
+    try:
+        if job.draft != MTP_DRAFT:
             check_draft_dir(draft, cfg)
-        except (ValueError, OSError) as e:
-            raise JobError(f"draft: {draft}: {e}") from None
+        elif mf.gguf is not None:
+            raise ValueError(f"the model is the GGUF file {mf.gguf}; the MTP layer loads from a "
+                             "safetensors checkpoint only")  # fmt: skip
+        else:
+            check_mtp_dir(draft, read_raw_config(draft), cfg)
+    except (ValueError, OSError) as e:
+        raise JobError(f"draft: {job.draft}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -190,10 +204,10 @@ def prepare(
                 f"name a template file with model_chat_template: path/to/template.jinja"
             )
         check_chat_template(mf.chat_template, template_origin(job, mf))
-    draft = resolve_draft_dir(job.draft) if job.draft is not None else None
+    draft = resolve_draft_dir(job.draft, model_dir=mf.dir) if job.draft is not None else None
     engine, cfg, mem = _check_model_config(job, mf, total)
     vocab_size = cfg.vocab_size
-    _check_draft(draft, cfg)  # against the model's config.json, checked just above
+    _check_draft(job, draft, mf, cfg)  # against the model's config.json, checked just above
     if mem is not None and check_memory:
         memory.check(mem, job.engine.kv_cache_tokens, str(job.model))
     check_response_format(job, mf, vocab_size)

@@ -149,9 +149,19 @@ def scheduler_config(
         max_model_len=worker.max_model_len,
         max_draft_tokens=prep.engine.max_draft_tokens,
         overlap=prep.engine.overlap,
+        **state_settings(worker.target.budget.states),
         skip_rows=skip_rows,
         skip_samples=skip_samples,
     )
+
+
+def state_settings(states) -> dict[str, int]:
+    """The scheduler's recurrent-state settings of a hybrid model's pool (StatePlan; None: the
+    model has none)."""
+    if states is None:
+        return {}
+    return {"state_checkpoint_interval": states.interval,
+            "state_checkpoints": states.checkpoints}  # fmt: skip
 
 
 def build_scheduler(
@@ -194,7 +204,7 @@ def build_worker(prep: PreparedJob, graph_mode: str | None = None, for_job: bool
         worker = SpecWorker.from_job(target, prep.draft_dir, job.speculative, eng.max_batch_size,
                                      job.forced_draft_tokens)  # fmt: skip
     except ValueError as e:
-        raise JobError(f"draft: {prep.draft_dir}: {e}") from None
+        raise JobError(f"draft: {job.draft}: {e}") from None
     worker.enable_graphs(mode, eng.max_batch_size)
     return worker
 
@@ -297,6 +307,8 @@ def _run(prep: PreparedJob, worker, progress, resume: ResumeState, scope: RunSco
     stats["weights"] = target.weights
     stats["threads"] = target.threads
     stats["kv_cache_mib"] = sum(c.numel() * c.element_size() for c in target.kv_caches) / 2**20
+    if target.model.states is not None:
+        stats["recurrent_state_mib"] = target.model.states.nbytes / 2**20
     stats.update(resident_memory())
     if progress is not None:
         progress(progress_counters(prep, scheduler.progress(), stats["step_work"]))

@@ -1,7 +1,8 @@
 """The worker: owns the weights, the paged KV cache and sampling; turns a StepPlan into tokens.
 
-It keeps no per-request state of its own (plain decoding); everything about requests lives in
-the Rust scheduler. Inputs arrive as numpy arrays and are moved to the device once per step.
+It keeps no per-request state of its own (plain decoding) but a hybrid model's recurrent
+states, per request slot, which the scheduler's plans say how to restore and save
+(`prepare_states`); everything else about requests lives in the Rust scheduler. Inputs arrive as numpy arrays and are moved to the device once per step.
 """
 
 from __future__ import annotations
@@ -38,8 +39,10 @@ from eaglebatch.graphs import (
 from eaglebatch.job.config import EngineConfig, JobConfig
 from eaglebatch.job.engine_settings import EngineSettings
 from eaglebatch.job.model_files import ModelFiles
+from eaglebatch.job.state_budget import StatePlan, check_states_fit, state_plan
 from eaglebatch.model.causal_lm import CausalLM
 from eaglebatch.model.config import ModelConfig
+from eaglebatch.model.recurrent_state import StepContext
 from eaglebatch.sampling.logits_processing import NO_TOKEN, LogitsControls, without_dead_rows
 from eaglebatch.sampling.logprobs import (
     distribution,
@@ -86,6 +89,7 @@ class KvBudget:
     block_size: int
     bytes_per_block: int
     sized_by: str = "engine.kv_cache_tokens"  # the rule that sized it (the memory line)
+    states: StatePlan | None = None  # a hybrid model's recurrent-state pool, counted first
 
     @property
     def tokens(self) -> int:
@@ -142,6 +146,7 @@ def plan_kv_budget(
     extra_kv_layers: int = 0,
     reserve_bytes: int = 0,
     job: JobKv | None = None,
+    states: StatePlan | None = None,
 ) -> KvBudget:
     """Blocks for the KV cache: `kv_cache_tokens` if set, else a fraction of free memory (less
     `reserve_bytes`, the CUDA graph pool), never more than max_batch_size full-length sequences
@@ -150,16 +155,22 @@ def plan_kv_budget(
     on the CPU never more than `job` (what the job can use at once, `job_kv`), though at least
     one full-length sequence. `extra_kv_layers` (a draft head's layers over the same blocks)
     count in the bytes per block. The cache itself gets one block more: the pad block of
-    graph steps."""
+    graph steps. A hybrid model's recurrent-state pool (`states`) comes out of the memory
+    first: a pool that does not fit is a JobError naming engine.max_batch_size."""
     draft_layer = kv_layer_bytes_per_block(cfg.num_key_value_heads, cfg.head_dim,
                                            eng.block_size, dtype)  # fmt: skip
     per_block = kv_cache_bytes_per_block(cfg, eng.block_size, dtype)
     per_block += draft_layer * extra_kv_layers
+    if states is not None:
+        usable = int(_free_memory(device) * eng.kv_cache_memory_fraction) - reserve_bytes
+        check_states_fit(states, usable, f"engine.kv_cache_memory_fraction "
+                                         f"{eng.kv_cache_memory_fraction} of the free memory")
+        reserve_bytes += states.nbytes
     if eng.kv_cache_tokens is not None:
         blocks = math.ceil(eng.kv_cache_tokens / eng.block_size)
         if blocks < 1:
             raise JobError("engine.kv_cache_tokens: the KV budget is smaller than one block")
-        return KvBudget(blocks, eng.block_size, per_block)
+        return KvBudget(blocks, eng.block_size, per_block, states=states)
     blocks, sized_by = _default_blocks(eng, device, per_block, max_seq_tokens, reserve_bytes, job)
     if blocks < 1:
         pool = " beyond the CUDA graph pool" if reserve_bytes else ""
@@ -168,19 +179,21 @@ def plan_kv_budget(
             f"memory holds less than one KV block ({per_block} bytes{pool}); raise it or set "
             f"engine.kv_cache_tokens"
         )
-    return KvBudget(blocks, eng.block_size, per_block, sized_by)
+    return KvBudget(blocks, eng.block_size, per_block, sized_by, states)
+
+
+def _free_memory(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
 
 
 def _default_blocks(eng: EngineConfig, device, per_block: int, max_seq_tokens: int,
                     reserve_bytes: int, job: JobKv | None) -> tuple[int, str]:  # fmt: skip
     """engine.kv_cache_tokens unset: (blocks, the rule that bound them), `plan_kv_budget`."""
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-    else:
-        import psutil
-
-        free = psutil.virtual_memory().available
-    usable = int(free * eng.kv_cache_memory_fraction) - reserve_bytes
+    usable = int(_free_memory(device) * eng.kv_cache_memory_fraction) - reserve_bytes
     by_memory = usable // per_block
     useful = eng.max_batch_size * math.ceil(max_seq_tokens / eng.block_size)
     rules = [(by_memory, "engine.kv_cache_memory_fraction"),
@@ -322,8 +335,8 @@ class Worker:
         """Captures plain decode (1 token per row) per padded batch size. mode: "cuda" (CUDA
         graphs), "eager" (the same static-buffer steps, run eagerly: CPU tests) or "off"."""
         check_graph_support(self, mode)
-        if mode == "off":
-            return
+        if mode == "off" or self.model.states is not None:
+            return  # a hybrid model's steps stay eager (engine_settings.resolve_graph_mode)
         backend = self.model.backend
         sizes = capture_sizes(max_batch_size)
         max_blocks = math.ceil(self.max_model_len / self.budget.block_size)
@@ -403,7 +416,9 @@ class Worker:
             reserve = graph_reserve_bytes(cfg, graph_rows, graph_q, max_model_len, itemsize)
         seq_tokens = max_model_len + settings.max_draft_tokens
         budget = plan_kv_budget(eng, cfg, seq_tokens, dtype, device, extra_kv_layers, reserve,
-                                job_tokens)  # fmt: skip
+                                job_tokens, state_plan(eng, cfg))  # fmt: skip
+        if budget.states is not None:
+            model.attach_states(budget.states.slots, budget.states.checkpoints)
         kv = allocate_kv_cache(cfg, budget.num_blocks + 1, budget.block_size, dtype, device)
         worker = cls(model, kv, budget, max_model_len, graph_reserve_bytes=reserve)
         worker.logprobs_mode = job.output.logprobs_mode
@@ -424,6 +439,7 @@ class Worker:
         a plan from Scheduler.next_plan_ahead)."""
         dev = self.device
         copy_blocks(self.kv_caches, plan.block_copies)  # forked samples' partial blocks
+        self.prepare_states(plan)
         prompt = bool(plan.prompt_logprobs.any())  # needs every query position's hidden state
         logits = None if prompt else self._decode_logits(plan, prev)  # [B, V] or None
         prompt_lps = None
@@ -446,6 +462,24 @@ class Worker:
         # allowed (that row ends at the commit, its placeholder unused)
         return Launched(tokens.clamp(min=0), HostCopy(tokens.to(torch.int32)), logprobs,
                         prompt_lps)  # fmt: skip
+
+    def prepare_states(self, plan, lengths: list[int] | None = None,
+                       keep: bool = False) -> StepContext | None:  # fmt: skip
+        """A hybrid model's recurrent states before `plan`'s forward: each row's slot restored
+        as the plan's `state_from` says, and the step's context (model/recurrent_state.py).
+        `lengths`: the query lengths the forward runs where they are not the plan's (a verify
+        round narrower than the plan); `keep`: every row in the step form, keeping the state
+        after each position (a verify: `keep_accepted` after acceptance). None: no states."""
+        states = self.model.states
+        if states is None:
+            return None
+        slots = plan.request_slots.tolist()
+        states.restore(slots, plan.state_from.tolist())
+        ctx = StepContext.of_plan(plan, states.slots, keep)
+        if lengths is not None:
+            ctx.lengths, ctx.chunked = list(lengths), [n > 1 and not keep for n in lengths]
+        states.context = ctx
+        return ctx
 
     @staticmethod
     def collect(launched: Launched) -> tuple:

@@ -17,6 +17,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+HYBRIDS = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")  # linear-attention layers
 
 
 def byte_tokenizer():
@@ -71,6 +72,10 @@ def make_tiny_model(
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
+        "qwen3_5_text": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
+        "qwen3_5_moe_text": (transformers.Qwen3_5MoeTextConfig,
+                             transformers.Qwen3_5MoeForCausalLM),
+        "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
     }[model_type]
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
@@ -103,6 +108,12 @@ def make_tiny_model(
             for name, t in model.named_parameters():
                 if name.endswith(("_bias", "sinks")):
                     t.normal_(0, 1.0 if name.endswith("sinks") else init_std)
+    if model_type in HYBRIDS:  # (1 + w) norms start at w = 0, the decays at fixed values
+        varied = ("norm.weight", "layernorm.weight", "dt_bias", "A_log")
+        with torch.no_grad():
+            for name, t in model.named_parameters():
+                if name.endswith(varied):
+                    t.add_(torch.randn_like(t) * 0.3)
     model.save_pretrained(str(out))
     byte_tokenizer().save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(

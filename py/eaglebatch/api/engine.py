@@ -42,7 +42,8 @@ ORDER = [("row_index", "ascending"), ("sample_index", "ascending")]
 class Engine:
     """A model (and optionally an EAGLE draft head) loaded once. `engine` and `speculative`
     are the job file's sections of those names; `model` and `draft` take what the job's keys
-    take (a folder, a .gguf file, a builtin name). Use as a context manager, or call close()."""
+    take (a folder, a .gguf file, a builtin name; `draft` also `mtp`, the model's own MTP
+    layer). Use as a context manager, or call close()."""
 
     def __init__(self, model: str, draft: str | None = None, *, engine: Section = None,
                  speculative: Section = None, model_chat_template: str | None = None,

@@ -37,6 +37,7 @@ class KVCacheConfig(Protocol):
     def head_dim(self) -> int: ...
     def heads_of(self, layer: int) -> tuple[int, int, int]: ...  # (Hq, Hkv, D)
     def kv_source(self, layer: int) -> int: ...  # the layer whose cache `layer` uses
+    def is_linear(self, layer: int) -> bool: ...  # a recurrent layer: no KV cache
 
 
 @dataclass
@@ -232,8 +233,9 @@ def kv_layer_bytes_per_block(kv_heads: int, head_dim: int, block_size: int,
 
 def kv_cache_bytes_per_block(cfg: KVCacheConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes one block takes across all layers (K and V); layers that share another's cache
-    take none."""
-    owners = [i for i in range(cfg.num_hidden_layers) if cfg.kv_source(i) == i]
+    and recurrent (linear-attention) layers take none."""
+    owners = [i for i in range(cfg.num_hidden_layers)
+              if cfg.kv_source(i) == i and not cfg.is_linear(i)]  # fmt: skip
     return sum(kv_layer_bytes_per_block(*cfg.heads_of(i)[1:], block_size, dtype) for i in owners)
 
 
@@ -245,7 +247,9 @@ def allocate_kv_cache(
     device: torch.device | str,
 ) -> list[torch.Tensor]:
     """One zeroed [2, num_blocks, block_size, Hkv, D] tensor per layer, of the layer's own
-    (Hkv, D); a layer that shares an earlier layer's cache gets that layer's tensor."""
+    (Hkv, D); a layer that shares an earlier layer's cache gets that layer's tensor; a
+    recurrent layer an empty [2, num_blocks, block_size, 0, D] one (it has no KV: its state is
+    model/recurrent_state.py's), so that whatever walks the caches needs no special case."""
     if num_blocks <= 0 or block_size <= 0:
         raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be > 0")
     caches: list[torch.Tensor] = []
@@ -254,7 +258,8 @@ def allocate_kv_cache(
         if source != i:
             caches.append(caches[source])  # source < i (ModelConfig)
             continue
-        shape = (2, num_blocks, block_size, *cfg.heads_of(i)[1:])
+        kv_heads, dim = cfg.heads_of(i)[1:]
+        shape = (2, num_blocks, block_size, 0 if cfg.is_linear(i) else kv_heads, dim)
         caches.append(torch.zeros(shape, dtype=dtype, device=device))
     return caches
 

@@ -259,6 +259,7 @@ def native_layers_fit(cfg: ModelConfig) -> bool:
             and not (cfg.v_norm or cfg.layer_scalar or cfg.per_layer_input_size)
             and not (cfg.attention_sinks or cfg.attention_output_gate)
             and cfg.layer_intermediate_sizes is None and cfg.num_experts == 0
+            and not cfg.linear_layers
             and all(cfg.window_of(i) is None for i in range(cfg.num_hidden_layers)))  # fmt: skip
 
 

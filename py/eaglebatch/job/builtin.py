@@ -30,6 +30,9 @@ BUILTIN_SHAREGPT_TURNS = "builtin:sharegpt-turns"
 SHAREGPT_EVAL_ROWS = 200
 # Draft heads shipped inside the package (py/eaglebatch/drafts/<name>/), trained for a builtin
 # target model.
+# `draft: mtp`: the model checkpoint's own multi-token-prediction layer (speculative/mtp.py)
+MTP_DRAFT = "mtp"
+
 BUILTIN_DRAFTS: dict[str, str] = {
     # EAGLE-3 head for smollm2-135m-instruct, trained by jobs/train-smollm2-eagle-base.yaml,
     # jobs/train-smollm2-eagle.yaml and then jobs/train-smollm2-eagle-gpu.yaml

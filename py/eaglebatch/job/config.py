@@ -32,7 +32,7 @@ from pydantic import (
 )
 
 from eaglebatch.errors import JobError, echo
-from eaglebatch.job.builtin import BUILTIN_DRAFTS, BUILTIN_MODELS
+from eaglebatch.job.builtin import BUILTIN_DRAFTS, BUILTIN_MODELS, MTP_DRAFT
 from eaglebatch.job.loading import load_yaml, read_job_text
 from eaglebatch.job.secrets import masked_storage
 from eaglebatch.storage.paths import SCHEMES as REMOTE_SCHEMES
@@ -416,7 +416,8 @@ class JobConfig(_Section):
     output: OutputConfig
     sampling: SamplingConfig = SamplingConfig()
     engine: EngineConfig = EngineConfig()
-    # An EAGLE draft head (folder or builtin name); unset = plain decoding.
+    # An EAGLE draft head (folder or builtin name), or `mtp` (the model's own MTP layer);
+    # unset = plain decoding.
     draft: PathStr | None = None
     speculative: SpeculativeConfig = SpeculativeConfig()
     ray: RayConfig = RayConfig()
@@ -493,7 +494,8 @@ class JobConfig(_Section):
                 "model": resolve_model_ref(self.model, base_dir),
                 "model_chat_template": None if self.model_chat_template is None
                 else resolve_path(self.model_chat_template, base_dir),
-                "draft": resolve_model_ref(self.draft, base_dir),
+                "draft": self.draft if self.draft == MTP_DRAFT  # a keyword, not a folder
+                else resolve_model_ref(self.draft, base_dir),
                 "input": self.input.model_copy(
                     update={"path": resolve_path(self.input.path, base_dir)}
                 ),

@@ -79,9 +79,22 @@ def uniform_heads(cfg: ModelConfig) -> bool:
 def resolve_engine(job: JobConfig, mf: ModelFiles, cfg: ModelConfig) -> EngineSettings:
     """The job's engine section for this process's machine (cfg: the model's config.json,
     parsed once by the caller)."""
-    return EngineSettings(**_section(job, ModelWeights.of(mf, cfg)),
+    section = _section(job, ModelWeights.of(mf, cfg))
+    if cfg.linear_layers:  # a hybrid model's steps run eagerly
+        section["graph_mode"] = hybrid_graph_mode(job.engine.cuda_graph)
+    return EngineSettings(**section,
                           max_model_len=resolve_max_model_len(job.engine.max_model_len,
                                                               cfg.max_model_len))  # fmt: skip
+
+
+def hybrid_graph_mode(flag: bool | None) -> str:
+    """A hybrid (linear-attention) model has no graph steps: its recurrent states take a
+    per-row form (chunked or recurrent) the captured steps do not; `cuda_graph: true` is
+    refused, unset means off."""
+    if flag:
+        raise JobError("engine.cuda_graph: true is not supported for hybrid linear-attention "
+                       "models (their steps run eagerly); leave it unset or false")
+    return "off"
 
 
 def check_engine(job: JobConfig, weights: ModelWeights) -> None:

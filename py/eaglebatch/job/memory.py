@@ -7,6 +7,8 @@ Three parts, from headers and the job alone (nothing is loaded):
 - the KV cache: engine.kv_cache_tokens at the run's dtype; unset, what the worker will take
   (worker.plan_kv_budget): kv_cache_memory_fraction of the available memory, at most
   max_batch_size whole sequences and, on the CPU, at most what the job can use at once;
+- a hybrid model's recurrent states (job/state_budget.py): a fixed pool per request slot and
+  prefix-cache checkpoint, counted before the KV cache;
 - working buffers: one step's activations (max_num_batched_tokens rows through the widest
   layer, a few copies) and logits (max_batch_size rows x vocab, float32, x2 for sampling).
 Available: the system's available memory, capped by the cgroup memory limit less its usage.
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglebatch.errors import JobError
+from eaglebatch.job.state_budget import StatePlan
 from eaglebatch.model.expert_layout import EXPERT_PARAMETER
 
 GIB = 1 << 30
@@ -43,10 +46,15 @@ class MemoryPlan:
     buffer_bytes: int
     available_bytes: int
     experts: MappedExperts | None = None  # an MoE model's experts read as stored
+    states: StatePlan | None = None  # a hybrid model's recurrent states (job/state_budget.py)
+
+    @property
+    def state_bytes(self) -> int:
+        return 0 if self.states is None else self.states.nbytes
 
     @property
     def total_bytes(self) -> int:
-        return self.model_bytes + self.kv_bytes + self.buffer_bytes
+        return self.model_bytes + self.kv_bytes + self.state_bytes + self.buffer_bytes
 
     def _model(self) -> str:
         if self.experts is None:
@@ -56,6 +64,8 @@ class MemoryPlan:
 
     def describe(self) -> str:
         kv = f"{_gib(self.kv_bytes)} ({self.kv_key})"
+        if self.states is not None:
+            kv += f" + {self.states.describe()}"
         return (f"model {self._model()} + KV cache {kv} + buffers "
                 f"{_gib(self.buffer_bytes)} of {_gib(self.available_bytes)} available "
                 f"(plus the runtime's few hundred MB)")  # fmt: skip
@@ -137,6 +147,12 @@ def check(plan: MemoryPlan, kv_tokens: int | None, model: str) -> None:
             f"{_gib(plan.buffer_bytes)} of working buffers, and this machine has "
             f"{_gib(avail)} available: it cannot run here (a smaller or more quantized file "
             f"would; engine.max_num_batched_tokens and max_batch_size size the buffers)"
+        )
+    if plan.model_bytes + plan.buffer_bytes + plan.state_bytes > avail:
+        raise JobError(
+            f"engine.max_batch_size: with the model ({_gib(plan.model_bytes)}) and buffers "
+            f"({_gib(plan.buffer_bytes)}), {plan.states.describe()} are more than the "
+            f"{_gib(avail)} available; lower engine.max_batch_size"
         )
     if plan.total_bytes > avail and kv_tokens is not None and plan.kv_bytes:
         per_token = plan.kv_bytes / kv_tokens

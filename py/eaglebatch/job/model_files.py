@@ -157,9 +157,15 @@ def model_files(model: str, storage=None) -> ModelFiles:
     return mf
 
 
-def resolve_draft_dir(draft: str, key: str = "draft") -> Path:
-    """A draft head folder (config.json + weights), or a builtin draft name. Errors name `key`,
-    the job key that gave `draft`."""
+def resolve_draft_dir(draft: str, key: str = "draft", model_dir: Path | None = None) -> Path:
+    """A draft head folder (config.json + weights), or a builtin draft name; `mtp` (the
+    model's own MTP layer): `model_dir`, the model's checkpoint folder (None where `key` takes
+    a head only). Errors name `key`, the job key that gave `draft`."""
+    if draft == builtin.MTP_DRAFT:
+        if model_dir is None:
+            raise JobError(f"{key}: mtp names a model's own MTP layer (the job's `draft: mtp`), "
+                           "not a draft head folder")  # fmt: skip
+        return model_dir
     d = builtin.builtin_draft_dir(draft)
     if d is None:
         d = Path(draft)

@@ -160,8 +160,9 @@ class PolicySection:
     prefix_caching: bool = _job("engine", "prefix_caching")
     chunked_prefill: bool = _job("engine", "chunked_prefill")
     overlap: bool = False  # resolved (EngineSettings): plain decoding, a step in flight
-    # hybrid models (recurrent state per row): tokens between state checkpoints (a multiple of
-    # block_size; 0 = no recurrent state) and how many checkpoints the worker keeps
+    # a hybrid model's recurrent states (job/state_budget.py): tokens between the checkpoints
+    # of a prompt's state (a multiple of block_size; 0: no recurrent state, nothing changes)
+    # and the checkpoint rows (0: prefix caching never hits)
     state_checkpoint_interval: int = 0
     state_checkpoints: int = 0
 

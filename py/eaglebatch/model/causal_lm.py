@@ -22,11 +22,13 @@ from eaglebatch.attention.torch_backend import TorchAttentionBackend
 from eaglebatch.model.config import ModelConfig
 from eaglebatch.model.decoder_layer import DecoderLayer, make_norm, query_position_scale
 from eaglebatch.model.gguf_checkpoint import GgufCheckpoint
+from eaglebatch.model.recurrent_state import RecurrentStates
 from eaglebatch.model.registry import family_of
 from eaglebatch.model.rotary import RotaryEmbedding
 from eaglebatch.model.weights import (
     check_shapes,
     checkpoint_shapes,
+    is_mtp_tensor,
     iter_tensors,
     load_named_tensors,
     text_tower_name,
@@ -112,6 +114,7 @@ class CausalLM(nn.Module):
             backend = TorchAttentionBackend()
         self.config = cfg
         self.backend = backend
+        self.states: RecurrentStates | None = None  # linear-attention layers' (attach_states)
         # activations and the KV cache are in the model's dtype
         windows = {cfg.window_of(i) for i in range(cfg.num_hidden_layers)} - {None}
         heads = tuple(cfg.heads_of(i) for i in range(cfg.num_hidden_layers))
@@ -183,7 +186,7 @@ class CausalLM(nn.Module):
         if gguf is not None:
             found = model.gguf_checkpoint(gguf).shapes()
         else:
-            found = checkpoint_shapes(path)
+            found = {n: s for n, s in checkpoint_shapes(path).items() if not is_mtp_tensor(n)}
         if cfg.text_tower:
             found = {m: s for n, s in found.items() if (m := text_tower_name(n)) is not None}
         if gguf is None:
@@ -222,7 +225,8 @@ class CausalLM(nn.Module):
         """Loads every parameter but those in `skip` from the *.safetensors files in `path`
         (raises on missing or unexpected tensors)."""
         rename = text_tower_name if self.config.text_tower else (lambda n: n)
-        tensors = iter_tensors(path, skip=lambda n: rename(n) in skip)  # left unread
+        # left unread: `skip`, and the MTP layer (a drafter's, speculative/mtp.py)
+        tensors = iter_tensors(path, skip=lambda n: is_mtp_tensor(n) or rename(n) in skip)
         if self.config.text_tower:
             tensors = ((m, t) for n, t in tensors if (m := text_tower_name(n)) is not None)
         family = family_of(self.config.model_type)
@@ -304,9 +308,27 @@ class CausalLM(nn.Module):
             kind = "local" if local is not None and cfg.window_of(i) is not None else "full"
             cos, sin = tables[kind if cfg.uses_rope(i) else None]
             extra = () if per_layer is None else (per_layer[:, i],)
-            h = self.model.layers[i](h, cos, sin, attn, kv_caches[i], self.backend, q_scale,
-                                     *extra)  # fmt: skip
+            h = self.model.layers[i](h, cos, sin, attn, self._cache_of(i, kv_caches),
+                                     self.backend, q_scale, *extra)  # fmt: skip
         return h
+
+    def _cache_of(self, layer: int, kv_caches: list[torch.Tensor]):
+        """What layer `layer` reads and writes: its KV cache, or (a linear-attention layer)
+        its rows of `self.states`."""
+        if not self.config.is_linear(layer):
+            return kv_caches[layer]
+        if self.states is None:
+            raise RuntimeError("a hybrid model needs its recurrent states (attach_states)")
+        return self.states.layers[layer]
+
+    def attach_states(self, slots: int, checkpoints: int = 0) -> RecurrentStates | None:
+        """Allocates the recurrent states of the linear-attention layers (None: the model has
+        none) over `slots` request rows and `checkpoints` checkpoint rows."""
+        cfg = self.config
+        if cfg.linear_layers:
+            self.states = RecurrentStates(cfg.deltanet, cfg.linear_layers, slots, checkpoints,
+                                          self.device)  # fmt: skip
+        return self.states
 
     def lm_head_forward(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, H] -> [N, V]
         """The LM head in the model's dtype (EAGLE-1 draft heads share it)."""

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from eaglebatch.model.config_values import bool_value, int_value, positive_float, token_id
-from eaglebatch.model.family import SLIDING
+from eaglebatch.model.deltanet_shape import DeltaNetShape
+from eaglebatch.model.family import LINEAR, SLIDING
 from eaglebatch.model.registry import family_of, text_model_config
 from eaglebatch.model.rope_config import (  # noqa: F401 (re-exported)
     SUPPORTED_ROPE_TYPES,
@@ -80,7 +81,11 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (else head_dim)
     logits_divisor: float = 1.0  # logits / this (Granite's logits_scaling)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
-    layer_types: tuple[str, ...] | None = None  # per layer SLIDING or FULL; None: all FULL
+    # per layer SLIDING, FULL or LINEAR; None: all FULL. A LINEAR layer is a Gated DeltaNet
+    # (decoder_layer.py `linear_attn`, shaped by `deltanet`): no KV cache, a recurrent state
+    # per sequence instead (model/recurrent_state.py)
+    layer_types: tuple[str, ...] | None = None
+    deltanet: DeltaNetShape | None = None  # the LINEAR layers' shapes
     attention_window: int | None = None  # the window of SLIDING layers (real windowed attention)
     rope_local_theta: float | None = None  # the RoPE base of SLIDING layers (None: rope_theta)
     rope_layers: tuple[bool, ...] | None = None  # per layer whether RoPE applies; None: all
@@ -158,6 +163,15 @@ class ModelConfig:
         if self.layer_types is None or self.layer_types[layer] != SLIDING:
             return None
         return self.attention_window
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether `layer` is a Gated DeltaNet (linear-attention) layer: no KV cache."""
+        return self.layer_types is not None and self.layer_types[layer] == LINEAR
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """The indices of the Gated DeltaNet layers (empty: no recurrent state)."""
+        return tuple(i for i in range(self.num_hidden_layers) if self.is_linear(i))
 
     def is_sparse(self, layer: int) -> bool:
         """Whether `layer`'s MLP is the routed one (moe.py)."""

@@ -15,7 +15,9 @@ from torch import nn
 
 from eaglebatch.attention.base import AttentionBackend, AttentionMetadata
 from eaglebatch.model.config import ModelConfig
+from eaglebatch.model.gated_deltanet import GatedDeltaNet
 from eaglebatch.model.moe import SparseMoeBlock
+from eaglebatch.model.recurrent_state import run_linear
 from eaglebatch.model.rotary import apply_rotary
 
 
@@ -221,16 +223,23 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Attention then the MLP, each a residual block whose norms sit where
-    `cfg.norm_layout` says (ModelConfig), its output scaled by `cfg.residual_multiplier`."""
+    `cfg.norm_layout` says (ModelConfig), its output scaled by `cfg.residual_multiplier`.
+    A linear-attention layer (cfg.is_linear) holds a Gated DeltaNet `linear_attn` instead of
+    `self_attn`; its `kv_cache` argument is then its LayerStates (model/recurrent_state.py)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, **factory) -> None:
         super().__init__()
         h = cfg.hidden_size
+        self.layer_idx = layer_idx
         self.layout = cfg.norm_layout
         self.residual_multiplier = cfg.residual_multiplier
         if self.layout != "post":
             self.input_layernorm = make_norm(cfg, h, **factory)
-        self.self_attn = Attention(cfg, layer_idx, **factory)
+        self.linear = cfg.is_linear(layer_idx)
+        if self.linear:
+            self.linear_attn = GatedDeltaNet(cfg.deltanet, **factory)
+        else:
+            self.self_attn = Attention(cfg, layer_idx, **factory)
         self.post_attention_layernorm = make_norm(cfg, h, **factory)
         if self.layout == "sandwich":
             self.pre_feedforward_layernorm = make_norm(cfg, h, **factory)
@@ -277,13 +286,19 @@ class DecoderLayer(nn.Module):
             h = h + self.post_per_layer_input_norm(self.per_layer_projection(gated))
         return h if self.layer_scalar is None else h * self.layer_scalar
 
+    def _mix(self, x, cos, sin, attn, kv_cache, backend, q_scale) -> torch.Tensor:  # [T, H]
+        """The token mixer: attention over the KV cache, or the Gated DeltaNet over its states."""
+        if self.linear:
+            return run_linear(self.linear_attn, x, kv_cache, self.layer_idx)
+        return self.self_attn(x, cos, sin, attn, kv_cache, backend, q_scale)
+
     def _attention_and_mlp(self, x, cos, sin, attn, kv_cache, backend, q_scale) -> torch.Tensor:
         if self.layout == "pre":
-            a = self.self_attn(self.input_layernorm(x), cos, sin, attn, kv_cache, backend, q_scale)
+            a = self._mix(self.input_layernorm(x), cos, sin, attn, kv_cache, backend, q_scale)
             h = x + self._scaled(a)
             return h + self._scaled(self.mlp(self.post_attention_layernorm(h)))
         attn_in = x if self.layout == "post" else self.input_layernorm(x)
-        a = self.self_attn(attn_in, cos, sin, attn, kv_cache, backend, q_scale)
+        a = self._mix(attn_in, cos, sin, attn, kv_cache, backend, q_scale)
         h = x + self._scaled(self.post_attention_layernorm(a))
         mlp_in = h if self.layout == "post" else self.pre_feedforward_layernorm(h)
         return h + self._scaled(self.post_feedforward_layernorm(self._feed_forward(h, mlp_in)))

@@ -18,7 +18,8 @@ from typing import Any
 
 from eaglebatch.model.expert_layout import expert_tensors
 
-SLIDING, FULL = "sliding_attention", "full_attention"  # the layer types of `layer_types`
+# the layer types of `layer_types`; LINEAR: a Gated DeltaNet layer (model/gated_deltanet.py)
+SLIDING, FULL, LINEAR = "sliding_attention", "full_attention", "linear_attention"
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,12 @@ class Family:
     # (old, new) substrings of checkpoint tensor names, replaced in order before anything else
     # (a family that names the decoder's parameters otherwise, e.g. Mixtral's experts)
     renamed: tuple[tuple[str, str], ...] = ()
+    # prefixes of checkpoint tensor names that are not the causal LM's and are never loaded
+    # (e.g. a multi-token-prediction drafter's `mtp.` layers)
+    dropped: tuple[str, ...] = ()
+    # (name, tensor or shape, cfg) -> the (parameter name, tensor or shape) pairs a tensor the
+    # family stores its own way holds (e.g. interleaved fused projections), None for any other
+    splitter: Callable[[str, Any, Any], list[tuple[str, Any]] | None] | None = None
     # how the checkpoint stores fused 3-D expert tensors (expert_layout.py EXPERT_LAYOUTS)
     expert_layout: str = "stacked"
     # GGUF: llama.cpp's `general.architecture` names of this family's files, whether its
@@ -75,8 +82,14 @@ class Family:
         """Checkpoint tensor `name` as (parameter name, tensor or shape) pairs: a fused tensor
         split into its parts, any other as it is, after the family's renames; fused 3-D MoE
         experts split per expert (expert_layout.py). Works on torch tensors and on shapes."""
+        if self.dropped and name.startswith(self.dropped):
+            return
         for old, new in self.renamed:
             name = name.replace(old, new)
+        own = None if self.splitter is None else self.splitter(name, shape_or_tensor, cfg)
+        if own is not None:
+            yield from own
+            return
         experts = expert_tensors(name, shape_or_tensor, cfg, self.expert_layout)
         if experts is not None:
             yield from experts

@@ -19,10 +19,9 @@ States are float32 (deltanet_shape.py has their shapes) and the delta rule runs 
 states' dtype (float64 states make the tests' exact comparisons); the conv state holds the
 activation dtype's values exactly (bf16/fp16 widen to float32 without rounding).
 
-What is here: the layers only. Not yet in the engine: the families are not registered
-(model/registry.py), so a checkpoint of these types is still refused (exit 2) until the
-scheduler owns a recurrent-state slot per row (allocation, preemption, the memory count),
-rollback after verify, prefix caching over states, and the checkpoints' MTP drafter.
+In the engine: decoder_layer.py holds one as `linear_attn` on the layers ModelConfig marks
+linear; model/recurrent_state.py stores the states per request slot and checkpoint and runs a
+step's rows in the right form (`run_linear`).
 """
 
 from __future__ import annotations

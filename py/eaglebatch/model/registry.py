@@ -21,7 +21,10 @@ from eaglebatch.model.phi3 import PHI3
 from eaglebatch.model.qwen2 import QWEN2
 from eaglebatch.model.qwen2_moe import QWEN2_MOE
 from eaglebatch.model.qwen3 import QWEN3
+from eaglebatch.model.qwen3_5 import QWEN3_5
+from eaglebatch.model.qwen3_5_moe import QWEN3_5_MOE
 from eaglebatch.model.qwen3_moe import QWEN3_MOE
+from eaglebatch.model.qwen3_next import QWEN3_NEXT
 from eaglebatch.model.smollm3 import SMOLLM3
 
 FAMILIES: dict[str, Family] = {
@@ -44,6 +47,9 @@ FAMILIES: dict[str, Family] = {
         QWEN2_MOE,
         MIXTRAL,
         GPT_OSS,
+        QWEN3_5,
+        QWEN3_5_MOE,
+        QWEN3_NEXT,
     )
 }
 SUPPORTED_MODEL_TYPES = tuple(FAMILIES)

@@ -148,7 +148,13 @@ def _check_complete(missing: list[str], unexpected: list[str], source: str) -> N
 
 _OTHER_TOWERS = tuple(p + t for p in ("", "model.")
                       for t in ("vision_tower.", "multi_modal_projector.", "audio_tower.",
-                                "embed_vision.", "embed_audio."))  # fmt: skip
+                                "embed_vision.", "embed_audio.", "visual."))  # fmt: skip
+
+
+def is_mtp_tensor(name: str) -> bool:
+    """A tensor of the checkpoint's multi-token-prediction layer (mtp.*): a drafter's
+    (speculative/mtp.py), not the decoder's; a model load leaves it unread."""
+    return name.startswith("mtp.")
 
 
 def text_tower_name(name: str) -> str | None:

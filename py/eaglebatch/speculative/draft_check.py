@@ -26,16 +26,20 @@ from eaglebatch.speculative.draft_config import (
     parse_draft_config,
     read_raw_config,
 )
+from eaglebatch.speculative.mtp import check_mtp_dir
+from eaglebatch.speculative.mtp_config import MtpConfig, states_mtp
 
 
 def check_draft_dir(
     path: str | os.PathLike[str], target: ModelConfig
-) -> DraftConfig | AssistantConfig:
+) -> DraftConfig | AssistantConfig | MtpConfig:
     """The draft's config when the head in `path` fits `target`; ValueError naming the
     mismatch otherwise (FileNotFoundError when the folder, config or weights are missing)."""
     raw = read_raw_config(path)
     if is_assistant(raw):
         return _check_assistant_dir(path, raw, target)
+    if states_mtp(raw):  # a model checkpoint: its own MTP layer (speculative/mtp.py)
+        return check_mtp_dir(path, raw, target)
     if any(n.endswith(".safetensors") for n in os.listdir(path)):
         shapes = checkpoint_shapes(path)
         d2t = _read_tensor(path, "d2t") if "d2t" in shapes else None

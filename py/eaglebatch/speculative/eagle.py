@@ -48,6 +48,8 @@ from eaglebatch.speculative.draft_config import (
     parse_draft_config,
     read_raw_config,
 )
+from eaglebatch.speculative.mtp import MtpDraft, load_mtp
+from eaglebatch.speculative.mtp_config import states_mtp
 
 # Checkpoint tensors that are not parameters: RoPE buffers of old checkpoints, the verifier's
 # norm and lm_head some speculators versions saved beside the head (the target's are used). The
@@ -317,9 +319,10 @@ def load_draft(
     device: torch.device | str | None = None,
     *,
     max_positions: int | None = None,
-) -> EagleDraft | AssistantDraft:
+) -> EagleDraft | AssistantDraft | MtpDraft:
     """Loads the draft head in `path` (format detected from its tensor names; a
-    gemma4_assistant folder: speculative/assistant.py) for the target.
+    gemma4_assistant folder: speculative/assistant.py; a model checkpoint stating
+    mtp_num_hidden_layers: its MTP layer, speculative/mtp.py) for the target.
     Raises ValueError naming any mismatch (hidden size, vocabulary, missing / unexpected / wrongly
     shaped tensors) and FileNotFoundError when the folder, config or weights are missing."""
     if not os.path.isdir(path):
@@ -328,6 +331,8 @@ def load_draft(
     if is_assistant(raw):  # Gemma 4's assistant drafter (speculative/assistant.py)
         return load_assistant(path, raw, target_model, dtype=dtype, device=device,
                               max_positions=max_positions)  # fmt: skip
+    if states_mtp(raw):  # the model's own checkpoint: its MTP layer (speculative/mtp.py)
+        return load_mtp(path, raw, target_model, dtype=dtype, device=device)
     dtype = dtype or target_model.dtype
     device = device or target_model.device
     tensors = read_draft_tensors(path)

@@ -200,6 +200,7 @@ class SpecWorker:
         self.stats = SpecStats()
         self._clock = _Clock(self.device)
         self.graphs: SpecGraphs | None = None  # enable_graphs
+        self._verify_states = None  # a hybrid model's verify context (`_target_eager`)
         # structured output: the grammar hook (the scheduler's masks, bound by `bind`)
         self.grammar = GrammarDrafts(forced_tokens is not None, self.device)
 
@@ -246,6 +247,8 @@ class SpecWorker:
         check_graph_support(self.target, mode)
         if mode == "off" or getattr(self.draft, "fixed_position", False):
             return  # the assistant drafter's rounds stay eager (speculative/assistant.py)
+        if self.model.states is not None:
+            return  # a hybrid model's rounds stay eager (engine_settings.resolve_graph_mode)
         if not self.draft.backend.supports_cuda_graphs or self.draft_kv.shape[1] <= self.num_blocks:
             raise ValueError("the draft's backend or KV cache cannot run graph steps")
         self.graphs = SpecGraphs(self, mode, max_batch_size)
@@ -337,6 +340,7 @@ class SpecWorker:
             return self._plain_step(plan)
         copy_blocks([*self.kv_caches, *self._draft_caches], plan.block_copies)  # forked samples
         if plan.kind == "prefill":
+            self.target.prepare_states(plan)  # a hybrid model's recurrent states
             return self._prefill(plan)
         if plan.kind == "verify":
             return self._verify(plan)
@@ -691,6 +695,9 @@ class SpecWorker:
             r.kv_slots[:, : k + 1].reshape(-1),
         )  # fmt: skip
         self.model.backend.prepare(meta)
+        # a hybrid model: every row in the step form, keeping the state after each position
+        # (the accepted one becomes the row's: `_accept`)
+        self._verify_states = self.target.prepare_states(r.plan, [k + 1] * b, keep=True)
         captured = None
         if r.head_rows:
             hidden, captured = self.model(
@@ -739,6 +746,9 @@ class SpecWorker:
             first = torch.where(dead.any(dim=1), dead.long().argmax(dim=1), k1)  # [B]
             accepted = torch.minimum(accepted, first.to(accepted.device))
             no_token = first == accepted
+        if self._verify_states is not None:  # each row's state after its last accepted token
+            self.model.states.keep_accepted(self._verify_states, accepted.tolist())
+            self._verify_states = None
         return Accepted(tokens, accepted, logprobs, no_token)
 
     def _round_logprobs(
