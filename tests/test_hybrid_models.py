@@ -218,13 +218,16 @@ def _run(tmp, path, prompts, over, name="out", wrap=None, columns=None):
                    overrides=["sampling.max_new_tokens=32", *over])  # fmt: skip
 
 
-@pytest.mark.parametrize("batch, gemm", [(1, "native"), (8, "native"), (8, "torch")])
+@pytest.mark.parametrize("batch, gemm, overlap", [(1, "native", False), (8, "native", False),
+                                                  (8, "torch", False), (8, "native", True)])
 def test_greedy_32_tokens_equal_transformers_with_chunks_and_preemption(tmp_path, hybrid_e2e,
-                                                                         gemm, batch):  # fmt: skip
+                                                                         gemm, batch, overlap):
     """Greedy 32 tokens on 8 prompts at batch 1 and 8, prompts in 16-token chunks, and at
-    batch 8 a KV cache so short that rows are preempted (and come back from a zero state)."""
+    batch 8 a KV cache so short that rows are preempted (and come back from a zero state);
+    also with the next step planned while one is in flight (overlap)."""
     _, path, _, reference = hybrid_e2e
-    over = [*CHUNKS, f"engine.cpu_gemm={gemm}", f"engine.max_batch_size={batch}"]
+    over = [*CHUNKS, f"engine.cpu_gemm={gemm}", f"engine.max_batch_size={batch}",
+            f"engine.overlap={str(overlap).lower()}"]
     if batch > 1:
         over.append("engine.kv_cache_tokens=128")
     table, res = _run(tmp_path, path, PROMPTS, over, wrap=ReaderWaitSpy)

@@ -2,8 +2,8 @@
 
 It keeps no per-request state of its own (plain decoding) but a hybrid model's recurrent
 states, per request slot, which the scheduler's plans say how to restore and save
-(`prepare_states`); everything else about requests lives in the Rust scheduler. Inputs
-arrive as numpy arrays and are moved to the device once per step.
+(`prepare_states`); everything else about requests lives in the Rust scheduler. Inputs arrive
+as numpy arrays and are moved to the device once per step.
 """
 
 from __future__ import annotations
