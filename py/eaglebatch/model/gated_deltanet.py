@@ -27,6 +27,7 @@ step's rows in the right form (`run_linear`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +53,15 @@ class GatedRMSNorm(nn.Module):
         o32 = o.to(wide)
         normed = o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight * normed.to(o.dtype) * F.silu(z.to(wide))).to(o.dtype)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What a step's T tokens fed the states: the convolution's inputs mixed [T, conv_dim] and
+    the delta rule's (q, k, v, g, beta), all in the states' dtype (`GatedDeltaNet.advance`)."""
+
+    mixed: torch.Tensor
+    delta: tuple[torch.Tensor, ...]
 
 
 class GatedDeltaNet(nn.Module):
@@ -101,13 +111,39 @@ class GatedDeltaNet(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(out [T, H], conv after each token [T, conv_dim, K-1], SSM after each token
         [T, Hv, Dk, Dv]): the recurrent form. The states given are not modified."""
+        out, conv_after, ssm_after, _ = self.step_with_inputs(x, lengths, conv_states, ssm_states)
+        return out, conv_after, ssm_after
+
+    def step_with_inputs(
+        self, x: torch.Tensor, lengths: Sequence[int], conv_states: torch.Tensor,
+        ssm_states: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, StepInputs]:  # fmt: skip
+        """`step`, and what its tokens fed the states (`advance` replays a prefix of them)."""
         mixed = self.in_proj_qkv(x).to(conv_states.dtype)  # [T, conv_dim]
         windows, conv_after = _row_windows(mixed, lengths, conv_states)
         conv_out = self._convolve(windows, x.dtype)  # [B, conv_dim, L]
         conv_out = _packed(conv_out.transpose(1, 2), lengths)  # [T, conv_dim]
         q, k, v, g, beta = self._delta_inputs(x, conv_out, ssm_states.dtype)
         o, ssm_after = self._recurrence(q, k, v, g, beta, lengths, ssm_states)
-        return self._output(x, o), conv_after, ssm_after
+        inputs = StepInputs(mixed, (q, k, v, g, beta))
+        return self._output(x, o), conv_after, ssm_after, inputs
+
+    def advance(
+        self,
+        inputs: StepInputs,  # an earlier step's, over T packed tokens
+        index: torch.Tensor,  # int64 [T'] the tokens to replay, each row's first ones, packed
+        lengths: Sequence[int],  # B' host ints >= 1 summing to T': tokens replayed per row
+        conv_states: torch.Tensor,  # float32 [B', conv_dim, K-1] before each row's first token
+        ssm_states: torch.Tensor,  # float32 [B', Hv, Dk, Dv]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # conv [B', conv_dim, K-1], SSM [B', Hv, Dk, Dv]
+        """The states after each row's replayed tokens: a verify's rows advance over the tokens
+        they accepted only (the same operations as the step, so the same values), which keeps
+        a round's memory to its inputs instead of a state per position."""
+        _, conv_after = _row_windows(inputs.mixed[index], lengths, conv_states)
+        parts = (t[index] for t in inputs.delta)
+        _, ssm_after = self._recurrence(*parts, lengths, ssm_states)
+        last = torch.cumsum(torch.tensor(list(lengths)), 0) - 1
+        return conv_after[last], ssm_after[last.to(ssm_after.device)]
 
     def _recurrence(self, q, k, v, g, beta, lengths, states):
         """The step form's delta rule (`stepwise_delta_rule`; the CPU fast path swaps in its

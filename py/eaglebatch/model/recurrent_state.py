@@ -9,9 +9,11 @@ its sequence the model has consumed, never more.
 
 One step (`StepContext`, set by the worker before the model's forward): each query row's state
 row, its query length, its form (the chunked prefill form, else the recurrent step form), the
-checkpoints to save after given query offsets, and whether to keep the state after every
-token of the step-form rows (a speculative verify keeps the one after its last accepted
-token: exact rollback, no replay). `run_linear` applies one linear layer under it.
+checkpoints to save after given query offsets, and whether the round is a speculative verify:
+then the slots keep the states before the round and each layer keeps what its tokens fed the
+states (a few values per token, not a state per position), and after acceptance every row
+replays its accepted tokens from there (`keep_accepted`: the same operations, so the same
+states as a step over those tokens alone). `run_linear` applies one linear layer under it.
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ class StepContext:
     chunked: list[bool]  # per query row: the chunked prefill form (else the step form)
     # (row b, query offset j, pool row): that row must hold row b's state after its token j
     saves: list[tuple[int, int, int]] = field(default_factory=list)
-    keep: bool = False  # keep the step-form rows' states after every token (`kept`)
-    # layer -> (conv [N, C, K-1], SSM [N, Hv, Dk, Dv]) after each of the N step-form tokens,
-    # packed in query order (filled by run_linear when `keep`)
-    kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # a verify: the slots keep the states before the round, and `kept` what each layer's
+    # tokens fed them (`RecurrentStates.keep_accepted` replays the accepted ones)
+    keep: bool = False
+    # layer -> (its GatedDeltaNet, StepInputs of the N step-form tokens in query order)
+    kept: dict[int, tuple] = field(default_factory=dict)
 
     @classmethod
     def of_plan(cls, plan, slots: int, keep: bool = False) -> StepContext:
@@ -98,14 +101,17 @@ class RecurrentStates:
                     t[list(dst)] = t[list(src)]
 
     def keep_accepted(self, ctx: StepContext, accepted: Sequence[int]) -> None:
-        """After a verify (every row in the step form, `ctx.keep`): row b's slot := its state
-        after query token accepted[b] (0 = its first query token: no draft accepted)."""
-        starts = np.cumsum([0, *ctx.lengths[:-1]])
-        tokens = [int(s) + int(a) for s, a in zip(starts, accepted)]
+        """After a verify (every row in the step form, `ctx.keep`; the slots still hold the
+        states before the round): row b's slot := its state after query token accepted[b]
+        (0 = its first query token: no draft accepted), replayed from the round's inputs."""
+        lengths = [int(a) + 1 for a in accepted]
+        index = _packed_index(np.cumsum([0, *ctx.lengths[:-1]]).tolist(), lengths)
         for i, states in self.layers.items():
-            conv, ssm = ctx.kept.pop(i)
-            states.conv[ctx.slots] = conv[tokens]
-            states.ssm[ctx.slots] = ssm[tokens]
+            module, inputs = ctx.kept.pop(i)
+            conv, ssm = states.conv[ctx.slots], states.ssm[ctx.slots]
+            index_on = index.to(conv.device)
+            states.conv[ctx.slots], states.ssm[ctx.slots] = module.advance(
+                inputs, index_on, lengths, conv, ssm)
 
 
 def run_linear(module, x: torch.Tensor, states: LayerStates, layer: int) -> torch.Tensor:
@@ -149,17 +155,26 @@ def _step_rows(module, x, out, states: LayerStates, ctx: StepContext, rows: list
     """The step-form rows together: outputs, each slot after its last token, saves, and with
     `ctx.keep` every token's state (ctx.kept[layer])."""
     lengths = [ctx.lengths[b] for b in rows]
-    index = torch.cat([torch.arange(starts[b], starts[b] + ctx.lengths[b]) for b in rows])
-    index = index.to(x.device)
+    index = _packed_index([starts[b] for b in rows], lengths).to(x.device)
     slots = [ctx.slots[b] for b in rows]
-    o, conv_after, ssm_after = module.step(x.index_select(0, index), lengths,
-                                           states.conv[slots], states.ssm[slots])  # fmt: skip
+    o, conv_after, ssm_after, inputs = module.step_with_inputs(
+        x.index_select(0, index), lengths, states.conv[slots], states.ssm[slots])
     out[index] = o
+    if ctx.keep:  # the slots keep the states before the round until keep_accepted
+        ctx.kept[layer] = (module, inputs)
+        return
     first = np.cumsum([0, *lengths[:-1]])
     last = (first + np.asarray(lengths) - 1).tolist()
     states.conv[slots], states.ssm[slots] = conv_after[last], ssm_after[last]
     for k, b in enumerate(rows):
         for j, row in saves.get(b, []):
             states.conv[row], states.ssm[row] = conv_after[first[k] + j], ssm_after[first[k] + j]
-    if ctx.keep:
-        ctx.kept[layer] = (conv_after, ssm_after)
+
+
+def _packed_index(starts: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    """int64 [sum(lengths)]: starts[i], starts[i] + 1, ... (lengths[i] of them), row after row."""
+    lens = torch.tensor(list(lengths), dtype=torch.int64)
+    rows = torch.repeat_interleave(torch.arange(len(lens)), lens)
+    first = torch.cumsum(lens, 0) - lens  # each row's first entry
+    at = torch.tensor(list(starts), dtype=torch.int64)[rows]
+    return at + torch.arange(len(rows)) - first[rows]
