@@ -7,9 +7,10 @@ linear_num_key_heads; time_step_rank: linear_num_value_heads; inner_size: value 
 linear_value_head_dim), the layer kinds from `full_attention_interval` (every interval-th layer
 full, as llama.cpp computes them), partial rotary from `rope.dimension_count` over the head
 dim; `block_count` less `nextn_predict_layers` (a converter that keeps the MTP layer writes it
-as the last blocks: those are the drafter's, never loaded); the experts from moe_gguf.py (every layer routes: llama.cpp's tensors of these
-architectures have no dense MLP, so a Qwen3-Next checkpoint with `mlp_only_layers` has no
-such file; one without a layer's router is refused naming the tensor).
+as the last blocks: those are the drafter's, never loaded); the experts from moe_gguf.py
+(every layer routes: llama.cpp's tensors of these architectures have no dense MLP, so a
+Qwen3-Next checkpoint with `mlp_only_layers` has no such file; one without a layer's router
+is refused naming the tensor).
 
 Tensors (`hybrid_gguf_fixup`): what the converter does to a linear layer, undone (the rest of
 the model is the gguf package's name map, with 1 taken off every RMSNorm weight, which the
