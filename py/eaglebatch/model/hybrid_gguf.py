@@ -75,7 +75,8 @@ def _rotary(own: dict[str, Any], arch: str) -> dict[str, Any]:
     head = own.get("attention.key_length")
     if not isinstance(dims, int) or not isinstance(head, int) or not 0 < dims <= head:
         raise ValueError(f"GGUF {arch}.rope.dimension_count = {dims!r}: a {arch} file needs "
-                         f"its rotary dims (at most {arch}.attention.key_length = {head!r})")
+                         f"its rotary dims (at most {arch}.attention.key_length = "
+                         f"{head!r})")  # fmt: skip
     return {"partial_rotary_factor": dims / head}
 
 
