@@ -167,6 +167,19 @@ def _expanded(ck, blocks: torch.Tensor, part: str) -> torch.Tensor:
 
 
 @native
+def test_a_file_with_the_mtp_block_runs_the_model_without_it(tmp_path, files):
+    """A converter that keeps the MTP layer writes it as one more block (`nextn_predict_layers`):
+    the model is the first block_count - 1 blocks and generates what the file without it does;
+    `draft: mtp` stays refused."""
+    from eaglebatch.job.gguf_model import gguf_model_dir
+
+    hf, plain = files("qwen3_5_text")
+    gguf = write_hybrid_gguf(hf, tmp_path / "mtp.gguf", mtp_block=True)
+    assert ModelConfig.from_dir(gguf_model_dir(str(gguf))).num_hidden_layers == 4
+    assert _tokens(tmp_path, gguf, "quantized", 8) == _tokens(tmp_path, plain, "quantized", 8)
+
+
+@native
 def test_draft_mtp_on_a_hybrid_gguf_is_refused_naming_the_file(tmp_path, files):
     hf, gguf = files("qwen3_5_text")
     r, _ = _job(tmp_path, gguf, "dequantized", 1, draft="draft: mtp\n")

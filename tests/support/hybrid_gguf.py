@@ -14,6 +14,9 @@ its source (convert_hf_to_gguf.py):
   key head to tiled); experts stacked per layer into ffn_*_exps (Qwen2MoeModel), the shared
   expert's one-row gate as a vector; names by the gguf package's map (a tensor without a
   `.weight` / `.bias` suffix keeps none: A_log -> ssm_a).
+`mtp_block`: as a converter that keeps the MTP layer (_Qwen35MtpMixin) writes it, one block more
+at the end (`nextn_predict_layers` 1, `block_count` + 1; here a copy of the last layer's
+tensors, which a reader of the model must leave unread).
 `qtype` "F32", or "Q8_0": every matrix whose rows are whole 32-blocks as Q8_0 (else F16),
 the router and vectors float32. The tokenizer is SmolLM2's first vocab_size tokens."""
 
@@ -177,8 +180,15 @@ def _write_header(w, own: dict, arch: str) -> None:
             w.add_uint32(f"{arch}.{key}", int(value))
 
 
+def _with_mtp_block(tensors: dict[str, np.ndarray], layers: int) -> dict[str, np.ndarray]:
+    last = f"blk.{layers - 1}."
+    extra = {f"blk.{layers}." + n[len(last) :]: t for n, t in tensors.items()
+             if n.startswith(last)}  # fmt: skip
+    return {**tensors, **extra}
+
+
 def write_hybrid_gguf(folder: Path, path: Path, qtype: str = "F32",
-                      header: dict | None = None) -> Path:  # fmt: skip
+                      header: dict | None = None, mtp_block: bool = False) -> Path:  # fmt: skip
     """The tiny hybrid checkpoint `folder` as GGUF file `path` (module doc); `header`
     overrides keys (without the `{arch}.` prefix)."""
     from gguf import GGUFWriter
@@ -187,9 +197,14 @@ def write_hybrid_gguf(folder: Path, path: Path, qtype: str = "F32",
     arch = ARCH[raw["model_type"]]
     w = GGUFWriter(str(path), arch)
     w.add_name(f"synthetic-{raw['model_type']}")
-    _write_header(w, {**_header(raw, arch), **(header or {})}, arch)
+    own = _header(raw, arch)
+    tensors = _file_tensors(folder, raw, arch)
+    if mtp_block:
+        own.update(block_count=own["block_count"] + 1, nextn_predict_layers=1)
+        tensors = _with_mtp_block(tensors, raw["num_hidden_layers"])
+    _write_header(w, {**own, **(header or {})}, arch)
     _copy_tokenizer(w, _tokenizer_source(), raw["vocab_size"])
-    for name, data in sorted(_file_tensors(folder, raw, arch).items()):
+    for name, data in sorted(tensors.items()):
         _add(w, name, data, qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
