@@ -53,7 +53,8 @@ def expand(data: np.ndarray, ggml_type: int, shape: tuple[int, int]) -> np.ndarr
 def _readable(ck: GgufCheckpoint, name: str) -> bool:
     shape = ck.shapes()[name]
     ty = ck.ggml_type(name)
-    return len(shape) == 2 and ty in BLOCK_TYPES and row_bytes(ty, shape[1]) is not None
+    return (len(shape) == 2 and ty in BLOCK_TYPES and row_bytes(ty, shape[1]) is not None
+            and ck.blocks_readable(name))  # fmt: skip
 
 
 def kept_names(ck: GgufCheckpoint) -> frozenset[str]:

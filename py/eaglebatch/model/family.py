@@ -71,6 +71,10 @@ class Family:
     # (parameter name suffix, the file's tensor name with `{bid}` for the layer index) of the
     # parameters the gguf package's name map does not name (model/gguf_checkpoint.py)
     gguf_names: tuple[tuple[str, str], ...] = ()
+    # (parameter name, cfg) -> how the parameter is read from a file whose converter stored it
+    # otherwise (gguf_fix.GgufFix: reordered rows, a value transform, a squeezed shape), None
+    # for a parameter read by the name map
+    gguf_fixup: Callable[[str, Any], Any] | None = None
     # GGUF header -> config.json, where transformers' GGUF loader has no config mapping for
     # the architecture: the header's `{arch}.` keys (prefix dropped) and the file's tensors
     # (name -> GgufFile TensorInfo) -> this family's config.json keys beyond the shared ones

@@ -28,7 +28,9 @@ Invariants:
   one's first or second half); a tensor of another expert count or expert shape than the
   config's is a ValueError naming the tensor (`shapes`);
 - a parameter the gguf package's name map does not name is found by the family's
-  `gguf_names` (Gemma 4's router scales);
+  `gguf_names` (Gemma 4's router scales); one the converter stored otherwise is read by the
+  family's `gguf_fixup` (gguf_fix.py: rows reordered or selected, a value transform undone,
+  a squeezed shape restored; its blocks in its row order where no column order applies);
 - opening reads the header only; a parameter without its tensor, or of another shape, is a
   ValueError naming both (before anything is loaded, `check`).
 """
@@ -47,6 +49,7 @@ import torch
 
 from eaglebatch.model.family import Family
 from eaglebatch.model.gguf_file import GgufFile
+from eaglebatch.model.gguf_fix import GgufFix
 from eaglebatch.model.registry import family_of
 
 # llama.cpp stores the shared expert's one-row gate (mlp.shared_expert_gate [1, H]) as a vector
@@ -141,7 +144,12 @@ class GgufCheckpoint:
         self.rows: dict[str, tuple[int, int]] = {}  # fused parts: (first row, rows) of tensors[n]
         self.experts: dict[str, int] = {}  # an expert's parameter: its index in tensors[n]
         self.expert_rows: dict[str, int] = {}  # a part of ffn_gate_up_exps: its first row
+        self.fixes: dict[str, GgufFix] = {}
         for name in names:
+            if fix := self._fix(name):
+                if (t := self.reader.tensors.get(fix.tensor)) is not None:
+                    self.tensors[name], self.fixes[name] = t, fix
+                continue
             if m := _EXPERT.match(name):  # expert e's slab of the layer's expert tensor
                 t, first = self._expert_tensor(m)
                 if t is not None:
@@ -156,6 +164,10 @@ class GgufCheckpoint:
                 t, self.rows[name] = whole, fused[1:]
             if t is not None:
                 self.tensors[name] = t
+
+    def _fix(self, name: str) -> GgufFix | None:
+        fixup = self.family.gguf_fixup
+        return None if fixup is None else fixup(name, self.cfg)
 
     def _tensor(self, mapping, name: str):
         """The file's tensor of checkpoint tensor `name` (by the gguf package's name map)."""
@@ -198,7 +210,9 @@ class GgufCheckpoint:
         shapes = {}
         for name, t in self.tensors.items():
             shape = tuple(int(d) for d in reversed(t.shape))
-            if name in self.experts:
+            if name in self.fixes:
+                shape = self.fixes[name].param_shape(shape)
+            elif name in self.experts:
                 shape = self._expert_slab(name, shape)
             elif name.endswith(_ONE_ROW) and len(shape) == 1:
                 shape = (1, *shape)
@@ -258,6 +272,10 @@ class GgufCheckpoint:
         return self.tensors[name].ggml_type
 
     def nbytes(self, name: str) -> int:
+        fix = self.fixes.get(name)
+        if fix is not None and fix.rows is not None:  # its share of the file's rows
+            t = self.tensors[name]
+            return t.n_bytes * len(fix.rows) // int(t.shape[-1])
         return int(self._data(name).nbytes)
 
     def float32(self, name: str) -> torch.Tensor:
@@ -266,6 +284,8 @@ class GgufCheckpoint:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
+        if name in self.fixes:
+            return self._fixed_float32(name)
         t = self.tensors[name]
         shape = self.shapes()[name]
         w = None
@@ -283,6 +303,24 @@ class GgufCheckpoint:
             w = w - np.float32(offset)
         return torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
 
+    def _fixed_float32(self, name: str) -> torch.Tensor:
+        """Parameter `name` of the family's `gguf_fixup`: its file tensor dequantized whole,
+        then the fix applied (no norm offset: the fix states the value)."""
+        # lazy: the gguf package, only for a GGUF model
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        t = self.tensors[name]
+        file_shape = tuple(int(d) for d in reversed(t.shape))
+        w = np.asarray(dequantize(t.data, GGMLQuantizationType(t.ggml_type)), dtype=np.float32)
+        w = self.fixes[name].apply(w.reshape(file_shape))
+        return torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+
+    def blocks_readable(self, name: str) -> bool:
+        """Whether weight `name`'s blocks hold its rows whole (no column order to apply)."""
+        fix = self.fixes.get(name)
+        return fix is None or (fix.cols is None and fix.shape is None)
+
     def iter_float32(self, names: Iterable[str]) -> Iterator[tuple[str, torch.Tensor]]:
         for name in names:
             if name in self.tensors:
@@ -293,6 +331,10 @@ class GgufCheckpoint:
         in its row order, a view of the map where the order is the file's."""
         t = self.tensors[name]
         data = self._data(name)
+        fix = self.fixes.get(name)
+        if fix is not None and fix.rows is not None:  # the file's rows, then the fix's order
+            data = data.reshape(int(t.shape[-1]) if len(t.shape) > 1 else 1, -1).view(np.uint8)
+            return torch.from_numpy(np.ascontiguousarray(data[fix.rows]))
         data = data.reshape(self.shapes()[name][0], -1).view(np.uint8)  # [rows, row bytes]
         order = _row_order(self.family, t.name, data.shape[0], self.cfg)
         if order is None:

@@ -14,11 +14,13 @@ The checkpoints' `mtp.*` tensors are not the model's: they are the MTP drafter's
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from eaglebatch.model.config_values import bool_value, int_value
 from eaglebatch.model.deltanet_shape import DeltaNetShape
 from eaglebatch.model.family import FULL, LINEAR, Family
+from eaglebatch.model.hybrid_gguf import hybrid_gguf_config, hybrid_gguf_fixup
 
 PARTIAL_ROTARY = 0.25  # transformers' default for these configs
 
@@ -58,4 +60,7 @@ def hybrid_features(raw: dict[str, Any]) -> dict[str, Any]:
 
 QWEN3_5 = Family("qwen3_5_text", "Qwen3_5ForCausalLM", hybrid_features,
                  standardize=with_partial_rotary, text_tower_of=("qwen3_5",),
-                 dropped=("mtp.",))  # fmt: skip
+                 dropped=("mtp.",), gguf_architectures=("qwen35",),
+                    gguf_experts=False, gguf_norm_offset=1.0,
+                    gguf_config=hybrid_gguf_config("qwen35", experts=False),
+                    gguf_fixup=partial(hybrid_gguf_fixup, arch="qwen35"))  # fmt: skip
