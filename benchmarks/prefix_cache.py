@@ -111,8 +111,9 @@ def case(name: str, job_file: Path, tmp: Path, console: Console) -> dict:
         on, _ = run(job_file, tmp / f"{name}-on", True, worker,
                     extra=["engine.chunked_prefill=true", "engine.max_num_batched_tokens=512"])
         what, labels = "chunked prefill off / on (512 tokens a step)", ("off", "on")
-    else:
-        off, worker = run(job_file, tmp / f"{name}-off", False)
+    else:  # one worker, built for caching (a hybrid model's state checkpoints), for both
+        worker = build_worker(prepare(load_job(job_file, ["engine.prefix_caching=true"])))
+        off, _ = run(job_file, tmp / f"{name}-off", False, worker)
         on, _ = run(job_file, tmp / f"{name}-on", True, worker)
         what, labels = "prefix caching off / on", ("off", "on")
     same = sum(off["tokens"][r] == on["tokens"].get(r) for r in off["tokens"])
