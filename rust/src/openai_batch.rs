@@ -19,7 +19,8 @@ use serde_json::{Map, Value};
 use crate::chat_template::Message;
 use crate::error::{Error, Result};
 use crate::openai_keys::{check_body, check_message_key, shown, Body, Endpoint};
-pub use crate::openai_keys::{CHAT_URL, COMPLETIONS_URL};
+pub use crate::openai_keys::{CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL};
+use crate::pooled::EmbedLine;
 use crate::sampling_params::{held_f32, row_seed, SamplingParams, MAX_SAMPLES};
 use crate::structured::ResponseFormat;
 
@@ -28,6 +29,8 @@ use crate::structured::ResponseFormat;
 pub enum Prompt {
     Chat(Vec<Message>),
     Text(String),
+    /// `/v1/embeddings`: the inputs (one embedding each) and the line's options.
+    Inputs(Vec<String>, EmbedLine),
 }
 
 /// One parsed line: its custom_id and endpoint when it has them, and its prompt and sampling
@@ -148,7 +151,7 @@ fn parse_request(
     let Some(e) = endpoint else {
         let url = obj.get("url").map_or("nothing".to_string(), shown);
         return Err(format!(
-            "url must be \"{CHAT_URL}\" or \"{COMPLETIONS_URL}\", got {url}"
+            "url must be \"{CHAT_URL}\", \"{COMPLETIONS_URL}\" or \"{EMBEDDINGS_URL}\", got {url}"
         ));
     };
     let url = e.url();
@@ -163,9 +166,55 @@ fn parse_request(
             Some(Value::String(s)) => Prompt::Text(s.clone()),
             _ => return Err("body.prompt must be one string".into()),
         },
+        Endpoint::Embeddings => return embedding_request(body, job),
     };
     let params = body_sampling(body, job, e == Endpoint::Chat)?;
     Ok((prompt, params))
+}
+
+/// An embeddings line: its inputs (a string, or a list of 1 to MAX_SAMPLES non-empty strings:
+/// the row's samples, one embedding each), `dimensions` and `encoding_format`.
+fn embedding_request(
+    body: &Map<String, Value>,
+    job: &Arc<SamplingParams>,
+) -> std::result::Result<(Prompt, Arc<SamplingParams>), String> {
+    let bad = || "body.input must be a string or a list of strings".to_string();
+    let inputs: Vec<String> = match body.get("input") {
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(list)) => list
+            .iter()
+            .map(|v| v.as_str().map(str::to_string).ok_or_else(bad))
+            .collect::<std::result::Result<_, _>>()?,
+        _ => return Err(bad()),
+    };
+    if inputs.is_empty() || inputs.len() > MAX_SAMPLES {
+        return Err(format!(
+            "body.input has {} inputs; 1 to {MAX_SAMPLES} are allowed",
+            inputs.len()
+        ));
+    }
+    if let Some(j) = inputs.iter().position(String::is_empty) {
+        return Err(format!("body.input[{j}] is empty"));
+    }
+    let dimensions = match uint(body, "dimensions")? {
+        Some(0) => return Err("body.dimensions must be at least 1".into()),
+        d => d.map_or(0, |d| usize::try_from(d).unwrap_or(usize::MAX)),
+    };
+    let base64 = match given(body, "encoding_format") {
+        None => false,
+        Some(v) if v == "float" => false,
+        Some(v) if v == "base64" => true,
+        Some(v) => {
+            return Err(format!(
+                "body.encoding_format must be \"float\" or \"base64\", got {}",
+                shown(v)
+            ))
+        }
+    };
+    let mut p = job.as_ref().clone();
+    p.n = inputs.len();
+    let line = EmbedLine { dimensions, base64 };
+    Ok((Prompt::Inputs(inputs, line), Arc::new(p)))
 }
 
 /// body.messages as chat-template messages: role, content (a string, text parts, or null for
