@@ -346,3 +346,12 @@ def test_openai_embedding_lines_validate_with_the_sdk_types(tmp_path, embedders)
     assert "hidden_size (64)" in out["wide"]["body"]["error"]["message"]
     assert "body.temperature is not" in out["bad-key"]["body"]["error"]["message"]
     assert all(out[c]["status_code"] == 400 for c in ("empty", "chat", "wide", "bad-key"))
+
+
+def test_an_embedding_job_without_an_embeddings_line_is_refused(tmp_path, embedders):
+    chat = {"custom_id": "c", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "x"}]}}  # fmt: skip
+    job = embedding_lines_job(tmp_path, embedders["qwen3"], [chat])
+    r = CliRunner().invoke(main, ["validate", str(job)])
+    assert r.exit_code == 2, r.output
+    assert "no line of" in r.output and "/v1/embeddings (task: embed)" in r.output

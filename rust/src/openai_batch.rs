@@ -50,6 +50,9 @@ pub struct Survey {
     pub requests: u64,
     pub first: Option<Endpoint>,
     pub chat: bool,
+    /// Set by the caller: the job embeds (`task: embed` serves `/v1/embeddings` lines only,
+    /// the other tasks the generation endpoints only).
+    pub embed: bool,
 }
 
 /// Adds the lines of JSONL file `path` to `seen`, streaming it, and returns its requests. A
@@ -71,7 +74,8 @@ pub fn survey_requests(
         n += 1;
         let may_chat = !seen.chat && line.windows(4).any(|w| w == b"chat");
         if seen.first.is_none() || may_chat {
-            let endpoint = line_endpoint(line);
+            let served = |e: &Endpoint| (*e == Endpoint::Embeddings) == seen.embed;
+            let endpoint = line_endpoint(line).filter(served);
             seen.first = seen.first.or(endpoint);
             seen.chat = endpoint == Some(Endpoint::Chat);
         }
@@ -506,8 +510,16 @@ mod tests {
             requests: 5,
             first: Some(Endpoint::Completions),
             chat: true,
+            embed: false,
         };
         assert_eq!(seen, want);
+        // an embedding job's lines are /v1/embeddings requests only
+        let mut embed = Survey {
+            embed: true,
+            ..Survey::default()
+        };
+        assert_eq!(survey_requests(&b, &none, &mut embed).unwrap(), 3);
+        assert_eq!(embed.first, None);
     }
 
     #[test]
