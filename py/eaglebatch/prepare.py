@@ -171,7 +171,7 @@ def check_job_input(job: JobConfig) -> CheckedInput:
     kind (the one place a start checks that: open_output's prepare_output_dir relies on it)."""
     endpoint, batch_chat = None, False
     if job.input.openai_batch:
-        batch = check_batch_input(job.input, job.storage)
+        batch = check_batch_input(job.input, job.storage, job.task)
         files, total, endpoint, batch_chat = batch.files, batch.total, batch.first_url, batch.chat
     else:
         files, total = check_input(job.input, job.storage)
