@@ -7,8 +7,9 @@ both engines load the same weights from the same folder.
 - throughput: `--rows` ShareGPT first-turn prompts, rows per second of eaglebatch's
   `Engine.embed` and of `SentenceTransformer.encode(batch_size=32)` (each after loading, the
   best of `--repeats`), and the least cosine between the two engines' embeddings;
-- memory: a job over each of `--memory-rows` synthetic short rows in a subprocess of its own,
-  its peak resident memory (ru_maxrss); flat means streaming (rows are written as they finish).
+- memory: a job over each of `--memory-rows` synthetic short rows in a subprocess of its own
+  (a fixed 16,384-token KV cache), its peak resident memory (VmHWM); flat means streaming
+  (rows are written as they finish, never accumulated).
 
     python benchmarks/embed.py [--rows 2000] [--memory-rows 2000 --memory-rows 200000]
                                [--device cpu|cuda] [--repeats 2] [--json F]
@@ -92,10 +93,12 @@ def throughput(model: Path, texts: list[str], device: str, repeats: int) -> dict
             "min_cosine": float(cos.min())}  # fmt: skip
 
 
+# VmHWM, the process's own peak (ru_maxrss would carry the forking parent's over exec)
 _CHILD = """
-import resource, sys, eaglebatch
+import sys, eaglebatch
 eaglebatch.run(sys.argv[1])
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+status = open("/proc/self/status").read().split("VmHWM:")[1]
+print(int(status.split()[0]))
 """
 
 
@@ -109,10 +112,11 @@ def peak_memory(model: Path, rows: int, device: str, root: Path) -> float:
     job = d / "job.yaml"
     job.write_text(f"model: {model}\ntask: embed\ninput:\n  path: {d / 'in.parquet'}\n"
                    f"output:\n  path: {d / 'out'}\nengine:\n  device: {device}\n"
-                   "  max_model_len: 2048\n  max_batch_size: 256\n")  # fmt: skip
+                   "  max_model_len: 2048\n  max_batch_size: 256\n"
+                   "  kv_cache_tokens: 16384\n")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", _CHILD, str(job)], capture_output=True,
                          text=True, check=True)  # fmt: skip
-    return int(out.stdout.split()[-1]) / 1024  # ru_maxrss: KiB on Linux
+    return int(out.stdout.split()[-1]) / 1024  # KiB
 
 
 def main() -> None:
