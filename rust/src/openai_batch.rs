@@ -603,12 +603,15 @@ mod tests {
         let l = parse_line(&line, 2, &job(), 1);
         assert_eq!(l.endpoint, Some(Endpoint::Completions));
         assert_eq!(l.request.unwrap().0, Prompt::Text("x".into()));
-        let line = r#"{"custom_id": "c", "url": "/v1/embeddings", "body": {"input": "x"}}"#;
+        let line = r#"{"custom_id": "c", "url": "/v1/responses", "body": {"input": "x"}}"#;
         let e = parse_line(line, 5, &job(), 1);
         assert_eq!((e.endpoint, e.custom_id.as_deref()), (None, Some("c")));
         let e = e.request.unwrap_err();
         assert!(
-            e.starts_with("line 5: url must be \"/v1/chat/completions\" or"),
+            e.starts_with(
+                "line 5: url must be \"/v1/chat/completions\", \"/v1/completions\" or \
+                 \"/v1/embeddings\""
+            ),
             "{e}"
         );
         let e = parse_line(
@@ -750,5 +753,50 @@ mod tests {
         );
         let e = parse_line(&line, 1, &Arc::new(j), 1).request.unwrap_err();
         assert!(e.contains("stop_token_ids: 8 is not an id"), "{e}");
+    }
+    #[test]
+    fn embedding_lines_carry_their_inputs_and_options() {
+        let parse = |body: &str| {
+            let line =
+                format!(r#"{{"custom_id": "e", "url": "{EMBEDDINGS_URL}", "body": {body}}}"#);
+            parse_line(&line, 3, &job(), 1)
+        };
+        let l = parse(r#"{"input": ["a", "b"], "dimensions": 8, "encoding_format": "base64"}"#);
+        assert_eq!(l.endpoint, Some(Endpoint::Embeddings));
+        let (prompt, params) = l.request.unwrap();
+        let line = EmbedLine {
+            dimensions: 8,
+            base64: true,
+        };
+        assert_eq!(prompt, Prompt::Inputs(vec!["a".into(), "b".into()], line));
+        assert_eq!(params.n, 2); // one sample per input
+        let (prompt, _) = parse(r#"{"input": "x", "model": "m"}"#).request.unwrap();
+        assert_eq!(
+            prompt,
+            Prompt::Inputs(vec!["x".into()], EmbedLine::default())
+        );
+        for (body, want) in [
+            (r#"{"input": []}"#, "body.input has 0 inputs"),
+            (r#"{"input": ["a", ""]}"#, "body.input[1] is empty"),
+            (
+                r#"{"input": [1, 2]}"#,
+                "body.input must be a string or a list",
+            ),
+            (
+                r#"{"input": "a", "dimensions": 0}"#,
+                "body.dimensions must be at least 1",
+            ),
+            (
+                r#"{"input": "a", "encoding_format": "hex"}"#,
+                "body.encoding_format must be",
+            ),
+            (
+                r#"{"input": "a", "n": 2}"#,
+                "body.n is not a /v1/embeddings key",
+            ),
+        ] {
+            let e = parse(body).request.unwrap_err();
+            assert!(e.starts_with(&format!("line 3: {want}")), "{e}");
+        }
     }
 }
