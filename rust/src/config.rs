@@ -19,7 +19,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use crate::error::Result;
-use crate::pooled::{PoolHead, Pooling};
+use crate::pooled::{Head, PoolHead, Pooling};
 use crate::sampling_params::SamplingParams;
 use crate::score::{ScoreShape, Task};
 use crate::storage::StorageSettings;
@@ -141,10 +141,12 @@ impl RunConfig {
 
     /// A pooled task's head (pooled.rs; None: another task). `validate` checks its settings.
     pub fn pool_head(&self) -> Option<PoolHead> {
-        let task = self.task().ok()?;
-        if !task.pooled() {
-            return None;
-        }
+        let task = match self.task().ok()? {
+            Task::Embed => Head::Embed,
+            Task::Classify => Head::Classify,
+            Task::Reward => Head::Reward,
+            Task::Generate | Task::Score | Task::Perplexity => return None,
+        };
         let out = &self.output;
         Some(PoolHead {
             task,

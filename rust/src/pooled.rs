@@ -17,7 +17,15 @@ use arrow_array::ArrayRef;
 use arrow_schema::{DataType, Field};
 
 use crate::error::{Error, Result};
-use crate::score::Task;
+
+/// What a pooled row's value is: its embedding, its class (`task: classify`) or its score
+/// (`task: reward`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Head {
+    Embed,
+    Classify,
+    Reward,
+}
 
 /// Which prompt positions a row's pooled vector is made of.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,7 +114,7 @@ pub struct PoolInput {
 /// How a row's summed contributions become its output value.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PoolHead {
-    pub task: Task,
+    pub task: Head,
     pub pooling: Pooling,
     /// The contributions' width: hidden_size (embed) or the score head's outputs.
     pub width: usize,
@@ -163,8 +171,8 @@ impl PoolHead {
     /// A row's value from the sum of its contributions over a prompt of `len` tokens.
     pub fn finish(&self, sum: &[f32], len: usize) -> Pooled {
         match self.task {
-            Task::Classify => classify(sum, &self.labels, self.multi_label),
-            Task::Reward => Pooled::Reward(sum.first().copied().unwrap_or(f32::NAN)),
+            Head::Classify => classify(sum, &self.labels, self.multi_label),
+            Head::Reward => Pooled::Reward(sum.first().copied().unwrap_or(f32::NAN)),
             _ => {
                 let scale = match self.pooling {
                     Pooling::Mean => 1.0 / len.max(1) as f32,
@@ -183,11 +191,11 @@ impl PoolHead {
     pub fn fields(&self) -> Vec<Field> {
         let f32_item = Arc::new(Field::new("item", DataType::Float32, true));
         match self.task {
-            Task::Classify => vec![
+            Head::Classify => vec![
                 Field::new("label", DataType::Utf8, true),
                 Field::new("probs", DataType::List(f32_item), true),
             ],
-            Task::Reward => vec![Field::new("score", DataType::Float32, true)],
+            Head::Reward => vec![Field::new("score", DataType::Float32, true)],
             _ if self.lines => vec![
                 Field::new("embedding", DataType::List(f32_item), true),
                 Field::new("encoding_format", DataType::Utf8, true),
@@ -203,7 +211,7 @@ impl PoolHead {
     /// The output columns of rows (None: an error row, null).
     pub fn columns<'a>(&self, rows: impl Iterator<Item = Option<&'a Pooled>>) -> Vec<ArrayRef> {
         match self.task {
-            Task::Classify => {
+            Head::Classify => {
                 let mut label = StringBuilder::new();
                 let mut probs = ListBuilder::new(Float32Builder::new());
                 for r in rows {
@@ -218,7 +226,7 @@ impl PoolHead {
                 }
                 vec![Arc::new(label.finish()), Arc::new(probs.finish())]
             }
-            Task::Reward => {
+            Head::Reward => {
                 let mut score = Float32Builder::new();
                 for r in rows {
                     score.append_option(match r {
@@ -303,7 +311,7 @@ fn classify(logits: &[f32], labels: &[String], multi_label: bool) -> Pooled {
 mod tests {
     use super::*;
 
-    fn head(task: Task) -> PoolHead {
+    fn head(task: Head) -> PoolHead {
         PoolHead {
             task,
             pooling: Pooling::Mean,
@@ -318,13 +326,13 @@ mod tests {
 
     #[test]
     fn embeddings_are_averaged_cut_and_normalised() {
-        let v = head(Task::Embed).finish(&[6.0, 8.0, 100.0, 1.0], 2);
+        let v = head(Head::Embed).finish(&[6.0, 8.0, 100.0, 1.0], 2);
         assert_eq!(v, Pooled::Embedding(vec![0.6, 0.8]));
         let raw = PoolHead {
             normalize: false,
             dimensions: 0,
             pooling: Pooling::Last,
-            ..head(Task::Embed)
+            ..head(Head::Embed)
         };
         assert_eq!(
             raw.finish(&[1.0, 2.0, 3.0, 4.0], 9),
@@ -337,7 +345,7 @@ mod tests {
         assert_eq!(Truncate::Error.apply(vec![1, 2, 3], 2), vec![1, 2, 3]);
         let full = PoolHead {
             dimensions: 0,
-            ..head(Task::Embed)
+            ..head(Head::Embed)
         };
         let line = EmbedLine {
             dimensions: 1,
@@ -351,19 +359,19 @@ mod tests {
 
     #[test]
     fn classes_take_softmax_or_sigmoid() {
-        let Pooled::Class { label, probs } = head(Task::Classify).finish(&[0.0, 1.0], 3) else {
+        let Pooled::Class { label, probs } = head(Head::Classify).finish(&[0.0, 1.0], 3) else {
             panic!("a class")
         };
         assert_eq!(label, "b");
         assert!((probs[1] - 1.0 / (1.0 + (-1f32).exp())).abs() < 1e-6);
         let multi = PoolHead {
             multi_label: true,
-            ..head(Task::Classify)
+            ..head(Head::Classify)
         };
         let Pooled::Class { probs, .. } = multi.finish(&[0.0, 0.0], 3) else {
             panic!("a class")
         };
         assert_eq!(probs, vec![0.5, 0.5]);
-        assert_eq!(head(Task::Reward).finish(&[2.5], 3), Pooled::Reward(2.5));
+        assert_eq!(head(Head::Reward).finish(&[2.5], 3), Pooled::Reward(2.5));
     }
 }
