@@ -355,3 +355,14 @@ def test_an_embedding_job_without_an_embeddings_line_is_refused(tmp_path, embedd
     r = CliRunner().invoke(main, ["validate", str(job)])
     assert r.exit_code == 2, r.output
     assert "no line of" in r.output and "/v1/embeddings (task: embed)" in r.output
+
+
+def test_a_reward_input_over_max_model_len_is_an_error_unless_cut(tmp_path, classifiers):
+    model, texts = classifiers["qwen3", 1], ["a b c d " * 20, "short"]
+    rows = run(write_job(tmp_path, model, texts, "reward"), "engine.max_model_len=32")
+    assert "max_model_len (32)" in rows[0]["error"] and rows[1]["error"] is None
+    (tmp_path / "cut").mkdir()
+    job = write_job(tmp_path / "cut", model, texts, "reward", tail="embed:\n  truncate: start\n")
+    rows = run(job, "engine.max_model_len=32")
+    want = hf_logits(model, [byte_tokenizer().encode(texts[0]).ids[-32:]])[0]
+    assert abs(rows[0]["score"] - want[0].item()) < 1e-4

@@ -137,18 +137,16 @@ class Engine:
         return self._call(inputs, "embed", input, None, output, {"embed": dict(embed or {})})
 
     def classify(self, inputs, *, input: Section = None, output: Section = None,
-                 truncate: str = "end") -> pa.Table:  # fmt: skip
+                 truncate: str | None = None) -> pa.Table:  # fmt: skip
         """Per input row (a text or a conversation) its `label` and `probs` from the model's
         sequence-classification head (`task: classify`)."""
-        return self._call(inputs, "classify", input, None, output,
-                          {"embed": {"truncate": truncate}})  # fmt: skip
+        return self._call(inputs, "classify", input, None, output, _truncate(truncate))
 
     def reward(self, inputs, *, input: Section = None, output: Section = None,
-               truncate: str = "end") -> pa.Table:  # fmt: skip
+               truncate: str | None = None) -> pa.Table:  # fmt: skip
         """Per input row (a conversation, or a text) the `score` of the model's single-output
         head (`task: reward`)."""
-        return self._call(inputs, "reward", input, None, output,
-                          {"embed": {"truncate": truncate}})  # fmt: skip
+        return self._call(inputs, "reward", input, None, output, _truncate(truncate))
 
     def close(self) -> None:
         """Frees the worker (weights, KV cache, threads' buffers) and the work directory."""
@@ -240,6 +238,11 @@ class Engine:
             return _user_errors(run)()
         with view:
             return _user_errors(run)()
+
+
+def _truncate(truncate: str | None) -> dict:
+    """The job keys of classify / reward's `truncate` (None: the task's default, error)."""
+    return {} if truncate is None else {"embed": {"truncate": truncate}}
 
 
 def _probe_task(model: str) -> str:

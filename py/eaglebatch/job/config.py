@@ -407,8 +407,9 @@ class EmbedConfig(_Section):
     # (default: its default_prompt_name, if any)
     prompt_name: str | None = Field(default=None, min_length=1)
     # an input longer than max_model_len: cut its end (sentence-transformers' rule) or its
-    # start, or make it an error row
-    truncate: Literal["start", "end", "error"] = "end"
+    # start, or make it an error row; default: end for embed, error for classify and reward
+    # (a cut conversation would be scored without its end)
+    truncate: Literal["start", "end", "error"] | None = None
 
 
 POOLED_TASKS = ("embed", "classify", "reward")

@@ -124,7 +124,8 @@ def scheduler_settings(job: JobConfig, spec: PoolSpec | None) -> dict:
     tasks)."""
     if spec is None:
         return {}
-    return dict(prompt_prefix=spec.prompt_prefix, truncate=job.embed.truncate,
+    truncate = job.embed.truncate or ("end" if job.task == "embed" else "error")
+    return dict(prompt_prefix=spec.prompt_prefix, truncate=truncate,
                 pooling=spec.pooling, pool_width=spec.width, pool_normalize=spec.normalize,
                 pool_dimensions=spec.dimensions, labels=list(spec.labels),
                 multi_label=spec.multi_label)  # fmt: skip
