@@ -106,8 +106,15 @@ def test_unsupported_model_type_is_named() -> None:
         cfg(model_type="gpt2")
     with pytest.raises(ValueError, match="hidden_act 'quick_gelu'"):
         cfg(hidden_act="quick_gelu")
-    with pytest.raises(ValueError, match="architecture 'LlamaForSequenceClassification'"):
-        cfg(architectures=["LlamaForSequenceClassification"])
+    with pytest.raises(ValueError, match="architecture 'LlamaForTokenClassification'"):
+        cfg(architectures=["LlamaForTokenClassification"])
+    with pytest.raises(ValueError, match="architecture 'Qwen3ForSequenceClassification'"):
+        cfg(architectures=["Qwen3ForSequenceClassification"])  # another family's
+    # a sequence classifier of the family: its score head's outputs (task classify / reward)
+    assert cfg(architectures=["LlamaForSequenceClassification"]).head_outputs == 2
+    labels = {"0": "neg", "1": "neu", "2": "pos"}
+    assert cfg(architectures=["LlamaForSequenceClassification"], id2label=labels).head_outputs == 3
+    assert cfg().head_outputs == 0
     with pytest.raises(ValueError, match="'hidden_size'"):
         cfg(hidden_size=None)
     with pytest.raises(ValueError, match="multiple"):

@@ -169,7 +169,7 @@ def test_bad_lines_are_error_lines_naming_the_line(tmp_path, tiny_model_dir):
     status = {k: v["response"]["status_code"] for k, v in by_line.items()}
     assert status["batch_req_0"] == 200 and status["batch_req_3"] == 400
     for row, want in [(1, "line 2: not valid JSON"), (2, "line 3:"), (3, "line 4: duplicate"),
-                      (4, "line 5: custom_id"), (5, "line 6: url must be"),
+                      (4, "line 5: custom_id"), (5, "line 6: url /v1/embeddings needs task: embed"),
                       (6, "line 7: not valid UTF-8")]:  # fmt: skip
         msg = by_line[f"batch_req_{row}"]["response"]["body"]["error"]["message"]
         assert msg.startswith(want), msg

@@ -263,3 +263,29 @@ def test_importing_the_package_stays_cheap():
             "'pyarrow' not in sys.modules; eaglebatch.JobError; print('ok')")  # fmt: skip
     assert subprocess.run([sys.executable, "-c", code], capture_output=True,
                           text=True).stdout.strip() == "ok"  # fmt: skip
+
+
+def test_engine_embed_classify_and_reward_equal_their_jobs(tmp_path):
+    """Engine.embed / classify / reward return the rows of the job they are (task embed,
+    classify, reward), in input order; a classifier loads into an Engine (no LM head)."""
+    from support.tiny import make_tiny_model
+    from test_embed import mixed_texts, run, write_job, write_st_files
+
+    texts = mixed_texts(12, seed=5)
+    embedder = make_tiny_model(tmp_path / "embedder", model_type="qwen3", head_dim=16)
+    write_st_files(embedder, "last", True)
+    with eaglebatch.Engine(str(embedder), engine=ENGINE) as eng:
+        got = eng.embed(texts, embed={"dimensions": 32})
+    (tmp_path / "e").mkdir()
+    want = run(write_job(tmp_path / "e", embedder, texts, "embed",
+                         tail="embed:\n  dimensions: 32\n"))  # fmt: skip
+    assert got.column("embedding").to_pylist() == [r["embedding"] for r in want]
+    assert got.schema.field("embedding").type == pa.list_(pa.float32(), 32)
+    for labels, task in [(3, "classify"), (1, "reward")]:
+        model = make_tiny_model(tmp_path / task, num_labels=labels)
+        with eaglebatch.Engine(str(model), engine=ENGINE) as eng:
+            got = getattr(eng, task)(texts)
+        (tmp_path / f"job-{task}").mkdir()
+        want = run(write_job(tmp_path / f"job-{task}", model, texts, task))
+        cols = ["label", "probs"] if task == "classify" else ["score"]
+        assert got.select(cols).to_pylist() == [{c: r[c] for c in cols} for r in want]

@@ -3,6 +3,7 @@ the rows `Engine.generate` gives, with the input's columns carried through."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from test_runner import random_prompts
@@ -46,3 +47,26 @@ def test_a_dataset_through_the_processor_equals_engine_generate(local_ray, tiny_
     assert [r["key"] for r in got] == list(range(20))
     assert [r["tokens"] for r in got] == [r["output_token_ids"] for r in want]
     assert [r["answer"] for r in got] == [r["output_text"] for r in want]
+
+
+def test_the_processor_embeds_with_task_embed(local_ray, tmp_path):
+    import eaglebatch
+    from eaglebatch.integrations.ray_data import ProcessorConfig, build_processor
+    from support.tiny import make_tiny_model
+    from test_embed import write_st_files
+
+    model = make_tiny_model(tmp_path / "embedder", model_type="qwen3", head_dim=16)
+    write_st_files(model, "mean", True)
+    prompts = random_prompts(12, seed=4)
+    engine = {"device": "cpu", "kv_cache_tokens": 4096}
+    config = ProcessorConfig(model=str(model), engine=engine, task="embed",
+                             embed={"dimensions": 16}, batch_size=5)  # fmt: skip
+    processor = build_processor(config, postprocess=lambda row: {
+        "key": row["key"], "vector": list(row["embedding"])})  # fmt: skip
+    ds = ray.data.from_items([{"prompt": p, "key": i} for i, p in enumerate(prompts)])
+    got = sorted(processor(ds).take_all(), key=lambda r: r["key"])
+    with eaglebatch.Engine(str(model), engine=engine) as eng:
+        want = eng.embed(prompts, embed={"dimensions": 16}).column("embedding").to_pylist()
+    # batches of 5 rows pack other GEMM shapes than one call of 12: float rounding apart
+    assert [r["key"] for r in got] == list(range(12))
+    np.testing.assert_allclose([r["vector"] for r in got], want, atol=1e-5)

@@ -29,6 +29,10 @@ RESOLVED = {"input_files", "prompt_column", "input_format", "row_range", "tokeni
             "state_checkpoint_interval", "state_checkpoints",  # the model's state (worker)
             "read_batch_rows", "queue_rows",
             "task",  # the job's top-level key, passed by name
+            # a pooled task's head, from the job's embed section and the model
+            # (job/pooling.py scheduler_settings)
+            "prompt_prefix", "truncate", "pooling", "pool_width", "pool_normalize",
+            "pool_dimensions", "labels", "multi_label",
             # the job's storage section, renamed (scheduler_config.storage_section)
             "endpoint", "options", "unconditional"}  # fmt: skip
 

@@ -166,6 +166,7 @@ class Scheduler:
         prompt_logprobs: tuple[npt.NDArray[np.int32], npt.NDArray[np.int32],
                                npt.NDArray[np.float32], npt.NDArray[np.int32],
                                npt.NDArray[np.float32]] | None = None,
+        pooled: npt.NDArray[np.float32] | None = None,
     ) -> None:
         """Results of the last plan, rows in plan order: row i produced
         tokens[sum(num_tokens[:i]) : sum(num_tokens[:i+1])]. The scheduler truncates at EOS,
@@ -178,7 +179,8 @@ class Scheduler:
         most any row asks; each row keeps those of the tokens it appends (its own N).
         `prompt_logprobs` (rows whose plan.prompt_logprobs > 0): (row_counts int32 [B],
         positions int32 [P], then chosen, top ids and top logprobs as `logprobs` has them over
-        the P entries)."""
+        the P entries). `pooled` (a pooled task: embed, classify, reward; required there):
+        float32 [B, W], each plan row's contribution to its row's pooled sum (pooled.py)."""
 
     def next_plan_ahead(self) -> StepPlan | None:
         """With config.overlap (plain decoding), while exactly one plan is pending: the plan

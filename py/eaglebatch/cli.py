@@ -136,7 +136,7 @@ def _check_job_template(job) -> None:
     from eaglebatch.job.checks import check_chat_template, read_chat_template, renders_chat
     from eaglebatch.job.inputs import check_batch_input
 
-    batch_chat = job.input.openai_batch and check_batch_input(job.input, job.storage).chat
+    batch_chat = job.input.openai_batch and check_batch_input(job.input, job.storage, job.task).chat
     path = job.model_chat_template
     if path is not None and renders_chat(job, batch_chat):
         check_chat_template(read_chat_template(path), f"model_chat_template: {path}")

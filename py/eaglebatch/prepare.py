@@ -25,6 +25,7 @@ from eaglebatch.job.checks import (
 from eaglebatch.job.config import JobConfig
 from eaglebatch.job.inputs import check_batch_input, check_input, check_output_apart, kept_columns
 from eaglebatch.job.model_files import ModelFiles, model_files, resolve_draft_dir
+from eaglebatch.job.pooling import pool_spec
 from eaglebatch.job.state_budget import state_plan
 from eaglebatch.model.config import ModelConfig
 from eaglebatch.output.directory import check_output_kind
@@ -93,6 +94,15 @@ def _check_model_config(job: JobConfig, mf: ModelFiles, rows: int):
                        f"vocab_size is {cfg.vocab_size}")  # fmt: skip
     settings = resolve_engine(job, mf, cfg)
     return settings, cfg, _memory_plan(job, mf, cfg, settings, shapes, rows)
+
+
+def _check_task(job: JobConfig, mf: ModelFiles, cfg) -> None:
+    """The model can do the job's task: a sequence classifier only classifies or scores
+    (reward); a pooled task's head resolves (job/pooling.py: JobError naming the key)."""
+    if cfg.head_outputs and job.task not in ("classify", "reward"):
+        raise JobError(f"task: model {mf.dir} is a sequence classifier (a score head, no LM "
+                       f"head): it runs task: classify or reward, not {job.task}")  # fmt: skip
+    pool_spec(job, mf.dir)
 
 
 def requests_known(job: JobConfig, rows: int) -> int | None:
@@ -175,7 +185,7 @@ def check_job_input(job: JobConfig) -> CheckedInput:
     kind (the one place a start checks that: open_output's prepare_output_dir relies on it)."""
     endpoint, batch_chat = None, False
     if job.input.openai_batch:
-        batch = check_batch_input(job.input, job.storage)
+        batch = check_batch_input(job.input, job.storage, job.task)
         files, total, endpoint, batch_chat = batch.files, batch.total, batch.first_url, batch.chat
     else:
         files, total = check_input(job.input, job.storage)
@@ -206,6 +216,7 @@ def prepare(
         check_chat_template(mf.chat_template, template_origin(job, mf))
     draft = resolve_draft_dir(job.draft, model_dir=mf.dir) if job.draft is not None else None
     engine, cfg, mem = _check_model_config(job, mf, total)
+    _check_task(job, mf, cfg)
     vocab_size = cfg.vocab_size
     _check_draft(job, draft, mf, cfg)  # against the model's config.json, checked just above
     if mem is not None and check_memory:

@@ -22,6 +22,7 @@ from eaglebatch.errors import JobError, native_error
 from eaglebatch.interrupt import Interrupted, StopSignals
 from eaglebatch.job.checks import renders_chat
 from eaglebatch.job.config import job_to_dict
+from eaglebatch.job.pooling import pool_spec, scheduler_settings
 from eaglebatch.output.directory import prepare_output_dir, release_output_dir
 from eaglebatch.output.resume import HASH_KEY, IDENTITY_KEY, ResumeState, scan_output
 from eaglebatch.output.shards import Shard, shard_of_dir
@@ -152,6 +153,7 @@ def scheduler_config(
         **state_settings(worker.target.budget.states),
         skip_rows=skip_rows,
         skip_samples=skip_samples,
+        **scheduler_settings(job, worker.target.pool),
     )
 
 
@@ -279,6 +281,8 @@ def _run(prep: PreparedJob, worker, progress, resume: ResumeState, scope: RunSco
 
     if worker is None:
         worker = build_worker(prep)
+    # a pooled task's head (job/pooling.py): a loaded worker serves any task (Engine calls)
+    worker.target.pool = pool_spec(prep.job, prep.model.dir)
     first, end = scope.rows(prep.total_rows)
     skip, samples = resume.skipped_in(first, end)
     scheduler = build_scheduler(prep, worker, file_metadata(prep), skip, scope, samples)

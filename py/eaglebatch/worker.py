@@ -44,6 +44,7 @@ from eaglebatch.job.state_budget import StatePlan, check_states_fit, state_plan
 from eaglebatch.model.causal_lm import CausalLM
 from eaglebatch.model.config import ModelConfig
 from eaglebatch.model.recurrent_state import StepContext
+from eaglebatch.pooled import pooled_sums
 from eaglebatch.sampling.logits_processing import NO_TOKEN, LogitsControls, without_dead_rows
 from eaglebatch.sampling.logprobs import (
     distribution,
@@ -263,6 +264,7 @@ class Launched:
     host: HostCopy  # int32 [B]
     logprobs: tuple[HostCopy, ...] | None  # Scheduler.commit's logprobs, when a row asks
     prompt_logprobs: object | None
+    pooled: HostCopy | None = None  # a pooled task's contributions (pooled.py)
 
 
 def fill_placeholders(ids: torch.Tensor, plan, prev: Launched | None) -> None:
@@ -289,6 +291,9 @@ class Worker:
     # what the weights are and the CPU threads (from_job sets them; the run's stats report them)
     weights: str | None = None
     threads: int | None = None
+    # a pooled task's head (job/pooling.py PoolSpec; the runner sets it for each job): its
+    # steps return pooled contributions and sample nothing
+    pool = None
 
     def __init__(
         self,
@@ -439,6 +444,8 @@ class Worker:
         launched step before it, whose sampled tokens fill the plan's placeholders (prev_rows,
         a plan from Scheduler.next_plan_ahead)."""
         dev = self.device
+        if self.pool is not None:
+            return self._launch_pooled(plan)
         copy_blocks(self.kv_caches, plan.block_copies)  # forked samples' partial blocks
         self.prepare_states(plan)
         prompt = bool(plan.prompt_logprobs.any())  # needs every query position's hidden state
@@ -482,11 +489,28 @@ class Worker:
         states.context = ctx
         return ctx
 
+    def _launch_pooled(self, plan) -> Launched:
+        """A pooled task's step (pooled.py): the rows' contributions, no token sampled (each
+        row's token is 0: a pooled row finishes when its prompt is computed)."""
+        dev, spec = self.device, self.pool
+        copy_blocks(self.kv_caches, plan.block_copies)  # none: pooled rows never fork
+        self.prepare_states(plan)  # a hybrid model's recurrent states
+        meta = plan_metadata(plan, self.budget.block_size, dev)
+        self.model.backend.prepare(meta)
+        input_ids = to_device(plan.input_ids, dev)  # [T]
+        positions = to_device(plan.positions, dev)  # [T]
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)  # [T, H]
+        sums = pooled_sums(self.model, hidden, plan, spec.pooling, spec.head_outputs > 0)
+        tokens = torch.zeros(plan.num_seqs, dtype=torch.int64, device=dev)
+        return Launched(tokens, HostCopy(tokens.to(torch.int32)), None, None, HostCopy(sums))
+
     @staticmethod
     def collect(launched: Launched) -> tuple:
         """What `Scheduler.commit` takes of a launched step (waits for its tokens)."""
         out = launched.host.numpy()
         ones = np.ones(len(out), dtype=np.int32)
+        if launched.pooled is not None:
+            return out, ones, None, None, None, launched.pooled.numpy()
         if launched.logprobs is None and launched.prompt_logprobs is None:
             return out, ones
         logprobs = None if launched.logprobs is None else tuple(

@@ -19,6 +19,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use crate::error::Result;
+use crate::pooled::{Head, PoolHead, Pooling};
 use crate::sampling_params::SamplingParams;
 use crate::score::{ScoreShape, Task};
 use crate::storage::StorageSettings;
@@ -123,6 +124,7 @@ impl RunConfig {
             reasoning: out.reasoning_ids.len() == 2,
             endpoint: self.openai_batch(),
             score: self.score_shape(),
+            pooled: self.pool_head().map(Arc::new),
             id_type,
             kept,
             flush_interval: out.flush_interval_s.map(std::time::Duration::from_secs_f64),
@@ -137,10 +139,31 @@ impl RunConfig {
         schema.fields().iter().map(|f| f.name().clone()).collect()
     }
 
-    /// A scoring job's output shape (None: generation).
+    /// A pooled task's head (pooled.rs; None: another task). `validate` checks its settings.
+    pub fn pool_head(&self) -> Option<PoolHead> {
+        let task = match self.task().ok()? {
+            Task::Embed => Head::Embed,
+            Task::Classify => Head::Classify,
+            Task::Reward => Head::Reward,
+            Task::Generate | Task::Score | Task::Perplexity => return None,
+        };
+        let out = &self.output;
+        Some(PoolHead {
+            task,
+            pooling: Pooling::parse(&out.pooling).unwrap_or(Pooling::Last),
+            width: out.pool_width,
+            normalize: out.pool_normalize,
+            dimensions: out.pool_dimensions,
+            labels: out.labels.clone(),
+            multi_label: out.multi_label,
+            lines: self.openai_batch(),
+        })
+    }
+
+    /// A scoring job's output shape (None: generation or a pooled task).
     pub fn score_shape(&self) -> Option<ScoreShape> {
         match self.task().ok()? {
-            Task::Generate => None,
+            Task::Generate | Task::Embed | Task::Classify | Task::Reward => None,
             Task::Perplexity => Some(ScoreShape::Rolling),
             Task::Score if self.input.choices_column.is_some() => Some(ScoreShape::Choices),
             Task::Score => Some(ScoreShape::Pair),

@@ -24,6 +24,7 @@ pub mod error;
 pub mod logprobs;
 pub mod openai_batch;
 pub mod openai_keys;
+pub mod pooled;
 pub mod reader;
 pub mod run;
 pub mod sampling_params;

@@ -19,7 +19,8 @@ use serde_json::{Map, Value};
 use crate::chat_template::Message;
 use crate::error::{Error, Result};
 use crate::openai_keys::{check_body, check_message_key, shown, Body, Endpoint};
-pub use crate::openai_keys::{CHAT_URL, COMPLETIONS_URL};
+pub use crate::openai_keys::{CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL};
+use crate::pooled::EmbedLine;
 use crate::sampling_params::{held_f32, row_seed, SamplingParams, MAX_SAMPLES};
 use crate::structured::ResponseFormat;
 
@@ -28,6 +29,8 @@ use crate::structured::ResponseFormat;
 pub enum Prompt {
     Chat(Vec<Message>),
     Text(String),
+    /// `/v1/embeddings`: the inputs (one embedding each) and the line's options.
+    Inputs(Vec<String>, EmbedLine),
 }
 
 /// One parsed line: its custom_id and endpoint when it has them, and its prompt and sampling
@@ -47,6 +50,9 @@ pub struct Survey {
     pub requests: u64,
     pub first: Option<Endpoint>,
     pub chat: bool,
+    /// Set by the caller: the job embeds (`task: embed` serves `/v1/embeddings` lines only,
+    /// the other tasks the generation endpoints only).
+    pub embed: bool,
 }
 
 /// Adds the lines of JSONL file `path` to `seen`, streaming it, and returns its requests. A
@@ -68,7 +74,8 @@ pub fn survey_requests(
         n += 1;
         let may_chat = !seen.chat && line.windows(4).any(|w| w == b"chat");
         if seen.first.is_none() || may_chat {
-            let endpoint = line_endpoint(line);
+            let served = |e: &Endpoint| (*e == Endpoint::Embeddings) == seen.embed;
+            let endpoint = line_endpoint(line).filter(served);
             seen.first = seen.first.or(endpoint);
             seen.chat = endpoint == Some(Endpoint::Chat);
         }
@@ -148,7 +155,7 @@ fn parse_request(
     let Some(e) = endpoint else {
         let url = obj.get("url").map_or("nothing".to_string(), shown);
         return Err(format!(
-            "url must be \"{CHAT_URL}\" or \"{COMPLETIONS_URL}\", got {url}"
+            "url must be \"{CHAT_URL}\", \"{COMPLETIONS_URL}\" or \"{EMBEDDINGS_URL}\", got {url}"
         ));
     };
     let url = e.url();
@@ -163,9 +170,55 @@ fn parse_request(
             Some(Value::String(s)) => Prompt::Text(s.clone()),
             _ => return Err("body.prompt must be one string".into()),
         },
+        Endpoint::Embeddings => return embedding_request(body, job),
     };
     let params = body_sampling(body, job, e == Endpoint::Chat)?;
     Ok((prompt, params))
+}
+
+/// An embeddings line: its inputs (a string, or a list of 1 to MAX_SAMPLES non-empty strings:
+/// the row's samples, one embedding each), `dimensions` and `encoding_format`.
+fn embedding_request(
+    body: &Map<String, Value>,
+    job: &Arc<SamplingParams>,
+) -> std::result::Result<(Prompt, Arc<SamplingParams>), String> {
+    let bad = || "body.input must be a string or a list of strings".to_string();
+    let inputs: Vec<String> = match body.get("input") {
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(list)) => list
+            .iter()
+            .map(|v| v.as_str().map(str::to_string).ok_or_else(bad))
+            .collect::<std::result::Result<_, _>>()?,
+        _ => return Err(bad()),
+    };
+    if inputs.is_empty() || inputs.len() > MAX_SAMPLES {
+        return Err(format!(
+            "body.input has {} inputs; 1 to {MAX_SAMPLES} are allowed",
+            inputs.len()
+        ));
+    }
+    if let Some(j) = inputs.iter().position(String::is_empty) {
+        return Err(format!("body.input[{j}] is empty"));
+    }
+    let dimensions = match uint(body, "dimensions")? {
+        Some(0) => return Err("body.dimensions must be at least 1".into()),
+        d => d.map_or(0, |d| usize::try_from(d).unwrap_or(usize::MAX)),
+    };
+    let base64 = match given(body, "encoding_format") {
+        None => false,
+        Some(v) if v == "float" => false,
+        Some(v) if v == "base64" => true,
+        Some(v) => {
+            return Err(format!(
+                "body.encoding_format must be \"float\" or \"base64\", got {}",
+                shown(v)
+            ))
+        }
+    };
+    let mut p = job.as_ref().clone();
+    p.n = inputs.len();
+    let line = EmbedLine { dimensions, base64 };
+    Ok((Prompt::Inputs(inputs, line), Arc::new(p)))
 }
 
 /// body.messages as chat-template messages: role, content (a string, text parts, or null for
@@ -457,8 +510,16 @@ mod tests {
             requests: 5,
             first: Some(Endpoint::Completions),
             chat: true,
+            embed: false,
         };
         assert_eq!(seen, want);
+        // an embedding job's lines are /v1/embeddings requests only
+        let mut embed = Survey {
+            embed: true,
+            ..Survey::default()
+        };
+        assert_eq!(survey_requests(&b, &none, &mut embed).unwrap(), 3);
+        assert_eq!(embed.first, None);
     }
 
     #[test]
@@ -542,12 +603,15 @@ mod tests {
         let l = parse_line(&line, 2, &job(), 1);
         assert_eq!(l.endpoint, Some(Endpoint::Completions));
         assert_eq!(l.request.unwrap().0, Prompt::Text("x".into()));
-        let line = r#"{"custom_id": "c", "url": "/v1/embeddings", "body": {"input": "x"}}"#;
+        let line = r#"{"custom_id": "c", "url": "/v1/responses", "body": {"input": "x"}}"#;
         let e = parse_line(line, 5, &job(), 1);
         assert_eq!((e.endpoint, e.custom_id.as_deref()), (None, Some("c")));
         let e = e.request.unwrap_err();
         assert!(
-            e.starts_with("line 5: url must be \"/v1/chat/completions\" or"),
+            e.starts_with(
+                "line 5: url must be \"/v1/chat/completions\", \"/v1/completions\" or \
+                 \"/v1/embeddings\""
+            ),
             "{e}"
         );
         let e = parse_line(
@@ -689,5 +753,50 @@ mod tests {
         );
         let e = parse_line(&line, 1, &Arc::new(j), 1).request.unwrap_err();
         assert!(e.contains("stop_token_ids: 8 is not an id"), "{e}");
+    }
+    #[test]
+    fn embedding_lines_carry_their_inputs_and_options() {
+        let parse = |body: &str| {
+            let line =
+                format!(r#"{{"custom_id": "e", "url": "{EMBEDDINGS_URL}", "body": {body}}}"#);
+            parse_line(&line, 3, &job(), 1)
+        };
+        let l = parse(r#"{"input": ["a", "b"], "dimensions": 8, "encoding_format": "base64"}"#);
+        assert_eq!(l.endpoint, Some(Endpoint::Embeddings));
+        let (prompt, params) = l.request.unwrap();
+        let line = EmbedLine {
+            dimensions: 8,
+            base64: true,
+        };
+        assert_eq!(prompt, Prompt::Inputs(vec!["a".into(), "b".into()], line));
+        assert_eq!(params.n, 2); // one sample per input
+        let (prompt, _) = parse(r#"{"input": "x", "model": "m"}"#).request.unwrap();
+        assert_eq!(
+            prompt,
+            Prompt::Inputs(vec!["x".into()], EmbedLine::default())
+        );
+        for (body, want) in [
+            (r#"{"input": []}"#, "body.input has 0 inputs"),
+            (r#"{"input": ["a", ""]}"#, "body.input[1] is empty"),
+            (
+                r#"{"input": [1, 2]}"#,
+                "body.input must be a string or a list",
+            ),
+            (
+                r#"{"input": "a", "dimensions": 0}"#,
+                "body.dimensions must be at least 1",
+            ),
+            (
+                r#"{"input": "a", "encoding_format": "hex"}"#,
+                "body.encoding_format must be",
+            ),
+            (
+                r#"{"input": "a", "n": 2}"#,
+                "body.n is not a /v1/embeddings key",
+            ),
+        ] {
+            let e = parse(body).request.unwrap_err();
+            assert!(e.starts_with(&format!("line 3: {want}")), "{e}");
+        }
     }
 }

@@ -18,10 +18,13 @@ use serde_json::{Map, Value};
 pub enum Endpoint {
     Chat,
     Completions,
+    /// `task: embed` only (pooled.rs): body.input, one embedding per input.
+    Embeddings,
 }
 
 pub const CHAT_URL: &str = "/v1/chat/completions";
 pub const COMPLETIONS_URL: &str = "/v1/completions";
+pub const EMBEDDINGS_URL: &str = "/v1/embeddings";
 
 impl Endpoint {
     /// The endpoint a url names (None: not one eaglebatch serves).
@@ -29,6 +32,7 @@ impl Endpoint {
         match url {
             CHAT_URL => Some(Endpoint::Chat),
             COMPLETIONS_URL => Some(Endpoint::Completions),
+            EMBEDDINGS_URL => Some(Endpoint::Embeddings),
             _ => None,
         }
     }
@@ -37,6 +41,7 @@ impl Endpoint {
         match self {
             Endpoint::Chat => CHAT_URL,
             Endpoint::Completions => COMPLETIONS_URL,
+            Endpoint::Embeddings => EMBEDDINGS_URL,
         }
     }
 }
@@ -46,16 +51,20 @@ impl Endpoint {
 enum Scope {
     Chat,
     Completions,
+    /// Chat and completions (the generation endpoints).
     Both,
+    Embeddings,
 }
 
 impl Scope {
     fn covers(self, e: Endpoint) -> bool {
         matches!(
             (self, e),
-            (Scope::Both, _)
+            (Scope::Both, Endpoint::Chat)
                 | (Scope::Chat, Endpoint::Chat)
+                | (Scope::Both, Endpoint::Completions)
                 | (Scope::Completions, Endpoint::Completions)
+                | (Scope::Embeddings, Endpoint::Embeddings)
         )
     }
 }
@@ -233,6 +242,12 @@ const KEYS: &[(&str, Scope, Rule)] = &[
     ("chat_template", Scope::Chat, NULL_ONLY),
     ("chat_template_kwargs", Scope::Chat, EMPTY_OBJECT),
     ("mm_processor_kwargs", Scope::Chat, EMPTY_OBJECT),
+    // Embeddings (task embed): the inputs, the Matryoshka cut and the results' encoding.
+    ("input", Scope::Embeddings, Rule::Applied),
+    ("dimensions", Scope::Embeddings, Rule::Applied),
+    ("encoding_format", Scope::Embeddings, Rule::Applied),
+    ("model", Scope::Embeddings, Rule::Metadata),
+    ("user", Scope::Embeddings, Rule::Metadata),
 ];
 
 fn rule(key: &str, e: Endpoint) -> Option<Rule> {
@@ -310,7 +325,7 @@ mod tests {
 
     #[test]
     fn every_key_has_one_rule_per_endpoint() {
-        for e in [Endpoint::Chat, Endpoint::Completions] {
+        for e in [Endpoint::Chat, Endpoint::Completions, Endpoint::Embeddings] {
             for (i, (k, scope, _)) in KEYS.iter().enumerate() {
                 let again = KEYS[i + 1..]
                     .iter()

@@ -17,7 +17,7 @@ use pyo3::types::{PyDict, PyList, PyString};
 use crate::chat_template::{self, Message};
 use crate::exceptions::{to_py, NativeError, UserInputError};
 use crate::logprobs::{PromptLogprobs, StepLogprobs};
-use crate::run::Run;
+use crate::run::{PooledSums, Run};
 use crate::scheduler::StepPlan;
 use crate::stats::SummaryValue;
 
@@ -269,7 +269,8 @@ impl PyScheduler {
         }
     }
 
-    #[pyo3(signature = (tokens, num_tokens, num_accepted = None, logprobs = None, prompt_logprobs = None))]
+    #[pyo3(signature = (tokens, num_tokens, num_accepted = None, logprobs = None, prompt_logprobs = None, pooled = None))]
+    #[allow(clippy::too_many_arguments)]
     fn commit(
         &mut self,
         py: Python<'_>,
@@ -278,6 +279,7 @@ impl PyScheduler {
         num_accepted: Option<&Bound<'_, PyAny>>,
         logprobs: Option<&Bound<'_, PyAny>>,
         prompt_logprobs: Option<&Bound<'_, PyAny>>,
+        pooled: Option<PyReadonlyArray2<'_, f32>>,
     ) -> PyResult<()> {
         let tokens = int32_vec(tokens, "tokens")?;
         let num_tokens = int32_vec(num_tokens, "num_tokens")?;
@@ -293,14 +295,20 @@ impl PyScheduler {
             Some(l) if !l.is_none() => Some(prompt_lps(l)?),
             _ => None,
         };
+        let pooled = pooled.map(|a| PooledSums {
+            rows: a.shape()[0],
+            width: a.shape()[1],
+            values: a.as_array().iter().copied().collect(),
+        });
         let inner = &mut self.inner;
         py.detach(|| {
-            inner.commit(
+            inner.commit_pooled(
                 &tokens,
                 &num_tokens,
                 num_accepted.as_deref(),
                 logprobs.as_ref(),
                 prompt_logprobs.as_ref(),
+                pooled.as_ref(),
             )
         })
         .map_err(to_py)

@@ -154,6 +154,8 @@ pub struct ReaderOptions {
     pub add_special_tokens: bool,
     /// A scoring task's settings (None: the rows generate).
     pub score: Option<ScoreOptions>,
+    /// A pooled task's prompt prefix and truncation (pooled.rs; None: another task).
+    pub pool: Option<crate::pooled::PoolInput>,
 }
 
 /// How a scoring task splits its rows into parts (score.rs).
@@ -254,8 +256,11 @@ struct PendingRow {
     endpoint: Option<crate::openai_keys::Endpoint>,
     /// `Request::kept`.
     kept: Vec<ArrayRef>,
-    /// `task: score`: the row's continuation (one) or choices (any number).
+    /// `task: score`: the row's continuation (one) or choices (any number); an embeddings
+    /// line's inputs.
     score_texts: RowResult<Vec<String>>,
+    /// An OpenAI Batch `/v1/embeddings` line's options.
+    embed_line: Option<crate::pooled::EmbedLine>,
 }
 
 impl ReaderThread {
@@ -447,6 +452,7 @@ impl ReaderThread {
                 endpoint: None,
                 kept: kept_values(&kept, i)?,
                 score_texts: score.map_or(Ok(Vec::new()), |c| self.score_texts(c, i)),
+                embed_line: None,
             });
         }
         self.send_rows(rows, read_at)
@@ -519,16 +525,18 @@ impl ReaderThread {
         read_at: Instant,
     ) -> std::result::Result<(), Stop> {
         let (token_ids, parts) = match self.opts.score {
-            None => (self.tokenize(&rows), vec![Ok(Vec::new()); rows.len()]),
+            None => (self.pool_cut(self.tokenize(&rows)), self.line_parts(&rows)),
             Some(o) => (
                 vec![Ok(Vec::new()); rows.len()],
                 rows.iter().map(|r| self.score_parts(r, o)).collect(),
             ),
         };
         for ((row, ids), parts) in rows.into_iter().zip(token_ids).zip(parts) {
+            // a row with parts (scored, or an embeddings line's inputs) has no prompt of its own
             let (prompt_ids, error) = match (ids, &parts) {
-                (Err(msg), _) => (Vec::new(), Some(msg)),
                 (_, Err(msg)) => (Vec::new(), Some(msg.clone())),
+                (_, Ok(p)) if !p.is_empty() => (Vec::new(), None),
+                (Err(msg), _) => (Vec::new(), Some(msg)),
                 (Ok(ids), Ok(_)) => (ids, None),
             };
             let req = Request {
@@ -541,12 +549,40 @@ impl ReaderThread {
                 endpoint: row.endpoint,
                 kept: row.kept,
                 score_parts: parts.unwrap_or_default(),
+                embed_line: row.embed_line,
             };
             self.tx
                 .send(ReaderMsg::Request(req))
                 .map_err(|_| Stop::Disconnected)?;
         }
         Ok(())
+    }
+
+    /// An embeddings line's inputs as parts (one sequence each, tokenized with special tokens
+    /// and cut as `embed.truncate` says); no parts for other rows.
+    fn line_parts(&self, rows: &[PendingRow]) -> Vec<RowResult<Vec<ScorePart>>> {
+        let one = |row: &PendingRow| -> RowResult<Vec<ScorePart>> {
+            let (Some(_), Some(p)) = (row.embed_line, &self.opts.pool) else {
+                return Ok(Vec::new());
+            };
+            let texts = row.score_texts.as_ref().map_err(Clone::clone)?;
+            let encoded = (self.opts.tokenizer.encode_batch_fast(texts.clone(), true))
+                .map_err(|e| format!("tokenizer error: {e}"))?;
+            let part = |e: &tokenizers::Encoding| ScorePart {
+                prompt_ids: p.truncate.apply(e.get_ids().to_vec(), p.max_len),
+                from: 0,
+            };
+            Ok(encoded.iter().map(part).collect())
+        };
+        rows.iter().map(one).collect()
+    }
+
+    /// A pooled task's prompts cut to its length as `embed.truncate` says (others as they are).
+    fn pool_cut(&self, ids: Vec<RowResult<Vec<u32>>>) -> Vec<RowResult<Vec<u32>>> {
+        let Some(p) = &self.opts.pool else { return ids };
+        ids.into_iter()
+            .map(|r| r.map(|ids| p.truncate.apply(ids, p.max_len)))
+            .collect()
     }
 
     /// Whether `row_index` was done by an earlier run. Called with increasing row indices.
@@ -620,7 +656,8 @@ impl ReaderThread {
             ]];
             self.render(&msgs).map(|t| (t, false))
         } else {
-            Ok((text.to_string(), self.opts.add_special_tokens))
+            let prefix = self.opts.pool.as_ref().map_or("", |p| p.prefix.as_str());
+            Ok((format!("{prefix}{text}"), self.opts.add_special_tokens))
         }
     }
 
@@ -633,9 +670,11 @@ impl ReaderThread {
                  model_chat_template"
                 .to_string()
         })?;
+        // a pooled row scores the conversation as it is: no generation prompt after it
+        let generation_prompt = self.opts.pool.is_none();
         let rendered = template.render(
             messages,
-            true,
+            generation_prompt,
             self.opts.bos_token.as_deref(),
             self.opts.eos_token.as_deref(),
             limit.max_chars,
@@ -867,6 +906,7 @@ mod tests {
             n: 1,
             add_special_tokens: true,
             score: None,
+            pool: None,
         }
     }
 

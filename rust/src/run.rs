@@ -22,6 +22,7 @@ use tokenizers::Tokenizer;
 use crate::chat_template::ChatTemplate;
 use crate::config::RunConfig;
 use crate::error::{Error, Result};
+use crate::pooled::{PoolHead, PoolInput, Truncate};
 use crate::reader::{
     spawn_reader, validate_inputs, InputSpec, ReaderMsg, ReaderOptions, ScoreOptions, TextLimit,
 };
@@ -33,6 +34,7 @@ use crate::stop::StopCriteria;
 use crate::structured::Grammars;
 use crate::writer::{Writer, WriterConfig, WriterSummary};
 
+pub use pooled::PooledSums;
 pub use structured::DraftMasks;
 
 pub struct Run {
@@ -61,6 +63,8 @@ pub struct Run {
     session: Vec<structured::DraftSession>,
     /// Scoring tasks: the finished parts of rows whose other parts still run.
     gather: Gather,
+    /// Pooled tasks: the head that makes a row's value (pooled.rs).
+    pool_head: Option<Arc<PoolHead>>,
 }
 
 impl Run {
@@ -99,6 +103,7 @@ impl Run {
         let options = reader_options(&cfg, &tokenizer, template, skip_rows);
         let (input, reader) = spawn_reader(spec, options)?;
         let criteria = StopCriteria::new(&cfg);
+        let cfg_head = cfg.pool_head().map(Arc::new);
         Ok(Run {
             sched: Scheduler::new(cfg.policy.clone(), criteria.eos.clone(), cfg.sampling.seed),
             skip_samples,
@@ -116,6 +121,7 @@ impl Run {
             grammars: None,
             session: Vec::new(),
             gather: Gather::default(),
+            pool_head: cfg_head,
         })
     }
 
@@ -353,12 +359,32 @@ fn reader_options(
         read_batch_rows: cfg.input.read_batch_rows,
         queue_rows: cfg.input.queue_rows,
         skip_rows,
-        text_limit: TextLimit::new(tokenizer, cfg.policy.max_model_len),
+        text_limit: TextLimit::new(tokenizer, text_limit_len(cfg)),
         sampling: Arc::new(cfg.sampling_params()),
         n: cfg.sampling.params.n,
         add_special_tokens: cfg.input.add_special_tokens,
         score: score_options(cfg, tokenizer),
+        pool: pool_input(cfg),
     }
+}
+
+/// The longest prompt in tokens a row's text is bounded by: max_model_len, but none where a
+/// pooled task truncates long prompts.
+fn text_limit_len(cfg: &RunConfig) -> usize {
+    match cfg.pool_head() {
+        Some(_) if cfg.input.truncate != "error" => usize::MAX,
+        _ => cfg.policy.max_model_len,
+    }
+}
+
+/// A pooled task's prompt settings (None: another task).
+fn pool_input(cfg: &RunConfig) -> Option<PoolInput> {
+    cfg.pool_head()?;
+    Some(PoolInput {
+        prefix: cfg.input.prompt_prefix.clone(),
+        truncate: Truncate::parse(&cfg.input.truncate).unwrap_or(Truncate::Error),
+        max_len: cfg.policy.max_model_len,
+    })
 }
 
 /// A scoring task's reader settings: the prefix token is BOS, else the first EOS id (lm-eval's
@@ -404,6 +430,7 @@ mod input;
 #[cfg(test)]
 mod kept_tests;
 mod output;
+mod pooled;
 #[cfg(test)]
 mod sampling_tests;
 mod scoring;

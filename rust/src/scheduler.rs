@@ -260,6 +260,9 @@ impl Scheduler {
             self.free_request_slots.push(Reverse(slot));
         }
         seq.num_computed = 0;
+        if let Some(sum) = seq.pooled.as_mut() {
+            sum.iter_mut().for_each(|x| *x = 0.0); // its chunks are computed again
+        }
         seq.status = Status::Waiting;
         seq.preemptions += 1;
         st.preemptions += 1;

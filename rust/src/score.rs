@@ -34,6 +34,10 @@ pub enum Task {
     Generate,
     Score,
     Perplexity,
+    /// Prefill-only rows with a head over their hidden states (pooled.rs).
+    Embed,
+    Classify,
+    Reward,
 }
 
 impl Task {
@@ -42,10 +46,19 @@ impl Task {
             "generate" | "" => Ok(Task::Generate),
             "score" => Ok(Task::Score),
             "perplexity" => Ok(Task::Perplexity),
+            "embed" => Ok(Task::Embed),
+            "classify" => Ok(Task::Classify),
+            "reward" => Ok(Task::Reward),
             other => Err(Error::user(format!(
-                "task must be generate, score or perplexity, got {other:?}"
+                "task must be generate, score, perplexity, embed, classify or reward, got \
+                 {other:?}"
             ))),
         }
+    }
+
+    /// A task whose rows end in a head over their hidden states (pooled.rs).
+    pub fn pooled(self) -> bool {
+        matches!(self, Task::Embed | Task::Classify | Task::Reward)
     }
 }
 
@@ -222,6 +235,8 @@ pub fn rolling_windows(tokens: &[u32], prefix: u32, max_seq_len: usize) -> Vec<S
 pub enum RowScore {
     One(PartScore),
     Choices(Vec<PartScore>),
+    /// A pooled task's value (pooled.rs).
+    Pooled(crate::pooled::Pooled),
 }
 
 impl RowScore {

@@ -49,6 +49,8 @@ pub struct Request {
     /// A scoring task's parts (score.rs), each scored as its own sequence; empty when the row
     /// generates (then `prompt_ids` is its prompt).
     pub score_parts: Vec<ScorePart>,
+    /// An OpenAI Batch `/v1/embeddings` line's options (its inputs are `score_parts`).
+    pub embed_line: Option<crate::pooled::EmbedLine>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -174,6 +176,11 @@ pub struct Sequence {
     /// many parts its row has (`sample_index` is the part's index). It generates nothing.
     pub score_from: Option<usize>,
     pub num_parts: usize,
+    /// A pooled task's row (pooled.rs): the sum of the worker's contributions of the chunks
+    /// computed since it last started (None: not a pooled row).
+    pub pooled: Option<Vec<f32>>,
+    /// `Request::embed_line`.
+    pub embed_line: Option<crate::pooled::EmbedLine>,
 }
 
 /// The id of a placeholder output token (never a vocabulary id).
@@ -225,6 +232,8 @@ impl Sequence {
             reasoning_end: None,
             score_from: None,
             num_parts: 1,
+            pooled: None,
+            embed_line: req.embed_line,
         }
     }
 

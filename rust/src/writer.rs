@@ -118,6 +118,8 @@ pub struct WriterConfig {
     pub endpoint: bool,
     /// A scoring task: write its score columns (score.rs) in this shape.
     pub score: Option<ScoreShape>,
+    /// A pooled task: write its head's columns (pooled.rs).
+    pub pooled: Option<Arc<crate::pooled::PoolHead>>,
     pub id_type: DataType,
     /// Kept input columns: (name, output type), written after every other column.
     pub kept: Vec<(String, DataType)>,
@@ -219,6 +221,9 @@ pub fn output_schema(cfg: &WriterConfig) -> SchemaRef {
     }
     if let Some(shape) = cfg.score {
         fields.extend(crate::score::fields(shape));
+    }
+    if let Some(head) = &cfg.pooled {
+        fields.extend(head.fields());
     }
     for (name, dt) in &cfg.kept {
         fields.push(Field::new(name, dt.clone(), true));
@@ -600,6 +605,12 @@ fn optional_columns(rows: &[OutputRow], cfg: &WriterConfig) -> Vec<ArrayRef> {
             rows.iter().map(|r| r.score.as_ref()),
         ));
     }
+    if let Some(head) = &cfg.pooled {
+        columns.extend(head.columns(rows.iter().map(|r| match &r.score {
+            Some(RowScore::Pooled(p)) => Some(p),
+            _ => None,
+        })));
+    }
     columns
 }
 
@@ -732,6 +743,7 @@ mod tests {
             reasoning: false,
             endpoint: false,
             score: None,
+            pooled: None,
             id_type: DataType::Utf8,
             kept: Vec::new(),
             flush_interval: None,

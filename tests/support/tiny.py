@@ -47,12 +47,14 @@ def make_tiny_model(
     tie_word_embeddings: bool = False,
     init_std: float = 0.2,
     model_type: str = "llama",
+    num_labels: int = 0,
     **extra,
 ) -> Path:
     """Writes config.json, model.safetensors, tokenizer.json, tokenizer_config.json and a chat
     template into `out`. A larger `init_std` gives peakier logits (fewer near-ties).
     model_type: any of the mapping below (then `extra` may set head_dim, sliding_window,
-    layer_types, multipliers, ...)."""
+    layer_types, multipliers, ...). `num_labels` > 0: a *ForSequenceClassification checkpoint
+    with that many labels (a score head, no LM head)."""
     import torch
     import transformers
 
@@ -94,7 +96,14 @@ def make_tiny_model(
         initializer_range=init_std,
         **extra,
     )
-    model = model_cls(cfg).eval()
+    if num_labels:
+        cfg.num_labels = num_labels
+        cfg.id2label = {i: f"label_{i}" for i in range(num_labels)}
+        cfg.label2id = {v: k for k, v in cfg.id2label.items()}
+        cfg.pad_token_id = eos_token_id
+        model = transformers.AutoModelForSequenceClassification.from_config(cfg).eval()
+    else:
+        model = model_cls(cfg).eval()
     if model_type == "gemma4_text":  # its norm weights, layer scalars and router scales start
         # at 1: vary them
         varied = ("norm.weight", "norm_1.weight", "norm_2.weight", "layer_scalar",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
@@ -58,7 +59,7 @@ class Engine:
         self._dir = Path(tempfile.mkdtemp(prefix="eaglebatch-engine-"))
         self._worker, self._worker_key = None, None
         try:
-            prep, call = self._prepare(["x"], "generate", {}, {}, {})
+            prep, call = self._prepare(["x"], _probe_task(model), {}, {}, {})
             shutil.rmtree(call, ignore_errors=True)
             self._ensure_worker(prep)
             self.max_model_len: int = prep.engine.max_model_len
@@ -129,6 +130,25 @@ class Engine:
         out = self._call(table, "perplexity", keys, None, None)
         return out.select(["logprob", "num_tokens", "error"])
 
+    def embed(self, inputs, *, embed: Section = None, input: Section = None,
+              output: Section = None) -> pa.Table:  # fmt: skip
+        """Per input row its `embedding` (`task: embed`, docs/embeddings.md), in input order.
+        `embed`: the job's embed section (pooling, normalize, dimensions, prompt_name,
+        truncate); by default the model's sentence-transformers files decide."""
+        return self._call(inputs, "embed", input, None, output, {"embed": dict(embed or {})})
+
+    def classify(self, inputs, *, input: Section = None, output: Section = None,
+                 truncate: str | None = None) -> pa.Table:  # fmt: skip
+        """Per input row (a text or a conversation) its `label` and `probs` from the model's
+        sequence-classification head (`task: classify`)."""
+        return self._call(inputs, "classify", input, None, output, _truncate(truncate))
+
+    def reward(self, inputs, *, input: Section = None, output: Section = None,
+               truncate: str | None = None) -> pa.Table:  # fmt: skip
+        """Per input row (a conversation, or a text) the `score` of the model's single-output
+        head (`task: reward`)."""
+        return self._call(inputs, "reward", input, None, output, _truncate(truncate))
+
     def close(self) -> None:
         """Frees the worker (weights, KV cache, threads' buffers) and the work directory."""
         self._closed = True
@@ -179,21 +199,22 @@ class Engine:
         return results.take(groups, out)
 
     def _call(self, inputs, task: str, keys: Section, sampling: Section,
-              output: Section) -> pa.Table:  # fmt: skip
+              output: Section, extra: Section = None) -> pa.Table:  # fmt: skip
         self._check_open()
         call = Path(tempfile.mkdtemp(dir=self._dir))
         try:
-            prep, _ = self._prepare(inputs, task, keys, sampling, output, call)
+            prep, _ = self._prepare(inputs, task, keys, sampling, output, call, extra)
             self._run(prep, RunScope())
             return pq.read_table(prep.job.output.path).sort_by(ORDER)
         finally:
             shutil.rmtree(call, ignore_errors=True)
 
     def _prepare(self, inputs, task: str, keys: Section, sampling: Section, output: Section,
-                 call: Path | None = None) -> tuple[PreparedJob, Path]:  # fmt: skip
+                 call: Path | None = None,
+                 extra: Section = None) -> tuple[PreparedJob, Path]:  # fmt: skip
         call = call or Path(tempfile.mkdtemp(dir=self._dir))
         section = write_inputs(inputs, call / "input.parquet", dict(keys or {}))
-        data = {**self._base, "task": task, "input": section,
+        data = {**self._base, **dict(extra or {}), "task": task, "input": section,
                 "output": {**dict(output or {}), "path": str(call / "out")},
                 "sampling": dict(sampling or {})}  # fmt: skip
         return _user_errors(lambda: prepare(job_from_dict(data)))(), call
@@ -218,6 +239,23 @@ class Engine:
             return _user_errors(run)()
         with view:
             return _user_errors(run)()
+
+
+def _truncate(truncate: str | None) -> dict:
+    """The job keys of classify / reward's `truncate` (None: the task's default, error)."""
+    return {} if truncate is None else {"embed": {"truncate": truncate}}
+
+
+def _probe_task(model: str) -> str:
+    """The task the engine's first job checks the model with: classify for a local
+    sequence-classification checkpoint (it has no LM head to generate with), else generate."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
+        archs = config.get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return "generate"
+    return "classify" if any(str(a).endswith("ForSequenceClassification") for a in archs) else (
+        "generate")  # fmt: skip
 
 
 def _with_output(prep: PreparedJob, path: Path) -> PreparedJob:

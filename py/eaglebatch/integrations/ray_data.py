@@ -32,7 +32,11 @@ class ProcessorConfig:
     sampling: dict = field(default_factory=dict)
     input: dict = field(default_factory=dict)
     output: dict = field(default_factory=dict)
-    batch_size: int = 256  # rows per Engine.generate call
+    # generate, or a pooled task (embed | classify | reward: Engine.embed / classify / reward,
+    # docs/embeddings.md) with `embed` its job section
+    task: str = "generate"
+    embed: dict = field(default_factory=dict)
+    batch_size: int = 256  # rows per Engine call
     concurrency: int = 1  # engine actors
     num_cpus: float | None = None  # per actor (default: engine.num_threads, else 1)
     num_gpus: float = 0  # per actor
@@ -52,6 +56,11 @@ class EngineStage:
     def __call__(self, batch: pa.Table) -> pa.Table:
         c = self.config
         output = {**c.output, "keep_columns": "*"}
+        if c.task == "embed":
+            return self.engine.embed(batch, embed=c.embed, input=c.input, output=output)
+        if c.task in ("classify", "reward"):
+            call = getattr(self.engine, c.task)
+            return call(batch, input=c.input, output=output, **c.embed)
         return self.engine.generate(batch, sampling=c.sampling, input=c.input, output=output)
 
 

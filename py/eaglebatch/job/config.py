@@ -392,6 +392,29 @@ class RayConfig(_Section):
     max_attempts: int = Field(default=4, ge=1, le=1000)
 
 
+class EmbedConfig(_Section):
+    """`task: embed` (docs/embeddings.md): how a row's hidden states become its embedding.
+    Unset keys follow the checkpoint's sentence-transformers files (modules.json,
+    1_Pooling/config.json, config_sentence_transformers.json)."""
+
+    # last (token), mean (over the prompt's tokens) or cls (the first token)
+    pooling: Literal["last", "mean", "cls"] | None = None
+    # L2-normalise (default: a Normalize module in modules.json)
+    normalize: bool | None = None
+    # Matryoshka: keep the first `dimensions` values (then normalise); default all
+    dimensions: int | None = Field(default=None, ge=1, le=1_000_000)
+    # one of config_sentence_transformers.json's `prompts` put before each raw prompt
+    # (default: its default_prompt_name, if any)
+    prompt_name: str | None = Field(default=None, min_length=1)
+    # an input longer than max_model_len: cut its end (sentence-transformers' rule) or its
+    # start, or make it an error row; default: end for embed, error for classify and reward
+    # (a cut conversation would be scored without its end)
+    truncate: Literal["start", "end", "error"] | None = None
+
+
+POOLED_TASKS = ("embed", "classify", "reward")
+
+
 class StorageConfig(_Section):
     """How `s3://`, `gs://` and `az://` paths are reached (docs/scale-out.md "Object
     storage"). Credentials come from each cloud's standard environment variables; options
@@ -424,7 +447,10 @@ class JobConfig(_Section):
     storage: StorageConfig = StorageConfig()
     # generate (default); score: log-probabilities of input.continuation_column (or each of
     # input.choices_column) after the prompt; perplexity: each prompt's rolling log-probability
-    task: Literal["generate", "score", "perplexity"] = "generate"
+    # embed: each row's embedding; classify: its label and probabilities from the model's
+    # sequence-classification head; reward: that head's single score (docs/embeddings.md)
+    task: Literal["generate", "score", "perplexity", "embed", "classify", "reward"] = "generate"
+    embed: EmbedConfig = EmbedConfig()
 
     @model_validator(mode="after")
     def _scoring_columns(self) -> JobConfig:
@@ -437,6 +463,8 @@ class JobConfig(_Section):
             raise ValueError(f"input.{named[0]}: only for task: score")
         if self.task == "generate":
             return self
+        if self.task in POOLED_TASKS:
+            return self._pooled_task()
         if self.sampling.n > 1 or self.output.prompt_logprobs or inp.openai_batch:
             raise ValueError(f"task: {self.task} scores given text: sampling.n, output."
                              "prompt_logprobs and openai-batch input do not apply")  # fmt: skip
@@ -445,9 +473,39 @@ class JobConfig(_Section):
                              "output.reasoning are for generation")  # fmt: skip
         return self
 
+    def _pooled_task(self) -> JobConfig:
+        """embed / classify / reward: one prefill per row, no decoding."""
+        if self.sampling.n > 1 or self.output.prompt_logprobs:
+            raise ValueError(f"task: {self.task} computes one value per row: sampling.n and "
+                             "output.prompt_logprobs do not apply")  # fmt: skip
+        if self.draft is not None:
+            raise ValueError(f"draft: task: {self.task} decodes nothing; leave it unset")
+        if self.input.openai_batch and self.task != "embed":
+            raise ValueError(f"task: {self.task}: openai-batch input is for generation and "
+                             "embeddings (/v1/embeddings)")  # fmt: skip
+        if self.sampling.response_format is not None or self.output.reasoning is not None:
+            raise ValueError(f"task: {self.task}: sampling.response_format and "
+                             "output.reasoning are for generation")  # fmt: skip
+        return self
+
+    @property
+    def pooled(self) -> bool:
+        """A task whose rows end in a head over their hidden states (embed, classify,
+        reward)."""
+        return self.task in POOLED_TASKS
+
+    @model_validator(mode="after")
+    def _embed_keys_for_embed(self) -> JobConfig:
+        given = self.embed.model_dump(exclude_defaults=True)
+        allowed = {"embed": given.keys(), "classify": {"truncate"}, "reward": {"truncate"}}
+        bad = sorted(given.keys() - allowed.get(self.task, set()))
+        if bad:
+            raise ValueError(f"embed.{bad[0]}: not for task: {self.task}")
+        return self
+
     @property
     def scoring(self) -> bool:
-        """The rows are scored (task score or perplexity), not generated."""
+        """The rows are not generated (task score, perplexity, embed, classify, reward)."""
         return self.task != "generate"
 
     @model_validator(mode="after")

@@ -164,12 +164,12 @@ class BatchInput:
     chat: bool  # a line is a chat request: its messages need the chat template
 
 
-def check_batch_input(cfg: InputConfig, storage=None) -> BatchInput:
+def check_batch_input(cfg: InputConfig, storage=None, task: str = "generate") -> BatchInput:
     """OpenAI Batch JSONL: the files, their requests and what they ask (the extension's
     survey of the lines, rust/src/openai_batch.rs: each line names its own endpoint, and at
-    least one must be a request to one eaglebatch serves)."""
+    least one must be a request to one the job's `task` serves)."""
     files = resolve_input_files(cfg.path, ".jsonl", storage)
-    got = _check(_input_config(cfg, files, storage))
+    got = _check(_input_config(cfg, files, storage, task))
     return BatchInput(files, got["total_rows"], got["first_url"], got["chat"])
 
 
@@ -202,7 +202,7 @@ def kept_columns(job: JobConfig, files: list[Path]) -> tuple[str, ...]:
     return tuple(_check(config, keep_all=keep == "*")["kept"])
 
 
-def _input_config(cfg: InputConfig, files: list, storage):
+def _input_config(cfg: InputConfig, files: list, storage, task: str = "generate"):
     """The run's settings as far as reading `files` goes: the input section's (the rest
     stand-ins that read nothing)."""
     # lazy: numpy and the extension, which `import eaglebatch` never needs
@@ -216,7 +216,7 @@ def _input_config(cfg: InputConfig, files: list, storage):
         continuation_column=cfg.continuation_column, choices_column=cfg.choices_column,
         tokenizer_file="", chat_template=None, bos_token=None, eos_token=None, eos_token_ids=[],
         output_dir="", file_metadata={}, num_blocks=0, max_model_len=0,
-        storage=storage_section(storage),
+        storage=storage_section(storage), task=task,
     )  # fmt: skip
 
 

@@ -67,6 +67,10 @@ class InputSection:
     sampling_columns: dict[str, str] = _job("input", "sampling_columns")
     continuation_column: str | None = _job("input", "continuation_column")
     choices_column: str | None = _job("input", "choices_column")
+    # pooled tasks: the instruction prompt before each raw prompt, and what a prompt over
+    # max_model_len becomes (start | end | error; embed.truncate)
+    prompt_prefix: str = ""
+    truncate: str = "error"
     # Prompt construction / tokenization.
     add_special_tokens: bool = _job("input", "add_special_tokens")
     apply_chat_template: bool = _job("input", "apply_chat_template")
@@ -134,6 +138,15 @@ class OutputSection:
     flush_interval_s: float | None = _job("output", "flush_interval_s")
     # the ids of output.reasoning's (start, end) tags ([] = no reasoning split)
     reasoning_ids: list[int] = field(default_factory=list)
+    # pooled tasks' head (job/pooling.py PoolSpec; rust/src/pooled.rs): the positions pooled,
+    # the worker's contributions' width, embed's normalisation and cut (0: all), classify's
+    # labels and whether they are independent (sigmoid)
+    pooling: str = "last"
+    pool_width: int = 0
+    pool_normalize: bool = False
+    pool_dimensions: int = 0
+    labels: list[str] = field(default_factory=list)
+    multi_label: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,7 +182,7 @@ class PolicySection:
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-    # generate | score | perplexity (the job's task; score.rs)
+    # generate | score | perplexity | embed | classify | reward (the job's task; score.rs)
     task: str = "generate"
     input: InputSection
     sampling: SamplingSection

@@ -38,6 +38,11 @@ from eaglebatch.model.weights import (
 _IGNORED_TENSORS = ("rotary_emb.inv_freq",)
 
 
+def _head_name(name: str, cfg: ModelConfig) -> str:
+    """A sequence classifier's score head is loaded as the LM head."""
+    return "lm_head.weight" if cfg.head_outputs and name == "score.weight" else name
+
+
 def _embedding(num: int, dim: int, **factory) -> nn.Embedding:
     """nn.Embedding, without its random init when built on the meta device (weights are loaded
     afterwards): normal_ on meta runs a Python decomposition whose first call costs ~1.1 s."""
@@ -124,11 +129,13 @@ class CausalLM(nn.Module):
                           sinks=cfg.attention_sinks)  # fmt: skip
         factory = {"dtype": dtype, "device": device}
         self.model = self._build_model(cfg, max_positions, **factory)
-        # Tied: the LM head is the embedding matrix and there is no lm_head parameter.
+        # Tied: the LM head is the embedding matrix and there is no lm_head parameter. A
+        # sequence classifier's head is its score head (checkpoint tensor score.weight).
+        outputs = cfg.head_outputs or cfg.vocab_size
         self.lm_head = (
             None
-            if cfg.tie_word_embeddings
-            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, **factory)
+            if cfg.tie_word_embeddings and not cfg.head_outputs
+            else nn.Linear(cfg.hidden_size, outputs, bias=False, **factory)
         )
 
     def _build_model(self, cfg: ModelConfig, max_positions: int | None, **factory) -> nn.Module:
@@ -192,6 +199,7 @@ class CausalLM(nn.Module):
         if gguf is None:
             family = family_of(cfg.model_type)
             found = dict(p for n, s in found.items() for p in family.split(n, s, cfg))
+            found = {_head_name(n, cfg): s for n, s in found.items()}
         source = f"checkpoint {gguf or path}"
         check_shapes(expected, found, ignore=model._ignored_tensors(), source=source)
         return {n: s for n, s in found.items() if n in expected}
@@ -231,6 +239,7 @@ class CausalLM(nn.Module):
             tensors = ((m, t) for n, t in tensors if (m := text_tower_name(n)) is not None)
         family = family_of(self.config.model_type)
         tensors = (p for n, t in tensors for p in family.split(n, t, self.config))
+        tensors = ((_head_name(n, self.config), t) for n, t in tensors)
         load_named_tensors(self, tensors, ignore=self._ignored_tensors(),
                            source=f"checkpoint {path}", skip=skip)
 

@@ -103,6 +103,9 @@ class ModelConfig:
     kv_source_layers: tuple[int, ...] | None = None
     # per layer, whether V is the k projection's output (no v_proj; Gemma 4's attention_k_eq_v)
     k_eq_v_layers: tuple[bool, ...] | None = None
+    # a *ForSequenceClassification checkpoint: its score head's outputs (checkpoint tensor
+    # score.weight [outputs, H], loaded as the LM head: causal_lm.py); 0: a causal LM
+    head_outputs: int = 0
     v_norm: bool = False  # a weightless float32 RMSNorm over each V head (Gemma 4)
     # a learned logit per query head (checkpoint tensor self_attn.sinks [Hq]) joining each
     # attention softmax's denominator: it takes probability mass and adds no value (gpt-oss)
@@ -243,7 +246,7 @@ class ModelConfig:
         rotary_dim = rotary_dim_of(raw, head_dim)
         if rope_scaling is not None:
             rope_scaling.check_rotary_dim(rotary_dim)
-        _check_architecture(raw, family.model_type, family.architecture)
+        head_outputs = _check_architecture(raw, family.model_type, family.architecture)
         features = family.features(raw)
         # a family may resolve the base itself (its own default where config.json states none)
         rope_theta = features.pop("rope_theta", rope_theta)
@@ -270,6 +273,7 @@ class ModelConfig:
             activation=activation(raw),
             rotary_dim=None if rotary_dim == head_dim else rotary_dim,
             text_tower=tower,
+            head_outputs=head_outputs,
             **{**features, "sliding_window": int(window) if window else None},
             **_special_tokens(raw),
         )
@@ -321,12 +325,22 @@ def _check_not_quantized(raw: dict[str, Any]) -> None:
                          "supported (load an unquantized or GGUF checkpoint)")  # fmt: skip
 
 
-def _check_architecture(raw: dict[str, Any], model_type: str, want: str) -> None:
-    """The checkpoint's `architectures` must name its model_type's causal LM (or be absent)."""
+def _check_architecture(raw: dict[str, Any], model_type: str, want: str) -> int:
+    """The checkpoint's `architectures` must name its model_type's causal LM (or be absent) or
+    its sequence classifier; returns the classifier head's outputs (`id2label`'s labels, else
+    `num_labels`, else 2, transformers' default), 0 for a causal LM."""
     archs = raw.get("architectures") or []
     arch = archs[0] if isinstance(archs, list) and archs else want
+    classifier = want.removesuffix("ForCausalLM") + "ForSequenceClassification"
+    if arch == classifier:
+        labels = raw.get("id2label")
+        n = len(labels) if isinstance(labels, dict) and labels else raw.get("num_labels", 2)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"model config: num_labels must be a positive integer, got {n!r}")
+        return n
     if arch != want:
         raise ValueError(f"unsupported architecture {arch!r} for model_type {model_type!r}")
+    return 0
 
 
 def _eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:

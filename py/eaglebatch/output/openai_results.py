@@ -19,6 +19,7 @@ job's (`default_endpoint`: a Parquet input's, or parts written before the column
 
 from __future__ import annotations
 
+import base64
 import heapq
 import json
 import math
@@ -26,6 +27,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 
 from eaglebatch.output.directory import scan_tree
@@ -33,6 +35,7 @@ from eaglebatch.output.results_file import replace_results
 from eaglebatch.temp_file import new_temp_file
 
 CHAT = "/v1/chat/completions"
+EMBEDDINGS = "/v1/embeddings"
 _COLUMNS = ["id", "row_index", "sample_index", "output_text", "finish_reason", "prompt_tokens",
             "output_tokens", "error"]  # fmt: skip
 
@@ -99,7 +102,7 @@ def _first_row(part: Path) -> int:
 def _rows(part: Path):
     pf = pq.ParquetFile(part)
     wanted = [*_COLUMNS, "cached_tokens", "logprobs", "endpoint", "stop_reason", "stop_token_id",
-              "reasoning_text"]  # fmt: skip
+              "reasoning_text", "embedding", "encoding_format"]  # fmt: skip
     columns = [c for c in wanted if c in pf.schema_arrow.names]
     for batch in pf.iter_batches(batch_size=1024, columns=columns):
         yield from batch.to_pylist()
@@ -118,6 +121,10 @@ def _line(samples: list[dict], endpoint: str, model: str, created: int) -> dict:
         line["response"] = {"status_code": 400, "request_id": request_id,
                             "body": {"error": error}}  # fmt: skip
         return line
+    if endpoint == EMBEDDINGS:
+        line["response"] = {"status_code": 200, "request_id": request_id,
+                            "body": _embeddings(samples, model)}  # fmt: skip
+        return line
     chat = endpoint == CHAT
     completion = sum(s["output_tokens"] for s in samples)
     body = {
@@ -132,6 +139,22 @@ def _line(samples: list[dict], endpoint: str, model: str, created: int) -> dict:
     }  # fmt: skip
     line["response"] = {"status_code": 200, "request_id": request_id, "body": body}
     return line
+
+
+def _embeddings(samples: list[dict], model: str) -> dict:
+    """An embeddings line's body: one embedding object per input (its sample), as floats or
+    base64 of their little-endian float32 bytes (the line's encoding_format)."""
+    tokens = sum(s["prompt_tokens"] for s in samples)
+
+    def vector(s: dict):
+        if s.get("encoding_format") == "base64":
+            return base64.b64encode(np.asarray(s["embedding"], dtype="<f4").tobytes()).decode()
+        return s["embedding"]
+
+    data = [{"object": "embedding", "index": s["sample_index"], "embedding": vector(s)}
+            for s in samples]  # fmt: skip
+    return {"object": "list", "data": data, "model": model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}  # fmt: skip
 
 
 def _choice(s: dict, chat: bool) -> dict:

@@ -88,8 +88,11 @@ def _scoring_identity(job: JobConfig) -> dict:
     """A scoring job's task and columns (nothing for generation: earlier jobs resume)."""
     if not job.scoring:
         return {}
-    return {"task": job.task, "continuation_column": job.input.continuation_column,
-            "choices_column": job.input.choices_column}  # fmt: skip
+    out = {"task": job.task, "continuation_column": job.input.continuation_column,
+           "choices_column": job.input.choices_column}  # fmt: skip
+    if job.pooled:
+        out["embed"] = job.embed.model_dump(mode="json")
+    return out
 
 
 # Sampling keys added after identity version 2, left out while at their defaults so that a job

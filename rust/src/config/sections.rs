@@ -32,6 +32,12 @@ pub struct InputConfig {
     /// (exactly one of them).
     pub continuation_column: Option<String>,
     pub choices_column: Option<String>,
+    /// `task: embed`: text put before each raw prompt (the model's instruction prompt chosen by
+    /// `embed.prompt_name`; "" = none).
+    pub prompt_prefix: String,
+    /// Pooled tasks: what a prompt longer than max_model_len becomes: "start" (its first
+    /// tokens go), "end" (its last tokens go) or "error" (an error row).
+    pub truncate: String,
     /// Per-row sampling: sampling key -> input column whose non-null values override the job's
     /// (sampling_params.rs; read by reader/columns.rs).
     pub sampling_columns: BTreeMap<String, String>,
@@ -86,6 +92,15 @@ pub struct OutputConfig {
     /// `output.reasoning`: the ids of its (start, end) tags, empty when off; the text between
     /// them is the `reasoning_text` column and a response_format applies after the end tag.
     pub reasoning_ids: Vec<u32>,
+    /// Pooled tasks (pooled.rs `PoolHead`): the positions pooled (last | mean | cls), the
+    /// width of the worker's contributions, embed's normalisation and Matryoshka cut (0 = all),
+    /// classify's labels and whether they are independent (sigmoid).
+    pub pooling: String,
+    pub pool_width: usize,
+    pub pool_normalize: bool,
+    pub pool_dimensions: usize,
+    pub labels: Vec<String>,
+    pub multi_label: bool,
 }
 
 /// The scheduling policy's settings (scheduler.rs): the paged KV cache, batching and the step

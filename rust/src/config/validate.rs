@@ -48,8 +48,28 @@ impl RunConfig {
                 "task {}: OpenAI Batch input is for generation",
                 self.task
             ))),
+            t if t.pooled() => self.validate_pooled(named, n),
             _ => Ok(()),
         }
+    }
+
+    /// A pooled task (pooled.rs): one sequence per row, a head that knows its width.
+    fn validate_pooled(&self, named: usize, n: usize) -> Result<()> {
+        let task = &self.task;
+        if named > 0 || n > 1 || self.output.prompt_logprobs > 0 {
+            return Err(Error::user(format!(
+                "task {task}: input.continuation_column, input.choices_column, sampling.n and \
+                 output.prompt_logprobs do not apply"
+            )));
+        }
+        if self.policy.max_draft_tokens > 0 {
+            return Err(Error::user(format!(
+                "task {task}: a draft head is for generation"
+            )));
+        }
+        crate::pooled::Pooling::parse(&self.output.pooling)?;
+        crate::pooled::Truncate::parse(&self.input.truncate)?;
+        Ok(())
     }
 
     /// Counts and sizes: positive, and within what the crate's index types hold.

@@ -84,13 +84,14 @@ config_fields! {
     input: InputConfig {
         input_files, prompt_column, messages_column, id_column, input_format, limit, row_range,
         skip_rows with int64_array, skip_samples with int64_array, continuation_column,
-        choices_column, sampling_columns, add_special_tokens, apply_chat_template,
+        choices_column, prompt_prefix, truncate, sampling_columns, add_special_tokens, apply_chat_template,
         tokenizer_file, chat_template, bos_token, eos_token, enable_thinking, read_batch_rows,
         queue_rows,
     }
     output: OutputConfig {
         output_dir, part_rows, file_metadata, include_token_ids, keep_columns, flush_interval_s,
-        prompt_logprobs, reasoning_ids,
+        prompt_logprobs, reasoning_ids, pooling, pool_width, pool_normalize, pool_dimensions,
+        labels, multi_label,
     }
     storage: StorageSettings { endpoint, options, unconditional }
     policy: PolicyConfig {

@@ -10,6 +10,8 @@ use arrow_array::{ArrayRef, StringArray};
 
 use super::{unreadable, PendingRow, ReaderThread, RowResult, Stop};
 use crate::chat_template::Message;
+use crate::openai_batch::{Prompt, EMBEDDINGS_URL};
+use crate::openai_keys::Endpoint;
 use crate::storage::Source;
 
 impl ReaderThread {
@@ -64,12 +66,18 @@ impl ReaderThread {
             if row_index < self.spec.row_start as i64 || self.is_skipped(row_index) {
                 continue;
             }
-            let (input, sampling) = match (id_error, parsed.request) {
+            let (mut texts, mut embed_line) = (Ok(Vec::new()), None);
+            let served = self.served(parsed.endpoint);
+            let (input, sampling) = match (id_error.or(served), parsed.request) {
                 (Some(e), _) => (
                     Err(format!("line {line_no}: {e}")),
                     self.opts.sampling.clone(),
                 ),
                 (None, Err(e)) => (Err(e), self.opts.sampling.clone()),
+                (None, Ok((Prompt::Inputs(inputs, line), sp))) => {
+                    (texts, embed_line) = (Ok(inputs), Some(line));
+                    (Ok((String::new(), true)), sp)
+                }
                 (None, Ok((prompt, sp))) => (self.batch_input(prompt), sp),
             };
             rows.push(PendingRow {
@@ -79,10 +87,27 @@ impl ReaderThread {
                 input,
                 endpoint: parsed.endpoint,
                 kept: Vec::new(),
-                score_texts: Ok(Vec::new()),
+                score_texts: texts,
+                embed_line,
             });
         }
         self.send_rows(rows, read_at)
+    }
+
+    /// Why this job cannot answer a line of `endpoint` (None: it can): `task: embed` answers
+    /// `/v1/embeddings` lines only, and only it answers them.
+    fn served(&self, endpoint: Option<Endpoint>) -> Option<String> {
+        let embed = self.opts.pool.is_some();
+        match endpoint {
+            Some(Endpoint::Embeddings) if !embed => {
+                Some(format!("url {EMBEDDINGS_URL} needs task: embed"))
+            }
+            Some(e) if embed && e != Endpoint::Embeddings => Some(format!(
+                "url {}: task embed answers {EMBEDDINGS_URL} lines only",
+                e.url()
+            )),
+            _ => None,
+        }
     }
 
     /// The text to tokenize for a batch line's prompt (and whether to add special tokens).
@@ -106,6 +131,7 @@ impl ReaderThread {
                     .check("messages' content has", bytes, chars)?;
                 self.render(&msgs).map(|text| (text, false))
             }
+            Prompt::Inputs(..) => unreachable!("embeddings lines have no prompt"),
             crate::openai_batch::Prompt::Text(text) => {
                 if text.is_empty() {
                     return Err("body.prompt is empty".into());

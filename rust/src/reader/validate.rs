@@ -282,7 +282,10 @@ fn score_column(cfg: &RunConfig) -> Option<&String> {
 /// ids are custom_ids. Input none of whose lines asks a served endpoint is a user error.
 fn validate_batch_files(cfg: &RunConfig) -> Result<InputSpec> {
     let mut files = Vec::with_capacity(cfg.input.input_files.len());
-    let mut seen = crate::openai_batch::Survey::default();
+    let mut seen = crate::openai_batch::Survey {
+        embed: cfg.pool_head().is_some(),
+        ..Default::default()
+    };
     for path in &cfg.input.input_files {
         let num_rows = crate::openai_batch::survey_requests(path, &cfg.storage, &mut seen)?;
         files.push(InputFile {
@@ -295,10 +298,16 @@ fn validate_batch_files(cfg: &RunConfig) -> Result<InputSpec> {
             [one] => one.display().to_string(),
             many => format!("the {} input files", many.len()),
         };
+        let urls = match seen.embed {
+            true => format!("{} (task: embed)", crate::openai_keys::EMBEDDINGS_URL),
+            false => format!(
+                "{} or {}",
+                crate::openai_keys::CHAT_URL,
+                crate::openai_keys::COMPLETIONS_URL
+            ),
+        };
         return Err(Error::user(format!(
-            "input.path: no line of {named} is a request to {} or {}",
-            crate::openai_keys::CHAT_URL,
-            crate::openai_keys::COMPLETIONS_URL
+            "input.path: no line of {named} is a request to {urls}"
         )));
     }
     let total_rows = cfg

@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use super::Run;
+use super::{PooledSums, Run};
 use crate::error::{Error, Result};
 use crate::logprobs::{PromptLogprobs, StepLogprobs};
 use crate::scheduler::{check_commit, PendingPlan, StepKind};
@@ -24,6 +24,20 @@ impl Run {
         logprobs: Option<&StepLogprobs>,
         prompt_logprobs: Option<&PromptLogprobs>,
     ) -> Result<()> {
+        let (lp, plp) = (logprobs, prompt_logprobs);
+        self.commit_pooled(tokens, num_tokens, num_accepted, lp, plp, None)
+    }
+
+    /// `commit` with a pooled task's contributions (run/pooled.rs), one row per plan row.
+    pub fn commit_pooled(
+        &mut self,
+        tokens: &[i32],
+        num_tokens: &[i32],
+        num_accepted: Option<&[i32]>,
+        logprobs: Option<&StepLogprobs>,
+        prompt_logprobs: Option<&PromptLogprobs>,
+        pooled: Option<&PooledSums>,
+    ) -> Result<()> {
         self.end_session()?; // masked drafting's matchers back where the last commit left them
         let plan = self
             .sched
@@ -34,10 +48,14 @@ impl Run {
         let most_verify_tokens = self.cfg.policy.max_draft_tokens as i32 + 1;
         check_commit(plan, most_verify_tokens, tokens, num_tokens, num_accepted)?;
         self.check_logprobs(&at, tokens.len(), logprobs)?;
+        self.check_pooled(plan.rows.len(), pooled)?;
         // frees the rows of this plan that finished at the previous commit
         let plan = self.sched.take_pending()?;
         if let Some(pl) = prompt_logprobs {
             self.record_prompt_logprobs(&at, pl);
+        }
+        if let Some(sums) = pooled {
+            self.add_pooled(&at, sums);
         }
         let now = Instant::now();
         let mut offset = 0usize;
@@ -156,9 +174,10 @@ impl Run {
     /// writer (a scored part's row once all its parts are in).
     fn retire_finished(&mut self) -> Result<()> {
         for seq in self.sched.retire_finished()? {
-            let row = match seq.score_from {
-                Some(_) => self.scored_row(seq),
-                None => Some(self.output_row(seq)),
+            let row = match (seq.score_from, &seq.pooled) {
+                (Some(_), Some(_)) => Some(self.pooled_row(seq)),
+                (Some(_), None) => self.scored_row(seq),
+                (None, _) => Some(self.output_row(seq)),
             };
             if let Some(row) = row {
                 self.writer.send(row)?;

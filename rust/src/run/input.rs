@@ -69,6 +69,9 @@ impl Run {
         if self.cfg.score_shape().is_some() {
             return self.accept_scored(req);
         }
+        if let Some(head) = self.pool_head.clone() {
+            return self.accept_pooled(req, &head);
+        }
         let n = req.sampling.n as u32;
         self.requests_expected += n as i64 - self.cfg.sampling.params.n as i64;
         self.stats.requests_total = self.requests_expected.max(0) as u64;

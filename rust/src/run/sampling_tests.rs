@@ -396,7 +396,7 @@ fn batch_lines_keep_their_own_endpoints() {
         ),
         line("p", COMPLETIONS_URL, r#"{"prompt": "w7"}"#),
         String::new(),
-        line("e", "/v1/embeddings", r#"{"input": "w8"}"#),
+        line("e", "/v1/responses", r#"{"input": "w8"}"#),
     ];
     std::fs::write(&input, lines.join("\n")).unwrap();
     f.cfg.input.input_files = vec![input];

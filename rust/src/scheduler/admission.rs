@@ -378,8 +378,9 @@ fn sibling_start(
 fn cached_prefix(bm: &BlockManager, seq: &mut Sequence, speculative: bool) -> (Vec<u32>, usize) {
     // a prompt's logprobs need the logits at every position from the first one not yet
     // recorded: only the blocks before it may come from the cache
-    let logits_from = match seq.prompt_logprobs_k {
-        0 => usize::MAX,
+    // a pooled row (pooled.rs) needs the hidden states from its `score_from - 1` on
+    let logits_from = match (seq.prompt_logprobs_k, &seq.pooled) {
+        (0, None) => usize::MAX,
         _ => seq.prompt_logprobs_from() + seq.prompt_logprobs.len(),
     };
     if !bm.caching() || logits_from == 0 {

@@ -106,6 +106,7 @@ impl Driver {
             endpoint: None,
             kept: Vec::new(),
             score_parts: Vec::new(),
+            embed_line: None,
         };
         let error = req.error.clone().or_else(|| self.s.admission_error(&req));
         for s in 0..req.sampling.n as u32 {
