@@ -151,7 +151,7 @@ def test_a_hybrid_run_says_its_recurrent_states(tmp_path, hybrid):
 
     eng = load_job(job).engine
     plan = state_plan(eng, cfg)
-    assert (plan.slots, plan.checkpoints, plan.interval, plan.row_bytes) == (8, 16, 256, row)
+    assert (plan.slots, plan.checkpoints, plan.interval, plan.row_bytes) == (8, 16, 64, row)
     off = state_plan(eng.model_copy(update={"prefix_caching": False}), cfg)
     assert off.checkpoints == 0 and off.nbytes == 8 * row
 

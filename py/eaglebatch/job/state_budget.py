@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from eaglebatch.errors import JobError
 
-CHECKPOINT_TOKENS = 256  # the checkpoint interval before rounding to whole blocks
+CHECKPOINT_TOKENS = 64  # the interval before rounding to whole blocks: the prefill form's chunk
 CHECKPOINTS_PER_SLOT = 2  # checkpoint rows per request slot, with prefix caching on
 
 
