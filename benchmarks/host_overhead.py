@@ -79,6 +79,13 @@ class FakeWorker:
     """Answers plans without model math (module doc); times its host-side preparation."""
 
     plain_steps = False  # what the engine's serial loop asks of a worker
+    pool = None  # Worker.pool: no pooled task
+    state_plan = None  # Worker.state_plan: no recurrent state
+
+    @property
+    def target(self):
+        """Worker.target: this one (it is the target's worker)."""
+        return self
 
     def bind(self, scheduler) -> None:
         """What build_scheduler hands every worker (Worker.bind): this one needs nothing."""

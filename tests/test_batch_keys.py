@@ -127,7 +127,7 @@ def test_one_file_mixes_endpoints(tmp_path, tiny_model_dir):
             for i, p in enumerate(prompts[:3])]  # fmt: skip
     completions = [request(f"p{i}", COMPLETIONS, {"prompt": p}) for i, p in enumerate(prompts[3:])]
     mixed = [chat[0], completions[0], completions[1], chat[1], chat[2], completions[2],
-             request("e", "/v1/embeddings", {"input": "x"})]  # fmt: skip
+             request("e", "/v1/responses", {"input": "x"})]  # fmt: skip
     for name, lines in [("mixed", mixed), ("chat", chat), ("completions", completions)]:
         run_prepared(prepare(load_job(batch_job(tmp_path, tiny_model_dir, lines, name=name))))
     got = results(tmp_path, "mixed")

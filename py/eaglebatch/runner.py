@@ -150,7 +150,7 @@ def scheduler_config(
         max_model_len=worker.max_model_len,
         max_draft_tokens=prep.engine.max_draft_tokens,
         overlap=prep.engine.overlap,
-        **state_settings(worker.target.budget.states),
+        **state_settings(worker.target.state_plan),
         skip_rows=skip_rows,
         skip_samples=skip_samples,
         **scheduler_settings(job, worker.target.pool),

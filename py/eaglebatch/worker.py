@@ -329,6 +329,11 @@ class Worker:
         return None  # plain decoding drafts nothing
 
     @property
+    def state_plan(self):
+        """A hybrid model's recurrent-state pool (job/state_budget.py StatePlan), else None."""
+        return self.budget.states
+
+    @property
     def target(self) -> Worker:
         """The worker of the target model: this one (a SpecWorker's is the Worker it wraps)."""
         return self

@@ -695,9 +695,10 @@ class SpecWorker:
             r.kv_slots[:, : k + 1].reshape(-1),
         )  # fmt: skip
         self.model.backend.prepare(meta)
-        # a hybrid model: every row in the step form, keeping the state after each position
-        # (the accepted one becomes the row's: `_accept`)
-        self._verify_states = self.target.prepare_states(r.plan, [k + 1] * b, keep=True)
+        # a hybrid model: every row in the step form; the slots keep the states before the
+        # round and each row replays its accepted tokens after `_accept` (recurrent_state.py)
+        if self.model.states is not None:
+            self._verify_states = self.target.prepare_states(r.plan, [k + 1] * b, keep=True)
         captured = None
         if r.head_rows:
             hidden, captured = self.model(
