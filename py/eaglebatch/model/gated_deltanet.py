@@ -189,7 +189,7 @@ def _row_windows(
     rows, channels, keep = conv_states.shape
     longest = max(lengths)
     padded = mixed.new_zeros(rows, longest, channels)
-    index = _row_index(lengths, mixed.device)  # (row, position) of each packed token
+    index = row_index(lengths, mixed.device)  # (row, position) of each packed token
     padded[index] = mixed
     windows = torch.cat((conv_states, padded.transpose(1, 2)), dim=-1)
     # unfold: [B, C, L+1, K-1]; entry j+1 is the window of the K-1 inputs ending at position j
@@ -199,10 +199,10 @@ def _row_windows(
 
 def _packed(per_row: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
     """[B, L, ...] padded rows -> [T, ...] packed tokens."""
-    return per_row[_row_index(lengths, per_row.device)]
+    return per_row[row_index(lengths, per_row.device)]
 
 
-def _row_index(lengths: Sequence[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+def row_index(lengths: Sequence[int], device) -> tuple[torch.Tensor, torch.Tensor]:
     """(row, position in its row) of each packed token, int64 [T] each."""
     lens = torch.tensor(list(lengths))
     rows = torch.repeat_interleave(torch.arange(len(lengths)), lens)  # [T]

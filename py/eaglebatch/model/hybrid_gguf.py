@@ -30,6 +30,7 @@ converter stores as 1 + w, except the gated norm `ssm_norm` it keeps):
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -156,3 +157,11 @@ def hybrid_gguf_fixup(name: str, cfg, arch: str) -> GgufFix | None:
         return None
     bid = stem.rsplit(".", 1)[-1]
     return _fixes(arch, cfg.deltanet, bid).get(suffix)
+
+
+def hybrid_gguf_keys(arch: str, experts: bool) -> dict[str, Any]:
+    """A hybrid family's GGUF declarations (Family's gguf_* fields) for llama.cpp's `arch`:
+    (1 + w) norms stored with the 1 folded in, the header read and the tensors fixed up here."""
+    return {"gguf_architectures": (arch,), "gguf_experts": experts, "gguf_norm_offset": 1.0,
+            "gguf_config": hybrid_gguf_config(arch, experts=experts),
+            "gguf_fixup": partial(hybrid_gguf_fixup, arch=arch)}  # fmt: skip

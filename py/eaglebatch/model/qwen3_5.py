@@ -14,13 +14,12 @@ The checkpoints' `mtp.*` tensors are not the model's: they are the MTP drafter's
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 from eaglebatch.model.config_values import bool_value, int_value
 from eaglebatch.model.deltanet_shape import DeltaNetShape
 from eaglebatch.model.family import FULL, LINEAR, Family
-from eaglebatch.model.hybrid_gguf import hybrid_gguf_config, hybrid_gguf_fixup
+from eaglebatch.model.hybrid_gguf import hybrid_gguf_keys
 
 PARTIAL_ROTARY = 0.25  # transformers' default for these configs
 
@@ -60,7 +59,4 @@ def hybrid_features(raw: dict[str, Any]) -> dict[str, Any]:
 
 QWEN3_5 = Family("qwen3_5_text", "Qwen3_5ForCausalLM", hybrid_features,
                  standardize=with_partial_rotary, text_tower_of=("qwen3_5",),
-                 dropped=("mtp.",), gguf_architectures=("qwen35",),
-                    gguf_experts=False, gguf_norm_offset=1.0,
-                    gguf_config=hybrid_gguf_config("qwen35", experts=False),
-                    gguf_fixup=partial(hybrid_gguf_fixup, arch="qwen35"))  # fmt: skip
+                 dropped=("mtp.",), **hybrid_gguf_keys("qwen35", experts=False))  # fmt: skip

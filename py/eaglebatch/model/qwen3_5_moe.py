@@ -6,12 +6,11 @@ Its config has no dense `intermediate_size` (no layer has a dense MLP)."""
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 from eaglebatch.model.config_values import int_value
 from eaglebatch.model.family import Family
-from eaglebatch.model.hybrid_gguf import hybrid_gguf_config, hybrid_gguf_fixup
+from eaglebatch.model.hybrid_gguf import hybrid_gguf_keys
 from eaglebatch.model.moe_config import moe_features
 from eaglebatch.model.qwen3_5 import hybrid_features, with_partial_rotary
 
@@ -30,7 +29,4 @@ def _features(raw: dict[str, Any]) -> dict[str, Any]:
 
 QWEN3_5_MOE = Family("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", _features,
                      standardize=_standardize, text_tower_of=("qwen3_5_moe",),
-                     dropped=("mtp.",), gguf_architectures=("qwen35moe",),
-                    gguf_experts=True, gguf_norm_offset=1.0,
-                    gguf_config=hybrid_gguf_config("qwen35moe", experts=True),
-                    gguf_fixup=partial(hybrid_gguf_fixup, arch="qwen35moe"))  # fmt: skip
+                     dropped=("mtp.",), **hybrid_gguf_keys("qwen35moe", experts=True))  # fmt: skip

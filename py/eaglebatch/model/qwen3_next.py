@@ -8,7 +8,6 @@ The checkpoints' `mtp.*` tensors are the MTP drafter's (`draft: mtp`, speculativ
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 import torch
@@ -16,7 +15,7 @@ import torch
 from eaglebatch.model.config_values import int_value
 from eaglebatch.model.deltanet_layout import split_ba, split_qkvz
 from eaglebatch.model.family import Family
-from eaglebatch.model.hybrid_gguf import hybrid_gguf_config, hybrid_gguf_fixup
+from eaglebatch.model.hybrid_gguf import hybrid_gguf_keys
 from eaglebatch.model.moe_config import moe_features, sparse_layers
 from eaglebatch.model.qwen3_5 import hybrid_features, with_partial_rotary
 
@@ -44,7 +43,4 @@ def _split(name: str, value, cfg) -> list[tuple[str, Any]] | None:
 
 QWEN3_NEXT = Family("qwen3_next", "Qwen3NextForCausalLM", _features,
                     standardize=with_partial_rotary, splitter=_split,
-                    dropped=("mtp.",), gguf_architectures=("qwen3next",),
-                    gguf_experts=True, gguf_norm_offset=1.0,
-                    gguf_config=hybrid_gguf_config("qwen3next", experts=True),
-                    gguf_fixup=partial(hybrid_gguf_fixup, arch="qwen3next"))  # fmt: skip
+                    dropped=("mtp.",), **hybrid_gguf_keys("qwen3next", experts=True))  # fmt: skip

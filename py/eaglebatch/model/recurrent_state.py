@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from eaglebatch.model.deltanet_shape import DeltaNetShape
+from eaglebatch.model.gated_deltanet import row_index
 
 STATE_CONTINUE, STATE_ZERO = -1, -2  # StepPlan.state_from's codes (else a checkpoint index)
 
@@ -173,8 +174,5 @@ def _step_rows(module, x, out, states: LayerStates, ctx: StepContext, rows: list
 
 def _packed_index(starts: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
     """int64 [sum(lengths)]: starts[i], starts[i] + 1, ... (lengths[i] of them), row after row."""
-    lens = torch.tensor(list(lengths), dtype=torch.int64)
-    rows = torch.repeat_interleave(torch.arange(len(lens)), lens)
-    first = torch.cumsum(lens, 0) - lens  # each row's first entry
-    at = torch.tensor(list(starts), dtype=torch.int64)[rows]
-    return at + torch.arange(len(rows)) - first[rows]
+    rows, pos = row_index(lengths, "cpu")
+    return torch.tensor(list(starts), dtype=torch.int64)[rows] + pos
