@@ -11,7 +11,8 @@ chunk pads to a similar length) and precomputes, per chunk:
         key t visible to query row j of sequence i  <=>  t <= k_i - q_i + j
     i.e. keys up to the query's own absolute position. Padded query rows (j >= q_i) still see
     key 0, so no softmax row is empty; their output is dropped. `mask` is None where it would be
-    all-visible (decode at equal lengths) or plain causal (prefill at equal lengths).
+    all-visible (decode at equal lengths) or plain causal: prefills, padded or not (a row is
+    padded at its end, so its real queries see none of its padding under the causal rule).
 Sequences whose query starts at position 0 (q_i == k_i) attend over the fresh k/v directly and
 skip the gather; chunks never mix them with rows after K/V in the cache, nor rows of a few
 queries (decode, verify) with prefill-sized ones. Rows whose queries follow cached K/V no
@@ -190,7 +191,7 @@ class TorchAttentionBackend(AttentionBackend):
         if placed:  # the grid's own causal rule is each row's
             mask, causal, window_masks = None, True, {}
         else:
-            mask, causal, window_masks = self._masks(q, k, max_q, max_k, prefill, padded, device)
+            mask, causal, window_masks = self._masks(q, k, max_q, max_k, prefill, device)
         return _Chunk(
             num_seqs=num,
             max_q=max_q,
@@ -203,13 +204,13 @@ class TorchAttentionBackend(AttentionBackend):
             window_masks=window_masks,
         )
 
-    def _masks(self, q, k, max_q: int, max_k: int, prefill: bool, padded: bool, device):
+    def _masks(self, q, k, max_q: int, max_k: int, prefill: bool, device):
         """(mask, causal, window_masks) of a chunk whose rows have q / k [C] queries / keys
         (module doc): no mask where attention is plain causal or sees every key."""
         mask, causal = None, prefill
         q_pos = (k - q)[:, None] + np.arange(max_q)[None, :]  # [C, max_q] absolute position
         key_pos = np.arange(max_q if prefill else max_k)[None, None, :]  # [1, 1, Lk]
-        if (prefill and padded) or (not prefill and ((k != max_k).any() or max_q > 1)):
+        if not prefill and ((k != max_k).any() or max_q > 1):
             visible = key_pos <= q_pos[:, :, None]  # [C, max_q, Lk]
             mask = torch.from_numpy(visible[:, None]).to(device)
             causal = False

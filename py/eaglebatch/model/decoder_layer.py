@@ -34,6 +34,10 @@ class RMSNorm(nn.Module):
             # nothing to cast: one fused op instead of ~8 (a CPU decode step runs 61 norms),
             # the same value as the lines below up to float32 rounding (tests/test_llama.py)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if not torch.is_grad_enabled() and self.weight.dtype == x.dtype:
+            # one fused op normalises in float32 and rounds once to x's dtype, as the lines
+            # below do (up to float32 rounding), without their five [..., H] float32 buffers
+            return F.rms_norm(x, self.weight.shape, None, self.eps).mul_(self.weight)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -218,7 +222,12 @@ class MLP(nn.Module):
         self.act = _ACTIVATIONS[cfg.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)  # [T, I] each
+        if self.act is F.silu and not torch.is_grad_enabled():
+            # in place: the same values without two fresh [T, I] buffers (a prefill step's
+            # are megabytes each, and on the CPU their page faults cost as much as the maths)
+            return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -155,8 +155,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     rot = cos.shape[-1]
     if rot == x.shape[-1]:  # the common case: no slicing, no extra concatenation
         half = rot // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, H, D]
-        return x * cos + rotated * sin
+        if torch.is_grad_enabled() or sin.dtype != x.dtype:
+            rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, H, D]
+            return x * cos + rotated * sin
+        # the same operations, in place where a buffer is fresh: 2 [T, H, D] buffers, not 5
+        rotated = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+        rotated[..., :half].neg_()
+        return (x * cos).add_(rotated.mul_(sin))
     head, rest = x[..., :rot], x[..., rot:]
     half = rot // 2
     rotated = torch.cat((-head[..., half:], head[..., :half]), dim=-1)  # [T, H, R]
