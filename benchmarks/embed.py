@@ -7,7 +7,9 @@ both engines load the same weights from the same folder.
 - throughput, for each `--dtype` (both engines load the weights in it): `--rows` ShareGPT
   first-turn prompts, rows per second of eaglebatch's `Engine.embed` and of
   `SentenceTransformer.encode(batch_size=32)` (each after loading, the best of `--repeats`),
-  and the least cosine between the two engines' embeddings;
+  and the least cosine between the two engines' embeddings. Both run in this process, so
+  sentence-transformers runs under the glibc malloc thresholds eaglebatch's CPU worker set
+  (cpu/allocator.py): the same allocator for both;
 - memory: a job over each of `--memory-rows` synthetic short rows in a subprocess of its own
   (a fixed 16,384-token KV cache, the first `--dtype`), its peak resident memory (VmHWM); flat
   means streaming (rows are written as they finish, never accumulated).

@@ -435,6 +435,14 @@ def rms_norm(x: int, weight: int, out: int, rows: int, h: int, eps: float) -> No
     C-contiguous float32 CPU buffers, out not overlapping x. Unsafe by contract:
     `cpu/norm.py` is the caller (addresses through `cpu/tensors.py::native_ptr`)."""
 
+def rms_norm_bf16(
+    x: int, weight: int, out: int, rows: int, h: int, eps: float, threads: int
+) -> None:
+    """out[r] = bf16(weight * bf16(x[r] / sqrt(mean(x[r]^2) + eps))) over bfloat16 rows by raw
+    addresses (the mean in float32; transformers' rounding), on up to `threads` of torch's
+    OpenMP threads: x and out [rows, h], weight [h], all live C-contiguous bfloat16 CPU
+    buffers, out not overlapping x. Unsafe by contract: `cpu/bf16_rows.py` is the caller."""
+
 def delta_rule_steps(
     addrs: Sequence[int], lengths: Sequence[int], heads: int, dk: int, dv: int
 ) -> None:

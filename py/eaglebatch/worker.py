@@ -23,6 +23,8 @@ from eaglebatch.attention import (
 )
 from eaglebatch.attention.base import copy_blocks, kv_layer_bytes_per_block
 from eaglebatch.cpu import accelerate
+from eaglebatch.cpu.allocator import keep_freed_memory
+from eaglebatch.cpu.bf16_rows import use_bf16_rows
 from eaglebatch.cpu.gguf_blocks import checkpoint
 from eaglebatch.cpu.quantized import QuantizedWeight, use_quantized_weights
 from eaglebatch.cpu.stored import load_stored, stored_names
@@ -400,6 +402,8 @@ class Worker:
         device, dtype, max_model_len = settings.device, settings.dtype, settings.max_model_len
         if eng.num_threads is None and device.type == "cpu":
             join_workers()  # before the load: workers started together see each other
+        if device.type == "cpu":
+            keep_freed_memory()  # a step's activations reuse the last step's pages
         try:
             cfg = ModelConfig.from_dir(mf.dir)
         except ValueError as e:
@@ -416,6 +420,7 @@ class Worker:
         threads = set_threads(eng.num_threads, device)
         gemm_threads = torch.get_num_threads() if settings.cpu_gemm else 0
         accelerate(model, gemm_threads)  # a float32 CPU run: the CPU fast path
+        use_bf16_rows(model, torch.get_num_threads() if settings.bf16_rows else 0)
         if blocks:
             weights = _use_stored(model, load_stored(mf.dir, cfg, ck), gemm_threads, skip,
                                   settings.int8_activations)  # fmt: skip

@@ -7,6 +7,7 @@
 //! kernels, `decoder_layer` runs whole layers on them, `moe` a mixture-of-experts layer's
 //! routed MLP, `omp` shares torch's OpenMP threads; their headers say why each is native. `bindings` (feature "python") exposes them.
 
+pub mod bf16_rows;
 pub mod decoder_layer;
 pub mod delta_rule;
 pub mod int8_gemm;

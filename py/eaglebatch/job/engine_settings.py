@@ -28,6 +28,7 @@ class EngineSettings:
     graph_mode: str  # "cuda" | "off"
     overlap: bool  # the step loop plans a step while one is in flight
     cpu_gemm: bool  # the native small GEMM runs the linears (threads: the worker's process's)
+    bf16_rows: bool  # a bfloat16 CPU model's RMSNorms run natively (cpu/bf16_rows.py)
     quantized: bool  # the CPU steps read the model's GGUF blocks
     int8_activations: bool  # ... and their products quantize x to 8 bits (engine.activations)
     max_model_len: int
@@ -118,6 +119,7 @@ def _section(job: JobConfig, weights: ModelWeights) -> dict:
         graph_mode=resolve_graph_mode(eng.cuda_graph, device),
         overlap=resolve_overlap(eng.overlap, device, job.draft is not None),
         cpu_gemm=threads > 0,
+        bf16_rows=device.type == "cpu" and dtype == torch.bfloat16 and eng.cpu_gemm != "torch",
         quantized=quantized,
         int8_activations=resolve_activations(eng.activations, quantized, weights,
                                              _why_not_blocks(job, device, dtype, threads)),

@@ -23,6 +23,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(small_gemm, m)?)?;
     m.add_function(wrap_pyfunction!(gather_rows, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(rms_norm_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(delta_rule_steps, m)?)?;
     m.add_function(wrap_pyfunction!(moe::moe_experts, m)?)?;
     m.add_function(wrap_pyfunction!(paged_attention, m)?)?;
@@ -46,15 +47,7 @@ fn rms_norm(
     h: usize,
     eps: f32,
 ) -> PyResult<()> {
-    let len = rows
-        .checked_mul(h)
-        .filter(|&n| n <= isize::MAX as usize / 4);
-    let Some(len) = len.filter(|_| rows > 0 && h > 0 && x != 0 && weight != 0 && out != 0) else {
-        return Err(PyValueError::new_err(format!(
-            "rms_norm: {rows} x {h}: need rows, h >= 1, a size that fits in memory and \
-             non-null buffers"
-        )));
-    };
+    let len = checked_len(rows, h, 4, [x, weight, out], "rms_norm")?;
     py.detach(|| {
         // SAFETY: the caller's guarantee above (documented in the .pyi as well).
         let (x, weight, out) = unsafe {
@@ -67,6 +60,57 @@ fn rms_norm(
         crate::cpu::decoder_layer::rms_norm(x, weight, eps, out)
     });
     Ok(())
+}
+
+/// `rms_norm` over bfloat16 rows (`bf16_rows::rms_norm`, transformers' rounding), on up to
+/// `threads` of torch's threads: a bfloat16 forward pass's norms. The caller
+/// (`cpu/bf16_rows.py`) guarantees: x and out are live, C-contiguous bfloat16 buffers of
+/// rows x h elements that do not overlap, weight one of h.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn rms_norm_bf16(
+    py: Python<'_>,
+    x: usize,
+    weight: usize,
+    out: usize,
+    rows: usize,
+    h: usize,
+    eps: f32,
+    threads: usize,
+) -> PyResult<()> {
+    let len = checked_len(rows, h, 2, [x, weight, out], "rms_norm_bf16")?;
+    py.detach(|| {
+        // SAFETY: the caller's guarantee above (documented in the .pyi as well).
+        let (x, weight, out) = unsafe {
+            (
+                std::slice::from_raw_parts(x as *const u16, len),
+                std::slice::from_raw_parts(weight as *const u16, h),
+                std::slice::from_raw_parts_mut(out as *mut u16, len),
+            )
+        };
+        crate::cpu::bf16_rows::rms_norm(x, weight, eps, out, threads)
+    });
+    Ok(())
+}
+
+/// rows * h, checked to be a non-empty buffer of `itemsize`-byte elements that fits in memory,
+/// with non-null addresses.
+fn checked_len(
+    rows: usize,
+    h: usize,
+    itemsize: usize,
+    addrs: [usize; 3],
+    what: &str,
+) -> PyResult<usize> {
+    rows.checked_mul(h)
+        .filter(|&n| n <= isize::MAX as usize / itemsize)
+        .filter(|_| rows > 0 && h > 0 && addrs.iter().all(|&a| a != 0))
+        .ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "{what}: {rows} x {h}: need rows, h >= 1, a size that fits in memory and \
+                 non-null buffers"
+            ))
+        })
 }
 
 /// out = x @ w.T (see `small_gemm`) over raw addresses, because converting three torch tensors

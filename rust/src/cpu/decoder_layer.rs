@@ -456,27 +456,31 @@ unsafe fn silu_mul_avx2(g: &mut [f32], u: &[f32]) -> usize {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx512 {
+pub(crate) mod avx512 {
     use crate::cpu::paged_attention::avx512::exp16;
     use std::arch::x86_64::*;
+
+    /// `silu` on 16 lanes, operation for operation.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    pub(crate) unsafe fn silu16(x: __m512) -> __m512 {
+        let one = _mm512_set1_ps(1.0);
+        let e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
+        let denom = _mm512_add_ps(one, e);
+        let nonneg = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, _mm512_setzero_ps());
+        // one division: (x >= 0 ? 1 : e) / (1 + e), each lane's the scalar code's quotient
+        let sigmoid = _mm512_div_ps(_mm512_mask_mov_ps(e, nonneg, one), denom);
+        _mm512_mul_ps(x, sigmoid)
+    }
 
     /// `silu(g) * u` over the first multiple of 16 values, operation for operation as the
     /// scalar code; returns how many values it did.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn silu_mul(g: &mut [f32], u: &[f32]) -> usize {
         let n = g.len().min(u.len()) / 16 * 16;
-        let one = _mm512_set1_ps(1.0);
         for i in (0..n).step_by(16) {
             let x = _mm512_loadu_ps(g.as_ptr().add(i));
-            let e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
-            let denom = _mm512_add_ps(one, e);
-            let nonneg = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, _mm512_setzero_ps());
-            let sigmoid =
-                _mm512_mask_mov_ps(_mm512_div_ps(e, denom), nonneg, _mm512_div_ps(one, denom));
-            let out = _mm512_mul_ps(
-                _mm512_mul_ps(x, sigmoid),
-                _mm512_loadu_ps(u.as_ptr().add(i)),
-            );
+            let out = _mm512_mul_ps(silu16(x), _mm512_loadu_ps(u.as_ptr().add(i)));
             _mm512_storeu_ps(g.as_mut_ptr().add(i), out);
         }
         n
