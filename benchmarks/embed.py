@@ -14,7 +14,7 @@ both engines load the same weights from the same folder.
   (a fixed 16,384-token KV cache, the first `--dtype`), its peak resident memory (VmHWM); flat
   means streaming (rows are written as they finish, never accumulated).
 
-    python benchmarks/embed.py [--rows 2000] [--memory-rows 2000 --memory-rows 200000]
+    python benchmarks/embed.py [--rows 2000] [--memory-rows 2000 --memory-rows 200000 | 0]
                                [--dtype float32 --dtype bfloat16] [--device cpu|cuda]
                                [--repeats 2] [--json F]
 """
@@ -97,9 +97,11 @@ def throughput(model: Path, texts: list[str], device: str, dtype: str, repeats: 
                                                       normalize_embeddings=True))  # fmt: skip
     theirs = np.asarray(theirs, dtype=np.float32)
     cos = (ours * theirs).sum(1) / (np.linalg.norm(ours, axis=1) * np.linalg.norm(theirs, axis=1))
-    return {"rows": len(texts), "dtype": dtype, "eaglebatch_rows_s": len(texts) / eb_s,
-            "sentence_transformers_rows_s": len(texts) / st_s, "speedup": st_s / eb_s,
-            "min_cosine": float(cos.min())}  # fmt: skip
+    out = {"rows": len(texts), "dtype": dtype, "eaglebatch_rows_s": len(texts) / eb_s,
+           "sentence_transformers_rows_s": len(texts) / st_s, "speedup": st_s / eb_s,
+           "min_cosine": float(cos.min())}  # fmt: skip
+    print(json.dumps(out), file=sys.stderr, flush=True)  # kept if a later part is stopped
+    return out
 
 
 # VmHWM, the process's own peak (ru_maxrss would carry the forking parent's over exec)
@@ -155,7 +157,7 @@ def main() -> None:
         result = {"machine": cpu_name(), "device": args.device,
                   "throughput": [throughput(model, texts, args.device, d, args.repeats)
                                  for d in dtypes if args.rows]}  # fmt: skip
-        sizes = args.memory_rows or [2000, 200_000]
+        sizes = [n for n in args.memory_rows or [2000, 200_000] if n > 0]  # 0: none
         result["peak_rss_mib"] = {n: peak_memory(model, n, args.device, dtypes[0], root)
                                   for n in sizes}  # fmt: skip
     print(json.dumps(result, indent=2))

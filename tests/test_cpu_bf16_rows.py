@@ -1,15 +1,16 @@
-"""The native bfloat16 RMSNorm (cpu/bf16_rows.py) against transformers' formula computed by
-torch's own ops, and a bfloat16 model with it swapped in against the same model without it
-and against the float32 model (test_llama's transformers checkpoints)."""
+"""The native bfloat16 RMSNorm and RoPE (cpu/bf16_rows.py) against transformers' formulas
+computed by torch's own ops, and a bfloat16 model with them swapped in against the same model
+without them and against the float32 model (test_llama's transformers checkpoints)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from eaglebatch.cpu.bf16_rows import Bf16Norm, use_bf16_rows
+from eaglebatch.cpu.bf16_rows import Bf16Norm, Bf16Rotary, use_bf16_rows
 from eaglebatch.model import CausalLM
 from eaglebatch.model.decoder_layer import RMSNorm
+from eaglebatch.model.rotary import apply_rotary
 
 pytest.importorskip("eaglebatch._native")
 
@@ -78,6 +79,24 @@ def test_only_plain_norms_are_swapped() -> None:
     assert not isinstance(cast_last, Bf16Norm) and isinstance(plain, Bf16Norm)
 
 
+@pytest.mark.parametrize(("tokens", "heads", "d"), [(2048, 9, 64), (5, 2, 8), (1, 4, 128)])
+def test_rotary_gives_torchs_bits(tokens, heads, d) -> None:
+    """q * cos + rotate_half(q) * sin, each op rounded to bfloat16, as torch computes it."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(tokens + d)
+    x = (torch.randn(tokens, heads, d) * 2).to(torch.bfloat16)
+    angles = torch.randn(tokens, 1, d // 2).repeat(1, 1, 2) * 3
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    rope = SimpleNamespace(bf16_threads=2)
+    with torch.no_grad():
+        got = Bf16Rotary.rotate(rope, x, cos, sin)
+    half = d // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    assert torch.equal(got, x * cos + rotated * sin)
+    assert torch.equal(got, apply_rotary(x, cos, sin))
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_bfloat16_model_with_the_native_norm(tmp_path, family) -> None:
     """Prefill logits of a bfloat16 model: with the native norm as close to the float32 model
@@ -91,6 +110,7 @@ def test_bfloat16_model_with_the_native_norm(tmp_path, family) -> None:
     use_bf16_rows(model, 2)
     swapped = sum(isinstance(m, Bf16Norm) for m in model.modules())
     assert swapped >= 2 * model.config.num_hidden_layers
+    assert sum(isinstance(m, Bf16Rotary) for m in model.modules()) == model.config.num_hidden_layers
     native = Runner(model).step(list(enumerate(PROMPTS)))
     for r, p, n in zip(ref, plain, native, strict=True):
         torch_err = (p - r).abs().max().item()

@@ -443,6 +443,15 @@ def rms_norm_bf16(
     OpenMP threads: x and out [rows, h], weight [h], all live C-contiguous bfloat16 CPU
     buffers, out not overlapping x. Unsafe by contract: `cpu/bf16_rows.py` is the caller."""
 
+def rotary_bf16(
+    x: int, cos: int, sin: int, out: int, tokens: int, heads: int, d: int, threads: int
+) -> None:
+    """out = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)) over bfloat16 values by raw
+    addresses (torch's rounding of RoPE), on up to `threads` of torch's OpenMP threads: x and
+    out [tokens, heads, d] (d even), cos and sin [tokens, d], all live C-contiguous bfloat16
+    CPU buffers, out not overlapping x. Unsafe by contract: `cpu/bf16_rows.py` is the
+    caller."""
+
 def delta_rule_steps(
     addrs: Sequence[int], lengths: Sequence[int], heads: int, dk: int, dv: int
 ) -> None:

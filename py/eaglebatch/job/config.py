@@ -306,8 +306,8 @@ class EngineConfig(_Section):
     # extension's GEMM (model/linear.py; AVX-512F, or AVX2 with FMA) and, with the cpu
     # attention backend, whole layers (cpu/decoder.py); "torch" = torch's layers and
     # F.linear (MKL); auto = native on a float32 CPU run when the CPU has AVX-512F or AVX2+FMA.
-    # A bfloat16 CPU run's RMSNorms run the extension's bfloat16 kernel (cpu/bf16_rows.py)
-    # unless this is "torch".
+    # A bfloat16 CPU run's RMSNorms and RoPE run the extension's bfloat16 kernels
+    # (cpu/bf16_rows.py) unless this is "torch".
     cpu_gemm: Literal["auto", "native", "torch"] = "auto"
     # A GGUF or bf16/fp16 model's weights on the CPU: "quantized" = as the checkpoint stores
     # them (GGUF blocks, 16-bit floats), widened in registers to the exact float32 values (the

@@ -28,7 +28,7 @@ class EngineSettings:
     graph_mode: str  # "cuda" | "off"
     overlap: bool  # the step loop plans a step while one is in flight
     cpu_gemm: bool  # the native small GEMM runs the linears (threads: the worker's process's)
-    bf16_rows: bool  # a bfloat16 CPU model's RMSNorms run natively (cpu/bf16_rows.py)
+    bf16_rows: bool  # a bfloat16 CPU model's RMSNorms and RoPE run natively (cpu/bf16_rows.py)
     quantized: bool  # the CPU steps read the model's GGUF blocks
     int8_activations: bool  # ... and their products quantize x to 8 bits (engine.activations)
     max_model_len: int

@@ -164,7 +164,7 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q = self.q_norm(q)
         if cos is not None:
-            q = apply_rotary(q, cos, sin)
+            q = self.rotate(q, cos, sin)
         if q_scale is not None:
             q = q * q_scale  # [T, Hq, D]
         if self.shares_kv:  # this step's K/V, as the source layer wrote them: [T, Hkv, D] x2
@@ -200,8 +200,12 @@ class Attention(nn.Module):
         if self.v_norm is not None:
             v = self.v_norm(v)
         if cos is not None:
-            k = apply_rotary(k, cos, sin)
+            k = self.rotate(k, cos, sin)
         return k, v
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE of q or k [T, H, D] by cos, sin [T, 1, R] (a CPU fast path swaps in here)."""
+        return apply_rotary(x, cos, sin)
 
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu,

@@ -24,6 +24,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gather_rows, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm_bf16, m)?)?;
+    m.add_function(wrap_pyfunction!(rotary_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(delta_rule_steps, m)?)?;
     m.add_function(wrap_pyfunction!(moe::moe_experts, m)?)?;
     m.add_function(wrap_pyfunction!(paged_attention, m)?)?;
@@ -89,6 +90,45 @@ fn rms_norm_bf16(
             )
         };
         crate::cpu::bf16_rows::rms_norm(x, weight, eps, out, threads)
+    });
+    Ok(())
+}
+
+/// RoPE of x [tokens, heads, d] by cos, sin [tokens, d] into out over bfloat16 values
+/// (`bf16_rows::rotary`, torch's rounding), on up to `threads` of torch's threads. The caller
+/// (`cpu/bf16_rows.py`) guarantees: x and out are live, C-contiguous bfloat16 buffers of
+/// tokens x heads x d elements that do not overlap, cos and sin ones of tokens x d.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn rotary_bf16(
+    py: Python<'_>,
+    x: usize,
+    cos: usize,
+    sin: usize,
+    out: usize,
+    tokens: usize,
+    heads: usize,
+    d: usize,
+    threads: usize,
+) -> PyResult<()> {
+    let table = checked_len(tokens, d, 2, [cos, sin, out], "rotary_bf16")?;
+    let len = checked_len(table, heads, 2, [x, out, out], "rotary_bf16")?;
+    if !d.is_multiple_of(2) {
+        return Err(PyValueError::new_err(format!(
+            "rotary_bf16: head size {d} is odd"
+        )));
+    }
+    py.detach(|| {
+        // SAFETY: the caller's guarantee above (documented in the .pyi as well).
+        let (x, cos, sin, out) = unsafe {
+            (
+                std::slice::from_raw_parts(x as *const u16, len),
+                std::slice::from_raw_parts(cos as *const u16, table),
+                std::slice::from_raw_parts(sin as *const u16, table),
+                std::slice::from_raw_parts_mut(out as *mut u16, len),
+            )
+        };
+        crate::cpu::bf16_rows::rotary(x, (cos, sin), out, (heads, d), threads)
     });
     Ok(())
 }
