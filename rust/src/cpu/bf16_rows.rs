@@ -13,6 +13,7 @@
 //!   rotary:   out = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), torch's bits exactly
 //!             (a product of two bfloat16 values is exact in float32).
 
+use crate::cpu::decoder_layer::sum_of_squares;
 use crate::cpu::omp;
 
 /// Rows per task of a call: a task is a few microseconds of work at least.
@@ -165,23 +166,9 @@ unsafe fn norm_rows_avx2(x: &[u16], weight: &[u16], eps: f32, out: &mut [u16]) {
 
 #[inline(always)]
 fn norm_rows_scalar(x: &[u16], weight: &[u16], eps: f32, out: &mut [u16]) {
-    const LANES: usize = 16;
     let h = weight.len();
     for (row, dst) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
-        // 16 partial sums in a fixed order (vectorises), then a fixed reduction
-        let mut part = [0f32; LANES];
-        let mut chunks = row.chunks_exact(LANES);
-        for c in &mut chunks {
-            part.iter_mut()
-                .zip(c)
-                .for_each(|(p, &v)| *p += to_f32(v) * to_f32(v));
-        }
-        let rest = chunks.remainder();
-        part.iter_mut()
-            .zip(rest)
-            .for_each(|(p, &v)| *p += to_f32(v) * to_f32(v));
-        let sum: f32 = part.iter().sum();
-        let inv = 1.0 / (sum / h as f32 + eps).sqrt();
+        let inv = 1.0 / (sum_of_squares(row, to_f32) / h as f32 + eps).sqrt();
         dst.iter_mut()
             .zip(row.iter().zip(weight))
             .for_each(|(o, (&v, &w))| {

@@ -370,24 +370,31 @@ fn project(p: &Proj, x: &[f32], m: usize, out: &mut [f32], threads: usize) {
 
 /// out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight, per row of `weight.len()` values.
 pub(crate) fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
-    const LANES: usize = 16;
     let h = weight.len();
     for (row, dst) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
-        // 16 partial sums in a fixed order (vectorises), then a fixed reduction
-        let mut part = [0f32; LANES];
-        let mut chunks = row.chunks_exact(LANES);
-        for c in &mut chunks {
-            part.iter_mut().zip(c).for_each(|(p, v)| *p += v * v);
-        }
-        part.iter_mut()
-            .zip(chunks.remainder())
-            .for_each(|(p, v)| *p += v * v);
-        let sum: f32 = part.iter().sum();
-        let inv = 1.0 / (sum / h as f32 + eps).sqrt();
+        let inv = 1.0 / (sum_of_squares(row, |v| v) / h as f32 + eps).sqrt();
         dst.iter_mut()
             .zip(row.iter().zip(weight))
             .for_each(|(o, (v, w))| *o = v * inv * w);
     }
+}
+
+/// The sum of value(v)^2 over `row`: 16 partial sums in a fixed order (vectorises), then a
+/// fixed reduction, so a row's sum never depends on where it sits (the RMSNorms' mean).
+#[inline(always)]
+pub(crate) fn sum_of_squares<T: Copy>(row: &[T], value: impl Fn(T) -> f32) -> f32 {
+    const LANES: usize = 16;
+    let mut part = [0f32; LANES];
+    let mut chunks = row.chunks_exact(LANES);
+    for c in &mut chunks {
+        part.iter_mut()
+            .zip(c)
+            .for_each(|(p, &v)| *p += value(v) * value(v));
+    }
+    part.iter_mut()
+        .zip(chunks.remainder())
+        .for_each(|(p, &v)| *p += value(v) * value(v));
+    part.iter().sum()
 }
 
 /// RMSNorm over each head (rows of D = weight.len() values) of x, in place; nothing without
@@ -456,14 +463,14 @@ unsafe fn silu_mul_avx2(g: &mut [f32], u: &[f32]) -> usize {
 }
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) mod avx512 {
+mod avx512 {
     use crate::cpu::paged_attention::avx512::exp16;
     use std::arch::x86_64::*;
 
     /// `silu` on 16 lanes, operation for operation.
     #[inline]
     #[target_feature(enable = "avx512f")]
-    pub(crate) unsafe fn silu16(x: __m512) -> __m512 {
+    unsafe fn silu16(x: __m512) -> __m512 {
         let one = _mm512_set1_ps(1.0);
         let e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(x)));
         let denom = _mm512_add_ps(one, e);
